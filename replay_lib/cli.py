@@ -1,0 +1,287 @@
+"""``trajectory-replay``: headless CLI (never imports Textual).
+
+Exit codes (an API):
+  0  every compared stage passed (validate: the bundle is valid)
+  1  a divergence was found
+  2  bad command line
+  3  bundle invalid, incomplete, unsafe or ambiguous; or a selection that can't be exact (nothing recomputed)
+  4  the requested topology / stage / config knob is unsupported (fails loudly, nothing guessed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+import msgspec
+
+from .errors import EXIT_USAGE, ReplayError, UsageError
+
+EXIT_CODES_HELP = """exit codes:
+  0  every compared stage passed (validate: bundle valid)
+  1  a divergence was found
+  2  bad command line
+  3  bundle invalid, incomplete, unsafe or ambiguous, or a selection that cannot be exact (nothing recomputed)
+  4  unsupported topology, stage or config knob (nothing guessed)
+"""
+
+STYLES = {
+    "header-fail": "bold red",
+    "header-pass": "bold green",
+    "pass": "green",
+    "fail": "bold red",
+    "skipped": "dim",
+    "detail": "yellow",
+    "warning": "magenta",
+    "title": "bold",
+    "": "",
+}
+
+
+def use_color(stream: TextIO) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+
+def emit(lines: Sequence[tuple[str, str]], stream: Optional[TextIO] = None) -> None:
+    """Rich colours on a TTY, plain text otherwise (pipes, CI logs, files)."""
+    stream = stream or sys.stdout
+    if use_color(stream):
+        from rich.console import Console
+        from rich.text import Text
+
+        console = Console(file=stream, highlight=False, soft_wrap=True)
+        for style, line in lines:
+            console.print(Text(line, style=STYLES.get(style, "")))
+    else:
+        stream.write("".join(line + "\n" for _, line in lines))
+    stream.flush()
+
+
+# ------------------------------------------------------------------------------------- arguments
+
+
+def add_selection_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("selection (repeatable, combinable; expands to whole semantic groups)")
+    g.add_argument("--sample", action="append", default=[], metavar="ID", help="sample id, e.g. s-0")
+    g.add_argument("--group", action="append", default=[], metavar="G", help="semantic group, e.g. g-1")
+    g.add_argument("--batch", action="append", default=[], metavar="MB", help="micro-batch id, e.g. mb-0007")
+    a = p.add_argument_group("anchor (mutually exclusive; also picks a bundle in a capture directory)")
+    a.add_argument("--step", metavar="R:S", help="require actor_step_id == (R, S) exactly")
+    a.add_argument("--rollout", metavar="R", help="require a rollout-level bundle with rollout_id R")
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", action="append", default=[], metavar="NAME",
+                   help="stage to replay (repeatable, or 'all'); what it needs runs too")
+    add_selection_arguments(p)
+    p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
+    p.add_argument("--max-divergences", type=int, default=5, metavar="N",
+                   help="divergences kept per stage (default 5)")
+
+
+def anchor_from_args(args) -> tuple:
+    from .selection import parse_rollout, parse_step
+
+    if args.step is not None and args.rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    step = parse_step(args.step) if args.step is not None else None
+    rollout = parse_rollout(args.rollout) if args.rollout is not None else None
+    return step, rollout
+
+
+def run_check(args, stream: Optional[TextIO] = None) -> int:
+    """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``."""
+    from .report import render_text, report_to_json
+    from .runner import parse_stage_names, replay
+    from .selection import Selection
+
+    stream = stream or sys.stdout
+    try:
+        stages = parse_stage_names(args.stage)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.max_divergences < 1:
+        raise UsageError("--max-divergences must be at least 1")
+    step, rollout = anchor_from_args(args)
+    selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
+    report = replay(args.bundle, stages=stages, selection=selection, step=step, rollout=rollout,
+                    max_divergences=args.max_divergences)
+    if args.format == "json":
+        stream.write(report_to_json(report))
+    else:
+        emit(render_text(report, max_lines=args.max_divergences), stream)
+    return report.exit_code
+
+
+def _validate_lines(result) -> list[tuple[str, str]]:
+    ranks = f", {len(result.ranks)} ranks" if len(result.ranks) > 1 else ""
+    lines = [("header-pass", f"bundle {result.bundle_id} — valid (format {result.format_version}, {result.kind}-level, "
+                             f"{result.anchor}, {result.samples} sample(s), {result.tokens} token(s){ranks})")]
+    for stage, cap in result.stages.items():
+        lines.append(("pass" if cap == "recompute" else "skipped", f"  {stage:<20} {cap}"))
+    for r in result.replay_refusals:
+        lines.append(("warning", f"warning: replay would refuse (exit 4): {r}"))
+    for w in result.warnings:
+        lines.append(("warning", f"warning: {w}"))
+    return lines
+
+
+def _inspect_lines(result) -> list[tuple[str, str]]:
+    status = "complete" if result.complete else "INCOMPLETE"
+    lines = [("header-pass" if result.complete else "header-fail", f"{result.path} — {result.layout}, {status}")]
+    if result.layout == "cohort":
+        lines.append(("", f"  ranks published: {', '.join(map(str, result.ranks_published)) or 'none'}"))
+    for b in result.bundles:
+        title = f"bundle {b.bundle_id or '?'}" + (f" rank {b.rank}" if b.rank is not None else "")
+        lines.append(("title", title))
+        lines.append(("", f"  path      {b.path}"))
+        if b.format_version:
+            lines.append(("", f"  format    {b.format_version}"))
+        if b.kind:
+            lines.append(("", f"  kind      {b.kind}-level, {b.anchor}"))
+        if b.identity:
+            ident = b.identity
+            lines.append(("", f"  rank      " + " ".join(f"{k}={v}" for k, v in ident.get('rank', {}).items())))
+            wl = ident.get("weight_lineage") or {}
+            lines.append(("", f"  weights   rollout={wl.get('rollout_weight')} actor={wl.get('actor_weight')}"))
+            for key in ("rollout_partition_ids", "consumer_batch_ids", "micro_batch_ids", "normalization_cohort_ids"):
+                if ident.get(key):
+                    lines.append(("", f"  {key:<26}{', '.join(map(str, ident[key]))}"))
+        if b.producer:
+            lines.append(("", f"  producer  commit={b.producer.get('commit')} torch={b.producer.get('torch_version')}"))
+        if b.samples is not None:
+            lines.append(("", f"  samples   {b.samples} in {b.groups} group(s), {b.tokens} token(s)"))
+        if b.config:
+            knobs = ", ".join(f"{k}={v}" for k, v in b.config.items())
+            lines.append(("", f"  config    {knobs}"))
+        if b.redaction:
+            lines.append(("", f"  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
+        for stage, cap in b.stages.items():
+            lines.append(("pass" if cap == "recompute" else "skipped", f"  stage     {stage:<20} {cap}"))
+        if b.payloads:
+            lines.append(("title", f"  {'payload':<18} {'dtype':<14} {'shape':<16} {'bytes':>10}  status"))
+            for p in b.payloads:
+                st = "ok" if p.size_ok else ("size differs" if p.present else "MISSING")
+                lines.append(("pass" if p.size_ok else "fail",
+                              f"  {p.name:<18} {p.dtype:<14} {str(p.shape):<16} {p.bytes:>10}  {st}"))
+    for problem in result.problems:
+        lines.append(("warning", f"problem: {problem}"))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="trajectory-replay",
+        description="Verifiable offline replay of one RL post-training step (GRPO V1): inspect, validate, "
+                    "replay and report the first divergent stage.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    p = sub.add_parser("inspect", help="identity, capabilities, producer, payloads; works on incomplete bundles",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, metavar="BUNDLE")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p = sub.add_parser("validate", help="format, integrity, safety and dependency closure (no numbers)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, metavar="BUNDLE")
+    a = p.add_argument_group("anchor")
+    a.add_argument("--step", metavar="R:S")
+    a.add_argument("--rollout", metavar="R")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p = sub.add_parser("replay", help="recompute the stages and report the first divergence",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, metavar="BUNDLE")
+    add_replay_arguments(p)
+    p = sub.add_parser("demo", help="write demo or synthetic bundles")
+    dsub = p.add_subparsers(dest="demo_command", metavar="ACTION", parser_class=_Parser)
+    dsub.required = True
+    w = dsub.add_parser("write", help="write a deterministic synthetic bundle (N samples × L tokens)")
+    w.add_argument("dir", type=Path, metavar="DIR")
+    w.add_argument("--samples", type=int, default=8)
+    w.add_argument("--tokens", type=int, default=16)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--group-size", type=int, default=4)
+    w.add_argument("--vary-lengths", action="store_true", help="random response lengths in [0, L]")
+    w.add_argument("--kl-coef", type=float, default=0.05)
+    w = dsub.add_parser("write-all", help="write the shipped demo bundles (PR #65 buggy/fixed, step loss, 2-rank cohort)")
+    w.add_argument("dir", type=Path, metavar="DIR")
+    return parser
+
+
+def _print_error(err: str, prog: str = "trajectory-replay") -> None:
+    sys.stderr.write(f"{prog}: error: {' '.join(err.split())}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ReplayError as exc:
+        _print_error(str(exc))
+        return exc.exit_code
+    except FileExistsError as exc:
+        _print_error(str(exc))
+        return 3
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _dispatch(args) -> int:
+    if args.command == "replay":
+        return run_check(args)
+    if args.command == "validate":
+        from .validate import validate
+
+        step, rollout = anchor_from_args(args)
+        result = validate(args.bundle, step=step, rollout=rollout)
+        if args.format == "json":
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
+        else:
+            emit(_validate_lines(result))
+        return 0
+    if args.command == "inspect":
+        from .validate import inspect
+
+        result = inspect(args.bundle)
+        if args.format == "json":
+            sys.stdout.write(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
+        else:
+            emit(_inspect_lines(result))
+        return 0
+    if args.command == "demo":
+        from . import demo
+
+        if args.demo_command == "write-all":
+            written = demo.write_demos(args.dir)
+            emit([("", f"wrote {name}: {path}") for name, path in written.items()])
+            return 0
+        if args.samples < 1 or args.tokens < 0 or args.group_size < 1 or args.samples % args.group_size:
+            raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
+        path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,
+                                    group_size=args.group_size, vary_lengths=args.vary_lengths,
+                                    kl_coef=args.kl_coef, bundle_id=args.dir.name)
+        emit([("", f"wrote {path}")])
+        return 0
+    raise UsageError(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

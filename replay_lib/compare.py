@@ -1,0 +1,116 @@
+"""Element-wise comparison with per-stage tolerances; NaN/Inf on either side always diverges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .report import Divergence
+from .schema import ComparisonPolicy
+
+
+@dataclass
+class Comparison:
+    compared: int = 0
+    mismatches: int = 0
+    max_abs_error: Optional[float] = None
+    divergences: list[Divergence] = field(default_factory=list)
+    bad_samples: int = 0
+
+    def merge(self, other: "Comparison") -> None:
+        self.compared += other.compared
+        self.mismatches += other.mismatches
+        self.bad_samples += other.bad_samples
+        self.divergences += other.divergences
+        if other.max_abs_error is not None:
+            if self.max_abs_error is None or other.max_abs_error > self.max_abs_error:
+                self.max_abs_error = other.max_abs_error
+
+
+def tolerance_for(policy: ComparisonPolicy, stage: str, field_name: str) -> tuple[float, float]:
+    if field_name in policy.exact_fields or f"{stage}.{field_name}" in policy.exact_fields:
+        return 0.0, 0.0
+    tol = policy.tolerance(stage)
+    return float(tol.atol), float(tol.rtol)
+
+
+def as_float64(values) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to(torch.float64).reshape(-1)
+    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
+
+
+def compare_elements(
+    stage: str,
+    field_name: str,
+    expected,
+    actual,
+    *,
+    atol: float,
+    rtol: float,
+    keep: int,
+    sample_ids: Sequence[str],
+    group_indices: Sequence[Optional[int]],
+    rank: Optional[int],
+    seg: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
+) -> Comparison:
+    """Compare two 1-D sequences. ``seg``/``offsets`` given → per-token (element t belongs to sample
+    ``seg[t]`` at offset ``t − offsets[seg[t]]``); otherwise per-sample (element i is sample i), or a
+    scalar when ``sample_ids`` is empty."""
+    e = as_float64(expected)
+    a = as_float64(actual)
+    out = Comparison(compared=int(a.numel()))
+    if e.numel() != a.numel():
+        out.mismatches = 1
+        out.bad_samples = 1
+        out.divergences.append(
+            Divergence(
+                stage=stage,
+                rank=rank,
+                field=field_name,
+                expected=float(e.numel()),
+                actual=float(a.numel()),
+                abs_error=float(abs(e.numel() - a.numel())),
+                message=f"length mismatch: expected {e.numel()} element(s), recomputed {a.numel()}",
+            )
+        )
+        return out
+    if a.numel() == 0:
+        return out
+    diff = (a - e).abs()
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    bad = ~finite | (diff > atol + rtol * e.abs())
+    finite_diff = diff[finite]
+    if finite_diff.numel():
+        out.max_abs_error = float(finite_diff.max())
+    if bool((~finite).any()):
+        out.max_abs_error = float("inf")
+    bad_idx = torch.nonzero(bad).reshape(-1)
+    out.mismatches = int(bad_idx.numel())
+    if out.mismatches == 0:
+        return out
+    if seg is not None:
+        bad_seg = seg[bad_idx]
+        out.bad_samples = int(torch.unique(bad_seg).numel())
+    else:
+        out.bad_samples = out.mismatches
+    for t in bad_idx[:keep].tolist():
+        ev, av = float(e[t]), float(a[t])
+        err = abs(av - ev) if (torch.isfinite(e[t]) and torch.isfinite(a[t])) else None
+        if seg is not None:
+            s = int(seg[t])
+            sid, grp, off = sample_ids[s], group_indices[s], t - int(offsets[s])
+        elif sample_ids:
+            sid, grp, off = sample_ids[t], group_indices[t], None
+        else:
+            sid, grp, off = None, None, None
+        out.divergences.append(
+            Divergence(
+                stage=stage, rank=rank, sample_id=sid, group_index=grp, field=field_name,
+                token_offset=off, expected=ev, actual=av, abs_error=err,
+            )
+        )
+    return out

@@ -1,0 +1,284 @@
+"""Demo bundles built by the library itself, and the deterministic synthetic generator shared by the
+tests and the benchmarks.
+
+* ``pr65-buggy``  — rollout-level PR #65 bundle: expected rewards normalized against the physical batch;
+* ``pr65-fixed``  — the same bundle as the fixed code wrote it;
+* ``step-loss``   — step-level loss.policy bundle (logp = 0.5, old = 0: pg_loss ≈ 0.8974426);
+* ``cohort-2rank`` — a two-rank cohort of synthetic full bundles.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .bundle import BundleWriter
+from .kernels import batch_normalize, get_grpo_returns, group_normalize, policy_loss_fields, rollout_kl
+from .schema import (
+    FORMAT_VERSION,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    ProducerInfo,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
+    WeightLineage,
+)
+
+ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
+                  StageId.ADVANTAGE_ESTIMATE)
+STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
+ALL_STAGES = ROLLOUT_STAGES + (StageId.LOSS_POLICY,)
+DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank")
+
+
+def contracts(stages, declare_value: bool = True) -> dict[StageId, StageContract]:
+    out = {
+        s: StageContract(stage=s, version="v1", capability=StageCapability.RECOMPUTE,
+                         implementation="reimplemented" if s == StageId.REWARD_POST_PROCESS else "reuse")
+        for s in stages
+    }
+    if declare_value:
+        out[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, version="v1",
+                                                capability=StageCapability.UNSUPPORTED)
+    return out
+
+
+def producer() -> ProducerInfo:
+    return ProducerInfo(commit="demo", dirty_patch_digest=None, torch_version=torch.__version__)
+
+
+# ------------------------------------------------------------------------------------------ PR #65
+
+PR65_GROUPS = [0, 0, 1, 1]
+PR65_RAW = [1.0, 3.0, 10.0, 12.0]
+PR65_LENGTHS = [3, 2, 4, 3]
+PR65_MASKS = [[1, 1, 1], [1, 1], [1, 1, 0, 1], [1, 1, 1]]
+
+
+def _pr65_samples(rewards: list[float]) -> list[SampleRecord]:
+    return [
+        SampleRecord(sample_id=f"s-{i}", group_index=g, response_length=n, total_length=n + 5,
+                     loss_mask=m, raw_reward=r, reward=rw, micro_batch_id=f"mb-{i // 2:04d}",
+                     prompt=f"What is {i} + {g}?", response=f"It is {i + g}.")
+        for i, (g, n, m, r, rw) in enumerate(zip(PR65_GROUPS, PR65_LENGTHS, PR65_MASKS, PR65_RAW, rewards))
+    ]
+
+
+def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-00001") -> Path:
+    """The PR #65 rollout-level bundle. ``buggy``: expected rewards are the batch-normalized ones
+    ([−5.5, −3.5, 3.5, 5.5]) that the streamed trainer produced; fixed: [−1, 1, −1, 1]."""
+    raw = torch.tensor(PR65_RAW)
+    lengths = torch.tensor(PR65_LENGTHS)
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, grpo_std_normalization=False,
+                          kl_loss_type="k3", kl_coef=0.1)
+    if buggy:
+        rewards = batch_normalize(raw, batch_size=4, std_normalization=False)
+    else:
+        rewards = group_normalize(raw, torch.tensor(PR65_GROUPS), std_normalization=False)
+    total = int(lengths.sum())
+    gen = torch.Generator().manual_seed(65)
+    old = -torch.rand(total, generator=gen) * 2
+    ref = old + (torch.rand(total, generator=gen) - 0.5) * 0.2
+    kl = rollout_kl(old, ref, cfg.kl_coef, cfg.kl_loss_type)
+    advantages = get_grpo_returns(rewards, lengths)
+    index = BundleIndex(
+        bundle_id=bundle_id,
+        identity=Identity(
+            rollout_id=120, rollout_partition_ids=["rp-120-0"], consumer_batch_ids=["cb-0", "cb-1"],
+            micro_batch_ids=["mb-0000", "mb-0001"], semantic_group_ids=PR65_GROUPS[::2],
+            normalization_cohort_ids=["nc-120"], weight_lineage=WeightLineage(rollout_weight=41, actor_weight=42),
+            rank={"dp": 1, "tp": 1, "pp": 1, "cp": 1},
+        ),
+        samples=_pr65_samples(rewards.tolist()),
+        config=cfg,
+    )
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+                        stage_contracts=contracts(ROLLOUT_STAGES), payloads={},
+                        comparison_policy=ComparisonPolicy(), redaction={"prompt": "hash", "response": "truncate:8"})
+    expected = {"reward.raw": {"raw_rewards": PR65_RAW}, "reward.post_process": {"rewards": rewards.tolist()}}
+    writer = BundleWriter(path, manifest, index, expected)
+    writer.write_payload("old_log_probs", old)
+    writer.write_payload("ref_log_probs", ref)
+    writer.write_payload("kl", kl)
+    writer.write_payload("advantages", advantages)
+    return writer.finalize(ranks=[0])
+
+
+def write_step_loss(path: str | Path, *, log_prob: float = 0.5, bundle_id: str = "b-00001-step") -> Path:
+    """Step-level PR #65 loss bundle: advantages [−1, 1, −1, 1] broadcast, old = 0, logp = ``log_prob``."""
+    lengths = torch.tensor(PR65_LENGTHS)
+    total = int(lengths.sum())
+    rewards = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    advantages = get_grpo_returns(rewards, lengths)
+    old = torch.zeros(total)
+    logp = torch.full((total,), float(log_prob))
+    entropy = torch.linspace(0.5, 1.5, total)
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, entropy_coef=0.0)
+    masks = [[1] * n for n in PR65_LENGTHS]
+    mask = torch.tensor([m for row in masks for m in row], dtype=torch.float32)
+    fields = policy_loss_fields(logp, old, advantages, entropy, mask, lengths, eps_clip=cfg.eps_clip,
+                                eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef)
+    samples = [
+        SampleRecord(sample_id=f"s-{i}", group_index=g, response_length=n, total_length=n + 5, loss_mask=m,
+                     raw_reward=r, reward=float(rw), micro_batch_id=f"mb-{i // 2:04d}")
+        for i, (g, n, m, r, rw) in enumerate(zip(PR65_GROUPS, PR65_LENGTHS, masks, PR65_RAW, rewards.tolist()))
+    ]
+    index = BundleIndex(
+        bundle_id=bundle_id,
+        identity=Identity(actor_step_id=ActorStepId(rollout_id=120, step_id=0), micro_batch_ids=["mb-0000", "mb-0001"],
+                          semantic_group_ids=[0, 1], weight_lineage=WeightLineage(rollout_weight=41, actor_weight=42),
+                          rank={"dp": 1, "tp": 1, "pp": 1, "cp": 1}),
+        samples=samples, config=cfg,
+    )
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+                        stage_contracts=contracts(STEP_STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
+                        redaction={})
+    expected = {"loss.policy": {k: float(v) for k, v in fields.items()}}
+    writer = BundleWriter(path, manifest, index, expected)
+    writer.write_payload("log_probs", logp)
+    writer.write_payload("old_log_probs", old)
+    writer.write_payload("entropy", entropy)
+    writer.write_payload("advantages", advantages)
+    return writer.finalize(ranks=[0])
+
+
+# -------------------------------------------------------------------------------------- synthetic
+
+
+def synthetic_parts(
+    *,
+    samples: int = 8,
+    tokens: int = 16,
+    seed: int = 0,
+    group_size: int = 4,
+    vary_lengths: bool = False,
+    kl_coef: float = 0.05,
+    kl_loss_type: str = "low_var_kl",
+    std_normalization: bool = True,
+    entropy_coef: float = 0.01,
+    bundle_id: str = "synthetic",
+    anchor: Optional[ActorStepId] = ActorStepId(rollout_id=7, step_id=0),
+    stages=ALL_STAGES,
+    rank_sizes: Optional[dict] = None,
+    sample_prefix: str = "s-",
+):
+    """(manifest, index, expected, payloads) of a clean synthetic bundle: N samples × ~L tokens.
+
+    Deterministic for a given seed; expected outputs come from the kernels, so it always replays clean.
+    """
+    if samples % group_size:
+        raise ValueError("samples must be a multiple of group_size")
+    gen = torch.Generator().manual_seed(seed)
+    if vary_lengths:
+        lengths = torch.randint(0, tokens + 1, (samples,), generator=gen)
+    else:
+        lengths = torch.full((samples,), tokens, dtype=torch.int64)
+    total = int(lengths.sum())
+    groups = torch.arange(samples) // group_size
+    raw = torch.randint(0, 5, (samples,), generator=gen).to(torch.float32)
+    old = -torch.rand(total, generator=gen) * 3
+    logp = old + (torch.rand(total, generator=gen) - 0.5) * 0.6
+    entropy = torch.rand(total, generator=gen) * 2
+    mask_flat = (torch.rand(total, generator=gen) < 0.9).to(torch.int64)
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=group_size,
+                          grpo_std_normalization=std_normalization, kl_loss_type=kl_loss_type, kl_coef=kl_coef,
+                          eps_clip=0.2, eps_clip_high=0.28, entropy_coef=entropy_coef)
+    rewards = group_normalize(raw, groups, std_normalization)
+    advantages = get_grpo_returns(rewards, lengths)
+    payloads = {"old_log_probs": old, "log_probs": logp, "entropy": entropy, "advantages": advantages}
+    if kl_coef != 0:
+        ref = old + (torch.rand(total, generator=gen) - 0.5) * 0.4
+        payloads["ref_log_probs"] = ref
+        payloads["kl"] = rollout_kl(old, ref, kl_coef, kl_loss_type)
+    else:
+        payloads["kl"] = torch.zeros(total)
+    fields = policy_loss_fields(logp, old, advantages, entropy, mask_flat, lengths, eps_clip=cfg.eps_clip,
+                                eps_clip_high=cfg.eps_clip_high, entropy_coef=entropy_coef)
+    offsets = (torch.cumsum(lengths, 0) - lengths).tolist()
+    mask_list = mask_flat.tolist()
+    records = [
+        SampleRecord(sample_id=f"{sample_prefix}{i}", group_index=int(groups[i]), response_length=int(lengths[i]),
+                     total_length=int(lengths[i]) + 32,
+                     loss_mask=mask_list[offsets[i]: offsets[i] + int(lengths[i])],
+                     raw_reward=float(raw[i]), reward=float(rewards[i]), micro_batch_id=f"mb-{i // 8:04d}")
+        for i in range(samples)
+    ]
+    n_mb = (samples + 7) // 8
+    identity = Identity(
+        actor_step_id=anchor, rollout_id=None if anchor is not None else 7,
+        rollout_partition_ids=["rp-0"], consumer_batch_ids=[f"cb-{i}" for i in range(max(1, samples // 16))],
+        micro_batch_ids=[f"mb-{i:04d}" for i in range(n_mb)], semantic_group_ids=sorted(set(groups.tolist())),
+        normalization_cohort_ids=["nc-0"], weight_lineage=WeightLineage(rollout_weight=3, actor_weight=4),
+        rank=rank_sizes or {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
+    )
+    index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=cfg)
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+                        stage_contracts=contracts(stages), payloads={}, comparison_policy=ComparisonPolicy(),
+                        redaction={})
+    expected: dict = {}
+    if StageId.REWARD_RAW in stages:
+        expected["reward.raw"] = {"raw_rewards": raw.tolist()}
+    if StageId.REWARD_POST_PROCESS in stages:
+        expected["reward.post_process"] = {"rewards": rewards.tolist()}
+    if StageId.LOSS_POLICY in stages:
+        expected["loss.policy"] = {k: float(v) for k, v in fields.items()}
+    return manifest, index, expected, payloads
+
+
+def write_bundle(path: str | Path, manifest, index, expected, payloads, *, rank=None, ranks=(0,)) -> Path:
+    writer = BundleWriter(path, manifest, index, expected, rank=rank)
+    for name, tensor in payloads.items():
+        writer.write_payload(name, tensor)
+    return writer.finalize(ranks=list(ranks))
+
+
+def write_synthetic(path: str | Path, **kwargs) -> Path:
+    return write_bundle(path, *synthetic_parts(**kwargs))
+
+
+def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7-0", **kwargs) -> Path:
+    path = Path(path)
+    for r in range(ranks):
+        parts = synthetic_parts(bundle_id=bundle_id, seed=100 + r, sample_prefix=f"r{r}-s-",
+                                rank_sizes={"dp": ranks, "tp": 1, "pp": 1, "cp": 1}, **kwargs)
+        write_bundle(path, *parts, rank=r, ranks=range(ranks))
+    return path
+
+
+def write_demos(root: str | Path) -> dict[str, Path]:
+    """Write every demo bundle under ``root`` (which must not hold them already)."""
+    root = Path(root)
+    return {
+        "pr65-buggy": write_pr65(root / "pr65-buggy", buggy=True),
+        "pr65-fixed": write_pr65(root / "pr65-fixed", buggy=False, bundle_id="b-00001-fixed"),
+        "step-loss": write_step_loss(root / "step-loss"),
+        "cohort-2rank": write_cohort(root / "cohort-2rank"),
+    }
+
+
+def materialize_demo(name: str = "pr65-buggy") -> Path:
+    """Build one demo bundle in a fresh temporary directory and return its path."""
+    if name not in DEMO_NAMES:
+        raise ValueError(f"unknown demo {name!r} (expected one of {', '.join(DEMO_NAMES)})")
+    tmp = Path(tempfile.mkdtemp(prefix="replay-demo-"))
+    builders = {
+        "pr65-buggy": lambda p: write_pr65(p, buggy=True),
+        "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
+        "step-loss": write_step_loss,
+        "cohort-2rank": write_cohort,
+    }
+    try:
+        return builders[name](tmp / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,39 @@
+"""Error classes; each carries the documented process exit code (SPEC §5)."""
+
+from __future__ import annotations
+
+EXIT_PASS = 0
+EXIT_DIVERGENCE = 1
+EXIT_USAGE = 2
+EXIT_INVALID = 3
+EXIT_UNSUPPORTED = 4
+
+
+class ReplayError(Exception):
+    """Base class. ``str(err)`` is the one line printed on stderr."""
+
+    exit_code = EXIT_INVALID
+
+
+class BundleError(ReplayError):
+    """The bundle is invalid, incomplete, unsafe or ambiguous; nothing was recomputed (exit 3)."""
+
+    exit_code = EXIT_INVALID
+
+
+class SelectionError(ReplayError):
+    """A selection (--sample/--group/--batch/--step/--rollout) cannot be satisfied exactly (exit 3)."""
+
+    exit_code = EXIT_INVALID
+
+
+class UnsupportedError(ReplayError):
+    """The topology, stage or a config knob is not implemented; nothing was guessed (exit 4)."""
+
+    exit_code = EXIT_UNSUPPORTED
+
+
+class UsageError(ReplayError):
+    """Bad command line (exit 2)."""
+
+    exit_code = EXIT_USAGE

@@ -1,0 +1,157 @@
+"""The replay report: one msgspec Struct rendered three ways (text, ``--format json``, the TUI).
+
+The JSON keys of :class:`ReplayReport`, :class:`StageReport` and :class:`Divergence` listed in SPEC §5 are
+an API; fields after them are additions that scripts may ignore.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Optional
+
+import msgspec
+
+STATUS_PASS = "pass"
+STATUS_FAIL = "fail"
+STATUS_SKIPPED = "skipped"
+
+
+class Divergence(msgspec.Struct, frozen=True, kw_only=True):
+    stage: str
+    rank: Optional[int] = None
+    sample_id: Optional[str] = None
+    group_index: Optional[int] = None
+    field: str
+    token_offset: Optional[int] = None
+    expected: Optional[float] = None
+    actual: Optional[float] = None
+    abs_error: Optional[float] = None
+    message: Optional[str] = None
+
+    def sort_key(self, sample_order: dict[str, int]) -> tuple:
+        return (
+            self.rank if self.rank is not None else -1,
+            sample_order.get(self.sample_id, -1) if self.sample_id is not None else -1,
+            self.token_offset if self.token_offset is not None else -1,
+        )
+
+
+class StageReport(msgspec.Struct, frozen=True, kw_only=True):
+    stage: str
+    status: str
+    reason: str = ""
+    mismatches: int = 0
+    max_abs_error: Optional[float] = None
+    divergences: list[Divergence] = []
+    capability: Optional[str] = None
+    compared: int = 0
+
+
+class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
+    bundle_id: str
+    passed: bool
+    first_divergent_stage: Optional[str]
+    first_divergence: Optional[Divergence]
+    stages: list[StageReport]
+    kind: str = ""
+    anchor: str = ""
+    ranks: list[int] = []
+    selected_samples: Optional[list[str]] = None
+    warnings: list[str] = []
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def stage(self, name: str) -> Optional[StageReport]:
+        for s in self.stages:
+            if s.stage == name:
+                return s
+        return None
+
+
+REPORT_ENCODER = msgspec.json.Encoder()
+REPORT_DECODER = msgspec.json.Decoder(ReplayReport)
+
+
+def report_to_json(report: ReplayReport) -> str:
+    return msgspec.json.format(REPORT_ENCODER.encode(report), indent=2).decode() + "\n"
+
+
+def fmt_value(x: Optional[float]) -> str:
+    """Shortest decimal that round-trips through float32 (``-5.5``, ``-1.0``, ``0.8974426``)."""
+    if x is None:
+        return "nan"
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    try:
+        target = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return repr(x)
+    for digits in range(1, 10):
+        text = f"{x:.{digits}g}"
+        if struct.unpack("f", struct.pack("f", float(text)))[0] == target:
+            break
+    if "e" not in text and "." not in text and "n" not in text:
+        text += ".0"
+    return text
+
+
+def divergence_line(d: Divergence, multi_rank: bool = False) -> str:
+    where = d.sample_id if d.sample_id is not None else d.stage
+    if d.token_offset is not None:
+        where = f"{where}@{d.token_offset}"
+    if multi_rank and d.rank is not None:
+        where = f"{where} [rank {d.rank}]"
+    if d.message:
+        return f"{d.field} {where}: {d.message}"
+    return f"{d.field} {where}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(d.abs_error)}"
+
+
+def header_line(report: ReplayReport) -> str:
+    ranks = f" ({len(report.ranks)} ranks)" if len(report.ranks) > 1 else ""
+    if report.first_divergent_stage is None:
+        compared = sum(1 for s in report.stages if s.status == STATUS_PASS)
+        return f"bundle {report.bundle_id}{ranks} — no divergence ({compared} stage(s) compared)"
+    where = ""
+    if len(report.ranks) > 1 and report.first_divergence is not None and report.first_divergence.rank is not None:
+        where = f" (rank {report.first_divergence.rank})"
+    return f"bundle {report.bundle_id}{ranks} — first divergent stage: {report.first_divergent_stage}{where}"
+
+
+def stage_line(s: StageReport) -> str:
+    line = f"[{s.status:>7}] {s.stage}"
+    if s.reason and s.status != STATUS_PASS:
+        line += f" — {s.reason}"
+    return line
+
+
+def render_text(report: ReplayReport, max_lines: int = 5) -> list[tuple[str, str]]:
+    """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/warning."""
+    multi = len(report.ranks) > 1
+    out: list[tuple[str, str]] = [("header-fail" if not report.passed else "header-pass", header_line(report))]
+    for s in report.stages:
+        out.append((s.status, stage_line(s)))
+        if s.status != STATUS_FAIL:
+            continue
+        shown = s.divergences[:max_lines]
+        for d in shown:
+            out.append(("detail", " " * 10 + divergence_line(d, multi)))
+        hidden = s.mismatches - len(shown)
+        if hidden > 0:
+            tail = f"... {hidden} more"
+            if s.max_abs_error is not None:
+                tail += f"; max abs_err={fmt_value(s.max_abs_error)}"
+            out.append(("detail", " " * 10 + tail))
+    for w in report.warnings:
+        out.append(("warning", f"warning: {w}"))
+    return out
+
+
+def report_to_text(report: ReplayReport, max_lines: int = 5) -> str:
+    return "\n".join(line for _, line in render_text(report, max_lines)) + "\n"

@@ -1,0 +1,250 @@
+"""The one runner behind ``trajectory-replay replay``, ``replay-tui --check`` and the TUI.
+
+Order of work: resolve + verify the bundle (exit 3 on any problem) → plan the stages and refuse
+unsupported topologies/knobs (exit 4) → resolve the selection (exit 3 when it can't be exact) → run the
+stages on every rank shard → merge into one :class:`ReplayReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+from .bundle import BundleReader, BundleSet, open_bundle
+from .errors import SelectionError, UnsupportedError
+from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, ReplayReport, StageReport
+from .schema import ActorStepId, StageCapability, StageId
+from .selection import Selection, resolve_selection, selection_keys
+from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
+
+# Stages outside the V1 DAG: reported only when a bundle declares them.
+OPTIONAL_STAGES = frozenset({StageId.LOGPROB_SUPPORT})
+
+ProgressFn = Callable[[str, Optional[int], int, int], None]
+
+
+@dataclass
+class StagePlan:
+    run: list[StageId] = field(default_factory=list)
+    skipped: dict[StageId, str] = field(default_factory=dict)
+    capability: dict[StageId, str] = field(default_factory=dict)
+
+
+def parse_stage_names(names: Optional[Iterable[str]]) -> Optional[list[StageId]]:
+    """``None`` / ``["all"]`` → every stage; unknown names raise ``ValueError`` (a usage error)."""
+    if not names:
+        return None
+    out: list[StageId] = []
+    for name in names:
+        if name == "all":
+            return None
+        try:
+            out.append(StageId(name))
+        except ValueError:
+            valid = ", ".join(s.value for s in STAGE_ORDER)
+            raise ValueError(f"unknown stage {name!r} (expected one of: all, {valid})") from None
+    return out
+
+
+def _declared_recompute(reader: BundleReader, stage: StageId) -> bool:
+    contract = reader.manifest.stage_contracts.get(stage)
+    return contract is not None and contract.capability == StageCapability.RECOMPUTE
+
+
+def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], partial: bool) -> StagePlan:
+    """Which stages run, and why the others are skipped. Raises UnsupportedError (exit 4)."""
+    plan = StagePlan()
+    contracts = reader.manifest.stage_contracts
+    if requested is not None:
+        for stage in requested:
+            contract = contracts.get(stage)
+            if stage in UNSUPPORTED or stage not in REGISTRY:
+                raise UnsupportedError(f"stage {stage.value} is unsupported: {UNSUPPORTED.get(stage, 'no adapter in this engine')}")
+            if contract is None:
+                raise UnsupportedError(f"stage {stage.value} is not declared in {reader.path / 'manifest.json'}; nothing to recompute")
+            if contract.capability != StageCapability.RECOMPUTE:
+                raise UnsupportedError(
+                    f"stage {stage.value} is declared {contract.capability.value} in {reader.path / 'manifest.json'}; "
+                    f"only recompute stages can be replayed"
+                )
+        targets: set[StageId] = set()
+        stack = list(requested)
+        while stack:
+            stage = stack.pop()
+            if stage in targets:
+                continue
+            targets.add(stage)
+            stack += [d for d in REGISTRY[stage].needs if _declared_recompute(reader, d)]
+    else:
+        targets = set(STAGE_ORDER)
+    for stage in STAGE_ORDER:
+        contract = contracts.get(stage)
+        plan.capability[stage] = contract.capability.value if contract else "not declared"
+        if stage not in targets:
+            plan.skipped[stage] = "not requested (--stage)"
+        elif contract is None:
+            plan.skipped[stage] = "not declared in manifest"
+        elif contract.capability != StageCapability.RECOMPUTE:
+            plan.skipped[stage] = f"capability {contract.capability.value}"
+        elif stage in UNSUPPORTED or stage not in REGISTRY:
+            raise UnsupportedError(
+                f"{reader.path / 'manifest.json'}: $.stage_contracts.{stage.value}: declared recompute, but "
+                f"{UNSUPPORTED.get(stage, 'this engine has no adapter for it')}"
+            )
+        elif partial and REGISTRY[stage].cohort_level:
+            plan.skipped[stage] = "cohort-level stage skipped under partial selection"
+        else:
+            plan.run.append(stage)
+    check_topology(reader, plan.run)
+    return plan
+
+
+def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
+    """Refuse (exit 4, naming the knob) what V1 cannot recompute, before any stage runs."""
+    if not stages:
+        return
+    cfg = reader.index.config
+    where = reader.path / "index.json"
+    if cfg.advantage_estimator != "grpo":
+        raise UnsupportedError(
+            f"{where}: $.config.advantage_estimator={cfg.advantage_estimator!r}: V1 recomputes GRPO only"
+        )
+    cp = reader.index.identity.rank.get("cp", 1)
+    if cp != 1:
+        raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only")
+    for stage in stages:
+        for knob, why in REGISTRY[stage].refuse(cfg):
+            raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")
+    for key, value in getattr(reader, "unknown_config", {}).items():
+        if value not in (None, False, 0, "", [], {}):
+            raise UnsupportedError(
+                f"{where}: $.config.{key}={value!r}: unknown config knob; refusing to guess what it changes"
+            )
+
+
+def _merge_stage(stage: StageId, per_rank: list[StageReport], keep: int, cohort: bool, capability: str) -> StageReport:
+    failing = [r for r in per_rank if r.status == STATUS_FAIL]
+    if failing:
+        status = STATUS_FAIL
+        reason = failing[0].reason
+    elif any(r.status == STATUS_PASS for r in per_rank):
+        status, reason = STATUS_PASS, per_rank[0].reason
+    else:
+        status, reason = STATUS_SKIPPED, per_rank[0].reason if per_rank else "no samples selected"
+    if cohort and failing:
+        ranks = sorted({d.rank for r in failing for d in r.divergences if d.rank is not None})
+        if ranks:
+            reason = f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    errs = [r.max_abs_error for r in per_rank if r.max_abs_error is not None]
+    divergences: list[Divergence] = [d for r in per_rank for d in r.divergences]
+    return StageReport(
+        stage=stage.value,
+        status=status,
+        reason=reason if (status != STATUS_PASS or not cohort) else f"{reason} ×{len(per_rank)} ranks",
+        mismatches=sum(r.mismatches for r in per_rank),
+        max_abs_error=max(errs) if errs else None,
+        divergences=divergences[:keep] if not failing else [d for r in failing for d in r.divergences][:keep],
+        capability=capability,
+        compared=sum(r.compared for r in per_rank),
+    )
+
+
+def run_replay(
+    bundles: BundleSet,
+    *,
+    stages: Optional[Sequence[StageId]] = None,
+    selection: Selection = Selection(),
+    max_divergences: int = 5,
+    progress: Optional[ProgressFn] = None,
+) -> ReplayReport:
+    """Replay every rank shard of a verified :class:`BundleSet`."""
+    keep = max(int(max_divergences), 1)
+    resolutions = []
+    matched: set[str] = set()
+    for shard in bundles.shards:
+        res = resolve_selection(shard.index, selection, where=str(shard.path), strict=not bundles.cohort)
+        matched |= res.matched
+        resolutions.append(res)
+    if bundles.cohort and not selection.empty:
+        missing = sorted(selection_keys(selection) - matched)
+        if missing:
+            kind, _, value = missing[0].partition(":")
+            raise SelectionError(f"{bundles.path}: --{kind} {value}: not found in any rank shard")
+    partial = any(r.partial for r in resolutions)
+    plans = [plan_stages(shard, stages, partial) for shard in bundles.shards]
+
+    per_stage: dict[StageId, list[StageReport]] = {s: [] for s in STAGE_ORDER}
+    total = sum(len(p.run) for p in plans)
+    done = 0
+    selected: list[str] = []
+    for shard, res, plan in zip(bundles.shards, resolutions, plans):
+        if not selection.empty and not res.indices:
+            continue
+        ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep)
+        if res.partial:
+            selected += ctx.sample_ids
+        for stage in STAGE_ORDER:
+            if stage in OPTIONAL_STAGES and stage not in shard.manifest.stage_contracts:
+                continue  # an optional stage a bundle doesn't declare is not worth a report line
+            if stage not in plan.run:
+                reason = plan.skipped.get(stage, "")
+                per_stage[stage].append(StageReport(stage=stage.value, status=STATUS_SKIPPED, reason=reason))
+                continue
+            if progress is not None:
+                progress(stage.value, shard.rank, done, total)
+            try:
+                result = REGISTRY[stage].run(ctx)
+            except StageInputError as exc:
+                result = StageReport(
+                    stage=stage.value, status=STATUS_FAIL, reason=str(exc), mismatches=1,
+                    divergences=[Divergence(stage=stage.value, rank=shard.rank, field=exc.field,
+                                            expected=exc.expected, actual=exc.actual,
+                                            abs_error=abs(exc.expected - exc.actual)
+                                            if exc.expected is not None and exc.actual is not None else None,
+                                            message=str(exc))],
+                )
+            per_stage[stage].append(result)
+            done += 1
+    if progress is not None:
+        progress("done", None, total, total)
+
+    capability = plans[0].capability
+    reports = [
+        _merge_stage(stage, per_stage[stage], keep, bundles.cohort, capability.get(stage, ""))
+        for stage in STAGE_ORDER
+        if per_stage[stage]
+    ]
+    first_stage = next((r for r in reports if r.status == STATUS_FAIL), None)
+    first_div = first_stage.divergences[0] if first_stage and first_stage.divergences else None
+    ident = bundles.shards[0].index.identity
+    warnings = list(bundles.warnings)
+    for key, value in getattr(bundles.shards[0], "unknown_config", {}).items():
+        warnings.append(f"index.json $.config.{key}={value!r}: unknown knob with a neutral value (ignored)")
+    return ReplayReport(
+        bundle_id=bundles.bundle_id,
+        passed=first_stage is None,
+        first_divergent_stage=first_stage.stage if first_stage else None,
+        first_divergence=first_div,
+        stages=reports,
+        kind=ident.kind,
+        anchor=ident.anchor,
+        ranks=[s.rank if s.rank is not None else 0 for s in bundles.shards],
+        selected_samples=selected if partial else None,
+        warnings=warnings,
+    )
+
+
+def replay(
+    path: str | Path,
+    *,
+    stages: Optional[Sequence[StageId]] = None,
+    selection: Selection = Selection(),
+    step: Optional[ActorStepId] = None,
+    rollout: Optional[int] = None,
+    max_divergences: int = 5,
+    progress: Optional[ProgressFn] = None,
+) -> ReplayReport:
+    """Open (verify) and replay a bundle, cohort or capture directory."""
+    bundles = open_bundle(path, step=step, rollout=rollout)
+    return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress)

@@ -1,0 +1,307 @@
+"""msgspec schema of a replay bundle (format 1.x).
+
+The names follow the original design document (``ActorStepId``, ``BundleIndex`` …). Every field a reader
+needs is written explicitly: msgspec encodes defaults too, so a bundle never relies on a reader's default.
+Fields added by this implementation are optional with defaults, so bundles written by the original
+format 1.0.0 writer decode here, and ours decode there.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, Optional, Union
+
+import msgspec
+from msgspec.structs import force_setattr
+
+FORMAT_VERSION = "1.1.0"
+SUPPORTED_MAJOR = 1
+
+Scalar = Union[int, str]
+
+
+class StageId(str, enum.Enum):
+    SAMPLE = "sample"
+    REWARD_RAW = "reward.raw"
+    REWARD_POST_PROCESS = "reward.post_process"
+    ADVANTAGE_KL = "advantage.kl"
+    ADVANTAGE_ESTIMATE = "advantage.estimate"
+    LOGPROB_SUPPORT = "logprob.support"
+    LOSS_POLICY = "loss.policy"
+    LOSS_VALUE = "loss.value"
+
+    def __str__(self) -> str:  # "reward.raw", not "StageId.REWARD_RAW"
+        return self.value
+
+
+class StageCapability(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    RECORDED_ONLY = "recorded-only"
+    INSPECT_ONLY = "inspect-only"
+    UNSUPPORTED = "unsupported"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class ActorStepId(_Struct, kw_only=True):
+    """The train_one_step coordinate: (rollout_id, step_id). A flat step number is never persisted."""
+
+    rollout_id: int
+    step_id: int
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}:{self.step_id}"
+
+
+class WeightLineage(_Struct, kw_only=True):
+    rollout_weight: Optional[Scalar] = None
+    actor_weight: Optional[Scalar] = None
+
+
+RANK_AXES = ("dp", "tp", "pp", "cp")
+
+
+class Identity(_Struct, kw_only=True):
+    """Logical identity (sample, semantic group, cohort, actor step) and physical provenance."""
+
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[int] = None
+    rollout_partition_ids: list[Scalar] = []
+    consumer_batch_ids: list[Scalar] = []
+    micro_batch_ids: list[Scalar] = []
+    semantic_group_ids: list[Scalar] = []
+    normalization_cohort_ids: list[Scalar] = []
+    weight_lineage: WeightLineage = WeightLineage()
+    # World sizes per parallel axis. Accepts a partial mapping (``{"cp": 1}``) and writes all four axes.
+    rank: dict[str, int] = {}
+
+    def __post_init__(self) -> None:
+        full = {axis: 1 for axis in RANK_AXES}
+        full.update(self.rank)
+        force_setattr(self, "rank", full)
+
+    @property
+    def kind(self) -> str:
+        """``step`` for a bundle anchored by an actor step, ``rollout`` for a rollout-level bundle."""
+        return "step" if self.actor_step_id is not None else "rollout"
+
+    @property
+    def anchor(self) -> str:
+        if self.actor_step_id is not None:
+            return f"actor_step_id={self.actor_step_id}"
+        return f"rollout_id={self.rollout_id}"
+
+
+class SampleRecord(_Struct, kw_only=True):
+    sample_id: str
+    group_index: Optional[int] = None
+    response_length: int
+    total_length: int
+    loss_mask: list[int]
+    raw_reward: Optional[float] = None
+    reward: Optional[float] = None
+    label_hash: Optional[str] = None
+    micro_batch_id: Optional[str] = None
+    # Redacted text fields (written only as the manifest's redaction policy says; ``None`` = dropped).
+    prompt: Optional[str] = None
+    response: Optional[str] = None
+    label: Optional[str] = None
+    tool_output: Optional[str] = None
+
+
+class RecomputeConfig(_Struct, kw_only=True):
+    """Every knob that changes the math, including the ones V1 cannot recompute (so they can be refused)."""
+
+    advantage_estimator: str = "grpo"
+    n_samples_per_prompt: int = 1
+    grpo_std_normalization: bool = False
+    kl_loss_type: str = "k1"
+    kl_coef: float = 0.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    entropy_coef: float = 0.0
+    # Knobs V1 does not implement; a replay refuses them by name when set.
+    rewards_normalization: bool = True
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    calculate_per_token_loss: bool = False
+    normalize_advantages: bool = False
+    eps_clip_c: Optional[float] = None
+    use_rollout_logprobs: bool = False
+
+
+class BundleIndex(_Struct, kw_only=True):
+    bundle_id: str
+    identity: Identity
+    samples: list[SampleRecord]
+    config: RecomputeConfig
+
+
+class ProducerInfo(_Struct, kw_only=True):
+    commit: str = ""
+    dirty_patch_digest: Optional[str] = None
+    torch_version: str = ""
+
+    def __post_init__(self) -> None:
+        # ``torch.__version__`` is a str subclass that JSON encoders refuse; store the plain string.
+        if type(self.torch_version) is not str:
+            force_setattr(self, "torch_version", str(self.torch_version))
+
+
+class StageContract(_Struct, kw_only=True):
+    stage: StageId
+    version: str = "v1"
+    capability: StageCapability
+    implementation: Literal["reuse", "reimplemented"] = "reuse"
+    # Informational only (the original writes them empty): the engine knows what each stage consumes.
+    inputs: list[str] = []
+    expected_outputs: list[str] = []
+
+
+class PayloadSpec(_Struct, kw_only=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    sha256: str
+
+
+class Tolerance(_Struct, kw_only=True):
+    atol: float = 1e-6
+    rtol: float = 1e-5
+
+
+class ComparisonPolicy(_Struct, kw_only=True):
+    exact_fields: list[str] = []
+    tolerances: dict[str, Tolerance] = {}
+
+    def tolerance(self, stage: str) -> Tolerance:
+        return self.tolerances.get(str(stage), Tolerance())
+
+
+REDACTED_FIELDS = ("prompt", "response", "label", "tool_output", "paths", "endpoints")
+
+
+class Manifest(_Struct, kw_only=True):
+    format_version: str
+    bundle_id: str
+    producer: ProducerInfo
+    stage_contracts: dict[StageId, StageContract]
+    payloads: dict[str, PayloadSpec]
+    comparison_policy: ComparisonPolicy = ComparisonPolicy()
+    # {<field>: "hash" | "truncate:N" | "drop"}; a text field without a rule is never written.
+    redaction: dict[str, str] = {}
+
+
+ExpectedValue = Union[float, None, list[Optional[float]]]
+Expected = dict[str, dict[str, ExpectedValue]]
+
+
+class RankComplete(_Struct, kw_only=True):
+    """``COMPLETE.<rank>``: the rank's identity anchor, payload and metadata checksums."""
+
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[int] = None
+    payloads: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    expected_ranks: Optional[list[int]] = None
+    relpath: Optional[str] = None
+    bundle_id: Optional[str] = None
+
+    def anchor(self) -> tuple:
+        return (self.actor_step_id, self.rollout_id, self.bundle_id, tuple(self.expected_ranks or ()))
+
+
+class BundleComplete(_Struct, kw_only=True):
+    """``COMPLETE``: single producer → ranks + metadata checksums; cohort → ranks + every shard."""
+
+    ranks: list[int]
+    metadata: Optional[dict[str, str]] = None
+    shards: Optional[dict[str, RankComplete]] = None
+
+
+class RedactionPolicy:
+    """Applies ``{field: rule}`` rules: ``hash`` (sha256 hex), ``truncate:N``, ``drop``."""
+
+    def __init__(self, rules: dict[str, str]):
+        for field, rule in rules.items():
+            parse_redaction_rule(field, rule)
+        self.rules = dict(rules)
+
+    def apply(self, field: str, value: Optional[str]) -> Optional[str]:
+        import hashlib
+
+        if value is None:
+            return None
+        rule = self.rules.get(field, "drop")
+        kind, n = parse_redaction_rule(field, rule)
+        if kind == "hash":
+            return hashlib.sha256(value.encode("utf-8")).hexdigest()
+        if kind == "truncate":
+            return value[:n]
+        return None
+
+
+def parse_redaction_rule(field: str, rule: str) -> tuple[str, int]:
+    if rule in ("hash", "drop"):
+        return rule, 0
+    if rule.startswith("truncate:"):
+        tail = rule.split(":", 1)[1]
+        if tail.isdigit():
+            return "truncate", int(tail)
+    raise ValueError(f"redaction rule for {field!r} must be 'hash', 'drop' or 'truncate:N', got {rule!r}")
+
+
+# One encoder / decoder per type, reused.
+JSON_ENCODER = msgspec.json.Encoder(order="sorted")
+MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
+INDEX_DECODER = msgspec.json.Decoder(BundleIndex)
+EXPECTED_DECODER = msgspec.json.Decoder(Expected)
+RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
+BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
+
+
+def encode_json(obj) -> bytes:
+    """The wire form of the original tool: 2-space indent, sorted keys, UTF-8, one trailing newline."""
+    return msgspec.json.format(JSON_ENCODER.encode(obj), indent=2) + b"\n"
+
+
+def known_fields(struct_type) -> set[str]:
+    return {f.encode_name for f in msgspec.structs.fields(struct_type)}
+
+
+def unknown_fields(raw, typ, path: str = "$") -> list[str]:
+    """Paths of keys present in decoded JSON ``raw`` that ``typ`` (a Struct tree) does not know."""
+    info = msgspec.inspect.type_info(typ)
+    return _unknown(raw, info, path)
+
+
+def _unknown(raw, info, path: str) -> list[str]:
+    mi = msgspec.inspect
+    out: list[str] = []
+    if isinstance(info, mi.StructType) and isinstance(raw, dict):
+        fields = {f.encode_name: f for f in info.fields}
+        for key, value in raw.items():
+            if key not in fields:
+                out.append(f"{path}.{key}")
+            else:
+                out += _unknown(value, fields[key].type, f"{path}.{key}")
+    elif isinstance(info, mi.UnionType):
+        for member in info.types:
+            if isinstance(member, (mi.StructType, mi.ListType, mi.DictType)):
+                out += _unknown(raw, member, path)
+    elif isinstance(info, mi.ListType) and isinstance(raw, list):
+        for i, item in enumerate(raw):
+            out += _unknown(item, info.item_type, f"{path}[{i}]")
+    elif isinstance(info, mi.DictType) and isinstance(raw, dict):
+        for key, value in raw.items():
+            out += _unknown(value, info.value_type, f"{path}.{key}")
+    return out

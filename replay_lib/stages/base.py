@@ -1,0 +1,157 @@
+"""What every stage adapter sees (:class:`StageContext`) and declares (:class:`StageDef`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..bundle import BundleReader
+from ..compare import Comparison, compare_elements, tolerance_for
+from ..kernels import segment_ids, segment_offsets
+from ..report import STATUS_FAIL, STATUS_PASS, StageReport
+from ..schema import RecomputeConfig, SampleRecord, StageId
+
+
+class StageInputError(Exception):
+    """A stage's input is structurally unusable (e.g. a payload of the wrong length): the stage fails
+    with this message as its reason instead of crashing the replay."""
+
+    def __init__(self, message: str, field: str = "length", expected: Optional[float] = None, actual: Optional[float] = None):
+        super().__init__(message)
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+
+
+@dataclass
+class StageContext:
+    reader: BundleReader
+    indices: list[int]
+    partial: bool
+    keep: int = 5
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        all_samples = self.reader.index.samples
+        self.samples: list[SampleRecord] = [all_samples[i] for i in self.indices]
+        self.sample_ids = [s.sample_id for s in self.samples]
+        self.group_indices = [s.group_index for s in self.samples]
+        all_lengths = torch.tensor([max(s.response_length, 0) for s in all_samples], dtype=torch.int64)
+        self.full_total = int(all_lengths.sum())
+        self.lengths = all_lengths[self.indices] if self.partial else all_lengths
+        self.seg = segment_ids(self.lengths)
+        self.offsets = segment_offsets(self.lengths)
+        if self.partial:
+            starts = segment_offsets(all_lengths)[self.indices]
+            # positions of the selected samples' tokens in the full concatenated axis
+            self.token_index: Optional[torch.Tensor] = starts[self.seg] + (
+                torch.arange(self.seg.numel(), dtype=torch.int64) - self.offsets[self.seg]
+            )
+        else:
+            self.token_index = None
+        self._mask: Optional[torch.Tensor] = None
+
+    @property
+    def config(self) -> RecomputeConfig:
+        return self.reader.index.config
+
+    @property
+    def rank(self) -> Optional[int]:
+        return self.reader.rank
+
+    @property
+    def n(self) -> int:
+        return len(self.indices)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        if self._mask is None:
+            flat = [m for s in self.samples for m in s.loss_mask]
+            if len(flat) != int(self.lengths.sum()):
+                raise StageInputError(
+                    f"loss_mask lengths sum to {len(flat)}, Σ response_length is {int(self.lengths.sum())}",
+                    field="loss_mask_length", expected=float(self.lengths.sum()), actual=float(len(flat)),
+                )
+            self._mask = torch.tensor(flat, dtype=torch.float32)
+        return self._mask
+
+    def has(self, name: str) -> bool:
+        return self.reader.has_payload(name)
+
+    def payload(self, name: str) -> torch.Tensor:
+        """The payload restricted to the selected samples' tokens (first dimension = tokens)."""
+        if not self.reader.has_payload(name):
+            raise StageInputError(f"payload {name!r} is missing", field=name)
+        t = self.reader.payload(name)
+        if t.dim() == 0 or t.shape[0] != self.full_total:
+            rows = t.shape[0] if t.dim() else 0
+            raise StageInputError(
+                f"payload {name!r} has {rows} row(s), Σ response_length is {self.full_total}",
+                field="length", expected=float(self.full_total), actual=float(rows),
+            )
+        if self.token_index is not None:
+            return t.index_select(0, self.token_index)
+        return t
+
+    def expected_list(self, stage: str, key: str) -> list:
+        value = self.reader.expected.get(stage, {}).get(key)
+        if not isinstance(value, list):
+            raise StageInputError(f"expected.json $.{stage}.{key} is missing or not a list", field=key)
+        if len(value) != len(self.reader.index.samples):
+            raise StageInputError(
+                f"expected.json $.{stage}.{key} has {len(value)} value(s) for {len(self.reader.index.samples)} sample(s)",
+                field=key, expected=float(len(self.reader.index.samples)), actual=float(len(value)),
+            )
+        return [value[i] for i in self.indices] if self.partial else value
+
+    def compare(self, stage: str, field_name: str, expected, actual, per: str) -> Comparison:
+        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, field_name)
+        if per == "token":
+            return compare_elements(
+                stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
+                sample_ids=self.sample_ids, group_indices=self.group_indices, rank=self.rank,
+                seg=self.seg, offsets=self.offsets,
+            )
+        if per == "sample":
+            return compare_elements(
+                stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
+                sample_ids=self.sample_ids, group_indices=self.group_indices, rank=self.rank,
+            )
+        return compare_elements(
+            stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
+            sample_ids=[], group_indices=[], rank=self.rank,
+        )
+
+
+def outcome(stage: StageId, cmp: Comparison, fail_reason: str, pass_reason: str) -> StageReport:
+    failed = cmp.mismatches > 0
+    return StageReport(
+        stage=stage.value,
+        status=STATUS_FAIL if failed else STATUS_PASS,
+        reason=fail_reason if failed else pass_reason,
+        mismatches=cmp.mismatches,
+        max_abs_error=cmp.max_abs_error,
+        divergences=cmp.divergences,
+        compared=cmp.compared,
+    )
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """A stage adapter: what it needs upstream, which knobs it refuses, and how it runs.
+
+    ``needs``: stages whose recomputed output it consumes (run first when declared ``recompute``).
+    ``cohort_level``: compares a cohort scalar, so it is skipped under a partial selection.
+    ``refuse``: ``config -> [(knob, why)]`` knobs V1 cannot recompute for this stage (exit 4).
+    ``requirements``: ``reader -> [missing]`` inputs/expected outputs, checked by ``validate``.
+    """
+
+    id: StageId
+    run: Callable[[StageContext], StageReport]
+    needs: tuple[StageId, ...] = ()
+    cohort_level: bool = False
+    refuse: Callable[[RecomputeConfig], list[tuple[str, str]]] = lambda cfg: []
+    requirements: Callable[[BundleReader], list[str]] = lambda reader: []
+    description: str = ""

@@ -1,0 +1,79 @@
+"""``loss.policy`` (clipped surrogate, sum of per-sample masked means) and the unsupported ``loss.value``."""
+
+from __future__ import annotations
+
+from ..bundle import BundleReader
+from ..compare import Comparison
+from ..kernels import LOSS_FIELDS, policy_loss_fields
+from ..report import StageReport
+from ..schema import RecomputeConfig, StageCapability, StageId
+from .base import StageContext, StageDef, StageInputError, outcome
+
+
+def run_loss_policy(ctx: StageContext) -> StageReport:
+    cfg = ctx.config
+    expected = ctx.reader.expected.get("loss.policy", {})
+    fields = [f for f in LOSS_FIELDS if f in expected]
+    if not fields:
+        raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(LOSS_FIELDS), field="loss")
+    advantages = ctx.outputs.get("advantages")
+    if advantages is None:
+        advantages = ctx.payload("advantages")
+    entropy = ctx.payload("entropy") if ctx.has("entropy") else None
+    if entropy is None and cfg.entropy_coef != 0:
+        raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
+    actual = policy_loss_fields(
+        ctx.payload("log_probs"), ctx.payload("old_log_probs"), advantages, entropy, ctx.loss_mask, ctx.lengths,
+        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef,
+    )
+    total = Comparison()
+    bad: list[str] = []
+    for name in fields:
+        cmp = ctx.compare("loss.policy", name, [expected[name]], [float(actual[name])], per="scalar")
+        if cmp.mismatches:
+            bad.append(name)
+        total.merge(cmp)
+    total.divergences = total.divergences[: ctx.keep]
+    return outcome(StageId.LOSS_POLICY, total, f"loss field mismatch: {', '.join(bad)}",
+                   f"{len(fields)} field(s) over {ctx.n} sample(s) compared")
+
+
+def _loss_requirements(reader: BundleReader) -> list[str]:
+    cfg = reader.index.config
+    missing = [f"payloads/{n}.pt" for n in ("log_probs", "old_log_probs") if not reader.has_payload(n)]
+    if cfg.entropy_coef != 0 and not reader.has_payload("entropy"):
+        missing.append("payloads/entropy.pt")
+    est = reader.manifest.stage_contracts.get(StageId.ADVANTAGE_ESTIMATE)
+    if not reader.has_payload("advantages") and not (est is not None and est.capability == StageCapability.RECOMPUTE):
+        missing.append("payloads/advantages.pt")
+    if not any(f in reader.expected.get("loss.policy", {}) for f in LOSS_FIELDS):
+        missing.append("expected.json $.loss.policy.loss")
+    return missing
+
+
+def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
+    out = []
+    for knob, why in (
+        ("use_kl_loss", "True: a KL term in the actor loss is not implemented in V1"),
+        ("use_tis", "True: truncated importance sampling is not implemented in V1"),
+        ("calculate_per_token_loss", "True: per-token loss aggregation is not implemented in V1"),
+        ("normalize_advantages", "True: advantage whitening is not implemented in V1"),
+        ("use_rollout_logprobs", "True: rollout log-probs as the PPO anchor are not implemented in V1"),
+    ):
+        if getattr(cfg, knob):
+            out.append((knob, why))
+    if cfg.eps_clip_c is not None:
+        out.append(("eps_clip_c", f"{cfg.eps_clip_c}: dual-clip PPO is not implemented in V1"))
+    return out
+
+
+def run_loss_value(ctx: StageContext) -> StageReport:  # never called: the stage is unsupported
+    raise StageInputError("loss.value is unsupported in V1")
+
+
+LOSS_POLICY = StageDef(
+    id=StageId.LOSS_POLICY, run=run_loss_policy, needs=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE),
+    cohort_level=True, refuse=_loss_refuse, requirements=_loss_requirements,
+    description="clipped policy loss, sum of per-sample masked means",
+)
+LOSS_VALUE = StageDef(id=StageId.LOSS_VALUE, run=run_loss_value, description="value loss (unsupported in V1)")

@@ -1,0 +1,59 @@
+"""``sample``: structural integrity of the sample records against the token payloads."""
+
+from __future__ import annotations
+
+from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
+from ..schema import StageId
+from .base import StageContext, StageDef
+
+# Per-token payloads whose first dimension must equal Σ response_length.
+TOKEN_PAYLOADS = (
+    "old_log_probs", "log_probs", "ref_log_probs", "entropy", "kl", "advantages",
+    "support_ids", "support_logits", "sampled_token_ids", "routed_experts", "full_log_probs",
+)
+
+
+def run_sample(ctx: StageContext) -> StageReport:
+    divs: list[Divergence] = []
+    mismatches = 0
+
+    def add(d: Divergence) -> None:
+        nonlocal mismatches
+        mismatches += 1
+        if len(divs) < ctx.keep:
+            divs.append(d)
+
+    for s in ctx.samples:
+        if not (0 <= s.response_length <= s.total_length):
+            add(Divergence(
+                stage="sample", rank=ctx.rank, sample_id=s.sample_id, group_index=s.group_index, field="length",
+                expected=float(s.total_length), actual=float(s.response_length),
+                abs_error=float(abs(s.total_length - s.response_length)),
+                message=f"response_length={s.response_length} outside [0, total_length={s.total_length}]",
+            ))
+        if len(s.loss_mask) != s.response_length:
+            add(Divergence(
+                stage="sample", rank=ctx.rank, sample_id=s.sample_id, group_index=s.group_index,
+                field="loss_mask_length", expected=float(s.response_length), actual=float(len(s.loss_mask)),
+                abs_error=float(abs(len(s.loss_mask) - s.response_length)),
+                message=f"len(loss_mask)={len(s.loss_mask)} != response_length={s.response_length}",
+            ))
+    for name in TOKEN_PAYLOADS:
+        if not ctx.has(name):
+            continue
+        t = ctx.reader.payload(name)
+        rows = int(t.shape[0]) if t.dim() else 0
+        if rows != ctx.full_total:
+            add(Divergence(
+                stage="sample", rank=ctx.rank, field="length", expected=float(ctx.full_total), actual=float(rows),
+                abs_error=float(abs(rows - ctx.full_total)),
+                message=f"payload {name!r} has {rows} row(s), Σ response_length is {ctx.full_total}",
+            ))
+    if mismatches:
+        return StageReport(stage="sample", status=STATUS_FAIL, reason=f"sample integrity broken in {mismatches} place(s)",
+                           mismatches=mismatches, divergences=divs, compared=ctx.n)
+    return StageReport(stage="sample", status=STATUS_PASS, reason=f"{ctx.n} sample(s), {int(ctx.lengths.sum())} token(s) consistent",
+                       compared=ctx.n)
+
+
+SAMPLE = StageDef(id=StageId.SAMPLE, run=run_sample, description="lengths, loss masks and payload rows agree")

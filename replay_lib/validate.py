@@ -1,0 +1,232 @@
+"""``validate`` (format, integrity, safety, dependency closure — never recomputes numbers) and
+``inspect`` (a tolerant look that works on incomplete bundles)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+
+from .bundle import (
+    METADATA_FILES,
+    PAYLOAD_DIR,
+    PAYLOAD_SUFFIX,
+    _RANK_DIR,
+    _RANK_SENTINEL,
+    BundleSet,
+    open_bundle,
+)
+from .errors import BundleError, UnsupportedError
+from .schema import (
+    BUNDLE_COMPLETE_DECODER,
+    INDEX_DECODER,
+    MANIFEST_DECODER,
+    ActorStepId,
+    StageCapability,
+)
+from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
+
+
+class ValidationResult(msgspec.Struct, kw_only=True):
+    bundle_id: str
+    valid: bool
+    path: str
+    format_version: str
+    kind: str
+    anchor: str
+    ranks: list[int]
+    samples: int
+    tokens: int
+    stages: dict[str, str]
+    warnings: list[str] = []
+    replay_refusals: list[str] = []
+
+
+def validate(path: str | Path, step: Optional[ActorStepId] = None, rollout: Optional[int] = None) -> ValidationResult:
+    """Raise :class:`BundleError` (exit 3) on the first problem; return what was checked otherwise."""
+    bundles = open_bundle(path, step=step, rollout=rollout)
+    return check_dependency_closure(bundles)
+
+
+def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
+    refusals: list[str] = []
+    from .runner import check_topology  # local: runner imports this module's siblings
+
+    for shard in bundles.shards:
+        where = shard.path / "manifest.json"
+        missing: list[str] = []
+        for stage in STAGE_ORDER:
+            contract = shard.manifest.stage_contracts.get(stage)
+            if contract is None or contract.capability != StageCapability.RECOMPUTE:
+                continue
+            if stage in UNSUPPORTED or stage not in REGISTRY:
+                refusals.append(f"{where}: $.stage_contracts.{stage.value}: declared recompute but "
+                                f"{UNSUPPORTED.get(stage, 'this engine has no adapter for it')}")
+                continue
+            for need in REGISTRY[stage].requirements(shard):
+                missing.append(f"{stage.value} needs {need}")
+        if missing:
+            raise BundleError(f"{where}: dependency closure incomplete: " + "; ".join(missing))
+        for name in shard.payload_names:
+            t = shard.payload(name)
+            if t.dim() == 0:
+                raise BundleError(f"{shard.path / PAYLOAD_DIR / (name + PAYLOAD_SUFFIX)}: per-token payload must have a token dimension")
+        runnable = [s for s in STAGE_ORDER if s in REGISTRY and s not in UNSUPPORTED
+                    and (c := shard.manifest.stage_contracts.get(s)) is not None and c.capability == StageCapability.RECOMPUTE]
+        try:
+            check_topology(shard, runnable)
+        except UnsupportedError as exc:
+            refusals.append(str(exc))
+    first = bundles.shards[0]
+    return ValidationResult(
+        bundle_id=bundles.bundle_id,
+        valid=True,
+        path=str(bundles.path),
+        format_version=first.manifest.format_version,
+        kind=first.index.identity.kind,
+        anchor=first.index.identity.anchor,
+        ranks=[s.rank if s.rank is not None else 0 for s in bundles.shards],
+        samples=sum(len(s.index.samples) for s in bundles.shards),
+        tokens=sum(sum(max(x.response_length, 0) for x in s.index.samples) for s in bundles.shards),
+        stages={k.value: v.capability.value for k, v in first.manifest.stage_contracts.items()},
+        warnings=bundles.warnings,
+        replay_refusals=sorted(set(refusals)),
+    )
+
+
+# ------------------------------------------------------------------------------------------ inspect
+
+
+class PayloadRow(msgspec.Struct, kw_only=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    present: bool
+    size_ok: bool
+
+
+class BundleInfo(msgspec.Struct, kw_only=True):
+    path: str
+    rank: Optional[int] = None
+    complete: bool = False
+    bundle_id: Optional[str] = None
+    format_version: Optional[str] = None
+    producer: Optional[dict] = None
+    kind: Optional[str] = None
+    anchor: Optional[str] = None
+    identity: Optional[dict] = None
+    config: Optional[dict] = None
+    samples: Optional[int] = None
+    groups: Optional[int] = None
+    tokens: Optional[int] = None
+    stages: dict[str, str] = {}
+    payloads: list[PayloadRow] = []
+    redaction: dict[str, str] = {}
+    problems: list[str] = []
+
+
+class InspectResult(msgspec.Struct, kw_only=True):
+    path: str
+    layout: str
+    complete: bool
+    ranks_published: list[int] = []
+    bundles: list[BundleInfo] = []
+    problems: list[str] = []
+
+
+def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
+    info = BundleInfo(path=str(path), rank=rank, complete=(path / "COMPLETE").is_file())
+    manifest = index = None
+    for name in METADATA_FILES:
+        if not (path / name).is_file():
+            info.problems.append(f"missing {name}")
+    try:
+        manifest = MANIFEST_DECODER.decode((path / "manifest.json").read_bytes())
+    except FileNotFoundError:
+        pass
+    except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
+        info.problems.append(f"manifest.json: {exc}")
+    try:
+        index = INDEX_DECODER.decode((path / "index.json").read_bytes())
+    except FileNotFoundError:
+        pass
+    except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
+        info.problems.append(f"index.json: {exc}")
+    if manifest is not None:
+        info.bundle_id = manifest.bundle_id
+        info.format_version = manifest.format_version
+        info.producer = msgspec.to_builtins(manifest.producer)
+        info.stages = {k.value: v.capability.value for k, v in manifest.stage_contracts.items()}
+        info.redaction = dict(manifest.redaction)
+        for key, spec in sorted(manifest.payloads.items()):
+            file = path / PAYLOAD_DIR / f"{key}{PAYLOAD_SUFFIX}"
+            present = "/" not in key and ".." not in key and file.is_file()
+            size_ok = present and file.stat().st_size == spec.bytes
+            info.payloads.append(PayloadRow(name=key, dtype=spec.dtype, shape=list(spec.shape), bytes=spec.bytes,
+                                            present=present, size_ok=size_ok))
+            if not present:
+                info.problems.append(f"missing payloads/{key}{PAYLOAD_SUFFIX}")
+            elif not size_ok:
+                info.problems.append(f"payloads/{key}{PAYLOAD_SUFFIX}: size differs from manifest")
+    if index is not None:
+        info.bundle_id = info.bundle_id or index.bundle_id
+        info.kind = index.identity.kind
+        info.anchor = index.identity.anchor
+        info.identity = msgspec.to_builtins(index.identity)
+        info.config = msgspec.to_builtins(index.config)
+        info.samples = len(index.samples)
+        info.groups = len({s.group_index for s in index.samples if s.group_index is not None})
+        info.tokens = sum(max(s.response_length, 0) for s in index.samples)
+    if rank is None and not info.complete:
+        info.problems.append("missing COMPLETE (incomplete or still being written)")
+    return info
+
+
+def inspect(path: str | Path) -> InspectResult:
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise BundleError(f"{path}: not a bundle directory")
+    names = sorted(os.listdir(path))
+    rank_dirs = sorted((int(m.group(1)), n) for n in names if (m := _RANK_DIR.match(n)))
+    sentinels = sorted(int(m.group(1)) for n in names if (m := _RANK_SENTINEL.match(n)))
+    if (path / "manifest.json").exists() or (path / "index.json").exists():
+        info = _inspect_one(path)
+        return InspectResult(path=str(path), layout="bundle", complete=info.complete, ranks_published=sentinels,
+                             bundles=[info], problems=list(info.problems))
+    if rank_dirs or sentinels:
+        result = InspectResult(path=str(path), layout="cohort", complete=(path / "COMPLETE").is_file(),
+                               ranks_published=sentinels)
+        expected: list[int] = []
+        if result.complete:
+            try:
+                expected = BUNDLE_COMPLETE_DECODER.decode((path / "COMPLETE").read_bytes()).ranks
+            except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+                result.problems.append(f"COMPLETE: {exc}")
+        else:
+            result.problems.append(f"no cohort COMPLETE (ranks published: {sentinels or 'none'})")
+        for r, name in rank_dirs:
+            info = _inspect_one(path / name, rank=r)
+            result.bundles.append(info)
+            result.problems += [f"rank-{r}: {p}" for p in info.problems]
+        for r in expected:
+            if not (path / f"rank-{r}").is_dir():
+                result.problems.append(f"missing rank shard rank-{r}")
+        return result
+    result = InspectResult(path=str(path), layout="capture", complete=False)
+    for name in names:
+        child = path / name
+        if name.startswith(".") or not child.is_dir():
+            continue
+        sub = inspect(child)
+        result.bundles += sub.bundles
+        result.problems += [f"{name}: {p}" for p in sub.problems]
+    if not result.bundles:
+        result.layout = "empty"
+        result.problems.append("no bundle found")
+    result.complete = bool(result.bundles) and all(b.complete or b.rank is not None for b in result.bundles)
+    return result

@@ -1,0 +1,61 @@
+"""``replay-tui``: the Textual debugger, or ``--check`` headless through the same runner.
+
+Textual is imported only when the app starts, so ``--check`` stays headless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from replay_lib.cli import EXIT_CODES_HELP, _Parser, _print_error, add_replay_arguments, run_check
+from replay_lib.errors import ReplayError
+
+PROG = "replay-tui"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Keyboard-driven replay debugger. With --check: headless, same report and exit codes as "
+                    "'trajectory-replay replay'.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")
+    p.add_argument("--demo", nargs="?", const="pr65-buggy", default=None, metavar="NAME",
+                   help="open an embedded demo bundle (default pr65-buggy; also pr65-fixed, step-loss, cohort-2rank)")
+    p.add_argument("--check", action="store_true", help="run headless and exit with the replay's exit code")
+    add_replay_arguments(p)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.bundle is None and args.demo is None:
+        parser.error("a BUNDLE path or --demo is required")
+    if args.bundle is not None and args.demo is not None:
+        parser.error("pass either BUNDLE or --demo, not both")
+    try:
+        if args.demo is not None:
+            from replay_lib.demo import materialize_demo
+
+            try:
+                args.bundle = materialize_demo(args.demo)
+            except ValueError as exc:
+                parser.error(str(exc))
+        if args.check:
+            return run_check(args)
+    except ReplayError as exc:
+        _print_error(str(exc), PROG)
+        return exc.exit_code
+    from .app import run_app
+
+    return run_app(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
