@@ -1,0 +1,295 @@
+"""Hostile bundles: every failure kind is refused by ``validate`` with exit 3, one line on stderr that names
+the file and the field, no traceback, and nothing written into the bundle.
+
+Each hostile bundle is re-sealed after tampering (checksums recomputed) so the check under test is the one
+that fires, not the checksum check. Most cases run the CLI in-process; a representative handful run
+``python -m replay_lib validate`` in a real subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay_lib.cli import main
+from replay_lib.demo import synthetic_parts, write_bundle, write_cohort, write_pr65
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _MkdirOnLoad:
+    """Unpickling this runs ``os.mkdir(marker)``: proof that a payload is never unpickled unsafely."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _pr65(tmp: Path) -> Path:
+    return write_pr65(tmp / "bundle", buggy=True)
+
+
+def _kl(bundle: Path) -> Path:
+    return bundle / "payloads" / "kl.pt"
+
+
+def _replace_payload(bundle: Path, obj, tools) -> None:
+    torch.save(obj, _kl(bundle))
+    tools.reseal(bundle)
+
+
+def _kl_tensor(bundle: Path) -> torch.Tensor:
+    return torch.load(_kl(bundle), weights_only=True)
+
+
+# Each case builds a hostile bundle under ``tmp`` and returns (path to validate, directory to snapshot,
+# key words the one stderr line must contain).
+
+
+def case_truncated_payload(tmp, tools):
+    b = _pr65(tmp)
+    data = _kl(b).read_bytes()
+    _kl(b).write_bytes(data[: len(data) // 2])
+    return b, b, [f"{_kl(b)}:", f"size {len(data) // 2} bytes, manifest says {len(data)}", "truncated"]
+
+
+def case_flipped_byte(tmp, tools):
+    b = _pr65(tmp)
+    data = bytearray(_kl(b).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    _kl(b).write_bytes(bytes(data))
+    digest = hashlib.sha256(bytes(data)).hexdigest()
+    return b, b, [f"{_kl(b)}:", "sha256 mismatch", f"file {digest[:12]}"]
+
+
+def case_missing_payload(tmp, tools):
+    b = _pr65(tmp)
+    _kl(b).unlink()
+    return b, b, [f"{_kl(b)}:", "missing payload", "manifest.json $.payloads.kl"]
+
+
+def case_missing_complete(tmp, tools):
+    b = _pr65(tmp)
+    (b / "COMPLETE").unlink()
+    return b, b, [f"{b / 'COMPLETE'}:", "missing COMPLETE sentinel"]
+
+
+def case_missing_rank_shard(tmp, tools):
+    c = write_cohort(tmp / "cohort", samples=4, tokens=3)
+    shutil.rmtree(c / "rank-1")
+    return c, c, [f"{c / 'rank-1'}:", "missing rank shard", "COMPLETE $.ranks"]
+
+
+def _half_cohort(tmp) -> Path:
+    # Rank 0 of a two-rank cohort published; rank 1 never flushed, so there is no cohort COMPLETE.
+    c = tmp / "cohort"
+    write_bundle(c, *synthetic_parts(samples=4, tokens=3, bundle_id="cohort"), rank=0, ranks=[0, 1])
+    assert sorted(os.listdir(c)) == ["COMPLETE.0", "rank-0"]
+    return c
+
+
+def case_cohort_without_final_complete(tmp, tools):
+    c = _half_cohort(tmp)
+    return c, c, [f"{c / 'COMPLETE'}:", "cohort has no final COMPLETE", "ranks published: COMPLETE.0"]
+
+
+def case_rank_path_without_cohort_complete(tmp, tools):
+    c = _half_cohort(tmp)
+    return c / "rank-0", c, [f"{c / 'COMPLETE'}:", "cohort has no final COMPLETE", "rank-local bundle is refused"]
+
+
+def case_pickled_object(tmp, tools):
+    b = _pr65(tmp)
+    marker = tmp / "code-ran"
+    _replace_payload(b, _MkdirOnLoad(marker), tools)
+    return b, b, [f"{_kl(b)}:", "not a loadable weights-only tensor file", "GLOBAL", "mkdir"]
+
+
+def case_pickled_dict(tmp, tools):
+    b = _pr65(tmp)
+    _replace_payload(b, {"kl": _kl_tensor(b)}, tools)
+    return b, b, [f"{_kl(b)}:", "payload must be a plain torch.Tensor, got builtins.dict"]
+
+
+def case_pickled_list_of_tensors(tmp, tools):
+    b = _pr65(tmp)
+    t = _kl_tensor(b)
+    _replace_payload(b, [t[:6].clone(), t[6:].clone()], tools)
+    return b, b, [f"{_kl(b)}:", "payload must be a plain torch.Tensor, got builtins.list"]
+
+
+def case_tensor_subclass(tmp, tools):
+    b = _pr65(tmp)
+    _replace_payload(b, torch.nn.Parameter(_kl_tensor(b), requires_grad=False), tools)
+    return b, b, [f"{_kl(b)}:", "payload must be a plain torch.Tensor, got torch.nn.parameter.Parameter"]
+
+
+def _add_payload_entry(b: Path, name: str, tools) -> None:
+    def edit(doc):
+        doc["payloads"][name] = {"name": name, "dtype": "torch.float32", "shape": [3], "bytes": 0, "sha256": ""}
+
+    tools.edit_json(b, "manifest.json", edit)
+
+
+def case_payload_name_dotdot(tmp, tools):
+    b = _pr65(tmp)
+    torch.save(torch.zeros(3), b / "x.pt")  # payloads/../x.pt: a loadable tensor, if the name were trusted
+    _add_payload_entry(b, "../x", tools)
+    return b, b, [f"{b / 'COMPLETE.0'}:", "$.payloads", "unsafe payload name '../x'"]
+
+
+def case_payload_name_absolute(tmp, tools):
+    b = _pr65(tmp)
+    outside = tmp / "outside"
+    torch.save(torch.zeros(3), outside.with_suffix(".pt"))
+    _add_payload_entry(b, str(outside), tools)
+    return b, b, [f"{b / 'COMPLETE.0'}:", "$.payloads", f"unsafe payload name '{outside}'"]
+
+
+def case_payload_spec_name_absolute(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "manifest.json", lambda doc: doc["payloads"]["kl"].__setitem__("name", "/etc/passwd"))
+    return b, b, [f"{b / 'manifest.json'}:", "$.payloads.kl.name", "unsafe payload name '/etc/passwd'"]
+
+
+def case_symlink_out_of_bundle(tmp, tools):
+    b = _pr65(tmp)
+    outside = tmp / "outside-kl.pt"
+    shutil.copyfile(_kl(b), outside)  # identical bytes: size and sha256 still match, only the link is wrong
+    _kl(b).unlink()
+    _kl(b).symlink_to(outside)
+    return b, b, [f"{_kl(b)}:", "symlink leaves the bundle", str(outside)]
+
+
+def case_wrong_dtype(tmp, tools):
+    b = _pr65(tmp)
+    _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)
+    return b, b, [f"{_kl(b)}:", "dtype torch.float64", "$.payloads.kl.dtype says torch.float32"]
+
+
+def case_wrong_shape(tmp, tools):
+    b = _pr65(tmp)
+    _replace_payload(b, _kl_tensor(b)[:11].clone(), tools)
+    return b, b, [f"{_kl(b)}:", "shape [11]", "$.payloads.kl.shape says [12]"]
+
+
+def case_bundle_id_mismatch(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc.__setitem__("bundle_id", "b-99999"))
+    return b, b, [f"{b / 'index.json'}:", "$.bundle_id", "'b-99999' does not match", "'b-00001'"]
+
+
+def case_unknown_major_version(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "manifest.json", lambda doc: doc.__setitem__("format_version", "2.0.0"))
+    return b, b, [f"{b / 'manifest.json'}:", "$.format_version", "unsupported major version '2.0.0'"]
+
+
+def case_unknown_stage_id(tmp, tools):
+    b = _pr65(tmp)
+    contract = {"stage": "reward.magic", "version": "v1", "capability": "recompute", "implementation": "reuse",
+                "inputs": [], "expected_outputs": []}
+    tools.edit_json(b, "manifest.json", lambda doc: doc["stage_contracts"].__setitem__("reward.magic", contract))
+    return b, b, [f"{b / 'manifest.json'}:", "$.stage_contracts", "invalid enum value 'reward.magic'"]
+
+
+def case_invalid_json(tmp, tools):
+    b = _pr65(tmp)
+    (b / "index.json").write_bytes(b'{"bundle_id": "b-00001", "samples": [')
+    tools.reseal(b)
+    return b, b, [f"{b / 'index.json'}:", "invalid JSON", "truncated"]
+
+
+def case_wrong_types(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc["samples"][3].__setitem__("loss_mask", [1, "1", 1]))
+    return b, b, [f"{b / 'index.json'}:", "$.samples[3].loss_mask[1]", "expected `int`, got `str`"]
+
+
+def case_wrong_types_scalar(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc["samples"][2].__setitem__("response_length", "4"))
+    return b, b, [f"{b / 'index.json'}:", "$.samples[2].response_length", "expected `int`, got `str`"]
+
+
+def case_duplicate_sample_ids(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc["samples"][2].__setitem__("sample_id", "s-0"))
+    return b, b, [f"{b / 'index.json'}:", "$.samples[2].sample_id", "duplicate sample id 's-0'", "$.samples[0]"]
+
+
+def case_non_utf8(tmp, tools):
+    b = _pr65(tmp)
+    data = (b / "index.json").read_bytes()
+    at = data.index(b'"s-1"') + 3
+    (b / "index.json").write_bytes(data[:at] + b"\xff" + data[at:])
+    tools.reseal(b)
+    return b, b, [f"{b / 'index.json'}:", f"not valid UTF-8 (byte {at})"]
+
+
+def case_empty_bundle_dir(tmp, tools):
+    d = tmp / "empty"
+    d.mkdir()
+    return d, d, [f"{d}:", "empty directory"]
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+SUBPROCESS_CASES = ["truncated_payload", "pickled_object", "payload_name_dotdot", "invalid_json",
+                    "rank_path_without_cohort_complete"]
+
+
+def _check_refusal(rc: int, out: str, err: str, keywords: list[str]) -> None:
+    assert rc == 3, (rc, out, err)
+    assert out == ""
+    assert err.endswith("\n") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert err.startswith("trajectory-replay: error: ")
+    for word in keywords:
+        assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_validate_refuses_in_process(kind, tmp_path, capsys, bundle_tools):
+    target, root, keywords = CASES[kind](tmp_path, bundle_tools)
+    capsys.readouterr()
+    before = bundle_tools.snapshot(root)
+    rc = main(["validate", str(target)])
+    out, err = capsys.readouterr()
+    _check_refusal(rc, out, err, keywords)
+    assert bundle_tools.snapshot(root) == before
+    if kind == "pickled_object":
+        assert not (tmp_path / "code-ran").exists()
+
+
+@pytest.mark.parametrize("kind", SUBPROCESS_CASES)
+def test_validate_refuses_in_subprocess(kind, tmp_path, bundle_tools):
+    target, root, keywords = CASES[kind](tmp_path, bundle_tools)
+    before = bundle_tools.snapshot(root)
+    proc = subprocess.run([sys.executable, "-m", "replay_lib", "validate", str(target)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    _check_refusal(proc.returncode, proc.stdout, proc.stderr, keywords)
+    assert bundle_tools.snapshot(root) == before
+    if kind == "pickled_object":
+        assert not (tmp_path / "code-ran").exists()
+
+
+def test_every_case_starts_from_a_valid_bundle(tmp_path, capsys, bundle_tools):
+    """The fixtures the hostile cases tamper with are valid before tampering (so the refusal is earned)."""
+    b = write_pr65(tmp_path / "b", buggy=True)
+    bundle_tools.reseal(b)  # re-sealing an untouched bundle must keep it valid
+    c = write_cohort(tmp_path / "c", samples=4, tokens=3)
+    assert main(["validate", str(b)]) == 0
+    assert main(["validate", str(c)]) == 0
+    assert main(["validate", str(c / "rank-0")]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.count("— valid") == 3
