@@ -306,6 +306,11 @@ def _decode(path: Path, data: bytes, decoder: msgspec.json.Decoder):
 def _validation_message(exc: msgspec.ValidationError) -> str:
     # msgspec: "Expected `int`, got `str` - at `$.samples[3].loss_mask`" → "$.samples[3].loss_mask: expected `int`, got `str`"
     text = str(exc)
+    # A bad dict key: "Invalid enum value 'x' - at `key` in `$.stage_contracts`" → "$.stage_contracts (key): …"
+    m = re.match(r"^(.*) - at `key` in `(.*)`$", text, re.S)
+    if m:
+        what = m.group(1)
+        return f"{m.group(2)} (key): {what[:1].lower()}{what[1:]}"
     m = re.match(r"^(.*) - at `(.*)`$", text, re.S)
     if m:
         what = m.group(1)
@@ -334,7 +339,9 @@ def _load_tensor(path: Path) -> torch.Tensor:
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError for objects, RuntimeError for corrupt archives
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's first line is generic advice (incl. "retry with weights_only=False"); name the blocked global.
+        first = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(exc).__name__)
         raise BundleError(f"{path}: not a loadable weights-only tensor file ({first[:160]})") from None
     if type(obj) is not torch.Tensor:
         raise BundleError(f"{path}: payload must be a plain torch.Tensor, got {type(obj).__module__}.{type(obj).__qualname__}")
