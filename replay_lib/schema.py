@@ -136,6 +136,12 @@ class RecomputeConfig(_Struct, kw_only=True):
     normalize_advantages: bool = False
     eps_clip_c: Optional[float] = None
     use_rollout_logprobs: bool = False
+    # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
+    # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
+    # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).
+    vocab_size: Optional[int] = None
+    num_experts: Optional[int] = None
+    support_scored: Optional[list[str]] = None
 
 
 class BundleIndex(_Struct, kw_only=True):
