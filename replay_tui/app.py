@@ -1,0 +1,162 @@
+"""``replay-tui BUNDLE``: the Textual debugger. The replay runs in a worker thread through the same
+runner as the CLI; the app renders the resulting :class:`ReplayReport` (and the model built from it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import ClassVar, Optional, Sequence
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding, BindingType
+
+from replay_lib.bundle import open_bundle
+from replay_lib.errors import ReplayError, UsageError
+from replay_lib.runner import run_replay
+from replay_lib.schema import ActorStepId, StageId
+from replay_lib.selection import Selection
+
+from .commands import ReplayCommands
+from .messages import ReplayFailed, ReplayFinished, ReplayProgress
+from .model import ReplayModel, build_model
+from .screens.error import ErrorScreen
+from .screens.help import HelpScreen
+from .screens.main import DebuggerScreen
+
+PROG = "replay-tui"
+
+
+def error_line(message: str, prog: str = PROG) -> str:
+    """Exactly the line the CLI writes on stderr for a :class:`ReplayError`."""
+    return f"{prog}: error: {' '.join(message.split())}"
+
+
+class ReplayApp(App[int]):
+    TITLE = "replay-tui"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("ctrl+q", "quit", "Quit", show=False, priority=True, id="app.quit",
+                tooltip="Quit; the exit code follows the replay"),
+        Binding("ctrl+c", "help_quit", show=False, system=True, id="app.help-quit", tooltip="How to quit"),
+    ]
+    COMMANDS = App.COMMANDS | {ReplayCommands}
+
+    def __init__(
+        self,
+        bundle: Path,
+        *,
+        name: Optional[str] = None,
+        stages: Optional[Sequence[StageId]] = None,
+        selection: Selection = Selection(),
+        step: Optional[ActorStepId] = None,
+        rollout: Optional[int] = None,
+        max_divergences: int = 5,
+    ) -> None:
+        super().__init__()
+        self.bundle = Path(bundle)
+        # Only the basename is ever shown: full paths differ between machines and runs.
+        self.display_name = name or self.bundle.name or str(self.bundle)
+        self.stages = stages
+        self.selection = selection
+        self.step = step
+        self.rollout = rollout
+        self.max_divergences = max_divergences
+        self.model: Optional[ReplayModel] = None
+        self.error: Optional[tuple[str, int]] = None
+        self._run = 0
+
+    def get_default_screen(self) -> DebuggerScreen:
+        return DebuggerScreen(self.display_name)
+
+    @property
+    def debugger(self) -> DebuggerScreen:
+        screen = self.screen_stack[0] if self.screen_stack else None
+        assert isinstance(screen, DebuggerScreen)
+        return screen
+
+    # -- the replay worker ------------------------------------------------------------------------
+    def start_replay(self) -> None:
+        self._run += 1
+        self.debugger.show_progress("verify", 0, 0)
+        self._replay(self._run)
+
+    @work(thread=True, exclusive=True, group="replay")
+    def _replay(self, run: int) -> None:
+        def progress(stage: str, rank: Optional[int], done: int, total: int) -> None:
+            if stage != "done":
+                self.post_message(ReplayProgress(run, stage, done, total))
+
+        try:
+            self.post_message(ReplayProgress(run, "verify", 0, 0))
+            bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
+            report = run_replay(bundles, stages=self.stages, selection=self.selection,
+                                max_divergences=self.max_divergences, progress=progress)
+            self.post_message(ReplayProgress(run, "model", len(report.stages), len(report.stages)))
+            model = build_model(bundles, report, name=self.display_name)
+        except ReplayError as exc:
+            self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
+            return
+        self.post_message(ReplayFinished(run, model))
+
+    def on_replay_progress(self, message: ReplayProgress) -> None:
+        if message.run == self._run:
+            self.debugger.show_progress(message.stage, message.done, message.total)
+
+    def on_replay_finished(self, message: ReplayFinished) -> None:
+        if message.run != self._run:
+            return
+        self.model = message.model
+        self.debugger.load(message.model)
+
+    def on_replay_failed(self, message: ReplayFailed) -> None:
+        if message.run != self._run:
+            return
+        self.error = (message.message, message.code)
+        self.push_screen(ErrorScreen(message.message, message.code))
+
+    # -- actions ----------------------------------------------------------------------------------
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None:
+            return self.error[1]
+        if self.model is not None:
+            return self.model.report.exit_code
+        return 0
+
+    async def action_quit(self) -> None:
+        self.exit(return_code=self.exit_code)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+
+def app_from_args(args) -> ReplayApp:
+    """Build the app from parsed ``replay-tui`` arguments; raises UsageError (exit 2) like the CLI."""
+    from replay_lib.cli import anchor_from_args
+    from replay_lib.runner import parse_stage_names
+
+    try:
+        stages = parse_stage_names(args.stage)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.max_divergences < 1:
+        raise UsageError("--max-divergences must be at least 1")
+    step, rollout = anchor_from_args(args)
+    selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
+    name = getattr(args, "demo", None) or None
+    return ReplayApp(args.bundle, name=name, stages=stages, selection=selection, step=step, rollout=rollout,
+                     max_divergences=args.max_divergences)
+
+
+def run_app(args) -> int:
+    """Run the debugger; returns its exit code (the replay's, or the error's: 2/3/4)."""
+    try:
+        app = app_from_args(args)
+    except ReplayError as exc:
+        sys.stderr.write(error_line(str(exc)) + "\n")
+        return exc.exit_code
+    app.run()
+    if app.error is not None:
+        sys.stderr.write(app.error[0] + "\n")
+    return app.return_code if app.return_code is not None else app.exit_code

@@ -1,0 +1,39 @@
+"""Fixed-width cells for line-API rows. Data text is never parsed as markup here: rows are rich
+``Segment``s built from plain strings, so a sample id like ``s-[0]`` shows as written."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
+from rich.style import Style
+from textual.strip import Strip
+
+PASS = Style(color="green")
+FAIL = Style(color="red", bold=True)
+FAIL_SOFT = Style(color="red")
+SKIP = Style(dim=True)
+WARN = Style(color="yellow")
+DIM = Style(dim=True)
+BOLD = Style(bold=True)
+HEADER = Style(bold=True, dim=True)
+FIRST = Style(color="white", bgcolor="red", bold=True)
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def fit(text: str, width: int, align: str = "<") -> str:
+    """``text`` padded or truncated (with ``…``) to exactly ``width`` cells."""
+    if width <= 0:
+        return ""
+    if cell_len(text) > width:
+        text = set_cell_size(text, width - 1) + "…" if width > 1 else set_cell_size(text, width)
+    pad = width - cell_len(text)
+    return " " * pad + text if align == ">" else text + " " * pad
+
+
+def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Style) -> Strip:
+    """A row of ``(text, style)`` parts, cropped/padded to ``width``, over the widget's ``base`` style."""
+    segments = [Segment(text, style) for text, style in parts if text]
+    return Strip(segments).apply_style(base).crop_extend(0, width, base)

@@ -1,0 +1,55 @@
+"""Command palette provider: the same actions as the key bindings (one command per pane action)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from .keys import KeyAction, key_actions
+
+
+def command_title(ka: KeyAction) -> str:
+    if ka.pane == "main":
+        return ka.description
+    return f"{ka.section.split()[0]}: {ka.description}"
+
+
+class ReplayCommands(Provider):
+    """Lists every binding's action; running one focuses its pane first, as the key would act there."""
+
+    def _commands(self) -> list[tuple[str, str, KeyAction]]:
+        out = []
+        seen = set()
+        for ka in key_actions():
+            title = command_title(ka)
+            if (title, ka.action) in seen:
+                continue
+            seen.add((title, ka.action))
+            keys = ", ".join(ka.keys)
+            out.append((title, f"{ka.tooltip} (key: {keys})", ka))
+        return out
+
+    async def _run(self, ka: KeyAction) -> None:
+        from .screens.main import DebuggerScreen
+
+        screen = self.app.screen
+        if not isinstance(screen, DebuggerScreen):
+            return
+        if ka.pane == "main":
+            await self.app.run_action(ka.action, screen)
+            return
+        target = screen.pane_widget(ka.pane)
+        target.focus()
+        await self.app.run_action(ka.action, target)
+
+    async def discover(self) -> Hits:
+        for title, help_text, ka in self._commands():
+            yield DiscoveryHit(title, partial(self._run, ka), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, help_text, ka in self._commands():
+            score = matcher.match(title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), partial(self._run, ka), text=title, help=help_text)

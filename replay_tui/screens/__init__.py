@@ -1,0 +1,1 @@
+"""Screens: help, error, jump-to-sample."""

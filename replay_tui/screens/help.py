@@ -1,0 +1,65 @@
+"""``?`` / F1: every key, by pane, from the same bindings the footer and the command palette use."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.table import Table
+from rich.text import Text
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from ..keys import key_actions
+
+INTRO = (
+    "Panes: Stages (the DAG; enter opens a stage), Samples (groups → samples; ✗ = mismatches), "
+    "Diff (expected vs actual of the viewed field), Identity. Tab/shift+tab or 1–4 switch panes; the mouse "
+    "works too (click a row, a stage or the |err| strip)."
+)
+
+
+class HelpScreen(ModalScreen[None]):
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen #help-box {
+        width: 100; max-width: 96%; height: 90%; border: round $accent; background: $surface; padding: 0 1;
+    }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "dismiss", "Close", id="help.close", tooltip="Close the help screen"),
+        Binding("q", "dismiss", "Close", show=False, id="help.close-q", tooltip="Close the help screen"),
+        Binding("question_mark", "dismiss", "Close", show=False, id="help.close-question",
+                tooltip="Close the help screen"),
+        Binding("f1", "dismiss", "Close", show=False, id="help.close-f1", tooltip="Close the help screen"),
+    ]
+
+    def compose(self):
+        with VerticalScroll(id="help-box"):
+            yield Static(self._content(), id="help-text")
+
+    def on_mount(self) -> None:
+        box = self.query_one("#help-box")
+        box.border_title = "replay-tui — keys"
+        box.border_subtitle = "esc / q / ? closes"
+        box.focus()
+
+    def _content(self) -> Table:
+        grid = Table.grid(padding=(0, 2), expand=True)
+        grid.add_column(no_wrap=True, style="bold")
+        grid.add_column(no_wrap=True)
+        grid.add_column(ratio=1, style="dim")
+        grid.add_row(Text(INTRO, style="italic"), "", "")
+        section = None
+        for ka in key_actions():
+            if ka.section != section:
+                section = ka.section
+                grid.add_row("", "", "")
+                grid.add_row(Text(section, style="bold underline"), "", "")
+            keys = " ".join(self.app.get_key_display(Binding(k, ka.action)) for k in ka.keys)
+            grid.add_row(Text(keys), Text(ka.description), Text(ka.tooltip))
+        return grid
+
+    async def action_dismiss(self, result=None) -> None:
+        self.dismiss(None)

@@ -1,0 +1,312 @@
+"""The debugger screen: verdict, identity, stage DAG, sample tree and diff viewer.
+
+State lives here (``sample_id``, ``field``); the panes get model objects and post messages up."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+from textual import events
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Footer
+
+from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, FIELD_BY_NAME, FIELD_BY_STAGE
+from ..widgets.cursor_lines import CursorLines
+from ..widgets.diff_view import DiffPanel, DiffView
+from ..widgets.identity_pane import IdentityPane
+from ..widgets.sample_tree import SamplesPanel, SampleTree
+from ..widgets.stage_pane import StageList, StagesPanel
+from ..widgets.status_bar import TitleBar, VerdictBar
+from .jump import JumpScreen
+
+PANES = ("stages", "samples", "diff", "identity")
+# The identity pane is shown by default only when the terminal is tall enough for it.
+IDENTITY_MIN_HEIGHT = 32
+
+
+class DebuggerScreen(Screen, inherit_bindings=False):
+    DEFAULT_CSS = """
+    DebuggerScreen { layout: vertical; }
+    DebuggerScreen #body { height: 1fr; }
+    DebuggerScreen #left { width: 40; }
+    DebuggerScreen.-narrow #left { width: 30; }
+    DebuggerScreen #right { width: 1fr; }
+    """
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("tab", "focus_pane(1)", "Pane", id="main.next-pane", tooltip="Focus the next pane"),
+        Binding("shift+tab", "focus_pane(-1)", "Prev pane", show=False, id="main.prev-pane",
+                tooltip="Focus the previous pane"),
+        Binding("1", "focus_named('stages')", "Stages", show=False, id="main.focus-stages",
+                tooltip="Focus the stage DAG"),
+        Binding("2", "focus_named('samples')", "Samples", show=False, id="main.focus-samples",
+                tooltip="Focus the sample tree"),
+        Binding("3", "focus_named('diff')", "Diff", show=False, id="main.focus-diff", tooltip="Focus the diff viewer"),
+        Binding("4", "focus_named('identity')", "Identity", show=False, id="main.focus-identity",
+                tooltip="Focus the identity pane (shows it if hidden)"),
+        Binding("n", "divergence(1)", "Next div", id="main.next-divergence",
+                tooltip="Next divergence of the viewed field (continues into the next diverging sample)"),
+        Binding("N", "divergence(-1)", "Prev div", show=False, id="main.prev-divergence",
+                tooltip="Previous divergence of the viewed field"),
+        Binding("f", "cycle_field(1)", "Field", id="main.next-field",
+                tooltip="View the next field (raw_reward, reward, kl, advantage, loss)"),
+        Binding("F", "cycle_field(-1)", "Prev field", show=False, id="main.prev-field",
+                tooltip="View the previous field"),
+        Binding("e", "first_divergence", "First div", show=False, id="main.first-divergence",
+                tooltip="Go to the report's first divergence"),
+        Binding("slash", "jump", "Jump", id="main.jump", tooltip="Jump to a sample by id"),
+        Binding("i", "toggle_identity", "Identity", show=False, id="main.toggle-identity",
+                tooltip="Show or hide the identity pane"),
+        Binding("r", "rerun", "Re-run", show=False, id="main.rerun", tooltip="Verify and replay the bundle again"),
+        Binding("question_mark", "app.help", "Help", id="main.help", tooltip="Keys and panes"),
+        Binding("f1", "app.help", "Help", show=False, id="main.help-f1", tooltip="Keys and panes"),
+        Binding("q", "app.quit", "Quit", id="main.quit", tooltip="Quit; the exit code follows the replay (0 pass, 1 divergence)"),
+    ]
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.bundle_name = name
+        self.model: Optional[ReplayModel] = None
+        self.sample_id: Optional[str] = None
+        self.field: Optional[str] = None
+        self.identity_pref: Optional[bool] = None
+
+    def compose(self):
+        yield TitleBar(id="title")
+        yield VerdictBar(id="verdict")
+        with Horizontal(id="body"):
+            with Vertical(id="left"):
+                yield IdentityPane(id="identity")
+                yield SamplesPanel(id="samples")
+            with Vertical(id="right"):
+                yield StagesPanel(id="stages")
+                yield DiffPanel(id="diff")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one(TitleBar).show(self.bundle_name)
+        self.query_one(VerdictBar).show_progress("verify", 0, 0)
+        self.query_one(DiffPanel).show(None, message="replaying…")
+        self.query_one(DiffView).focus()
+        self.app.start_replay()
+
+    # -- panes ------------------------------------------------------------------------------------
+    @property
+    def stage_list(self) -> StageList:
+        return self.query_one(StageList)
+
+    @property
+    def tree(self) -> SampleTree:
+        return self.query_one(SampleTree)
+
+    @property
+    def diff_view(self) -> DiffView:
+        return self.query_one(DiffView)
+
+    @property
+    def diff_panel(self) -> DiffPanel:
+        return self.query_one(DiffPanel)
+
+    def pane_widget(self, name: str) -> Widget:
+        return {"stages": self.stage_list, "samples": self.tree, "diff": self.diff_view,
+                "identity": self.query_one(IdentityPane)}[name]
+
+    def focused_pane(self) -> Optional[str]:
+        for name in PANES:
+            if self.pane_widget(name).has_focus:
+                return name
+        return None
+
+    def _visible_panes(self) -> list[str]:
+        return [p for p in PANES if p != "identity" or self.query_one(IdentityPane).display]
+
+    # -- loading ----------------------------------------------------------------------------------
+    def show_progress(self, stage: str, done: int, total: int) -> None:
+        self.query_one(VerdictBar).show_progress(stage, done, total)
+
+    def load(self, model: ReplayModel) -> None:
+        self.model = model
+        report = model.report
+        self.query_one(TitleBar).show(model.name, report)
+        self.query_one(VerdictBar).show_report(report)
+        self.query_one(IdentityPane).set_rows(model.identity)
+        self.stage_list.set_report(report)
+        self.query_one(StagesPanel).show_detail(self.stage_list.stage)
+        self.tree.set_model(model)
+        self.sample_id = None
+        self.field = None
+        self.action_first_divergence(focus=False)
+
+    # -- selection --------------------------------------------------------------------------------
+    def select(self, *, sample_id: Optional[str] = None, field: Optional[str] = None, row: Optional[int] = None) -> None:
+        """Show ``field`` of ``sample_id`` in the diff viewer with the cursor on ``row`` (default: the
+        first divergent row, or the sample's row in a per-sample table)."""
+        model = self.model
+        if model is None:
+            return
+        if sample_id is not None and sample_id in model.by_id:
+            self.sample_id = sample_id
+        if self.sample_id is None and model.samples:
+            self.sample_id = model.samples[0].sample_id
+        if field is not None and field in model.fields:
+            self.field = field
+        if self.field is None and model.fields:
+            self.field = model.fields[0]
+        if self.sample_id is not None:
+            self.tree.show_sample(self.sample_id)
+        if self.field is None:
+            reason = "; ".join(f"{k}: {v}" for k, v in model.unavailable.items())
+            self.diff_panel.show(None, message=f"no field to compare ({reason})" if reason else "no field to compare")
+            return
+        kind = FIELD_BY_NAME[self.field].kind
+        if kind == KIND_TOKEN and self.sample_id is None:
+            self.diff_panel.show(None, message="no sample selected")
+            return
+        diff = model.field_diff(self.field, self.sample_id)
+        if row is None:
+            if kind == KIND_SAMPLE:
+                row = model.sample_row_index(self.field, self.sample_id) if self.sample_id else 0
+            else:
+                row = diff.divergent[0] if diff.divergent else 0
+        self.diff_panel.show(diff, cursor=row or 0)
+
+    @property
+    def diff_cursor(self) -> int:
+        return self.diff_view.cursor
+
+    # -- messages from the panes ------------------------------------------------------------------
+    def on_sample_tree_sample_highlighted(self, event: SampleTree.SampleHighlighted) -> None:
+        if event.sample_id == self.sample_id:
+            return
+        kind = FIELD_BY_NAME[self.field].kind if self.field else None
+        if kind == KIND_TOKEN:
+            self.select(sample_id=event.sample_id)
+        else:
+            self.sample_id = event.sample_id
+            if kind == KIND_SAMPLE and self.model is not None:
+                row = self.model.sample_row_index(self.field, event.sample_id)
+                if row is not None:
+                    self.diff_view.cursor = row
+
+    def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
+        view = event.view
+        if isinstance(view, DiffView) and view.diff is not None and view.diff.kind == KIND_SAMPLE:
+            label = view.diff.labels[event.row] if event.row < len(view.diff.labels) else None
+            if label is not None and label != self.sample_id:
+                self.sample_id = label
+                self.tree.show_sample(label)
+
+    def on_cursor_lines_activated(self, event: CursorLines.Activated) -> None:
+        view = event.view
+        if isinstance(view, StageList):
+            self.open_stage(view.cursor)
+        elif isinstance(view, SampleTree):
+            self.diff_view.focus()
+
+    def open_stage(self, index: int) -> None:
+        model = self.model
+        if model is None:
+            return
+        stage = model.report.stages[index]
+        spec = FIELD_BY_STAGE.get(stage.stage)
+        if spec is None or spec.name not in model.fields:
+            why = model.unavailable.get(spec.name) if spec else None
+            self.notify(f"{stage.stage}: nothing to show" + (f" ({why})" if why else " (no per-element values)"),
+                        severity="warning", timeout=4)
+            return
+        first = next((d for d in stage.divergences if d.sample_id is not None), None)
+        sample = first.sample_id if first is not None and first.sample_id in model.by_id else None
+        row = first.token_offset if first is not None and spec.kind == KIND_TOKEN else None
+        self.select(sample_id=sample, field=spec.name, row=row)
+        self.diff_view.focus()
+
+    # -- actions ----------------------------------------------------------------------------------
+    def action_focus_pane(self, step: int) -> None:
+        panes = self._visible_panes()
+        current = self.focused_pane()
+        i = panes.index(current) if current in panes else -1
+        self.pane_widget(panes[(i + step) % len(panes)]).focus()
+
+    def action_focus_named(self, name: str) -> None:
+        if name == "identity":
+            self._set_identity(True)
+        self.pane_widget(name).focus()
+
+    def action_cycle_field(self, step: int) -> None:
+        model = self.model
+        if model is None or not model.fields:
+            return
+        i = model.fields.index(self.field) if self.field in model.fields else -1
+        self.select(field=model.fields[(i + step) % len(model.fields)])
+
+    def action_first_divergence(self, focus: bool = True) -> None:
+        model = self.model
+        if model is None:
+            return
+        first = model.report.first_divergence
+        field = field_for_divergence(first.stage, first.field) if first is not None else None
+        if first is None or field not in model.fields:
+            fallback = next((f for f in model.fields if FIELD_BY_NAME[f].kind == KIND_TOKEN), None)
+            self.select(field=fallback or (model.fields[0] if model.fields else None))
+        else:
+            row = first.token_offset if FIELD_BY_NAME[field].kind == KIND_TOKEN else None
+            if FIELD_BY_NAME[field].kind == "cohort":
+                diff = model.field_diff(field)
+                row = diff.divergent[0] if diff.divergent else 0
+            self.select(sample_id=first.sample_id, field=field, row=row)
+        if first is not None:
+            self.stage_list.cursor = next(
+                (i for i, s in enumerate(model.report.stages) if s.stage == first.stage), self.stage_list.cursor)
+        if focus:
+            self.diff_view.focus()
+
+    def action_divergence(self, direction: int) -> None:
+        model = self.model
+        view = self.diff_view
+        if model is None or view.diff is None:
+            return
+        if view.jump(direction):
+            return
+        if view.diff.kind == KIND_TOKEN:
+            order = [s.sample_id for s in model.samples]
+            here = order.index(self.sample_id) if self.sample_id in order else -1
+            candidates = order[here + 1:] if direction > 0 else list(reversed(order[:max(here, 0)]))
+            for sid in candidates:
+                if model.sample(sid).mismatches.get(self.field, 0):
+                    diff = model.field_diff(self.field, sid)
+                    self.select(sample_id=sid, row=diff.divergent[0] if direction > 0 else diff.divergent[-1])
+                    return
+        self.notify(f"no {'further' if direction > 0 else 'earlier'} divergence in {self.field}", timeout=2)
+        self.app.bell()
+
+    def action_jump(self) -> None:
+        if self.model is None:
+            return
+
+        def done(sample_id: Optional[str]) -> None:
+            if sample_id:
+                self.select(sample_id=sample_id)
+                self.tree.focus()
+
+        self.app.push_screen(JumpScreen([s.sample_id for s in self.model.samples]), done)
+
+    def action_toggle_identity(self) -> None:
+        self._set_identity(not self.query_one(IdentityPane).display)
+
+    def _set_identity(self, show: bool) -> None:
+        self.identity_pref = show
+        pane = self.query_one(IdentityPane)
+        if not show and pane.has_focus:
+            self.diff_view.focus()
+        pane.display = show
+
+    def action_rerun(self) -> None:
+        self.app.start_replay()
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.identity_pref is None:
+            self.query_one(IdentityPane).display = event.size.height >= IDENTITY_MIN_HEIGHT

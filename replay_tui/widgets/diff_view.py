@@ -1,0 +1,234 @@
+"""The diff viewer: offset | expected | actual | abs err | loss mask for one sample's per-token field (or
+the per-sample / cohort table of a scalar field), mismatches in red, and a one-line |error| strip
+along the row axis. Line API with an LRU cache: a 32k-token sample renders only the visible rows."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Optional
+
+from rich.style import Style
+from rich.text import Text
+from textual.binding import BindingType
+from textual.containers import Vertical
+from textual.strip import Strip
+from textual.widget import Widget
+from textual.widgets import Static
+
+from ..cells import BOLD, DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, strip_of
+from ..model import KIND_COHORT, KIND_SAMPLE, KIND_TOKEN, FieldDiff, fmt_cell
+from .cursor_lines import CursorLines
+from .header_line import HeaderLine
+
+
+def fit_number(x: Optional[float], width: int) -> str:
+    """The CLI's shortest float32 form when it fits, else fewer significant digits (never ``…``)."""
+    text = fmt_cell(x)
+    if len(text) <= width or x is None or not math.isfinite(x):
+        return fit(text, width, ">")
+    for digits in range(8, 0, -1):
+        text = f"{x:.{digits}g}"
+        if len(text) <= width:
+            break
+    return fit(text, width, ">")
+
+
+class DiffView(CursorLines):
+    PANE = "diff"
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("diff", "row")
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.diff: Optional[FieldDiff] = None
+
+    def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0) -> None:
+        self.diff = diff
+        self.set_rows(len(diff) if diff is not None else 0, cursor=cursor)
+        self.center_cursor()
+
+    # -- layout -----------------------------------------------------------------------------------
+    def _columns(self, width: int) -> tuple[int, int, int]:
+        """(key column width, number column width, tail width)."""
+        diff = self.diff
+        tail = 5 if diff is not None and diff.kind == KIND_TOKEN else 0
+        if diff is None or diff.kind == KIND_TOKEN:
+            key = max(6, len(str(max(len(diff) - 1, 0))) if diff is not None else 6)
+        elif diff.kind == KIND_SAMPLE:
+            key = max(6, min(24, max((len(x) for x in diff.labels), default=6))) + 7
+        else:
+            key = max(6, min(28, max((len(x) for x in diff.labels), default=6)))
+        room = width - 2 - key - tail - 2 - 3
+        num = max(7, min(15, room // 3))
+        return key, num, tail
+
+    def render_header(self, width: int, base: Style) -> Strip:
+        diff = self.diff
+        key, num, tail = self._columns(width)
+        if diff is None:
+            return strip_of([("", None)], width, base)
+        if diff.kind == KIND_TOKEN:
+            head = fit("offset", key, ">")
+        elif diff.kind == KIND_SAMPLE:
+            head = fit("sample", key - 7) + " " + fit("group", 6)
+        else:
+            head = fit("field", key)
+        parts = [("  " + head, None), (" " + fit("expected", num, ">"), None), (" " + fit("actual", num, ">"), None),
+                 (" " + fit("abs err", num, ">"), None)]
+        if tail:
+            parts.append((" " + fit("mask", tail - 1, ">"), None))
+        return strip_of(parts, width, base)
+
+    def render_row(self, row: int, width: int, base: Style) -> Strip:
+        diff = self.diff
+        key, num, tail = self._columns(width)
+        bad = diff.bad[row]
+        marker = ("✗ ", FAIL) if bad else ("  ", None)
+        if diff.kind == KIND_TOKEN:
+            head = (fit(str(row), key, ">"), FAIL_SOFT if bad else DIM)
+        elif diff.kind == KIND_SAMPLE:
+            head = (fit(diff.labels[row], key - 7) + " " + fit(diff.groups[row], 6), FAIL_SOFT if bad else None)
+        else:
+            head = (fit(diff.labels[row], key), FAIL_SOFT if bad else None)
+        value_style = FAIL_SOFT if bad else None
+        err = diff.abs_error[row]
+        parts = [
+            marker, head,
+            (" " + fit_number(diff.expected[row], num), value_style),
+            (" " + fit_number(diff.actual[row], num), FAIL if bad else value_style),
+            (" " + fit_number(err, num), FAIL if bad else DIM),
+        ]
+        if tail:
+            m = diff.mask[row]
+            parts.append((" " + fit(str(m), tail - 1, ">"), None if m else DIM))
+        return strip_of(parts, width, base)
+
+    # -- divergence navigation --------------------------------------------------------------------
+    def jump(self, direction: int) -> bool:
+        """Cursor to the next/previous divergent row of this diff; False when there is none."""
+        if self.diff is None:
+            return False
+        row = self.diff.next_divergence(self.cursor, direction)
+        if row is None:
+            return False
+        self.cursor = row
+        return True
+
+
+class ErrorStrip(Widget):
+    """|error| along the rows in one line: bar height = max |err| of the bin, red where a bin holds a
+    divergence; the cursor's bin is drawn reversed. Click a bin to jump there."""
+
+    DEFAULT_CSS = """
+    ErrorStrip { height: 1; }
+    """
+
+    def __init__(self, view: DiffView, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.view = view
+        self._cache_key: tuple = ()
+        self._profile: list[tuple[float, bool]] = []
+
+    LABEL = "|err| "
+
+    def _bins(self) -> int:
+        return max(1, self.size.width - len(self.LABEL))
+
+    def profile(self) -> list[tuple[float, bool]]:
+        diff = self.view.diff
+        if diff is None:
+            return []
+        key = (id(diff), self._bins())
+        if key != self._cache_key:
+            self._cache_key = key
+            self._profile = diff.error_profile(self._bins())
+        return self._profile
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        base = self.rich_style
+        diff = self.view.diff
+        if y != 0 or diff is None or len(diff) == 0:
+            return Strip.blank(width, base)
+        prof = self.profile()
+        bins = len(prof)
+        n = len(diff)
+        cursor_bin = self.view.cursor * bins // n if n else -1
+        parts: list[tuple[str, Optional[Style]]] = [(self.LABEL, DIM)]
+        for b, (level, flagged) in enumerate(prof):
+            if level <= 0 and not flagged:
+                ch, style = "▁", DIM
+            else:
+                ch = SPARK[min(len(SPARK) - 1, max(0, math.ceil(level * len(SPARK)) - 1))]
+                style = FAIL_SOFT if flagged else PASS
+            if b == cursor_bin:
+                style = (style or Style()) + Style(reverse=True)
+            parts.append((ch, style))
+        return strip_of(parts, width, base)
+
+    def on_click(self, event) -> None:
+        diff = self.view.diff
+        offset = event.get_content_offset(self)
+        if diff is None or offset is None or offset.x < len(self.LABEL):
+            return
+        b = offset.x - len(self.LABEL)
+        bins = len(self.profile())
+        if 0 <= b < bins:
+            self.view.cursor = diff.row_of_bin(b, bins)
+            self.view.focus()
+
+
+class DiffPanel(Vertical):
+    """Title line, |error| strip, column header and the rows."""
+
+    DEFAULT_CSS = """
+    DiffPanel {
+        border: round $panel-lighten-2;
+        height: 1fr;
+        &:focus-within { border: round $accent; }
+        #diff-info { height: 1; }
+    }
+    """
+
+    def compose(self):
+        view = DiffView(id="diff-view")
+        yield Static(id="diff-info")
+        yield ErrorStrip(view, id="error-strip")
+        yield HeaderLine(view.render_header, id="diff-header")
+        yield view
+
+    def on_mount(self) -> None:
+        self.border_title = "Diff"
+
+    @property
+    def view(self) -> DiffView:
+        return self.query_one(DiffView)
+
+    def show(self, diff: Optional[FieldDiff], cursor: int = 0, message: str = "") -> None:
+        view = self.view
+        view.set_diff(diff, cursor)
+        self.query_one("#diff-header", HeaderLine).refresh()
+        self.query_one(ErrorStrip).refresh()
+        info = Text(no_wrap=True, overflow="ellipsis")
+        if diff is None:
+            self.border_title = "Diff"
+            info.append(message or "nothing to show", style="dim")
+        else:
+            if diff.kind == KIND_TOKEN:
+                self.border_title = f"Diff · {diff.field} · {diff.sample_id}"
+                info.append(f"{len(diff)} token(s)")
+            elif diff.kind == KIND_SAMPLE:
+                self.border_title = f"Diff · {diff.field} · all samples"
+                info.append(f"{len(diff)} sample(s)")
+            else:
+                self.border_title = f"Diff · {diff.field} · cohort"
+                info.append(f"{len(diff)} field(s)")
+            if diff.mismatches:
+                info.append(f" · {diff.mismatches} divergent", style="bold red")
+            else:
+                info.append(" · no divergence", style="green")
+            info.append(f" · {diff.stage} atol={diff.atol:g} rtol={diff.rtol:g}", style="dim")
+        self.query_one("#diff-info", Static).update(info)
+
+    def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
+        if isinstance(event.view, DiffView):
+            self.query_one(ErrorStrip).refresh()

@@ -1,0 +1,238 @@
+"""Groups → samples, with status marks, mismatch counts, micro-batch and reward; a diverging-only
+filter. Line API: thousands of samples cost only the visible rows."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+from rich.style import Style
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.message import Message
+from textual.reactive import reactive
+from textual.strip import Strip
+
+from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SKIP, fit, strip_of
+from ..model import ReplayModel
+from .cursor_lines import CursorLines
+from .header_line import HeaderLine
+
+GROUP = "group"
+SAMPLE = "sample"
+
+
+class SampleTree(CursorLines):
+    PANE = "samples"
+    ROW_NOUN = "row"
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("samples", "row") + [
+        Binding("d", "toggle_filter", "Diverging", id="samples.filter",
+                tooltip="Show only samples with a mismatch (toggle)"),
+        Binding("space", "toggle_group", "Fold", id="samples.fold", tooltip="Fold or unfold the group under the cursor"),
+        Binding("left", "fold(True)", "Fold", show=False, id="samples.collapse", tooltip="Fold the group"),
+        Binding("right", "fold(False)", "Unfold", show=False, id="samples.expand", tooltip="Unfold the group"),
+        Binding("h", "fold(True)", "Fold", show=False, id="samples.collapse-vim", tooltip="Fold the group (vim)"),
+        Binding("l", "fold(False)", "Unfold", show=False, id="samples.expand-vim", tooltip="Unfold the group (vim)"),
+    ]
+
+    diverging_only: reactive[bool] = reactive(False, init=False)
+
+    class SampleHighlighted(Message):
+        def __init__(self, tree: "SampleTree", sample_id: str) -> None:
+            super().__init__()
+            self.tree = tree
+            self.sample_id = sample_id
+
+        @property
+        def control(self) -> "SampleTree":
+            return self.tree
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.model: Optional[ReplayModel] = None
+        self.folded: set[int] = set()
+        self.rows: list[tuple[str, int]] = []
+
+    # -- content ----------------------------------------------------------------------------------
+    def set_model(self, model: ReplayModel) -> None:
+        self.model = model
+        self.folded = set()
+        self._rebuild()
+
+    def _rebuild(self, keep: Optional[tuple[str, int]] = None) -> None:
+        rows: list[tuple[str, int]] = []
+        model = self.model
+        if model is not None:
+            for gi, group in enumerate(model.groups):
+                members = group.samples
+                if self.diverging_only:
+                    members = tuple(m for m in members if model.samples[m].total_mismatches)
+                    if not members:
+                        continue
+                rows.append((GROUP, gi))
+                if gi not in self.folded:
+                    rows.extend((SAMPLE, m) for m in members)
+        self.rows = rows
+        cursor = None
+        if keep is not None and keep in rows:
+            cursor = rows.index(keep)
+        self.set_rows(len(rows), cursor=cursor)
+
+    @property
+    def selected_sample(self) -> Optional[str]:
+        if self.model is None or not self.rows:
+            return None
+        kind, i = self.rows[self.cursor]
+        return self.model.samples[i].sample_id if kind == SAMPLE else None
+
+    def show_sample(self, sample_id: str) -> bool:
+        """Move the cursor to ``sample_id``, unfolding its group (and lifting the filter if it hides it)."""
+        model = self.model
+        if model is None or sample_id not in model.by_id:
+            return False
+        si = model.by_id[sample_id]
+        if self.diverging_only and not model.samples[si].total_mismatches:
+            self.diverging_only = False
+        gi = next((g for g, grp in enumerate(model.groups) if si in grp.samples), None)
+        if gi is not None and gi in self.folded:
+            self.folded.discard(gi)
+            self._rebuild()
+        if (SAMPLE, si) in self.rows:
+            row = self.rows.index((SAMPLE, si))
+            if row != self.cursor:
+                self.cursor = row
+            return True
+        return False
+
+    # -- drawing ----------------------------------------------------------------------------------
+    def _columns(self, width: int) -> tuple[int, bool, bool]:
+        """(id width, show micro-batch, show reward)."""
+        show_mb = width >= 34
+        show_reward = width >= 24
+        fixed = 4 + (9 if show_mb else 0) + (8 if show_reward else 0) + 5
+        return max(4, width - fixed), show_mb, show_reward
+
+    def render_header(self, width: int, base: Style) -> Strip:
+        idw, show_mb, show_reward = self._columns(width)
+        parts = [("    " + fit("sample", idw), None)]
+        if show_mb:
+            parts.append((" " + fit("batch", 8), None))
+        if show_reward:
+            parts.append((" " + fit("reward", 7, ">"), None))
+        parts.append((" " + fit("✗", 4, ">"), None))
+        return strip_of(parts, width, base)
+
+    def render_row(self, row: int, width: int, base: Style) -> Strip:
+        model = self.model
+        kind, i = self.rows[row]
+        if kind == GROUP:
+            group = model.groups[i]
+            arrow = "▸" if i in self.folded else "▾"
+            mark, style = ("✗", FAIL) if group.diverging else ("✓", PASS)
+            if not any(model.samples[m].compared for m in group.samples):
+                mark, style = "·", SKIP
+            tail = f"{group.diverging}/{len(group.samples)} diverging" if group.diverging else f"{len(group.samples)} samples"
+            label_w = max(4, width - 4 - len(tail) - 1)
+            return strip_of([(f"{arrow} ", None), (mark + " ", style), (fit(group.label, label_w), Style(bold=True)),
+                             (" " + tail, FAIL_SOFT if group.diverging else DIM)], width, base)
+        s = model.samples[i]
+        idw, show_mb, show_reward = self._columns(width)
+        n = s.total_mismatches
+        if not s.compared:
+            mark, style = "·", SKIP
+        elif n:
+            mark, style = "✗", FAIL
+        else:
+            mark, style = "✓", PASS
+        parts = [("  ", None), (mark + " ", style), (fit(s.sample_id, idw), FAIL_SOFT if n else None)]
+        if show_mb:
+            parts.append((" " + fit(s.micro_batch_id or "—", 8), DIM))
+        if show_reward:
+            reward = s.reward if s.reward is not None else s.raw_reward
+            parts.append((" " + fit(_short(reward), 7, ">"), None))
+        parts.append((" " + fit(str(n) if n else "·", 4, ">"), FAIL_SOFT if n else DIM))
+        return strip_of(parts, width, base)
+
+    # -- events and actions -----------------------------------------------------------------------
+    def watch_cursor(self, old: int, new: int) -> None:
+        super().watch_cursor(old, new)
+        sid = self.selected_sample
+        if sid is not None:
+            self.post_message(self.SampleHighlighted(self, sid))
+
+    def watch_diverging_only(self) -> None:
+        keep = self.rows[self.cursor] if self.rows else None
+        self._rebuild(keep)
+        if self.rows and keep not in self.rows:
+            # the highlighted sample was filtered out: go to the first diverging one
+            first = next((r for r, (k, _) in enumerate(self.rows) if k == SAMPLE), 0)
+            self.cursor = first
+        self.post_message(self.FilterChanged(self, self.diverging_only))
+
+    class FilterChanged(Message):
+        def __init__(self, tree: "SampleTree", diverging_only: bool) -> None:
+            super().__init__()
+            self.tree = tree
+            self.diverging_only = diverging_only
+
+    def action_toggle_filter(self) -> None:
+        self.diverging_only = not self.diverging_only
+
+    def _group_under_cursor(self) -> Optional[int]:
+        if not self.rows:
+            return None
+        kind, i = self.rows[self.cursor]
+        if kind == GROUP:
+            return i
+        return next((g for g, grp in enumerate(self.model.groups) if i in grp.samples), None)
+
+    def action_toggle_group(self) -> None:
+        gi = self._group_under_cursor()
+        if gi is not None:
+            self.action_fold(gi not in self.folded)
+
+    def action_fold(self, fold: bool) -> None:
+        gi = self._group_under_cursor()
+        if gi is None:
+            return
+        if fold:
+            self.folded.add(gi)
+        else:
+            self.folded.discard(gi)
+        self._rebuild(keep=(GROUP, gi) if fold else self.rows[self.cursor])
+
+    def action_activate(self) -> None:
+        if self.rows and self.rows[self.cursor][0] == GROUP:
+            self.action_toggle_group()
+        else:
+            super().action_activate()
+
+
+def _short(x: Optional[float]) -> str:
+    if x is None:
+        return "—"
+    text = f"{x:.4g}"
+    return text
+
+
+class SamplesPanel(Vertical):
+    """Column header + tree, in one bordered pane."""
+
+    DEFAULT_CSS = """
+    SamplesPanel {
+        border: round $panel-lighten-2;
+        border-title-color: $text;
+        height: 1fr;
+        &:focus-within { border: round $accent; }
+    }
+    """
+
+    def compose(self):
+        tree = SampleTree(id="sample-tree")
+        yield HeaderLine(tree.render_header, id="samples-header")
+        yield tree
+
+    def on_mount(self) -> None:
+        self.border_title = "Samples"
+
+    def on_sample_tree_filter_changed(self, event: SampleTree.FilterChanged) -> None:
+        self.border_title = "Samples · diverging only" if event.diverging_only else "Samples"

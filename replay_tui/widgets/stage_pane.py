@@ -1,0 +1,162 @@
+"""The stage DAG: every stage with its status, capability, mismatch count and max |error|, drawn as the
+chain it is (sample → reward.raw → … → advantage.estimate, forking into loss.policy / loss.value).
+The first divergent stage is marked in red."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+from rich.style import Style
+from rich.text import Text
+from textual.binding import BindingType
+from textual.containers import Vertical
+from textual.strip import Strip
+from textual.widgets import Static
+
+from replay_lib.report import STATUS_FAIL, STATUS_PASS, ReplayReport, StageReport, fmt_value
+
+from ..cells import DIM, FAIL, FIRST, PASS, SKIP, fit, strip_of
+from .cursor_lines import CursorLines
+from .header_line import HeaderLine
+
+# Stages after which the DAG forks: the loss stages hang off the last advantage-side stage.
+LEAVES = ("loss.policy", "loss.value")
+FIRST_MARK = " ◀ first"
+STATUS_GLYPH = {STATUS_PASS: ("✓", PASS), STATUS_FAIL: ("✗", FAIL)}
+
+
+def dag_gutters(stages: list[str]) -> list[str]:
+    """Box-drawing prefix of each stage: a staircase chain, the loss leaves as siblings."""
+    out: list[str] = []
+    depth = 0
+    leaves = [s for s in stages if s in LEAVES]
+    chain_len = len(stages) - len(leaves)
+    for i, stage in enumerate(stages):
+        if i == 0:
+            out.append("")
+            continue
+        if stage in LEAVES and i >= chain_len:
+            d = chain_len
+            last = stage == leaves[-1]
+            out.append(" " * (d - 1) + ("└" if last else "├"))
+            continue
+        depth = i
+        out.append(" " * (depth - 1) + "└")
+    return out
+
+
+class StageList(CursorLines):
+    PANE = "stages"
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("stages", "stage")
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.report: Optional[ReplayReport] = None
+        self.gutters: list[str] = []
+
+    def set_report(self, report: ReplayReport) -> None:
+        self.report = report
+        self.gutters = dag_gutters([s.stage for s in report.stages])
+        first = next((i for i, s in enumerate(report.stages) if s.stage == report.first_divergent_stage), 0)
+        self.styles.height = len(report.stages)
+        self.set_rows(len(report.stages), cursor=first)
+        if self.parent is not None:
+            for header in self.parent.query(HeaderLine):
+                header.refresh()
+
+    @property
+    def stage(self) -> Optional[StageReport]:
+        if self.report is None or not self.report.stages:
+            return None
+        return self.report.stages[self.cursor]
+
+    def _columns(self, width: int) -> tuple[int, bool, bool, int]:
+        """(name width, show capability, show max err, reason width): narrower panes drop the reason,
+        then the capability (the detail line below the DAG still names both)."""
+        name_w = max([len(g) + 2 + len(s.stage) for g, s in zip(self.gutters, self.report.stages)] + [10]) + 1
+        rest = width - name_w - 8 - 6
+        show_err = rest >= 9
+        rest -= 9 if show_err else 0
+        if self.report.first_divergent_stage and rest >= len(FIRST_MARK) + 13:
+            name_w += len(FIRST_MARK)
+            rest -= len(FIRST_MARK)
+        show_cap = rest >= 13
+        rest -= 13 if show_cap else 0
+        return name_w, show_cap, show_err, max(0, rest - 1)
+
+    def render_header(self, width: int, base: Style) -> Strip:
+        if self.report is None:
+            return strip_of([("stage", None)], width, base)
+        name_w, show_cap, show_err, reason_w = self._columns(width)
+        parts = [(fit("stage", name_w), None), (fit("status", 8), None), (fit("mism", 5, ">") + " ", None)]
+        if show_err:
+            parts.append((fit("max|err|", 8, ">") + " ", None))
+        if show_cap:
+            parts.append((" " + fit("capability", 12), None))
+        if reason_w:
+            parts.append((" " + fit("reason", reason_w), None))
+        return strip_of(parts, width, base)
+
+    def render_row(self, row: int, width: int, base: Style) -> Strip:
+        report = self.report
+        s = report.stages[row]
+        name_w, show_cap, show_err, reason_w = self._columns(width)
+        glyph, gstyle = STATUS_GLYPH.get(s.status, ("○", SKIP))
+        first = s.stage == report.first_divergent_stage
+        gutter = self.gutters[row]
+        room = name_w - len(gutter) - 2
+        label = s.stage + FIRST_MARK if first and room > len(s.stage) + len(FIRST_MARK) else s.stage
+        parts: list[tuple[str, Optional[Style]]] = [
+            (gutter, DIM), (glyph + " ", gstyle),
+            (fit(label, name_w - len(gutter) - 2), FIRST if first else (None if s.status != "skipped" else SKIP)),
+        ]
+        status = {"pass": "pass", "fail": "FAIL", "skipped": "skipped"}.get(s.status, s.status)
+        parts.append((fit(status, 8), gstyle if s.status != "skipped" else SKIP))
+        mism = str(s.mismatches) if s.status != "skipped" else "—"
+        parts.append((fit(mism, 5, ">") + " ", FAIL if s.mismatches else DIM))
+        if show_err:
+            err = fmt_value(s.max_abs_error) if s.max_abs_error is not None else "—"
+            parts.append((fit(err, 8, ">") + " ", FAIL if s.status == STATUS_FAIL else DIM))
+        if show_cap:
+            parts.append((" " + fit(s.capability or "—", 12), DIM))
+        if reason_w:
+            parts.append((" " + fit(s.reason, reason_w), DIM if s.status != STATUS_FAIL else None))
+        return strip_of(parts, width, base)
+
+
+class StagesPanel(Vertical):
+    """Header, DAG rows and the full reason of the highlighted stage."""
+
+    DEFAULT_CSS = """
+    StagesPanel {
+        border: round $panel-lighten-2;
+        height: auto;
+        &:focus-within { border: round $accent; }
+        #stage-detail { height: 1; color: $text-muted; }
+    }
+    """
+
+    def compose(self):
+        stages = StageList(id="stage-list")
+        yield HeaderLine(stages.render_header, id="stages-header")
+        yield stages
+        yield Static(id="stage-detail")
+
+    def on_mount(self) -> None:
+        self.border_title = "Stages"
+
+    def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
+        if isinstance(event.view, StageList):
+            self.show_detail(event.view.stage)
+
+    def show_detail(self, stage: Optional[StageReport]) -> None:
+        detail = self.query_one("#stage-detail", Static)
+        if stage is None:
+            detail.update("")
+            return
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(stage.stage, style="bold")
+        text.append(f" [{stage.capability or '—'}]", style="dim")
+        if stage.reason:
+            text.append(" — " + stage.reason)
+        detail.update(text)

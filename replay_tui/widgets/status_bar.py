@@ -1,0 +1,83 @@
+"""Top of the screen: the title line and the verdict line (replay progress while the worker runs)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+from textual.widgets import Static
+
+from replay_lib.report import STATUS_PASS, ReplayReport
+
+from ..model import first_divergence_text
+
+
+class TitleBar(Static):
+    DEFAULT_CSS = """
+    TitleBar { height: 1; background: $panel; color: $text; text-style: bold; padding: 0 1; }
+    """
+
+    def show(self, name: str, report: Optional[ReplayReport] = None) -> None:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append("replay-tui", style="bold")
+        if report is not None:
+            text.append(f"  {report.bundle_id}")
+            text.append(f" · {name}", style="not bold")
+            if report.kind:
+                text.append(f" · {report.kind}-level {report.anchor}", style="not bold")
+            if len(report.ranks) > 1:
+                text.append(f" · {len(report.ranks)} ranks", style="not bold")
+        else:
+            text.append(f"  {name}", style="not bold")
+        text.append("   ?/F1 help · ctrl+p commands", style="not bold dim")
+        self.update(text)
+
+
+class VerdictBar(Static):
+    DEFAULT_CSS = """
+    VerdictBar { height: auto; max-height: 3; padding: 0 1; }
+    VerdictBar.-fail { background: $error 20%; }
+    VerdictBar.-pass { background: $success 15%; }
+    """
+
+    def show_progress(self, stage: str, done: int, total: int) -> None:
+        self.report = None
+        self.set_classes("")
+        text = Text()
+        text.append("⟳ ", style="bold")
+        if stage == "verify":
+            text.append("verifying bundle (checksums, schema, anchors)…")
+        elif stage == "model":
+            text.append(f"replayed {total} stage(s); preparing the diff…")
+        else:
+            width = max(total, 1)
+            bar = "■" * done + "□" * (width - done)
+            text.append(f"replaying {stage}  {done}/{total} ")
+            text.append(bar, style="dim")
+        self.update(text)
+
+    report: Optional[ReplayReport] = None
+
+    def on_resize(self) -> None:
+        if self.report is not None:
+            self.show_report(self.report)
+
+    def show_report(self, report: ReplayReport) -> None:
+        """One line when it fits; else the divergence goes on its own line, whole (never split)."""
+        self.report = report
+        text = Text()
+        if report.passed:
+            self.set_classes("-pass")
+            compared = sum(1 for s in report.stages if s.status == STATUS_PASS)
+            text.append("✓ no divergence", style="bold green")
+            text.append(f" — {compared} stage(s) compared")
+        else:
+            self.set_classes("-fail")
+            text.append("✗ first divergence in ", style="bold red")
+            text.append(report.first_divergent_stage or "?", style="bold red")
+            line = first_divergence_text(report)
+            if line:
+                one_line = len(text) + 3 + len(line) <= max(self.size.width - 2, 0) or self.size.width == 0
+                text.append(" — " if one_line else "\n  ")
+                text.append(line, style="bold")
+        self.update(text)
