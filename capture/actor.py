@@ -1,0 +1,375 @@
+"""The hooks a training actor calls: ``maybe_enable_for_actor`` → ``capture_rollout`` / ``begin_step``.
+
+Everything here runs on the training thread and does only cheap work: argument normalisation, filter checks
+and ``CaptureManager.submit`` (device-side copies + a non-blocking enqueue). See ``bundles.py`` for the
+writer-thread side.
+
+    capture = maybe_enable_for_actor(recompute_config, pp_rank=…, pp_size=…, dp_rank=…, dp_size=…)
+    capture.capture_rollout(rollout_id, sample_ids=…, raw_rewards=…, rewards=…, old_log_probs=…, …)
+    step = capture.begin_step(rollout_id, step_id, provenance=…)
+    for mb in micro_batches:
+        step.add_micro_batch(sample_ids=…, log_probs=…, old_log_probs=…, advantages=…, entropy=…, …)
+    step.finish(loss_fields)        # the fields the trainer reports for the whole step
+    capture.close(timeout=60)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from replay_lib.kernels import LOSS_FIELDS
+from replay_lib.schema import ActorStepId, RecomputeConfig, RedactionPolicy
+
+from .bundles import (
+    DEFAULT_REDACTION,
+    ROLLOUT_SIDE_CHANNELS,
+    BundleSink,
+    ProducerContext,
+    Provenance,
+    RolloutMeta,
+    SampleMeta,
+    StepEndMeta,
+    StepPartMeta,
+    rollout_bundle_id,
+    step_bundle_id,
+)
+from .config import CaptureConfig, config_from_env
+from .manager import CaptureItem, CaptureManager, CaptureStats
+from .producer import producer_info
+
+TensorLike = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[float], Sequence[Sequence[float]]]
+
+
+def _flat(value: TensorLike, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A 1-D tensor from a tensor, per-sample tensors (concatenated on their device) or Python numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1) if value.dim() != 1 else value
+    items = list(value)
+    if items and isinstance(items[0], torch.Tensor):
+        return torch.cat([t.reshape(-1) for t in items])
+    if items and isinstance(items[0], (list, tuple)):
+        items = [x for row in items for x in row]
+    return torch.tensor(items, dtype=dtype if dtype is not None else torch.float32)
+
+
+def _rows(value: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Per-token side channels ``[Σ T, …]``: a tensor as is, or per-sample tensors concatenated."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.cat(list(value))
+
+
+def _sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts=None, responses=None,
+                 labels=None) -> SampleMeta:
+    n = len(sample_ids)
+    meta = SampleMeta(
+        sample_ids=tuple(str(s) for s in sample_ids),
+        group_index=tuple(None if g is None else int(g) for g in group_index),
+        response_lengths=tuple(int(x) for x in response_lengths),
+        total_lengths=tuple(int(x) for x in total_lengths),
+        prompts=None if prompts is None else tuple(str(p) for p in prompts),
+        responses=None if responses is None else tuple(str(r) for r in responses),
+        labels=None if labels is None else tuple(str(x) for x in labels),
+    )
+    for name in ("group_index", "response_lengths", "total_lengths", "prompts", "responses", "labels"):
+        column = getattr(meta, name)
+        if column is not None and len(column) != n:
+            raise ValueError(f"{name} has {len(column)} entries for {n} sample id(s)")
+    return meta
+
+
+class _NullStep:
+    """What ``begin_step`` returns when this step is not captured: every call is a no-op."""
+
+    captured = False
+
+    def add_micro_batch(self, **_kwargs) -> bool:
+        return False
+
+    def finish(self, _fields: Optional[Mapping[str, torch.Tensor]] = None, **_kwargs) -> bool:
+        return False
+
+
+NULL_STEP = _NullStep()
+
+
+class StepCapture:
+    """Accumulates one actor step's micro-batches into one step-level bundle.
+
+    Each micro-batch is submitted on its own (so its device→host copy overlaps the next micro-batch);
+    the writer publishes the bundle when ``finish`` arrives with every micro-batch accounted for. If a
+    micro-batch record is dropped the step is abandoned: a bundle missing a micro-batch would replay a
+    different loss than the one the trainer reported.
+    """
+
+    captured = True
+    _tokens = itertools.count()
+
+    def __init__(self, capture: "ReplayCapture", actor_step_id: ActorStepId, provenance: Provenance):
+        self._capture = capture
+        self.actor_step_id = actor_step_id
+        self.provenance = provenance
+        self.token = next(StepCapture._tokens)
+        self._parts = 0
+        self._broken: Optional[str] = None
+        self._finished = False
+        self.label = step_bundle_id(actor_step_id.rollout_id, actor_step_id.step_id)
+
+    def add_micro_batch(
+        self,
+        *,
+        sample_ids: Sequence[str],
+        group_index: Sequence[Optional[int]],
+        response_lengths: Sequence[int],
+        total_lengths: Sequence[int],
+        loss_mask: TensorLike,
+        log_probs: TensorLike,
+        old_log_probs: TensorLike,
+        advantages: TensorLike,
+        entropy: Optional[TensorLike] = None,
+        raw_rewards: Optional[TensorLike] = None,
+        rewards: Optional[TensorLike] = None,
+    ) -> bool:
+        """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …)."""
+        if self._finished:
+            raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
+        if self._broken is not None:
+            return False
+        index = self._parts
+        tensors = {
+            "loss_mask": _flat(loss_mask, torch.int64),
+            "log_probs": _flat(log_probs),
+            "old_log_probs": _flat(old_log_probs),
+            "advantages": _flat(advantages),
+            "entropy": None if entropy is None else _flat(entropy),
+            "raw_rewards": None if raw_rewards is None else _flat(raw_rewards),
+            "rewards": None if rewards is None else _flat(rewards),
+        }
+        meta = StepPartMeta(token=self.token, actor_step_id=self.actor_step_id, mb_index=index,
+                            samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths))
+        item = CaptureItem(kind="step-part", label=f"{self.label}/{index:04d}", meta=meta, tensors=tensors)
+        if not self._capture.manager.submit(item):
+            self._broken = f"micro-batch mb-{index:04d} was dropped (capture queue full)"
+            return False
+        self._parts += 1
+        return True
+
+    def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, **kwargs: torch.Tensor) -> bool:
+        """Submit the loss fields the trainer reports for the whole step (``loss, pg_loss, entropy_loss,
+        pg_clipfrac, ppo_kl``; 0-d tensors, they stay on their device). For a step of several micro-batches
+        this is the reduction ``loss.policy`` recomputes over the whole bundle: the sum of per-sample
+        masked means over all samples, i.e. the sum of the micro-batch values."""
+        if self._finished:
+            raise RuntimeError(f"{self.label}: finish() called twice")
+        self._finished = True
+        given = dict(fields or {}, **kwargs)
+        unknown = sorted(set(given) - set(LOSS_FIELDS))
+        if unknown:
+            raise ValueError(f"{self.label}: unknown loss field(s) {unknown} (expected {', '.join(LOSS_FIELDS)})")
+        if "loss" not in given:
+            raise ValueError(f"{self.label}: finish() needs at least the 'loss' field")
+        tensors = {name: value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                   for name, value in given.items()}
+        meta = StepEndMeta(token=self.token, actor_step_id=self.actor_step_id, n_parts=self._parts,
+                           provenance=self.provenance, broken=self._broken)
+        return self._capture.manager.submit(CaptureItem(kind="step-end", label=self.label, meta=meta, tensors=tensors))
+
+
+class ReplayCapture:
+    """Capture for one producer rank. Build it with :func:`maybe_enable_for_actor`."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        config: CaptureConfig,
+        recompute_config: RecomputeConfig,
+        *,
+        rank_sizes: Optional[Mapping[str, int]] = None,
+        producer_rank: Optional[int] = None,
+        producer_world: int = 1,
+        redaction: Optional[Mapping[str, str]] = None,
+        max_queue: int = 32,
+        close_timeout: float = 60.0,
+        source_dir: Optional[str | os.PathLike] = None,
+        register_atexit: bool = True,
+    ):
+        if not config.enabled or config.directory is None:
+            raise ValueError("ReplayCapture needs an enabled CaptureConfig with a directory")
+        if not isinstance(recompute_config, RecomputeConfig):
+            raise TypeError(f"recompute_config must be a RecomputeConfig, got {type(recompute_config).__name__}")
+        rules = dict(DEFAULT_REDACTION if redaction is None else redaction)
+        RedactionPolicy(rules)  # refuse a malformed rule now, not on the writer thread
+        if producer_rank is not None and not 0 <= producer_rank < producer_world:
+            raise ValueError(f"producer_rank {producer_rank} outside [0, {producer_world})")
+        self.config = config
+        self.recompute_config = recompute_config
+        self.context = ProducerContext(
+            directory=config.directory, config=recompute_config,
+            rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": 1, **dict(rank_sizes or {})},
+            producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
+        )
+        self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
+                               note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
+        self.manager = CaptureManager(self.sink.handle, max_queue=max_queue, close_timeout=close_timeout,
+                                      register_atexit=register_atexit)
+
+    # -- filters -----------------------------------------------------------------------------------
+    def wants_rollout(self, rollout_id: int) -> bool:
+        return not self.manager.closed and self.config.wants_rollout(rollout_id)
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        return not self.manager.closed and self.config.wants_step(rollout_id, step_id)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def capture_rollout(
+        self,
+        rollout_id: int,
+        *,
+        sample_ids: Sequence[str],
+        group_index: Sequence[Optional[int]],
+        response_lengths: Sequence[int],
+        total_lengths: Sequence[int],
+        loss_mask: TensorLike,
+        raw_rewards: TensorLike,
+        rewards: TensorLike,
+        old_log_probs: TensorLike,
+        kl: TensorLike,
+        advantages: TensorLike,
+        ref_log_probs: Optional[TensorLike] = None,
+        prompts: Optional[Sequence[str]] = None,
+        responses: Optional[Sequence[str]] = None,
+        labels: Optional[Sequence[str]] = None,
+        provenance: Optional[Provenance] = None,
+        side_channels: Optional[Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]] = None,
+    ) -> bool:
+        """Record what ``reward.raw … advantage.estimate`` consumed and produced for one rollout.
+
+        ``raw_rewards`` / ``rewards``: per sample, raw and as post-processed by the trainer; ``kl`` and
+        ``advantages``: per token, as the trainer computed them. ``side_channels``: optional per-token
+        rows (``sampled_token_ids``, ``support_ids``, ``support_logits``). Returns False if not captured.
+        """
+        if not self.wants_rollout(rollout_id):
+            return False
+        meta = RolloutMeta(
+            rollout_id=int(rollout_id),
+            samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts, responses, labels),
+            provenance=provenance or Provenance(),
+        )
+        tensors = {
+            "loss_mask": _flat(loss_mask, torch.int64),
+            "raw_rewards": _flat(raw_rewards),
+            "rewards": _flat(rewards),
+            "old_log_probs": _flat(old_log_probs),
+            "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
+            "kl": _flat(kl),
+            "advantages": _flat(advantages),
+        }
+        for name, value in (side_channels or {}).items():
+            if name not in ROLLOUT_SIDE_CHANNELS:
+                raise ValueError(f"unknown side channel {name!r} (expected one of {', '.join(ROLLOUT_SIDE_CHANNELS)})")
+            tensors[name] = _rows(value)
+        item = CaptureItem(kind="rollout", label=rollout_bundle_id(rollout_id), meta=meta, tensors=tensors)
+        return self.manager.submit(item)
+
+    def begin_step(self, rollout_id: int, step_id: int, *, provenance: Optional[Provenance] = None):
+        """A :class:`StepCapture` for actor step ``(rollout_id, step_id)``, or a no-op if not captured."""
+        if not self.wants_step(rollout_id, step_id):
+            return NULL_STEP
+        return StepCapture(self, ActorStepId(rollout_id=int(rollout_id), step_id=int(step_id)),
+                           provenance or Provenance())
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def stats(self) -> CaptureStats:
+        return self.manager.stats
+
+    def flush(self, timeout: float) -> bool:
+        return self.manager.flush(timeout)
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Flush (bounded by ``timeout``) and stop; steps whose end never arrived are abandoned."""
+        flushed = self.manager.close(timeout)
+        if flushed:
+            self.sink.abandon_pending("capture closed before the step finished")
+        return flushed
+
+
+class DisabledCapture:
+    """The capture of a rank that does not capture: same interface, does nothing, costs nothing."""
+
+    enabled = False
+
+    def __init__(self, reason: str = "capture is off"):
+        self.reason = reason
+
+    def wants_rollout(self, rollout_id: int) -> bool:
+        return False
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        return False
+
+    def capture_rollout(self, rollout_id: int, **_kwargs) -> bool:
+        return False
+
+    def begin_step(self, rollout_id: int, step_id: int, **_kwargs):
+        return NULL_STEP
+
+    @property
+    def stats(self) -> CaptureStats:
+        return CaptureStats()
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        return True
+
+
+def _check_rank(name: str, rank: int, size: int) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"{name}_rank={rank} must lie in [0, {name}_size={size})")
+
+
+def maybe_enable_for_actor(
+    recompute_config: RecomputeConfig,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    env: Optional[Mapping[str, str]] = None,
+    **kwargs,
+) -> Union[ReplayCapture, DisabledCapture]:
+    """Capture for this actor rank, configured from the environment (``RELAX_REPLAY_CAPTURE*``).
+
+    Only last-pipeline-stage ranks capture (they own the post-forward statistics); of the tensor-parallel
+    peers, which hold identical post-forward tensors, only ``tp_rank == 0`` writes. Producers are numbered
+    over (dp, cp); with more than one, each writes ``<DIR>/<bundle_id>/rank-<r>/`` of a cohort. Every
+    other rank gets a :class:`DisabledCapture`. A malformed filter raises ``ValueError`` here.
+    """
+    for name, rank, size in (("pp", pp_rank, pp_size), ("dp", dp_rank, dp_size), ("tp", tp_rank, tp_size),
+                             ("cp", cp_rank, cp_size)):
+        _check_rank(name, rank, size)
+    config = config_from_env(env)
+    if not config.enabled:
+        return DisabledCapture()
+    if pp_rank != pp_size - 1:
+        return DisabledCapture(f"pipeline stage {pp_rank} of {pp_size} is not the last")
+    if tp_rank != 0:
+        return DisabledCapture(f"tensor-parallel rank {tp_rank} duplicates tp_rank 0")
+    world = dp_size * cp_size
+    rank = dp_rank * cp_size + cp_rank
+    return ReplayCapture(
+        config, recompute_config,
+        rank_sizes={"dp": dp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size},
+        producer_rank=rank if world > 1 else None, producer_world=world, **kwargs,
+    )

@@ -1,0 +1,350 @@
+"""Writer-thread side: turn captured records into replay bundles with ``replay_lib.bundle.BundleWriter``.
+
+Everything here runs on the writer thread: device→host copies, ``tolist()``, hashing and disk I/O.
+
+Two bundle kinds (SPEC §6):
+* rollout-level ``rollout-<R>`` — ``sample → reward.raw → reward.post_process → advantage.kl →
+  advantage.estimate``, anchored by ``rollout_id``;
+* step-level ``step-<R>-<S>`` — ``sample → loss.policy``, anchored by ``actor_step_id=(R, S)``; the step's
+  micro-batches arrive as separate ``step-part`` records and are written once the ``step-end`` arrives.
+
+One producer writes ``<DIR>/<bundle_id>/``; several write ``<DIR>/<bundle_id>/rank-<r>/`` + ``COMPLETE.<r>``
+and try to finalize the cohort (SPEC §2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from replay_lib.bundle import BundleWriter
+from replay_lib.kernels import LOSS_FIELDS
+from replay_lib.schema import (
+    FORMAT_VERSION,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    ProducerInfo,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
+    Tolerance,
+    WeightLineage,
+)
+
+from .manager import CaptureItem
+
+ROLLOUT_STAGES = (
+    StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
+    StageId.ADVANTAGE_ESTIMATE,
+)
+STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
+
+# Prompts and responses are stored as sha256 by default; labels only as ``label_hash``; the rest dropped.
+DEFAULT_REDACTION = {"prompt": "hash", "response": "hash", "label": "drop", "tool_output": "drop"}
+
+# Optional per-token side channels of a rollout (first dimension = Σ response_length).
+ROLLOUT_SIDE_CHANNELS = ("sampled_token_ids", "support_ids", "support_logits")
+
+
+def rollout_bundle_id(rollout_id: int) -> str:
+    return f"rollout-{int(rollout_id)}"
+
+
+def step_bundle_id(rollout_id: int, step_id: int) -> str:
+    return f"step-{int(rollout_id)}-{int(step_id)}"
+
+
+def micro_batch_id(index: int) -> str:
+    """The data-iterator index of a micro-batch within its actor step."""
+    return f"mb-{int(index):04d}"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Physical provenance shared by a rollout and the steps trained on it."""
+
+    rollout_weight: Optional[int | str] = None
+    actor_weight: Optional[int | str] = None
+    rollout_partition_ids: tuple = ()
+    consumer_batch_ids: tuple = ()
+    normalization_cohort_ids: tuple = ()
+
+    def lineage(self) -> WeightLineage:
+        return WeightLineage(rollout_weight=self.rollout_weight, actor_weight=self.actor_weight)
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """Host-side per-sample metadata (plain Python values, copied on the training thread)."""
+
+    sample_ids: tuple[str, ...]
+    group_index: tuple[Optional[int], ...]
+    response_lengths: tuple[int, ...]
+    total_lengths: tuple[int, ...]
+    prompts: Optional[tuple[str, ...]] = None
+    responses: Optional[tuple[str, ...]] = None
+    labels: Optional[tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class RolloutMeta:
+    rollout_id: int
+    samples: SampleMeta
+    provenance: Provenance
+
+
+@dataclass(frozen=True)
+class StepPartMeta:
+    token: int
+    actor_step_id: ActorStepId
+    mb_index: int
+    samples: SampleMeta
+
+
+@dataclass(frozen=True)
+class StepEndMeta:
+    token: int
+    actor_step_id: ActorStepId
+    n_parts: int
+    provenance: Provenance
+    broken: Optional[str] = None  # why the training side gave up on this step (a dropped micro-batch)
+
+
+@dataclass(frozen=True)
+class ProducerContext:
+    """Static facts of one producer: where it writes, its rank in the cohort, the recompute config."""
+
+    directory: Path
+    config: RecomputeConfig
+    rank_sizes: dict
+    producer_rank: Optional[int] = None  # None: the single producer (no rank-* shards)
+    producer_world: int = 1
+    redaction: dict = field(default_factory=lambda: dict(DEFAULT_REDACTION))
+    tolerance: Tolerance = Tolerance(atol=1e-6, rtol=1e-5)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu") if t.device.type != "cpu" else t
+
+
+def _float_list(t: torch.Tensor) -> list[float]:
+    return [float(x) for x in _cpu(t).to(torch.float32).reshape(-1).tolist()]
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            total += os.path.getsize(os.path.join(root, name))
+    return total
+
+
+class BundleSink:
+    """The writer-thread handler: ``handle(item)`` writes a bundle or stashes a micro-batch."""
+
+    def __init__(
+        self,
+        context: ProducerContext,
+        producer: Callable[[], ProducerInfo],
+        note_abandoned: Callable[[str, str], None],
+    ):
+        self.context = context
+        self._producer_fn = producer
+        self._producer: Optional[ProducerInfo] = None
+        self._note_abandoned = note_abandoned
+        self._pending: dict[int, list[tuple[StepPartMeta, dict[str, torch.Tensor]]]] = {}
+
+    # -- dispatch ----------------------------------------------------------------------------------
+    def handle(self, item: CaptureItem) -> Optional[int]:
+        if item.kind == "rollout":
+            return self._write_rollout(item.meta, item.tensors)
+        if item.kind == "step-part":
+            self._stash(item.meta, item.tensors)
+            return None
+        if item.kind == "step-end":
+            return self._write_step(item.meta, item.tensors)
+        raise ValueError(f"unknown capture record kind {item.kind!r}")
+
+    def abandon_pending(self, why: str) -> None:
+        """Give up on steps whose end record never came (call only when the writer thread is idle)."""
+        for token in sorted(self._pending):
+            parts = self._pending.pop(token)
+            self._note_abandoned(step_bundle_id(*_step_of(parts)), why)
+
+    # -- shared pieces -----------------------------------------------------------------------------
+    @property
+    def producer(self) -> ProducerInfo:
+        if self._producer is None:
+            self._producer = self._producer_fn()
+        return self._producer
+
+    def _records(self, samples: SampleMeta, tensors: dict[str, torch.Tensor], mb_ids: Optional[list[str]] = None):
+        lengths = [int(n) for n in samples.response_lengths]
+        mask = [int(m) for m in _cpu(tensors["loss_mask"]).reshape(-1).tolist()] if "loss_mask" in tensors else None
+        raw = _float_list(tensors["raw_rewards"]) if "raw_rewards" in tensors else None
+        rewards = _float_list(tensors["rewards"]) if "rewards" in tensors else None
+        records = []
+        start = 0
+        for i, sample_id in enumerate(samples.sample_ids):
+            n = lengths[i]
+            records.append(SampleRecord(
+                sample_id=str(sample_id),
+                group_index=None if samples.group_index[i] is None else int(samples.group_index[i]),
+                response_length=n,
+                total_length=int(samples.total_lengths[i]),
+                loss_mask=mask[start:start + n] if mask is not None else [1] * n,
+                raw_reward=raw[i] if raw is not None else None,
+                reward=rewards[i] if rewards is not None else None,
+                label_hash=_sha256(samples.labels[i]) if samples.labels is not None else None,
+                micro_batch_id=mb_ids[i] if mb_ids is not None else None,
+                # Raw text goes to the writer, which stores it only as the redaction policy says.
+                prompt=samples.prompts[i] if samples.prompts is not None else None,
+                response=samples.responses[i] if samples.responses is not None else None,
+            ))
+            start += n
+        return records, raw, rewards
+
+    def _identity(self, *, rollout_id=None, actor_step_id=None, provenance: Provenance, micro_batch_ids=(),
+                  groups=()) -> Identity:
+        return Identity(
+            actor_step_id=actor_step_id,
+            rollout_id=rollout_id,
+            rollout_partition_ids=list(provenance.rollout_partition_ids),
+            consumer_batch_ids=list(provenance.consumer_batch_ids),
+            micro_batch_ids=list(micro_batch_ids),
+            semantic_group_ids=sorted({g for g in groups if g is not None}),
+            normalization_cohort_ids=list(provenance.normalization_cohort_ids),
+            weight_lineage=provenance.lineage(),
+            rank=dict(self.context.rank_sizes),
+        )
+
+    def _manifest(self, bundle_id: str, stages: Sequence[StageId]) -> Manifest:
+        contracts = {
+            stage: StageContract(stage=stage, version="v1", capability=StageCapability.RECOMPUTE,
+                                 implementation="reuse", inputs=[], expected_outputs=[])
+            for stage in stages
+        }
+        contracts[StageId.LOSS_VALUE] = StageContract(
+            stage=StageId.LOSS_VALUE, version="v1", capability=StageCapability.UNSUPPORTED,
+            implementation="reuse", inputs=[], expected_outputs=[],
+        )
+        policy = ComparisonPolicy(
+            exact_fields=["reward.raw.raw_reward"],
+            tolerances={str(stage): self.context.tolerance for stage in stages},
+        )
+        return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
+                        stage_contracts=contracts, payloads={}, comparison_policy=policy,
+                        redaction=dict(self.context.redaction))
+
+    def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict) -> int:
+        ctx = self.context
+        manifest = self._manifest(bundle_id, stages)
+        root = ctx.directory / bundle_id
+        with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
+            for name, tensor in payloads.items():
+                writer.write_payload(name, _cpu(tensor))
+            if ctx.producer_rank is None:
+                path = writer.finalize(ranks=[0])
+            else:
+                path = writer.finalize(ranks=list(range(ctx.producer_world)))
+        written = _tree_bytes(path)
+        if ctx.producer_rank is not None:
+            sentinel = root / f"COMPLETE.{ctx.producer_rank}"
+            written += sentinel.stat().st_size if sentinel.exists() else 0
+        return written
+
+    # -- rollout-level -----------------------------------------------------------------------------
+    def _write_rollout(self, meta: RolloutMeta, tensors: dict[str, torch.Tensor]) -> int:
+        bundle_id = rollout_bundle_id(meta.rollout_id)
+        records, raw, rewards = self._records(meta.samples, tensors)
+        index = BundleIndex(
+            bundle_id=bundle_id,
+            identity=self._identity(rollout_id=int(meta.rollout_id), provenance=meta.provenance,
+                                    groups=meta.samples.group_index),
+            samples=records,
+            config=self.context.config,
+        )
+        expected = {
+            "reward.raw": {"raw_rewards": raw},
+            "reward.post_process": {"rewards": rewards},
+        }
+        payloads = {"old_log_probs": tensors["old_log_probs"]}
+        if "ref_log_probs" in tensors:
+            payloads["ref_log_probs"] = tensors["ref_log_probs"]
+        payloads["kl"] = tensors["kl"]
+        payloads["advantages"] = tensors["advantages"]
+        for name in ROLLOUT_SIDE_CHANNELS:
+            if name in tensors:
+                payloads[name] = tensors[name]
+        return self._publish(bundle_id, ROLLOUT_STAGES, index, expected, payloads)
+
+    # -- step-level --------------------------------------------------------------------------------
+    def _stash(self, meta: StepPartMeta, tensors: dict[str, torch.Tensor]) -> None:
+        self._drop_stale(meta.token)
+        # The device→host copy happens here, micro-batch by micro-batch, while training continues.
+        self._pending.setdefault(meta.token, []).append((meta, {k: _cpu(v) for k, v in tensors.items()}))
+
+    def _drop_stale(self, token: int) -> None:
+        # Steps are captured one after another: an older step still pending lost its end record.
+        for old in [t for t in self._pending if t < token]:
+            parts = self._pending.pop(old)
+            self._note_abandoned(step_bundle_id(*_step_of(parts)), "its step-end record never arrived")
+
+    def _write_step(self, meta: StepEndMeta, tensors: dict[str, torch.Tensor]) -> Optional[int]:
+        self._drop_stale(meta.token)
+        bundle_id = step_bundle_id(meta.actor_step_id.rollout_id, meta.actor_step_id.step_id)
+        parts = self._pending.pop(meta.token, [])
+        if meta.broken is not None:
+            self._note_abandoned(bundle_id, meta.broken)
+            return None
+        if len(parts) != meta.n_parts or not parts:
+            self._note_abandoned(bundle_id, f"{len(parts)} of {meta.n_parts} micro-batch record(s) arrived")
+            return None
+        parts.sort(key=lambda p: p[0].mb_index)
+        records: list[SampleRecord] = []
+        mb_ids: list[str] = []
+        groups: list[Optional[int]] = []
+        columns: dict[str, list[torch.Tensor]] = {}
+        for part_meta, part in parts:
+            mb = micro_batch_id(part_meta.mb_index)
+            mb_ids.append(mb)
+            part_records, _, _ = self._records(part_meta.samples, part, [mb] * len(part_meta.samples.sample_ids))
+            records += part_records
+            groups += list(part_meta.samples.group_index)
+            for name, tensor in part.items():
+                columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
+        payloads = {}
+        for name in ("log_probs", "old_log_probs", "entropy", "advantages"):
+            if name in columns:
+                if len(columns[name]) != len(parts):
+                    raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
+                payloads[name] = torch.cat(columns[name])
+        index = BundleIndex(
+            bundle_id=bundle_id,
+            identity=self._identity(actor_step_id=meta.actor_step_id, provenance=meta.provenance,
+                                    micro_batch_ids=mb_ids, groups=groups),
+            samples=records,
+            config=self.context.config,
+        )
+        fields = {name: float(_cpu(tensors[name]).reshape(())) for name in LOSS_FIELDS if name in tensors}
+        return self._publish(bundle_id, STEP_STAGES, index, {"loss.policy": fields}, payloads)
+
+
+def _step_of(parts) -> tuple[int, int]:
+    step = parts[0][0].actor_step_id
+    return step.rollout_id, step.step_id
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(str(text).encode("utf-8")).hexdigest()

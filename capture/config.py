@@ -1,0 +1,131 @@
+"""Capture configuration, read from the environment (no command-line change in the training job).
+
+``RELAX_REPLAY_CAPTURE=1``            enables capture (off by default);
+``RELAX_REPLAY_CAPTURE_DIR=PATH``     where bundles go (required; without it capture warns once, stays off);
+``RELAX_REPLAY_CAPTURE_STEPS=R:S,…``  step-level bundles to write (unset or blank = every actor step);
+``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout).
+
+The two filters are independent: ``STEPS`` selects step-level bundles, ``ROLLOUTS`` rollout-level ones.
+A malformed value raises ``ValueError`` naming the variable and the bad item when capture is enabled.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+ENV_ENABLE = "RELAX_REPLAY_CAPTURE"
+ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
+ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
+ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+_warned_no_dir = False
+_warn_lock = threading.Lock()
+
+
+class CaptureDisabledWarning(RuntimeWarning):
+    """Capture was requested but cannot run (for example ``RELAX_REPLAY_CAPTURE_DIR`` is unset)."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to capture. ``steps`` / ``rollouts`` of ``None`` mean "all"."""
+
+    enabled: bool = False
+    directory: Optional[Path] = None
+    steps: Optional[frozenset[tuple[int, int]]] = None
+    rollouts: Optional[frozenset[int]] = None
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        return self.enabled and (self.steps is None or (int(rollout_id), int(step_id)) in self.steps)
+
+    def wants_rollout(self, rollout_id: int) -> bool:
+        return self.enabled and (self.rollouts is None or int(rollout_id) in self.rollouts)
+
+
+DISABLED = CaptureConfig()
+
+
+def _non_negative_int(text: str) -> Optional[int]:
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _items(variable: str, value: str) -> list[str]:
+    items = value.split(",")
+    for item in items:
+        if not item.strip():
+            raise ValueError(f"{variable}={value!r}: empty item (expected a comma-separated list without blanks)")
+    return [item.strip() for item in items]
+
+
+def parse_steps(value: str, variable: str = ENV_STEPS) -> frozenset[tuple[int, int]]:
+    """``"0:0,3:1"`` → ``{(0, 0), (3, 1)}``: actor steps as ``ROLLOUT_ID:STEP_ID``."""
+    steps = set()
+    for item in _items(variable, value):
+        parts = item.split(":")
+        numbers = [_non_negative_int(p) for p in parts]
+        if len(parts) != 2 or None in numbers:
+            raise ValueError(
+                f"{variable}={value!r}: bad item {item!r} (expected ROLLOUT_ID:STEP_ID with non-negative integers)"
+            )
+        steps.add((numbers[0], numbers[1]))
+    return frozenset(steps)
+
+
+def parse_rollouts(value: str, variable: str = ENV_ROLLOUTS) -> frozenset[int]:
+    """``"0,2"`` → ``{0, 2}``: rollout ids."""
+    rollouts = set()
+    for item in _items(variable, value):
+        number = _non_negative_int(item)
+        if number is None:
+            raise ValueError(f"{variable}={value!r}: bad item {item!r} (expected a non-negative integer rollout id)")
+        rollouts.add(number)
+    return frozenset(rollouts)
+
+
+def parse_enabled(value: Optional[str], variable: str = ENV_ENABLE) -> bool:
+    text = (value or "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off)")
+
+
+def _warn_no_dir() -> None:
+    global _warned_no_dir
+    with _warn_lock:
+        if _warned_no_dir:
+            return
+        _warned_no_dir = True
+    warnings.warn(
+        f"{ENV_ENABLE}=1 but {ENV_DIR} is not set: replay capture stays off",
+        CaptureDisabledWarning,
+        stacklevel=3,
+    )
+
+
+def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
+    """Read the capture configuration. Off unless ``RELAX_REPLAY_CAPTURE`` is on; filters are parsed
+    (and malformed ones refused) only when capture is on, so a stale filter never breaks a plain run."""
+    env = os.environ if env is None else env
+    if not parse_enabled(env.get(ENV_ENABLE)):
+        return DISABLED
+    directory = (env.get(ENV_DIR) or "").strip()
+    steps_text = env.get(ENV_STEPS)
+    rollouts_text = env.get(ENV_ROLLOUTS)
+    # A blank filter is treated as unset ("all"), like an empty ``export VAR=``.
+    steps = parse_steps(steps_text) if steps_text and steps_text.strip() else None
+    rollouts = parse_rollouts(rollouts_text) if rollouts_text and rollouts_text.strip() else None
+    if not directory:
+        _warn_no_dir()
+        return DISABLED
+    return CaptureConfig(enabled=True, directory=Path(directory), steps=steps, rollouts=rollouts)

@@ -1,0 +1,44 @@
+"""Producer information: the code commit (if a git checkout is found) and the torch version.
+
+Only a commit hash and a digest of uncommitted changes are stored — never a path, a diff or a remote URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from replay_lib.schema import ProducerInfo
+
+_GIT_TIMEOUT_S = 10.0
+
+
+def _git(args: list[str], cwd: Path) -> Optional[bytes]:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, timeout=_GIT_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def producer_info(source_dir: Optional[str | os.PathLike] = None) -> ProducerInfo:
+    """``commit``: ``git rev-parse HEAD`` of ``source_dir`` (default: the working directory), ``""`` when
+    unknown; ``dirty_patch_digest``: sha256 of ``git diff HEAD`` when the checkout has local changes."""
+    cwd = Path(source_dir) if source_dir is not None else Path.cwd()
+    commit = ""
+    dirty = None
+    head = _git(["rev-parse", "--verify", "HEAD"], cwd) if cwd.is_dir() else None
+    if head:
+        commit = head.decode("ascii", "replace").strip()
+        diff = _git(["diff", "HEAD", "--binary"], cwd)
+        if diff:
+            dirty = hashlib.sha256(diff).hexdigest()
+    return ProducerInfo(commit=commit, dirty_patch_digest=dirty, torch_version=torch.__version__)

@@ -1,0 +1,511 @@
+"""A small but genuine asynchronous GRPO trainer on the CPU that captures replay bundles.
+
+Task: given a prompt of 2–4 digits, emit them reversed followed by <eos>. The policy is a tiny causal LM
+(2-layer GRU over a 14-token vocabulary, random init, no downloads). The reward is rule-based: partial
+credit for the right digits and for the right positions, plus 1 for an exact answer.
+
+Asynchrony, as in a fully-async RL job:
+* a rollout worker thread samples ``n`` responses per prompt (temperature + top-k) with *stale* weights
+  (rollout ``r`` uses the snapshot published ``--max-staleness`` rollouts earlier; both weight versions
+  are recorded), and streams the samples to the trainer;
+* the trainer consumes them in consumer (transfer) batches of ``--consumer-batch`` samples, which do not
+  align with the prompt groups;
+* rewards are normalized by semantic group (``group_normalize``) once the rollout is in; ``--pr65-bug``
+  reproduces PR #65 by normalizing each physical consumer batch instead (``batch_normalize``);
+* old log-probs (actor) and reference log-probs (the frozen initial model) give the rollout KL; the
+  advantages are GRPO returns; each rollout is trained for ``--steps-per-rollout`` actor steps of
+  micro-batches with gradient accumulation and Adam. With several processes (``torchrun``, gloo) every
+  rank generates its own prompts and the gradients are averaged (data parallel).
+
+Rewards, KL, advantages and the loss come from ``replay_lib.kernels`` — the same code the replay uses.
+Capture is configured from the environment (``RELAX_REPLAY_CAPTURE=1``, ``RELAX_REPLAY_CAPTURE_DIR``…),
+see examples/README.md.
+
+    python examples/grpo_trainer.py --rollouts 4
+    torchrun --nproc-per-node 2 examples/grpo_trainer.py --rollouts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from capture import Provenance, maybe_enable_for_actor
+from replay_lib.kernels import (
+    LOSS_FIELDS,
+    batch_normalize,
+    get_grpo_returns,
+    group_normalize,
+    policy_loss_fields,
+    rollout_kl,
+)
+from replay_lib.schema import RecomputeConfig
+
+# ------------------------------------------------------------------------------------------ task
+
+DIGITS = 10
+BOS, SEP, EOS, PAD = 10, 11, 12, 13
+VOCAB = 14
+TOKEN_TEXT = [str(d) for d in range(DIGITS)] + ["<bos>", "<sep>", "<eos>", "<pad>"]
+
+
+def make_prompts(gen: torch.Generator, count: int, min_digits: int, max_digits: int) -> list[list[int]]:
+    lengths = torch.randint(min_digits, max_digits + 1, (count,), generator=gen).tolist()
+    return [torch.randint(0, DIGITS, (n,), generator=gen).tolist() for n in lengths]
+
+
+def prompt_tokens(digits: Sequence[int]) -> list[int]:
+    return [BOS, *digits, SEP]
+
+
+def target_tokens(digits: Sequence[int]) -> list[int]:
+    return [*reversed(digits), EOS]
+
+
+def reward_of(digits: Sequence[int], response: Sequence[int]) -> float:
+    """Rule-based reward in [0, 2]: half for the prompt's digits present in the response (as a multiset),
+    half for the reversed digits in place, and 1 for an exact answer ending in <eos>."""
+    target = target_tokens(digits)
+    k = len(digits)
+    hits = sum(1 for i in range(min(k, len(response))) if response[i] == target[i])
+    pool = list(response)
+    present = 0
+    for d in digits:
+        if d in pool:
+            pool.remove(d)
+            present += 1
+    return 0.5 * present / k + 0.5 * hits / k + (1.0 if list(response) == target else 0.0)
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+class TinyLM(nn.Module):
+    """A 2-layer GRU causal language model."""
+
+    def __init__(self, hidden: int = 64, embed: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, embed)
+        self.rnn = nn.GRU(embed, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, state: Optional[torch.Tensor] = None):
+        out, state = self.rnn(self.embed(tokens), state)
+        return self.head(out), state
+
+
+@dataclass
+class Sample:
+    rollout_id: int
+    index: int  # position in the rollout's stream on this rank
+    group: int  # semantic group (prompt) index, unique across ranks
+    digits: list[int]
+    prompt_text: str
+    response: list[int]
+    rollout_weight: int
+    support_ids: torch.Tensor  # [T, K] int32: the top-k support each token was drawn from
+    support_logits: torch.Tensor  # [T, K] float32: the tempered logits of its members
+
+
+@torch.no_grad()
+def sample_group(model: TinyLM, digits: list[int], n: int, *, temperature: float, top_k: int,
+                 gen: torch.Generator) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """``n`` responses to one prompt, token by token, from the top-k support at ``temperature``."""
+    prompt = torch.tensor([prompt_tokens(digits)] * n)
+    logits, state = model(prompt)
+    last = logits[:, -1]
+    max_new = len(digits) + 2
+    tokens = torch.zeros(n, max_new, dtype=torch.int64)
+    support_ids = torch.zeros(n, max_new, top_k, dtype=torch.int32)
+    support_logits = torch.zeros(n, max_new, top_k)
+    done = torch.zeros(n, dtype=torch.bool)
+    lengths = torch.full((n,), max_new, dtype=torch.int64)
+    for t in range(max_new):
+        values, ids = torch.topk(last / temperature, top_k, dim=-1)
+        choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=gen)
+        token = ids.gather(1, choice).squeeze(1)
+        tokens[:, t] = token
+        support_ids[:, t] = ids.to(torch.int32)
+        support_logits[:, t] = values
+        finished_now = (token == EOS) & ~done
+        lengths[finished_now] = t + 1
+        done |= finished_now
+        if bool(done.all()):
+            break
+        logits, state = model(token[:, None], state)
+        last = logits[:, -1]
+    out = []
+    for i in range(n):
+        T = int(lengths[i])
+        out.append((tokens[i, :T].tolist(), support_ids[i, :T].clone(), support_logits[i, :T].clone()))
+    return out
+
+
+def score(model: TinyLM, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs and entropies of the response tokens, concatenated in sample order."""
+    inputs = [prompt_tokens(s.digits) + s.response[:-1] for s in samples]
+    width = max(len(x) for x in inputs)
+    batch = torch.full((len(samples), width), PAD, dtype=torch.int64)
+    rows, cols, targets = [], [], []
+    for i, (x, s) in enumerate(zip(inputs, samples)):
+        batch[i, : len(x)] = torch.tensor(x)
+        start = len(prompt_tokens(s.digits)) - 1  # the position that predicts the first response token
+        rows += [i] * len(s.response)
+        cols += range(start, start + len(s.response))
+        targets += s.response
+    logits, _ = model(batch)
+    log_probs = F.log_softmax(logits.float(), dim=-1)[torch.tensor(rows), torch.tensor(cols)]
+    token_log_probs = log_probs.gather(1, torch.tensor(targets)[:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return token_log_probs, entropy
+
+
+# -------------------------------------------------------------------------------- rollout worker
+
+
+class WeightStore:
+    """Weight snapshots published by the trainer, keyed by the rollout they follow (-1 = initial)."""
+
+    def __init__(self):
+        self._snapshots: dict[int, tuple[int, dict]] = {}
+        self._cond = threading.Condition()
+        self.failed: Optional[BaseException] = None
+
+    def publish(self, after_rollout: int, version: int, model: nn.Module) -> None:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with self._cond:
+            self._snapshots[after_rollout] = (version, state)
+            for old in [k for k in self._snapshots if k < after_rollout - 4]:
+                del self._snapshots[old]
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.failed = exc
+            self._cond.notify_all()
+
+    def wait(self, after_rollout: int) -> tuple[int, dict]:
+        with self._cond:
+            while after_rollout not in self._snapshots:
+                if self.failed is not None:
+                    raise RuntimeError("trainer stopped") from self.failed
+                self._cond.wait()
+            return self._snapshots[after_rollout]
+
+
+_END = object()
+
+
+def rollout_worker(args, rank: int, store: WeightStore, stream: queue.Queue) -> None:
+    """Generates rollouts on stale weights and streams their samples, one at a time."""
+    try:
+        sampler = TinyLM(args.hidden, args.embed)
+        for r in range(args.rollouts):
+            version, state = store.wait(max(r - 1 - args.max_staleness, -1))
+            sampler.load_state_dict(state)
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + r)
+            prompts = make_prompts(gen, args.prompts_per_rollout, args.min_digits, args.max_digits)
+            index = 0
+            for p, digits in enumerate(prompts):
+                group = rank * args.prompts_per_rollout + p
+                text = args.prompt_template.format(digits=" ".join(map(str, digits)))
+                for response, ids, logits in sample_group(sampler, digits, args.n_samples,
+                                                          temperature=args.temperature, top_k=args.top_k, gen=gen):
+                    stream.put(Sample(r, index, group, digits, text, response, version, ids, logits))
+                    index += 1
+        stream.put(_END)
+    except BaseException as exc:  # surface the failure in the trainer instead of hanging it
+        stream.put(exc)
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainResult:
+    model: TinyLM
+    step_times: list[float] = field(default_factory=list)  # seconds per actor step (train_one_step)
+    loop_time: float = 0.0  # seconds of the whole training loop
+    steps: int = 0
+    mean_rewards: list[float] = field(default_factory=list)  # per rollout
+    capture_stats: object = None
+    capture_flushed: bool = True
+
+
+def recompute_config(args) -> RecomputeConfig:
+    """Every knob that changes the math, from the trainer's real settings."""
+    return RecomputeConfig(
+        advantage_estimator="grpo", n_samples_per_prompt=args.n_samples,
+        grpo_std_normalization=args.std_normalization, kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef,
+        eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
+        rewards_normalization=True, use_kl_loss=False, kl_loss_coef=0.0, use_tis=False, tis_clip=2.0,
+        tis_clip_low=0.0, calculate_per_token_loss=False, normalize_advantages=False, eps_clip_c=None,
+        use_rollout_logprobs=False, vocab_size=VOCAB,
+    )
+
+
+def _take(stream: queue.Queue, count: int) -> list[Sample]:
+    out = []
+    while len(out) < count:
+        item = stream.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError("rollout worker failed") from item
+        if item is _END:
+            raise RuntimeError("rollout worker ended early")
+        out.append(item)
+    return out
+
+
+def _lengths(samples: Sequence[Sample]) -> torch.Tensor:
+    return torch.tensor([len(s.response) for s in samples], dtype=torch.int64)
+
+
+def _mask(samples: Sequence[Sample], mask_truncated: bool) -> torch.Tensor:
+    """1 for every response token; a response cut off without <eos> is masked out (overlong filtering)."""
+    rows = []
+    for s in samples:
+        keep = 0.0 if mask_truncated and s.response[-1] != EOS else 1.0
+        rows.append(torch.full((len(s.response),), keep))
+    return torch.cat(rows)
+
+
+def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = TinyLM(args.hidden, args.embed)
+    reference = TinyLM(args.hidden, args.embed)
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    cfg = recompute_config(args)
+    per_rollout = args.prompts_per_rollout * args.n_samples
+    step_size = per_rollout // args.steps_per_rollout
+
+    store = WeightStore()
+    stream: queue.Queue = queue.Queue(maxsize=per_rollout * (args.max_staleness + 2))
+    store.publish(-1, 0, model)
+    worker = threading.Thread(target=rollout_worker, args=(args, rank, store, stream),
+                              name="rollout-worker", daemon=True)
+    worker.start()
+    result = TrainResult(model=model)
+    version = 0  # optimizer steps applied to the actor
+    start = time.perf_counter()
+    try:
+        for r in range(args.rollouts):
+            # Consume the stream in consumer batches that ignore the prompt-group boundaries.
+            samples: list[Sample] = []
+            rewards_parts: list[torch.Tensor] = []
+            batch_ids: list[str] = []
+            while len(samples) < per_rollout:
+                batch = _take(stream, min(args.consumer_batch, per_rollout - len(samples)))
+                if any(s.rollout_id != r for s in batch):
+                    raise RuntimeError(f"stream out of order: expected rollout {r}")
+                batch_ids.append(f"cb-{r}-{rank}-{len(batch_ids)}")
+                raw_batch = torch.tensor([reward_of(s.digits, s.response) for s in batch])
+                if args.pr65_bug:  # PR #65: normalized against the physical transfer batch
+                    rewards_parts.append(batch_normalize(raw_batch, len(batch), args.std_normalization))
+                samples += batch
+            raw = torch.tensor([reward_of(s.digits, s.response) for s in samples])
+            groups = torch.tensor([s.group for s in samples])
+            if args.pr65_bug:
+                rewards = torch.cat(rewards_parts)
+                cohorts = batch_ids
+            else:
+                rewards = group_normalize(raw, groups, args.std_normalization)
+                cohorts = [f"g-{g}" for g in sorted(set(groups.tolist()))]
+            lengths = _lengths(samples)
+            mask = _mask(samples, args.mask_truncated)
+            with torch.no_grad():
+                old_log_probs, _ = score(model, samples)
+                ref_log_probs, _ = score(reference, samples)
+            kl = rollout_kl(old_log_probs, ref_log_probs, args.kl_coef, args.kl_loss_type)
+            advantages = get_grpo_returns(rewards, lengths)
+            result.mean_rewards.append(float(raw.mean()))
+            rollout_weight = samples[0].rollout_weight
+            ids = [f"s-{s.index}" if world == 1 else f"r{rank}-s-{s.index}" for s in samples]
+            provenance = Provenance(rollout_weight=rollout_weight, actor_weight=version,
+                                    rollout_partition_ids=(f"rp-{r}-{rank}",), consumer_batch_ids=tuple(batch_ids),
+                                    normalization_cohort_ids=tuple(cohorts))
+            if capture.wants_rollout(r):
+                capture.capture_rollout(
+                    r, sample_ids=ids, group_index=groups.tolist(), response_lengths=lengths.tolist(),
+                    total_lengths=[len(prompt_tokens(s.digits)) + len(s.response) for s in samples],
+                    loss_mask=mask, raw_rewards=raw, rewards=rewards, old_log_probs=old_log_probs,
+                    ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
+                    prompts=[s.prompt_text for s in samples],
+                    responses=[" ".join(TOKEN_TEXT[t] for t in s.response) for s in samples],
+                    labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
+                    provenance=provenance,
+                    side_channels={
+                        "sampled_token_ids": torch.tensor([t for s in samples for t in s.response], dtype=torch.int32),
+                        "support_ids": [s.support_ids for s in samples],
+                        "support_logits": [s.support_logits for s in samples],
+                    },
+                )
+            offsets = torch.cumsum(lengths, 0) - lengths
+            for step_id in range(args.steps_per_rollout):
+                t0 = time.perf_counter()
+                first = step_id * step_size
+                step = capture.begin_step(r, step_id, provenance=Provenance(
+                    rollout_weight=rollout_weight, actor_weight=version,
+                    rollout_partition_ids=provenance.rollout_partition_ids,
+                    consumer_batch_ids=provenance.consumer_batch_ids,
+                    normalization_cohort_ids=provenance.normalization_cohort_ids))
+                optimizer.zero_grad(set_to_none=True)
+                totals = {name: torch.zeros(()) for name in LOSS_FIELDS}
+                for mb_start in range(first, first + step_size, args.micro_batch):
+                    mb = list(range(mb_start, min(mb_start + args.micro_batch, first + step_size)))
+                    tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in mb])
+                    mb_samples = [samples[i] for i in mb]
+                    log_probs, entropy = score(model, mb_samples)
+                    fields = policy_loss_fields(
+                        log_probs, old_log_probs[tok], advantages[tok], entropy, mask[tok], lengths[mb],
+                        eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
+                    )
+                    fields["loss"].backward()
+                    for name in LOSS_FIELDS:
+                        totals[name] += fields[name].detach()
+                    step.add_micro_batch(
+                        sample_ids=[ids[i] for i in mb], group_index=[samples[i].group for i in mb],
+                        response_lengths=lengths[mb].tolist(),
+                        total_lengths=[len(prompt_tokens(samples[i].digits)) + int(lengths[i]) for i in mb],
+                        loss_mask=mask[tok], log_probs=log_probs, old_log_probs=old_log_probs[tok],
+                        advantages=advantages[tok], entropy=entropy, raw_rewards=raw[mb], rewards=rewards[mb],
+                    )
+                if world > 1:
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad.div_(world)
+                if args.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                optimizer.step()
+                version += 1
+                # The reported loss of the step: the sum over micro-batches of their sums of per-sample
+                # means, which is exactly loss.policy's reduction over the whole step.
+                step.finish(totals)
+                result.step_times.append(time.perf_counter() - t0)
+                result.steps += 1
+                if not args.quiet and rank == 0:
+                    print(f"rollout {r} step {step_id}: loss={float(totals['loss']):+.4f} "
+                          f"clipfrac={float(totals['pg_clipfrac']):.3f} reward={float(raw.mean()):.3f} "
+                          f"kl={float(kl.mean()):+.5f} weights {rollout_weight}->{version}", flush=True)
+            store.publish(r, version, model)
+    except BaseException as exc:
+        store.fail(exc)
+        raise
+    finally:
+        result.loop_time = time.perf_counter() - start
+    worker.join()
+    return result
+
+
+# ------------------------------------------------------------------------------------------- cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Asynchronous GRPO on a toy digit-reversal task (CPU), with replay capture.")
+    p.add_argument("--rollouts", type=int, default=4)
+    p.add_argument("--prompts-per-rollout", type=int, default=4, help="prompt groups per rollout and rank")
+    p.add_argument("--n-samples", type=int, default=4, help="samples per prompt (group size)")
+    p.add_argument("--consumer-batch", type=int, default=6, help="samples per transfer batch (need not divide groups)")
+    p.add_argument("--steps-per-rollout", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=3, help="samples per micro-batch")
+    p.add_argument("--max-staleness", type=int, default=1, help="rollouts the sampler's weights lag behind")
+    p.add_argument("--min-digits", type=int, default=2)
+    p.add_argument("--max-digits", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--embed", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
+    p.add_argument("--eps-clip", type=float, default=0.2)
+    p.add_argument("--eps-clip-high", type=float, default=0.28)
+    p.add_argument("--entropy-coef", type=float, default=0.001)
+    p.add_argument("--kl-coef", type=float, default=0.05, help="rollout-vs-reference KL coefficient (logged)")
+    p.add_argument("--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"))
+    p.add_argument("--no-std-normalization", dest="std_normalization", action="store_false",
+                   help="GRPO without dividing by the group std")
+    p.add_argument("--mask-truncated", action="store_true",
+                   help="overlong filtering: mask out responses cut off without <eos>")
+    p.add_argument("--pr65-bug", action="store_true",
+                   help="reproduce PR #65: normalize rewards per consumer batch instead of per prompt group")
+    p.add_argument("--prompt-template", default="Reverse the digits: {digits}",
+                   help="text of a prompt (only hashed into bundles, never stored)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--dist-timeout", type=float, default=120.0, help="seconds before a collective gives up")
+    p.add_argument("--capture-close-timeout", type=float, default=60.0, help="seconds to flush capture at exit")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    per_rollout = args.prompts_per_rollout * args.n_samples
+    if min(args.rollouts, args.prompts_per_rollout, args.n_samples, args.consumer_batch,
+           args.steps_per_rollout, args.micro_batch) < 1:
+        p.error("sizes must be positive")
+    if per_rollout % args.steps_per_rollout:
+        p.error(f"--steps-per-rollout {args.steps_per_rollout} must divide the {per_rollout} samples of a rollout")
+    if not 1 <= args.min_digits <= args.max_digits:
+        p.error("need 1 <= --min-digits <= --max-digits")
+    if not 1 <= args.top_k <= VOCAB:
+        p.error(f"--top-k must lie in [1, {VOCAB}]")
+    if args.max_staleness < 0:
+        p.error("--max-staleness must be >= 0")
+    try:
+        args.prompt_template.format(digits="0")
+    except (KeyError, IndexError, ValueError) as exc:
+        p.error(f"--prompt-template: {exc}")
+
+
+def run(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> TrainResult:
+    """Parse ``argv``, join the process group when launched by torchrun, train, flush capture."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    env = os.environ if env is None else env
+    torch.set_num_threads(args.threads)
+    distributed = "RANK" in env and "WORLD_SIZE" in env
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    capture = maybe_enable_for_actor(
+        recompute_config(args), pp_rank=0, pp_size=1, dp_rank=rank, dp_size=world, env=env,
+        close_timeout=args.capture_close_timeout, source_dir=Path(__file__).resolve().parent,
+    )
+    try:
+        result = train(args, capture, rank, world)
+    finally:
+        flushed = capture.close(timeout=args.capture_close_timeout)
+    result.capture_stats = capture.stats
+    result.capture_flushed = flushed
+    if capture.enabled and not args.quiet:
+        s = capture.stats
+        print(f"rank {rank} capture: written={s.written} dropped={s.dropped} errors={s.errors} "
+              f"abandoned={s.abandoned} bytes={s.bytes_written} flushed={flushed}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
