@@ -1,0 +1,217 @@
+"""The headless CLI: ``inspect`` on incomplete bundles, ``validate`` warnings for unknown fields, JSON output,
+``demo write``, usage errors. In-process through ``replay_lib.cli.main`` (the same code the entry point runs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from replay_lib.bundle import BundleReader
+from replay_lib.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --------------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, capsys, bundle_tools):
+    (pr65_bundle / "COMPLETE").unlink()
+    (pr65_bundle / "payloads" / "kl.pt").unlink()
+    before = bundle_tools.snapshot(pr65_bundle)
+    rc, out, err = run(capsys, "inspect", pr65_bundle)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"{pr65_bundle} — bundle, INCOMPLETE"
+    assert "problem: missing payloads/kl.pt" in lines
+    assert "problem: missing COMPLETE (incomplete or still being written)" in lines
+    kl_row = next(line for line in lines if line.split()[:1] == ["kl"])
+    assert kl_row.split()[1:3] == ["torch.float32", "[12]"] and kl_row.endswith("MISSING")
+    assert "  kind      rollout-level, rollout_id=120" in lines
+    assert bundle_tools.snapshot(pr65_bundle) == before
+
+    rc, out, err = run(capsys, "inspect", pr65_bundle, "--format", "json")
+    assert (rc, err) == (0, "")
+    doc = json.loads(out)
+    assert (doc["layout"], doc["complete"]) == ("bundle", False)
+    assert doc["problems"] == ["missing payloads/kl.pt", "missing COMPLETE (incomplete or still being written)"]
+    rows = {p["name"]: (p["present"], p["size_ok"]) for p in doc["bundles"][0]["payloads"]}
+    assert rows == {"advantages": (True, True), "kl": (False, False), "old_log_probs": (True, True),
+                    "ref_log_probs": (True, True)}
+    assert (doc["bundles"][0]["samples"], doc["bundles"][0]["tokens"], doc["bundles"][0]["groups"]) == (4, 12, 2)
+
+
+def test_inspect_a_cohort_missing_its_final_complete(tmp_path, capsys):
+    from replay_lib.demo import synthetic_parts, write_bundle
+
+    cohort = tmp_path / "cohort"
+    write_bundle(cohort, *synthetic_parts(samples=4, tokens=3, bundle_id="c"), rank=0, ranks=[0, 1])
+    rc, out, err = run(capsys, "inspect", cohort, "--format", "json")
+    assert (rc, err) == (0, "")
+    doc = json.loads(out)
+    assert (doc["layout"], doc["complete"], doc["ranks_published"]) == ("cohort", False, [0])
+    assert doc["problems"] == ["no cohort COMPLETE (ranks published: [0])"]
+    assert [b["rank"] for b in doc["bundles"]] == [0]
+    # validate refuses the same directory (exit 3), inspect only looked
+    assert run(capsys, "validate", cohort)[0] == 3
+
+
+def test_inspect_a_missing_path_is_exit_3(tmp_path, capsys):
+    rc, out, err = run(capsys, "inspect", tmp_path / "nope")
+    assert (rc, out) == (3, "")
+    assert err == f"trajectory-replay: error: {tmp_path / 'nope'}: no such file or directory\n"
+
+
+# -------------------------------------------------------------------------------------- validate
+
+
+def test_validate_lists_unknown_fields_as_warnings(pr65_bundle, capsys, bundle_tools):
+    def manifest(doc):
+        doc["format_version"] = "1.7.2"  # a newer minor of the same major
+        doc["retention_days"] = 30
+        doc["producer"]["hostname_digest"] = "ab12"
+
+    def index(doc):
+        doc["samples"][1]["judge_score"] = 0.5
+        doc["identity"]["region"] = "eu"
+
+    bundle_tools.edit_json(pr65_bundle, "manifest.json", manifest)
+    bundle_tools.edit_json(pr65_bundle, "index.json", index)
+    rc, out, err = run(capsys, "validate", pr65_bundle)
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[0] == ("bundle b-00001 — valid (format 1.7.2, rollout-level, rollout_id=120, "
+                                   "4 sample(s), 12 token(s))")
+    warnings = sorted(line for line in out.splitlines() if line.startswith("warning: "))
+    assert warnings == sorted([
+        f"warning: {pr65_bundle / 'manifest.json'}: $.retention_days: unknown field (ignored)",
+        f"warning: {pr65_bundle / 'manifest.json'}: $.producer.hostname_digest: unknown field (ignored)",
+        f"warning: {pr65_bundle / 'index.json'}: $.samples[1].judge_score: unknown field (ignored)",
+        f"warning: {pr65_bundle / 'index.json'}: $.identity.region: unknown field (ignored)",
+    ])
+
+    rc, out, err = run(capsys, "validate", pr65_bundle, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, doc["valid"], doc["format_version"], len(doc["warnings"])) == (0, True, "1.7.2", 4)
+    # and the bundle still replays to the same first divergence
+    rc, out, err = run(capsys, "replay", pr65_bundle, "--format", "json")
+    assert (rc, json.loads(out)["first_divergent_stage"]) == (1, "reward.post_process")
+
+
+def test_validate_reports_an_unknown_active_knob_as_a_replay_refusal(pr65_bundle, capsys, bundle_tools):
+    bundle_tools.edit_json(pr65_bundle, "index.json", lambda doc: doc["config"].__setitem__("use_opd", True))
+    rc, out, err = run(capsys, "validate", pr65_bundle, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, err, doc["valid"]) == (0, "", True)
+    assert doc["replay_refusals"] == [
+        f"{pr65_bundle / 'index.json'}: $.config.use_opd=True: unknown config knob; refusing to guess what it changes"]
+    assert doc["warnings"] == [f"{pr65_bundle / 'index.json'}: $.config.use_opd: unknown field (ignored)"]
+    rc, out, err = run(capsys, "replay", pr65_bundle)
+    assert (rc, out) == (4, "")
+    assert "$.config.use_opd=True" in err and len(err.splitlines()) == 1
+
+
+def test_validate_never_recomputes_numbers(pr65_bundle, capsys):
+    """The PR #65 bundle diverges numerically, but it is well formed: validate says valid (exit 0)."""
+    rc, out, err = run(capsys, "validate", pr65_bundle)
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[1:] == [
+        "  advantage.estimate   recompute", "  advantage.kl         recompute", "  loss.value           unsupported",
+        "  reward.post_process  recompute", "  reward.raw           recompute", "  sample               recompute"]
+
+
+def test_validate_refuses_a_missing_expected_output(pr65_bundle, capsys, bundle_tools):
+    bundle_tools.edit_json(pr65_bundle, "expected.json", lambda doc: doc.pop("reward.post_process"))
+    rc, out, err = run(capsys, "validate", pr65_bundle)
+    assert (rc, out) == (3, "")
+    assert err == (f"trajectory-replay: error: {pr65_bundle / 'manifest.json'}: dependency closure incomplete: "
+                   f"reward.post_process needs expected.json $.reward.post_process.rewards\n")
+
+
+# --------------------------------------------------------------------------------------- json out
+
+
+def test_json_outputs_parse(pr65_bundle, tmp_path, capsys):
+    from replay_lib.demo import write_pr65
+
+    fixed = write_pr65(tmp_path / "fixed", buggy=False, bundle_id="b-00001-fixed")
+    rc, out, _ = run(capsys, "replay", fixed, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, doc["passed"], doc["first_divergent_stage"], doc["first_divergence"]) == (0, True, None, None)
+    rc, out, _ = run(capsys, "replay", pr65_bundle, "--format", "json", "--max-divergences", "2")
+    doc = json.loads(out)
+    assert (rc, doc["passed"], doc["first_divergent_stage"]) == (1, False, "reward.post_process")
+    first = doc["first_divergence"]
+    assert {k: first[k] for k in ("stage", "rank", "sample_id", "group_index", "field", "token_offset", "expected",
+                                  "actual", "abs_error")} == {
+        "stage": "reward.post_process", "rank": None, "sample_id": "s-0", "group_index": 0, "field": "reward",
+        "token_offset": None, "expected": -5.5, "actual": -1.0, "abs_error": 4.5}
+    post = next(s for s in doc["stages"] if s["stage"] == "reward.post_process")
+    assert (post["status"], post["mismatches"], post["max_abs_error"], len(post["divergences"])) == ("fail", 4, 4.5, 2)
+    for argv in (("validate", pr65_bundle), ("inspect", pr65_bundle)):
+        rc, out, err = run(capsys, *argv, "--format", "json")
+        assert (rc, err) == (0, "")
+        assert json.loads(out)["path"] == str(pr65_bundle)
+
+
+# ------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_write_small_synthetic_bundle(tmp_path, capsys):
+    target = tmp_path / "d"
+    rc, out, err = run(capsys, "demo", "write", target, "--samples", "8", "--tokens", "4")
+    assert (rc, out, err) == (0, f"wrote {target}\n", "")
+    reader = BundleReader(target)
+    assert reader.bundle_id == "d"
+    assert [(s.sample_id, s.response_length, s.group_index) for s in reader.index.samples] == [
+        (f"s-{i}", 4, i // 4) for i in range(8)]
+    assert {n: list(reader.payload(n).shape) for n in reader.payload_names} == {
+        n: [32] for n in ("advantages", "entropy", "kl", "log_probs", "old_log_probs", "ref_log_probs")}
+    assert reader.payload("kl").dtype == torch.float32
+    assert run(capsys, "validate", target)[0] == 0
+    rc, out, _ = run(capsys, "replay", target)
+    assert (rc, out.splitlines()[0]) == (0, "bundle d — no divergence (6 stage(s) compared)")
+    # never overwrites: a second write into the same directory is refused (exit 3), bundle unchanged
+    before = (target / "COMPLETE").read_bytes()
+    rc, out, err = run(capsys, "demo", "write", target, "--samples", "8", "--tokens", "4")
+    assert (rc, out) == (3, "")
+    assert "refusing to overwrite" in err and len(err.splitlines()) == 1
+    assert (target / "COMPLETE").read_bytes() == before
+
+
+def test_demo_write_rejects_bad_sizes(tmp_path, capsys):
+    rc, out, err = run(capsys, "demo", "write", tmp_path / "d", "--samples", "6", "--tokens", "4")
+    assert (rc, out) == (2, "")
+    assert err == ("trajectory-replay: error: --samples must be a positive multiple of --group-size; "
+                   "--tokens must be >= 0\n")
+    assert not (tmp_path / "d").exists()
+
+
+# ------------------------------------------------------------------------------------- usage/help
+
+
+def test_bad_command_line_is_exit_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["validate"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "trajectory-replay validate: error: the following arguments are required: BUNDLE\n"
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0  every compared stage passed", "1  a divergence was found", "2  bad command line",
+                 "3  bundle invalid, incomplete, unsafe or ambiguous", "4  unsupported topology, stage or config knob"):
+        assert line in out
+    for command in ("inspect", "validate", "replay", "demo"):
+        assert command in out
