@@ -282,3 +282,102 @@ def materialize_demo(name: str = "pr65-buggy") -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# ------------------------------------------------------------------------------- sample support
+
+
+def _cp_shard_of_tokens(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Load-balanced context-parallel layout: each trajectory is cut into 2·cp chunks and CP rank r holds
+    chunks r and 2·cp − 1 − r. Returns the CP rank of every response token, ``[Σ T]`` int32."""
+    from .kernels import segment_ids, segment_offsets
+
+    lengths = lengths.to(torch.int64)
+    seg = segment_ids(lengths)
+    offset = torch.arange(seg.numel(), dtype=torch.int64) - segment_offsets(lengths)[seg]
+    chunk = offset * (2 * cp_size) // lengths[seg].clamp_min(1)
+    return torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk).to(torch.int32)
+
+
+def support_parts(
+    *,
+    samples: int = 8,
+    tokens: int = 16,
+    k: int = 20,
+    vocab_size: int = 4096,
+    seed: int = 0,
+    group_size: int = 4,
+    vary_lengths: bool = False,
+    eos_last: bool = True,
+    full_vocab_bug: bool = False,
+    routed: Optional[tuple[int, int, int]] = None,
+    cp_size: int = 1,
+    bundle_id: str = "support",
+    stages=ALL_STAGES + (StageId.LOGPROB_SUPPORT,),
+):
+    """(manifest, index, expected, payloads) of a clean synthetic bundle with sample-support payloads.
+
+    Every response token gets a K-member support row (distinct ids in sampler order, right-padded with −1
+    only where a row is empty) with random member logits, and a sampled member. With ``eos_last`` the last
+    token of every trajectory is an appended EOS without support that takes its ``full_log_probs`` value.
+    ``log_probs`` (= ``old_log_probs``: the first update of a step) are ``logp_S``; with ``full_vocab_bug``
+    they are the full-vocabulary log-probs instead (the support holds only part of the softmax mass).
+    ``routed = (layers, topk, num_experts)`` adds routed-expert rows; ``cp_size > 1`` adds ``cp_shard``.
+    """
+    import msgspec
+
+    from .support import support_logprobs
+
+    if vocab_size < k + 1:
+        raise ValueError("vocab_size must exceed k (one id is kept for the appended EOS)")
+    manifest, index, expected, payloads = synthetic_parts(
+        samples=samples, tokens=tokens, seed=seed, group_size=group_size, vary_lengths=vary_lengths, kl_coef=0.0,
+        bundle_id=bundle_id, stages=stages, rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": cp_size},
+    )
+    lengths = torch.tensor([s.response_length for s in index.samples], dtype=torch.int64)
+    total = int(lengths.sum())
+    gen = torch.Generator().manual_seed(seed + 2084)
+    eos = vocab_size - 1
+    # Distinct ids per row (strictly increasing by construction, below the EOS id), then shuffled.
+    gaps = torch.randint(1, (vocab_size - 1) // k + 1, (total, k), generator=gen)
+    ascending = torch.cumsum(gaps, 1) - 1
+    ids = ascending.gather(1, torch.rand(total, k, generator=gen).argsort(1)).to(torch.int32)
+    logits = torch.randn(total, k, generator=gen) * 2
+    sampled = ids.gather(1, torch.randint(0, k, (total, 1), generator=gen)).squeeze(1).to(torch.int64)
+    if eos_last and total:
+        last = (torch.cumsum(lengths, 0) - 1)[lengths > 0]
+        ids[last] = -1
+        logits[last] = 0.0
+        sampled[last] = eos
+    logp_s = support_logprobs(ids, logits, sampled)
+    has_support = (ids >= 0).any(1)
+    # Full-vocabulary log-prob: the support carries a fraction 1/(1+u) of the softmax mass.
+    outside = torch.rand(total, generator=gen) * 0.99 + 0.01
+    eos_logp = -torch.rand(total, generator=gen) * 2 - 0.01
+    full = torch.where(has_support, logp_s - torch.log1p(outside), eos_logp)
+    recorded = full if full_vocab_bug else torch.where(has_support, logp_s, full)
+    payloads = dict(payloads, log_probs=recorded, old_log_probs=recorded.clone(), support_ids=ids,
+                    support_logits=logits, sampled_token_ids=sampled, full_log_probs=full)
+    num_experts = None
+    if routed is not None:
+        layers, topk, num_experts = routed
+        gaps = torch.randint(1, num_experts // topk + 1, (total, layers, topk), generator=gen)
+        ascending = torch.cumsum(gaps, 2) - 1
+        order = torch.rand(total, layers, topk, generator=gen).argsort(2)
+        payloads["routed_experts"] = ascending.gather(2, order).to(torch.int32)
+    if cp_size > 1:
+        payloads["cp_shard"] = _cp_shard_of_tokens(lengths, cp_size)
+    config = msgspec.structs.replace(index.config, vocab_size=vocab_size, num_experts=num_experts)
+    index = msgspec.structs.replace(index, config=config)
+    if "loss.policy" in expected:
+        mask = torch.tensor([m for s in index.samples for m in s.loss_mask], dtype=torch.float32)
+        fields = policy_loss_fields(recorded, payloads["old_log_probs"], payloads["advantages"], payloads["entropy"],
+                                    mask, lengths, eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high,
+                                    entropy_coef=config.entropy_coef)
+        expected = dict(expected, **{"loss.policy": {k_: float(v) for k_, v in fields.items()}})
+    return manifest, index, expected, payloads
+
+
+def write_support_bundle(path: str | Path, **kwargs) -> Path:
+    """Write :func:`support_parts` as a bundle (``full_vocab_bug=True``: first divergence ``logprob.support``)."""
+    return write_bundle(path, *support_parts(**kwargs))

@@ -20,6 +20,8 @@ from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInput
 
 # Stages outside the V1 DAG: reported only when a bundle declares them.
 OPTIONAL_STAGES = frozenset({StageId.LOGPROB_SUPPORT})
+# Stages that read whole trajectories (a producer joins CP shards before writing) and so run at any CP size.
+CP_AGNOSTIC_STAGES = frozenset({StageId.SAMPLE, StageId.LOGPROB_SUPPORT})
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
@@ -111,8 +113,9 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
             f"{where}: $.config.advantage_estimator={cfg.advantage_estimator!r}: V1 recomputes GRPO only"
         )
     cp = reader.index.identity.rank.get("cp", 1)
-    if cp != 1:
-        raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only")
+    if cp != 1 and not set(stages) <= CP_AGNOSTIC_STAGES:
+        raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "
+                               f"(at any CP size only --stage sample / logprob.support run)")
     for stage in stages:
         for knob, why in REGISTRY[stage].refuse(cfg):
             raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")

@@ -8,6 +8,7 @@ from .base import StageContext, StageDef, StageInputError
 from .loss import LOSS_POLICY, LOSS_VALUE
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
+from .support import LOGPROB_SUPPORT
 
 # Pipeline order; the first failing stage in this order is the first divergence.
 STAGE_ORDER: tuple[StageId, ...] = (
@@ -22,7 +23,8 @@ STAGE_ORDER: tuple[StageId, ...] = (
 )
 
 REGISTRY: dict[StageId, StageDef] = {
-    d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOSS_POLICY, LOSS_VALUE)
+    d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
+                      LOSS_POLICY, LOSS_VALUE)
 }
 
 # Stages this engine can never recompute, whatever the manifest declares.
