@@ -280,6 +280,12 @@ def try_finalize_cohort(cohort: str | os.PathLike) -> bool:
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
+    # A JSON file or sentinel must stay inside its directory and be a regular file: a link to /dev/zero or
+    # a FIFO would otherwise hang the reader before any checksum is compared.
+    if path.is_symlink() and not os.path.realpath(path).startswith(os.path.realpath(path.parent) + os.sep):
+        raise BundleError(f"{path}: symlink leaves the bundle (→ {os.path.realpath(path)})")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise BundleError(f"{path}: {what} is not a regular file")
     try:
         return path.read_bytes()
     except FileNotFoundError:

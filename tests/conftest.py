@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -77,6 +78,8 @@ def tree_snapshot(root: Path) -> dict[str, tuple]:
                 out[str(path.relative_to(root))] = ("link", os.readlink(path), st.st_mtime_ns)
             elif path.is_dir():
                 out[str(path.relative_to(root))] = ("dir", st.st_mtime_ns)
+            elif not stat.S_ISREG(st.st_mode):  # a FIFO or device: never read it
+                out[str(path.relative_to(root))] = ("special", st.st_mode, st.st_mtime_ns)
             else:
                 out[str(path.relative_to(root))] = ("file", st.st_size, st.st_mtime_ns, _sha256(path.read_bytes()))
     return out

@@ -170,6 +170,22 @@ def case_symlink_out_of_bundle(tmp, tools):
     return b, b, [f"{_kl(b)}:", "symlink leaves the bundle", str(outside)]
 
 
+def case_json_symlink_out_of_bundle(tmp, tools):
+    b = _pr65(tmp)
+    outside = tmp / "outside-index.json"
+    shutil.copyfile(b / "index.json", outside)  # identical bytes: the sha256 in COMPLETE still matches
+    (b / "index.json").unlink()
+    (b / "index.json").symlink_to(outside)
+    return b, b, [f"{b / 'index.json'}:", "symlink leaves the bundle", str(outside)]
+
+
+def case_json_not_a_regular_file(tmp, tools):
+    b = _pr65(tmp)
+    (b / "expected.json").unlink()
+    os.mkfifo(b / "expected.json")  # reading it would block forever
+    return b, b, [f"{b / 'expected.json'}:", "expected.json is not a regular file"]
+
+
 def case_wrong_dtype(tmp, tools):
     b = _pr65(tmp)
     _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)
