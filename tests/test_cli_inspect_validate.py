@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from replay_lib.bundle import BundleReader
 from replay_lib.cli import main
+from replay_lib.demo import synthetic_parts, write_bundle, write_pr65
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -50,8 +50,6 @@ def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, capsys,
 
 
 def test_inspect_a_cohort_missing_its_final_complete(tmp_path, capsys):
-    from replay_lib.demo import synthetic_parts, write_bundle
-
     cohort = tmp_path / "cohort"
     write_bundle(cohort, *synthetic_parts(samples=4, tokens=3, bundle_id="c"), rank=0, ranks=[0, 1])
     rc, out, err = run(capsys, "inspect", cohort, "--format", "json")
@@ -139,8 +137,6 @@ def test_validate_refuses_a_missing_expected_output(pr65_bundle, capsys, bundle_
 
 
 def test_json_outputs_parse(pr65_bundle, tmp_path, capsys):
-    from replay_lib.demo import write_pr65
-
     fixed = write_pr65(tmp_path / "fixed", buggy=False, bundle_id="b-00001-fixed")
     rc, out, _ = run(capsys, "replay", fixed, "--format", "json")
     doc = json.loads(out)
