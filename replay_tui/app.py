@@ -36,7 +36,7 @@ class ReplayApp(App[int]):
     TITLE = "replay-tui"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+q", "quit", "Quit", show=False, priority=True, id="app.quit",
-                tooltip="Quit; the exit code follows the replay"),
+                tooltip="Quit (exit code: 0 pass, 1 divergence, else the error's)"),
         Binding("ctrl+c", "help_quit", show=False, system=True, id="app.help-quit", tooltip="How to quit"),
     ]
     COMMANDS = App.COMMANDS | {ReplayCommands}

@@ -10,9 +10,11 @@ from .keys import KeyAction, key_actions
 
 
 def command_title(ka: KeyAction) -> str:
+    """The binding's tooltip (its first clause), prefixed by the pane it acts in."""
+    title = ka.tooltip.split(" (")[0].split(";")[0] or ka.description
     if ka.pane == "main":
-        return ka.description
-    return f"{ka.section.split()[0]}: {ka.description}"
+        return title
+    return f"{ka.section.split()[0]}: {title}"
 
 
 class ReplayCommands(Provider):
@@ -27,7 +29,7 @@ class ReplayCommands(Provider):
                 continue
             seen.add((title, ka.action))
             keys = ", ".join(ka.keys)
-            out.append((title, f"{ka.tooltip} (key: {keys})", ka))
+            out.append((title, f"key {keys} · {ka.tooltip}", ka))
         return out
 
     async def _run(self, ka: KeyAction) -> None:

@@ -127,28 +127,46 @@ class FieldDiff:
     def error_profile(self, bins: int) -> list[tuple[float, bool]]:
         """``bins`` × ``(max |err| normalised to [0, 1], any divergence)`` along the row axis.
 
-        A non-finite element (NaN/Inf on either side) counts as the maximum error."""
+        Fewer rows than bins: each row spans several bins (the strip always fills its width). A
+        non-finite element (NaN/Inf on either side) counts as the maximum error."""
         n = len(self)
         if n == 0 or bins <= 0:
             return []
-        bins = min(bins, n)
         err = self.error_tensor.clone()
         err = torch.where(torch.isnan(err) & self.bad_tensor, torch.full_like(err, float("inf")), err)
         err = torch.nan_to_num(err, nan=0.0)
         finite = err[torch.isfinite(err)]
         top = float(finite.max()) if finite.numel() else 0.0
-        err = torch.where(torch.isinf(err), torch.full_like(err, max(top, 1.0) if top > 0 else 1.0), err)
-        top = float(err.max()) if err.numel() else 0.0
-        which = torch.arange(n, dtype=torch.int64) * bins // n
-        peak = torch.zeros(bins, dtype=torch.float64).scatter_reduce(0, which, err, reduce="amax", include_self=True)
-        flagged = torch.zeros(bins, dtype=torch.int64).index_add_(0, which, self.bad_tensor.to(torch.int64)) > 0
-        scale = top if top > 0 else 1.0
+        err = torch.where(torch.isinf(err), torch.full_like(err, top if top > 0 else 1.0), err)
+        scale = float(err.max()) if float(err.max()) > 0 else 1.0
+        if bins >= n:
+            rows = torch.arange(bins, dtype=torch.int64) * n // bins
+            peak, flagged = err[rows], self.bad_tensor[rows]
+        else:
+            which = torch.arange(n, dtype=torch.int64) * bins // n
+            peak = torch.zeros(bins, dtype=torch.float64).scatter_reduce(0, which, err, reduce="amax",
+                                                                         include_self=True)
+            flagged = torch.zeros(bins, dtype=torch.int64).index_add_(0, which, self.bad_tensor.to(torch.int64)) > 0
         return [(float(p) / scale, bool(f)) for p, f in zip(peak.tolist(), flagged.tolist())]
 
     def row_of_bin(self, b: int, bins: int) -> int:
+        """The first row drawn in bin ``b`` (clicking the strip jumps there)."""
         n = len(self)
-        bins = min(bins, n)
-        return min(n - 1, -(-b * n // bins)) if n else 0
+        if n == 0:
+            return 0
+        if bins >= n:
+            return min(n - 1, b * n // bins)
+        return min(n - 1, -(-b * n // bins))
+
+    def bins_of_row(self, row: int, bins: int) -> range:
+        """The bins that draw ``row`` (the cursor's marker on the strip)."""
+        n = len(self)
+        if n == 0:
+            return range(0)
+        if bins >= n:
+            return range(-(-row * bins // n), -(-(row + 1) * bins // n))
+        b = row * bins // n
+        return range(b, b + 1)
 
 
 # ------------------------------------------------------------------------------------ recompute

@@ -37,6 +37,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self):
         with VerticalScroll(id="help-box"):
+            yield Static(Text(INTRO, style="italic"), id="help-intro")
             yield Static(self._content(), id="help-text")
 
     def on_mount(self) -> None:
@@ -47,18 +48,16 @@ class HelpScreen(ModalScreen[None]):
 
     def _content(self) -> Table:
         grid = Table.grid(padding=(0, 2), expand=True)
-        grid.add_column(no_wrap=True, style="bold")
-        grid.add_column(no_wrap=True)
-        grid.add_column(ratio=1, style="dim")
-        grid.add_row(Text(INTRO, style="italic"), "", "")
+        grid.add_column(no_wrap=True, style="bold", min_width=12)
+        grid.add_column(ratio=1)
         section = None
         for ka in key_actions():
             if ka.section != section:
                 section = ka.section
-                grid.add_row("", "", "")
-                grid.add_row(Text(section, style="bold underline"), "", "")
+                grid.add_row("", "")
+                grid.add_row(Text(section, style="bold underline"), "")
             keys = " ".join(self.app.get_key_display(Binding(k, ka.action)) for k in ka.keys)
-            grid.add_row(Text(keys), Text(ka.description), Text(ka.tooltip))
+            grid.add_row(Text(keys), Text(ka.tooltip))
         return grid
 
     async def action_dismiss(self, result=None) -> None:

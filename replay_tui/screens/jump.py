@@ -35,7 +35,9 @@ class JumpScreen(ModalScreen[Optional[str]]):
 
     def on_mount(self) -> None:
         self.query_one("#jump-box").border_title = "Jump to sample"
-        self.query_one(Input).focus()
+        box = self.query_one(Input)
+        box.cursor_blink = not self.app.is_headless  # a blinking cursor would make screenshots flaky
+        box.focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()

@@ -62,9 +62,10 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         Binding("i", "toggle_identity", "Identity", show=False, id="main.toggle-identity",
                 tooltip="Show or hide the identity pane"),
         Binding("r", "rerun", "Re-run", show=False, id="main.rerun", tooltip="Verify and replay the bundle again"),
-        Binding("question_mark", "app.help", "Help", id="main.help", tooltip="Keys and panes"),
-        Binding("f1", "app.help", "Help", show=False, id="main.help-f1", tooltip="Keys and panes"),
-        Binding("q", "app.quit", "Quit", id="main.quit", tooltip="Quit; the exit code follows the replay (0 pass, 1 divergence)"),
+        Binding("question_mark", "app.help", "Help", id="main.help", tooltip="Show the help screen (keys and panes)"),
+        Binding("f1", "app.help", "Help", show=False, id="main.help-f1",
+                tooltip="Show the help screen (keys and panes)"),
+        Binding("q", "app.quit", "Quit", id="main.quit", tooltip="Quit (exit code: 0 pass, 1 divergence, else the error's)"),
     ]
 
     def __init__(self, name: str) -> None:
@@ -206,6 +207,19 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             self.open_stage(view.cursor)
         elif isinstance(view, SampleTree):
             self.diff_view.focus()
+        elif isinstance(view, DiffView) and view.diff is not None and view.diff.kind == KIND_SAMPLE:
+            self.open_sample_tokens(view.diff.labels[event.row])
+
+    def open_sample_tokens(self, sample_id: str) -> None:
+        """From a per-sample table to that sample's per-token diff (its first diverging token field)."""
+        model = self.model
+        token_fields = [f for f in model.fields if FIELD_BY_NAME[f].kind == KIND_TOKEN]
+        if not token_fields:
+            self.notify("this bundle has no per-token field to open", severity="warning", timeout=3)
+            return
+        row = model.sample(sample_id)
+        field = next((f for f in token_fields if row is not None and row.mismatches.get(f)), token_fields[0])
+        self.select(sample_id=sample_id, field=field)
 
     def open_stage(self, index: int) -> None:
         model = self.model

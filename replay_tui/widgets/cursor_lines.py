@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding, BindingType
@@ -46,7 +47,8 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
 
     BINDINGS: ClassVar[list[BindingType]] = []
 
-    cursor: reactive[int] = reactive(0, init=False)
+    # repaint=False: a cursor move refreshes only the two rows it touches (see watch_cursor).
+    cursor: reactive[int] = reactive(0, init=False, repaint=False)
 
     class Highlighted(Message):
         def __init__(self, view: "CursorLines", row: int) -> None:
@@ -73,9 +75,10 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
         self._line_cache: LRUCache[tuple, Strip] = LRUCache(maxsize=1024)
         self._generation = 0
         self._rows = 0
+        self._base_style: Style | None = None
 
     @classmethod
-    def navigation_bindings(cls, pane: str, noun: str) -> list[Binding]:
+    def navigation_bindings(cls, pane: str, noun: str, open_tooltip: str) -> list[Binding]:
         """Arrow/page keys with vim aliases (hidden from the footer), each with an id and a tooltip."""
         return [
             Binding("up", "cursor(-1)", "Up", show=False, id=f"{pane}.up", tooltip=f"Previous {noun}"),
@@ -93,7 +96,7 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
             Binding("end", "edge(1)", "Last", show=False, id=f"{pane}.last", tooltip=f"Last {noun}"),
             Binding("g", "edge(0)", "First", show=False, id=f"{pane}.first-vim", tooltip=f"First {noun} (vim)"),
             Binding("G", "edge(1)", "Last", show=False, id=f"{pane}.last-vim", tooltip=f"Last {noun} (vim)"),
-            Binding("enter", "activate", "Open", show=False, id=f"{pane}.open", tooltip=f"Open the {noun}"),
+            Binding("enter", "activate", "Open", show=False, id=f"{pane}.open", tooltip=open_tooltip),
         ]
 
     # -- rows -------------------------------------------------------------------------------------
@@ -128,7 +131,10 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         row = self.scroll_offset.y + y
-        base = self.rich_style
+        base = self._base_style
+        if base is None:
+            # Widget.rich_style walks the ancestors; it only changes with the CSS (notify_style_update).
+            base = self._base_style = self.rich_style
         if row >= self._rows:
             return Strip.blank(width, base)
         selected = row == self.cursor
@@ -137,12 +143,22 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
         if strip is None:
             strip = self.render_row(row, width, base)
             if selected:
-                strip = strip.apply_style(self.get_component_rich_style("cursor-lines--cursor"))
+                strip = self._cursor_strip(strip)
             self._line_cache[key] = strip
         return strip
 
+    def _cursor_strip(self, strip: Strip) -> Strip:
+        """The cursor row: the cursor background *over* the row (its red/green text colours stay)."""
+        cursor = self.get_component_rich_style("cursor-lines--cursor")
+        if cursor.bgcolor is not None:
+            over = Style(bgcolor=cursor.bgcolor, bold=cursor.bold)
+        else:
+            over = Style(reverse=True)
+        return Strip(list(Segment.apply_style(strip, post_style=over)), strip.cell_length)
+
     def notify_style_update(self) -> None:
         super().notify_style_update()
+        self._base_style = None
         self._line_cache.clear()
 
     def _refresh_row(self, row: int) -> None:

@@ -35,7 +35,8 @@ def fit_number(x: Optional[float], width: int) -> str:
 
 class DiffView(CursorLines):
     PANE = "diff"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("diff", "row")
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
+        "diff", "row", "Open the sample's per-token diff (from a per-sample table)")
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -150,9 +151,7 @@ class ErrorStrip(Widget):
         if y != 0 or diff is None or len(diff) == 0:
             return Strip.blank(width, base)
         prof = self.profile()
-        bins = len(prof)
-        n = len(diff)
-        cursor_bin = self.view.cursor * bins // n if n else -1
+        cursor_bins = diff.bins_of_row(self.view.cursor, len(prof))
         parts: list[tuple[str, Optional[Style]]] = [(self.LABEL, DIM)]
         for b, (level, flagged) in enumerate(prof):
             if level <= 0 and not flagged:
@@ -160,7 +159,7 @@ class ErrorStrip(Widget):
             else:
                 ch = SPARK[min(len(SPARK) - 1, max(0, math.ceil(level * len(SPARK)) - 1))]
                 style = FAIL_SOFT if flagged else PASS
-            if b == cursor_bin:
+            if b in cursor_bins:
                 style = (style or Style()) + Style(reverse=True)
             parts.append((ch, style))
         return strip_of(parts, width, base)

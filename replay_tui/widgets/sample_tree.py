@@ -24,7 +24,8 @@ SAMPLE = "sample"
 class SampleTree(CursorLines):
     PANE = "samples"
     ROW_NOUN = "row"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("samples", "row") + [
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
+        "samples", "row", "Open the sample in the diff viewer, or fold/unfold the group") + [
         Binding("d", "toggle_filter", "Diverging", id="samples.filter",
                 tooltip="Show only samples with a mismatch (toggle)"),
         Binding("space", "toggle_group", "Fold", id="samples.fold", tooltip="Fold or unfold the group under the cursor"),

@@ -47,7 +47,8 @@ def dag_gutters(stages: list[str]) -> list[str]:
 
 class StageList(CursorLines):
     PANE = "stages"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings("stages", "stage")
+    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
+        "stages", "stage", "Open the stage: view its field at its first divergence")
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)

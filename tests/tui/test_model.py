@@ -1,0 +1,186 @@
+"""The debugger's model and row rendering, without an App: exact values against hand-derived numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rich.style import Style
+
+from replay_lib.bundle import open_bundle
+from replay_lib.runner import run_replay
+from replay_lib.selection import Selection
+from replay_tui.model import (
+    KIND_COHORT,
+    KIND_SAMPLE,
+    KIND_TOKEN,
+    FieldDiff,
+    build_model,
+    field_for_divergence,
+    first_divergence_text,
+    token_diff,
+)
+from replay_tui.widgets.diff_view import DiffView, fit_number
+from replay_tui.widgets.stage_pane import dag_gutters
+
+from tui_bundles import KL_BUG_DELTA, KL_BUG_TOKENS, LOSS_BUG_DELTA
+
+
+def model_of(path, **kwargs):
+    b = open_bundle(path)
+    return b, build_model(b, run_replay(b, **kwargs))
+
+
+def test_pr65_reward_table_is_the_seed_numbers(bundles):
+    _, m = model_of(bundles / "pr65-buggy")
+    diff = m.field_diff("reward")
+    assert diff.kind == KIND_SAMPLE
+    assert diff.labels == ["s-0", "s-1", "s-2", "s-3"]
+    assert diff.groups == ["g-0", "g-0", "g-1", "g-1"]
+    assert diff.expected == [-5.5, -3.5, 3.5, 5.5]
+    assert diff.actual == [-1.0, 1.0, -1.0, 1.0]
+    assert diff.abs_error == [4.5, 4.5, 4.5, 4.5]
+    assert diff.divergent == [0, 1, 2, 3]
+    assert first_divergence_text(m.report) == "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5"
+
+
+def test_pr65_token_diff_of_advantage(bundles):
+    b = open_bundle(bundles / "pr65-buggy")
+    diff = token_diff(b, "s-2", "advantage")
+    assert diff.kind == KIND_TOKEN and diff.sample_id == "s-2"
+    assert diff.expected == [3.5, 3.5, 3.5, 3.5]
+    assert diff.actual == [-1.0, -1.0, -1.0, -1.0]
+    assert diff.abs_error == [4.5, 4.5, 4.5, 4.5]
+    assert diff.mask == [1, 1, 0, 1]
+    assert diff.divergent == [0, 1, 2, 3]
+    clean = token_diff(b, "s-0", "kl")
+    assert clean.divergent == [] and clean.expected == clean.actual and len(clean) == 3
+    assert token_diff(b, "s-1", "reward").expected == [-3.5]
+
+
+def test_token_diff_refuses_unknown_sample_and_field(bundles):
+    b = open_bundle(bundles / "pr65-buggy")
+    with pytest.raises(KeyError, match="no sample 's-9' in bundle b-00001"):
+        token_diff(b, "s-9", "kl")
+    with pytest.raises(KeyError, match="unknown field 'logits'"):
+        token_diff(b, "s-0", "logits")
+    with pytest.raises(KeyError, match="field 'loss' is not available"):
+        token_diff(b, "s-0", "loss")
+
+
+def test_kl_bug_rows_and_per_sample_counts(bundles):
+    _, m = model_of(bundles / "kl-bug")
+    d5 = m.field_diff("kl", "s-5")
+    assert len(d5) == 16
+    assert d5.divergent == [3, 7, 11]
+    for off in (3, 7, 11):
+        assert d5.abs_error[off] == pytest.approx(KL_BUG_DELTA, abs=1e-6)
+        assert d5.expected[off] - d5.actual[off] == pytest.approx(KL_BUG_DELTA, abs=1e-6)
+    assert m.field_diff("kl", "s-6").divergent == [0]
+    counts = {s.sample_id: s.mismatches for s in m.samples}
+    assert counts["s-5"] == {"kl": 3} and counts["s-6"] == {"kl": 1} and counts["s-0"] == {}
+    assert [g.diverging for g in m.groups] == [0, 2]
+    first = m.report.first_divergence
+    assert (first.sample_id, first.token_offset, first.field) == ("s-5", 3, "kl")
+
+
+@pytest.mark.parametrize("name", ["pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank", "kl-bug", "loss-bug"])
+def test_model_mismatch_totals_equal_the_report(bundles, name):
+    _, m = model_of(bundles / name)
+    for stage in m.report.stages:
+        field = field_for_divergence(stage.stage, "")
+        if field is None or field not in m.fields:
+            continue
+        total = sum(int(sh.bad[field].sum()) for sh in m.shards if field in sh.bad)
+        assert total == stage.mismatches, stage.stage
+
+
+def test_loss_table_of_a_wrong_pg_loss(bundles):
+    _, m = model_of(bundles / "loss-bug")
+    diff = m.field_diff("loss")
+    assert diff.kind == KIND_COHORT
+    assert diff.labels == ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"]
+    assert diff.divergent == [0, 1]
+    assert diff.abs_error[1] == pytest.approx(LOSS_BUG_DELTA, abs=1e-6)
+    assert diff.abs_error[2:] == [0.0, 0.0, 0.0]
+    assert m.fields == ["loss"]
+
+
+def test_step_loss_seed_value(bundles):
+    _, m = model_of(bundles / "step-loss")
+    diff = m.field_diff("loss")
+    assert diff.labels[1] == "pg_loss"
+    assert diff.actual[1] == pytest.approx(0.8974426, abs=1e-6)
+    assert diff.actual[3] == 2.0 and diff.actual[4] == -2.0
+    assert diff.divergent == []
+    assert all(not s.compared for s in m.samples)  # no per-sample stage ran
+
+
+def test_cohort_loss_rows_name_their_rank(bundles):
+    _, m = model_of(bundles / "cohort-2rank")
+    labels = m.field_diff("loss").labels
+    assert labels[0] == "loss [rank 0]" and labels[5] == "loss [rank 1]"
+    assert [g.label for g in m.groups] == ["g-0 · rank 0", "g-1 · rank 0", "g-0 · rank 1", "g-1 · rank 1"]
+
+
+def test_partial_selection_shows_the_group_closure_only(bundles):
+    _, m = model_of(bundles / "pr65-buggy", selection=Selection(samples=("s-3",)))
+    assert [s.sample_id for s in m.samples] == ["s-2", "s-3"]
+    assert [g.label for g in m.groups] == ["g-1"]
+    assert ("selection", "2 sample(s) (semantic-group closure)") in m.identity
+
+
+def test_identity_rows(bundles):
+    _, m = model_of(bundles / "pr65-buggy")
+    rows = dict(m.identity)
+    assert rows["bundle"] == "b-00001"
+    assert rows["kind"] == "rollout-level"
+    assert rows["anchor"] == "rollout_id=120"
+    assert rows["micro-batch"] == "mb-0000, mb-0001"
+    assert rows["weights"] == "rollout=41 actor=42"
+    assert rows["ranks"] == "dp=1 tp=1 pp=1 cp=1"
+    assert rows["redaction"] == "prompt:hash, response:truncate:8"
+    assert rows["torch"] == "test"
+
+
+def test_next_divergence_and_error_profile():
+    bad = [False, False, True, False, False, True, False, False, False, True]
+    err = [0.0, 0.0, 2.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 4.0]
+    diff = FieldDiff(field="kl", stage="advantage.kl", kind=KIND_TOKEN, expected=err, actual=[0.0] * 10,
+                     abs_error=err, bad=bad, mask=[1] * 10)
+    assert diff.next_divergence(0) == 2
+    assert diff.next_divergence(2) == 5
+    assert diff.next_divergence(9) is None
+    assert diff.next_divergence(5, -1) == 2
+    assert diff.next_divergence(2, -1) is None
+    assert diff.error_profile(5) == [(0.0, False), (0.5, True), (0.25, True), (0.0, False), (1.0, True)]
+    assert diff.row_of_bin(1, 5) == 2
+    assert list(diff.bins_of_row(5, 5)) == [2]
+    # more bins than rows: every row spans 2 bins, the strip fills its width
+    assert diff.error_profile(20)[4:6] == [(0.5, True), (0.5, True)]
+    assert diff.row_of_bin(19, 20) == 9 and list(diff.bins_of_row(9, 20)) == [18, 19]
+    # a NaN on either side counts as the largest error
+    nan = FieldDiff(field="kl", stage="advantage.kl", kind=KIND_TOKEN, expected=[0.0, float("nan")],
+                    actual=[0.0, 1.0], abs_error=[0.0, float("nan")], bad=[False, True], mask=[1, 1])
+    assert nan.error_profile(2) == [(0.0, False), (1.0, True)]
+
+
+def test_diff_rows_render_without_an_app(bundles):
+    _, m = model_of(bundles / "pr65-buggy")
+    view = DiffView()
+    view.diff = m.field_diff("advantage", "s-2")
+    view._rows = len(view.diff)
+    assert view.render_header(60, Style()).text.split() == ["offset", "expected", "actual", "abs", "err", "mask"]
+    assert view.render_row(2, 60, Style()).text.split() == ["✗", "2", "3.5", "-1.0", "4.5", "0"]
+    assert view.render_row(2, 60, Style()).cell_length == 60
+
+
+def test_fit_number_keeps_digits_not_ellipses():
+    assert fit_number(0.8974426, 12) == "   0.8974426"
+    assert fit_number(-0.083920896, 8) == "-0.08392"
+    assert fit_number(float("nan"), 5) == "  nan"
+
+
+def test_dag_gutters_fork_the_loss_stages():
+    stages = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
+              "loss.policy", "loss.value"]
+    assert dag_gutters(stages) == ["", "└", " └", "  └", "   └", "    ├", "    └"]

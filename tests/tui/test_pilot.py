@@ -1,0 +1,433 @@
+"""Behaviour of every key binding, the mouse, the worker and the error path, driven with Pilot.
+
+Each test waits on the replay worker (``app.workers.wait_for_complete()``) and ``pilot.pause()``;
+none sleeps. State is asserted on the screen object: selected sample, field, diff cursor, focus."""
+
+from __future__ import annotations
+
+import pytest
+from textual.binding import Binding
+
+from replay_tui.app import ReplayApp
+from replay_tui.commands import ReplayCommands, command_title
+from replay_tui.keys import key_actions, sections
+from replay_tui.screens.error import ErrorScreen
+from replay_tui.screens.help import HelpScreen
+from replay_tui.screens.jump import JumpScreen
+from replay_tui.widgets.diff_view import DiffView, ErrorStrip
+from replay_tui.widgets.identity_pane import IdentityPane
+from replay_tui.widgets.sample_tree import SampleTree
+from replay_tui.widgets.stage_pane import StageList
+from replay_tui.widgets.status_bar import VerdictBar
+
+from tui_bundles import BRACKET_PREFIX
+
+SIZE = (120, 40)
+
+
+async def ready(pilot) -> None:
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def screen_text(app) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def state(app: ReplayApp) -> tuple:
+    d = app.debugger
+    return d.sample_id, d.field, d.diff_cursor
+
+
+# ------------------------------------------------------------------------------------ first screen
+
+
+async def test_first_screen_shows_the_first_divergence(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert state(app) == ("s-0", "reward", 0)
+        assert isinstance(app.focused, DiffView)
+        assert app.debugger.stage_list.stage.stage == "reward.post_process"
+        text = screen_text(app)
+        assert "✗ first divergence in reward.post_process — reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in text
+        assert "reward.post_process ◀ first" in text
+
+
+async def test_narrow_terminal_keeps_the_divergence_line_whole(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        lines = [line.rstrip() for line in screen_text(app).splitlines()]
+        assert "   reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in lines
+        assert not app.debugger.query_one(IdentityPane).display  # hidden below 32 rows
+        await pilot.press("i")
+        assert app.debugger.query_one(IdentityPane).display
+        await pilot.press("i")
+        assert not app.debugger.query_one(IdentityPane).display
+
+
+async def test_worker_reports_progress_through_every_stage(bundles):
+    seen: list[str] = []
+
+    class Recording(ReplayApp):
+        def on_replay_progress(self, message) -> None:
+            seen.append(message.stage)
+            super().on_replay_progress(message)
+
+    app = Recording(bundles / "pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+    assert seen == ["verify", "sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
+                    "model"]
+
+
+async def test_markup_in_sample_ids_is_shown_literally(make_app):
+    app = make_app("brackets")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        text = screen_text(app)
+        assert f"reward {BRACKET_PREFIX}0: expected=" in text
+        assert f"✗ {BRACKET_PREFIX}0" in text
+        assert "[b]brackets" in text
+
+
+# ------------------------------------------------------------------------------------- screen keys
+
+
+async def test_tab_and_digits_move_between_panes(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        order = []
+        for _ in range(4):
+            await pilot.press("tab")
+            order.append(app.debugger.focused_pane())
+        assert order == ["identity", "stages", "samples", "diff"]
+        await pilot.press("shift+tab")
+        assert app.debugger.focused_pane() == "samples"
+        for key, pane in (("1", "stages"), ("2", "samples"), ("3", "diff"), ("4", "identity")):
+            await pilot.press(key)
+            assert app.debugger.focused_pane() == pane
+
+
+async def test_field_keys_cycle_the_viewed_field(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        seen = []
+        for _ in range(4):
+            await pilot.press("f")
+            seen.append(app.debugger.field)
+        assert seen == ["kl", "advantage", "raw_reward", "reward"]
+        await pilot.press("F")
+        assert app.debugger.field == "raw_reward"
+        await pilot.press("F", "F")
+        assert state(app) == ("s-0", "kl", 0)
+
+
+async def test_n_and_N_walk_divergences_across_samples(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert state(app) == ("s-5", "kl", 3)
+        walk = []
+        for _ in range(3):
+            await pilot.press("n")
+            walk.append(state(app))
+        assert walk == [("s-5", "kl", 7), ("s-5", "kl", 11), ("s-6", "kl", 0)]
+        await pilot.press("n")  # none further: stays, says so
+        assert state(app) == ("s-6", "kl", 0)
+        assert any("no further divergence in kl" in n.message for n in app._notifications)
+        await pilot.press("N")
+        assert state(app) == ("s-5", "kl", 11)
+        await pilot.press("N")
+        assert state(app) == ("s-5", "kl", 7)
+        await pilot.press("f", "f", "e")  # elsewhere, then back to the report's first divergence
+        assert state(app) == ("s-5", "kl", 3)
+        assert app.debugger.stage_list.stage.stage == "advantage.kl"
+
+
+async def test_slash_jumps_to_a_sample(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("slash")
+        assert isinstance(app.screen, JumpScreen)
+        await pilot.press(*"nope", "enter")
+        assert isinstance(app.screen, JumpScreen)
+        assert "no sample 'nope' in this bundle" in screen_text(app)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, JumpScreen)
+        assert app.debugger.sample_id == "s-5"
+        await pilot.press("slash", "s", "-", "2", "enter")
+        await pilot.pause()
+        assert state(app) == ("s-2", "kl", 0)
+        assert isinstance(app.focused, SampleTree) and app.debugger.tree.selected_sample == "s-2"
+
+
+async def test_jump_lifts_the_filter_when_it_hides_the_sample(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2", "d")
+        assert app.debugger.tree.diverging_only
+        await pilot.press("slash", *"s-1", "enter")
+        await pilot.pause()
+        assert not app.debugger.tree.diverging_only
+        assert app.debugger.tree.selected_sample == "s-1"
+
+
+async def test_help_opens_and_every_close_key_closes_it(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        for opener, closer in (("question_mark", "escape"), ("f1", "q"), ("question_mark", "question_mark"),
+                               ("f1", "f1")):
+            await pilot.press(opener)
+            assert isinstance(app.screen, HelpScreen)
+            text = screen_text(app)
+            assert "Everywhere" in text and "Next divergence of the viewed field" in text
+            await pilot.press(closer)
+            assert not isinstance(app.screen, HelpScreen), (opener, closer)
+
+
+async def test_rerun_replays_again_in_the_worker(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        first = app.model
+        await pilot.press("n", "n")
+        await pilot.press("r")
+        await ready(pilot)
+        assert app.model is not first
+        assert state(app) == ("s-5", "kl", 3)
+
+
+@pytest.mark.parametrize(("name", "key", "code"), [("pr65-buggy", "q", 1), ("pr65-fixed", "q", 0),
+                                                     ("pr65-buggy", "ctrl+q", 1)])
+async def test_quit_returns_the_replay_exit_code(make_app, name, key, code):
+    app = make_app(name)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(key)
+    assert app.return_code == code
+
+
+async def test_ctrl_c_explains_how_to_quit(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+c")
+        assert app.return_code is None and app.is_running
+        assert any("Press [b]q[/b] to quit the app" in n.message for n in app._notifications)
+
+
+# ----------------------------------------------------------------------------------- list panes
+
+
+async def _walk(pilot, view, rows: int) -> None:
+    """Every navigation key of a list pane, with the cursor position it must reach."""
+    page = view.scrollable_content_region.height
+    steps = [("home", 0), ("down", 1), ("j", 2), ("up", 1), ("k", 0), ("end", rows - 1), ("g", 0),
+             ("G", rows - 1), ("home", 0), ("pagedown", min(page, rows - 1)), ("pageup", 0),
+             ("ctrl+f", min(page, rows - 1)), ("ctrl+b", 0)]
+    for key, expected in steps:
+        await pilot.press(key)
+        assert view.cursor == expected, key
+
+
+async def test_stage_pane_keys(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("1")
+        stages = app.debugger.stage_list
+        await _walk(pilot, stages, 7)
+        await pilot.press("home", "down")  # reward.raw
+        await pilot.press("enter")
+        assert state(app) == ("s-5", "raw_reward", 5)  # per-sample table: cursor on the selected sample
+        assert isinstance(app.focused, DiffView)
+        await pilot.press("1", "down", "down")  # advantage.kl
+        await pilot.press("enter")
+        assert state(app) == ("s-5", "kl", 3)
+        await pilot.press("1", "G", "enter")  # loss.value: unsupported, nothing to open
+        assert state(app) == ("s-5", "kl", 3)
+        assert any("loss.value: nothing to show" in n.message for n in app._notifications)
+
+
+async def test_sample_tree_keys(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2")
+        tree = app.debugger.tree
+        assert tree.rows[tree.cursor] == ("sample", 5)  # opened on the first divergence
+        await _walk(pilot, tree, 10)
+        await pilot.press("home", "down", "down")
+        assert state(app) == ("s-1", "kl", 0)
+        await pilot.press("space")  # fold g-0 from a sample row: cursor lands on the group
+        assert tree.row_count == 6 and tree.cursor == 0
+        await pilot.press("space")
+        assert tree.row_count == 10
+        await pilot.press("left")
+        assert tree.row_count == 6
+        await pilot.press("right")
+        assert tree.row_count == 10
+        await pilot.press("h")
+        assert tree.row_count == 6
+        await pilot.press("l")
+        assert tree.row_count == 10
+        await pilot.press("enter")  # on a group: folds it
+        assert tree.row_count == 6
+        await pilot.press("enter")
+        await pilot.press("d")
+        assert tree.diverging_only and tree.rows == [("group", 1), ("sample", 5), ("sample", 6)]
+        assert tree.selected_sample == "s-5" and app.debugger.sample_id == "s-5"
+        assert app.debugger.query_one("SamplesPanel").border_title == "Samples · diverging only"
+        await pilot.press("down")
+        assert state(app) == ("s-6", "kl", 0)
+        await pilot.press("enter")  # on a sample: the diff viewer takes the focus
+        assert isinstance(app.focused, DiffView)
+        await pilot.press("2", "d")
+        assert not tree.diverging_only and tree.row_count == 10 and tree.selected_sample == "s-6"
+
+
+async def test_diff_view_keys(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("3")
+        view = app.debugger.diff_view
+        await _walk(pilot, view, 16)
+        await pilot.press("f", "f", "f", "f")  # kl → advantage → loss → raw_reward → reward
+        assert app.debugger.field == "reward" and view.diff.kind == "sample"
+        await pilot.press("down")  # a per-sample table moves the selected sample
+        assert app.debugger.sample_id == "s-6"
+        await pilot.press("enter")  # opens that sample's first diverging per-token field
+        assert state(app) == ("s-6", "kl", 0)
+
+
+async def test_footer_shows_the_focused_panes_bindings(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2")
+        assert "d" in app.active_bindings and app.active_bindings["d"].binding.description == "Diverging"
+        await pilot.press("3")
+        assert "d" not in app.active_bindings
+        assert app.active_bindings["n"].binding.id == "main.next-divergence"
+
+
+# ------------------------------------------------------------------------------------------ mouse
+
+
+async def test_mouse_selects_samples_opens_stages_and_scrubs_the_strip(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tree = app.debugger.tree
+        assert await pilot.click(SampleTree, offset=(6, tree.rows.index(("sample", 2))))
+        await pilot.pause()
+        assert app.debugger.sample_id == "s-2"
+        assert await pilot.click(StageList, offset=(8, 3))  # advantage.kl
+        await pilot.pause()
+        assert state(app) == ("s-5", "kl", 3)
+        strip = app.debugger.query_one(ErrorStrip)
+        assert await pilot.click(ErrorStrip, offset=(strip.size.width - 1, 0))  # the last cell: token 15
+        await pilot.pause()
+        assert app.debugger.diff_cursor == 15
+        assert isinstance(app.focused, DiffView)
+
+
+# --------------------------------------------------------------------------------- command palette
+
+
+def test_palette_lists_the_same_actions_as_the_bindings():
+    provider_titles = {title for title, _, _ in ReplayCommands._commands(None)}
+    assert provider_titles == {command_title(ka) for ka in key_actions()}
+    assert "Next divergence of the viewed field" in provider_titles
+    assert "Samples: Show only samples with a mismatch" in provider_titles
+
+
+def test_every_binding_has_an_id_and_a_tooltip():
+    ids = []
+    screens = [HelpScreen, ErrorScreen, JumpScreen]
+    bindings = [b for _, _, bs in sections() for b in bs] + [b for s in screens for b in s.BINDINGS]
+    for b in bindings:
+        assert isinstance(b, Binding)
+        assert b.id and b.tooltip, b
+        ids.append(b.id)
+    assert len(ids) == len(set(ids))
+    vim = {b.key for b in bindings if b.id.endswith("-vim")}
+    assert vim == {"j", "k", "g", "G", "h", "l", "ctrl+b", "ctrl+f"}
+    assert all(not b.show for b in bindings if b.id.endswith("-vim"))
+
+
+async def test_palette_runs_a_pane_action(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"View the next field")
+        await pilot.pause(0.05)
+        await app.workers.wait_for_complete()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.debugger.field == "advantage"
+        await pilot.press("ctrl+p", *"Samples: Show only samples")
+        await pilot.pause(0.05)
+        await app.workers.wait_for_complete()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.debugger.tree.diverging_only and isinstance(app.focused, SampleTree)
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(("name", "key", "code", "words"), [
+    ("broken", "q", 3, "broken/COMPLETE: missing COMPLETE sentinel (bundle incomplete or still being written)"),
+    ("tis", "escape", 4, "tis/index.json: $.config.use_tis=True: truncated importance sampling is not implemented"),
+    ("broken", "enter", 3, "missing COMPLETE sentinel"),
+])
+async def test_error_screen_shows_the_cli_line_and_exits_with_its_code(make_app, name, key, code, words):
+    app = make_app(name)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert isinstance(app.screen, ErrorScreen)
+        assert app.screen.code == code
+        assert app.screen.line.startswith("replay-tui: error: ") and words in app.screen.line
+        assert f"exit code {code}" in screen_text(app)
+        await pilot.press(key)
+    assert app.return_code == code
+
+
+async def test_ui_stays_live_while_the_worker_verifies(make_app, monkeypatch):
+    """The worker is held inside open_bundle (on an Event, not a sleep): the progress line shows and
+    keys still work; releasing it finishes the replay."""
+    import threading
+
+    import replay_tui.app as app_module
+
+    gate = threading.Event()
+    real_open = app_module.open_bundle
+
+    def held_open(*args, **kwargs):
+        assert gate.wait(timeout=30)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "open_bundle", held_open)
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        verdict = app.debugger.query_one(VerdictBar)
+        assert "verifying bundle (checksums, schema, anchors)" in screen_text(app)
+        assert verdict.report is None
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        gate.set()
+        await ready(pilot)
+        assert verdict.report is app.model.report
+        assert state(app) == ("s-0", "reward", 0)

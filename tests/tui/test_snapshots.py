@@ -1,0 +1,56 @@
+"""SVG snapshots of the main states (pytest-textual-snapshot; ``snap_compare`` is sync only).
+
+Regenerate with ``pytest tests/tui --snapshot-update`` and look at every changed SVG before committing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+async def _ready(pilot) -> None:
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def _after(*keys: str):
+    async def run_before(pilot) -> None:
+        await _ready(pilot)
+        if keys:
+            await pilot.press(*keys)
+        await _ready(pilot)
+
+    return run_before
+
+
+def test_first_screen_120x40(snap_compare, make_app):
+    assert snap_compare(make_app("pr65-buggy"), terminal_size=(120, 40), run_before=_after())
+
+
+def test_first_screen_80x24(snap_compare, make_app):
+    assert snap_compare(make_app("pr65-buggy"), terminal_size=(80, 24), run_before=_after())
+
+
+def test_stage_pane_on_a_failing_loss_bundle(snap_compare, make_app):
+    # the DAG focused, its cursor on the first divergent stage (loss.policy), whose reason shows below
+    assert snap_compare(make_app("loss-bug"), terminal_size=(120, 40), run_before=_after("1"))
+
+
+def test_tree_filtered_to_divergences(snap_compare, make_app):
+    assert snap_compare(make_app("kl-bug"), terminal_size=(120, 40), run_before=_after("2", "d"))
+
+
+def test_diff_viewer_after_n(snap_compare, make_app):
+    # opens on kl s-5@3 (the first divergence); n moves to s-5@7
+    assert snap_compare(make_app("kl-bug"), terminal_size=(120, 40), run_before=_after("n"))
+
+
+def test_help_screen(snap_compare, make_app):
+    assert snap_compare(make_app("pr65-buggy"), terminal_size=(120, 40), run_before=_after("question_mark"))
+
+
+def test_invalid_bundle_error_screen(snap_compare, bundles, monkeypatch):
+    # a relative path, so the one-line error (which names the file) is the same on every machine
+    monkeypatch.chdir(bundles)
+    from replay_tui.app import ReplayApp
+
+    assert snap_compare(ReplayApp(Path("broken")), terminal_size=(120, 40), run_before=_after())
