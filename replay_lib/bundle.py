@@ -336,6 +336,18 @@ def parse_format_version(version, where: str) -> tuple[int, int, int]:
     return major, minor, patch
 
 
+# For the unknown-field scan of a decoded (valid) index.json: the samples' field values are kept as
+# zero-copy JSON slices, so millions of loss-mask ints are not built a second time (SampleRecord has no
+# nested objects whose keys would need a look).
+_INDEX_TOP_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_SAMPLE_KEYS_DECODER = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+
+
+def _index_keys(blob: bytes) -> dict:
+    return {key: _SAMPLE_KEYS_DECODER.decode(value) if key == "samples" else msgspec.json.decode(value)
+            for key, value in _INDEX_TOP_DECODER.decode(blob).items()}
+
+
 def _load_tensor(path: Path) -> torch.Tensor:
     try:
         try:
@@ -413,7 +425,7 @@ class BundleReader:
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index = _decode(root / "index.json", blobs["index.json"], INDEX_DECODER)
         self.expected = _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER)
-        raw_index = self._raw(root / "index.json", blobs["index.json"])
+        raw_index = _index_keys(blobs["index.json"])
         raw_config = raw_index.get("config") if isinstance(raw_index, dict) else None
         known = {f.encode_name for f in msgspec.structs.fields(RecomputeConfig)}
         self.unknown_config = {

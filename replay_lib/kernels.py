@@ -128,6 +128,11 @@ def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, seg: torch.Tens
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 
 
+# Tokens per pass of :func:`policy_loss_fields`: a million-token step then needs a few small temporaries
+# instead of a dozen full-length ones. Below torch's parallel grain size (32768), so ops stay on one thread.
+LOSS_CHUNK = 1 << 14
+
+
 def policy_loss_fields(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -140,21 +145,46 @@ def policy_loss_fields(
     eps_clip_high: float,
     entropy_coef: float,
 ) -> Mapping[str, torch.Tensor]:
-    """The reported loss.policy fields: ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl`` (0-d float32)."""
+    """The reported loss.policy fields: ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl`` (0-d float32).
+
+    Each field is :func:`sum_of_sample_mean` of its per-token value. The masked per-sample sums are
+    accumulated chunk by chunk; ``index_add_`` adds in token order either way, so the result is the same
+    as one pass over all tokens.
+    """
     lengths = lengths.to(torch.int64)
     n = lengths.numel()
-    seg = segment_ids(lengths)
-    ppo_kl = old_log_probs.to(torch.float32) - log_probs.to(torch.float32)
-    pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages.to(torch.float32), eps_clip, eps_clip_high)
-    pg_loss = sum_of_sample_mean(pg_losses, loss_mask, seg, n)
-    if entropy is None:
-        entropy_loss = torch.zeros((), dtype=torch.float32)
-    else:
-        entropy_loss = sum_of_sample_mean(entropy, loss_mask, seg, n)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    total = int(ends[-1]) if n else 0
+    mask = loss_mask.to(torch.float32)
+    pg_sum, clip_sum, kl_sum, ent_sum, mask_sum = (torch.zeros(n, dtype=torch.float32) for _ in range(5))
+    for start in range(0, total, LOSS_CHUNK):
+        stop = min(start + LOSS_CHUNK, total)
+        # the sample of each token of the chunk: the chunk's first sample plus the number of later samples
+        # starting at or before the token (an empty sample starts where the next one does, so it is skipped);
+        # a serial scan, where repeat_interleave would fan out to every thread for each chunk
+        first = int(torch.searchsorted(ends, start, right=True))
+        last = int(torch.searchsorted(ends, stop - 1, right=True))
+        marks = torch.zeros(stop - start, dtype=torch.int64)
+        marks.index_add_(0, starts[first + 1:last + 1] - start, torch.ones(last - first, dtype=torch.int64))
+        seg = marks.cumsum_(0).add_(first)
+        m = mask[start:stop]
+        ppo_kl = old_log_probs[start:stop].to(torch.float32) - log_probs[start:stop].to(torch.float32)
+        pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages[start:stop].to(torch.float32), eps_clip,
+                                                  eps_clip_high)
+        pg_sum.index_add_(0, seg, pg_losses * m)
+        clip_sum.index_add_(0, seg, clipfrac * m)
+        kl_sum.index_add_(0, seg, ppo_kl * m)
+        if entropy is not None:
+            ent_sum.index_add_(0, seg, entropy[start:stop].to(torch.float32) * m)
+        mask_sum.index_add_(0, seg, m)
+    denom = torch.clamp_min(mask_sum, 1.0)
+    pg_loss = (pg_sum / denom).sum()
+    entropy_loss = (ent_sum / denom).sum() if entropy is not None else torch.zeros((), dtype=torch.float32)
     return {
         "loss": pg_loss - entropy_coef * entropy_loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(clipfrac, loss_mask, seg, n),
-        "ppo_kl": sum_of_sample_mean(ppo_kl, loss_mask, seg, n),
+        "pg_clipfrac": (clip_sum / denom).sum(),
+        "ppo_kl": (kl_sum / denom).sum(),
     }

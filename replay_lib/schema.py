@@ -305,9 +305,19 @@ def _unknown(raw, info, path: str) -> list[str]:
             if isinstance(member, (mi.StructType, mi.ListType, mi.DictType)):
                 out += _unknown(raw, member, path)
     elif isinstance(info, mi.ListType) and isinstance(raw, list):
-        for i, item in enumerate(raw):
-            out += _unknown(item, info.item_type, f"{path}[{i}]")
+        if _may_nest(info.item_type):  # a list of scalars (a loss mask: millions of ints) has no keys
+            for i, item in enumerate(raw):
+                out += _unknown(item, info.item_type, f"{path}[{i}]")
     elif isinstance(info, mi.DictType) and isinstance(raw, dict):
-        for key, value in raw.items():
-            out += _unknown(value, info.value_type, f"{path}.{key}")
+        if _may_nest(info.value_type):
+            for key, value in raw.items():
+                out += _unknown(value, info.value_type, f"{path}.{key}")
     return out
+
+
+def _may_nest(info) -> bool:
+    """Whether a value of this type can hold object keys (a Struct, somewhere below)."""
+    mi = msgspec.inspect
+    if isinstance(info, mi.UnionType):
+        return any(_may_nest(member) for member in info.types)
+    return isinstance(info, (mi.StructType, mi.ListType, mi.DictType))
