@@ -70,9 +70,9 @@ def compare_elements(
     seg: Optional[torch.Tensor] = None,
     offsets: Optional[torch.Tensor] = None,
 ) -> Comparison:
-    """Compare two 1-D sequences. ``seg``/``offsets`` given → per-token (element t belongs to sample
-    ``seg[t]`` at offset ``t − offsets[seg[t]]``); otherwise per-sample (element i is sample i), or a
-    scalar when ``sample_ids`` is empty."""
+    """Compare two 1-D sequences. ``offsets`` given → per-token (element t belongs to sample ``seg[t]`` at
+    offset ``t − offsets[seg[t]]``; without ``seg`` the sample is found from ``offsets``); otherwise
+    per-sample (element i is sample i), or a scalar when ``sample_ids`` is empty."""
     e = _flat(expected)
     a = _flat(actual)
     out = Comparison(compared=int(a.numel()))
@@ -116,16 +116,17 @@ def compare_elements(
         return out
     bad_idx = torch.cat(bad_parts)
     out.mismatches = int(bad_idx.numel())
-    if seg is not None:
-        bad_seg = seg[bad_idx]
+    if offsets is not None:
+        # the last sample starting at or before the token (empty samples share the next one's start)
+        bad_seg = seg[bad_idx] if seg is not None else torch.searchsorted(offsets, bad_idx, right=True) - 1
         out.bad_samples = int(torch.unique(bad_seg).numel())
     else:
         out.bad_samples = out.mismatches
-    for t in bad_idx[:keep].tolist():
+    for k, t in enumerate(bad_idx[:keep].tolist()):
         ev, av = float(e[t]), float(a[t])
         err = abs(av - ev) if (math.isfinite(ev) and math.isfinite(av)) else None
-        if seg is not None:
-            s = int(seg[t])
+        if offsets is not None:
+            s = int(bad_seg[k])
             sid, grp, off = sample_ids[s], group_indices[s], t - int(offsets[s])
         elif sample_ids:
             sid, grp, off = sample_ids[t], group_indices[t], None

@@ -42,7 +42,7 @@ class StageContext:
         all_lengths = torch.tensor([max(s.response_length, 0) for s in all_samples], dtype=torch.int64)
         self.full_total = int(all_lengths.sum())
         self.lengths = all_lengths[self.indices] if self.partial else all_lengths
-        self.seg = segment_ids(self.lengths)
+        self._seg: Optional[torch.Tensor] = None
         self.offsets = segment_offsets(self.lengths)
         if self.partial:
             starts = segment_offsets(all_lengths)[self.indices]
@@ -53,6 +53,14 @@ class StageContext:
         else:
             self.token_index = None
         self._mask: Optional[torch.Tensor] = None
+
+    @property
+    def seg(self) -> torch.Tensor:
+        """``[tokens]`` int64: the (selected) sample of every token, built on first use — a million-token
+        comparison that finds nothing never needs it (``offsets`` locates a divergent token)."""
+        if self._seg is None:
+            self._seg = segment_ids(self.lengths)
+        return self._seg
 
     @property
     def config(self) -> RecomputeConfig:
@@ -71,11 +79,11 @@ class StageContext:
         if self._mask is None:
             # array.fromlist + frombuffer: ~3× faster than torch.tensor() of one flat Python list of
             # millions of ints, and no intermediate list
-            flat = array("q")
+            flat = array("b")
             try:
                 for s in self.samples:
                     flat.fromlist(s.loss_mask)
-            except OverflowError:  # a mask value beyond int64 (the schema allows uint64): convert as a list
+            except OverflowError:  # a mask value beyond 0/1 and int8: convert it as a list
                 flat = [m for s in self.samples for m in s.loss_mask]
             if len(flat) != int(self.lengths.sum()):
                 raise StageInputError(
@@ -85,7 +93,7 @@ class StageContext:
             if isinstance(flat, list) or not flat:
                 self._mask = torch.tensor(flat, dtype=torch.float32)
             else:
-                self._mask = torch.frombuffer(flat, dtype=torch.int64).to(torch.float32)
+                self._mask = torch.frombuffer(flat, dtype=torch.int8).to(torch.float32)
         return self._mask
 
     def has(self, name: str) -> bool:
@@ -123,7 +131,7 @@ class StageContext:
             return compare_elements(
                 stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
                 sample_ids=self.sample_ids, group_indices=self.group_indices, rank=self.rank,
-                seg=self.seg, offsets=self.offsets,
+                seg=self._seg, offsets=self.offsets,
             )
         if per == "sample":
             return compare_elements(
