@@ -63,6 +63,7 @@ class ReplayApp(App[int]):
         self.max_divergences = max_divergences
         self.model: Optional[ReplayModel] = None
         self.error: Optional[tuple[str, int]] = None
+        self.progress: tuple[str, int, int] = ("verify", 0, 0)
         self._run = 0
 
     def get_default_screen(self) -> DebuggerScreen:
@@ -75,10 +76,22 @@ class ReplayApp(App[int]):
         return screen
 
     # -- the replay worker ------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        # Start at once: the replay overlaps Textual mounting the screen (the screen picks up whatever
+        # arrived before it was ready, see DebuggerScreen.on_mount).
+        self.start_replay()
+
     def start_replay(self) -> None:
         self._run += 1
-        self.debugger.show_progress("verify", 0, 0)
+        self.progress = ("verify", 0, 0)
+        self.model = None
+        if self._screen_ready():
+            self.debugger.show_progress("verify", 0, 0)
         self._replay(self._run)
+
+    def _screen_ready(self) -> bool:
+        return bool(self.screen_stack) and isinstance(self.screen_stack[0], DebuggerScreen) \
+            and self.screen_stack[0].ready
 
     @work(thread=True, exclusive=True, group="replay")
     def _replay(self, run: int) -> None:
@@ -100,13 +113,16 @@ class ReplayApp(App[int]):
 
     def on_replay_progress(self, message: ReplayProgress) -> None:
         if message.run == self._run:
-            self.debugger.show_progress(message.stage, message.done, message.total)
+            self.progress = (message.stage, message.done, message.total)
+            if self._screen_ready():
+                self.debugger.show_progress(message.stage, message.done, message.total)
 
     def on_replay_finished(self, message: ReplayFinished) -> None:
         if message.run != self._run:
             return
         self.model = message.model
-        self.debugger.load(message.model)
+        if self._screen_ready():
+            self.debugger.load(message.model)
 
     def on_replay_failed(self, message: ReplayFailed) -> None:
         if message.run != self._run:

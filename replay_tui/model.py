@@ -282,7 +282,7 @@ def _recompute_loss(out: ShardRecompute) -> None:
 # ------------------------------------------------------------------------------------ the model
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampleRow:
     sample_id: str
     shard: int  # index into ReplayModel.shards
@@ -293,15 +293,12 @@ class SampleRow:
     raw_reward: Optional[float]
     reward: Optional[float]
     response_length: int
-    mismatches: dict[str, int]
+    mismatches: dict[str, int]  # field → mismatching elements (only fields with some)
     compared: bool
-
-    @property
-    def total_mismatches(self) -> int:
-        return sum(self.mismatches.values())
+    total_mismatches: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GroupRow:
     label: str
     rank: Optional[int]
@@ -506,28 +503,32 @@ def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = 
     samples: list[SampleRow] = []
     groups: list[GroupRow] = []
     for si, rec in enumerate(shards):
-        counts: dict[str, list[int]] = {}
+        n = len(rec.reader.index.samples)
+        counts: dict[str, torch.Tensor] = {}
         for fname in per_sample_fields:
             if fname not in rec.bad:
                 continue
             bad = rec.bad[fname].to(torch.int64)
             if FIELD_BY_NAME[fname].kind == KIND_TOKEN:
-                per = torch.zeros(rec.ctx.n, dtype=torch.int64).index_add_(0, rec.ctx.seg, bad)
+                counts[fname] = torch.zeros(n, dtype=torch.int64).index_add_(0, rec.ctx.seg, bad)
             else:
-                per = bad
-            counts[fname] = per.tolist()
+                counts[fname] = bad
+        # Only diverging samples get a per-field dict; the rest share one empty (never mutated) mapping.
+        total = sum(counts.values()) if counts else torch.zeros(n, dtype=torch.int64)
+        diverging = {i: {f: int(c[i]) for f, c in counts.items() if int(c[i])}
+                     for i in torch.nonzero(total).reshape(-1).tolist()}
+        totals = total.tolist()
+        none: dict[str, int] = {}
+        compared = bool(counts)
         order: dict[Optional[int], list[int]] = {}
         for i, s in enumerate(rec.reader.index.samples):
             if selected is not None and s.sample_id not in selected:
                 continue
-            row = SampleRow(
-                sample_id=s.sample_id, shard=si, index=i, rank=rec.rank, group_index=s.group_index,
-                micro_batch_id=s.micro_batch_id, raw_reward=s.raw_reward, reward=s.reward,
-                response_length=s.response_length, mismatches={f: c[i] for f, c in counts.items() if c[i]},
-                compared=bool(counts),
-            )
             order.setdefault(s.group_index, []).append(len(samples))
-            samples.append(row)
+            samples.append(SampleRow(
+                s.sample_id, si, i, rec.rank, s.group_index, s.micro_batch_id, s.raw_reward, s.reward,
+                s.response_length, diverging.get(i, none), compared, totals[i],
+            ))
         for gi, members in order.items():
             label = group_label(gi) if gi is not None else "(no group)"
             if len(shards) > 1 and rec.rank is not None:

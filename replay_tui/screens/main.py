@@ -75,6 +75,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.sample_id: Optional[str] = None
         self.field: Optional[str] = None
         self.identity_pref: Optional[bool] = None
+        self.ready = False
 
     def compose(self):
         yield TitleBar(id="title")
@@ -90,10 +91,14 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     def on_mount(self) -> None:
         self.query_one(TitleBar).show(self.bundle_name)
-        self.query_one(VerdictBar).show_progress("verify", 0, 0)
         self.query_one(DiffPanel).show(None, message="replaying…")
         self.query_one(DiffView).focus()
-        self.app.start_replay()
+        self.ready = True
+        # The replay started with the app; show where it is (or its result, if it already finished).
+        if self.app.model is not None:
+            self.load(self.app.model)
+        else:
+            self.show_progress(*self.app.progress)
 
     # -- panes ------------------------------------------------------------------------------------
     @property

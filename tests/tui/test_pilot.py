@@ -369,13 +369,13 @@ async def test_palette_runs_a_pane_action(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("ctrl+p")
-        await pilot.press(*"View the next field")
+        await pilot.press(*"View the next")
         await pilot.pause(0.05)
         await app.workers.wait_for_complete()
         await pilot.press("enter")
         await pilot.pause()
         assert app.debugger.field == "advantage"
-        await pilot.press("ctrl+p", *"Samples: Show only samples")
+        await pilot.press("ctrl+p", *"Show only")
         await pilot.pause(0.05)
         await app.workers.wait_for_complete()
         await pilot.press("enter")

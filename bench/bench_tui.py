@@ -1,0 +1,191 @@
+"""Responsiveness of ``replay-tui``: time to the first complete frame on a large bundle against the demo,
+and the cost of a cursor move in the diff viewer on a 32,768-token sample. In-process, Textual Pilot.
+
+Builds (``synthetic_parts`` + ``BundleWriter``) a 4,096-sample bundle (16 tokens per sample) in which one
+sample has 32,768 tokens and diverges (its recorded ``kl`` is off by +0.125 at four offsets from 20,000),
+and the PR #65 demo bundle. Then, in one run:
+
+* **first frame** — from ``ReplayApp(path)`` to: app mounted, replay worker done, diff viewer populated
+  (on the report's first divergence). Demo and large bundle interleaved, ``--reps`` each (median), after
+  one unmeasured warm-up. Target: large / demo ≤ 1.5.
+* **cursor move** — in the large bundle's diff viewer (the 32k sample, cursor at its first divergence),
+  ``--moves`` × (``await pilot.press("down"|"up")`` + ``await pilot.pause()``), timed each; the floor is
+  the same Pilot round trip for a key bound to nothing, in the same app, interleaved. Target: median
+  move − median floor ≤ 20 ms (the render cost of a move). Pilot's idle detection sleeps 20 ms per
+  check by default, so a bare press + pause never takes under ~60 ms whatever the app does; the bench
+  sets that granularity to 2 ms (``--stock-pilot`` keeps the default) and prints the raw medians too.
+
+    python bench/bench_tui.py [--samples 4096] [--long-tokens 32768] [--reps 3] [--moves 100] [--keep DIR]
+
+Exit status 0 when every target passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from replay_lib.demo import synthetic_parts, write_bundle, write_pr65  # noqa: E402
+from replay_lib.kernels import get_grpo_returns, policy_loss_fields, rollout_kl  # noqa: E402
+
+FIRST_FRAME_LIMIT = 1.5
+MOVE_LIMIT_MS = 20.0
+DIVERGENT_OFFSETS = (20000, 20001, 20002, 31000)
+KL_DELTA = 0.125
+SIZE = (120, 40)
+
+
+def build_large(path: Path, *, samples: int, tokens: int, long_tokens: int, long_index: int, seed: int = 11):
+    """A clean synthetic bundle whose sample ``long_index`` has ``long_tokens`` tokens, then a kl fault in it."""
+    manifest, index, expected, payloads = synthetic_parts(samples=samples, tokens=tokens, seed=seed,
+                                                          bundle_id="bench-tui")
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = long_tokens
+    old = -torch.rand(n, generator=gen) * 3
+    segment = {
+        "old_log_probs": old,
+        "log_probs": old + (torch.rand(n, generator=gen) - 0.5) * 0.6,
+        "entropy": torch.rand(n, generator=gen) * 2,
+        "ref_log_probs": old + (torch.rand(n, generator=gen) - 0.5) * 0.4,
+    }
+    mask = (torch.rand(n, generator=gen) < 0.9).to(torch.int64)
+    start = long_index * tokens
+    for name, seg in segment.items():
+        t = payloads[name]
+        payloads[name] = torch.cat([t[:start], seg, t[start + tokens:]])
+    records = list(index.samples)
+    records[long_index] = msgspec.structs.replace(records[long_index], response_length=n, total_length=n + 32,
+                                                  loss_mask=mask.tolist())
+    index = msgspec.structs.replace(index, samples=records)
+    cfg = index.config
+    lengths = torch.tensor([s.response_length for s in records], dtype=torch.int64)
+    rewards = torch.tensor(expected["reward.post_process"]["rewards"], dtype=torch.float32)
+    payloads["advantages"] = get_grpo_returns(rewards, lengths)
+    kl = rollout_kl(payloads["old_log_probs"], payloads["ref_log_probs"], cfg.kl_coef, cfg.kl_loss_type)
+    flat_mask = torch.tensor([m for s in records for m in s.loss_mask], dtype=torch.float32)
+    fields = policy_loss_fields(payloads["log_probs"], payloads["old_log_probs"], payloads["advantages"],
+                                payloads["entropy"], flat_mask, lengths, eps_clip=cfg.eps_clip,
+                                eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef)
+    expected["loss.policy"] = {k: float(v) for k, v in fields.items()}
+    for off in DIVERGENT_OFFSETS:
+        kl[start + off] += KL_DELTA
+    payloads["kl"] = kl
+    write_bundle(path, manifest, index, expected, payloads)
+    return path, records[long_index].sample_id
+
+
+async def first_frame(path: Path, sample_id: str, offset: int) -> float:
+    from replay_tui.app import ReplayApp
+
+    t0 = time.perf_counter()
+    app = ReplayApp(path)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        screen = app.debugger
+        assert screen.sample_id == sample_id and screen.diff_view.row_count > 0, (screen.sample_id, sample_id)
+        assert screen.diff_cursor == offset, screen.diff_cursor
+        elapsed = time.perf_counter() - t0
+    return elapsed
+
+
+async def cursor_moves(path: Path, sample_id: str, moves: int) -> dict[str, list[float]]:
+    from replay_tui.app import ReplayApp
+
+    app = ReplayApp(path)
+    out: dict[str, list[float]] = {"move": [], "floor": [], "move_cpu": [], "floor_cpu": []}
+    async with app.run_test(size=SIZE) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        view = app.debugger.diff_view
+        assert app.debugger.sample_id == sample_id and view.row_count > 30000, view.row_count
+        start = view.cursor
+        for i in range(moves):
+            key = "down" if i < moves // 2 else "up"
+            for kind, k in (("move", key), ("floor", "x")):  # "x" is bound to nothing
+                t, c = time.perf_counter(), time.process_time()
+                await pilot.press(k)
+                await pilot.pause()
+                out[kind].append(time.perf_counter() - t)
+                out[kind + "_cpu"].append(time.process_time() - c)
+        assert view.cursor == start, (view.cursor, start)  # every move happened
+    return out
+
+
+def ms(values: list[float]) -> float:
+    return statistics.median(values) * 1000
+
+
+async def run(args) -> int:
+    if not args.stock_pilot:
+        import textual._wait as wait
+
+        wait.SLEEP_GRANULARITY = 0.002
+        wait.SLEEP_IDLE = wait.SLEEP_GRANULARITY / 20
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-tui-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        demo = root / "pr65-buggy"
+        large = root / "large"
+        if not demo.exists():
+            write_pr65(demo, buggy=True)
+        t = time.perf_counter()
+        if large.exists():
+            shutil.rmtree(large)
+        _, long_id = build_large(large, samples=args.samples, tokens=16, long_tokens=args.long_tokens,
+                                 long_index=args.samples // 3)
+        print(f"built {args.samples} samples (one of {args.long_tokens} tokens: {long_id}) in "
+              f"{time.perf_counter() - t:.1f} s under {root}")
+
+        await first_frame(demo, "s-0", 0)  # warm-up: imports, CSS parsing
+        demo_t, large_t = [], []
+        for _ in range(args.reps):
+            demo_t.append(await first_frame(demo, "s-0", 0))
+            large_t.append(await first_frame(large, long_id, DIVERGENT_OFFSETS[0]))
+        ratio = statistics.median(large_t) / statistics.median(demo_t)
+        print(f"first frame  demo  median {ms(demo_t):7.1f} ms  ({', '.join(f'{x * 1000:.0f}' for x in demo_t)})")
+        print(f"first frame  large median {ms(large_t):7.1f} ms  ({', '.join(f'{x * 1000:.0f}' for x in large_t)})")
+        ok_frame = ratio <= FIRST_FRAME_LIMIT
+        print(f"{'PASS' if ok_frame else 'FAIL'}  first frame large/demo = {ratio:.2f} (≤ {FIRST_FRAME_LIMIT})")
+
+        m = await cursor_moves(large, long_id, args.moves)
+        cost = ms(m["move"]) - ms(m["floor"])
+        print(f"cursor move  press+pause median {ms(m['move']):6.1f} ms (cpu {ms(m['move_cpu']):5.1f} ms) over "
+              f"{len(m['move'])} moves on a {args.long_tokens}-token sample")
+        print(f"pilot floor  press+pause median {ms(m['floor']):6.1f} ms (cpu {ms(m['floor_cpu']):5.1f} ms), "
+              f"unbound key, same app")
+        ok_move = cost <= MOVE_LIMIT_MS
+        print(f"{'PASS' if ok_move else 'FAIL'}  cursor move above the floor = {cost:.1f} ms (≤ {MOVE_LIMIT_MS:g} ms); "
+              f"raw median {ms(m['move']):.1f} ms")
+        return 0 if ok_frame and ok_move else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--long-tokens", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--moves", type=int, default=100)
+    p.add_argument("--keep", metavar="DIR", help="build (or reuse) the bundles in DIR and keep them")
+    p.add_argument("--stock-pilot", action="store_true", help="keep Pilot's default 20 ms idle granularity")
+    args = p.parse_args()
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
