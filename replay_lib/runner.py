@@ -137,7 +137,11 @@ def _merge_stage(stage: StageId, per_rank: list[StageReport], keep: int, cohort:
         status, reason = STATUS_SKIPPED, per_rank[0].reason if per_rank else "no samples selected"
     if cohort and failing:
         ranks = sorted({d.rank for r in failing for d in r.divergences if d.rank is not None})
-        if ranks:
+        if len(failing) > 1:  # each rank's own counts: the first rank's alone would understate them
+            reason = "; ".join(
+                f"rank {r.divergences[0].rank if r.divergences else '?'}: {r.reason}" for r in failing
+            )
+        elif ranks:
             reason = f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     errs = [r.max_abs_error for r in per_rank if r.max_abs_error is not None]
     divergences: list[Divergence] = [d for r in per_rank for d in r.divergences]

@@ -93,14 +93,20 @@ def test_earliest_stage_across_ranks_wins(tmp_path):
     assert report.stage("advantage.kl").divergences[0].rank == 0
 
 
-def test_same_stage_on_both_ranks_reports_rank_order(tmp_path):
-    root = write_ranks(tmp_path / BUNDLE_ID, {0: kl_fault(7, 3), 1: kl_fault(1, 0)})
+def test_same_stage_on_both_ranks_reports_rank_order_and_each_ranks_counts(tmp_path):
+    def two_faults(expected, payloads):
+        kl_fault(7, 3)(expected, payloads)
+        kl_fault(2, 1)(expected, payloads)
+
+    root = write_ranks(tmp_path / BUNDLE_ID, {0: two_faults, 1: kl_fault(1, 0)})
     report = replay(root)
     kl = report.stage("advantage.kl")
-    assert kl.mismatches == 2
-    assert [(d.rank, d.sample_id, d.token_offset) for d in kl.divergences] == [(0, "r0-s-7", 3), (1, "r1-s-1", 0)]
-    assert kl.reason == "kl mismatch in 1 token(s) of 1 sample(s) (ranks 0, 1)"
-    assert report.first_divergence.rank == 0
+    assert kl.mismatches == 3
+    assert [(d.rank, d.sample_id, d.token_offset) for d in kl.divergences] == [
+        (0, "r0-s-2", 1), (0, "r0-s-7", 3), (1, "r1-s-1", 0)]
+    assert kl.reason == ("rank 0: kl mismatch in 2 token(s) of 2 sample(s); "
+                         "rank 1: kl mismatch in 1 token(s) of 1 sample(s)")
+    assert (report.first_divergence.rank, report.first_divergence.sample_id) == (0, "r0-s-2")
 
 
 def test_json_report_of_a_cohort(tmp_path, capsys):
