@@ -83,10 +83,10 @@ def test_pr65_buggy_bundle_prints_the_seed_report_and_exits_1(buggy_run):
     assert "\x1b[" not in proc.stdout  # a pipe gets plain text
 
 
-def test_pr65_fixed_bundle_exits_0(cli, pr65):
-    code, out, err = cli("replay", pr65[1])
-    assert (code, err) == (0, "")
-    assert out.splitlines() == [
+def test_pr65_fixed_bundle_exits_0(pr65):
+    proc = run_process("replay", pr65[1])
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout.splitlines() == [
         "bundle b-00001-fixed — no divergence (5 stage(s) compared)",
         "[   pass] sample",
         "[   pass] reward.raw",
