@@ -458,6 +458,8 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     n_samples = sum(len(s.index.samples) for s in bundles.shards)
     n_tokens = sum(max(r.response_length, 0) for s in bundles.shards for r in s.index.samples)
     groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids}, key=str)
+    # a cohort's ranks each normalize their own groups: count (rank, group) pairs
+    n_groups = sum(len({r.group_index for r in s.index.samples}) for s in bundles.shards)
     wl = ident.weight_lineage
     cfg = first.index.config
     prod = manifest.producer
@@ -473,7 +475,7 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
         ("producer", f"commit {prod.commit or '—'}" + (f" + patch {prod.dirty_patch_digest[:12]}"
                                                         if prod.dirty_patch_digest else "")),
         ("torch", prod.torch_version or "—"),
-        ("samples", f"{n_samples} in {len(groups) or '?'} groups, {n_tokens} tokens"),
+        ("samples", f"{n_samples} in {n_groups} group{'s' if n_groups != 1 else ''}, {n_tokens} tokens"),
         ("groups", _listing([f"g-{g}" for g in groups])),
         ("cohorts", _listing(ident.normalization_cohort_ids)),
         ("partitions", _listing(ident.rollout_partition_ids)),

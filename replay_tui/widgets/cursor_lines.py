@@ -128,8 +128,13 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
         raise NotImplementedError
 
     # -- line API ---------------------------------------------------------------------------------
+    @property
+    def row_width(self) -> int:
+        """Cells a row may use: the content width minus the vertical scrollbar, when there is one."""
+        return self.scrollable_content_region.width
+
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
+        width = self.row_width
         row = self.scroll_offset.y + y
         base = self._base_style
         if base is None:

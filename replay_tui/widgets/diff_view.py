@@ -115,9 +115,13 @@ class DiffView(CursorLines):
         return True
 
 
+CURSOR_MARK = Style(color="bright_yellow", bold=True)
+
+
 class ErrorStrip(Widget):
     """|error| along the rows in one line: bar height = max |err| of the bin, red where a bin holds a
-    divergence; the cursor's bin is drawn reversed. Click a bin to jump there."""
+    divergence, green where |err| > 0 within tolerance; the cursor's bins are yellow. Click a bin to
+    jump there."""
 
     DEFAULT_CSS = """
     ErrorStrip { height: 1; }
@@ -160,7 +164,7 @@ class ErrorStrip(Widget):
                 ch = SPARK[min(len(SPARK) - 1, max(0, math.ceil(level * len(SPARK)) - 1))]
                 style = FAIL_SOFT if flagged else PASS
             if b in cursor_bins:
-                style = (style or Style()) + Style(reverse=True)
+                style = CURSOR_MARK
             parts.append((ch, style))
         return strip_of(parts, width, base)
 
@@ -192,7 +196,7 @@ class DiffPanel(Vertical):
         view = DiffView(id="diff-view")
         yield Static(id="diff-info")
         yield ErrorStrip(view, id="error-strip")
-        yield HeaderLine(view.render_header, id="diff-header")
+        yield HeaderLine(view, id="diff-header")
         yield view
 
     def on_mount(self) -> None:

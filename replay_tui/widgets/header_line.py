@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
@@ -18,12 +16,16 @@ class HeaderLine(Widget):
     }
     """
 
-    def __init__(self, draw: Callable[[int, Style], Strip], *, id: str | None = None) -> None:
+    def __init__(self, view, *, id: str | None = None) -> None:
+        """``view``: the list below, with ``render_header(width, style)`` and ``row_width``."""
         super().__init__(id=id)
-        self._draw = draw
+        self.view = view
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
+        base = self.rich_style
         if y != 0:
-            return Strip.blank(width, self.rich_style)
-        return self._draw(width, self.rich_style)
+            return Strip.blank(width, base)
+        # the rows' width (the list may show a scrollbar), so the columns line up
+        row_width = min(width, self.view.row_width) if self.view.is_mounted else width
+        return self.view.render_header(row_width, base).crop_extend(0, width, base)

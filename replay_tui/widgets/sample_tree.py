@@ -229,7 +229,7 @@ class SamplesPanel(Vertical):
 
     def compose(self):
         tree = SampleTree(id="sample-tree")
-        yield HeaderLine(tree.render_header, id="samples-header")
+        yield HeaderLine(tree, id="samples-header")
         yield tree
 
     def on_mount(self) -> None:

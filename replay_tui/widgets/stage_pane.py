@@ -139,7 +139,7 @@ class StagesPanel(Vertical):
 
     def compose(self):
         stages = StageList(id="stage-list")
-        yield HeaderLine(stages.render_header, id="stages-header")
+        yield HeaderLine(stages, id="stages-header")
         yield stages
         yield Static(id="stage-detail")
 
