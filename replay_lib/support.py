@@ -21,8 +21,8 @@ import torch
 SUPPORT_PAD = -1
 
 
-def sort_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row of a 2-D integer tensor sorted ascending.
+def sort_rows(x: torch.Tensor, out: Optional["np.ndarray"] = None) -> torch.Tensor:
+    """Each row of a 2-D integer tensor sorted ascending (``out``: an optional numpy buffer to sort in).
 
     numpy's SIMD sort is several times faster than ``torch.sort`` on CPU for short rows (K ≈ 20, millions
     of rows), and the duplicate check is the most expensive part of the support invariants.
@@ -32,9 +32,24 @@ def sort_rows(x: torch.Tensor) -> torch.Tensor:
     try:
         import numpy as np
 
-        return torch.from_numpy(np.sort(x.detach().cpu().numpy(), axis=-1))
+        src = x.detach().cpu().numpy()
+        if out is None or out.shape != src.shape or out.dtype != src.dtype:
+            return torch.from_numpy(np.sort(src, axis=-1))
+        out[...] = src
+        out.sort(axis=-1)
+        return torch.from_numpy(out)
     except (ImportError, RuntimeError, TypeError):  # numpy missing or an incompatible build
         return torch.sort(x, dim=-1).values
+
+
+def _first_true(flags: torch.Tensor) -> torch.Tensor:
+    """``[rows, K]`` bool → int64 index of the first true slot per row (0 where none)."""
+    try:
+        import numpy as np
+
+        return torch.from_numpy(np.argmax(flags.numpy(), axis=1).astype(np.int64, copy=False))
+    except (ImportError, RuntimeError, TypeError):  # numpy's bool argmax is ~2x torch's over short rows
+        return flags.view(torch.uint8).argmax(1).to(torch.int64)
 
 
 # Rows per block: the [block, K] temporaries stay small and are reused by the allocator, which on a large
@@ -81,22 +96,29 @@ def check_support_rows(
     duplicate = torch.empty(n, dtype=torch.bool)
     slot = torch.empty(n, dtype=torch.int64)
     in_row = torch.empty(n, dtype=torch.bool)
+    buffer = torch.empty((min(n, BLOCK_ROWS), k), dtype=ids.dtype).numpy() if n else None
     for start in range(0, n, BLOCK_ROWS):
         stop = min(start + BLOCK_ROWS, n)
         block = ids[start:stop]
-        ordered = sort_rows(block)
+        ordered = sort_rows(block, buffer[: stop - start])
         lowest[start:stop] = ordered[:, 0]
         highest[start:stop] = ordered[:, -1]
-        # Sorted rows: equal neighbours are duplicates; several −1 padding slots are not.
-        duplicate[start:stop] = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+        # Sorted rows: a zero gap between neighbours is a duplicate, except repeated −1 padding (refined
+        # below). The gap of two int32 values can wrap but never to 0.
+        duplicate[start:stop] = (ordered[:, 1:] - ordered[:, :-1]).amin(1) == 0
         match = block == sampled_as_ids[start:stop, None]
-        first = match.view(torch.uint8).argmax(1)
+        first = _first_true(match)
         slot[start:stop] = first
         in_row[start:stop] = match.gather(1, first[:, None]).squeeze(1)
     out_of_range = lowest < SUPPORT_PAD
     if vocab_size is not None:
         out_of_range |= highest >= vocab_size
     padded = lowest < 0
+    suspects = duplicate & padded
+    if bool(suspects.any()):
+        rows = torch.nonzero(suspects).reshape(-1)
+        ordered = sort_rows(ids[rows])
+        duplicate[rows] = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
     # Trailing padding can only break in rows that have padding (few): check those alone.
     padding_bad = false.clone()
     if bool(padded.any()):
@@ -129,17 +151,21 @@ def support_logprobs(
         rows = check_support_rows(support_ids, sampled_token_ids, None)
     n, k = support_ids.shape
     out = torch.full((n,), float("nan"), dtype=torch.float32)
-    if k == 0:
+    if k == 0 or n == 0:
         return out
-    for start in range(0, n, BLOCK_ROWS):
-        stop = min(start + BLOCK_ROWS, n)
-        logits = support_logits[start:stop].to(torch.float32)
-        if bool(rows.padded[start:stop].any()):
-            logits = logits.masked_fill(support_ids[start:stop] < 0, float("-inf"))
+
+    def score(logits: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         m = logits.amax(1)
-        l_y = logits.gather(1, rows.sampled_slot[start:stop, None]).squeeze(1)
-        log_sum = (logits - m[:, None]).exp_().sum(1).log_()
-        out[start:stop] = (l_y - m) - log_sum
+        l_y = logits.gather(1, slot[:, None]).squeeze(1)
+        return (l_y - m) - (logits - m[:, None]).exp_().sum(1).log_()
+
+    for start in range(0, n, BLOCK_ROWS):  # every slot a member (the usual full top-k row)
+        stop = min(start + BLOCK_ROWS, n)
+        out[start:stop] = score(support_logits[start:stop].to(torch.float32), rows.sampled_slot[start:stop])
+    if bool(rows.padded.any()):  # few rows: mask their padding slots, whose logits are arbitrary
+        idx = torch.nonzero(rows.padded).reshape(-1)
+        logits = support_logits[idx].to(torch.float32).masked_fill(support_ids[idx] < 0, float("-inf"))
+        out[idx] = score(logits, rows.sampled_slot[idx])
     return torch.where(rows.has_support & rows.sampled_in_row, out, torch.full_like(out, float("nan")))
 
 
@@ -185,10 +211,10 @@ def unsupported_violations(
     token unsupported, and only its last token (the appended EOS); every other unsupported token violates.
     """
     lengths = lengths.to(torch.int64)
-    n = lengths.numel()
-    seg = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), lengths)
-    counts = torch.zeros(n, dtype=torch.int64).index_add_(0, seg, unsupported.to(torch.int64))
+    ends = torch.cumsum(lengths, 0)
+    running = torch.cumsum(unsupported.to(torch.int64), 0)
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), running])
+    counts = before[ends] - before[ends - lengths]
     last = torch.zeros(unsupported.numel(), dtype=torch.bool)
-    ends = torch.cumsum(lengths, 0) - 1
-    last[ends[lengths > 0]] = True
+    last[(ends - 1)[lengths > 0]] = True
     return unsupported & ~last, counts

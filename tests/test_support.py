@@ -36,7 +36,12 @@ from replay_lib.schema import (
     StageId,
 )
 from replay_lib.selection import Selection
-from replay_lib.support import check_routed_experts, check_support_rows, support_logprobs
+from replay_lib.support import (
+    check_routed_experts,
+    check_support_rows,
+    support_logprobs,
+    unsupported_violations,
+)
 from replay_lib.validate import validate
 
 SUPPORT = StageId.LOGPROB_SUPPORT
@@ -151,6 +156,14 @@ def test_row_checks_flag_exact_rows():
     assert torch.nonzero(~rows.has_support).flatten().tolist() == [4]
     assert torch.nonzero(~rows.sampled_in_row).flatten().tolist() == [4, 6]
     assert rows.sampled_slot.tolist()[:4] == [1, 0, 2, 1]
+
+
+def test_unsupported_rule_counts_whole_trajectories():
+    # trajectories of 2, 0 and 3 tokens; unsupported loss-bearing tokens at 1 (s-0 last), 2 and 4 (s-2 last)
+    unsupported = torch.tensor([False, True, True, False, True])
+    violating, counts = unsupported_violations(unsupported, torch.tensor([2, 0, 3]))
+    assert counts.tolist() == [1, 0, 2]
+    assert violating.tolist() == [False, False, True, False, False]
 
 
 def test_routed_expert_checks_name_the_first_bad_layer():
