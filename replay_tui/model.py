@@ -457,7 +457,8 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     manifest = first.manifest
     n_samples = sum(len(s.index.samples) for s in bundles.shards)
     n_tokens = sum(max(r.response_length, 0) for s in bundles.shards for r in s.index.samples)
-    groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids}, key=str)
+    groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids},
+                    key=lambda g: (isinstance(g, str), g if isinstance(g, int) else 0, str(g)))
     # a cohort's ranks each normalize their own groups: count (rank, group) pairs
     n_groups = sum(len({r.group_index for r in s.index.samples}) for s in bundles.shards)
     wl = ident.weight_lineage

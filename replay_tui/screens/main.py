@@ -92,12 +92,17 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     def on_mount(self) -> None:
         self.query_one(TitleBar).show(self.bundle_name)
         self.query_one(DiffPanel).show(None, message="replaying…")
-        self.query_one(DiffView).focus()
+        self.set_focus(self.query_one(DiffView))
+        self.show_progress(*self.app.progress)
+        # The replay started with the app. If it finished before this screen was mounted, load its
+        # result after the first layout (contents set during mount may miss their relayout).
+        self.call_after_refresh(self._ready)
+
+    def _ready(self) -> None:
         self.ready = True
-        # The replay started with the app; show where it is (or its result, if it already finished).
         if self.app.model is not None:
             self.load(self.app.model)
-        else:
+        elif self.app.progress is not None:
             self.show_progress(*self.app.progress)
 
     # -- panes ------------------------------------------------------------------------------------
@@ -117,6 +122,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     def diff_panel(self) -> DiffPanel:
         return self.query_one(DiffPanel)
 
+    # Panes take the focus with Screen.set_focus (at once), not Widget.focus (deferred): a key typed
+    # right after "2" must reach the pane "2" selected.
     def pane_widget(self, name: str) -> Widget:
         return {"stages": self.stage_list, "samples": self.tree, "diff": self.diff_view,
                 "identity": self.query_one(IdentityPane)}[name]
@@ -211,7 +218,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         if isinstance(view, StageList):
             self.open_stage(view.cursor)
         elif isinstance(view, SampleTree):
-            self.diff_view.focus()
+            self.set_focus(self.diff_view)
         elif isinstance(view, DiffView) and view.diff is not None and view.diff.kind == KIND_SAMPLE:
             self.open_sample_tokens(view.diff.labels[event.row])
 
@@ -241,19 +248,19 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         sample = first.sample_id if first is not None and first.sample_id in model.by_id else None
         row = first.token_offset if first is not None and spec.kind == KIND_TOKEN else None
         self.select(sample_id=sample, field=spec.name, row=row)
-        self.diff_view.focus()
+        self.set_focus(self.diff_view)
 
     # -- actions ----------------------------------------------------------------------------------
     def action_focus_pane(self, step: int) -> None:
         panes = self._visible_panes()
         current = self.focused_pane()
         i = panes.index(current) if current in panes else -1
-        self.pane_widget(panes[(i + step) % len(panes)]).focus()
+        self.set_focus(self.pane_widget(panes[(i + step) % len(panes)]))
 
     def action_focus_named(self, name: str) -> None:
         if name == "identity":
             self._set_identity(True)
-        self.pane_widget(name).focus()
+        self.set_focus(self.pane_widget(name))
 
     def action_cycle_field(self, step: int) -> None:
         model = self.model
@@ -281,7 +288,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             self.stage_list.cursor = next(
                 (i for i, s in enumerate(model.report.stages) if s.stage == first.stage), self.stage_list.cursor)
         if focus:
-            self.diff_view.focus()
+            self.set_focus(self.diff_view)
 
     def action_divergence(self, direction: int) -> None:
         model = self.model
@@ -309,7 +316,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         def done(sample_id: Optional[str]) -> None:
             if sample_id:
                 self.select(sample_id=sample_id)
-                self.tree.focus()
+                self.set_focus(self.tree)
 
         self.app.push_screen(JumpScreen([s.sample_id for s in self.model.samples]), done)
 
@@ -320,7 +327,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.identity_pref = show
         pane = self.query_one(IdentityPane)
         if not show and pane.has_focus:
-            self.diff_view.focus()
+            self.set_focus(self.diff_view)
         pane.display = show
 
     def action_rerun(self) -> None:
