@@ -11,11 +11,17 @@ Payloads (per-token, packed over Σ response_length in index order):
 * ``routed_experts``     int ``[Σ T, layers, topk]`` (optional; needs ``config.num_experts``)
 * ``cp_shard``           int ``[Σ T]`` (optional): the context-parallel rank that held each token
 
+Config: ``vocab_size`` (required: the id range), ``num_experts`` (with ``routed_experts``) and
+``support_scored``: the recorded log-prob payloads the trainer scored over this support (default: every
+recorded one of ``log_probs``, ``old_log_probs``, ``ref_log_probs``). Each is compared on the loss-bearing
+tokens whose row is sound: ``logp_S`` where the row has members, ``full_log_probs`` for the allowed EOS.
+
 Context parallelism: a sample record is always one whole trajectory — the producer joins its CP shards
 (after the CP all-gather) before writing — and ``cp_shard`` only records provenance. The "at most one
 unsupported token, and only as the last" rule is therefore evaluated over the whole trajectory and can't
-be satisfied shard by shard. Contract: ``recompute`` when ``support_logits`` is recorded, ``inspect-only``
-when only the ids are.
+be satisfied shard by shard. With ``identity.rank.cp > 1`` the runner refuses the GRPO stages but runs
+``sample`` and ``logprob.support`` (``--stage logprob.support``). Contract: ``recompute`` when
+``support_logits`` is recorded, ``inspect-only`` when only the ids are.
 """
 
 from __future__ import annotations
