@@ -5,6 +5,7 @@ Only a commit hash and a digest of uncommitted changes are stored — never a pa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -31,8 +32,14 @@ def _git(args: list[str], cwd: Path) -> Optional[bytes]:
 
 def producer_info(source_dir: Optional[str | os.PathLike] = None) -> ProducerInfo:
     """``commit``: ``git rev-parse HEAD`` of ``source_dir`` (default: the working directory), ``""`` when
-    unknown; ``dirty_patch_digest``: sha256 of ``git diff HEAD`` when the checkout has local changes."""
-    cwd = Path(source_dir) if source_dir is not None else Path.cwd()
+    unknown; ``dirty_patch_digest``: sha256 of ``git diff HEAD`` when the checkout has local changes.
+
+    Looked up once per process and directory: the code a process runs does not change while it runs."""
+    return _producer_info(Path(source_dir).resolve() if source_dir is not None else Path.cwd().resolve())
+
+
+@functools.lru_cache(maxsize=8)
+def _producer_info(cwd: Path) -> ProducerInfo:
     commit = ""
     dirty = None
     head = _git(["rev-parse", "--verify", "HEAD"], cwd) if cwd.is_dir() else None

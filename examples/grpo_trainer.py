@@ -238,6 +238,7 @@ def rollout_worker(args, rank: int, store: WeightStore, stream: queue.Queue) -> 
 class TrainResult:
     model: TinyLM
     step_times: list[float] = field(default_factory=list)  # seconds per actor step (train_one_step)
+    step_cpu_times: list[float] = field(default_factory=list)  # CPU seconds of the training thread per step
     loop_time: float = 0.0  # seconds of the whole training loop
     steps: int = 0
     mean_rewards: list[float] = field(default_factory=list)  # per rollout
@@ -356,7 +357,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
             for step_id in range(args.steps_per_rollout):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 first = step_id * step_size
                 step = capture.begin_step(r, step_id, provenance=Provenance(
                     rollout_weight=rollout_weight, actor_weight=version,
@@ -396,6 +397,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 # means, which is exactly loss.policy's reduction over the whole step.
                 step.finish(totals)
                 result.step_times.append(time.perf_counter() - t0)
+                result.step_cpu_times.append(time.thread_time() - c0)
                 result.steps += 1
                 if not args.quiet and rank == 0:
                     print(f"rollout {r} step {step_id}: loss={float(totals['loss']):+.4f} "
