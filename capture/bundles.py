@@ -14,6 +14,7 @@ and try to finalize the cohort (SPEC §2).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,6 +346,4 @@ def _step_of(parts) -> tuple[int, int]:
 
 
 def _sha256(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(str(text).encode("utf-8")).hexdigest()

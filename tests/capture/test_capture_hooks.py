@@ -12,6 +12,7 @@ import torch
 
 from capture import CaptureConfig, Provenance, ReplayCapture
 from capture.bundles import DEFAULT_REDACTION
+from capture.producer import _producer_info as producer_info_cache
 from capture_helpers import ROOT
 from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
 from replay_lib.errors import BundleError
@@ -248,13 +249,19 @@ def test_an_existing_bundle_is_never_overwritten(tmp_path, caplog):
 
 
 def test_producer_records_this_checkout_commit(tmp_path):
+    def head() -> str:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    producer_info_cache.cache_clear()  # looked up once per process: start from a fresh lookup
+    before = head()
     cap = _capture(tmp_path, source_dir=ROOT)
     cap.capture_rollout(3, **_rollout_kwargs(GROUP_NORMALIZED))
     assert cap.close(timeout=DEADLOCK_GUARD_S)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    after = head()  # others may commit to this checkout meanwhile
     producer = BundleReader(tmp_path / "rollout-3").manifest.producer
-    assert producer.commit == head and len(head) == 40
+    assert producer.commit in {before, after} and len(producer.commit) == 40
     assert producer.dirty_patch_digest is None or len(producer.dirty_patch_digest) == 64
+    assert producer.torch_version == torch.__version__
 
 
 def test_index_written_by_capture_decodes_with_the_real_decoder(tmp_path):
