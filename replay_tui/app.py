@@ -130,6 +130,22 @@ class ReplayApp(App[int]):
         self.error = (message.message, message.code)
         self.push_screen(ErrorScreen(message.message, message.code))
 
+    @property
+    def settled(self) -> bool:
+        """The replay finished and its result is on screen (the report, or the error screen)."""
+        if self.error is not None:
+            return isinstance(self.screen, ErrorScreen) or len(self.screen_stack) > 1
+        return self.model is not None and self._screen_ready() and self.debugger.model is self.model
+
+    async def wait_settled(self, pilot) -> None:
+        """Test helper: wait (without sleeping) until :attr:`settled`."""
+        await self.workers.wait_for_complete()
+        for _ in range(200):
+            await pilot.pause()
+            if self.settled:
+                return
+        raise TimeoutError("the replay result never reached the screen")
+
     # -- actions ----------------------------------------------------------------------------------
     @property
     def exit_code(self) -> int:

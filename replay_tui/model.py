@@ -20,7 +20,7 @@ import torch
 from replay_lib.bundle import BundleReader, BundleSet
 from replay_lib.compare import as_float64, tolerance_for
 from replay_lib.kernels import LOSS_FIELDS, policy_loss_fields
-from replay_lib.report import STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
+from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
 from replay_lib.selection import group_label
@@ -174,10 +174,14 @@ class FieldDiff:
 
 @dataclass
 class ShardRecompute:
-    """One rank shard recomputed over all its samples: per field ``(expected, actual)`` float64 tensors."""
+    """One rank shard recomputed over all its samples: per field ``(expected, actual)`` float64 tensors.
+
+    Lazy per field (:meth:`ensure`): building the model computes only the fields whose stage failed
+    (they mark the samples); a passing field is computed the first time it is viewed."""
 
     reader: BundleReader
     ctx: StageContext
+    ran: set[str] = field(default_factory=set)
     values: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
     errors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -189,6 +193,63 @@ class ShardRecompute:
     def rank(self) -> Optional[int]:
         return self.reader.rank
 
+    def ensure(self, name: str) -> bool:
+        """Compute field ``name`` (and the stages it depends on) unless done; False if unavailable."""
+        if name in self.values:
+            return True
+        if name in self.unavailable:
+            return False
+        spec = FIELD_BY_NAME[name]
+        if spec.stage not in self.ran:
+            self.unavailable[name] = "stage not run"
+            return False
+        try:
+            self._compute(name)
+        except StageInputError as exc:
+            self.unavailable[name] = str(exc)
+        return name in self.values
+
+    def _run(self, stage: StageId) -> None:
+        """Run a stage adapter once, so ``ctx.outputs`` holds exactly what the runner recomputed."""
+        if stage.value in self.ran and stage.value not in self._done:
+            self._done.add(stage.value)
+            REGISTRY[stage].run(self.ctx)
+
+    def _compute(self, name: str) -> None:
+        ctx = self.ctx
+        if name == "raw_reward":
+            self._put(name, "reward.raw", ctx.expected_list("reward.raw", "raw_rewards"),
+                      [s.raw_reward for s in ctx.samples])
+        elif name == "reward":
+            self._run(StageId.REWARD_POST_PROCESS)
+            self._put(name, "reward.post_process", ctx.expected_list("reward.post_process", "rewards"),
+                      ctx.outputs["rewards"])
+        elif name == "kl":
+            self._run(StageId.ADVANTAGE_KL)
+            self._put(name, "advantage.kl", ctx.payload("kl"), ctx.outputs["kl"])
+        elif name == "advantage":
+            self._run(StageId.REWARD_POST_PROCESS)  # its normalized rewards feed the estimate when it ran
+            self._run(StageId.ADVANTAGE_ESTIMATE)
+            self._put(name, "advantage.estimate", ctx.payload("advantages"), ctx.outputs["advantages"])
+        elif name == "loss":
+            if "advantage.estimate" in self.ran:
+                self._run(StageId.REWARD_POST_PROCESS)
+                self._run(StageId.ADVANTAGE_ESTIMATE)
+            _recompute_loss(self)
+
+    def _put(self, name: str, stage: str, expected, actual) -> None:
+        e, a = as_float64(expected), as_float64(actual)
+        if e.numel() != a.numel():
+            self.unavailable[name] = f"expected {e.numel()} value(s), recomputed {a.numel()}"
+            return
+        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, name)
+        self.values[name] = (e, a)
+        self.tolerances[name] = (atol, rtol)
+        self.errors[name], self.bad[name] = element_mismatch(e, a, atol, rtol)
+
+    def __post_init__(self) -> None:
+        self._done: set[str] = set()
+
 
 def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[str]:
     """Stages the report compared (pass/fail); without a report, what a full replay would run."""
@@ -197,48 +258,12 @@ def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[
     return {s.value for s in plan_stages(shard, None, partial=False).run}
 
 
-def recompute_shard(shard: BundleReader, ran: Iterable[str]) -> ShardRecompute:
-    ran = set(ran)
+def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[str] = ()) -> ShardRecompute:
+    """A lazily recomputed shard; ``fields`` are computed now."""
     ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1)
-    out = ShardRecompute(reader=shard, ctx=ctx)
-    policy = shard.manifest.comparison_policy
-    for stage in _RECOMPUTE_ORDER:
-        if stage.value not in ran:
-            continue
-        try:
-            REGISTRY[stage].run(ctx)
-        except StageInputError as exc:
-            out.unavailable[FIELD_BY_STAGE[stage.value].name] = str(exc)
-
-    def put(name: str, stage: str, expected, actual) -> None:
-        e, a = as_float64(expected), as_float64(actual)
-        if e.numel() != a.numel():
-            out.unavailable[name] = f"expected {e.numel()} value(s), recomputed {a.numel()}"
-            return
-        atol, rtol = tolerance_for(policy, stage, name)
-        out.values[name] = (e, a)
-        out.tolerances[name] = (atol, rtol)
-        out.errors[name], out.bad[name] = element_mismatch(e, a, atol, rtol)
-
-    def guarded(name: str, fn) -> None:
-        try:
-            fn()
-        except StageInputError as exc:
-            out.unavailable[name] = str(exc)
-
-    if "reward.raw" in ran:
-        guarded("raw_reward", lambda: put("raw_reward", "reward.raw", ctx.expected_list("reward.raw", "raw_rewards"),
-                                          [s.raw_reward for s in ctx.samples]))
-    if "reward.post_process" in ran and "rewards" in ctx.outputs:
-        guarded("reward", lambda: put("reward", "reward.post_process",
-                                      ctx.expected_list("reward.post_process", "rewards"), ctx.outputs["rewards"]))
-    if "advantage.kl" in ran and "kl" in ctx.outputs:
-        guarded("kl", lambda: put("kl", "advantage.kl", ctx.payload("kl"), ctx.outputs["kl"]))
-    if "advantage.estimate" in ran and "advantages" in ctx.outputs:
-        guarded("advantage", lambda: put("advantage", "advantage.estimate", ctx.payload("advantages"),
-                                         ctx.outputs["advantages"]))
-    if "loss.policy" in ran:
-        guarded("loss", lambda: _recompute_loss(out))
+    out = ShardRecompute(reader=shard, ctx=ctx, ran=set(ran))
+    for name in fields:
+        out.ensure(name)
     return out
 
 
@@ -359,7 +384,14 @@ class ReplayModel:
             row = self.sample(sample_id) if sample_id is not None else None
             if row is None:
                 raise KeyError(f"no sample {sample_id!r}")
-            return token_rows(self.shards[row.shard], row.index, spec.name)
+            shard = self.shards[row.shard]
+            if not shard.ensure(spec.name):
+                raise KeyError(f"field {spec.name!r} is not available: {shard.unavailable[spec.name]}")
+            return token_rows(shard, row.index, spec.name)
+        ready = [sh for sh in self.shards if sh.ensure(spec.name)]
+        if not ready:
+            why = next(iter(sh.unavailable.get(spec.name) for sh in self.shards), "not recomputed")
+            raise KeyError(f"field {spec.name!r} is not available: {why}")
         if spec.kind == KIND_SAMPLE:
             parts = [(i, sh) for i, sh in enumerate(self.shards) if spec.name in sh.values]
             e = torch.cat([sh.values[spec.name][0] for _, sh in parts])
@@ -427,7 +459,7 @@ def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff
         for i, s in enumerate(shard.index.samples):
             if s.sample_id != sample_id:
                 continue
-            rec = recompute_shard(shard, stages_that_ran(None, shard))
+            rec = recompute_shard(shard, stages_that_ran(None, shard), fields=[field_name])
             if field_name not in rec.values:
                 raise KeyError(f"field {field_name!r} is not available: {rec.unavailable.get(field_name, 'stage not run')}")
             if spec.kind == KIND_TOKEN:
@@ -497,10 +529,13 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
 
 
 def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = None) -> ReplayModel:
-    """Everything the panes show, computed once (in the replay worker, off the UI thread)."""
+    """What the panes show, built in the replay worker (off the UI thread). The fields of the failing
+    stages are recomputed now (they mark the diverging samples); the others on first view."""
+    failing = [FIELD_BY_STAGE[s.stage].name for s in report.stages
+               if s.status == STATUS_FAIL and s.stage in FIELD_BY_STAGE]
     shards: list[ShardRecompute] = []
     for shard in bundles.shards:
-        shards.append(recompute_shard(shard, stages_that_ran(report, shard)))
+        shards.append(recompute_shard(shard, stages_that_ran(report, shard), fields=failing))
     selected = set(report.selected_samples) if report.selected_samples is not None else None
     per_sample_fields = [f.name for f in FIELDS if f.kind != KIND_COHORT]
     samples: list[SampleRow] = []
@@ -522,7 +557,7 @@ def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = 
                      for i in torch.nonzero(total).reshape(-1).tolist()}
         totals = total.tolist()
         none: dict[str, int] = {}
-        compared = bool(counts)
+        compared = any(FIELD_BY_STAGE[st].kind != KIND_COHORT for st in rec.ran if st in FIELD_BY_STAGE)
         order: dict[Optional[int], list[int]] = {}
         for i, s in enumerate(rec.reader.index.samples):
             if selected is not None and s.sample_id not in selected:
@@ -544,9 +579,9 @@ def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = 
         if status is None or status.status == STATUS_SKIPPED:
             unavailable[spec.name] = status.reason if status else "stage not in this bundle"
             continue
-        missing = [rec.unavailable.get(spec.name) for rec in shards if spec.name not in rec.values]
-        if len(missing) == len(shards):
-            unavailable[spec.name] = next((m for m in missing if m), "not recomputed")
+        missing = [rec.unavailable[spec.name] for rec in shards if spec.name in rec.unavailable]
+        if len(missing) == len(shards):  # a failing field that could not be recomputed on any rank
+            unavailable[spec.name] = missing[0]
             continue
         fields.append(spec.name)
     return ReplayModel(

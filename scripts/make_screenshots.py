@@ -66,8 +66,7 @@ async def shoot(bundle: Path, size, keys, out: Path, stem: str) -> None:
 
     app = ReplayApp(bundle)
     async with app.run_test(size=size) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await app.wait_settled(pilot)
         if keys:
             await pilot.press(*keys)
             await app.workers.wait_for_complete()

@@ -179,7 +179,11 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         if kind == KIND_TOKEN and self.sample_id is None:
             self.diff_panel.show(None, message="no sample selected")
             return
-        diff = model.field_diff(self.field, self.sample_id)
+        try:
+            diff = model.field_diff(self.field, self.sample_id)
+        except KeyError as exc:  # a field whose inputs are unusable (computed lazily, on first view)
+            self.diff_panel.show(None, message=str(exc.args[0]))
+            return
         if row is None:
             if kind == KIND_SAMPLE:
                 row = model.sample_row_index(self.field, self.sample_id) if self.sample_id else 0

@@ -41,9 +41,12 @@ class DiffView(CursorLines):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.diff: Optional[FieldDiff] = None
+        self._label_width = 6
 
     def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0) -> None:
         self.diff = diff
+        # the widest row label, once per diff (not per rendered row: a table may list 4,096 samples)
+        self._label_width = max((len(x) for x in diff.labels), default=6) if diff is not None else 6
         self.set_rows(len(diff) if diff is not None else 0, cursor=cursor)
         self.center_cursor()
 
@@ -55,9 +58,9 @@ class DiffView(CursorLines):
         if diff is None or diff.kind == KIND_TOKEN:
             key = max(6, len(str(max(len(diff) - 1, 0))) if diff is not None else 6)
         elif diff.kind == KIND_SAMPLE:
-            key = max(6, min(24, max((len(x) for x in diff.labels), default=6))) + 7
+            key = max(6, min(24, self._label_width)) + 7
         else:
-            key = max(6, min(28, max((len(x) for x in diff.labels), default=6)))
+            key = max(6, min(28, self._label_width))
         room = width - 2 - key - tail - 2 - 3
         num = max(7, min(15, room // 3))
         return key, num, tail

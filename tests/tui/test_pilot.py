@@ -1,7 +1,7 @@
 """Behaviour of every key binding, the mouse, the worker and the error path, driven with Pilot.
 
-Each test waits on the replay worker (``app.workers.wait_for_complete()``) and ``pilot.pause()``;
-none sleeps. State is asserted on the screen object: selected sample, field, diff cursor, focus."""
+Each test waits for the replay worker (``app.wait_settled``: ``app.workers.wait_for_complete()``, then
+``pilot.pause()`` until the result is on screen); none sleeps. State is asserted on the screen object: selected sample, field, diff cursor, focus."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ SIZE = (120, 40)
 
 
 async def ready(pilot) -> None:
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
+    await pilot.app.wait_settled(pilot)
 
 
 def screen_text(app) -> str:

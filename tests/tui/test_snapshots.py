@@ -8,8 +8,7 @@ from pathlib import Path
 
 
 async def _ready(pilot) -> None:
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause()
+    await pilot.app.wait_settled(pilot)
 
 
 def _after(*keys: str):
