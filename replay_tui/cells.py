@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
 from rich.style import Style
 from textual.strip import Strip
+
+from replay_lib.report import fmt_value
 
 PASS = Style(color="green")
 FAIL = Style(color="red", bold=True)
@@ -37,3 +40,15 @@ def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Sty
     """A row of ``(text, style)`` parts, cropped/padded to ``width``, over the widget's ``base`` style."""
     segments = [Segment(text, style) for text, style in parts if text]
     return Strip(segments).apply_style(base).crop_extend(0, width, base)
+
+
+def fit_number(x: Optional[float], width: int) -> str:
+    """The CLI's shortest float32 form when it fits, else fewer significant digits (never ``…``)."""
+    text = "nan" if x is None or math.isnan(x) else fmt_value(x)
+    if len(text) <= width or x is None or not math.isfinite(x):
+        return fit(text, width, ">")
+    for digits in range(8, 0, -1):
+        text = f"{x:.{digits}g}"
+        if len(text) <= width:
+            break
+    return fit(text, width, ">")

@@ -15,22 +15,10 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-from ..cells import BOLD, DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, strip_of
-from ..model import KIND_COHORT, KIND_SAMPLE, KIND_TOKEN, FieldDiff, fmt_cell
+from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, fit_number, strip_of
+from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
-
-
-def fit_number(x: Optional[float], width: int) -> str:
-    """The CLI's shortest float32 form when it fits, else fewer significant digits (never ``…``)."""
-    text = fmt_cell(x)
-    if len(text) <= width or x is None or not math.isfinite(x):
-        return fit(text, width, ">")
-    for digits in range(8, 0, -1):
-        text = f"{x:.{digits}g}"
-        if len(text) <= width:
-            break
-    return fit(text, width, ">")
 
 
 class DiffView(CursorLines):

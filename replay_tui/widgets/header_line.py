@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 

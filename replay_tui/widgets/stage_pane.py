@@ -13,9 +13,9 @@ from textual.containers import Vertical
 from textual.strip import Strip
 from textual.widgets import Static
 
-from replay_lib.report import STATUS_FAIL, STATUS_PASS, ReplayReport, StageReport, fmt_value
+from replay_lib.report import STATUS_FAIL, STATUS_PASS, ReplayReport, StageReport
 
-from ..cells import DIM, FAIL, FIRST, PASS, SKIP, fit, strip_of
+from ..cells import DIM, FAIL, FIRST, PASS, SKIP, fit, fit_number, strip_of
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
 
@@ -116,8 +116,8 @@ class StageList(CursorLines):
         mism = str(s.mismatches) if s.status != "skipped" else "—"
         parts.append((fit(mism, 5, ">") + " ", FAIL if s.mismatches else DIM))
         if show_err:
-            err = fmt_value(s.max_abs_error) if s.max_abs_error is not None else "—"
-            parts.append((fit(err, 8, ">") + " ", FAIL if s.status == STATUS_FAIL else DIM))
+            err = fit_number(s.max_abs_error, 8) if s.max_abs_error is not None else fit("—", 8, ">")
+            parts.append((err + " ", FAIL if s.status == STATUS_FAIL else DIM))
         if show_cap:
             parts.append((" " + fit(s.capability or "—", 12), DIM))
         if reason_w:

@@ -39,8 +39,13 @@ class VerdictBar(Static):
     VerdictBar.-fail { background: $error 20%; }
     VerdictBar.-pass { background: $success 15%; }
     """
+    report: Optional[ReplayReport] = None
+    _progress_shown = False
 
     def show_progress(self, stage: str, done: int, total: int) -> None:
+        # One line replacing one line: no relayout of the screen (the replay worker is busy meanwhile).
+        relayout = self.report is not None or not self._progress_shown
+        self._progress_shown = True
         self.report = None
         self.set_classes("")
         text = Text()
@@ -54,9 +59,7 @@ class VerdictBar(Static):
             bar = "■" * done + "□" * (width - done)
             text.append(f"replaying {stage}  {done}/{total} ")
             text.append(bar, style="dim")
-        self.update(text)
-
-    report: Optional[ReplayReport] = None
+        self.update(text, layout=relayout)
 
     def on_resize(self) -> None:
         if self.report is not None:
