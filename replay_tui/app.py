@@ -184,11 +184,25 @@ def app_from_args(args) -> ReplayApp:
 def run_app(args) -> int:
     """Run the debugger; returns its exit code (the replay's, or the error's: 2/3/4)."""
     try:
-        app = app_from_args(args)
-    except ReplayError as exc:
-        sys.stderr.write(error_line(str(exc)) + "\n")
-        return exc.exit_code
-    app.run()
-    if app.error is not None:
-        sys.stderr.write(app.error[0] + "\n")
-    return app.return_code if app.return_code is not None else app.exit_code
+        try:
+            app = app_from_args(args)
+        except ReplayError as exc:
+            sys.stderr.write(error_line(str(exc)) + "\n")
+            return exc.exit_code
+        app.run()
+        if app.error is not None:
+            sys.stderr.write(app.error[0] + "\n")
+        return app.return_code if app.return_code is not None else app.exit_code
+    finally:
+        if getattr(args, "demo", None):
+            remove_materialized_demo(Path(args.bundle))
+
+
+def remove_materialized_demo(bundle: Path) -> None:
+    """``--demo`` bundles live in a fresh ``replay-demo-*`` temporary directory: remove it on exit."""
+    import shutil
+    import tempfile
+
+    root = bundle.parent
+    if root.name.startswith("replay-demo-") and root.parent == Path(tempfile.gettempdir()):
+        shutil.rmtree(root, ignore_errors=True)

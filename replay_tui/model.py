@@ -393,16 +393,20 @@ class ReplayModel:
             why = next(iter(sh.unavailable.get(spec.name) for sh in self.shards), "not recomputed")
             raise KeyError(f"field {spec.name!r} is not available: {why}")
         if spec.kind == KIND_SAMPLE:
-            parts = [(i, sh) for i, sh in enumerate(self.shards) if spec.name in sh.values]
-            e = torch.cat([sh.values[spec.name][0] for _, sh in parts])
-            a = torch.cat([sh.values[spec.name][1] for _, sh in parts])
-            err = torch.cat([sh.errors[spec.name] for _, sh in parts])
-            bad = torch.cat([sh.bad[spec.name] for _, sh in parts])
+            # one row per sample the model shows (a partial selection shows its group closure only)
+            rows = {i: torch.tensor([r.index for r in self.samples if r.shard == i], dtype=torch.int64)
+                    for i, sh in enumerate(self.shards) if spec.name in sh.values}
+            parts = [(i, self.shards[i]) for i in rows]
+            e = torch.cat([sh.values[spec.name][0][rows[i]] for i, sh in parts])
+            a = torch.cat([sh.values[spec.name][1][rows[i]] for i, sh in parts])
+            err = torch.cat([sh.errors[spec.name][rows[i]] for i, sh in parts])
+            bad = torch.cat([sh.bad[spec.name][rows[i]] for i, sh in parts])
             labels, groups = [], []
             for i, sh in parts:
-                for s in sh.reader.index.samples:
-                    labels.append(s.sample_id)
-                    groups.append(group_label(s.group_index))
+                records = sh.reader.index.samples
+                for j in rows[i].tolist():
+                    labels.append(records[j].sample_id)
+                    groups.append(group_label(records[j].group_index))
             atol, rtol = parts[0][1].tolerances[spec.name]
             return FieldDiff(field=spec.name, stage=spec.stage, kind=spec.kind, expected=e.tolist(), actual=a.tolist(),
                              abs_error=err.tolist(), bad=bad.tolist(), labels=labels, groups=groups, atol=atol,
@@ -500,7 +504,8 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     ranks = " ".join(f"{k}={v}" for k, v in ident.rank.items())
     if bundles.cohort:
         ranks += f" · {len(bundles.shards)} shards"
-    rows = [
+    # validation warnings first: the pane may be too short to show its last rows
+    rows = [("warning", w) for w in report.warnings] + [
         ("bundle", report.bundle_id),
         ("kind", f"{ident.kind}-level"),
         ("anchor", ident.anchor),
@@ -523,8 +528,6 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     ]
     if report.selected_samples is not None:
         rows.append(("selection", f"{len(report.selected_samples)} sample(s) (semantic-group closure)"))
-    for w in report.warnings:
-        rows.append(("warning", w))
     return rows
 
 

@@ -17,6 +17,7 @@ class IdentityPane(VerticalScroll, can_focus=True):
         max-height: 55%;
         scrollbar-size-vertical: 1;
         &:focus { border: round $accent; }
+        border-subtitle-color: $warning;
         #identity-text { width: 1fr; }
     }
     """
@@ -35,3 +36,5 @@ class IdentityPane(VerticalScroll, can_focus=True):
             warn = key == "warning"
             grid.add_row(Text(key, style="bold yellow" if warn else "dim"), Text(value, style="yellow" if warn else ""))
         self.query_one("#identity-text", Static).update(grid)
+        warnings = sum(1 for key, _ in rows if key == "warning")
+        self.border_subtitle = f"⚠ {warnings} warning{'s' if warnings != 1 else ''}" if warnings else ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from rich.style import Style
@@ -190,3 +192,20 @@ def test_dag_gutters_fork_the_loss_stages():
     stages = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
               "loss.policy", "loss.value"]
     assert dag_gutters(stages) == ["", "└", " └", "  └", "   └", "    ├", "    └"]
+
+
+def test_demo_cleanup_removes_only_its_own_temporary_directory(tmp_path):
+    import tempfile
+
+    from replay_lib.demo import materialize_demo
+    from replay_tui.app import remove_materialized_demo
+
+    bundle = materialize_demo("pr65-fixed")
+    assert bundle.parent.name.startswith("replay-demo-") and (bundle / "COMPLETE").is_file()
+    remove_materialized_demo(bundle)
+    assert not bundle.parent.exists()
+    elsewhere = tmp_path / "replay-demo-x" / "pr65-fixed"  # the right name, outside the temporary directory
+    elsewhere.mkdir(parents=True)
+    assert elsewhere.parent.parent != Path(tempfile.gettempdir())
+    remove_materialized_demo(elsewhere)
+    assert elsewhere.is_dir()

@@ -91,6 +91,35 @@ async def test_markup_in_sample_ids_is_shown_literally(make_app):
         assert "[b]brackets" in text
 
 
+async def test_selection_flags_show_the_group_closure(bundles):
+    from replay_tui.__main__ import build_parser
+    from replay_tui.app import app_from_args
+
+    args = build_parser().parse_args([str(bundles / "pr65-buggy"), "--sample", "s-3"])
+    app = app_from_args(args)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tree = app.debugger.tree
+        assert [app.model.samples[i].sample_id for kind, i in tree.rows if kind == "sample"] == ["s-2", "s-3"]
+        assert state(app) == ("s-2", "reward", 0)  # the first divergence inside the selection
+        assert ("selection", "2 sample(s) (semantic-group closure)") in app.model.identity
+
+
+async def test_validation_warnings_reach_the_identity_pane(bundles, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "pr65-extra"
+    shutil.copytree(bundles / "pr65-buggy", bundle)
+    (bundle / "payloads" / "notes.txt").write_text("not a payload\n")
+    app = ReplayApp(bundle)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        warnings = [value for key, value in app.model.identity if key == "warning"]
+        assert len(warnings) == 1 and warnings[0].endswith("notes.txt: file not listed in manifest.json (ignored)")
+        text = screen_text(app)  # first in the pane (which may be short), counted in its border
+        assert "manifest.json (ignored)" in text and "⚠ 1 warning" in text
+
+
 # ------------------------------------------------------------------------------------- screen keys
 
 
