@@ -70,7 +70,7 @@ async def shoot(bundle: Path, size, keys, out: Path, stem: str) -> None:
         if keys:
             await pilot.press(*keys)
             await app.workers.wait_for_complete()
-            await pilot.pause(0.2 if keys[0] == "ctrl+p" else None)
+            await pilot.pause()
         app.save_screenshot(f"{stem}.svg", path=str(out))
 
 

@@ -398,14 +398,14 @@ async def test_palette_runs_a_pane_action(make_app):
         await ready(pilot)
         await pilot.press("ctrl+p")
         await pilot.press(*"View the next")
-        await pilot.pause(0.05)
-        await app.workers.wait_for_complete()
+        await app.workers.wait_for_complete()  # the palette searches in a worker
+        await pilot.pause()
         await pilot.press("enter")
         await pilot.pause()
         assert app.debugger.field == "advantage"
         await pilot.press("ctrl+p", *"Show only")
-        await pilot.pause(0.05)
         await app.workers.wait_for_complete()
+        await pilot.pause()
         await pilot.press("enter")
         await pilot.pause()
         assert app.debugger.tree.diverging_only and isinstance(app.focused, SampleTree)
