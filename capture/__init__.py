@@ -2,7 +2,16 @@
 nor anything that needs a GPU; a trainer calls :func:`maybe_enable_for_actor` once and then the hooks."""
 
 from .actor import NULL_STEP, DisabledCapture, ReplayCapture, StepCapture, maybe_enable_for_actor
-from .bundles import DEFAULT_REDACTION, Provenance, micro_batch_id, rollout_bundle_id, step_bundle_id
+from .bundles import (
+    DEFAULT_REDACTION,
+    SUPPORT_CHANNELS,
+    SUPPORT_SCORABLE,
+    Provenance,
+    micro_batch_id,
+    rollout_bundle_id,
+    step_bundle_id,
+    support_capability,
+)
 from .config import (
     ENV_DIR,
     ENV_ENABLE,
@@ -20,6 +29,7 @@ from .producer import producer_info
 __all__ = [
     "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_STEPS", "NULL_STEP", "CaptureConfig",
     "CaptureDisabledWarning", "CaptureItem", "CaptureManager", "CaptureStats", "DisabledCapture", "Provenance",
-    "ReplayCapture", "StepCapture", "config_from_env", "maybe_enable_for_actor", "micro_batch_id",
-    "parse_rollouts", "parse_steps", "producer_info", "rollout_bundle_id", "step_bundle_id",
+    "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE", "StepCapture", "config_from_env",
+    "maybe_enable_for_actor", "micro_batch_id", "parse_rollouts", "parse_steps", "producer_info",
+    "rollout_bundle_id", "step_bundle_id", "support_capability",
 ]

@@ -11,6 +11,15 @@ writer-thread side.
         step.add_micro_batch(sample_ids=…, log_probs=…, old_log_probs=…, advantages=…, entropy=…, …)
     step.finish(loss_fields)        # the fields the trainer reports for the whole step
     capture.close(timeout=60)
+
+Sample-support scoring (SPEC §7, stage ``logprob.support``): both hooks take ``side_channels`` — per-token
+rows ``[Σ T, …]`` named in ``SUPPORT_CHANNELS`` (``support_ids``, ``support_logits``, ``sampled_token_ids``,
+``full_log_probs``, ``routed_experts``, ``cp_shard``) — and ``support_scored``: the recorded log-probs the
+trainer scored over the recorded support, with ``support_logits`` gathered from the same forward. Given
+``support_scored``, the bundle declares ``logprob.support`` (``recompute`` with member logits,
+``inspect-only`` with ids only) and writes ``config.support_scored``; without it, support rows are stored
+for inspection and no contract is declared. Shapes and dtypes are checked here (metadata only, no device
+synchronisation); the casts and device→host copies happen on the writer thread.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from replay_lib.schema import ActorStepId, RecomputeConfig, RedactionPolicy
 
 from .bundles import (
     DEFAULT_REDACTION,
-    ROLLOUT_SIDE_CHANNELS,
+    SUPPORT_CHANNELS,
+    SUPPORT_SCORABLE,
     BundleSink,
     ProducerContext,
     Provenance,
@@ -61,6 +71,74 @@ def _rows(value: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     return torch.cat(list(value))
+
+
+# Each side channel: (dimensions, "int" | "float").
+_CHANNEL_KINDS = {
+    "sampled_token_ids": (1, "int"), "support_ids": (2, "int"), "support_logits": (2, "float"),
+    "full_log_probs": (1, "float"), "routed_experts": (3, "int"), "cp_shard": (1, "int"),
+}
+SideChannels = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _side_channels(label: str, channels: Optional[SideChannels], tokens: int,
+                   config: RecomputeConfig) -> dict[str, torch.Tensor]:
+    """Per-token side channels as ``[tokens, …]`` tensors, refused (``ValueError``) when a name, rank,
+    row count or dtype is wrong — all metadata, so nothing here waits for a device."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in (channels or {}).items():
+        if name not in _CHANNEL_KINDS:
+            raise ValueError(f"{label}: unknown side channel {name!r} (expected one of {', '.join(SUPPORT_CHANNELS)})")
+        t = _rows(value)
+        dims, kind = _CHANNEL_KINDS[name]
+        if t.dim() != dims:
+            raise ValueError(f"{label}: side channel {name!r} must have {dims} dimension(s), got shape {list(t.shape)}")
+        if t.shape[0] != tokens:
+            raise ValueError(f"{label}: side channel {name!r} has {t.shape[0]} row(s) for Σ response_length {tokens}")
+        if kind == "int" and not _is_integer(t):
+            raise ValueError(f"{label}: side channel {name!r} must hold integers, got {t.dtype}")
+        if kind == "float" and not t.dtype.is_floating_point:
+            raise ValueError(f"{label}: side channel {name!r} must be floating point, got {t.dtype}")
+        out[name] = t
+    if "support_logits" in out:
+        if "support_ids" not in out:
+            raise ValueError(f"{label}: side channel 'support_logits' needs 'support_ids' "
+                             "(the ids they were gathered at)")
+        if out["support_logits"].shape != out["support_ids"].shape:
+            raise ValueError(f"{label}: support_logits shape {list(out['support_logits'].shape)} != support_ids "
+                             f"shape {list(out['support_ids'].shape)}")
+    if "routed_experts" in out and config.num_experts is None:
+        raise ValueError(f"{label}: side channel 'routed_experts' needs RecomputeConfig.num_experts")
+    return out
+
+
+def _support_scored(label: str, support_scored: Optional[Sequence[str]], recorded: Sequence[str],
+                    config: RecomputeConfig) -> Optional[tuple[str, ...]]:
+    """Validate the names of the log-probs the trainer scored over the recorded support."""
+    if support_scored is None:
+        return None
+    names = tuple(str(n) for n in support_scored)
+    if not names:
+        raise ValueError(f"{label}: support_scored names no recorded log-probs")
+    for name in names:
+        if name not in SUPPORT_SCORABLE:
+            raise ValueError(f"{label}: support_scored entry {name!r} is not one of {', '.join(SUPPORT_SCORABLE)}")
+        if name not in recorded:
+            raise ValueError(f"{label}: support_scored entry {name!r} is not recorded in this bundle "
+                             f"(it records {', '.join(recorded)})")
+    if config.vocab_size is None:
+        raise ValueError(f"{label}: support_scored needs RecomputeConfig.vocab_size (the support id range)")
+    return names
+
+
+def _require_support_rows(label: str, channels: Mapping[str, torch.Tensor]) -> None:
+    missing = [n for n in ("support_ids", "sampled_token_ids") if n not in channels]
+    if missing:
+        raise ValueError(f"{label}: support_scored needs the side channel(s) {', '.join(missing)}")
 
 
 def _sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts=None, responses=None,
@@ -109,14 +187,17 @@ class StepCapture:
     captured = True
     _tokens = itertools.count()
 
-    def __init__(self, capture: "ReplayCapture", actor_step_id: ActorStepId, provenance: Provenance):
+    def __init__(self, capture: "ReplayCapture", actor_step_id: ActorStepId, provenance: Provenance,
+                 support_scored: Optional[tuple[str, ...]] = None):
         self._capture = capture
         self.actor_step_id = actor_step_id
         self.provenance = provenance
+        self.support_scored = support_scored
         self.token = next(StepCapture._tokens)
         self._parts = 0
         self._broken: Optional[str] = None
         self._finished = False
+        self._channels: Optional[frozenset[str]] = None  # the side channels of the first micro-batch
         self.label = step_bundle_id(actor_step_id.rollout_id, actor_step_id.step_id)
 
     def add_micro_batch(
@@ -133,13 +214,26 @@ class StepCapture:
         entropy: Optional[TensorLike] = None,
         raw_rewards: Optional[TensorLike] = None,
         rewards: Optional[TensorLike] = None,
+        side_channels: Optional[SideChannels] = None,
     ) -> bool:
-        """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …)."""
+        """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …). ``side_channels``:
+        the micro-batch's per-token support rows (see the module docstring); every micro-batch of a step
+        gives the same set."""
         if self._finished:
             raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
         if self._broken is not None:
             return False
         index = self._parts
+        where = f"{self.label} mb-{index:04d}"
+        channels = _side_channels(where, side_channels, sum(int(n) for n in response_lengths),
+                                  self._capture.recompute_config)
+        if self.support_scored is not None:
+            _require_support_rows(where, channels)
+        if self._channels is None:
+            self._channels = frozenset(channels)
+        elif frozenset(channels) != self._channels:
+            raise ValueError(f"{where}: side channels {sorted(channels)} differ from the step's first micro-batch "
+                             f"{sorted(self._channels)}")
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
             "log_probs": _flat(log_probs),
@@ -148,6 +242,7 @@ class StepCapture:
             "entropy": None if entropy is None else _flat(entropy),
             "raw_rewards": None if raw_rewards is None else _flat(raw_rewards),
             "rewards": None if rewards is None else _flat(rewards),
+            **channels,
         }
         meta = StepPartMeta(token=self.token, actor_step_id=self.actor_step_id, mb_index=index,
                             samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths))
@@ -175,7 +270,7 @@ class StepCapture:
         tensors = {name: value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
                    for name, value in given.items()}
         meta = StepEndMeta(token=self.token, actor_step_id=self.actor_step_id, n_parts=self._parts,
-                           provenance=self.provenance, broken=self._broken)
+                           provenance=self.provenance, broken=self._broken, support_scored=self.support_scored)
         return self._capture.manager.submit(CaptureItem(kind="step-end", label=self.label, meta=meta, tensors=tensors))
 
 
@@ -245,20 +340,30 @@ class ReplayCapture:
         responses: Optional[Sequence[str]] = None,
         labels: Optional[Sequence[str]] = None,
         provenance: Optional[Provenance] = None,
-        side_channels: Optional[Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]] = None,
+        side_channels: Optional[SideChannels] = None,
+        support_scored: Optional[Sequence[str]] = None,
     ) -> bool:
         """Record what ``reward.raw … advantage.estimate`` consumed and produced for one rollout.
 
         ``raw_rewards`` / ``rewards``: per sample, raw and as post-processed by the trainer; ``kl`` and
         ``advantages``: per token, as the trainer computed them. ``side_channels``: optional per-token
-        rows (``sampled_token_ids``, ``support_ids``, ``support_logits``). Returns False if not captured.
+        rows (``SUPPORT_CHANNELS``); ``support_scored``: which of ``old_log_probs`` / ``ref_log_probs``
+        the trainer scored over the recorded support with the ``support_logits`` given here (declares
+        ``logprob.support``). Returns False if not captured.
         """
         if not self.wants_rollout(rollout_id):
             return False
+        label = rollout_bundle_id(rollout_id)
+        recorded = ("old_log_probs",) + (() if ref_log_probs is None else ("ref_log_probs",))
+        scored = _support_scored(label, support_scored, recorded, self.recompute_config)
+        channels = _side_channels(label, side_channels, sum(int(n) for n in response_lengths), self.recompute_config)
+        if scored is not None:
+            _require_support_rows(label, channels)
         meta = RolloutMeta(
             rollout_id=int(rollout_id),
             samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts, responses, labels),
             provenance=provenance or Provenance(),
+            support_scored=scored,
         )
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
@@ -268,20 +373,22 @@ class ReplayCapture:
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "kl": _flat(kl),
             "advantages": _flat(advantages),
+            **channels,
         }
-        for name, value in (side_channels or {}).items():
-            if name not in ROLLOUT_SIDE_CHANNELS:
-                raise ValueError(f"unknown side channel {name!r} (expected one of {', '.join(ROLLOUT_SIDE_CHANNELS)})")
-            tensors[name] = _rows(value)
-        item = CaptureItem(kind="rollout", label=rollout_bundle_id(rollout_id), meta=meta, tensors=tensors)
+        item = CaptureItem(kind="rollout", label=label, meta=meta, tensors=tensors)
         return self.manager.submit(item)
 
-    def begin_step(self, rollout_id: int, step_id: int, *, provenance: Optional[Provenance] = None):
-        """A :class:`StepCapture` for actor step ``(rollout_id, step_id)``, or a no-op if not captured."""
+    def begin_step(self, rollout_id: int, step_id: int, *, provenance: Optional[Provenance] = None,
+                   support_scored: Optional[Sequence[str]] = None):
+        """A :class:`StepCapture` for actor step ``(rollout_id, step_id)``, or a no-op if not captured.
+        ``support_scored``: which of ``log_probs`` / ``old_log_probs`` the trainer scored over the recorded
+        support with the ``support_logits`` its micro-batches give (declares ``logprob.support``)."""
         if not self.wants_step(rollout_id, step_id):
             return NULL_STEP
+        scored = _support_scored(step_bundle_id(rollout_id, step_id), support_scored,
+                                 ("log_probs", "old_log_probs"), self.recompute_config)
         return StepCapture(self, ActorStepId(rollout_id=int(rollout_id), step_id=int(step_id)),
-                           provenance or Provenance())
+                           provenance or Provenance(), scored)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property

@@ -8,6 +8,11 @@ Two bundle kinds (SPEC §6):
 * step-level ``step-<R>-<S>`` — ``sample → loss.policy``, anchored by ``actor_step_id=(R, S)``; the step's
   micro-batches arrive as separate ``step-part`` records and are written once the ``step-end`` arrives.
 
+Either kind adds ``logprob.support`` (SPEC §7) when the trainer scored its recorded log-probs over the
+sampler's recorded support: the support side channels become payloads, ``config.support_scored`` names the
+log-probs scored with the recorded member logits, and the contract is ``recompute`` (member logits present)
+or ``inspect-only`` (ids only).
+
 One producer writes ``<DIR>/<bundle_id>/``; several write ``<DIR>/<bundle_id>/rank-<r>/`` + ``COMPLETE.<r>``
 and try to finalize the cohort (SPEC §2).
 """
@@ -18,8 +23,9 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
+import msgspec
 import torch
 
 from replay_lib.bundle import BundleWriter
@@ -52,8 +58,17 @@ STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 # Prompts and responses are stored as sha256 by default; labels only as ``label_hash``; the rest dropped.
 DEFAULT_REDACTION = {"prompt": "hash", "response": "hash", "label": "drop", "tool_output": "drop"}
 
-# Optional per-token side channels of a rollout (first dimension = Σ response_length).
-ROLLOUT_SIDE_CHANNELS = ("sampled_token_ids", "support_ids", "support_logits")
+# Optional per-token side channels of a bundle (first dimension = Σ response_length), the payloads of stage
+# ``logprob.support`` (SPEC §7): sampler support rows, the member logits of the forward that scored the
+# recorded log-probs, the sampled ids, full-vocabulary log-probs, routed experts, context-parallel shard.
+SUPPORT_CHANNELS = ("sampled_token_ids", "support_ids", "support_logits", "full_log_probs", "routed_experts",
+                    "cp_shard")
+ROLLOUT_SIDE_CHANNELS = SUPPORT_CHANNELS  # the name older callers import
+# Recorded log-prob payloads a trainer may score over the recorded support (``config.support_scored``).
+SUPPORT_SCORABLE = ("log_probs", "old_log_probs", "ref_log_probs")
+# Dtype each channel is written with (the writer casts after the device→host copy; integer channels keep
+# their own integer dtype except the support ids, which the format fixes at int32).
+_CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, "full_log_probs": torch.float32}
 
 
 def rollout_bundle_id(rollout_id: int) -> str:
@@ -101,6 +116,8 @@ class RolloutMeta:
     rollout_id: int
     samples: SampleMeta
     provenance: Provenance
+    # The recorded log-probs the trainer scored over the recorded support (None: not support-scored).
+    support_scored: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ class StepEndMeta:
     n_parts: int
     provenance: Provenance
     broken: Optional[str] = None  # why the training side gave up on this step (a dropped micro-batch)
+    support_scored: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +157,23 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 def _float_list(t: torch.Tensor) -> list[float]:
     return [float(x) for x in _cpu(t).to(torch.float32).reshape(-1).tolist()]
+
+
+def _channel(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A side channel on the host in the dtype the format fixes for it."""
+    t = _cpu(t)
+    want = _CHANNEL_DTYPES.get(name)
+    return t.to(want) if want is not None and t.dtype != want else t
+
+
+def support_capability(payloads: Mapping[str, torch.Tensor],
+                       support_scored: Optional[Sequence[str]]) -> Optional[StageCapability]:
+    """The ``logprob.support`` contract a bundle declares: ``recompute`` when the trainer scored log-probs
+    over the recorded support and the member logits are recorded, ``inspect-only`` when only the ids are,
+    none when the log-probs were not support-scored (support rows then ride along for inspection only)."""
+    if support_scored is None or "support_ids" not in payloads:
+        return None
+    return StageCapability.RECOMPUTE if "support_logits" in payloads else StageCapability.INSPECT_ONLY
 
 
 def _tree_bytes(path: Path) -> int:
@@ -228,9 +263,12 @@ class BundleSink:
             rank=dict(self.context.rank_sizes),
         )
 
-    def _manifest(self, bundle_id: str, stages: Sequence[StageId]) -> Manifest:
+    def _manifest(self, bundle_id: str, stages: Sequence[StageId],
+                  capabilities: Optional[Mapping[StageId, StageCapability]] = None) -> Manifest:
+        capabilities = capabilities or {}
         contracts = {
-            stage: StageContract(stage=stage, version="v1", capability=StageCapability.RECOMPUTE,
+            stage: StageContract(stage=stage, version="v1",
+                                 capability=capabilities.get(stage, StageCapability.RECOMPUTE),
                                  implementation="reuse", inputs=[], expected_outputs=[])
             for stage in stages
         }
@@ -246,9 +284,22 @@ class BundleSink:
                         stage_contracts=contracts, payloads={}, comparison_policy=policy,
                         redaction=dict(self.context.redaction))
 
-    def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict) -> int:
+    def _config(self, support_scored: Optional[Sequence[str]]) -> RecomputeConfig:
+        if support_scored is None:
+            return self.context.config
+        return msgspec.structs.replace(self.context.config, support_scored=list(support_scored))
+
+    def _with_support(self, stages: Sequence[StageId], payloads: dict, support_scored):
+        """``(stages, capabilities)`` with ``logprob.support`` added when the bundle declares it."""
+        capability = support_capability(payloads, support_scored)
+        if capability is None:
+            return tuple(stages), {}
+        return (*stages, StageId.LOGPROB_SUPPORT), {StageId.LOGPROB_SUPPORT: capability}
+
+    def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict,
+                 capabilities: Optional[Mapping[StageId, StageCapability]] = None) -> int:
         ctx = self.context
-        manifest = self._manifest(bundle_id, stages)
+        manifest = self._manifest(bundle_id, stages, capabilities)
         root = ctx.directory / bundle_id
         with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
             for name, tensor in payloads.items():
@@ -272,7 +323,7 @@ class BundleSink:
             identity=self._identity(rollout_id=int(meta.rollout_id), provenance=meta.provenance,
                                     groups=meta.samples.group_index),
             samples=records,
-            config=self.context.config,
+            config=self._config(meta.support_scored),
         )
         expected = {
             "reward.raw": {"raw_rewards": raw},
@@ -283,10 +334,11 @@ class BundleSink:
             payloads["ref_log_probs"] = tensors["ref_log_probs"]
         payloads["kl"] = tensors["kl"]
         payloads["advantages"] = tensors["advantages"]
-        for name in ROLLOUT_SIDE_CHANNELS:
+        for name in SUPPORT_CHANNELS:
             if name in tensors:
-                payloads[name] = tensors[name]
-        return self._publish(bundle_id, ROLLOUT_STAGES, index, expected, payloads)
+                payloads[name] = _channel(name, tensors[name])
+        stages, capabilities = self._with_support(ROLLOUT_STAGES, payloads, meta.support_scored)
+        return self._publish(bundle_id, stages, index, expected, payloads, capabilities)
 
     # -- step-level --------------------------------------------------------------------------------
     def _stash(self, meta: StepPartMeta, tensors: dict[str, torch.Tensor]) -> None:
@@ -324,20 +376,21 @@ class BundleSink:
             for name, tensor in part.items():
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
-        for name in ("log_probs", "old_log_probs", "entropy", "advantages"):
+        for name in ("log_probs", "old_log_probs", "entropy", "advantages", *SUPPORT_CHANNELS):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
-                payloads[name] = torch.cat(columns[name])
+                payloads[name] = _channel(name, torch.cat(columns[name]))
         index = BundleIndex(
             bundle_id=bundle_id,
             identity=self._identity(actor_step_id=meta.actor_step_id, provenance=meta.provenance,
                                     micro_batch_ids=mb_ids, groups=groups),
             samples=records,
-            config=self.context.config,
+            config=self._config(meta.support_scored),
         )
         fields = {name: float(_cpu(tensors[name]).reshape(())) for name in LOSS_FIELDS if name in tensors}
-        return self._publish(bundle_id, STEP_STAGES, index, {"loss.policy": fields}, payloads)
+        stages, capabilities = self._with_support(STEP_STAGES, payloads, meta.support_scored)
+        return self._publish(bundle_id, stages, index, {"loss.policy": fields}, payloads, capabilities)
 
 
 def _step_of(parts) -> tuple[int, int]:

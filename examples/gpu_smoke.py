@@ -8,6 +8,8 @@ What it checks on a GPU:
   stream: the capture's device-side copies and the writer thread's device→host copies must wait for them
   (``submit`` records a CUDA event; the writer synchronizes on it, the training thread never does);
 * one rollout-level and one step-level bundle (two micro-batches) are written and replay clean on the CPU;
+  the step's log-probs are scored over a recorded sampler support, whose rows (int ids, bf16 member logits
+  cast to float32 by the writer) ride along as side channels and replay through ``logprob.support``;
 * every payload read back equals, bit for bit, the device tensor that was submitted.
 Exit status: 0 pass (or skipped), 1 a check failed.
 """
@@ -28,9 +30,12 @@ from replay_lib.bundle import BundleReader
 from replay_lib.kernels import LOSS_FIELDS, get_grpo_returns, group_normalize, policy_loss_fields, rollout_kl
 from replay_lib.runner import replay
 from replay_lib.schema import RecomputeConfig
+from replay_lib.support import support_logprobs
 
+VOCAB, TOP_K = 32, 4
 CFG = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=4, grpo_std_normalization=True,
-                      kl_loss_type="low_var_kl", kl_coef=0.05, eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01)
+                      kl_loss_type="low_var_kl", kl_coef=0.05, eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01,
+                      vocab_size=VOCAB)
 
 
 def _slow_kernel(device: torch.device) -> torch.Tensor:
@@ -50,7 +55,12 @@ def run(device: torch.device, directory: Path) -> list[str]:
     raw = torch.randint(0, 5, (n,), generator=gen).to(torch.float32)
     old = -torch.rand(total, generator=gen) * 2
     ref = old + (torch.rand(total, generator=gen) - 0.5) * 0.2
-    logp = old + (torch.rand(total, generator=gen) - 0.5) * 0.6
+    # Sample support: TOP_K distinct ids per token, bf16 member logits (as a trainer's forward gives them),
+    # a sampled member; the policy log-probs are renormalized over the support.
+    support_ids = torch.rand(total, VOCAB, generator=gen).argsort(1)[:, :TOP_K].to(torch.int32)
+    member_logits = (torch.randn(total, TOP_K, generator=gen) * 2).to(torch.bfloat16)
+    sampled = support_ids.gather(1, torch.randint(0, TOP_K, (total, 1), generator=gen)).squeeze(1).to(torch.int64)
+    logp = support_logprobs(support_ids, member_logits.float(), sampled)
     entropy = torch.rand(total, generator=gen)
     mask = (torch.rand(total, generator=gen) < 0.9).to(torch.float32)
     # The expected numbers come from the same kernels the replay runs (they are CPU kernels).
@@ -81,7 +91,7 @@ def run(device: torch.device, directory: Path) -> list[str]:
         delay = _slow_kernel(device)
 
         def on_device(name: str, t: torch.Tensor) -> torch.Tensor:
-            d = t.to(device, non_blocking=True) + delay  # finishes only after the slow kernel
+            d = t.to(device, non_blocking=True) + delay.to(t.dtype)  # finishes only after the slow kernel
             submitted[name] = d
             return d
 
@@ -94,7 +104,8 @@ def run(device: torch.device, directory: Path) -> list[str]:
             kl=on_device("kl", kl), advantages=on_device("advantages", advantages),
             prompts=[f"prompt {i}" for i in range(n)], provenance=Provenance(rollout_weight=0, actor_weight=1),
         )
-        step = cap.begin_step(0, 0, provenance=Provenance(rollout_weight=0, actor_weight=1))
+        step = cap.begin_step(0, 0, provenance=Provenance(rollout_weight=0, actor_weight=1),
+                              support_scored=("log_probs",))
         for a, b in halves:
             ok &= step.add_micro_batch(
                 sample_ids=ids[a:b], group_index=groups[a:b].tolist(), response_lengths=lengths[a:b].tolist(),
@@ -103,6 +114,9 @@ def run(device: torch.device, directory: Path) -> list[str]:
                 old_log_probs=on_device(f"old{a}", old[tok(a, b)]),
                 advantages=on_device(f"adv{a}", advantages[tok(a, b)]),
                 entropy=on_device(f"entropy{a}", entropy[tok(a, b)]),
+                side_channels={"support_ids": on_device(f"support_ids{a}", support_ids[tok(a, b)]),
+                               "support_logits": on_device(f"support_logits{a}", member_logits[tok(a, b)]),
+                               "sampled_token_ids": on_device(f"sampled{a}", sampled[tok(a, b)])},
             )
         ok &= step.finish({name: on_device(f"field-{name}", value) for name, value in fields.items()})
     failures = [] if ok else ["a capture record was dropped"]
@@ -121,7 +135,12 @@ def run(device: torch.device, directory: Path) -> list[str]:
     rollout = BundleReader(directory / "rollout-0")
     step_bundle = BundleReader(directory / "step-0-0")
     pairs = [(rollout.payload(k), submitted[k]) for k in ("old_log_probs", "ref_log_probs", "kl", "advantages")]
-    pairs.append((step_bundle.payload("log_probs"), torch.cat([submitted["log_probs0"], submitted["log_probs4"]])))
+    for name in ("log_probs", "support_ids", "sampled"):
+        payload = "sampled_token_ids" if name == "sampled" else name
+        pairs.append((step_bundle.payload(payload), torch.cat([submitted[f"{name}0"], submitted[f"{name}4"]])))
+    # bf16 member logits are written as float32 (exactly: every bf16 value is a float32 value)
+    pairs.append((step_bundle.payload("support_logits"),
+                  torch.cat([submitted["support_logits0"], submitted["support_logits4"]]).float()))
     for got, sent in pairs:
         if not torch.equal(got, sent.cpu()):
             failures.append("a payload read back differs from the submitted device tensor")

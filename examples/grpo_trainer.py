@@ -17,6 +17,13 @@ Asynchrony, as in a fully-async RL job:
   micro-batches with gradient accumulation and Adam. With several processes (``torchrun``, gloo) every
   rank generates its own prompts and the gradients are averaged (data parallel).
 
+Sample-support scoring (``--sample-support``, SPEC §7): the sampler draws each token from its top-k support
+and records the support ids; the trainer scores the policy, old and reference log-probs of each sampled
+token renormalized over that support (``support_log_probs``) and uses them in the KL and the loss; capture
+records the support rows and the member logits of the scoring forward, and both bundle kinds declare stage
+``logprob.support``. ``--support-full-vocab-bug`` claims support scoring but scores over the whole
+vocabulary; ``--append-eos`` appends an <eos> without support to responses cut off at the length limit.
+
 Rewards, KL, advantages and the loss come from ``replay_lib.kernels`` — the same code the replay uses.
 Capture is configured from the environment (``RELAX_REPLAY_CAPTURE=1``, ``RELAX_REPLAY_CAPTURE_DIR``…),
 see examples/README.md.
@@ -116,14 +123,19 @@ class Sample:
     prompt_text: str
     response: list[int]
     rollout_weight: int
-    support_ids: torch.Tensor  # [T, K] int32: the top-k support each token was drawn from
+    support_ids: torch.Tensor  # [T, K] int32: the top-k support each token was drawn from (−1: none)
     support_logits: torch.Tensor  # [T, K] float32: the tempered logits of its members
+    truncated: bool = False  # cut off at the length limit (its <eos>, if any, was appended by the loop)
 
 
 @torch.no_grad()
 def sample_group(model: TinyLM, digits: list[int], n: int, *, temperature: float, top_k: int,
-                 gen: torch.Generator) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """``n`` responses to one prompt, token by token, from the top-k support at ``temperature``."""
+                 gen: torch.Generator, append_eos: bool = False
+                 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, bool]]:
+    """``n`` responses to one prompt, token by token, from the top-k support at ``temperature``:
+    ``(tokens, support ids, support logits, truncated)``. With ``append_eos`` a response cut off at the
+    length limit gets an <eos> appended by the loop: the sampler never drew it, so its support row is all
+    −1 (padding)."""
     prompt = torch.tensor([prompt_tokens(digits)] * n)
     logits, state = model(prompt)
     last = logits[:, -1]
@@ -150,12 +162,19 @@ def sample_group(model: TinyLM, digits: list[int], n: int, *, temperature: float
     out = []
     for i in range(n):
         T = int(lengths[i])
-        out.append((tokens[i, :T].tolist(), support_ids[i, :T].clone(), support_logits[i, :T].clone()))
+        response, ids, values = tokens[i, :T].tolist(), support_ids[i, :T].clone(), support_logits[i, :T].clone()
+        truncated = not bool(done[i])
+        if truncated and append_eos:
+            response.append(EOS)
+            ids = torch.cat([ids, torch.full((1, top_k), -1, dtype=torch.int32)])
+            values = torch.cat([values, torch.zeros(1, top_k)])
+        out.append((response, ids, values, truncated))
     return out
 
 
-def score(model: TinyLM, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probs and entropies of the response tokens, concatenated in sample order."""
+def _forward(model: TinyLM, samples: Sequence[Sample]):
+    """Teacher-forced forward: ``(logits [B, W, V], rows, cols, targets)``, where ``logits[rows, cols]``
+    are the positions predicting the response tokens ``targets``, concatenated in sample order."""
     inputs = [prompt_tokens(s.digits) + s.response[:-1] for s in samples]
     width = max(len(x) for x in inputs)
     batch = torch.full((len(samples), width), PAD, dtype=torch.int64)
@@ -167,10 +186,68 @@ def score(model: TinyLM, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch
         cols += range(start, start + len(s.response))
         targets += s.response
     logits, _ = model(batch)
-    log_probs = F.log_softmax(logits.float(), dim=-1)[torch.tensor(rows), torch.tensor(cols)]
-    token_log_probs = log_probs.gather(1, torch.tensor(targets)[:, None]).squeeze(1)
+    return logits, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
+
+
+def score(model: TinyLM, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs (full vocabulary) and entropies of the response tokens, in sample order."""
+    logits, rows, cols, targets = _forward(model, samples)
+    log_probs = F.log_softmax(logits.float(), dim=-1)[rows, cols]
+    token_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     return token_log_probs, entropy
+
+
+def support_log_probs(logits: torch.Tensor, support_ids: torch.Tensor, targets: torch.Tensor,
+                      full_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp_S [N], member logits [N, K])``: each target renormalized over its recorded support,
+
+        logp_S(y) = l_y − m − log Σ_{j∈S} exp(l_j − m),   m = max_{j∈S} l_j
+
+    in float32, differentiable, the same arithmetic as ``replay_lib.support.support_logprobs`` (which the
+    replay recomputes from the member logits). Padding slots (id −1) are excluded; a row without support
+    (an appended <eos>) takes its ``full_log_probs`` value. Member logits are returned with padding slots 0,
+    as recorded."""
+    ids = support_ids.to(torch.int64)
+    pad = ids < 0
+    members = logits.float().gather(1, ids.clamp(min=0))
+    out = full_log_probs
+    rows = torch.nonzero(~pad.all(1)).reshape(-1)
+    if rows.numel():
+        # Score only rows with support: an all-padding row would put NaN into the backward pass.
+        row_ids = ids[rows]
+        masked = members[rows].masked_fill(pad[rows], float("-inf"))
+        m = masked.amax(1).detach()  # cancels analytically; detached as in any logsumexp
+        slot = (row_ids == targets[rows, None]).to(torch.uint8).argmax(1)
+        l_y = masked.gather(1, slot[:, None]).squeeze(1)
+        scored = (l_y - m) - (masked - m[:, None]).exp().sum(1).log()
+        out = full_log_probs.index_put((rows,), scored)
+    return out, members.detach().masked_fill(pad, 0.0)
+
+
+@dataclass
+class SupportScores:
+    log_probs: torch.Tensor  # [N] what the trainer uses: logp_S (or full vocabulary with the bug)
+    entropy: torch.Tensor  # [N] full-vocabulary entropy (the entropy bonus is unchanged)
+    full_log_probs: torch.Tensor  # [N] full-vocabulary log-prob of each sampled token
+    support_logits: torch.Tensor  # [N, K] member logits of this forward (padding slots 0)
+    support_ids: torch.Tensor  # [N, K] int32, as the sampler recorded them
+    targets: torch.Tensor  # [N] int64 sampled token ids
+
+
+def score_support(model: TinyLM, samples: Sequence[Sample], full_vocab_bug: bool = False) -> SupportScores:
+    """Teacher-forced log-probs renormalized over each token's recorded sampler support. ``full_vocab_bug``:
+    the log-probs are scored over the whole vocabulary instead (while everything else claims support)."""
+    logits, rows, cols, targets = _forward(model, samples)
+    logits = logits.float()[rows, cols]
+    log_probs = F.log_softmax(logits, dim=-1)
+    full = log_probs.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    support_ids = torch.cat([s.support_ids for s in samples])
+    logp_s, members = support_log_probs(logits, support_ids, targets, full)
+    return SupportScores(log_probs=full if full_vocab_bug else logp_s, entropy=entropy,
+                         full_log_probs=full.detach(), support_logits=members, support_ids=support_ids,
+                         targets=targets)
 
 
 # -------------------------------------------------------------------------------- rollout worker
@@ -222,9 +299,10 @@ def rollout_worker(args, rank: int, store: WeightStore, stream: queue.Queue) -> 
             for p, digits in enumerate(prompts):
                 group = rank * args.prompts_per_rollout + p
                 text = args.prompt_template.format(digits=" ".join(map(str, digits)))
-                for response, ids, logits in sample_group(sampler, digits, args.n_samples,
-                                                          temperature=args.temperature, top_k=args.top_k, gen=gen):
-                    stream.put(Sample(r, index, group, digits, text, response, version, ids, logits))
+                for response, ids, logits, truncated in sample_group(
+                        sampler, digits, args.n_samples, temperature=args.temperature, top_k=args.top_k, gen=gen,
+                        append_eos=args.append_eos):
+                    stream.put(Sample(r, index, group, digits, text, response, version, ids, logits, truncated))
                     index += 1
         stream.put(_END)
     except BaseException as exc:  # surface the failure in the trainer instead of hanging it
@@ -275,10 +353,10 @@ def _lengths(samples: Sequence[Sample]) -> torch.Tensor:
 
 
 def _mask(samples: Sequence[Sample], mask_truncated: bool) -> torch.Tensor:
-    """1 for every response token; a response cut off without <eos> is masked out (overlong filtering)."""
+    """1 for every response token; a response cut off at the length limit is masked out (overlong filtering)."""
     rows = []
     for s in samples:
-        keep = 0.0 if mask_truncated and s.response[-1] != EOS else 1.0
+        keep = 0.0 if mask_truncated and s.truncated else 1.0
         rows.append(torch.full((len(s.response),), keep))
     return torch.cat(rows)
 
@@ -328,9 +406,15 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 cohorts = [f"g-{g}" for g in sorted(set(groups.tolist()))]
             lengths = _lengths(samples)
             mask = _mask(samples, args.mask_truncated)
+            old_support = None
             with torch.no_grad():
-                old_log_probs, _ = score(model, samples)
-                ref_log_probs, _ = score(reference, samples)
+                if args.sample_support:
+                    old_support = score_support(model, samples, args.support_full_vocab_bug)
+                    old_log_probs = old_support.log_probs
+                    ref_log_probs = score_support(reference, samples, args.support_full_vocab_bug).log_probs
+                else:
+                    old_log_probs, _ = score(model, samples)
+                    ref_log_probs, _ = score(reference, samples)
             kl = rollout_kl(old_log_probs, ref_log_probs, args.kl_coef, args.kl_loss_type)
             advantages = get_grpo_returns(rewards, lengths)
             result.mean_rewards.append(float(raw.mean()))
@@ -340,6 +424,16 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                                     rollout_partition_ids=(f"rp-{r}-{rank}",), consumer_batch_ids=tuple(batch_ids),
                                     normalization_cohort_ids=tuple(cohorts))
             if capture.wants_rollout(r):
+                side_channels = {
+                    "sampled_token_ids": torch.tensor([t for s in samples for t in s.response], dtype=torch.int32),
+                    "support_ids": [s.support_ids for s in samples],
+                    "support_logits": [s.support_logits for s in samples],  # the sampler's tempered logits
+                }
+                if old_support is not None:
+                    # The old log-probs were scored over the support: record the member logits of that
+                    # forward (the reference forward's are not recorded: one set per bundle).
+                    side_channels.update(support_logits=old_support.support_logits,
+                                         full_log_probs=old_support.full_log_probs)
                 capture.capture_rollout(
                     r, sample_ids=ids, group_index=groups.tolist(), response_lengths=lengths.tolist(),
                     total_lengths=[len(prompt_tokens(s.digits)) + len(s.response) for s in samples],
@@ -348,12 +442,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     prompts=[s.prompt_text for s in samples],
                     responses=[" ".join(TOKEN_TEXT[t] for t in s.response) for s in samples],
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
-                    provenance=provenance,
-                    side_channels={
-                        "sampled_token_ids": torch.tensor([t for s in samples for t in s.response], dtype=torch.int32),
-                        "support_ids": [s.support_ids for s in samples],
-                        "support_logits": [s.support_logits for s in samples],
-                    },
+                    provenance=provenance, side_channels=side_channels,
+                    support_scored=("old_log_probs",) if args.sample_support else None,
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
             for step_id in range(args.steps_per_rollout):
@@ -363,14 +453,20 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     rollout_weight=rollout_weight, actor_weight=version,
                     rollout_partition_ids=provenance.rollout_partition_ids,
                     consumer_batch_ids=provenance.consumer_batch_ids,
-                    normalization_cohort_ids=provenance.normalization_cohort_ids))
+                    normalization_cohort_ids=provenance.normalization_cohort_ids),
+                    support_scored=("log_probs",) if args.sample_support else None)
                 optimizer.zero_grad(set_to_none=True)
                 totals = {name: torch.zeros(()) for name in LOSS_FIELDS}
                 for mb_start in range(first, first + step_size, args.micro_batch):
                     mb = list(range(mb_start, min(mb_start + args.micro_batch, first + step_size)))
                     tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in mb])
                     mb_samples = [samples[i] for i in mb]
-                    log_probs, entropy = score(model, mb_samples)
+                    support = None
+                    if args.sample_support:
+                        support = score_support(model, mb_samples, args.support_full_vocab_bug)
+                        log_probs, entropy = support.log_probs, support.entropy
+                    else:
+                        log_probs, entropy = score(model, mb_samples)
                     fields = policy_loss_fields(
                         log_probs, old_log_probs[tok], advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
@@ -378,12 +474,18 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     fields["loss"].backward()
                     for name in LOSS_FIELDS:
                         totals[name] += fields[name].detach()
+                    channels = None
+                    if support is not None and step.captured:
+                        channels = {"sampled_token_ids": support.targets, "support_ids": support.support_ids,
+                                    "support_logits": support.support_logits,
+                                    "full_log_probs": support.full_log_probs}
                     step.add_micro_batch(
                         sample_ids=[ids[i] for i in mb], group_index=[samples[i].group for i in mb],
                         response_lengths=lengths[mb].tolist(),
                         total_lengths=[len(prompt_tokens(samples[i].digits)) + int(lengths[i]) for i in mb],
                         loss_mask=mask[tok], log_probs=log_probs, old_log_probs=old_log_probs[tok],
                         advantages=advantages[tok], entropy=entropy, raw_rewards=raw[mb], rewards=rewards[mb],
+                        side_channels=channels,
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -444,6 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlong filtering: mask out responses cut off without <eos>")
     p.add_argument("--pr65-bug", action="store_true",
                    help="reproduce PR #65: normalize rewards per consumer batch instead of per prompt group")
+    p.add_argument("--sample-support", action="store_true",
+                   help="score log-probs over each token's recorded top-k sampler support (policy, old, ref) "
+                        "and capture stage logprob.support")
+    p.add_argument("--support-full-vocab-bug", action="store_true",
+                   help="claim sample-support scoring (implies --sample-support) but score over the whole vocabulary")
+    p.add_argument("--append-eos", action="store_true",
+                   help="append <eos> to a response cut off at the length limit (no sampler support for it)")
     p.add_argument("--prompt-template", default="Reverse the digits: {digits}",
                    help="text of a prompt (only hashed into bundles, never stored)")
     p.add_argument("--seed", type=int, default=0)
@@ -467,6 +576,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--top-k must lie in [1, {VOCAB}]")
     if args.max_staleness < 0:
         p.error("--max-staleness must be >= 0")
+    if args.support_full_vocab_bug:
+        args.sample_support = True  # the bug claims support scoring
     try:
         args.prompt_template.format(digits="0")
     except (KeyError, IndexError, ValueError) as exc:

@@ -11,7 +11,7 @@ def test_smoke_path_passes_with_cpu_tensors(gpu_smoke, capsys):
     assert out == [
         "rollout-0: pass (sample=pass, reward.raw=pass, reward.post_process=pass, advantage.kl=pass, "
         "advantage.estimate=pass)",
-        "step-0-0: pass (sample=pass, loss.policy=pass)",
+        "step-0-0: pass (sample=pass, logprob.support=pass, loss.policy=pass)",
         "gpu smoke on cpu: pass",
     ]
 
