@@ -298,16 +298,30 @@ def _unknown(raw, info, path: str) -> list[str]:
         for key, value in raw.items():
             if key not in fields:
                 out.append(f"{path}.{key}")
-            else:
+            elif _may_nest(fields[key].type):
                 out += _unknown(value, fields[key].type, f"{path}.{key}")
     elif isinstance(info, mi.UnionType):
         for member in info.types:
             if isinstance(member, (mi.StructType, mi.ListType, mi.DictType)):
                 out += _unknown(raw, member, path)
     elif isinstance(info, mi.ListType) and isinstance(raw, list):
-        if _may_nest(info.item_type):  # a list of scalars (a loss mask: millions of ints) has no keys
+        item_type = info.item_type
+        if isinstance(item_type, mi.StructType):
+            # A list of records (thousands of samples): a set difference per item, recursion only into
+            # the fields that can hold keys themselves.
+            known = {f.encode_name for f in item_type.fields}
+            nested = [f for f in item_type.fields if _may_nest(f.type)]
             for i, item in enumerate(raw):
-                out += _unknown(item, info.item_type, f"{path}[{i}]")
+                if not isinstance(item, dict):
+                    continue
+                for key in sorted(item.keys() - known):
+                    out.append(f"{path}[{i}].{key}")
+                for f in nested:
+                    if f.encode_name in item:
+                        out += _unknown(item[f.encode_name], f.type, f"{path}[{i}].{f.encode_name}")
+        elif _may_nest(item_type):  # a list of scalars (a loss mask: millions of ints) has no keys
+            for i, item in enumerate(raw):
+                out += _unknown(item, item_type, f"{path}[{i}]")
     elif isinstance(info, mi.DictType) and isinstance(raw, dict):
         if _may_nest(info.value_type):
             for key, value in raw.items():
