@@ -137,20 +137,35 @@ class InspectResult(msgspec.Struct, kw_only=True):
     problems: list[str] = []
 
 
+def _regular(file: Path, root: Path) -> bool:
+    """A regular file whose real path stays inside ``root`` (a FIFO or /dev/zero would hang a read)."""
+    real = os.path.realpath(file)
+    return file.is_file() and real.startswith(os.path.realpath(root) + os.sep)
+
+
+def _read_regular(file: Path, root: Path) -> bytes:
+    if not _regular(file, root):
+        raise FileNotFoundError(file)
+    return file.read_bytes()
+
+
 def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
     info = BundleInfo(path=str(path), rank=rank, complete=(path / "COMPLETE").is_file())
     manifest = index = None
     for name in METADATA_FILES:
-        if not (path / name).is_file():
+        if not (path / name).exists():
             info.problems.append(f"missing {name}")
+    for name in METADATA_FILES:
+        if (path / name).exists() and not _regular(path / name, path):
+            info.problems.append(f"{name}: not a regular file inside the bundle (not read)")
     try:
-        manifest = MANIFEST_DECODER.decode((path / "manifest.json").read_bytes())
+        manifest = MANIFEST_DECODER.decode(_read_regular(path / "manifest.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(f"manifest.json: {exc}")
     try:
-        index = INDEX_DECODER.decode((path / "index.json").read_bytes())
+        index = INDEX_DECODER.decode(_read_regular(path / "index.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
