@@ -211,3 +211,19 @@ def test_help_documents_the_exit_codes(capsys):
         assert line in out
     for command in ("inspect", "validate", "replay", "demo"):
         assert command in out
+
+
+def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, capsys, tmp_path):
+    import os
+
+    (pr65_bundle / "index.json").unlink()
+    os.mkfifo(pr65_bundle / "index.json")  # reading it would block forever
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (pr65_bundle / "expected.json").unlink()
+    (pr65_bundle / "expected.json").symlink_to(outside)
+    rc, out, err = run(capsys, "inspect", pr65_bundle)
+    assert (rc, err) == (0, "")
+    assert "problem: index.json: not a regular file inside the bundle (not read)" in out.splitlines()
+    assert "problem: expected.json: not a regular file inside the bundle (not read)" in out.splitlines()
+    assert "  format    1.1.0" in out.splitlines()  # the readable manifest is still shown
