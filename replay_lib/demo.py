@@ -4,7 +4,9 @@ tests and the benchmarks.
 * ``pr65-buggy``  — rollout-level PR #65 bundle: expected rewards normalized against the physical batch;
 * ``pr65-fixed``  — the same bundle as the fixed code wrote it;
 * ``step-loss``   — step-level loss.policy bundle (logp = 0.5, old = 0: pg_loss ≈ 0.8974426);
-* ``cohort-2rank`` — a two-rank cohort of synthetic full bundles.
+* ``cohort-2rank`` — a two-rank cohort of synthetic full bundles;
+* ``support-fullvocab`` — sample-support bundle whose trainer scored over the full vocabulary instead of the
+  recorded support: the first divergence is ``logprob.support`` (loss.policy still passes).
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
                   StageId.ADVANTAGE_ESTIMATE)
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ALL_STAGES = ROLLOUT_STAGES + (StageId.LOSS_POLICY,)
-DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank")
+DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank", "support-fullvocab")
+# ``support-fullvocab``: 8 samples × 24 tokens, top-16 support rows over a 32k vocabulary.
+SUPPORT_DEMO = dict(full_vocab_bug=True, samples=8, tokens=24, k=16, vocab_size=32000,
+                    bundle_id="support-fullvocab")
 
 
 def contracts(stages, declare_value: bool = True) -> dict[StageId, StageContract]:
@@ -276,6 +281,7 @@ def materialize_demo(name: str = "pr65-buggy") -> Path:
         "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
         "step-loss": write_step_loss,
         "cohort-2rank": write_cohort,
+        "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
     }
     try:
         return builders[name](tmp / name)
