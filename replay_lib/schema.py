@@ -334,4 +334,8 @@ def _may_nest(info) -> bool:
     mi = msgspec.inspect
     if isinstance(info, mi.UnionType):
         return any(_may_nest(member) for member in info.types)
-    return isinstance(info, (mi.StructType, mi.ListType, mi.DictType))
+    if isinstance(info, mi.ListType):
+        return _may_nest(info.item_type)
+    if isinstance(info, mi.DictType):
+        return _may_nest(info.value_type)
+    return isinstance(info, mi.StructType)

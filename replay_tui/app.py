@@ -3,7 +3,9 @@ runner as the CLI; the app renders the resulting :class:`ReplayReport` (and the 
 
 from __future__ import annotations
 
+import gc
 import sys
+import time
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence
 
@@ -32,6 +34,9 @@ def error_line(message: str, prog: str = PROG) -> str:
     return f"{prog}: error: {' '.join(message.split())}"
 
 
+PROGRESS_INTERVAL_S = 0.15
+
+
 class ReplayApp(App[int]):
     TITLE = "replay-tui"
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -53,6 +58,9 @@ class ReplayApp(App[int]):
         max_divergences: int = 5,
     ) -> None:
         super().__init__()
+        # Start-up allocates heavily (widgets, styles, the verified bundle); move what the imports created
+        # (torch, Textual) out of the collector's way so full collections don't walk it again and again.
+        gc.freeze()
         self.bundle = Path(bundle)
         # Only the basename is ever shown: full paths differ between machines and runs.
         self.display_name = name or self.bundle.name or str(self.bundle)
@@ -95,8 +103,14 @@ class ReplayApp(App[int]):
 
     @work(thread=True, exclusive=True, group="replay")
     def _replay(self, run: int) -> None:
+        last = [time.monotonic()]
+
         def progress(stage: str, rank: Optional[int], done: int, total: int) -> None:
-            if stage != "done":
+            # Each progress message costs a frame, and frames compete with the replay for the GIL:
+            # report a stage only when the replay has been quiet for a visible while.
+            now = time.monotonic()
+            if stage != "done" and now - last[0] >= PROGRESS_INTERVAL_S:
+                last[0] = now
                 self.post_message(ReplayProgress(run, stage, done, total))
 
         try:

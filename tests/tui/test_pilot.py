@@ -66,7 +66,10 @@ async def test_narrow_terminal_keeps_the_divergence_line_whole(make_app):
         assert not app.debugger.query_one(IdentityPane).display
 
 
-async def test_worker_reports_progress_through_every_stage(bundles):
+async def test_worker_reports_progress_through_every_stage(bundles, monkeypatch):
+    import replay_tui.app as app_module
+
+    monkeypatch.setattr(app_module, "PROGRESS_INTERVAL_S", 0.0)  # report every stage, however fast
     seen: list[str] = []
 
     class Recording(ReplayApp):
@@ -79,6 +82,23 @@ async def test_worker_reports_progress_through_every_stage(bundles):
         await ready(pilot)
     assert seen == ["verify", "sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate",
                     "model"]
+
+
+async def test_fast_stages_cost_no_progress_frames(bundles):
+    # Progress frames compete with the replay for the GIL: a stage that is done before the throttle
+    # interval has passed is not reported (verify and model always are).
+    seen: list[str] = []
+
+    class Recording(ReplayApp):
+        def on_replay_progress(self, message) -> None:
+            seen.append(message.stage)
+            super().on_replay_progress(message)
+
+    app = Recording(bundles / "pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+    assert seen[0] == "verify" and seen[-1] == "model"
+    assert len(seen) < 7
 
 
 async def test_markup_in_sample_ids_is_shown_literally(make_app):
