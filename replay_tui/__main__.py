@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")
     p.add_argument("--demo", nargs="?", const="pr65-buggy", default=None, metavar="NAME",
-                   help="open an embedded demo bundle (default pr65-buggy; also pr65-fixed, step-loss, cohort-2rank)")
+                   help="open an embedded demo bundle: pr65-buggy (the default), pr65-fixed, step-loss, cohort-2rank, "
+                        "or support-fullvocab (log-probs scored over the full vocabulary instead of the "
+                        "sampler support)")
     p.add_argument("--check", action="store_true", help="run headless and exit with the replay's exit code")
     add_replay_arguments(p)
     return p
