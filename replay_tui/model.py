@@ -25,12 +25,22 @@ from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
+from replay_lib.stages.support import SCORED_FIELDS, scored_sources
+from replay_lib.support import (
+    SUPPORT_PAD,
+    SupportRows,
+    check_routed_experts,
+    check_support_rows,
+    support_logprobs,
+    unsupported_violations,
+)
 
 # ------------------------------------------------------------------------------------------ fields
 
 KIND_SAMPLE = "sample"  # one value per sample (a table of samples)
 KIND_TOKEN = "token"  # one value per response token of the selected sample
 KIND_COHORT = "cohort"  # one value per bundle (loss fields)
+SUPPORT_STAGE = "logprob.support"
 
 
 @dataclass(frozen=True)
@@ -46,10 +56,17 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("reward", "reward.post_process", KIND_SAMPLE, "normalized reward per sample"),
     FieldSpec("kl", "advantage.kl", KIND_TOKEN, "rollout-vs-reference KL per token"),
     FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "GRPO advantage per token"),
+    # logprob.support: one field per recorded log-prob payload the stage compares (log_probs first)
+    FieldSpec("support_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded log_probs vs logp_S over the support"),
+    FieldSpec("support_old_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded old_log_probs vs logp_S over the support"),
+    FieldSpec("support_ref_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded ref_log_probs vs logp_S over the support"),
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
-FIELD_BY_STAGE = {f.stage: f for f in FIELDS}
+# A stage's own field (what opening the stage shows): the first one listed for it.
+FIELD_BY_STAGE = {f.stage: f for f in reversed(FIELDS)}
+# Support field → the recorded payload it compares (the stage's own names, see replay_lib.stages.support).
+SUPPORT_SOURCE = {field_name: source for source, field_name in SCORED_FIELDS.items()}
 
 # Recomputing these fills ``ctx.outputs`` with the runner's own "actual" tensors.
 _RECOMPUTE_ORDER = (StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL, StageId.ADVANTAGE_ESTIMATE)
@@ -188,6 +205,7 @@ class ShardRecompute:
     bad: dict[str, torch.Tensor] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     loss_names: list[str] = field(default_factory=list)
+    support: Optional["SupportTokens"] = None
 
     @property
     def rank(self) -> Optional[int]:
@@ -236,6 +254,20 @@ class ShardRecompute:
                 self._run(StageId.REWARD_POST_PROCESS)
                 self._run(StageId.ADVANTAGE_ESTIMATE)
             _recompute_loss(self)
+        elif name in SUPPORT_SOURCE:
+            _recompute_support_field(self, name)
+
+    def support_tokens(self) -> "SupportTokens":
+        """The support rows of every token, checked and rescored once per shard (raises StageInputError)."""
+        if self.support is None:
+            if self._support_error is not None:  # unusable payloads: fail fast on every later cursor move
+                raise self._support_error
+            try:
+                self.support = support_tokens(self.ctx)
+            except StageInputError as exc:
+                self._support_error = exc
+                raise
+        return self.support
 
     def _put(self, name: str, stage: str, expected, actual) -> None:
         e, a = as_float64(expected), as_float64(actual)
@@ -249,6 +281,7 @@ class ShardRecompute:
 
     def __post_init__(self) -> None:
         self._done: set[str] = set()
+        self._support_error: Optional[StageInputError] = None
 
 
 def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[str]:
@@ -262,6 +295,12 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
     """A lazily recomputed shard; ``fields`` are computed now."""
     ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1)
     out = ShardRecompute(reader=shard, ctx=ctx, ran=set(ran))
+    if SUPPORT_STAGE in out.ran:
+        # known without computing: a support field exists only for the payloads the stage compares
+        scored = scored_sources(shard)
+        for name, source in SUPPORT_SOURCE.items():
+            if source not in scored:
+                out.unavailable[name] = f"{source} is not scored over the support in this bundle"
     for name in fields:
         out.ensure(name)
     return out
@@ -302,6 +341,221 @@ def _recompute_loss(out: ShardRecompute) -> None:
     out.tolerances["loss"] = tolerance_for(policy, "loss.policy", "loss")
     out.errors["loss"] = torch.cat(errs)
     out.bad["loss"] = torch.cat(bads)
+
+
+# ------------------------------------------------------------------------------- sample support
+
+
+@dataclass
+class SupportTokens:
+    """``logprob.support`` per token of one shard (all ``[Σ T]`` unless noted), with the stage's own kernels
+    (``check_support_rows``, ``unsupported_violations``, ``check_routed_experts``, ``support_logprobs``) and
+    its rules: which tokens are compared, and which break an invariant."""
+
+    ids: torch.Tensor  # [Σ T, K] int, right-padded with −1
+    logits: torch.Tensor  # [Σ T, K] float
+    sampled: torch.Tensor  # int64
+    full: Optional[torch.Tensor]  # float32 full-vocabulary log-probs, when recorded
+    rows: SupportRows
+    loss: torch.Tensor  # bool: loss-bearing
+    actual: torch.Tensor  # float32: logp_S where the row has members, else the recorded full-vocab value
+    compared: torch.Tensor  # bool: tokens whose value the stage compares
+    allowed_eos: torch.Tensor  # bool: the one loss-bearing last token per trajectory allowed without support
+    invariants: dict[str, torch.Tensor]  # stage divergence field → bool flags (only fields with a flag)
+
+    @property
+    def violation(self) -> torch.Tensor:
+        out = torch.zeros_like(self.loss)
+        for flags in self.invariants.values():
+            out |= flags
+        return out
+
+
+def _support_payload(ctx: StageContext, name: str, dims: int) -> torch.Tensor:
+    t = ctx.payload(name)
+    if t.dim() != dims:
+        raise StageInputError(f"payload {name!r} must have {dims} dimension(s), got shape {list(t.shape)}", field=name)
+    return t
+
+
+def support_tokens(ctx: StageContext) -> SupportTokens:
+    """What ``run_logprob_support`` checks, kept per token instead of as the first few divergences."""
+    vocab = ctx.config.vocab_size
+    if vocab is None:
+        raise StageInputError("index.json $.config.vocab_size is required: the support id range check needs the "
+                              "vocabulary size", field="vocab_size")
+    ids = _support_payload(ctx, "support_ids", 2)
+    logits = _support_payload(ctx, "support_logits", 2)
+    sampled = _support_payload(ctx, "sampled_token_ids", 1).to(torch.int64)
+    if logits.shape != ids.shape:
+        raise StageInputError(f"payload 'support_logits' has shape {list(logits.shape)}, support_ids has "
+                              f"{list(ids.shape)}", field="support_logits")
+    if ids.dtype.is_floating_point:
+        raise StageInputError(f"payload 'support_ids' must hold integer ids, got {ids.dtype}", field="support_ids")
+    full = _support_payload(ctx, "full_log_probs", 1).to(torch.float32) if ctx.has("full_log_probs") else None
+    rows = check_support_rows(ids, sampled, vocab)
+    loss = ctx.loss_mask != 0
+    unsupported = loss & ~rows.has_support
+    violating, _ = unsupported_violations(unsupported, ctx.lengths)
+    allowed_eos = unsupported & ~violating
+    flags = {
+        "support_id_range": rows.id_out_of_range,
+        "support_padding": rows.padding_not_trailing & ~rows.id_out_of_range,
+        "support_duplicate": rows.duplicate,
+        "sampled_id_range": rows.sampled_out_of_range,
+        "sampled_not_in_support": loss & rows.has_support & ~rows.sampled_in_row & ~rows.sampled_out_of_range,
+        "unsupported_token": violating,
+    }
+    if full is None:
+        flags["full_log_probs"] = allowed_eos
+    if ctx.has("routed_experts"):
+        experts = ctx.config.num_experts
+        if experts is None:
+            raise StageInputError("index.json $.config.num_experts is required to check the routed_experts payload",
+                                  field="num_experts")
+        checked = check_routed_experts(_support_payload(ctx, "routed_experts", 3), experts)
+        flags["routed_experts"] = (checked.out_of_range_layer >= 0) | (checked.duplicate_layer >= 0)
+    if ctx.has("cp_shard"):
+        cp_shard = _support_payload(ctx, "cp_shard", 1)
+        cp = int(ctx.reader.index.identity.rank.get("cp", 1))
+        flags["cp_shard"] = (cp_shard < 0) | (cp_shard >= cp)
+    sound = ~(rows.id_out_of_range | rows.padding_not_trailing | rows.duplicate | rows.sampled_out_of_range)
+    compared = (loss & sound & rows.has_support & rows.sampled_in_row) | (allowed_eos if full is not None
+                                                                          else torch.zeros_like(loss))
+    logp_s = support_logprobs(ids, logits, sampled, rows)
+    actual = torch.where(rows.has_support, logp_s, full if full is not None else logp_s)
+    return SupportTokens(ids=ids, logits=logits, sampled=sampled, full=full, rows=rows, loss=loss, actual=actual,
+                         compared=compared, allowed_eos=allowed_eos,
+                         invariants={k: v for k, v in flags.items() if bool(v.any())})
+
+
+def _recompute_support_field(out: ShardRecompute, name: str) -> None:
+    """expected = the recorded log-prob, actual = ``logp_S`` (the full-vocab value for the allowed EOS). A
+    token diverges when the stage compares it and it is out of tolerance, or when it breaks an invariant;
+    tokens the stage does not compare (loss mask 0, unsound rows) show their values without a mark."""
+    sup = out.support_tokens()
+    source = SUPPORT_SOURCE[name]
+    recorded = _support_payload(out.ctx, source, 1)
+    if not recorded.dtype.is_floating_point:
+        raise StageInputError(f"payload {source!r} must be floating point, got {recorded.dtype}", field=source)
+    e, a = as_float64(recorded.to(torch.float32)), as_float64(sup.actual)
+    atol, rtol = tolerance_for(out.reader.manifest.comparison_policy, SUPPORT_STAGE, name)
+    err, value_bad = element_mismatch(e, a, atol, rtol)
+    out.values[name] = (e, a)
+    out.tolerances[name] = (atol, rtol)
+    out.errors[name] = err
+    out.bad[name] = (value_bad & sup.compared) | sup.violation
+
+
+@dataclass(frozen=True)
+class SupportRow:
+    """The recorded support of one response token, for the support strip under the diff rows.
+
+    ``ids``/``logits``/``probs`` list the members (slots with an id ≥ 0) in recorded slot order; ``probs``
+    are the renormalized probabilities ``exp(logp_S(member))`` from the stage's kernel, so the sampled
+    member's entry is ``exp(logp_S(y))``. ``issues`` are ``(stage field, text)`` pairs: the report's message
+    where the report kept that divergence, else a short description of the broken invariant."""
+
+    sample_id: str
+    token_offset: int
+    k: int  # slots per row (members + padding)
+    ids: tuple[int, ...]
+    logits: tuple[float, ...]
+    probs: tuple[float, ...]
+    sampled_id: int
+    sampled_member: Optional[int]  # index into ``ids`` of the sampled token; None when it is not a member
+    padding: int  # slots that are not members (−1 padding, or a negative id)
+    loss_mask: int
+    logp_s: float  # NaN without members or without the sampled token
+    full_log_prob: Optional[float]
+    eos: bool  # the one loss-bearing token of its trajectory allowed without support (the appended EOS)
+    issues: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.ids
+
+    def ranked(self) -> list[int]:
+        """Member indices by logit, highest first (recorded order among equal logits)."""
+        return sorted(range(len(self.ids)), key=lambda i: (-self.logits[i], i))
+
+    def rank_of_sampled(self) -> Optional[int]:
+        """1-based rank of the sampled member by logit."""
+        if self.sampled_member is None:
+            return None
+        return self.ranked().index(self.sampled_member) + 1
+
+
+def _row_issue_text(field_name: str, sup: SupportTokens, t: int, vocab: Optional[int]) -> str:
+    row = sup.ids[t].tolist()
+    y = int(sup.sampled[t])
+    if field_name == "support_id_range":
+        bad = next(x for x in row if x < SUPPORT_PAD or (vocab is not None and x >= vocab))
+        return f"support id {bad} is outside [-1, vocab_size={vocab})"
+    if field_name == "support_padding":
+        return "padding (-1) precedes a member; padding must be trailing"
+    if field_name == "support_duplicate":
+        members = [x for x in row if x >= 0]
+        dup = next(x for x in members if members.count(x) > 1)
+        return f"member id {dup} appears {members.count(dup)} times in the row"
+    if field_name == "sampled_id_range":
+        return f"sampled token id {y} is outside [0, vocab_size={vocab})"
+    if field_name == "sampled_not_in_support":
+        return f"sampled token {y} is not in its support row"
+    if field_name == "unsupported_token":
+        return "loss-bearing token without support that is not its trajectory's one appended EOS"
+    if field_name == "full_log_probs":
+        return "token without support needs its full-vocabulary log-prob; the bundle has no full_log_probs"
+    if field_name == "routed_experts":
+        return "routed expert id out of range or repeated within a layer"
+    if field_name == "cp_shard":
+        return "cp_shard outside [0, identity.rank.cp)"
+    return field_name
+
+
+def support_row(shard: ShardRecompute, index: int, offset: int,
+                report: Optional[ReplayReport] = None) -> SupportRow:
+    """The support row of token ``offset`` of sample ``index`` (in the shard's index order). O(K): cheap
+    enough to run on every cursor move, whatever the sample's length. Raises ``IndexError`` for an offset
+    outside the sample and ``StageInputError`` for unusable support payloads."""
+    ctx = shard.ctx
+    n = int(ctx.lengths[index])
+    if not 0 <= offset < n:
+        raise IndexError(f"token offset {offset} outside sample {ctx.sample_ids[index]} ({n} token(s))")
+    sup = shard.support_tokens()
+    t = int(ctx.offsets[index]) + offset
+    row_ids = sup.ids[t]
+    member = row_ids >= 0
+    ids = row_ids[member].to(torch.int64)
+    logits = sup.logits[t][member].to(torch.float32)
+    if ids.numel():
+        # every member's logp_S with the stage's kernel: the row repeated once per member, each "sampled"
+        m = ids.numel()
+        logp = support_logprobs(ids[None, :].expand(m, m).contiguous(), logits[None, :].expand(m, m).contiguous(),
+                                ids)
+        probs = tuple(torch.exp(logp.to(torch.float64)).tolist())
+    else:
+        probs = ()
+    y = int(sup.sampled[t])
+    id_list = ids.tolist()
+    sampled_member = id_list.index(y) if y in id_list else None
+    sample_id = ctx.sample_ids[index]
+    messages = {}
+    if report is not None:
+        stage = report.stage(SUPPORT_STAGE)
+        for d in stage.divergences if stage is not None else ():
+            if d.sample_id == sample_id and d.token_offset == offset and d.message and d.rank == shard.rank:
+                messages.setdefault(d.field, d.message)
+    issues = tuple((f, messages.get(f) or _row_issue_text(f, sup, t, ctx.config.vocab_size))
+                   for f, flags in sup.invariants.items() if bool(flags[t]))
+    return SupportRow(
+        sample_id=sample_id, token_offset=offset, k=int(row_ids.numel()), ids=tuple(id_list),
+        logits=tuple(logits.tolist()), probs=probs, sampled_id=y, sampled_member=sampled_member,
+        padding=int((~member).sum()), loss_mask=int(ctx.loss_mask[t]), logp_s=float(sup.actual[t])
+        if bool(sup.rows.has_support[t]) else float("nan"),
+        full_log_prob=float(sup.full[t]) if sup.full is not None else None, eos=bool(sup.allowed_eos[t]),
+        issues=issues,
+    )
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -425,6 +679,27 @@ class ReplayModel:
                          abs_error=err.tolist(), bad=bad.tolist(), labels=labels, atol=atol, rtol=rtol,
                          error_tensor=err, bad_tensor=bad)
 
+    # -- sample support ---------------------------------------------------------------------------
+    @property
+    def has_support(self) -> bool:
+        """Some shard records support rows (ids and member logits) and its logprob.support stage ran."""
+        return any(SUPPORT_STAGE in sh.ran and sh.reader.has_payload("support_ids")
+                   and sh.reader.has_payload("support_logits") for sh in self.shards)
+
+    def support_row(self, sample_id: str, offset: int) -> SupportRow:
+        """The support row of ``sample_id``'s token ``offset``. Raises ``KeyError`` for an unknown sample or a
+        bundle without usable support rows, ``IndexError`` for an offset outside the sample."""
+        row = self.sample(sample_id)
+        if row is None:
+            raise KeyError(f"no sample {sample_id!r}")
+        shard = self.shards[row.shard]
+        if SUPPORT_STAGE not in shard.ran:
+            raise KeyError(f"{SUPPORT_STAGE} did not run on this bundle")
+        try:
+            return support_row(shard, row.index, offset, self.report)
+        except StageInputError as exc:
+            raise KeyError(f"no support row: {exc}") from None
+
     def sample_row_index(self, field_name: str, sample_id: str) -> Optional[int]:
         """Row of ``sample_id`` in a per-sample field's table."""
         diff = self.field_diff(field_name)
@@ -534,11 +809,17 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
 def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = None) -> ReplayModel:
     """What the panes show, built in the replay worker (off the UI thread). The fields of the failing
     stages are recomputed now (they mark the diverging samples); the others on first view."""
-    failing = [FIELD_BY_STAGE[s.stage].name for s in report.stages
-               if s.status == STATUS_FAIL and s.stage in FIELD_BY_STAGE]
+    failed = {s.stage for s in report.stages if s.status == STATUS_FAIL}
+    failing = [f.name for f in FIELDS if f.stage in failed]
     shards: list[ShardRecompute] = []
     for shard in bundles.shards:
-        shards.append(recompute_shard(shard, stages_that_ran(report, shard), fields=failing))
+        rec = recompute_shard(shard, stages_that_ran(report, shard), fields=failing)
+        if SUPPORT_STAGE in rec.ran and shard.has_payload("support_ids") and shard.has_payload("support_logits"):
+            try:  # here, off the UI thread: the support strip reads these rows on every cursor move
+                rec.support_tokens()
+            except StageInputError:
+                pass  # the support fields say why when viewed
+        shards.append(rec)
     selected = set(report.selected_samples) if report.selected_samples is not None else None
     per_sample_fields = [f.name for f in FIELDS if f.kind != KIND_COHORT]
     samples: list[SampleRow] = []

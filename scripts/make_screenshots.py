@@ -3,8 +3,8 @@
 
     python scripts/make_screenshots.py [--out screenshots] [--no-png]
 
-The bundles are the shipped PR #65 demo and the test suite's hand-made faults (tests/tui/tui_bundles.py),
-written to a temporary directory; only bundle basenames appear on screen.
+The bundles are the shipped demos (PR #65, support-fullvocab) and the test suite's hand-made faults
+(tests/tui/tui_bundles.py), written to a temporary directory; only bundle basenames appear on screen.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ SHOTS = [
      "Stage DAG on a step bundle whose loss.policy diverges; the cohort loss table below"),
     ("cohort-pass", "cohort-2rank", (120, 40), ("f", "f"),
      "A passing two-rank cohort: loss fields per rank, all within tolerance"),
+    ("support-row", "support-fullvocab", (120, 40), ("n",),
+     "replay-tui --demo support-fullvocab: log-probs scored over the full vocabulary; under the diff, the "
+     "support row of the token under the cursor (members by logit, the sampled one highlighted)"),
     ("help", "pr65-buggy", (120, 40), ("question_mark",), "? / F1: every key by pane"),
     ("palette", "pr65-buggy", (120, 40), ("ctrl+p", *"diverg"),
      "ctrl+p: the command palette lists the same actions as the key bindings"),

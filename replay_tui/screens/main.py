@@ -34,8 +34,11 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen #left { width: 40; }
     DebuggerScreen.-narrow #left { width: 30; }
     DebuggerScreen #right { width: 1fr; }
+    DebuggerScreen.-short SupportStrip { height: 1; }
     """
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    # Below 32 rows the support strip under the diff rows takes one line instead of two.
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("tab", "focus_pane(1)", "Pane", id="main.next-pane", tooltip="Focus the next pane"),
@@ -150,6 +153,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.stage_list.set_report(report)
         self.query_one(StagesPanel).show_detail(self.stage_list.stage)
         self.tree.set_model(model)
+        self.diff_panel.set_model(model)
         self.sample_id = None
         self.field = None
         self.action_first_divergence(focus=False)
@@ -251,7 +255,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         first = next((d for d in stage.divergences if d.sample_id is not None), None)
         sample = first.sample_id if first is not None and first.sample_id in model.by_id else None
         row = first.token_offset if first is not None and spec.kind == KIND_TOKEN else None
-        self.select(sample_id=sample, field=spec.name, row=row)
+        # a stage with several fields (logprob.support) opens the one its first divergence is in
+        field = field_for_divergence(stage.stage, first.field) if first is not None else None
+        self.select(sample_id=sample, field=field if field in model.fields else spec.name, row=row)
         self.set_focus(self.diff_view)
 
     # -- actions ----------------------------------------------------------------------------------

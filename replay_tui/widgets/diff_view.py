@@ -16,9 +16,10 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, fit_number, strip_of
-from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff
+from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff, ReplayModel
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
+from .support_strip import SupportStrip
 
 
 class DiffView(CursorLines):
@@ -172,7 +173,8 @@ class ErrorStrip(Widget):
 
 
 class DiffPanel(Vertical):
-    """Title line, |error| strip, column header and the rows."""
+    """Title line, |error| strip, column header, the rows and (for a bundle with support rows) the support
+    strip of the token under the cursor."""
 
     DEFAULT_CSS = """
     DiffPanel {
@@ -189,6 +191,7 @@ class DiffPanel(Vertical):
         yield ErrorStrip(view, id="error-strip")
         yield HeaderLine(view, id="diff-header")
         yield view
+        yield SupportStrip(view, id="support-strip")
 
     def on_mount(self) -> None:
         self.border_title = "Diff"
@@ -197,11 +200,23 @@ class DiffPanel(Vertical):
     def view(self) -> DiffView:
         return self.query_one(DiffView)
 
+    @property
+    def support_strip(self) -> SupportStrip:
+        return self.query_one(SupportStrip)
+
+    def set_model(self, model: Optional[ReplayModel]) -> None:
+        """The model the support strip reads its rows from."""
+        self.support_strip.model = model
+
     def show(self, diff: Optional[FieldDiff], cursor: int = 0, message: str = "") -> None:
         view = self.view
         view.set_diff(diff, cursor)
         self.query_one("#diff-header", HeaderLine).refresh()
         self.query_one(ErrorStrip).refresh()
+        support = self.support_strip
+        if support.display != support.wanted:  # a relayout only when the strip appears or goes
+            support.display = support.wanted
+        support.refresh()
         info = Text(no_wrap=True, overflow="ellipsis")
         if diff is None:
             self.border_title = "Diff"
@@ -226,3 +241,4 @@ class DiffPanel(Vertical):
     def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
         if isinstance(event.view, DiffView):
             self.query_one(ErrorStrip).refresh()
+            self.support_strip.refresh()

@@ -53,3 +53,8 @@ def test_invalid_bundle_error_screen(snap_compare, bundles, monkeypatch):
     from replay_tui.app import ReplayApp
 
     assert snap_compare(ReplayApp(Path("broken")), terminal_size=(120, 40), run_before=_after())
+
+
+def test_support_row_under_the_diff(snap_compare, make_app):
+    # support-fullvocab opens on support_logprob s-0@0; n moves to s-0@1, whose support row shows below
+    assert snap_compare(make_app("support-fullvocab"), terminal_size=(120, 40), run_before=_after("n"))

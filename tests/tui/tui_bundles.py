@@ -58,6 +58,80 @@ def write_tis(path: Path) -> Path:
     return demo.write_bundle(path, manifest, index, expected, payloads)
 
 
+# --------------------------------------------------------------------------------- sample support
+
+SUPPORT_VOCAB = 8
+# s-0: three loss-bearing tokens, the last an appended EOS without support (full_log_probs −0.25);
+# s-1: an observation token (loss mask 0, no support), then one sampled token. Token s-0@0 has support
+# ids [5, 2, 7] with logits [2, 1, 0] and samples id 2 (member 1).
+SUPPORT_LENGTHS = [3, 2]
+SUPPORT_MASKS = [[1, 1, 1], [0, 1]]
+SUPPORT_IDS = [[5, 2, 7], [3, 0, -1], [-1, -1, -1], [-1, -1, -1], [1, 6, 4]]
+SUPPORT_LOGITS = [[2.0, 1.0, 0.0], [0.5, 0.5, 99.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-1.0, 0.0, 1.0]]
+SUPPORT_SAMPLED = [2, 3, 7, 4, 4]
+SUPPORT_FULL = [-1.6, -0.9, -0.25, -3.0, -0.6]
+# logp_S of s-0@0: 1 − 2 − ln(1 + e^−1 + e^−2); s-0@1: −ln 2; s-1@1: 1 − 1 − ln(e^−2 + e^−1 + 1)
+LOGP_S00 = -1.40760596444437967
+LOGP_S01 = -0.69314718055994531
+LOGP_S11 = -0.40760596444437967
+# The recorded log_probs: s-1@1 is off (−0.5 instead of logp_S); s-1@0 is not compared (loss mask 0).
+SUPPORT_LOG_PROBS = [LOGP_S00, LOGP_S01, -0.25, -3.0, -0.5]
+# support-invariants: token → the invariant it breaks (all loss-bearing)
+INVARIANT_TOKENS = {("s-1", 3): "sampled_not_in_support", ("s-2", 5): "support_duplicate",
+                    ("s-3", 2): "unsupported_token"}
+
+
+def write_support_hand(path: Path) -> Path:
+    """The hand-derived two-sample support bundle above (stages sample + logprob.support)."""
+    import torch
+
+    from replay_lib.bundle import BundleWriter
+    from replay_lib.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
+                                   RecomputeConfig, SampleRecord, StageId)
+
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=0, response_length=n, total_length=n + 4,
+                            loss_mask=m, raw_reward=1.0, micro_batch_id="mb-0000")
+               for i, (n, m) in enumerate(zip(SUPPORT_LENGTHS, SUPPORT_MASKS))]
+    index = BundleIndex(bundle_id="support-hand",
+                        identity=Identity(actor_step_id=ActorStepId(rollout_id=5, step_id=0),
+                                          rank={"dp": 1, "tp": 1, "pp": 1, "cp": 1}),
+                        samples=samples, config=RecomputeConfig(n_samples_per_prompt=2, vocab_size=SUPPORT_VOCAB))
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="support-hand", producer=fixed_producer(),
+                        stage_contracts=demo.contracts((StageId.SAMPLE, StageId.LOGPROB_SUPPORT)), payloads={},
+                        comparison_policy=ComparisonPolicy(), redaction={})
+    writer = BundleWriter(path, manifest, index, {})
+    writer.write_payload("support_ids", torch.tensor(SUPPORT_IDS, dtype=torch.int32))
+    writer.write_payload("support_logits", torch.tensor(SUPPORT_LOGITS))
+    writer.write_payload("sampled_token_ids", torch.tensor(SUPPORT_SAMPLED, dtype=torch.int64))
+    writer.write_payload("full_log_probs", torch.tensor(SUPPORT_FULL))
+    writer.write_payload("log_probs", torch.tensor(SUPPORT_LOG_PROBS))
+    return writer.finalize(ranks=[0])
+
+
+def write_support_invariants(path: Path) -> Path:
+    """4 samples × 8 tokens, top-4 rows, every token loss-bearing, the values consistent; three rows break
+    an invariant (INVARIANT_TOKENS): s-1@3 samples an id outside its row, s-2@5 repeats a member, s-3@2 has
+    no support although it is not the trajectory's last token (whose appended EOS has none either)."""
+    import msgspec
+
+    from replay_lib.schema import StageId
+
+    manifest, index, expected, payloads = demo.support_parts(
+        samples=4, tokens=8, k=4, vocab_size=64, seed=9, bundle_id="support-invariants",
+        stages=(StageId.SAMPLE, StageId.LOGPROB_SUPPORT))
+    records = [msgspec.structs.replace(r, loss_mask=[1] * r.response_length) for r in index.samples]
+    index = msgspec.structs.replace(index, samples=records)
+    ids = payloads["support_ids"].clone()
+    sampled = payloads["sampled_token_ids"].clone()
+    t = 1 * 8 + 3
+    sampled[t] = next(x for x in range(64) if x not in ids[t].tolist())
+    t = 2 * 8 + 5
+    ids[t, 3] = ids[t, 0]
+    ids[3 * 8 + 2] = -1
+    payloads = dict(payloads, support_ids=ids, sampled_token_ids=sampled)
+    return demo.write_bundle(path, manifest, index, {}, payloads)
+
+
 def write_all(root: Path) -> Path:
     """Every bundle the TUI tests (and the screenshot script) open, under fixed names in ``root``."""
     saved = demo.producer
@@ -71,6 +145,9 @@ def write_all(root: Path) -> Path:
         write_loss_bug(root / "loss-bug")
         write_brackets(root / "brackets")
         write_tis(root / "tis")
+        demo.write_support_bundle(root / "support-fullvocab", **demo.SUPPORT_DEMO)
+        write_support_hand(root / "support-hand")
+        write_support_invariants(root / "support-invariants")
         broken = demo.write_pr65(root / "broken", buggy=True)
         (broken / "COMPLETE").unlink()
     finally:
