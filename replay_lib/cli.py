@@ -92,13 +92,11 @@ def anchor_from_args(args) -> tuple:
     return step, rollout
 
 
-def run_check(args, stream: Optional[TextIO] = None) -> int:
-    """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``."""
-    from .report import render_text, report_to_json
-    from .runner import parse_stage_names, replay
+def replay_options(args) -> dict:
+    """``replay()`` keyword arguments from parsed replay flags (shared with ``replay-tui``); UsageError → 2."""
+    from .runner import parse_stage_names
     from .selection import Selection
 
-    stream = stream or sys.stdout
     try:
         stages = parse_stage_names(args.stage)
     except ValueError as exc:
@@ -107,8 +105,16 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
         raise UsageError("--max-divergences must be at least 1")
     step, rollout = anchor_from_args(args)
     selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
-    report = replay(args.bundle, stages=stages, selection=selection, step=step, rollout=rollout,
-                    max_divergences=args.max_divergences)
+    return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences)
+
+
+def run_check(args, stream: Optional[TextIO] = None) -> int:
+    """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``."""
+    from .report import render_text, report_to_json
+    from .runner import replay
+
+    stream = stream or sys.stdout
+    report = replay(args.bundle, **replay_options(args))
     if args.format == "json":
         stream.write(report_to_json(report))
     else:

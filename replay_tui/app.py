@@ -14,7 +14,7 @@ from textual.app import App
 from textual.binding import Binding, BindingType
 
 from replay_lib.bundle import open_bundle
-from replay_lib.errors import ReplayError, UsageError
+from replay_lib.errors import ReplayError
 from replay_lib.runner import run_replay
 from replay_lib.schema import ActorStepId, StageId
 from replay_lib.selection import Selection
@@ -179,20 +179,10 @@ class ReplayApp(App[int]):
 
 def app_from_args(args) -> ReplayApp:
     """Build the app from parsed ``replay-tui`` arguments; raises UsageError (exit 2) like the CLI."""
-    from replay_lib.cli import anchor_from_args
-    from replay_lib.runner import parse_stage_names
+    from replay_lib.cli import replay_options
 
-    try:
-        stages = parse_stage_names(args.stage)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.max_divergences < 1:
-        raise UsageError("--max-divergences must be at least 1")
-    step, rollout = anchor_from_args(args)
-    selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
     name = getattr(args, "demo", None) or None
-    return ReplayApp(args.bundle, name=name, stages=stages, selection=selection, step=step, rollout=rollout,
-                     max_divergences=args.max_divergences)
+    return ReplayApp(args.bundle, name=name, **replay_options(args))
 
 
 def run_app(args) -> int:
