@@ -174,5 +174,5 @@ class SupportStrip(Widget):
         if y == 0:
             head = f"support {row.sample_id}@{offset}: "
             return strip_of(fit_parts([(head, LABEL)] + status_parts(row), width), width, base)
-        label = ("top by logit ", DIM)
-        return strip_of(fit_parts([label] + members_parts(row, width - len(label[0])), width), width, base)
+        label = "" if row.empty else "top by logit "
+        return strip_of(fit_parts([(label, DIM)] + members_parts(row, width - len(label)), width), width, base)

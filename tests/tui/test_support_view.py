@@ -158,7 +158,8 @@ def test_members_line_sorted_by_logit_and_truncated_keeping_the_sampled_member()
 def test_status_line_says_what_the_row_is():
     assert text_of(status_parts(hand_row())) == "sampled 42 · rank 1/5 · p=0.610 · logp_S=-0.494296 · 1 padding"
     eos = hand_row(ids=(), logits=(), probs=(), sampled_member=None, eos=True, full_log_prob=-0.25, sampled_id=99)
-    assert text_of(status_parts(eos)) == "∅ no support row: appended EOS (sampled 99), scored with full_log_probs=-0.25"
+    assert text_of(status_parts(eos)) == \
+        "∅ no support row: appended EOS (sampled 99), scored with full_log_probs=-0.25"
     broken = hand_row(issues=(("support_duplicate", "member id 7 appears 2 times"), ("cp_shard", "x")))
     assert text_of(status_parts(broken)) == "✗ support_duplicate: member id 7 appears 2 times (+1 more)"
 
