@@ -114,11 +114,11 @@ class ReplayApp(App[int]):
                 self.post_message(ReplayProgress(run, stage, done, total))
 
         try:
-            self.post_message(ReplayProgress(run, "verify", 0, 0))
+            # "verify" is on screen already (start_replay); later states are posted through the throttle.
             bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
             report = run_replay(bundles, stages=self.stages, selection=self.selection,
                                 max_divergences=self.max_divergences, progress=progress)
-            self.post_message(ReplayProgress(run, "model", len(report.stages), len(report.stages)))
+            progress("model", None, len(report.stages), len(report.stages))
             model = build_model(bundles, report, name=self.display_name)
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
@@ -136,7 +136,8 @@ class ReplayApp(App[int]):
             return
         self.model = message.model
         if self._screen_ready():
-            self.debugger.load(message.model)
+            with self.batch_update():  # every pane changes at once: one layout, one frame
+                self.debugger.load(message.model)
 
     def on_replay_failed(self, message: ReplayFailed) -> None:
         if message.run != self._run:

@@ -104,7 +104,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     def _ready(self) -> None:
         self.ready = True
         if self.app.model is not None:
-            self.load(self.app.model)
+            with self.app.batch_update():
+                self.load(self.app.model)
         elif self.app.progress is not None:
             self.show_progress(*self.app.progress)
 
