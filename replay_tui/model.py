@@ -19,12 +19,12 @@ import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
 from replay_lib.compare import as_float64, tolerance_for
-from replay_lib.kernels import LOSS_FIELDS, policy_loss_fields
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
+from replay_lib.stages.loss import recompute_policy_loss
 from replay_lib.stages.support import SCORED_FIELDS, scored_sources
 from replay_lib.support import (
     SUPPORT_PAD,
@@ -309,22 +309,14 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
 def _recompute_loss(out: ShardRecompute) -> None:
     """The loss.policy fields, with the inputs ``run_loss_policy`` uses."""
     ctx = out.ctx
-    cfg = ctx.config
-    expected = ctx.reader.expected.get("loss.policy", {})
-    names = [f for f in LOSS_FIELDS if f in expected]
-    if not names:
+    try:
+        expected, actual = recompute_policy_loss(ctx)
+    except StageInputError as exc:
+        if exc.field != "loss":
+            raise
         out.unavailable["loss"] = "expected.json $.loss.policy has no loss fields"
         return
-    advantages = ctx.outputs.get("advantages")
-    if advantages is None:
-        advantages = ctx.payload("advantages")
-    entropy = ctx.payload("entropy") if ctx.has("entropy") else None
-    if entropy is None and cfg.entropy_coef != 0:
-        raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
-    actual = policy_loss_fields(
-        ctx.payload("log_probs"), ctx.payload("old_log_probs"), advantages, entropy, ctx.loss_mask, ctx.lengths,
-        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef,
-    )
+    names = list(expected)
     policy = ctx.reader.manifest.comparison_policy
     e_vals, a_vals, errs, bads = [], [], [], []
     for name in names:

@@ -10,11 +10,13 @@ from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError, outcome
 
 
-def run_loss_policy(ctx: StageContext) -> StageReport:
+def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict]:
+    """``(expected, actual)`` of the loss fields the bundle records, recomputed from the inputs this
+    stage consumes (advantages from advantage.estimate when it ran, else the payload)."""
     cfg = ctx.config
-    expected = ctx.reader.expected.get("loss.policy", {})
-    fields = [f for f in LOSS_FIELDS if f in expected]
-    if not fields:
+    recorded = ctx.reader.expected.get("loss.policy", {})
+    expected = {f: recorded[f] for f in LOSS_FIELDS if f in recorded}
+    if not expected:
         raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(LOSS_FIELDS), field="loss")
     advantages = ctx.outputs.get("advantages")
     if advantages is None:
@@ -26,6 +28,12 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
         ctx.payload("log_probs"), ctx.payload("old_log_probs"), advantages, entropy, ctx.loss_mask, ctx.lengths,
         eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef,
     )
+    return expected, {f: actual[f] for f in expected}
+
+
+def run_loss_policy(ctx: StageContext) -> StageReport:
+    expected, actual = recompute_policy_loss(ctx)
+    fields = list(expected)
     total = Comparison()
     bad: list[str] = []
     for name in fields:
