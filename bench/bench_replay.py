@@ -24,58 +24,18 @@ Exit status 0 when every target passes, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import FLOOR_CODE, TORCH_CODE, build_bundles, cli_cmd, measure, report  # noqa: E402
 
 FLOOR_LIMIT = 2.0
 SCALE_LIMIT = 4.5
 MEMORY_LIMIT = 3.0
-
-# Built in a child process: the bench process must stay small, or every child it forks starts with its RSS.
-BUILD_CODE = (
-    "import sys\n"
-    "from replay_lib.demo import write_synthetic\n"
-    "write_synthetic(sys.argv[1], samples=int(sys.argv[2]), tokens=int(sys.argv[3]), kl_coef=0.0,\n"
-    "                bundle_id=sys.argv[4])\n"
-)
-TORCH_CODE = "import torch\n"
-FLOOR_CODE = (
-    "import hashlib, sys, torch\n"
-    "for p in sys.argv[1:]:\n"
-    "    with open(p, 'rb') as fh:\n"
-    "        hashlib.file_digest(fh, 'sha256')\n"
-)
-
-
-def replay_cmd() -> list[str]:
-    exe = shutil.which("trajectory-replay")
-    return [exe, "replay"] if exe else [sys.executable, "-m", "replay_lib", "replay"]
-
-
-def run_child(cmd: list[str]) -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds (user + sys) and peak RSS (bytes) of one fresh process; a non-zero exit
-    (a replay that finds a divergence in a clean bundle, say) stops the benchmark."""
-    with tempfile.TemporaryFile() as out:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            out.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} exited {code}:\n{out.read().decode(errors='replace')}")
-    rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return elapsed, usage.ru_utime + usage.ru_stime, rss
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def main(argv=None) -> int:
@@ -88,13 +48,7 @@ def main(argv=None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-replay-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        t0 = time.perf_counter()
-        small, big = root / "x1", root / "x4"
-        for path, samples in ((small, args.samples), (big, 4 * args.samples)):
-            if not path.exists():
-                subprocess.run([sys.executable, "-c", BUILD_CODE, str(path), str(samples), str(args.tokens),
-                                path.name], check=True)
-        build_s = time.perf_counter() - t0
+        small, big, build_s = build_bundles(root, args.samples, args.tokens)
         payloads = sorted(str(p) for p in (small / "payloads").iterdir())
         payload_bytes = sum(Path(p).stat().st_size for p in payloads)
         tokens = args.samples * args.tokens
@@ -106,27 +60,10 @@ def main(argv=None) -> int:
         cmds = {
             "torch": [sys.executable, "-c", TORCH_CODE],
             "floor": [sys.executable, "-c", FLOOR_CODE, *payloads],
-            "replay 1×": replay_cmd() + [str(small)],
-            "replay 4×": replay_cmd() + [str(big)],
+            "replay 1×": cli_cmd("replay") + [str(small)],
+            "replay 4×": cli_cmd("replay") + [str(big)],
         }
-        for cmd in cmds.values():  # warm the page cache and the interpreter's .pyc files
-            run_child(cmd)
-        wall: dict[str, list[float]] = {k: [] for k in cmds}
-        cpu: dict[str, list[float]] = {k: [] for k in cmds}
-        rss: dict[str, list[int]] = {k: [] for k in cmds}
-        for _ in range(args.reps):
-            for name, cmd in cmds.items():
-                t, c, m = run_child(cmd)
-                wall[name].append(t)
-                cpu[name].append(c)
-                rss[name].append(m)
-        med = {k: statistics.median(v) for k, v in wall.items()}
-        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-        peak = {k: max(v) for k, v in rss.items()}
-        for name in cmds:
-            runs = ", ".join(f"{t:.2f}" for t in wall[name])
-            print(f"  {name:<10} wall median {med[name]:6.3f} s (runs: {runs})  cpu median {med_cpu[name]:6.3f} s  "
-                  f"peak RSS {peak[name] / 2**20:7.1f} MiB")
+        med, med_cpu, peak = measure(cmds, args.reps)
 
         floor_ratio = med["replay 1×"] / med["floor"]
         scale_ratio = med["replay 4×"] / med["replay 1×"]
@@ -143,9 +80,7 @@ def main(argv=None) -> int:
              f"{above_4x / 2**20:.1f} MiB = {above_4x / (4 * payload_bytes):.2f}× its payloads)",
              memory_ratio <= MEMORY_LIMIT),
         ]
-        for text, ok in checks:
-            print(f"{verdict(ok)}  {text}")
-        return 0 if all(ok for _, ok in checks) else 1
+        return report(checks)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

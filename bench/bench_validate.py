@@ -20,55 +20,17 @@ busy, shared host):
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import FLOOR_CODE, build_bundles, cli_cmd, measure, report  # noqa: E402
 
 FLOOR_LIMIT = 1.5
 SCALE_LIMIT = 4.5
-# Built in a child process: this one must stay small, or every child it forks starts with its RSS.
-BUILD_CODE = (
-    "import sys\n"
-    "from replay_lib.demo import write_synthetic\n"
-    "write_synthetic(sys.argv[1], samples=int(sys.argv[2]), tokens=int(sys.argv[3]), kl_coef=0.0,\n"
-    "                bundle_id=sys.argv[4])\n"
-)
-FLOOR_CODE = (
-    "import hashlib, sys, torch\n"
-    "for p in sys.argv[1:]:\n"
-    "    with open(p, 'rb') as fh:\n"
-    "        hashlib.file_digest(fh, 'sha256')\n"
-)
-
-
-def validate_cmd() -> list[str]:
-    exe = shutil.which("trajectory-replay")
-    return [exe, "validate"] if exe else [sys.executable, "-m", "replay_lib", "validate"]
-
-
-def run_child(cmd: list[str]) -> tuple[float, float, int]:
-    """Wall seconds, CPU seconds (user + sys) and peak RSS (bytes) of one fresh process; fails loudly on a
-    non-zero exit. Peak RSS and CPU come from ``os.wait4``: this child's own rusage, no other's."""
-    with tempfile.TemporaryFile() as out:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            out.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{out.read().decode(errors='replace')}")
-    rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return elapsed, usage.ru_utime + usage.ru_stime, rss
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def main(argv=None) -> int:
@@ -81,14 +43,7 @@ def main(argv=None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-validate-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        t0 = time.perf_counter()
-        small = root / "x1"
-        big = root / "x4"
-        for path, samples in ((small, args.samples), (big, 4 * args.samples)):
-            if not path.exists():
-                subprocess.run([sys.executable, "-c", BUILD_CODE, str(path), str(samples), str(args.tokens),
-                                path.name], check=True)
-        build_s = time.perf_counter() - t0
+        small, big, build_s = build_bundles(root, args.samples, args.tokens)
         payloads = sorted(str(p) for p in (small / "payloads").iterdir())
         tokens = args.samples * args.tokens
         size = {b: sum(f.stat().st_size for f in b.rglob("*") if f.is_file()) for b in (small, big)}
@@ -98,27 +53,10 @@ def main(argv=None) -> int:
 
         cmds = {
             "floor": [sys.executable, "-c", FLOOR_CODE, *payloads],
-            "validate 1×": validate_cmd() + [str(small)],
-            "validate 4×": validate_cmd() + [str(big)],
+            "validate 1×": cli_cmd("validate") + [str(small)],
+            "validate 4×": cli_cmd("validate") + [str(big)],
         }
-        for cmd in cmds.values():  # warm the page cache and the interpreter's .pyc files
-            run_child(cmd)
-        times: dict[str, list[float]] = {k: [] for k in cmds}
-        cpu: dict[str, list[float]] = {k: [] for k in cmds}
-        rss: dict[str, list[int]] = {k: [] for k in cmds}
-        for _ in range(args.reps):
-            for name, cmd in cmds.items():
-                t, c, m = run_child(cmd)
-                times[name].append(t)
-                cpu[name].append(c)
-                rss[name].append(m)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-        peak = {k: max(v) for k, v in rss.items()}
-        for name in cmds:
-            spread = ", ".join(f"{t:.2f}" for t in times[name])
-            print(f"  {name:<12} wall median {med[name]:6.3f} s (runs: {spread})  cpu median {med_cpu[name]:6.3f} s  "
-                  f"peak RSS {peak[name] / 2**20:7.1f} MiB")
+        med, med_cpu, peak = measure(cmds, args.reps)
 
         floor_ratio = med["validate 1×"] / med["floor"]
         scale_ratio = med["validate 4×"] / med["validate 1×"]
@@ -133,9 +71,7 @@ def main(argv=None) -> int:
             (f"peak RSS validate(4×) / validate(1×) = {rss_ratio:.2f} (target ≤ {SCALE_LIMIT}); "
              f"validate(1×) / floor = {peak['validate 1×'] / peak['floor']:.2f}", rss_ratio <= SCALE_LIMIT),
         ]
-        for text, ok in checks:
-            print(f"{verdict(ok)}  {text}")
-        return 0 if all(ok for _, ok in checks) else 1
+        return report(checks)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
