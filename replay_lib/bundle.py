@@ -36,6 +36,7 @@ from .schema import (
     Manifest,
     PayloadSpec,
     RankComplete,
+    STRICT_INDEX_DECODER,
     RecomputeConfig,
     RedactionPolicy,
     encode_json,
@@ -425,15 +426,20 @@ class BundleReader:
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index = _decode(root / "index.json", blobs["index.json"], INDEX_DECODER)
         self.expected = _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER)
-        raw_index = _index_keys(blobs["index.json"])
-        raw_config = raw_index.get("config") if isinstance(raw_index, dict) else None
-        known = {f.encode_name for f in msgspec.structs.fields(RecomputeConfig)}
-        self.unknown_config = {
-            k: v for k, v in (raw_config.items() if isinstance(raw_config, dict) else ()) if k not in known
-        }
-        for fname, typ, raw in (("manifest.json", Manifest, raw_manifest), ("index.json", BundleIndex, raw_index)):
-            for p in unknown_fields(raw, typ):
-                self.warnings.append(f"{root / fname}: {p}: unknown field (ignored)")
+        for p in unknown_fields(raw_manifest, Manifest):
+            self.warnings.append(f"{root / 'manifest.json'}: {p}: unknown field (ignored)")
+        self.unknown_config = {}
+        try:  # the usual case, a document with no unknown field, is proved by one strict decode
+            STRICT_INDEX_DECODER.decode(blobs["index.json"])
+        except msgspec.ValidationError:  # it has some: find and list them all
+            raw_index = _index_keys(blobs["index.json"])
+            raw_config = raw_index.get("config") if isinstance(raw_index, dict) else None
+            known = {f.encode_name for f in msgspec.structs.fields(RecomputeConfig)}
+            self.unknown_config = {
+                k: v for k, v in (raw_config.items() if isinstance(raw_config, dict) else ()) if k not in known
+            }
+            for p in unknown_fields(raw_index, BundleIndex):
+                self.warnings.append(f"{root / 'index.json'}: {p}: unknown field (ignored)")
 
         if self.manifest.bundle_id != self.index.bundle_id:
             raise BundleError(

@@ -266,10 +266,39 @@ def parse_redaction_rule(field: str, rule: str) -> tuple[str, int]:
     raise ValueError(f"redaction rule for {field!r} must be 'hash', 'drop' or 'truncate:N', got {rule!r}")
 
 
+def strict_mirror(typ, _memo: dict | None = None):
+    """The same type tree with ``forbid_unknown_fields`` on every Struct: a decode that succeeds proves
+    that a document has no unknown field anywhere, without walking it in Python."""
+    import typing
+
+    memo = {} if _memo is None else _memo
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        if typ not in memo:
+            hints = typing.get_type_hints(typ)
+            fields = []
+            for f in msgspec.structs.fields(typ):
+                if f.default is not msgspec.NODEFAULT:
+                    default = msgspec.field(default=f.default, name=f.encode_name)
+                elif f.default_factory is not msgspec.NODEFAULT:
+                    default = msgspec.field(default_factory=f.default_factory, name=f.encode_name)
+                else:
+                    default = msgspec.field(name=f.encode_name)
+                fields.append((f.name, strict_mirror(hints[f.name], memo), default))
+            memo[typ] = msgspec.defstruct(f"Strict{typ.__name__}", fields, kw_only=True, forbid_unknown_fields=True)
+        return memo[typ]
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (list, tuple, dict, set, frozenset) and args:
+        return origin[tuple(strict_mirror(a, memo) for a in args)]
+    if origin is Union:
+        return Union[tuple(strict_mirror(a, memo) for a in args)]
+    return typ
+
+
 # One encoder / decoder per type, reused.
 JSON_ENCODER = msgspec.json.Encoder(order="sorted")
 MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
 INDEX_DECODER = msgspec.json.Decoder(BundleIndex)
+STRICT_INDEX_DECODER = msgspec.json.Decoder(strict_mirror(BundleIndex))
 EXPECTED_DECODER = msgspec.json.Decoder(Expected)
 RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
 BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
