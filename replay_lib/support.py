@@ -43,6 +43,14 @@ def sort_rows(x: torch.Tensor, out: Optional["np.ndarray"] = None) -> torch.Tens
         return torch.sort(x, dim=-1).values
 
 
+def _sort_buffer(shape: tuple[int, int], dtype: torch.dtype):
+    """A reusable numpy buffer for :func:`sort_rows`, or ``None`` where numpy is not installed."""
+    try:
+        return torch.empty(shape, dtype=dtype).numpy()
+    except (ImportError, RuntimeError, TypeError):  # torch without numpy: sort_rows falls back to torch
+        return None
+
+
 def _first_true(flags: torch.Tensor) -> torch.Tensor:
     """``[rows, K]`` bool → int64 index of the first true slot per row (0 where none).
 
@@ -99,11 +107,11 @@ def check_support_rows(
     duplicate = torch.empty(n, dtype=torch.bool)
     slot = torch.empty(n, dtype=torch.int64)
     in_row = torch.empty(n, dtype=torch.bool)
-    buffer = torch.empty((min(n, BLOCK_ROWS), k), dtype=ids.dtype).numpy() if n else None
+    buffer = _sort_buffer((min(n, BLOCK_ROWS), k), ids.dtype) if n else None
     for start in range(0, n, BLOCK_ROWS):
         stop = min(start + BLOCK_ROWS, n)
         block = ids[start:stop]
-        ordered = sort_rows(block, buffer[: stop - start])
+        ordered = sort_rows(block, buffer[: stop - start] if buffer is not None else None)
         lowest[start:stop] = ordered[:, 0]
         highest[start:stop] = ordered[:, -1]
         # Sorted rows: a zero gap between neighbours is a duplicate, except repeated −1 padding (refined

@@ -516,3 +516,26 @@ def test_support_parts_are_consistent_at_scale(tmp_path):
     report = replay(write_bundle(tmp_path / "big", *parts))
     assert report.passed, report
     assert support_stage(report).compared > 0
+
+
+def test_row_checks_without_numpy_give_the_same_answers(monkeypatch):
+    """numpy is optional (torch does not require it): the row checks fall back to torch and agree."""
+    from replay_lib.support import check_support_rows
+
+    ids = torch.tensor([[5, 3, -1], [2, 2, 7], [-1, 4, 1], [9, 8, 6]], dtype=torch.int32)
+    sampled = torch.tensor([3, 7, 4, 0])
+    with_numpy = check_support_rows(ids, sampled, vocab_size=10)
+
+    def no_numpy(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    without = check_support_rows(ids, sampled, vocab_size=10)
+    for name in ("id_out_of_range", "padding_not_trailing", "duplicate", "has_support", "sampled_in_row",
+                 "sampled_slot"):
+        assert torch.equal(getattr(without, name), getattr(with_numpy, name)), name
+    assert without.duplicate.tolist() == [False, True, False, False]
+    assert without.padding_not_trailing.tolist() == [False, False, True, False]
+    assert without.sampled_in_row.tolist() == [True, True, True, False]
+    assert without.sampled_slot.tolist()[:3] == [1, 2, 1]
