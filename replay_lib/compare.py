@@ -49,6 +49,14 @@ def as_float64(values) -> torch.Tensor:
 CHUNK = 1 << 14
 
 
+def mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float):
+    """The one divergence rule, on float64 tensors: ``(abs diff, both finite, bad)``. An element diverges
+    when either side is NaN or ±Inf, or when ``|a − e| > atol + rtol·|e|``."""
+    diff = (actual - expected).abs()
+    finite = torch.isfinite(actual) & torch.isfinite(expected)
+    return diff, finite, ~finite | (diff > atol + rtol * expected.abs())
+
+
 def _flat(values) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.detach().reshape(-1)
@@ -98,9 +106,7 @@ def compare_elements(
     for start in range(0, a.numel(), CHUNK):
         ec = e[start:start + CHUNK].to(torch.float64)
         ac = a[start:start + CHUNK].to(torch.float64)
-        diff = (ac - ec).abs()
-        finite = torch.isfinite(ac) & torch.isfinite(ec)
-        bad = ~finite | (diff > atol + rtol * ec.abs())
+        diff, finite, bad = mismatch(ec, ac, atol, rtol)
         all_finite = bool(finite.all())
         finite_diff = diff if all_finite else diff[finite]
         if finite_diff.numel():

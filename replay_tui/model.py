@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
-from replay_lib.compare import as_float64, tolerance_for
+from replay_lib.compare import as_float64, mismatch, tolerance_for
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
@@ -82,11 +82,7 @@ def field_for_divergence(stage: str, field_name: str) -> Optional[str]:
 
 def element_mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float):
     """``(abs_error, bad)`` float64/bool tensors, with exactly ``compare_elements``' rule."""
-    e = as_float64(expected)
-    a = as_float64(actual)
-    diff = (a - e).abs()
-    finite = torch.isfinite(a) & torch.isfinite(e)
-    bad = ~finite | (diff > atol + rtol * e.abs())
+    diff, finite, bad = mismatch(as_float64(expected), as_float64(actual), atol, rtol)
     err = torch.where(finite, diff, torch.full_like(diff, float("nan")))
     return err, bad
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, tolerance_for
+from ..compare import Comparison, mismatch, tolerance_for
 from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
 from ..schema import RecomputeConfig, StageId
 from ..support import (
@@ -284,10 +284,8 @@ def _compare_scored(ctx: StageContext, field: str, recorded: torch.Tensor, actua
     """``compare_elements`` semantics on the compared tokens; the detailed per-token pass runs only when
     some token is out of tolerance (it is the expensive part on a large, clean bundle)."""
     atol, rtol = tolerance_for(ctx.reader.manifest.comparison_policy, STAGE, field)
-    e = recorded.to(torch.float64)
-    diff = (actual.to(torch.float64) - e).abs_()
-    within = diff <= atol + rtol * e.abs()  # False for NaN/Inf on either side, as in compare_elements
-    if bool((within | ~compared).all()):
+    diff, _, bad = mismatch(recorded.to(torch.float64), actual.to(torch.float64), atol, rtol)
+    if not bool((bad & compared).any()):
         worst = torch.where(compared, diff, torch.zeros_like(diff))
         return Comparison(compared=n_compared, max_abs_error=float(worst.max()) if n_compared else None)
     zero = torch.zeros_like(actual)
