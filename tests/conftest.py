@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from replay_lib.cli import main
 from replay_lib.demo import write_pr65
 
 SEALED_JSON = ("manifest.json", "index.json", "expected.json")
@@ -95,3 +96,16 @@ def pr65_bundle(tmp_path: Path) -> Path:
 def bundle_tools() -> SimpleNamespace:
     """``reseal(bundle)``, ``edit_json(bundle, name, edit)``, ``dump_json(obj)``, ``snapshot(root)``."""
     return SimpleNamespace(reseal=reseal_bundle, edit_json=edit_json, dump_json=dump_json, snapshot=tree_snapshot)
+
+
+@pytest.fixture
+def cli(capsys):
+    """``trajectory-replay ARGS`` in-process (the entry point's own ``main``) → (exit code, stdout, stderr)."""
+
+    def call(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call

@@ -13,21 +13,14 @@ from replay_lib.cli import main
 from replay_lib.demo import synthetic_parts, write_bundle, write_pr65
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 # --------------------------------------------------------------------------------------- inspect
 
 
-def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, capsys, bundle_tools):
+def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, cli, bundle_tools):
     (pr65_bundle / "COMPLETE").unlink()
     (pr65_bundle / "payloads" / "kl.pt").unlink()
     before = bundle_tools.snapshot(pr65_bundle)
-    rc, out, err = run(capsys, "inspect", pr65_bundle)
+    rc, out, err = cli("inspect", pr65_bundle)
     assert (rc, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == f"{pr65_bundle} — bundle, INCOMPLETE"
@@ -38,7 +31,7 @@ def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, capsys,
     assert "  kind      rollout-level, rollout_id=120" in lines
     assert bundle_tools.snapshot(pr65_bundle) == before
 
-    rc, out, err = run(capsys, "inspect", pr65_bundle, "--format", "json")
+    rc, out, err = cli("inspect", pr65_bundle, "--format", "json")
     assert (rc, err) == (0, "")
     doc = json.loads(out)
     assert (doc["layout"], doc["complete"]) == ("bundle", False)
@@ -49,21 +42,21 @@ def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, capsys,
     assert (doc["bundles"][0]["samples"], doc["bundles"][0]["tokens"], doc["bundles"][0]["groups"]) == (4, 12, 2)
 
 
-def test_inspect_a_cohort_missing_its_final_complete(tmp_path, capsys):
+def test_inspect_a_cohort_missing_its_final_complete(tmp_path, cli):
     cohort = tmp_path / "cohort"
     write_bundle(cohort, *synthetic_parts(samples=4, tokens=3, bundle_id="c"), rank=0, ranks=[0, 1])
-    rc, out, err = run(capsys, "inspect", cohort, "--format", "json")
+    rc, out, err = cli("inspect", cohort, "--format", "json")
     assert (rc, err) == (0, "")
     doc = json.loads(out)
     assert (doc["layout"], doc["complete"], doc["ranks_published"]) == ("cohort", False, [0])
     assert doc["problems"] == ["no cohort COMPLETE (ranks published: [0])"]
     assert [b["rank"] for b in doc["bundles"]] == [0]
     # validate refuses the same directory (exit 3), inspect only looked
-    assert run(capsys, "validate", cohort)[0] == 3
+    assert cli("validate", cohort)[0] == 3
 
 
-def test_inspect_a_missing_path_is_exit_3(tmp_path, capsys):
-    rc, out, err = run(capsys, "inspect", tmp_path / "nope")
+def test_inspect_a_missing_path_is_exit_3(tmp_path, cli):
+    rc, out, err = cli("inspect", tmp_path / "nope")
     assert (rc, out) == (3, "")
     assert err == f"trajectory-replay: error: {tmp_path / 'nope'}: no such file or directory\n"
 
@@ -71,7 +64,7 @@ def test_inspect_a_missing_path_is_exit_3(tmp_path, capsys):
 # -------------------------------------------------------------------------------------- validate
 
 
-def test_validate_lists_unknown_fields_as_warnings(pr65_bundle, capsys, bundle_tools):
+def test_validate_lists_unknown_fields_as_warnings(pr65_bundle, cli, bundle_tools):
     def manifest(doc):
         doc["format_version"] = "1.7.2"  # a newer minor of the same major
         doc["retention_days"] = 30
@@ -83,7 +76,7 @@ def test_validate_lists_unknown_fields_as_warnings(pr65_bundle, capsys, bundle_t
 
     bundle_tools.edit_json(pr65_bundle, "manifest.json", manifest)
     bundle_tools.edit_json(pr65_bundle, "index.json", index)
-    rc, out, err = run(capsys, "validate", pr65_bundle)
+    rc, out, err = cli("validate", pr65_bundle)
     assert (rc, err) == (0, "")
     assert out.splitlines()[0] == ("bundle b-00001 — valid (format 1.7.2, rollout-level, rollout_id=120, "
                                    "4 sample(s), 12 token(s))")
@@ -95,39 +88,39 @@ def test_validate_lists_unknown_fields_as_warnings(pr65_bundle, capsys, bundle_t
         f"warning: {pr65_bundle / 'index.json'}: $.identity.region: unknown field (ignored)",
     ])
 
-    rc, out, err = run(capsys, "validate", pr65_bundle, "--format", "json")
+    rc, out, err = cli("validate", pr65_bundle, "--format", "json")
     doc = json.loads(out)
     assert (rc, doc["valid"], doc["format_version"], len(doc["warnings"])) == (0, True, "1.7.2", 4)
     # and the bundle still replays to the same first divergence
-    rc, out, err = run(capsys, "replay", pr65_bundle, "--format", "json")
+    rc, out, err = cli("replay", pr65_bundle, "--format", "json")
     assert (rc, json.loads(out)["first_divergent_stage"]) == (1, "reward.post_process")
 
 
-def test_validate_reports_an_unknown_active_knob_as_a_replay_refusal(pr65_bundle, capsys, bundle_tools):
+def test_validate_reports_an_unknown_active_knob_as_a_replay_refusal(pr65_bundle, cli, bundle_tools):
     bundle_tools.edit_json(pr65_bundle, "index.json", lambda doc: doc["config"].__setitem__("use_opd", True))
-    rc, out, err = run(capsys, "validate", pr65_bundle, "--format", "json")
+    rc, out, err = cli("validate", pr65_bundle, "--format", "json")
     doc = json.loads(out)
     assert (rc, err, doc["valid"]) == (0, "", True)
     assert doc["replay_refusals"] == [
         f"{pr65_bundle / 'index.json'}: $.config.use_opd=True: unknown config knob; refusing to guess what it changes"]
     assert doc["warnings"] == [f"{pr65_bundle / 'index.json'}: $.config.use_opd: unknown field (ignored)"]
-    rc, out, err = run(capsys, "replay", pr65_bundle)
+    rc, out, err = cli("replay", pr65_bundle)
     assert (rc, out) == (4, "")
     assert "$.config.use_opd=True" in err and len(err.splitlines()) == 1
 
 
-def test_validate_never_recomputes_numbers(pr65_bundle, capsys):
+def test_validate_never_recomputes_numbers(pr65_bundle, cli):
     """The PR #65 bundle diverges numerically, but it is well formed: validate says valid (exit 0)."""
-    rc, out, err = run(capsys, "validate", pr65_bundle)
+    rc, out, err = cli("validate", pr65_bundle)
     assert (rc, err) == (0, "")
     assert out.splitlines()[1:] == [
         "  advantage.estimate   recompute", "  advantage.kl         recompute", "  loss.value           unsupported",
         "  reward.post_process  recompute", "  reward.raw           recompute", "  sample               recompute"]
 
 
-def test_validate_refuses_a_missing_expected_output(pr65_bundle, capsys, bundle_tools):
+def test_validate_refuses_a_missing_expected_output(pr65_bundle, cli, bundle_tools):
     bundle_tools.edit_json(pr65_bundle, "expected.json", lambda doc: doc.pop("reward.post_process"))
-    rc, out, err = run(capsys, "validate", pr65_bundle)
+    rc, out, err = cli("validate", pr65_bundle)
     assert (rc, out) == (3, "")
     assert err == (f"trajectory-replay: error: {pr65_bundle / 'manifest.json'}: dependency closure incomplete: "
                    f"reward.post_process needs expected.json $.reward.post_process.rewards\n")
@@ -136,12 +129,12 @@ def test_validate_refuses_a_missing_expected_output(pr65_bundle, capsys, bundle_
 # --------------------------------------------------------------------------------------- json out
 
 
-def test_json_outputs_parse(pr65_bundle, tmp_path, capsys):
+def test_json_outputs_parse(pr65_bundle, tmp_path, cli):
     fixed = write_pr65(tmp_path / "fixed", buggy=False, bundle_id="b-00001-fixed")
-    rc, out, _ = run(capsys, "replay", fixed, "--format", "json")
+    rc, out, _ = cli("replay", fixed, "--format", "json")
     doc = json.loads(out)
     assert (rc, doc["passed"], doc["first_divergent_stage"], doc["first_divergence"]) == (0, True, None, None)
-    rc, out, _ = run(capsys, "replay", pr65_bundle, "--format", "json", "--max-divergences", "2")
+    rc, out, _ = cli("replay", pr65_bundle, "--format", "json", "--max-divergences", "2")
     doc = json.loads(out)
     assert (rc, doc["passed"], doc["first_divergent_stage"]) == (1, False, "reward.post_process")
     first = doc["first_divergence"]
@@ -152,7 +145,7 @@ def test_json_outputs_parse(pr65_bundle, tmp_path, capsys):
     post = next(s for s in doc["stages"] if s["stage"] == "reward.post_process")
     assert (post["status"], post["mismatches"], post["max_abs_error"], len(post["divergences"])) == ("fail", 4, 4.5, 2)
     for argv in (("validate", pr65_bundle), ("inspect", pr65_bundle)):
-        rc, out, err = run(capsys, *argv, "--format", "json")
+        rc, out, err = cli(*argv, "--format", "json")
         assert (rc, err) == (0, "")
         assert json.loads(out)["path"] == str(pr65_bundle)
 
@@ -160,9 +153,9 @@ def test_json_outputs_parse(pr65_bundle, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- demo
 
 
-def test_demo_write_small_synthetic_bundle(tmp_path, capsys):
+def test_demo_write_small_synthetic_bundle(tmp_path, cli):
     target = tmp_path / "d"
-    rc, out, err = run(capsys, "demo", "write", target, "--samples", "8", "--tokens", "4")
+    rc, out, err = cli("demo", "write", target, "--samples", "8", "--tokens", "4")
     assert (rc, out, err) == (0, f"wrote {target}\n", "")
     reader = BundleReader(target)
     assert reader.bundle_id == "d"
@@ -171,19 +164,19 @@ def test_demo_write_small_synthetic_bundle(tmp_path, capsys):
     assert {n: list(reader.payload(n).shape) for n in reader.payload_names} == {
         n: [32] for n in ("advantages", "entropy", "kl", "log_probs", "old_log_probs", "ref_log_probs")}
     assert reader.payload("kl").dtype == torch.float32
-    assert run(capsys, "validate", target)[0] == 0
-    rc, out, _ = run(capsys, "replay", target)
+    assert cli("validate", target)[0] == 0
+    rc, out, _ = cli("replay", target)
     assert (rc, out.splitlines()[0]) == (0, "bundle d — no divergence (6 stage(s) compared)")
     # never overwrites: a second write into the same directory is refused (exit 3), bundle unchanged
     before = (target / "COMPLETE").read_bytes()
-    rc, out, err = run(capsys, "demo", "write", target, "--samples", "8", "--tokens", "4")
+    rc, out, err = cli("demo", "write", target, "--samples", "8", "--tokens", "4")
     assert (rc, out) == (3, "")
     assert "refusing to overwrite" in err and len(err.splitlines()) == 1
     assert (target / "COMPLETE").read_bytes() == before
 
 
-def test_demo_write_rejects_bad_sizes(tmp_path, capsys):
-    rc, out, err = run(capsys, "demo", "write", tmp_path / "d", "--samples", "6", "--tokens", "4")
+def test_demo_write_rejects_bad_sizes(tmp_path, cli):
+    rc, out, err = cli("demo", "write", tmp_path / "d", "--samples", "6", "--tokens", "4")
     assert (rc, out) == (2, "")
     assert err == ("trajectory-replay: error: --samples must be a positive multiple of --group-size; "
                    "--tokens must be >= 0\n")
@@ -213,7 +206,7 @@ def test_help_documents_the_exit_codes(capsys):
         assert command in out
 
 
-def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, capsys, tmp_path):
+def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, cli, tmp_path):
     import os
 
     (pr65_bundle / "index.json").unlink()
@@ -222,7 +215,7 @@ def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, cap
     outside.write_text("{}")
     (pr65_bundle / "expected.json").unlink()
     (pr65_bundle / "expected.json").symlink_to(outside)
-    rc, out, err = run(capsys, "inspect", pr65_bundle)
+    rc, out, err = cli("inspect", pr65_bundle)
     assert (rc, err) == (0, "")
     assert "problem: index.json: not a regular file inside the bundle (not read)" in out.splitlines()
     assert "problem: expected.json: not a regular file inside the bundle (not read)" in out.splitlines()

@@ -15,7 +15,6 @@ import sys
 import msgspec
 import pytest
 
-from replay_lib.cli import main
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, synthetic_parts, write_bundle, write_pr65
 from replay_lib.schema import RecomputeConfig
 
@@ -34,18 +33,6 @@ STAGE_KEYS = {"stage", "status", "reason", "mismatches", "max_abs_error", "diver
 def run_process(*args: str, exe: str = "trajectory-replay") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
-
-
-@pytest.fixture
-def cli(capsys):
-    """``main(argv)`` in-process → (exit code, stdout, stderr)."""
-
-    def call(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import subprocess
 import msgspec
 import pytest
 
-from replay_lib.cli import main
 from replay_lib.demo import ROLLOUT_STAGES, synthetic_parts, write_bundle
 from replay_lib.errors import SelectionError
 from replay_lib.runner import replay
@@ -22,16 +21,6 @@ PARTIAL = "cohort-level stage skipped under partial selection"
 
 def ids(*numbers) -> list[str]:
     return [f"s-{i}" for i in numbers]
-
-
-@pytest.fixture
-def cli(capsys):
-    def call(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
 
 
 @pytest.fixture(scope="module")
