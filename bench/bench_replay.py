@@ -23,15 +23,12 @@ Exit status 0 when every target passes, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import FLOOR_CODE, TORCH_CODE, build_bundles, cli_cmd, measure, report  # noqa: E402
+from harness import FLOOR_CODE, TORCH_CODE, build_bundles, bundle_args, cli_cmd, measure, report, workdir  # noqa: E402
 
 FLOOR_LIMIT = 2.0
 SCALE_LIMIT = 4.5
@@ -39,15 +36,8 @@ MEMORY_LIMIT = 3.0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--keep", type=Path, help="write the bundles here and keep them (default: a temp dir)")
-    args = ap.parse_args(argv)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-replay-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    args = bundle_args(__doc__.splitlines()[0], argv)
+    with workdir(args.keep, "bench-replay-") as root:
         small, big, build_s = build_bundles(root, args.samples, args.tokens)
         payloads = sorted(str(p) for p in (small / "payloads").iterdir())
         payload_bytes = sum(Path(p).stat().st_size for p in payloads)
@@ -81,9 +71,6 @@ def main(argv=None) -> int:
              memory_ratio <= MEMORY_LIMIT),
         ]
         return report(checks)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ floor, timing fresh processes (wall, CPU, peak RSS from ``os.wait4``) and interl
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # Built in a child process: the bench process must stay small, or every child it forks starts with its RSS.
@@ -27,6 +29,28 @@ FLOOR_CODE = (
     "    with open(p, 'rb') as fh:\n"
     "        hashlib.file_digest(fh, 'sha256')\n"
 )
+
+
+def bundle_args(description: str, argv=None) -> argparse.Namespace:
+    """The options of the two bundle benchmarks: the 1× size, repetitions and where to keep the bundles."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--keep", type=Path, help="write the bundles here and keep them (default: a temp dir)")
+    return ap.parse_args(argv)
+
+
+@contextmanager
+def workdir(keep, prefix: str):
+    """``keep`` (created, kept) or a temporary directory removed afterwards."""
+    root = keep or Path(tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        yield root
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def cli_cmd(command: str) -> list[str]:
