@@ -6,6 +6,7 @@ import importlib.util
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,3 +61,22 @@ def bundle_dirs(root: Path) -> list[str]:
 
 def all_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def stick_writer_on_disk(monkeypatch, timeout: float) -> tuple[threading.Event, threading.Event]:
+    """Make every ``BundleWriter.write_payload`` block until released, as a stuck disk would.
+
+    Returns ``(entered, gate)``: ``entered`` is set once a writer is stuck; ``gate.set()`` releases it.
+    """
+    from replay_lib.bundle import BundleWriter
+
+    entered, gate = threading.Event(), threading.Event()
+    original = BundleWriter.write_payload
+
+    def stuck_disk(self, name, tensor):
+        entered.set()
+        assert gate.wait(timeout)
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(BundleWriter, "write_payload", stuck_disk)
+    return entered, gate

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
-import threading
 
 import msgspec
 import pytest
@@ -13,8 +12,8 @@ import torch
 from capture import CaptureConfig, Provenance, ReplayCapture
 from capture.bundles import DEFAULT_REDACTION
 from capture.producer import _producer_info as producer_info_cache
-from capture_helpers import ROOT
-from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
+from capture_helpers import ROOT, stick_writer_on_disk
+from replay_lib.bundle import BundleReader, open_bundle
 from replay_lib.errors import BundleError
 from replay_lib.runner import replay
 from replay_lib.schema import INDEX_DECODER, ActorStepId, RecomputeConfig, encode_json
@@ -168,15 +167,7 @@ def test_a_misreported_step_loss_field_is_caught(tmp_path):
 
 
 def test_step_with_a_dropped_micro_batch_is_abandoned_not_published(tmp_path, monkeypatch):
-    entered, gate = threading.Event(), threading.Event()
-    original = BundleWriter.write_payload
-
-    def stuck_disk(self, name, tensor):
-        entered.set()
-        assert gate.wait(DEADLOCK_GUARD_S)
-        return original(self, name, tensor)
-
-    monkeypatch.setattr(BundleWriter, "write_payload", stuck_disk)
+    entered, gate = stick_writer_on_disk(monkeypatch, DEADLOCK_GUARD_S)
     cap = _capture(tmp_path, max_queue=1)
     assert cap.capture_rollout(120, **_rollout_kwargs(GROUP_NORMALIZED))
     assert entered.wait(DEADLOCK_GUARD_S)  # the writer is stuck on the rollout bundle

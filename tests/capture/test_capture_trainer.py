@@ -27,6 +27,7 @@ from capture_helpers import (
     bundle_dirs,
     capture_env,
     free_port,
+    stick_writer_on_disk,
     subprocess_env,
 )
 from replay_lib import cli
@@ -225,15 +226,7 @@ def test_a_full_disk_never_stops_training_and_is_counted(trainer, tmp_path, monk
 
 
 def test_training_never_waits_for_a_writer_stuck_on_disk(trainer, tmp_path, monkeypatch):
-    entered, gate = threading.Event(), threading.Event()
-    original = BundleWriter.write_payload
-
-    def stuck_disk(self, name, tensor):
-        entered.set()
-        assert gate.wait(RUN_TIMEOUT_S)
-        return original(self, name, tensor)
-
-    monkeypatch.setattr(BundleWriter, "write_payload", stuck_disk)
+    entered, gate = stick_writer_on_disk(monkeypatch, RUN_TIMEOUT_S)
     parser = trainer.build_parser()
     args = parser.parse_args(TINY)
     directory = tmp_path / "bundles"
