@@ -105,17 +105,17 @@ async def first_frame(path: Path, sample_id: str, offset: int) -> tuple[float, f
 def worker_parts(path: Path, reps: int) -> dict[str, float]:
     """Medians (ms) of what the replay worker does, outside the app: verify, replay, build the model."""
     from replay_lib.bundle import open_bundle
-    from replay_lib.runner import run_replay
+    from replay_lib.runner import replay_run
     from replay_tui.model import build_model
 
-    parts: dict[str, list[float]] = {"verify (open_bundle)": [], "replay (run_replay)": [], "model (build_model)": []}
+    parts: dict[str, list[float]] = {"verify (open_bundle)": [], "replay (replay_run)": [], "model (build_model)": []}
     for _ in range(reps):
         t0 = time.perf_counter()
         bundles = open_bundle(path)
         t1 = time.perf_counter()
-        report = run_replay(bundles)
+        report, contexts = replay_run(bundles)
         t2 = time.perf_counter()
-        build_model(bundles, report)
+        build_model(bundles, report, contexts=contexts)
         t3 = time.perf_counter()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
             parts[key].append(dt)

@@ -119,7 +119,7 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
     for stage in stages:
         for knob, why in REGISTRY[stage].refuse(cfg):
             raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")
-    for key, value in getattr(reader, "unknown_config", {}).items():
+    for key, value in reader.unknown_config.items():
         if value not in (None, False, 0, "", [], {}):
             raise UnsupportedError(
                 f"{where}: $.config.{key}={value!r}: unknown config knob; refusing to guess what it changes"
@@ -166,6 +166,20 @@ def run_replay(
     progress: Optional[ProgressFn] = None,
 ) -> ReplayReport:
     """Replay every rank shard of a verified :class:`BundleSet`."""
+    return replay_run(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
+                      progress=progress)[0]
+
+
+def replay_run(
+    bundles: BundleSet,
+    *,
+    stages: Optional[Sequence[StageId]] = None,
+    selection: Selection = Selection(),
+    max_divergences: int = 5,
+    progress: Optional[ProgressFn] = None,
+) -> tuple[ReplayReport, list[Optional[StageContext]]]:
+    """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
+    left out): its ``outputs`` hold what the stages recomputed, for a view that shows them."""
     keep = max(int(max_divergences), 1)
     resolutions = []
     matched: set[str] = set()
@@ -185,10 +199,13 @@ def run_replay(
     total = sum(len(p.run) for p in plans)
     done = 0
     selected: list[str] = []
+    contexts: list[Optional[StageContext]] = []
     for shard, res, plan in zip(bundles.shards, resolutions, plans):
         if not selection.empty and not res.indices:
+            contexts.append(None)
             continue
         ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep)
+        contexts.append(ctx)
         if res.partial:
             selected += ctx.sample_ids
         for stage in STAGE_ORDER:
@@ -202,6 +219,7 @@ def run_replay(
                 progress(stage.value, shard.rank, done, total)
             try:
                 result = REGISTRY[stage].run(ctx)
+                ctx.completed.add(stage.value)
             except StageInputError as exc:
                 result = StageReport(
                     stage=stage.value, status=STATUS_FAIL, reason=str(exc), mismatches=1,
@@ -226,9 +244,9 @@ def run_replay(
     first_div = first_stage.divergences[0] if first_stage and first_stage.divergences else None
     ident = bundles.shards[0].index.identity
     warnings = list(bundles.warnings)
-    for key, value in getattr(bundles.shards[0], "unknown_config", {}).items():
+    for key, value in bundles.shards[0].unknown_config.items():
         warnings.append(f"index.json $.config.{key}={value!r}: unknown knob with a neutral value (ignored)")
-    return ReplayReport(
+    report = ReplayReport(
         bundle_id=bundles.bundle_id,
         passed=first_stage is None,
         first_divergent_stage=first_stage.stage if first_stage else None,
@@ -240,6 +258,7 @@ def run_replay(
         selected_samples=selected if partial else None,
         warnings=warnings,
     )
+    return report, contexts
 
 
 def replay(

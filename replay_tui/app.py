@@ -15,7 +15,7 @@ from textual.binding import Binding, BindingType
 
 from replay_lib.bundle import open_bundle
 from replay_lib.errors import ReplayError
-from replay_lib.runner import run_replay
+from replay_lib.runner import replay_run
 from replay_lib.schema import ActorStepId, StageId
 from replay_lib.selection import Selection
 
@@ -116,10 +116,10 @@ class ReplayApp(App[int]):
         try:
             # "verify" is on screen already (start_replay); later states are posted through the throttle.
             bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
-            report = run_replay(bundles, stages=self.stages, selection=self.selection,
-                                max_divergences=self.max_divergences, progress=progress)
+            report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
+                                          max_divergences=self.max_divergences, progress=progress)
             progress("model", None, len(report.stages), len(report.stages))
-            model = build_model(bundles, report, name=self.display_name)
+            model = build_model(bundles, report, name=self.display_name, contexts=contexts)
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return

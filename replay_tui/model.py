@@ -287,10 +287,16 @@ def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[
     return {s.value for s in plan_stages(shard, None, partial=False).run}
 
 
-def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[str] = ()) -> ShardRecompute:
-    """A lazily recomputed shard; ``fields`` are computed now."""
-    ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1)
+def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[str] = (),
+                    ctx: Optional[StageContext] = None) -> ShardRecompute:
+    """A lazily recomputed shard; ``fields`` are computed now. ``ctx``: the runner's context of this
+    shard, whose completed stages are not run again (used when it covers every sample)."""
+    reuse = ctx is not None and not ctx.partial
+    if not reuse:
+        ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1)
     out = ShardRecompute(reader=shard, ctx=ctx, ran=set(ran))
+    if reuse:
+        out._done.update(ctx.completed)
     if SUPPORT_STAGE in out.ran:
         # known without computing: a support field exists only for the payloads the stage compares
         scored = scored_sources(shard)
@@ -794,14 +800,17 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     return rows
 
 
-def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = None) -> ReplayModel:
+def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = None,
+                contexts: Optional[Sequence[Optional[StageContext]]] = None) -> ReplayModel:
     """What the panes show, built in the replay worker (off the UI thread). The fields of the failing
-    stages are recomputed now (they mark the diverging samples); the others on first view."""
+    stages are compared now (they mark the diverging samples); the others on first view. ``contexts``
+    (from :func:`replay_lib.runner.replay_run`) carry what the replay already recomputed."""
     failed = {s.stage for s in report.stages if s.status == STATUS_FAIL}
     failing = [f.name for f in FIELDS if f.stage in failed]
     shards: list[ShardRecompute] = []
-    for shard in bundles.shards:
-        rec = recompute_shard(shard, stages_that_ran(report, shard), fields=failing)
+    for i, shard in enumerate(bundles.shards):
+        ctx = contexts[i] if contexts is not None else None
+        rec = recompute_shard(shard, stages_that_ran(report, shard), fields=failing, ctx=ctx)
         if SUPPORT_STAGE in rec.ran and shard.has_payload("support_ids") and shard.has_payload("support_logits"):
             try:  # here, off the UI thread: the support strip reads these rows on every cursor move
                 rec.support_tokens()

@@ -33,6 +33,8 @@ class StageContext:
     partial: bool
     keep: int = 5
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Stages that ran to completion on this context (their ``outputs`` are in place).
+    completed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples

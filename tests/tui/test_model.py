@@ -9,7 +9,8 @@ import torch
 from rich.style import Style
 
 from replay_lib.bundle import open_bundle
-from replay_lib.runner import run_replay
+from replay_lib.runner import replay_run, run_replay
+from replay_lib.stages import REGISTRY
 from replay_lib.selection import Selection
 from replay_tui.model import (
     KIND_COHORT,
@@ -209,3 +210,34 @@ def test_demo_cleanup_removes_only_its_own_temporary_directory(tmp_path):
     assert elsewhere.parent.parent != Path(tempfile.gettempdir())
     remove_materialized_demo(elsewhere)
     assert elsewhere.is_dir()
+
+
+@pytest.mark.parametrize("name", ["pr65-buggy", "kl-bug", "support-fullvocab"])
+def test_the_replay_contexts_give_the_same_model_without_running_a_stage_again(bundles, name, monkeypatch):
+    b = open_bundle(bundles / name)
+    report, contexts = replay_run(b)
+    runs: list[str] = []
+    for stage_id, stage in list(REGISTRY.items()):
+        def counted(ctx, _run=stage.run, _id=stage_id):
+            runs.append(_id.value)
+            return _run(ctx)
+        monkeypatch.setitem(REGISTRY, stage_id, type(stage)(**{**stage.__dict__, "run": counted}))
+    reused = build_model(b, report, contexts=contexts)
+    assert runs == []  # the failing fields were compared on the replay's own outputs
+    fresh = build_model(b, run_replay(b))
+    assert runs  # without the contexts the failing stages run again
+    assert reused.fields == fresh.fields
+    assert [(r.sample_id, r.mismatches, r.total_mismatches) for r in reused.samples] == \
+        [(r.sample_id, r.mismatches, r.total_mismatches) for r in fresh.samples]
+    for field_name in reused.fields:
+        for sample in reused.samples[:3]:
+            a, f = reused.field_diff(field_name, sample.sample_id), fresh.field_diff(field_name, sample.sample_id)
+            assert (a.expected, a.actual, a.divergent) == (f.expected, f.actual, f.divergent)
+
+
+def test_a_partial_selection_context_is_not_reused(bundles):
+    b = open_bundle(bundles / "pr65-buggy")
+    report, contexts = replay_run(b, selection=Selection(samples=("s-3",)))
+    assert contexts[0].partial
+    m = build_model(b, report, contexts=contexts)
+    assert m.field_diff("reward").expected == [3.5, 5.5]  # rows of the selected group, from a full recompute
