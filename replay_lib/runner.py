@@ -18,11 +18,6 @@ from .schema import ActorStepId, StageCapability, StageId
 from .selection import Selection, resolve_selection, selection_keys
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
 
-# Stages outside the V1 DAG: reported only when a bundle declares them.
-OPTIONAL_STAGES = frozenset({StageId.LOGPROB_SUPPORT})
-# Stages that read whole trajectories (a producer joins CP shards before writing) and so run at any CP size.
-CP_AGNOSTIC_STAGES = frozenset({StageId.SAMPLE, StageId.LOGPROB_SUPPORT})
-
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
 
@@ -113,7 +108,7 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
             f"{where}: $.config.advantage_estimator={cfg.advantage_estimator!r}: V1 recomputes GRPO only"
         )
     cp = reader.index.identity.rank.get("cp", 1)
-    if cp != 1 and not set(stages) <= CP_AGNOSTIC_STAGES:
+    if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "
                                f"(at any CP size only --stage sample / logprob.support run)")
     for stage in stages:
@@ -209,7 +204,7 @@ def replay_run(
         if res.partial:
             selected += ctx.sample_ids
         for stage in STAGE_ORDER:
-            if stage in OPTIONAL_STAGES and stage not in shard.manifest.stage_contracts:
+            if stage in REGISTRY and REGISTRY[stage].optional and stage not in shard.manifest.stage_contracts:
                 continue  # an optional stage a bundle doesn't declare is not worth a report line
             if stage not in plan.run:
                 reason = plan.skipped.get(stage, "")

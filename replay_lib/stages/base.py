@@ -167,6 +167,7 @@ class StageDef:
     ``cohort_level``: compares a cohort scalar, so it is skipped under a partial selection.
     ``refuse``: ``config -> [(knob, why)]`` knobs V1 cannot recompute for this stage (exit 4).
     ``requirements``: ``reader -> [missing]`` inputs/expected outputs, checked by ``validate``.
+    ``any_cp`` / ``optional``: see the fields.
     """
 
     id: StageId
@@ -176,3 +177,7 @@ class StageDef:
     refuse: Callable[[RecomputeConfig], list[tuple[str, str]]] = lambda cfg: []
     requirements: Callable[[BundleReader], list[str]] = lambda reader: []
     description: str = ""
+    # Reads whole trajectories (a producer joins context-parallel shards), so it runs at any CP size.
+    any_cp: bool = False
+    # Outside the V1 DAG: reported only when a bundle declares it.
+    optional: bool = False

@@ -355,4 +355,5 @@ LOGPROB_SUPPORT = StageDef(
     id=StageId.LOGPROB_SUPPORT, run=run_logprob_support, needs=(StageId.SAMPLE,), refuse=_support_refuse,
     requirements=_support_requirements,
     description="sampled tokens rescored over the recorded sampler support; support-row invariants",
+    any_cp=True, optional=True,
 )
