@@ -19,6 +19,7 @@ from .bundle import (
     open_bundle,
 )
 from .errors import BundleError, UnsupportedError
+from .runner import check_topology
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
     INDEX_DECODER,
@@ -52,8 +53,6 @@ def validate(path: str | Path, step: Optional[ActorStepId] = None, rollout: Opti
 
 def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
     refusals: list[str] = []
-    from .runner import check_topology  # local: runner imports this module's siblings
-
     for shard in bundles.shards:
         where = shard.path / "manifest.json"
         missing: list[str] = []
