@@ -29,13 +29,6 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
     abs_error: Optional[float] = None
     message: Optional[str] = None
 
-    def sort_key(self, sample_order: dict[str, int]) -> tuple:
-        return (
-            self.rank if self.rank is not None else -1,
-            sample_order.get(self.sample_id, -1) if self.sample_id is not None else -1,
-            self.token_offset if self.token_offset is not None else -1,
-        )
-
 
 class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     stage: str

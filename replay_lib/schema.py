@@ -309,10 +309,6 @@ def encode_json(obj) -> bytes:
     return msgspec.json.format(JSON_ENCODER.encode(obj), indent=2) + b"\n"
 
 
-def known_fields(struct_type) -> set[str]:
-    return {f.encode_name for f in msgspec.structs.fields(struct_type)}
-
-
 def unknown_fields(raw, typ, path: str = "$") -> list[str]:
     """Paths of keys present in decoded JSON ``raw`` that ``typ`` (a Struct tree) does not know."""
     info = msgspec.inspect.type_info(typ)

@@ -31,9 +31,4 @@ REGISTRY: dict[StageId, StageDef] = {
 UNSUPPORTED: dict[StageId, str] = {StageId.LOSS_VALUE: "value loss is unsupported in V1 (GRPO has no critic)"}
 
 
-def register(stage: StageDef) -> None:
-    REGISTRY[stage.id] = stage
-    UNSUPPORTED.pop(stage.id, None)
-
-
-__all__ = ["REGISTRY", "STAGE_ORDER", "UNSUPPORTED", "StageContext", "StageDef", "StageInputError", "register"]
+__all__ = ["REGISTRY", "STAGE_ORDER", "UNSUPPORTED", "StageContext", "StageDef", "StageInputError"]
