@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..schema import StageId
 from .advantage import ADVANTAGE_ESTIMATE, ADVANTAGE_KL
 from .base import StageContext, StageDef, StageInputError
-from .loss import LOSS_POLICY, LOSS_VALUE
+from .loss import LOSS_POLICY
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
 from .support import LOGPROB_SUPPORT
@@ -24,7 +24,7 @@ STAGE_ORDER: tuple[StageId, ...] = (
 
 REGISTRY: dict[StageId, StageDef] = {
     d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
-                      LOSS_POLICY, LOSS_VALUE)
+                      LOSS_POLICY)
 }
 
 # Stages this engine can never recompute, whatever the manifest declares.

@@ -1,4 +1,5 @@
-"""``loss.policy`` (clipped surrogate, sum of per-sample masked means) and the unsupported ``loss.value``."""
+"""``loss.policy``: clipped surrogate, sum of per-sample masked means. (``loss.value`` has no adapter: it is
+listed in ``stages.UNSUPPORTED``.)"""
 
 from __future__ import annotations
 
@@ -75,13 +76,8 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     return out
 
 
-def run_loss_value(ctx: StageContext) -> StageReport:  # never called: the stage is unsupported
-    raise StageInputError("loss.value is unsupported in V1")
-
-
 LOSS_POLICY = StageDef(
     id=StageId.LOSS_POLICY, run=run_loss_policy, needs=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE),
     cohort_level=True, refuse=_loss_refuse, requirements=_loss_requirements,
     description="clipped policy loss, sum of per-sample masked means",
 )
-LOSS_VALUE = StageDef(id=StageId.LOSS_VALUE, run=run_loss_value, description="value loss (unsupported in V1)")
