@@ -41,10 +41,10 @@ from replay_lib.schema import (
     RecomputeConfig,
     SampleRecord,
     StageCapability,
-    StageContract,
     StageId,
     Tolerance,
     WeightLineage,
+    stage_contracts,
 )
 
 from .manager import CaptureItem
@@ -265,17 +265,7 @@ class BundleSink:
 
     def _manifest(self, bundle_id: str, stages: Sequence[StageId],
                   capabilities: Optional[Mapping[StageId, StageCapability]] = None) -> Manifest:
-        capabilities = capabilities or {}
-        contracts = {
-            stage: StageContract(stage=stage, version="v1",
-                                 capability=capabilities.get(stage, StageCapability.RECOMPUTE),
-                                 implementation="reuse", inputs=[], expected_outputs=[])
-            for stage in stages
-        }
-        contracts[StageId.LOSS_VALUE] = StageContract(
-            stage=StageId.LOSS_VALUE, version="v1", capability=StageCapability.UNSUPPORTED,
-            implementation="reuse", inputs=[], expected_outputs=[],
-        )
+        contracts = stage_contracts(stages, capabilities=dict(capabilities or {}))
         policy = ComparisonPolicy(
             exact_fields=["reward.raw.raw_reward"],
             tolerances={str(stage): self.context.tolerance for stage in stages},

@@ -30,10 +30,10 @@ from .schema import (
     ProducerInfo,
     RecomputeConfig,
     SampleRecord,
-    StageCapability,
     StageContract,
     StageId,
     WeightLineage,
+    stage_contracts,
 )
 
 ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
@@ -47,15 +47,9 @@ SUPPORT_DEMO = dict(full_vocab_bug=True, samples=8, tokens=24, k=16, vocab_size=
 
 
 def contracts(stages, declare_value: bool = True) -> dict[StageId, StageContract]:
-    out = {
-        s: StageContract(stage=s, version="v1", capability=StageCapability.RECOMPUTE,
-                         implementation="reimplemented" if s == StageId.REWARD_POST_PROCESS else "reuse")
-        for s in stages
-    }
-    if declare_value:
-        out[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, version="v1",
-                                                capability=StageCapability.UNSUPPORTED)
-    return out
+    """The demos' contracts: reward.post_process is ``reimplemented`` offline, as in the original tool."""
+    return stage_contracts(stages, implementations={StageId.REWARD_POST_PROCESS: "reimplemented"},
+                           declare_value=declare_value)
 
 
 def producer() -> ProducerInfo:

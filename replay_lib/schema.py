@@ -172,6 +172,28 @@ class StageContract(_Struct, kw_only=True):
     expected_outputs: list[str] = []
 
 
+def stage_contracts(
+    stages,
+    *,
+    capabilities: Optional[dict[StageId, StageCapability]] = None,
+    implementations: Optional[dict[StageId, str]] = None,
+    declare_value: bool = True,
+) -> dict[StageId, StageContract]:
+    """Version-1 contracts for ``stages`` (``recompute`` unless ``capabilities`` says otherwise, ``reuse``
+    unless ``implementations`` does), plus ``loss.value`` declared unsupported, as V1 producers write."""
+    capabilities = capabilities or {}
+    implementations = implementations or {}
+    out = {
+        s: StageContract(stage=s, version="v1", capability=capabilities.get(s, StageCapability.RECOMPUTE),
+                         implementation=implementations.get(s, "reuse"))
+        for s in stages
+    }
+    if declare_value:
+        out[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, version="v1",
+                                                capability=StageCapability.UNSUPPORTED)
+    return out
+
+
 class PayloadSpec(_Struct, kw_only=True):
     name: str
     dtype: str
