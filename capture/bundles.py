@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from replay_lib.bundle import BundleWriter
+from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
 from replay_lib.kernels import LOSS_FIELDS
 from replay_lib.schema import (
     FORMAT_VERSION,
@@ -61,11 +62,9 @@ DEFAULT_REDACTION = {"prompt": "hash", "response": "hash", "label": "drop", "too
 # Optional per-token side channels of a bundle (first dimension = Σ response_length), the payloads of stage
 # ``logprob.support`` (SPEC §7): sampler support rows, the member logits of the forward that scored the
 # recorded log-probs, the sampled ids, full-vocabulary log-probs, routed experts, context-parallel shard.
-SUPPORT_CHANNELS = ("sampled_token_ids", "support_ids", "support_logits", "full_log_probs", "routed_experts",
-                    "cp_shard")
-ROLLOUT_SIDE_CHANNELS = SUPPORT_CHANNELS  # the name older callers import
+SUPPORT_CHANNELS = SUPPORT_TOKEN_PAYLOADS
 # Recorded log-prob payloads a trainer may score over the recorded support (``config.support_scored``).
-SUPPORT_SCORABLE = ("log_probs", "old_log_probs", "ref_log_probs")
+SUPPORT_SCORABLE = tuple(SCORED_FIELDS)
 # Dtype each channel is written with (the writer casts after the device→host copy; integer channels keep
 # their own integer dtype except the support ids, which the format fixes at int32).
 _CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, "full_log_probs": torch.float32}
