@@ -3,8 +3,10 @@ runner as the CLI; the app renders the resulting :class:`ReplayReport` (and the 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence
@@ -35,6 +37,10 @@ def error_line(message: str, prog: str = PROG) -> str:
 
 
 PROGRESS_INTERVAL_S = 0.15
+# Before the first frame, the app waits up to this long for the replay: a bundle that replays within it
+# opens directly on its result (no flash of a progress screen, and no UI start-up competing with the
+# replay for the interpreter); a longer replay shows its progress from then on.
+STARTUP_GRACE_S = 0.25
 
 
 class ReplayApp(App[int]):
@@ -73,6 +79,8 @@ class ReplayApp(App[int]):
         self.error: Optional[tuple[str, int]] = None
         self.progress: tuple[str, int, int] = ("verify", 0, 0)
         self._run = 0
+        self._first_result: Optional[ReplayModel] = None
+        self._first_done = threading.Event()
 
     def get_default_screen(self) -> DebuggerScreen:
         return DebuggerScreen(self.display_name)
@@ -84,10 +92,14 @@ class ReplayApp(App[int]):
         return screen
 
     # -- the replay worker ------------------------------------------------------------------------
-    def on_mount(self) -> None:
-        # Start at once: the replay overlaps Textual mounting the screen (the screen picks up whatever
-        # arrived before it was ready, see DebuggerScreen.on_mount).
+    async def on_load(self) -> None:
+        # Start before the terminal is even switched over, then give the replay a short head start
+        # with the interpreter to itself (the wait releases it). The screen picks up whatever arrived
+        # before it was mounted (see DebuggerScreen.on_mount); later results come as messages.
         self.start_replay()
+        await asyncio.sleep(0)  # lets the worker's task hand the replay to its thread
+        if self._first_done.wait(STARTUP_GRACE_S) and self._first_result is not None:
+            self.model = self._first_result
 
     def start_replay(self) -> None:
         self._run += 1
@@ -120,9 +132,13 @@ class ReplayApp(App[int]):
                                           max_divergences=self.max_divergences, progress=progress)
             progress("model", None, len(report.stages), len(report.stages))
             model = build_model(bundles, report, name=self.display_name, contexts=contexts)
+            if run == 1:
+                self._first_result = model
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return
+        finally:
+            self._first_done.set()
         self.post_message(ReplayFinished(run, model))
 
     def on_replay_progress(self, message: ReplayProgress) -> None:
@@ -135,7 +151,7 @@ class ReplayApp(App[int]):
         if message.run != self._run:
             return
         self.model = message.model
-        if self._screen_ready():
+        if self._screen_ready() and self.debugger.model is not message.model:
             with self.batch_update():  # every pane changes at once: one layout, one frame
                 self.debugger.load(message.model)
 

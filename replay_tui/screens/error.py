@@ -8,7 +8,9 @@ from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
+
+from ..widgets.key_bar import KeyBar
 
 EXIT_MEANING = {
     2: "bad command line",
@@ -44,7 +46,7 @@ class ErrorScreen(Screen):
             yield Static(Text(self.line), id="error-line")
             yield Static(Text(f"exit code {self.code} — {EXIT_MEANING.get(self.code, 'error')}\npress q to quit"),
                          id="error-code")
-        yield Footer()
+        yield KeyBar()
 
     def on_mount(self) -> None:
         self.query_one("#error-box").border_title = "replay failed"

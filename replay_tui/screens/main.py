@@ -11,12 +11,12 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import Footer
 
 from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, FIELD_BY_NAME, FIELD_BY_STAGE
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.diff_view import DiffPanel, DiffView
 from ..widgets.identity_pane import IdentityPane
+from ..widgets.key_bar import KeyBar
 from ..widgets.sample_tree import SamplesPanel, SampleTree
 from ..widgets.stage_pane import StageList, StagesPanel
 from ..widgets.status_bar import TitleBar, VerdictBar
@@ -90,15 +90,19 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             with Vertical(id="right"):
                 yield StagesPanel(id="stages")
                 yield DiffPanel(id="diff")
-        yield Footer(compact=True)
+        yield KeyBar()
 
     def on_mount(self) -> None:
         self.query_one(TitleBar).show(self.bundle_name)
         self.query_one(DiffPanel).show(None, message="replaying…")
         self.set_focus(self.query_one(DiffView))
+        if self.app.model is not None:
+            # The replay finished before the first frame (the app's start-up grace): the first
+            # layout is already the result's.
+            self.ready = True
+            self.load(self.app.model)
+            return
         self.show_progress(*self.app.progress)
-        # The replay started with the app. If it finished before this screen was mounted, load its
-        # result after the first layout (contents set during mount may miss their relayout).
         self.call_after_refresh(self._ready)
 
     def _ready(self) -> None:

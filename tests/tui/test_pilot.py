@@ -16,6 +16,7 @@ from replay_tui.screens.help import HelpScreen
 from replay_tui.screens.jump import JumpScreen
 from replay_tui.widgets.diff_view import DiffView, ErrorStrip
 from replay_tui.widgets.identity_pane import IdentityPane
+from replay_tui.widgets.key_bar import KeyBar
 from replay_tui.widgets.sample_tree import SampleTree
 from replay_tui.widgets.stage_pane import StageList
 from replay_tui.widgets.status_bar import VerdictBar
@@ -97,6 +98,24 @@ async def test_fast_stages_cost_no_progress_frames(bundles):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
     assert len(seen) < 6
+
+
+async def test_a_quick_replay_is_on_the_very_first_frame(bundles):
+    # The app gives the replay a short head start before its first frame (STARTUP_GRACE_S): a small
+    # bundle never flashes a progress screen, and the first frame written already holds the result.
+    frames: list[str] = []
+
+    class Recording(ReplayApp):
+        def _display(self, screen, renderable) -> None:
+            frames.append(screen_text(self))
+            super()._display(screen, renderable)
+
+    app = Recording(bundles / "pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+    assert frames and "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in frames[0]
+    assert not any("verifying bundle" in f or "replaying" in f for f in frames)
+    assert frames[0].splitlines()[-1].startswith("tab Pane n Next div")
 
 
 async def test_markup_in_sample_ids_is_shown_literally(make_app):
@@ -363,6 +382,32 @@ async def test_footer_shows_the_focused_panes_bindings(make_app):
         await pilot.press("3")
         assert "d" not in app.active_bindings
         assert app.active_bindings["n"].binding.id == "main.next-divergence"
+
+
+async def test_key_bar_follows_focus_and_its_keys_click(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        bar = app.debugger.query_one(KeyBar)
+        # the first frame already lists the diff viewer's keys (no later recompose)
+        assert [(i.display, i.description) for i in bar.items] == [
+            ("tab", "Pane"), ("n", "Next div"), ("f", "Field"), ("/", "Jump"), ("?", "Help"), ("q", "Quit"),
+            ("^p", "palette")]
+        assert screen_text(app).splitlines()[-1].rstrip() == "tab Pane n Next div f Field / Jump ? Help q Quit ^p palette"
+        await pilot.press("2")
+        assert [i.description for i in bar.items][:2] == ["Diverging", "Fold"]
+        # a click on "d Diverging" presses d in the focused sample tree
+        diverging = bar.items[0]
+        assert (diverging.start, diverging.end) == (0, 11)
+        assert await pilot.click(KeyBar, offset=(5, 0))
+        await pilot.pause()
+        assert app.debugger.tree.diverging_only is True
+        # hovering shows the binding's tooltip; a click between keys does nothing
+        await pilot.hover(KeyBar, offset=(1, 0))
+        assert bar.tooltip == "Show only samples with a mismatch (toggle)"
+        assert bar.item_at(11) is None
+        await pilot.press("3")
+        assert "Diverging" not in [i.description for i in bar.items]
 
 
 # ------------------------------------------------------------------------------------------ mouse
