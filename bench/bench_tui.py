@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -91,23 +92,65 @@ QUIET_S = 0.3
 
 
 def timed_app(path: Path):
-    """The app, recording when each frame reaches the terminal (Textual's one write path, ``App._display``)."""
+    """The app, recording each update it writes to the terminal (Textual's one write path,
+    ``App._display``) with its wall and process-CPU time. Keeping the update costs nothing: its strips
+    are immutable; what each frame showed is worked out after the run (:func:`last_change`)."""
     from replay_tui.app import ReplayApp
 
     class TimedApp(ReplayApp):
-        frames: list[float] = []
+        frames: list[tuple[float, float, object]] = []
 
         def _display(self, screen, renderable) -> None:
-            self.frames.append(time.perf_counter())
+            self.frames.append((time.perf_counter(), time.process_time(), renderable))
             super()._display(screen, renderable)
 
     return TimedApp(path)
 
 
+def pictures(updates, size: tuple[int, int]):
+    """What the terminal shows after each update: the updates replayed onto a grid of (character,
+    style) cells (cursor moves and text, as a terminal would apply them)."""
+    from rich.cells import cell_len
+    from rich.console import Console
+    from rich.segment import ControlType
+
+    width, height = size
+    console = Console(width=width, height=height, file=open(os.devnull, "w"))
+    grid = [[(" ", None)] * width for _ in range(height)]
+    for update in updates:
+        if update is not None:
+            x = y = 0
+            for seg in update.__rich_console__(console, console.options):
+                if seg.control:
+                    for control in seg.control:
+                        if control[0] == ControlType.CURSOR_MOVE_TO:
+                            x, y = control[1], control[2]
+                    continue
+                if seg.text == "\n":
+                    continue  # every update moves the cursor before each run of cells
+                for ch in seg.text:
+                    if 0 <= y < height and 0 <= x < width:
+                        grid[y][x] = (ch, seg.style)
+                    x += cell_len(ch)
+        yield tuple(tuple(row) for row in grid)
+
+
+def last_change(frames, size) -> int:
+    """Index of the frame after which the picture never changed again: the first complete frame. (Later
+    frames re-render without visible change: Textual lays the screen out again once every widget has
+    its size, and again on the terminal's first resize event.)"""
+    last, previous = 0, None
+    for i, picture in enumerate(pictures([f[2] for f in frames], size)):
+        if picture != previous:
+            last, previous = i, picture
+    return last
+
+
 async def first_frame(path: Path, sample_id: str, offset: int) -> tuple[float, float]:
-    """(wall, CPU of the whole process, worker thread included) to the first complete frame: the last
-    frame written before the screen goes quiet for ``QUIET_S`` once the result is on it (with Textual's
-    stock footer, its keys arrived a frame or two after the panes)."""
+    """(wall, CPU of the whole process, worker thread included) from ``ReplayApp(path)`` to the first
+    complete frame: the frame that put the final picture on the terminal (the result on every pane and
+    the keys in the key bar), found by replaying every frame written until the screen has been quiet
+    for ``QUIET_S``."""
     t0, c0 = time.perf_counter(), time.process_time()
     app = timed_app(path)
     app.frames = []
@@ -118,13 +161,18 @@ async def first_frame(path: Path, sample_id: str, offset: int) -> tuple[float, f
         assert screen.diff_cursor == offset, screen.diff_cursor
         while True:
             seen = len(app.frames)
-            cpu = time.process_time()
             await asyncio.sleep(QUIET_S)
             await pilot.pause()
             if len(app.frames) == seen:
                 break
         assert app.query_one("KeyBar").items, "the key bar never showed its keys"
-    return app.frames[-1] - t0, cpu - c0
+        final = "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+    frames = list(app.frames)
+    i = last_change(frames, SIZE)
+    shown = "\n".join("".join(ch for ch, _ in row) for row in list(pictures([f[2] for f in frames], SIZE))[-1])
+    assert shown == final, "the replayed frames do not add up to the screen"
+    wall, cpu, _ = frames[i]
+    return wall - t0, cpu - c0
 
 
 def worker_parts(path: Path, reps: int) -> dict[str, float]:

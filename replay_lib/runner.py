@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from .bundle import BundleReader, BundleSet, open_bundle
 from .errors import SelectionError, UnsupportedError
+from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, ReplayReport, StageReport
 from .schema import ActorStepId, StageCapability, StageId
 from .selection import Selection, resolve_selection, selection_keys
@@ -175,6 +176,12 @@ def replay_run(
 ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
     left out): its ``outputs`` hold what the stages recomputed, for a view that shows them."""
+    with gc_paused():
+        return _replay_run(bundles, stages, selection, max_divergences, progress)
+
+
+def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selection: Selection,
+                max_divergences: int, progress: Optional[ProgressFn]) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     keep = max(int(max_divergences), 1)
     resolutions = []
     matched: set[str] = set()

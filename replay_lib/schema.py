@@ -48,7 +48,7 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True):
     pass
 
 
-class ActorStepId(_Struct, kw_only=True):
+class ActorStepId(_Struct, kw_only=True, forbid_unknown_fields=True):
     """The train_one_step coordinate: (rollout_id, step_id). A flat step number is never persisted."""
 
     rollout_id: int
@@ -58,7 +58,7 @@ class ActorStepId(_Struct, kw_only=True):
         return f"{self.rollout_id}:{self.step_id}"
 
 
-class WeightLineage(_Struct, kw_only=True):
+class WeightLineage(_Struct, kw_only=True, forbid_unknown_fields=True):
     rollout_weight: Optional[Scalar] = None
     actor_weight: Optional[Scalar] = None
 
@@ -66,7 +66,7 @@ class WeightLineage(_Struct, kw_only=True):
 RANK_AXES = ("dp", "tp", "pp", "cp")
 
 
-class Identity(_Struct, kw_only=True):
+class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
     """Logical identity (sample, semantic group, cohort, actor step) and physical provenance."""
 
     actor_step_id: Optional[ActorStepId] = None
@@ -97,7 +97,7 @@ class Identity(_Struct, kw_only=True):
         return f"rollout_id={self.rollout_id}"
 
 
-class SampleRecord(_Struct, kw_only=True):
+class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True):
     sample_id: str
     group_index: Optional[int] = None
     response_length: int
@@ -114,7 +114,7 @@ class SampleRecord(_Struct, kw_only=True):
     tool_output: Optional[str] = None
 
 
-class RecomputeConfig(_Struct, kw_only=True):
+class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     """Every knob that changes the math, including the ones V1 cannot recompute (so they can be refused)."""
 
     advantage_estimator: str = "grpo"
@@ -144,7 +144,7 @@ class RecomputeConfig(_Struct, kw_only=True):
     support_scored: Optional[list[str]] = None
 
 
-class BundleIndex(_Struct, kw_only=True):
+class BundleIndex(_Struct, kw_only=True, forbid_unknown_fields=True):
     bundle_id: str
     identity: Identity
     samples: list[SampleRecord]
@@ -288,9 +288,9 @@ def parse_redaction_rule(field: str, rule: str) -> tuple[str, int]:
     raise ValueError(f"redaction rule for {field!r} must be 'hash', 'drop' or 'truncate:N', got {rule!r}")
 
 
-def strict_mirror(typ, _memo: dict | None = None):
-    """The same type tree with ``forbid_unknown_fields`` on every Struct: a decode that succeeds proves
-    that a document has no unknown field anywhere, without walking it in Python."""
+def lenient_mirror(typ, _memo: dict | None = None):
+    """The same type tree with unknown fields allowed on every Struct (the index-tree types forbid
+    them, so that the usual document is decoded and proved free of unknown fields in one pass)."""
     import typing
 
     memo = {} if _memo is None else _memo
@@ -305,25 +305,37 @@ def strict_mirror(typ, _memo: dict | None = None):
                     default = msgspec.field(default_factory=f.default_factory, name=f.encode_name)
                 else:
                     default = msgspec.field(name=f.encode_name)
-                fields.append((f.name, strict_mirror(hints[f.name], memo), default))
-            memo[typ] = msgspec.defstruct(f"Strict{typ.__name__}", fields, kw_only=True, forbid_unknown_fields=True)
+                fields.append((f.name, lenient_mirror(hints[f.name], memo), default))
+            memo[typ] = msgspec.defstruct(f"Lenient{typ.__name__}", fields, kw_only=True, forbid_unknown_fields=False)
         return memo[typ]
     origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin in (list, tuple, dict, set, frozenset) and args:
-        return origin[tuple(strict_mirror(a, memo) for a in args)]
+        return origin[tuple(lenient_mirror(a, memo) for a in args)]
     if origin is Union:
-        return Union[tuple(strict_mirror(a, memo) for a in args)]
+        return Union[tuple(lenient_mirror(a, memo) for a in args)]
     return typ
 
 
 # One encoder / decoder per type, reused.
 JSON_ENCODER = msgspec.json.Encoder(order="sorted")
 MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
-INDEX_DECODER = msgspec.json.Decoder(BundleIndex)
-STRICT_INDEX_DECODER = msgspec.json.Decoder(strict_mirror(BundleIndex))
+INDEX_DECODER = msgspec.json.Decoder(BundleIndex)  # forbids unknown fields: see decode_index
+LENIENT_INDEX_DECODER = msgspec.json.Decoder(lenient_mirror(BundleIndex))
 EXPECTED_DECODER = msgspec.json.Decoder(Expected)
 RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
 BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
+
+
+def decode_index(blob: bytes) -> tuple[BundleIndex, bool]:
+    """``(index, whether it has fields this reader does not know)``. The usual document takes one strict
+    decode (which proves it has none); one with unknown fields is decoded leniently (raising its real
+    problem, if it has another) and rebuilt without them. Raises ``msgspec.DecodeError`` /
+    ``ValidationError``."""
+    try:
+        return INDEX_DECODER.decode(blob), False
+    except msgspec.ValidationError:
+        lenient = LENIENT_INDEX_DECODER.decode(blob)
+        return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
 
 
 def encode_json(obj) -> bytes:

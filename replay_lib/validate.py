@@ -22,10 +22,10 @@ from .errors import BundleError, UnsupportedError
 from .runner import check_topology
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
-    INDEX_DECODER,
     MANIFEST_DECODER,
     ActorStepId,
     StageCapability,
+    decode_index,
 )
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
 
@@ -164,7 +164,7 @@ def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(f"manifest.json: {exc}")
     try:
-        index = INDEX_DECODER.decode(_read_regular(path / "index.json", path))
+        index, _ = decode_index(_read_regular(path / "index.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:

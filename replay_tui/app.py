@@ -17,6 +17,7 @@ from textual.binding import Binding, BindingType
 
 from replay_lib.bundle import open_bundle
 from replay_lib.errors import ReplayError
+from replay_lib.gcpause import gc_paused
 from replay_lib.runner import replay_run
 from replay_lib.schema import ActorStepId, StageId
 from replay_lib.selection import Selection
@@ -126,20 +127,25 @@ class ReplayApp(App[int]):
                 self.post_message(ReplayProgress(run, stage, done, total))
 
         try:
-            # "verify" is on screen already (start_replay); later states are posted through the throttle.
-            bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
-            report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
-                                          max_divergences=self.max_divergences, progress=progress)
-            progress("model", None, len(report.stages), len(report.stages))
-            model = build_model(bundles, report, name=self.display_name, contexts=contexts)
-            if run == 1:
-                self._first_result = model
+            with gc_paused():  # one bulk phase: no collection between verify, replay and model either
+                model = self._verify_replay_model(run, progress)
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return
         finally:
             self._first_done.set()
         self.post_message(ReplayFinished(run, model))
+
+    def _verify_replay_model(self, run: int, progress) -> ReplayModel:
+        # "verify" is on screen already (start_replay); later states are posted through the throttle.
+        bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
+        report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
+                                      max_divergences=self.max_divergences, progress=progress)
+        progress("model", None, len(report.stages), len(report.stages))
+        model = build_model(bundles, report, name=self.display_name, contexts=contexts)
+        if run == 1:
+            self._first_result = model
+        return model
 
     def on_replay_progress(self, message: ReplayProgress) -> None:
         if message.run == self._run:

@@ -19,6 +19,7 @@ import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
 from replay_lib.compare import as_float64, mismatch, tolerance_for
+from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
@@ -805,6 +806,12 @@ def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = 
     """What the panes show, built in the replay worker (off the UI thread). The fields of the failing
     stages are compared now (they mark the diverging samples); the others on first view. ``contexts``
     (from :func:`replay_lib.runner.replay_run`) carry what the replay already recomputed."""
+    with gc_paused():
+        return _build_model(bundles, report, name, contexts)
+
+
+def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
+                 contexts: Optional[Sequence[Optional[StageContext]]]) -> ReplayModel:
     failed = {s.stage for s in report.stages if s.status == STATUS_FAIL}
     failing = [f.name for f in FIELDS if f.stage in failed]
     shards: list[ShardRecompute] = []

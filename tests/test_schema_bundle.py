@@ -18,6 +18,7 @@ from replay_lib.runner import replay
 from replay_lib.schema import (
     BUNDLE_COMPLETE_DECODER,
     INDEX_DECODER,
+    decode_index,
     MANIFEST_DECODER,
     RANK_COMPLETE_DECODER,
     ActorStepId,
@@ -208,6 +209,22 @@ def test_decoder_rejects_wrong_types_with_the_field_path():
     del doc["samples"][0]["response_length"]
     with pytest.raises(msgspec.ValidationError, match=r"missing required field `response_length` - at `\$\.samples\[0\]`"):
         INDEX_DECODER.decode(json.dumps(doc).encode())
+
+
+def test_decode_index_proves_no_unknown_field_in_one_pass_and_drops_them_otherwise():
+    index = _sample_index()
+    clean = encode_json(index)
+    assert decode_index(clean) == (index, False)
+    doc = json.loads(clean)
+    doc["samples"][0]["tokens_per_second"] = 9.5
+    doc["identity"]["weight_lineage"]["optimizer_step"] = 12
+    again, unknown = decode_index(json.dumps(doc).encode())
+    # the same types and values as the clean document: the unknown fields are gone, nothing else
+    assert unknown is True and again == index and type(again.samples[0]) is type(index.samples[0])
+    # an unknown field does not hide another problem: the lenient decode reports it
+    doc["samples"][0]["loss_mask"] = [1, "0"]
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.samples\[0\]\.loss_mask\[1\]"):
+        decode_index(json.dumps(doc).encode())
 
 
 # --------------------------------------------------------------------------- writer / reader, disk

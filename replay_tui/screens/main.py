@@ -93,6 +93,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         yield KeyBar()
 
     def on_mount(self) -> None:
+        self._fit_identity(self.app.size.height)  # before the first layout, not after it
         self.query_one(TitleBar).show(self.bundle_name)
         self.query_one(DiffPanel).show(None, message="replaying…")
         self.set_focus(self.query_one(DiffView))
@@ -349,5 +350,10 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.app.start_replay()
 
     def on_resize(self, event: events.Resize) -> None:
-        if self.identity_pref is None:
-            self.query_one(IdentityPane).display = event.size.height >= IDENTITY_MIN_HEIGHT
+        self._fit_identity(event.size.height)
+
+    def _fit_identity(self, height: int) -> None:
+        pane = self.query_one(IdentityPane)
+        show = height >= IDENTITY_MIN_HEIGHT
+        if self.identity_pref is None and pane.display != show:  # a relayout only when it changes
+            pane.display = show

@@ -76,6 +76,7 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
         self._generation = 0
         self._rows = 0
         self._base_style: Style | None = None
+        self._center_pending = False
 
     @classmethod
     def navigation_bindings(cls, pane: str, noun: str, open_tooltip: str) -> list[Binding]:
@@ -183,7 +184,10 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
         return max(0, min(int(value), self._rows - 1))
 
     def scroll_to_cursor(self) -> None:
-        height = max(1, self.scrollable_content_region.height)
+        height = self.scrollable_content_region.height
+        if height <= 0:  # not laid out yet (content loaded at mount): see _size_updated
+            self._center_pending = True
+            return
         top = round(self.scroll_offset.y)
         if self.cursor < top:
             self.scroll_to(y=self.cursor, animate=False, immediate=True)
@@ -191,8 +195,20 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
             self.scroll_to(y=self.cursor - height + 1, animate=False, immediate=True)
 
     def center_cursor(self) -> None:
-        height = max(1, self.scrollable_content_region.height)
+        height = self.scrollable_content_region.height
+        if height <= 0:  # not laid out yet: centre as soon as the size is known, before the first paint
+            self._center_pending = True
+            return
+        self._center_pending = False
         self.scroll_to(y=max(0, self.cursor - height // 2), animate=False, immediate=True)
+
+    def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
+        # Called during the layout pass, before this widget is rendered: a cursor loaded before the
+        # first layout is centred in the very first frame (a Resize handler would run a frame later).
+        resized = super()._size_updated(size, virtual_size, container_size, layout)
+        if self._center_pending and self.scrollable_content_region.height > 0:
+            self.center_cursor()
+        return resized
 
     def on_focus(self) -> None:
         self._refresh_row(self.cursor)

@@ -23,6 +23,9 @@ from .support_strip import SupportStrip
 
 
 class DiffView(CursorLines):
+    DEFAULT_CSS = """
+    DiffView { overflow-y: scroll; }
+    """
     PANE = "diff"
     BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
         "diff", "row", "Open the sample's per-token diff (from a per-sample table)")

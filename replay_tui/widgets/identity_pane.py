@@ -1,40 +1,98 @@
 """Bundle identity: id, kind, anchor, logical and physical identity, producer, format, redaction policy,
-rank layout, and the validation warnings."""
+rank layout, and the validation warnings.
+
+Two columns (label, value), values wrapped to the pane's width. Drawn with the line API from rows
+wrapped once per width: a rich ``Table`` in a ``Static`` was re-measured (rendered) on every layout
+pass and was the costliest widget of the first frame."""
 
 from __future__ import annotations
 
-from textual.containers import VerticalScroll
-from textual.widgets import Static
-from rich.table import Table
-from rich.text import Text
+import textwrap
+from typing import Optional
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from ..cells import DIM, WARN, fit
+
+WARN_KEY = Style(color="yellow", bold=True)
+PLACEHOLDER = [("", "verifying bundle…")]
 
 
-class IdentityPane(VerticalScroll, can_focus=True):
+def wrap_rows(rows: list[tuple[str, str]], width: int) -> list[tuple[str, Style, str, Optional[Style]]]:
+    """Display lines ``(label, label style, value part, value style)``: the label column is as wide
+    as the widest label (at most half the pane), values wrap at spaces and fold long words."""
+    key_w = min(max((len(k) for k, _ in rows), default=0), max(width // 2, 1))
+    value_w = max(width - key_w - 1, 1)
+    lines = []
+    for key, value in rows:
+        warn = key == "warning"
+        parts = textwrap.wrap(value, value_w, break_on_hyphens=False, drop_whitespace=True) or [""]
+        for i, part in enumerate(parts):
+            lines.append((fit(key if i == 0 else "", key_w), WARN_KEY if warn else DIM, part,
+                          WARN if warn else (DIM if rows is PLACEHOLDER else None)))
+    return lines
+
+
+class IdentityPane(ScrollView, can_focus=True):
     DEFAULT_CSS = """
     IdentityPane {
         border: round $panel-lighten-2;
         height: auto;
         max-height: 55%;
+        overflow-x: hidden;
+        overflow-y: scroll;
         scrollbar-size-vertical: 1;
         &:focus { border: round $accent; }
         border-subtitle-color: $warning;
-        #identity-text { width: 1fr; }
     }
     """
 
-    def compose(self):
-        yield Static(Text("verifying bundle…", style="dim"), id="identity-text")
+    def __init__(self, *, id: Optional[str] = None) -> None:
+        super().__init__(id=id)
+        self.rows: list[tuple[str, str]] = PLACEHOLDER
+        self._wrapped: tuple[int, list] = (-1, [])
 
     def on_mount(self) -> None:
         self.border_title = "Identity"
 
     def set_rows(self, rows: list[tuple[str, str]]) -> None:
-        grid = Table.grid(padding=(0, 1), expand=True)
-        grid.add_column(no_wrap=True)
-        grid.add_column(ratio=1, overflow="fold")
-        for key, value in rows:
-            warn = key == "warning"
-            grid.add_row(Text(key, style="bold yellow" if warn else "dim"), Text(value, style="yellow" if warn else ""))
-        self.query_one("#identity-text", Static).update(grid)
+        self.rows = rows
+        self._wrapped = (-1, [])
         warnings = sum(1 for key, _ in rows if key == "warning")
         self.border_subtitle = f"⚠ {warnings} warning{'s' if warnings != 1 else ''}" if warnings else ""
+        width = self.scrollable_content_region.width
+        if width > 0:
+            self.virtual_size = Size(width, len(self.lines(width)))
+        self.refresh(layout=True)
+
+    def lines(self, width: int) -> list:
+        if self._wrapped[0] != width:
+            self._wrapped = (width, wrap_rows(self.rows, width))
+        return self._wrapped[1]
+
+    # -- layout -----------------------------------------------------------------------------------
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        # ``width`` is the content width, which (scrollbar-gutter: stable) already leaves the scrollbar out
+        return len(self.lines(width))
+
+    def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
+        width = max(size.width - self.styles.gutter.width - self.styles.scrollbar_size_vertical, 0)
+        lines = Size(width, len(self.lines(width)))
+        if lines != self.virtual_size:
+            self.set_reactive(IdentityPane.virtual_size, lines)  # this pass lays it out; no second one
+        return super()._size_updated(size, virtual_size, container_size, layout)
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        lines = self.lines(width)
+        row = self.scroll_offset.y + y
+        if not 0 <= row < len(lines):
+            return Strip.blank(width, base)
+        label, label_style, value, value_style = lines[row]
+        segments = [Segment(label, label_style), Segment(" "), Segment(value, value_style)]
+        return Strip(segments).apply_style(base).crop_extend(0, width, base)

@@ -22,6 +22,9 @@ SAMPLE = "sample"
 
 
 class SampleTree(CursorLines):
+    DEFAULT_CSS = """
+    SampleTree { overflow-y: scroll; }
+    """
     PANE = "samples"
     ROW_NOUN = "row"
     BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(

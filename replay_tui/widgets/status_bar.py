@@ -41,6 +41,7 @@ class VerdictBar(Static):
     """
     report: Optional[ReplayReport] = None
     _progress_shown = False
+    _shown_one_line = True
 
     def show_progress(self, stage: str, done: int, total: int) -> None:
         # One line replacing one line: no relayout of the screen (the replay worker is busy meanwhile).
@@ -62,8 +63,16 @@ class VerdictBar(Static):
         self.update(text, layout=relayout)
 
     def on_resize(self) -> None:
-        if self.report is not None:
+        if self.report is not None and self._one_line(self.report) != self._shown_one_line:
             self.show_report(self.report)
+
+    def _one_line(self, report: ReplayReport) -> bool:
+        """Whether the verdict and the divergence line fit on one line of this bar (before the first
+        layout, of the screen: the bar spans it)."""
+        line = first_divergence_text(report)
+        width = self.size.width or self.app.size.width
+        verdict = len("✗ first divergence in ") + len(report.first_divergent_stage or "?")
+        return not line or verdict + 3 + len(line) <= max(width - 2, 0)
 
     def show_report(self, report: ReplayReport) -> None:
         """One line when it fits; else the divergence goes on its own line, whole (never split)."""
@@ -80,7 +89,7 @@ class VerdictBar(Static):
             text.append(report.first_divergent_stage or "?", style="bold red")
             line = first_divergence_text(report)
             if line:
-                one_line = len(text) + 3 + len(line) <= max(self.size.width - 2, 0) or self.size.width == 0
-                text.append(" — " if one_line else "\n  ")
+                text.append(" — " if self._one_line(report) else "\n  ")
                 text.append(line, style="bold")
+        self._shown_one_line = self._one_line(report)
         self.update(text)
