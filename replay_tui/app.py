@@ -129,6 +129,9 @@ class ReplayApp(App[int]):
         try:
             with gc_paused():  # one bulk phase: no collection between verify, replay and model either
                 model = self._verify_replay_model(run, progress)
+                # The model lives as long as the app shows it: out of the collector's way, or the next
+                # collection walks its tens of thousands of records (on the UI thread, mid-frame).
+                gc.freeze()
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return

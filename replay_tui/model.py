@@ -10,10 +10,11 @@ comparing with the same rule as ``replay_lib.compare``: ``|a − e| > atol + rto
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import AbstractSet, Iterable, Optional, Sequence
 
 import torch
 
@@ -39,6 +40,7 @@ from replay_lib.support import (
 # ------------------------------------------------------------------------------------------ fields
 
 KIND_SAMPLE = "sample"  # one value per sample (a table of samples)
+TREE_GROUP, TREE_SAMPLE = "group", "sample"  # the sample tree's row kinds
 KIND_TOKEN = "token"  # one value per response token of the selected sample
 KIND_COHORT = "cohort"  # one value per bundle (loss fields)
 SUPPORT_STAGE = "logprob.support"
@@ -91,37 +93,67 @@ def element_mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, 
 # --------------------------------------------------------------------------------- per-field diff
 
 
-@dataclass
+def _floats(values) -> torch.Tensor:
+    return values.detach().reshape(-1).to(torch.float64) if isinstance(values, torch.Tensor) \
+        else torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float64)
+
+
 class FieldDiff:
     """Rows of one field for the diff viewer: a sample's tokens, every sample, or the loss fields.
 
-    ``labels`` is empty for token rows (the row index *is* the token offset)."""
+    ``labels`` is empty for token rows (the row index *is* the token offset). The values are kept as
+    tensors; the viewer reads the rows it draws (:meth:`row`, converted a block at a time), so a
+    32k-token sample costs its first frame nothing per token. ``expected`` / ``actual`` / ``abs_error``
+    / ``bad`` are the whole columns as lists (converted on first use)."""
 
-    field: str
-    stage: str
-    kind: str
-    expected: list[float]
-    actual: list[float]
-    abs_error: list[float]
-    bad: list[bool]
-    mask: Optional[list[int]] = None
-    sample_id: Optional[str] = None
-    labels: list[str] = field(default_factory=list)
-    groups: list[str] = field(default_factory=list)
-    atol: float = 0.0
-    rtol: float = 0.0
-    error_tensor: Optional[torch.Tensor] = None
-    bad_tensor: Optional[torch.Tensor] = None
+    BLOCK = 256
 
-    def __post_init__(self) -> None:
-        if self.bad_tensor is None:
-            self.bad_tensor = torch.tensor(self.bad, dtype=torch.bool)
-        if self.error_tensor is None:
-            self.error_tensor = torch.tensor(self.abs_error, dtype=torch.float64)
+    def __init__(self, *, field: str, stage: str, kind: str, expected, actual, abs_error, bad,
+                 mask: Optional[list[int]] = None, sample_id: Optional[str] = None,
+                 labels: Optional[list[str]] = None, groups: Optional[list[str]] = None,
+                 atol: float = 0.0, rtol: float = 0.0) -> None:
+        self.field, self.stage, self.kind = field, stage, kind
+        self.expected_tensor = _floats(expected)
+        self.actual_tensor = _floats(actual)
+        self.error_tensor = _floats(abs_error)
+        self.bad_tensor = bad.detach().reshape(-1).to(torch.bool) if isinstance(bad, torch.Tensor) \
+            else torch.tensor(list(bad), dtype=torch.bool)
+        self.mask = mask
+        self.sample_id = sample_id
+        self.labels = labels if labels is not None else []
+        self.groups = groups if groups is not None else []
+        self.atol, self.rtol = atol, rtol
         self.divergent: list[int] = torch.nonzero(self.bad_tensor).reshape(-1).tolist()
+        self._blocks: dict[int, list[tuple[float, float, float, bool]]] = {}
+
+    def row(self, i: int) -> tuple[float, float, float, bool]:
+        """``(expected, actual, abs error, divergent)`` of row ``i``."""
+        b, r = divmod(i, self.BLOCK)
+        block = self._blocks.get(b)
+        if block is None:
+            lo, hi = b * self.BLOCK, (b + 1) * self.BLOCK
+            block = self._blocks[b] = list(zip(self.expected_tensor[lo:hi].tolist(), self.actual_tensor[lo:hi].tolist(),
+                                               self.error_tensor[lo:hi].tolist(), self.bad_tensor[lo:hi].tolist()))
+        return block[r]
+
+    @functools.cached_property
+    def expected(self) -> list[float]:
+        return self.expected_tensor.tolist()
+
+    @functools.cached_property
+    def actual(self) -> list[float]:
+        return self.actual_tensor.tolist()
+
+    @functools.cached_property
+    def abs_error(self) -> list[float]:
+        return self.error_tensor.tolist()
+
+    @functools.cached_property
+    def bad(self) -> list[bool]:
+        return self.bad_tensor.tolist()
 
     def __len__(self) -> int:
-        return len(self.expected)
+        return self.expected_tensor.numel()
 
     @property
     def mismatches(self) -> int:
@@ -593,8 +625,29 @@ class ReplayModel:
     unavailable: dict[str, str]
 
     def __post_init__(self) -> None:
+        # built with the model (in the replay worker), not by the first frame
         self.by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
+        self.group_of = {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
         self._diffs: dict[tuple[Optional[str], str], FieldDiff] = {}
+        self._all_rows = self.tree_rows(False, frozenset())
+
+    def tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> list[tuple[str, int]]:
+        """The sample tree's rows: ``("group", group index)`` then its ``("sample", sample index)`` rows
+        (none when folded), groups without a mismatch left out when ``diverging_only``."""
+        if not diverging_only and not folded and hasattr(self, "_all_rows"):
+            return self._all_rows
+        rows: list[tuple[str, int]] = []
+        samples = self.samples
+        for gi, group in enumerate(self.groups):
+            members = group.samples
+            if diverging_only:
+                members = tuple(m for m in members if samples[m].total_mismatches)
+                if not members:
+                    continue
+            rows.append((TREE_GROUP, gi))
+            if gi not in folded:
+                rows += [(TREE_SAMPLE, m) for m in members]
+        return rows
 
     # -- lookups ----------------------------------------------------------------------------------
     def sample(self, sample_id: str) -> Optional[SampleRow]:
@@ -657,9 +710,8 @@ class ReplayModel:
                     labels.append(records[j].sample_id)
                     groups.append(group_label(records[j].group_index))
             atol, rtol = parts[0][1].tolerances[spec.name]
-            return FieldDiff(field=spec.name, stage=spec.stage, kind=spec.kind, expected=e.tolist(), actual=a.tolist(),
-                             abs_error=err.tolist(), bad=bad.tolist(), labels=labels, groups=groups, atol=atol,
-                             rtol=rtol, error_tensor=err, bad_tensor=bad)
+            return FieldDiff(field=spec.name, stage=spec.stage, kind=spec.kind, expected=e, actual=a,
+                             abs_error=err, bad=bad, labels=labels, groups=groups, atol=atol, rtol=rtol)
         parts = [sh for sh in self.shards if "loss" in sh.values]
         labels = []
         for sh in parts:
@@ -670,9 +722,8 @@ class ReplayModel:
         err = torch.cat([sh.errors["loss"] for sh in parts])
         bad = torch.cat([sh.bad["loss"] for sh in parts])
         atol, rtol = parts[0].tolerances["loss"]
-        return FieldDiff(field="loss", stage=spec.stage, kind=KIND_COHORT, expected=e.tolist(), actual=a.tolist(),
-                         abs_error=err.tolist(), bad=bad.tolist(), labels=labels, atol=atol, rtol=rtol,
-                         error_tensor=err, bad_tensor=bad)
+        return FieldDiff(field="loss", stage=spec.stage, kind=KIND_COHORT, expected=e, actual=a,
+                         abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol)
 
     # -- sample support ---------------------------------------------------------------------------
     @property
@@ -716,9 +767,8 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     atol, rtol = shard.tolerances[field_name]
     mask = list(sample.loss_mask[:n]) + [0] * max(0, n - len(sample.loss_mask))
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
-                     expected=e[start:start + n].tolist(), actual=a[start:start + n].tolist(), abs_error=err.tolist(),
-                     bad=bad.tolist(), mask=mask, sample_id=sample.sample_id, atol=atol, rtol=rtol,
-                     error_tensor=err, bad_tensor=bad)
+                     expected=e[start:start + n], actual=a[start:start + n], abs_error=err, bad=bad, mask=mask,
+                     sample_id=sample.sample_id, atol=atol, rtol=rtol)
 
 
 def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff:
@@ -742,9 +792,9 @@ def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff
                 e, a = rec.values[field_name]
                 err, bad = rec.errors[field_name][i:i + 1], rec.bad[field_name][i:i + 1]
                 atol, rtol = rec.tolerances[field_name]
-                return FieldDiff(field=field_name, stage=spec.stage, kind=KIND_SAMPLE, expected=e[i:i + 1].tolist(),
-                                 actual=a[i:i + 1].tolist(), abs_error=err.tolist(), bad=bad.tolist(),
-                                 labels=[sample_id], groups=[group_label(s.group_index)], atol=atol, rtol=rtol)
+                return FieldDiff(field=field_name, stage=spec.stage, kind=KIND_SAMPLE, expected=e[i:i + 1],
+                                 actual=a[i:i + 1], abs_error=err, bad=bad, labels=[sample_id],
+                                 groups=[group_label(s.group_index)], atol=atol, rtol=rtol)
             raise KeyError(f"field {field_name!r} is cohort-level, not per sample")
     raise KeyError(f"no sample {sample_id!r} in bundle {bundles.bundle_id}")
 

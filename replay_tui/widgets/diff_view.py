@@ -77,7 +77,7 @@ class DiffView(CursorLines):
     def render_row(self, row: int, width: int, base: Style) -> Strip:
         diff = self.diff
         key, num, tail = self._columns(width)
-        bad = diff.bad[row]
+        expected, actual, err, bad = diff.row(row)
         marker = ("✗ ", FAIL) if bad else ("  ", None)
         if diff.kind == KIND_TOKEN:
             head = (fit(str(row), key, ">"), FAIL_SOFT if bad else DIM)
@@ -86,11 +86,10 @@ class DiffView(CursorLines):
         else:
             head = (fit(diff.labels[row], key), FAIL_SOFT if bad else None)
         value_style = FAIL_SOFT if bad else None
-        err = diff.abs_error[row]
         parts = [
             marker, head,
-            (" " + fit_number(diff.expected[row], num), value_style),
-            (" " + fit_number(diff.actual[row], num), FAIL if bad else value_style),
+            (" " + fit_number(expected, num), value_style),
+            (" " + fit_number(actual, num), FAIL if bad else value_style),
             (" " + fit_number(err, num), FAIL if bad else DIM),
         ]
         if tail:

@@ -13,12 +13,11 @@ from textual.reactive import reactive
 from textual.strip import Strip
 
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SKIP, fit, strip_of
-from ..model import ReplayModel
+from ..model import TREE_GROUP, TREE_SAMPLE, ReplayModel
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
 
-GROUP = "group"
-SAMPLE = "sample"
+GROUP, SAMPLE = TREE_GROUP, TREE_SAMPLE
 
 
 class SampleTree(CursorLines):
@@ -63,18 +62,8 @@ class SampleTree(CursorLines):
         self._rebuild()
 
     def _rebuild(self, keep: Optional[tuple[str, int]] = None) -> None:
-        rows: list[tuple[str, int]] = []
         model = self.model
-        if model is not None:
-            for gi, group in enumerate(model.groups):
-                members = group.samples
-                if self.diverging_only:
-                    members = tuple(m for m in members if model.samples[m].total_mismatches)
-                    if not members:
-                        continue
-                rows.append((GROUP, gi))
-                if gi not in self.folded:
-                    rows.extend((SAMPLE, m) for m in members)
+        rows = model.tree_rows(self.diverging_only, self.folded) if model is not None else []
         self.rows = rows
         cursor = None
         if keep is not None and keep in rows:
@@ -96,7 +85,7 @@ class SampleTree(CursorLines):
         si = model.by_id[sample_id]
         if self.diverging_only and not model.samples[si].total_mismatches:
             self.diverging_only = False
-        gi = next((g for g, grp in enumerate(model.groups) if si in grp.samples), None)
+        gi = model.group_of.get(si)
         if gi is not None and gi in self.folded:
             self.folded.discard(gi)
             self._rebuild()
