@@ -300,14 +300,16 @@ def _read_bytes(path: Path, what: str) -> bytes:
 def _decode(path: Path, data: bytes, decoder):
     """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``)."""
     try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BundleError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
-    try:
         return decoder.decode(data) if isinstance(decoder, msgspec.json.Decoder) else decoder(data)
-    except msgspec.ValidationError as exc:
-        raise BundleError(f"{path}: {_validation_message(exc)}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+        # UTF-8 is checked only on failure (the decoder checks strings itself): a file that is not
+        # UTF-8 is reported as such, with the byte offset in the file, whatever the decoder tripped on
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise BundleError(f"{path}: not valid UTF-8 (byte {bad.start})") from None
+        if isinstance(exc, msgspec.ValidationError):
+            raise BundleError(f"{path}: {_validation_message(exc)}") from None
         raise BundleError(f"{path}: invalid JSON: {exc}") from None
 
 

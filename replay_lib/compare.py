@@ -38,9 +38,13 @@ def tolerance_for(policy: ComparisonPolicy, stage: str, field_name: str) -> tupl
 
 
 def as_float64(values) -> torch.Tensor:
+    """A flat float64 tensor; ``None`` (a JSON null) is NaN."""
     if isinstance(values, torch.Tensor):
         return values.detach().to(torch.float64).reshape(-1)
-    return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
+    try:  # the usual list of numbers: one C-level conversion
+        return torch.tensor(values, dtype=torch.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
 
 
 # Elements per pass: the float64 temporaries of a million-token comparison stay small (and in cache)

@@ -9,6 +9,7 @@ format 1.0.0 writer decode here, and ours decode there.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Literal, Optional, Union
 
 import msgspec
@@ -345,8 +346,12 @@ def encode_json(obj) -> bytes:
 
 def unknown_fields(raw, typ, path: str = "$") -> list[str]:
     """Paths of keys present in decoded JSON ``raw`` that ``typ`` (a Struct tree) does not know."""
-    info = msgspec.inspect.type_info(typ)
-    return _unknown(raw, info, path)
+    return _unknown(raw, _type_info(typ), path)
+
+
+@functools.lru_cache(maxsize=None)
+def _type_info(typ):
+    return msgspec.inspect.type_info(typ)  # ~1 ms for the manifest's tree: once per type, not per open
 
 
 def _unknown(raw, info, path: str) -> list[str]:

@@ -29,18 +29,23 @@ def run_reward_raw(ctx: StageContext) -> StageReport:
 def run_reward_post_process(ctx: StageContext) -> StageReport:
     n = ctx.config.n_samples_per_prompt
     pre = Comparison()
-    sizes = Counter(s.group_index for s in ctx.samples if s.group_index is not None)
+    gidx = ctx.group_indices
+    grouped = None not in gidx
+    sizes = Counter(gidx) if grouped else Counter(g for g in gidx if g is not None)
+    if not grouped:
+        for s in ctx.samples:
+            if s.group_index is None:
+                pre.mismatches += 1
+                pre.bad_samples += 1
+                pre.divergences.append(Divergence(
+                    stage="reward.post_process", rank=ctx.rank, sample_id=s.sample_id, field="group_index",
+                    message="sample has no group_index; its semantic group is unknown (never inferred from a batch)",
+                ))
     first_of_group: dict[int, int] = {}
-    for i, s in enumerate(ctx.samples):
-        if s.group_index is None:
-            pre.mismatches += 1
-            pre.bad_samples += 1
-            pre.divergences.append(Divergence(
-                stage="reward.post_process", rank=ctx.rank, sample_id=s.sample_id, field="group_index",
-                message="sample has no group_index; its semantic group is unknown (never inferred from a batch)",
-            ))
-        elif s.group_index not in first_of_group:
-            first_of_group[s.group_index] = i
+    if any(size != n for size in sizes.values()):
+        for i, g in enumerate(gidx):
+            if g is not None:
+                first_of_group.setdefault(g, i)
     for gi, size in sizes.items():
         if size != n:
             s = ctx.samples[first_of_group[gi]]
@@ -51,7 +56,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
                 message=f"group g-{gi} has {size} sample(s), n_samples_per_prompt={n}",
             ))
     raw = as_float64([s.raw_reward for s in ctx.samples]).to(torch.float32)
-    groups = torch.tensor([-1 - i if s.group_index is None else s.group_index for i, s in enumerate(ctx.samples)],
+    groups = torch.tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
                           dtype=torch.int64)
     rewards = group_normalize(raw, groups, ctx.config.grpo_std_normalization)
     if pre.mismatches:  # a sample without a group has no defined normalized reward
