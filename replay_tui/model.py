@@ -812,7 +812,7 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
     ident = first.index.identity
     manifest = first.manifest
     n_samples = sum(len(s.index.samples) for s in bundles.shards)
-    n_tokens = sum(max(r.response_length, 0) for s in bundles.shards for r in s.index.samples)
+    n_tokens = sum(sum(r.response_length for r in s.index.samples if r.response_length > 0) for s in bundles.shards)
     groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids},
                     key=lambda g: (isinstance(g, str), g if isinstance(g, int) else 0, str(g)))
     # a cohort's ranks each normalize their own groups: count (rank, group) pairs
@@ -897,20 +897,22 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         none: dict[str, int] = {}
         compared = any(FIELD_BY_STAGE[st].kind != KIND_COHORT for st in rec.ran if st in FIELD_BY_STAGE)
         order: dict[Optional[int], list[int]] = {}
+        bad_rows: set[int] = set()  # rows (indices into ``samples``) with a mismatch
+        rank, append = rec.rank, samples.append
         for i, s in enumerate(rec.reader.index.samples):
             if selected is not None and s.sample_id not in selected:
                 continue
-            order.setdefault(s.group_index, []).append(len(samples))
-            samples.append(SampleRow(
-                s.sample_id, si, i, rec.rank, s.group_index, s.micro_batch_id, s.raw_reward, s.reward,
-                s.response_length, diverging.get(i, none), compared, totals[i],
-            ))
+            row = len(samples)
+            order.setdefault(s.group_index, []).append(row)
+            if totals[i]:
+                bad_rows.add(row)
+            append(SampleRow(s.sample_id, si, i, rank, s.group_index, s.micro_batch_id, s.raw_reward, s.reward,
+                             s.response_length, diverging.get(i, none), compared, totals[i]))
+        suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
         for gi, members in order.items():
-            label = group_label(gi) if gi is not None else "(no group)"
-            if len(shards) > 1 and rec.rank is not None:
-                label = f"{label} · rank {rec.rank}"
-            groups.append(GroupRow(label=label, rank=rec.rank, group_index=gi, samples=tuple(members),
-                                   diverging=sum(1 for m in members if samples[m].total_mismatches)))
+            label = (f"g-{gi}" if gi is not None else "(no group)") + suffix
+            groups.append(GroupRow(label=label, rank=rank, group_index=gi, samples=tuple(members),
+                                   diverging=len(bad_rows.intersection(members)) if bad_rows else 0))
     fields, unavailable = [], {}
     for spec in FIELDS:
         status = report.stage(spec.stage)
