@@ -105,6 +105,11 @@ def compare_elements(
         return out
     if a.numel() == 0:
         return out
+    if e.dtype == a.dtype and torch.equal(e, a) and bool(torch.isfinite(a).all()):
+        # bit-for-bit the same and finite (the usual result of recomputing a stage that is right): no
+        # element can diverge and every |a − e| is 0, which the chunked float64 pass would also find
+        out.max_abs_error = 0.0
+        return out
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
     for start in range(0, a.numel(), CHUNK):

@@ -267,3 +267,32 @@ def test_entropy_coef_subtracts_the_masked_entropy_mean():
     # with entropy_coef = 0 the entropy is reported but does not enter the loss
     out0 = pr65_loss(0.5, entropy=entropy, entropy_coef=0.0)
     assert out0["loss"] == out0["pg_loss"] and out0["entropy_loss"] == pytest.approx(ent, **F32)
+
+
+# ------------------------------------------------------------------------------- element comparison
+
+
+def _compare(expected, actual):
+    from replay_lib.compare import compare_elements
+
+    return compare_elements("advantage.kl", "kl", expected, actual, atol=1e-6, rtol=1e-5, keep=5,
+                            sample_ids=["s-0", "s-1"], group_indices=[0, 0], rank=None,
+                            offsets=torch.tensor([0, 2], dtype=torch.int64))
+
+
+def test_identical_finite_tensors_take_the_fast_path_with_the_full_passs_result():
+    x = torch.tensor([0.25, -1.5, 3.0, 0.0], dtype=torch.float32)
+    out = _compare(x, x.clone())
+    assert (out.mismatches, out.bad_samples, out.max_abs_error, out.compared) == (0, 0, 0.0, 4)
+    # one ulp apart: the full float64 pass runs and finds the difference, within tolerance
+    y = x.clone()
+    y[1] = torch.nextafter(y[1], torch.tensor(0.0))
+    out = _compare(x, y)
+    assert out.mismatches == 0 and out.max_abs_error == pytest.approx(1.1920929e-07, rel=1e-6)
+
+
+def test_identical_tensors_with_inf_or_nan_still_diverge():
+    x = torch.tensor([0.25, float("inf"), 3.0, float("nan")], dtype=torch.float32)
+    out = _compare(x, x.clone())
+    assert (out.mismatches, out.bad_samples, out.max_abs_error) == (2, 2, float("inf"))
+    assert [(d.sample_id, d.token_offset) for d in out.divergences] == [("s-0", 1), ("s-1", 1)]
