@@ -461,14 +461,16 @@ class BundleReader:
             )
         if shard.actor_step_id != ident.actor_step_id or shard.rollout_id != ident.rollout_id:
             raise BundleError(f"{root / sentinel_name}: identity anchor does not match index.json $.identity")
-        seen: dict[str, int] = {}
-        for i, sample in enumerate(self.index.samples):
-            if sample.sample_id in seen:
-                raise BundleError(
-                    f"{root / 'index.json'}: $.samples[{i}].sample_id: duplicate sample id "
-                    f"{sample.sample_id!r} (first at $.samples[{seen[sample.sample_id]}])"
-                )
-            seen[sample.sample_id] = i
+        ids = [s.sample_id for s in self.index.samples]
+        if len(set(ids)) != len(ids):  # find and name the first repeat
+            seen: dict[str, int] = {}
+            for i, sample_id in enumerate(ids):
+                if sample_id in seen:
+                    raise BundleError(
+                        f"{root / 'index.json'}: $.samples[{i}].sample_id: duplicate sample id "
+                        f"{sample_id!r} (first at $.samples[{seen[sample_id]}])"
+                    )
+                seen[sample_id] = i
         for rule_field, rule in self.manifest.redaction.items():
             try:
                 RedactionPolicy({rule_field: rule})
