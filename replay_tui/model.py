@@ -19,7 +19,7 @@ from typing import AbstractSet, Iterable, Optional, Sequence
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
-from replay_lib.compare import as_float64, mismatch, tolerance_for
+from replay_lib.compare import as_float64, list_tensor, mismatch, tolerance_for
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
@@ -93,11 +93,6 @@ def element_mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, 
 # --------------------------------------------------------------------------------- per-field diff
 
 
-def _floats(values) -> torch.Tensor:
-    return values.detach().reshape(-1).to(torch.float64) if isinstance(values, torch.Tensor) \
-        else torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float64)
-
-
 class FieldDiff:
     """Rows of one field for the diff viewer: a sample's tokens, every sample, or the loss fields.
 
@@ -113,9 +108,9 @@ class FieldDiff:
                  labels: Optional[list[str]] = None, groups: Optional[list[str]] = None,
                  atol: float = 0.0, rtol: float = 0.0) -> None:
         self.field, self.stage, self.kind = field, stage, kind
-        self.expected_tensor = _floats(expected)
-        self.actual_tensor = _floats(actual)
-        self.error_tensor = _floats(abs_error)
+        self.expected_tensor = as_float64(expected)
+        self.actual_tensor = as_float64(actual)
+        self.error_tensor = as_float64(abs_error)
         self.bad_tensor = bad.detach().reshape(-1).to(torch.bool) if isinstance(bad, torch.Tensor) \
             else torch.tensor(list(bad), dtype=torch.bool)
         self.mask = mask
@@ -696,7 +691,7 @@ class ReplayModel:
             raise KeyError(f"field {spec.name!r} is not available: {why}")
         if spec.kind == KIND_SAMPLE:
             # one row per sample the model shows (a partial selection shows its group closure only)
-            rows = {i: torch.tensor([r.index for r in self.samples if r.shard == i], dtype=torch.int64)
+            rows = {i: list_tensor([r.index for r in self.samples if r.shard == i], torch.int64)
                     for i, sh in enumerate(self.shards) if spec.name in sh.values}
             parts = [(i, self.shards[i]) for i in rows]
             e = torch.cat([sh.values[spec.name][0][rows[i]] for i, sh in parts])

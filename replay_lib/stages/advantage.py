@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..bundle import BundleReader
-from ..compare import as_float64
+from ..compare import as_float64, list_tensor
 from ..kernels import KL_TYPES, get_grpo_returns, rollout_kl
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
@@ -50,7 +50,7 @@ def grpo_rewards(ctx: StageContext) -> torch.Tensor:
     if any(s.reward is None for s in ctx.samples):
         raise StageInputError("no normalized rewards: reward.post_process did not run and samples lack 'reward'",
                               field="reward")
-    return torch.tensor([s.reward for s in ctx.samples], dtype=torch.float32)
+    return list_tensor([s.reward for s in ctx.samples], torch.float64).to(torch.float32)
 
 
 def run_advantage_estimate(ctx: StageContext) -> StageReport:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, compare_elements, tolerance_for
+from ..compare import Comparison, compare_elements, list_tensor, tolerance_for
 from ..kernels import segment_ids, segment_offsets
 from ..report import STATUS_FAIL, STATUS_PASS, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
@@ -41,7 +41,7 @@ class StageContext:
         self.samples: list[SampleRecord] = [all_samples[i] for i in self.indices] if self.partial else all_samples
         self.sample_ids = [s.sample_id for s in self.samples]
         self.group_indices = [s.group_index for s in self.samples]
-        all_lengths = torch.tensor([s.response_length for s in all_samples], dtype=torch.int64).clamp_(min=0)
+        all_lengths = list_tensor([s.response_length for s in all_samples], torch.int64).clamp_(min=0)
         self.full_total = int(all_lengths.sum())
         self.lengths = all_lengths[self.indices] if self.partial else all_lengths
         self._seg: Optional[torch.Tensor] = None

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from ..compare import Comparison, as_float64
+from ..compare import Comparison, as_float64, list_tensor
 from ..kernels import group_normalize
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
@@ -56,8 +56,8 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
                 message=f"group g-{gi} has {size} sample(s), n_samples_per_prompt={n}",
             ))
     raw = as_float64([s.raw_reward for s in ctx.samples]).to(torch.float32)
-    groups = torch.tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
-                          dtype=torch.int64)
+    groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
+                         torch.int64)
     rewards = group_normalize(raw, groups, ctx.config.grpo_std_normalization)
     if pre.mismatches:  # a sample without a group has no defined normalized reward
         no_group = torch.tensor([s.group_index is None for s in ctx.samples])
