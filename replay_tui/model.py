@@ -599,6 +599,67 @@ class SampleRow:
     total_mismatches: int = 0
 
 
+_NO_MISMATCH: dict[str, int] = {}  # shared by every row without a mismatch (never mutated)
+
+
+class SampleRows(Sequence[SampleRow]):
+    """The model's sample rows in tree order, each :class:`SampleRow` made on first access: a 4,096-sample
+    step makes the few dozen rows the tree draws before its first frame, not 4,096 objects."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._blocks: list[tuple] = []
+        self._ids: list[str] = []
+        self._totals: list[int] = []
+        self._made: dict[int, SampleRow] = {}
+
+    def add_shard(self, si: int, records: Sequence, picks: Optional[list[int]], rank: Optional[int],
+                  diverging: dict[int, dict[str, int]], compared: bool, totals: list[int]) -> int:
+        """Append shard ``si``'s rows (``picks``: its selected record indices, ``None`` for all); returns
+        the first row's index."""
+        start = len(self._ids)
+        self._starts.append(start)
+        self._blocks.append((start, si, records, picks, rank, diverging, compared, totals))
+        if picks is None:
+            self._ids += [r.sample_id for r in records]
+            self._totals += totals
+        else:
+            self._ids += [records[i].sample_id for i in picks]
+            self._totals += [totals[i] for i in picks]
+        return start
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        row = self._made.get(k)
+        if row is None:
+            start, si, records, picks, rank, diverging, compared, totals = \
+                self._blocks[bisect.bisect_right(self._starts, k) - 1]
+            i = picks[k - start] if picks is not None else k - start
+            s = records[i]
+            row = self._made[k] = SampleRow(s.sample_id, si, i, rank, s.group_index, s.micro_batch_id, s.raw_reward,
+                                            s.reward, s.response_length, diverging.get(i, _NO_MISMATCH), compared,
+                                            totals[i])
+        return row
+
+    @property
+    def ids(self) -> list[str]:
+        """Every row's sample id, in row order (no row is made)."""
+        return self._ids
+
+    @property
+    def totals(self) -> list[int]:
+        """Every row's mismatch count, in row order (no row is made)."""
+        return self._totals
+
+
 @dataclass(slots=True)
 class GroupRow:
     label: str
@@ -614,14 +675,17 @@ class ReplayModel:
     name: str
     identity: list[tuple[str, str]]
     shards: list[ShardRecompute]
-    samples: list[SampleRow]
+    samples: Sequence[SampleRow]  # SampleRows when built by build_model
     groups: list[GroupRow]
     fields: list[str]  # viewable fields, FIELDS order
     unavailable: dict[str, str]
 
     def __post_init__(self) -> None:
         # built with the model (in the replay worker), not by the first frame
-        self.by_id = {s.sample_id: i for i, s in enumerate(self.samples)}
+        ids = self.samples.ids if isinstance(self.samples, SampleRows) else [s.sample_id for s in self.samples]
+        self.by_id = dict(zip(ids, range(len(ids))))
+        self._totals = self.samples.totals if isinstance(self.samples, SampleRows) \
+            else [s.total_mismatches for s in self.samples]
         self.group_of = {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
         self._diffs: dict[tuple[Optional[str], str], FieldDiff] = {}
         self._all_rows = self.tree_rows(False, frozenset())
@@ -632,11 +696,11 @@ class ReplayModel:
         if not diverging_only and not folded and hasattr(self, "_all_rows"):
             return self._all_rows
         rows: list[tuple[str, int]] = []
-        samples = self.samples
+        totals = self._totals
         for gi, group in enumerate(self.groups):
             members = group.samples
             if diverging_only:
-                members = tuple(m for m in members if samples[m].total_mismatches)
+                members = tuple(m for m in members if totals[m])
                 if not members:
                     continue
             rows.append((TREE_GROUP, gi))
@@ -658,7 +722,7 @@ class ReplayModel:
 
     def diverging_samples(self, field_name: Optional[str] = None) -> list[int]:
         if field_name is None:
-            return [i for i, s in enumerate(self.samples) if s.total_mismatches]
+            return [i for i, t in enumerate(self._totals) if t]
         return [i for i, s in enumerate(self.samples) if s.mismatches.get(field_name, 0)]
 
     # -- diffs ------------------------------------------------------------------------------------
@@ -871,7 +935,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         shards.append(rec)
     selected = set(report.selected_samples) if report.selected_samples is not None else None
     per_sample_fields = [f.name for f in FIELDS if f.kind != KIND_COHORT]
-    samples: list[SampleRow] = []
+    samples = SampleRows()
     groups: list[GroupRow] = []
     for si, rec in enumerate(shards):
         n = len(rec.reader.index.samples)
@@ -889,20 +953,22 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         diverging = {i: {f: int(c[i]) for f, c in counts.items() if int(c[i])}
                      for i in torch.nonzero(total).reshape(-1).tolist()}
         totals = total.tolist()
-        none: dict[str, int] = {}
         compared = any(FIELD_BY_STAGE[st].kind != KIND_COHORT for st in rec.ran if st in FIELD_BY_STAGE)
+        records = rec.reader.index.samples
+        picks = None if selected is None else [i for i, s in enumerate(records) if s.sample_id in selected]
+        rank = rec.rank
+        first = samples.add_shard(si, records, picks, rank, diverging, compared, totals)
+        gidx = rec.ctx.group_indices  # the shard's context covers all its samples, in order
         order: dict[Optional[int], list[int]] = {}
-        bad_rows: set[int] = set()  # rows (indices into ``samples``) with a mismatch
-        rank, append = rec.rank, samples.append
-        for i, s in enumerate(rec.reader.index.samples):
-            if selected is not None and s.sample_id not in selected:
-                continue
-            row = len(samples)
-            order.setdefault(s.group_index, []).append(row)
-            if totals[i]:
-                bad_rows.add(row)
-            append(SampleRow(s.sample_id, si, i, rank, s.group_index, s.micro_batch_id, s.raw_reward, s.reward,
-                             s.response_length, diverging.get(i, none), compared, totals[i]))
+        if picks is None:
+            for row, g in enumerate(gidx, first):
+                order.setdefault(g, []).append(row)
+            bad_rows = {first + k for k in diverging}  # rows with a mismatch
+        else:
+            pos = {i: row for row, i in enumerate(picks, first)}
+            for i, row in pos.items():
+                order.setdefault(gidx[i], []).append(row)
+            bad_rows = {pos[k] for k in diverging if k in pos}
         suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
         for gi, members in order.items():
             label = (f"g-{gi}" if gi is not None else "(no group)") + suffix
