@@ -37,9 +37,31 @@ def fit(text: str, width: int, align: str = "<") -> str:
 
 
 def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Style) -> Strip:
-    """A row of ``(text, style)`` parts, cropped/padded to ``width``, over the widget's ``base`` style."""
-    segments = [Segment(text, style) for text, style in parts if text]
-    return Strip(segments).apply_style(base).crop_extend(0, width, base)
+    """A row of ``(text, style)`` parts, cropped/padded to ``width``, over the widget's ``base`` style.
+
+    One ``Strip`` is built, from segments already styled, merged (neighbours of the same style become one
+    segment: an |err| strip of a hundred cells is a handful) and cut to the width: the
+    ``Strip(...).apply_style(base).crop_extend(...)`` chain built three strips per row."""
+    texts: list[str] = []
+    styles: list[Optional[Style]] = []
+    used = 0
+    for text, style in parts:
+        if not text or used >= width:
+            continue
+        n = cell_len(text)
+        if used + n > width:
+            text = set_cell_size(text, width - used)
+            n = width - used
+        if styles and styles[-1] == style:
+            texts[-1] += text
+        else:
+            texts.append(text)
+            styles.append(style)
+        used += n
+    segments = [Segment(text, base + style if style is not None else base) for text, style in zip(texts, styles)]
+    if used < width:
+        segments.append(Segment(" " * (width - used), base))
+    return Strip(segments, width)
 
 
 def fit_number(x: Optional[float], width: int) -> str:

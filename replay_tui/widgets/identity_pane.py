@@ -10,13 +10,12 @@ from __future__ import annotations
 import textwrap
 from typing import Optional
 
-from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..cells import DIM, WARN, fit
+from ..cells import DIM, WARN, fit, strip_of
 
 WARN_KEY = Style(color="yellow", bold=True)
 PLACEHOLDER = [("", "verifying bundle…")]
@@ -94,5 +93,4 @@ class IdentityPane(ScrollView, can_focus=True):
         if not 0 <= row < len(lines):
             return Strip.blank(width, base)
         label, label_style, value, value_style = lines[row]
-        segments = [Segment(label, label_style), Segment(" "), Segment(value, value_style)]
-        return Strip(segments).apply_style(base).crop_extend(0, width, base)
+        return strip_of([(label, label_style), (" ", None), (value, value_style)], width, base)

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.screen import Screen
 from textual.strip import Strip
 from textual.widget import Widget
+
+from ..cells import strip_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +99,15 @@ class KeyBar(Widget):
         desc_style = self.get_component_rich_style("key-bar--description", partial=True)
         hover_style = self.get_component_rich_style("key-bar--hover", partial=True)
         dim = Style(dim=True)
-        segments: list[Segment] = []
+        parts: list[tuple[str, Optional[Style]]] = []
         for i, item in enumerate(self.items):
             extra = hover_style if i == self._hover else None
             off = None if item.enabled else dim
-            segments.append(Segment(item.display, Style.chain(key_style, extra, off)))
+            parts.append((item.display, Style.chain(key_style, extra, off)))
             if item.description:
-                segments.append(Segment(" " + item.description, Style.chain(desc_style, extra, off)))
-            segments.append(Segment(" "))
-        return Strip(segments).apply_style(base).crop_extend(0, width, base)
+                parts.append((" " + item.description, Style.chain(desc_style, extra, off)))
+            parts.append((" ", None))
+        return strip_of(parts, width, base)
 
     # -- mouse --------------------------------------------------------------------------------------
     def item_at(self, x: int) -> Optional[int]:
