@@ -101,6 +101,8 @@ class KeyBar(Widget):
         dim = Style(dim=True)
         parts: list[tuple[str, Optional[Style]]] = []
         for i, item in enumerate(self.items):
+            if item.end > width:  # only whole keys: a narrow terminal drops the last ones (ctrl+p first)
+                break
             extra = hover_style if i == self._hover else None
             off = None if item.enabled else dim
             parts.append((item.display, Style.chain(key_style, extra, off)))
@@ -111,7 +113,7 @@ class KeyBar(Widget):
 
     # -- mouse --------------------------------------------------------------------------------------
     def item_at(self, x: int) -> Optional[int]:
-        return next((i for i, item in enumerate(self.items) if item.start <= x < item.end), None)
+        return next((i for i, item in enumerate(self.items) if item.start <= x < item.end <= self.size.width), None)
 
     def on_mouse_move(self, event: events.MouseMove) -> None:
         hover = self.item_at(event.x)

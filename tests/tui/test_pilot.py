@@ -410,6 +410,17 @@ async def test_key_bar_follows_focus_and_its_keys_click(make_app):
         assert "Diverging" not in [i.description for i in bar.items]
 
 
+async def test_key_bar_shows_only_whole_keys_on_a_narrow_terminal(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.press("2")
+        last = screen_text(app).splitlines()[-1].rstrip()
+        assert last == "d Diverging space Fold tab Pane n Next div f Field / Jump ? Help q Quit"
+        bar = app.debugger.query_one(KeyBar)
+        assert bar.items[-1].display == "^p" and bar.item_at(bar.items[-1].start) is None  # not drawn
+
+
 # ------------------------------------------------------------------------------------------ mouse
 
 
