@@ -27,15 +27,8 @@ from replay_lib.schema import StageId
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
 from replay_lib.stages.loss import recompute_policy_loss
-from replay_lib.stages.support import SCORED_FIELDS, scored_sources
-from replay_lib.support import (
-    SUPPORT_PAD,
-    SupportRows,
-    check_routed_experts,
-    check_support_rows,
-    support_logprobs,
-    unsupported_violations,
-)
+from replay_lib.stages.support import SCORED_FIELDS, SupportTokens, scored_sources
+from replay_lib.support import SUPPORT_PAD, support_logprobs
 
 # ------------------------------------------------------------------------------------------ fields
 
@@ -229,7 +222,6 @@ class ShardRecompute:
     bad: dict[str, torch.Tensor] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     loss_names: list[str] = field(default_factory=list)
-    support: Optional["SupportTokens"] = None
 
     @property
     def rank(self) -> Optional[int]:
@@ -281,17 +273,25 @@ class ShardRecompute:
         elif name in SUPPORT_SOURCE:
             _recompute_support_field(self, name)
 
-    def support_tokens(self) -> "SupportTokens":
-        """The support rows of every token, checked and rescored once per shard (raises StageInputError)."""
-        if self.support is None:
-            if self._support_error is not None:  # unusable payloads: fail fast on every later cursor move
-                raise self._support_error
+    def support_tokens(self) -> SupportTokens:
+        """``logprob.support``'s per-token record of this shard, as the stage left it on the context (the
+        stage runs here only when the replay did not run it on this context). Raises StageInputError when
+        the support payloads are unusable."""
+        if self._support_error is not None:  # unusable payloads: fail fast on every later cursor move
+            raise self._support_error
+        record = self.ctx.records.get("support")
+        if record is None:
             try:
-                self.support = support_tokens(self.ctx)
+                self._run(StageId.LOGPROB_SUPPORT)
             except StageInputError as exc:
                 self._support_error = exc
                 raise
-        return self.support
+            record = self.ctx.records.get("support")
+        if record is None:
+            unusable = self.ctx.records.get("support_unusable", "the stage did not check the support rows")
+            self._support_error = StageInputError(f"no per-token support record: {unusable}", field="support_ids")
+            raise self._support_error
+        return record
 
     def _put(self, name: str, stage: str, expected, actual) -> None:
         e, a = as_float64(expected), as_float64(actual)
@@ -368,87 +368,11 @@ def _recompute_loss(out: ShardRecompute) -> None:
 # ------------------------------------------------------------------------------- sample support
 
 
-@dataclass
-class SupportTokens:
-    """``logprob.support`` per token of one shard (all ``[Σ T]`` unless noted), with the stage's own kernels
-    (``check_support_rows``, ``unsupported_violations``, ``check_routed_experts``, ``support_logprobs``) and
-    its rules: which tokens are compared, and which break an invariant."""
-
-    ids: torch.Tensor  # [Σ T, K] int, right-padded with −1
-    logits: torch.Tensor  # [Σ T, K] float
-    sampled: torch.Tensor  # int64
-    full: Optional[torch.Tensor]  # float32 full-vocabulary log-probs, when recorded
-    rows: SupportRows
-    loss: torch.Tensor  # bool: loss-bearing
-    actual: torch.Tensor  # float32: logp_S where the row has members, else the recorded full-vocab value
-    compared: torch.Tensor  # bool: tokens whose value the stage compares
-    allowed_eos: torch.Tensor  # bool: the one loss-bearing last token per trajectory allowed without support
-    invariants: dict[str, torch.Tensor]  # stage divergence field → bool flags (only fields with a flag)
-
-    @property
-    def violation(self) -> torch.Tensor:
-        out = torch.zeros_like(self.loss)
-        for flags in self.invariants.values():
-            out |= flags
-        return out
-
-
 def _support_payload(ctx: StageContext, name: str, dims: int) -> torch.Tensor:
     t = ctx.payload(name)
     if t.dim() != dims:
         raise StageInputError(f"payload {name!r} must have {dims} dimension(s), got shape {list(t.shape)}", field=name)
     return t
-
-
-def support_tokens(ctx: StageContext) -> SupportTokens:
-    """What ``run_logprob_support`` checks, kept per token instead of as the first few divergences."""
-    vocab = ctx.config.vocab_size
-    if vocab is None:
-        raise StageInputError("index.json $.config.vocab_size is required: the support id range check needs the "
-                              "vocabulary size", field="vocab_size")
-    ids = _support_payload(ctx, "support_ids", 2)
-    logits = _support_payload(ctx, "support_logits", 2)
-    sampled = _support_payload(ctx, "sampled_token_ids", 1).to(torch.int64)
-    if logits.shape != ids.shape:
-        raise StageInputError(f"payload 'support_logits' has shape {list(logits.shape)}, support_ids has "
-                              f"{list(ids.shape)}", field="support_logits")
-    if ids.dtype.is_floating_point:
-        raise StageInputError(f"payload 'support_ids' must hold integer ids, got {ids.dtype}", field="support_ids")
-    full = _support_payload(ctx, "full_log_probs", 1).to(torch.float32) if ctx.has("full_log_probs") else None
-    rows = check_support_rows(ids, sampled, vocab)
-    loss = ctx.loss_mask != 0
-    unsupported = loss & ~rows.has_support
-    violating, _ = unsupported_violations(unsupported, ctx.lengths)
-    allowed_eos = unsupported & ~violating
-    flags = {
-        "support_id_range": rows.id_out_of_range,
-        "support_padding": rows.padding_not_trailing & ~rows.id_out_of_range,
-        "support_duplicate": rows.duplicate,
-        "sampled_id_range": rows.sampled_out_of_range,
-        "sampled_not_in_support": loss & rows.has_support & ~rows.sampled_in_row & ~rows.sampled_out_of_range,
-        "unsupported_token": violating,
-    }
-    if full is None:
-        flags["full_log_probs"] = allowed_eos
-    if ctx.has("routed_experts"):
-        experts = ctx.config.num_experts
-        if experts is None:
-            raise StageInputError("index.json $.config.num_experts is required to check the routed_experts payload",
-                                  field="num_experts")
-        checked = check_routed_experts(_support_payload(ctx, "routed_experts", 3), experts)
-        flags["routed_experts"] = (checked.out_of_range_layer >= 0) | (checked.duplicate_layer >= 0)
-    if ctx.has("cp_shard"):
-        cp_shard = _support_payload(ctx, "cp_shard", 1)
-        cp = int(ctx.reader.index.identity.rank.get("cp", 1))
-        flags["cp_shard"] = (cp_shard < 0) | (cp_shard >= cp)
-    sound = ~(rows.id_out_of_range | rows.padding_not_trailing | rows.duplicate | rows.sampled_out_of_range)
-    compared = (loss & sound & rows.has_support & rows.sampled_in_row) | (allowed_eos if full is not None
-                                                                          else torch.zeros_like(loss))
-    logp_s = support_logprobs(ids, logits, sampled, rows)
-    actual = torch.where(rows.has_support, logp_s, full if full is not None else logp_s)
-    return SupportTokens(ids=ids, logits=logits, sampled=sampled, full=full, rows=rows, loss=loss, actual=actual,
-                         compared=compared, allowed_eos=allowed_eos,
-                         invariants={k: v for k, v in flags.items() if bool(v.any())})
 
 
 def _recompute_support_field(out: ShardRecompute, name: str) -> None:

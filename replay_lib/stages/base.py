@@ -33,6 +33,9 @@ class StageContext:
     partial: bool
     keep: int = 5
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # What a stage recomputed per element beyond its output tensors, for a view that shows it (the
+    # logprob.support stage leaves its per-token record here: ``support.SupportTokens``).
+    records: dict[str, object] = field(default_factory=dict)
     # Stages that ran to completion on this context (their ``outputs`` are in place).
     completed: set[str] = field(default_factory=set)
 

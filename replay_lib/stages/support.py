@@ -26,6 +26,7 @@ be satisfied shard by shard. With ``identity.rank.cp > 1`` the runner refuses th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -36,6 +37,7 @@ from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
 from ..schema import RecomputeConfig, StageId
 from ..support import (
     SUPPORT_PAD,
+    SupportRows,
     check_routed_experts,
     check_support_rows,
     support_logprobs,
@@ -75,6 +77,30 @@ def _is_integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
+@dataclass(frozen=True)
+class SupportTokens:
+    """What ``logprob.support`` found, per token of one shard (all ``[Σ T]`` unless noted): left in
+    ``ctx.records["support"]`` by the stage for a view of single tokens (the debugger's support strip)."""
+
+    ids: torch.Tensor  # [Σ T, K] int, right-padded with −1
+    logits: torch.Tensor  # [Σ T, K] float
+    sampled: torch.Tensor  # int64
+    full: Optional[torch.Tensor]  # float32 full-vocabulary log-probs, when recorded
+    rows: SupportRows
+    loss: torch.Tensor  # bool: loss-bearing
+    actual: torch.Tensor  # float32: logp_S where the row has members, else the recorded full-vocab value
+    compared: torch.Tensor  # bool: tokens whose value the stage compares
+    allowed_eos: torch.Tensor  # bool: the one loss-bearing last token per trajectory allowed without support
+    invariants: dict[str, torch.Tensor]  # divergence field → bool flags (only fields with a flag)
+
+    @property
+    def violation(self) -> torch.Tensor:
+        out = torch.zeros_like(self.loss)
+        for flags in self.invariants.values():
+            out |= flags
+        return out
+
+
 class _Violations:
     """Invariant violations, counted in full but materialized only for the first ``keep`` tokens."""
 
@@ -83,12 +109,14 @@ class _Violations:
         self.count = 0
         self.by_field: dict[str, int] = {}
         self.found: list[tuple[int, int, Divergence]] = []
+        self.flags: dict[str, torch.Tensor] = {}  # field → every flagged token
 
     def add(self, field: str, flags: torch.Tensor,
             describe: Callable[[int], tuple[str, Optional[float], Optional[float]]]) -> None:
         idx = torch.nonzero(flags).reshape(-1)
         if idx.numel() == 0:
             return
+        self.flags[field] = self.flags[field] | flags if field in self.flags else flags.clone()
         self.count += int(idx.numel())
         self.by_field[field] = self.by_field.get(field, 0) + int(idx.numel())
         order = FIELD_ORDER.index(field)
@@ -165,6 +193,7 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
                               + ", ".join(SCORED_FIELDS), field="log_probs")
     row_divs = _row_count_divergences(ctx)
     if row_divs:
+        ctx.records["support_unusable"] = row_divs[0].message
         return StageReport(stage=STAGE, status=STATUS_FAIL, reason=row_divs[0].message, mismatches=len(row_divs),
                            divergences=row_divs[: ctx.keep], compared=0)
 
@@ -250,6 +279,9 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
     logp_s = support_logprobs(ids, logits, sampled, rows)
     actual = torch.where(rows.has_support, logp_s, full if full is not None else logp_s)
     n_compared = int(compared.sum())
+    ctx.records["support"] = SupportTokens(ids=ids, logits=logits, sampled=sampled, full=full, rows=rows, loss=loss,
+                                           actual=actual, compared=compared, allowed_eos=allowed_unsupported,
+                                           invariants=dict(v.flags))
 
     values = Comparison()
     bad_fields: list[str] = []
