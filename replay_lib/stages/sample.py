@@ -5,12 +5,12 @@ from __future__ import annotations
 from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
 from ..schema import StageId
 from .base import StageContext, StageDef
+from .support import SUPPORT_TOKEN_PAYLOADS
 
-# Per-token payloads whose first dimension must equal Σ response_length.
-TOKEN_PAYLOADS = (
-    "old_log_probs", "log_probs", "ref_log_probs", "entropy", "kl", "advantages",
-    "support_ids", "support_logits", "sampled_token_ids", "routed_experts", "full_log_probs",
-)
+# Per-token payloads whose first dimension must equal Σ response_length: the GRPO ones and the support
+# stage's, except ``cp_shard`` (a layout record, whose rows that stage checks itself).
+TOKEN_PAYLOADS = ("old_log_probs", "log_probs", "ref_log_probs", "entropy", "kl", "advantages") + tuple(
+    name for name in SUPPORT_TOKEN_PAYLOADS if name != "cp_shard")
 
 
 def run_sample(ctx: StageContext) -> StageReport:
