@@ -1,4 +1,4 @@
-"""``?`` / F1: every key, by pane, from the same bindings the footer and the command palette use."""
+"""``?`` / F1: every key, by pane, from the same bindings the key bar and the command palette use."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
 
     @classmethod
     def navigation_bindings(cls, pane: str, noun: str, open_tooltip: str) -> list[Binding]:
-        """Arrow/page keys with vim aliases (hidden from the footer), each with an id and a tooltip."""
+        """Arrow/page keys with vim aliases (hidden from the key bar), each with an id and a tooltip."""
         return [
             Binding("up", "cursor(-1)", "Up", show=False, id=f"{pane}.up", tooltip=f"Previous {noun}"),
             Binding("down", "cursor(1)", "Down", show=False, id=f"{pane}.down", tooltip=f"Next {noun}"),

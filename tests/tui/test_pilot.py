@@ -373,7 +373,7 @@ async def test_diff_view_keys(make_app):
         assert state(app) == ("s-6", "kl", 0)
 
 
-async def test_footer_shows_the_focused_panes_bindings(make_app):
+async def test_key_bar_bindings_follow_the_focused_pane(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
