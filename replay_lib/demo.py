@@ -254,15 +254,20 @@ def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7
     return path
 
 
+# Every shipped demo bundle, by the name --demo takes (DEMO_NAMES order).
+_DEMO_BUILDERS = {
+    "pr65-buggy": lambda p: write_pr65(p, buggy=True),
+    "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
+    "step-loss": lambda p: write_step_loss(p),
+    "cohort-2rank": lambda p: write_cohort(p),
+    "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
+}
+
+
 def write_demos(root: str | Path) -> dict[str, Path]:
     """Write every demo bundle under ``root`` (which must not hold them already)."""
     root = Path(root)
-    return {
-        "pr65-buggy": write_pr65(root / "pr65-buggy", buggy=True),
-        "pr65-fixed": write_pr65(root / "pr65-fixed", buggy=False, bundle_id="b-00001-fixed"),
-        "step-loss": write_step_loss(root / "step-loss"),
-        "cohort-2rank": write_cohort(root / "cohort-2rank"),
-    }
+    return {name: build(root / name) for name, build in _DEMO_BUILDERS.items()}
 
 
 def materialize_demo(name: str = "pr65-buggy") -> Path:
@@ -270,15 +275,8 @@ def materialize_demo(name: str = "pr65-buggy") -> Path:
     if name not in DEMO_NAMES:
         raise ValueError(f"unknown demo {name!r} (expected one of {', '.join(DEMO_NAMES)})")
     tmp = Path(tempfile.mkdtemp(prefix="replay-demo-"))
-    builders = {
-        "pr65-buggy": lambda p: write_pr65(p, buggy=True),
-        "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
-        "step-loss": write_step_loss,
-        "cohort-2rank": write_cohort,
-        "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
-    }
     try:
-        return builders[name](tmp / name)
+        return _DEMO_BUILDERS[name](tmp / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

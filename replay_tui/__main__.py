@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Keyboard-driven replay debugger. With --check: headless, same report and exit codes as "
                     "'trajectory-replay replay'.",
-        epilog=EXIT_CODES_HELP,
+        epilog=EXIT_CODES_HELP + "  130  quit before the replay reached a verdict (the debugger only)\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")

@@ -18,6 +18,7 @@ from textual.binding import Binding, BindingType
 from replay_lib.bundle import open_bundle
 from replay_lib.errors import ReplayError
 from replay_lib.gcpause import gc_paused
+from replay_lib.report import STATUS_SKIPPED
 from replay_lib.runner import replay_run
 from replay_lib.schema import ActorStepId, StageId
 from replay_lib.selection import Selection
@@ -38,6 +39,8 @@ def error_line(message: str, prog: str = PROG) -> str:
 
 
 PROGRESS_INTERVAL_S = 0.15
+# Quit before the replay reached a verdict (the shell's code for an interrupted command): never 0.
+EXIT_NO_VERDICT = 130
 # Before the first frame, the app waits up to this long for the replay: a bundle that replays within it
 # opens directly on its result (no flash of a progress screen, and no UI start-up competing with the
 # replay for the interpreter); a longer replay shows its progress from then on.
@@ -144,7 +147,8 @@ class ReplayApp(App[int]):
         bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
         report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
                                       max_divergences=self.max_divergences, progress=progress)
-        progress("model", None, len(report.stages), len(report.stages))
+        ran = sum(1 for s in report.stages if s.status != STATUS_SKIPPED)
+        progress("model", None, ran, ran)
         model = build_model(bundles, report, name=self.display_name, contexts=contexts)
         if run == 1:
             self._first_result = model
@@ -189,11 +193,12 @@ class ReplayApp(App[int]):
     # -- actions ----------------------------------------------------------------------------------
     @property
     def exit_code(self) -> int:
+        """The replay's exit code; quitting before it reached a verdict is not a pass: 130."""
         if self.error is not None:
             return self.error[1]
         if self.model is not None:
             return self.model.report.exit_code
-        return 0
+        return EXIT_NO_VERDICT
 
     async def action_quit(self) -> None:
         self.exit(return_code=self.exit_code)
@@ -219,6 +224,11 @@ def run_app(args) -> int:
         except ReplayError as exc:
             sys.stderr.write(error_line(str(exc)) + "\n")
             return exc.exit_code
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # Textual needs a terminal both ways; without one it draws into a pipe and never ends
+            sys.stderr.write(error_line("the debugger needs a terminal (stdin and stdout); use --check for a "
+                                        "headless run") + "\n")
+            return 2
         app.run()
         if app.error is not None:
             sys.stderr.write(app.error[0] + "\n")

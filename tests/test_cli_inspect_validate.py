@@ -175,6 +175,19 @@ def test_demo_write_small_synthetic_bundle(tmp_path, cli):
     assert (target / "COMPLETE").read_bytes() == before
 
 
+def test_demo_write_all_writes_every_demo_the_debugger_offers(tmp_path, cli):
+    from replay_lib.demo import DEMO_NAMES
+
+    rc, out, err = cli("demo", "write-all", tmp_path / "demos")
+    assert (rc, err) == (0, "")
+    assert sorted(p.name for p in (tmp_path / "demos").iterdir()) == sorted(DEMO_NAMES)
+    # the README's first example, as written there
+    rc, out, _ = cli("replay", tmp_path / "demos" / "pr65-buggy")
+    assert rc == 1 and out.splitlines()[0] == "bundle b-00001 — first divergent stage: reward.post_process"
+    assert "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in out
+    assert cli("replay", tmp_path / "demos" / "support-fullvocab")[0] == 1
+
+
 def test_demo_write_rejects_bad_sizes(tmp_path, cli):
     rc, out, err = cli("demo", "write", tmp_path / "d", "--samples", "6", "--tokens", "4")
     assert (rc, out) == (2, "")

@@ -77,3 +77,12 @@ def test_usage_errors_exit_2_before_any_app_starts(bundles, capsys):
     assert err.startswith("replay-tui: error: unknown stage 'bogus'")
     assert tui_main([str(bundles / "pr65-buggy"), "--step", "12"]) == 2
     assert "--step expects ROLLOUT_ID:STEP_ID" in capsys.readouterr().err
+
+
+def test_the_debugger_without_a_terminal_refuses_in_one_line(bundles):
+    """Not --check, stdin and stdout not a TTY: exit 2 at once (Textual would draw into the pipe forever)."""
+    proc = subprocess.run(["replay-tui", str(bundles / "pr65-buggy")], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("replay-tui: error: the debugger needs a terminal (stdin and stdout); use --check "
+                           "for a headless run\n")

@@ -72,16 +72,19 @@ async def test_worker_reports_progress_through_every_stage(bundles, monkeypatch)
 
     monkeypatch.setattr(app_module, "PROGRESS_INTERVAL_S", 0.0)  # report every stage, however fast
     seen: list[str] = []
+    totals: list[tuple[int, int]] = []
 
     class Recording(ReplayApp):
         def on_replay_progress(self, message) -> None:
             seen.append(message.stage)
+            totals.append((message.done, message.total))
             super().on_replay_progress(message)
 
     app = Recording(bundles / "pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
     assert seen == ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate", "model"]
+    assert totals[-1] == (5, 5)  # "replayed 5 stage(s)": the two skipped loss stages are not counted
 
 
 async def test_fast_stages_cost_no_progress_frames(bundles):
@@ -503,6 +506,29 @@ async def test_error_screen_shows_the_cli_line_and_exits_with_its_code(make_app,
         assert f"exit code {code}" in screen_text(app)
         await pilot.press(key)
     assert app.return_code == code
+
+
+async def test_quitting_before_the_verdict_exits_130_never_0(make_app, monkeypatch):
+    """The worker is held inside open_bundle: q before any result is not a pass (nor a divergence)."""
+    import threading
+
+    import replay_tui.app as app_module
+
+    gate = threading.Event()
+    real_open = app_module.open_bundle
+
+    def held_open(*args, **kwargs):
+        assert gate.wait(timeout=30)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "open_bundle", held_open)
+    app = make_app("pr65-fixed")  # a passing bundle: 0 would be a lie before its replay ends
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.model is None and app.exit_code == app_module.EXIT_NO_VERDICT == 130
+        await pilot.press("q")
+        gate.set()
+    assert app.return_code == 130
 
 
 async def test_ui_stays_live_while_the_worker_verifies(make_app, monkeypatch):
