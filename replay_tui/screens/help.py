@@ -16,7 +16,12 @@ from ..keys import key_actions
 INTRO = (
     "Panes: Stages (the DAG; enter opens a stage), Samples (groups → samples; ✗ = mismatches), "
     "Diff (expected vs actual of the viewed field), Identity. Tab/shift+tab or 1–4 switch panes; the mouse "
-    "works too (click a row, a stage or the |err| strip)."
+    "works too (click a row, a stage, a key in the bottom line or the |err| strip); ctrl+p opens the command "
+    "palette.\n"
+    "expected = what the bundle recorded (the value the training step used); actual = what the replay "
+    "recomputes from the stage's inputs. A value diverges when |actual − expected| > atol + rtol·|expected| "
+    "or either side is NaN/Inf. The loss fields are sums of per-sample masked means (as the trainer reports "
+    "them), so pg_clipfrac can exceed 1."
 )
 
 

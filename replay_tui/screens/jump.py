@@ -26,11 +26,13 @@ class JumpScreen(ModalScreen[Optional[str]]):
     def __init__(self, sample_ids: Sequence[str]) -> None:
         super().__init__()
         self.sample_ids = set(sample_ids)
+        self._example = next(iter(sample_ids), "s-0")  # this bundle's own form (a cohort's are r<rank>-…)
         self._suggester = SuggestFromList(list(sample_ids), case_sensitive=True)
 
     def compose(self):
         with Vertical(id="jump-box"):
-            yield Input(placeholder="sample id, e.g. s-0 (→ completes)", suggester=self._suggester, id="jump-input")
+            yield Input(placeholder=f"sample id, e.g. {self._example} (→ completes)", suggester=self._suggester,
+                        id="jump-input")
             yield Static(id="jump-error")
 
     def on_mount(self) -> None:
