@@ -152,6 +152,13 @@ class SampleTree(CursorLines):
         if sid is not None:
             self.post_message(self.SampleHighlighted(self, sid))
 
+    def render_line(self, y: int) -> Strip:
+        if not self.rows and self.diverging_only and self.model is not None and y == 0:
+            # the filter hid every sample: say so rather than show an empty pane
+            return strip_of([("  no diverging sample (d shows all)", DIM)], self.row_width,
+                            self._base_style or self.rich_style)
+        return super().render_line(y)
+
     def watch_diverging_only(self) -> None:
         keep = self.rows[self.cursor] if self.rows else None
         self._rebuild(keep)

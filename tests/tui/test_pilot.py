@@ -424,6 +424,17 @@ async def test_key_bar_shows_only_whole_keys_on_a_narrow_terminal(make_app):
         assert bar.items[-1].display == "^p" and bar.item_at(bar.items[-1].start) is None  # not drawn
 
 
+async def test_the_diverging_filter_on_a_passing_bundle_says_why_the_tree_is_empty(make_app):
+    app = make_app("pr65-fixed")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("2", "d")
+        assert app.debugger.tree.diverging_only and app.debugger.tree.rows == []
+        assert "no diverging sample (d shows all)" in screen_text(app)
+        await pilot.press("d")
+        assert "no diverging sample" not in screen_text(app) and app.debugger.tree.rows
+
+
 # ------------------------------------------------------------------------------------------ mouse
 
 
