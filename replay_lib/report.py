@@ -90,6 +90,10 @@ def fmt_value(x: Optional[float]) -> str:
         text = f"{x:.{digits}g}"
         if struct.unpack("f", struct.pack("f", float(text)))[0] == target:
             break
+    if "e" in text and 1e-4 <= abs(float(text)) < 1e16 and float(text) == target:
+        # exactly the float32 value: positional, as Python prints it (10.0, not 1e+01); a form whose trailing
+        # zeros would claim digits the value does not have (1.2345679e+08) stays as it is
+        text = repr(float(text))
     if "e" not in text and "." not in text and "n" not in text:
         text += ".0"
     return text

@@ -296,3 +296,14 @@ def test_identical_tensors_with_inf_or_nan_still_diverge():
     out = _compare(x, x.clone())
     assert (out.mismatches, out.bad_samples, out.max_abs_error) == (2, 2, float("inf"))
     assert [(d.sample_id, d.token_offset) for d in out.divergences] == [("s-0", 1), ("s-1", 1)]
+
+
+def test_report_numbers_are_the_shortest_float32_form_positional_when_exact():
+    from replay_lib.report import fmt_value
+
+    cases = [(-5.5, "-5.5"), (1.0, "1.0"), (10.0, "10.0"), (100.0, "100.0"), (20000.0, "20000.0"),
+             (0.8974426, "0.8974426"), (4.3928623e-05, "4.3928623e-05"), (0.0001, "0.0001"),
+             (123456792.0, "1.2345679e+08"),  # positional would print 123456790.0: digits it does not have
+             (1e15, "1e+15"), (3.4028234663852886e38, "3.4028235e+38"), (float("nan"), "nan"),
+             (float("-inf"), "-inf"), (7, "7"), (None, "nan")]
+    assert [fmt_value(x) for x, _ in cases] == [text for _, text in cases]
