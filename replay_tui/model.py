@@ -816,7 +816,9 @@ def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, 
         ("producer", f"commit {prod.commit or '—'}" + (f" + patch {prod.dirty_patch_digest[:12]}"
                                                         if prod.dirty_patch_digest else "")),
         ("torch", prod.torch_version or "—"),
-        ("samples", f"{n_samples} in {n_groups} group{'s' if n_groups != 1 else ''}, {n_tokens} tokens"),
+        ("samples", f"{n_samples} in {n_groups} group{'s' if n_groups != 1 else ''}"
+                    + (f" ({len(groups)} ids × {len(bundles.shards)} ranks)" if n_groups != len(groups) else "")
+                    + f", {n_tokens} tokens"),
         ("groups", _listing([f"g-{g}" for g in groups])),
         ("cohorts", _listing(ident.normalization_cohort_ids)),
         ("partitions", _listing(ident.rollout_partition_ids)),

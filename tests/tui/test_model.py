@@ -128,6 +128,9 @@ def test_cohort_loss_rows_name_their_rank(bundles):
     labels = m.field_diff("loss").labels
     assert labels[0] == "loss [rank 0]" and labels[5] == "loss [rank 1]"
     assert [g.label for g in m.groups] == ["g-0 · rank 0", "g-1 · rank 0", "g-0 · rank 1", "g-1 · rank 1"]
+    # each rank normalizes its own groups: 4 (rank, group) pairs over 2 ids
+    assert ("samples", "16 in 4 groups (2 ids × 2 ranks), 256 tokens") in m.identity
+    assert ("samples", "4 in 2 groups, 12 tokens") in model_of(bundles / "pr65-buggy")[1].identity
 
 
 def test_partial_selection_shows_the_group_closure_only(bundles):
