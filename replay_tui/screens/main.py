@@ -35,6 +35,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen.-narrow #left { width: 30; }
     DebuggerScreen #right { width: 1fr; }
     DebuggerScreen.-short SupportStrip { height: 1; }
+    DebuggerScreen.-short StageList { max-height: 5; }
     """
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     # Below 32 rows the support strip under the diff rows takes one line instead of two.

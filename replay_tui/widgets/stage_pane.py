@@ -76,14 +76,14 @@ class StageList(CursorLines):
         then the capability (the detail line below the DAG still names both)."""
         name_w = max([len(g) + 2 + len(s.stage) for g, s in zip(self.gutters, self.report.stages)] + [10]) + 1
         rest = width - name_w - 8 - 6
-        show_err = rest >= 9
+        show_err = rest >= 8  # "max|err|" and its values take 8 cells (+ a space when there is one)
         rest -= 9 if show_err else 0
         if self.report.first_divergent_stage and rest >= len(FIRST_MARK) + 13:
             name_w += len(FIRST_MARK)
             rest -= len(FIRST_MARK)
         show_cap = rest >= 13
         rest -= 13 if show_cap else 0
-        return name_w, show_cap, show_err, max(0, rest - 1)
+        return name_w, show_cap, show_err, rest - 1 if rest - 1 >= 12 else 0  # a reason cut to a few letters is noise
 
     def render_header(self, width: int, base: Style) -> Strip:
         if self.report is None:
