@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ..keys import key_actions
+from ..widgets.key_bar import KeyBar
 
 INTRO = (
     "Panes: Stages (the DAG; enter opens a stage), Samples (groups → samples; ✗ = mismatches), "
@@ -44,6 +45,7 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help-box"):
             yield Static(Text(INTRO, style="italic"), id="help-intro")
             yield Static(self._content(), id="help-text")
+        yield KeyBar()  # this screen's keys, not the pane's beneath it
 
     def on_mount(self) -> None:
         box = self.query_one("#help-box")

@@ -11,6 +11,7 @@ from textual.screen import ModalScreen
 from textual.suggester import SuggestFromList
 from textual.widgets import Input, Static
 
+from ..widgets.key_bar import KeyBar
 
 class JumpScreen(ModalScreen[Optional[str]]):
     DEFAULT_CSS = """
@@ -34,6 +35,7 @@ class JumpScreen(ModalScreen[Optional[str]]):
             yield Input(placeholder=f"sample id, e.g. {self._example} (→ completes)", suggester=self._suggester,
                         id="jump-input")
             yield Static(id="jump-error")
+        yield KeyBar()  # this screen's keys, not the pane's beneath it
 
     def on_mount(self) -> None:
         self.query_one("#jump-box").border_title = "Jump to sample"

@@ -18,7 +18,7 @@ from textual.strip import Strip
 from ..cells import DIM, WARN, fit, strip_of
 
 WARN_KEY = Style(color="yellow", bold=True)
-PLACEHOLDER = [("", "verifying bundle…")]
+PLACEHOLDER = [("", "waiting for the replay…")]
 
 
 def wrap_rows(rows: list[tuple[str, str]], width: int) -> list[tuple[str, Style, str, Optional[Style]]]:
