@@ -413,6 +413,19 @@ async def test_key_bar_follows_focus_and_its_keys_click(make_app):
         assert "Diverging" not in [i.description for i in bar.items]
 
 
+async def test_modal_screens_show_their_own_keys(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("slash")
+        assert isinstance(app.screen, JumpScreen)
+        assert [(i.display, i.description) for i in app.screen.query_one(KeyBar).items][0] == ("esc", "Cancel")
+        assert screen_text(app).splitlines()[-1].startswith("esc Cancel")
+        await pilot.press("escape", "question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        assert screen_text(app).splitlines()[-1].startswith("esc Close")
+
+
 async def test_key_bar_shows_only_whole_keys_on_a_narrow_terminal(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=(80, 24)) as pilot:
