@@ -21,8 +21,9 @@ INTRO = (
     "palette.\n"
     "expected = what the bundle recorded (the value the training step used); actual = what the replay "
     "recomputes from the stage's inputs. A value diverges when |actual − expected| > atol + rtol·|expected| "
-    "or either side is NaN/Inf. The loss fields are sums of per-sample masked means (as the trainer reports "
-    "them), so pg_clipfrac can exceed 1."
+    "or either side is NaN/Inf. kl and advantage are compared on every response token (mask column shown for "
+    "reference); the support log-probs only on loss-bearing ones (mask 1). The loss fields are sums of "
+    "per-sample masked means (as the trainer reports them), so pg_clipfrac can exceed 1."
 )
 
 
