@@ -258,8 +258,8 @@ def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7
 _DEMO_BUILDERS = {
     "pr65-buggy": lambda p: write_pr65(p, buggy=True),
     "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
-    "step-loss": lambda p: write_step_loss(p),
-    "cohort-2rank": lambda p: write_cohort(p),
+    "step-loss": write_step_loss,
+    "cohort-2rank": write_cohort,
     "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
 }
 

@@ -599,28 +599,26 @@ class ReplayModel:
     name: str
     identity: list[tuple[str, str]]
     shards: list[ShardRecompute]
-    samples: Sequence[SampleRow]  # SampleRows when built by build_model
+    samples: SampleRows
     groups: list[GroupRow]
     fields: list[str]  # viewable fields, FIELDS order
     unavailable: dict[str, str]
 
     def __post_init__(self) -> None:
         # built with the model (in the replay worker), not by the first frame
-        ids = self.samples.ids if isinstance(self.samples, SampleRows) else [s.sample_id for s in self.samples]
-        self.by_id = dict(zip(ids, range(len(ids))))
-        self._totals = self.samples.totals if isinstance(self.samples, SampleRows) \
-            else [s.total_mismatches for s in self.samples]
+        self.by_id = dict(zip(self.samples.ids, range(len(self.samples))))
         self.group_of = {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
         self._diffs: dict[tuple[Optional[str], str], FieldDiff] = {}
-        self._all_rows = self.tree_rows(False, frozenset())
+        self._all_rows = self._tree_rows(False, frozenset())
 
     def tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> list[tuple[str, int]]:
         """The sample tree's rows: ``("group", group index)`` then its ``("sample", sample index)`` rows
         (none when folded), groups without a mismatch left out when ``diverging_only``."""
-        if not diverging_only and not folded and hasattr(self, "_all_rows"):
-            return self._all_rows
+        return self._all_rows if not diverging_only and not folded else self._tree_rows(diverging_only, folded)
+
+    def _tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> list[tuple[str, int]]:
         rows: list[tuple[str, int]] = []
-        totals = self._totals
+        totals = self.samples.totals
         for gi, group in enumerate(self.groups):
             members = group.samples
             if diverging_only:
@@ -646,7 +644,7 @@ class ReplayModel:
 
     def diverging_samples(self, field_name: Optional[str] = None) -> list[int]:
         if field_name is None:
-            return [i for i, t in enumerate(self._totals) if t]
+            return [i for i, t in enumerate(self.samples.totals) if t]
         return [i for i, s in enumerate(self.samples) if s.mismatches.get(field_name, 0)]
 
     # -- diffs ------------------------------------------------------------------------------------
@@ -897,7 +895,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
             bad_rows = {pos[k] for k in diverging if k in pos}
         suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
         for gi, members in order.items():
-            label = (f"g-{gi}" if gi is not None else "(no group)") + suffix
+            label = (group_label(gi) if gi is not None else "(no group)") + suffix
             groups.append(GroupRow(label=label, rank=rank, group_index=gi, samples=tuple(members),
                                    diverging=len(bad_rows.intersection(members)) if bad_rows else 0))
     fields, unavailable = [], {}

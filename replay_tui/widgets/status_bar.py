@@ -33,6 +33,9 @@ class TitleBar(Static):
         self.update(text)
 
 
+FAIL_PREFIX = "✗ first divergence in "
+
+
 class VerdictBar(Static):
     DEFAULT_CSS = """
     VerdictBar { height: auto; max-height: 3; padding: 0 1; }
@@ -71,12 +74,13 @@ class VerdictBar(Static):
         layout, of the screen: the bar spans it)."""
         line = first_divergence_text(report)
         width = self.size.width or self.app.size.width
-        verdict = len("✗ first divergence in ") + len(report.first_divergent_stage or "?")
+        verdict = len(FAIL_PREFIX) + len(report.first_divergent_stage or "?")
         return not line or verdict + 3 + len(line) <= max(width - 2, 0)
 
     def show_report(self, report: ReplayReport) -> None:
         """One line when it fits; else the divergence goes on its own line, whole (never split)."""
         self.report = report
+        one_line = self._one_line(report)
         text = Text()
         if report.passed:
             self.set_classes("-pass")
@@ -85,11 +89,11 @@ class VerdictBar(Static):
             text.append(f" — {compared} stage(s) compared")
         else:
             self.set_classes("-fail")
-            text.append("✗ first divergence in ", style="bold red")
+            text.append(FAIL_PREFIX, style="bold red")
             text.append(report.first_divergent_stage or "?", style="bold red")
             line = first_divergence_text(report)
             if line:
-                text.append(" — " if self._one_line(report) else "\n  ")
+                text.append(" — " if one_line else "\n  ")
                 text.append(line, style="bold")
-        self._shown_one_line = self._one_line(report)
+        self._shown_one_line = one_line
         self.update(text)

@@ -532,8 +532,9 @@ async def test_error_screen_shows_the_cli_line_and_exits_with_its_code(make_app,
     assert app.return_code == code
 
 
-async def test_quitting_before_the_verdict_exits_130_never_0(make_app, monkeypatch):
-    """The worker is held inside open_bundle: q before any result is not a pass (nor a divergence)."""
+@pytest.fixture
+def verify_gate(monkeypatch):
+    """An Event that holds the replay worker inside open_bundle (never a sleep) until it is set."""
     import threading
 
     import replay_tui.app as app_module
@@ -546,6 +547,15 @@ async def test_quitting_before_the_verdict_exits_130_never_0(make_app, monkeypat
         return real_open(*args, **kwargs)
 
     monkeypatch.setattr(app_module, "open_bundle", held_open)
+    yield gate
+    gate.set()  # never leave a worker thread waiting
+
+
+async def test_quitting_before_the_verdict_exits_130_never_0(make_app, verify_gate):
+    """The worker is held inside open_bundle: q before any result is not a pass (nor a divergence)."""
+    import replay_tui.app as app_module
+
+    gate = verify_gate
     app = make_app("pr65-fixed")  # a passing bundle: 0 would be a lie before its replay ends
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
@@ -555,21 +565,10 @@ async def test_quitting_before_the_verdict_exits_130_never_0(make_app, monkeypat
     assert app.return_code == 130
 
 
-async def test_ui_stays_live_while_the_worker_verifies(make_app, monkeypatch):
+async def test_ui_stays_live_while_the_worker_verifies(make_app, verify_gate):
     """The worker is held inside open_bundle (on an Event, not a sleep): the progress line shows and
     keys still work; releasing it finishes the replay."""
-    import threading
-
-    import replay_tui.app as app_module
-
-    gate = threading.Event()
-    real_open = app_module.open_bundle
-
-    def held_open(*args, **kwargs):
-        assert gate.wait(timeout=30)
-        return real_open(*args, **kwargs)
-
-    monkeypatch.setattr(app_module, "open_bundle", held_open)
+    gate = verify_gate
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
