@@ -9,10 +9,13 @@ before returning, so no stage ever runs on a bundle that is not exactly what the
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import secrets
 import shutil
+import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
@@ -54,7 +57,12 @@ _HASH_CHUNK = 1 << 20
 
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        try:  # one call over the mapped file: hashlib holds no GIL for it (chunked reads take it per chunk)
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                return hashlib.sha256(mapped).hexdigest()
+        except (ValueError, OSError):  # empty file, or one that cannot be mapped
+            fh.seek(0)
+            return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -352,6 +360,89 @@ def _index_keys(blob: bytes) -> dict:
             for key, value in _INDEX_TOP_DECODER.decode(blob).items()}
 
 
+class _Digests:
+    """The sha256 of the metadata blobs and of the payload files the manifest lists, computed on a
+    background thread while the reader decodes the JSON and loads the tensors (hashing does not hold
+    the GIL). The reader asks for each digest where it always did, so every check keeps its order and
+    its message; a file the thread could not hash (or was not given) is hashed by the reader itself."""
+
+    def __init__(self, blobs: dict[str, bytes], files: list[Path]) -> None:
+        self._meta: dict[str, str] = {}
+        self._meta_done = threading.Event()
+        self._files: dict[Path, Optional[str]] = {}
+        self._file_done = {file: threading.Event() for file in files}
+        self._cancelled = False
+        # The largest blob first: the thread is inside the hash (GIL released) before the reader
+        # starts a decode, which holds the GIL from start to end.
+        order = sorted(blobs, key=lambda name: -len(blobs[name]))
+        threading.Thread(target=self._run, args=([(name, blobs[name]) for name in order], files),
+                         name="bundle-sha256", daemon=True).start()
+
+    def _run(self, blobs: list[tuple[str, bytes]], files: list[Path]) -> None:
+        try:
+            for name, blob in blobs:
+                self._meta[name] = sha256_bytes(blob)
+        finally:
+            self._meta_done.set()
+        for file in files:
+            try:
+                if not self._cancelled:
+                    self._files[file] = sha256_file(file)
+            except OSError:
+                pass  # the reader's own checks name the problem
+            finally:
+                self._file_done[file].set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def metadata(self) -> dict[str, str]:
+        self._meta_done.wait()
+        return self._meta
+
+    def file(self, path: Path) -> str:
+        done = self._file_done.get(path)
+        if done is not None:
+            done.wait()
+        digest = self._files.get(path)
+        return digest if digest is not None else sha256_file(path)
+
+    @staticmethod
+    def payload_files(root: Path, manifest_blob: bytes) -> list[Path]:
+        """The payload files worth hashing ahead: regular files (never links, FIFOs or devices) named by
+        the manifest as it decodes now; anything odd is left to the reader's checks."""
+        try:
+            names = msgspec.json.decode(manifest_blob).get("payloads") or {}
+        except Exception:
+            return []
+        files = []
+        for name in names if isinstance(names, dict) else ():
+            if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
+                continue
+            file = root / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+            try:
+                if stat.S_ISREG(os.lstat(file).st_mode):
+                    files.append(file)
+            except OSError:
+                pass
+        return files
+
+
+def _attempt(decode):
+    """``(value, None)``, or ``(None, BundleError)`` to raise where the reader used to decode."""
+    try:
+        return decode(), None
+    except BundleError as exc:
+        return None, exc
+
+
+def _settle(attempt):
+    value, error = attempt
+    if error is not None:
+        raise error
+    return value
+
+
 def _load_tensor(path: Path) -> torch.Tensor:
     try:
         try:
@@ -398,7 +489,19 @@ class BundleReader:
     def _verify(self, shard: Optional[RankComplete]) -> None:
         root = self.path
         blobs = {name: _read_bytes(root / name, name) for name in METADATA_FILES}
-        actual_meta = {name: sha256_bytes(blob) for name, blob in blobs.items()}
+        digests = _Digests(blobs, _Digests.payload_files(root, blobs["manifest.json"]))
+        try:
+            self._check(shard, blobs, digests)
+        finally:
+            digests.cancel()  # a bundle refused early leaves no hashing behind
+
+    def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests) -> None:
+        root = self.path
+        # Decoded while the thread hashes; a decode error is raised where it always was (after the
+        # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
+        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index))
+        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER))
+        actual_meta = digests.metadata()
         if shard is None:
             complete_path = root / "COMPLETE"
             if not complete_path.exists():
@@ -427,8 +530,8 @@ class BundleReader:
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
         parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
-        self.index, has_unknown = _decode(root / "index.json", blobs["index.json"], decode_index)
-        self.expected = _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER)
+        self.index, has_unknown = _settle(index_attempt)
+        self.expected = _settle(expected_attempt)
         for p in unknown_fields(raw_manifest, Manifest):
             self.warnings.append(f"{root / 'manifest.json'}: {p}: unknown field (ignored)")
         self.unknown_config = {}
@@ -476,7 +579,7 @@ class BundleReader:
                 RedactionPolicy({rule_field: rule})
             except ValueError as exc:
                 raise BundleError(f"{root / 'manifest.json'}: $.redaction.{rule_field}: {exc}") from None
-        self._verify_payloads(shard, sentinel_name)
+        self._verify_payloads(shard, sentinel_name, digests)
 
     @staticmethod
     def _raw(path: Path, blob: bytes):
@@ -498,7 +601,7 @@ class BundleReader:
                     f"(sentinel {recorded[name][:12]}…, file {actual[name][:12]}…)"
                 )
 
-    def _verify_payloads(self, shard: RankComplete, sentinel_name: str) -> None:
+    def _verify_payloads(self, shard: RankComplete, sentinel_name: str, digests: _Digests) -> None:
         root = self.path
         real_root = os.path.realpath(root)
         payload_dir = root / PAYLOAD_DIR
@@ -526,7 +629,7 @@ class BundleReader:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
             if key not in shard.payloads:
                 raise BundleError(f"{root / sentinel_name}: $.payloads: no checksum for payload {key!r}")
-            digest = sha256_file(file)
+            digest = digests.file(file)
             if digest != spec.sha256 or digest != shard.payloads[key]:
                 raise BundleError(
                     f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "

@@ -225,6 +225,15 @@ def case_invalid_json(tmp, tools):
     return b, b, [f"{b / 'index.json'}:", "invalid JSON", "truncated"]
 
 
+def case_invalid_json_not_resealed(tmp, tools):
+    # The reader decodes index.json while it hashes the files; the checksum check still speaks first.
+    b = _pr65(tmp)
+    data = b'{"bundle_id": "b-00001", "samples": ['
+    (b / "index.json").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    return b, b, [f"{b / 'index.json'}:", "sha256 mismatch", f"file {digest[:12]}"]
+
+
 def case_wrong_types(tmp, tools):
     b = _pr65(tmp)
     tools.edit_json(b, "index.json", lambda doc: doc["samples"][3].__setitem__("loss_mask", [1, "1", 1]))

@@ -358,3 +358,31 @@ def test_secret_in_environment_and_prompt_never_reaches_disk(rule, tmp_path, mon
     assert json.loads((path / "manifest.json").read_bytes())["redaction"] == {
         "label": rule, "prompt": rule, "response": rule}
     assert BundleReader(path).index.samples[0].prompt == want(text["prompt"])
+
+
+def test_sha256_file_equals_hashlib_for_empty_small_and_multi_chunk_files(tmp_path):
+    from replay_lib.bundle import sha256_file
+
+    for size in (0, 1, 4096, (1 << 20) * 3 + 17):
+        f = tmp_path / f"f{size}"
+        data = os.urandom(size)
+        f.write_bytes(data)
+        assert sha256_file(f) == hashlib.sha256(data).hexdigest()
+
+
+def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch):
+    # The digests come from a background thread; the reader compares each where it always did. A payload
+    # whose bytes differ from its checksum is refused whichever thread hashed it.
+    import replay_lib.bundle as bundle_mod
+
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="ahead"))
+    kl = b / "payloads" / "kl.pt"
+    data = bytearray(kl.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    kl.write_bytes(bytes(data))
+    hashed = []
+    real = bundle_mod.sha256_file
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    with pytest.raises(BundleError, match=r"kl\.pt: sha256 mismatch .* file " + hashlib.sha256(bytes(data)).hexdigest()[:12]):
+        BundleReader(b)
+    assert "kl.pt" in hashed and hashed.count("kl.pt") == 1  # hashed once, ahead of the check
