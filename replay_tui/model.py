@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -593,6 +594,56 @@ class GroupRow:
     diverging: int  # samples with at least one mismatch
 
 
+class TreeRows(Sequence[tuple[str, int]]):
+    """The sample tree's rows without a tuple per row: a group row, then its shown sample rows, found by
+    bisecting the groups' first rows (a 4,096-sample step has 5,120 rows; the tree draws a screenful)."""
+
+    def __init__(self, entries: list[tuple[int, tuple[int, ...]]], model: "ReplayModel") -> None:
+        self._groups = [gi for gi, _ in entries]
+        self._members = [members for _, members in entries]
+        self._starts = list(itertools.accumulate((1 + len(m) for m in self._members), initial=0))
+        self._model = model
+        self._entry_of: Optional[dict[int, int]] = None
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        e = bisect.bisect_right(self._starts, k) - 1
+        j = k - self._starts[e]
+        return (TREE_GROUP, self._groups[e]) if j == 0 else (TREE_SAMPLE, self._members[e][j - 1])
+
+    def index(self, row, start: int = 0, stop: Optional[int] = None) -> int:
+        if self._entry_of is None:
+            self._entry_of = {gi: e for e, gi in enumerate(self._groups)}
+        kind, i = row
+        gi = i if kind == TREE_GROUP else self._model.group_of.get(i) if kind == TREE_SAMPLE else None
+        e = self._entry_of.get(gi) if gi is not None else None
+        if e is not None:
+            if kind == TREE_GROUP:
+                k = self._starts[e]
+            elif i in self._members[e]:
+                k = self._starts[e] + 1 + self._members[e].index(i)
+            else:
+                k = -1
+            if start <= k and (stop is None or k < stop):
+                return k
+        raise ValueError(f"{row!r} is not a row")
+
+    def __contains__(self, row) -> bool:
+        try:
+            self.index(row)
+        except (ValueError, TypeError):
+            return False
+        return True
+
+
 @dataclass
 class ReplayModel:
     report: ReplayReport
@@ -607,17 +658,21 @@ class ReplayModel:
     def __post_init__(self) -> None:
         # built with the model (in the replay worker), not by the first frame
         self.by_id = dict(zip(self.samples.ids, range(len(self.samples))))
-        self.group_of = {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
         self._diffs: dict[tuple[Optional[str], str], FieldDiff] = {}
         self._all_rows = self._tree_rows(False, frozenset())
 
-    def tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> list[tuple[str, int]]:
+    @functools.cached_property
+    def group_of(self) -> dict[int, int]:
+        """Sample row → its group's index in :attr:`groups`."""
+        return {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
+
+    def tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> "TreeRows":
         """The sample tree's rows: ``("group", group index)`` then its ``("sample", sample index)`` rows
         (none when folded), groups without a mismatch left out when ``diverging_only``."""
         return self._all_rows if not diverging_only and not folded else self._tree_rows(diverging_only, folded)
 
-    def _tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> list[tuple[str, int]]:
-        rows: list[tuple[str, int]] = []
+    def _tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> "TreeRows":
+        entries: list[tuple[int, tuple[int, ...]]] = []
         totals = self.samples.totals
         for gi, group in enumerate(self.groups):
             members = group.samples
@@ -625,10 +680,8 @@ class ReplayModel:
                 members = tuple(m for m in members if totals[m])
                 if not members:
                     continue
-            rows.append((TREE_GROUP, gi))
-            if gi not in folded:
-                rows += [(TREE_SAMPLE, m) for m in members]
-        return rows
+            entries.append((gi, () if gi in folded else members))
+        return TreeRows(entries, self)
 
     # -- lookups ----------------------------------------------------------------------------------
     def sample(self, sample_id: str) -> Optional[SampleRow]:
@@ -787,17 +840,24 @@ def _listing(values: Sequence, limit: int = 4) -> str:
     return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
 
 
-def identity_lines(bundles: BundleSet, report: ReplayReport) -> list[tuple[str, str]]:
-    """``(label, value)`` rows of the identity pane: logical identity, physical provenance, producer."""
+def identity_lines(bundles: BundleSet, report: ReplayReport,
+                   contexts: Optional[Sequence[Optional[StageContext]]] = None) -> list[tuple[str, str]]:
+    """``(label, value)`` rows of the identity pane: logical identity, physical provenance, producer
+    (``contexts``: the shards' replay contexts, when there are)."""
     first = bundles.shards[0]
     ident = first.index.identity
     manifest = first.manifest
     n_samples = sum(len(s.index.samples) for s in bundles.shards)
-    n_tokens = sum(sum(r.response_length for r in s.index.samples if r.response_length > 0) for s in bundles.shards)
+    # a replay context over all of a shard's samples has its lengths and groups as columns already
+    whole = [c if c is not None and not c.partial else None for c in (contexts or [None] * len(bundles.shards))]
+    n_tokens = sum(int(c.lengths.sum()) if c is not None else
+                   sum(r.response_length for r in s.index.samples if r.response_length > 0)
+                   for s, c in zip(bundles.shards, whole))
     groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids},
                     key=lambda g: (isinstance(g, str), g if isinstance(g, int) else 0, str(g)))
     # a cohort's ranks each normalize their own groups: count (rank, group) pairs
-    n_groups = sum(len({r.group_index for r in s.index.samples}) for s in bundles.shards)
+    n_groups = sum(len(set(c.group_indices)) if c is not None else len({r.group_index for r in s.index.samples})
+                   for s, c in zip(bundles.shards, whole))
     wl = ident.weight_lineage
     cfg = first.index.config
     prod = manifest.producer
@@ -910,7 +970,8 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
             continue
         fields.append(spec.name)
     return ReplayModel(
-        report=report, name=name or Path(str(bundles.path)).name, identity=identity_lines(bundles, report),
+        report=report, name=name or Path(str(bundles.path)).name,
+        identity=identity_lines(bundles, report, [rec.ctx for rec in shards]),
         shards=shards, samples=samples, groups=groups, fields=fields, unavailable=unavailable,
     )
 

@@ -3,7 +3,7 @@ filter. Line API: thousands of samples cost only the visible rows."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 from rich.style import Style
 from textual.binding import Binding, BindingType
@@ -53,7 +53,7 @@ class SampleTree(CursorLines):
         super().__init__(id=id)
         self.model: Optional[ReplayModel] = None
         self.folded: set[int] = set()
-        self.rows: list[tuple[str, int]] = []
+        self.rows: Sequence[tuple[str, int]] = []
 
     # -- content ----------------------------------------------------------------------------------
     def set_model(self, model: ReplayModel) -> None:

@@ -244,3 +244,38 @@ def test_a_partial_selection_context_is_not_reused(bundles):
     assert contexts[0].partial
     m = build_model(b, report, contexts=contexts)
     assert m.field_diff("reward").expected == [3.5, 5.5]  # rows of the selected group, from a full recompute
+
+
+@pytest.mark.parametrize("name", ["kl-bug", "cohort-2rank"])
+def test_tree_rows_equal_the_rows_written_out(bundles, name):
+    _, m = model_of(bundles / name)
+    totals = m.samples.totals
+
+    def written_out(diverging_only, folded):
+        rows = []
+        for gi, g in enumerate(m.groups):
+            members = [s for s in g.samples if totals[s]] if diverging_only else list(g.samples)
+            if diverging_only and not members:
+                continue
+            rows.append(("group", gi))
+            if gi not in folded:
+                rows += [("sample", s) for s in members]
+        return rows
+
+    for diverging_only in (False, True):
+        for folded in (frozenset(), frozenset({0}), frozenset(range(len(m.groups)))):
+            rows = m.tree_rows(diverging_only, folded)
+            expect = written_out(diverging_only, folded)
+            assert list(rows) == expect and len(rows) == len(expect)
+            assert [rows[k] for k in range(-len(expect), 0)] == expect  # negative indices too
+            for k, row in enumerate(expect):
+                assert row in rows and rows.index(row) == k
+            shown = {s for kind, s in expect if kind == "sample"}
+            for s in range(len(m.samples)):
+                if s not in shown:
+                    assert ("sample", s) not in rows
+                    with pytest.raises(ValueError):
+                        rows.index(("sample", s))
+            with pytest.raises(IndexError):
+                rows[len(expect)]
+    assert ("group", len(m.groups)) not in m.tree_rows(False, frozenset())

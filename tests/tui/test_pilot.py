@@ -350,7 +350,7 @@ async def test_sample_tree_keys(make_app):
         assert tree.row_count == 6
         await pilot.press("enter")
         await pilot.press("d")
-        assert tree.diverging_only and tree.rows == [("group", 1), ("sample", 5), ("sample", 6)]
+        assert tree.diverging_only and list(tree.rows) == [("group", 1), ("sample", 5), ("sample", 6)]
         assert tree.selected_sample == "s-5" and app.debugger.sample_id == "s-5"
         assert app.debugger.query_one("SamplesPanel").border_title == "Samples · diverging only"
         await pilot.press("down")
@@ -442,7 +442,7 @@ async def test_the_diverging_filter_on_a_passing_bundle_says_why_the_tree_is_emp
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("2", "d")
-        assert app.debugger.tree.diverging_only and app.debugger.tree.rows == []
+        assert app.debugger.tree.diverging_only and list(app.debugger.tree.rows) == []
         assert "no diverging sample (d shows all)" in screen_text(app)
         await pilot.press("d")
         assert "no diverging sample" not in screen_text(app) and app.debugger.tree.rows
