@@ -20,7 +20,7 @@ and the PR #65 demo bundle. Then, in one run:
   check by default, so a bare press + pause never takes under ~60 ms whatever the app does; the bench
   sets that granularity to 2 ms (``--stock-pilot`` keeps the default) and prints the raw medians too.
 
-    python bench/bench_tui.py [--samples 4096] [--long-tokens 32768] [--reps 15] [--moves 100] [--keep DIR]
+    python bench/bench_tui.py [--samples 4096] [--long-tokens 32768] [--reps 31] [--moves 100] [--keep DIR]
 
 Exit status 0 when every target passes, 1 otherwise.
 """
@@ -285,7 +285,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--long-tokens", type=int, default=32768)
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=31)
     p.add_argument("--moves", type=int, default=100)
     p.add_argument("--keep", metavar="DIR", help="build (or reuse) the bundles in DIR and keep them")
     p.add_argument("--stock-pilot", action="store_true", help="keep Pilot's default 20 ms idle granularity")

@@ -98,7 +98,9 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
         return f"rollout_id={self.rollout_id}"
 
 
-class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True):
+# gc=False: a step holds thousands of records, and a record (strings, numbers, a list of ints) can never be
+# part of a reference cycle, so the collector need not track or walk them.
+class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     sample_id: str
     group_index: Optional[int] = None
     response_length: int
