@@ -34,17 +34,44 @@ class TitleBar(Static):
 
 
 FAIL_PREFIX = "✗ first divergence in "
+INDENT = "  "
+MAX_DIVERGENCE_LINES = 3
+
+
+def hang(line: str, width: int, limit: int = MAX_DIVERGENCE_LINES) -> list[str]:
+    """``line`` cut at spaces into at most ``limit`` lines of ``width`` cells (a word longer than that is
+    cut); what does not fit ends the last line with ``…``. Each line is shown after the indent."""
+    width = max(width, 8)
+    lines: list[str] = []
+    current = ""
+    for word in line.split(" "):
+        candidate = f"{current} {word}" if current else word
+        if len(candidate) <= width:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        while len(word) > width:
+            lines.append(word[:width])
+            word = word[width:]
+        current = word
+    if current or not lines:
+        lines.append(current)
+    if len(lines) > limit:
+        last = lines[limit - 1]
+        lines = lines[:limit - 1] + [(last[:width - 1] if len(last) >= width else last) + "…"]
+    return lines
 
 
 class VerdictBar(Static):
     DEFAULT_CSS = """
-    VerdictBar { height: auto; max-height: 3; padding: 0 1; }
+    VerdictBar { height: auto; max-height: 4; padding: 0 1; }
     VerdictBar.-fail { background: $error 20%; }
     VerdictBar.-pass { background: $success 15%; }
     """
     report: Optional[ReplayReport] = None
     _progress_shown = False
-    _shown_one_line = True
+    _shown_width = 0
 
     def show_progress(self, stage: str, done: int, total: int) -> None:
         # One line replacing one line: no relayout of the screen (the replay worker is busy meanwhile).
@@ -66,19 +93,22 @@ class VerdictBar(Static):
         self.update(text, layout=relayout)
 
     def on_resize(self) -> None:
-        if self.report is not None and self._one_line(self.report) != self._shown_one_line:
+        if self.report is not None and self._text_width() != self._shown_width:
             self.show_report(self.report)
 
+    def _text_width(self) -> int:
+        """Cells for text in this bar (before the first layout, of the screen: the bar spans it)."""
+        return max((self.size.width or self.app.size.width) - 2, 0)
+
     def _one_line(self, report: ReplayReport) -> bool:
-        """Whether the verdict and the divergence line fit on one line of this bar (before the first
-        layout, of the screen: the bar spans it)."""
+        """Whether the verdict and the divergence line fit on one line of this bar."""
         line = first_divergence_text(report)
-        width = self.size.width or self.app.size.width
         verdict = len(FAIL_PREFIX) + len(report.first_divergent_stage or "?")
-        return not line or verdict + 3 + len(line) <= max(width - 2, 0)
+        return not line or verdict + 3 + len(line) <= self._text_width()
 
     def show_report(self, report: ReplayReport) -> None:
-        """One line when it fits; else the divergence goes on its own line, whole (never split)."""
+        """One line when it fits; else the divergence goes on its own indented line, and a line wider than
+        the bar continues under its own indent, cut at spaces (at most three lines)."""
         self.report = report
         one_line = self._one_line(report)
         text = Text()
@@ -92,8 +122,12 @@ class VerdictBar(Static):
             text.append(FAIL_PREFIX, style="bold red")
             text.append(report.first_divergent_stage or "?", style="bold red")
             line = first_divergence_text(report)
-            if line:
-                text.append(" — " if one_line else "\n  ")
+            if line and one_line:
+                text.append(" — ")
                 text.append(line, style="bold")
-        self._shown_one_line = one_line
+            elif line:
+                for part in hang(line, self._text_width() - len(INDENT)):
+                    text.append("\n" + INDENT)
+                    text.append(part, style="bold")
+        self._shown_width = self._text_width()
         self.update(text)

@@ -67,6 +67,33 @@ async def test_narrow_terminal_keeps_the_divergence_line_whole(make_app):
         assert not app.debugger.query_one(IdentityPane).display
 
 
+async def test_a_divergence_line_wider_than_the_terminal_continues_under_its_indent(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(46, 24)) as pilot:
+        await ready(pilot)
+        lines = [line.rstrip() for line in screen_text(app).splitlines()]
+        # 44 cells of text in the bar, 42 after the indent: cut at the space before abs_err
+        assert lines[1:4] == [" ✗ first divergence in reward.post_process",
+                              "   reward s-0: expected=-5.5 actual=-1.0",
+                              "   abs_err=4.5"]
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        lines = [line.rstrip() for line in screen_text(app).splitlines()]
+        assert lines[2:4] == ["   reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5", lines[3]]
+        assert "abs_err" not in lines[3]
+
+
+def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
+    from replay_tui.widgets.status_bar import hang
+
+    assert hang("kl s-1@3: expected=1.0 actual=2.0 abs_err=1.0", 24) == [
+        "kl s-1@3: expected=1.0", "actual=2.0 abs_err=1.0"]
+    assert hang("short", 24) == ["short"] and hang("", 24) == [""]
+    assert hang("a" * 20 + " b", 8) == ["aaaaaaaa", "aaaaaaaa", "aaaa b"]
+    assert hang("one two three four five six", 8, limit=2) == ["one two", "three…"]
+    assert hang("abcdefghi jk", 9, limit=1) == ["abcdefgh…"]  # a full last line gives its last cell
+
+
 async def test_worker_reports_progress_through_every_stage(bundles, monkeypatch):
     import replay_tui.app as app_module
 
