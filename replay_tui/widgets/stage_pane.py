@@ -152,12 +152,13 @@ class StagesPanel(Vertical):
 
     def show_detail(self, stage: Optional[StageReport]) -> None:
         detail = self.query_one("#stage-detail", Static)
+        # one line of fixed height: repaint that line, never lay the screen out again (a full frame)
         if stage is None:
-            detail.update("")
+            detail.update("", layout=False)
             return
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(stage.stage, style="bold")
         text.append(f" [{stage.capability or '—'}]", style="dim")
         if stage.reason:
             text.append(" — " + stage.reason)
-        detail.update(text)
+        detail.update(text, layout=False)

@@ -98,7 +98,7 @@ class VerdictBar(Static):
 
     def _text_width(self) -> int:
         """Cells for text in this bar (before the first layout, of the screen: the bar spans it)."""
-        return max((self.size.width or self.app.size.width) - 2, 0)
+        return self.size.width if self.size.width else max(self.app.size.width - 2, 0)  # padding 0 1
 
     def _one_line(self, report: ReplayReport) -> bool:
         """Whether the verdict and the divergence line fit on one line of this bar."""

@@ -206,6 +206,24 @@ async def test_tab_and_digits_move_between_panes(make_app):
             assert app.debugger.focused_pane() == pane
 
 
+async def test_a_focus_change_repaints_the_two_panes_not_the_screen(make_app, monkeypatch):
+    # Over SSH every repainted cell is sent: Textual's Screen.focused repaints the whole screen (≈ 22 kB at
+    # 120×40) on top of the panes whose focus style changes; the debugger repaints only those.
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause()
+        written = []
+        real = type(app)._display
+        monkeypatch.setattr(type(app), "_display", lambda self, screen, update: (written.append(update),
+                                                                                    real(self, screen, update)))
+        await pilot.press("tab")
+        await pilot.pause()
+        assert app.debugger.focused_pane() == "identity"
+        kinds = [type(u).__name__ for u in written if u is not None]
+        assert kinds and "LayoutUpdate" not in kinds, kinds  # a LayoutUpdate rewrites every cell
+
+
 async def test_field_keys_cycle_the_viewed_field(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
