@@ -784,15 +784,24 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
             candidates.append((entry, _anchor_of(entry)))
     if not candidates:
         raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
-    listing = "; ".join(f"{c.name} ({_describe(a)})" for c, a in candidates)
+    def listing(found) -> str:
+        return "; ".join(f"{c.name} ({_describe(a)})" for c, a in found)
+
     matching = [(c, a) for c, a in candidates if _matches(a, step, rollout)]
     if len(matching) == 1:
         return resolve_bundle(matching[0][0])
+    want = f"--step {step}" if step is not None else f"--rollout {rollout}"
     if not matching:
-        want = f"--step {step}" if step is not None else f"--rollout {rollout}"
-        raise SelectionError(f"{path}: no bundle matches {want}; candidates: {listing}")
-    hint = "pass --step R:S or --rollout R" if step is None and rollout is None else "several bundles match"
-    raise SelectionError(f"{path}: ambiguous capture directory with {len(matching)} bundles ({hint}); candidates: {listing}")
+        raise SelectionError(f"{path}: no bundle matches {want}; candidates: {listing(candidates)}")
+    if step is None and rollout is None:
+        # an anchor settles it only when no two candidates share one
+        anchors = [a for _, a in candidates]
+        hint = ("pass --step R:S or --rollout R" if len(set(anchors)) == len(anchors)
+                else "pass --step R:S or --rollout R, or one bundle's own path")
+    else:
+        hint = f"all match {want}; pass one bundle's own path"
+    raise SelectionError(f"{path}: ambiguous capture directory with {len(matching)} bundles ({hint}); "
+                         f"candidates: {listing(matching)}")
 
 
 @dataclass

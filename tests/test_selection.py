@@ -214,7 +214,13 @@ def test_anchor_matching_no_bundle_lists_the_candidates(cli, capture):
 def test_two_bundles_with_the_same_anchor_stay_ambiguous(cli, tmp_path):
     write_bundle(tmp_path / "x", *synthetic_parts(samples=4, tokens=2, bundle_id="x"))
     write_bundle(tmp_path / "y", *synthetic_parts(samples=4, tokens=2, bundle_id="y"))
+    write_bundle(tmp_path / "z", *synthetic_parts(samples=4, tokens=2, bundle_id="z", anchor=None, stages=ROLLOUT_STAGES))
     code, _, err = cli("replay", tmp_path, "--step", "7:0")
     assert code == 3
-    assert ("ambiguous capture directory with 2 bundles (several bundles match); "
-            "candidates: x (step 7:0); y (step 7:0)") in err
+    # only the bundles that match are listed, and an anchor cannot tell them apart: their paths can
+    assert err.endswith(f"{tmp_path}: ambiguous capture directory with 2 bundles (all match --step 7:0; pass one "
+                        "bundle's own path); candidates: x (step 7:0); y (step 7:0)\n"), err
+    code, _, err = cli("replay", tmp_path)
+    assert code == 3
+    assert err.endswith(f"{tmp_path}: ambiguous capture directory with 3 bundles (pass --step R:S or --rollout R, "
+                        "or one bundle's own path); candidates: x (step 7:0); y (step 7:0); z (rollout 7)\n"), err
