@@ -428,6 +428,11 @@ class _Digests:
         return files
 
 
+def config_knob_active(value) -> bool:
+    """Whether an unknown config knob is set to something (a replay refuses it) rather than off/empty."""
+    return value not in (None, False, 0, "", [], {})
+
+
 def _attempt(decode):
     """``(value, None)``, or ``(None, BundleError)`` to raise where the reader used to decode."""
     try:
@@ -543,6 +548,9 @@ class BundleReader:
                 k: v for k, v in (raw_config.items() if isinstance(raw_config, dict) else ()) if k not in known
             }
             for p in unknown_fields(raw_index, BundleIndex):
+                knob = p[len("$.config."):] if p.startswith("$.config.") else None
+                if knob in self.unknown_config and config_knob_active(self.unknown_config[knob]):
+                    continue  # not ignored: a replay refuses it (validate lists it as a refusal)
                 self.warnings.append(f"{root / 'index.json'}: {p}: unknown field (ignored)")
 
         if self.manifest.bundle_id != self.index.bundle_id:

@@ -21,7 +21,7 @@ import msgspec
 from .errors import EXIT_USAGE, ReplayError, UsageError
 
 EXIT_CODES_HELP = """exit codes:
-  0  every compared stage passed (validate: bundle valid)
+  0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
   1  a divergence was found
   2  bad command line
   3  bundle invalid, incomplete, unsafe or ambiguous, or a selection that cannot be exact (nothing recomputed)
@@ -135,9 +135,16 @@ def _validate_lines(result) -> list[tuple[str, str]]:
     return lines
 
 
+INSPECT_FOOTNOTE = ("inspect reads what is there without verifying it (payloads: sizes only); "
+                    "validate checks checksums, schema and tensors")
+
+
 def _inspect_lines(result) -> list[tuple[str, str]]:
     status = "complete" if result.complete else "INCOMPLETE"
-    lines = [("header-pass" if result.complete else "header-fail", f"{result.path} — {result.layout}, {status}")]
+    n = len(result.problems)
+    status += f" · {n} problem{'s' if n != 1 else ''}" if n else ""
+    ok = result.complete and not n
+    lines = [("header-pass" if ok else "header-fail", f"{result.path} — {result.layout}, {status}")]
     if result.layout == "cohort":
         lines.append(("", f"  ranks published: {', '.join(map(str, result.ranks_published)) or 'none'}"))
     for b in result.bundles:
@@ -170,11 +177,12 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
         if b.payloads:
             lines.append(("title", f"  {'payload':<18} {'dtype':<14} {'shape':<16} {'bytes':>10}  status"))
             for p in b.payloads:
-                st = "ok" if p.size_ok else ("size differs" if p.present else "MISSING")
+                st = "size ok" if p.size_ok else ("size differs" if p.present else "MISSING")
                 lines.append(("pass" if p.size_ok else "fail",
                               f"  {p.name:<18} {p.dtype:<14} {str(p.shape):<16} {p.bytes:>10}  {st}"))
     for problem in result.problems:
         lines.append(("warning", f"problem: {problem}"))
+    lines.append(("skipped", INSPECT_FOOTNOTE))
     return lines
 
 

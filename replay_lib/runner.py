@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from .bundle import BundleReader, BundleSet, open_bundle
+from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
 from .errors import SelectionError, UnsupportedError
 from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, ReplayReport, StageReport
@@ -116,7 +116,7 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
         for knob, why in REGISTRY[stage].refuse(cfg):
             raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")
     for key, value in reader.unknown_config.items():
-        if value not in (None, False, 0, "", [], {}):
+        if config_knob_active(value):
             raise UnsupportedError(
                 f"{where}: $.config.{key}={value!r}: unknown config knob; refusing to guess what it changes"
             )

@@ -22,9 +22,11 @@ from .errors import BundleError, UnsupportedError
 from .runner import check_topology
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
+    EXPECTED_DECODER,
     MANIFEST_DECODER,
     ActorStepId,
     StageCapability,
+    StageId,
     decode_index,
 )
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
@@ -89,7 +91,7 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
         ranks=[s.rank if s.rank is not None else 0 for s in bundles.shards],
         samples=sum(len(s.index.samples) for s in bundles.shards),
         tokens=sum(sum(max(x.response_length, 0) for x in s.index.samples) for s in bundles.shards),
-        stages={k.value: v.capability.value for k, v in first.manifest.stage_contracts.items()},
+        stages=_pipeline_order(first.manifest.stage_contracts),
         warnings=bundles.warnings,
         replay_refusals=sorted(set(refusals)),
     )
@@ -136,6 +138,13 @@ class InspectResult(msgspec.Struct, kw_only=True):
     problems: list[str] = []
 
 
+def _pipeline_order(contracts) -> dict[str, str]:
+    """Stage → capability in pipeline order (``sample`` first), as ``replay`` lists them; the manifest's
+    keys are sorted alphabetically on disk."""
+    order = {stage: i for i, stage in enumerate(StageId)}
+    return {k.value: v.capability.value for k, v in sorted(contracts.items(), key=lambda kv: order[kv[0]])}
+
+
 def _regular(file: Path, root: Path) -> bool:
     """A regular file whose real path stays inside ``root`` (a FIFO or /dev/zero would hang a read)."""
     real = os.path.realpath(file)
@@ -149,7 +158,9 @@ def _read_regular(file: Path, root: Path) -> bytes:
 
 
 def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
-    info = BundleInfo(path=str(path), rank=rank, complete=(path / "COMPLETE").is_file())
+    # a rank shard is published by its COMPLETE.<rank> sentinel at the cohort root
+    sentinel = path / "COMPLETE" if rank is None else path.parent / f"COMPLETE.{rank}"
+    info = BundleInfo(path=str(path), rank=rank, complete=sentinel.is_file())
     manifest = index = None
     for name in METADATA_FILES:
         if not (path / name).exists():
@@ -169,11 +180,17 @@ def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(f"index.json: {exc}")
+    try:
+        EXPECTED_DECODER.decode(_read_regular(path / "expected.json", path))
+    except FileNotFoundError:
+        pass
+    except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
+        info.problems.append(f"expected.json: {exc}")
     if manifest is not None:
         info.bundle_id = manifest.bundle_id
         info.format_version = manifest.format_version
         info.producer = msgspec.to_builtins(manifest.producer)
-        info.stages = {k.value: v.capability.value for k, v in manifest.stage_contracts.items()}
+        info.stages = _pipeline_order(manifest.stage_contracts)
         info.redaction = dict(manifest.redaction)
         for key, spec in sorted(manifest.payloads.items()):
             file = path / PAYLOAD_DIR / f"{key}{PAYLOAD_SUFFIX}"
@@ -200,7 +217,16 @@ def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
 
 
 def inspect(path: str | Path) -> InspectResult:
+    """What a bundle, cohort or capture directory holds, read without verifying it (an incomplete bundle
+    too); raises ``BundleError`` when there is no bundle at all."""
     path = Path(path)
+    result = _inspect(path)
+    if not result.bundles:
+        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
+    return result
+
+
+def _inspect(path: Path) -> InspectResult:
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
     if not path.is_dir():
@@ -236,7 +262,7 @@ def inspect(path: str | Path) -> InspectResult:
         child = path / name
         if name.startswith(".") or not child.is_dir():
             continue
-        sub = inspect(child)
+        sub = _inspect(child)
         result.bundles += sub.bundles
         result.problems += [f"{name}: {p}" for p in sub.problems]
     if not result.bundles:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from replay_lib.bundle import BundleReader
 from replay_lib.cli import main
-from replay_lib.demo import synthetic_parts, write_bundle, write_pr65
+from replay_lib.demo import synthetic_parts, write_bundle, write_cohort, write_pr65
 
 
 # --------------------------------------------------------------------------------------- inspect
@@ -23,8 +24,11 @@ def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, cli, bu
     rc, out, err = cli("inspect", pr65_bundle)
     assert (rc, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0] == f"{pr65_bundle} — bundle, INCOMPLETE"
+    assert lines[0] == f"{pr65_bundle} — bundle, INCOMPLETE · 2 problems"
     assert "problem: missing payloads/kl.pt" in lines
+    assert lines[-1] == ("inspect reads what is there without verifying it (payloads: sizes only); "
+                         "validate checks checksums, schema and tensors")
+    assert next(line for line in lines if line.split()[:1] == ["advantages"]).endswith("  size ok")
     assert "problem: missing COMPLETE (incomplete or still being written)" in lines
     kl_row = next(line for line in lines if line.split()[:1] == ["kl"])
     assert kl_row.split()[1:3] == ["torch.float32", "[12]"] and kl_row.endswith("MISSING")
@@ -53,6 +57,39 @@ def test_inspect_a_cohort_missing_its_final_complete(tmp_path, cli):
     assert [b["rank"] for b in doc["bundles"]] == [0]
     # validate refuses the same directory (exit 3), inspect only looked
     assert cli("validate", cohort)[0] == 3
+    assert doc["bundles"][0]["complete"]  # rank 0 is published (COMPLETE.0), the cohort is not
+
+
+def test_inspect_a_complete_cohort_missing_a_rank_says_so_in_its_header(tmp_path, cli):
+    cohort = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    rc, out, _ = cli("inspect", cohort, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, doc["complete"], [b["complete"] for b in doc["bundles"]]) == (0, True, [True, True])
+    shutil.rmtree(cohort / "rank-1")
+    rc, out, _ = cli("inspect", cohort)
+    lines = out.splitlines()
+    assert (rc, lines[0]) == (0, f"{cohort} — cohort, complete · 1 problem")
+    assert "problem: missing rank shard rank-1" in lines
+
+
+def test_inspect_names_a_broken_expected_json_but_does_not_hash(pr65_bundle, cli):
+    (pr65_bundle / "expected.json").write_bytes(b"{not json")
+    kl = pr65_bundle / "payloads" / "kl.pt"
+    data = bytearray(kl.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    kl.write_bytes(bytes(data))
+    rc, out, _ = cli("inspect", pr65_bundle)
+    assert rc == 0
+    assert any(line.startswith("problem: expected.json: JSON is malformed") for line in out.splitlines()), out
+    assert cli("validate", pr65_bundle)[0] == 3  # the flipped byte and the JSON are validate's to refuse
+
+
+def test_inspect_a_directory_without_a_bundle_is_exit_3(tmp_path, cli):
+    (tmp_path / "notes.txt").write_text("hello")
+    rc, out, err = cli("inspect", tmp_path)
+    assert (rc, out) == (3, "")
+    assert err == (f"trajectory-replay: error: {tmp_path}: no bundle found (no manifest.json, no COMPLETE, "
+                   "no bundle subdirectories)\n")
 
 
 def test_inspect_a_missing_path_is_exit_3(tmp_path, cli):
@@ -103,19 +140,29 @@ def test_validate_reports_an_unknown_active_knob_as_a_replay_refusal(pr65_bundle
     assert (rc, err, doc["valid"]) == (0, "", True)
     assert doc["replay_refusals"] == [
         f"{pr65_bundle / 'index.json'}: $.config.use_opd=True: unknown config knob; refusing to guess what it changes"]
-    assert doc["warnings"] == [f"{pr65_bundle / 'index.json'}: $.config.use_opd: unknown field (ignored)"]
+    assert doc["warnings"] == []  # refused, so never called "ignored" as well
     rc, out, err = cli("replay", pr65_bundle)
     assert (rc, out) == (4, "")
     assert "$.config.use_opd=True" in err and len(err.splitlines()) == 1
+
+
+def test_an_unknown_knob_that_is_off_is_ignored_and_says_so(pr65_bundle, cli, bundle_tools):
+    bundle_tools.edit_json(pr65_bundle, "index.json", lambda doc: doc["config"].__setitem__("use_opd", False))
+    rc, out, err = cli("validate", pr65_bundle, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, doc["replay_refusals"]) == (0, [])
+    assert doc["warnings"] == [f"{pr65_bundle / 'index.json'}: $.config.use_opd: unknown field (ignored)"]
+    rc, out, err = cli("replay", pr65_bundle, "--format", "json")
+    assert (rc, json.loads(out)["first_divergent_stage"]) == (1, "reward.post_process")
 
 
 def test_validate_never_recomputes_numbers(pr65_bundle, cli):
     """The PR #65 bundle diverges numerically, but it is well formed: validate says valid (exit 0)."""
     rc, out, err = cli("validate", pr65_bundle)
     assert (rc, err) == (0, "")
-    assert out.splitlines()[1:] == [
-        "  advantage.estimate   recompute", "  advantage.kl         recompute", "  loss.value           unsupported",
-        "  reward.post_process  recompute", "  reward.raw           recompute", "  sample               recompute"]
+    assert out.splitlines()[1:] == [  # in pipeline order, as replay lists them
+        "  sample               recompute", "  reward.raw           recompute", "  reward.post_process  recompute",
+        "  advantage.kl         recompute", "  advantage.estimate   recompute", "  loss.value           unsupported"]
 
 
 def test_validate_refuses_a_missing_expected_output(pr65_bundle, cli, bundle_tools):
