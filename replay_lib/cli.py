@@ -194,6 +194,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="trajectory-replay",
@@ -202,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_argument(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     p = sub.add_parser("inspect", help="identity, capabilities, producer, payloads; works on incomplete bundles",
@@ -222,14 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="write demo or synthetic bundles")
     dsub = p.add_subparsers(dest="demo_command", metavar="ACTION", parser_class=_Parser)
     dsub.required = True
-    w = dsub.add_parser("write", help="write a deterministic synthetic bundle (N samples × L tokens)")
-    w.add_argument("dir", type=Path, metavar="DIR")
-    w.add_argument("--samples", type=int, default=8)
-    w.add_argument("--tokens", type=int, default=16)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--group-size", type=int, default=4)
+    w = dsub.add_parser("write", help="write a deterministic synthetic bundle (N samples × L tokens)",
+                        description="Write a clean synthetic bundle (every stage passes) whose numbers come from "
+                                    "the replay's own kernels; the same arguments give the same numbers (the bundle id "
+                                    "is the directory's name).",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w.add_argument("dir", type=Path, metavar="DIR", help="where to publish it (must not exist)")
+    w.add_argument("--samples", type=int, default=8, metavar="N", help="samples (a multiple of --group-size)")
+    w.add_argument("--tokens", type=int, default=16, metavar="L", help="response tokens per sample")
+    w.add_argument("--seed", type=int, default=0, help="random seed of the log-probs and rewards")
+    w.add_argument("--group-size", type=int, default=4, metavar="G",
+                   help="samples per semantic group (n_samples_per_prompt)")
     w.add_argument("--vary-lengths", action="store_true", help="random response lengths in [0, L]")
-    w.add_argument("--kl-coef", type=float, default=0.05)
+    w.add_argument("--kl-coef", type=float, default=0.05, help="kl_coef of the recorded config")
     w = dsub.add_parser("write-all", help="write the shipped demo bundles (PR #65 buggy/fixed, step loss, 2-rank cohort)")
     w.add_argument("dir", type=Path, metavar="DIR")
     return parser

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from replay_lib.cli import EXIT_CODES_HELP, _Parser, _print_error, add_replay_arguments, run_check
+from replay_lib.cli import (EXIT_CODES_HELP, _Parser, _print_error, add_replay_arguments, add_version_argument,
+                            run_check)
 from replay_lib.errors import ReplayError
 
 PROG = "replay-tui"
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "sampler support)")
     p.add_argument("--check", action="store_true", help="run headless and exit with the replay's exit code")
     add_replay_arguments(p)
+    add_version_argument(p)
     return p
 
 

@@ -54,7 +54,9 @@ class ReplayApp(App[int]):
                 tooltip="Quit (exit code: 0 pass, 1 divergence, else the error's)"),
         Binding("ctrl+c", "help_quit", show=False, system=True, id="app.help-quit", tooltip="How to quit"),
     ]
-    COMMANDS = App.COMMANDS | {ReplayCommands}
+    # Only the debugger's own actions: Textual's system commands (its Quit, a keys side panel that squeezes
+    # the diff columns, screenshots, themes) would crowd the palette the help and README describe.
+    COMMANDS = {ReplayCommands}
 
     def __init__(
         self,

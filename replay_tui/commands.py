@@ -21,16 +21,15 @@ class ReplayCommands(Provider):
     """Lists every binding's action; running one focuses its pane first, as the key would act there."""
 
     def _commands(self) -> list[tuple[str, str, KeyAction]]:
-        out = []
-        seen = set()
+        """One command per title: two bindings of the same command (``q`` and ``ctrl+q`` both quit) are
+        one entry listing both keys."""
+        first: dict[str, KeyAction] = {}
+        keys: dict[str, list[str]] = {}
         for ka in key_actions():
             title = command_title(ka)
-            if (title, ka.action) in seen:
-                continue
-            seen.add((title, ka.action))
-            keys = ", ".join(ka.keys)
-            out.append((title, f"key {keys} · {ka.tooltip}", ka))
-        return out
+            first.setdefault(title, ka)
+            keys.setdefault(title, []).extend(k for k in ka.keys if k not in keys.get(title, ()))
+        return [(title, f"key {', '.join(keys[title])} · {ka.tooltip}", ka) for title, ka in first.items()]
 
     async def _run(self, ka: KeyAction) -> None:
         from .screens.main import DebuggerScreen

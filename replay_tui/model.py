@@ -100,7 +100,7 @@ class FieldDiff:
     def __init__(self, *, field: str, stage: str, kind: str, expected, actual, abs_error, bad,
                  mask: Optional[list[int]] = None, sample_id: Optional[str] = None,
                  labels: Optional[list[str]] = None, groups: Optional[list[str]] = None,
-                 atol: float = 0.0, rtol: float = 0.0) -> None:
+                 atol: float = 0.0, rtol: float = 0.0, note: str = "") -> None:
         self.field, self.stage, self.kind = field, stage, kind
         self.expected_tensor = as_float64(expected)
         self.actual_tensor = as_float64(actual)
@@ -112,6 +112,7 @@ class FieldDiff:
         self.labels = labels if labels is not None else []
         self.groups = groups if groups is not None else []
         self.atol, self.rtol = atol, rtol
+        self.note = note  # what the values are, when the table does not say it (the loss fields' sums)
         self.divergent: list[int] = torch.nonzero(self.bad_tensor).reshape(-1).tolist()
         self._blocks: dict[int, list[tuple[float, float, float, bool]]] = {}
 
@@ -756,8 +757,13 @@ class ReplayModel:
         err = torch.cat([sh.errors["loss"] for sh in parts])
         bad = torch.cat([sh.bad["loss"] for sh in parts])
         atol, rtol = parts[0].tolerances["loss"]
+        # pg_clipfrac 2.0 on two samples is no bug: say what the numbers are
+        n = sum(len(sh.ctx.samples) for sh in parts)
+        note = f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means"
+        if len(parts) > 1:
+            note = f"each a sum over one rank's samples of per-sample means ({n} in all)"
         return FieldDiff(field="loss", stage=spec.stage, kind=KIND_COHORT, expected=e, actual=a,
-                         abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol)
+                         abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol, note=note)
 
     # -- sample support ---------------------------------------------------------------------------
     @property

@@ -280,3 +280,14 @@ def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, cli
     assert "problem: index.json: not a regular file inside the bundle (not read)" in out.splitlines()
     assert "problem: expected.json: not a regular file inside the bundle (not read)" in out.splitlines()
     assert "  format    1.1.0" in out.splitlines()  # the readable manifest is still shown
+
+
+def test_version_is_the_package_s(capsys):
+    import tomllib
+    from pathlib import Path
+
+    version = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"trajectory-replay {version}\n"

@@ -246,7 +246,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         model = self.model
         token_fields = [f for f in model.fields if FIELD_BY_NAME[f].kind == KIND_TOKEN]
         if not token_fields:
-            self.notify("this bundle has no per-token field to open", severity="warning", timeout=3)
+            self.say("this bundle has no per-token field to open", severity="warning", timeout=3)
             return
         row = model.sample(sample_id)
         field = next((f for f in token_fields if row is not None and row.mismatches.get(f)), token_fields[0])
@@ -260,7 +260,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         spec = FIELD_BY_STAGE.get(stage.stage)
         if spec is None or spec.name not in model.fields:
             why = model.unavailable.get(spec.name) if spec else None
-            self.notify(f"{stage.stage}: nothing to show" + (f" ({why})" if why else " (no per-element values)"),
+            self.say(f"{stage.stage}: nothing to show" + (f" ({why})" if why else " (no per-element values)"),
                         severity="warning", timeout=4)
             return
         first = next((d for d in stage.divergences if d.sample_id is not None), None)
@@ -270,6 +270,12 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         field = field_for_divergence(stage.stage, first.field) if first is not None else None
         self.select(sample_id=sample, field=field if field in model.fields else spec.name, row=row)
         self.set_focus(self.diff_view)
+
+    def say(self, message: str, **kwargs) -> None:
+        """A toast, replacing the one before (pressing ``n`` at the last divergence again and again would
+        stack copies over the diff rows)."""
+        self.app.clear_notifications()
+        self.notify(message, **kwargs)
 
     # -- actions ----------------------------------------------------------------------------------
     def action_focus_pane(self, step: int) -> None:
@@ -286,6 +292,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     def action_cycle_field(self, step: int) -> None:
         model = self.model
         if model is None or not model.fields:
+            return
+        if len(model.fields) == 1 and self.field == model.fields[0]:
+            self.say(f"{self.field} is this bundle's only field", timeout=2)
             return
         i = model.fields.index(self.field) if self.field in model.fields else -1
         self.select(field=model.fields[(i + step) % len(model.fields)])
@@ -327,7 +336,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
                     diff = model.field_diff(self.field, sid)
                     self.select(sample_id=sid, row=diff.divergent[0] if direction > 0 else diff.divergent[-1])
                     return
-        self.notify(f"no {'further' if direction > 0 else 'earlier'} divergence in {self.field}", timeout=2)
+        self.say(f"no {'further' if direction > 0 else 'earlier'} divergence in {self.field}", timeout=2)
         self.app.bell()
 
     def action_jump(self) -> None:

@@ -97,7 +97,7 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
             Binding("end", "edge(1)", "Last", show=False, id=f"{pane}.last", tooltip=f"Last {noun}"),
             Binding("g", "edge(0)", "First", show=False, id=f"{pane}.first-vim", tooltip=f"First {noun} (vim)"),
             Binding("G", "edge(1)", "Last", show=False, id=f"{pane}.last-vim", tooltip=f"Last {noun} (vim)"),
-            Binding("enter", "activate", "Open", show=False, id=f"{pane}.open", tooltip=open_tooltip),
+            Binding("enter", "activate", "Open", id=f"{pane}.open", tooltip=open_tooltip),
         ]
 
     # -- rows -------------------------------------------------------------------------------------

@@ -35,8 +35,17 @@ class DiffView(CursorLines):
         self.diff: Optional[FieldDiff] = None
         self._label_width = 6
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Enter opens a sample's per-token diff from a per-sample table; elsewhere it has nothing to open
+        if action == "activate":
+            return self.diff is not None and self.diff.kind == KIND_SAMPLE
+        return True
+
     def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0) -> None:
+        was_table = self.diff is not None and self.diff.kind == KIND_SAMPLE
         self.diff = diff
+        if was_table != (diff is not None and diff.kind == KIND_SAMPLE):
+            self.refresh_bindings()  # the key bar shows or drops "⏎ Open"
         # the widest row label, once per diff (not per rendered row: a table may list 4,096 samples)
         self._label_width = max((len(x) for x in diff.labels), default=6) if diff is not None else 6
         self.set_rows(len(diff) if diff is not None else 0, cursor=cursor)
@@ -183,7 +192,7 @@ class DiffPanel(Vertical):
         border: round $panel-lighten-2;
         height: 1fr;
         &:focus-within { border: round $accent; }
-        #diff-info { height: 1; }
+        #diff-info { height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     }
     """
 
@@ -233,6 +242,8 @@ class DiffPanel(Vertical):
             else:
                 self.border_title = f"Diff · {diff.field} · cohort"
                 info.append(f"{len(diff)} field(s)")
+            if diff.note:
+                info.append(f", {diff.note}")
             if diff.mismatches:
                 info.append(f" · {diff.mismatches} divergent", style="bold red")
             else:

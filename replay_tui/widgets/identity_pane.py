@@ -21,15 +21,31 @@ WARN_KEY = Style(color="yellow", bold=True)
 PLACEHOLDER = [("", "waiting for the replay…")]
 
 
+FOLD_AFTER = ":=/,."  # where a word wider than the column is cut ("response:" / "truncate:8")
+
+
+def _fold(line: str, width: int) -> list[str]:
+    """A line no wider than ``width``, or a long word cut after its last separator that fits (else hard)."""
+    out = []
+    while len(line) > width:
+        cut = max(line.rfind(c, 0, width) for c in FOLD_AFTER) + 1
+        cut = cut if cut > 0 else width
+        out.append(line[:cut])
+        line = line[cut:]
+    return out + [line]
+
+
 def wrap_rows(rows: list[tuple[str, str]], width: int) -> list[tuple[str, Style, str, Optional[Style]]]:
     """Display lines ``(label, label style, value part, value style)``: the label column is as wide
-    as the widest label (at most half the pane), values wrap at spaces and fold long words."""
+    as the widest label (at most half the pane), values wrap at spaces; a word wider than the column
+    starts its own line and is cut after a separator (``:``, ``=``, ``/``, ``,``, ``.``)."""
     key_w = min(max((len(k) for k, _ in rows), default=0), max(width // 2, 1))
     value_w = max(width - key_w - 1, 1)
     lines = []
     for key, value in rows:
         warn = key == "warning"
-        parts = textwrap.wrap(value, value_w, break_on_hyphens=False, drop_whitespace=True) or [""]
+        parts = [piece for line in textwrap.wrap(value, value_w, break_on_hyphens=False, break_long_words=False)
+                 for piece in _fold(line, value_w)] or [""]
         for i, part in enumerate(parts):
             lines.append((fit(key if i == 0 else "", key_w), WARN_KEY if warn else DIM, part,
                           WARN if warn else (DIM if rows is PLACEHOLDER else None)))

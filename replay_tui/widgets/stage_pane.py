@@ -22,6 +22,7 @@ from .header_line import HeaderLine
 # Stages after which the DAG forks: the loss stages hang off the last advantage-side stage.
 LEAVES = ("loss.policy", "loss.value")
 FIRST_MARK = " ◀ first"
+SHORT_MARK = " ◀"  # the same mark where the pane is narrow (an 80-column terminal)
 STATUS_GLYPH = {STATUS_PASS: ("✓", PASS), STATUS_FAIL: ("✗", FAIL)}
 
 
@@ -71,25 +72,35 @@ class StageList(CursorLines):
             return None
         return self.report.stages[self.cursor]
 
-    def _columns(self, width: int) -> tuple[int, bool, bool, int]:
-        """(name width, show capability, show max err, reason width): narrower panes drop the reason,
-        then the capability (the detail line below the DAG still names both)."""
+    def _columns(self, width: int) -> tuple[int, bool, bool, bool, int, str]:
+        """(name width, show status, show max err, show capability, reason width, first-divergence mark).
+        Narrower panes shorten the mark to ``◀``, then drop the reason, the capability and the status word
+        (the glyph says it; the detail line below the DAG names the capability and the reason); the mark,
+        the mismatch count and max |err| stay."""
         name_w = max([len(g) + 2 + len(s.stage) for g, s in zip(self.gutters, self.report.stages)] + [10]) + 1
-        rest = width - name_w - 8 - 6
+        rest = width - name_w - 6
+        mark = ""
+        if self.report.first_divergent_stage:
+            mark = FIRST_MARK if rest >= len(FIRST_MARK) + 9 + 8 + 13 else SHORT_MARK
+            name_w += len(mark)
+            rest -= len(mark)
         show_err = rest >= 8  # "max|err|" and its values take 8 cells (+ a space when there is one)
         rest -= 9 if show_err else 0
-        if self.report.first_divergent_stage and rest >= len(FIRST_MARK) + 13:
-            name_w += len(FIRST_MARK)
-            rest -= len(FIRST_MARK)
+        show_status = rest >= 8
+        rest -= 8 if show_status else 0
         show_cap = rest >= 13
         rest -= 13 if show_cap else 0
-        return name_w, show_cap, show_err, rest - 1 if rest - 1 >= 12 else 0  # a reason cut to a few letters is noise
+        # a reason cut to a few letters is noise
+        return name_w, show_status, show_err, show_cap, rest - 1 if rest - 1 >= 12 else 0, mark
 
     def render_header(self, width: int, base: Style) -> Strip:
         if self.report is None:
             return strip_of([("stage", None)], width, base)
-        name_w, show_cap, show_err, reason_w = self._columns(width)
-        parts = [(fit("stage", name_w), None), (fit("status", 8), None), (fit("mism", 5, ">") + " ", None)]
+        name_w, show_status, show_err, show_cap, reason_w, _ = self._columns(width)
+        parts = [(fit("stage", name_w), None)]
+        if show_status:
+            parts.append((fit("status", 8), None))
+        parts.append((fit("mism", 5, ">") + " ", None))
         if show_err:
             parts.append((fit("max|err|", 8, ">") + " ", None))
         if show_cap:
@@ -101,18 +112,18 @@ class StageList(CursorLines):
     def render_row(self, row: int, width: int, base: Style) -> Strip:
         report = self.report
         s = report.stages[row]
-        name_w, show_cap, show_err, reason_w = self._columns(width)
+        name_w, show_status, show_err, show_cap, reason_w, mark = self._columns(width)
         glyph, gstyle = STATUS_GLYPH.get(s.status, ("○", SKIP))
         first = s.stage == report.first_divergent_stage
         gutter = self.gutters[row]
-        room = name_w - len(gutter) - 2
-        label = s.stage + FIRST_MARK if first and room > len(s.stage) + len(FIRST_MARK) else s.stage
+        label = s.stage + mark if first else s.stage
         parts: list[tuple[str, Optional[Style]]] = [
             (gutter, DIM), (glyph + " ", gstyle),
             (fit(label, name_w - len(gutter) - 2), FIRST if first else (None if s.status != "skipped" else SKIP)),
         ]
-        status = {"pass": "pass", "fail": "FAIL", "skipped": "skipped"}.get(s.status, s.status)
-        parts.append((fit(status, 8), gstyle if s.status != "skipped" else SKIP))
+        if show_status:
+            status = {"pass": "pass", "fail": "FAIL", "skipped": "skipped"}.get(s.status, s.status)
+            parts.append((fit(status, 8), gstyle if s.status != "skipped" else SKIP))
         mism = str(s.mismatches) if s.status != "skipped" else "—"
         parts.append((fit(mism, 5, ">") + " ", FAIL if s.mismatches else DIM))
         if show_err:
@@ -133,7 +144,7 @@ class StagesPanel(Vertical):
         border: round $panel-lighten-2;
         height: auto;
         &:focus-within { border: round $accent; }
-        #stage-detail { height: 1; color: $text-muted; }
+        #stage-detail { height: 1; color: $text-muted; text-wrap: nowrap; text-overflow: ellipsis; }
     }
     """
 

@@ -14,10 +14,16 @@ from ..model import first_divergence_text
 
 class TitleBar(Static):
     DEFAULT_CSS = """
-    TitleBar { height: 1; background: $panel; color: $text; text-style: bold; padding: 0 1; }
+    TitleBar { height: 1; background: $panel; color: $text; text-style: bold; padding: 0 1;
+               text-wrap: nowrap; text-overflow: ellipsis; }
     """
+    HINT = "   ?/F1 help · ctrl+p commands"
+    _shown: tuple = ()
 
     def show(self, name: str, report: Optional[ReplayReport] = None) -> None:
+        """The bundle's name and anchor; the key hint after them only when it fits whole (the key bar
+        names ``?`` too), else the line ends with an ellipsis where the terminal does."""
+        self._shown = (name, report)
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append("replay-tui", style="bold")
         if report is not None:
@@ -29,8 +35,14 @@ class TitleBar(Static):
                 text.append(f" · {len(report.ranks)} ranks", style="not bold")
         else:
             text.append(f"  {name}", style="not bold")
-        text.append("   ?/F1 help · ctrl+p commands", style="not bold dim")
-        self.update(text)
+        width = self.size.width if self.size.width else max(self.app.size.width - 2, 0)  # padding 0 1
+        if text.cell_len + len(self.HINT) <= width:
+            text.append(self.HINT, style="not bold dim")
+        self.update(text, layout=False)
+
+    def on_resize(self) -> None:
+        if self._shown:
+            self.show(*self._shown)
 
 
 FAIL_PREFIX = "✗ first divergence in "

@@ -279,3 +279,15 @@ def test_tree_rows_equal_the_rows_written_out(bundles, name):
             with pytest.raises(IndexError):
                 rows[len(expect)]
     assert ("group", len(m.groups)) not in m.tree_rows(False, frozenset())
+
+
+def test_identity_values_wrap_at_spaces_and_cut_long_words_after_a_separator():
+    from replay_tui.widgets.identity_pane import wrap_rows
+
+    lines = wrap_rows([("redaction", "prompt:hash, response:truncate:8"), ("kind", "step-level")], 24)
+    assert [(k.rstrip(), v) for k, _, v, _ in lines] == [
+        ("redaction", "prompt:hash,"), ("", "response:"), ("", "truncate:8"), ("kind", "step-level")]
+    # no separator within the column: cut hard, nothing lost
+    lines = wrap_rows([("id", "abcdefghijklmnopqrstuvwxyz")], 12)
+    assert "".join(v for _, _, v, _ in lines) == "abcdefghijklmnopqrstuvwxyz"
+    assert all(len(v) <= 12 - 2 - 1 for _, _, v, _ in lines)

@@ -145,7 +145,7 @@ async def test_a_quick_replay_is_on_the_very_first_frame(bundles):
         await ready(pilot)
     assert frames and "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in frames[0]
     assert not any("verifying bundle" in f or "replaying" in f for f in frames)
-    assert frames[0].splitlines()[-1].startswith("tab Pane n Next div")
+    assert frames[0].splitlines()[-1].startswith("⏎ Open tab Pane n Next div")
 
 
 async def test_markup_in_sample_ids_is_shown_literally(make_app):
@@ -239,6 +239,17 @@ async def test_field_keys_cycle_the_viewed_field(make_app):
         assert state(app) == ("s-0", "kl", 0)
 
 
+async def test_the_field_keys_say_when_there_is_no_other_field(make_app):
+    app = make_app("step-loss")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.debugger.field == "loss" and app.model.fields == ["loss"]
+        await pilot.press("f")
+        await pilot.press("F")
+        assert app.debugger.field == "loss"
+        assert [n.message for n in app._notifications] == ["loss is this bundle's only field"]
+
+
 async def test_n_and_N_walk_divergences_across_samples(make_app):
     app = make_app("kl-bug")
     async with app.run_test(size=SIZE) as pilot:
@@ -252,6 +263,8 @@ async def test_n_and_N_walk_divergences_across_samples(make_app):
         await pilot.press("n")  # none further: stays, says so
         assert state(app) == ("s-6", "kl", 0)
         assert any("no further divergence in kl" in n.message for n in app._notifications)
+        await pilot.press("n", "n", "n")  # one toast, not a stack of copies over the diff rows
+        assert [n.message for n in app._notifications] == ["no further divergence in kl"]
         await pilot.press("N")
         assert state(app) == ("s-5", "kl", 11)
         await pilot.press("N")
@@ -437,25 +450,30 @@ async def test_key_bar_follows_focus_and_its_keys_click(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         bar = app.debugger.query_one(KeyBar)
-        # the first frame already lists the diff viewer's keys (no later recompose)
+        # the first frame already lists the diff viewer's keys (no later recompose); on the per-sample reward
+        # table, enter opens a sample's per-token diff
         assert [(i.display, i.description) for i in bar.items] == [
-            ("tab", "Pane"), ("n", "Next div"), ("f", "Field"), ("/", "Jump"), ("?", "Help"), ("q", "Quit"),
-            ("^p", "palette")]
-        assert screen_text(app).splitlines()[-1].rstrip() == "tab Pane n Next div f Field / Jump ? Help q Quit ^p palette"
+            ("⏎", "Open"), ("tab", "Pane"), ("n", "Next div"), ("f", "Field"), ("/", "Jump"), ("?", "Help"),
+            ("q", "Quit"), ("^p", "palette")]
+        assert screen_text(app).splitlines()[-1].rstrip() == (
+            "⏎ Open tab Pane n Next div f Field / Jump ? Help q Quit ^p palette")
         await pilot.press("2")
-        assert [i.description for i in bar.items][:2] == ["Diverging", "Fold"]
+        assert [i.description for i in bar.items][:3] == ["Open", "Diverging", "Fold"]
         # a click on "d Diverging" presses d in the focused sample tree
-        diverging = bar.items[0]
-        assert (diverging.start, diverging.end) == (0, 11)
-        assert await pilot.click(KeyBar, offset=(5, 0))
+        diverging = bar.items[1]
+        assert (diverging.start, diverging.end) == (7, 18)
+        assert await pilot.click(KeyBar, offset=(12, 0))
         await pilot.pause()
         assert app.debugger.tree.diverging_only is True
         # hovering shows the binding's tooltip; a click between keys does nothing
-        await pilot.hover(KeyBar, offset=(1, 0))
+        await pilot.hover(KeyBar, offset=(8, 0))
         assert bar.tooltip == "Show only samples with a mismatch (toggle)"
-        assert bar.item_at(11) is None
+        assert bar.item_at(18) is None
         await pilot.press("3")
         assert "Diverging" not in [i.description for i in bar.items]
+        await pilot.press("enter")  # s-0's per-token diff: nothing further to open, so no "Open" key
+        assert app.debugger.field == "advantage"
+        assert "Open" not in [i.description for i in bar.items]
 
 
 async def test_modal_screens_show_their_own_keys(make_app):
@@ -477,7 +495,7 @@ async def test_key_bar_shows_only_whole_keys_on_a_narrow_terminal(make_app):
         await ready(pilot)
         await pilot.press("2")
         last = screen_text(app).splitlines()[-1].rstrip()
-        assert last == "d Diverging space Fold tab Pane n Next div f Field / Jump ? Help q Quit"
+        assert last == "⏎ Open d Diverging space Fold tab Pane n Next div f Field / Jump ? Help q Quit"
         bar = app.debugger.query_one(KeyBar)
         assert bar.items[-1].display == "^p" and bar.item_at(bar.items[-1].start) is None  # not drawn
 
@@ -518,8 +536,12 @@ async def test_mouse_selects_samples_opens_stages_and_scrubs_the_strip(make_app)
 
 
 def test_palette_lists_the_same_actions_as_the_bindings():
-    provider_titles = {title for title, _, _ in ReplayCommands._commands(None)}
+    commands = ReplayCommands._commands(None)
+    provider_titles = {title for title, _, _ in commands}
     assert provider_titles == {command_title(ka) for ka in key_actions()}
+    assert len(provider_titles) == len(commands)  # each once
+    assert [h for t, h, _ in commands if t == "Quit"] == [
+        "key q, ctrl+q · Quit (exit code: 0 pass, 1 divergence, else the error's)"]
     assert "Next divergence of the viewed field" in provider_titles
     assert "Samples: Show only samples with a mismatch" in provider_titles
 
@@ -536,6 +558,25 @@ def test_every_binding_has_an_id_and_a_tooltip():
     vim = {b.key for b in bindings if b.id.endswith("-vim")}
     assert vim == {"j", "k", "g", "G", "h", "l", "ctrl+b", "ctrl+f"}
     assert all(not b.show for b in bindings if b.id.endswith("-vim"))
+
+
+async def test_the_palette_holds_the_debugger_s_commands_only(make_app):
+    from textual.command import CommandPalette
+
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p", *"quit")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        palette = app.screen
+        assert isinstance(palette, CommandPalette)
+        shown = [str(o.prompt) for o in palette.query_one("CommandList")._options]
+        assert [line.splitlines()[0] for line in shown] == ["Quit"]  # not Textual's own Quit as well
+        await pilot.press("ctrl+u", *"theme")  # nor its themes, keys panel, screenshots
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert not [o for o in palette.query_one("CommandList")._options if "heme" in str(o.prompt)]
 
 
 async def test_palette_runs_a_pane_action(make_app):
