@@ -43,6 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("a BUNDLE path or --demo is required")
     if args.bundle is not None and args.demo is not None:
         parser.error("pass either BUNDLE or --demo, not both")
+    loading = LoadingLine(enabled=not args.check)
+    loading.show()  # torch takes a second or two to import: say something at once, over SSH especially
     try:
         if args.demo is not None:
             from replay_lib.demo import materialize_demo
@@ -50,15 +52,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 args.bundle = materialize_demo(args.demo)
             except ValueError as exc:
+                loading.clear()
                 parser.error(str(exc))
         if args.check:
             return run_check(args)
+        from .app import run_app
     except ReplayError as exc:
+        loading.clear()
         _print_error(str(exc), PROG)
         return exc.exit_code
-    from .app import run_app
-
+    except BaseException:
+        loading.clear()
+        raise
+    loading.clear()
     return run_app(args)
+
+
+class LoadingLine:
+    """``replay-tui: loading…`` on the terminal while the imports run, erased before the debugger (or an
+    error line) takes the screen. Only when both ends are a terminal: never in a pipe or a log."""
+
+    TEXT = "replay-tui: loading…"
+
+    def __init__(self, enabled: bool = True, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.enabled = enabled and sys.stdin.isatty() and self.stream.isatty()
+        self.shown = False
+
+    def show(self) -> None:
+        if self.enabled and not self.shown:
+            self.stream.write(self.TEXT)
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")  # back to the line's start, erase it
+            self.stream.flush()
+            self.shown = False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -86,3 +86,31 @@ def test_the_debugger_without_a_terminal_refuses_in_one_line(bundles):
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == ("replay-tui: error: the debugger needs a terminal (stdin and stdout); use --check "
                            "for a headless run\n")
+
+
+def test_the_loading_line_shows_on_a_terminal_only_and_is_erased(monkeypatch):
+    import io
+
+    from replay_tui.__main__ import LoadingLine
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    out = Tty()
+    line = LoadingLine(stream=out)
+    line.show()
+    line.show()  # once
+    line.clear()
+    line.clear()  # once
+    assert out.getvalue() == "replay-tui: loading…\r\x1b[K"
+    piped = io.StringIO()
+    line = LoadingLine(stream=piped)
+    line.show()
+    line.clear()
+    assert piped.getvalue() == ""  # never in a pipe or a log
+    out = Tty()
+    line = LoadingLine(enabled=False, stream=out)  # --check prints its report instead
+    line.show()
+    assert out.getvalue() == ""
