@@ -9,10 +9,10 @@ and the PR #65 demo bundle. Then, in one run:
   every update the app writes is recorded (``App._display``) and replayed afterwards onto a grid of
   cells; the first complete frame is the last one that changed a cell before the screen stayed quiet
   for 0.3 s (later re-layouts that change nothing do not count; the panes must show the report's first
-  divergence and the key bar its keys). Demo and large bundle interleaved, ``--reps`` each (median),
-  after one unmeasured warm-up. Target: median large / median demo ≤ 1.5 (the CPU-time and
-  fastest/fastest ratios are printed beside it, and the worker's parts — verify, replay, model —
-  measured outside the app).
+  divergence and the key bar its keys). Demo and large bundle interleaved, ``--reps`` pairs, after one
+  unmeasured warm-up. Target: the median of the pairs' large / demo ratios ≤ 1.5 (each pair ran back to
+  back, in the same state of the host); the ratio of the medians, the CPU-time and fastest/fastest
+  ratios are printed beside it, and the worker's parts — verify, replay, model — measured outside the app.
 * **cursor move** — in the large bundle's diff viewer (the 32k sample, cursor at its first divergence),
   ``--moves`` × (``await pilot.press("down"|"up")`` + ``await pilot.pause()``), timed each; the floor is
   the same Pilot round trip for a key bound to nothing, in the same app, interleaved. Target: median
@@ -261,10 +261,13 @@ async def run(args) -> int:
             print(f"  worker {name} " + ", ".join(f"{k} {v:.0f} ms" for k, v in parts.items()))
         fastest = min(w for w, _ in large_t) / min(w for w, _ in demo_t)
         paired = statistics.median(lw / dw for (dw, _), (lw, _) in zip(demo_t, large_t))
-        ok_frame = ratio <= FIRST_FRAME_LIMIT
-        print(f"{'PASS' if ok_frame else 'FAIL'}  first frame large/demo = {ratio:.2f} wall (≤ {FIRST_FRAME_LIMIT}); "
-              f"{cpu_ratio:.2f} cpu; fastest/fastest {fastest:.2f}; median of the {len(demo_t)} paired "
-              f"ratios {paired:.2f}")
+        # The verdict is on the pairs: each large start is divided by the demo start just before it, so both
+        # ran in the same state of the host (which switches between a fast and a slow one); the ratio of the
+        # two medians can divide a slow-state median by a fast-state one.
+        ok_frame = paired <= FIRST_FRAME_LIMIT
+        print(f"{'PASS' if ok_frame else 'FAIL'}  first frame large/demo = {paired:.2f}, the median of the "
+              f"{len(demo_t)} paired ratios (≤ {FIRST_FRAME_LIMIT}); ratio of the medians {ratio:.2f} wall, "
+              f"{cpu_ratio:.2f} cpu; fastest/fastest {fastest:.2f}")
 
         m = await cursor_moves(large, long_id, args.moves)
         cost = ms(m["move"]) - ms(m["floor"])
