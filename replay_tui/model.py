@@ -13,6 +13,7 @@ import bisect
 import functools
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Iterable, Optional, Sequence
@@ -859,8 +860,9 @@ def identity_lines(bundles: BundleSet, report: ReplayReport,
     n_tokens = sum(int(c.lengths.sum()) if c is not None else
                    sum(r.response_length for r in s.index.samples if r.response_length > 0)
                    for s, c in zip(bundles.shards, whole))
-    groups = sorted({g for s in bundles.shards for g in s.index.identity.semantic_group_ids},
-                    key=lambda g: (isinstance(g, str), g if isinstance(g, int) else 0, str(g)))
+    ids = {g for s in bundles.shards for g in s.index.identity.semantic_group_ids}
+    groups = sorted(ids) if all(type(g) is int for g in ids) else sorted(
+        ids, key=lambda g: (isinstance(g, str), g if isinstance(g, int) else 0, str(g)))
     # a cohort's ranks each normalize their own groups: count (rank, group) pairs
     n_groups = sum(len(set(c.group_indices)) if c is not None else len({r.group_index for r in s.index.samples})
                    for s, c in zip(bundles.shards, whole))
@@ -951,19 +953,28 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         gidx = rec.ctx.group_indices  # the shard's context covers all its samples, in order
         order: dict[Optional[int], list[int]] = {}
         if picks is None:
-            for row, g in enumerate(gidx, first):
-                order.setdefault(g, []).append(row)
-            bad_rows = {first + k for k in diverging}  # rows with a mismatch
+            # a group's samples usually sit together: one step per run of equal group indices
+            row = first
+            for g, run in itertools.groupby(gidx):
+                n = len(list(run))
+                members = order.get(g)
+                if members is None:
+                    order[g] = list(range(row, row + n))
+                else:
+                    members.extend(range(row, row + n))
+                row += n
+            shown = diverging  # every sample is a row
         else:
             pos = {i: row for row, i in enumerate(picks, first)}
             for i, row in pos.items():
                 order.setdefault(gidx[i], []).append(row)
-            bad_rows = {pos[k] for k in diverging if k in pos}
+            shown = [k for k in diverging if k in pos]
+        bad_per_group = Counter(gidx[k] for k in shown)  # diverging rows per group
         suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
         for gi, members in order.items():
             label = (group_label(gi) if gi is not None else "(no group)") + suffix
             groups.append(GroupRow(label=label, rank=rank, group_index=gi, samples=tuple(members),
-                                   diverging=len(bad_rows.intersection(members)) if bad_rows else 0))
+                                   diverging=bad_per_group.get(gi, 0)))
     fields, unavailable = [], {}
     for spec in FIELDS:
         status = report.stage(spec.stage)
