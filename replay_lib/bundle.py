@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from .errors import BundleError, SelectionError
+from .layout import _PAYLOAD_NAME, _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX  # noqa: F401
 from .gcpause import gc_paused
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
@@ -46,12 +47,6 @@ from .schema import (
     unknown_fields,
 )
 
-METADATA_FILES = ("manifest.json", "index.json", "expected.json")
-PAYLOAD_DIR = "payloads"
-PAYLOAD_SUFFIX = ".pt"
-_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
-_RANK_SENTINEL = re.compile(r"^COMPLETE\.(\d+)$")
 _HASH_CHUNK = 1 << 20
 
 

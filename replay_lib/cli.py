@@ -284,7 +284,7 @@ def _dispatch(args) -> int:
             emit(_validate_lines(result))
         return 0
     if args.command == "inspect":
-        from .validate import inspect
+        from .inspection import inspect
 
         result = inspect(args.bundle)
         if args.format == "json":

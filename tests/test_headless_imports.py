@@ -85,3 +85,29 @@ def test_trajectory_replay_entry_point_never_imports_textual(tmp_path):
         if args[0] == "replay":
             assert "replay_lib.runner" in modules and "torch" in modules
             assert proc.stdout.startswith("bundle b-00001 — first divergent stage: reward.post_process\n")
+
+
+def test_inspect_and_version_never_import_torch(tmp_path):
+    # inspect is the quick look (a capture directory of many bundles): no second or two of torch import
+    bundle = write_pr65(tmp_path / "pr65", buggy=True)
+    probe = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from replay_lib.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["inspect", sys.argv[1]])
+            try:
+                main(["--version"])
+            except SystemExit as exc:
+                version = exc.code
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "textual"))
+        import torch  # control: the probe does see an imported torch
+        print(json.dumps({"code": code, "version": version, "heavy": heavy, "control": "torch" in sys.modules,
+                          "first": out.getvalue().splitlines()[0]}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe, str(bundle)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=_clean_env())
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert (result["code"], result["version"], result["heavy"], result["control"]) == (0, 0, [], True)
+    assert result["first"] == f"{bundle} — bundle, complete"
