@@ -9,7 +9,6 @@ before returning, so no stage ever runs on a bundle that is not exactly what the
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import re
 import secrets
@@ -50,14 +49,28 @@ from .schema import (
 _HASH_CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as fh:
-        try:  # one call over the mapped file: hashlib holds no GIL for it (chunked reads take it per chunk)
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                return hashlib.sha256(mapped).hexdigest()
-        except (ValueError, OSError):  # empty file, or one that cannot be mapped
-            fh.seek(0)
-            return hashlib.file_digest(fh, "sha256").hexdigest()
+HASH_CHUNK = 16 << 20  # bytes per read: a payload of a few MB is one read and one GIL-free hash call
+
+
+def sha256_file(path: Path, stop: Optional[threading.Event] = None) -> Optional[str]:
+    """The file's sha256, read in large chunks (hashlib and the reads run without the GIL). ``stop`` set
+    between two chunks → ``None`` (a background hash given up)."""
+    with open(path, "rb", buffering=0) as fh:
+        return _sha256_stream(fh, stop)
+
+
+def _sha256_stream(fh, stop: Optional[threading.Event]) -> Optional[str]:
+    digest = hashlib.sha256()
+    size = os.fstat(fh.fileno()).st_size
+    buf = bytearray(min(HASH_CHUNK, size + 1))  # a small file: one read, then the empty one at its end
+    view = memoryview(buf)
+    while True:
+        if stop is not None and stop.is_set():
+            return None
+        n = fh.readinto(buf)
+        if not n:
+            return digest.hexdigest()
+        digest.update(view[:n])
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -359,41 +372,52 @@ class _Digests:
     """The sha256 of the metadata blobs and of the payload files the manifest lists, computed on a
     background thread while the reader decodes the JSON and loads the tensors (hashing does not hold
     the GIL). The reader asks for each digest where it always did, so every check keeps its order and
-    its message; a file the thread could not hash (or was not given) is hashed by the reader itself."""
+    its message; a file the thread did not hash (for whatever reason) is hashed by the reader itself.
+    :meth:`close` stops the thread within one chunk and waits for it: a refused bundle leaves nothing
+    running."""
 
     def __init__(self, blobs: dict[str, bytes], files: list[Path]) -> None:
         self._meta: dict[str, str] = {}
         self._meta_done = threading.Event()
-        self._files: dict[Path, Optional[str]] = {}
+        self._files: dict[Path, str] = {}
         self._file_done = {file: threading.Event() for file in files}
-        self._cancelled = False
+        self._stop = threading.Event()
         # The largest blob first: the thread is inside the hash (GIL released) before the reader
         # starts a decode, which holds the GIL from start to end.
         order = sorted(blobs, key=lambda name: -len(blobs[name]))
-        threading.Thread(target=self._run, args=([(name, blobs[name]) for name in order], files),
-                         name="bundle-sha256", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=([(name, blobs[name]) for name in order], files),
+                                        name="bundle-sha256", daemon=True)
+        self._thread.start()
 
     def _run(self, blobs: list[tuple[str, bytes]], files: list[Path]) -> None:
         try:
             for name, blob in blobs:
                 self._meta[name] = sha256_bytes(blob)
+        except Exception:
+            pass  # the reader hashes what is missing
         finally:
             self._meta_done.set()
-        for file in files:
-            try:
-                if not self._cancelled:
-                    self._files[file] = sha256_file(file)
-            except OSError:
-                pass  # the reader's own checks name the problem
-            finally:
-                self._file_done[file].set()
+        try:
+            for file in files:
+                try:
+                    digest = None if self._stop.is_set() else _sha256_regular(file, self._stop)
+                    if digest is not None:
+                        self._files[file] = digest
+                except Exception:
+                    pass  # the reader's own checks name the problem
+                finally:
+                    self._file_done[file].set()
+        finally:
+            for done in self._file_done.values():  # whatever happened, no reader waits forever
+                done.set()
 
-    def cancel(self) -> None:
-        self._cancelled = True
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
-    def metadata(self) -> dict[str, str]:
+    def metadata(self, blobs: dict[str, bytes]) -> dict[str, str]:
         self._meta_done.wait()
-        return self._meta
+        return {name: self._meta.get(name) or sha256_bytes(blob) for name, blob in blobs.items()}
 
     def file(self, path: Path) -> str:
         done = self._file_done.get(path)
@@ -410,17 +434,36 @@ class _Digests:
             names = msgspec.json.decode(manifest_blob).get("payloads") or {}
         except Exception:
             return []
+        payload_dir = root / PAYLOAD_DIR
+        try:  # a linked payload directory is refused by the reader: nothing in it is read ahead
+            if not stat.S_ISDIR(os.lstat(payload_dir).st_mode):
+                return []
+        except OSError:
+            return []
         files = []
         for name in names if isinstance(names, dict) else ():
             if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
                 continue
-            file = root / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+            file = payload_dir / f"{name}{PAYLOAD_SUFFIX}"
             try:
                 if stat.S_ISREG(os.lstat(file).st_mode):
                     files.append(file)
             except OSError:
                 pass
         return files
+
+
+def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
+    """:func:`sha256_file` of a regular file that is not a link, checked on the open descriptor (a file
+    swapped for a FIFO or a link after the directory scan is not read: ``None``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with open(fd, "rb", buffering=0, closefd=False) as fh:
+            return _sha256_stream(fh, stop)
+    finally:
+        os.close(fd)
 
 
 def config_knob_active(value) -> bool:
@@ -493,7 +536,7 @@ class BundleReader:
         try:
             self._check(shard, blobs, digests)
         finally:
-            digests.cancel()  # a bundle refused early leaves no hashing behind
+            digests.close()  # a bundle refused early leaves no hashing behind
 
     def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests) -> None:
         root = self.path
@@ -501,7 +544,7 @@ class BundleReader:
         # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
         index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index))
         expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER))
-        actual_meta = digests.metadata()
+        actual_meta = digests.metadata(blobs)
         if shard is None:
             complete_path = root / "COMPLETE"
             if not complete_path.exists():

@@ -71,10 +71,10 @@ def _read_regular(file: Path, root: Path) -> bytes:
     return file.read_bytes()
 
 
-def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
-    # a rank shard is published by its COMPLETE.<rank> sentinel at the cohort root
-    sentinel = path / "COMPLETE" if rank is None else path.parent / f"COMPLETE.{rank}"
-    info = BundleInfo(path=str(path), rank=rank, complete=sentinel.is_file())
+def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False) -> BundleInfo:
+    """One bundle directory; a rank shard's ``published`` comes from its cohort (``COMPLETE.<rank>`` or
+    the cohort ``COMPLETE``'s record of it, as the reader takes it)."""
+    info = BundleInfo(path=str(path), rank=rank, complete=(path / "COMPLETE").is_file() if rank is None else published)
     manifest = index = None
     for name in METADATA_FILES:
         if not (path / name).exists():
@@ -132,10 +132,10 @@ def _inspect_one(path: Path, rank: Optional[int] = None) -> BundleInfo:
 
 def inspect(path: str | Path) -> InspectResult:
     """What a bundle, cohort or capture directory holds, read without verifying it (an incomplete bundle
-    too); raises ``BundleError`` when there is no bundle at all."""
+    too, its problems listed); raises ``BundleError`` when the directory holds nothing of a bundle."""
     path = Path(path)
     result = _inspect(path)
-    if not result.bundles:
+    if result.layout == "empty":
         raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
     return result
 
@@ -148,39 +148,51 @@ def _inspect(path: Path) -> InspectResult:
     names = sorted(os.listdir(path))
     rank_dirs = sorted((int(m.group(1)), n) for n in names if (m := _RANK_DIR.match(n)))
     sentinels = sorted(int(m.group(1)) for n in names if (m := _RANK_SENTINEL.match(n)))
-    if (path / "manifest.json").exists() or (path / "index.json").exists():
+    # a bundle's own files (even with its manifest or index gone): it is looked at as one, missing files listed
+    if any((path / name).exists() for name in METADATA_FILES) or (path / PAYLOAD_DIR).is_dir():
         info = _inspect_one(path)
         return InspectResult(path=str(path), layout="bundle", complete=info.complete, ranks_published=sentinels,
                              bundles=[info], problems=list(info.problems))
     if rank_dirs or sentinels:
-        result = InspectResult(path=str(path), layout="cohort", complete=(path / "COMPLETE").is_file(),
-                               ranks_published=sentinels)
-        expected: list[int] = []
-        if result.complete:
-            try:
-                expected = BUNDLE_COMPLETE_DECODER.decode((path / "COMPLETE").read_bytes()).ranks
-            except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
-                result.problems.append(f"COMPLETE: {exc}")
-        else:
-            result.problems.append(f"no cohort COMPLETE (ranks published: {sentinels or 'none'})")
-        for r, name in rank_dirs:
-            info = _inspect_one(path / name, rank=r)
-            result.bundles.append(info)
-            result.problems += [f"rank-{r}: {p}" for p in info.problems]
-        for r in expected:
-            if not (path / f"rank-{r}").is_dir():
-                result.problems.append(f"missing rank shard rank-{r}")
-        return result
+        return _inspect_cohort(path, rank_dirs, sentinels)
     result = InspectResult(path=str(path), layout="capture", complete=False)
     for name in names:
         child = path / name
         if name.startswith(".") or not child.is_dir():
             continue
         sub = _inspect(child)
+        if sub.layout == "empty":
+            continue
         result.bundles += sub.bundles
         result.problems += [f"{name}: {p}" for p in sub.problems]
     if not result.bundles:
         result.layout = "empty"
         result.problems.append("no bundle found")
-    result.complete = bool(result.bundles) and all(b.complete or b.rank is not None for b in result.bundles)
+    result.complete = bool(result.bundles) and all(b.complete for b in result.bundles)
+    return result
+
+
+def _inspect_cohort(path: Path, rank_dirs: list[tuple[int, str]], sentinels: list[int]) -> InspectResult:
+    result = InspectResult(path=str(path), layout="cohort", complete=(path / "COMPLETE").is_file(),
+                           ranks_published=sentinels)
+    expected: list[int] = []
+    recorded: set[int] = set()  # shards the cohort COMPLETE carries (the reader needs no COMPLETE.<r> then)
+    if result.complete:
+        try:
+            complete = BUNDLE_COMPLETE_DECODER.decode((path / "COMPLETE").read_bytes())
+            expected = complete.ranks
+            recorded = {int(r) for r in (complete.shards or {}) if str(r).isdigit()}
+        except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
+            result.problems.append(f"COMPLETE: {exc}")
+    else:
+        result.problems.append(f"no cohort COMPLETE (ranks published: {sentinels or 'none'})")
+    for r, name in rank_dirs:
+        info = _inspect_one(path / name, rank=r, published=r in sentinels or r in recorded)
+        result.bundles.append(info)
+        result.problems += [f"rank-{r}: {p}" for p in info.problems]
+    for r in expected:
+        if not (path / f"rank-{r}").is_dir():
+            result.problems.append(f"missing rank shard rank-{r}")
+        elif r not in sentinels and r not in recorded:
+            result.problems.append(f"rank-{r}: not published (no COMPLETE.{r}, no record in COMPLETE $.shards)")
     return result

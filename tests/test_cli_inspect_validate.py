@@ -291,3 +291,30 @@ def test_version_is_the_package_s(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out == f"trajectory-replay {version}\n"
+
+
+def test_inspect_lists_what_is_left_of_a_bundle_or_cohort_instead_of_finding_nothing(tmp_path, cli, pr65_bundle):
+    cohort = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    for rank_dir in cohort.glob("rank-*"):
+        shutil.rmtree(rank_dir)
+    rc, out, err = cli("inspect", cohort)
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[:4] == [f"{cohort} — cohort, complete · 2 problems", "  ranks published: 0, 1",
+                                    "problem: missing rank shard rank-0", "problem: missing rank shard rank-1"]
+    (pr65_bundle / "manifest.json").unlink()
+    (pr65_bundle / "index.json").unlink()
+    rc, out, err = cli("inspect", pr65_bundle)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"{pr65_bundle} — bundle, complete · 2 problems"
+    assert "problem: missing manifest.json" in lines and "problem: missing index.json" in lines
+
+
+def test_a_rank_shard_recorded_in_the_cohort_complete_is_published_as_the_reader_takes_it(tmp_path, cli):
+    cohort = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    (cohort / "COMPLETE.1").unlink()  # the cohort COMPLETE carries rank 1's record: still a valid cohort
+    assert cli("validate", cohort)[0] == 0
+    rc, out, _ = cli("inspect", cohort, "--format", "json")
+    doc = json.loads(out)
+    assert (rc, doc["complete"], [(b["rank"], b["complete"]) for b in doc["bundles"]], doc["problems"]) == (
+        0, True, [(0, True), (1, True)], [])

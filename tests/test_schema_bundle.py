@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 
 import msgspec
 import pytest
@@ -380,9 +381,61 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
     data = bytearray(kl.read_bytes())
     data[len(data) // 2] ^= 0x01
     kl.write_bytes(bytes(data))
-    hashed = []
-    real = bundle_mod.sha256_file
-    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    ahead, inline = [], []
+    real_ahead, real_inline = bundle_mod._sha256_regular, bundle_mod.sha256_file
+    monkeypatch.setattr(bundle_mod, "_sha256_regular", lambda p, stop: ahead.append(p.name) or real_ahead(p, stop))
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p, stop=None: inline.append(p.name) or real_inline(p, stop))
     with pytest.raises(BundleError, match=r"kl\.pt: sha256 mismatch .* file " + hashlib.sha256(bytes(data)).hexdigest()[:12]):
         BundleReader(b)
-    assert "kl.pt" in hashed and hashed.count("kl.pt") == 1  # hashed once, ahead of the check
+    assert ahead.count("kl.pt") == 1 and "kl.pt" not in inline  # hashed once, ahead of the check
+    assert not [t for t in threading.enumerate() if t.name == "bundle-sha256"]  # and nothing left running
+
+
+def test_the_reader_never_waits_on_a_hashing_thread_that_failed(tmp_path, monkeypatch):
+    import replay_lib.bundle as bundle_mod
+
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="fails"))
+
+    def broken(path, stop):
+        raise ValueError("not an OSError")  # whatever goes wrong on the thread
+
+    monkeypatch.setattr(bundle_mod, "_sha256_regular", broken)
+    monkeypatch.setattr(bundle_mod, "sha256_bytes", lambda data: (_ for _ in ()).throw(MemoryError())
+                        if threading.current_thread().name == "bundle-sha256" else hashlib.sha256(data).hexdigest())
+    reader = BundleReader(b)  # the reader hashes what the thread did not: same verdict, no hang
+    assert reader.has_payload("kl")
+
+
+def test_a_refused_bundle_stops_the_hashing_thread(tmp_path, monkeypatch):
+    import replay_lib.bundle as bundle_mod
+
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=64, tokens=64, bundle_id="stop"))
+    (b / "COMPLETE").unlink()
+    monkeypatch.setattr(bundle_mod, "HASH_CHUNK", 64)  # many chunks: the stop is seen between two of them
+    seen = []
+    real = bundle_mod._sha256_stream
+
+    def stream(fh, stop):
+        seen.append(stop)
+        return real(fh, stop)
+
+    monkeypatch.setattr(bundle_mod, "_sha256_stream", stream)
+    with pytest.raises(BundleError, match="missing COMPLETE sentinel"):
+        BundleReader(b)
+    # the refusal stopped the thread and waited for it: nothing is left hashing
+    assert not [t for t in threading.enumerate() if t.name == "bundle-sha256"]
+    assert all(stop.is_set() for stop in seen)
+
+
+def test_a_linked_payload_directory_is_never_read_ahead(tmp_path, monkeypatch):
+    import replay_lib.bundle as bundle_mod
+
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="linked"))
+    elsewhere = tmp_path / "elsewhere"
+    (b / "payloads").rename(elsewhere)
+    (b / "payloads").symlink_to(elsewhere)
+    ahead = []
+    monkeypatch.setattr(bundle_mod, "_sha256_regular", lambda p, stop: ahead.append(p) or None)
+    with pytest.raises(BundleError, match="payload directory must not be a symlink"):
+        BundleReader(b)
+    assert ahead == []

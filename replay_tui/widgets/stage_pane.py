@@ -75,12 +75,13 @@ class StageList(CursorLines):
     def _columns(self, width: int) -> tuple[int, bool, bool, bool, int, str]:
         """(name width, show status, show max err, show capability, reason width, first-divergence mark).
         Narrower panes shorten the mark to ``◀``, then drop the reason, the capability and the status word
-        (the glyph says it; the detail line below the DAG names the capability and the reason); the mark,
-        the mismatch count and max |err| stay."""
+        (the glyph says it; the detail line below the DAG names the capability and the reason), then max
+        |err| and the mark; the mismatch count stays (the names are cut first)."""
         name_w = max([len(g) + 2 + len(s.stage) for g, s in zip(self.gutters, self.report.stages)] + [10]) + 1
+        name_w = min(name_w, max(width - 6, 4))  # the mismatch count always has its 6 cells (names get cut)
         rest = width - name_w - 6
         mark = ""
-        if self.report.first_divergent_stage:
+        if self.report.first_divergent_stage and rest >= len(SHORT_MARK):
             mark = FIRST_MARK if rest >= len(FIRST_MARK) + 9 + 8 + 13 else SHORT_MARK
             name_w += len(mark)
             rest -= len(mark)

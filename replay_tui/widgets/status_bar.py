@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from rich.cells import cell_len, chop_cells, set_cell_size
 from rich.text import Text
 from textual.widgets import Static
 
@@ -51,28 +52,33 @@ MAX_DIVERGENCE_LINES = 3
 
 
 def hang(line: str, width: int, limit: int = MAX_DIVERGENCE_LINES) -> list[str]:
-    """``line`` cut at spaces into at most ``limit`` lines of ``width`` cells (a word longer than that is
+    """``line`` cut at spaces into at most ``limit`` lines of ``width`` cells (a word wider than that is
     cut); what does not fit ends the last line with ``…``. Each line is shown after the indent."""
-    width = max(width, 8)
+    width = max(width, 1)
     lines: list[str] = []
     current = ""
     for word in line.split(" "):
         candidate = f"{current} {word}" if current else word
-        if len(candidate) <= width:
+        if cell_len(candidate) <= width:
             current = candidate
             continue
         if current:
             lines.append(current)
-        while len(word) > width:
-            lines.append(word[:width])
-            word = word[width:]
-        current = word
+        pieces = chop_cells(word, width) if cell_len(word) > width else [word]
+        lines += pieces[:-1]
+        current = pieces[-1]
     if current or not lines:
         lines.append(current)
     if len(lines) > limit:
-        last = lines[limit - 1]
-        lines = lines[:limit - 1] + [(last[:width - 1] if len(last) >= width else last) + "…"]
+        lines = lines[:limit - 1] + [ellipsize(lines[limit - 1] + " …", width)]
     return lines
+
+
+def ellipsize(text: str, width: int) -> str:
+    """``text`` when it fits in ``width`` cells, else cut to ``width − 1`` cells and ``…``."""
+    if cell_len(text) <= width:
+        return text
+    return set_cell_size(text, max(width - 1, 0)).rstrip() + "…"
 
 
 class VerdictBar(Static):
@@ -131,14 +137,15 @@ class VerdictBar(Static):
             text.append(f" — {compared} stage(s) compared")
         else:
             self.set_classes("-fail")
-            text.append(FAIL_PREFIX, style="bold red")
-            text.append(report.first_divergent_stage or "?", style="bold red")
+            verdict = FAIL_PREFIX + (report.first_divergent_stage or "?")
             line = first_divergence_text(report)
             if line and one_line:
+                text.append(verdict, style="bold red")
                 text.append(" — ")
                 text.append(line, style="bold")
-            elif line:
-                for part in hang(line, self._text_width() - len(INDENT)):
+            else:  # the verdict on one line of its own (cut, never wrapped), the divergence under it
+                text.append(ellipsize(verdict, self._text_width()), style="bold red")
+                for part in hang(line, self._text_width() - len(INDENT)) if line else ():
                     text.append("\n" + INDENT)
                     text.append(part, style="bold")
         self._shown_width = self._text_width()

@@ -83,6 +83,17 @@ async def test_a_divergence_line_wider_than_the_terminal_continues_under_its_ind
         assert "abs_err" not in lines[3]
 
 
+async def test_on_a_very_narrow_terminal_the_verdict_bar_keeps_to_its_four_lines(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=(30, 24)) as pilot:
+        await ready(pilot)
+        bar = app.debugger.query_one(VerdictBar)
+        lines = [line.rstrip() for line in screen_text(app).splitlines()[1:1 + bar.size.height]]
+        assert bar.size.height == 4
+        assert lines[0] == " ✗ first divergence in advan…"  # its own line, cut, never wrapped
+        assert lines[1:] == ["   kl s-5@3:", "   expected=0.2507788", "   actual=0.0007787943 …"]
+
+
 def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
     from replay_tui.widgets.status_bar import hang
 
@@ -90,8 +101,10 @@ def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
         "kl s-1@3: expected=1.0", "actual=2.0 abs_err=1.0"]
     assert hang("short", 24) == ["short"] and hang("", 24) == [""]
     assert hang("a" * 20 + " b", 8) == ["aaaaaaaa", "aaaaaaaa", "aaaa b"]
-    assert hang("one two three four five six", 8, limit=2) == ["one two", "three…"]
+    assert hang("one two three four five six", 8, limit=2) == ["one two", "three …"]
     assert hang("abcdefghi jk", 9, limit=1) == ["abcdefgh…"]  # a full last line gives its last cell
+    # widths in terminal cells: a wide character takes two
+    assert hang("样本 中文中文中文中文 x", 6) == ["样本", "中文中", "文中…"]
 
 
 async def test_worker_reports_progress_through_every_stage(bundles, monkeypatch):
