@@ -41,6 +41,11 @@ class DiffView(CursorLines):
             return self.diff is not None and self.diff.kind == KIND_SAMPLE
         return True
 
+    def watch_cursor(self, old: int, new: int) -> None:
+        super().watch_cursor(old, new)
+        if isinstance(self.parent, DiffPanel):
+            self.parent.cursor_moved()
+
     def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0) -> None:
         was_table = self.diff is not None and self.diff.kind == KIND_SAMPLE
         self.diff = diff
@@ -251,7 +256,8 @@ class DiffPanel(Vertical):
             info.append(f" · {diff.stage} atol={diff.atol:g} rtol={diff.rtol:g}", style="dim")
         self.query_one("#diff-info", Static).update(info)
 
-    def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
-        if isinstance(event.view, DiffView):
-            self.query_one(ErrorStrip).refresh()
-            self.support_strip.refresh()
+    def cursor_moved(self) -> None:
+        """The |err| strip's cursor mark and the support row follow the cursor in the same frame as the
+        rows (through the ``Highlighted`` message they would be one more frame, one more write)."""
+        self.query_one(ErrorStrip).refresh()
+        self.support_strip.refresh()

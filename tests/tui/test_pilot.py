@@ -237,6 +237,24 @@ async def test_a_focus_change_repaints_the_two_panes_not_the_screen(make_app, mo
         assert kinds and "LayoutUpdate" not in kinds, kinds  # a LayoutUpdate rewrites every cell
 
 
+async def test_a_cursor_move_in_a_token_diff_is_one_write(make_app, monkeypatch):
+    # the rows, the |err| strip's cursor mark and the support row change in the same frame
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause()
+        assert app.debugger.diff_view.diff.kind == "token"
+        written = []
+        real = type(app)._display
+        monkeypatch.setattr(type(app), "_display", lambda self, screen, update: (written.append(update),
+                                                                                    real(self, screen, update)))
+        await pilot.press("down")
+        await pilot.pause()
+        await pilot.pause()
+        assert [type(u).__name__ for u in written if u is not None] == ["ChopsUpdate"]
+        assert app.debugger.diff_cursor == 4
+
+
 async def test_field_keys_cycle_the_viewed_field(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
