@@ -46,7 +46,6 @@ from .schema import (
     unknown_fields,
 )
 
-_HASH_CHUNK = 1 << 20
 
 
 HASH_CHUNK = 16 << 20  # bytes per read: a payload of a few MB is one read and one GIL-free hash call
@@ -427,13 +426,11 @@ class _Digests:
         return digest if digest is not None else sha256_file(path)
 
     @staticmethod
-    def payload_files(root: Path, manifest_blob: bytes) -> list[Path]:
+    def payload_files(root: Path, raw_manifest) -> list[Path]:
         """The payload files worth hashing ahead: regular files (never links, FIFOs or devices) named by
-        the manifest as it decodes now; anything odd is left to the reader's checks."""
-        try:
-            names = msgspec.json.decode(manifest_blob).get("payloads") or {}
-        except Exception:
-            return []
+        the manifest as decoded (unchecked, ``None`` when it does not decode); anything odd is left to the
+        reader's checks."""
+        names = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
         payload_dir = root / PAYLOAD_DIR
         try:  # a linked payload directory is refused by the reader: nothing in it is read ahead
             if not stat.S_ISDIR(os.lstat(payload_dir).st_mode):
@@ -532,13 +529,16 @@ class BundleReader:
     def _verify(self, shard: Optional[RankComplete]) -> None:
         root = self.path
         blobs = {name: _read_bytes(root / name, name) for name in METADATA_FILES}
-        digests = _Digests(blobs, _Digests.payload_files(root, blobs["manifest.json"]))
+        # decoded once: its payload names start the hashing; its error, if any, is raised in its place
+        manifest_attempt = _attempt(lambda: self._raw(root / "manifest.json", blobs["manifest.json"]))
+        digests = _Digests(blobs, _Digests.payload_files(root, manifest_attempt[0]))
         try:
-            self._check(shard, blobs, digests)
+            self._check(shard, blobs, digests, manifest_attempt)
         finally:
             digests.close()  # a bundle refused early leaves no hashing behind
 
-    def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests) -> None:
+    def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests,
+               manifest_attempt) -> None:
         root = self.path
         # Decoded while the thread hashes; a decode error is raised where it always was (after the
         # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
@@ -568,7 +568,7 @@ class BundleReader:
             sentinel_name = f"../COMPLETE (shard {self.rank})"
             self._check_metadata(root.parent / "COMPLETE", shard.metadata, actual_meta)
 
-        raw_manifest = self._raw(root / "manifest.json", blobs["manifest.json"])
+        raw_manifest = _settle(manifest_attempt)
         if not isinstance(raw_manifest, dict):
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
         parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))

@@ -34,6 +34,15 @@ def screen_text(app) -> str:
     return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
 
 
+def record_writes(app, monkeypatch) -> list:
+    """Every update the app writes to the terminal from now on (``None`` for an empty one)."""
+    written = []
+    real = type(app)._display
+    monkeypatch.setattr(type(app), "_display", lambda self, screen, update: (written.append(update),
+                                                                                real(self, screen, update)))
+    return written
+
+
 def state(app: ReplayApp) -> tuple:
     d = app.debugger
     return d.sample_id, d.field, d.diff_cursor
@@ -226,10 +235,7 @@ async def test_a_focus_change_repaints_the_two_panes_not_the_screen(make_app, mo
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.pause()
-        written = []
-        real = type(app)._display
-        monkeypatch.setattr(type(app), "_display", lambda self, screen, update: (written.append(update),
-                                                                                    real(self, screen, update)))
+        written = record_writes(app, monkeypatch)
         await pilot.press("tab")
         await pilot.pause()
         assert app.debugger.focused_pane() == "identity"
@@ -244,10 +250,7 @@ async def test_a_cursor_move_in_a_token_diff_is_one_write(make_app, monkeypatch)
         await ready(pilot)
         await pilot.pause()
         assert app.debugger.diff_view.diff.kind == "token"
-        written = []
-        real = type(app)._display
-        monkeypatch.setattr(type(app), "_display", lambda self, screen, update: (written.append(update),
-                                                                                    real(self, screen, update)))
+        written = record_writes(app, monkeypatch)
         await pilot.press("down")
         await pilot.pause()
         await pilot.pause()
