@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import replay_lib.bundle as bundle_mod
+import replay_lib.bundle.writer as bundle_mod
 from replay_lib.bundle import BundleWriter, open_bundle
 from replay_lib.cli import main
 from replay_lib.demo import synthetic_parts, write_bundle

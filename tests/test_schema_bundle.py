@@ -374,7 +374,7 @@ def test_sha256_file_equals_hashlib_for_empty_small_and_multi_chunk_files(tmp_pa
 def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch):
     # The digests come from a background thread; the reader compares each where it always did. A payload
     # whose bytes differ from its checksum is refused whichever thread hashed it.
-    import replay_lib.bundle as bundle_mod
+    import replay_lib.bundle.reader as bundle_mod
 
     b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="ahead"))
     kl = b / "payloads" / "kl.pt"
@@ -392,7 +392,7 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
 
 
 def test_the_reader_never_waits_on_a_hashing_thread_that_failed(tmp_path, monkeypatch):
-    import replay_lib.bundle as bundle_mod
+    import replay_lib.bundle.reader as bundle_mod
 
     b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="fails"))
 
@@ -407,11 +407,13 @@ def test_the_reader_never_waits_on_a_hashing_thread_that_failed(tmp_path, monkey
 
 
 def test_a_refused_bundle_stops_the_hashing_thread(tmp_path, monkeypatch):
-    import replay_lib.bundle as bundle_mod
+    import replay_lib.bundle.reader as bundle_mod
 
     b = write_bundle(tmp_path / "b", *synthetic_parts(samples=64, tokens=64, bundle_id="stop"))
     (b / "COMPLETE").unlink()
-    monkeypatch.setattr(bundle_mod, "HASH_CHUNK", 64)  # many chunks: the stop is seen between two of them
+    import replay_lib.bundle.files as files_mod
+
+    monkeypatch.setattr(files_mod, "HASH_CHUNK", 64)  # many chunks: the stop is seen between two of them
     seen = []
     real = bundle_mod._sha256_stream
 
@@ -428,7 +430,7 @@ def test_a_refused_bundle_stops_the_hashing_thread(tmp_path, monkeypatch):
 
 
 def test_a_linked_payload_directory_is_never_read_ahead(tmp_path, monkeypatch):
-    import replay_lib.bundle as bundle_mod
+    import replay_lib.bundle.reader as bundle_mod
 
     b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="linked"))
     elsewhere = tmp_path / "elsewhere"

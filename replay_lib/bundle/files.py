@@ -1,0 +1,133 @@
+"""Files of a bundle: sha256, atomic writes, the checked reads of JSON files and their one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import threading
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+
+from ..errors import BundleError
+from ..layout import _PAYLOAD_NAME
+from ..schema import SUPPORTED_MAJOR
+
+
+HASH_CHUNK = 16 << 20  # bytes per read: a payload of a few MB is one read and one GIL-free hash call
+
+
+def sha256_file(path: Path, stop: Optional[threading.Event] = None) -> Optional[str]:
+    """The file's sha256, read in large chunks (hashlib and the reads run without the GIL). ``stop`` set
+    between two chunks → ``None`` (a background hash given up)."""
+    with open(path, "rb", buffering=0) as fh:
+        return _sha256_stream(fh, stop)
+
+
+def _sha256_stream(fh, stop: Optional[threading.Event]) -> Optional[str]:
+    digest = hashlib.sha256()
+    size = os.fstat(fh.fileno()).st_size
+    buf = bytearray(min(HASH_CHUNK, size + 1))  # a small file: one read, then the empty one at its end
+    view = memoryview(buf)
+    while True:
+        if stop is not None and stop.is_set():
+            return None
+        n = fh.readinto(buf)
+        if not n:
+            return digest.hexdigest()
+        digest.update(view[:n])
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_payload_name(name: str, where: str) -> None:
+    """A payload name is a plain file stem: no separators, no ``..``, no absolute path, no hidden file."""
+    if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
+        raise BundleError(f"{where}: unsafe payload name {name!r} (expected a plain file stem)")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    # A JSON file or sentinel must stay inside its directory and be a regular file: a link to /dev/zero or
+    # a FIFO would otherwise hang the reader before any checksum is compared.
+    if path.is_symlink() and not os.path.realpath(path).startswith(os.path.realpath(path.parent) + os.sep):
+        raise BundleError(f"{path}: symlink leaves the bundle (→ {os.path.realpath(path)})")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise BundleError(f"{path}: {what} is not a regular file")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise BundleError(f"{path}: missing {what}") from None
+    except IsADirectoryError:
+        raise BundleError(f"{path}: expected a file ({what}), found a directory") from None
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read {what}: {exc.strerror}") from None
+
+
+def _decode(path: Path, data: bytes, decoder):
+    """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``)."""
+    try:
+        return decoder.decode(data) if isinstance(decoder, msgspec.json.Decoder) else decoder(data)
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+        # UTF-8 is checked only on failure (the decoder checks strings itself): a file that is not
+        # UTF-8 is reported as such, with the byte offset in the file, whatever the decoder tripped on
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise BundleError(f"{path}: not valid UTF-8 (byte {bad.start})") from None
+        if isinstance(exc, msgspec.ValidationError):
+            raise BundleError(f"{path}: {_validation_message(exc)}") from None
+        raise BundleError(f"{path}: invalid JSON: {exc}") from None
+
+
+def _validation_message(exc: msgspec.ValidationError) -> str:
+    # msgspec: "Expected `int`, got `str` - at `$.samples[3].loss_mask`" → "$.samples[3].loss_mask: expected `int`, got `str`"
+    text = str(exc)
+    # A bad dict key: "Invalid enum value 'x' - at `key` in `$.stage_contracts`" → "$.stage_contracts (key): …"
+    m = re.match(r"^(.*) - at `key` in `(.*)`$", text, re.S)
+    if m:
+        what = m.group(1)
+        return f"{m.group(2)} (key): {what[:1].lower()}{what[1:]}"
+    m = re.match(r"^(.*) - at `(.*)`$", text, re.S)
+    if m:
+        what = m.group(1)
+        return f"{m.group(2)}: {what[:1].lower()}{what[1:]}"
+    return text
+
+
+def parse_format_version(version, where: str) -> tuple[int, int, int]:
+    if not isinstance(version, str) or not re.match(r"^\d+\.\d+\.\d+$", version):
+        raise BundleError(f"{where}: $.format_version: expected 'MAJOR.MINOR.PATCH', got {version!r}")
+    major, minor, patch = (int(x) for x in version.split("."))
+    if major != SUPPORTED_MAJOR:
+        raise BundleError(
+            f"{where}: $.format_version: unsupported major version {version!r} "
+            f"(this reader reads {SUPPORTED_MAJOR}.x)"
+        )
+    return major, minor, patch

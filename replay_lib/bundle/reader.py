@@ -1,0 +1,395 @@
+"""The verifying reader (SPEC §2, §11): verify *everything* — sentinels, checksums, sizes, ids, version,
+safety, tensor types — before returning, so no stage ever runs on a bundle that is not exactly what the
+producer published."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import torch
+
+from ..errors import BundleError
+from ..layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..schema import (
+    BUNDLE_COMPLETE_DECODER,
+    EXPECTED_DECODER,
+    MANIFEST_DECODER,
+    RANK_COMPLETE_DECODER,
+    BundleComplete,
+    BundleIndex,
+    Expected,
+    Manifest,
+    RankComplete,
+    RecomputeConfig,
+    RedactionPolicy,
+    decode_index,
+    unknown_fields,
+)
+from .files import _decode, _read_bytes, _sha256_stream, check_payload_name, parse_format_version, sha256_bytes, sha256_file
+
+
+# For the unknown-field scan of a decoded (valid) index.json: the samples' field values are kept as
+# zero-copy JSON slices, so millions of loss-mask ints are not built a second time (SampleRecord has no
+# nested objects whose keys would need a look).
+_INDEX_TOP_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_SAMPLE_KEYS_DECODER = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+
+
+def _index_keys(blob: bytes) -> dict:
+    return {key: _SAMPLE_KEYS_DECODER.decode(value) if key == "samples" else msgspec.json.decode(value)
+            for key, value in _INDEX_TOP_DECODER.decode(blob).items()}
+
+
+class _Digests:
+    """The sha256 of the metadata blobs and of the payload files the manifest lists, computed on a
+    background thread while the reader decodes the JSON and loads the tensors (hashing does not hold
+    the GIL). The reader asks for each digest where it always did, so every check keeps its order and
+    its message; a file the thread did not hash (for whatever reason) is hashed by the reader itself.
+    :meth:`close` stops the thread within one chunk and waits for it: a refused bundle leaves nothing
+    running."""
+
+    def __init__(self, blobs: dict[str, bytes], files: list[Path]) -> None:
+        self._meta: dict[str, str] = {}
+        self._meta_done = threading.Event()
+        self._files: dict[Path, str] = {}
+        self._file_done = {file: threading.Event() for file in files}
+        self._stop = threading.Event()
+        # The largest blob first: the thread is inside the hash (GIL released) before the reader
+        # starts a decode, which holds the GIL from start to end.
+        order = sorted(blobs, key=lambda name: -len(blobs[name]))
+        self._thread = threading.Thread(target=self._run, args=([(name, blobs[name]) for name in order], files),
+                                        name="bundle-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self, blobs: list[tuple[str, bytes]], files: list[Path]) -> None:
+        try:
+            for name, blob in blobs:
+                self._meta[name] = sha256_bytes(blob)
+        except Exception:
+            pass  # the reader hashes what is missing
+        finally:
+            self._meta_done.set()
+        try:
+            for file in files:
+                try:
+                    digest = None if self._stop.is_set() else _sha256_regular(file, self._stop)
+                    if digest is not None:
+                        self._files[file] = digest
+                except Exception:
+                    pass  # the reader's own checks name the problem
+                finally:
+                    self._file_done[file].set()
+        finally:
+            for done in self._file_done.values():  # whatever happened, no reader waits forever
+                done.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def metadata(self, blobs: dict[str, bytes]) -> dict[str, str]:
+        self._meta_done.wait()
+        return {name: self._meta.get(name) or sha256_bytes(blob) for name, blob in blobs.items()}
+
+    def file(self, path: Path) -> str:
+        done = self._file_done.get(path)
+        if done is not None:
+            done.wait()
+        digest = self._files.get(path)
+        return digest if digest is not None else sha256_file(path)
+
+    @staticmethod
+    def payload_files(root: Path, raw_manifest) -> list[Path]:
+        """The payload files worth hashing ahead: regular files (never links, FIFOs or devices) named by
+        the manifest as decoded (unchecked, ``None`` when it does not decode); anything odd is left to the
+        reader's checks."""
+        names = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
+        payload_dir = root / PAYLOAD_DIR
+        try:  # a linked payload directory is refused by the reader: nothing in it is read ahead
+            if not stat.S_ISDIR(os.lstat(payload_dir).st_mode):
+                return []
+        except OSError:
+            return []
+        files = []
+        for name in names if isinstance(names, dict) else ():
+            if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
+                continue
+            file = payload_dir / f"{name}{PAYLOAD_SUFFIX}"
+            try:
+                if stat.S_ISREG(os.lstat(file).st_mode):
+                    files.append(file)
+            except OSError:
+                pass
+        return files
+
+
+def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
+    """:func:`sha256_file` of a regular file that is not a link, checked on the open descriptor (a file
+    swapped for a FIFO or a link after the directory scan is not read: ``None``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with open(fd, "rb", buffering=0, closefd=False) as fh:
+            return _sha256_stream(fh, stop)
+    finally:
+        os.close(fd)
+
+
+def config_knob_active(value) -> bool:
+    """Whether an unknown config knob is set to something (a replay refuses it) rather than off/empty."""
+    return value not in (None, False, 0, "", [], {})
+
+
+def _attempt(decode):
+    """``(value, None)``, or ``(None, BundleError)`` to raise where the reader used to decode."""
+    try:
+        return decode(), None
+    except BundleError as exc:
+        return None, exc
+
+
+def _settle(attempt):
+    value, error = attempt
+    if error is not None:
+        raise error
+    return value
+
+
+def _load_tensor(path: Path) -> torch.Tensor:
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zipfile" not in str(exc).lower():
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError for objects, RuntimeError for corrupt archives
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's first line is generic advice (incl. "retry with weights_only=False"); name the blocked global.
+        first = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(exc).__name__)
+        raise BundleError(f"{path}: not a loadable weights-only tensor file ({first[:160]})") from None
+    if type(obj) is not torch.Tensor:
+        raise BundleError(f"{path}: payload must be a plain torch.Tensor, got {type(obj).__module__}.{type(obj).__qualname__}")
+    if obj.layout != torch.strided:
+        raise BundleError(f"{path}: payload must be a dense (strided) tensor, got layout {obj.layout}")
+    return obj
+
+
+class BundleReader:
+    """A verified bundle (or one verified rank shard of a cohort); ``open_bundle`` resolves cohorts too."""
+
+    manifest: Manifest
+    index: BundleIndex
+    expected: Expected
+
+    def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None):
+        """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE."""
+        path = Path(path)
+        if _shard is None:
+            from .resolution import resolve_bundle  # resolution builds on the reader
+
+            resolved = resolve_bundle(path)
+            if resolved.kind != "bundle":
+                raise BundleError(f"{path}: is a {resolved.kind}, not a single bundle; use open_bundle()")
+            if resolved.shard is not None:
+                _shard, _rank = resolved.shard, resolved.rank
+        self.path = path
+        self.rank = _rank
+        self.warnings = []
+        self._tensors = {}
+        self._verify(_shard)
+
+    # -- verification ------------------------------------------------------------------------------
+    def _verify(self, shard: Optional[RankComplete]) -> None:
+        root = self.path
+        blobs = {name: _read_bytes(root / name, name) for name in METADATA_FILES}
+        # decoded once: its payload names start the hashing; its error, if any, is raised in its place
+        manifest_attempt = _attempt(lambda: self._raw(root / "manifest.json", blobs["manifest.json"]))
+        digests = _Digests(blobs, _Digests.payload_files(root, manifest_attempt[0]))
+        try:
+            self._check(shard, blobs, digests, manifest_attempt)
+        finally:
+            digests.close()  # a bundle refused early leaves no hashing behind
+
+    def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests,
+               manifest_attempt) -> None:
+        root = self.path
+        # Decoded while the thread hashes; a decode error is raised where it always was (after the
+        # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
+        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index))
+        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER))
+        actual_meta = digests.metadata(blobs)
+        if shard is None:
+            complete_path = root / "COMPLETE"
+            if not complete_path.exists():
+                raise BundleError(f"{complete_path}: missing COMPLETE sentinel (bundle incomplete or still being written)")
+            complete: BundleComplete = _decode(complete_path, _read_bytes(complete_path, "COMPLETE"), BUNDLE_COMPLETE_DECODER)
+            if complete.metadata is None:
+                raise BundleError(f"{complete_path}: $.metadata: missing (a cohort COMPLETE was found in a bundle directory)")
+            self._check_metadata(complete_path, complete.metadata, actual_meta)
+            shards = {}
+            for r in complete.ranks:
+                spath = root / f"COMPLETE.{r}"
+                if not spath.exists():
+                    raise BundleError(f"{spath}: missing rank sentinel listed in COMPLETE $.ranks")
+                shards[r] = _decode(spath, _read_bytes(spath, f"COMPLETE.{r}"), RANK_COMPLETE_DECODER)
+                self._check_metadata(spath, shards[r].metadata, actual_meta)
+            if not shards:
+                raise BundleError(f"{complete_path}: $.ranks: expected at least one rank")
+            shard = shards[min(shards)]
+            sentinel_name = f"COMPLETE.{min(shards)}"
+        else:
+            sentinel_name = f"../COMPLETE (shard {self.rank})"
+            self._check_metadata(root.parent / "COMPLETE", shard.metadata, actual_meta)
+
+        raw_manifest = _settle(manifest_attempt)
+        if not isinstance(raw_manifest, dict):
+            raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
+        parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))
+        self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
+        self.index, has_unknown = _settle(index_attempt)
+        self.expected = _settle(expected_attempt)
+        for p in unknown_fields(raw_manifest, Manifest):
+            self.warnings.append(f"{root / 'manifest.json'}: {p}: unknown field (ignored)")
+        self.unknown_config = {}
+        if has_unknown:  # rare: find and list them all
+            raw_index = _index_keys(blobs["index.json"])
+            raw_config = raw_index.get("config") if isinstance(raw_index, dict) else None
+            known = {f.encode_name for f in msgspec.structs.fields(RecomputeConfig)}
+            self.unknown_config = {
+                k: v for k, v in (raw_config.items() if isinstance(raw_config, dict) else ()) if k not in known
+            }
+            for p in unknown_fields(raw_index, BundleIndex):
+                knob = p[len("$.config."):] if p.startswith("$.config.") else None
+                if knob in self.unknown_config and config_knob_active(self.unknown_config[knob]):
+                    continue  # not ignored: a replay refuses it (validate lists it as a refusal)
+                self.warnings.append(f"{root / 'index.json'}: {p}: unknown field (ignored)")
+
+        if self.manifest.bundle_id != self.index.bundle_id:
+            raise BundleError(
+                f"{root / 'index.json'}: $.bundle_id: {self.index.bundle_id!r} does not match "
+                f"manifest.json $.bundle_id {self.manifest.bundle_id!r}"
+            )
+        for stage, contract in self.manifest.stage_contracts.items():
+            if contract.stage != stage:
+                raise BundleError(
+                    f"{root / 'manifest.json'}: $.stage_contracts.{stage.value}.stage: "
+                    f"{contract.stage.value!r} does not match its key"
+                )
+        ident = self.index.identity
+        if (ident.actor_step_id is None) == (ident.rollout_id is None):
+            raise BundleError(
+                f"{root / 'index.json'}: $.identity: a bundle is anchored by exactly one of "
+                f"actor_step_id (step-level) or rollout_id (rollout-level)"
+            )
+        if shard.actor_step_id != ident.actor_step_id or shard.rollout_id != ident.rollout_id:
+            raise BundleError(f"{root / sentinel_name}: identity anchor does not match index.json $.identity")
+        ids = [s.sample_id for s in self.index.samples]
+        if len(set(ids)) != len(ids):  # find and name the first repeat
+            seen: dict[str, int] = {}
+            for i, sample_id in enumerate(ids):
+                if sample_id in seen:
+                    raise BundleError(
+                        f"{root / 'index.json'}: $.samples[{i}].sample_id: duplicate sample id "
+                        f"{sample_id!r} (first at $.samples[{seen[sample_id]}])"
+                    )
+                seen[sample_id] = i
+        for rule_field, rule in self.manifest.redaction.items():
+            try:
+                RedactionPolicy({rule_field: rule})
+            except ValueError as exc:
+                raise BundleError(f"{root / 'manifest.json'}: $.redaction.{rule_field}: {exc}") from None
+        self._verify_payloads(shard, sentinel_name, digests)
+
+    @staticmethod
+    def _raw(path: Path, blob: bytes):
+        try:
+            return msgspec.json.decode(blob)
+        except msgspec.DecodeError as exc:
+            raise BundleError(f"{path}: invalid JSON: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise BundleError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+
+    @staticmethod
+    def _check_metadata(sentinel: Path, recorded: dict[str, str], actual: dict[str, str]) -> None:
+        for name in METADATA_FILES:
+            if name not in recorded:
+                raise BundleError(f"{sentinel}: $.metadata: no checksum for {name}")
+            if recorded[name] != actual[name]:
+                raise BundleError(
+                    f"{sentinel.parent / name if sentinel.parent.exists() else name}: sha256 mismatch "
+                    f"(sentinel {recorded[name][:12]}…, file {actual[name][:12]}…)"
+                )
+
+    def _verify_payloads(self, shard: RankComplete, sentinel_name: str, digests: _Digests) -> None:
+        root = self.path
+        real_root = os.path.realpath(root)
+        payload_dir = root / PAYLOAD_DIR
+        if payload_dir.is_symlink():
+            raise BundleError(f"{payload_dir}: payload directory must not be a symlink")
+        for name in shard.payloads:
+            check_payload_name(name, f"{root / sentinel_name}: $.payloads")
+            if name not in self.manifest.payloads:
+                raise BundleError(f"{root / sentinel_name}: $.payloads.{name}: not listed in manifest.json $.payloads")
+        for key, spec in self.manifest.payloads.items():
+            where = f"{root / 'manifest.json'}: $.payloads.{key}"
+            check_payload_name(key, where)
+            check_payload_name(spec.name, f"{where}.name")
+            if spec.name != key:
+                raise BundleError(f"{where}.name: {spec.name!r} does not match its key")
+            file = payload_dir / f"{key}{PAYLOAD_SUFFIX}"
+            if file.is_symlink() and not os.path.realpath(file).startswith(real_root + os.sep):
+                raise BundleError(f"{file}: symlink leaves the bundle (→ {os.path.realpath(file)})")
+            if not file.exists():
+                raise BundleError(f"{file}: missing payload listed in manifest.json $.payloads.{key}")
+            if not file.is_file():
+                raise BundleError(f"{file}: payload is not a regular file")
+            size = file.stat().st_size
+            if size != spec.bytes:
+                raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
+            if key not in shard.payloads:
+                raise BundleError(f"{root / sentinel_name}: $.payloads: no checksum for payload {key!r}")
+            digest = digests.file(file)
+            if digest != spec.sha256 or digest != shard.payloads[key]:
+                raise BundleError(
+                    f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "
+                    f"{shard.payloads[key][:12]}…, file {digest[:12]}…)"
+                )
+            tensor = _load_tensor(file)
+            if str(tensor.dtype) != spec.dtype:
+                raise BundleError(f"{file}: dtype {tensor.dtype}, manifest $.payloads.{key}.dtype says {spec.dtype}")
+            if list(tensor.shape) != list(spec.shape):
+                raise BundleError(
+                    f"{file}: shape {list(tensor.shape)}, manifest $.payloads.{key}.shape says {list(spec.shape)}"
+                )
+            self._tensors[key] = tensor
+        if payload_dir.is_dir():
+            for entry in sorted(payload_dir.iterdir()):
+                stem = entry.name[: -len(PAYLOAD_SUFFIX)] if entry.name.endswith(PAYLOAD_SUFFIX) else None
+                if stem not in self.manifest.payloads:
+                    self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
+
+    # -- access ------------------------------------------------------------------------------------
+    @property
+    def bundle_id(self) -> str:
+        return self.manifest.bundle_id
+
+    def has_payload(self, name: str) -> bool:
+        return name in self._tensors
+
+    def payload(self, name: str) -> torch.Tensor:
+        """The verified, memory-mapped tensor (pages are read only when a stage touches them)."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"payload {name!r} not in bundle {self.bundle_id}") from None
+
+    @property
+    def payload_names(self) -> list[str]:
+        return sorted(self._tensors)

@@ -1,0 +1,216 @@
+"""What a path is (a bundle, a rank shard, a cohort, a capture directory) and opening exactly one of them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+
+from ..errors import BundleError, SelectionError
+from ..gcpause import gc_paused
+from ..layout import _RANK_DIR, _RANK_SENTINEL
+from ..schema import BUNDLE_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
+from .files import _decode, _read_bytes
+from .reader import BundleReader
+
+
+@dataclass
+class Resolved:
+    """What a path on disk is: one ``bundle`` (maybe a rank shard of a finished cohort) or a ``cohort``."""
+
+    kind: str
+    path: Path
+    rank: Optional[int] = None
+    shard: Optional[RankComplete] = None
+
+
+def _is_hidden(p: Path) -> bool:
+    return p.name.startswith(".")
+
+
+def _looks_like_cohort(path: Path) -> bool:
+    try:
+        names = [e.name for e in path.iterdir()]
+    except OSError:
+        return False
+    return any(_RANK_DIR.match(n) for n in names) or any(_RANK_SENTINEL.match(n) for n in names)
+
+
+def _cohort_complete(cohort: Path) -> BundleComplete:
+    final = cohort / "COMPLETE"
+    if not final.exists():
+        present = sorted(e.name for e in cohort.iterdir() if _RANK_SENTINEL.match(e.name))
+        raise BundleError(
+            f"{final}: cohort has no final COMPLETE (ranks published: {', '.join(present) or 'none'}); "
+            f"a rank-local bundle is refused until every expected rank has flushed"
+        )
+    complete = _decode(final, _read_bytes(final, "cohort COMPLETE"), BUNDLE_COMPLETE_DECODER)
+    if complete.shards is None:
+        raise BundleError(f"{final}: $.shards: missing (expected a cohort COMPLETE)")
+    if sorted(int(k) for k in complete.shards) != sorted(complete.ranks):
+        raise BundleError(f"{final}: $.shards: keys do not match $.ranks {complete.ranks}")
+    return complete
+
+
+def resolve_bundle(path: Path) -> Resolved:
+    """Classify ``path`` without selecting among several bundles (see :func:`resolve_capture`)."""
+    if not path.exists():
+        raise BundleError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise BundleError(f"{path}: not a bundle directory")
+    if (path / "manifest.json").exists() or (path / "COMPLETE").is_file() and not _looks_like_cohort(path):
+        m = _RANK_DIR.match(path.name)
+        if m and _looks_like_cohort(path.parent):
+            rank = int(m.group(1))
+            complete = _cohort_complete(path.parent)
+            shard = complete.shards.get(str(rank))
+            if shard is None:
+                raise BundleError(f"{path.parent / 'COMPLETE'}: $.shards: rank {rank} is not part of this cohort")
+            return Resolved("bundle", path, rank=rank, shard=shard)
+        return Resolved("bundle", path)
+    if _looks_like_cohort(path):
+        return Resolved("cohort", path)
+    entries = [e for e in path.iterdir() if not _is_hidden(e)]
+    if not entries:
+        raise BundleError(f"{path}: empty directory (no manifest.json, no COMPLETE, no bundles)")
+    return Resolved("capture", path)
+
+
+def _anchor_of(path: Path) -> tuple[Optional[ActorStepId], Optional[int]]:
+    """Read the identity anchor from a (possibly unverified) bundle or cohort, for selection only."""
+    index_path = path / "index.json"
+    if not index_path.exists():
+        ranks = sorted((e for e in path.iterdir() if _RANK_DIR.match(e.name)), key=lambda e: e.name)
+        if not ranks:
+            return None, None
+        index_path = ranks[0] / "index.json"
+    try:
+        raw = msgspec.json.decode(index_path.read_bytes())
+        ident = raw.get("identity") or {}
+        step = ident.get("actor_step_id")
+        return (ActorStepId(**step) if step else None), ident.get("rollout_id")
+    except Exception:
+        return None, None
+
+
+def _describe(anchor: tuple[Optional[ActorStepId], Optional[int]]) -> str:
+    step, rollout = anchor
+    if step is not None:
+        return f"step {step}"
+    if rollout is not None:
+        return f"rollout {rollout}"
+    return "unreadable identity"
+
+
+def _matches(anchor, step: Optional[ActorStepId], rollout: Optional[int]) -> bool:
+    a_step, a_rollout = anchor
+    if step is not None:
+        return a_step == step
+    if rollout is not None:
+        return a_step is None and a_rollout == rollout
+    return True
+
+
+def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Optional[int] = None) -> Resolved:
+    """Resolve a bundle, cohort or capture directory to exactly one bundle or cohort (fails when ambiguous)."""
+    if step is not None and rollout is not None:
+        raise SelectionError("--step and --rollout are mutually exclusive")
+    resolved = resolve_bundle(path)
+    if resolved.kind != "capture":
+        return resolved
+    candidates = []
+    for entry in sorted(path.iterdir()):
+        if _is_hidden(entry) or not entry.is_dir():
+            continue
+        if (entry / "manifest.json").exists() or _looks_like_cohort(entry):
+            candidates.append((entry, _anchor_of(entry)))
+    if not candidates:
+        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
+    def listing(found) -> str:
+        return "; ".join(f"{c.name} ({_describe(a)})" for c, a in found)
+
+    matching = [(c, a) for c, a in candidates if _matches(a, step, rollout)]
+    if len(matching) == 1:
+        return resolve_bundle(matching[0][0])
+    want = f"--step {step}" if step is not None else f"--rollout {rollout}"
+    if not matching:
+        raise SelectionError(f"{path}: no bundle matches {want}; candidates: {listing(candidates)}")
+    if step is None and rollout is None:
+        # an anchor settles it only when no two candidates share one
+        anchors = [a for _, a in candidates]
+        hint = ("pass --step R:S or --rollout R" if len(set(anchors)) == len(anchors)
+                else "pass --step R:S or --rollout R, or one bundle's own path")
+    else:
+        hint = f"all match {want}; pass one bundle's own path"
+    raise SelectionError(f"{path}: ambiguous capture directory with {len(matching)} bundles ({hint}); "
+                         f"candidates: {listing(matching)}")
+
+
+@dataclass
+class BundleSet:
+    """One bundle, or every rank shard of a cohort, verified. Stages run per shard."""
+
+    path: Path
+    shards: list[BundleReader]
+    cohort: bool
+
+    @property
+    def bundle_id(self) -> str:
+        return self.shards[0].bundle_id
+
+    @property
+    def warnings(self) -> list[str]:
+        return [w for s in self.shards for w in s.warnings]
+
+
+def open_bundle(
+    path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None
+) -> BundleSet:
+    """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly."""
+    with gc_paused():
+        return _open_bundle(Path(path), step, rollout)
+
+
+def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]) -> BundleSet:
+    resolved = resolve_capture(path, step, rollout)
+    if resolved.kind == "bundle":
+        shards = [BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank)]
+        cohort = False
+    else:
+        complete = _cohort_complete(resolved.path)
+        shards = []
+        for r in sorted(complete.ranks):
+            shard_dir = resolved.path / f"rank-{r}"
+            if not (shard_dir / "manifest.json").exists():
+                raise BundleError(f"{shard_dir}: missing rank shard listed in cohort COMPLETE $.ranks")
+            shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r))
+        ids = {s.bundle_id for s in shards}
+        if len(ids) != 1:
+            raise BundleError(f"{resolved.path}: rank shards disagree on bundle_id: {sorted(ids)}")
+        cohort = True
+    first = shards[0].index.identity
+    for s in shards[1:]:
+        if (s.index.identity.actor_step_id, s.index.identity.rollout_id) != (first.actor_step_id, first.rollout_id):
+            raise BundleError(f"{s.path / 'index.json'}: $.identity: anchor differs from rank {shards[0].rank}")
+    check_anchor(resolved.path, first.actor_step_id, first.rollout_id, step, rollout)
+    return BundleSet(path=resolved.path, shards=shards, cohort=cohort)
+
+
+def check_anchor(path, actual_step, actual_rollout, step, rollout) -> None:
+    if step is not None:
+        if actual_step is None:
+            raise SelectionError(
+                f"{path}: --step {step} given but the bundle is rollout-level (rollout_id={actual_rollout}); use --rollout"
+            )
+        if actual_step != step:
+            raise SelectionError(f"{path}: --step {step} does not match the bundle's actor_step_id {actual_step}")
+    if rollout is not None:
+        if actual_step is not None:
+            raise SelectionError(
+                f"{path}: --rollout {rollout} given but the bundle is step-level (actor_step_id={actual_step}); use --step"
+            )
+        if actual_rollout != rollout:
+            raise SelectionError(f"{path}: --rollout {rollout} does not match the bundle's rollout_id {actual_rollout}")

@@ -1,0 +1,216 @@
+"""The atomic bundle writer and the cohort finalizer (SPEC §2).
+
+Stage everything in a hidden sibling temp dir, write payloads, hash them, write the JSON files, write the
+COMPLETE sentinels, publish with one atomic rename; never overwrite.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+import msgspec
+import torch
+
+from ..layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..schema import (
+    RANK_COMPLETE_DECODER,
+    REDACTED_FIELDS,
+    BundleComplete,
+    BundleIndex,
+    Expected,
+    Manifest,
+    PayloadSpec,
+    RankComplete,
+    RedactionPolicy,
+    encode_json,
+)
+from .files import _atomic_write, _fsync_dir, check_payload_name, sha256_bytes, sha256_file
+
+
+class BundleWriter:
+    """Writes one bundle (``rank=None``) or one rank shard of a cohort (``rank=r``).
+
+    Single producer: ``BundleWriter(<DIR>/<bundle_id>, …).finalize(ranks=[0])``.
+    Cohort: ``BundleWriter(<DIR>/<bundle_id>, …, rank=r).finalize(ranks=[0, 1])`` publishes
+    ``rank-r/`` and ``COMPLETE.r`` and then *tries* to finalize the cohort ``COMPLETE``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        manifest: Manifest,
+        index: BundleIndex,
+        expected: Expected,
+        *,
+        rank: Optional[int] = None,
+    ):
+        self.rank = rank
+        self.root = Path(path)
+        self.final_path = self.root / f"rank-{rank}" if rank is not None else self.root
+        if self.final_path.exists() or (rank is None and self.root.is_symlink()):
+            raise FileExistsError(f"{self.final_path}: bundle already exists; refusing to overwrite")
+        if manifest.bundle_id != index.bundle_id:
+            raise ValueError(
+                f"bundle_id mismatch: manifest {manifest.bundle_id!r} vs index {index.bundle_id!r}"
+            )
+        seen: dict[str, int] = {}
+        for i, sample in enumerate(index.samples):
+            if sample.sample_id in seen:
+                raise ValueError(f"$.samples[{i}].sample_id: duplicate sample id {sample.sample_id!r}")
+            seen[sample.sample_id] = i
+        self.policy = RedactionPolicy(manifest.redaction)
+        self.manifest = manifest
+        self.index = self._redact(index)
+        self.expected = expected
+        self.payloads: dict[str, PayloadSpec] = {}
+        parent = self.final_path.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self.staging = parent / f".{self.final_path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        (self.staging / PAYLOAD_DIR).mkdir(parents=True)
+        self._finalized = False
+
+    def _redact(self, index: BundleIndex) -> BundleIndex:
+        samples = []
+        for sample in index.samples:
+            changes = {f: self.policy.apply(f, getattr(sample, f)) for f in REDACTED_FIELDS if hasattr(sample, f)}
+            samples.append(msgspec.structs.replace(sample, **changes))
+        return msgspec.structs.replace(index, samples=samples)
+
+    def write_payload(self, name: str, tensor: torch.Tensor) -> PayloadSpec:
+        check_payload_name(name, "write_payload")
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"payload {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if name in self.payloads:
+            raise ValueError(f"payload {name!r} written twice")
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous()
+        if type(t) is not torch.Tensor:  # Parameter or another subclass: store a plain tensor
+            t = t.as_subclass(torch.Tensor)
+        # torch.save stores the whole storage: a view of a bigger tensor must not leak the rest of it.
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+            t = t.clone()
+        target = self.staging / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+        torch.save(t, target)
+        spec = PayloadSpec(
+            name=name,
+            dtype=str(t.dtype),
+            shape=list(t.shape),
+            bytes=target.stat().st_size,
+            sha256=sha256_file(target),
+        )
+        self.payloads[name] = spec
+        return spec
+
+    def finalize(self, ranks: Iterable[int] = (0,)) -> Path:
+        ranks = sorted(int(r) for r in ranks)
+        if self._finalized:
+            raise RuntimeError("finalize() called twice")
+        try:
+            manifest = msgspec.structs.replace(self.manifest, payloads=dict(sorted(self.payloads.items())))
+            blobs = {
+                "manifest.json": encode_json(manifest),
+                "index.json": encode_json(self.index),
+                "expected.json": encode_json(self.expected),
+            }
+            for fname, blob in blobs.items():
+                (self.staging / fname).write_bytes(blob)
+            metadata = {fname: sha256_bytes(blob) for fname, blob in blobs.items()}
+            payload_hashes = {name: spec.sha256 for name, spec in sorted(self.payloads.items())}
+            identity = self.index.identity
+            if self.rank is None:
+                shard = RankComplete(
+                    actor_step_id=identity.actor_step_id,
+                    rollout_id=identity.rollout_id,
+                    payloads=payload_hashes,
+                    metadata=metadata,
+                )
+                for r in ranks:
+                    (self.staging / f"COMPLETE.{r}").write_bytes(encode_json(shard))
+                (self.staging / "COMPLETE").write_bytes(
+                    encode_json(BundleComplete(ranks=ranks, metadata=metadata))
+                )
+            if self.final_path.exists():
+                raise FileExistsError(f"{self.final_path}: bundle already exists; refusing to overwrite")
+            _fsync_dir(self.staging)
+            os.rename(self.staging, self.final_path)
+            _fsync_dir(self.final_path.parent)
+        except BaseException:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        self._finalized = True
+        if self.rank is not None:
+            if self.rank not in ranks:
+                raise ValueError(f"rank {self.rank} is not among the expected ranks {ranks}")
+            shard = RankComplete(
+                actor_step_id=identity.actor_step_id,
+                rollout_id=identity.rollout_id,
+                payloads=payload_hashes,
+                metadata=metadata,
+                expected_ranks=ranks,
+                relpath=f"rank-{self.rank}",
+                bundle_id=self.index.bundle_id,
+            )
+            _atomic_write(self.root / f"COMPLETE.{self.rank}", encode_json(shard))
+            try_finalize_cohort(self.root)
+        return self.final_path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def __enter__(self) -> "BundleWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._finalized:
+            self.abort()
+
+
+def try_finalize_cohort(cohort: str | os.PathLike) -> bool:
+    """Write the cohort ``COMPLETE`` iff every expected rank has published and their anchors agree.
+
+    Never waits. Two producers racing here are harmless: the sentinel is published with ``os.link``,
+    which succeeds for exactly one of them; the other sees ``FileExistsError`` and returns.
+    """
+    cohort = Path(cohort)
+    final = cohort / "COMPLETE"
+    if final.exists():
+        return True
+    shards: dict[int, RankComplete] = {}
+    for entry in cohort.iterdir():
+        m = _RANK_SENTINEL.match(entry.name)
+        if not m:
+            continue
+        try:
+            shards[int(m.group(1))] = RANK_COMPLETE_DECODER.decode(entry.read_bytes())
+        except (OSError, msgspec.MsgspecError, UnicodeDecodeError):
+            return False
+    if not shards:
+        return False
+    anchors = {shard.anchor() for shard in shards.values()}
+    if len(anchors) != 1:
+        return False
+    expected = sorted(next(iter(shards.values())).expected_ranks or [])
+    if not expected or sorted(shards) != expected:
+        return False
+    if not all((cohort / f"rank-{r}" / "manifest.json").is_file() for r in expected):
+        return False
+    blob = encode_json(BundleComplete(ranks=expected, shards={str(r): shards[r] for r in expected}))
+    tmp = cohort / f".COMPLETE.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as fh:
+        fh.write(blob)
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(cohort)
+    return True
