@@ -1,11 +1,20 @@
-"""What a path is (a bundle, a rank shard, a cohort, a capture directory) and opening exactly one of them."""
+"""What a path is (a bundle, a rank shard, a cohort, a capture directory) and opening exactly one of them.
+
+A capture directory is looked through without following anything out of it (SPEC §11): a candidate is a
+real subdirectory (``lstat``), never a symbolic link — not even one to a sibling, which would list the
+same bundle twice and make an anchor ambiguous; pass a linked bundle's path to open it. Each candidate's
+``index.json`` is read for its anchor through :func:`~.safe_open.read_json_file` (a regular file inside
+the candidate, under its size cap): a FIFO, device, link out or oversized file makes that candidate
+"unreadable" at once, so it never blocks the lookup of another one.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import msgspec
 
@@ -14,6 +23,7 @@ from ..gcpause import gc_paused
 from ..layout import _RANK_DIR, _RANK_SENTINEL
 from ..schema import BUNDLE_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
 from .files import _decode, _read_bytes
+from .safe_open import UnsafeFile, read_json_file
 from .reader import BundleReader
 
 
@@ -79,38 +89,67 @@ def resolve_bundle(path: Path) -> Resolved:
     return Resolved("capture", path)
 
 
-def _anchor_of(path: Path) -> tuple[Optional[ActorStepId], Optional[int]]:
-    """Read the identity anchor from a (possibly unverified) bundle or cohort, for selection only."""
+class _AnchorIdentity(msgspec.Struct):
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[int] = None
+
+
+class _AnchorOnly(msgspec.Struct):
+    """Only the anchor of an index.json: the samples are skipped by the decoder, never built."""
+
+    identity: Optional[_AnchorIdentity] = None
+
+
+_ANCHOR_DECODER = msgspec.json.Decoder(_AnchorOnly)
+
+
+class _Anchor(NamedTuple):
+    step: Optional[ActorStepId]
+    rollout: Optional[int]
+    unreadable: Optional[str] = None  # why there is no anchor: the file was not read, or did not decode
+
+
+def _real_dir(entry: Path) -> bool:
+    """A directory itself, not a link to one (``lstat``)."""
+    try:
+        return stat.S_ISDIR(os.lstat(entry).st_mode)
+    except OSError:
+        return False
+
+
+def _anchor_of(capture: Path, path: Path) -> _Anchor:
+    """Read the identity anchor from a (possibly unverified) bundle or cohort under ``capture``, for
+    selection only; nothing on the way is followed (see the module docstring)."""
     index_path = path / "index.json"
-    if not index_path.exists():
+    if not os.path.lexists(index_path):
         ranks = sorted((e for e in path.iterdir() if _RANK_DIR.match(e.name)), key=lambda e: e.name)
         if not ranks:
-            return None, None
+            return _Anchor(None, None)
         index_path = ranks[0] / "index.json"
     try:
-        raw = msgspec.json.decode(index_path.read_bytes())
-        ident = raw.get("identity") or {}
-        step = ident.get("actor_step_id")
-        return (ActorStepId(**step) if step else None), ident.get("rollout_id")
-    except Exception:
-        return None, None
+        identity = _ANCHOR_DECODER.decode(read_json_file(index_path, capture)).identity
+    except UnsafeFile as exc:
+        return _Anchor(None, None, exc.reason)
+    except (msgspec.MsgspecError, UnicodeDecodeError):
+        return _Anchor(None, None, "index.json does not decode")
+    if identity is None:
+        return _Anchor(None, None)
+    return _Anchor(identity.actor_step_id, identity.rollout_id)
 
 
-def _describe(anchor: tuple[Optional[ActorStepId], Optional[int]]) -> str:
-    step, rollout = anchor
+def _describe(anchor: _Anchor) -> str:
+    if anchor.step is not None:
+        return f"step {anchor.step}"
+    if anchor.rollout is not None:
+        return f"rollout {anchor.rollout}"
+    return "unreadable identity" + (f"; {anchor.unreadable}" if anchor.unreadable else "")
+
+
+def _matches(anchor: _Anchor, step: Optional[ActorStepId], rollout: Optional[int]) -> bool:
     if step is not None:
-        return f"step {step}"
+        return anchor.step == step
     if rollout is not None:
-        return f"rollout {rollout}"
-    return "unreadable identity"
-
-
-def _matches(anchor, step: Optional[ActorStepId], rollout: Optional[int]) -> bool:
-    a_step, a_rollout = anchor
-    if step is not None:
-        return a_step == step
-    if rollout is not None:
-        return a_step is None and a_rollout == rollout
+        return anchor.step is None and anchor.rollout == rollout
     return True
 
 
@@ -121,14 +160,20 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
     resolved = resolve_bundle(path)
     if resolved.kind != "capture":
         return resolved
-    candidates = []
+    candidates, links = [], []
     for entry in sorted(path.iterdir()):
-        if _is_hidden(entry) or not entry.is_dir():
+        if _is_hidden(entry):
             continue
-        if (entry / "manifest.json").exists() or _looks_like_cohort(entry):
-            candidates.append((entry, _anchor_of(entry)))
+        if not _real_dir(entry):
+            if entry.is_symlink():
+                links.append(entry.name)
+            continue
+        if os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry):
+            candidates.append((entry, _anchor_of(path, entry)))
     if not candidates:
-        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
+        skipped = f"; symbolic links are not followed: {', '.join(links)}" if links else ""
+        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)"
+                          f"{skipped}")
     def listing(found) -> str:
         return "; ".join(f"{c.name} ({_describe(a)})" for c, a in found)
 
@@ -140,7 +185,7 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
         raise SelectionError(f"{path}: no bundle matches {want}; candidates: {listing(candidates)}")
     if step is None and rollout is None:
         # an anchor settles it only when no two candidates share one
-        anchors = [a for _, a in candidates]
+        anchors = [(a.step, a.rollout) for _, a in candidates]
         hint = ("pass --step R:S or --rollout R" if len(set(anchors)) == len(anchors)
                 else "pass --step R:S or --rollout R, or one bundle's own path")
     else:
