@@ -6,6 +6,9 @@ Exit codes (an API):
   2  bad command line
   3  bundle invalid, incomplete, unsafe or ambiguous; or a selection that can't be exact (nothing recomputed)
   4  the requested topology / stage / config knob is unsupported (fails loudly, nothing guessed)
+  5  internal error: a bug in this tool (one line naming the saved traceback file; never 1)
+
+Everything printed that came from a bundle passes through ``safe_text.safe`` (control characters escaped).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Optional, Sequence, TextIO
 
 import msgspec
 
-from .errors import EXIT_USAGE, ReplayError, UsageError
+from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
+from .safe_text import safe, safe_json
 
 EXIT_CODES_HELP = """exit codes:
   0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
@@ -26,6 +30,7 @@ EXIT_CODES_HELP = """exit codes:
   2  bad command line
   3  bundle invalid, incomplete, unsafe or ambiguous, or a selection that cannot be exact (nothing recomputed)
   4  unsupported topology, stage or config knob (nothing guessed)
+  5  internal error: a bug in this tool; one line names the saved traceback file (never 1)
 """
 
 STYLES = {
@@ -46,8 +51,10 @@ def use_color(stream: TextIO) -> bool:
 
 
 def emit(lines: Sequence[tuple[str, str]], stream: Optional[TextIO] = None) -> None:
-    """Rich colours on a TTY, plain text otherwise (pipes, CI logs, files)."""
+    """Rich colours on a TTY, plain text otherwise (pipes, CI logs, files). Every line is escaped here, the
+    last step before the terminal: whatever a view forgot, a bundle string never writes an escape sequence."""
     stream = stream or sys.stdout
+    lines = [(style, safe(line)) for style, line in lines]
     if use_color(stream):
         from rich.console import Console
         from rich.text import Text
@@ -116,7 +123,7 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
     stream = stream or sys.stdout
     report = replay(args.bundle, **replay_options(args))
     if args.format == "json":
-        stream.write(report_to_json(report))
+        stream.write(report_to_json(report))  # terminal-safe: hidden characters as \u escapes
     else:
         emit(render_text(report, max_lines=args.max_divergences), stream)
     return report.exit_code
@@ -178,8 +185,9 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             lines.append(("title", f"  {'payload':<18} {'dtype':<14} {'shape':<16} {'bytes':>10}  status"))
             for p in b.payloads:
                 st = "size ok" if p.size_ok else ("size differs" if p.present else "MISSING")
+                # escaped before padding, so an escaped name keeps its columns
                 lines.append(("pass" if p.size_ok else "fail",
-                              f"  {p.name:<18} {p.dtype:<14} {str(p.shape):<16} {p.bytes:>10}  {st}"))
+                              f"  {safe(p.name):<18} {safe(p.dtype):<14} {str(p.shape):<16} {p.bytes:>10}  {st}"))
     for problem in result.problems:
         lines.append(("warning", f"problem: {problem}"))
     lines.append(("skipped", INSPECT_FOOTNOTE))
@@ -247,12 +255,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(err: str, prog: str = "trajectory-replay") -> str:
+    """The one stderr line of an error. Its message embeds paths, ids and keys from the bundle: it is
+    escaped whole (a newline in it shows as ``\\n``), then runs of spaces are collapsed."""
+    return f"{prog}: error: {' '.join(safe(err).split())}"
+
+
 def _print_error(err: str, prog: str = "trajectory-replay") -> None:
-    sys.stderr.write(f"{prog}: error: {' '.join(err.split())}\n")
+    sys.stderr.write(error_line(err, prog) + "\n")
     sys.stderr.flush()
 
 
+def print_internal_error(exc: BaseException, prog: str = "trajectory-replay") -> int:
+    """An exception nobody expected: save its traceback, print the one line naming the file; exit 5."""
+    from .crash import internal_error_line
+
+    try:
+        sys.stdout.flush()
+    except Exception:  # a closed or broken stdout must not hide the line
+        pass
+    sys.stderr.write(internal_error_line(exc, prog) + "\n")
+    sys.stderr.flush()
+    return EXIT_INTERNAL
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except Exception as exc:  # a bug in this tool: exit 5, never 1 ("a divergence was found")
+        return print_internal_error(exc)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -279,7 +313,7 @@ def _dispatch(args) -> int:
         step, rollout = anchor_from_args(args)
         result = validate(args.bundle, step=step, rollout=rollout)
         if args.format == "json":
-            sys.stdout.write(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
+            sys.stdout.write(safe_json(msgspec.json.format(msgspec.json.encode(result), indent=2).decode()) + "\n")
         else:
             emit(_validate_lines(result))
         return 0
@@ -288,7 +322,7 @@ def _dispatch(args) -> int:
 
         result = inspect(args.bundle)
         if args.format == "json":
-            sys.stdout.write(msgspec.json.format(msgspec.json.encode(result), indent=2).decode() + "\n")
+            sys.stdout.write(safe_json(msgspec.json.format(msgspec.json.encode(result), indent=2).decode()) + "\n")
         else:
             emit(_inspect_lines(result))
         return 0

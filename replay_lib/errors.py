@@ -7,6 +7,8 @@ EXIT_DIVERGENCE = 1
 EXIT_USAGE = 2
 EXIT_INVALID = 3
 EXIT_UNSUPPORTED = 4
+# A bug in this tool (an exception nobody expected): one line naming the saved traceback, never 1.
+EXIT_INTERNAL = 5
 
 
 class ReplayError(Exception):

@@ -12,6 +12,8 @@ from typing import Optional
 
 import msgspec
 
+from .safe_text import safe, safe_json
+
 STATUS_PASS = "pass"
 STATUS_FAIL = "fail"
 STATUS_SKIPPED = "skipped"
@@ -69,7 +71,9 @@ REPORT_DECODER = msgspec.json.Decoder(ReplayReport)
 
 
 def report_to_json(report: ReplayReport) -> str:
-    return msgspec.json.format(REPORT_ENCODER.encode(report), indent=2).decode() + "\n"
+    """The report as JSON; the same values, with the characters :func:`safe` escapes written as ``\\uXXXX``
+    (valid JSON that a terminal shows as text)."""
+    return safe_json(msgspec.json.format(REPORT_ENCODER.encode(report), indent=2).decode()) + "\n"
 
 
 def fmt_value(x: Optional[float]) -> str:
@@ -99,7 +103,15 @@ def fmt_value(x: Optional[float]) -> str:
     return text
 
 
+# The text lines below are a view of the report: what came from the bundle (ids, messages, reasons) is
+# escaped here, so the CLI and the TUI show the same, terminal-safe text.
+
+
 def divergence_line(d: Divergence, multi_rank: bool = False) -> str:
+    return safe(_divergence_line(d, multi_rank))
+
+
+def _divergence_line(d: Divergence, multi_rank: bool) -> str:
     where = d.sample_id if d.sample_id is not None else d.stage
     if d.token_offset is not None:
         where = f"{where}@{d.token_offset}"
@@ -111,6 +123,10 @@ def divergence_line(d: Divergence, multi_rank: bool = False) -> str:
 
 
 def header_line(report: ReplayReport) -> str:
+    return safe(_header_line(report))
+
+
+def _header_line(report: ReplayReport) -> str:
     ranks = f" ({len(report.ranks)} ranks)" if len(report.ranks) > 1 else ""
     if report.first_divergent_stage is None:
         compared = sum(1 for s in report.stages if s.status == STATUS_PASS)
@@ -125,7 +141,7 @@ def stage_line(s: StageReport) -> str:
     line = f"[{s.status:>7}] {s.stage}"
     if s.reason and s.status != STATUS_PASS:
         line += f" — {s.reason}"
-    return line
+    return safe(line)
 
 
 def render_text(report: ReplayReport, max_lines: int = 5) -> list[tuple[str, str]]:
@@ -146,7 +162,7 @@ def render_text(report: ReplayReport, max_lines: int = 5) -> list[tuple[str, str
                 tail += f"; max abs_err={fmt_value(s.max_abs_error)}"
             out.append(("detail", " " * 10 + tail))
     for w in report.warnings:
-        out.append(("warning", f"warning: {w}"))
+        out.append(("warning", safe(f"warning: {w}")))
     return out
 
 

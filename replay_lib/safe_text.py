@@ -1,0 +1,81 @@
+"""Bundle strings made safe to show on a terminal (SPEC §5.2).
+
+A bundle is someone else's data: a sample id, a key, a file name or a commit string may hold an escape
+sequence (OSC 52 writes the clipboard, ``ESC[2J`` clears the screen, OSC 8 forges a link), a C1 control
+(``\\x9b`` is CSI on its own) or a bidi override (U+202E reverses what follows). Every view — the text
+report, stderr lines, ``inspect``, the TUI — passes what it shows through :func:`safe`, which turns each
+such character into a visible escape (``\\x1b``, ``\\u202e``) and leaves every other string untouched.
+
+Hidden characters are the Unicode categories Cc (C0, DEL, C1), Cf (bidi and other format controls,
+zero-width characters), Zl/Zp (line and paragraph separators) and Cs (lone surrogates: a file name that
+is not UTF-8, which a terminal stream cannot even encode). ``\\n``, ``\\t`` and ``\\r`` are escaped too: a
+field shown on one line stays on one line. A backslash is left as it is (paths stay readable).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+# Characters that may be hidden: everything outside printable ASCII (the category decides, per match).
+_CANDIDATE = re.compile(r"[^\x20-\x7e]")
+_JSON_CANDIDATE = re.compile(r"[^\x20-\x7e\n]")  # a JSON document's own newlines are layout
+
+
+def hidden(char: str) -> bool:
+    """Whether ``char`` would act on a terminal (or vanish) instead of showing."""
+    return unicodedata.category(char) in HIDDEN_CATEGORIES
+
+
+def escape_char(char: str) -> str:
+    """The visible form of one hidden character, as Python writes it: ``\\x1b``, ``\\u202e``, ``\\U000e0001``."""
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def _visible(match: re.Match) -> str:
+    char = match.group()
+    return escape_char(char) if hidden(char) else char
+
+
+def safe(text: object) -> str:
+    """``text`` with every hidden character escaped; a string without one is returned as it is.
+
+    Fast for the common case (the report and the TUI show thousands of ids): a printable string costs
+    one ``str.isprintable`` call. The result is printable, so ``safe(safe(s)) == safe(s)``."""
+    if not isinstance(text, str):
+        text = str(text)
+    if text.isprintable():
+        return text
+    return _CANDIDATE.sub(_visible, text)
+
+
+def _json_escape(match: re.Match) -> str:
+    char = match.group()
+    if not hidden(char):
+        return char
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a UTF-16 surrogate pair, as JSON spells a character outside the BMP
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def safe_json(document: str) -> str:
+    """A JSON document with the hidden characters inside its strings written as ``\\uXXXX`` escapes.
+
+    The document decodes to exactly the same values (JSON may escape any character) and stays valid;
+    only its bytes change, so a ``--format json`` report on a terminal cannot carry a raw C1 control or
+    a bidi override either (msgspec already escapes C0 controls)."""
+    if document.isascii() and "\x7f" not in document:
+        return document
+    return _JSON_CANDIDATE.sub(_json_escape, document)
