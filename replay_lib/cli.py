@@ -80,6 +80,28 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--rollout", metavar="R", help="require a rollout-level bundle with rollout_id R")
 
 
+def _size(text: str) -> int:
+    from .safe_open import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-json-bytes", type=_size, default=None, metavar="N",
+                   help="size cap of every JSON file and sentinel read (bytes, or 64M, 4G; "
+                        "default: index.json 2G, the others 64M)")
+
+
+def apply_limits(args) -> None:
+    """The file size caps of this command (``--max-json-bytes``, else the defaults)."""
+    from .safe_open import set_max_json_bytes
+
+    set_max_json_bytes(getattr(args, "max_json_bytes", None))
+
+
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", action="append", default=[], metavar="NAME",
                    help="stage to replay (repeatable, or 'all'); what it needs runs too")
@@ -87,6 +109,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
     p.add_argument("--max-divergences", type=int, default=5, metavar="N",
                    help="divergences kept per stage (default 5)")
+    add_limit_arguments(p)
 
 
 def anchor_from_args(args) -> tuple:
@@ -111,6 +134,7 @@ def replay_options(args) -> dict:
     if args.max_divergences < 1:
         raise UsageError("--max-divergences must be at least 1")
     step, rollout = anchor_from_args(args)
+    apply_limits(args)
     selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
     return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences)
 
@@ -190,6 +214,10 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
                               f"  {safe(p.name):<18} {safe(p.dtype):<14} {str(p.shape):<16} {p.bytes:>10}  {st}"))
     for problem in result.problems:
         lines.append(("warning", f"problem: {problem}"))
+    for w in result.warnings:
+        lines.append(("warning", f"warning: {w}"))
+    for entry in result.skipped:
+        lines.append(("skipped", f"skipped: {entry}"))
     lines.append(("skipped", INSPECT_FOOTNOTE))
     return lines
 
@@ -223,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_limit_arguments(p)
     p = sub.add_parser("validate", help="format, integrity, safety and dependency closure (no numbers)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
@@ -230,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--step", metavar="R:S")
     a.add_argument("--rollout", metavar="R")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    add_limit_arguments(p)
     p = sub.add_parser("replay", help="recompute the stages and report the first divergence",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
@@ -305,6 +335,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _dispatch(args) -> int:
+    apply_limits(args)
     if args.command == "replay":
         return run_check(args)
     if args.command == "validate":

@@ -1,17 +1,28 @@
 """``inspect``: a tolerant look at a bundle, cohort or capture directory that works on incomplete bundles
-and verifies nothing (``validate`` does). It never imports torch: it answers in a fraction of a second."""
+and verifies nothing (``validate`` does). It never imports torch: it answers in a fraction of a second.
+
+The walk never leaves the tree it was given (SPEC §11): directories are told apart with ``lstat``, a
+symbolic link is never followed (out of the tree, to ``/``, ``/proc/self``, ``.`` or ``..`` alike; one
+that stays inside points at something the walk reaches under its own name) and is listed in
+``skipped`` with the reason; a directory seen twice (a bind-mount loop) or nested deeper than
+``MAX_DEPTH`` is skipped too. Files are read through :mod:`.safe_open` (regular files inside the
+bundle, under their size caps)."""
 
 from __future__ import annotations
 
 import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import msgspec
 
+from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_file
 from .errors import BundleError
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
-from .schema import BUNDLE_COMPLETE_DECODER, EXPECTED_DECODER, MANIFEST_DECODER, StageId, decode_index
+from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
+                     StageId, decode_expected, decode_index)
 
 
 class PayloadRow(msgspec.Struct, kw_only=True):
@@ -41,6 +52,7 @@ class BundleInfo(msgspec.Struct, kw_only=True):
     payloads: list[PayloadRow] = []
     redaction: dict[str, str] = {}
     problems: list[str] = []
+    warnings: list[str] = []
 
 
 class InspectResult(msgspec.Struct, kw_only=True):
@@ -50,6 +62,11 @@ class InspectResult(msgspec.Struct, kw_only=True):
     ranks_published: list[int] = []
     bundles: list[BundleInfo] = []
     problems: list[str] = []
+    warnings: list[str] = []
+    skipped: list[str] = []  # entries not looked into: "<path under the directory> → <link>: why"
+
+
+MAX_DEPTH = 32  # nested capture directories looked into
 
 
 def _pipeline_order(contracts) -> dict[str, str]:
@@ -59,16 +76,20 @@ def _pipeline_order(contracts) -> dict[str, str]:
     return {k.value: v.capability.value for k, v in sorted(contracts.items(), key=lambda kv: order[kv[0]])}
 
 
-def _regular(file: Path, root: Path) -> bool:
-    """A regular file whose real path stays inside ``root`` (a FIFO or /dev/zero would hang a read)."""
-    real = os.path.realpath(file)
-    return file.is_file() and real.startswith(os.path.realpath(root) + os.sep)
-
-
 def _read_regular(file: Path, root: Path) -> bytes:
-    if not _regular(file, root):
-        raise FileNotFoundError(file)
-    return file.read_bytes()
+    """``file``'s bytes when it is a regular file inside ``root`` under its cap (a FIFO or /dev/zero
+    would hang a read); ``FileNotFoundError`` when it is missing, else an ``OSError`` saying why it was
+    not read (listed as the file's problem)."""
+    try:
+        return read_json_file(file, root)
+    except MissingFile:
+        raise FileNotFoundError(file) from None
+    except NotRegular:
+        raise OSError("not a regular file inside the bundle (not read)") from None
+    except TooLarge as exc:
+        raise OSError(f"{exc.size} bytes, over the {exc.cap}-byte cap (not read; raise it with --max-json-bytes)") from None
+    except UnsafeFile as exc:
+        raise OSError(exc.reason) from None
 
 
 def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False) -> BundleInfo:
@@ -79,9 +100,6 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     for name in METADATA_FILES:
         if not (path / name).exists():
             info.problems.append(f"missing {name}")
-    for name in METADATA_FILES:
-        if (path / name).exists() and not _regular(path / name, path):
-            info.problems.append(f"{name}: not a regular file inside the bundle (not read)")
     try:
         manifest = MANIFEST_DECODER.decode(_read_regular(path / "manifest.json", path))
     except FileNotFoundError:
@@ -95,7 +113,7 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(f"index.json: {exc}")
     try:
-        EXPECTED_DECODER.decode(_read_regular(path / "expected.json", path))
+        decode_expected(_read_regular(path / "expected.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
@@ -127,44 +145,153 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
         info.tokens = sum(max(s.response_length, 0) for s in index.samples)
     if rank is None and not info.complete:
         info.problems.append("missing COMPLETE (incomplete or still being written)")
+    if rank is None and info.complete:
+        _check_early_writer(path, info)
     return info
+
+
+def _check_early_writer(path: Path, info: BundleInfo) -> None:
+    """A COMPLETE without the JSON files' checksums: the original's early 1.0.0 writer (a warning, as in
+    ``validate``, unless a COMPLETE.<r> records them), anything later (a problem: validate refuses it)."""
+    try:
+        complete = BUNDLE_COMPLETE_DECODER.decode(_read_regular(path / "COMPLETE", path))
+    except (msgspec.MsgspecError, UnicodeDecodeError, OSError):
+        return  # validate names it
+    if not complete.early_writer:
+        return
+    if info.format_version != "1.0.0":
+        info.problems.append(f"COMPLETE: $.metadata: missing (format {info.format_version!r} records the checksums)")
+        return
+    for r in complete.ranks:
+        try:
+            if RANK_COMPLETE_DECODER.decode(_read_regular(path / f"COMPLETE.{r}", path)).metadata:
+                return
+        except (msgspec.MsgspecError, UnicodeDecodeError, OSError):
+            pass
+    info.warnings.append(f"{path / 'COMPLETE'}: {EARLY_COMPLETE_WARNING}")
 
 
 def inspect(path: str | Path) -> InspectResult:
     """What a bundle, cohort or capture directory holds, read without verifying it (an incomplete bundle
     too, its problems listed); raises ``BundleError`` when the directory holds nothing of a bundle."""
     path = Path(path)
-    result = _inspect(path)
-    if result.layout == "empty":
-        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)")
-    return result
-
-
-def _inspect(path: Path) -> InspectResult:
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise BundleError(f"{path}: not a bundle directory")
+    walk = _Walk(path)
+    try:
+        result = _inspect(path, walk)
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot list the directory: {exc.strerror}") from None
+    result.skipped = walk.skipped
+    if result.layout == "empty":
+        skipped = f"; not looked into: {'; '.join(walk.skipped)}" if walk.skipped else ""
+        raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)"
+                          f"{skipped}")
+    return result
+
+
+@dataclass
+class _Walk:
+    """One inspect's walk: where it started, the directories it entered (by device and inode) and what it
+    did not look into."""
+
+    top: Path
+    seen: set = field(default_factory=set)
+    skipped: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.real = os.path.realpath(self.top)
+        st = os.stat(self.top)
+        self.seen.add((st.st_dev, st.st_ino))
+
+    def skip(self, entry: Path, why: str) -> None:
+        self.skipped.append(f"{os.path.relpath(entry, self.top)}: {why}")
+
+    def link_reason(self, link: Path) -> str:
+        """Why a symbolic link is not followed, from where it points (nothing is opened)."""
+        try:
+            target = os.readlink(link)
+        except OSError as exc:
+            return f"symbolic link (unreadable: {exc.strerror}), not followed"
+        real, home = os.path.realpath(link), os.path.realpath(link.parent)
+        if not os.path.exists(link):
+            where = "it leads nowhere: dangling or a loop of links"
+        elif os.path.commonpath([real, home]) == real:
+            where = "a loop: it points at a directory that holds it"
+        elif os.path.commonpath([real, self.real]) != self.real:
+            where = "it leaves the directory"
+        else:
+            where = "it stays inside: its target is looked at under its own name"
+        return f"symbolic link → {target}, not followed ({where})"
+
+
+def _real_dir(path: Path) -> Optional[os.stat_result]:
+    """``lstat`` of a directory itself (not a link to one), else ``None``."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISDIR(st.st_mode) else None
+
+
+def _enter(child: Path, walk: _Walk, depth: int) -> bool:
+    """Whether the walk looks into ``child``: a real directory not seen before, not too deep; a link is
+    listed as skipped, with the reason."""
+    if os.path.islink(child):
+        walk.skip(child, walk.link_reason(child))
+        return False
+    st = _real_dir(child)
+    if st is None:
+        return False
+    if (st.st_dev, st.st_ino) in walk.seen:
+        walk.skip(child, "a directory already looked into (a bind mount loop?), not entered again")
+        return False
+    if depth >= MAX_DEPTH:
+        walk.skip(child, f"deeper than {MAX_DEPTH} directories, not looked into")
+        return False
+    walk.seen.add((st.st_dev, st.st_ino))
+    return True
+
+
+def _inspect(path: Path, walk: _Walk, depth: int = 0) -> InspectResult:
     names = sorted(os.listdir(path))
+    for n in names:
+        if _RANK_DIR.match(n) and os.path.islink(path / n):
+            walk.skip(path / n, walk.link_reason(path / n))
+    names = [n for n in names if not (_RANK_DIR.match(n) and os.path.islink(path / n))]
     rank_dirs = sorted((int(m.group(1)), n) for n in names if (m := _RANK_DIR.match(n)))
     sentinels = sorted(int(m.group(1)) for n in names if (m := _RANK_SENTINEL.match(n)))
     # a bundle's own files (even with its manifest or index gone): it is looked at as one, missing files listed
     if any((path / name).exists() for name in METADATA_FILES) or (path / PAYLOAD_DIR).is_dir():
-        info = _inspect_one(path)
+        m = _RANK_DIR.match(path.name)
+        if m:  # a rank shard is read once its cohort is final (its own COMPLETE is for the original's reader)
+            info = _inspect_one(path, rank=int(m.group(1)), published=(path.parent / "COMPLETE").is_file())
+            if not info.complete:
+                info.problems.append(f"no cohort COMPLETE in {path.parent} (a rank shard is read once its "
+                                     f"cohort is final)")
+        else:
+            info = _inspect_one(path)
         return InspectResult(path=str(path), layout="bundle", complete=info.complete, ranks_published=sentinels,
-                             bundles=[info], problems=list(info.problems))
+                             bundles=[info], problems=list(info.problems), warnings=list(info.warnings))
     if rank_dirs or sentinels:
         return _inspect_cohort(path, rank_dirs, sentinels)
     result = InspectResult(path=str(path), layout="capture", complete=False)
     for name in names:
         child = path / name
-        if name.startswith(".") or not child.is_dir():
+        if name.startswith(".") or not _enter(child, walk, depth):
             continue
-        sub = _inspect(child)
+        try:
+            sub = _inspect(child, walk, depth + 1)
+        except OSError as exc:
+            walk.skip(child, f"cannot list the directory: {exc.strerror}")
+            continue
         if sub.layout == "empty":
             continue
         result.bundles += sub.bundles
         result.problems += [f"{name}: {p}" for p in sub.problems]
+        result.warnings += sub.warnings
     if not result.bundles:
         result.layout = "empty"
         result.problems.append("no bundle found")
@@ -179,7 +306,7 @@ def _inspect_cohort(path: Path, rank_dirs: list[tuple[int, str]], sentinels: lis
     recorded: set[int] = set()  # shards the cohort COMPLETE carries (the reader needs no COMPLETE.<r> then)
     if result.complete:
         try:
-            complete = BUNDLE_COMPLETE_DECODER.decode((path / "COMPLETE").read_bytes())
+            complete = BUNDLE_COMPLETE_DECODER.decode(_read_regular(path / "COMPLETE", path))
             expected = complete.ranks
             recorded = {int(r) for r in (complete.shards or {}) if str(r).isdigit()}
         except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
@@ -191,7 +318,7 @@ def _inspect_cohort(path: Path, rank_dirs: list[tuple[int, str]], sentinels: lis
         result.bundles.append(info)
         result.problems += [f"rank-{r}: {p}" for p in info.problems]
     for r in expected:
-        if not (path / f"rank-{r}").is_dir():
+        if _real_dir(path / f"rank-{r}") is None:
             result.problems.append(f"missing rank shard rank-{r}")
         elif r not in sentinels and r not in recorded:
             result.problems.append(f"rank-{r}: not published (no COMPLETE.{r}, no record in COMPLETE $.shards)")

@@ -3,7 +3,7 @@
 A capture directory is looked through without following anything out of it (SPEC §11): a candidate is a
 real subdirectory (``lstat``), never a symbolic link — not even one to a sibling, which would list the
 same bundle twice and make an anchor ambiguous; pass a linked bundle's path to open it. Each candidate's
-``index.json`` is read for its anchor through :func:`~.safe_open.read_json_file` (a regular file inside
+``index.json`` is read for its anchor through :func:`~replay_lib.safe_open.read_json_file` (a regular file inside
 the candidate, under its size cap): a FIFO, device, link out or oversized file makes that candidate
 "unreadable" at once, so it never blocks the lookup of another one.
 """
@@ -23,7 +23,7 @@ from ..gcpause import gc_paused
 from ..layout import _RANK_DIR, _RANK_SENTINEL
 from ..schema import BUNDLE_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
 from .files import _decode, _read_bytes
-from .safe_open import UnsafeFile, read_json_file
+from ..safe_open import UnsafeFile, read_json_file
 from .reader import BundleReader
 
 

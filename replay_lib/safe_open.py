@@ -19,6 +19,9 @@ below its size cap, and never blocks:
 Caps (documented in the README; ``--max-json-bytes N`` sets one cap for every JSON file and sentinel):
 ``index.json`` 2 GiB (it holds every sample's loss mask as JSON ints: a 4M-token bundle's is tens of
 MB), any other JSON file or sentinel 64 MiB.
+
+It sits beside ``layout`` rather than in ``bundle/`` because ``inspect`` uses it too and must not
+import torch (importing ``replay_lib.bundle`` loads the reader).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
-from ..errors import BundleError
+from .errors import BundleError
 
 INDEX_JSON_CAP = 2 << 30
 JSON_CAP = 64 << 20
@@ -53,6 +56,22 @@ class UnsafeFile(BundleError):
 
 class MissingFile(UnsafeFile):
     """The file (or a directory on its way) does not exist."""
+
+
+class NotRegular(UnsafeFile):
+    """A FIFO, device, socket or directory, a link that leaves the file's directory, or a linked directory
+    on the way to it."""
+
+
+class TooLarge(UnsafeFile):
+    """Over its size cap (``--max-json-bytes``)."""
+
+    def __init__(self, path: Path, what: str, size: int, cap: int, grew: bool = False) -> None:
+        grown = "; it grew while being read" if grew else ""
+        super().__init__(path, f"{what} is {size} bytes, over the {cap}-byte cap "
+                               f"(raise it with {MAX_JSON_BYTES_FLAG}){grown}")
+        self.size = size
+        self.cap = cap
 
 
 def set_max_json_bytes(limit: Optional[int]) -> None:
@@ -126,7 +145,7 @@ def _read_under(root_fd: int, path: Path, root: Path, parts: list[str], what: st
             raise UnsafeFile(path, f"cannot read {what}: {exc.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             if not follow_link:
-                raise UnsafeFile(path, f"{what} is not a regular file (a link to a link)")
+                raise NotRegular(path, f"{what} is not a regular file (a symlink that does not end at one)")
             return _read_link_target(root_fd, path, root, what, cap)
         _check_regular(path, st, what, cap)
         return _read_opened(fd, name, path, what, cap)
@@ -146,7 +165,7 @@ def _open_parent(root_fd: int, path: Path, dirs: list[str], what: str) -> int:
         except OSError as exc:
             where = "/".join(dirs[: i + 1])
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafeFile(path, f"{where} is not a directory inside the tree (a link is never followed)") from None
+                raise NotRegular(path, f"{where} is not a directory inside the tree (a link is never followed)") from None
             raise UnsafeFile(path, f"cannot read {what}: {exc.strerror}") from None
         finally:
             if fd != root_fd:
@@ -158,7 +177,7 @@ def _open_parent(root_fd: int, path: Path, dirs: list[str], what: str) -> int:
 def _read_link_target(root_fd: int, path: Path, root: Path, what: str, cap: int) -> bytes:
     real, home = os.path.realpath(path), os.path.realpath(path.parent)
     if not real.startswith(home + os.sep):
-        raise UnsafeFile(path, f"symlink leaves the bundle (→ {real})")
+        raise NotRegular(path, f"symlink leaves the bundle (→ {real})")
     target = Path(os.path.realpath(root)) / os.path.relpath(real, os.path.realpath(root))
     parts = _relative_parts(target, Path(os.path.realpath(root)))
     return _read_under(root_fd, path, root, parts, what, cap, follow_link=False)
@@ -174,13 +193,9 @@ def _kind(mode: int) -> str:
 
 def _check_regular(path: Path, st: os.stat_result, what: str, cap: int) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFile(path, f"{what} is not a regular file ({_kind(st.st_mode)})")
+        raise NotRegular(path, f"{what} is not a regular file ({_kind(st.st_mode)})")
     if st.st_size > cap:
-        raise UnsafeFile(path, _over_cap(what, st.st_size, cap))
-
-
-def _over_cap(what: str, size: int, cap: int) -> str:
-    return f"{what} is {size} bytes, over the {cap}-byte cap (raise it with {MAX_JSON_BYTES_FLAG})"
+        raise TooLarge(path, what, st.st_size, cap)
 
 
 def _read_opened(dir_fd: int, name: str, path: Path, what: str, cap: int) -> bytes:
@@ -190,7 +205,7 @@ def _read_opened(dir_fd: int, name: str, path: Path, what: str, cap: int) -> byt
         raise MissingFile(path, f"missing {what}") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # swapped for a link since the lstat
-            raise UnsafeFile(path, f"{what} is not a regular file (a symlink)") from None
+            raise NotRegular(path, f"{what} is not a regular file (a symlink)") from None
         raise UnsafeFile(path, f"cannot read {what}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -215,4 +230,4 @@ def _bounded_read(fd: int, size: int, path: Path, what: str, cap: int) -> bytes:
         parts.append(chunk)
         total += len(chunk)
         if total > cap:
-            raise UnsafeFile(path, _over_cap(what, total, cap) + "; it grew while being read")
+            raise TooLarge(path, what, total, cap, grew=True)
