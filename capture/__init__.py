@@ -16,20 +16,24 @@ from .config import (
     ENV_DIR,
     ENV_ENABLE,
     ENV_ROLLOUTS,
+    ENV_RUN_ID,
     ENV_STEPS,
     CaptureConfig,
     CaptureDisabledWarning,
     config_from_env,
     parse_rollouts,
+    parse_run_id,
     parse_steps,
 )
+from .directory import CaptureDirectoryError, check_fresh_directory, remove_stale_staging
 from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
 
 __all__ = [
-    "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_STEPS", "NULL_STEP", "CaptureConfig",
-    "CaptureDisabledWarning", "CaptureItem", "CaptureManager", "CaptureStats", "DisabledCapture", "Provenance",
-    "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE", "StepCapture", "config_from_env",
-    "maybe_enable_for_actor", "micro_batch_id", "parse_rollouts", "parse_steps", "producer_info",
+    "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS", "NULL_STEP",
+    "CaptureConfig", "CaptureDirectoryError", "CaptureDisabledWarning", "CaptureItem", "CaptureManager",
+    "CaptureStats", "DisabledCapture", "Provenance", "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE",
+    "StepCapture", "check_fresh_directory", "config_from_env", "maybe_enable_for_actor", "micro_batch_id",
+    "parse_rollouts", "parse_run_id", "parse_steps", "producer_info", "remove_stale_staging",
     "rollout_bundle_id", "step_bundle_id", "support_capability",
 ]

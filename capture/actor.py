@@ -48,6 +48,7 @@ from .bundles import (
     step_bundle_id,
 )
 from .config import CaptureConfig, config_from_env
+from .directory import check_fresh_directory, remove_stale_staging
 from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
 
@@ -275,7 +276,9 @@ class StepCapture:
 
 
 class ReplayCapture:
-    """Capture for one producer rank. Build it with :func:`maybe_enable_for_actor`."""
+    """Capture for one producer rank. Build it with :func:`maybe_enable_for_actor` (which also refuses a
+    directory holding a previous run's bundles). Its writer thread first removes the staging that killed
+    writers left in the directory (``capture.directory``)."""
 
     enabled = True
 
@@ -310,8 +313,10 @@ class ReplayCapture:
         )
         self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
+        directories = [config.root, config.directory]
         self.manager = CaptureManager(self.sink.handle, max_queue=max_queue, close_timeout=close_timeout,
-                                      register_atexit=register_atexit)
+                                      register_atexit=register_atexit,
+                                      on_start=lambda: remove_stale_staging(directories))
 
     # -- filters -----------------------------------------------------------------------------------
     def wants_rollout(self, rollout_id: int) -> bool:
@@ -461,7 +466,9 @@ def maybe_enable_for_actor(
     Only last-pipeline-stage ranks capture (they own the post-forward statistics); of the tensor-parallel
     peers, which hold identical post-forward tensors, only ``tp_rank == 0`` writes. Producers are numbered
     over (dp, cp); with more than one, each writes ``<DIR>/<bundle_id>/rank-<r>/`` of a cohort. Every
-    other rank gets a :class:`DisabledCapture`. A malformed filter raises ``ValueError`` here.
+    other rank gets a :class:`DisabledCapture`. A malformed filter raises ``ValueError`` here, and so does
+    (as :class:`~capture.directory.CaptureDirectoryError`) a directory that already holds bundles this
+    producer would write — a restarted job; call this once per process, before the rank captures anything.
     """
     for name, rank, size in (("pp", pp_rank, pp_size), ("dp", dp_rank, dp_size), ("tp", tp_rank, tp_size),
                              ("cp", cp_rank, cp_size)):
@@ -475,6 +482,7 @@ def maybe_enable_for_actor(
         return DisabledCapture(f"tensor-parallel rank {tp_rank} duplicates tp_rank 0")
     world = dp_size * cp_size
     rank = dp_rank * cp_size + cp_rank
+    check_fresh_directory(config, rank if world > 1 else None)
     return ReplayCapture(
         config, recompute_config,
         rank_sizes={"dp": dp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size},

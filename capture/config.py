@@ -3,7 +3,9 @@
 ``RELAX_REPLAY_CAPTURE=1``            enables capture (off by default);
 ``RELAX_REPLAY_CAPTURE_DIR=PATH``     where bundles go (required; without it capture warns once, stays off);
 ``RELAX_REPLAY_CAPTURE_STEPS=R:S,…``  step-level bundles to write (unset or blank = every actor step);
-``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout).
+``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout);
+``RELAX_REPLAY_CAPTURE_RUN_ID=ID``    write under ``<DIR>/<ID>/`` instead of ``<DIR>/`` (a restarted job that
+                                      keeps its directory: see ``capture.directory``).
 
 The two filters are independent: ``STEPS`` selects step-level bundles, ``ROLLOUTS`` rollout-level ones.
 A malformed value raises ``ValueError`` naming the variable and the bad item when capture is enabled.
@@ -12,6 +14,7 @@ A malformed value raises ``ValueError`` naming the variable and the bad item whe
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from dataclasses import dataclass
@@ -22,9 +25,15 @@ ENV_ENABLE = "RELAX_REPLAY_CAPTURE"
 ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
 ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
+ENV_RUN_ID = "RELAX_REPLAY_CAPTURE_RUN_ID"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
+# A run id is one plain, visible path component (the payload-name rule of the bundle format): the readers
+# skip hidden entries, and a separator or ``..`` would put the run somewhere else than under the directory.
+_RUN_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+# Names the capture directory already gives a meaning to: a run id spelled like one would read as a bundle.
+_RESERVED_RUN_ID = re.compile(r"^(rollout-\d+|step-\d+-\d+|rank-\d+|COMPLETE(\.\d+)?)$")
 
 _warned_no_dir = False
 _warn_lock = threading.Lock()
@@ -36,12 +45,21 @@ class CaptureDisabledWarning(RuntimeWarning):
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """What to capture. ``steps`` / ``rollouts`` of ``None`` mean "all"."""
+    """What to capture. ``steps`` / ``rollouts`` of ``None`` mean "all". ``directory`` is where bundles go:
+    ``<DIR>/<run_id>`` when a run id is set, else ``<DIR>`` itself."""
 
     enabled: bool = False
     directory: Optional[Path] = None
     steps: Optional[frozenset[tuple[int, int]]] = None
     rollouts: Optional[frozenset[int]] = None
+    run_id: Optional[str] = None
+
+    @property
+    def root(self) -> Optional[Path]:
+        """The directory ``RELAX_REPLAY_CAPTURE_DIR`` names (the parent of a run's directory)."""
+        if self.directory is None or self.run_id is None:
+            return self.directory
+        return self.directory.parent
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         return self.enabled and (self.steps is None or (int(rollout_id), int(step_id)) in self.steps)
@@ -91,6 +109,18 @@ def parse_rollouts(value: str, variable: str = ENV_ROLLOUTS) -> frozenset[int]:
     return frozenset(rollouts)
 
 
+def parse_run_id(value: str, variable: str = ENV_RUN_ID) -> str:
+    """A run id: one plain file stem (letters, digits, ``_ . -``; not hidden, no separator, no ``..``)."""
+    text = value.strip()
+    if not _RUN_ID.match(text) or ".." in text:
+        raise ValueError(f"{variable}={value!r}: expected a plain file stem (letters, digits, '_', '.', '-'; "
+                         "at most 128, not starting with '.' or '-', no '..')")
+    if _RESERVED_RUN_ID.match(text):
+        raise ValueError(f"{variable}={value!r}: reads as a bundle, rank or sentinel name of the capture "
+                         "directory (expected another name)")
+    return text
+
+
 def parse_enabled(value: Optional[str], variable: str = ENV_ENABLE) -> bool:
     text = (value or "").strip().lower()
     if text in _TRUE:
@@ -125,7 +155,10 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     # A blank filter is treated as unset ("all"), like an empty ``export VAR=``.
     steps = parse_steps(steps_text) if steps_text and steps_text.strip() else None
     rollouts = parse_rollouts(rollouts_text) if rollouts_text and rollouts_text.strip() else None
+    run_id_text = env.get(ENV_RUN_ID)
+    run_id = parse_run_id(run_id_text) if run_id_text and run_id_text.strip() else None
     if not directory:
         _warn_no_dir()
         return DISABLED
-    return CaptureConfig(enabled=True, directory=Path(directory), steps=steps, rollouts=rollouts)
+    path = Path(directory) if run_id is None else Path(directory) / run_id
+    return CaptureConfig(enabled=True, directory=path, steps=steps, rollouts=rollouts, run_id=run_id)

@@ -4,7 +4,9 @@
 accelerator that is an asynchronous device-side copy), enqueues the record without blocking and returns.
 A full queue drops the record, counts it and warns. Everything slow happens on the writer thread: the
 device→host copy, hashing and all disk I/O. A writer error is logged and counted, never raised into
-training. ``close(timeout=…)`` (also registered with ``atexit``) flushes with a bound on time.
+training; the log is rate-limited (a full disk fails every record): the first few errors one by one, then
+only the 8th, 16th, 32nd … (each saying how many went unlogged), and ``close`` says how many there were in
+all. ``close(timeout=…)`` (also registered with ``atexit``) flushes with a bound on time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import torch
 logger = logging.getLogger("capture")
 
 _STOP = object()
+ERRORS_LOGGED_ONE_BY_ONE = 4  # then only every power of two
+
+
+def _error_logged(n: int) -> bool:
+    return n <= ERRORS_LOGGED_ONE_BY_ONE or n & (n - 1) == 0
 
 
 @dataclass
@@ -50,10 +57,13 @@ class CaptureStats:
 
 # The handler runs on the writer thread; it returns the bytes it published (None: nothing published yet).
 Handler = Callable[[CaptureItem], Optional[int]]
+# Runs once on the writer thread before the first record (house-keeping that must not delay training).
+StartHook = Callable[[], None]
 
 
 class CaptureManager:
-    """Bounded queue + one daemon writer thread running ``handler(item)`` for every accepted item."""
+    """Bounded queue + one daemon writer thread running ``handler(item)`` for every accepted item (after
+    ``on_start()``, if given; ``flush`` waits for it too)."""
 
     def __init__(
         self,
@@ -63,6 +73,7 @@ class CaptureManager:
         close_timeout: float = 60.0,
         name: str = "replay-capture-writer",
         register_atexit: bool = True,
+        on_start: Optional[StartHook] = None,
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
@@ -72,7 +83,9 @@ class CaptureManager:
         self.close_timeout = close_timeout
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._outstanding = 0
+        self._on_start = on_start
+        self._outstanding = 1 if on_start is not None else 0
+        self._last_logged_error = 0
         self._counts = dict.fromkeys(CaptureStats.__dataclass_fields__, 0)
         self._closed = False
         self._flushed: Optional[bool] = None
@@ -125,6 +138,13 @@ class CaptureManager:
 
     # -- writer thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception:  # house-keeping only: never stops the writer
+                logger.debug("replay capture: the writer's start-up step failed", exc_info=True)
+            finally:
+                self._done()
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -136,15 +156,40 @@ class CaptureManager:
                 if published is not None:
                     self._count("written")
                     self._count("bytes_written", int(published))
-            except Exception as exc:  # never raised into training: logged and counted
-                n = self._count("errors")
-                logger.error("replay capture: writing %s failed: %s (%d error(s) so far)", item.label, exc, n)
-                logger.debug("replay capture: traceback of the failed write", exc_info=True)
+            except Exception as exc:  # never raised into training: logged (rate-limited) and counted
+                self._log_error(item, exc)
             finally:
                 item.tensors = {}
-                with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
+                self._done()
+
+    def _done(self) -> None:
+        with self._idle:
+            self._outstanding -= 1
+            self._idle.notify_all()
+
+    def _log_error(self, item: CaptureItem, exc: Exception) -> None:
+        n = self._count("errors")
+        if not _error_logged(n):
+            return
+        unlogged = n - 1 - self._last_logged_error
+        self._last_logged_error = n
+        if unlogged:
+            tail = f"{n} error(s) so far, {unlogged} not logged since error {n - 1 - unlogged}"
+        elif n == ERRORS_LOGGED_ONE_BY_ONE:
+            after = 1 << n.bit_length()  # the next power of two
+            tail = f"{n} error(s) so far; from now on only the {after}th, {2 * after}th … are logged"
+        else:
+            tail = f"{n} error(s) so far"
+        logger.error("replay capture: writing %s failed: %s (%s)", item.label, exc, tail)
+        logger.debug("replay capture: traceback of the failed write", exc_info=True)
+
+    def _log_unlogged_errors(self) -> None:
+        with self._lock:
+            n = self._counts["errors"]
+        if n > self._last_logged_error:
+            logger.error("replay capture: %d write error(s) in all, the last %d not logged", n,
+                         n - self._last_logged_error)
+            self._last_logged_error = n
 
     # -- either thread --------------------------------------------------------------------------------
     def _count(self, name: str, by: int = 1) -> int:
@@ -197,6 +242,8 @@ class CaptureManager:
             pass
         self._thread.join(max(0.0, deadline - time.monotonic()))
         flushed = not self._thread.is_alive()
+        if flushed:
+            self._log_unlogged_errors()
         if not flushed:
             with self._lock:
                 self._counts["unflushed"] = self._outstanding
