@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 from typing import Literal, Optional, Union
 
 import msgspec
@@ -33,6 +34,15 @@ class StageId(str, enum.Enum):
 
     def __str__(self) -> str:  # "reward.raw", not "StageId.REWARD_RAW"
         return self.value
+
+
+# The stage ids of the original tool's format 1.0.0. Its reader parses every key of
+# ``manifest.stage_contracts`` as this enum and refuses any other, so a contract for one of our extension
+# stages is written to ``extension_stage_contracts`` instead, a field it ignores (see ``Manifest``).
+ORIGINAL_STAGE_IDS = frozenset({"sample", "reward.raw", "reward.post_process", "advantage.kl",
+                                "advantage.estimate", "loss.policy", "loss.value"})
+# The ones among them its engine recomputes (it declares ``loss.value`` unsupported, always).
+ORIGINAL_RECOMPUTED_STAGE_IDS = ORIGINAL_STAGE_IDS - {"loss.value"}
 
 
 class StageCapability(str, enum.Enum):
@@ -230,6 +240,17 @@ class Manifest(_Struct, kw_only=True):
     comparison_policy: ComparisonPolicy = ComparisonPolicy()
     # {<field>: "hash" | "truncate:N" | "drop"}; a text field without a rule is never written.
     redaction: dict[str, str] = {}
+    # Contracts a format-1.0.0 reader cannot take (see ORIGINAL_STAGE_IDS), written here by the writer. On
+    # reading they join ``stage_contracts`` (and override a 1.0.0 reader's view of the same stage there), so
+    # every reader of ours sees one map whichever placement a bundle uses (our earlier versions wrote
+    # ``logprob.support`` into ``stage_contracts``); this field is then left empty.
+    extension_stage_contracts: dict[StageId, StageContract] = {}
+
+    def __post_init__(self) -> None:
+        if self.extension_stage_contracts:
+            merged = {**self.stage_contracts, **self.extension_stage_contracts}
+            force_setattr(self, "stage_contracts", dict(sorted(merged.items(), key=lambda kv: kv[0].value)))
+            force_setattr(self, "extension_stage_contracts", {})
 
 
 ExpectedValue = Union[float, None, list[Optional[float]]]
@@ -248,7 +269,9 @@ class RankComplete(_Struct, kw_only=True):
     bundle_id: Optional[str] = None
 
     def anchor(self) -> tuple:
-        return (self.actor_step_id, self.rollout_id, self.bundle_id, tuple(self.expected_ranks or ()))
+        """What the shards of one cohort agree on. Not ``bundle_id``: the original's shards do not record it
+        (the finalizer compares the ones that do)."""
+        return (self.actor_step_id, self.rollout_id, tuple(self.expected_ranks or ()))
 
 
 class BundleComplete(_Struct, kw_only=True):
@@ -257,6 +280,18 @@ class BundleComplete(_Struct, kw_only=True):
     ranks: list[int]
     metadata: Optional[dict[str, str]] = None
     shards: Optional[dict[str, RankComplete]] = None
+
+    @property
+    def early_writer(self) -> bool:
+        """A bundle directory's COMPLETE as the original's early writer (93902db) published it: ``ranks``
+        only, without the JSON files' checksums (neither ``metadata`` nor a cohort's ``shards``)."""
+        return self.metadata is None and self.shards is None
+
+
+# What the reader and ``inspect`` say of such a COMPLETE (after its path) when no rank sentinel has the
+# checksums either.
+EARLY_COMPLETE_WARNING = ("$.metadata: absent (written by an early 1.0.0 writer): the JSON files' checksums "
+                          "were not verified")
 
 
 class RedactionPolicy:
@@ -339,6 +374,29 @@ def decode_index(blob: bytes) -> tuple[BundleIndex, bool]:
     except msgspec.ValidationError:
         lenient = LENIENT_INDEX_DECODER.decode(blob)
         return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+
+
+def decode_expected(blob: bytes) -> Expected:
+    """expected.json. The original writes it with Python's ``json``, which spells a non-finite float as the
+    bare literal ``NaN``, ``Infinity`` or ``-Infinity``; msgspec (strict JSON) refuses those. So a document
+    msgspec finds malformed and that holds one is read by the stdlib parser (which takes them as floats:
+    a NaN still diverges wherever it is compared) and then validated as usual; a document malformed
+    otherwise too is reported where the stdlib parser stopped (msgspec stopped at the literal). The usual
+    document takes the one fast decode. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    try:
+        return EXPECTED_DECODER.decode(blob)
+    except msgspec.DecodeError as exc:
+        if b"NaN" not in blob and b"Infinity" not in blob:
+            raise
+        try:
+            text = blob.decode("utf-8")
+            doc = json.loads(text)
+        except json.JSONDecodeError as bad:
+            at = len(text[:bad.pos].encode("utf-8"))
+            raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
+        except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
+            raise exc from None
+        return msgspec.convert(doc, Expected)
 
 
 def encode_json(obj) -> bytes:

@@ -17,7 +17,7 @@ from ..errors import BundleError
 from ..layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
 from ..schema import (
     BUNDLE_COMPLETE_DECODER,
-    EXPECTED_DECODER,
+    EARLY_COMPLETE_WARNING,
     MANIFEST_DECODER,
     RANK_COMPLETE_DECODER,
     BundleComplete,
@@ -27,6 +27,7 @@ from ..schema import (
     RankComplete,
     RecomputeConfig,
     RedactionPolicy,
+    decode_expected,
     decode_index,
     unknown_fields,
 )
@@ -223,25 +224,35 @@ class BundleReader:
         # Decoded while the thread hashes; a decode error is raised where it always was (after the
         # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
         index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index))
-        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], EXPECTED_DECODER))
+        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], decode_expected))
         actual_meta = digests.metadata(blobs)
         if shard is None:
             complete_path = root / "COMPLETE"
             if not complete_path.exists():
                 raise BundleError(f"{complete_path}: missing COMPLETE sentinel (bundle incomplete or still being written)")
             complete: BundleComplete = _decode(complete_path, _read_bytes(complete_path, "COMPLETE"), BUNDLE_COMPLETE_DECODER)
-            if complete.metadata is None:
-                raise BundleError(f"{complete_path}: $.metadata: missing (a cohort COMPLETE was found in a bundle directory)")
-            self._check_metadata(complete_path, complete.metadata, actual_meta)
+            if complete.shards is not None:
+                raise BundleError(f"{complete_path}: $.shards: a cohort COMPLETE in a bundle directory "
+                                  f"(a bundle's COMPLETE holds $.ranks and $.metadata)")
+            early = complete.early_writer
+            if early:
+                self._accept_early_writer(complete_path, manifest_attempt)
+            else:
+                self._check_metadata(complete_path, complete.metadata, actual_meta)
             shards = {}
+            verified = not early
             for r in complete.ranks:
                 spath = root / f"COMPLETE.{r}"
                 if not spath.exists():
                     raise BundleError(f"{spath}: missing rank sentinel listed in COMPLETE $.ranks")
                 shards[r] = _decode(spath, _read_bytes(spath, f"COMPLETE.{r}"), RANK_COMPLETE_DECODER)
-                self._check_metadata(spath, shards[r].metadata, actual_meta)
+                if shards[r].metadata or not early:  # the early writer's rank sentinels may lack them too
+                    self._check_metadata(spath, shards[r].metadata, actual_meta)
+                    verified = True
             if not shards:
                 raise BundleError(f"{complete_path}: $.ranks: expected at least one rank")
+            if not verified:
+                self.warnings.append(f"{complete_path}: {EARLY_COMPLETE_WARNING}")
             shard = shards[min(shards)]
             sentinel_name = f"COMPLETE.{min(shards)}"
         else:
@@ -276,10 +287,14 @@ class BundleReader:
                 f"{root / 'index.json'}: $.bundle_id: {self.index.bundle_id!r} does not match "
                 f"manifest.json $.bundle_id {self.manifest.bundle_id!r}"
             )
+        extension = raw_manifest.get("extension_stage_contracts")
         for stage, contract in self.manifest.stage_contracts.items():
             if contract.stage != stage:
+                # the decoded map holds both placements (schema.Manifest): name the one the key came from
+                section = ("extension_stage_contracts" if isinstance(extension, dict) and stage.value in extension
+                           else "stage_contracts")
                 raise BundleError(
-                    f"{root / 'manifest.json'}: $.stage_contracts.{stage.value}.stage: "
+                    f"{root / 'manifest.json'}: $.{section}.{stage.value}.stage: "
                     f"{contract.stage.value!r} does not match its key"
                 )
         ident = self.index.identity
@@ -315,6 +330,25 @@ class BundleReader:
             raise BundleError(f"{path}: invalid JSON: {exc}") from None
         except UnicodeDecodeError as exc:
             raise BundleError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+
+    @staticmethod
+    def _accept_early_writer(complete_path: Path, manifest_attempt) -> None:
+        """A COMPLETE without the JSON files' checksums is what the original's early writer (93902db)
+        published. It is accepted only where that writer could have written it: in a bundle directory
+        (not a cohort's, with ``$.shards``: refused above) whose manifest says format 1.0.0. Every writer
+        of a later format (ours) records the checksums, so deleting the key from one of our bundles does
+        not dodge the check: it is refused here. Relabelling such a bundle 1.0.0 as well opens it, but
+        never silently — the warning says the JSON files were not verified (a checksum guards against
+        damage, not against someone who rewrites the files: they could recompute it as easily). The
+        payloads are still verified against both the manifest and every COMPLETE.<r>, and so are the
+        JSON files against any COMPLETE.<r> that records their checksums."""
+        raw = _settle(manifest_attempt)
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if version != "1.0.0":
+            raise BundleError(
+                f"{complete_path}: $.metadata: missing (a bundle of format {version!r} records the JSON files' "
+                f"checksums there; only an early 1.0.0 writer omitted them)"
+            )
 
     @staticmethod
     def _check_metadata(sentinel: Path, recorded: dict[str, str], actual: dict[str, str]) -> None:

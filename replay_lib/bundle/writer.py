@@ -1,7 +1,9 @@
 """The atomic bundle writer and the cohort finalizer (SPEC §2).
 
 Stage everything in a hidden sibling temp dir, write payloads, hash them, write the JSON files, write the
-COMPLETE sentinels, publish with one atomic rename; never overwrite.
+COMPLETE sentinels, publish with one atomic rename; never overwrite. What is written reads in the original
+tool's format-1.0.0 reader too (SPEC §2.1): every contract in a place it can parse, and each rank shard of
+a cohort a bundle directory of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 
 from ..layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX
 from ..schema import (
+    ORIGINAL_RECOMPUTED_STAGE_IDS,
+    ORIGINAL_STAGE_IDS,
     RANK_COMPLETE_DECODER,
     REDACTED_FIELDS,
     BundleComplete,
@@ -26,6 +30,9 @@ from ..schema import (
     PayloadSpec,
     RankComplete,
     RedactionPolicy,
+    StageCapability,
+    StageContract,
+    StageId,
     encode_json,
 )
 from .files import _atomic_write, _fsync_dir, check_payload_name, sha256_bytes, sha256_file
@@ -36,7 +43,10 @@ class BundleWriter:
 
     Single producer: ``BundleWriter(<DIR>/<bundle_id>, …).finalize(ranks=[0])``.
     Cohort: ``BundleWriter(<DIR>/<bundle_id>, …, rank=r).finalize(ranks=[0, 1])`` publishes
-    ``rank-r/`` and ``COMPLETE.r`` and then *tries* to finalize the cohort ``COMPLETE``.
+    ``rank-r/`` and ``COMPLETE.r`` and then *tries* to finalize the cohort ``COMPLETE``. ``rank-r/``
+    carries its own ``COMPLETE`` and ``COMPLETE.r`` as a single bundle does, because the original's reader
+    opens each rank shard as a bundle directory; ours takes a shard's checksums from the cohort ``COMPLETE``
+    only, so a rank-local path stays refused until the cohort is final.
     """
 
     def __init__(
@@ -114,7 +124,7 @@ class BundleWriter:
         try:
             manifest = msgspec.structs.replace(self.manifest, payloads=dict(sorted(self.payloads.items())))
             blobs = {
-                "manifest.json": encode_json(manifest),
+                "manifest.json": encode_json(wire_manifest(manifest)),
                 "index.json": encode_json(self.index),
                 "expected.json": encode_json(self.expected),
             }
@@ -123,18 +133,19 @@ class BundleWriter:
             metadata = {fname: sha256_bytes(blob) for fname, blob in blobs.items()}
             payload_hashes = {name: spec.sha256 for name, spec in sorted(self.payloads.items())}
             identity = self.index.identity
-            if self.rank is None:
-                shard = RankComplete(
-                    actor_step_id=identity.actor_step_id,
-                    rollout_id=identity.rollout_id,
-                    payloads=payload_hashes,
-                    metadata=metadata,
-                )
-                for r in ranks:
-                    (self.staging / f"COMPLETE.{r}").write_bytes(encode_json(shard))
-                (self.staging / "COMPLETE").write_bytes(
-                    encode_json(BundleComplete(ranks=ranks, metadata=metadata))
-                )
+            shard = RankComplete(
+                actor_step_id=identity.actor_step_id,
+                rollout_id=identity.rollout_id,
+                payloads=payload_hashes,
+                metadata=metadata,
+            )
+            # a rank shard is the single bundle of its own rank (the layout the original reads)
+            own_ranks = ranks if self.rank is None else [self.rank]
+            for r in own_ranks:
+                (self.staging / f"COMPLETE.{r}").write_bytes(encode_json(shard))
+            (self.staging / "COMPLETE").write_bytes(
+                encode_json(BundleComplete(ranks=own_ranks, metadata=metadata))
+            )
             if self.final_path.exists():
                 raise FileExistsError(f"{self.final_path}: bundle already exists; refusing to overwrite")
             _fsync_dir(self.staging)
@@ -171,6 +182,37 @@ class BundleWriter:
             self.abort()
 
 
+def wire_manifest(manifest: Manifest) -> dict:
+    """The manifest as written: in ``stage_contracts`` what the original's format-1.0.0 reader can parse
+    and run, in ``extension_stage_contracts`` the rest (our reader merges the two back). An extension stage
+    (``logprob.support``) goes there whole; a stage of the original's that its engine never recomputes
+    (``loss.value``) but that we declare ``recompute`` stays in ``stage_contracts`` as ``unsupported`` — what
+    the original writes there itself — and the real contract goes to the extension field."""
+    original: dict[StageId, StageContract] = {}
+    extension: dict[StageId, StageContract] = {}
+    for stage, contract in manifest.stage_contracts.items():
+        if stage.value not in ORIGINAL_STAGE_IDS:
+            extension[stage] = contract
+        elif stage.value not in ORIGINAL_RECOMPUTED_STAGE_IDS and contract.capability == StageCapability.RECOMPUTE:
+            extension[stage] = contract
+            original[stage] = msgspec.structs.replace(contract, capability=StageCapability.UNSUPPORTED)
+        else:
+            original[stage] = contract
+    doc = msgspec.to_builtins(manifest)
+    doc["stage_contracts"] = msgspec.to_builtins(original)
+    doc["extension_stage_contracts"] = msgspec.to_builtins(extension)
+    return doc
+
+
+def _agree(shards: dict[int, RankComplete]) -> bool:
+    """Whether the shards describe one cohort: the same anchor and expected ranks, and the same bundle_id
+    among the shards that record one (the original's writer does not: a cohort it shares with ours still
+    finalizes; the reader compares every shard's manifest bundle_id when the cohort is opened)."""
+    if len({shard.anchor() for shard in shards.values()}) != 1:
+        return False
+    return len({shard.bundle_id for shard in shards.values() if shard.bundle_id is not None}) <= 1
+
+
 def try_finalize_cohort(cohort: str | os.PathLike) -> bool:
     """Write the cohort ``COMPLETE`` iff every expected rank has published and their anchors agree.
 
@@ -192,8 +234,7 @@ def try_finalize_cohort(cohort: str | os.PathLike) -> bool:
             return False
     if not shards:
         return False
-    anchors = {shard.anchor() for shard in shards.values()}
-    if len(anchors) != 1:
+    if not _agree(shards):
         return False
     expected = sorted(next(iter(shards.values())).expected_ranks or [])
     if not expected or sorted(shards) != expected:
