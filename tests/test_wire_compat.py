@@ -717,3 +717,17 @@ def test_malformed_json_that_holds_a_nan_keeps_its_error(tmp_path, cli, bundle_t
     rc, out, err = cli("validate", b)
     assert (rc, out) == (3, "") and "Traceback" not in err
     assert err.startswith(f"trajectory-replay: error: {b / 'expected.json'}: $") and "got `str`" in err
+
+
+def test_a_cohort_the_original_wrote_whole_opens_and_replays(tmp_path, cli):
+    c = tmp_path / "orig-rollout"
+    for r in (0, 1):
+        write_original_shard(c, r)
+    shards = {str(r): json.loads((c / f"COMPLETE.{r}").read_bytes()) for r in (0, 1)}
+    (c / "COMPLETE").write_bytes(_dump({"ranks": [0, 1], "shards": shards}))  # its finalizer's cohort COMPLETE
+    rc, out, err = cli("validate", c)
+    assert (rc, err) == (0, "")
+    assert out.splitlines()[0] == ("bundle orig-rollout — valid (format 1.0.0, rollout-level, rollout_id=120, "
+                                   "8 sample(s), 24 token(s), 2 ranks)")
+    rc, out, err = cli("replay", c, "--format", "json")
+    assert (rc, err) == (0, "") and json.loads(out)["passed"] is True
