@@ -31,9 +31,9 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 # A run id is one plain, visible path component (the payload-name rule of the bundle format): the readers
 # skip hidden entries, and a separator or ``..`` would put the run somewhere else than under the directory.
-_RUN_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_RUN_ID = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 # Names the capture directory already gives a meaning to: a run id spelled like one would read as a bundle.
-_RESERVED_RUN_ID = re.compile(r"^(rollout-\d+|step-\d+-\d+|rank-\d+|COMPLETE(\.\d+)?)$")
+_RESERVED_RUN_ID = re.compile(r"\A(rollout-[0-9]+|step-[0-9]+-[0-9]+|rank-[0-9]+|COMPLETE(\.[0-9]+)?)\Z")
 
 _warned_no_dir = False
 _warn_lock = threading.Lock()

@@ -55,10 +55,12 @@ logger = logging.getLogger("capture")
 CLOCK_ALLOWANCE_S = 2.0
 _LISTED = 3  # bundle names named in the refusal
 
-_ROLLOUT = re.compile(r"^rollout-(\d+)$")
-_STEP = re.compile(r"^step-(\d+)-(\d+)$")
+# Names from a directory listing are matched whole (``\Z``: ``$`` would let a final newline through) and
+# with ASCII digits only.
+_ROLLOUT = re.compile(r"\Arollout-([0-9]+)\Z")
+_STEP = re.compile(r"\Astep-([0-9]+)-([0-9]+)\Z")
 # ``BundleWriter``'s staging directories and ``_atomic_write``'s / the finalizer's temporary sentinels.
-_STAGING = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$")
+_STAGING = re.compile(r"\A\.[^/]+\.tmp-([0-9]+)-[0-9a-f]{8}\Z")
 
 _IMPORTED_AT = time.time()
 

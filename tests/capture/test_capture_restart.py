@@ -154,7 +154,7 @@ RESERVED = "reads as a bundle, rank or sentinel name of the capture directory (e
 
 @pytest.mark.parametrize("value, why", [
     ("../elsewhere", BAD_STEM), ("a/b", BAD_STEM), ("/abs", BAD_STEM), (".hidden", BAD_STEM), ("-x", BAD_STEM),
-    ("a..b", BAD_STEM), ("run 1", BAD_STEM), ("r\x1b[2J", BAD_STEM), ("x" * 129, BAD_STEM),
+    ("a..b", BAD_STEM), ("run 1", BAD_STEM), ("a\nb", BAD_STEM), ("r\x1b[2J", BAD_STEM), ("x" * 129, BAD_STEM),
     ("rollout-3", RESERVED), ("step-1-2", RESERVED), ("rank-0", RESERVED), ("COMPLETE.1", RESERVED),
 ])
 def test_a_bad_run_id_is_refused_at_enable_time(tmp_path, value, why):
