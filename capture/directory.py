@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -72,19 +73,18 @@ class CaptureDirectoryError(ValueError):
 
 
 @functools.lru_cache(maxsize=1)
-def process_start_time() -> float:
-    """When this process started (wall clock, seconds), from ``/proc/self/stat``; where that is not
-    available, when this module was imported (later than the start: it can only make fewer shards look
-    older than this process)."""
+def process_start_time() -> Optional[float]:
+    """When this process started (wall clock, seconds), from ``/proc/self/stat``; ``None`` where that is
+    not available (no peer shard then counts as an earlier run's by its age alone)."""
     try:
         with open("/proc/self/stat", "rb") as fh:
-            stat = fh.read()
+            fields = fh.read()
         # Fields after the command name (which may hold spaces and parentheses): state is field 3, the start
         # time (clock ticks after boot, on the boot-time clock) field 22.
-        ticks = int(stat.rsplit(b")", 1)[1].split()[19])
+        ticks = int(fields.rsplit(b")", 1)[1].split()[19])
         since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
-        return _IMPORTED_AT
+        return None
     return time.time() - since_start
 
 
@@ -106,9 +106,12 @@ def _selected(config: CaptureConfig, name: str) -> Optional[tuple[int, ...]]:
 def _earlier_cohort(path: Path, rank: int, started: float) -> bool:
     """Whether cohort directory ``path`` holds an earlier run's output for producer ``rank`` (see the
     module docstring); anything that is not a plain directory is a name the writer cannot use either."""
-    if path.is_symlink() or not path.is_dir():
-        return True
-    names = set(os.listdir(path))
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return True
+        names = set(os.listdir(path))
+    except FileNotFoundError:  # gone since the directory was listed
+        return False
     if {f"rank-{rank}", f"COMPLETE.{rank}", "COMPLETE"} & names or names & set(METADATA_FILES):
         return True
     for name in names:
@@ -128,6 +131,8 @@ def earlier_bundles(config: CaptureConfig, producer_rank: Optional[int] = None,
     in (kind, rollout, step) order. ``producer_rank``: ``None`` for the single producer, else its rank in
     the cohort. Raises ``OSError`` when the directory exists but cannot be listed."""
     started = process_start_time() if started is None else started
+    if started is None:  # unknown: only the rules that need no clock decide
+        started = float("-inf")
     try:
         entries = os.listdir(config.directory)
     except FileNotFoundError:
@@ -215,6 +220,8 @@ def remove_stale_staging(directories: Iterable[Path], started: Optional[float] =
     """Remove the staging entries killed writers left in ``directories`` and in their bundle (cohort)
     directories; log one line when there were any. Returns how many were removed. Never raises."""
     started = process_start_time() if started is None else started
+    if started is None:  # unknown: the import of this module (later, but the dead pid decides first)
+        started = _IMPORTED_AT
     directories = list(dict.fromkeys(Path(d) for d in directories))
     removed = 0
     for directory in directories:
