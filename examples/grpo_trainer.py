@@ -596,10 +596,13 @@ def run(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] =
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    capture = maybe_enable_for_actor(
-        recompute_config(args), pp_rank=0, pp_size=1, dp_rank=rank, dp_size=world, env=env,
-        close_timeout=args.capture_close_timeout, source_dir=Path(__file__).resolve().parent,
-    )
+    try:
+        capture = maybe_enable_for_actor(
+            recompute_config(args), pp_rank=0, pp_size=1, dp_rank=rank, dp_size=world, env=env,
+            close_timeout=args.capture_close_timeout, source_dir=Path(__file__).resolve().parent,
+        )
+    except ValueError as exc:  # a malformed RELAX_REPLAY_CAPTURE* value, or a capture dir an earlier run filled
+        raise CaptureRefused(str(exc)) from None
     try:
         result = train(args, capture, rank, world)
     finally:
@@ -615,8 +618,16 @@ def run(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] =
     return result
 
 
+class CaptureRefused(Exception):
+    """Capture was asked for but cannot start as configured; the job stops before training (exit 2)."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    run(argv)
+    try:
+        run(argv)
+    except CaptureRefused as exc:
+        print(f"grpo_trainer: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -96,9 +96,9 @@ def test_a_restarted_training_job_stops_at_enable_in_one_line_and_a_run_id_lets_
     before = {p: p.read_bytes() for p in all_files(directory)}
 
     again = _train(tmp_path, env)  # the same job started again on the same directory
-    assert again.returncode == 1  # not 0 with nothing captured
-    assert again.stderr.strip().splitlines()[-1] == "capture.directory.CaptureDirectoryError: " + _refusal(
-        directory, "rollout-0, rollout-1, step-0-0, …", 6)
+    assert again.returncode == 2  # not 0 with nothing captured
+    assert again.stderr.strip().splitlines() == ["grpo_trainer: error: " + _refusal(
+        directory, "rollout-0, rollout-1, step-0-0, …", 6)]  # one line, no traceback
     assert "failed" not in again.stderr and "capture:" not in again.stdout  # it stopped before training
     assert {p: p.read_bytes() for p in all_files(directory)} == before
 
@@ -110,7 +110,7 @@ def test_a_restarted_training_job_stops_at_enable_in_one_line_and_a_run_id_lets_
     assert {p: p.read_bytes() for p in all_files(directory) if "restart-1" not in p.parts} == before
     for name in ("rollout-1", "step-1-1"):
         assert replay(directory / "restart-1" / name).passed, name
-    with pytest.raises(CaptureDirectoryError) as info:  # the run id used a second time
+    with pytest.raises(trainer.CaptureRefused) as info:  # the run id used a second time
         trainer.run(TINY, env=capture_env(directory, RELAX_REPLAY_CAPTURE_RUN_ID="restart-1"))
     assert str(info.value) == (
         f"RELAX_REPLAY_CAPTURE_RUN_ID='restart-1': {directory / 'restart-1'} already holds 6 bundle(s) this "
