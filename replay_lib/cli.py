@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     dsub.required = True
     w = dsub.add_parser("write", help="write a deterministic synthetic bundle (N samples × L tokens)",
                         description="Write a clean synthetic bundle (every stage passes) whose numbers come from "
-                                    "the replay's own kernels; the same arguments give the same numbers (the bundle id "
-                                    "is the directory's name).",
+                                    "the replay's own kernels; the same arguments give the same numbers on every "
+                                    "machine (the bundle id is the directory's name).",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w.add_argument("dir", type=Path, metavar="DIR", help="where to publish it (must not exist)")
     w.add_argument("--samples", type=int, default=8, metavar="N", help="samples (a multiple of --group-size)")
@@ -368,7 +368,7 @@ def _dispatch(args) -> int:
             raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
         path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,
                                     group_size=args.group_size, vary_lengths=args.vary_lengths,
-                                    kl_coef=args.kl_coef, bundle_id=args.dir.name)
+                                    kl_coef=args.kl_coef, bundle_id=args.dir.name, settle=True)
         emit([("", f"wrote {path}")])
         return 0
     raise UsageError(f"unknown command {args.command!r}")

@@ -7,19 +7,25 @@ tests and the benchmarks.
 * ``cohort-2rank`` — a two-rank cohort of synthetic full bundles;
 * ``support-fullvocab`` — sample-support bundle whose trainer scored over the full vocabulary instead of the
   recorded support: the first divergence is ``logprob.support`` (loss.policy still passes).
+
+Every bundle here is the same bytes on every machine (for one torch version): the same arguments give the same
+numbers. The shipped demos (and the test suite's bundles) are also *settled*: their replay recomputes the recorded
+numbers bit for bit, and so prints the same digits, on every machine. See "Host-independent arithmetic" below.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .bundle import BundleWriter
-from .kernels import batch_normalize, get_grpo_returns, group_normalize, policy_loss_fields, rollout_kl
+from .kernels import (LOSS_CHUNK, STD_EPS, batch_normalize, get_grpo_returns, group_normalize, rollout_kl, segment_ids,
+                      segment_sum)
 from .schema import (
     FORMAT_VERSION,
     ActorStepId,
@@ -41,8 +47,10 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ALL_STAGES = ROLLOUT_STAGES + (StageId.LOSS_POLICY,)
 DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank", "support-fullvocab")
-# ``support-fullvocab``: 8 samples × 24 tokens, top-16 support rows over a 32k vocabulary.
-SUPPORT_DEMO = dict(full_vocab_bug=True, samples=8, tokens=24, k=16, vocab_size=32000,
+# ``support-fullvocab``: 8 samples × 24 tokens, top-16 support rows over a 32k vocabulary. Seed 30: its groups'
+# reward standard deviations (0.5, 1.5) are exact in float32, so the replay's float32 sqrt (MKL's, not correctly
+# rounded on every code path: seed 0's √3.5833334 rounds the other way on its SSE4.2 path) has one answer.
+SUPPORT_DEMO = dict(full_vocab_bug=True, samples=8, tokens=24, k=16, vocab_size=32000, seed=30, settle=True,
                     bundle_id="support-fullvocab")
 
 
@@ -54,6 +62,149 @@ def contracts(stages, declare_value: bool = True) -> dict[StageId, StageContract
 
 def producer() -> ProducerInfo:
     return ProducerInfo(commit="demo", dirty_patch_digest=None, torch_version=torch.__version__)
+
+
+# ------------------------------------------------------------------------ host-independent arithmetic
+#
+# torch's float32 exp, log and sqrt come from MKL's vector math, whose code path, and so the last bit of a
+# result, depends on the CPU (an AMD host takes another path than an Intel one; MKL_ENABLE_INSTRUCTIONS picks
+# one); log1p, randn and linspace come from ATen's SIMD kernels (ATEN_CPU_CAPABILITY picks those). IEEE
+# float32 arithmetic (+ − × ÷), torch's reductions and its integer and uniform generators are the same
+# everywhere. Hence:
+# * a transcendental (or a square root) is evaluated in float64 and rounded once to float32 (:func:`_f32`):
+#   a float64 result an ulp off changes that float32 only within 2^-29 ulp of a rounding midpoint;
+# * everything else is the kernels' own float32 steps, in their order (what a float32 producer computes);
+# * with ``settle=True`` the recorded inputs are nudged by a few ulps until every float32 exp and log the
+#   replay evaluates lies within SETTLE_ULP of a float32 (:func:`_settle`). Any float32 libm whose error stays
+#   below 1 − SETTLE_ULP ulp returns that float32 (MKL's worst paths measure 0.75 ulp for exp, 0.93 for log),
+#   so the replay recomputes the recorded numbers bit for bit and prints the same digits on every host.
+#   (A group's reward std is a square root of integer rewards, which no nudge fixes: a demo shown in a
+#   snapshot picks rewards whose std is exact, see SUPPORT_DEMO.)
+
+SETTLE_ULP = 0.05
+_INF = float("inf")
+
+
+def _f32(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` evaluated in float64 and rounded once to float32."""
+    return fn(x.to(torch.float64)).to(torch.float32)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """float64 distance from float32 ``x`` to its neighbour away from zero (the step that changes it)."""
+    away = torch.where(x < 0, torch.full_like(x, -_INF), torch.full_like(x, _INF))
+    return (torch.nextafter(x, away).to(torch.float64) - x.to(torch.float64)).abs()
+
+
+def _unambiguous(v: torch.Tensor) -> torch.Tensor:
+    """float64 ``v`` → bool: ``v`` lies within SETTLE_ULP ulp of the float32 nearest to it, so a float32
+    libm off by less than 1 − SETTLE_ULP ulp can return nothing else."""
+    f = v.to(torch.float32)
+    d = v - f.to(torch.float64)
+    toward = torch.where(d < 0, torch.full_like(f, -_INF), torch.full_like(f, _INF))
+    spacing = (torch.nextafter(f, toward).to(torch.float64) - f.to(torch.float64)).abs()
+    return d.abs() <= SETTLE_ULP * spacing
+
+
+def _exp_is_unambiguous(values: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The replay's float32 ``exp(values − base)`` has one answer on every host."""
+    return _unambiguous(torch.exp((values.to(torch.float32) - base.to(torch.float32)).to(torch.float64)))
+
+
+# Candidate steps tried at once per value (a step passes with probability 2·SETTLE_ULP), values per block, and
+# rounds before a value that never passes (a NaN) is left as it is.
+SETTLE_TRIES = 16
+SETTLE_BLOCK = 1 << 14
+SETTLE_ROUNDS = 256
+
+
+def _first_passing(cand: torch.Tensor, good: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, tries]`` candidates and their verdicts → (whether one passed, the first that did, else the last)."""
+    hit = good.any(1)
+    last = torch.full_like(hit, cand.shape[1] - 1, dtype=torch.int64)
+    pick = torch.where(hit, good.to(torch.uint8).argmax(1), last)
+    return hit, cand.gather(1, pick[:, None]).squeeze(1)
+
+
+def _settle(values: torch.Tensor, base: torch.Tensor, ok=_exp_is_unambiguous) -> torch.Tensor:
+    """float32 ``values`` (any shape, ``base`` broadcast to it), each stepped down until ``ok(value, base)``.
+
+    A step is an ulp of the value or of its difference from ``base``, whichever is larger, so the float32
+    difference the replay takes moves with every step; SETTLE_TRIES steps are tried at once, and a value moves
+    by about ten ulps. No randomness is drawn: the generator's sequence is untouched.
+    """
+    base = base.to(torch.float32).expand_as(values).reshape(-1)
+    out = values.to(torch.float32).reshape(-1).clone()
+    todo = torch.nonzero(~ok(out, base)).reshape(-1)
+    k = torch.arange(1, SETTLE_TRIES + 1, dtype=torch.float64)
+    for _ in range(SETTLE_ROUNDS):
+        if not todo.numel():
+            break
+        left = []
+        for idx in todo.split(SETTLE_BLOCK):
+            v, b = out[idx], base[idx]
+            step = torch.maximum(_ulp(v), _ulp(v - b))
+            cand = (v.to(torch.float64)[:, None] - step[:, None] * k).to(torch.float32)
+            hit, out[idx] = _first_passing(cand, ok(cand, b[:, None]))
+            left.append(idx[~hit])
+        todo = torch.cat(left)
+    return out.reshape(values.shape)
+
+
+def _rollout_kl(old: torch.Tensor, ref: Optional[torch.Tensor], kl_coef: float, kl_loss_type: str) -> torch.Tensor:
+    """:func:`kernels.rollout_kl` in the kernel's float32 steps, with ``exp(−r)`` from :func:`_f32`."""
+    if kl_coef == 0 or kl_loss_type not in ("k3", "low_var_kl"):
+        return rollout_kl(old, ref, kl_coef, kl_loss_type)  # no transcendental: the kernel itself
+    neg = -(old.to(torch.float32) - ref.to(torch.float32))
+    kl = _f32(torch.exp, neg) - 1 - neg
+    return torch.clamp(kl, min=-10.0, max=10.0) if kl_loss_type == "low_var_kl" else kl
+
+
+def _group_normalize(raw: torch.Tensor, groups: torch.Tensor, std_normalization: bool) -> torch.Tensor:
+    """:func:`kernels.group_normalize` in its float32 steps, with the group std's square root from
+    :func:`_f32` (torch's float32 ``sqrt`` is MKL's too, and not correctly rounded on every code path)."""
+    centered = group_normalize(raw, groups, std_normalization=False)
+    if not std_normalization or not centered.numel():
+        return centered
+    _, inverse, counts = torch.unique(groups.to(torch.int64), return_inverse=True, return_counts=True)
+    var = segment_sum(centered * centered, inverse, counts.numel()) / (counts - 1).to(torch.float32)
+    return centered / (_f32(torch.sqrt, var)[inverse] + STD_EPS)
+
+
+def _policy_loss_fields(log_probs, old_log_probs, advantages, entropy, loss_mask, lengths, *, eps_clip: float,
+                        eps_clip_high: float, entropy_coef: float) -> dict[str, torch.Tensor]:
+    """:func:`kernels.policy_loss_fields` op for op (float32, the same sums in the same order), with the
+    ratio ``exp(−ppo_kl)`` from :func:`_f32`."""
+    lengths = lengths.to(torch.int64)
+    n = lengths.numel()
+    seg = segment_ids(lengths)
+    m = loss_mask.to(torch.float32)
+    ppo_kl = old_log_probs.to(torch.float32) - log_probs.to(torch.float32)
+    ratio = _f32(torch.exp, -ppo_kl)
+    adv = advantages.to(torch.float32)
+    pg1 = -ratio * adv
+    pg2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv
+    terms = {"pg": torch.maximum(pg1, pg2) * m, "clip": torch.gt(pg2, pg1).to(torch.float32) * m,
+             "kl": ppo_kl * m, "mask": m}
+    if entropy is not None:
+        terms["ent"] = entropy.to(torch.float32) * m
+    sums = {k: torch.zeros(n, dtype=torch.float32) for k in terms}
+    for start in range(0, seg.numel(), LOSS_CHUNK):  # the kernel's chunks: the same additions in its order
+        for k, x in terms.items():
+            sums[k].index_add_(0, seg[start:start + LOSS_CHUNK], x[start:start + LOSS_CHUNK])
+    denom = torch.clamp_min(sums["mask"], 1.0)
+    pg_loss = (sums["pg"] / denom).sum()
+    entropy_loss = (sums["ent"] / denom).sum() if entropy is not None else torch.zeros((), dtype=torch.float32)
+    return {"loss": pg_loss - entropy_coef * entropy_loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss,
+            "pg_clipfrac": (sums["clip"] / denom).sum(), "ppo_kl": (sums["kl"] / denom).sum()}
+
+
+def _standard_normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """float32 standard normals by Box–Muller in float64, rounded once (``torch.randn`` takes a SIMD path
+    whose last bits change with the CPU)."""
+    u1 = torch.rand(shape, generator=generator, dtype=torch.float64)
+    u2 = torch.rand(shape, generator=generator, dtype=torch.float64)
+    return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos((2 * math.pi) * u2)).to(torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ PR #65
@@ -87,8 +238,8 @@ def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-0000
     total = int(lengths.sum())
     gen = torch.Generator().manual_seed(65)
     old = -torch.rand(total, generator=gen) * 2
-    ref = old + (torch.rand(total, generator=gen) - 0.5) * 0.2
-    kl = rollout_kl(old, ref, cfg.kl_coef, cfg.kl_loss_type)
+    ref = _settle(old + (torch.rand(total, generator=gen) - 0.5) * 0.2, old)
+    kl = _rollout_kl(old, ref, cfg.kl_coef, cfg.kl_loss_type)
     advantages = get_grpo_returns(rewards, lengths)
     index = BundleIndex(
         bundle_id=bundle_id,
@@ -121,12 +272,12 @@ def write_step_loss(path: str | Path, *, log_prob: float = 0.5, bundle_id: str =
     advantages = get_grpo_returns(rewards, lengths)
     old = torch.zeros(total)
     logp = torch.full((total,), float(log_prob))
-    entropy = torch.linspace(0.5, 1.5, total)
+    entropy = torch.linspace(0.5, 1.5, total, dtype=torch.float64).to(torch.float32)
     cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, entropy_coef=0.0)
     masks = [[1] * n for n in PR65_LENGTHS]
     mask = torch.tensor([m for row in masks for m in row], dtype=torch.float32)
-    fields = policy_loss_fields(logp, old, advantages, entropy, mask, lengths, eps_clip=cfg.eps_clip,
-                                eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef)
+    fields = _policy_loss_fields(logp, old, advantages, entropy, mask, lengths, eps_clip=cfg.eps_clip,
+                                 eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef)
     samples = [
         SampleRecord(sample_id=f"s-{i}", group_index=g, response_length=n, total_length=n + 5, loss_mask=m,
                      raw_reward=r, reward=float(rw), micro_batch_id=f"mb-{i // 2:04d}")
@@ -170,10 +321,15 @@ def synthetic_parts(
     stages=ALL_STAGES,
     rank_sizes: Optional[dict] = None,
     sample_prefix: str = "s-",
+    settle: bool = False,
 ):
     """(manifest, index, expected, payloads) of a clean synthetic bundle: N samples × ~L tokens.
 
-    Deterministic for a given seed; expected outputs come from the kernels, so it always replays clean.
+    The same bytes on every host for a given seed (see "Host-independent arithmetic"); expected outputs are
+    the kernels' float32 formulas, so it always replays clean. ``settle`` nudges ``log_probs`` and
+    ``ref_log_probs`` by a few ulps until every float32 exp the replay takes has one answer: the replay then
+    recomputes the recorded values bit for bit, and prints the same digits, on every host (the demos do; it
+    costs seconds per million tokens, which benchmark-sized bundles need not pay).
     """
     if samples % group_size:
         raise ValueError("samples must be a multiple of group_size")
@@ -187,22 +343,26 @@ def synthetic_parts(
     raw = torch.randint(0, 5, (samples,), generator=gen).to(torch.float32)
     old = -torch.rand(total, generator=gen) * 3
     logp = old + (torch.rand(total, generator=gen) - 0.5) * 0.6
+    if settle:
+        logp = _settle(logp, old)
     entropy = torch.rand(total, generator=gen) * 2
     mask_flat = (torch.rand(total, generator=gen) < 0.9).to(torch.int64)
     cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=group_size,
                           grpo_std_normalization=std_normalization, kl_loss_type=kl_loss_type, kl_coef=kl_coef,
                           eps_clip=0.2, eps_clip_high=0.28, entropy_coef=entropy_coef)
-    rewards = group_normalize(raw, groups, std_normalization)
+    rewards = _group_normalize(raw, groups, std_normalization)
     advantages = get_grpo_returns(rewards, lengths)
     payloads = {"old_log_probs": old, "log_probs": logp, "entropy": entropy, "advantages": advantages}
     if kl_coef != 0:
         ref = old + (torch.rand(total, generator=gen) - 0.5) * 0.4
+        if settle and kl_loss_type in ("k3", "low_var_kl"):
+            ref = _settle(ref, old)
         payloads["ref_log_probs"] = ref
-        payloads["kl"] = rollout_kl(old, ref, kl_coef, kl_loss_type)
+        payloads["kl"] = _rollout_kl(old, ref, kl_coef, kl_loss_type)
     else:
         payloads["kl"] = torch.zeros(total)
-    fields = policy_loss_fields(logp, old, advantages, entropy, mask_flat, lengths, eps_clip=cfg.eps_clip,
-                                eps_clip_high=cfg.eps_clip_high, entropy_coef=entropy_coef)
+    fields = _policy_loss_fields(logp, old, advantages, entropy, mask_flat, lengths, eps_clip=cfg.eps_clip,
+                                 eps_clip_high=cfg.eps_clip_high, entropy_coef=entropy_coef)
     offsets = (torch.cumsum(lengths, 0) - lengths).tolist()
     mask_list = mask_flat.tolist()
     records = [
@@ -259,7 +419,7 @@ _DEMO_BUILDERS = {
     "pr65-buggy": lambda p: write_pr65(p, buggy=True),
     "pr65-fixed": lambda p: write_pr65(p, buggy=False, bundle_id="b-00001-fixed"),
     "step-loss": write_step_loss,
-    "cohort-2rank": write_cohort,
+    "cohort-2rank": lambda p: write_cohort(p, settle=True),
     "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
 }
 
@@ -297,6 +457,59 @@ def _cp_shard_of_tokens(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
     return torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk).to(torch.int32)
 
 
+def _support_logprobs(ids: torch.Tensor, logits: torch.Tensor, rows) -> torch.Tensor:
+    """:func:`support.support_logprobs` in its float32 steps (padding masked, the same row sums), with exp
+    and log from :func:`_f32`."""
+    x = logits.to(torch.float32).masked_fill(ids < 0, -_INF)
+    m = x.amax(1)
+    l_y = x.gather(1, rows.sampled_slot[:, None]).squeeze(1)
+    out = (l_y - m) - _f32(torch.log, _f32(torch.exp, x - m[:, None]).sum(1))
+    return torch.where(rows.has_support & rows.sampled_in_row, out, torch.full_like(out, float("nan")))
+
+
+def _settle_support(ids: torch.Tensor, logits: torch.Tensor, rows) -> torch.Tensor:
+    """Member logits nudged down until every float32 exp that the replay's ``logp_S`` takes, and the log of
+    each row's float32 sum of them, has one answer on every host (:func:`_settle`). Only members below their
+    row's maximum move, so the maximum, and so every ``l − m``, stays the replay's."""
+    x = logits.to(torch.float32).masked_fill(ids < 0, -_INF)
+    top = x.amax(1, keepdim=True)
+    scored = (ids >= 0) & rows.has_support[:, None]
+    out = logits.to(torch.float32).clone()
+    out[scored] = _settle(out[scored], top.expand_as(out)[scored])
+
+    def log_ok(r: torch.Tensor, row_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whether the log is unambiguous, the float32 sum) of each ``[..., K]`` row of ``r``'s logits,
+        summed as the replay sums it."""
+        pad = (ids[r] < 0).view(r.numel(), *([1] * (row_logits.dim() - 2)), -1)
+        top_r = top[r].view(r.numel(), *([1] * (row_logits.dim() - 1)))
+        sums = _f32(torch.exp, row_logits.masked_fill(pad, -_INF) - top_r).sum(-1)
+        return _unambiguous(torch.log(sums.to(torch.float64))), sums
+
+    # A row whose log is ambiguous moves its largest member below the maximum, by steps that each move the
+    # row's sum by about an ulp, until that member's exp and the row's log are both unambiguous.
+    second = x.scatter(1, x.argmax(1, keepdim=True), -_INF)
+    slot = second.argmax(1)
+    todo = torch.nonzero(rows.has_support & (second.amax(1) > -_INF)).reshape(-1)
+    todo = todo[~log_ok(todo, out[todo])[0]]
+    k = torch.arange(1, SETTLE_TRIES + 1, dtype=torch.float64)
+    for _ in range(SETTLE_ROUNDS):
+        if not todo.numel():
+            break
+        left = []
+        for r in todo.split(SETTLE_BLOCK // SETTLE_TRIES):
+            v, b = out[r, slot[r]], top[r, 0]
+            moves_sum = _ulp(log_ok(r, out[r])[1]) / torch.exp((v - b).to(torch.float64))
+            step = torch.maximum(torch.maximum(_ulp(v), _ulp(v - b)), moves_sum)
+            cand = (v.to(torch.float64)[:, None] - step[:, None] * k).to(torch.float32)  # [n, tries]
+            trial = out[r][:, None, :].repeat(1, SETTLE_TRIES, 1)  # [n, tries, K]: the row with each candidate
+            trial.scatter_(2, slot[r].view(-1, 1, 1).expand(-1, SETTLE_TRIES, 1), cand[:, :, None])
+            good = _exp_is_unambiguous(cand, b[:, None]) & log_ok(r, trial)[0]
+            hit, out[r, slot[r]] = _first_passing(cand, good)
+            left.append(r[~(hit & log_ok(r, out[r])[0])])  # re-checked on the row as the replay lays it out
+        todo = torch.cat(left)
+    return out
+
+
 def support_parts(
     *,
     samples: int = 8,
@@ -312,6 +525,7 @@ def support_parts(
     cp_size: int = 1,
     bundle_id: str = "support",
     stages=ALL_STAGES + (StageId.LOGPROB_SUPPORT,),
+    settle: bool = False,
 ):
     """(manifest, index, expected, payloads) of a clean synthetic bundle with sample-support payloads.
 
@@ -321,10 +535,13 @@ def support_parts(
     ``log_probs`` (= ``old_log_probs``: the first update of a step) are ``logp_S``; with ``full_vocab_bug``
     they are the full-vocabulary log-probs instead (the support holds only part of the softmax mass).
     ``routed = (layers, topk, num_experts)`` adds routed-expert rows; ``cp_size > 1`` adds ``cp_shard``.
+    ``settle`` (as in :func:`synthetic_parts`) nudges the member logits, so that the replay's ``logp_S`` is the
+    recorded one bit for bit on every host (``log_probs`` here take no exp in the loss: they equal
+    ``old_log_probs``).
     """
     import msgspec
 
-    from .support import support_logprobs
+    from .support import check_support_rows
 
     if vocab_size < k + 1:
         raise ValueError("vocab_size must exceed k (one id is kept for the appended EOS)")
@@ -340,19 +557,22 @@ def support_parts(
     gaps = torch.randint(1, (vocab_size - 1) // k + 1, (total, k), generator=gen)
     ascending = torch.cumsum(gaps, 1) - 1
     ids = ascending.gather(1, torch.rand(total, k, generator=gen).argsort(1)).to(torch.int32)
-    logits = torch.randn(total, k, generator=gen) * 2
+    logits = _standard_normal((total, k), gen) * 2
     sampled = ids.gather(1, torch.randint(0, k, (total, 1), generator=gen)).squeeze(1).to(torch.int64)
     if eos_last and total:
         last = (torch.cumsum(lengths, 0) - 1)[lengths > 0]
         ids[last] = -1
         logits[last] = 0.0
         sampled[last] = eos
-    logp_s = support_logprobs(ids, logits, sampled)
+    rows = check_support_rows(ids, sampled, None)
+    if settle:
+        logits = _settle_support(ids, logits, rows)
+    logp_s = _support_logprobs(ids, logits, rows)
     has_support = (ids >= 0).any(1)
     # Full-vocabulary log-prob: the support carries a fraction 1/(1+u) of the softmax mass.
     outside = torch.rand(total, generator=gen) * 0.99 + 0.01
     eos_logp = -torch.rand(total, generator=gen) * 2 - 0.01
-    full = torch.where(has_support, logp_s - torch.log1p(outside), eos_logp)
+    full = torch.where(has_support, logp_s - _f32(torch.log1p, outside), eos_logp)
     recorded = full if full_vocab_bug else torch.where(has_support, logp_s, full)
     payloads = dict(payloads, log_probs=recorded, old_log_probs=recorded.clone(), support_ids=ids,
                     support_logits=logits, sampled_token_ids=sampled, full_log_probs=full)
@@ -369,9 +589,9 @@ def support_parts(
     index = msgspec.structs.replace(index, config=config)
     if "loss.policy" in expected:
         mask = torch.tensor([m for s in index.samples for m in s.loss_mask], dtype=torch.float32)
-        fields = policy_loss_fields(recorded, payloads["old_log_probs"], payloads["advantages"], payloads["entropy"],
-                                    mask, lengths, eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high,
-                                    entropy_coef=config.entropy_coef)
+        fields = _policy_loss_fields(recorded, payloads["old_log_probs"], payloads["advantages"],
+                                     payloads["entropy"], mask, lengths, eps_clip=config.eps_clip,
+                                     eps_clip_high=config.eps_clip_high, entropy_coef=config.entropy_coef)
         expected = dict(expected, **{"loss.policy": {k_: float(v) for k_, v in fields.items()}})
     return manifest, index, expected, payloads
 

@@ -92,8 +92,8 @@ def test_full_vocab_demo_counts_equal_the_report(bundles):
     stage = m.report.stage("logprob.support")
     assert m.fields == ["raw_reward", "reward", "kl", "advantage", "support_logprob", "support_old_logprob", "loss"]
     bad = {f: int(m.shards[0].bad[f].sum()) for f in ("support_logprob", "support_old_logprob")}
-    assert bad == {"support_logprob": 156, "support_old_logprob": 156}
-    assert stage.mismatches == sum(bad.values()) == 312
+    assert bad == {"support_logprob": 157, "support_old_logprob": 157}
+    assert stage.mismatches == sum(bad.values()) == 314
     first = m.report.first_divergence
     d = m.field_diff("support_logprob", "s-0")
     assert (first.sample_id, first.token_offset) == ("s-0", 0) and d.divergent[0] == 0

@@ -1,4 +1,7 @@
-"""Bundles the TUI tests open: the demo set plus hand-made faults with known numbers."""
+"""Bundles the TUI tests open: the demo set plus hand-made faults with known numbers.
+
+Every synthetic one is written with ``settle=True`` (see replay_lib.demo): its bytes, and the digits the replay
+shows for it, are the same on every host, so no snapshot depends on the CPU's floating point."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ def fixed_producer() -> ProducerInfo:
 
 def write_kl_bug(path: Path) -> Path:
     """8 samples × 16 tokens, two groups; the recorded kl is off by +0.25 at s-5@3,7,11 and s-6@0."""
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="kl-bug")
+    manifest, index, expected, payloads = demo.synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="kl-bug",
+                                                               settle=True)
     kl = payloads["kl"].clone()
     for sid, offsets in KL_BUG_TOKENS.items():
         i = int(sid.split("-")[1])
@@ -32,7 +36,7 @@ def write_kl_bug(path: Path) -> Path:
 def write_loss_bug(path: Path) -> Path:
     """Step-level bundle whose recorded pg_loss (and so loss) is off by +0.5."""
     manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=8, seed=5, bundle_id="loss-bug",
-                                                               stages=demo.STEP_STAGES)
+                                                               stages=demo.STEP_STAGES, settle=True)
     loss = dict(expected["loss.policy"])
     loss["pg_loss"] += LOSS_BUG_DELTA
     loss["loss"] += LOSS_BUG_DELTA
@@ -42,7 +46,7 @@ def write_loss_bug(path: Path) -> Path:
 def write_brackets(path: Path) -> Path:
     """Sample ids that look like markup (``[red]s-0``); the first sample's normalized reward is off by 1."""
     manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=4, seed=7, bundle_id="[b]brackets",
-                                                               sample_prefix=BRACKET_PREFIX)
+                                                               sample_prefix=BRACKET_PREFIX, settle=True)
     rewards = list(expected["reward.post_process"]["rewards"])
     rewards[0] += 1.0
     expected = dict(expected, **{"reward.post_process": {"rewards": rewards}})
@@ -53,7 +57,7 @@ def write_tis(path: Path) -> Path:
     """A knob V1 cannot recompute (use_tis): replay refuses with exit 4."""
     import msgspec
 
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=4, bundle_id="tis")
+    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=4, bundle_id="tis", settle=True)
     index = msgspec.structs.replace(index, config=msgspec.structs.replace(index.config, use_tis=True))
     return demo.write_bundle(path, manifest, index, expected, payloads)
 
@@ -118,7 +122,7 @@ def write_support_invariants(path: Path) -> Path:
 
     manifest, index, expected, payloads = demo.support_parts(
         samples=4, tokens=8, k=4, vocab_size=64, seed=9, bundle_id="support-invariants",
-        stages=(StageId.SAMPLE, StageId.LOGPROB_SUPPORT))
+        stages=(StageId.SAMPLE, StageId.LOGPROB_SUPPORT), settle=True)
     records = [msgspec.structs.replace(r, loss_mask=[1] * r.response_length) for r in index.samples]
     index = msgspec.structs.replace(index, samples=records)
     ids = payloads["support_ids"].clone()
@@ -140,7 +144,7 @@ def write_all(root: Path) -> Path:
         demo.write_pr65(root / "pr65-buggy", buggy=True)
         demo.write_pr65(root / "pr65-fixed", buggy=False, bundle_id="b-00001-fixed")
         demo.write_step_loss(root / "step-loss")
-        demo.write_cohort(root / "cohort-2rank")
+        demo.write_cohort(root / "cohort-2rank", settle=True)
         write_kl_bug(root / "kl-bug")
         write_loss_bug(root / "loss-bug")
         write_brackets(root / "brackets")
