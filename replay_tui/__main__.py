@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from replay_lib.cli import (EXIT_CODES_HELP, _Parser, _print_error, add_replay_arguments, add_version_argument,
-                            run_check)
+                            print_internal_error, run_check)
 from replay_lib.errors import ReplayError
 
 PROG = "replay-tui"
@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except Exception as exc:  # a bug in this tool (the debugger's own crashes are caught in the app): exit 5
+        return print_internal_error(exc, PROG)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.bundle is None and args.demo is None:

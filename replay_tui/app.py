@@ -16,7 +16,9 @@ from textual.app import App
 from textual.binding import Binding, BindingType
 
 from replay_lib.bundle import open_bundle
-from replay_lib.errors import ReplayError
+from replay_lib.cli import error_line as cli_error_line
+from replay_lib.crash import internal_error_line
+from replay_lib.errors import EXIT_INTERNAL, ReplayError
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_SKIPPED
 from replay_lib.runner import replay_run
@@ -34,8 +36,8 @@ PROG = "replay-tui"
 
 
 def error_line(message: str, prog: str = PROG) -> str:
-    """Exactly the line the CLI writes on stderr for a :class:`ReplayError`."""
-    return f"{prog}: error: {' '.join(message.split())}"
+    """Exactly the line the CLI writes on stderr for a :class:`ReplayError` (escaped: it names bundle files)."""
+    return cli_error_line(message, prog)
 
 
 PROGRESS_INTERVAL_S = 0.15
@@ -140,6 +142,9 @@ class ReplayApp(App[int]):
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return
+        except Exception as exc:  # a bug in this tool: its error screen and exit 5, not Textual's traceback
+            self.post_message(ReplayFailed(run, internal_error_line(exc, PROG), EXIT_INTERNAL))
+            return
         finally:
             self._first_done.set()
         self.post_message(ReplayFinished(run, model))
@@ -191,6 +196,22 @@ class ReplayApp(App[int]):
             if self.settled:
                 return
         raise TimeoutError("the replay result never reached the screen")
+
+    # -- crashes ----------------------------------------------------------------------------------
+    def _handle_exception(self, error: Exception) -> None:
+        """A crash on the UI side (a handler, a render): the app exits with 5 and :func:`run_app` prints the
+        internal-error line once the terminal is restored. Never Textual's own traceback, whose locals panel
+        prints tensor values and file contents. (The widget that raised has stopped taking messages, so
+        no screen of this app is trusted to show the line; a crash in the replay worker does get the error
+        screen, see :meth:`_replay`.)"""
+        if self.is_headless and self._exception is None:
+            # a test harness (run_test) stops waiting and re-raises it at the end, as Textual has it
+            self._exception = error
+            self._exception_event.set()
+        if self.error is None or self.error[1] != EXIT_INTERNAL:  # the first crash names the file
+            self.error = (internal_error_line(error, PROG), EXIT_INTERNAL)
+        self._return_code = EXIT_INTERNAL
+        self._close_messages_no_wait()
 
     # -- actions ----------------------------------------------------------------------------------
     @property

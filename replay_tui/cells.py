@@ -1,5 +1,7 @@
 """Fixed-width cells for line-API rows. Data text is never parsed as markup here: rows are rich
-``Segment``s built from plain strings, so a sample id like ``s-[0]`` shows as written."""
+``Segment``s built from plain strings, so a sample id like ``s-[0]`` shows as written. Nor can it act on
+the terminal: the panes escape bundle strings before they measure them (:func:`replay_lib.safe_text.safe`),
+and :func:`strip_of` escapes every part again, so a row never carries a control character."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from rich.style import Style
 from textual.strip import Strip
 
 from replay_lib.report import fmt_value
+from replay_lib.safe_text import safe
 
 PASS = Style(color="green")
 FAIL = Style(color="red", bold=True)
@@ -48,6 +51,7 @@ def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Sty
     for text, style in parts:
         if not text or used >= width:
             continue
+        text = safe(text)  # the last step before the terminal (a printable part costs one isprintable call)
         n = cell_len(text)
         if used + n > width:
             text = set_cell_size(text, width - used)

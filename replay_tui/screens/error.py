@@ -10,12 +10,16 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Static
 
+from replay_lib.errors import EXIT_INTERNAL
+from replay_lib.safe_text import safe
+
 from ..widgets.key_bar import KeyBar
 
 EXIT_MEANING = {
     2: "bad command line",
     3: "bundle invalid, incomplete, unsafe or ambiguous (nothing was recomputed)",
     4: "unsupported topology, stage or config knob (nothing guessed)",
+    EXIT_INTERNAL: "internal error: a bug in this tool (the traceback file is named above)",
 }
 
 
@@ -43,7 +47,7 @@ class ErrorScreen(Screen):
 
     def compose(self):
         with Vertical(id="error-box"):
-            yield Static(Text(self.line), id="error-line")
+            yield Static(Text(safe(self.line)), id="error-line")  # the line names bundle files
             yield Static(Text(f"exit code {self.code} — {EXIT_MEANING.get(self.code, 'error')}\npress q to quit"),
                          id="error-code")
         yield KeyBar()

@@ -1,4 +1,8 @@
-"""Jump to a sample by id (with completion from the bundle's ids)."""
+"""Jump to a sample by id (with completion from the bundle's ids).
+
+The ids are offered as they are shown everywhere else: escaped (a completion is drawn on the terminal).
+Either form jumps: the id as typed, or its escaped form as the tree and the completion show it. A pasted
+id that holds control characters is shown (and looked up) in its escaped form too."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.suggester import SuggestFromList
 from textual.widgets import Input, Static
+
+from replay_lib.safe_text import safe
 
 from ..widgets.key_bar import KeyBar
 
@@ -27,8 +33,12 @@ class JumpScreen(ModalScreen[Optional[str]]):
     def __init__(self, sample_ids: Sequence[str]) -> None:
         super().__init__()
         self.sample_ids = set(sample_ids)
-        self._example = next(iter(sample_ids), "s-0")  # this bundle's own form (a cohort's are r<rank>-…)
-        self._suggester = SuggestFromList(list(sample_ids), case_sensitive=True)
+        self.shown_ids: dict[str, str] = {}  # escaped form → id (the first id wins a tie)
+        for sid in sample_ids:
+            self.shown_ids.setdefault(safe(sid), sid)
+        # this bundle's own form (a cohort's are r<rank>-…)
+        self._example = safe(next(iter(sample_ids), "s-0"))
+        self._suggester = SuggestFromList(list(self.shown_ids), case_sensitive=True)
 
     def compose(self):
         with Vertical(id="jump-box"):
@@ -43,12 +53,18 @@ class JumpScreen(ModalScreen[Optional[str]]):
         box.cursor_blink = not self.app.is_headless  # a blinking cursor would make screenshots flaky
         box.focus()
 
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if not event.value.isprintable():
+            event.input.value = safe(event.value)
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()
         if value in self.sample_ids:
             self.dismiss(value)
+        elif value in self.shown_ids:
+            self.dismiss(self.shown_ids[value])
         else:
-            self.query_one("#jump-error", Static).update(Text(f"no sample {value!r} in this bundle"))
+            self.query_one("#jump-error", Static).update(Text(f"no sample '{safe(value)}' in this bundle"))
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -13,6 +13,8 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
 
+from replay_lib.safe_text import safe
+
 from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, FIELD_BY_NAME, FIELD_BY_STAGE
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.diff_view import DiffPanel, DiffView
@@ -273,9 +275,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     def say(self, message: str, **kwargs) -> None:
         """A toast, replacing the one before (pressing ``n`` at the last divergence again and again would
-        stack copies over the diff rows)."""
+        stack copies over the diff rows). It may quote the bundle: escaped, and never read as markup."""
         self.app.clear_notifications()
-        self.notify(message, **kwargs)
+        self.notify(safe(message), markup=False, **kwargs)
 
     # -- actions ----------------------------------------------------------------------------------
     def action_focus_pane(self, step: int) -> None:

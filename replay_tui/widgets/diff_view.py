@@ -15,6 +15,8 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
+from replay_lib.safe_text import safe
+
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, fit_number, strip_of
 from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff, ReplayModel
 from .cursor_lines import CursorLines
@@ -52,7 +54,7 @@ class DiffView(CursorLines):
         if was_table != (diff is not None and diff.kind == KIND_SAMPLE):
             self.refresh_bindings()  # the key bar shows or drops "⏎ Open"
         # the widest row label, once per diff (not per rendered row: a table may list 4,096 samples)
-        self._label_width = max((len(x) for x in diff.labels), default=6) if diff is not None else 6
+        self._label_width = max((len(safe(x)) for x in diff.labels), default=6) if diff is not None else 6
         self.set_rows(len(diff) if diff is not None else 0, cursor=cursor)
         self.center_cursor()
 
@@ -95,10 +97,11 @@ class DiffView(CursorLines):
         marker = ("✗ ", FAIL) if bad else ("  ", None)
         if diff.kind == KIND_TOKEN:
             head = (fit(str(row), key, ">"), FAIL_SOFT if bad else DIM)
-        elif diff.kind == KIND_SAMPLE:
-            head = (fit(diff.labels[row], key - 7) + " " + fit(diff.groups[row], 6), FAIL_SOFT if bad else None)
+        elif diff.kind == KIND_SAMPLE:  # sample ids from the bundle: escaped before they are cut
+            head = (fit(safe(diff.labels[row]), key - 7) + " " + fit(safe(diff.groups[row]), 6),
+                    FAIL_SOFT if bad else None)
         else:
-            head = (fit(diff.labels[row], key), FAIL_SOFT if bad else None)
+            head = (fit(safe(diff.labels[row]), key), FAIL_SOFT if bad else None)
         value_style = FAIL_SOFT if bad else None
         parts = [
             marker, head,
@@ -236,10 +239,11 @@ class DiffPanel(Vertical):
         info = Text(no_wrap=True, overflow="ellipsis")
         if diff is None:
             self.border_title = "Diff"
-            info.append(message or "nothing to show", style="dim")
+            info.append(safe(message or "nothing to show"), style="dim")  # it may quote a sample id
         else:
             if diff.kind == KIND_TOKEN:
-                self.border_title = f"Diff · {diff.field} · {diff.sample_id}"
+                # a Text: a str border title is parsed as markup ("[red]…" in a sample id would style it)
+                self.border_title = Text(f"Diff · {diff.field} · {safe(diff.sample_id)}")
                 info.append(f"{len(diff)} token(s)")
             elif diff.kind == KIND_SAMPLE:
                 self.border_title = f"Diff · {diff.field} · all samples"
@@ -248,7 +252,7 @@ class DiffPanel(Vertical):
                 self.border_title = f"Diff · {diff.field} · cohort"
                 info.append(f"{len(diff)} field(s)")
             if diff.note:
-                info.append(f", {diff.note}")
+                info.append(f", {safe(diff.note)}")
             if diff.mismatches:
                 info.append(f" · {diff.mismatches} divergent", style="bold red")
             else:

@@ -15,6 +15,8 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from replay_lib.safe_text import safe
+
 from ..cells import DIM, WARN, fit, strip_of
 
 WARN_KEY = Style(color="yellow", bold=True)
@@ -38,7 +40,9 @@ def _fold(line: str, width: int) -> list[str]:
 def wrap_rows(rows: list[tuple[str, str]], width: int) -> list[tuple[str, Style, str, Optional[Style]]]:
     """Display lines ``(label, label style, value part, value style)``: the label column is as wide
     as the widest label (at most half the pane), values wrap at spaces; a word wider than the column
-    starts its own line and is cut after a separator (``:``, ``=``, ``/``, ``,``, ``.``)."""
+    starts its own line and is cut after a separator (``:``, ``=``, ``/``, ``,``, ``.``). Values come from
+    the bundle: they are escaped before they are measured and wrapped."""
+    rows = rows if rows is PLACEHOLDER else [(safe(key), safe(value)) for key, value in rows]
     key_w = min(max((len(k) for k, _ in rows), default=0), max(width // 2, 1))
     value_w = max(width - key_w - 1, 1)
     lines = []

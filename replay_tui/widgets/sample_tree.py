@@ -12,6 +12,8 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.strip import Strip
 
+from replay_lib.safe_text import safe
+
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SKIP, fit, strip_of
 from ..model import TREE_GROUP, TREE_SAMPLE, ReplayModel
 from .cursor_lines import CursorLines
@@ -125,7 +127,8 @@ class SampleTree(CursorLines):
                 mark, style = "·", SKIP
             tail = f"{group.diverging}/{len(group.samples)} diverging" if group.diverging else f"{len(group.samples)} samples"
             label_w = max(4, width - 4 - len(tail) - 1)
-            return strip_of([(f"{arrow} ", None), (mark + " ", style), (fit(group.label, label_w), Style(bold=True)),
+            return strip_of([(f"{arrow} ", None), (mark + " ", style),
+                             (fit(safe(group.label), label_w), Style(bold=True)),
                              (" " + tail, FAIL_SOFT if group.diverging else DIM)], width, base)
         s = model.samples[i]
         idw, show_mb, show_reward = self._columns(width)
@@ -136,9 +139,10 @@ class SampleTree(CursorLines):
             mark, style = "✗", FAIL
         else:
             mark, style = "✓", PASS
-        parts = [("  ", None), (mark + " ", style), (fit(s.sample_id, idw), FAIL_SOFT if n else None)]
+        # ids come from the bundle: escaped before they are cut to their column
+        parts = [("  ", None), (mark + " ", style), (fit(safe(s.sample_id), idw), FAIL_SOFT if n else None)]
         if show_mb:
-            parts.append((" " + fit(s.micro_batch_id or "—", 8), DIM))
+            parts.append((" " + fit(safe(s.micro_batch_id or "—"), 8), DIM))
         if show_reward:
             reward = s.reward if s.reward is not None else s.raw_reward
             parts.append((" " + fit(_short(reward), 7, ">"), None))

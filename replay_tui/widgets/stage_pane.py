@@ -14,6 +14,7 @@ from textual.strip import Strip
 from textual.widgets import Static
 
 from replay_lib.report import STATUS_FAIL, STATUS_PASS, ReplayReport, StageReport
+from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, FIRST, PASS, SKIP, fit, fit_number, strip_of
 from .cursor_lines import CursorLines
@@ -131,9 +132,9 @@ class StageList(CursorLines):
             err = fit_number(s.max_abs_error, 8) if s.max_abs_error is not None else fit("—", 8, ">")
             parts.append((err + " ", FAIL if s.status == STATUS_FAIL else DIM))
         if show_cap:
-            parts.append((" " + fit(s.capability or "—", 12), DIM))
-        if reason_w:
-            parts.append((" " + fit(s.reason, reason_w), DIM if s.status != STATUS_FAIL else None))
+            parts.append((" " + fit(safe(s.capability or "—"), 12), DIM))
+        if reason_w:  # a reason may name samples, groups and keys of the bundle
+            parts.append((" " + fit(safe(s.reason), reason_w), DIM if s.status != STATUS_FAIL else None))
         return strip_of(parts, width, base)
 
 
@@ -170,7 +171,7 @@ class StagesPanel(Vertical):
             return
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(stage.stage, style="bold")
-        text.append(f" [{stage.capability or '—'}]", style="dim")
+        text.append(f" [{safe(stage.capability or '—')}]", style="dim")
         if stage.reason:
-            text.append(" — " + stage.reason)
+            text.append(" — " + safe(stage.reason))
         detail.update(text, layout=False)

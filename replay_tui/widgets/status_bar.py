@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from replay_lib.report import STATUS_PASS, ReplayReport
+from replay_lib.safe_text import safe
 
 from ..model import first_divergence_text
 
@@ -23,19 +24,20 @@ class TitleBar(Static):
 
     def show(self, name: str, report: Optional[ReplayReport] = None) -> None:
         """The bundle's name and anchor; the key hint after them only when it fits whole (the key bar
-        names ``?`` too), else the line ends with an ellipsis where the terminal does."""
+        names ``?`` too), else the line ends with an ellipsis where the terminal does. The id and the
+        directory's name come from the bundle and the capture directory: escaped."""
         self._shown = (name, report)
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append("replay-tui", style="bold")
         if report is not None:
-            text.append(f"  {report.bundle_id}")
-            text.append(f" · {name}", style="not bold")
+            text.append(f"  {safe(report.bundle_id)}")
+            text.append(f" · {safe(name)}", style="not bold")
             if report.kind:
-                text.append(f" · {report.kind}-level {report.anchor}", style="not bold")
+                text.append(f" · {safe(report.kind)}-level {safe(report.anchor)}", style="not bold")
             if len(report.ranks) > 1:
                 text.append(f" · {len(report.ranks)} ranks", style="not bold")
         else:
-            text.append(f"  {name}", style="not bold")
+            text.append(f"  {safe(name)}", style="not bold")
         width = self.size.width if self.size.width else max(self.app.size.width - 2, 0)  # padding 0 1
         if text.cell_len + len(self.HINT) <= width:
             text.append(self.HINT, style="not bold dim")
@@ -121,7 +123,7 @@ class VerdictBar(Static):
     def _one_line(self, report: ReplayReport) -> bool:
         """Whether the verdict and the divergence line fit on one line of this bar."""
         line = first_divergence_text(report)
-        verdict = len(FAIL_PREFIX) + len(report.first_divergent_stage or "?")
+        verdict = len(FAIL_PREFIX) + len(safe(report.first_divergent_stage or "?"))
         return not line or verdict + 3 + len(line) <= self._text_width()
 
     def show_report(self, report: ReplayReport) -> None:
@@ -137,8 +139,8 @@ class VerdictBar(Static):
             text.append(f" — {compared} stage(s) compared")
         else:
             self.set_classes("-fail")
-            verdict = FAIL_PREFIX + (report.first_divergent_stage or "?")
-            line = first_divergence_text(report)
+            verdict = FAIL_PREFIX + safe(report.first_divergent_stage or "?")
+            line = first_divergence_text(report)  # escaped, as the CLI prints it
             if line and one_line:
                 text.append(verdict, style="bold red")
                 text.append(" — ")

@@ -16,6 +16,8 @@ from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
+from replay_lib.safe_text import safe
+
 from ..cells import DIM, FAIL, WARN, strip_of
 from ..model import KIND_TOKEN, ReplayModel, SupportRow
 
@@ -102,7 +104,7 @@ def status_parts(row: SupportRow) -> Parts:
     if row.issues:
         field, text = row.issues[0]
         more = f" (+{len(row.issues) - 1} more)" if len(row.issues) > 1 else ""
-        return [(f"✗ {field}: {text}{more}", FAIL)]
+        return [(f"✗ {safe(field)}: {safe(text)}{more}", FAIL)]  # the report's message may quote the bundle
     if row.empty:
         if row.eos:
             full = f"={row.full_log_prob:.6g}" if row.full_log_prob is not None else ""
