@@ -19,10 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-import msgspec
-
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
-from .safe_text import safe, safe_json
+from .safe_text import json_document, safe
 
 EXIT_CODES_HELP = """exit codes:
   0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
@@ -226,8 +224,8 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+    def error(self, message: str):  # one line, exit 2 (it may quote an argument: escaped)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {safe(message)}\n")
 
 
 def add_version_argument(parser: argparse.ArgumentParser) -> None:
@@ -344,7 +342,7 @@ def _dispatch(args) -> int:
         step, rollout = anchor_from_args(args)
         result = validate(args.bundle, step=step, rollout=rollout)
         if args.format == "json":
-            sys.stdout.write(safe_json(msgspec.json.format(msgspec.json.encode(result), indent=2).decode()) + "\n")
+            sys.stdout.write(json_document(result))
         else:
             emit(_validate_lines(result))
         return 0
@@ -353,7 +351,7 @@ def _dispatch(args) -> int:
 
         result = inspect(args.bundle)
         if args.format == "json":
-            sys.stdout.write(safe_json(msgspec.json.format(msgspec.json.encode(result), indent=2).decode()) + "\n")
+            sys.stdout.write(json_document(result))
         else:
             emit(_inspect_lines(result))
         return 0

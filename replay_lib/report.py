@@ -12,7 +12,7 @@ from typing import Optional
 
 import msgspec
 
-from .safe_text import safe, safe_json
+from .safe_text import json_document, safe
 
 STATUS_PASS = "pass"
 STATUS_FAIL = "fail"
@@ -73,7 +73,7 @@ REPORT_DECODER = msgspec.json.Decoder(ReplayReport)
 def report_to_json(report: ReplayReport) -> str:
     """The report as JSON; the same values, with the characters :func:`safe` escapes written as ``\\uXXXX``
     (valid JSON that a terminal shows as text)."""
-    return safe_json(msgspec.json.format(REPORT_ENCODER.encode(report), indent=2).decode()) + "\n"
+    return json_document(report, REPORT_ENCODER.encode)
 
 
 def fmt_value(x: Optional[float]) -> str:

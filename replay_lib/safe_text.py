@@ -14,8 +14,11 @@ field shown on one line stays on one line. A backslash is left as it is (paths s
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
+
+import msgspec
 
 HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 _NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -79,3 +82,29 @@ def safe_json(document: str) -> str:
     if document.isascii() and "\x7f" not in document:
         return document
     return _JSON_CANDIDATE.sub(_json_escape, document)
+
+
+def json_document(obj, encode=msgspec.json.encode) -> str:
+    """``obj`` as an indented JSON document (one trailing newline), terminal-safe (:func:`safe_json`).
+
+    A file name that is not UTF-8 reaches a result as lone surrogates (``os.listdir``'s escapes), which
+    msgspec refuses to encode; such a document is written by the json module instead, the surrogate as its
+    ``\\udcXX`` escape (Python's ``json.loads`` and ``os.fsencode`` give the original bytes back)."""
+    try:
+        text = msgspec.json.format(encode(obj), indent=2).decode()
+    except UnicodeEncodeError:
+        import json
+
+        text = json.dumps(_finite(msgspec.to_builtins(obj)), indent=2, ensure_ascii=False)
+    return safe_json(text) + "\n"
+
+
+def _finite(value):
+    """NaN and ±Inf as ``null``, as msgspec writes them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

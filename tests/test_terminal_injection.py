@@ -184,6 +184,16 @@ def test_a_schema_error_quoting_a_key_is_one_escaped_line(tmp_path, seq, cli, bu
     assert err == f"trajectory-replay: error: {bundle}/index.json: $.identity.rank[...]: expected `int`, got `str`\n"
 
 
+def test_a_usage_error_quoting_an_argument_is_escaped(tmp_path, seq, capsys):
+    from replay_lib.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", str(tmp_path), f"extra{seq}"])
+    out, err = capsys.readouterr()
+    assert (exit_.value.code, out) == (2, "")
+    assert err == f"trajectory-replay: error: unrecognized arguments: extra{shown(seq)}\n"
+
+
 def test_a_newline_in_an_error_message_stays_on_one_line(tmp_path, cli):
     missing = tmp_path / "two\nlines"
     code, _, err = run(cli, "validate", missing)
@@ -218,6 +228,22 @@ def test_json_is_exact_and_terminal_safe(hostile, seq, cli, command):
     if command == "replay":
         assert doc["first_divergence"]["sample_id"] == f"s{seq}0"
         assert out == report_to_json(replay(hostile))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file names are bytes")
+def test_a_file_name_that_is_not_utf8_is_escaped_in_text_and_exact_in_json(tmp_path, cli):
+    from replay_lib.demo import write_pr65
+
+    run_dir = os.fsdecode(os.fsencode(str(tmp_path)) + b"/run\xff")  # os.listdir's surrogate escape
+    os.mkdir(run_dir)
+    write_pr65(Path(run_dir) / "b")
+    code, out, err = run(cli, "inspect", tmp_path)
+    assert code == 0 and err == ""
+    assert f"  path      {tmp_path}/run\\udcff/b" in out.splitlines()
+    code, out, err = run(cli, "inspect", "--format", "json", tmp_path)
+    assert code == 0 and err == "" and out.isascii()
+    assert '"path": "' + str(tmp_path) + '/run\\udcff/b"' in out
+    assert os.fsencode(json.loads(out)["bundles"][0]["path"]) == os.fsencode(str(tmp_path)) + b"/run\xff/b"
 
 
 # ------------------------------------------------------------------------------------ a real process
