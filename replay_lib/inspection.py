@@ -67,6 +67,7 @@ class InspectResult(msgspec.Struct, kw_only=True):
 
 
 MAX_DEPTH = 32  # nested capture directories looked into
+SKIPPED_LISTED = 5  # skipped entries named in the one-line "no bundle found" error
 
 
 def _pipeline_order(contracts) -> dict[str, str]:
@@ -186,7 +187,9 @@ def inspect(path: str | Path) -> InspectResult:
         raise BundleError(f"{path}: cannot list the directory: {exc.strerror}") from None
     result.skipped = walk.skipped
     if result.layout == "empty":
-        skipped = f"; not looked into: {'; '.join(walk.skipped)}" if walk.skipped else ""
+        more = len(walk.skipped) - SKIPPED_LISTED
+        skipped = ("; not looked into: " + "; ".join(walk.skipped[:SKIPPED_LISTED])
+                   + (f"; and {more} more" if more > 0 else "")) if walk.skipped else ""
         raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)"
                           f"{skipped}")
     return result
@@ -216,8 +219,8 @@ class _Walk:
         except OSError as exc:
             return f"symbolic link (unreadable: {exc.strerror}), not followed"
         real, home = os.path.realpath(link), os.path.realpath(link.parent)
-        if not os.path.exists(link):
-            where = "it leads nowhere: dangling or a loop of links"
+        if not os.path.exists(link) or not os.path.lexists(real):
+            where = "it resolves to no path: dangling, a loop of links or a special file"
         elif os.path.commonpath([real, home]) == real:
             where = "a loop: it points at a directory that holds it"
         elif os.path.commonpath([real, self.real]) != self.real:

@@ -171,7 +171,8 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
         if os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry):
             candidates.append((entry, _anchor_of(path, entry)))
     if not candidates:
-        skipped = f"; symbolic links are not followed: {', '.join(links)}" if links else ""
+        more = f", and {len(links) - 5} more" if len(links) > 5 else ""
+        skipped = f"; symbolic links are not followed: {', '.join(links[:5])}{more}" if links else ""
         raise BundleError(f"{path}: no bundle found (no manifest.json, no COMPLETE, no bundle subdirectories)"
                           f"{skipped}")
     def listing(found) -> str:
