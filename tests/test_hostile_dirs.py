@@ -109,6 +109,16 @@ def test_an_index_that_is_a_socket_is_never_opened(cli, capture):
                    "b (unreadable identity; index.json is not a regular file (a socket))\n")
 
 
+def test_an_index_nested_too_deep_in_another_candidate_is_unreadable(cli, capture):
+    (capture / "b" / "index.json").write_bytes(b'{"zz": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    code, out, err = cli("validate", capture, "--step", "7:0")
+    assert (code, err) == (0, "")
+    code, out, err = cli("validate", capture, "--step", "7:1")
+    assert (code, out) == (3, "")
+    assert err == (f"trajectory-replay: error: {capture}: no bundle matches --step 7:1; candidates: a (step 7:0); "
+                   "b (unreadable identity; index.json does not decode)\n")
+
+
 def test_an_index_over_its_cap_is_refused_before_a_byte_is_read(cli, capture):
     index = capture / "b" / "index.json"
     os.truncate(index, INDEX_JSON_CAP + 1)  # sparse: 2 GiB + 1 byte on disk costs nothing

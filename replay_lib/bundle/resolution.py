@@ -130,7 +130,7 @@ def _anchor_of(capture: Path, path: Path) -> _Anchor:
         identity = _ANCHOR_DECODER.decode(read_json_file(index_path, capture)).identity
     except UnsafeFile as exc:
         return _Anchor(None, None, exc.reason)
-    except (msgspec.MsgspecError, UnicodeDecodeError):
+    except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):  # the reader names the field if chosen
         return _Anchor(None, None, "index.json does not decode")
     if identity is None:
         return _Anchor(None, None)
