@@ -1,0 +1,57 @@
+"""The bug classes the replay must catch, each a :class:`~producers.base.Plan` that departs from the
+declared config in exactly one place, run through a clean family's own numerics.
+
+``BUGS[name]`` is ``(first divergent stage, what the bug is)``; :func:`plan_for` builds the Plan and says
+which configs a bug needs (k1-for-k3 needs a declared k3 with kl_coef ≠ 0, biased std needs std normalization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .base import TOKEN_MEAN, Config, Plan
+
+BUGS: dict[str, tuple[str, str]] = {
+    "sign_flip": ("advantage.estimate", "advantages are the negated normalized rewards"),
+    "k1_for_k3": ("advantage.kl", "the KL payload is k1 where the config declares k3"),
+    "biased_std": ("reward.post_process", "group std with ddof=0 under std normalization"),
+    "clip_high_both": ("loss.policy", "eps_clip_high used for the lower clip bound too"),
+    "mask_shift": ("loss.policy", "the loss mask shifted one token later in every sample"),
+    "token_mean": ("loss.policy", "a global token mean where the bundle declares a sum of per-sample means"),
+    "pr65": ("reward.post_process", "rewards normalized over consumer batches of 1.5 groups (PR #65)"),
+}
+
+
+def bug_config(bug: str, config: Config) -> Config:
+    """``config`` adjusted so that ``bug`` is expressible: k1-for-k3 declares k3 with a KL coefficient,
+    biased std turns std normalization on; the others take any config."""
+    if bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r} (expected one of {', '.join(BUGS)})")
+    if bug == "k1_for_k3":
+        return dataclasses.replace(config, kl_type="k3", kl_coef=config.kl_coef or 0.05)
+    if bug == "biased_std":
+        return dataclasses.replace(config, std_normalization=True)
+    return config
+
+
+def plan_for(config: Config, bug: Optional[str], group_size: int) -> Plan:
+    """What the producer's code does for ``config`` with ``bug`` injected (``None``: a clean producer)."""
+    plan = Plan.clean(config)
+    if bug is None:
+        return plan
+    if bug_config(bug, config) != config:
+        raise ValueError(f"bug {bug!r} needs another config than {config} (see bug_config)")
+    if bug == "sign_flip":
+        return dataclasses.replace(plan, advantage_sign=-1.0)
+    if bug == "k1_for_k3":
+        return dataclasses.replace(plan, kl_type="k1")
+    if bug == "biased_std":
+        return dataclasses.replace(plan, ddof=0)
+    if bug == "clip_high_both":
+        return dataclasses.replace(plan, eps_clip=config.eps_clip_high)
+    if bug == "mask_shift":
+        return dataclasses.replace(plan, mask_shift=1)
+    if bug == "token_mean":
+        return dataclasses.replace(plan, loss_agg=TOKEN_MEAN)
+    return dataclasses.replace(plan, normalize_batch=group_size + group_size // 2)  # pr65
