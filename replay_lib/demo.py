@@ -91,19 +91,17 @@ def _f32(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.T
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
-    """float64 distance from float32 ``x`` to its neighbour away from zero (the step that changes it)."""
-    away = torch.where(x < 0, torch.full_like(x, -_INF), torch.full_like(x, _INF))
-    return (torch.nextafter(x, away).to(torch.float64) - x.to(torch.float64)).abs()
+    """float64 ``2^-23·|x|``: at least one ulp of float32 ``x`` and at most two (a step that changes it)."""
+    return x.to(torch.float64).abs() * 2.0 ** -23
 
 
 def _unambiguous(v: torch.Tensor) -> torch.Tensor:
-    """float64 ``v`` → bool: ``v`` lies within SETTLE_ULP ulp of the float32 nearest to it, so a float32
-    libm off by less than 1 − SETTLE_ULP ulp can return nothing else."""
-    f = v.to(torch.float32)
-    d = v - f.to(torch.float64)
-    toward = torch.where(d < 0, torch.full_like(f, -_INF), torch.full_like(f, _INF))
-    spacing = (torch.nextafter(f, toward).to(torch.float64) - f.to(torch.float64)).abs()
-    return d.abs() <= SETTLE_ULP * spacing
+    """float64 ``v`` → bool: ``v`` lies within SETTLE_ULP ulp of the float32 ``f`` nearest to it, so a float32
+    libm off by less than 1 − SETTLE_ULP ulp can return nothing else. Tested as ``|v − f| ≤ SETTLE_ULP·2^-24·|f|``,
+    which is at most SETTLE_ULP of the spacing on either side of ``f`` (the smaller one, below a power of two,
+    included)."""
+    f = v.to(torch.float32).to(torch.float64)
+    return (v - f).abs() <= (SETTLE_ULP * 2.0 ** -24) * f.abs()
 
 
 def _exp_is_unambiguous(values: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -111,11 +109,20 @@ def _exp_is_unambiguous(values: torch.Tensor, base: torch.Tensor) -> torch.Tenso
     return _unambiguous(torch.exp((values.to(torch.float32) - base.to(torch.float32)).to(torch.float64)))
 
 
-# Candidate steps tried at once per value (a step passes with probability 2·SETTLE_ULP), values per block, and
-# rounds before a value that never passes (a NaN) is left as it is.
+# Candidate steps tried at once per value (a step passes with probability 2·SETTLE_ULP; a support row's, whose
+# member's exp and row's log must both pass, with (2·SETTLE_ULP)²), values per block, rounds after which the
+# step doubles, and rounds before a value that never passes (a NaN) is left as it is.
 SETTLE_TRIES = 16
+SETTLE_ROW_TRIES = 128
 SETTLE_BLOCK = 1 << 14
-SETTLE_ROUNDS = 256
+SETTLE_DOUBLING = 4
+SETTLE_ROUNDS = 64
+
+
+def _step_scale(round_: int) -> float:
+    """Steps grow after SETTLE_DOUBLING rounds. Near ``exp(0) = 1`` a step of the value moves the exp by a whole
+    number of its ulps, and only the curvature (∝ the step) shifts where it lands between two float32s."""
+    return float(2 ** (round_ // SETTLE_DOUBLING))
 
 
 def _first_passing(cand: torch.Tensor, good: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,21 +136,22 @@ def _first_passing(cand: torch.Tensor, good: torch.Tensor) -> tuple[torch.Tensor
 def _settle(values: torch.Tensor, base: torch.Tensor, ok=_exp_is_unambiguous) -> torch.Tensor:
     """float32 ``values`` (any shape, ``base`` broadcast to it), each stepped down until ``ok(value, base)``.
 
-    A step is an ulp of the value or of its difference from ``base``, whichever is larger, so the float32
-    difference the replay takes moves with every step; SETTLE_TRIES steps are tried at once, and a value moves
-    by about ten ulps. No randomness is drawn: the generator's sequence is untouched.
+    A step is an ulp of the value or of its difference from ``base``, whichever is larger (times
+    :func:`_step_scale`), so the float32 difference the replay takes moves with every step; SETTLE_TRIES steps
+    are tried at once, and a value usually moves by about ten ulps. No randomness is drawn: the generator's
+    sequence is untouched.
     """
     base = base.to(torch.float32).expand_as(values).reshape(-1)
     out = values.to(torch.float32).reshape(-1).clone()
     todo = torch.nonzero(~ok(out, base)).reshape(-1)
     k = torch.arange(1, SETTLE_TRIES + 1, dtype=torch.float64)
-    for _ in range(SETTLE_ROUNDS):
+    for round_ in range(SETTLE_ROUNDS):
         if not todo.numel():
             break
         left = []
         for idx in todo.split(SETTLE_BLOCK):
             v, b = out[idx], base[idx]
-            step = torch.maximum(_ulp(v), _ulp(v - b))
+            step = torch.maximum(_ulp(v), _ulp(v - b)) * _step_scale(round_)
             cand = (v.to(torch.float64)[:, None] - step[:, None] * k).to(torch.float32)
             hit, out[idx] = _first_passing(cand, ok(cand, b[:, None]))
             left.append(idx[~hit])
@@ -491,18 +499,18 @@ def _settle_support(ids: torch.Tensor, logits: torch.Tensor, rows) -> torch.Tens
     slot = second.argmax(1)
     todo = torch.nonzero(rows.has_support & (second.amax(1) > -_INF)).reshape(-1)
     todo = todo[~log_ok(todo, out[todo])[0]]
-    k = torch.arange(1, SETTLE_TRIES + 1, dtype=torch.float64)
-    for _ in range(SETTLE_ROUNDS):
+    k = torch.arange(1, SETTLE_ROW_TRIES + 1, dtype=torch.float64)
+    for round_ in range(SETTLE_ROUNDS):
         if not todo.numel():
             break
         left = []
-        for r in todo.split(SETTLE_BLOCK // SETTLE_TRIES):
+        for r in todo.split(SETTLE_BLOCK // SETTLE_ROW_TRIES):
             v, b = out[r, slot[r]], top[r, 0]
             moves_sum = _ulp(log_ok(r, out[r])[1]) / torch.exp((v - b).to(torch.float64))
-            step = torch.maximum(torch.maximum(_ulp(v), _ulp(v - b)), moves_sum)
+            step = torch.maximum(torch.maximum(_ulp(v), _ulp(v - b)), moves_sum) * _step_scale(round_)
             cand = (v.to(torch.float64)[:, None] - step[:, None] * k).to(torch.float32)  # [n, tries]
-            trial = out[r][:, None, :].repeat(1, SETTLE_TRIES, 1)  # [n, tries, K]: the row with each candidate
-            trial.scatter_(2, slot[r].view(-1, 1, 1).expand(-1, SETTLE_TRIES, 1), cand[:, :, None])
+            trial = out[r][:, None, :].repeat(1, SETTLE_ROW_TRIES, 1)  # [n, tries, K]: the row with each candidate
+            trial.scatter_(2, slot[r].view(-1, 1, 1).expand(-1, SETTLE_ROW_TRIES, 1), cand[:, :, None])
             good = _exp_is_unambiguous(cand, b[:, None]) & log_ok(r, trial)[0]
             hit, out[r, slot[r]] = _first_passing(cand, good)
             left.append(r[~(hit & log_ok(r, out[r])[0])])  # re-checked on the row as the replay lays it out

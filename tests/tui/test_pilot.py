@@ -100,7 +100,7 @@ async def test_on_a_very_narrow_terminal_the_verdict_bar_keeps_to_its_four_lines
         lines = [line.rstrip() for line in screen_text(app).splitlines()[1:1 + bar.size.height]]
         assert bar.size.height == 4
         assert lines[0] == " ✗ first divergence in advan…"  # its own line, cut, never wrapped
-        assert lines[1:] == ["   kl s-5@3:", "   expected=0.2507788", "   actual=0.0007787943 …"]
+        assert lines[1:] == ["   kl s-5@3:", "   expected=0.25077856", "   actual=0.00077855587 …"]
 
 
 def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
