@@ -97,9 +97,9 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 def _unambiguous(v: torch.Tensor) -> torch.Tensor:
     """float64 ``v`` → bool: ``v`` lies within SETTLE_ULP ulp of the float32 ``f`` nearest to it, so a float32
-    libm off by less than 1 − SETTLE_ULP ulp can return nothing else. Tested as ``|v − f| ≤ SETTLE_ULP·2^-24·|f|``,
-    which is at most SETTLE_ULP of the spacing on either side of ``f`` (the smaller one, below a power of two,
-    included)."""
+    libm off by less than 1 − SETTLE_ULP ulp can return nothing else. Tested as
+    ``|v − f| ≤ SETTLE_ULP·2^-24·|f|``, which is at most SETTLE_ULP of the spacing on either side of ``f`` (the
+    smaller one, below a power of two, included)."""
     f = v.to(torch.float32).to(torch.float64)
     return (v - f).abs() <= (SETTLE_ULP * 2.0 ** -24) * f.abs()
 
