@@ -18,22 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from producers import FAMILIES, Config, Size, produce, produce_parts, truth
+from producers import CONFIGS, FAMILIES, Config, Size, produce, produce_parts, truth
 from producers.bf16 import bf16_values
 
 from replay_lib import kernels
 
 SIZES = (Size(8, 16, group_size=4), Size(32, 512), Size(64, 2048))
-# Every reward kind with std normalization on and off, every KL type and KL off, entropy in and out of the
-# loss; each family meets two of them at each size (and so all six over the three sizes).
-CONFIGS = (
-    Config(rewards="binary", std_normalization=True, kl_type="k3", kl_coef=0.05),
-    Config(rewards="rm", std_normalization=True, kl_type="low_var_kl", kl_coef=0.05, entropy_coef=0.01),
-    Config(rewards="partial", std_normalization=True, kl_type="k2", kl_coef=0.05),
-    Config(rewards="rm", std_normalization=False, kl_type="k1", kl_coef=0.05, entropy_coef=0.01),
-    Config(rewards="binary", std_normalization=False, kl_coef=0.0, entropy_coef=0.01),
-    Config(rewards="rm", std_normalization=True, kl_type="k3", kl_coef=0.1),
-)
+# Each family meets two of the six CONFIGS at each size, and so all six over the three sizes.
 CASES = [
     pytest.param(name, size, CONFIGS[(f + s + k) % len(CONFIGS)], id=f"{name}-{size}-{CONFIGS[(f + s + k) % len(CONFIGS)]}")
     for f, name in enumerate(FAMILIES) for s, size in enumerate(SIZES) for k in (0, 3)

@@ -56,7 +56,7 @@ from .megatron import Megatron
 from .numpy_pairwise import NumpyPairwise
 from .torch_sum import TorchSum
 
-__all__ = ["BUGS", "FAMILIES", "REWARD_KINDS", "Config", "Family", "Parts", "Size", "bug_config", "family",
+__all__ = ["BUGS", "CONFIGS", "FAMILIES", "REWARD_KINDS", "Config", "Family", "Parts", "Size", "bug_config", "family",
            "make_inputs", "produce", "produce_parts", "write_parts"]
 
 FAMILIES: dict[str, Callable[[], Family]] = {
@@ -69,6 +69,17 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "gpu_tree_1024": lambda: GPUTree(1024),
     "numpy": NumpyPairwise,
 }
+
+# Every reward kind with std normalization on and off, every KL type and KL off, entropy in and out of the
+# loss: the configs the clean tests and the benchmark rotate through.
+CONFIGS = (
+    Config(rewards="binary", std_normalization=True, kl_type="k3", kl_coef=0.05),
+    Config(rewards="rm", std_normalization=True, kl_type="low_var_kl", kl_coef=0.05, entropy_coef=0.01),
+    Config(rewards="partial", std_normalization=True, kl_type="k2", kl_coef=0.05),
+    Config(rewards="rm", std_normalization=False, kl_type="k1", kl_coef=0.05, entropy_coef=0.01),
+    Config(rewards="binary", std_normalization=False, kl_coef=0.0, entropy_coef=0.01),
+    Config(rewards="rm", std_normalization=True, kl_type="k3", kl_coef=0.1),
+)
 
 STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
           StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY)
