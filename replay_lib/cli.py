@@ -356,20 +356,29 @@ def _dispatch(args) -> int:
             emit(_inspect_lines(result))
         return 0
     if args.command == "demo":
-        from . import demo
-
-        if args.demo_command == "write-all":
-            written = demo.write_demos(args.dir)
-            emit([("", f"wrote {name}: {path}") for name, path in written.items()])
-            return 0
-        if args.samples < 1 or args.tokens < 0 or args.group_size < 1 or args.samples % args.group_size:
-            raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
-        path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,
-                                    group_size=args.group_size, vary_lengths=args.vary_lengths,
-                                    kl_coef=args.kl_coef, bundle_id=args.dir.name, settle=True)
-        emit([("", f"wrote {path}")])
-        return 0
+        try:
+            return _demo(args)
+        except OSError as exc:  # the target directory (exists, not writable…): the command's problem, not a bundle's
+            if exc.filename is None:  # the writer's own refusal names the path
+                raise UsageError(str(exc)) from None
+            raise UsageError(f"{exc.filename}: cannot write the demo bundle: {exc.strerror}") from None
     raise UsageError(f"unknown command {args.command!r}")
+
+
+def _demo(args) -> int:
+    from . import demo
+
+    if args.demo_command == "write-all":
+        written = demo.write_demos(args.dir)
+        emit([("", f"wrote {name}: {path}") for name, path in written.items()])
+        return 0
+    if args.samples < 1 or args.tokens < 0 or args.group_size < 1 or args.samples % args.group_size:
+        raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
+    path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,
+                                group_size=args.group_size, vary_lengths=args.vary_lengths,
+                                kl_coef=args.kl_coef, bundle_id=args.dir.name, settle=True)
+    emit([("", f"wrote {path}")])
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

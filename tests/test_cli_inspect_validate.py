@@ -214,10 +214,10 @@ def test_demo_write_small_synthetic_bundle(tmp_path, cli):
     assert cli("validate", target)[0] == 0
     rc, out, _ = cli("replay", target)
     assert (rc, out.splitlines()[0]) == (0, "bundle d — no divergence (6 stage(s) compared)")
-    # never overwrites: a second write into the same directory is refused (exit 3), bundle unchanged
+    # never overwrites: a second write into the same directory is refused (exit 2: the command's target), bundle unchanged
     before = (target / "COMPLETE").read_bytes()
     rc, out, err = cli("demo", "write", target, "--samples", "8", "--tokens", "4")
-    assert (rc, out) == (3, "")
+    assert (rc, out) == (2, "")
     assert "refusing to overwrite" in err and len(err.splitlines()) == 1
     assert (target / "COMPLETE").read_bytes() == before
 
@@ -241,6 +241,22 @@ def test_demo_write_rejects_bad_sizes(tmp_path, cli):
     assert err == ("trajectory-replay: error: --samples must be a positive multiple of --group-size; "
                    "--tokens must be >= 0\n")
     assert not (tmp_path / "d").exists()
+
+
+def test_demo_write_where_it_cannot_is_a_command_line_error_not_a_bundle_or_internal_one(tmp_path, cli):
+    # an existing target is the user's command's problem (exit 2), not an invalid bundle (3) or a bug (5)
+    assert cli("demo", "write", tmp_path / "d", "--samples", "4", "--tokens", "3")[0] == 0
+    before = sorted(p.name for p in (tmp_path / "d").rglob("*"))
+    rc, out, err = cli("demo", "write", tmp_path / "d", "--samples", "4", "--tokens", "3")
+    assert (rc, out) == (2, "")
+    assert err == f"trajectory-replay: error: {tmp_path / 'd'}: bundle already exists; refusing to overwrite\n"
+    assert sorted(p.name for p in (tmp_path / "d").rglob("*")) == before
+    # a target under a regular file cannot be created: the OS's reason, one line, exit 2
+    (tmp_path / "file").write_text("x")
+    rc, out, err = cli("demo", "write-all", tmp_path / "file" / "demos")
+    assert (rc, out) == (2, "")
+    assert err.startswith(f"trajectory-replay: error: {tmp_path / 'file'}") and "Not a directory" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------- usage/help
