@@ -18,6 +18,7 @@ from .config import (
     ENV_ROLLOUTS,
     ENV_RUN_ID,
     ENV_STEPS,
+    ENV_TOKEN_TERMS,
     CaptureConfig,
     CaptureDisabledWarning,
     config_from_env,
@@ -30,7 +31,8 @@ from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
 
 __all__ = [
-    "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS", "NULL_STEP",
+    "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS", "ENV_TOKEN_TERMS",
+    "NULL_STEP",
     "CaptureConfig", "CaptureDirectoryError", "CaptureDisabledWarning", "CaptureItem", "CaptureManager",
     "CaptureStats", "DisabledCapture", "Provenance", "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE",
     "StepCapture", "check_fresh_directory", "config_from_env", "maybe_enable_for_actor", "micro_batch_id",

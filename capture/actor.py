@@ -12,6 +12,21 @@ writer-thread side.
     step.finish(loss_fields)        # the fields the trainer reports for the whole step
     capture.close(timeout=60)
 
+Per-sample and per-token loss terms (SPEC §4, §6): each micro-batch may give ``loss_terms`` — its samples'
+``pg_sum, entropy_sum, kl_sum`` (Σ_t x·mask of the surrogate, the entropy and ``old − logp``) and
+``clip_count, mask_count`` (Σ_t of the clip indicator and of the mask), as the trainer's loss computed them —
+and ``pg_losses``, the per-token surrogate before aggregation. They become ``expected.json
+$.loss.policy.per_sample`` and (with ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``) the payload ``pg_losses``, which
+the replay compares before the scalars, so a wrong loss is located to its sample and token. A micro-batch may
+also give its reported ``loss_fields``; ``finish()`` without fields then reports their sum over the
+micro-batches, taken in float64 on the writer thread.
+
+Precision (``comparison_policy.producer_precision``, SPEC §5.1): ``compute`` is what the trainer computed its
+per-token values in (``compute_precision``, default float32); ``accumulate`` is read off what it handed over:
+``float64`` when every reported sum (the loss fields and the per-sample sums; Python numbers count as float64)
+arrived as float64 — a float32 tensor carries float32 rounding whatever it was accumulated in — else
+``float32``. A rollout bundle's is ``float64`` when its post-processed rewards arrived as float64.
+
 Sample-support scoring (SPEC §7, stage ``logprob.support``): both hooks take ``side_channels`` — per-token
 rows ``[Σ T, …]`` named in ``SUPPORT_CHANNELS`` (``support_ids``, ``support_logits``, ``sampled_token_ids``,
 ``full_log_probs``, ``routed_experts``, ``cp_shard``) — and ``support_scored``: the recorded log-probs the
@@ -31,12 +46,15 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from replay_lib.kernels import LOSS_FIELDS
-from replay_lib.schema import ActorStepId, RecomputeConfig, RedactionPolicy
+from replay_lib.schema import PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
 from .bundles import (
     DEFAULT_REDACTION,
     SUPPORT_CHANNELS,
     SUPPORT_SCORABLE,
+    COMPUTE_PRECISIONS,
+    FIELD_PREFIX,
+    TERM_PREFIX,
     BundleSink,
     ProducerContext,
     Provenance,
@@ -142,6 +160,48 @@ def _require_support_rows(label: str, channels: Mapping[str, torch.Tensor]) -> N
         raise ValueError(f"{label}: support_scored needs the side channel(s) {', '.join(missing)}")
 
 
+def _loss_terms(label: str, terms: Optional[Mapping[str, TensorLike]], n_samples: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's per-sample loss terms as 1-D tensors of one value per sample (Python numbers as
+    float64), refused (``ValueError``) when a name, length or dtype is wrong — metadata only."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in (terms or {}).items():
+        if name not in PER_SAMPLE_TERMS:
+            raise ValueError(f"{label}: unknown loss term {name!r} (expected one of {', '.join(PER_SAMPLE_TERMS)})")
+        t = _flat(value, torch.float64)
+        if t.numel() != n_samples:
+            raise ValueError(f"{label}: loss term {name!r} has {t.numel()} value(s) for {n_samples} sample(s)")
+        if not t.dtype.is_floating_point and not _is_integer(t):
+            raise ValueError(f"{label}: loss term {name!r} must hold numbers, got {t.dtype}")
+        out[name] = t
+    return out
+
+
+def _pg_losses(label: str, value: TensorLike, tokens: int) -> torch.Tensor:
+    t = _flat(value)
+    if t.numel() != tokens:
+        raise ValueError(f"{label}: pg_losses has {t.numel()} value(s) for Σ response_length {tokens}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{label}: pg_losses must be floating point, got {t.dtype}")
+    return t
+
+
+def _scalar(value) -> torch.Tensor:
+    """A reported loss field as a 0-d tensor: a tensor as given (it stays on its device), a Python number as
+    float64 (what it is)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+
+
+def _loss_fields(label: str, fields: Mapping[str, object], what: str) -> dict[str, torch.Tensor]:
+    unknown = sorted(set(fields) - set(LOSS_FIELDS))
+    if unknown:
+        raise ValueError(f"{label}: unknown loss field(s) {unknown} in {what} (expected {', '.join(LOSS_FIELDS)})")
+    out = {name: _scalar(value) for name, value in fields.items()}
+    for name, t in out.items():
+        if t.numel() != 1:
+            raise ValueError(f"{label}: loss field {name!r} in {what} must be one number, got shape {list(t.shape)}")
+    return out
+
+
 def _sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts=None, responses=None,
                  labels=None) -> SampleMeta:
     n = len(sample_ids)
@@ -199,6 +259,9 @@ class StepCapture:
         self._broken: Optional[str] = None
         self._finished = False
         self._channels: Optional[frozenset[str]] = None  # the side channels of the first micro-batch
+        # What the first micro-batch gave of the loss terms: (terms, pg_losses?, loss fields); every later
+        # one gives the same, or the per-sample lists and the summed fields would not cover the step.
+        self._terms_layout: Optional[tuple] = None
         self.label = step_bundle_id(actor_step_id.rollout_id, actor_step_id.step_id)
 
     def add_micro_batch(
@@ -216,18 +279,24 @@ class StepCapture:
         raw_rewards: Optional[TensorLike] = None,
         rewards: Optional[TensorLike] = None,
         side_channels: Optional[SideChannels] = None,
+        loss_terms: Optional[Mapping[str, TensorLike]] = None,
+        pg_losses: Optional[TensorLike] = None,
+        loss_fields: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> bool:
         """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …). ``side_channels``:
-        the micro-batch's per-token support rows (see the module docstring); every micro-batch of a step
-        gives the same set."""
+        the micro-batch's per-token support rows (see the module docstring). ``loss_terms``: its samples'
+        per-sample loss terms (``PER_SAMPLE_TERMS``, one value per sample each); ``pg_losses``: its per-token
+        surrogate (kept only under ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``, else not even copied);
+        ``loss_fields``: the loss fields it reports (summed by ``finish()``). Every micro-batch of a step
+        gives the same side channels, terms and fields."""
         if self._finished:
             raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
         if self._broken is not None:
             return False
         index = self._parts
         where = f"{self.label} mb-{index:04d}"
-        channels = _side_channels(where, side_channels, sum(int(n) for n in response_lengths),
-                                  self._capture.recompute_config)
+        tokens = sum(int(n) for n in response_lengths)
+        channels = _side_channels(where, side_channels, tokens, self._capture.recompute_config)
         if self.support_scored is not None:
             _require_support_rows(where, channels)
         if self._channels is None:
@@ -235,15 +304,24 @@ class StepCapture:
         elif frozenset(channels) != self._channels:
             raise ValueError(f"{where}: side channels {sorted(channels)} differ from the step's first micro-batch "
                              f"{sorted(self._channels)}")
+        terms = _loss_terms(where, loss_terms, len(sample_ids))
+        token_terms = None
+        if pg_losses is not None and self._capture.config.token_terms:
+            token_terms = _pg_losses(where, pg_losses, tokens)
+        fields = _loss_fields(where, loss_fields or {}, "loss_fields")
+        self._check_terms_layout(where, (frozenset(terms), token_terms is not None, frozenset(fields)))
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
             "log_probs": _flat(log_probs),
             "old_log_probs": _flat(old_log_probs),
             "advantages": _flat(advantages),
             "entropy": None if entropy is None else _flat(entropy),
-            "raw_rewards": None if raw_rewards is None else _flat(raw_rewards),
-            "rewards": None if rewards is None else _flat(rewards),
+            "raw_rewards": None if raw_rewards is None else _flat(raw_rewards, torch.float64),
+            "rewards": None if rewards is None else _flat(rewards, torch.float64),
             **channels,
+            "pg_losses": token_terms,
+            **{TERM_PREFIX + name: t for name, t in terms.items()},
+            **{FIELD_PREFIX + name: t for name, t in fields.items()},
         }
         meta = StepPartMeta(token=self.token, actor_step_id=self.actor_step_id, mb_index=index,
                             samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths))
@@ -254,22 +332,36 @@ class StepCapture:
         self._parts += 1
         return True
 
+    def _check_terms_layout(self, where: str, layout: tuple) -> None:
+        if self._terms_layout is None:
+            self._terms_layout = layout
+            return
+        if layout != self._terms_layout:
+            def show(lay):
+                terms, token, fields = lay
+                return (f"loss terms {sorted(terms)}, pg_losses {'given' if token else 'not given'}, "
+                        f"loss fields {sorted(fields)}")
+            raise ValueError(f"{where}: {show(layout)} differ from the step's first micro-batch "
+                             f"({show(self._terms_layout)})")
+
     def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, **kwargs: torch.Tensor) -> bool:
         """Submit the loss fields the trainer reports for the whole step (``loss, pg_loss, entropy_loss,
-        pg_clipfrac, ppo_kl``; 0-d tensors, they stay on their device). For a step of several micro-batches
-        this is the reduction ``loss.policy`` recomputes over the whole bundle: the sum of per-sample
-        masked means over all samples, i.e. the sum of the micro-batch values."""
+        pg_clipfrac, ppo_kl``; 0-d tensors, they stay on their device; Python numbers are float64). For a
+        step of several micro-batches this is the reduction ``loss.policy`` recomputes over the whole
+        bundle: the sum of per-sample masked means over all samples, i.e. the sum of the micro-batch values.
+        Without fields, that sum is taken of the micro-batches' ``loss_fields`` (in float64, on the writer
+        thread); a step gives its fields one way or the other, not both."""
         if self._finished:
             raise RuntimeError(f"{self.label}: finish() called twice")
         self._finished = True
-        given = dict(fields or {}, **kwargs)
-        unknown = sorted(set(given) - set(LOSS_FIELDS))
-        if unknown:
-            raise ValueError(f"{self.label}: unknown loss field(s) {unknown} (expected {', '.join(LOSS_FIELDS)})")
-        if "loss" not in given:
+        given = _loss_fields(self.label, dict(fields or {}, **kwargs), "finish()")
+        summed = self._terms_layout[2] if self._terms_layout is not None else frozenset()
+        if given and summed:
+            raise ValueError(f"{self.label}: finish() got loss fields, but the micro-batches gave loss_fields "
+                             "(which finish() sums): give them one way")
+        if "loss" not in given and "loss" not in summed:
             raise ValueError(f"{self.label}: finish() needs at least the 'loss' field")
-        tensors = {name: value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-                   for name, value in given.items()}
+        tensors = given
         meta = StepEndMeta(token=self.token, actor_step_id=self.actor_step_id, n_parts=self._parts,
                            provenance=self.provenance, broken=self._broken, support_scored=self.support_scored)
         return self._capture.manager.submit(CaptureItem(kind="step-end", label=self.label, meta=meta, tensors=tensors))
@@ -295,7 +387,10 @@ class ReplayCapture:
         close_timeout: float = 60.0,
         source_dir: Optional[str | os.PathLike] = None,
         register_atexit: bool = True,
+        compute_precision: str = "float32",
     ):
+        """``compute_precision``: the format the trainer computes its per-token values in (``float32``,
+        ``bfloat16``, ``float16``), declared as ``producer_precision.compute`` (see the module docstring)."""
         if not config.enabled or config.directory is None:
             raise ValueError("ReplayCapture needs an enabled CaptureConfig with a directory")
         if not isinstance(recompute_config, RecomputeConfig):
@@ -304,12 +399,15 @@ class ReplayCapture:
         RedactionPolicy(rules)  # refuse a malformed rule now, not on the writer thread
         if producer_rank is not None and not 0 <= producer_rank < producer_world:
             raise ValueError(f"producer_rank {producer_rank} outside [0, {producer_world})")
+        if compute_precision not in COMPUTE_PRECISIONS:
+            raise ValueError(f"compute_precision {compute_precision!r} is not one of {', '.join(COMPUTE_PRECISIONS)}")
         self.config = config
         self.recompute_config = recompute_config
         self.context = ProducerContext(
             directory=config.directory, config=recompute_config,
             rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": 1, **dict(rank_sizes or {})},
             producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
+            compute_precision=compute_precision,
         )
         self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
@@ -319,6 +417,11 @@ class ReplayCapture:
                                       on_start=lambda: remove_stale_staging(directories))
 
     # -- filters -----------------------------------------------------------------------------------
+    @property
+    def token_terms(self) -> bool:
+        """Whether step bundles keep the per-token ``pg_losses`` (``RELAX_REPLAY_CAPTURE_TOKEN_TERMS``)."""
+        return self.config.token_terms
+
     def wants_rollout(self, rollout_id: int) -> bool:
         return not self.manager.closed and self.config.wants_rollout(rollout_id)
 
@@ -372,8 +475,8 @@ class ReplayCapture:
         )
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
-            "raw_rewards": _flat(raw_rewards),
-            "rewards": _flat(rewards),
+            "raw_rewards": _flat(raw_rewards, torch.float64),
+            "rewards": _flat(rewards, torch.float64),
             "old_log_probs": _flat(old_log_probs),
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "kl": _flat(kl),
@@ -415,6 +518,7 @@ class DisabledCapture:
     """The capture of a rank that does not capture: same interface, does nothing, costs nothing."""
 
     enabled = False
+    token_terms = False
 
     def __init__(self, reason: str = "capture is off"):
         self.reason = reason

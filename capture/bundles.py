@@ -8,6 +8,11 @@ Two bundle kinds (SPEC §6):
 * step-level ``step-<R>-<S>`` — ``sample → loss.policy``, anchored by ``actor_step_id=(R, S)``; the step's
   micro-batches arrive as separate ``step-part`` records and are written once the ``step-end`` arrives.
 
+A step bundle also carries the trainer's per-sample loss terms (``expected.json $.loss.policy.per_sample``, in
+float64) and, when token terms are on, the per-token surrogate payload ``pg_losses`` (SPEC §4); every bundle
+declares ``comparison_policy.producer_precision`` as the records it was built from show it (see
+``capture.actor``).
+
 Either kind adds ``logprob.support`` (SPEC §7) when the trainer scored its recorded log-probs over the
 sampler's recorded support: the support side channels become payloads, ``config.support_scored`` names the
 log-probs scored with the recorded member logits, and the contract is ``recompute`` (member logits present)
@@ -20,6 +25,7 @@ and try to finalize the cohort (SPEC §2).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +39,9 @@ from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
 from replay_lib.kernels import LOSS_FIELDS
 from replay_lib.schema import (
     FORMAT_VERSION,
+    PER_SAMPLE_KEY,
+    PER_SAMPLE_SUMS,
+    PER_SAMPLE_TERMS,
     ActorStepId,
     BundleIndex,
     ComparisonPolicy,
@@ -68,6 +77,13 @@ SUPPORT_SCORABLE = tuple(SCORED_FIELDS)
 # Dtype each channel is written with (the writer casts after the device→host copy; integer channels keep
 # their own integer dtype except the support ids, which the format fixes at int32).
 _CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, "full_log_probs": torch.float32}
+
+# Names a step-part record gives its per-sample loss terms and its reported loss fields under (never payload
+# names: the writer turns them into expected.json values).
+TERM_PREFIX = "term:"
+FIELD_PREFIX = "field:"
+# The declared per-token compute formats (SPEC §5.1 ``producer_precision.compute``).
+COMPUTE_PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def rollout_bundle_id(rollout_id: int) -> str:
@@ -148,6 +164,7 @@ class ProducerContext:
     producer_world: int = 1
     redaction: dict = field(default_factory=lambda: dict(DEFAULT_REDACTION))
     tolerance: Tolerance = Tolerance(atol=1e-6, rtol=1e-5)
+    compute_precision: str = "float32"
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +172,15 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def _float_list(t: torch.Tensor) -> list[float]:
-    return [float(x) for x in _cpu(t).to(torch.float32).reshape(-1).tolist()]
+    """The values as JSON floats: float64, so a float64 producer's values are kept whole (a float32 tensor's
+    values are the same either way)."""
+    return [float(x) for x in _cpu(t).to(torch.float64).reshape(-1).tolist()]
+
+
+def _accumulated_in(tensors) -> str:
+    """``producer_precision.accumulate`` as the reported sums show it: float64 only when every one of them
+    arrived as float64 (a float32 result carries float32 rounding, whatever it was summed in)."""
+    return "float64" if all(t.dtype == torch.float64 for t in tensors) else "float32"
 
 
 def _channel(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -263,12 +288,15 @@ class BundleSink:
         )
 
     def _manifest(self, bundle_id: str, stages: Sequence[StageId],
-                  capabilities: Optional[Mapping[StageId, StageCapability]] = None) -> Manifest:
+                  capabilities: Optional[Mapping[StageId, StageCapability]] = None,
+                  accumulate: str = "float32") -> Manifest:
         contracts = stage_contracts(stages, capabilities=dict(capabilities or {}))
-        policy = ComparisonPolicy(
-            exact_fields=["reward.raw.raw_reward"],
-            tolerances={str(stage): self.context.tolerance for stage in stages},
-        )
+        # Converted from plain data: the declaration is decoded into the schema's own type for it.
+        policy = msgspec.convert({
+            "exact_fields": ["reward.raw.raw_reward"],
+            "tolerances": {str(stage): msgspec.to_builtins(self.context.tolerance) for stage in stages},
+            "producer_precision": {"compute": self.context.compute_precision, "accumulate": accumulate},
+        }, ComparisonPolicy)
         return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
                         stage_contracts=contracts, payloads={}, comparison_policy=policy,
                         redaction=dict(self.context.redaction))
@@ -286,9 +314,9 @@ class BundleSink:
         return (*stages, StageId.LOGPROB_SUPPORT), {StageId.LOGPROB_SUPPORT: capability}
 
     def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict,
-                 capabilities: Optional[Mapping[StageId, StageCapability]] = None) -> int:
+                 capabilities: Optional[Mapping[StageId, StageCapability]] = None, accumulate: str = "float32") -> int:
         ctx = self.context
-        manifest = self._manifest(bundle_id, stages, capabilities)
+        manifest = self._manifest(bundle_id, stages, capabilities, accumulate)
         root = ctx.directory / bundle_id
         with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
             for name, tensor in payloads.items():
@@ -327,7 +355,8 @@ class BundleSink:
             if name in tensors:
                 payloads[name] = _channel(name, tensors[name])
         stages, capabilities = self._with_support(ROLLOUT_STAGES, payloads, meta.support_scored)
-        return self._publish(bundle_id, stages, index, expected, payloads, capabilities)
+        return self._publish(bundle_id, stages, index, expected, payloads, capabilities,
+                             _accumulated_in([tensors["rewards"]]))
 
     # -- step-level --------------------------------------------------------------------------------
     def _stash(self, meta: StepPartMeta, tensors: dict[str, torch.Tensor]) -> None:
@@ -365,7 +394,7 @@ class BundleSink:
             for name, tensor in part.items():
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
-        for name in ("log_probs", "old_log_probs", "entropy", "advantages", *SUPPORT_CHANNELS):
+        for name in ("log_probs", "old_log_probs", "entropy", "advantages", "pg_losses", *SUPPORT_CHANNELS):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
@@ -377,9 +406,49 @@ class BundleSink:
             samples=records,
             config=self._config(meta.support_scored),
         )
-        fields = {name: float(_cpu(tensors[name]).reshape(())) for name in LOSS_FIELDS if name in tensors}
+        reported = _reported_fields(bundle_id, tensors, columns, len(parts))
+        loss = {name: float(_cpu(t).reshape(())) if t.dim() == 0 else math.fsum(t.tolist())
+                for name, t in reported.items()}
+        terms = _per_sample_terms(bundle_id, columns, len(parts))
+        if terms:
+            loss[PER_SAMPLE_KEY] = {name: t.tolist() for name, t in terms.items()}
+        # as handed over (before the float64 casts above)
+        sums = [tensors[n] for n in LOSS_FIELDS if n in tensors] + [
+            t for n in (*(FIELD_PREFIX + f for f in LOSS_FIELDS), *(TERM_PREFIX + n for n in PER_SAMPLE_SUMS))
+            for t in columns.get(n, ())]
         stages, capabilities = self._with_support(STEP_STAGES, payloads, meta.support_scored)
-        return self._publish(bundle_id, stages, index, {"loss.policy": fields}, payloads, capabilities)
+        return self._publish(bundle_id, stages, index, {"loss.policy": loss}, payloads, capabilities,
+                             _accumulated_in(sums))
+
+
+def _reported_fields(bundle_id: str, end: dict[str, torch.Tensor], columns: dict[str, list[torch.Tensor]],
+                     n_parts: int) -> dict[str, torch.Tensor]:
+    """The step's reported loss fields: those ``finish()`` gave (0-d), else each field's micro-batch values
+    (1-D, in data-iterator order), which the caller sums in float64."""
+    if any(name in end for name in LOSS_FIELDS):
+        return {name: end[name] for name in LOSS_FIELDS if name in end}
+    out = {}
+    for name in LOSS_FIELDS:
+        column = columns.get(FIELD_PREFIX + name)
+        if column is None:
+            continue
+        if len(column) != n_parts:
+            raise ValueError(f"{bundle_id}: loss field {name!r} given for only some micro-batches")
+        out[name] = torch.cat(column).to(torch.float64)
+    return out
+
+
+def _per_sample_terms(bundle_id: str, columns: dict[str, list[torch.Tensor]], n_parts: int) -> dict[str, torch.Tensor]:
+    """``{term: float64 [samples]}`` of the per-sample loss terms the micro-batches gave, in index order."""
+    out = {}
+    for name in PER_SAMPLE_TERMS:
+        column = columns.get(TERM_PREFIX + name)
+        if column is None:
+            continue
+        if len(column) != n_parts:
+            raise ValueError(f"{bundle_id}: loss term {name!r} given for only some micro-batches")
+        out[name] = torch.cat(column).to(torch.float64)
+    return out
 
 
 def _step_of(parts) -> tuple[int, int]:

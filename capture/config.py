@@ -5,7 +5,10 @@
 ``RELAX_REPLAY_CAPTURE_STEPS=R:S,…``  step-level bundles to write (unset or blank = every actor step);
 ``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout);
 ``RELAX_REPLAY_CAPTURE_RUN_ID=ID``    write under ``<DIR>/<ID>/`` instead of ``<DIR>/`` (a restarted job that
-                                      keeps its directory: see ``capture.directory``).
+                                      keeps its directory: see ``capture.directory``);
+``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1`` also write the per-token surrogate ``pg_losses`` into step bundles (off by
+                                      default: it is one more float per token; the per-sample loss terms are
+                                      always written when the trainer gives them).
 
 The two filters are independent: ``STEPS`` selects step-level bundles, ``ROLLOUTS`` rollout-level ones.
 A malformed value raises ``ValueError`` naming the variable and the bad item when capture is enabled.
@@ -26,6 +29,7 @@ ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
 ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
 ENV_RUN_ID = "RELAX_REPLAY_CAPTURE_RUN_ID"
+ENV_TOKEN_TERMS = "RELAX_REPLAY_CAPTURE_TOKEN_TERMS"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -46,13 +50,15 @@ class CaptureDisabledWarning(RuntimeWarning):
 @dataclass(frozen=True)
 class CaptureConfig:
     """What to capture. ``steps`` / ``rollouts`` of ``None`` mean "all". ``directory`` is where bundles go:
-    ``<DIR>/<run_id>`` when a run id is set, else ``<DIR>`` itself."""
+    ``<DIR>/<run_id>`` when a run id is set, else ``<DIR>`` itself. ``token_terms``: step bundles carry the
+    per-token ``pg_losses`` payload."""
 
     enabled: bool = False
     directory: Optional[Path] = None
     steps: Optional[frozenset[tuple[int, int]]] = None
     rollouts: Optional[frozenset[int]] = None
     run_id: Optional[str] = None
+    token_terms: bool = False
 
     @property
     def root(self) -> Optional[Path]:
@@ -157,8 +163,10 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     rollouts = parse_rollouts(rollouts_text) if rollouts_text and rollouts_text.strip() else None
     run_id_text = env.get(ENV_RUN_ID)
     run_id = parse_run_id(run_id_text) if run_id_text and run_id_text.strip() else None
+    token_terms = parse_enabled(env.get(ENV_TOKEN_TERMS), ENV_TOKEN_TERMS)
     if not directory:
         _warn_no_dir()
         return DISABLED
     path = Path(directory) if run_id is None else Path(directory) / run_id
-    return CaptureConfig(enabled=True, directory=path, steps=steps, rollouts=rollouts, run_id=run_id)
+    return CaptureConfig(enabled=True, directory=path, steps=steps, rollouts=rollouts, run_id=run_id,
+                         token_terms=token_terms)

@@ -24,9 +24,12 @@ records the support rows and the member logits of the scoring forward, and both 
 ``logprob.support``. ``--support-full-vocab-bug`` claims support scoring but scores over the whole
 vocabulary; ``--append-eos`` appends an <eos> without support to responses cut off at the length limit.
 
-Rewards, KL, advantages and the loss come from ``replay_lib.kernels`` — the same code the replay uses.
-Capture is configured from the environment (``RELAX_REPLAY_CAPTURE=1``, ``RELAX_REPLAY_CAPTURE_DIR``…),
-see examples/README.md.
+Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
+uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
+micro-batch hands capture its per-sample loss terms, its per-token surrogate and its loss fields, so the step
+bundle carries ``expected.json $.loss.policy.per_sample`` (and, with ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``,
+the payload ``pg_losses``) and declares float64 accumulation. Capture is configured from the environment
+(``RELAX_REPLAY_CAPTURE=1``, ``RELAX_REPLAY_CAPTURE_DIR``…), see examples/README.md.
 
     python examples/grpo_trainer.py --rollouts 4
     torchrun --nproc-per-node 2 examples/grpo_trainer.py --rollouts 4
@@ -54,10 +57,11 @@ from capture import Provenance, maybe_enable_for_actor
 from replay_lib.kernels import (
     LOSS_FIELDS,
     batch_normalize,
+    compute_policy_loss,
     get_grpo_returns,
     group_normalize,
-    policy_loss_fields,
     rollout_kl,
+    segment_ids,
 )
 from replay_lib.schema import RecomputeConfig
 
@@ -248,6 +252,47 @@ def score_support(model: TinyLM, samples: Sequence[Sample], full_vocab_bug: bool
     return SupportScores(log_probs=full if full_vocab_bug else logp_s, entropy=entropy,
                          full_log_probs=full.detach(), support_logits=members, support_ids=support_ids,
                          targets=targets)
+
+
+# ---------------------------------------------------------------------------------------- loss
+
+
+@dataclass
+class MicroBatchLoss:
+    fields: dict[str, torch.Tensor]  # loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl: 0-d float64 (``loss``
+    # carries the graph)
+    terms: dict[str, torch.Tensor]  # per sample, float64: pg_sum, entropy_sum, kl_sum, clip_count, mask_count
+    pg_losses: torch.Tensor  # [tokens] float32: the per-token surrogate before aggregation
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                entropy: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, *, eps_clip: float,
+                eps_clip_high: float, entropy_coef: float) -> MicroBatchLoss:
+    """One micro-batch's clipped surrogate: per token in float32 (``compute_policy_loss``, the replay's kernel),
+    then every per-sample sum ``Σ_t x·mask`` and the sum of per-sample masked means in float64 — float32
+    sums of long responses carry rounding (at ~u·n relative) that would blur a one-token difference."""
+    ppo_kl = old_log_probs.float() - log_probs.float()
+    pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages.float(), eps_clip, eps_clip_high)
+    seg = segment_ids(lengths)
+    m = mask.to(torch.float64)
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(lengths.numel(), dtype=torch.float64).index_add(0, seg, x.to(torch.float64) * m)
+
+    terms = {"pg_sum": per_sample(pg_losses), "entropy_sum": per_sample(entropy), "kl_sum": per_sample(ppo_kl),
+             "clip_count": per_sample(clipfrac), "mask_count": per_sample(m)}
+    denom = terms["mask_count"].clamp_min(1.0)
+    pg_loss = (terms["pg_sum"] / denom).sum()
+    entropy_loss = (terms["entropy_sum"] / denom).sum()
+    fields = {
+        "loss": pg_loss - entropy_coef * entropy_loss,
+        "pg_loss": pg_loss,
+        "entropy_loss": entropy_loss,
+        "pg_clipfrac": (terms["clip_count"] / denom).sum(),
+        "ppo_kl": (terms["kl_sum"] / denom).sum(),
+    }
+    return MicroBatchLoss(fields=fields, terms={k: v.detach() for k, v in terms.items()},
+                          pg_losses=pg_losses.detach())
 
 
 # -------------------------------------------------------------------------------- rollout worker
@@ -456,7 +501,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     normalization_cohort_ids=provenance.normalization_cohort_ids),
                     support_scored=("log_probs",) if args.sample_support else None)
                 optimizer.zero_grad(set_to_none=True)
-                totals = {name: torch.zeros(()) for name in LOSS_FIELDS}
+                totals = {name: torch.zeros((), dtype=torch.float64) for name in LOSS_FIELDS}
                 for mb_start in range(first, first + step_size, args.micro_batch):
                     mb = list(range(mb_start, min(mb_start + args.micro_batch, first + step_size)))
                     tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in mb])
@@ -467,13 +512,14 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, entropy = support.log_probs, support.entropy
                     else:
                         log_probs, entropy = score(model, mb_samples)
-                    fields = policy_loss_fields(
+                    mb_loss = policy_loss(
                         log_probs, old_log_probs[tok], advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                     )
-                    fields["loss"].backward()
+                    mb_loss.fields["loss"].backward()
+                    fields = {name: value.detach() for name, value in mb_loss.fields.items()}
                     for name in LOSS_FIELDS:
-                        totals[name] += fields[name].detach()
+                        totals[name] += fields[name]
                     channels = None
                     if support is not None and step.captured:
                         channels = {"sampled_token_ids": support.targets, "support_ids": support.support_ids,
@@ -485,7 +531,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         total_lengths=[len(prompt_tokens(samples[i].digits)) + int(lengths[i]) for i in mb],
                         loss_mask=mask[tok], log_probs=log_probs, old_log_probs=old_log_probs[tok],
                         advantages=advantages[tok], entropy=entropy, raw_rewards=raw[mb], rewards=rewards[mb],
-                        side_channels=channels,
+                        side_channels=channels, loss_terms=mb_loss.terms, pg_losses=mb_loss.pg_losses,
+                        loss_fields=fields,
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -496,8 +543,9 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 optimizer.step()
                 version += 1
                 # The reported loss of the step: the sum over micro-batches of their sums of per-sample
-                # means, which is exactly loss.policy's reduction over the whole step.
-                step.finish(totals)
+                # means, which is exactly loss.policy's reduction over the whole step (capture sums the
+                # micro-batches' loss_fields in float64).
+                step.finish()
                 result.step_times.append(time.perf_counter() - t0)
                 result.step_cpu_times.append(time.thread_time() - c0)
                 result.steps += 1

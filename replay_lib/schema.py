@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import functools
 import json
-from typing import Literal, Optional, Union
+import math
+from typing import Any, Literal, Optional, Union
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -253,8 +254,50 @@ class Manifest(_Struct, kw_only=True):
             force_setattr(self, "extension_stage_contracts", {})
 
 
-ExpectedValue = Union[float, None, list[Optional[float]]]
+# An object is read only where the format has one (``$.loss.policy.per_sample``, see
+# ``_check_expected_objects``); anywhere else it is refused as before.
+ExpectedValue = Union[float, None, list[Optional[float]], dict[str, Any]]
 Expected = dict[str, dict[str, ExpectedValue]]
+
+# Per-sample loss terms (SPEC §4; written by our capture): ``expected.json $.loss.policy.per_sample`` holds,
+# one float64 per sample in index order, Σ_t x·mask of the surrogate, the entropy and the log-ratio
+# (``ppo_kl``), and Σ_t of the clip indicator and of the mask. With them a loss divergence is located to its
+# sample, and the clip fraction becomes a ratio of whole numbers that float rounding cannot blur.
+PER_SAMPLE_KEY = "per_sample"
+PER_SAMPLE_SUMS = ("pg_sum", "entropy_sum", "kl_sum")
+PER_SAMPLE_COUNTS = ("clip_count", "mask_count")
+PER_SAMPLE_TERMS = PER_SAMPLE_SUMS + PER_SAMPLE_COUNTS
+
+
+class PerSampleLossTerms(_Struct, kw_only=True, omit_defaults=True):
+    """``$.loss.policy.per_sample``: the terms a producer recorded (an absent or null one is not compared;
+    one this reader does not know is ignored, as a later minor version may add terms). A NaN in a sum is
+    read, and so is a null (msgspec writes a NaN as null): either diverges where it is compared; a count must
+    be a whole number ≥ 0."""
+
+    pg_sum: Optional[list[Optional[float]]] = None
+    entropy_sum: Optional[list[Optional[float]]] = None
+    kl_sum: Optional[list[Optional[float]]] = None
+    clip_count: Optional[list[float]] = None
+    mask_count: Optional[list[float]] = None
+
+    def recorded(self) -> dict[str, list[Optional[float]]]:
+        """``{term: values}`` of the terms present, in ``PER_SAMPLE_TERMS`` order."""
+        return {k: v for k in PER_SAMPLE_TERMS if (v := getattr(self, k)) is not None}
+
+
+def loss_terms_length_error(expected: Expected, n_samples: int) -> Optional[str]:
+    """The first per-sample term whose length is not the bundle's sample count, as the message after the
+    file name (``"$.loss.policy.per_sample.pg_sum: 3 value(s) for 4 sample(s)"``), else ``None``."""
+    terms = expected.get("loss.policy", {}).get(PER_SAMPLE_KEY)
+    if not isinstance(terms, PerSampleLossTerms):
+        return None
+    for key, values in terms.recorded().items():
+        if len(values) != n_samples:
+            return (f"$.loss.policy.{PER_SAMPLE_KEY}.{key}: {len(values)} value(s) for {n_samples} sample(s) "
+                    "(expected one per sample of index.json $.samples)")
+    return None
+
 
 
 class RankComplete(_Struct, kw_only=True):
@@ -384,7 +427,7 @@ def decode_expected(blob: bytes) -> Expected:
     otherwise too is reported where the stdlib parser stopped (msgspec stopped at the literal). The usual
     document takes the one fast decode. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
     try:
-        return EXPECTED_DECODER.decode(blob)
+        return _check_expected_objects(EXPECTED_DECODER.decode(blob))
     except msgspec.DecodeError as exc:
         if b"NaN" not in blob and b"Infinity" not in blob:
             raise
@@ -396,7 +439,38 @@ def decode_expected(blob: bytes) -> Expected:
             raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
         except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
             raise exc from None
-        return msgspec.convert(doc, Expected)
+        return _check_expected_objects(msgspec.convert(doc, Expected))
+
+
+def _check_expected_objects(doc: Expected) -> Expected:
+    """``$.loss.policy.per_sample`` decoded as :class:`PerSampleLossTerms`; an object anywhere else, or a
+    per_sample that is not one, is a ``ValidationError`` naming its path (``$.<stage>.<key>…``: msgspec
+    itself would say ``$[...][...]``). A handful of keys: nothing here walks a list."""
+    for stage, values in doc.items():
+        for key, value in values.items():
+            where = f"$.{stage}.{key}"
+            if stage == "loss.policy" and key == PER_SAMPLE_KEY:
+                if value is not None:  # null: not recorded, like an absent key
+                    values[key] = _loss_terms(value, where)
+            elif isinstance(value, dict):
+                raise msgspec.ValidationError(f"Expected `float | array | null`, got `object` - at `{where}`")
+    return doc
+
+
+def _loss_terms(raw, where: str) -> PerSampleLossTerms:
+    if not isinstance(raw, dict):
+        kind = "array" if isinstance(raw, list) else "float"
+        raise msgspec.ValidationError(f"Expected `object` (the per-sample loss terms), got `{kind}` - at `{where}`")
+    try:
+        terms = msgspec.convert(raw, PerSampleLossTerms)
+    except msgspec.ValidationError as exc:  # "… - at `$.pg_sum[1]`": rooted at the object itself
+        raise msgspec.ValidationError(str(exc).replace("- at `$", f"- at `{where}", 1)) from None
+    for key in PER_SAMPLE_COUNTS:
+        for i, value in enumerate(getattr(terms, key) or ()):
+            if not (math.isfinite(value) and value >= 0 and value.is_integer()):
+                raise msgspec.ValidationError(
+                    f"Expected a whole number >= 0 (a token count), got {value!r} - at `{where}.{key}[{i}]`")
+    return terms
 
 
 def encode_json(obj) -> bytes:

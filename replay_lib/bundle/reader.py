@@ -29,6 +29,7 @@ from ..schema import (
     RedactionPolicy,
     decode_expected,
     decode_index,
+    loss_terms_length_error,
     unknown_fields,
 )
 from .files import _decode, _read_bytes, _sha256_stream, check_payload_name, parse_format_version, sha256_bytes, sha256_file
@@ -287,6 +288,9 @@ class BundleReader:
                 f"{root / 'index.json'}: $.bundle_id: {self.index.bundle_id!r} does not match "
                 f"manifest.json $.bundle_id {self.manifest.bundle_id!r}"
             )
+        terms_error = loss_terms_length_error(self.expected, len(self.index.samples))
+        if terms_error is not None:
+            raise BundleError(f"{root / 'expected.json'}: {terms_error}")
         extension = raw_manifest.get("extension_stage_contracts")
         for stage, contract in self.manifest.stage_contracts.items():
             if contract.stage != stage:
