@@ -177,6 +177,23 @@ def _float_list(t: torch.Tensor) -> list[float]:
     return [float(x) for x in _cpu(t).to(torch.float64).reshape(-1).tolist()]
 
 
+class _DeclaredPrecision(ComparisonPolicy, kw_only=True, frozen=True):
+    """A comparison policy that writes ``producer_precision`` while the schema has no field for it yet (a
+    reader without one lists it as an unknown field and ignores it): a bundle captured now keeps its
+    declaration for the readers that use it."""
+
+    producer_precision: dict = {}
+
+
+def _comparison_policy(*, exact_fields: list[str], tolerances: dict[str, Tolerance],
+                       precision: dict[str, str]) -> ComparisonPolicy:
+    if "producer_precision" in ComparisonPolicy.__struct_fields__:
+        # decoded into the schema's own type for it (and checked by it)
+        return msgspec.convert({"exact_fields": exact_fields, "tolerances": msgspec.to_builtins(tolerances),
+                                "producer_precision": precision}, ComparisonPolicy)
+    return _DeclaredPrecision(exact_fields=exact_fields, tolerances=tolerances, producer_precision=dict(precision))
+
+
 def _accumulated_in(tensors) -> str:
     """``producer_precision.accumulate`` as the reported sums show it: float64 only when every one of them
     arrived as float64 (a float32 result carries float32 rounding, whatever it was summed in)."""
@@ -291,12 +308,11 @@ class BundleSink:
                   capabilities: Optional[Mapping[StageId, StageCapability]] = None,
                   accumulate: str = "float32") -> Manifest:
         contracts = stage_contracts(stages, capabilities=dict(capabilities or {}))
-        # Converted from plain data: the declaration is decoded into the schema's own type for it.
-        policy = msgspec.convert({
-            "exact_fields": ["reward.raw.raw_reward"],
-            "tolerances": {str(stage): msgspec.to_builtins(self.context.tolerance) for stage in stages},
-            "producer_precision": {"compute": self.context.compute_precision, "accumulate": accumulate},
-        }, ComparisonPolicy)
+        policy = _comparison_policy(
+            exact_fields=["reward.raw.raw_reward"],
+            tolerances={str(stage): self.context.tolerance for stage in stages},
+            precision={"compute": self.context.compute_precision, "accumulate": accumulate},
+        )
         return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
                         stage_contracts=contracts, payloads={}, comparison_policy=policy,
                         redaction=dict(self.context.redaction))
