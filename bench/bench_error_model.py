@@ -229,7 +229,8 @@ def main(argv=None) -> int:
     false_total = sum(c.hits for row in clean.values() for c in row.values())
     runs_total = sum(c.runs for row in clean.values() for c in row.values())
     target_sizes = {str(s) for s in sizes if s.samples * s.tokens <= BUG_TARGET_UP_TO}
-    missed = [f"{bug} {s}" for bug, row in bugs.items() for s, c in row.items() if s in target_sizes and c.hits < c.runs]
+    missed = [f"{bug} {s}" for bug, row in bugs.items() for s, c in row.items()
+              if s in target_sizes and c.hits < c.runs]
     checks = [(f"{false_total} false divergences in {runs_total} clean bundles (target 0)", false_total == 0)]
     if not args.no_bugs:
         checks.append((f"every bug at its own stage up to {BUG_TARGET_UP_TO:,} tokens"
