@@ -13,7 +13,11 @@ bundle's fixed ``atol + rtol·|e|`` (marked ``*``; only over the divergences the
 and size, ``detected/run`` (reported at the bug's own stage), with the wrong first stages named.
 
     python bench/bench_error_model.py [--quick] [--sizes 8x16,32x512] [--families torch_sum,numpy]
-                                      [--seeds 1] [--all-configs] [--tmp DIR]
+                                      [--seeds 1] [--all-configs] [--per-sample] [--no-bugs] [--tmp DIR]
+
+``--per-sample`` writes the SPEC §4 per-sample loss terms (``$.loss.policy.per_sample``) into every bundle, as
+each family reduces its samples: the replay compares them before the scalars, so a loss bug is located to a
+sample, and the one-token mask shift stays visible at every size.
 
 Targets: 0 false divergences; every bug reported at its own stage at every size up to 64 × 2,048 tokens
 (larger sizes are printed: a scalar-only bug such as a one-token mask shift fades into the noise as the
@@ -114,11 +118,11 @@ def worst_ratio(report) -> tuple[Optional[float], bool]:
     return worst, fixed
 
 
-def run_one(root: Path, name: str, seed: int, size: Size, config, bug=None) -> Outcome:
+def run_one(root: Path, name: str, seed: int, size: Size, config, bug=None, per_sample=False) -> Outcome:
     path = root / f"{name}-{size}-{seed}-{bug or 'clean'}"
     start = time.perf_counter()
     try:
-        produce(path, name, seed, size, config, bug=bug)
+        produce(path, name, seed, size, config, bug=bug, per_sample=per_sample)
         report = replay(path)
         worst, fixed = worst_ratio(report)
         return Outcome(report.passed, report.first_divergent_stage, worst, fixed, time.perf_counter() - start)
@@ -170,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="seeds per (family, size, config)")
     ap.add_argument("--all-configs", action="store_true",
                     help="every config on every family and every bug on every family at every size")
+    ap.add_argument("--per-sample", action="store_true", help="write $.loss.policy.per_sample into every bundle")
     ap.add_argument("--no-bugs", action="store_true", help="clean producers only")
     ap.add_argument("--tmp", type=Path, help="where the bundles are written (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
                 cell = clean[name].setdefault(str(size), Cell())
                 for config in configs_for(size, f, args.all_configs):
                     for seed in range(args.seeds):
-                        out = run_one(root, name, 1000 + seed, size, config)
+                        out = run_one(root, name, 1000 + seed, size, config, per_sample=args.per_sample)
                         cell.add(not out.passed, out, out.first_stage)
                         count += 1
                         if not out.passed:
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
                     cell = bugs[bug].setdefault(str(size), Cell())
                     for name in bug_families(bug, args.families, size, b, args.all_configs):
                         config = bug_config(bug, CONFIGS[0])
-                        out = run_one(root, name, 2000, size, config, bug=bug)
+                        out = run_one(root, name, 2000, size, config, bug=bug, per_sample=args.per_sample)
                         detected = out.first_stage == stage
                         cell.add(detected, out, None if detected else (out.first_stage or "pass"))
                         count += 1

@@ -38,6 +38,23 @@ def test_injected_bug_is_reported_at_its_stage(tmp_path, cli, bug, name):
     assert report["first_divergence"]["stage"] == stage
 
 
+# Bugs that change what each sample's loss terms sum (the token-mean bug changes only how they are combined).
+SAMPLE_LOSS_BUGS = ("clip_high_both", "mask_shift")
+
+
+@pytest.mark.parametrize("bug,name", [c for c in CASES if c.values[0] in SAMPLE_LOSS_BUGS])
+def test_loss_bug_is_located_to_a_sample_by_the_per_sample_terms(tmp_path, cli, bug, name):
+    """With ``$.loss.policy.per_sample`` recorded, a loss bug is reported at loss.policy on a sample (the
+    terms are compared first, SPEC §4), not only as a scalar."""
+    bundle = produce(tmp_path / "b", name, SEED, SIZE, bug_config(bug, BASE), bug=bug, per_sample=True)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    assert "Traceback" not in err
+    assert code == 1, out
+    report = json.loads(out)
+    assert report["first_divergent_stage"] == "loss.policy"
+    assert report["first_divergence"]["sample_id"] is not None, report["first_divergence"]
+
+
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_injected_bug_changes_what_its_stage_records(bug):
     """The bug is really there: the buggy producer records something else than the clean one at the stage

@@ -44,6 +44,23 @@ def test_clean_producer_replays_without_divergence(tmp_path, cli, name, size, co
     assert out.splitlines()[0] == f"bundle {name}-{size}-s11 — no divergence (6 stage(s) compared)"
 
 
+PER_SAMPLE_CASES = [
+    pytest.param(name, size, CONFIGS[(f + s) % len(CONFIGS)], id=f"{name}-{size}-{CONFIGS[(f + s) % len(CONFIGS)]}")
+    for f, name in enumerate(FAMILIES) for s, size in enumerate(SIZES[1:])
+]
+
+
+@pytest.mark.parametrize("name,size,config", PER_SAMPLE_CASES)
+def test_clean_producer_with_per_sample_loss_terms_replays_without_divergence(tmp_path, cli, name, size, config):
+    """The same with ``expected.json $.loss.policy.per_sample`` written as each family reduces its samples
+    (float32 sums; float64 ones for the float64 family), which the replay compares first (SPEC §4)."""
+    bundle = produce(tmp_path / "b", name, seed=12, size=size, config=config, per_sample=True)
+    code, out, err = cli("replay", bundle)
+    assert "Traceback" not in err
+    assert code == 0, out
+    assert out.splitlines()[0] == f"bundle {name}-{size}-s12 — no divergence (6 stage(s) compared)"
+
+
 @pytest.mark.parametrize("name", [n for n in FAMILIES if FAMILIES[n]().precision is not None])
 def test_declared_producer_precision_is_read_not_ignored(tmp_path, cli, name):
     """A producer that declares ``comparison_policy.producer_precision`` has it understood by the reader:
@@ -141,6 +158,12 @@ def test_producer_is_within_a_few_ulp_of_the_float64_truth(name, size):
                           entropy_coef=config.entropy_coef)
         for f, v in parts.expected["loss.policy"].items():
             worst[f] = truth.noise_ratios([v], [t[f]], [c[f]], truth.U32).max()
+        t, c = truth.sample_sums(inp.log_probs, inp.old_log_probs, parts.payloads["advantages"].numpy(),
+                                 inp.entropy, inp.mask, inp.lengths, eps_clip=config.eps_clip,
+                                 eps_clip_high=config.eps_clip_high)
+        terms = produce_parts(name, 13, size, config, per_sample=True).expected["loss.policy"]["per_sample"]
+        for k, values in terms.items():
+            worst[k] = truth.noise_ratios(values, t[k], c[k], truth.U32).max()
         bad = {k: round(float(v), 2) for k, v in worst.items() if not v <= FEW_ULP}
         assert not bad, f"{name} {size} {config}: |expected − truth| / (u·cond) = {bad}"
 

@@ -46,7 +46,7 @@ from replay_lib.schema import (
     stage_contracts,
 )
 
-from .base import Config, Family, LossInputs, Plan, shifted_mask
+from .base import Config, Family, LossInputs, Plan, per_sample_terms, shifted_mask
 from .bf16 import BF16
 from .bugs import BUGS, bug_config, plan_for
 from .float64 import Float64
@@ -131,9 +131,10 @@ def _bounds(inputs: Inputs, plan: Plan) -> list[tuple[int, int]]:
 
 
 def produce_parts(name_or_family, seed: int, size: Size, config: Config = Config(), *, bug: Optional[str] = None,
-                  bundle_id: Optional[str] = None) -> Parts:
+                  per_sample: bool = False, bundle_id: Optional[str] = None) -> Parts:
     """The bundle a ``family`` producer writes for one step of ``size`` drawn from ``seed``; ``bug`` injects
-    one bug class (the config must allow it: :func:`producers.bugs.bug_config`)."""
+    one bug class (the config must allow it: :func:`producers.bugs.bug_config`); ``per_sample`` adds the
+    SPEC §4 per-sample loss terms (``expected.json $.loss.policy.per_sample``) as the family reduces them."""
     fam = family(name_or_family) if isinstance(name_or_family, str) else name_or_family
     plan = plan_for(config, bug, size.group_size)
     inputs = fam.prepare(make_inputs(seed, size, config.rewards))
@@ -149,6 +150,9 @@ def produce_parts(name_or_family, seed: int, size: Size, config: Config = Config
                              mask=shifted_mask(inputs.mask, inputs.lengths, plan.mask_shift), lengths=inputs.lengths)
     loss = fam.loss(loss_inputs, eps_clip=plan.eps_clip, eps_clip_high=plan.eps_clip_high,
                     entropy_coef=config.entropy_coef, agg=plan.loss_agg)
+    if per_sample:
+        sums = fam.sample_sums(loss_inputs, eps_clip=plan.eps_clip, eps_clip_high=plan.eps_clip_high)
+        loss = dict(loss, per_sample=per_sample_terms(sums))
     bundle_id = bundle_id or f"{fam.name}-{size}-s{seed}" + (f"-{bug}" if bug else "")
     recorded = fam.recorded(rewards)
     payloads = {"old_log_probs": fam.payload(inputs.old_log_probs), "log_probs": fam.payload(inputs.log_probs),
@@ -208,6 +212,6 @@ def write_parts(parts: Parts, path: str | Path) -> Path:
 
 
 def produce(path: str | Path, name_or_family, seed: int, size: Size, config: Config = Config(), *,
-            bug: Optional[str] = None) -> Path:
+            bug: Optional[str] = None, per_sample: bool = False) -> Path:
     """Write the bundle of :func:`produce_parts` at ``path`` and return it."""
-    return write_parts(produce_parts(name_or_family, seed, size, config, bug=bug), path)
+    return write_parts(produce_parts(name_or_family, seed, size, config, bug=bug, per_sample=per_sample), path)

@@ -25,6 +25,8 @@ from .inputs import Inputs
 STD_EPS = 1e-6
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
+# SPEC §4 per-sample loss terms (``expected.json $.loss.policy.per_sample``) by the token term they sum.
+PER_SAMPLE_NAMES = {"pg": "pg_sum", "ent": "entropy_sum", "kl": "kl_sum", "clip": "clip_count", "mask": "mask_count"}
 SUM_OF_SAMPLE_MEANS = "sum_of_sample_means"
 TOKEN_MEAN = "token_mean"
 
@@ -123,6 +125,17 @@ class Family:
              agg: str) -> dict[str, float]:
         """The five loss.policy scalars (Python floats holding this family's float32 results)."""
         raise NotImplementedError
+
+    def sample_sums(self, li: LossInputs, *, eps_clip: float, eps_clip_high: float) -> dict[str, np.ndarray]:
+        """Per sample, ``Σ_t x·mask`` of the surrogate (``pg``), entropy (``ent``), log-ratio (``kl``) and clip
+        indicator (``clip``), and ``Σ_t mask`` (``mask``), as this family's loss reduces each sample (float64
+        arrays holding its values): the optional per-sample loss terms of SPEC §4."""
+        raise NotImplementedError
+
+
+def per_sample_terms(sums: dict[str, np.ndarray]) -> dict[str, list[float]]:
+    """:meth:`Family.sample_sums` as ``expected.json $.loss.policy.per_sample`` records it."""
+    return {PER_SAMPLE_NAMES[k]: np.asarray(v, dtype=np.float64).tolist() for k, v in sums.items()}
 
 
 def check_kl_type(kl_type: str) -> None:

@@ -67,3 +67,6 @@ class BF16(Family):
     def loss(self, li, *, eps_clip, eps_clip_high, entropy_coef, agg):
         # float32 from the bf16 values upcast: the recorded payload is what the loss consumed
         return torch_sum.loss(li, eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef, agg=agg)
+
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        return torch_sum.sample_sums(li, eps_clip=eps_clip, eps_clip_high=eps_clip_high)

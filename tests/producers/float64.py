@@ -61,14 +61,27 @@ class Float64(Family):
         adv64 = np.repeat(np.asarray(rewards, dtype=np.float64), lengths)
         return adv64.astype(np.float32), adv64
 
-    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+    @staticmethod
+    def _terms(li: LossInputs, eps_clip: float, eps_clip_high: float) -> dict[str, torch.Tensor]:
         ppo_kl = _f64(li.old_log_probs) - _f64(li.log_probs)
         adv = _f64(li.advantages)
         ratio = torch.exp(-ppo_kl)
         pg1 = -ratio * adv
         pg2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv
-        terms = {"pg": torch.maximum(pg1, pg2), "clip": (pg2 > pg1).to(torch.float64), "kl": ppo_kl,
-                 "ent": _f64(li.entropy)}
+        return {"pg": torch.maximum(pg1, pg2), "clip": (pg2 > pg1).to(torch.float64), "kl": ppo_kl,
+                "ent": _f64(li.entropy)}
+
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        """float64 per-sample sums, recorded unrounded (a float64 accumulator, as this project's capture)."""
+        terms = self._terms(li, eps_clip, eps_clip_high)
+        mask = torch.from_numpy(li.mask).to(torch.float64)
+        terms["mask"] = torch.ones_like(mask)
+        lengths = li.lengths.tolist()
+        return {k: torch.stack([(x_i * m_i).sum() for x_i, m_i in zip(x.split(lengths), mask.split(lengths))]).numpy()
+                for k, x in terms.items()}
+
+    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+        terms = self._terms(li, eps_clip, eps_clip_high)
         mask = torch.from_numpy(li.mask).to(torch.float64)
         if agg == TOKEN_MEAN:
             denom = max(float(mask.sum()), 1.0)

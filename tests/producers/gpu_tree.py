@@ -81,15 +81,27 @@ class GPUTree(Family):
             value = value.clamp(-10, 10)
         return value.numpy()
 
-    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+    @staticmethod
+    def _terms(li: LossInputs, eps_clip: float, eps_clip_high: float) -> dict[str, torch.Tensor]:
         ppo_kl = torch.from_numpy(li.old_log_probs) - torch.from_numpy(li.log_probs)
         adv = torch.from_numpy(np.ascontiguousarray(li.advantages, dtype=np.float32))
         ratio = exp32(-ppo_kl)
         pg1 = -ratio * adv
         pg2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv
+        return {"pg": torch.maximum(pg1, pg2), "clip": (pg2 > pg1).float(), "kl": ppo_kl,
+                "ent": torch.from_numpy(li.entropy)}
+
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        terms = self._terms(li, eps_clip, eps_clip_high)
         mask = torch.from_numpy(li.mask).float()
-        terms = {"pg": torch.maximum(pg1, pg2), "clip": (pg2 > pg1).float(), "kl": ppo_kl,
-                 "ent": torch.from_numpy(li.entropy)}
+        rows = _Rows(li.lengths)
+        out = {k: block_tree(rows.matrix(x * mask), self.block) for k, x in terms.items()}
+        out["mask"] = block_tree(rows.matrix(mask), self.block)
+        return {k: v.to(torch.float64).numpy() for k, v in out.items()}
+
+    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+        terms = self._terms(li, eps_clip, eps_clip_high)
+        mask = torch.from_numpy(li.mask).float()
         if agg == TOKEN_MEAN:
             denom = torch.clamp_min(block_tree(mask[None], self.block)[0], 1)
             reduced = {k: block_tree((x * mask)[None], self.block)[0] / denom for k, x in terms.items()}

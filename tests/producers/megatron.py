@@ -102,6 +102,10 @@ class Megatron(Family):
             total = {k: v / denom for k, v in total.items()}
         return torch_sum.fields(total, entropy_coef)
 
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        # a micro-batch reduces its samples one at a time: the same per-sample sums, with the CUDA-like exp
+        return torch_sum.sample_sums(li, eps_clip=eps_clip, eps_clip_high=eps_clip_high, exp=cuda_exp)
+
     @staticmethod
     def _micro_batch(pieces, masks, members, agg) -> torch.Tensor:
         """One micro-batch's ``RING_FIELDS`` values (float32): per-sample masked means summed left to right

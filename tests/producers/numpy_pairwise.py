@@ -43,14 +43,30 @@ class NumpyPairwise(Family):
             value = np.clip(value, F32(-10), F32(10))
         return value
 
-    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+    @staticmethod
+    def _terms(li: LossInputs, eps_clip: float, eps_clip_high: float) -> dict[str, np.ndarray]:
         ppo_kl = li.old_log_probs - li.log_probs
         adv = li.advantages.astype(F32)
         ratio = np.exp(-ppo_kl)
         pg1 = -ratio * adv
         pg2 = -np.clip(ratio, F32(1 - eps_clip), F32(1 + eps_clip_high)) * adv
+        return {"pg": np.maximum(pg1, pg2), "clip": (pg2 > pg1).astype(F32), "kl": ppo_kl, "ent": li.entropy}
+
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        terms = self._terms(li, eps_clip, eps_clip_high)
         mask = li.mask.astype(F32)
-        terms = {"pg": np.maximum(pg1, pg2), "clip": (pg2 > pg1).astype(F32), "kl": ppo_kl, "ent": li.entropy}
+        terms["mask"] = np.ones_like(mask)
+        bounds = np.cumsum(li.lengths).tolist()
+        starts = [0] + bounds[:-1]
+        out = {}
+        for k, x in terms.items():
+            masked = x * mask
+            out[k] = np.array([np.sum(masked[a:b]) for a, b in zip(starts, bounds)], dtype=F32).astype(np.float64)
+        return out
+
+    def loss(self, li: LossInputs, *, eps_clip, eps_clip_high, entropy_coef, agg):
+        terms = self._terms(li, eps_clip, eps_clip_high)
+        mask = li.mask.astype(F32)
         if agg == TOKEN_MEAN:
             denom = max(np.sum(mask), F32(1))
             reduced = {k: np.sum(x * mask) / denom for k, x in terms.items()}

@@ -83,6 +83,17 @@ def loss(li: LossInputs, *, eps_clip: float, eps_clip_high: float, entropy_coef:
     return fields(reduced, entropy_coef)
 
 
+def sample_sums(li: LossInputs, *, eps_clip: float, eps_clip_high: float, exp=torch.exp) -> dict[str, np.ndarray]:
+    """Each sample's ``(x_i * loss_mask_i).sum()`` and ``loss_mask_i.sum()``, the float32 values slime's
+    ``sum_of_sample_mean`` divides."""
+    terms = token_terms(li, eps_clip, eps_clip_high, exp=exp)
+    terms["mask"] = torch.ones(li.mask.size, dtype=torch.float32)
+    lengths = li.lengths.tolist()
+    masks = torch.from_numpy(li.mask).float().split(lengths)
+    return {k: np.array([float((x_i * m_i).sum()) for x_i, m_i in zip(x.split(lengths), masks)])
+            for k, x in terms.items()}
+
+
 class TorchSum(Family):
     def __init__(self) -> None:
         super().__init__(name="torch_sum")
@@ -95,3 +106,6 @@ class TorchSum(Family):
 
     def loss(self, li, *, eps_clip, eps_clip_high, entropy_coef, agg):
         return loss(li, eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef, agg=agg)
+
+    def sample_sums(self, li, *, eps_clip, eps_clip_high):
+        return sample_sums(li, eps_clip=eps_clip, eps_clip_high=eps_clip_high)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import STD_EPS
+from .base import PER_SAMPLE_NAMES, STD_EPS
 
 U32 = 2.0 ** -24
 UBF16 = 2.0 ** -8
@@ -59,31 +59,56 @@ def kl(old: np.ndarray, ref: np.ndarray, kl_type: str) -> tuple[np.ndarray, np.n
     return value, e + 1 + np.abs(r)
 
 
-def loss(log_probs, old_log_probs, advantages, entropy, mask, lengths, *, eps_clip: float, eps_clip_high: float,
-         entropy_coef: float) -> tuple[dict[str, float], dict[str, float]]:
-    """``(truth, cond)`` of the five loss.policy scalars (sum of per-sample masked means). ``cond`` of a field
-    is the same sum taken of ``|x|`` (what its reductions and per-token roundings can each be off by a
-    fraction ``u`` of); the clip fraction adds the tokens whose ratio lies within 8u of a clip bound (a
-    legitimate rounding may put them on either side), each worth ``1/n_i`` (so divided by ``u`` here)."""
+def _token_terms(log_probs, old_log_probs, advantages, entropy, eps_clip: float, eps_clip_high: float):
+    """float64 per-token surrogate, clip indicator, log-ratio and entropy, and where a ratio lies within 8u
+    of a clip bound (a legitimate rounding may put it on either side)."""
     logp, old = log_probs.astype(np.float64), old_log_probs.astype(np.float64)
     adv, ent = advantages.astype(np.float64), entropy.astype(np.float64)
-    m = mask.astype(np.float64)
     ppo_kl = old - logp
     ratio = np.exp(-ppo_kl)
     low, high = 1 - eps_clip, 1 + eps_clip_high
     pg1 = -ratio * adv
     pg2 = -np.clip(ratio, low, high) * adv
     terms = {"pg": np.maximum(pg1, pg2), "clip": (pg2 > pg1).astype(np.float64), "kl": ppo_kl, "ent": ent}
+    near = (np.abs(ratio - low) <= 8 * U32 * ratio) | (np.abs(ratio - high) <= 8 * U32 * ratio)
+    return terms, near.astype(np.float64)
+
+
+def sample_sums(log_probs, old_log_probs, advantages, entropy, mask, lengths, *, eps_clip: float,
+                eps_clip_high: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(truth, cond)`` of the per-sample loss terms (``pg_sum`` … ``mask_count``): per sample ``Σ_t x·mask``
+    and, as its cond, ``Σ_t |x|·mask``; a clip count may differ by the tokens near a clip bound."""
+    terms, near = _token_terms(log_probs, old_log_probs, advantages, entropy, eps_clip, eps_clip_high)
+    m = mask.astype(np.float64)
+    terms["mask"] = np.ones_like(m)
+    seg = _segments(lengths)
+
+    def per_sample(x: np.ndarray) -> np.ndarray:
+        return np.bincount(seg, weights=x * m, minlength=lengths.size)
+
+    truth = {PER_SAMPLE_NAMES[k]: per_sample(x) for k, x in terms.items()}
+    cond = {PER_SAMPLE_NAMES[k]: per_sample(np.abs(x)) for k, x in terms.items()}
+    cond["clip_count"] += per_sample(near) / U32
+    return truth, cond
+
+
+def loss(log_probs, old_log_probs, advantages, entropy, mask, lengths, *, eps_clip: float, eps_clip_high: float,
+         entropy_coef: float) -> tuple[dict[str, float], dict[str, float]]:
+    """``(truth, cond)`` of the five loss.policy scalars (sum of per-sample masked means). ``cond`` of a field
+    is the same sum taken of ``|x|`` (what its reductions and per-token roundings can each be off by a
+    fraction ``u`` of); the clip fraction adds the tokens whose ratio lies within 8u of a clip bound, each
+    worth ``1/n_i`` (so divided by ``u`` here)."""
+    terms, near = _token_terms(log_probs, old_log_probs, advantages, entropy, eps_clip, eps_clip_high)
+    m = mask.astype(np.float64)
     seg = _segments(lengths)
     counts = np.maximum(np.bincount(seg, weights=m, minlength=lengths.size), 1.0)
 
     def sample_mean_sum(x: np.ndarray) -> float:
         return float(np.sum(np.bincount(seg, weights=x * m, minlength=lengths.size) / counts))
 
-    near = (np.abs(ratio - low) <= 8 * U32 * ratio) | (np.abs(ratio - high) <= 8 * U32 * ratio)
     truth = {k: sample_mean_sum(x) for k, x in terms.items()}
     cond = {k: sample_mean_sum(np.abs(x)) for k, x in terms.items()}
-    cond["clip"] += sample_mean_sum(near.astype(np.float64)) / U32
+    cond["clip"] += sample_mean_sum(near) / U32
     out = {"loss": truth["pg"] - entropy_coef * truth["ent"], "pg_loss": truth["pg"], "entropy_loss": truth["ent"],
            "pg_clipfrac": truth["clip"], "ppo_kl": truth["kl"]}
     out_cond = {"loss": cond["pg"] + abs(entropy_coef) * cond["ent"], "pg_loss": cond["pg"],
