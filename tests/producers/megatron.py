@@ -1,8 +1,8 @@
 """Family 3 — Megatron/slime with data parallelism: micro-batches, a ring all-reduce and a CUDA-like exp.
 
 Imitates slime's Megatron backend (``slime/backends/megatron_utils/loss.py`` + ``cp_utils.py``) on a data-
-parallel group: the step's samples are dealt to ``ranks`` DP ranks (sample i to rank i mod R, as a strided
-partition of the rollout batch), each rank runs ``micro_batches`` micro-batches; a micro-batch reduces its
+parallel group: the step's samples are dealt to ``ranks`` DP ranks (a strided partition: sample i to rank
+i mod R), each rank runs ``micro_batches`` micro-batches; a micro-batch reduces its
 samples' masked means in float32 (``x_i.split`` + ``.sum()``, a Python ``sum``), the rank adds its micro-
 batches' values left to right (gradient accumulation of the reported metrics) and the ranks' partials are
 summed by an NCCL-style ring all-reduce: the 5-element metrics vector is cut into one chunk per rank, and
