@@ -1,8 +1,9 @@
-"""Element-wise comparison with per-stage tolerances; NaN/Inf on either side always diverges."""
+"""Comparison helpers: counts of a comparison, tolerance lookup, float64 conversion. The element rule and the
+per-element tolerances live in ``replay_lib.fields`` and ``replay_lib.error_model``; NaN/Inf on either side
+always diverges."""
 
 from __future__ import annotations
 
-import math
 from array import array
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -20,6 +21,7 @@ class Comparison:
     max_abs_error: Optional[float] = None
     divergences: list[Divergence] = field(default_factory=list)
     bad_samples: int = 0
+    max_noise_ratio: Optional[float] = None
 
     def merge(self, other: "Comparison") -> None:
         self.compared += other.compared
@@ -29,6 +31,9 @@ class Comparison:
         if other.max_abs_error is not None:
             if self.max_abs_error is None or other.max_abs_error > self.max_abs_error:
                 self.max_abs_error = other.max_abs_error
+        if other.max_noise_ratio is not None:
+            if self.max_noise_ratio is None or other.max_noise_ratio > self.max_noise_ratio:
+                self.max_noise_ratio = other.max_noise_ratio
 
 
 def tolerance_for(policy: ComparisonPolicy, stage: str, field_name: str) -> tuple[float, float]:
@@ -68,17 +73,11 @@ CHUNK = 1 << 14
 
 
 def mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float):
-    """The one divergence rule, on float64 tensors: ``(abs diff, both finite, bad)``. An element diverges
-    when either side is NaN or ±Inf, or when ``|a − e| > atol + rtol·|e|``."""
-    diff = (actual - expected).abs()
-    finite = torch.isfinite(actual) & torch.isfinite(expected)
-    return diff, finite, ~finite | (diff > atol + rtol * expected.abs())
+    """``(abs diff, both finite, bad)`` on float64 tensors with the fixed bound ``atol + rtol·|e|`` (the rule
+    of :func:`replay_lib.fields.judge` with that tolerance)."""
+    from .fields import judge
 
-
-def _flat(values) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        return values.detach().reshape(-1)
-    return as_float64(values)
+    return judge(expected, actual, atol + rtol * expected.abs())
 
 
 def compare_elements(
@@ -96,75 +95,18 @@ def compare_elements(
     seg: Optional[torch.Tensor] = None,
     offsets: Optional[torch.Tensor] = None,
 ) -> Comparison:
-    """Compare two 1-D sequences. ``offsets`` given → per-token (element t belongs to sample ``seg[t]`` at
-    offset ``t − offsets[seg[t]]``; without ``seg`` the sample is found from ``offsets``); otherwise
-    per-sample (element i is sample i), or a scalar when ``sample_ids`` is empty."""
-    e = _flat(expected)
-    a = _flat(actual)
-    out = Comparison(compared=int(a.numel()))
-    if e.numel() != a.numel():
-        out.mismatches = 1
-        out.bad_samples = 1
-        out.divergences.append(
-            Divergence(
-                stage=stage,
-                rank=rank,
-                field=field_name,
-                expected=float(e.numel()),
-                actual=float(a.numel()),
-                abs_error=float(abs(e.numel() - a.numel())),
-                message=f"length mismatch: expected {e.numel()} element(s), recomputed {a.numel()}",
-            )
-        )
-        return out
-    if a.numel() == 0:
-        return out
-    if e.dtype == a.dtype and torch.equal(e, a) and bool(torch.isfinite(a).all()):
-        # bit-for-bit the same and finite (the usual result of recomputing a stage that is right): no
-        # element can diverge and every |a − e| is 0, which the chunked float64 pass would also find
-        out.max_abs_error = 0.0
-        return out
-    bad_parts: list[torch.Tensor] = []
-    any_nonfinite = False
-    for start in range(0, a.numel(), CHUNK):
-        ec = e[start:start + CHUNK].to(torch.float64)
-        ac = a[start:start + CHUNK].to(torch.float64)
-        diff, finite, bad = mismatch(ec, ac, atol, rtol)
-        all_finite = bool(finite.all())
-        finite_diff = diff if all_finite else diff[finite]
-        if finite_diff.numel():
-            m = float(finite_diff.max())
-            if out.max_abs_error is None or m > out.max_abs_error:
-                out.max_abs_error = m
-        any_nonfinite = any_nonfinite or not all_finite
-        if bool(bad.any()):
-            bad_parts.append(torch.nonzero(bad).reshape(-1) + start)
-    if any_nonfinite:
-        out.max_abs_error = float("inf")
-    if not bad_parts:
-        return out
-    bad_idx = torch.cat(bad_parts)
-    out.mismatches = int(bad_idx.numel())
-    if offsets is not None:
-        # the last sample starting at or before the token (empty samples share the next one's start)
-        bad_seg = seg[bad_idx] if seg is not None else torch.searchsorted(offsets, bad_idx, right=True) - 1
-        out.bad_samples = int(torch.unique(bad_seg).numel())
-    else:
-        out.bad_samples = out.mismatches
-    for k, t in enumerate(bad_idx[:keep].tolist()):
-        ev, av = float(e[t]), float(a[t])
-        err = abs(av - ev) if (math.isfinite(ev) and math.isfinite(av)) else None
-        if offsets is not None:
-            s = int(bad_seg[k])
-            sid, grp, off = sample_ids[s], group_indices[s], t - int(offsets[s])
-        elif sample_ids:
-            sid, grp, off = sample_ids[t], group_indices[t], None
-        else:
-            sid, grp, off = None, None, None
-        out.divergences.append(
-            Divergence(
-                stage=stage, rank=rank, sample_id=sid, group_index=grp, field=field_name,
-                token_offset=off, expected=ev, actual=av, abs_error=err,
-            )
-        )
-    return out
+    """Compare two 1-D sequences with the fixed bound ``atol + rtol·|e|``. ``offsets`` given → per-token
+    (element t belongs to the last sample starting at or before it); otherwise per-sample (element i is
+    sample i), or a scalar when ``sample_ids`` is empty. A thin form of
+    :func:`replay_lib.fields.compare_field`, which stages use with their per-element tolerances."""
+    from .fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field
+
+    per = PER_TOKEN if offsets is not None else PER_SAMPLE if sample_ids else PER_SCALAR
+    e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
+
+    def tolerance(lo: int, hi: int) -> torch.Tensor:
+        return atol + rtol * e[lo:hi].to(torch.float64).abs()
+
+    f = FieldResult(stage=stage, name=field_name, per=per, expected=e, actual=actual, tolerance=tolerance,
+                    sample_ids=sample_ids, group_indices=group_indices, offsets=offsets, rank=rank)
+    return compare_field(f, keep)

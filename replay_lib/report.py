@@ -30,6 +30,10 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
     actual: Optional[float] = None
     abs_error: Optional[float] = None
     message: Optional[str] = None
+    # The effective bound of this element (the bundle's atol + rtol·|e| plus the producer's rounding bound,
+    # see error_model) and |a − e| / tolerance; None for a structural divergence.
+    tolerance: Optional[float] = None
+    noise_ratio: Optional[float] = None
 
 
 class StageReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +45,7 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     divergences: list[Divergence] = []
     capability: Optional[str] = None
     compared: int = 0
+    max_noise_ratio: Optional[float] = None
 
 
 class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,9 +2,10 @@
 :class:`ReplayReport`. Pure data (torch + replay_lib only, no Textual), unit-tested without an App.
 
 The report says *which* stage failed and keeps a few divergences; the panes also need every element of
-the viewed field (the token diff, the per-sample mismatch marks). Those come from running the same
-stage adapters on a full :class:`StageContext` (so "actual" is exactly what the runner recomputed) and
-comparing with the same rule as ``replay_lib.compare``: ``|a − e| > atol + rtol·|e|``, NaN/Inf diverge.
+the viewed field (the token diff, the per-sample mismatch marks). Those are the stages' own
+:class:`~replay_lib.fields.FieldResult` objects: the model runs a stage adapter on a full
+:class:`StageContext` (lazily, or reuses the replay's context) and reads ``ctx.fields`` — expected, actual,
+tolerance and the bad mask exactly as the report judged them. It never re-derives a stage's values.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from typing import AbstractSet, Iterable, Optional, Sequence
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
-from replay_lib.compare import as_float64, list_tensor, mismatch, tolerance_for
+from replay_lib.compare import as_float64, list_tensor, tolerance_for
+from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.schema import StageId
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
-from replay_lib.stages.loss import recompute_policy_loss
 from replay_lib.stages.support import SCORED_FIELDS, SupportTokens, scored_sources
 from replay_lib.support import SUPPORT_PAD, support_logprobs
 
@@ -66,23 +67,12 @@ FIELD_BY_STAGE = {f.stage: f for f in reversed(FIELDS)}
 # Support field → the recorded payload it compares (the stage's own names, see replay_lib.stages.support).
 SUPPORT_SOURCE = {field_name: source for source, field_name in SCORED_FIELDS.items()}
 
-# Recomputing these fills ``ctx.outputs`` with the runner's own "actual" tensors.
-_RECOMPUTE_ORDER = (StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL, StageId.ADVANTAGE_ESTIMATE)
-
-
 def field_for_divergence(stage: str, field_name: str) -> Optional[str]:
     """The viewable field a report divergence belongs to (loss sub-fields → ``loss``)."""
     if field_name in FIELD_BY_NAME and FIELD_BY_NAME[field_name].stage == stage:
         return field_name
     spec = FIELD_BY_STAGE.get(stage)
     return spec.name if spec else None
-
-
-def element_mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float):
-    """``(abs_error, bad)`` float64/bool tensors, with exactly ``compare_elements``' rule."""
-    diff, finite, bad = mismatch(as_float64(expected), as_float64(actual), atol, rtol)
-    err = torch.where(finite, diff, torch.full_like(diff, float("nan")))
-    return err, bad
 
 
 # --------------------------------------------------------------------------------- per-field diff
@@ -101,7 +91,7 @@ class FieldDiff:
     def __init__(self, *, field: str, stage: str, kind: str, expected, actual, abs_error, bad,
                  mask: Optional[list[int]] = None, sample_id: Optional[str] = None,
                  labels: Optional[list[str]] = None, groups: Optional[list[str]] = None,
-                 atol: float = 0.0, rtol: float = 0.0, note: str = "") -> None:
+                 atol: float = 0.0, rtol: float = 0.0, note: str = "", tolerance=None) -> None:
         self.field, self.stage, self.kind = field, stage, kind
         self.expected_tensor = as_float64(expected)
         self.actual_tensor = as_float64(actual)
@@ -112,7 +102,9 @@ class FieldDiff:
         self.sample_id = sample_id
         self.labels = labels if labels is not None else []
         self.groups = groups if groups is not None else []
-        self.atol, self.rtol = atol, rtol
+        self.atol, self.rtol = atol, rtol  # the bundle's part of the tolerance (the header shows it)
+        # the effective bound of each row (the bundle's atol + rtol·|e| plus the producer's rounding bound)
+        self.tolerance_tensor: Optional[torch.Tensor] = as_float64(tolerance) if tolerance is not None else None
         self.note = note  # what the values are, when the table does not say it (the loss fields' sums)
         self.divergent: list[int] = torch.nonzero(self.bad_tensor).reshape(-1).tolist()
         self._blocks: dict[int, list[tuple[float, float, float, bool]]] = {}
@@ -126,6 +118,13 @@ class FieldDiff:
             block = self._blocks[b] = list(zip(self.expected_tensor[lo:hi].tolist(), self.actual_tensor[lo:hi].tolist(),
                                                self.error_tensor[lo:hi].tolist(), self.bad_tensor[lo:hi].tolist()))
         return block[r]
+
+    @functools.cached_property
+    def noise_tensor(self) -> Optional[torch.Tensor]:
+        """``|a − e| / tolerance`` per row (NaN where a side is not finite); None without tolerances."""
+        if self.tolerance_tensor is None:
+            return None
+        return noise_ratio(self.error_tensor, self.tolerance_tensor)
 
     @functools.cached_property
     def expected(self) -> list[float]:
@@ -211,7 +210,8 @@ class FieldDiff:
 
 @dataclass
 class ShardRecompute:
-    """One rank shard recomputed over all its samples: per field ``(expected, actual)`` float64 tensors.
+    """One rank shard recomputed over all its samples: per field the stage's :class:`FieldResult` and its
+    float64 ``(expected, actual)`` columns.
 
     Lazy per field (:meth:`ensure`): building the model computes only the fields whose stage failed
     (they mark the samples); a passing field is computed the first time it is viewed."""
@@ -219,6 +219,7 @@ class ShardRecompute:
     reader: BundleReader
     ctx: StageContext
     ran: set[str] = field(default_factory=set)
+    results: dict[str, FieldResult] = field(default_factory=dict)
     values: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
     errors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -247,34 +248,22 @@ class ShardRecompute:
         return name in self.values
 
     def _run(self, stage: StageId) -> None:
-        """Run a stage adapter once, so ``ctx.outputs`` holds exactly what the runner recomputed."""
+        """Run a stage adapter once (after the stages it consumes), so ``ctx.fields`` holds exactly what the
+        runner compared."""
         if stage.value in self.ran and stage.value not in self._done:
+            for need in REGISTRY[stage].needs:
+                self._run(need)
             self._done.add(stage.value)
             REGISTRY[stage].run(self.ctx)
 
     def _compute(self, name: str) -> None:
-        ctx = self.ctx
-        if name == "raw_reward":
-            self._put(name, "reward.raw", ctx.expected_list("reward.raw", "raw_rewards"),
-                      [s.raw_reward for s in ctx.samples])
-        elif name == "reward":
-            self._run(StageId.REWARD_POST_PROCESS)
-            self._put(name, "reward.post_process", ctx.expected_list("reward.post_process", "rewards"),
-                      ctx.outputs["rewards"])
-        elif name == "kl":
-            self._run(StageId.ADVANTAGE_KL)
-            self._put(name, "advantage.kl", ctx.payload("kl"), ctx.outputs["kl"])
-        elif name == "advantage":
-            self._run(StageId.REWARD_POST_PROCESS)  # its normalized rewards feed the estimate when it ran
-            self._run(StageId.ADVANTAGE_ESTIMATE)
-            self._put(name, "advantage.estimate", ctx.payload("advantages"), ctx.outputs["advantages"])
-        elif name == "loss":
-            if "advantage.estimate" in self.ran:
-                self._run(StageId.REWARD_POST_PROCESS)
-                self._run(StageId.ADVANTAGE_ESTIMATE)
-            _recompute_loss(self)
-        elif name in SUPPORT_SOURCE:
-            _recompute_support_field(self, name)
+        stage = FIELD_BY_NAME[name].stage
+        self._run(StageId(stage))
+        result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
+        if result is None:
+            self.unavailable[name] = f"{stage} did not compare {name} on this bundle"
+            return
+        self._put(name, result)
 
     def support_tokens(self) -> SupportTokens:
         """``logprob.support``'s per-token record of this shard, as the stage left it on the context (the
@@ -296,15 +285,18 @@ class ShardRecompute:
             raise self._support_error
         return record
 
-    def _put(self, name: str, stage: str, expected, actual) -> None:
-        e, a = as_float64(expected), as_float64(actual)
-        if e.numel() != a.numel():
-            self.unavailable[name] = f"expected {e.numel()} value(s), recomputed {a.numel()}"
+    def _put(self, name: str, result: FieldResult) -> None:
+        if result.length_mismatch is not None:
+            ne, na = result.length_mismatch
+            self.unavailable[name] = f"expected {ne} value(s), recomputed {na}"
             return
-        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, name)
-        self.values[name] = (e, a)
-        self.tolerances[name] = (atol, rtol)
-        self.errors[name], self.bad[name] = element_mismatch(e, a, atol, rtol)
+        self.results[name] = result
+        self.values[name] = (result.expected, result.actual)
+        self.tolerances[name] = tolerance_for(self.reader.manifest.comparison_policy, result.stage, name)
+        self.errors[name] = result.abs_error
+        self.bad[name] = result.divergent
+        if result.labels is not None:
+            self.loss_names = list(result.labels)
 
     def __post_init__(self) -> None:
         self._done: set[str] = set()
@@ -339,61 +331,7 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
     return out
 
 
-def _recompute_loss(out: ShardRecompute) -> None:
-    """The loss.policy fields, with the inputs ``run_loss_policy`` uses."""
-    ctx = out.ctx
-    try:
-        expected, actual = recompute_policy_loss(ctx)
-    except StageInputError as exc:
-        if exc.field != "loss":
-            raise
-        out.unavailable["loss"] = "expected.json $.loss.policy has no loss fields"
-        return
-    names = list(expected)
-    policy = ctx.reader.manifest.comparison_policy
-    e_vals, a_vals, errs, bads = [], [], [], []
-    for name in names:
-        atol, rtol = tolerance_for(policy, "loss.policy", name)
-        e = as_float64([expected[name]])
-        a = as_float64([float(actual[name])])
-        err, bad = element_mismatch(e, a, atol, rtol)
-        e_vals.append(e)
-        a_vals.append(a)
-        errs.append(err)
-        bads.append(bad)
-    out.loss_names = names
-    out.values["loss"] = (torch.cat(e_vals), torch.cat(a_vals))
-    out.tolerances["loss"] = tolerance_for(policy, "loss.policy", "loss")
-    out.errors["loss"] = torch.cat(errs)
-    out.bad["loss"] = torch.cat(bads)
-
-
 # ------------------------------------------------------------------------------- sample support
-
-
-def _support_payload(ctx: StageContext, name: str, dims: int) -> torch.Tensor:
-    t = ctx.payload(name)
-    if t.dim() != dims:
-        raise StageInputError(f"payload {name!r} must have {dims} dimension(s), got shape {list(t.shape)}", field=name)
-    return t
-
-
-def _recompute_support_field(out: ShardRecompute, name: str) -> None:
-    """expected = the recorded log-prob, actual = ``logp_S`` (the full-vocab value for the allowed EOS). A
-    token diverges when the stage compares it and it is out of tolerance, or when it breaks an invariant;
-    tokens the stage does not compare (loss mask 0, unsound rows) show their values without a mark."""
-    sup = out.support_tokens()
-    source = SUPPORT_SOURCE[name]
-    recorded = _support_payload(out.ctx, source, 1)
-    if not recorded.dtype.is_floating_point:
-        raise StageInputError(f"payload {source!r} must be floating point, got {recorded.dtype}", field=source)
-    e, a = as_float64(recorded.to(torch.float32)), as_float64(sup.actual)
-    atol, rtol = tolerance_for(out.reader.manifest.comparison_policy, SUPPORT_STAGE, name)
-    err, value_bad = element_mismatch(e, a, atol, rtol)
-    out.values[name] = (e, a)
-    out.tolerances[name] = (atol, rtol)
-    out.errors[name] = err
-    out.bad[name] = (value_bad & sup.compared) | sup.violation
 
 
 @dataclass(frozen=True)
@@ -739,6 +677,7 @@ class ReplayModel:
             a = torch.cat([sh.values[spec.name][1][rows[i]] for i, sh in parts])
             err = torch.cat([sh.errors[spec.name][rows[i]] for i, sh in parts])
             bad = torch.cat([sh.bad[spec.name][rows[i]] for i, sh in parts])
+            tol = torch.cat([sh.results[spec.name].tolerance[rows[i]] for i, sh in parts])
             labels, groups = [], []
             for i, sh in parts:
                 records = sh.reader.index.samples
@@ -747,7 +686,8 @@ class ReplayModel:
                     groups.append(group_label(records[j].group_index))
             atol, rtol = parts[0][1].tolerances[spec.name]
             return FieldDiff(field=spec.name, stage=spec.stage, kind=spec.kind, expected=e, actual=a,
-                             abs_error=err, bad=bad, labels=labels, groups=groups, atol=atol, rtol=rtol)
+                             abs_error=err, bad=bad, labels=labels, groups=groups, atol=atol, rtol=rtol,
+                             tolerance=tol)
         parts = [sh for sh in self.shards if "loss" in sh.values]
         labels = []
         for sh in parts:
@@ -757,6 +697,7 @@ class ReplayModel:
         a = torch.cat([sh.values["loss"][1] for sh in parts])
         err = torch.cat([sh.errors["loss"] for sh in parts])
         bad = torch.cat([sh.bad["loss"] for sh in parts])
+        tol = torch.cat([sh.results["loss"].tolerance for sh in parts])
         atol, rtol = parts[0].tolerances["loss"]
         # pg_clipfrac 2.0 on two samples is no bug: say what the numbers are
         n = sum(len(sh.ctx.samples) for sh in parts)
@@ -764,7 +705,7 @@ class ReplayModel:
         if len(parts) > 1:
             note = f"each a sum over one rank's samples of per-sample means ({n} in all)"
         return FieldDiff(field="loss", stage=spec.stage, kind=KIND_COHORT, expected=e, actual=a,
-                         abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol, note=note)
+                         abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol, note=note, tolerance=tol)
 
     # -- sample support ---------------------------------------------------------------------------
     @property
@@ -807,9 +748,10 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
     mask = list(sample.loss_mask[:n]) + [0] * max(0, n - len(sample.loss_mask))
+    tol = shard.results[field_name].window(start, start + n).tolerance
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
                      expected=e[start:start + n], actual=a[start:start + n], abs_error=err, bad=bad, mask=mask,
-                     sample_id=sample.sample_id, atol=atol, rtol=rtol)
+                     sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=tol)
 
 
 def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff:
@@ -835,7 +777,8 @@ def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff
                 atol, rtol = rec.tolerances[field_name]
                 return FieldDiff(field=field_name, stage=spec.stage, kind=KIND_SAMPLE, expected=e[i:i + 1],
                                  actual=a[i:i + 1], abs_error=err, bad=bad, labels=[sample_id],
-                                 groups=[group_label(s.group_index)], atol=atol, rtol=rtol)
+                                 groups=[group_label(s.group_index)], atol=atol, rtol=rtol,
+                                 tolerance=rec.results[field_name].tolerance[i:i + 1])
             raise KeyError(f"field {field_name!r} is cohort-level, not per sample")
     raise KeyError(f"no sample {sample_id!r} in bundle {bundles.bundle_id}")
 

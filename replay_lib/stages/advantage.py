@@ -6,10 +6,11 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
+from ..fields import PER_TOKEN
 from ..kernels import KL_TYPES, get_grpo_returns, rollout_kl
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import StageContext, StageDef, StageInputError, outcome
+from .base import StageContext, StageDef, StageInputError
 
 
 def run_advantage_kl(ctx: StageContext) -> StageReport:
@@ -21,10 +22,11 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         if not ctx.has("ref_log_probs"):
             raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")
         kl = rollout_kl(ctx.payload("old_log_probs"), ctx.payload("ref_log_probs"), cfg.kl_coef, cfg.kl_loss_type)
-    ctx.outputs["kl"] = kl
-    cmp = ctx.compare("advantage.kl", "kl", expected, kl, per="token")
-    return outcome(StageId.ADVANTAGE_KL, cmp, f"kl mismatch in {cmp.mismatches} token(s) of {cmp.bad_samples} sample(s)",
-                   f"{cmp.compared} token(s) compared ({cfg.kl_loss_type}, kl_coef={cfg.kl_coef})")
+    field = ctx.field("advantage.kl", "kl", PER_TOKEN, expected, kl)
+    return ctx.report(
+        StageId.ADVANTAGE_KL, [field],
+        fail_reason=lambda total, per: f"kl mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared ({cfg.kl_loss_type}, kl_coef={cfg.kl_coef})")
 
 
 def _kl_requirements(reader: BundleReader) -> list[str]:
@@ -57,10 +59,11 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
     expected = ctx.payload("advantages")
     advantages = get_grpo_returns(grpo_rewards(ctx), ctx.lengths)
     ctx.outputs["advantages"] = advantages
-    cmp = ctx.compare("advantage.estimate", "advantage", expected, advantages, per="token")
-    return outcome(StageId.ADVANTAGE_ESTIMATE, cmp,
-                   f"advantage mismatch in {cmp.mismatches} token(s) of {cmp.bad_samples} sample(s)",
-                   f"{cmp.compared} token(s) compared")
+    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, advantages)
+    return ctx.report(
+        StageId.ADVANTAGE_ESTIMATE, [field],
+        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared")
 
 
 def _estimate_requirements(reader: BundleReader) -> list[str]:

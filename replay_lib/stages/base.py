@@ -9,9 +9,10 @@ from typing import Callable, Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, compare_elements, list_tensor, tolerance_for
+from ..compare import Comparison, as_float64, list_tensor, tolerance_for
+from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
 from ..kernels import segment_ids, segment_offsets
-from ..report import STATUS_FAIL, STATUS_PASS, StageReport
+from ..report import StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
 
 
@@ -38,6 +39,8 @@ class StageContext:
     records: dict[str, object] = field(default_factory=dict)
     # Stages that ran to completion on this context (their ``outputs`` are in place).
     completed: set[str] = field(default_factory=set)
+    # What each stage compared: ``fields[stage]`` = its FieldResults (the report and the views read them).
+    fields: dict[str, list[FieldResult]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples
@@ -129,36 +132,44 @@ class StageContext:
             )
         return [value[i] for i in self.indices] if self.partial else value
 
-    def compare(self, stage: str, field_name: str, expected, actual, per: str) -> Comparison:
-        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, field_name)
-        if per == "token":
-            return compare_elements(
-                stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
-                sample_ids=self.sample_ids, group_indices=self.group_indices, rank=self.rank,
-                seg=self._seg, offsets=self.offsets,
-            )
-        if per == "sample":
-            return compare_elements(
-                stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
-                sample_ids=self.sample_ids, group_indices=self.group_indices, rank=self.rank,
-            )
-        return compare_elements(
-            stage, field_name, expected, actual, atol=atol, rtol=rtol, keep=self.keep,
-            sample_ids=[], group_indices=[], rank=self.rank,
-        )
+    def field(self, stage: str, name: str, per: str, expected, actual, *, bound: Optional[Column] = None,
+              labels: Optional[list[str]] = None, note: str = "", compared: Optional[torch.Tensor] = None,
+              flagged: Optional[torch.Tensor] = None) -> FieldResult:
+        """A :class:`FieldResult` of this context: ``per`` token (the selected samples' tokens), sample (one
+        element per selected sample) or scalar (``labels`` name the elements). Its tolerance is the bundle's
+        ``atol + rtol·|e|`` for the field plus ``bound`` (the producer's rounding bound per element, a
+        tensor or a function of ``(lo, hi)``); an exact field of the bundle's policy has none at all."""
+        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, name)
+        exact_field = _is_exact_field(self, stage, name)
+        e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
+
+        def tolerance(lo: int, hi: int) -> torch.Tensor:
+            tol = e[lo:hi].to(torch.float64).abs().mul_(rtol).add_(atol)
+            if bound is not None and not exact_field:
+                tol += bound[lo:hi].to(torch.float64) if isinstance(bound, torch.Tensor) else bound(lo, hi)
+            return tol
+
+        if per == PER_TOKEN:
+            where = dict(sample_ids=self.sample_ids, group_indices=self.group_indices, offsets=self.offsets,
+                         lengths=self.lengths)
+        elif per == PER_SAMPLE:
+            where = dict(sample_ids=self.sample_ids, group_indices=self.group_indices)
+        else:
+            where = {}
+        return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
+                           labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged, **where)
+
+    def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
+               pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:
+        """Leave ``fields`` on the context (``self.fields[stage]``) and build the stage's report from them."""
+        self.fields[stage.value] = fields
+        return stage_report(stage.value, fields, self.keep, fail_reason=fail_reason, pass_reason=pass_reason,
+                            structural=structural)
 
 
-def outcome(stage: StageId, cmp: Comparison, fail_reason: str, pass_reason: str) -> StageReport:
-    failed = cmp.mismatches > 0
-    return StageReport(
-        stage=stage.value,
-        status=STATUS_FAIL if failed else STATUS_PASS,
-        reason=fail_reason if failed else pass_reason,
-        mismatches=cmp.mismatches,
-        max_abs_error=cmp.max_abs_error,
-        divergences=cmp.divergences,
-        compared=cmp.compared,
-    )
+def _is_exact_field(ctx: StageContext, stage: str, name: str) -> bool:
+    exact = ctx.reader.manifest.comparison_policy.exact_fields
+    return name in exact or f"{stage}.{name}" in exact
 
 
 @dataclass(frozen=True)

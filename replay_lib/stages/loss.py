@@ -4,11 +4,11 @@ listed in ``stages.UNSUPPORTED``.)"""
 from __future__ import annotations
 
 from ..bundle import BundleReader
-from ..compare import Comparison
+from ..fields import PER_SCALAR
 from ..kernels import LOSS_FIELDS, policy_loss_fields
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import StageContext, StageDef, StageInputError, outcome
+from .base import StageContext, StageDef, StageInputError
 
 
 def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict]:
@@ -34,17 +34,17 @@ def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict]:
 
 def run_loss_policy(ctx: StageContext) -> StageReport:
     expected, actual = recompute_policy_loss(ctx)
-    fields = list(expected)
-    total = Comparison()
-    bad: list[str] = []
-    for name in fields:
-        cmp = ctx.compare("loss.policy", name, [expected[name]], [float(actual[name])], per="scalar")
-        if cmp.mismatches:
-            bad.append(name)
-        total.merge(cmp)
-    total.divergences = total.divergences[: ctx.keep]
-    return outcome(StageId.LOSS_POLICY, total, f"loss field mismatch: {', '.join(bad)}",
-                   f"{len(fields)} field(s) over {ctx.n} sample(s) compared")
+    names = list(expected)
+    n = ctx.n
+    field = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
+                      [float(actual[f]) for f in names], labels=names,
+                      note=f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means")
+
+    def fail_reason(total, per) -> str:
+        return "loss field mismatch: " + ", ".join(f for f, bad in zip(names, field.bad.tolist()) if bad)
+
+    return ctx.report(StageId.LOSS_POLICY, [field], fail_reason=fail_reason,
+                      pass_reason=f"{len(names)} field(s) over {n} sample(s) compared")
 
 
 def _loss_requirements(reader: BundleReader) -> list[str]:

@@ -7,11 +7,12 @@ from collections import Counter
 import torch
 
 from ..compare import Comparison, as_float64, list_tensor
+from ..fields import PER_SAMPLE
 from ..kernels import group_normalize
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..schema import RecomputeConfig, StageId
-from .base import StageContext, StageDef, outcome
+from .base import StageContext, StageDef
 
 
 def _expected_list_present(reader: BundleReader, stage: str, key: str) -> list[str]:
@@ -22,8 +23,9 @@ def _expected_list_present(reader: BundleReader, stage: str, key: str) -> list[s
 def run_reward_raw(ctx: StageContext) -> StageReport:
     expected = ctx.expected_list("reward.raw", "raw_rewards")
     actual = as_float64([s.raw_reward for s in ctx.samples])
-    cmp = ctx.compare("reward.raw", "raw_reward", expected, actual, per="sample")
-    return outcome(StageId.REWARD_RAW, cmp, f"raw reward mismatch in {cmp.bad_samples} sample(s)", f"{ctx.n} sample(s) compared")
+    field = ctx.field("reward.raw", "raw_reward", PER_SAMPLE, expected, actual)
+    return ctx.report(StageId.REWARD_RAW, [field], pass_reason=f"{ctx.n} sample(s) compared",
+                      fail_reason=lambda total, per: f"raw reward mismatch in {total.bad_samples} sample(s)")
 
 
 def run_reward_post_process(ctx: StageContext) -> StageReport:
@@ -64,15 +66,16 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
         rewards = torch.where(no_group, torch.full_like(rewards, float("nan")), rewards)
     ctx.outputs["rewards"] = rewards
     expected = ctx.expected_list("reward.post_process", "rewards")
-    cmp = ctx.compare("reward.post_process", "reward", expected, rewards, per="sample")
-    if pre.mismatches:
-        pre.divergences = pre.divergences[: ctx.keep]
-        reason = pre.divergences[0].message
-        pre.merge(cmp)
-        pre.divergences = pre.divergences[: ctx.keep]
-        return outcome(StageId.REWARD_POST_PROCESS, pre, reason, "")
-    return outcome(StageId.REWARD_POST_PROCESS, cmp, f"normalized reward mismatch in {cmp.bad_samples} sample(s)",
-                   f"{ctx.n} sample(s) in {len(sizes)} group(s) compared")
+    field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards)
+
+    def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
+        if pre.mismatches:
+            return pre.divergences[0].message
+        return f"normalized reward mismatch in {per['reward'].bad_samples} sample(s)"
+
+    pre.divergences = pre.divergences[: ctx.keep]
+    return ctx.report(StageId.REWARD_POST_PROCESS, [field], structural=pre, fail_reason=fail_reason,
+                      pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared")
 
 
 def _refuse_post_process(cfg: RecomputeConfig) -> list[tuple[str, str]]:

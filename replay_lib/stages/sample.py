@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
+from ..compare import Comparison
+from ..report import Divergence, StageReport
 from ..schema import StageId
 from .base import StageContext, StageDef
 from .support import SUPPORT_TOKEN_PAYLOADS
@@ -49,11 +50,11 @@ def run_sample(ctx: StageContext) -> StageReport:
                 abs_error=float(abs(rows - ctx.full_total)),
                 message=f"payload {name!r} has {rows} row(s), Σ response_length is {ctx.full_total}",
             ))
-    if mismatches:
-        return StageReport(stage="sample", status=STATUS_FAIL, reason=f"sample integrity broken in {mismatches} place(s)",
-                           mismatches=mismatches, divergences=divs, compared=ctx.n)
-    return StageReport(stage="sample", status=STATUS_PASS, reason=f"{ctx.n} sample(s), {int(ctx.lengths.sum())} token(s) consistent",
-                       compared=ctx.n)
+    # structural checks only: no value is compared, so the stage has no field
+    found = Comparison(compared=ctx.n, mismatches=mismatches, divergences=divs)
+    return ctx.report(StageId.SAMPLE, [], structural=found,
+                      fail_reason=f"sample integrity broken in {mismatches} place(s)",
+                      pass_reason=f"{ctx.n} sample(s), {int(ctx.lengths.sum())} token(s) consistent")
 
 
 SAMPLE = StageDef(id=StageId.SAMPLE, run=run_sample, description="lengths, loss masks and payload rows agree",

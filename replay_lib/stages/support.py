@@ -32,8 +32,11 @@ from typing import Callable, Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, mismatch, tolerance_for
-from ..report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
+import msgspec
+
+from ..compare import Comparison
+from ..fields import PER_TOKEN
+from ..report import STATUS_FAIL, Divergence, StageReport
 from ..schema import RecomputeConfig, StageId
 from ..support import (
     SUPPORT_PAD,
@@ -133,6 +136,13 @@ class _Violations:
 
     def divergences(self) -> list[Divergence]:
         return [d for _, _, d in sorted(self.found, key=lambda x: (x[0], x[1]))][: self.ctx.keep]
+
+    def flags_union(self, like: torch.Tensor) -> torch.Tensor:
+        """bool per token: any invariant broken there."""
+        out = torch.zeros_like(like, dtype=torch.bool)
+        for flags in self.flags.values():
+            out |= flags
+        return out
 
     def summary(self) -> str:
         return ", ".join(f"{f} ×{self.by_field[f]}" for f in FIELD_ORDER if f in self.by_field)
@@ -283,48 +293,30 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
                                            actual=actual, compared=compared, allowed_eos=allowed_unsupported,
                                            invariants=dict(v.flags))
 
-    values = Comparison()
-    bad_fields: list[str] = []
+    violation = v.flags_union(loss)
+    fields = []
     for source in sources:
-        field = SCORED_FIELDS.get(source, f"support_{source}")
         recorded = _token_payload(ctx, source, 1, "float").to(torch.float32)
-        cmp = _compare_scored(ctx, field, recorded, actual, compared, n_compared)
-        if cmp.mismatches:
-            bad_fields.append(f"{source} ({cmp.mismatches} token(s) of {cmp.bad_samples} sample(s))")
-        values.merge(cmp)
+        fields.append(ctx.field(STAGE, SCORED_FIELDS.get(source, f"support_{source}"), PER_TOKEN, recorded, actual,
+                                compared=compared, flagged=violation))
 
-    mismatches = v.count + values.mismatches
-    divergences = (v.divergences() + values.divergences)[: ctx.keep]
-    if mismatches:
-        if v.count:
-            reason = f"support invariants broken at {v.count} place(s): {v.summary()}"
-            if bad_fields:
-                reason += f"; support log-prob mismatch in {', '.join(bad_fields)}"
-        else:
-            reason = f"support log-prob mismatch in {', '.join(bad_fields)}"
-        return StageReport(stage=STAGE, status=STATUS_FAIL, reason=reason, mismatches=mismatches,
-                           max_abs_error=values.max_abs_error, divergences=divergences, compared=n_compared)
+    def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
+        bad_fields = [f"{source} ({cmp.mismatches} token(s) of {cmp.bad_samples} sample(s))"
+                      for source, cmp in zip(sources, per.values()) if cmp.mismatches]
+        if not v.count:
+            return f"support log-prob mismatch in {', '.join(bad_fields)}"
+        reason = f"support invariants broken at {v.count} place(s): {v.summary()}"
+        if bad_fields:
+            reason += f"; support log-prob mismatch in {', '.join(bad_fields)}"
+        return reason
+
     fallback_n = int(fallback.sum())
-    reason = (f"{int(scored.sum())} loss-bearing token(s) rescored over the support against {', '.join(sources)}"
-              + (f"; {fallback_n} unsupported last token(s) use full_log_probs" if fallback_n else ""))
-    return StageReport(stage=STAGE, status=STATUS_PASS, reason=reason, max_abs_error=values.max_abs_error,
-                       compared=n_compared)
-
-
-def _compare_scored(ctx: StageContext, field: str, recorded: torch.Tensor, actual: torch.Tensor,
-                    compared: torch.Tensor, n_compared: int) -> Comparison:
-    """``compare_elements`` semantics on the compared tokens; the detailed per-token pass runs only when
-    some token is out of tolerance (it is the expensive part on a large, clean bundle)."""
-    atol, rtol = tolerance_for(ctx.reader.manifest.comparison_policy, STAGE, field)
-    diff, _, bad = mismatch(recorded.to(torch.float64), actual.to(torch.float64), atol, rtol)
-    if not bool((bad & compared).any()):
-        worst = torch.where(compared, diff, torch.zeros_like(diff))
-        return Comparison(compared=n_compared, max_abs_error=float(worst.max()) if n_compared else None)
-    zero = torch.zeros_like(actual)
-    cmp = ctx.compare(STAGE, field, torch.where(compared, recorded, zero), torch.where(compared, actual, zero),
-                      per="token")
-    cmp.compared = n_compared
-    return cmp
+    pass_reason = (f"{int(scored.sum())} loss-bearing token(s) rescored over the support against {', '.join(sources)}"
+                   + (f"; {fallback_n} unsupported last token(s) use full_log_probs" if fallback_n else ""))
+    found = Comparison(mismatches=v.count, divergences=v.divergences())
+    report = ctx.report(StageId.LOGPROB_SUPPORT, fields, structural=found, fail_reason=fail_reason,
+                        pass_reason=pass_reason)
+    return msgspec.structs.replace(report, compared=n_compared)
 
 
 def _check_experts(ctx: StageContext, v: _Violations) -> None:

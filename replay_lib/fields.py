@@ -1,0 +1,354 @@
+"""One shape for what a stage compared: a :class:`FieldResult` per field, and the stage's report built from them.
+
+Every stage leaves its compared fields on the context (``ctx.fields[stage] = [FieldResult, …]``) and builds its
+:class:`~replay_lib.report.StageReport` from them with :func:`stage_report`; the text report, ``--format json``
+and the debugger's panes all read the same objects, so no view re-derives a stage's expected or actual values
+(and none needs to know what a stage computes).
+
+A field is three equal-length float64 columns — ``expected`` (what the bundle recorded), ``actual`` (what the
+replay recomputed) and ``tolerance`` (the effective per-element bound: the bundle's ``atol + rtol·|e|`` plus
+the producer's rounding bound, see ``replay_lib.error_model``) — and the map from elements to samples:
+
+* ``per="token"``: element ``t`` is a response token; ``offsets``/``lengths`` place it in its sample;
+* ``per="sample"``: element ``i`` is sample ``sample_ids[i]``;
+* ``per="scalar"``: cohort scalars, named by ``labels`` (the loss fields), no sample.
+
+A column may be held as a tensor of any floating dtype (a memory-mapped float32 payload is not copied) or as a
+function ``(lo, hi) → float64 tensor`` evaluated a chunk at a time: a million-token field is judged without
+materializing full-length float64 temporaries. The derived columns — ``abs_error``, ``bad``, ``noise_ratio``
+— are computed on first use. The rule, in one place (:func:`judge`): an element is bad when either side is
+NaN or ±Inf, or ``|a − e| > tolerance`` (under ``--exact``: when ``a`` and ``e`` differ bitwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from .compare import CHUNK, Comparison
+from .report import STATUS_FAIL, STATUS_PASS, Divergence, StageReport
+
+PER_TOKEN = "token"
+PER_SAMPLE = "sample"
+PER_SCALAR = "scalar"
+PERS = (PER_TOKEN, PER_SAMPLE, PER_SCALAR)
+
+Column = Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
+
+
+def judge(expected: torch.Tensor, actual: torch.Tensor, tolerance: torch.Tensor, exact: bool = False):
+    """The one divergence rule, on float64 tensors: ``(abs_error, finite, bad)``. ``abs_error`` is
+    ``|a − e|`` (NaN/Inf where a side is not finite); ``bad``: a side is NaN or ±Inf, or ``|a − e| > tolerance``
+    (a NaN tolerance admits nothing), or, ``exact``, the two differ bitwise."""
+    diff = (actual - expected).abs()
+    finite = torch.isfinite(actual) & torch.isfinite(expected)
+    if exact:
+        differ = actual.view(torch.int64) != expected.view(torch.int64)
+    else:
+        differ = ~(diff <= tolerance)
+    return diff, finite, ~finite | differ
+
+
+def noise_ratio(abs_error: torch.Tensor, tolerance: torch.Tensor) -> torch.Tensor:
+    """``|a − e| / tolerance``: 0 where the two are equal, ∞ for a difference against a zero tolerance."""
+    ratio = abs_error / tolerance
+    return torch.where(abs_error == 0, torch.zeros_like(ratio), ratio)
+
+
+@dataclass(frozen=True)
+class FieldValues:
+    """Rows ``[lo, hi)`` of a field: float64 columns and the derived ones."""
+
+    lo: int
+    expected: torch.Tensor
+    actual: torch.Tensor
+    tolerance: torch.Tensor
+    abs_error: torch.Tensor
+    finite: torch.Tensor
+    bad: torch.Tensor
+    compared: Optional[torch.Tensor]  # bool: elements the stage compares (None: all of them)
+
+    @property
+    def noise_ratio(self) -> torch.Tensor:
+        return noise_ratio(self.abs_error, self.tolerance)
+
+
+def _read(column: Column, lo: int, hi: int) -> torch.Tensor:
+    if isinstance(column, torch.Tensor):
+        return column[lo:hi].to(torch.float64)
+    return column(lo, hi)
+
+
+def _size(column: Column) -> Optional[int]:
+    return int(column.numel()) if isinstance(column, torch.Tensor) else None
+
+
+def _flat(values) -> Column:
+    """A tensor flattened to 1-D, a function as it is, a list as a float64 tensor (``None`` is NaN)."""
+    if callable(values) and not isinstance(values, torch.Tensor):
+        return values
+    from .compare import as_float64
+
+    if isinstance(values, torch.Tensor):
+        return values.detach().reshape(-1)
+    return as_float64(values)
+
+
+class FieldResult:
+    """One compared field of one stage on one rank shard (see the module docstring).
+
+    ``compared``: bool per element, the elements the stage compares (the others show their values and are
+    never bad); ``flagged``: bool per element, elements the stage found broken otherwise (a support-row
+    invariant) — counted by the stage's own divergences, shown as divergent by :attr:`divergent`.
+    ``exact``: bitwise comparison (``--exact``). ``note``: what the values are, when a table's columns do not
+    say it."""
+
+    def __init__(self, *, stage: str, name: str, per: str, expected, actual, tolerance,
+                 sample_ids: Sequence[str] = (), group_indices: Sequence[Optional[int]] = (),
+                 offsets: Optional[torch.Tensor] = None, lengths: Optional[torch.Tensor] = None,
+                 labels: Optional[Sequence[str]] = None, note: str = "", exact: bool = False,
+                 rank: Optional[int] = None, compared: Optional[torch.Tensor] = None,
+                 flagged: Optional[torch.Tensor] = None, size: Optional[int] = None) -> None:
+        if per not in PERS:
+            raise ValueError(f"per must be one of {', '.join(PERS)}, got {per!r}")
+        self.stage, self.name, self.per = stage, name, per
+        self._expected, self._actual, self._tolerance = _flat(expected), _flat(actual), _flat(tolerance)
+        sizes = [s for s in (_size(self._expected), _size(self._actual)) if s is not None]
+        if size is None:
+            if not sizes:
+                raise ValueError("a FieldResult of functions needs its size")
+            size = sizes[0]
+        self.size = int(size)
+        # expected and recomputed element counts, when they differ (a shape mismatch: nothing is compared)
+        counts = (_size(self._expected), _size(self._actual))
+        self.length_mismatch: Optional[tuple[int, int]] = counts if None not in counts and counts[0] != counts[1] \
+            else None
+        self.sample_ids = sample_ids
+        self.group_indices = group_indices
+        self.offsets = offsets
+        self.lengths = lengths
+        self.labels = list(labels) if labels is not None else None
+        self.note = note
+        self.exact = exact
+        self.rank = rank
+        self.compared = compared
+        self.flagged = flagged
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"FieldResult({self.stage}.{self.name}, per={self.per}, size={self.size})"
+
+    # -- rows -------------------------------------------------------------------------------------
+    def window(self, lo: int = 0, hi: Optional[int] = None) -> FieldValues:
+        """Rows ``[lo, hi)`` as float64 columns with their abs error and bad mask."""
+        if self.length_mismatch is not None:
+            raise ValueError(f"{self.stage}.{self.name}: expected {self.length_mismatch[0]} value(s), "
+                             f"recomputed {self.length_mismatch[1]}")
+        hi = self.size if hi is None else min(hi, self.size)
+        lo = max(0, min(lo, hi))
+        e, a = _read(self._expected, lo, hi), _read(self._actual, lo, hi)
+        tol = _read(self._tolerance, lo, hi) if not self.exact else torch.zeros_like(e)
+        diff, finite, bad = judge(e, a, tol, self.exact)
+        compared = self.compared[lo:hi] if self.compared is not None else None
+        if compared is not None:
+            bad = bad & compared
+        return FieldValues(lo=lo, expected=e, actual=a, tolerance=tol, abs_error=diff, finite=finite, bad=bad,
+                           compared=compared)
+
+    def chunks(self, chunk: int = CHUNK) -> Iterator[FieldValues]:
+        for lo in range(0, self.size, chunk):
+            yield self.window(lo, lo + chunk)
+
+    def _column(self, name: str) -> torch.Tensor:
+        parts = [getattr(w, name) for w in self.chunks()]
+        if not parts:
+            return torch.empty(0, dtype=torch.bool if name in ("bad", "finite") else torch.float64)
+        return torch.cat(parts)
+
+    @functools.cached_property
+    def expected(self) -> torch.Tensor:
+        """float64 ``[size]``: what the bundle recorded."""
+        return self._column("expected")
+
+    @functools.cached_property
+    def actual(self) -> torch.Tensor:
+        """float64 ``[size]``: what the replay recomputed."""
+        return self._column("actual")
+
+    @functools.cached_property
+    def tolerance(self) -> torch.Tensor:
+        """float64 ``[size]``: the effective bound of each element (0 under ``--exact``)."""
+        return self._column("tolerance")
+
+    @functools.cached_property
+    def abs_error(self) -> torch.Tensor:
+        """float64 ``[size]``: ``|a − e|`` (NaN where either side is not finite)."""
+        parts = [torch.where(w.finite, w.abs_error, torch.full_like(w.abs_error, float("nan"))) for w in self.chunks()]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+
+    @functools.cached_property
+    def bad(self) -> torch.Tensor:
+        """bool ``[size]``: the compared elements that diverge."""
+        return self._column("bad")
+
+    @functools.cached_property
+    def noise_ratio(self) -> torch.Tensor:
+        """float64 ``[size]``: ``|a − e| / tolerance`` (NaN where either side is not finite)."""
+        parts = [torch.where(w.finite, w.noise_ratio, torch.full_like(w.abs_error, float("nan")))
+                 for w in self.chunks()]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+
+    @property
+    def divergent(self) -> torch.Tensor:
+        """bool ``[size]``: what a view marks — the bad elements and the ones the stage flagged."""
+        return self.bad | self.flagged if self.flagged is not None else self.bad
+
+    # -- the sample map ---------------------------------------------------------------------------
+    def sample_of(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sample (index into ``sample_ids``) of each element in ``index``; ``None`` for scalars."""
+        if self.per == PER_TOKEN:
+            # the last sample starting at or before the token (empty samples share the next one's start)
+            return torch.searchsorted(self.offsets, index, right=True) - 1
+        if self.per == PER_SAMPLE:
+            return index
+        return None
+
+    def per_sample_counts(self, which: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """int64 ``[samples]``: how many elements of each sample ``which`` (default :attr:`divergent`) marks;
+        ``None`` for scalars."""
+        which = self.divergent if which is None else which
+        if self.per == PER_SCALAR:
+            return None
+        if self.per == PER_SAMPLE:
+            return which.to(torch.int64)
+        n = len(self.sample_ids)
+        idx = torch.nonzero(which).reshape(-1)
+        return torch.zeros(n, dtype=torch.int64).index_add_(0, self.sample_of(idx), torch.ones_like(idx))
+
+    def element_name(self, i: int) -> str:
+        """The divergence field of element ``i``: the label of a scalar row, else the field's name."""
+        return self.labels[i] if self.per == PER_SCALAR and self.labels else self.name
+
+
+# ------------------------------------------------------------------------------------- judging
+
+
+def _same(a: Column, b: Column) -> bool:
+    """Bit for bit the same tensor values, all finite (the usual result of a float32 recompute that is right)."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape and torch.equal(a, b) and bool(torch.isfinite(a).all()))
+
+
+def compare_field(f: FieldResult, keep: int) -> Comparison:
+    """Judge every element of ``f`` a chunk at a time: counts, the largest error and noise ratio, and the
+    first ``keep`` divergences with their tolerance and noise ratio."""
+    out = Comparison(compared=f.size if f.compared is None else int(f.compared.sum()))
+    if f.length_mismatch is not None:
+        ne, na = f.length_mismatch
+        out.compared = na
+        out.mismatches = out.bad_samples = 1
+        out.divergences.append(Divergence(
+            stage=f.stage, rank=f.rank, field=f.name, expected=float(ne), actual=float(na),
+            abs_error=float(abs(ne - na)), message=f"length mismatch: expected {ne} element(s), recomputed {na}",
+        ))
+        return out
+    if f.size == 0:
+        return out
+    if f.compared is None and _same(f._expected, f._actual):
+        out.max_abs_error = out.max_noise_ratio = 0.0
+        return out
+    bad_parts: list[torch.Tensor] = []
+    any_nonfinite = False
+    for w in f.chunks():
+        ok = w.finite if w.compared is None else w.finite & w.compared
+        all_ok = bool(ok.all())
+        if w.compared is None:
+            any_nonfinite = any_nonfinite or not all_ok
+        else:
+            any_nonfinite = any_nonfinite or bool((w.compared & ~w.finite).any())
+        err = w.abs_error if all_ok else w.abs_error[ok]
+        if err.numel():
+            m = float(err.max())
+            if out.max_abs_error is None or m > out.max_abs_error:
+                out.max_abs_error = m
+            ratio = noise_ratio(err, w.tolerance if all_ok else w.tolerance[ok])
+            r = float(ratio.max())
+            if out.max_noise_ratio is None or r > out.max_noise_ratio:
+                out.max_noise_ratio = r
+        if bool(w.bad.any()):
+            bad_parts.append(torch.nonzero(w.bad).reshape(-1) + w.lo)
+    if any_nonfinite:
+        out.max_abs_error = out.max_noise_ratio = float("inf")
+    if not bad_parts:
+        return out
+    bad_idx = torch.cat(bad_parts)
+    out.mismatches = int(bad_idx.numel())
+    samples = f.sample_of(bad_idx)
+    out.bad_samples = int(torch.unique(samples).numel()) if samples is not None else out.mismatches
+    for k, t in enumerate(bad_idx[:keep].tolist()):
+        w = f.window(t, t + 1)
+        ev, av, tol = float(w.expected[0]), float(w.actual[0]), float(w.tolerance[0])
+        finite = math.isfinite(ev) and math.isfinite(av)
+        err = abs(av - ev) if finite else None
+        sid = grp = off = None
+        if samples is not None:
+            s = int(samples[k])
+            sid, grp = f.sample_ids[s], f.group_indices[s]
+            if f.per == PER_TOKEN:
+                off = t - int(f.offsets[s])
+        out.divergences.append(Divergence(
+            stage=f.stage, rank=f.rank, sample_id=sid, group_index=grp, field=f.element_name(t), token_offset=off,
+            expected=ev, actual=av, abs_error=err, tolerance=tol,
+            noise_ratio=float(noise_ratio(torch.tensor(err), torch.tensor(tol))) if finite else None,
+        ))
+    return out
+
+
+def compare_fields(fields: Sequence[FieldResult], keep: int) -> tuple[Comparison, dict[str, Comparison]]:
+    """``(all fields together, each field's own)``, divergences in field order, ``keep`` in all."""
+    total = Comparison()
+    per: dict[str, Comparison] = {}
+    for f in fields:
+        cmp = compare_field(f, keep)
+        per[f.name] = cmp
+        total.merge(cmp)
+    total.divergences = total.divergences[:keep]
+    return total, per
+
+
+ReasonFn = Callable[[Comparison, dict[str, Comparison]], str]
+
+
+def stage_report(stage: str, fields: Sequence[FieldResult], keep: int, *, fail_reason: Union[str, ReasonFn],
+                 pass_reason: Union[str, ReasonFn], structural: Optional[Comparison] = None) -> StageReport:
+    """The one way a stage's report is made: its fields judged (:func:`compare_fields`), plus ``structural``
+    divergences found without comparing values (a group of the wrong size, a broken support row), listed
+    first. ``fail_reason`` / ``pass_reason``: text, or a function of ``(total, per-field comparisons)``."""
+    values, per = compare_fields(fields, keep)
+    total = Comparison()
+    if structural is not None:
+        total.merge(structural)
+    total.merge(values)
+    total.divergences = total.divergences[:keep]
+    if structural is not None and structural.compared == 0:
+        total.compared = values.compared
+    failed = total.mismatches > 0
+    reason = fail_reason if failed else pass_reason
+    if callable(reason):
+        reason = reason(total, per)
+    return StageReport(
+        stage=stage,
+        status=STATUS_FAIL if failed else STATUS_PASS,
+        reason=reason,
+        mismatches=total.mismatches,
+        max_abs_error=total.max_abs_error,
+        divergences=total.divergences,
+        compared=total.compared,
+        max_noise_ratio=total.max_noise_ratio,
+    )

@@ -1,0 +1,118 @@
+"""One field-result shape (``replay_lib.fields``): the element rule, the sample map, the report built from the
+fields, and every stage leaving its fields on the replay's context for the views to read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replay_lib.bundle import open_bundle
+from replay_lib.demo import write_pr65, write_synthetic
+from replay_lib.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field, judge, stage_report
+from replay_lib.runner import replay_run
+
+NAN, INF = float("nan"), float("inf")
+
+
+def token_field(expected, actual, tolerance, **kw) -> FieldResult:
+    return FieldResult(stage="advantage.kl", name="kl", per=PER_TOKEN, expected=torch.tensor(expected, dtype=torch.float64),
+                       actual=torch.tensor(actual, dtype=torch.float64), tolerance=tolerance,
+                       sample_ids=["s-0", "s-1", "s-2"], group_indices=[0, 0, 1],
+                       offsets=torch.tensor([0, 2, 2]), lengths=torch.tensor([2, 0, 3]), **kw)
+
+
+def test_the_rule_nan_inf_and_the_bound_inclusive():
+    e = torch.tensor([1.0, 1.0, NAN, 1.0, INF, NAN], dtype=torch.float64)
+    a = torch.tensor([1.5, 1.6, NAN, INF, INF, 1.0], dtype=torch.float64)
+    tol = torch.full((6,), 0.5, dtype=torch.float64)
+    diff, finite, bad = judge(e, a, tol)
+    assert bad.tolist() == [False, True, True, True, True, True]  # |a − e| = tol passes; NaN/Inf always fail
+    assert finite.tolist() == [True, True, False, False, False, False]
+    # a NaN tolerance admits nothing
+    assert judge(e[:1], e[:1] + 0.1, torch.tensor([NAN], dtype=torch.float64))[2].tolist() == [True]
+
+
+def test_exact_means_bitwise():
+    e = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    a = torch.tensor([-0.0, 1.0, math.nextafter(2.0, 3.0)], dtype=torch.float64)
+    assert judge(e, a, torch.full((3,), 1.0, dtype=torch.float64), exact=True)[2].tolist() == [True, False, True]
+
+
+def test_token_divergences_name_sample_offset_tolerance_and_noise_ratio():
+    f = token_field([0.0, 0.0, 1.0, 1.0, 1.0], [0.0, 0.3, 1.0, 1.0, 2.0], torch.full((5,), 0.1, dtype=torch.float64))
+    cmp = compare_field(f, keep=5)
+    assert (cmp.compared, cmp.mismatches, cmp.bad_samples) == (5, 2, 2)
+    assert cmp.max_abs_error == pytest.approx(1.0) and cmp.max_noise_ratio == pytest.approx(10.0)
+    # token 4 is offset 2 of s-2 (s-1 is empty and starts where s-2 does)
+    assert [(d.sample_id, d.group_index, d.token_offset, d.tolerance) for d in cmp.divergences] == [
+        ("s-0", 0, 1, 0.1), ("s-2", 1, 2, 0.1)]
+    assert cmp.divergences[0].noise_ratio == pytest.approx(3.0)
+    assert f.per_sample_counts().tolist() == [1, 0, 1]
+
+
+def test_a_column_may_be_a_function_evaluated_a_chunk_at_a_time():
+    n = 40_000  # more than one chunk
+    e = torch.linspace(-1, 1, n, dtype=torch.float32)
+    calls = []
+
+    def actual(lo, hi):
+        calls.append((lo, hi))
+        out = e[lo:hi].to(torch.float64).clone()
+        if lo <= 33_333 < hi:
+            out[33_333 - lo] += 1.0
+        return out
+
+    f = FieldResult(stage="advantage.estimate", name="advantage", per=PER_TOKEN, expected=e, actual=actual,
+                    tolerance=lambda lo, hi: torch.full((hi - lo,), 1e-3, dtype=torch.float64), size=n,
+                    sample_ids=["s-0"], group_indices=[0], offsets=torch.tensor([0]), lengths=torch.tensor([n]))
+    cmp = compare_field(f, keep=3)
+    assert cmp.mismatches == 1 and cmp.divergences[0].token_offset == 33_333
+    assert max(hi - lo for lo, hi in calls) <= 1 << 14
+    assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and f.expected.dtype == torch.float64
+
+
+def test_scalar_rows_are_named_by_their_labels_and_a_length_mismatch_is_one_divergence():
+    f = FieldResult(stage="loss.policy", name="loss", per=PER_SCALAR, expected=[1.0, 2.0], actual=[1.0, 2.5],
+                    tolerance=lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), labels=["loss", "pg_loss"])
+    cmp = compare_field(f, keep=5)
+    assert [(d.field, d.sample_id, d.expected, d.actual) for d in cmp.divergences] == [("pg_loss", None, 2.0, 2.5)]
+    short = FieldResult(stage="reward.raw", name="raw_reward", per=PER_SAMPLE, expected=[1.0, 2.0], actual=[1.0],
+                        tolerance=lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), sample_ids=["s-0", "s-1"],
+                        group_indices=[0, 0])
+    cmp = compare_field(short, keep=5)
+    assert cmp.mismatches == 1
+    assert cmp.divergences[0].message == "length mismatch: expected 2 element(s), recomputed 1"
+
+
+def test_stage_report_is_built_from_the_fields():
+    f = token_field([0.0, 0.0, 1.0, 1.0, 1.0], [0.0, 0.3, 1.0, 1.0, 2.0], torch.full((5,), 0.1, dtype=torch.float64))
+    report = stage_report("advantage.kl", [f], 1, fail_reason=lambda total, per: f"{per['kl'].mismatches} bad",
+                          pass_reason="fine")
+    assert (report.status, report.reason, report.mismatches, len(report.divergences)) == ("fail", "2 bad", 2, 1)
+    assert report.max_noise_ratio == pytest.approx(10.0) and report.compared == 5
+
+
+def test_every_compared_stage_leaves_its_fields_on_the_context(tmp_path):
+    b = open_bundle(write_synthetic(tmp_path / "s", samples=8, tokens=16, seed=3))
+    report, contexts = replay_run(b)
+    ctx = contexts[0]
+    assert {stage: [(f.name, f.per) for f in fields] for stage, fields in ctx.fields.items()} == {
+        "sample": [], "reward.raw": [("raw_reward", "sample")], "reward.post_process": [("reward", "sample")],
+        "advantage.kl": [("kl", "token")], "advantage.estimate": [("advantage", "token")],
+        "loss.policy": [("loss", "scalar")],
+    }
+    loss = ctx.fields["loss.policy"][0]
+    assert loss.labels == ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"]
+    for stage in report.stages:
+        if stage.status == "pass" and stage.stage in ctx.fields:
+            assert sum(int(f.bad.sum()) for f in ctx.fields[stage.stage]) == stage.mismatches == 0
+
+
+def test_the_report_counts_are_the_fields_counts(tmp_path):
+    b = open_bundle(write_pr65(tmp_path / "b", buggy=True))
+    report, contexts = replay_run(b)
+    post = contexts[0].fields["reward.post_process"][0]
+    assert post.bad.tolist() == [True] * 4 and report.stage("reward.post_process").mismatches == 4
+    assert post.expected.tolist() == [-5.5, -3.5, 3.5, 5.5] and post.actual.tolist() == [-1.0, 1.0, -1.0, 1.0]
