@@ -8,6 +8,25 @@ import re
 METADATA_FILES = ("manifest.json", "index.json", "expected.json")
 PAYLOAD_DIR = "payloads"
 PAYLOAD_SUFFIX = ".pt"
-_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
-_RANK_SENTINEL = re.compile(r"^COMPLETE\.(\d+)$")
+# Names read from a bundle or a directory listing are matched whole: ``\A…\Z`` (``$`` also matches before a
+# final newline, so ``"evil\n"`` would pass) and ASCII digits only (``\d`` matches any Unicode digit).
+_PAYLOAD_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+_RANK_DIR = re.compile(r"\Arank-([0-9]+)\Z")
+_RANK_SENTINEL = re.compile(r"\ACOMPLETE\.([0-9]+)\Z")
+# What each payload a stage reads holds (SPEC §2): its kind (``float``: a real floating dtype; ``int``: an
+# integer one) and its dimensions. Per-token payloads are 1-D, side channels ``[Σ response_length, …]``
+# (stages/support.py: ids and logits [Σ T, K], routed experts [Σ T, layers, topk]). A payload of any other
+# name (an extension no stage reads) is a real float or integer tensor of any rank.
+TOKENS = "Σ response_length"
+_PER_TOKEN_FLOAT = ("old_log_probs", "log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "kl",
+                    "advantages", "pg_losses", "values", "old_values", "returns", "full_log_probs")
+PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{name: ("float", (TOKENS,)) for name in _PER_TOKEN_FLOAT},
+    "support_ids": ("int", (TOKENS, "K")),
+    "support_logits": ("float", (TOKENS, "K")),
+    "sampled_token_ids": ("int", (TOKENS,)),
+    "routed_experts": ("int", (TOKENS, "layers", "topk")),
+    "cp_shard": ("int", (TOKENS,)),
+}
+# A cohort COMPLETE's shard key: a rank number as ``str(rank)`` writes it (no sign, space or leading zero).
+_RANK_KEY = re.compile(r"\A(?:0|[1-9][0-9]*)\Z")

@@ -12,7 +12,7 @@ import enum
 import functools
 import json
 import math
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -20,7 +20,14 @@ from msgspec.structs import force_setattr
 FORMAT_VERSION = "1.1.0"
 SUPPORTED_MAJOR = 1
 
-Scalar = Union[int, str]
+# Every integer a bundle holds is bounded (SPEC §11): an int64, as the tensors and kernels that consume it
+# are. A value outside is a one-line schema error naming its field, not an OverflowError in a stage.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # a size, a dimension, a rank number
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # a parallel axis has at least one rank
+
+Scalar = Union[Int, str]
 
 
 class StageId(str, enum.Enum):
@@ -63,8 +70,8 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True):
 class ActorStepId(_Struct, kw_only=True, forbid_unknown_fields=True):
     """The train_one_step coordinate: (rollout_id, step_id). A flat step number is never persisted."""
 
-    rollout_id: int
-    step_id: int
+    rollout_id: Int
+    step_id: Int
 
     def __str__(self) -> str:
         return f"{self.rollout_id}:{self.step_id}"
@@ -82,7 +89,7 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
     """Logical identity (sample, semantic group, cohort, actor step) and physical provenance."""
 
     actor_step_id: Optional[ActorStepId] = None
-    rollout_id: Optional[int] = None
+    rollout_id: Optional[Int] = None
     rollout_partition_ids: list[Scalar] = []
     consumer_batch_ids: list[Scalar] = []
     micro_batch_ids: list[Scalar] = []
@@ -90,7 +97,7 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
     normalization_cohort_ids: list[Scalar] = []
     weight_lineage: WeightLineage = WeightLineage()
     # World sizes per parallel axis. Accepts a partial mapping (``{"cp": 1}``) and writes all four axes.
-    rank: dict[str, int] = {}
+    rank: dict[str, WorldSize] = {}
 
     def __post_init__(self) -> None:
         full = {axis: 1 for axis in RANK_AXES}
@@ -113,10 +120,10 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
 # part of a reference cycle, so the collector need not track or walk them.
 class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     sample_id: str
-    group_index: Optional[int] = None
-    response_length: int
-    total_length: int
-    loss_mask: list[int]
+    group_index: Optional[Int] = None
+    response_length: Int
+    total_length: Int
+    loss_mask: list[Int]
     raw_reward: Optional[float] = None
     reward: Optional[float] = None
     label_hash: Optional[str] = None
@@ -132,7 +139,7 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     """Every knob that changes the math, including the ones V1 cannot recompute (so they can be refused)."""
 
     advantage_estimator: str = "grpo"
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: Int = 1
     grpo_std_normalization: bool = False
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
@@ -153,8 +160,8 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
     # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).
-    vocab_size: Optional[int] = None
-    num_experts: Optional[int] = None
+    vocab_size: Optional[Int] = None
+    num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
 
 
@@ -211,8 +218,8 @@ def stage_contracts(
 class PayloadSpec(_Struct, kw_only=True):
     name: str
     dtype: str
-    shape: list[int]
-    bytes: int
+    shape: list[Count]
+    bytes: Count
     sha256: str
 
 
@@ -304,10 +311,10 @@ class RankComplete(_Struct, kw_only=True):
     """``COMPLETE.<rank>``: the rank's identity anchor, payload and metadata checksums."""
 
     actor_step_id: Optional[ActorStepId] = None
-    rollout_id: Optional[int] = None
+    rollout_id: Optional[Int] = None
     payloads: dict[str, str] = {}
     metadata: dict[str, str] = {}
-    expected_ranks: Optional[list[int]] = None
+    expected_ranks: Optional[list[Count]] = None
     relpath: Optional[str] = None
     bundle_id: Optional[str] = None
 
@@ -320,7 +327,7 @@ class RankComplete(_Struct, kw_only=True):
 class BundleComplete(_Struct, kw_only=True):
     """``COMPLETE``: single producer → ranks + metadata checksums; cohort → ranks + every shard."""
 
-    ranks: list[int]
+    ranks: list[Count]
     metadata: Optional[dict[str, str]] = None
     shards: Optional[dict[str, RankComplete]] = None
 
@@ -364,7 +371,7 @@ def parse_redaction_rule(field: str, rule: str) -> tuple[str, int]:
         return rule, 0
     if rule.startswith("truncate:"):
         tail = rule.split(":", 1)[1]
-        if tail.isdigit():
+        if tail.isascii() and tail.isdigit():
             return "truncate", int(tail)
     raise ValueError(f"redaction rule for {field!r} must be 'hash', 'drop' or 'truncate:N', got {rule!r}")
 
@@ -377,7 +384,7 @@ def lenient_mirror(typ, _memo: dict | None = None):
     memo = {} if _memo is None else _memo
     if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
         if typ not in memo:
-            hints = typing.get_type_hints(typ)
+            hints = typing.get_type_hints(typ, include_extras=True)  # keeps the int64 bounds
             fields = []
             for f in msgspec.structs.fields(typ):
                 if f.default is not msgspec.NODEFAULT:

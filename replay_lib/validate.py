@@ -15,6 +15,7 @@ from .runner import check_topology
 from .schema import ActorStepId, StageCapability
 from .inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
+from .stages.sample import TOKEN_PAYLOADS
 
 
 class ValidationResult(msgspec.Struct, kw_only=True):
@@ -59,6 +60,7 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
             t = shard.payload(name)
             if t.dim() == 0:
                 raise BundleError(f"{shard.path / PAYLOAD_DIR / (name + PAYLOAD_SUFFIX)}: per-token payload must have a token dimension")
+        check_token_counts(shard)
         runnable = [s for s in STAGE_ORDER if s in REGISTRY and s not in UNSUPPORTED
                     and (c := shard.manifest.stage_contracts.get(s)) is not None and c.capability == StageCapability.RECOMPUTE]
         try:
@@ -80,6 +82,37 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
         warnings=bundles.warnings,
         replay_refusals=sorted(set(refusals)),
     )
+
+
+def check_token_counts(shard) -> None:
+    """What the ``sample`` stage checks that needs no arithmetic (SPEC §4): every sample's loss mask holds
+    ``response_length`` values, and every per-token payload has Σ response_length rows. ``validate`` refuses
+    a bundle where they do not (exit 3, naming the sample or the payload); a replay runs the sample stage,
+    which reports the same facts as its divergences."""
+    samples = shard.index.samples
+    lengths = [s.response_length for s in samples]
+    if [len(s.loss_mask) for s in samples] != lengths:
+        i = next(i for i, s in enumerate(samples) if len(s.loss_mask) != s.response_length)
+        raise BundleError(
+            f"{shard.path / 'index.json'}: $.samples[{i}].loss_mask: {len(samples[i].loss_mask)} value(s), "
+            f"$.samples[{i}].response_length is {lengths[i]} (sample {samples[i].sample_id!r})"
+        )
+    total = sum(lengths)  # each is a mask's length now: no sum of hostile numbers
+    for name in TOKEN_PAYLOADS:
+        if not shard.has_payload(name):
+            continue
+        rows = int(shard.payload(name).shape[0])
+        if rows == total:
+            continue
+        if rows > total:
+            where = f"{rows - total} row(s) after the last sample's tokens"
+        else:  # the first sample whose tokens have no row
+            start, i = 0, 0
+            while start + lengths[i] <= rows:
+                start, i = start + lengths[i], i + 1
+            where = f"sample {samples[i].sample_id!r} ($.samples[{i}]) has none from its token {rows - start} on"
+        raise BundleError(f"{shard.path / PAYLOAD_DIR / (name + PAYLOAD_SUFFIX)}: {rows} row(s), "
+                          f"index.json Σ $.samples[*].response_length is {total} ({where})")
 
 
 # ------------------------------------------------------------------------------------------ inspect

@@ -346,15 +346,15 @@ def test_nan_in_an_expected_json_list_diverges(tmp_path):
     assert (d.sample_id, d.field, d.actual) == ("s-1", "raw_reward", 2.0) and math.isnan(d.expected)
 
 
-def test_shape_mismatch_is_a_divergence_with_its_own_message(tmp_path):
-    # [6, 2] has the right number of rows (sample passes) but 12 elements against 6 recomputed
-    kl = torch.full((6, 2), 0.5)
-    report = replay(kl_bundle(tmp_path / "b", kl=kl))
-    assert only_failure(report) == "advantage.kl"
-    d = report.first_divergence
-    assert d.message == "length mismatch: expected 12 element(s), recomputed 6"
-    assert (d.field, d.expected, d.actual, d.abs_error) == ("kl", 12.0, 6.0, 6.0)
-    assert "kl advantage.kl: length mismatch: expected 12 element(s), recomputed 6" in report_to_text(report)
+def test_a_per_token_payload_with_an_extra_dimension_is_refused_before_any_stage(tmp_path):
+    # [6, 2] has the right number of rows but would broadcast against the [6] recomputed values (SPEC §11)
+    from replay_lib.errors import BundleError
+
+    b = kl_bundle(tmp_path / "b", kl=torch.full((6, 2), 0.5))
+    with pytest.raises(BundleError) as err:
+        replay(b)
+    assert str(err.value) == (f"{b / 'payloads' / 'kl.pt'}: manifest $.payloads.kl.shape: [6, 2], "
+                              f"expected 1-D [Σ response_length]")
 
 
 def test_payload_row_count_mismatch_fails_sample_first(tmp_path):

@@ -435,12 +435,14 @@ def test_routed_expert_repeated_within_a_row(tmp_path):
 
 
 def test_routed_experts_with_the_wrong_shape(tmp_path):
+    # the reader refuses a payload of another rank than the stage reads (SPEC §11), before any stage
     payloads = hand_payloads()
     payloads["routed_experts"] = hand_routes().reshape(5, 4)
-    stage = support_stage(replay(write_hand(tmp_path / "b", payloads, num_experts=4)))
-    assert stage.status == "fail"
-    assert stage.divergences[0].field == "routed_experts"
-    assert "payload 'routed_experts' must have 3 dimension(s), got shape [5, 4]" in stage.reason
+    b = write_hand(tmp_path / "b", payloads, num_experts=4)
+    with pytest.raises(BundleError) as err:
+        replay(b)
+    assert str(err.value) == (f"{b / 'payloads' / 'routed_experts.pt'}: manifest $.payloads.routed_experts.shape: "
+                              f"[5, 4], expected 3-D [Σ response_length, layers, topk]")
 
 
 # ------------------------------------------------------------------------------ sources and config

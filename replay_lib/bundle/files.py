@@ -13,7 +13,8 @@ from typing import Optional
 import msgspec
 
 from ..errors import BundleError
-from ..layout import _PAYLOAD_NAME
+from ..json_limits import json_depth_error
+from ..layout import _PAYLOAD_NAME, _RANK_KEY
 from ..schema import SUPPORTED_MAJOR
 
 
@@ -49,6 +50,14 @@ def check_payload_name(name: str, where: str) -> None:
     """A payload name is a plain file stem: no separators, no ``..``, no absolute path, no hidden file."""
     if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
         raise BundleError(f"{where}: unsafe payload name {name!r} (expected a plain file stem)")
+
+
+def check_shard_keys(path: Path, shards: dict) -> None:
+    """A cohort COMPLETE's ``$.shards`` is keyed by rank numbers as ``str(rank)`` writes them: ``"x"`` or
+    ``" 0"`` would otherwise fail as ``int()`` of the key, or name a shard no rank looks up."""
+    bad = next((key for key in shards if not _RANK_KEY.match(key)), None)
+    if bad is not None:
+        raise BundleError(f"{path}: $.shards: shard keys must be rank numbers, got {bad!r}")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -92,6 +101,7 @@ def _read_bytes(path: Path, what: str) -> bytes:
 
 def _decode(path: Path, data: bytes, decoder):
     """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``)."""
+    check_json_depth(path, data)
     try:
         return decoder.decode(data) if isinstance(decoder, msgspec.json.Decoder) else decoder(data)
     except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
@@ -104,6 +114,13 @@ def _decode(path: Path, data: bytes, decoder):
         if isinstance(exc, msgspec.ValidationError):
             raise BundleError(f"{path}: {_validation_message(exc)}") from None
         raise BundleError(f"{path}: invalid JSON: {exc}") from None
+
+
+def check_json_depth(path: Path, data: bytes) -> None:
+    """Refuse a document nested deeper than the format allows before a decoder recurses into it (SPEC §11)."""
+    too_deep = json_depth_error(data)
+    if too_deep is not None:
+        raise BundleError(f"{path}: {too_deep}")
 
 
 def _validation_message(exc: msgspec.ValidationError) -> str:
@@ -122,7 +139,7 @@ def _validation_message(exc: msgspec.ValidationError) -> str:
 
 
 def parse_format_version(version, where: str) -> tuple[int, int, int]:
-    if not isinstance(version, str) or not re.match(r"^\d+\.\d+\.\d+$", version):
+    if not isinstance(version, str) or not re.match(r"\A[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}\Z", version):
         raise BundleError(f"{where}: $.format_version: expected 'MAJOR.MINOR.PATCH', got {version!r}")
     major, minor, patch = (int(x) for x in version.split("."))
     if major != SUPPORTED_MAJOR:

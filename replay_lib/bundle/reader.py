@@ -4,9 +4,12 @@ producer published."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import threading
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +17,7 @@ import msgspec
 import torch
 
 from ..errors import BundleError
-from ..layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
 from ..schema import (
     BUNDLE_COMPLETE_DECODER,
     EARLY_COMPLETE_WARNING,
@@ -24,6 +27,8 @@ from ..schema import (
     BundleIndex,
     Expected,
     Manifest,
+    PayloadSpec,
+    RANK_AXES,
     RankComplete,
     RecomputeConfig,
     RedactionPolicy,
@@ -32,7 +37,16 @@ from ..schema import (
     loss_terms_length_error,
     unknown_fields,
 )
-from .files import _decode, _read_bytes, _sha256_stream, check_payload_name, parse_format_version, sha256_bytes, sha256_file
+from .files import (
+    _decode,
+    _read_bytes,
+    _sha256_stream,
+    check_json_depth,
+    check_payload_name,
+    parse_format_version,
+    sha256_bytes,
+    sha256_file,
+)
 
 
 # For the unknown-field scan of a decoded (valid) index.json: the samples' field values are kept as
@@ -163,14 +177,26 @@ def _settle(attempt):
     return value
 
 
-def _load_tensor(path: Path) -> torch.Tensor:
+# A compressed archive is inflated into memory: its records may hold this much more than the tensor the
+# manifest declares (the pickle and torch's small bookkeeping records), not a decompression bomb.
+_INFLATE_SLACK = 1 << 20
+
+
+def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
+    """The payload as a plain dense CPU tensor of real numbers (SPEC §2, §11), memory-mapped when its
+    archive stores the records as they are."""
+    mmap = not _compressed_archive(path, spec)
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc) and "zipfile" not in str(exc).lower():
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        # torch may warn while it rebuilds a tensor (a quantized one is deprecated): the checks below
+        # decide about such a tensor, and a passing run prints nothing of torch's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as exc:
+                if not mmap or ("mmap" not in str(exc) and "zipfile" not in str(exc).lower()):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError for objects, RuntimeError for corrupt archives
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         # torch's first line is generic advice (incl. "retry with weights_only=False"); name the blocked global.
@@ -178,9 +204,69 @@ def _load_tensor(path: Path) -> torch.Tensor:
         raise BundleError(f"{path}: not a loadable weights-only tensor file ({first[:160]})") from None
     if type(obj) is not torch.Tensor:
         raise BundleError(f"{path}: payload must be a plain torch.Tensor, got {type(obj).__module__}.{type(obj).__qualname__}")
+    if obj.is_quantized:
+        raise BundleError(f"{path}: payload must hold real numbers, got the quantized dtype {obj.dtype}")
     if obj.layout != torch.strided:
         raise BundleError(f"{path}: payload must be a dense (strided) tensor, got layout {obj.layout}")
-    return obj
+    if obj.device.type != "cpu":
+        raise BundleError(f"{path}: payload must be a CPU tensor, got device {obj.device.type!r}")
+    if obj.dtype.is_complex:
+        raise BundleError(f"{path}: payload must hold real numbers, got the complex dtype {obj.dtype}")
+    if not (obj.dtype.is_floating_point or _is_integer(obj.dtype)):
+        raise BundleError(f"{path}: payload must have a floating point or integer dtype, got {obj.dtype}")
+    # a payload saved from a tensor in an autograd graph: the values are what was recorded, the flag is not
+    return obj.detach() if obj.requires_grad else obj
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _compressed_archive(path: Path, spec: PayloadSpec) -> bool:
+    """Whether the payload's zip archive compresses a record. Memory-mapping such an archive would read the
+    compressed bytes as the tensor's values, so it is loaded into memory instead — within the size the
+    manifest declares. A file that is no zip archive (torch's legacy format) is left to ``torch.load``."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except zipfile.BadZipFile:
+        return False
+    except Exception as exc:  # a damaged directory: zipfile raises what it meets
+        raise BundleError(f"{path}: not a loadable weights-only tensor file (zip archive: {exc})") from None
+    if any(info.flag_bits & 0x1 for info in records):
+        raise BundleError(f"{path}: encrypted zip record {next(i.filename for i in records if i.flag_bits & 0x1)!r}")
+    if all(info.compress_type == zipfile.ZIP_STORED for info in records):
+        return False
+    inflated = sum(info.file_size for info in records)
+    allowed = _declared_bytes(spec) + _INFLATE_SLACK
+    if inflated > allowed:
+        raise BundleError(
+            f"{path}: compressed records inflate to {inflated} bytes, more than the {allowed} that "
+            f"manifest $.payloads.{spec.name}.shape and .dtype allow"
+        )
+    return True
+
+
+def _declared_bytes(spec: PayloadSpec) -> int:
+    dtype = getattr(torch, spec.dtype[len("torch."):], None) if spec.dtype.startswith("torch.") else None
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 8
+    return math.prod(spec.shape) * itemsize
+
+
+def _check_form(path: Path, key: str, tensor: torch.Tensor) -> None:
+    """A payload a stage reads has that stage's kind and rank (a ``[Σ, 1]`` log-prob tensor would broadcast
+    against the ``[Σ]`` ones into a ``[Σ, Σ]`` product); any other payload has a token dimension."""
+    form = PAYLOAD_FORMS.get(key)
+    if form is None:
+        return
+    kind, dims = form
+    where = f"{path}: manifest $.payloads.{key}"
+    if tensor.dim() != len(dims):
+        raise BundleError(f"{where}.shape: {list(tensor.shape)}, expected {len(dims)}-D [{', '.join(dims)}]")
+    if kind == "float" and not tensor.dtype.is_floating_point:
+        raise BundleError(f"{where}.dtype: {tensor.dtype}, expected a floating point dtype")
+    if kind == "int" and not _is_integer(tensor.dtype):
+        raise BundleError(f"{where}.dtype: {tensor.dtype}, expected an integer dtype")
 
 
 class BundleReader:
@@ -240,6 +326,7 @@ class BundleReader:
                 self._accept_early_writer(complete_path, manifest_attempt)
             else:
                 self._check_metadata(complete_path, complete.metadata, actual_meta)
+            self._check_ranks(complete_path, complete.ranks, index_attempt[0])
             shards = {}
             verified = not early
             for r in complete.ranks:
@@ -328,6 +415,7 @@ class BundleReader:
 
     @staticmethod
     def _raw(path: Path, blob: bytes):
+        check_json_depth(path, blob)
         try:
             return msgspec.json.decode(blob)
         except msgspec.DecodeError as exc:
@@ -353,6 +441,27 @@ class BundleReader:
                 f"{complete_path}: $.metadata: missing (a bundle of format {version!r} records the JSON files' "
                 f"checksums there; only an early 1.0.0 writer omitted them)"
             )
+
+    @staticmethod
+    def _check_ranks(complete_path: Path, ranks: list[int], decoded_index) -> None:
+        """COMPLETE's ``$.ranks`` names each producer once, and no more producers than the world sizes in
+        index.json (dp·tp·pp·cp) hold: a list of a million ranks is refused before a sentinel is read for
+        each. (An index.json that did not decode is reported in its place; only the count waits for it.)"""
+        if len(set(ranks)) != len(ranks):
+            seen: dict[int, int] = {}
+            for i, r in enumerate(ranks):
+                if r in seen:
+                    raise BundleError(f"{complete_path}: $.ranks[{i}]: duplicate rank {r} (first at $.ranks[{seen[r]}])")
+                seen[r] = i
+        if decoded_index is not None:
+            sizes = decoded_index[0].identity.rank
+            world = math.prod(sizes[axis] for axis in RANK_AXES)
+            if len(ranks) > world:
+                raise BundleError(
+                    f"{complete_path}: $.ranks: {len(ranks)} ranks, more than the {world} producer(s) that "
+                    f"index.json $.identity.rank allows (dp·tp·pp·cp = "
+                    f"{'·'.join(str(sizes[axis]) for axis in RANK_AXES)})"
+                )
 
     @staticmethod
     def _check_metadata(sentinel: Path, recorded: dict[str, str], actual: dict[str, str]) -> None:
@@ -399,13 +508,14 @@ class BundleReader:
                     f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "
                     f"{shard.payloads[key][:12]}…, file {digest[:12]}…)"
                 )
-            tensor = _load_tensor(file)
+            tensor = _load_tensor(file, spec)
             if str(tensor.dtype) != spec.dtype:
                 raise BundleError(f"{file}: dtype {tensor.dtype}, manifest $.payloads.{key}.dtype says {spec.dtype}")
             if list(tensor.shape) != list(spec.shape):
                 raise BundleError(
                     f"{file}: shape {list(tensor.shape)}, manifest $.payloads.{key}.shape says {list(spec.shape)}"
                 )
+            _check_form(file, key, tensor)
             self._tensors[key] = tensor
         if payload_dir.is_dir():
             for entry in sorted(payload_dir.iterdir()):

@@ -22,7 +22,7 @@ from ..errors import BundleError, SelectionError
 from ..gcpause import gc_paused
 from ..layout import _RANK_DIR, _RANK_SENTINEL
 from ..schema import BUNDLE_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
-from .files import _decode, _read_bytes
+from .files import _decode, _read_bytes, check_shard_keys
 from ..safe_open import UnsafeFile, read_json_file
 from .reader import BundleReader
 
@@ -60,6 +60,7 @@ def _cohort_complete(cohort: Path) -> BundleComplete:
     complete = _decode(final, _read_bytes(final, "cohort COMPLETE"), BUNDLE_COMPLETE_DECODER)
     if complete.shards is None:
         raise BundleError(f"{final}: $.shards: missing (expected a cohort COMPLETE)")
+    check_shard_keys(final, complete.shards)
     if sorted(int(k) for k in complete.shards) != sorted(complete.ranks):
         raise BundleError(f"{final}: $.shards: keys do not match $.ranks {complete.ranks}")
     return complete
