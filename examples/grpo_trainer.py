@@ -265,16 +265,29 @@ class MicroBatchLoss:
     pg_losses: torch.Tensor  # [tokens] float32: the per-token surrogate before aggregation
 
 
+def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``mask`` with each sample's last loss token taken out: the off-by-one of ``--loss-mask-bug``."""
+    out = mask.clone()
+    start = 0
+    for n in lengths.tolist():
+        kept = torch.nonzero(out[start:start + n]).reshape(-1)
+        if kept.numel():
+            out[start + int(kept[-1])] = 0
+        start += n
+    return out
+
+
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 entropy: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, *, eps_clip: float,
-                eps_clip_high: float, entropy_coef: float) -> MicroBatchLoss:
+                eps_clip_high: float, entropy_coef: float, mask_bug: bool = False) -> MicroBatchLoss:
     """One micro-batch's clipped surrogate: per token in float32 (``compute_policy_loss``, the replay's kernel),
     then every per-sample sum ``Σ_t x·mask`` and the sum of per-sample masked means in float64 — float32
-    sums of long responses carry rounding (at ~u·n relative) that would blur a one-token difference."""
+    sums of long responses carry rounding (at ~u·n relative) that would blur a one-token difference.
+    ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps it)."""
     ppo_kl = old_log_probs.float() - log_probs.float()
     pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages.float(), eps_clip, eps_clip_high)
     seg = segment_ids(lengths)
-    m = mask.to(torch.float64)
+    m = (drop_last_loss_token(mask, lengths) if mask_bug else mask).to(torch.float64)
 
     def per_sample(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(lengths.numel(), dtype=torch.float64).index_add(0, seg, x.to(torch.float64) * m)
@@ -515,6 +528,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     mb_loss = policy_loss(
                         log_probs, old_log_probs[tok], advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
+                        mask_bug=args.loss_mask_bug,
                     )
                     mb_loss.fields["loss"].backward()
                     fields = {name: value.detach() for name, value in mb_loss.fields.items()}
@@ -594,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlong filtering: mask out responses cut off without <eos>")
     p.add_argument("--pr65-bug", action="store_true",
                    help="reproduce PR #65: normalize rewards per consumer batch instead of per prompt group")
+    p.add_argument("--loss-mask-bug", action="store_true",
+                   help="an off-by-one mask in the loss: each sample's last loss token is left out of its sums "
+                        "(the recorded loss mask keeps it)")
     p.add_argument("--sample-support", action="store_true",
                    help="score log-probs over each token's recorded top-k sampler support (policy, old, ref) "
                         "and capture stage logprob.support")

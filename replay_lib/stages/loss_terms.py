@@ -1,0 +1,266 @@
+"""``loss.policy``'s per-sample and per-token loss terms (SPEC §4): compared before the scalars, so a loss
+divergence is located to its sample and token like any per-token stage.
+
+A producer may record, per sample, ``expected.json $.loss.policy.per_sample`` = ``{pg_sum, entropy_sum, kl_sum,
+clip_count, mask_count}`` — ``Σ_t x·mask`` of the clipped surrogate, the entropy and ``ppo_kl = old − logp``,
+and ``Σ_t`` of the clip indicator and of the mask — and the payload ``pg_losses``, the per-token surrogate
+before aggregation. :func:`loss_term_fields` recomputes them in float64 from the loss stage's own inputs (the
+recorded log-probs, old log-probs, advantages, entropy and mask) and returns one :class:`FieldResult` per
+recorded term (``per="sample"``) and for ``pg_losses`` (``per="token"``).
+
+Tolerances. Each bound is what a legitimate producer's rounding can reach, computed alongside in float64; ``u_c``
+is the unit roundoff of its per-token arithmetic — the declared ``producer_precision.compute``, or the payloads'
+own format when that is coarser (a bf16 payload of float32 values) — and ``u_a`` that of its accumulation
+(``producer_precision.accumulate``; default float32/float32, SPEC §5.1):
+
+* a per-token term ``x_t`` is off by at most ``8·u_c·cond_t``: ``cond = |pg|·(3 + |old| + |logp|)`` for the
+  surrogate (the log-ratio's rounding, amplified by ``exp``, plus the ``exp``, the clamp bound and the product
+  with the advantage), ``|old| + |logp|`` for ``ppo_kl``, ``|entropy|`` for the entropy; 8 covers the few
+  roundings of each formula with room (core's per-token rule, ``8·u_p·cond``);
+* a per-sample sum of ``n_i`` such terms adds at most ``2·u_a·n_i·Σ_t |x_t|·mask`` — the worst case of a
+  sequential sum (a √n bound is not sound for sequential producers, which reach 10–160× it on constant data);
+  a pairwise or tree sum does better, so this never refuses a legitimate order. The sum's bound is
+  ``Σ_t 8·u_c·cond_t·mask`` plus that; the bundle's ``atol + rtol·|e|`` comes on top (``StageContext.field``);
+* ``mask_count`` is a whole number compared exactly (no float rounding produces another count; the bundle's
+  atol/rtol do not apply, so ``atol 1`` cannot hide a one-token mask bug);
+* ``clip_count`` is compared as a whole number too, with a tolerance of the number of the sample's loss tokens
+  whose float64 ratio lies within ``8·u_c·(2 + |old| + |logp|)`` (relative) of a clip bound ``1 − eps_clip``
+  or ``1 + eps_clip_high``: only there can a producer's rounding flip ``l2 > l1``; elsewhere a count that
+  differs is a different clip rule or mask. The ratio of counts is then the clip fraction, exactly.
+* ``pg_losses``: per token, ``8·u_c·cond_t`` plus the bundle's tolerance; only loss tokens (mask ≠ 0) are
+  judged — producers differ in what they leave at masked-out positions, and those never reach the loss.
+
+``--exact`` recomputes the per-token terms with the producer's float32 arithmetic (the formula of
+``kernels.compute_policy_loss``), sums them in token order in the declared accumulation format, and compares
+bitwise: the example trainer's bundles then match to the bit.
+
+Everything is evaluated a chunk of tokens at a time (``LOSS_CHUNK``): no full-length float64 temporaries.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
+from ..kernels import LOSS_CHUNK
+from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
+from .base import StageContext, StageInputError
+
+STAGE = "loss.policy"
+# Unit roundoff of each declarable format (half an ulp of 1).
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+_DTYPE_FORMAT = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+                 torch.float16: "float16"}
+TOKEN_SLACK = 8.0  # roundings of one per-token formula, with room
+ACCUMULATE_SLACK = 2.0  # per addition of a sequential sum (the n_i·u bound, doubled)
+TOKEN_TERMS_PAYLOAD = "pg_losses"
+
+
+def recorded_terms(ctx: StageContext) -> Optional[PerSampleLossTerms]:
+    terms = ctx.reader.expected.get(STAGE, {}).get(PER_SAMPLE_KEY)
+    return terms if isinstance(terms, PerSampleLossTerms) and terms.recorded() else None
+
+
+def has_loss_terms(ctx: StageContext) -> bool:
+    """Whether the bundle records per-sample terms or the per-token ``pg_losses``."""
+    return recorded_terms(ctx) is not None or ctx.has(TOKEN_TERMS_PAYLOAD)
+
+
+def _precision(ctx: StageContext) -> tuple[str, str]:
+    """``(compute, accumulate)`` as the bundle declares them (float32/float32 when it does not)."""
+    declared = getattr(ctx.reader.manifest.comparison_policy, "producer_precision", None)
+    if isinstance(declared, dict):
+        compute, accumulate = declared.get("compute"), declared.get("accumulate")
+    else:
+        compute, accumulate = getattr(declared, "compute", None), getattr(declared, "accumulate", None)
+    compute = compute if compute in UNIT_ROUNDOFF else "float32"
+    accumulate = accumulate if accumulate in UNIT_ROUNDOFF else "float32"
+    return str(compute), str(accumulate)
+
+
+def _exact(ctx: StageContext) -> bool:
+    """``--exact``: the producer's float32 arithmetic recomputed and compared bitwise."""
+    return bool(getattr(getattr(ctx, "rules", None), "exact", False))
+
+
+def _token_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
+    """The per-token unit roundoff: the declared compute format's, or a coarser payload format's (values
+    stored in bf16 were rounded once more than the producer's float32 arithmetic saw)."""
+    u = UNIT_ROUNDOFF[compute]
+    for t in tensors:
+        if t is not None:
+            u = max(u, UNIT_ROUNDOFF.get(_DTYPE_FORMAT.get(t.dtype, "float32"), UNIT_ROUNDOFF["float32"]))
+    return u
+
+
+class _Tokens:
+    """The loss stage's per-token inputs, evaluated a chunk at a time in ``dtype`` (float64; float32, the
+    producer's kernels' arithmetic, under ``--exact``) and handed out as float64."""
+
+    def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig,
+                 dtype: torch.dtype = torch.float64):
+        self.log_probs, self.old, self.adv, self.entropy, self.mask = log_probs, old_log_probs, advantages, entropy, mask
+        self.low = 1.0 - float(config.eps_clip)
+        self.high = 1.0 + float(config.eps_clip_high)
+        self.size = int(mask.numel())
+        self.dtype = dtype
+
+    def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """float64 per-token values of tokens ``[lo, hi)``: the surrogate and its terms, their conditions
+        (the formula of ``kernels.compute_policy_loss``)."""
+        logp = self.log_probs[lo:hi].to(self.dtype)
+        old = self.old[lo:hi].to(self.dtype)
+        adv = self.adv[lo:hi].to(self.dtype)
+        ppo_kl = old - logp
+        ratio = torch.exp(-ppo_kl)
+        l1 = -ratio * adv
+        l2 = -ratio.clamp(self.low, self.high) * adv
+        pg = torch.maximum(l1, l2)
+        clipped = torch.gt(l2, l1)
+        pg, ppo_kl, ratio, adv = (t.to(torch.float64) for t in (pg, ppo_kl, ratio, adv))
+        size = logp.to(torch.float64).abs().add_(old.to(torch.float64).abs())  # what the log-ratio's rounding
+        # scales with: |old| + |logp|
+        out = {"pg": pg, "clipped": clipped.to(torch.float64), "ppo_kl": ppo_kl, "ratio": ratio,
+               "adv": adv, "mask": self.mask[lo:hi].to(torch.float64), "size": size,
+               "pg_cond": pg.abs() * (size + 3.0)}
+        if self.entropy is not None:
+            out["entropy"] = self.entropy[lo:hi].to(torch.float64)
+        return out
+
+    def near_clip_bound(self, c: dict[str, torch.Tensor], u_c: float) -> torch.Tensor:
+        """Tokens whose clip decision a producer's rounding may flip: the ratio within its rounding of a bound
+        (and a non-zero advantage: with A = 0 both sides are 0 and nothing is clipped)."""
+        slack = c["ratio"] * (TOKEN_SLACK * u_c) * (c["size"] + 2.0)
+        near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
+        return near & (c["adv"] != 0)
+
+
+# per-sample term → (its per-token value, its per-token condition) in a chunk's dict
+_TERMS = {
+    "pg_sum": ("pg", "pg_cond"),
+    "entropy_sum": ("entropy", "entropy"),
+    "kl_sum": ("ppo_kl", "size"),
+}
+
+
+def _per_sample(ctx: StageContext, tokens: _Tokens, names: list[str], u_c: float, u_a: float,
+                accumulate: torch.dtype = torch.float64):
+    """``(values, bounds)``: ``[samples]`` per recorded term, summed in token order a chunk at a time in
+    ``accumulate`` (float64; the declared format under ``--exact``); a sum's bound is
+    ``Σ 8·u_c·cond·mask + 2·u_a·n_i·Σ|x|·mask``, a count's the boundary tokens (clip) or 0."""
+    n = len(ctx.lengths)
+    ends = torch.cumsum(ctx.lengths, 0)
+    values = {k: torch.zeros(n, dtype=accumulate) for k in names}
+    cond = {k: torch.zeros(n, dtype=torch.float64) for k in names}
+    magnitude = {k: torch.zeros(n, dtype=torch.float64) for k in names}
+    for lo in range(0, tokens.size, LOSS_CHUNK):
+        hi = min(lo + LOSS_CHUNK, tokens.size)
+        c = tokens.chunk(lo, hi)
+        seg = torch.searchsorted(ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
+        m = c["mask"]
+        m_acc = m.to(accumulate)
+        for name in names:
+            if name == "mask_count":
+                values[name].index_add_(0, seg, m_acc)
+            elif name == "clip_count":
+                values[name].index_add_(0, seg, c["clipped"].to(accumulate) * m_acc)
+                cond[name].index_add_(0, seg, tokens.near_clip_bound(c, u_c).to(torch.float64) * (m != 0))
+            else:
+                value, condition = _TERMS[name]
+                x = c[value] * m
+                values[name].index_add_(0, seg, c[value].to(accumulate) * m_acc)
+                magnitude[name].index_add_(0, seg, x.abs())
+                cond[name].index_add_(0, seg, c[condition] * m.abs())
+    counts = ctx.lengths.to(torch.float64)
+    bounds = {}
+    for name in names:
+        if name in ("mask_count", "clip_count"):
+            bounds[name] = cond[name]
+        else:
+            bounds[name] = cond[name].mul(TOKEN_SLACK * u_c).add_(magnitude[name] * counts * (ACCUMULATE_SLACK * u_a))
+    return values, bounds
+
+
+def _expected(ctx: StageContext, key: str, values: list) -> list:
+    if len(values) != len(ctx.reader.index.samples):  # the reader refuses this; a bundle built in memory may not
+        raise StageInputError(f"expected.json $.{STAGE}.{PER_SAMPLE_KEY}.{key} has {len(values)} value(s) for "
+                              f"{len(ctx.reader.index.samples)} sample(s)", field=key)
+    return [values[i] for i in ctx.indices] if ctx.partial else values
+
+
+def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                     advantages: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
+                     config: RecomputeConfig) -> list[FieldResult]:
+    """The loss stage's per-token ``pg_losses`` field (when the bundle has the payload), then its per-sample
+    fields (one per term ``expected.json $.loss.policy.per_sample`` records, in ``PER_SAMPLE_TERMS`` order),
+    recomputed in float64 from the stage's own inputs; ``[]`` when the bundle records neither. Raises
+    :class:`StageInputError` when a recorded term needs an input the bundle lacks (``entropy_sum`` without the
+    ``entropy`` payload)."""
+    terms = recorded_terms(ctx)
+    has_tokens = ctx.has(TOKEN_TERMS_PAYLOAD)
+    if terms is None and not has_tokens:
+        return []
+    compute, accumulate = _precision(ctx)
+    u_c = _token_unit(compute, log_probs, old_log_probs, advantages, entropy)
+    u_a = UNIT_ROUNDOFF[accumulate]
+    exact = _exact(ctx)
+    tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config,
+                     torch.float32 if exact else torch.float64)
+    summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
+    fields: list[FieldResult] = []
+    recorded = terms.recorded() if terms is not None else {}
+    if "entropy_sum" in recorded and entropy is None:
+        raise StageInputError(f"expected.json $.{STAGE}.{PER_SAMPLE_KEY}.entropy_sum needs the payload 'entropy'",
+                              field="entropy_sum")
+    if has_tokens:  # first: a surrogate that is wrong at a token is named at that token
+        fields.append(_token_field(ctx, tokens, u_c))
+    if recorded:
+        values, bounds = _per_sample(ctx, tokens, list(recorded), u_c, u_a, summed_in)
+        for name, raw in recorded.items():
+            expected = _expected(ctx, name, raw)
+            if name in ("mask_count", "clip_count"):
+                fields.append(_count_field(ctx, name, expected, values[name], bounds[name]))
+            else:
+                fields.append(ctx.field(STAGE, name, PER_SAMPLE, expected, values[name], bound=bounds[name],
+                                        note=_NOTES[name]))
+    return fields
+
+
+_NOTES = {
+    "pg_sum": "Σ_t pg·mask per sample (pg: the clipped surrogate)",
+    "entropy_sum": "Σ_t entropy·mask per sample",
+    "kl_sum": "Σ_t (old − logp)·mask per sample",
+    "clip_count": "loss tokens where the clipped branch was taken, per sample",
+    "mask_count": "loss tokens per sample (Σ_t mask)",
+}
+
+
+def _count_field(ctx: StageContext, name: str, expected: list, actual: torch.Tensor,
+                 ambiguous: torch.Tensor) -> FieldResult:
+    """A whole-number count, judged as one: its tolerance is the tokens whose count rounding may flip (0 for
+    the mask), not the bundle's atol/rtol."""
+    where = dict(sample_ids=ctx.sample_ids, group_indices=ctx.group_indices)
+    return FieldResult(stage=STAGE, name=name, per=PER_SAMPLE, expected=expected, actual=actual,
+                       tolerance=ambiguous, note=_NOTES[name], rank=ctx.rank, exact=_exact(ctx), **where)
+
+
+def _token_field(ctx: StageContext, tokens: _Tokens, u_c: float) -> FieldResult:
+    """``pg_losses`` per token: the recorded payload against the float64 surrogate, judged on loss tokens."""
+    recorded = ctx.payload(TOKEN_TERMS_PAYLOAD)
+    if recorded.dim() != 1:
+        raise StageInputError(f"payload {TOKEN_TERMS_PAYLOAD!r} must be 1-D (one value per token), got shape "
+                              f"{list(recorded.shape)}", field=TOKEN_TERMS_PAYLOAD)
+
+    def actual(lo: int, hi: int) -> torch.Tensor:
+        return tokens.chunk(lo, hi)["pg"]
+
+    def bound(lo: int, hi: int) -> torch.Tensor:
+        return tokens.chunk(lo, hi)["pg_cond"].mul_(TOKEN_SLACK * u_c)
+
+    return ctx.field(STAGE, TOKEN_TERMS_PAYLOAD, PER_TOKEN, recorded, actual, bound=bound,
+                     compared=tokens.mask != 0, note="the per-token surrogate before aggregation (loss tokens)")
+
+
+__all__ = ["UNIT_ROUNDOFF", "has_loss_terms", "loss_term_fields", "recorded_terms"]
