@@ -22,6 +22,8 @@ from typing import Optional, Sequence, TextIO
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
 from .safe_text import json_document, safe
 
+TOLERANCE_POLICIES = ("bundle", "default")  # replay_lib.error_model's, without importing torch for --help
+
 EXIT_CODES_HELP = """exit codes:
   0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
   1  a divergence was found
@@ -38,6 +40,7 @@ STYLES = {
     "fail": "bold red",
     "skipped": "dim",
     "detail": "yellow",
+    "hazard": "cyan",
     "warning": "magenta",
     "title": "bold",
     "": "",
@@ -107,6 +110,21 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
     p.add_argument("--max-divergences", type=int, default=5, metavar="N",
                    help="divergences kept per stage (default 5)")
+    j = p.add_argument_group("judging (SPEC §4 teacher forcing, §5.1 error model)")
+    j.add_argument("--chain", action="store_true",
+                   help="recompute end to end: each stage consumes the recomputed outputs before it (would the "
+                        "correct pipeline have produced the recorded loss?). Default: teacher forcing, each stage "
+                        "judged on its recorded inputs, so the first divergence is the stage that is wrong")
+    j.add_argument("--exact", action="store_true",
+                   help="compare bitwise with a float32 recompute (same kernels, same hardware) instead of the "
+                        "float64 recompute within the error model's tolerance")
+    j.add_argument("--tolerance-policy", choices=TOLERANCE_POLICIES, default="bundle",
+                   help="bundle (default): the bundle's atol/rtol are used as declared, and each one looser than "
+                        "the defaults (atol 1e-6, rtol 1e-5) is reported as a warning; default: a bundle may only "
+                        "tighten them, a looser value is capped at the default (and reported)")
+    j.add_argument("--verbose", "-v", action="store_true",
+                   help="text report: each divergence's tolerance and noise ratio |a - e| / tolerance, and each "
+                        "stage's largest noise ratio")
     add_limit_arguments(p)
 
 
@@ -122,6 +140,7 @@ def anchor_from_args(args) -> tuple:
 
 def replay_options(args) -> dict:
     """``replay()`` keyword arguments from parsed replay flags (shared with ``replay-tui``); UsageError → 2."""
+    from .error_model import Rules
     from .runner import parse_stage_names
     from .selection import Selection
 
@@ -134,7 +153,9 @@ def replay_options(args) -> dict:
     step, rollout = anchor_from_args(args)
     apply_limits(args)
     selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
-    return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences)
+    rules = Rules(chain=args.chain, exact=args.exact, tolerance_policy=args.tolerance_policy)
+    return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences,
+                rules=rules)
 
 
 def run_check(args, stream: Optional[TextIO] = None) -> int:
@@ -147,7 +168,7 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
     if args.format == "json":
         stream.write(report_to_json(report))  # terminal-safe: hidden characters as \u escapes
     else:
-        emit(render_text(report, max_lines=args.max_divergences), stream)
+        emit(render_text(report, max_lines=args.max_divergences, verbose=args.verbose), stream)
     return report.exit_code
 
 

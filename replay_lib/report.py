@@ -36,6 +36,20 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
     noise_ratio: Optional[float] = None
 
 
+class Hazard(msgspec.Struct, frozen=True, kw_only=True):
+    """A place where a legitimate producer's result is dominated by rounding or mathematically undefined
+    (SPEC §5.1): reported, never failed. ``kind``: ``near_zero_std``, ``singleton_group``,
+    ``zero_advantage_group``, ``kl_clamp``, ``clip_boundary``, ``extreme_ratio``; ``sample_id`` or
+    ``group_index`` says where (neither: a summary of further places)."""
+
+    stage: str
+    kind: str
+    sample_id: Optional[str] = None
+    group_index: Optional[int] = None
+    message: str
+    rank: Optional[int] = None
+
+
 class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     stage: str
     status: str
@@ -59,6 +73,12 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     ranks: list[int] = []
     selected_samples: Optional[list[str]] = None
     warnings: list[str] = []
+    # How it was judged: "per_stage" (teacher forcing: each stage on its recorded inputs) or "chained"
+    # (--chain); --exact (bitwise, float32 kernels); --tolerance-policy.
+    mode: str = "per_stage"
+    exact: bool = False
+    tolerance_policy: str = "bundle"
+    hazards: list[Hazard] = []
 
     @property
     def exit_code(self) -> int:
@@ -112,8 +132,25 @@ def fmt_value(x: Optional[float]) -> str:
 # escaped here, so the CLI and the TUI show the same, terminal-safe text.
 
 
-def divergence_line(d: Divergence, multi_rank: bool = False) -> str:
-    return safe(_divergence_line(d, multi_rank))
+def fmt_ratio(x: Optional[float]) -> str:
+    """A noise ratio as the verbose report prints it: ``0.33``, ``12``, ``2.1e6``, ``inf``."""
+    if x is None or math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    if 0.01 <= x < 1000:
+        return f"{x:.2g}" if x < 10 else f"{x:.0f}"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def divergence_line(d: Divergence, multi_rank: bool = False, verbose: bool = False) -> str:
+    line = _divergence_line(d, multi_rank)
+    if verbose and d.tolerance is not None:
+        line += f" tol={fmt_value(d.tolerance)} ({fmt_ratio(d.noise_ratio)}× noise)"
+    return safe(line)
 
 
 def _divergence_line(d: Divergence, multi_rank: bool) -> str:
@@ -142,30 +179,45 @@ def _header_line(report: ReplayReport) -> str:
     return f"bundle {report.bundle_id}{ranks} — first divergent stage: {report.first_divergent_stage}{where}"
 
 
-def stage_line(s: StageReport) -> str:
+def stage_line(s: StageReport, verbose: bool = False) -> str:
+    """``[   fail] stage — reason``; ``verbose``: the reason of a passing stage too, and the stage's largest
+    noise ratio (how close to its tolerance the worst element came)."""
     line = f"[{s.status:>7}] {s.stage}"
-    if s.reason and s.status != STATUS_PASS:
+    if s.reason and (s.status != STATUS_PASS or verbose):
         line += f" — {s.reason}"
+    if verbose and s.max_noise_ratio is not None:
+        line += f" (max {fmt_ratio(s.max_noise_ratio)}× noise)"
     return safe(line)
 
 
-def render_text(report: ReplayReport, max_lines: int = 5) -> list[tuple[str, str]]:
-    """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/warning."""
+def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
+    where = h.sample_id if h.sample_id is not None else (f"g-{h.group_index}" if h.group_index is not None else "")
+    if multi_rank and h.rank is not None:
+        where = f"{where} [rank {h.rank}]" if where else f"[rank {h.rank}]"
+    return safe(f"hazard: {h.stage} {h.kind}{' ' + where if where else ''}: {h.message}")
+
+
+def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False) -> list[tuple[str, str]]:
+    """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/hazard/warning. ``verbose``
+    adds each divergence's tolerance and noise ratio and each stage's largest noise ratio; the default text
+    is the seed's (SPEC §5.2)."""
     multi = len(report.ranks) > 1
     out: list[tuple[str, str]] = [("header-fail" if not report.passed else "header-pass", header_line(report))]
     for s in report.stages:
-        out.append((s.status, stage_line(s)))
+        out.append((s.status, stage_line(s, verbose)))
         if s.status != STATUS_FAIL:
             continue
         shown = s.divergences[:max_lines]
         for d in shown:
-            out.append(("detail", " " * 10 + divergence_line(d, multi)))
+            out.append(("detail", " " * 10 + divergence_line(d, multi, verbose)))
         hidden = s.mismatches - len(shown)
         if hidden > 0:
             tail = f"... {hidden} more"
             if s.max_abs_error is not None:
                 tail += f"; max abs_err={fmt_value(s.max_abs_error)}"
             out.append(("detail", " " * 10 + tail))
+    for h in report.hazards:
+        out.append(("hazard", hazard_line(h, multi)))
     for w in report.warnings:
         out.append(("warning", safe(f"warning: {w}")))
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
+from .error_model import Rules, tolerance_warnings
 from .errors import SelectionError, UnsupportedError
 from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, ReplayReport, StageReport
@@ -160,10 +161,11 @@ def run_replay(
     selection: Selection = Selection(),
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
+    rules: Rules = Rules(),
 ) -> ReplayReport:
     """Replay every rank shard of a verified :class:`BundleSet`."""
     return replay_run(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
-                      progress=progress)[0]
+                      progress=progress, rules=rules)[0]
 
 
 def replay_run(
@@ -173,15 +175,18 @@ def replay_run(
     selection: Selection = Selection(),
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
+    rules: Rules = Rules(),
 ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
-    left out): its ``outputs`` hold what the stages recomputed, for a view that shows them."""
+    left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
+    that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``."""
     with gc_paused():
-        return _replay_run(bundles, stages, selection, max_divergences, progress)
+        return _replay_run(bundles, stages, selection, max_divergences, progress, rules)
 
 
 def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selection: Selection,
-                max_divergences: int, progress: Optional[ProgressFn]) -> tuple[ReplayReport, list[Optional[StageContext]]]:
+                max_divergences: int, progress: Optional[ProgressFn],
+                rules: Rules) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     keep = max(int(max_divergences), 1)
     resolutions = []
     matched: set[str] = set()
@@ -206,7 +211,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         if not selection.empty and not res.indices:
             contexts.append(None)
             continue
-        ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep)
+        ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules)
         contexts.append(ctx)
         if res.partial:
             selected += ctx.sample_ids
@@ -248,6 +253,10 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
     warnings = list(bundles.warnings)
     for key, value in bundles.shards[0].unknown_config.items():
         warnings.append(f"index.json $.config.{key}={value!r}: unknown knob with a neutral value (ignored)")
+    for shard in bundles.shards:
+        for w in tolerance_warnings(shard.manifest, str(shard.path / "manifest.json"), rules.tolerance_policy):
+            if w not in warnings:
+                warnings.append(w)
     report = ReplayReport(
         bundle_id=bundles.bundle_id,
         passed=first_stage is None,
@@ -259,6 +268,9 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         ranks=[s.rank if s.rank is not None else 0 for s in bundles.shards],
         selected_samples=selected if partial else None,
         warnings=warnings,
+        mode=rules.mode,
+        exact=rules.exact,
+        tolerance_policy=rules.tolerance_policy,
     )
     return report, contexts
 
@@ -272,7 +284,9 @@ def replay(
     rollout: Optional[int] = None,
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
+    rules: Rules = Rules(),
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory."""
     bundles = open_bundle(path, step=step, rollout=rollout)
-    return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress)
+    return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress,
+                      rules=rules)

@@ -223,14 +223,28 @@ class PayloadSpec(_Struct, kw_only=True):
     sha256: str
 
 
+# A tolerance is a finite, non-negative number: a negative, NaN or infinite one is a schema error (exit 3).
+Bound = Annotated[float, msgspec.Meta(ge=0.0, le=1.7976931348623157e308)]
+
+
 class Tolerance(_Struct, kw_only=True):
-    atol: float = 1e-6
-    rtol: float = 1e-5
+    atol: Bound = 1e-6
+    rtol: Bound = 1e-5
+
+
+class ProducerPrecision(_Struct, kw_only=True):
+    """What the producer computed its expected values in (SPEC §5.1): ``compute``, the precision of its
+    per-token outputs (a bf16 forward's KL); ``accumulate``, the precision of its reductions. The replay's
+    rounding bound for each element is derived from them (``replay_lib.error_model``)."""
+
+    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    accumulate: Literal["float32", "float64"] = "float32"
 
 
 class ComparisonPolicy(_Struct, kw_only=True):
     exact_fields: list[str] = []
     tolerances: dict[str, Tolerance] = {}
+    producer_precision: ProducerPrecision = ProducerPrecision()
 
     def tolerance(self, stage: str) -> Tolerance:
         return self.tolerances.get(str(stage), Tolerance())
@@ -304,7 +318,6 @@ def loss_terms_length_error(expected: Expected, n_samples: int) -> Optional[str]
             return (f"$.loss.policy.{PER_SAMPLE_KEY}.{key}: {len(values)} value(s) for {n_samples} sample(s) "
                     "(expected one per sample of index.json $.samples)")
     return None
-
 
 
 class RankComplete(_Struct, kw_only=True):

@@ -18,6 +18,7 @@ from textual.binding import Binding, BindingType
 from replay_lib.bundle import open_bundle
 from replay_lib.cli import error_line as cli_error_line
 from replay_lib.crash import internal_error_line
+from replay_lib.error_model import Rules
 from replay_lib.errors import EXIT_INTERNAL, ReplayError
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_SKIPPED
@@ -70,6 +71,7 @@ class ReplayApp(App[int]):
         step: Optional[ActorStepId] = None,
         rollout: Optional[int] = None,
         max_divergences: int = 5,
+        rules: Rules = Rules(),
     ) -> None:
         super().__init__()
         # Start-up allocates heavily (widgets, styles, the verified bundle); move what the imports created
@@ -83,6 +85,7 @@ class ReplayApp(App[int]):
         self.step = step
         self.rollout = rollout
         self.max_divergences = max_divergences
+        self.rules = rules
         self.model: Optional[ReplayModel] = None
         self.error: Optional[tuple[str, int]] = None
         self.progress: tuple[str, int, int] = ("verify", 0, 0)
@@ -153,7 +156,7 @@ class ReplayApp(App[int]):
         # "verify" is on screen already (start_replay); later states are posted through the throttle.
         bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
         report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
-                                      max_divergences=self.max_divergences, progress=progress)
+                                      max_divergences=self.max_divergences, progress=progress, rules=self.rules)
         ran = sum(1 for s in report.stages if s.status != STATUS_SKIPPED)
         progress("model", None, ran, ran)
         model = build_model(bundles, report, name=self.display_name, contexts=contexts)

@@ -22,7 +22,8 @@ from typing import AbstractSet, Iterable, Optional, Sequence
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
-from replay_lib.compare import as_float64, list_tensor, tolerance_for
+from replay_lib.compare import as_float64, list_tensor
+from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
@@ -118,6 +119,23 @@ class FieldDiff:
             block = self._blocks[b] = list(zip(self.expected_tensor[lo:hi].tolist(), self.actual_tensor[lo:hi].tolist(),
                                                self.error_tensor[lo:hi].tolist(), self.bad_tensor[lo:hi].tolist()))
         return block[r]
+
+    def error_model_row(self, i: int) -> tuple[Optional[float], Optional[float]]:
+        """``(tolerance, noise ratio)`` of row ``i`` (``(None, None)`` without tolerances), converted a block at
+        a time like :meth:`row`: the viewer draws these two columns beside it on every cursor move."""
+        if self.tolerance_tensor is None:
+            return None, None
+        b, r = divmod(i, self.BLOCK)
+        block = self._error_model_blocks.get(b)
+        if block is None:
+            lo, hi = b * self.BLOCK, (b + 1) * self.BLOCK
+            block = self._error_model_blocks[b] = list(zip(self.tolerance_tensor[lo:hi].tolist(),
+                                                           self.noise_tensor[lo:hi].tolist()))
+        return block[r]
+
+    @functools.cached_property
+    def _error_model_blocks(self) -> dict[int, list[tuple[float, float]]]:
+        return {}
 
     @functools.cached_property
     def noise_tensor(self) -> Optional[torch.Tensor]:
@@ -292,7 +310,8 @@ class ShardRecompute:
             return
         self.results[name] = result
         self.values[name] = (result.expected, result.actual)
-        self.tolerances[name] = tolerance_for(self.reader.manifest.comparison_policy, result.stage, name)
+        self.tolerances[name] = bundle_tolerance(self.reader.manifest.comparison_policy, result.stage, name,
+                                                 self.ctx.rules.tolerance_policy)
         self.errors[name] = result.abs_error
         self.bad[name] = result.divergent
         if result.labels is not None:
@@ -303,6 +322,11 @@ class ShardRecompute:
         self._support_error: Optional[StageInputError] = None
 
 
+def rules_of(report: ReplayReport) -> Rules:
+    """How ``report`` was judged, for recomputing its fields the same way."""
+    return Rules(chain=report.mode == "chained", exact=report.exact, tolerance_policy=report.tolerance_policy)
+
+
 def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[str]:
     """Stages the report compared (pass/fail); without a report, what a full replay would run."""
     if report is not None:
@@ -311,12 +335,14 @@ def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[
 
 
 def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[str] = (),
-                    ctx: Optional[StageContext] = None) -> ShardRecompute:
+                    ctx: Optional[StageContext] = None, rules: Rules = Rules()) -> ShardRecompute:
     """A lazily recomputed shard; ``fields`` are computed now. ``ctx``: the runner's context of this
-    shard, whose completed stages are not run again (used when it covers every sample)."""
+    shard, whose completed stages are not run again (used when it covers every sample); otherwise a fresh
+    context judged by ``rules`` (the replay's: teacher forcing or --chain, --exact, --tolerance-policy)."""
     reuse = ctx is not None and not ctx.partial
     if not reuse:
-        ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1)
+        ctx = StageContext(reader=shard, indices=list(range(len(shard.index.samples))), partial=False, keep=1,
+                           rules=rules)
     out = ShardRecompute(reader=shard, ctx=ctx, ran=set(ran))
     if reuse:
         out._done.update(ctx.completed)
@@ -754,7 +780,7 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
                      sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=tol)
 
 
-def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff:
+def token_diff(bundles: BundleSet, sample_id: str, field_name: str, rules: Rules = Rules()) -> FieldDiff:
     """Expected / actual / abs-error / loss-mask arrays of one sample's per-token (or per-sample) field.
 
     Standalone: recomputes the shard holding ``sample_id`` as a full replay would. Raises ``KeyError``
@@ -766,7 +792,7 @@ def token_diff(bundles: BundleSet, sample_id: str, field_name: str) -> FieldDiff
         for i, s in enumerate(shard.index.samples):
             if s.sample_id != sample_id:
                 continue
-            rec = recompute_shard(shard, stages_that_ran(None, shard), fields=[field_name])
+            rec = recompute_shard(shard, stages_that_ran(None, shard), fields=[field_name], rules=rules)
             if field_name not in rec.values:
                 raise KeyError(f"field {field_name!r} is not available: {rec.unavailable.get(field_name, 'stage not run')}")
             if spec.kind == KIND_TOKEN:
@@ -861,7 +887,8 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
     shards: list[ShardRecompute] = []
     for i, shard in enumerate(bundles.shards):
         ctx = contexts[i] if contexts is not None else None
-        rec = recompute_shard(shard, stages_that_ran(report, shard), fields=failing, ctx=ctx)
+        rec = recompute_shard(shard, stages_that_ran(report, shard), fields=failing, ctx=ctx,
+                              rules=rules_of(report))
         if SUPPORT_STAGE in rec.ran and shard.has_payload("support_ids") and shard.has_payload("support_logits"):
             try:  # here, off the UI thread: the support strip reads these rows on every cursor move
                 rec.support_tokens()

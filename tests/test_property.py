@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay_lib.demo import ALL_STAGES, contracts, producer, write_bundle
+from replay_lib.error_model import Rules
 from replay_lib.kernels import KL_TYPES, LOSS_FIELDS
 from replay_lib.report import report_to_text
 from replay_lib.runner import replay
@@ -237,10 +238,10 @@ def inject(spec: Spec, fault: Fault):
     return manifest, index, expected, payloads
 
 
-def run(parts):
+def run(parts, rules: Rules = Rules()):
     with tempfile.TemporaryDirectory(prefix="prop-") as tmp:
-        path = write_bundle(Path(tmp) / "prop", *parts)
-        return replay(path)
+        path = write_bundle(Path(tmp) / "prop", *copy.deepcopy(parts))
+        return replay(path, rules=rules)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -265,8 +266,19 @@ def test_single_injected_fault_is_exactly_the_first_divergence(data):
         check_fault(spec, data.draw(faults(spec, stage), label=stage))
 
 
+# Under teacher forcing (the default) a corrupted record is also the input of the stage that consumes it:
+# that stage fails too (a real bug's downstream records agree with its output; an injected fault's do not).
+CONSUMER = {"reward.post_process": "advantage.estimate", "advantage.estimate": "loss.policy",
+            "sample": "loss.policy"}
+
+
 def check_fault(spec: Spec, fault: Fault) -> None:
-    report = run(inject(spec, fault))
+    parts = inject(spec, fault)
+    check_fault_report(spec, fault, run(parts, Rules(chain=True)), chained=True)
+    check_fault_report(spec, fault, run(parts), chained=False)
+
+
+def check_fault_report(spec: Spec, fault: Fault, report, chained: bool) -> None:
     assert not report.passed
     assert report.first_divergent_stage == fault.stage, report_to_text(report)
     d = report.first_divergence
@@ -277,8 +289,14 @@ def check_fault(spec: Spec, fault: Fault) -> None:
     stage = report.stage(fault.stage)
     assert stage.mismatches == 1
     failing = [s.stage for s in report.stages if s.status == "fail"]
-    # a broken loss mask also leaves loss.policy without a mask; every other fault stays in its stage
-    assert failing == ([fault.stage, "loss.policy"] if fault.stage == "sample" else [fault.stage])
+    # a broken loss mask also leaves loss.policy without a mask; chained, every other fault stays in its stage
+    consumer = CONSUMER.get(fault.stage) if (fault.stage == "sample" or not chained) else None
+    if fault.stage == "reward.post_process" and spec.lengths[fault.sample] == 0:
+        consumer = None  # a reward broadcast over no token
+    if fault.stage == "advantage.estimate" and math.isfinite(fault.delta) \
+            and not spec.masks[fault.sample][fault.token]:
+        consumer = None  # a finite advantage on a masked token does not enter the loss
+    assert failing == [fault.stage] + ([consumer] if consumer else []), report_to_text(report)
     if fault.stage != "sample":
         if math.isfinite(fault.delta):
             assert d.abs_error is not None and d.abs_error >= abs(fault.delta) * 0.999

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, STEP_STAGES, contracts, producer, write_bundle, write_pr65
+from replay_lib.error_model import Rules
 from replay_lib.report import report_to_text
 from replay_lib.runner import replay
 from replay_lib.schema import (
@@ -81,7 +82,7 @@ def test_pr65_buggy_bundle_first_diverges_at_reward_post_process(tmp_path):
     assert not report.passed and report.exit_code == 1
     assert statuses(report) == {
         "sample": "pass", "reward.raw": "pass", "reward.post_process": "fail", "advantage.kl": "pass",
-        "advantage.estimate": "fail", "loss.policy": "skipped", "loss.value": "skipped",
+        "advantage.estimate": "pass", "loss.policy": "skipped", "loss.value": "skipped",
     }
     post = report.stage("reward.post_process")
     assert post.reason == "normalized reward mismatch in 4 sample(s)"
@@ -93,15 +94,26 @@ def test_pr65_buggy_bundle_first_diverges_at_reward_post_process(tmp_path):
     assert report.first_divergent_stage == "reward.post_process"
     assert (first.stage, first.sample_id, first.group_index, first.field, first.token_offset) == (
         "reward.post_process", "s-0", 0, "reward", None)
-    # the batch-normalized advantages were broadcast too: 3 + 2 + 4 + 3 tokens, each off by 4.5
+    # teacher forcing: advantage.estimate is judged on the recorded (batch-normalized) rewards, which the
+    # recorded advantages faithfully broadcast — only the wrong stage fails
+    est = report.stage("advantage.estimate")
+    assert (est.reason, est.mismatches) == ("12 token(s) compared", 0)
+    assert report.mode == "per_stage"
+    assert report.stage("loss.policy").reason == "not declared in manifest"
+    assert report.stage("loss.value").reason == "capability unsupported"
+
+
+def test_pr65_buggy_bundle_chained_fails_every_stage_after_the_wrong_one(tmp_path):
+    report = replay(write_pr65(tmp_path / "b", buggy=True), rules=Rules(chain=True))
+    assert report.mode == "chained" and report.first_divergent_stage == "reward.post_process"
+    assert statuses(report)["advantage.estimate"] == "fail"
+    # the correct pipeline broadcasts the group-normalized rewards: 3 + 2 + 4 + 3 tokens, each off by 4.5
     est = report.stage("advantage.estimate")
     assert est.reason == "advantage mismatch in 12 token(s) of 4 sample(s)"
     assert (est.mismatches, est.max_abs_error) == (12, 4.5)
     assert [(d.sample_id, d.token_offset, d.expected, d.actual) for d in est.divergences[:4]] == [
         ("s-0", 0, -5.5, -1.0), ("s-0", 1, -5.5, -1.0), ("s-0", 2, -5.5, -1.0), ("s-1", 0, -3.5, 1.0),
     ]
-    assert report.stage("loss.policy").reason == "not declared in manifest"
-    assert report.stage("loss.value").reason == "capability unsupported"
 
 
 def test_pr65_fixed_bundle_passes(tmp_path):
@@ -380,11 +392,11 @@ def test_expected_list_length_mismatch_fails_with_its_own_message(tmp_path):
 
 
 def reward_bundle(path, expected_rewards, policy):
-    # groups of 2 with raw [0, 20] → [−10, 10]
+    # groups of 2 with raw [0, 20] → [−10, 10]; the recorded advantages broadcast the recorded rewards
     return write(
         path, groups=[0, 0], lengths=[1, 1], raw=[0.0, 20.0], stages=ROLLOUT_STAGES, step_level=False, policy=policy,
         expected={"reward.raw": {"raw_rewards": [0.0, 20.0]}, "reward.post_process": {"rewards": expected_rewards}},
-        payloads={"kl": [0.0, 0.0], "advantages": [-10.0, 10.0]},
+        payloads={"kl": [0.0, 0.0], "advantages": torch.tensor(expected_rewards, dtype=torch.float64).float()},
     )
 
 

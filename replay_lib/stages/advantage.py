@@ -43,21 +43,28 @@ def _kl_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
 
 
 def grpo_rewards(ctx: StageContext) -> torch.Tensor:
-    """Normalized rewards: recomputed by reward.post_process when it ran, else as recorded."""
-    if "rewards" in ctx.outputs:
+    """The normalized rewards advantage.estimate consumes: the recorded ones (teacher forcing: expected.json
+    ``reward.post_process.rewards``, else the samples' ``reward``); under ``--chain``, or when none are
+    recorded, what reward.post_process recomputed."""
+    if "rewards" in ctx.outputs and (ctx.chain or not _rewards_recorded(ctx)):
         return ctx.outputs["rewards"]
     recorded = ctx.reader.expected.get("reward.post_process", {}).get("rewards")
     if isinstance(recorded, list):
-        return as_float64(ctx.expected_list("reward.post_process", "rewards")).to(torch.float32)
+        return as_float64(ctx.expected_list("reward.post_process", "rewards"))
     if any(s.reward is None for s in ctx.samples):
         raise StageInputError("no normalized rewards: reward.post_process did not run and samples lack 'reward'",
                               field="reward")
-    return list_tensor([s.reward for s in ctx.samples], torch.float64).to(torch.float32)
+    return list_tensor([s.reward for s in ctx.samples], torch.float64)
+
+
+def _rewards_recorded(ctx: StageContext) -> bool:
+    recorded = ctx.reader.expected.get("reward.post_process", {}).get("rewards")
+    return isinstance(recorded, list) or all(s.reward is not None for s in ctx.samples)
 
 
 def run_advantage_estimate(ctx: StageContext) -> StageReport:
     expected = ctx.payload("advantages")
-    advantages = get_grpo_returns(grpo_rewards(ctx), ctx.lengths)
+    advantages = get_grpo_returns(grpo_rewards(ctx), ctx.lengths, dtype=ctx.dtype)
     ctx.outputs["advantages"] = advantages
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, advantages)
     return ctx.report(

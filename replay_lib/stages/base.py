@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, as_float64, list_tensor, tolerance_for
+from ..compare import Comparison, as_float64, list_tensor
+from ..error_model import Precision, Rules, bundle_tolerance
 from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
 from ..kernels import segment_ids, segment_offsets
 from ..report import StageReport
@@ -33,6 +34,8 @@ class StageContext:
     indices: list[int]
     partial: bool
     keep: int = 5
+    # How this replay judges: teacher forcing or --chain, float64 with the error model or --exact.
+    rules: Rules = field(default_factory=Rules)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     # What a stage recomputed per element beyond its output tensors, for a view that shows it (the
     # logprob.support stage leaves its per-token record here: ``support.SupportTokens``).
@@ -73,6 +76,21 @@ class StageContext:
     @property
     def config(self) -> RecomputeConfig:
         return self.reader.index.config
+
+    @property
+    def chain(self) -> bool:
+        """``--chain``: a stage consumes the recomputed outputs before it, not its recorded inputs."""
+        return self.rules.chain
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the stages recompute in (float64; float32 under ``--exact``)."""
+        return self.rules.dtype
+
+    @property
+    def precision(self) -> Precision:
+        """The producer's declared precision (``comparison_policy.producer_precision``)."""
+        return Precision.of(self.reader.manifest.comparison_policy)
 
     @property
     def rank(self) -> Optional[int]:
@@ -139,7 +157,7 @@ class StageContext:
         element per selected sample) or scalar (``labels`` name the elements). Its tolerance is the bundle's
         ``atol + rtol·|e|`` for the field plus ``bound`` (the producer's rounding bound per element, a
         tensor or a function of ``(lo, hi)``); an exact field of the bundle's policy has none at all."""
-        atol, rtol = tolerance_for(self.reader.manifest.comparison_policy, stage, name)
+        atol, rtol = bundle_tolerance(self.reader.manifest.comparison_policy, stage, name, self.rules.tolerance_policy)
         exact_field = _is_exact_field(self, stage, name)
         e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
 
@@ -157,7 +175,8 @@ class StageContext:
         else:
             where = {}
         return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
-                           labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged, **where)
+                           labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
+                           exact=self.rules.exact, **where)
 
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:

@@ -13,13 +13,14 @@ from .base import StageContext, StageDef, StageInputError
 
 def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict]:
     """``(expected, actual)`` of the loss fields the bundle records, recomputed from the inputs this
-    stage consumes (advantages from advantage.estimate when it ran, else the payload)."""
+    stage consumes: the recorded ``advantages`` payload (teacher forcing); under ``--chain``, or without
+    the payload, what advantage.estimate recomputed."""
     cfg = ctx.config
     recorded = ctx.reader.expected.get("loss.policy", {})
     expected = {f: recorded[f] for f in LOSS_FIELDS if f in recorded}
     if not expected:
         raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(LOSS_FIELDS), field="loss")
-    advantages = ctx.outputs.get("advantages")
+    advantages = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
     if advantages is None:
         advantages = ctx.payload("advantages")
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None

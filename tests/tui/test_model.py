@@ -9,6 +9,7 @@ import torch
 from rich.style import Style
 
 from replay_lib.bundle import open_bundle
+from replay_lib.error_model import Rules
 from replay_lib.runner import replay_run, run_replay
 from replay_lib.stages import REGISTRY
 from replay_lib.selection import Selection
@@ -49,8 +50,13 @@ def test_pr65_reward_table_is_the_seed_numbers(bundles):
 
 def test_pr65_token_diff_of_advantage(bundles):
     b = open_bundle(bundles / "pr65-buggy")
+    # teacher forcing: the advantages broadcast the recorded (buggy) rewards, as the stage does
     diff = token_diff(b, "s-2", "advantage")
     assert diff.kind == KIND_TOKEN and diff.sample_id == "s-2"
+    assert diff.expected == diff.actual == [3.5, 3.5, 3.5, 3.5]
+    assert diff.divergent == [] and diff.mask == [1, 1, 0, 1]
+    # --chain: the recomputed rewards
+    diff = token_diff(b, "s-2", "advantage", rules=Rules(chain=True))
     assert diff.expected == [3.5, 3.5, 3.5, 3.5]
     assert diff.actual == [-1.0, -1.0, -1.0, -1.0]
     assert diff.abs_error == [4.5, 4.5, 4.5, 4.5]
@@ -176,7 +182,7 @@ def test_next_divergence_and_error_profile():
 
 
 def test_diff_rows_render_without_an_app(bundles):
-    _, m = model_of(bundles / "pr65-buggy")
+    _, m = model_of(bundles / "pr65-buggy", rules=Rules(chain=True))
     view = DiffView()
     view.diff = m.field_diff("advantage", "s-2")
     view._rows = len(view.diff)

@@ -1,0 +1,337 @@
+"""The error model (SPEC §5.1): a divergence is what floating-point noise cannot explain.
+
+The replay recomputes every stage in float64 from the recorded values (``T``, the truth every legitimate
+producer approximates) and judges each element against
+
+    tolerance = atol + rtol·|e|  +  a bound on the producer's rounding for that element
+
+where ``atol``/``rtol`` are the bundle's (``comparison_policy.tolerances``, see :func:`bundle_tolerance` for
+what ``--tolerance-policy`` lets a bundle loosen) and the bound is computed alongside, in float64, from the
+condition of the formula — the sum of the magnitudes of its terms, ``cond = Σ|terms|``: a computation that
+rounds each term by a relative ``u`` cannot be off by more than a small multiple of ``u·cond``, whatever the
+order of its operations. ``u`` is the unit roundoff of the producer's declared precision
+(``comparison_policy.producer_precision``, default float32/float32):
+
+==================  =======  ==================================================================================
+``compute``         u_t      the per-token outputs it evaluated (the ``kl`` payload) and the per-token terms
+                             of its loss: 2⁻²⁴ float32, 2⁻⁸ bfloat16, 2⁻¹¹ float16
+``accumulate``      u_a      its reductions (sums over tokens and samples): 2⁻²⁴ float32, 2⁻⁵³ float64
+rewards             u = 2⁻²⁴ reward normalization runs on the rollout side on Python floats / float32 tensors
+                             in every framework, whatever the actor's forward precision (a bf16 ``compute``
+                             does not loosen it)
+==================  =======  ==================================================================================
+
+The bounds, element by element (``T`` the float64 recompute; constants derived below):
+
+* **reward.post_process** (a group of ``n`` raw rewards ``r``, float64 std ``s``, ``g = T``):
+  ``8u·[(|r_i| + √n·max|r|)/(s + eps) + √n·|g_i|]`` with std normalization, ``8u·(|r_i| + √n·max|r|)``
+  without. A float32 producer rounds each reward (``u·|r|``) and its group mean (``≈ √n·u·max|r|`` for a sum
+  of ``n`` terms, worst cases of rounding being rare); the division by ``s + eps`` magnifies both, and the std
+  it divides by carries a relative error of the same order, which ``√n·|g|`` covers. Measured on the
+  producers of ``tests/producers`` (float32 ``torch.sum``, Megatron batched views, GPU trees, NumPy pairwise,
+  float64): worst error 0.3 of the bound up to groups of 1,024.
+  *All-equal groups* (``s = 0``): the exact answer is 0, but a float32 producer's mean of eight 0.3s is
+  one ulp off, and ``1 ulp / eps`` is what it writes (±0.0074, and 0.0298 for the original tool's formula).
+  The bound takes ``s = 0`` at face value: ``8u·(1 + √n)·max|r| / eps`` (0.55 for n = 8, r = 0.3) admits
+  every such value, which is sound — a value there carries no information beyond its rounding — and the
+  group is reported as a ``near_zero_std`` hazard (never a failure), so nobody reads a pass there as a
+  verified value. A bug that moves such a group by more than the bound is still caught.
+* **advantage.kl** (``r = old − ref``): ``8·u_t·cond + u_s·|T|``, ``cond = |r|`` (k1), ``r²`` (k2),
+  ``exp(−r) + 1 + |r|`` (k3, low_var_kl: the clamp is 1-Lipschitz, so the unclamped bound holds); ``u_s`` is
+  the unit roundoff of the payload's own dtype (a bf16 payload rounds each value once more). 8: the
+  subtraction, ``exp`` (a CUDA ``__expf``/``exp2`` path is within 2 ulp), the two additions and the final
+  rounding, each ≤ ``u·cond``, with room to spare; measured within 3 ulp·cond on torch, NumPy and a CUDA-like
+  exp, and within 4·2⁻⁸·cond for bf16 arithmetic.
+* **advantage.estimate**: the recorded normalized reward broadcast over the sample's tokens (teacher
+  forcing), ``2·u_s·|T|`` — the reward's one rounding to float32 and the payload's, ``u_s`` = max(float32,
+  the payload dtype). Under ``--chain`` the advantage is the recomputed reward, and the reward's own rounding
+  bound (the part above, without atol/rtol) is added: a legitimate producer's reward can be that far off T.
+* **loss.policy** (each field ``F = Σ_i μ_i``, ``μ_i = Σ_t x_t·m_t / n_i``):
+  ``2·u32·|T| + max(2·u_a·(K_sum + K_outer) + 2·u_t·K_tok, 3·|seq32 − T|)`` (+ the clip and chain terms),
+  with ``K_sum = Σ_i Σ_t |x_t·m_t| / n_i`` (the per-sample sums' condition), ``K_outer = Σ_i |μ_i|`` (the sum
+  over samples and the divisions), ``K_tok = Σ_i Σ_t c_t·m_t / n_i`` (the per-token evaluation: ``c_t =
+  (3 + 2|ppo_kl_t|)·|pg_t|`` for the surrogate — exp of a rounded difference, a product, a clamp —, ``|ppo_kl_t|``
+  for ppo_kl, 0 for the entropy and the clip indicator, which are recorded values and exact 0/1). ``seq32``
+  is the same sums evaluated sequentially in float32 (``index_add_`` in token order, then left to right over
+  the samples): a plain condition bound is not sound for *sequential* producers, whose error on long, nearly
+  constant sums grows like ``n·u`` (10–160× a √n estimate on constant data); three times the error of one
+  such evaluation covers producers as bad as it. ``2·u32·|T|``: the scalar's final rounding to float32 and
+  the rounding of its last operation. With ``accumulate: float64`` the reductions are ``u_a = 2⁻⁵³`` and
+  the sequential term is dropped.
+  ``pg_clipfrac`` adds ``Σ_i near_i / n_i``, ``near_i`` the sample's loss tokens with ``A ≠ 0`` whose ratio
+  lies within ``8·u_t`` (relative) of ``1 − eps_clip`` or ``1 + eps_clip_high``: a legitimate rounding may
+  put each on either side, and each moves the fraction by ``1/n_i``.
+  Under ``--chain`` (advantages recomputed) the pg terms add ``Σ_i (Σ_t ratio_t·m_t / n_i)·ρ_i``, ``ρ_i`` the
+  rounding bound of the sample's advantage, and the clip fraction 1 per sample whose ``|A_i| ≤ ρ_i`` (its
+  sign, and so every clip decision, is rounding-dominated).
+
+Measured on the independent producers of ``tests/producers`` (8 families, up to 512 × 16,384 tokens), no
+clean bundle diverges, while the bug classes of ``tests/producers/bugs.py`` are caught where their signal
+exceeds the declared noise (see the README).
+
+``--exact`` replaces all of this with bitwise equality of a float32 recompute (same kernels, same hardware).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from .schema import ComparisonPolicy, Manifest, Tolerance
+
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+U32 = UNIT_ROUNDOFF["float32"]
+
+C_REWARD = 8.0
+C_TOKEN = 8.0
+C_ADVANTAGE = 2.0
+C_REDUCE = 2.0
+C_SEQUENTIAL = 3.0
+C_FINAL = 2.0
+C_NEAR_CLIP = 8.0
+# The surrogate's per-token condition: c_t = (PG_COND + PG_KL_COND·|ppo_kl|)·|pg|.
+PG_COND, PG_KL_COND = 3.0, 2.0
+
+TOLERANCE_POLICIES = ("bundle", "default")
+DEFAULT_TOLERANCE = Tolerance()
+
+
+def unit_roundoff(dtype) -> float:
+    """u of a precision name (``"bfloat16"``) or a torch dtype (a payload's)."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return UNIT_ROUNDOFF.get(dtype, U32)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How one replay judges: ``chain`` (each stage consumes the recomputed outputs before it, instead of its
+    recorded inputs), ``exact`` (a float32 recompute compared bitwise) and ``tolerance_policy``."""
+
+    chain: bool = False
+    exact: bool = False
+    tolerance_policy: str = "bundle"
+
+    def __post_init__(self) -> None:
+        if self.tolerance_policy not in TOLERANCE_POLICIES:
+            raise ValueError(f"tolerance policy must be one of {', '.join(TOLERANCE_POLICIES)}, "
+                             f"got {self.tolerance_policy!r}")
+
+    @property
+    def mode(self) -> str:
+        return "chained" if self.chain else "per_stage"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the stages recompute in: float64, or the producer's float32 kernels under ``--exact``."""
+        return torch.float32 if self.exact else torch.float64
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The producer's declared precision as unit roundoffs: ``token`` (u_t) and ``reduce`` (u_a)."""
+
+    compute: str = "float32"
+    accumulate: str = "float32"
+
+    @classmethod
+    def of(cls, policy: ComparisonPolicy) -> "Precision":
+        p = policy.producer_precision
+        return cls(compute=p.compute, accumulate=p.accumulate)
+
+    @property
+    def token(self) -> float:
+        return UNIT_ROUNDOFF[self.compute]
+
+    @property
+    def reduce(self) -> float:
+        return UNIT_ROUNDOFF[self.accumulate]
+
+    @property
+    def sequential(self) -> bool:
+        """Reductions in float32: a sequential float32 evaluation bounds them too (see the module doc)."""
+        return self.accumulate == "float32"
+
+
+# ------------------------------------------------------------------------------ bundle tolerances
+
+
+def bundle_tolerance(policy: ComparisonPolicy, stage: str, field: str, tolerance_policy: str = "bundle") -> tuple[float, float]:
+    """``(atol, rtol)`` of a field: 0 for an exact field of the bundle's policy; else the stage's declared
+    tolerance — as declared under ``--tolerance-policy bundle`` (the default; a looser value than the
+    defaults is used and reported as a warning), capped at the defaults (1e-6, 1e-5) under ``default``
+    (a bundle may tighten its tolerances, never loosen them)."""
+    if field in policy.exact_fields or f"{stage}.{field}" in policy.exact_fields:
+        return 0.0, 0.0
+    tol = policy.tolerance(stage)
+    atol, rtol = float(tol.atol), float(tol.rtol)
+    if tolerance_policy == "default":
+        atol, rtol = min(atol, DEFAULT_TOLERANCE.atol), min(rtol, DEFAULT_TOLERANCE.rtol)
+    return atol, rtol
+
+
+def tolerance_warnings(manifest: Manifest, where: str, tolerance_policy: str = "bundle") -> list[str]:
+    """One warning per declared tolerance looser than the defaults: what the bundle asked for, and whether
+    this replay used it."""
+    out = []
+    for stage, tol in sorted(manifest.comparison_policy.tolerances.items()):
+        for name, default in (("atol", DEFAULT_TOLERANCE.atol), ("rtol", DEFAULT_TOLERANCE.rtol)):
+            value = float(getattr(tol, name))
+            if value > default:
+                fate = ("used as declared (--tolerance-policy default caps it)" if tolerance_policy == "bundle"
+                        else f"capped at {default:g} (--tolerance-policy default)")
+                out.append(f"{where}: $.comparison_policy.tolerances.{stage}.{name}={value:g} is looser than the "
+                           f"default {default:g}: {fate}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- rewards
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per sample (``[n]``) and per group statistics of the raw rewards, float64."""
+
+    inverse: torch.Tensor  # group of each sample (0 … groups − 1)
+    size: torch.Tensor  # float64 [groups]
+    max_abs: torch.Tensor  # float64 [groups]
+    std: torch.Tensor  # float64 [groups], unbiased (NaN for a singleton)
+
+
+def group_stats(raw: torch.Tensor, groups: torch.Tensor) -> GroupStats:
+    r = raw.to(torch.float64)
+    _, inverse, counts = torch.unique(groups.to(torch.int64), return_inverse=True, return_counts=True)
+    k = counts.numel()
+    size = counts.to(torch.float64)
+    max_abs = torch.zeros(k, dtype=torch.float64).scatter_reduce(0, inverse, r.abs(), reduce="amax", include_self=True)
+    low = torch.full((k,), float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, r, reduce="amin",
+                                                                               include_self=True)
+    shifted = r - low[inverse]
+    mean = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, shifted) / size
+    centered = shifted - mean[inverse]
+    var = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, centered * centered) / (size - 1)
+    return GroupStats(inverse=inverse, size=size, max_abs=max_abs, std=torch.sqrt(var))
+
+
+def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_normalization: bool,
+                 eps: float) -> torch.Tensor:
+    """float64 ``[n]``: the rounding bound of each normalized reward (module doc)."""
+    r = raw.to(torch.float64).abs()
+    sqrt_n = stats.size.sqrt()[stats.inverse]
+    spread = r + sqrt_n * stats.max_abs[stats.inverse]
+    if not std_normalization:
+        return C_REWARD * U32 * spread
+    return C_REWARD * U32 * (spread / (stats.std[stats.inverse] + eps) + sqrt_n * truth.abs())
+
+
+def near_zero_std(stats: GroupStats) -> torch.Tensor:
+    """bool per group: a std at the rounding level of the group's mean (a float32 producer's normalized
+    values there are rounding noise)."""
+    return stats.std <= C_REWARD * U32 * stats.size.sqrt() * stats.max_abs
+
+
+# ---------------------------------------------------------------------------------------- per token
+
+
+def kl_condition(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """``Σ|terms|`` of the KL estimate at ``r = log_ratio`` (float64)."""
+    if kl_type == "k1":
+        return log_ratio.abs()
+    if kl_type == "k2":
+        return log_ratio * log_ratio
+    return torch.exp(-log_ratio) + 1 + log_ratio.abs()
+
+
+def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token: float, u_store: float) -> torch.Tensor:
+    return C_TOKEN * u_token * kl_condition(log_ratio, kl_type) + u_store * truth.abs()
+
+
+def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
+    return C_ADVANTAGE * max(u_store, U32) * truth.abs()
+
+
+# -------------------------------------------------------------------------------------- loss scalars
+
+# Per-sample sums the loss bound needs beside the float64 fields' own (kernels.POLICY_SUMS): the terms'
+# magnitudes (K_sum), the per-token conditions (K_tok), tokens near a clip bound, Σ ratio (chain), and
+# the float32 sequential sums (seq32).
+ABS_SUMS = ("abs_pg", "abs_kl", "abs_ent", "tok_pg", "near_clip", "ratio")
+
+
+def loss_token_terms(ppo_kl: torch.Tensor, advantages: torch.Tensor, pg: torch.Tensor, mask: torch.Tensor,
+                     entropy: Optional[torch.Tensor], *, eps_clip: float, eps_clip_high: float,
+                     u_token: float) -> dict[str, torch.Tensor]:
+    """The masked per-token columns of :data:`ABS_SUMS` for one chunk (float64)."""
+    ratio = torch.exp(-ppo_kl)
+    abs_pg = (pg * mask).abs_()
+    near = C_NEAR_CLIP * u_token * ratio
+    on_bound = ((ratio - (1 - eps_clip)).abs() <= near) | ((ratio - (1 + eps_clip_high)).abs() <= near)
+    out = {
+        "abs_pg": abs_pg,
+        "abs_kl": (ppo_kl * mask).abs_(),
+        "tok_pg": abs_pg * (PG_COND + PG_KL_COND * ppo_kl.abs()),
+        "near_clip": (on_bound & (advantages != 0)).to(torch.float64) * mask,
+        "ratio": ratio * mask,
+    }
+    out["abs_ent"] = (entropy * mask).abs_() if entropy is not None else torch.zeros_like(mask)
+    return out
+
+
+def sequential_sum32(values: torch.Tensor) -> float:
+    """``((v0 + v1) + v2) + …`` in float32, left to right (torch's own float32 sums accumulate in double or
+    pairwise). The additions are done in float64 and stored to float32, which rounds a sum of two float32
+    values correctly."""
+    acc = array("f", [0.0])
+    for v in values.to(torch.float32).tolist():
+        acc[0] = acc[0] + v
+    return float(acc[0])
+
+
+def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, torch.Tensor], names, *,
+                       entropy_coef: float, precision: Precision,
+                       advantage_bound_per_sample: Optional[torch.Tensor] = None,
+                       advantage_per_sample: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """The rounding bound of each loss.policy field (module doc) from the per-sample sums of one pass:
+    the float64 ones (``pg, clip, kl, ent, mask``), :data:`ABS_SUMS`, and the float32 sequential ones
+    (``pg32, clip32, kl32, ent32, mask32``). ``advantage_bound_per_sample``: ρ_i under ``--chain``."""
+    denom = torch.clamp_min(sums["mask"], 1.0)
+    denom32 = torch.clamp_min(sums["mask32"], 1.0)
+    mean = {k: sums[k] / denom for k in ("pg", "clip", "kl", "ent")}
+    k_sum = {"pg": (sums["abs_pg"] / denom).sum(), "clip": mean["clip"].abs().sum(),
+             "kl": (sums["abs_kl"] / denom).sum(), "ent": (sums["abs_ent"] / denom).sum()}
+    k_outer = {k: v.abs().sum() for k, v in mean.items()}
+    k_tok = {"pg": (sums["tok_pg"] / denom).sum(), "clip": torch.zeros((), dtype=torch.float64),
+             "kl": k_sum["kl"], "ent": torch.zeros((), dtype=torch.float64)}
+    seq = {k: sequential_sum32(sums[f"{k}32"] / denom32) for k in ("pg", "clip", "kl", "ent")}
+    c = abs(entropy_coef)
+    terms = {
+        "loss": (k_sum["pg"] + c * k_sum["ent"], k_outer["pg"] + c * k_outer["ent"], k_tok["pg"],
+                 seq["pg"] - float(torch.tensor(entropy_coef, dtype=torch.float32)) * seq["ent"]),
+        "pg_loss": (k_sum["pg"], k_outer["pg"], k_tok["pg"], seq["pg"]),
+        "entropy_loss": (k_sum["ent"], k_outer["ent"], k_tok["ent"], seq["ent"]),
+        "pg_clipfrac": (k_sum["clip"], k_outer["clip"], k_tok["clip"], seq["clip"]),
+        "ppo_kl": (k_sum["kl"], k_outer["kl"], k_tok["kl"], seq["kl"]),
+    }
+    extra_pg = extra_clip = 0.0
+    if advantage_bound_per_sample is not None:
+        rho = advantage_bound_per_sample.to(torch.float64)
+        extra_pg = float(((sums["ratio"] / denom) * rho).sum())
+        if advantage_per_sample is not None:
+            extra_clip = float((advantage_per_sample.to(torch.float64).abs() <= rho).sum())
+    out = {}
+    for name in names:
+        truth = float(fields[name])
+        ks, ko, kt, sq = terms[name]
+        cond = C_REDUCE * precision.reduce * float(ks + ko) + C_REDUCE * precision.token * float(kt)
+        sequential = C_SEQUENTIAL * abs(sq - truth) if precision.sequential else 0.0
+        bound = C_FINAL * U32 * abs(truth) + max(cond, sequential if math.isfinite(sequential) else 0.0)
+        if name in ("loss", "pg_loss"):
+            bound += extra_pg
+        if name == "pg_clipfrac":
+            bound += float((sums["near_clip"] / denom).sum()) + extra_clip
+        out[name] = bound
+    return out
