@@ -205,15 +205,15 @@ def test_clean_terms_recompute_to_the_hand_table_and_pass(step_bundle):
 
 
 def test_sum_bounds_are_the_documented_rule(step_bundle):
-    # kl_sum of s-0 (3 tokens, |old| + |logp| = 0.5 each, |ppo_kl| = 0.5 each), float32/float32 declared:
-    #   8·u·Σ(|old| + |logp|) + 2·u·n·Σ|ppo_kl| = 8·u·1.5 + 2·u·3·1.5 = 21·u, u = 2^-24,
+    # float32/float32 declared, float32 payloads (u_s = 0), u = 2^-24; per token e_Δ = u·|Δ| = 0.5·u.
+    # kl_sum of s-0 (3 tokens, |ppo_kl| = 0.5): Σ 8·e_Δ + 2·u·n·Σ|ppo_kl| = 3·4·u + 2·u·3·1.5 = 21·u,
     # on top of the bundle's atol + rtol·|e| = 1e-6 + 1e-5·1.5.
     fields, _ = _fields(step_bundle)
     u = 2.0 ** -24
     assert fields["kl_sum"].tolerance[0].item() == pytest.approx(1e-6 + 1e-5 * 1.5 + 21 * u, rel=1e-12)
-    # pg_sum of s-1 (2 tokens, pg = −1.2, cond = |pg|·(3 + 0.5)): 8·u·2·1.2·3.5 + 2·u·2·2.4
+    # pg_sum of s-1 (2 tokens, |pg| = 1.2): Σ 8·|pg|·(3u + 2·e_Δ) + 2·u·n·Σ|pg| = 2·8·1.2·4u + 2·u·2·2.4
     assert fields["pg_sum"].tolerance[1].item() == pytest.approx(
-        1e-6 + 1e-5 * 2.4000000953674316 + 8 * u * 2 * 1.2 * 3.5 + 2 * u * 2 * 2.4, rel=1e-9)
+        1e-6 + 1e-5 * 2.4000000953674316 + 2 * 8 * 1.2 * 4 * u + 2 * u * 2 * 2.4, rel=1e-9)
 
 
 @pytest.mark.skipif("producer_precision" not in ComparisonPolicy.__struct_fields__,
@@ -294,7 +294,7 @@ def test_masked_out_tokens_of_pg_losses_are_not_judged(tmp_path, bundle_tools):
 
 def test_clip_count_admits_a_token_on_the_clip_bound_and_nothing_else(tmp_path, step_bundle):
     # s-1's two tokens get logp = log 1.2 (float32): the float64 ratio e^{logp − old} is 1.2 to ~1e-8, inside
-    # the 8·u·(2 + |old| + |logp|)·ratio ≈ 1.3e-6 a float32 producer's rounding can move it, so either count
+    # the 8·(u + u·|Δ|)·ratio ≈ 6.7e-7 a float32 producer's rounding can move it, so either count
     # (0 or 2) is legitimate: tolerance 2. s-3's ratios (1.6487) are far from a bound: tolerance 0, and a count
     # of 2 instead of 3 fails.
     logp = BundleReader(step_bundle).payload("log_probs").clone()
