@@ -377,3 +377,21 @@ def test_replay_locates_a_clip_bound_bug_to_its_token(tmp_path, cli):
     first = json.loads(out)["first_divergence"]
     assert (first["stage"], first["field"], first["sample_id"], first["token_offset"]) == (
         "loss.policy", "pg_losses", "s-1", 0)
+
+
+def test_chained_advantages_widen_the_surrogate_and_clip_bounds_by_their_rounding(step_bundle):
+    # ρ = (0.1, 0, 0, 2) per sample: a pg bound grows by Σ_t ρ·max(ratio, clamp(ratio)) = n·ρ·e^0.5 (ratio
+    # 1.6487 > 1.2 on every token): 3·0.1·e^0.5 for s-0, 3·2·e^0.5 for s-3; s-3's |A| = 1 ≤ 2, so each of its
+    # 3 clip decisions is open: tolerance 3.
+    reader = BundleReader(step_bundle)
+    ctx = StageContext(reader=reader, indices=[0, 1, 2, 3], partial=False)
+    args = dict(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
+                advantages=ctx.payload("advantages"), entropy=ctx.payload("entropy"), mask=ctx.loss_mask,
+                config=ctx.config)
+    plain = {f.name: f for f in loss_term_fields(ctx, **args)}
+    rho = torch.tensor([0.1, 0, 0, 2.0], dtype=torch.float64)
+    chained = {f.name: f for f in loss_term_fields(ctx, **args, advantage_bound=rho)}
+    grown = (chained["pg_sum"].tolerance - plain["pg_sum"].tolerance).tolist()
+    assert grown[0] == pytest.approx(3 * 0.1 * math.exp(0.5), rel=1e-12) and grown[1:3] == [0.0, 0.0]
+    assert grown[3] == pytest.approx(3 * 2.0 * math.exp(0.5), rel=1e-12)
+    assert chained["clip_count"].tolerance.tolist() == [0.0, 0.0, 0.0, 3.0]

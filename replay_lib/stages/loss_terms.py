@@ -33,6 +33,9 @@ the bundle no longer has; 0 otherwise — then the recorded values are the produ
   differs is a different clip rule or mask. The ratio of counts is then the clip fraction, exactly;
 * ``pg_losses``: per token, the surrogate's bound plus the bundle's tolerance; only loss tokens (mask ≠ 0) are
   judged — producers differ in what they leave at masked-out positions, and those never reach the loss.
+* under ``--chain`` the advantages are recomputed, ``ρ_i`` off per sample (``advantage_bound``): the
+  surrogate's per-token bound adds ``ρ_i·max(ratio, clamp(ratio))``, and a token with ``|A| ≤ ρ_i`` counts as
+  one whose clip decision is open.
 
 Measured on the independent producers of ``tests/producers`` with their per-sample terms (eight families ×
 six configs × 8×16, 64×2,048 and 256×4,096 tokens, 144 clean bundles): none diverges, worst error 0.013 of the
@@ -113,13 +116,16 @@ class _Tokens:
     producer's kernels' arithmetic, under ``--exact``) and handed out as float64 with their rounding bounds."""
 
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
-                 u_t: float, u_s: float, dtype: torch.dtype = torch.float64):
+                 lengths: torch.Tensor, u_t: float, u_s: float, dtype: torch.dtype = torch.float64,
+                 advantage_bound: Optional[torch.Tensor] = None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.entropy, self.mask = entropy, mask
         self.low = 1.0 - float(config.eps_clip)
         self.high = 1.0 + float(config.eps_clip_high)
         self.size = int(mask.numel())
+        self.ends = torch.cumsum(lengths.to(torch.int64), 0)
         self.u_t, self.u_s, self.dtype = u_t, u_s, dtype
+        self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.compute_policy_loss``) and
@@ -137,10 +143,15 @@ class _Tokens:
         e_delta = ppo_kl.abs().mul_(self.u_t)
         if self.u_s:
             e_delta += (logp.to(torch.float64).abs() + old.to(torch.float64).abs()).mul_(self.u_s)
+        seg = torch.searchsorted(self.ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
         out = {"pg": pg, "clipped": clipped.to(torch.float64), "ppo_kl": ppo_kl, "ratio": ratio, "adv": adv,
-               "mask": self.mask[lo:hi].to(torch.float64), "e_delta": e_delta,
+               "mask": self.mask[lo:hi].to(torch.float64), "e_delta": e_delta, "seg": seg,
                "pg_bound": pg.abs().mul_(TOKEN_SLACK).mul_(e_delta * 2.0 + 3.0 * self.u_t),
                "ppo_kl_bound": e_delta * TOKEN_SLACK}
+        if self.rho is not None:  # --chain: the advantage itself is a recomputed value, ρ off per sample
+            rho = self.rho[seg]
+            out["rho"] = rho
+            out["pg_bound"] += torch.maximum(ratio, ratio.clamp(self.low, self.high)) * rho
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
             out["entropy_bound"] = out["entropy"].abs().mul_(TOKEN_SLACK * self.u_s)
@@ -151,7 +162,10 @@ class _Tokens:
         (and a non-zero advantage: with A = 0 both sides are 0 and nothing is clipped)."""
         slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
         near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
-        return near & (c["adv"] != 0)
+        near &= c["adv"] != 0
+        if "rho" in c:  # an advantage within its rounding of 0: its sign, and so the decision, is open
+            near |= c["adv"].abs() <= c["rho"]
+        return near
 
 
 # per-sample term → its per-token value in a chunk's dict (the bound is ``<value>_bound``)
@@ -164,14 +178,13 @@ def _per_sample(ctx: StageContext, tokens: _Tokens, names: list[str], u_a: float
     ``accumulate`` (float64; the declared format under ``--exact``); a sum's bound is its per-token bounds
     summed plus ``2·u_a·n_i·Σ|x|·mask``, a count's the boundary tokens (clip) or 0 (mask)."""
     n = len(ctx.lengths)
-    ends = torch.cumsum(ctx.lengths, 0)
     values = {k: torch.zeros(n, dtype=accumulate) for k in names}
     token_bound = {k: torch.zeros(n, dtype=torch.float64) for k in names}
     magnitude = {k: torch.zeros(n, dtype=torch.float64) for k in names}
     for lo in range(0, tokens.size, LOSS_CHUNK):
         hi = min(lo + LOSS_CHUNK, tokens.size)
         c = tokens.chunk(lo, hi)
-        seg = torch.searchsorted(ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
+        seg = c["seg"]
         m = c["mask"]
         m_acc = m.to(accumulate)
         for name in names:
@@ -199,21 +212,26 @@ def _expected(ctx: StageContext, key: str, values: list) -> list:
 
 def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                      advantages: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
-                     config: RecomputeConfig) -> list[FieldResult]:
+                     config: RecomputeConfig, advantage_bound: Optional[torch.Tensor] = None) -> list[FieldResult]:
     """The loss stage's per-token ``pg_losses`` field (when the bundle has the payload), then its per-sample
     fields (one per term ``expected.json $.loss.policy.per_sample`` records, in ``PER_SAMPLE_TERMS`` order),
     recomputed in float64 from the stage's own inputs; ``[]`` when the bundle records neither. Raises
     :class:`StageInputError` when a recorded term needs an input the bundle lacks (``entropy_sum`` without the
-    ``entropy`` payload)."""
+    ``entropy`` payload). ``advantages``: a tensor, or anything sliced ``[lo:hi]`` into one (the lazy GRPO
+    returns of ``--chain``); ``advantage_bound``: per sample, the rounding bound ``ρ_i`` of advantages that
+    were recomputed rather than recorded (``--chain``): the surrogate's bounds add ``ρ_i·max(ratio,
+    clamp(ratio))`` per token, and a token whose ``|A| ≤ ρ_i`` may be clipped either way."""
     terms = recorded_terms(ctx)
     has_tokens = ctx.has(TOKEN_TERMS_PAYLOAD)
     if terms is None and not has_tokens:
         return []
     compute, accumulate = _precision(ctx)
     exact = _exact(ctx)
-    tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, u_t=UNIT_ROUNDOFF[compute],
-                     u_s=_storage_unit(compute, log_probs, old_log_probs, advantages, entropy),
-                     dtype=torch.float32 if exact else torch.float64)
+    stored = [t for t in (log_probs, old_log_probs, advantages, entropy) if isinstance(t, torch.Tensor)]
+    tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, lengths=ctx.lengths,
+                     u_t=UNIT_ROUNDOFF[compute], u_s=_storage_unit(compute, *stored),
+                     dtype=torch.float32 if exact else torch.float64,
+                     advantage_bound=None if exact else advantage_bound)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []
