@@ -177,21 +177,11 @@ def _float_list(t: torch.Tensor) -> list[float]:
     return [float(x) for x in _cpu(t).to(torch.float64).reshape(-1).tolist()]
 
 
-class _DeclaredPrecision(ComparisonPolicy, kw_only=True, frozen=True):
-    """A comparison policy that writes ``producer_precision`` while the schema has no field for it yet (a
-    reader without one lists it as an unknown field and ignores it): a bundle captured now keeps its
-    declaration for the readers that use it."""
-
-    producer_precision: dict = {}
-
-
 def _comparison_policy(*, exact_fields: list[str], tolerances: dict[str, Tolerance],
                        precision: dict[str, str]) -> ComparisonPolicy:
-    if "producer_precision" in ComparisonPolicy.__struct_fields__:
-        # decoded into the schema's own type for it (and checked by it)
-        return msgspec.convert({"exact_fields": exact_fields, "tolerances": msgspec.to_builtins(tolerances),
-                                "producer_precision": precision}, ComparisonPolicy)
-    return _DeclaredPrecision(exact_fields=exact_fields, tolerances=tolerances, producer_precision=dict(precision))
+    # decoded into the schema's own type for the declaration (and checked by it)
+    return msgspec.convert({"exact_fields": exact_fields, "tolerances": msgspec.to_builtins(tolerances),
+                            "producer_precision": precision}, ComparisonPolicy)
 
 
 def _accumulated_in(tensors) -> str:

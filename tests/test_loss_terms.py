@@ -29,7 +29,7 @@ import replay_lib.stages.loss
 from replay_lib.bundle import BundleReader
 from replay_lib.demo import write_bundle, write_step_loss
 from replay_lib.fields import compare_field, stage_report
-from replay_lib.schema import ComparisonPolicy, PerSampleLossTerms
+from replay_lib.schema import PerSampleLossTerms
 from replay_lib.stages.base import StageContext, StageInputError
 from replay_lib.stages.loss_terms import loss_term_fields
 
@@ -216,8 +216,6 @@ def test_sum_bounds_are_the_documented_rule(step_bundle):
         1e-6 + 1e-5 * 2.4000000953674316 + 2 * 8 * 1.2 * 4 * u + 2 * u * 2 * 2.4, rel=1e-9)
 
 
-@pytest.mark.skipif("producer_precision" not in ComparisonPolicy.__struct_fields__,
-                    reason="the schema does not read comparison_policy.producer_precision yet")
 def test_declared_float64_accumulation_tightens_the_sum_bound(tmp_path, bundle_tools):
     bundle = write_step_loss(tmp_path / "step")
     bundle_tools.edit_json(bundle, "expected.json", lambda doc: doc["loss.policy"].update(per_sample=hand_terms()))
