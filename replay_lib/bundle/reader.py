@@ -29,6 +29,7 @@ from ..schema import (
     Manifest,
     PayloadSpec,
     RANK_AXES,
+    RANK_AXES,
     RankComplete,
     RecomputeConfig,
     RedactionPolicy,
@@ -233,8 +234,6 @@ def _compressed_archive(path: Path, spec: PayloadSpec) -> bool:
         return False
     except Exception as exc:  # a damaged directory: zipfile raises what it meets
         raise BundleError(f"{path}: not a loadable weights-only tensor file (zip archive: {exc})") from None
-    if any(info.flag_bits & 0x1 for info in records):
-        raise BundleError(f"{path}: encrypted zip record {next(i.filename for i in records if i.flag_bits & 0x1)!r}")
     if all(info.compress_type == zipfile.ZIP_STORED for info in records):
         return False
     inflated = sum(info.file_size for info in records)
@@ -441,6 +440,27 @@ class BundleReader:
                 f"{complete_path}: $.metadata: missing (a bundle of format {version!r} records the JSON files' "
                 f"checksums there; only an early 1.0.0 writer omitted them)"
             )
+
+    @staticmethod
+    def _check_ranks(complete_path: Path, ranks: list[int], decoded_index) -> None:
+        """COMPLETE's ``$.ranks`` names each producer once, and no more producers than the world sizes in
+        index.json (dp·tp·pp·cp) hold: a list of a million ranks is refused before a sentinel is read for
+        each. (An index.json that did not decode is reported in its place; only the count waits for it.)"""
+        if len(set(ranks)) != len(ranks):
+            seen: dict[int, int] = {}
+            for i, r in enumerate(ranks):
+                if r in seen:
+                    raise BundleError(f"{complete_path}: $.ranks[{i}]: duplicate rank {r} (first at $.ranks[{seen[r]}])")
+                seen[r] = i
+        if decoded_index is not None:
+            sizes = decoded_index[0].identity.rank
+            world = math.prod(sizes[axis] for axis in RANK_AXES)
+            if len(ranks) > world:
+                raise BundleError(
+                    f"{complete_path}: $.ranks: {len(ranks)} ranks, more than the {world} producer(s) that "
+                    f"index.json $.identity.rank allows (dp·tp·pp·cp = "
+                    f"{'·'.join(str(sizes[axis]) for axis in RANK_AXES)})"
+                )
 
     @staticmethod
     def _check_ranks(complete_path: Path, ranks: list[int], decoded_index) -> None:
