@@ -29,7 +29,6 @@ from ..schema import (
     Manifest,
     PayloadSpec,
     RANK_AXES,
-    RANK_AXES,
     RankComplete,
     RecomputeConfig,
     RedactionPolicy,
@@ -440,27 +439,6 @@ class BundleReader:
                 f"{complete_path}: $.metadata: missing (a bundle of format {version!r} records the JSON files' "
                 f"checksums there; only an early 1.0.0 writer omitted them)"
             )
-
-    @staticmethod
-    def _check_ranks(complete_path: Path, ranks: list[int], decoded_index) -> None:
-        """COMPLETE's ``$.ranks`` names each producer once, and no more producers than the world sizes in
-        index.json (dp·tp·pp·cp) hold: a list of a million ranks is refused before a sentinel is read for
-        each. (An index.json that did not decode is reported in its place; only the count waits for it.)"""
-        if len(set(ranks)) != len(ranks):
-            seen: dict[int, int] = {}
-            for i, r in enumerate(ranks):
-                if r in seen:
-                    raise BundleError(f"{complete_path}: $.ranks[{i}]: duplicate rank {r} (first at $.ranks[{seen[r]}])")
-                seen[r] = i
-        if decoded_index is not None:
-            sizes = decoded_index[0].identity.rank
-            world = math.prod(sizes[axis] for axis in RANK_AXES)
-            if len(ranks) > world:
-                raise BundleError(
-                    f"{complete_path}: $.ranks: {len(ranks)} ranks, more than the {world} producer(s) that "
-                    f"index.json $.identity.rank allows (dp·tp·pp·cp = "
-                    f"{'·'.join(str(sizes[axis]) for axis in RANK_AXES)})"
-                )
 
     @staticmethod
     def _check_ranks(complete_path: Path, ranks: list[int], decoded_index) -> None:
