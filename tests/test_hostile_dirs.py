@@ -293,3 +293,24 @@ def test_inspect_of_proc_self_itself_stays_put():
     assert proc.stderr.startswith("trajectory-replay: error: /proc/self: no bundle found (no manifest.json, no "
                                   "COMPLETE, no bundle subdirectories); not looked into: ")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the reader's own reads
+
+
+def test_the_verifying_reader_reads_its_json_files_through_the_same_checks(cli, tmp_path):
+    """Not only the lookup: the reader's own reads of manifest/index/expected and the sentinels are lstat-ed,
+    opened without following, size-capped (``--max-json-bytes``) and never block."""
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="b"))
+    size, name = max((p.stat().st_size, p.name) for p in b.iterdir() if p.is_file())
+    code, out, err = cli("validate", b, "--max-json-bytes", str(size - 1))
+    assert (code, out) == (3, "")
+    assert err == (f"trajectory-replay: error: {b / name}: {name} is {size} bytes, over the "
+                   f"{size - 1}-byte cap (raise it with --max-json-bytes)\n")
+    assert cli("validate", b, "--max-json-bytes", str(size))[0] == 0  # at the cap: read
+    # a FIFO where the sentinel should be: refused at once (a plain read would block forever)
+    (b / "COMPLETE").unlink()
+    os.mkfifo(b / "COMPLETE")
+    proc = _run("trajectory-replay", "validate", str(b))
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    assert proc.stderr == f"trajectory-replay: error: {b / 'COMPLETE'}: COMPLETE is not a regular file (a FIFO)\n"

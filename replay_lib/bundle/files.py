@@ -13,6 +13,7 @@ from typing import Optional
 import msgspec
 
 from ..errors import BundleError
+from ..safe_open import json_cap, read_regular
 from ..json_limits import json_depth_error
 from ..layout import _PAYLOAD_NAME, _RANK_KEY
 from ..schema import SUPPORTED_MAJOR
@@ -83,20 +84,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _read_bytes(path: Path, what: str) -> bytes:
-    # A JSON file or sentinel must stay inside its directory and be a regular file: a link to /dev/zero or
-    # a FIFO would otherwise hang the reader before any checksum is compared.
-    if path.is_symlink() and not os.path.realpath(path).startswith(os.path.realpath(path.parent) + os.sep):
-        raise BundleError(f"{path}: symlink leaves the bundle (→ {os.path.realpath(path)})")
-    if path.exists() and not path.is_file() and not path.is_dir():
-        raise BundleError(f"{path}: {what} is not a regular file")
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise BundleError(f"{path}: missing {what}") from None
-    except IsADirectoryError:
-        raise BundleError(f"{path}: expected a file ({what}), found a directory") from None
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read {what}: {exc.strerror}") from None
+    """A JSON file or sentinel of a bundle: read only when it is a regular file inside its directory and
+    under its size cap (``--max-json-bytes``), never blocking — a link to ``/dev/zero``, a FIFO or a file
+    swapped for one would otherwise hang or flood the reader before any checksum is compared. The checks
+    are :func:`replay_lib.safe_open.read_regular`'s (lstat, ``O_NOFOLLOW | O_NONBLOCK``, fstat, a bounded
+    read); a link to a file beside it is followed, as the writer's layout allows."""
+    return read_regular(path, path.parent, what, json_cap(path.name))
 
 
 def _decode(path: Path, data: bytes, decoder):
