@@ -20,6 +20,7 @@ import msgspec
 
 from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_file
 from .errors import BundleError
+from .json_limits import json_depth_error
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
@@ -79,10 +80,10 @@ def _pipeline_order(contracts) -> dict[str, str]:
 
 def _read_regular(file: Path, root: Path) -> bytes:
     """``file``'s bytes when it is a regular file inside ``root`` under its cap (a FIFO or /dev/zero
-    would hang a read); ``FileNotFoundError`` when it is missing, else an ``OSError`` saying why it was
+    would hang a read) and nested no deeper than the format's limit; ``FileNotFoundError`` when it is missing, else an ``OSError`` saying why it was
     not read (listed as the file's problem)."""
     try:
-        return read_json_file(file, root)
+        data = read_json_file(file, root)
     except MissingFile:
         raise FileNotFoundError(file) from None
     except NotRegular:
@@ -91,6 +92,10 @@ def _read_regular(file: Path, root: Path) -> bytes:
         raise OSError(f"{exc.size} bytes, over the {exc.cap}-byte cap (not read; raise it with --max-json-bytes)") from None
     except UnsafeFile as exc:
         raise OSError(exc.reason) from None
+    deep = json_depth_error(data)  # a decoder would recurse out of its stack: listed, never decoded
+    if deep is not None:
+        raise OSError(deep)
+    return data
 
 
 def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False) -> BundleInfo:

@@ -334,3 +334,19 @@ def test_a_rank_shard_recorded_in_the_cohort_complete_is_published_as_the_reader
     doc = json.loads(out)
     assert (rc, doc["complete"], [(b["rank"], b["complete"]) for b in doc["bundles"]], doc["problems"]) == (
         0, True, [(0, True), (1, True)], [])
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "index.json", "expected.json", "COMPLETE"])
+def test_inspect_lists_a_too_deep_json_file_as_a_problem_instead_of_crashing(tmp_path, cli, name):
+    # 1,000 nested arrays would take a decoder out of its stack (RecursionError, exit 5): inspect lists the
+    # file's problem with the path where it gets too deep, and exits 0 as for any other problem it lists
+    b = write_pr65(tmp_path / "b", buggy=True)
+    doc = (b / name).read_bytes().rstrip()
+    (b / name).write_bytes(doc[:-1] + b', "zz": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+    code, out, err = cli("inspect", b)
+    assert (code, err) == (0, "")
+    if name == "COMPLETE":  # inspect reads it only for the early writer's case and leaves its problems to validate
+        assert cli("validate", b)[0] == 3
+        return
+    assert f"problem: {name}: $.zz[0][0][0]: nested deeper than 64 levels (the limit for a bundle's JSON)" in \
+        out.splitlines()
