@@ -78,3 +78,59 @@ def fit_number(x: Optional[float], width: int) -> str:
         if len(text) <= width:
             break
     return fit(text, width, ">")
+
+
+def fmt_ratio(x: Optional[float]) -> str:
+    """A noise ratio ``|a − e| / tolerance`` in a few cells, as the verbose text report prints it: ``0``,
+    ``0.33``, ``2.1``, ``46``, ``457``, ``2.1e6``, ``4.2e-5``; ``inf`` for a difference against a zero tolerance
+    (``--exact``), ``nan`` where a side is not finite, ``—`` where nothing was compared. Two digits are what
+    the ratio is read for: within the noise (< 1), or how many times beyond it."""
+    if x is None:
+        return "—"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    if 0.01 <= x < 1000:
+        return f"{x:.2g}" if x < 10 else f"{x:.0f}"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def fit_ratio(x: Optional[float], width: int) -> str:
+    """:func:`fmt_ratio` right-aligned in ``width`` cells; an exponent form too wide loses its mantissa's
+    decimal (``1.0e308`` → ``1e308``) rather than being cut."""
+    text = fmt_ratio(x)
+    if len(text) > width and "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{round(float(mantissa))}e{exponent}"
+    return fit(text, width, ">")
+
+
+def fmt_tolerance(x: Optional[float]) -> str:
+    """A tolerance in a few cells, two significant digits (``1e-6``, ``2.2e-6``, ``0.0013``, ``0``): the bound's
+    size, not its every bit; ``—`` where there is none."""
+    if x is None:
+        return "—"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    r = float(f"{x:.1e}")
+    if 1e-3 <= abs(r) < 100:
+        return f"{r:.2g}"
+    if 100 <= abs(r) < 1e4:
+        return f"{r:.0f}"
+    return _short_exponent(f"{r:.1e}")
+
+
+def _short_exponent(text: str) -> str:
+    """``2.1e+06`` → ``2.1e6``, ``4.0e-05`` → ``4e-5``: the exponent without its sign and zero padding."""
+    mantissa, exponent = text.split("e")
+    if mantissa.endswith(".0"):
+        mantissa = mantissa[:-2]
+    return f"{mantissa}e{int(exponent)}"

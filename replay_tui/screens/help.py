@@ -15,15 +15,24 @@ from ..keys import key_actions
 from ..widgets.key_bar import KeyBar
 
 INTRO = (
-    "Panes: Stages (the DAG; enter opens a stage), Samples (groups → samples; ✗ = mismatches), "
-    "Diff (expected vs actual of the viewed field), Identity. Tab/shift+tab or 1–4 switch panes; the mouse "
-    "works too (click a row, a stage, a key in the bottom line or the |err| strip); ctrl+p opens the command "
-    "palette.\n"
+    "Panes: Stages (the DAG; enter opens a stage), Samples (groups → samples; ✗ = mismatches, ⚠ = carries a "
+    "hazard), Diff (expected vs actual of the viewed field), Identity. Tab/shift+tab or 1–4 switch panes; the "
+    "mouse works too (click a row, a stage, a key in the bottom line or the |err| strip); ctrl+p opens the "
+    "command palette.\n"
     "expected = what the bundle recorded (the value the training step used); actual = what the replay "
-    "recomputes from the stage's inputs. A value diverges when |actual − expected| > atol + rtol·|expected| "
-    "or either side is NaN/Inf. kl and advantage are compared on every response token (mask column shown for "
+    "recomputes from the stage's inputs: its recorded inputs (teacher-forced, the default: a wrong stage fails "
+    "alone) or, under --chain, the recomputed outputs of the stages before it (chained); the line under the DAG "
+    "says which. tol = the element's tolerance: the bundle's atol + rtol·|expected| plus a bound on the "
+    "producer's floating-point rounding for that element; ×noise = |actual − expected| / tol. A value diverges "
+    "when ×noise > 1 (--exact: when the two differ at all) or either side is NaN/Inf; the DAG shows each "
+    "stage's largest ×noise. kl and advantage are compared on every response token (mask column shown for "
     "reference); the support log-probs only on loss-bearing ones (mask 1). The loss fields are sums of "
-    "per-sample masked means (as the trainer reports them), so pg_clipfrac can exceed 1."
+    "per-sample masked means (as the trainer reports them), so pg_clipfrac can exceed 1. Narrow terminals drop "
+    "the mask column first, then tol, then ×noise.\n"
+    "Hazards (⚠ N hazards on the verdict line, z lists them) are reported, never failed: values a legitimate "
+    "producer's rounding dominates or that are mathematically undefined (a zero-std group under std "
+    "normalization, a singleton group, clamps hit, extreme ratios). ⚠ in the sample tree marks the samples "
+    "(and groups) they name."
 )
 
 

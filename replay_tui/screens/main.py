@@ -15,6 +15,7 @@ from textual.widget import Widget
 
 from replay_lib.safe_text import safe
 
+from ..hazards import NO_HAZARDS, HazardMarks, hazard_marks
 from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, FIELD_BY_NAME, FIELD_BY_STAGE
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.diff_view import DiffPanel, DiffView
@@ -23,6 +24,7 @@ from ..widgets.key_bar import KeyBar
 from ..widgets.sample_tree import SamplesPanel, SampleTree
 from ..widgets.stage_pane import StageList, StagesPanel
 from ..widgets.status_bar import TitleBar, VerdictBar
+from .hazards import HazardsScreen
 from .jump import JumpScreen
 
 PANES = ("stages", "samples", "diff", "identity")
@@ -69,6 +71,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         Binding("e", "first_divergence", "First div", show=False, id="main.first-divergence",
                 tooltip="Go to the report's first divergence"),
         Binding("slash", "jump", "Jump", id="main.jump", tooltip="Jump to a sample by id"),
+        Binding("z", "hazards", "Hazards", id="main.hazards",
+                tooltip="List the report's hazards (reported, never failed; ⏎ shows a hazard's sample)"),
         Binding("i", "toggle_identity", "Identity", show=False, id="main.toggle-identity",
                 tooltip="Show or hide the identity pane"),
         Binding("r", "rerun", "Re-run", show=False, id="main.rerun", tooltip="Verify and replay the bundle again"),
@@ -82,6 +86,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         super().__init__()
         self.bundle_name = name
         self.model: Optional[ReplayModel] = None
+        self.hazards: HazardMarks = NO_HAZARDS
         self.sample_id: Optional[str] = None
         self.field: Optional[str] = None
         self.identity_pref: Optional[bool] = None
@@ -159,13 +164,17 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     def load(self, model: ReplayModel) -> None:
         self.model = model
+        had_hazards = bool(self.hazards)
+        self.hazards = hazard_marks(model)
+        if bool(self.hazards) != had_hazards:
+            self.refresh_bindings()  # the key bar shows or drops "z Hazards"
         report = model.report
         self.query_one(TitleBar).show(model.name, report)
         self.query_one(VerdictBar).show_report(report)
         self.query_one(IdentityPane).set_rows(model.identity)
         self.stage_list.set_report(report)
         self.query_one(StagesPanel).show_detail(self.stage_list.stage)
-        self.tree.set_model(model)
+        self.tree.set_model(model, self.hazards)
         self.diff_panel.set_model(model)
         self.sample_id = None
         self.field = None
@@ -280,6 +289,12 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.notify(safe(message), markup=False, **kwargs)
 
     # -- actions ----------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # "z Hazards" is in the key bar only when the report has some (the palette's command says when not)
+        if action == "hazards":
+            return bool(self.hazards)
+        return True
+
     def action_focus_pane(self, step: int) -> None:
         panes = self._visible_panes()
         current = self.focused_pane()
@@ -351,6 +366,20 @@ class DebuggerScreen(Screen, inherit_bindings=False):
                 self.set_focus(self.tree)
 
         self.app.push_screen(JumpScreen([s.sample_id for s in self.model.samples]), done)
+
+    def action_hazards(self) -> None:
+        if self.model is None:
+            return
+        if not self.hazards:
+            self.say("no hazards in this report", timeout=2)
+            return
+
+        def done(row: Optional[int]) -> None:
+            if row is not None and self.model is not None and 0 <= row < len(self.model.samples):
+                self.select(sample_id=self.model.samples[row].sample_id)
+                self.set_focus(self.tree)
+
+        self.app.push_screen(HazardsScreen(self.hazards.rows), done)
 
     def action_toggle_identity(self) -> None:
         self._set_identity(not self.query_one(IdentityPane).display)

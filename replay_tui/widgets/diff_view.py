@@ -1,10 +1,13 @@
-"""The diff viewer: offset | expected | actual | abs err | loss mask for one sample's per-token field (or
-the per-sample / cohort table of a scalar field), mismatches in red, and a one-line |error| strip
-along the row axis. Line API with an LRU cache: a 32k-token sample renders only the visible rows."""
+"""The diff viewer: offset | expected | actual | abs err | ×noise | tol | loss mask for one sample's per-token
+field (or the per-sample / cohort table of a scalar field), mismatches in red, and a one-line |error| strip
+along the row axis. ``tol`` is the element's effective bound (the bundle's atol + rtol·|e| plus the producer's
+rounding bound) and ``×noise`` = |a − e| / tol: below 1 the difference is floating-point noise. Line API with an
+LRU cache: a 32k-token sample renders only the visible rows."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from rich.style import Style
@@ -17,11 +20,38 @@ from textual.widgets import Static
 
 from replay_lib.safe_text import safe
 
-from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, fit, fit_number, strip_of
+from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, WARN, fit, fit_number, fit_ratio, fmt_tolerance, strip_of
 from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff, ReplayModel
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
 from .support_strip import SupportStrip
+
+
+# Cells of the optional columns (without the space before each); the numbers must keep NUM_READABLE cells
+# ("-0.25078", eight digits and a sign) for an optional column to be shown.
+RATIO_W, TOL_W, MASK_W = 7, 7, 4
+NUM_READABLE = 9
+NEAR = 0.5  # a ratio above this is within the tolerance, but no longer deep inside it
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Cells per column of a diff row: the key, each number; 0 for an optional column left out."""
+
+    key: int
+    num: int
+    noise: int
+    tol: int
+    mask: int
+
+
+def _ratio_style(ratio: Optional[float], bad: bool) -> Optional[Style]:
+    """Red beyond the tolerance, yellow past half of it, dim deep inside it."""
+    if bad:
+        return FAIL
+    if ratio is not None and ratio > NEAR:  # a NaN compares False
+        return WARN
+    return DIM
 
 
 class DiffView(CursorLines):
@@ -59,25 +89,37 @@ class DiffView(CursorLines):
         self.center_cursor()
 
     # -- layout -----------------------------------------------------------------------------------
-    def _columns(self, width: int) -> tuple[int, int, int]:
-        """(key column width, number column width, tail width)."""
+    def _columns(self, width: int) -> "Columns":
+        """The row's columns at ``width``: the key (offset, sample, field) and the three numbers always; then,
+        while the numbers keep :data:`NUM_READABLE` cells, ×noise, tol and the loss mask, in that order of
+        value (a narrow terminal drops the mask first, ×noise last)."""
         diff = self.diff
-        tail = 5 if diff is not None and diff.kind == KIND_TOKEN else 0
         if diff is None or diff.kind == KIND_TOKEN:
             key = max(6, len(str(max(len(diff) - 1, 0))) if diff is not None else 6)
         elif diff.kind == KIND_SAMPLE:
             key = max(6, min(24, self._label_width)) + 7
         else:
             key = max(6, min(28, self._label_width))
-        room = width - 2 - key - tail - 2 - 3
-        num = max(7, min(15, room // 3))
-        return key, num, tail
+        room = width - 2 - key  # after the ✗ marker and the key
+        optional = []
+        if diff is not None and diff.tolerance_tensor is not None:
+            optional += [("noise", RATIO_W), ("tol", TOL_W)]
+        if diff is not None and diff.kind == KIND_TOKEN:
+            optional.append(("mask", MASK_W))
+        shown: dict[str, int] = {}
+        for name, w in optional:  # by value: a column is shown only when every one before it is
+            if room - sum(c + 1 for c in shown.values()) - (w + 1) < 3 * (NUM_READABLE + 1):
+                break
+            shown[name] = w
+        num = max(7, min(15, (room - sum(c + 1 for c in shown.values())) // 3 - 1))
+        return Columns(key, num, shown.get("noise", 0), shown.get("tol", 0), shown.get("mask", 0))
 
     def render_header(self, width: int, base: Style) -> Strip:
         diff = self.diff
-        key, num, tail = self._columns(width)
+        cols = self._columns(width)
         if diff is None:
             return strip_of([("", None)], width, base)
+        key, num = cols.key, cols.num
         if diff.kind == KIND_TOKEN:
             head = fit("offset", key, ">")
         elif diff.kind == KIND_SAMPLE:
@@ -86,13 +128,18 @@ class DiffView(CursorLines):
             head = fit("field", key)
         parts = [("  " + head, None), (" " + fit("expected", num, ">"), None), (" " + fit("actual", num, ">"), None),
                  (" " + fit("abs err", num, ">"), None)]
-        if tail:
-            parts.append((" " + fit("mask", tail - 1, ">"), None))
+        if cols.noise:
+            parts.append((" " + fit("×noise", cols.noise, ">"), None))
+        if cols.tol:
+            parts.append((" " + fit("tol", cols.tol, ">"), None))
+        if cols.mask:
+            parts.append((" " + fit("mask", cols.mask, ">"), None))
         return strip_of(parts, width, base)
 
     def render_row(self, row: int, width: int, base: Style) -> Strip:
         diff = self.diff
-        key, num, tail = self._columns(width)
+        cols = self._columns(width)
+        key, num = cols.key, cols.num
         expected, actual, err, bad = diff.row(row)
         marker = ("✗ ", FAIL) if bad else ("  ", None)
         if diff.kind == KIND_TOKEN:
@@ -109,9 +156,15 @@ class DiffView(CursorLines):
             (" " + fit_number(actual, num), FAIL if bad else value_style),
             (" " + fit_number(err, num), FAIL if bad else DIM),
         ]
-        if tail:
+        if cols.noise or cols.tol:
+            tol, ratio = diff.error_model_row(row)
+            if cols.noise:
+                parts.append((" " + fit_ratio(ratio, cols.noise), _ratio_style(ratio, bad)))
+            if cols.tol:
+                parts.append((" " + fit(fmt_tolerance(tol), cols.tol, ">"), DIM))
+        if cols.mask:
             m = diff.mask[row]
-            parts.append((" " + fit(str(m), tail - 1, ">"), None if m else DIM))
+            parts.append((" " + fit(str(m), cols.mask, ">"), None if m else DIM))
         return strip_of(parts, width, base)
 
     # -- divergence navigation --------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Groups → samples, with status marks, mismatch counts, micro-batch and reward; a diverging-only
-filter. Line API: thousands of samples cost only the visible rows."""
+filter. A sample (or group) carrying a hazard has ``⚠`` in the tree's first column. Line API: thousands of
+samples cost only the visible rows."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from textual.strip import Strip
 
 from replay_lib.safe_text import safe
 
-from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SKIP, fit, strip_of
+from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SKIP, WARN, fit, strip_of
+from ..hazards import HAZARD_MARK, NO_HAZARDS, HazardMarks
 from ..model import TREE_GROUP, TREE_SAMPLE, ReplayModel
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
@@ -54,12 +56,14 @@ class SampleTree(CursorLines):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.model: Optional[ReplayModel] = None
+        self.hazards: HazardMarks = NO_HAZARDS
         self.folded: set[int] = set()
         self.rows: Sequence[tuple[str, int]] = []
 
     # -- content ----------------------------------------------------------------------------------
-    def set_model(self, model: ReplayModel) -> None:
+    def set_model(self, model: ReplayModel, hazards: HazardMarks = NO_HAZARDS) -> None:
         self.model = model
+        self.hazards = hazards
         self.folded = set()
         self._rebuild()
 
@@ -126,10 +130,14 @@ class SampleTree(CursorLines):
             if not any(model.samples[m].compared for m in group.samples):
                 mark, style = "·", SKIP
             tail = f"{group.diverging}/{len(group.samples)} diverging" if group.diverging else f"{len(group.samples)} samples"
-            label_w = max(4, width - 4 - len(tail) - 1)
-            return strip_of([(f"{arrow} ", None), (mark + " ", style),
-                             (fit(safe(group.label), label_w), Style(bold=True)),
-                             (" " + tail, FAIL_SOFT if group.diverging else DIM)], width, base)
+            hazard = f"{HAZARD_MARK} " if i in self.hazards.groups else ""
+            label_w = max(4, width - 4 - len(hazard) - len(tail) - 1)
+            parts = [(f"{arrow} ", None), (mark + " ", style), (fit(safe(group.label), label_w), Style(bold=True))]
+            if hazard:
+                parts += [(" " + hazard, WARN), (tail, FAIL_SOFT if group.diverging else DIM)]
+            else:
+                parts.append((" " + tail, FAIL_SOFT if group.diverging else DIM))
+            return strip_of(parts, width, base)
         s = model.samples[i]
         idw, show_mb, show_reward = self._columns(width)
         n = s.total_mismatches
@@ -140,7 +148,8 @@ class SampleTree(CursorLines):
         else:
             mark, style = "✓", PASS
         # ids come from the bundle: escaped before they are cut to their column
-        parts = [("  ", None), (mark + " ", style), (fit(safe(s.sample_id), idw), FAIL_SOFT if n else None)]
+        hazard = (f"{HAZARD_MARK} ", WARN) if i in self.hazards.samples else ("  ", None)
+        parts = [hazard, (mark + " ", style), (fit(safe(s.sample_id), idw), FAIL_SOFT if n else None)]
         if show_mb:
             parts.append((" " + fit(safe(s.micro_batch_id or "—"), 8), DIM))
         if show_reward:

@@ -128,8 +128,12 @@ class VerdictBar(Static):
 
     def show_report(self, report: ReplayReport) -> None:
         """One line when it fits; else the divergence goes on its own indented line, and a line wider than
-        the bar continues under its own indent, cut at spaces (at most three lines)."""
+        the bar continues under its own indent, cut at spaces (at most three lines). Hazards (reported, never
+        failed) are counted at the end of the verdict's line: ``⚠ 2 hazards``, or ``⚠2`` where that is too
+        wide (they never push the divergence onto a line of its own)."""
         self.report = report
+        width = self._text_width()
+        n = len(report.hazards)
         one_line = self._one_line(report)
         text = Text()
         if report.passed:
@@ -137,18 +141,62 @@ class VerdictBar(Static):
             compared = sum(1 for s in report.stages if s.status == STATUS_PASS)
             text.append("✓ no divergence", style="bold green")
             text.append(f" — {compared} stage(s) compared")
+            self._append_mark(text, n, width)
         else:
             self.set_classes("-fail")
             verdict = FAIL_PREFIX + safe(report.first_divergent_stage or "?")
             line = first_divergence_text(report)  # escaped, as the CLI prints it
-            if line and one_line:
+            if line and one_line and (not n or cell_len(f"{verdict} — {line}") + len(MARK_GAP)
+                                      + len(hazard_mark(n, short=True)) <= width):
                 text.append(verdict, style="bold red")
                 text.append(" — ")
                 text.append(line, style="bold")
+                self._append_mark(text, n, width)
             else:  # the verdict on one line of its own (cut, never wrapped), the divergence under it
-                text.append(ellipsize(verdict, self._text_width()), style="bold red")
-                for part in hang(line, self._text_width() - len(INDENT)) if line else ():
+                parts = hang(line, width - len(INDENT)) if line else []
+                on_verdict, on_last = self._place_mark(verdict, parts, n, width)
+                room = width - (len(MARK_GAP) + len(on_verdict) if on_verdict else 0)
+                text.append(ellipsize(verdict, max(room, 1)), style="bold red")
+                if on_verdict:
+                    text.append(MARK_GAP + on_verdict, style=HAZARD_STYLE)
+                for part in parts:
                     text.append("\n" + INDENT)
                     text.append(part, style="bold")
-        self._shown_width = self._text_width()
+                if on_last:
+                    text.append(MARK_GAP + on_last, style=HAZARD_STYLE)
+        self._shown_width = width
         self.update(text)
+
+    @staticmethod
+    def _place_mark(verdict: str, parts: list[str], n: int, width: int) -> tuple[str, str]:
+        """Where the hazard count goes beside a verdict on its own line: ``(on the verdict line, after the last
+        divergence line)``. After the verdict, whole or short; else after the last divergence line; else after
+        the verdict cut to make room (the stage's name is in the DAG too)."""
+        if not n:
+            return "", ""
+        for mark in (hazard_mark(n), hazard_mark(n, short=True)):
+            if cell_len(verdict) + len(MARK_GAP) + len(mark) <= width:
+                return mark, ""
+        short = hazard_mark(n, short=True)
+        if parts and len(INDENT) + cell_len(parts[-1]) + len(MARK_GAP) + len(short) <= width:
+            return "", short
+        return short, ""
+
+    @staticmethod
+    def _append_mark(text: Text, n: int, width: int) -> None:
+        """The hazard count after a verdict line, shortened (``⚠2``) when the whole one does not fit."""
+        if not n:
+            return
+        mark = hazard_mark(n, short=text.cell_len + len(MARK_GAP) + len(hazard_mark(n)) > width)
+        text.append(MARK_GAP + mark, style=HAZARD_STYLE)
+
+
+MARK_GAP = "  "
+HAZARD_STYLE = "bold yellow"
+
+
+def hazard_mark(n: int, short: bool = False) -> str:
+    """``⚠ 2 hazards`` (``⚠2`` when ``short``); empty without hazards."""
+    if not n:
+        return ""
+    return f"⚠{n}" if short else f"⚠ {n} hazard{'s' if n != 1 else ''}"

@@ -100,7 +100,8 @@ async def test_on_a_very_narrow_terminal_the_verdict_bar_keeps_to_its_four_lines
         lines = [line.rstrip() for line in screen_text(app).splitlines()[1:1 + bar.size.height]]
         assert bar.size.height == 4
         assert lines[0] == " ✗ first divergence in advan…"  # its own line, cut, never wrapped
-        assert lines[1:] == ["   kl s-5@3:", "   expected=0.25077856", "   actual=0.00077855587 …"]
+        # the hazard count (its group g-1 has all-zero advantages) after the last line: the stage keeps its cells
+        assert lines[1:] == ["   kl s-5@3:", "   expected=0.25077856", "   actual=0.00077855656 …  ⚠1"]
 
 
 def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
@@ -505,8 +506,10 @@ async def test_key_bar_follows_focus_and_its_keys_click(make_app):
         assert bar.item_at(18) is None
         await pilot.press("3")
         assert "Diverging" not in [i.description for i in bar.items]
-        await pilot.press("enter")  # s-0's per-token diff: nothing further to open, so no "Open" key
-        assert app.debugger.field == "advantage"
+        # s-0's per-token diff: its first token field (teacher forcing: the advantages, judged on the recorded
+        # rewards, do not diverge); nothing further to open, so no "Open" key
+        await pilot.press("enter")
+        assert app.debugger.field == "kl"
         assert "Open" not in [i.description for i in bar.items]
 
 

@@ -58,3 +58,17 @@ def test_invalid_bundle_error_screen(snap_compare, bundles, monkeypatch):
 def test_support_row_under_the_diff(snap_compare, make_app):
     # support-fullvocab opens on support_logprob s-0@0; n moves to s-0@1, whose support row shows below
     assert snap_compare(make_app("support-fullvocab"), terminal_size=(120, 40), run_before=_after("n"))
+
+
+def test_error_model_columns(snap_compare, bundles, monkeypatch):
+    # loose-kl: atol 0.1 on advantage.kl, s-1@2 0.25 off (×noise 2.5, red), s-1@5 0.05 off (0.5, within it); a
+    # relative path, so the warning about the loose tolerance (which names the manifest) is the same everywhere
+    monkeypatch.chdir(bundles)
+    from replay_tui.app import ReplayApp
+
+    assert snap_compare(ReplayApp(Path("loose-kl")), terminal_size=(120, 40), run_before=_after())
+
+
+def test_hazard_list(snap_compare, make_app):
+    # a passing bundle with one hazard (group g-1's rewards are equal): ⚠ on the verdict line and in the tree, z
+    assert snap_compare(make_app("hazard-clean"), terminal_size=(120, 40), run_before=_after("z"))
