@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "tui"))
 os.environ.pop("NO_COLOR", None)
 os.environ["TEXTUAL_ANIMATIONS"] = "none"
 
-# (file stem, bundle, terminal size, keys pressed after the replay finished, caption)
+# (file stem, bundle, terminal size, keys pressed after the replay finished, caption[, judging: Rules(**it)])
 SHOTS = [
     ("overview-120x40", "pr65-buggy", (120, 40), (),
      "replay-tui --demo: the PR #65 bundle opens on its first divergence (reward.post_process, reward s-0)"),
@@ -34,7 +35,15 @@ SHOTS = [
     ("token-diff", "kl-bug", (120, 40), ("n",),
      "Token diff viewer on a diverging sample after n: kl s-5@7, |err| strip above the rows"),
     ("advantage-diff", "pr65-buggy", (120, 40), ("f", "f", "n"),
-     "PR #65 advantages per token (s-0): expected −5.5, recomputed −1.0 on every token"),
+     "replay-tui --chain: PR #65 advantages per token (s-0) recomputed from the recomputed rewards: expected "
+     "−5.5, −1.0 on every token (teacher-forced, the default, they pass: they broadcast the recorded rewards)",
+     {"chain": True}),
+    ("error-model", "loose-kl", (120, 40), (),
+     "tol and ×noise per row: the bundle's atol 0.1 on advantage.kl; s-1@2 is 2.5× its tolerance (a divergence), "
+     "s-1@5 0.5× (noise); the DAG shows each stage's largest ×noise"),
+    ("hazards", "hazard-clean", (120, 40), ("z",),
+     "A passing bundle with a hazard (group g-1's raw rewards are equal: its advantages are all 0): ⚠ on the "
+     "verdict line and in the sample tree; z lists the hazards, enter shows the sample"),
     ("samples-diverging", "kl-bug", (120, 40), ("2", "d"),
      "Sample tree filtered to diverging samples (d), with mismatch counts per sample"),
     ("loss-table", "loss-bug", (120, 40), ("1",),
@@ -64,10 +73,11 @@ def png_from_svg(svg: Path, png: Path) -> None:
         os.unlink(tmp.name)
 
 
-async def shoot(bundle: Path, size, keys, out: Path, stem: str) -> None:
+async def shoot(bundle: Path, size, keys, out: Path, stem: str, judging: Optional[dict] = None) -> None:
+    from replay_lib.error_model import Rules
     from replay_tui.app import ReplayApp
 
-    app = ReplayApp(bundle)
+    app = ReplayApp(bundle, rules=Rules(**(judging or {})))
     async with app.run_test(size=size) as pilot:
         await app.wait_settled(pilot)
         if keys:
@@ -92,8 +102,8 @@ def main() -> int:
         cwd = os.getcwd()
         os.chdir(root)  # the error screen names the bundle by the (relative) path it was given
         try:
-            for stem, name, size, keys, caption in SHOTS:
-                asyncio.run(shoot(Path(name), size, keys, out, stem))
+            for stem, name, size, keys, caption, *judging in SHOTS:
+                asyncio.run(shoot(Path(name), size, keys, out, stem, *judging))
                 if make_png:
                     png_from_svg(out / f"{stem}.svg", out / f"{stem}.png")
                 print(f"{stem}: {caption}")
