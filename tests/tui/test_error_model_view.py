@@ -261,6 +261,29 @@ async def test_a_hazard_is_counted_marked_and_listed_and_the_bundle_still_passes
     assert app.return_code == 0
 
 
+async def test_a_cohort_s_group_hazard_marks_that_rank_s_group_only(tmp_path):
+    """Each rank normalizes its own groups: a hazard on group 9 of rank 1 marks rank 1's g-9, not rank 0's."""
+    from replay_lib import demo
+    from replay_tui.app import ReplayApp
+
+    cohort = demo.write_cohort(tmp_path / "cohort", samples=20, tokens=4, group_size=2)
+    hazards = [(h.group_index, h.rank) for h in replay(cohort).hazards]
+    assert (9, 1) in hazards and (9, 0) not in hazards
+    app = ReplayApp(cohort)
+    async with app.run_test(size=(120, 80)) as pilot:
+        await ready(pilot)
+        model = app.debugger.model
+        marks = app.debugger.hazards
+        by_label = {g.label: gi for gi, g in enumerate(model.groups)}
+        assert by_label["g-9 · rank 1"] in marks.groups and by_label["g-9 · rank 0"] not in marks.groups
+        marked = {model.samples[i].sample_id for i in marks.samples}
+        assert {"r1-s-18", "r1-s-19"} <= marked and not {"r0-s-18", "r0-s-19"} & marked
+        rows = [r.line for r in marks.rows if r.hazard.group_index == 9]
+        assert rows == [hazard_line(h, True).removeprefix("hazard: ") for h in replay(cohort).hazards
+                        if h.group_index == 9]
+        assert rows[0].startswith("reward.post_process zero_advantage_group g-9 [rank 1]: ")
+
+
 async def test_without_hazards_there_is_no_mark_and_no_hazard_key(make_app):
     app = make_app("pr65-fixed")
     async with app.run_test(size=SIZE) as pilot:
