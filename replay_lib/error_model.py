@@ -62,8 +62,8 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   lies within ``8·u_t`` (relative) of ``1 − eps_clip`` or ``1 + eps_clip_high``: a legitimate rounding may
   put each on either side, and each moves the fraction by ``1/n_i``.
   Under ``--chain`` (advantages recomputed) the pg terms add ``Σ_i (Σ_t ratio_t·m_t / n_i)·ρ_i``, ``ρ_i`` the
-  rounding bound of the sample's advantage, and the clip fraction 1 per sample whose ``|A_i| ≤ ρ_i`` (its
-  sign, and so every clip decision, is rounding-dominated).
+  rounding bound of the sample's advantage, and the clip fraction 1 per sample with loss tokens whose
+  ``|A_i| ≤ ρ_i ≠ 0`` (its sign, and so every clip decision, is rounding-dominated).
 
 Measured on the independent producers of ``tests/producers`` (8 families, up to 512 × 16,384 tokens), no
 clean bundle diverges, while the bug classes of ``tests/producers/bugs.py`` are caught where their signal
@@ -219,13 +219,41 @@ def group_stats(raw: torch.Tensor, groups: torch.Tensor) -> GroupStats:
 
 def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_normalization: bool,
                  eps: float) -> torch.Tensor:
-    """float64 ``[n]``: the rounding bound of each normalized reward (module doc)."""
+    """float64 ``[n]``: the rounding bound of each normalized reward (module doc); 0 for a group of equal
+    rewards whose every partial sum is exact in float32 (:func:`exact_multiples`)."""
     r = raw.to(torch.float64).abs()
     sqrt_n = stats.size.sqrt()[stats.inverse]
     spread = r + sqrt_n * stats.max_abs[stats.inverse]
     if not std_normalization:
-        return C_REWARD * U32 * spread
-    return C_REWARD * U32 * (spread / (stats.std[stats.inverse] + eps) + sqrt_n * truth.abs())
+        bound = C_REWARD * U32 * spread
+    else:
+        bound = C_REWARD * U32 * (spread / (stats.std[stats.inverse] + eps) + sqrt_n * truth.abs())
+    equal = torch.nonzero(stats.std == 0).reshape(-1)
+    if equal.numel():
+        value = torch.zeros(stats.size.numel(), dtype=torch.float64).index_copy_(
+            0, stats.inverse, raw.to(torch.float64))  # any member's reward: they are equal
+        exact = [k for k in equal.tolist() if exact_multiples(float(value[k]), int(stats.size[k]))]
+        if exact:
+            hit = torch.zeros(stats.size.numel(), dtype=torch.bool)
+            hit[exact] = True
+            bound = torch.where(hit[stats.inverse], torch.zeros_like(bound), bound)
+    return bound
+
+
+def exact_multiples(r: float, n: int) -> bool:
+    """Whether every sum of up to ``n`` copies of ``r`` is exact in float32 (``r`` a float32 value whose
+    significand, widened by the bits of ``n``, still fits in 24 bits: 0, 1, 3.0, 0.5 in any group up to
+    millions). Then a group of ``n`` equal rewards ``r`` has the mean ``r`` exactly in any summation order,
+    every centered value is 0, and so is the normalized reward (with or without std): any float32 producer
+    writes exactly 0, and the bound there is 0."""
+    if r == 0:
+        return True
+    if not math.isfinite(r) or float(torch.tensor(r, dtype=torch.float32)) != r or abs(r) < 2.0 ** -100 \
+            or abs(r) * n > 2.0 ** 100:
+        return False
+    mantissa = int(abs(math.frexp(r)[0]) * 2 ** 24)  # a 24-bit integer: r is a float32 value
+    width = mantissa.bit_length() - ((mantissa & -mantissa).bit_length() - 1)
+    return width + int(n).bit_length() <= 24
 
 
 def near_zero_std(stats: GroupStats) -> torch.Tensor:
@@ -321,7 +349,8 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         rho = advantage_bound_per_sample.to(torch.float64)
         extra_pg = float(((sums["ratio"] / denom) * rho).sum())
         if advantage_per_sample is not None:
-            extra_clip = float((advantage_per_sample.to(torch.float64).abs() <= rho).sum())
+            a = advantage_per_sample.to(torch.float64).abs()
+            extra_clip = float(((rho > 0) & (a <= rho) & (sums["mask"] > 0)).sum())
     out = {}
     for name in names:
         truth = float(fields[name])

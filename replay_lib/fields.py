@@ -305,7 +305,7 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
         out.divergences.append(Divergence(
             stage=f.stage, rank=f.rank, sample_id=sid, group_index=grp, field=f.element_name(t), token_offset=off,
             expected=ev, actual=av, abs_error=err, tolerance=tol,
-            noise_ratio=float(noise_ratio(torch.tensor(err), torch.tensor(tol))) if finite else None,
+            noise_ratio=(0.0 if err == 0 else err / tol if tol > 0 else math.inf) if finite else None,
         ))
     return out
 

@@ -242,3 +242,33 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
         "pg_clipfrac": (sums["clip"] / denom).sum(),
         "ppo_kl": (sums["kl"] / denom).sum(),
     }
+
+
+class GrpoReturns:
+    """:func:`get_grpo_returns` evaluated a slice at a time: ``view[lo:hi]`` is the ``dtype`` advantages of
+    tokens ``lo … hi − 1`` (each its sample's reward), without a full-length tensor."""
+
+    def __init__(self, rewards: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        self.rewards = rewards.to(dtype)
+        self.ends = torch.cumsum(lengths.to(torch.int64), 0)
+        self.dtype = dtype
+        self.shape = torch.Size([int(self.ends[-1]) if self.ends.numel() else 0])
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def sample_of(self, lo: int, hi: int) -> torch.Tensor:
+        """The sample of each token ``lo … hi − 1`` (an empty sample ends where it starts: skipped)."""
+        return torch.searchsorted(self.ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("GrpoReturns takes a contiguous slice")
+        lo, hi, _ = index.indices(self.shape[0])
+        return self.rewards[self.sample_of(lo, max(lo, hi))]
+
+    def materialize(self) -> torch.Tensor:
+        return self[0:self.shape[0]]

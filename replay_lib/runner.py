@@ -15,7 +15,7 @@ from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
 from .error_model import Rules, tolerance_warnings
 from .errors import SelectionError, UnsupportedError
 from .gcpause import gc_paused
-from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, ReplayReport, StageReport
+from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from .schema import ActorStepId, StageCapability, StageId
 from .selection import Selection, resolve_selection, selection_keys
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
@@ -141,6 +141,7 @@ def _merge_stage(stage: StageId, per_rank: list[StageReport], keep: int, cohort:
         elif ranks:
             reason = f"{reason} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     errs = [r.max_abs_error for r in per_rank if r.max_abs_error is not None]
+    ratios = [r.max_noise_ratio for r in per_rank if r.max_noise_ratio is not None]
     divergences: list[Divergence] = [d for r in per_rank for d in r.divergences]
     return StageReport(
         stage=stage.value,
@@ -151,6 +152,7 @@ def _merge_stage(stage: StageId, per_rank: list[StageReport], keep: int, cohort:
         divergences=divergences[:keep] if not failing else [d for r in failing for d in r.divergences][:keep],
         capability=capability,
         compared=sum(r.compared for r in per_rank),
+        max_noise_ratio=max(ratios) if ratios else None,
     )
 
 
@@ -271,8 +273,28 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         mode=rules.mode,
         exact=rules.exact,
         tolerance_policy=rules.tolerance_policy,
+        hazards=_hazards([c for c in contexts if c is not None], keep),
     )
     return report, contexts
+
+
+def _hazards(contexts: Sequence[StageContext], keep: int) -> list[Hazard]:
+    """Every shard's hazards in pipeline order, at most ``keep`` of each (stage, kind), then one line saying
+    how many more there are."""
+    order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
+    found = sorted((h for c in contexts for h in c.hazards), key=lambda h: order.get(h.stage, len(order)))
+    out: list[Hazard] = []
+    counts: dict[tuple[str, str], int] = {}
+    for h in found:
+        key = (h.stage, h.kind)
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] <= keep:
+            out.append(h)
+    for (stage, kind), n in counts.items():
+        if n > keep:
+            at = max(i for i, h in enumerate(out) if (h.stage, h.kind) == (stage, kind))
+            out.insert(at + 1, Hazard(stage=stage, kind=kind, message=f"{n - keep} more place(s) of this kind"))
+    return out
 
 
 def replay(

@@ -418,10 +418,18 @@ def test_stage_rtol_just_inside_passes_just_outside_fails(tmp_path):
 
 
 def test_default_tolerance_applies_to_stages_without_one(tmp_path):
-    # default atol 1e-6 + rtol 1e-5·|e|: at e = 10 the bound is 1.01e-4
+    # default atol 1e-6 + rtol 1e-5·|e| = 1.01e-4 at e = 10, plus the rounding bound of a float32 producer's
+    # normalization of raw [0, 20] (no std): 8u·(|r| + √2·max|r|) = 8·2⁻²⁴·(20 + 20√2) = 2.3e-5
+    bound = 1e-6 + 1e-5 * 10 + 8 * 2.0 ** -24 * (20 + 20 * math.sqrt(2))
+    assert bound == pytest.approx(1.2403e-4, rel=1e-4)
     policy = ComparisonPolicy(tolerances={"advantage.kl": Tolerance(atol=1.0, rtol=0.0)})
-    assert replay(reward_bundle(tmp_path / "in", [-10.0, 10.0 + 0.9e-4], policy)).passed
-    assert not replay(reward_bundle(tmp_path / "out", [-10.0, 10.0 + 1.2e-4], policy)).passed
+    assert replay(reward_bundle(tmp_path / "in", [-10.0, 10.0 + bound * 0.99], policy)).passed
+    report = replay(reward_bundle(tmp_path / "out", [-10.0, 10.0 + bound * 1.01], policy))
+    assert only_failure(report) == "reward.post_process"
+    e = 10.0 + bound * 1.01
+    assert report.first_divergence.tolerance == pytest.approx(1e-6 + 1e-5 * e + 8 * 2.0 ** -24 * (20 + 20 * math.sqrt(2)),
+                                                              rel=1e-12)
+    assert report.first_divergence.noise_ratio == pytest.approx(1.01, rel=1e-4)
 
 
 def test_per_token_stage_tolerance(tmp_path):

@@ -13,7 +13,7 @@ from ..compare import Comparison, as_float64, list_tensor
 from ..error_model import Precision, Rules, bundle_tolerance
 from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
 from ..kernels import segment_ids, segment_offsets
-from ..report import StageReport
+from ..report import Hazard, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
 
 
@@ -44,6 +44,8 @@ class StageContext:
     completed: set[str] = field(default_factory=set)
     # What each stage compared: ``fields[stage]`` = its FieldResults (the report and the views read them).
     fields: dict[str, list[FieldResult]] = field(default_factory=dict)
+    # Places where a legitimate producer's result is rounding-dominated or undefined (never failures).
+    hazards: list[Hazard] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples
@@ -178,12 +180,38 @@ class StageContext:
                            labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
                            exact=self.rules.exact, **where)
 
+    def hazard(self, stage: str, kind: str, *, message: str, sample: Optional[int] = None,
+               group_index: Optional[int] = None) -> None:
+        """Report a hazard at the selected sample ``sample`` (an index into :attr:`samples`) or a group."""
+        self.hazards.append(Hazard(stage=stage, kind=kind, sample_id=self.sample_ids[sample] if sample is not None
+                                   else None, group_index=group_index, message=message, rank=self.rank))
+
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:
         """Leave ``fields`` on the context (``self.fields[stage]``) and build the stage's report from them."""
         self.fields[stage.value] = fields
         return stage_report(stage.value, fields, self.keep, fail_reason=fail_reason, pass_reason=pass_reason,
                             structural=structural)
+
+
+class Chunked:
+    """Columns computed together for rows ``[lo, hi)`` by one function (a recomputed value and its bound share
+    their inputs), the last chunk kept: a FieldResult reads a chunk's actual and tolerance one after the
+    other, and each column is then a function of ``(lo, hi)``."""
+
+    def __init__(self, fn: Callable[[int, int], dict[str, torch.Tensor]]) -> None:
+        self.fn = fn
+        self._key: Optional[tuple[int, int]] = None
+        self._value: dict[str, torch.Tensor] = {}
+
+    def __call__(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        if self._key != (lo, hi):
+            self._value = self.fn(lo, hi)
+            self._key = (lo, hi)
+        return self._value
+
+    def column(self, name: str) -> Callable[[int, int], torch.Tensor]:
+        return lambda lo, hi: self(lo, hi)[name]
 
 
 def _is_exact_field(ctx: StageContext, stage: str, name: str) -> bool:

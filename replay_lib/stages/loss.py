@@ -3,42 +3,137 @@ listed in ``stages.UNSUPPORTED``.)"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
 from ..bundle import BundleReader
+from ..error_model import ABS_SUMS, loss_scalar_bounds, loss_token_terms
 from ..fields import PER_SCALAR
-from ..kernels import LOSS_FIELDS, policy_loss_fields
+from ..kernels import (LOSS_FIELDS, POLICY_SUMS, GrpoReturns, masked_sample_sums, policy_fields_from_sums,
+                       policy_loss_columns, policy_loss_fields)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
 
 
-def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict]:
-    """``(expected, actual)`` of the loss fields the bundle records, recomputed from the inputs this
-    stage consumes: the recorded ``advantages`` payload (teacher forcing); under ``--chain``, or without
-    the payload, what advantage.estimate recomputed."""
-    cfg = ctx.config
+@dataclass(frozen=True)
+class LossInputs:
+    """What loss.policy consumes: the recorded log-probs, old log-probs, entropy and mask, and the
+    advantages — the recorded payload (teacher forcing), or under ``--chain`` (or without the payload)
+    advantage.estimate's recomputed ones, with their per-sample rounding bound (``advantage_bound``)."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: "torch.Tensor | GrpoReturns"
+    entropy: Optional[torch.Tensor]
+    mask: torch.Tensor
+    advantage_bound: Optional[torch.Tensor] = None
+    advantage_per_sample: Optional[torch.Tensor] = None
+
+
+def recorded_loss(ctx: StageContext) -> dict[str, float]:
     recorded = ctx.reader.expected.get("loss.policy", {})
     expected = {f: recorded[f] for f in LOSS_FIELDS if f in recorded}
     if not expected:
         raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(LOSS_FIELDS), field="loss")
-    advantages = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
-    if advantages is None:
+    return expected
+
+
+def loss_inputs(ctx: StageContext) -> LossInputs:
+    cfg = ctx.config
+    recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
+    bound = per_sample = None
+    if recomputed is None:
         advantages = ctx.payload("advantages")
+    else:
+        advantages = recomputed
+        bound = ctx.outputs.get("advantage_bound")
+        per_sample = recomputed.rewards if isinstance(recomputed, GrpoReturns) else None
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
-    actual = policy_loss_fields(
-        ctx.payload("log_probs"), ctx.payload("old_log_probs"), advantages, entropy, ctx.loss_mask, ctx.lengths,
-        eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef,
-    )
-    return expected, {f: actual[f] for f in expected}
+    return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
+                      advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
+                      advantage_per_sample=per_sample)
+
+
+def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict, Optional[dict]]:
+    """``(expected, actual, bound)`` of the loss fields the bundle records: ``actual`` recomputed in float64
+    from the inputs this stage consumes (:func:`loss_inputs`), ``bound`` the rounding bound of each
+    (``error_model.loss_scalar_bounds``); under ``--exact`` the producer's float32 kernel and no bound."""
+    cfg = ctx.config
+    expected = recorded_loss(ctx)
+    li = loss_inputs(ctx)
+    if ctx.dtype != torch.float64:
+        advantages = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
+        actual = policy_loss_fields(li.log_probs, li.old_log_probs, advantages, li.entropy, li.mask, ctx.lengths,
+                                    eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                                    entropy_coef=cfg.entropy_coef, dtype=ctx.dtype)
+        return expected, {f: actual[f] for f in expected}, None
+    sums = _loss_sums(ctx, li)
+    actual = policy_fields_from_sums(sums, li.entropy is not None, cfg.entropy_coef)
+    bound = loss_scalar_bounds(sums, actual, list(expected), entropy_coef=cfg.entropy_coef,
+                               precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
+                               advantage_per_sample=li.advantage_per_sample)
+    _loss_hazards(ctx, sums)
+    return expected, {f: actual[f] for f in expected}, bound
+
+
+def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
+    """One pass over the tokens, a chunk at a time: the float64 per-sample sums of the loss fields, the
+    error model's sums (``error_model.ABS_SUMS``) and the same sums evaluated sequentially in float32
+    (``pg32`` …: ``seq32``), and the tokens with an extreme ratio."""
+    cfg = ctx.config
+    u_token = ctx.precision.token
+    f64 = policy_loss_columns(li.log_probs, li.old_log_probs, li.advantages, li.entropy, li.mask,
+                              eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dtype=torch.float64)
+    f32 = policy_loss_columns(li.log_probs, li.old_log_probs, li.advantages, li.entropy, li.mask,
+                              eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dtype=torch.float32)
+    mask = li.mask.to(torch.float64)
+
+    def columns(lo: int, hi: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = f64(lo, hi, seg)
+        m = mask[lo:hi]
+        ppo_kl = li.old_log_probs[lo:hi].to(torch.float64) - li.log_probs[lo:hi].to(torch.float64)
+        adv = li.advantages[lo:hi].to(torch.float64)
+        ent = li.entropy[lo:hi].to(torch.float64) if li.entropy is not None else None
+        out.update(loss_token_terms(ppo_kl, adv, out["pg"], m, ent, eps_clip=cfg.eps_clip,
+                                    eps_clip_high=cfg.eps_clip_high, u_token=u_token))
+        out["extreme"] = (ppo_kl.abs() > EXTREME_LOG_RATIO).to(torch.float64) * m
+        out.update({f"{k}32": v for k, v in f32(lo, hi, seg).items()})
+        return out
+
+    dtypes = {name: torch.float64 for name in (*POLICY_SUMS, *ABS_SUMS, "extreme")}
+    dtypes.update({f"{name}32": torch.float32 for name in POLICY_SUMS})
+    return masked_sample_sums(ctx.lengths, li.mask, columns, dtypes)
+
+
+# ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
+EXTREME_LOG_RATIO = math.log(1e3)
+
+
+def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
+    stage = StageId.LOSS_POLICY.value
+    for i in torch.nonzero(sums["near_clip"]).reshape(-1).tolist():
+        ctx.hazard(stage, "clip_boundary", sample=i, message=(
+            f"{ctx.sample_ids[i]}: {int(sums['near_clip'][i])} loss token(s) with a ratio within rounding of a clip "
+            f"bound: a legitimate producer may clip them either way (pg_clipfrac admits it)"))
+    for i in torch.nonzero(sums["extreme"]).reshape(-1).tolist():
+        ctx.hazard(stage, "extreme_ratio", sample=i, message=(
+            f"{ctx.sample_ids[i]}: {int(sums['extreme'][i])} loss token(s) with a ratio beyond 1e3 or below 1e-3 "
+            f"(|log ratio| > {EXTREME_LOG_RATIO:.2f})"))
 
 
 def run_loss_policy(ctx: StageContext) -> StageReport:
-    expected, actual = recompute_policy_loss(ctx)
+    expected, actual, bound = recompute_policy_loss(ctx)
     names = list(expected)
     n = ctx.n
     field = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
-                      [float(actual[f]) for f in names], labels=names,
+                      torch.tensor([float(actual[f]) for f in names], dtype=torch.float64), labels=names,
+                      bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
                       note=f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means")
 
     def fail_reason(total, per) -> str:

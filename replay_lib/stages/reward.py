@@ -8,7 +8,8 @@ import torch
 
 from ..compare import Comparison, as_float64, list_tensor
 from ..fields import PER_SAMPLE
-from ..kernels import group_normalize
+from ..error_model import group_stats, near_zero_std, reward_bound
+from ..kernels import STD_EPS, group_normalize
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..schema import RecomputeConfig, StageId
@@ -57,16 +58,24 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
                 expected=float(n), actual=float(size), abs_error=float(abs(size - n)),
                 message=f"group g-{gi} has {size} sample(s), n_samples_per_prompt={n}",
             ))
-    raw = as_float64([s.raw_reward for s in ctx.samples]).to(torch.float32)
+    # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
+    # them is what the bound admits); under --exact the producer's float32 kernel
+    raw = as_float64([s.raw_reward for s in ctx.samples])
     groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
                          torch.int64)
-    rewards = group_normalize(raw, groups, ctx.config.grpo_std_normalization)
+    std = ctx.config.grpo_std_normalization
+    rewards = group_normalize(raw if ctx.dtype == torch.float64 else raw.to(ctx.dtype), groups, std, STD_EPS,
+                              dtype=ctx.dtype)
+    stats = group_stats(raw, groups)
+    bound = reward_bound(raw, stats, rewards.to(torch.float64), std, STD_EPS)
     if pre.mismatches:  # a sample without a group has no defined normalized reward
         no_group = torch.tensor([s.group_index is None for s in ctx.samples])
         rewards = torch.where(no_group, torch.full_like(rewards, float("nan")), rewards)
     ctx.outputs["rewards"] = rewards
+    ctx.outputs["reward_bound"] = bound
     expected = ctx.expected_list("reward.post_process", "rewards")
-    field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards)
+    field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards, bound=bound)
+    _group_hazards(ctx, stats, rewards, bound, std, grouped)
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         if pre.mismatches:
@@ -76,6 +85,38 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     pre.divergences = pre.divergences[: ctx.keep]
     return ctx.report(StageId.REWARD_POST_PROCESS, [field], structural=pre, fail_reason=fail_reason,
                       pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared")
+
+
+def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch.Tensor, std: bool,
+                   grouped: bool) -> None:
+    """Groups a legitimate producer cannot normalize meaningfully (SPEC §5.1 hazards): a single sample, a
+    std at the rounding level of the mean under std normalization, every normalized reward 0."""
+    if not grouped:
+        return
+    stage = StageId.REWARD_POST_PROCESS.value
+    first = torch.full((stats.size.numel(),), len(ctx.samples), dtype=torch.int64).scatter_reduce(
+        0, stats.inverse, torch.arange(len(ctx.samples)), reduce="amin", include_self=True).tolist()
+    zero = torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
+        0, stats.inverse, (rewards != 0).to(torch.int64)) == 0
+    tiny = near_zero_std(stats) if std else torch.zeros_like(zero)
+    worst = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
+        0, stats.inverse, bound, reduce="amax", include_self=True)
+    for k in torch.nonzero((stats.size == 1) | tiny | zero).reshape(-1).tolist():
+        g = ctx.group_indices[first[k]]
+        n = int(stats.size[k])
+        if n == 1:
+            what = "its unbiased std is undefined (NaN)" if std else "its normalized reward is 0"
+            ctx.hazard(stage, "singleton_group", group_index=g, message=f"group g-{g} has a single sample: {what}")
+            continue
+        if bool(tiny[k]) and float(worst[k]) > 0:  # (equal rewards whose every sum is exact normalize to 0)
+            ctx.hazard(stage, "near_zero_std", group_index=g, message=(
+                f"group g-{g}: std {float(stats.std[k]):.3g} of its {n} rewards is at the rounding level of their "
+                f"mean (max |r| {float(stats.max_abs[k]):g}): a float32 producer's normalized values there are "
+                f"rounding noise, admitted up to ±{float(worst[k]):.3g}"))
+        if bool(zero[k]):
+            ctx.hazard(stage, "zero_advantage_group", group_index=g, message=(
+                f"group g-{g}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
+                f"policy gradient"))
 
 
 def _refuse_post_process(cfg: RecomputeConfig) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ from ..bundle import BundleReader
 import msgspec
 
 from ..compare import Comparison
+from ..error_model import C_TOKEN, U32
 from ..fields import PER_TOKEN
 from ..report import STATUS_FAIL, Divergence, StageReport
 from ..schema import RecomputeConfig, StageId
@@ -294,11 +295,12 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
                                            invariants=dict(v.flags))
 
     violation = v.flags_union(loss)
+    bound = _support_bound(ctx, ids, actual) if not ctx.rules.exact else None
     fields = []
     for source in sources:
         recorded = _token_payload(ctx, source, 1, "float").to(torch.float32)
         fields.append(ctx.field(STAGE, SCORED_FIELDS.get(source, f"support_{source}"), PER_TOKEN, recorded, actual,
-                                compared=compared, flagged=violation))
+                                compared=compared, flagged=violation, bound=bound))
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         bad_fields = [f"{source} ({cmp.mismatches} token(s) of {cmp.bad_samples} sample(s))"
@@ -317,6 +319,15 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
     report = ctx.report(StageId.LOGPROB_SUPPORT, fields, structural=found, fail_reason=fail_reason,
                         pass_reason=pass_reason)
     return msgspec.structs.replace(report, compared=n_compared)
+
+
+def _support_bound(ctx: StageContext, ids: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+    """The rounding bound of ``logp_S = (l_y − m) − log Σ_j exp(l_j − m)`` per token, for the producer's
+    evaluation (its declared ``compute`` precision) and for this stage's own float32 one: the subtraction is
+    off by ``u·|l_y − m| ≤ u·|logp_S|``, the sum of K terms in [1, K] by ``K·u`` relative, so its log by
+    ``K·u`` absolute; ``8·(u_t + u32)·(|logp_S| + K)`` (see ``error_model``)."""
+    members = (ids >= 0).sum(1).to(torch.float64)
+    return C_TOKEN * (ctx.precision.token + U32) * (actual.to(torch.float64).abs().nan_to_num(0.0) + members)
 
 
 def _check_experts(ctx: StageContext, v: _Violations) -> None:
