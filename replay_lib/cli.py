@@ -24,6 +24,15 @@ from .safe_text import json_document, safe
 
 TOLERANCE_POLICIES = ("bundle", "default")  # replay_lib.error_model's, without importing torch for --help
 
+REPLAY_DESCRIPTION = """Recompute every declared stage and report the first divergent one.
+
+Each stage is recomputed in float64 from its recorded inputs (teacher forcing; --chain: from the recomputed
+outputs before it). An element diverges when either side is NaN or Inf, or when
+  |actual - expected| > atol + rtol*|expected| + the producer's rounding bound
+(the bound follows from the formula's condition and comparison_policy.producer_precision; see the README,
+"Judging"). Hazards (rounding-dominated or undefined places: zero-std groups, clamps, extreme ratios) are
+listed after the stages and never fail one."""
+
 EXIT_CODES_HELP = """exit codes:
   0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
   1  a divergence was found
@@ -280,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "json"), default="text")
     add_limit_arguments(p)
     p = sub.add_parser("replay", help="recompute the stages and report the first divergence",
-                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=REPLAY_DESCRIPTION, epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     add_replay_arguments(p)
     p = sub.add_parser("demo", help="write demo or synthetic bundles")

@@ -384,3 +384,16 @@ def test_replay_tui_check_takes_the_same_judging_flags(tmp_path, capsys):
     # bitwise: no tolerance, every difference infinitely beyond it
     assert capsys.readouterr().out.splitlines()[4] == \
         "          reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5 tol=0.0 (inf× noise)"
+
+
+def test_replay_help_documents_the_judging_flags_and_the_rule():
+    import subprocess
+
+    proc = subprocess.run(["trajectory-replay", "replay", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+    text = " ".join(proc.stdout.split())
+    for words in ("--chain", "--exact", "--tolerance-policy {bundle,default}", "--verbose",
+                  "|actual - expected| > atol + rtol*|expected| + the producer's rounding bound",
+                  "a bundle may only tighten them, a looser value is capped at the default",
+                  "Hazards", "never fail one"):
+        assert words in text, words
