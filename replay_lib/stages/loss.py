@@ -11,12 +11,13 @@ import torch
 
 from ..bundle import BundleReader
 from ..error_model import ABS_SUMS, loss_scalar_bounds, loss_token_terms
-from ..fields import PER_SCALAR
+from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import (LOSS_FIELDS, POLICY_SUMS, GrpoReturns, masked_sample_sums, policy_fields_from_sums,
                        policy_loss_columns, policy_loss_fields)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
+from .loss_terms import loss_term_fields
 
 
 @dataclass(frozen=True)
@@ -128,19 +129,35 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
 
 
 def run_loss_policy(ctx: StageContext) -> StageReport:
+    """The per-sample and per-token loss terms first, when the bundle records them (SPEC §4: a loss divergence
+    is then located to its sample and token), then the reported scalars."""
+    li = loss_inputs(ctx)
+    terms = loss_term_fields(ctx, log_probs=li.log_probs, old_log_probs=li.old_log_probs, advantages=li.advantages,
+                             entropy=li.entropy, mask=li.mask, config=ctx.config,
+                             advantage_bound=li.advantage_bound)
     expected, actual, bound = recompute_policy_loss(ctx)
     names = list(expected)
     n = ctx.n
-    field = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
-                      torch.tensor([float(actual[f]) for f in names], dtype=torch.float64), labels=names,
-                      bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
-                      note=f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means")
+    scalars = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
+                        torch.tensor([float(actual[f]) for f in names], dtype=torch.float64), labels=names,
+                        bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
+                        note=f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means")
 
     def fail_reason(total, per) -> str:
-        return "loss field mismatch: " + ", ".join(f for f, bad in zip(names, field.bad.tolist()) if bad)
+        parts = []
+        bad_terms = [f"{f.name} in {per[f.name].mismatches} token(s) of {per[f.name].bad_samples} sample(s)"
+                     if f.per == PER_TOKEN else f"{f.name} in {per[f.name].bad_samples} sample(s)"
+                     for f in terms if per[f.name].mismatches]
+        if bad_terms:
+            parts.append("loss term mismatch: " + ", ".join(bad_terms))
+        bad_fields = [f for f, bad in zip(names, scalars.bad.tolist()) if bad]
+        if bad_fields:
+            parts.append("loss field mismatch: " + ", ".join(bad_fields))
+        return "; ".join(parts)
 
-    return ctx.report(StageId.LOSS_POLICY, [field], fail_reason=fail_reason,
-                      pass_reason=f"{len(names)} field(s) over {n} sample(s) compared")
+    checked = f"{len(names)} field(s)" + (f" and {len(terms)} loss term(s)" if terms else "")
+    return ctx.report(StageId.LOSS_POLICY, [*terms, scalars], fail_reason=fail_reason,
+                      pass_reason=f"{checked} over {n} sample(s) compared")
 
 
 def _loss_requirements(reader: BundleReader) -> list[str]:
