@@ -285,28 +285,20 @@ def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
 # -------------------------------------------------------------------------------------- loss scalars
 
 # Per-sample sums the loss bound needs beside the float64 fields' own (kernels.POLICY_SUMS): the terms'
-# magnitudes (K_sum), the per-token conditions (K_tok), tokens near a clip bound, Σ ratio (chain), and
-# the float32 sequential sums (seq32).
-ABS_SUMS = ("abs_pg", "abs_kl", "abs_ent", "tok_pg", "near_clip", "ratio")
+# magnitudes (K_sum), |ppo_kl|·|pg| (with |pg|, K_tok), tokens near a clip bound, Σ ratio (--chain); and the
+# float32 sequential sums of the surrogate, ppo_kl and entropy (seq32; the clip and mask counts are whole
+# numbers, exact in either precision).
+ABS_SUMS = ("abs_pg", "abs_kl", "abs_ent", "kl_pg", "near_clip", "ratio")
+SEQ32_SUMS = ("pg32", "kl32", "ent32")
 
 
-def loss_token_terms(ppo_kl: torch.Tensor, advantages: torch.Tensor, pg: torch.Tensor, mask: torch.Tensor,
-                     entropy: Optional[torch.Tensor], *, eps_clip: float, eps_clip_high: float,
-                     u_token: float) -> dict[str, torch.Tensor]:
-    """The masked per-token columns of :data:`ABS_SUMS` for one chunk (float64)."""
-    ratio = torch.exp(-ppo_kl)
-    abs_pg = (pg * mask).abs_()
-    near = C_NEAR_CLIP * u_token * ratio
+def loss_clip_boundary(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float, eps_clip: float,
+                       eps_clip_high: float) -> torch.Tensor:
+    """float64 1/0 per token: the ratio within ``8·u_t`` (relative) of a clip bound and ``A ≠ 0`` — a token
+    a legitimate rounding may clip either way."""
+    near = ratio * (C_NEAR_CLIP * u_token)
     on_bound = ((ratio - (1 - eps_clip)).abs() <= near) | ((ratio - (1 + eps_clip_high)).abs() <= near)
-    out = {
-        "abs_pg": abs_pg,
-        "abs_kl": (ppo_kl * mask).abs_(),
-        "tok_pg": abs_pg * (PG_COND + PG_KL_COND * ppo_kl.abs()),
-        "near_clip": (on_bound & (advantages != 0)).to(torch.float64) * mask,
-        "ratio": ratio * mask,
-    }
-    out["abs_ent"] = (entropy * mask).abs_() if entropy is not None else torch.zeros_like(mask)
-    return out
+    return (on_bound & (advantages != 0)).to(torch.float64)
 
 
 def sequential_sum32(values: torch.Tensor) -> float:
@@ -325,16 +317,18 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
                        advantage_per_sample: Optional[torch.Tensor] = None) -> dict[str, float]:
     """The rounding bound of each loss.policy field (module doc) from the per-sample sums of one pass:
     the float64 ones (``pg, clip, kl, ent, mask``), :data:`ABS_SUMS`, and the float32 sequential ones
-    (``pg32, clip32, kl32, ent32, mask32``). ``advantage_bound_per_sample``: ρ_i under ``--chain``."""
+    (:data:`SEQ32_SUMS`). ``advantage_bound_per_sample``: ρ_i under ``--chain``."""
     denom = torch.clamp_min(sums["mask"], 1.0)
-    denom32 = torch.clamp_min(sums["mask32"], 1.0)
+    denom32 = denom.to(torch.float32)
     mean = {k: sums[k] / denom for k in ("pg", "clip", "kl", "ent")}
     k_sum = {"pg": (sums["abs_pg"] / denom).sum(), "clip": mean["clip"].abs().sum(),
              "kl": (sums["abs_kl"] / denom).sum(), "ent": (sums["abs_ent"] / denom).sum()}
     k_outer = {k: v.abs().sum() for k, v in mean.items()}
-    k_tok = {"pg": (sums["tok_pg"] / denom).sum(), "clip": torch.zeros((), dtype=torch.float64),
+    k_tok = {"pg": ((PG_COND * sums["abs_pg"] + PG_KL_COND * sums["kl_pg"]) / denom).sum(),
+             "clip": torch.zeros((), dtype=torch.float64),
              "kl": k_sum["kl"], "ent": torch.zeros((), dtype=torch.float64)}
-    seq = {k: sequential_sum32(sums[f"{k}32"] / denom32) for k in ("pg", "clip", "kl", "ent")}
+    seq = {k: sequential_sum32(sums[f"{k}32"] / denom32) for k in ("pg", "kl", "ent")}
+    seq["clip"] = sequential_sum32(sums["clip"].to(torch.float32) / denom32)
     c = abs(entropy_coef)
     terms = {
         "loss": (k_sum["pg"] + c * k_sum["ent"], k_outer["pg"] + c * k_outer["ent"], k_tok["pg"],
@@ -345,7 +339,7 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         "ppo_kl": (k_sum["kl"], k_outer["kl"], k_tok["kl"], seq["kl"]),
     }
     extra_pg = extra_clip = 0.0
-    if advantage_bound_per_sample is not None:
+    if advantage_bound_per_sample is not None and sums["ratio"].numel():
         rho = advantage_bound_per_sample.to(torch.float64)
         extra_pg = float(((sums["ratio"] / denom) * rho).sum())
         if advantage_per_sample is not None:

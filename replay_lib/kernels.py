@@ -120,12 +120,35 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate: ``(pg_losses, clipfrac)`` with ``ppo_kl = old − logp``, in the dtype of
     ``ppo_kl``."""
+    pg_losses, clipfrac, _ = policy_loss_terms(ppo_kl, advantages, eps_clip, eps_clip_high)
+    return pg_losses, clipfrac
+
+
+def policy_loss_terms(
+    ppo_kl: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compute_policy_loss` and the ratio ``exp(−ppo_kl)`` it took: ``(pg_losses, clipfrac, ratio)``."""
     ratio = (-ppo_kl).exp()
     pg_losses1 = -ratio * advantages
     pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     clipfrac = torch.gt(pg_losses2, pg_losses1).to(ppo_kl.dtype)
-    return pg_losses, clipfrac
+    return pg_losses, clipfrac, ratio
+
+
+def sorted_segment_sums(values: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(samples, sums)``: the sums of the rows ``values[k, :]`` over each run of equal ``seg`` (sorted, as a
+    chunk of the token axis is), ``sums[k, j]`` for sample ``samples[j]``: one cumulative sum per chunk for
+    every column at once instead of an ``index_add_`` per column. For float64 accumulation (the cumulative
+    sum's rounding is ~1e-16 of the chunk's partial sums; float32 sums keep their order with ``index_add_``)."""
+    change = torch.ones(seg.numel(), dtype=torch.bool)
+    change[1:] = seg[1:] != seg[:-1]
+    starts = torch.nonzero(change).reshape(-1)
+    ends = torch.cat([starts[1:], torch.tensor([seg.numel()])]) - 1
+    prefix = values.cumsum(1)
+    sums = prefix[:, ends]
+    sums[:, 1:] -= prefix[:, ends[:-1]]
+    return seg[starts], sums
 
 
 def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n_samples: int,

@@ -20,8 +20,8 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
     cfg = ctx.config
     expected = ctx.payload("kl")
     bound = None
-    if cfg.kl_coef == 0:
-        kl = torch.zeros(int(ctx.lengths.sum()), dtype=ctx.dtype)
+    if cfg.kl_coef == 0:  # zeros in the payload's dtype: a bundle of zeros matches at once (compare_field)
+        kl = torch.zeros(int(ctx.lengths.sum()), dtype=expected.dtype)
     else:
         if not ctx.has("ref_log_probs"):
             raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")
@@ -114,17 +114,19 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
         if inherited is not None:
             per_sample = per_sample + inherited.to(torch.float64)
         ctx.outputs["advantage_bound"] = per_sample
-        actual, bound = _slices(advantages), _slices(GrpoReturns(per_sample, ctx.lengths, dtype=torch.float64))
+
+        def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
+            sample = advantages.sample_of(lo, hi)
+            return {"actual": advantages.rewards[sample], "bound": per_sample[sample]}
+
+        cols = Chunked(chunk)
+        actual, bound = cols.column("actual"), cols.column("bound")
     ctx.outputs["advantages"] = advantages
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound)
     return ctx.report(
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
         pass_reason=lambda total, per: f"{total.compared} token(s) compared")
-
-
-def _slices(view: GrpoReturns):
-    return lambda lo, hi: view[lo:hi]
 
 
 def _estimate_requirements(reader: BundleReader) -> list[str]:

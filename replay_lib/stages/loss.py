@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import ABS_SUMS, loss_scalar_bounds, loss_token_terms
+from ..error_model import SEQ32_SUMS, loss_clip_boundary, loss_scalar_bounds
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import (LOSS_FIELDS, POLICY_SUMS, GrpoReturns, masked_sample_sums, policy_fields_from_sums,
-                       policy_loss_columns, policy_loss_fields)
+from ..kernels import (LOSS_FIELDS, POLICY_SUMS, GrpoReturns, policy_fields_from_sums, policy_loss_fields,
+                       policy_loss_terms, sorted_segment_sums, token_chunks)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
@@ -84,32 +84,46 @@ def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict, Optional[dict]
 
 
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
-    """One pass over the tokens, a chunk at a time: the float64 per-sample sums of the loss fields, the
-    error model's sums (``error_model.ABS_SUMS``) and the same sums evaluated sequentially in float32
-    (``pg32`` …: ``seq32``), and the tokens with an extreme ratio."""
+    """One pass over the tokens, a chunk at a time, each per-token term evaluated once in float64: the float64
+    per-sample sums of the loss fields (``kernels.POLICY_SUMS``), the error model's (``error_model.ABS_SUMS``)
+    and the tokens with an extreme ratio — all columns of a chunk summed in one cumulative sum — and the
+    surrogate, ppo_kl and entropy summed sequentially in float32 (``error_model.SEQ32_SUMS``: ``seq32``)."""
     cfg = ctx.config
     u_token = ctx.precision.token
-    f64 = policy_loss_columns(li.log_probs, li.old_log_probs, li.advantages, li.entropy, li.mask,
-                              eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dtype=torch.float64)
-    f32 = policy_loss_columns(li.log_probs, li.old_log_probs, li.advantages, li.entropy, li.mask,
-                              eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, dtype=torch.float32)
-    mask = li.mask.to(torch.float64)
-
-    def columns(lo: int, hi: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = f64(lo, hi, seg)
-        m = mask[lo:hi]
+    entropy = li.entropy
+    # a non-negative entropy is its own magnitude; Σ ratio only matters for recomputed advantages (--chain)
+    signed_entropy = entropy is not None and not bool((entropy >= 0).all())
+    with_ratio = li.advantage_bound is not None
+    names = ["pg", "kl", "ent", "clip", "mask", "abs_pg", "abs_kl", "kl_pg", "near_clip", "extreme"]
+    names += ["abs_ent"] if signed_entropy else []
+    names += ["ratio"] if with_ratio else []
+    n = ctx.n
+    out = torch.zeros((len(names), n), dtype=torch.float64)
+    seq32 = torch.zeros((len(SEQ32_SUMS), n), dtype=torch.float32)
+    zeros = torch.zeros(0, dtype=torch.float64)
+    for lo, hi, seg in token_chunks(ctx.lengths):
+        m = li.mask[lo:hi].to(torch.float64)
         ppo_kl = li.old_log_probs[lo:hi].to(torch.float64) - li.log_probs[lo:hi].to(torch.float64)
         adv = li.advantages[lo:hi].to(torch.float64)
-        ent = li.entropy[lo:hi].to(torch.float64) if li.entropy is not None else None
-        out.update(loss_token_terms(ppo_kl, adv, out["pg"], m, ent, eps_clip=cfg.eps_clip,
-                                    eps_clip_high=cfg.eps_clip_high, u_token=u_token))
-        out["extreme"] = (ppo_kl.abs() > EXTREME_LOG_RATIO).to(torch.float64) * m
-        out.update({f"{k}32": v for k, v in f32(lo, hi, seg).items()})
-        return out
-
-    dtypes = {name: torch.float64 for name in (*POLICY_SUMS, *ABS_SUMS, "extreme")}
-    dtypes.update({f"{name}32": torch.float32 for name in POLICY_SUMS})
-    return masked_sample_sums(ctx.lengths, li.mask, columns, dtypes)
+        pg, clip, ratio = policy_loss_terms(ppo_kl, adv, cfg.eps_clip, cfg.eps_clip_high)
+        ent = entropy[lo:hi].to(torch.float64) if entropy is not None else torch.zeros_like(m)
+        signed = torch.stack([pg, ppo_kl, ent]).mul_(m)  # pg·m, ppo_kl·m, entropy·m
+        magnitude = signed[:2].abs()
+        rows = [signed, clip.mul_(m)[None], m[None], magnitude, (magnitude[0] * ppo_kl.abs())[None],
+                loss_clip_boundary(ratio, adv, u_token, cfg.eps_clip, cfg.eps_clip_high).mul_(m)[None],
+                (ppo_kl.abs() > EXTREME_LOG_RATIO).to(torch.float64).mul_(m)[None]]
+        if signed_entropy:
+            rows.append(signed[2:].abs())
+        if with_ratio:
+            rows.append((ratio * m)[None])
+        samples, sums = sorted_segment_sums(torch.cat(rows), seg)
+        out.index_add_(1, samples, sums)
+        for k in range(len(SEQ32_SUMS)):
+            seq32[k].index_add_(0, seg, signed[k].to(torch.float32))
+    sums = dict(zip(names, out))
+    sums["abs_ent"] = sums.get("abs_ent", sums["ent"])
+    sums["ratio"] = sums.get("ratio", zeros)
+    return {**sums, **dict(zip(SEQ32_SUMS, seq32))}
 
 
 # ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
