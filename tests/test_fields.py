@@ -116,3 +116,21 @@ def test_the_report_counts_are_the_fields_counts(tmp_path):
     post = contexts[0].fields["reward.post_process"][0]
     assert post.bad.tolist() == [True] * 4 and report.stage("reward.post_process").mismatches == 4
     assert post.expected.tolist() == [-5.5, -3.5, 3.5, 5.5] and post.actual.tolist() == [-1.0, 1.0, -1.0, 1.0]
+
+
+def test_the_debugger_model_reads_the_stages_fields_not_its_own_recompute(tmp_path):
+    from replay_tui.model import build_model
+
+    b = open_bundle(write_synthetic(tmp_path / "s", samples=8, tokens=16, seed=5))
+    report, contexts = replay_run(b)
+    model = build_model(b, report, contexts=contexts)
+    shard = model.shards[0]
+    for name, stage in (("reward", "reward.post_process"), ("kl", "advantage.kl"), ("advantage", "advantage.estimate"),
+                        ("loss", "loss.policy")):
+        assert shard.ensure(name)
+        result = contexts[0].fields[stage][-1]
+        assert shard.results[name] is result  # the very object the report was built from
+        assert torch.equal(shard.values[name][1], result.actual) and torch.equal(shard.bad[name], result.divergent)
+    diff = model.field_diff("kl", "s-3")
+    start, n = int(contexts[0].offsets[3]), int(contexts[0].lengths[3])
+    assert diff.tolerance_tensor.tolist() == contexts[0].fields["advantage.kl"][0].tolerance[start:start + n].tolist()
