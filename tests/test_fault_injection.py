@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from replay_lib.demo import synthetic_parts, write_bundle
+from replay_lib.error_model import Rules
 from replay_lib.report import report_to_text
 from replay_lib.runner import replay
 
@@ -109,12 +110,15 @@ def test_fault_in_advantages_payload_token(tmp_path):
     clean = float(payloads["advantages"][t])
     payloads["advantages"][t] = clean - 1.0
     report = replay_written(tmp_path, manifest, index, expected, payloads)
-    # loss.policy consumes the recomputed advantages, so it still passes
-    assert failing(report) == ["advantage.estimate"]
+    # teacher forcing: loss.policy consumes the recorded (corrupted) advantages and fails too; the first
+    # divergence is still the stage whose record is wrong
+    assert failing(report) == ["advantage.estimate", "loss.policy"]
     assert where(report) == ("advantage.estimate", "advantage.estimate", None, "s-1", 0, "advantage", 2)
     d = report.first_divergence
     assert (d.expected, d.actual) == (pytest.approx(clean - 1.0), pytest.approx(clean, abs=1e-6))
-    assert report.stage("loss.policy").status == "pass"
+    # --chain: loss.policy consumes the recomputed advantages, so it passes
+    chained = replay(tmp_path / "bundle", rules=Rules(chain=True))
+    assert failing(chained) == ["advantage.estimate"] and chained.stage("loss.policy").status == "pass"
 
 
 def test_fault_in_expected_loss(tmp_path):
@@ -133,8 +137,10 @@ def test_earliest_stage_wins_when_two_stages_are_corrupted(tmp_path):
     payloads["advantages"][OFFSETS[0]] += 1.0
     payloads["kl"][OFFSETS[7] + 2] += 1.0
     report = replay_written(tmp_path, manifest, index, expected, payloads)
-    assert failing(report) == ["advantage.kl", "advantage.estimate"]
+    assert failing(report) == ["advantage.kl", "advantage.estimate", "loss.policy"]  # the loss reads the payload
     assert where(report) == ("advantage.kl", "advantage.kl", None, "s-7", 1, "kl", 2)
+    chained = replay(tmp_path / "bundle", rules=Rules(chain=True))
+    assert failing(chained) == ["advantage.kl", "advantage.estimate"]
 
 
 def test_divergences_are_reported_in_token_order_within_a_stage(tmp_path):

@@ -101,7 +101,9 @@ def test_replay_text_report(hostile, seq, cli):
     lines = out.splitlines()
     assert lines[0] == f"bundle b{esc}1 — first divergent stage: reward.post_process"
     assert f"          reward s{esc}0: expected=-5.5 actual=-1.0 abs_err=4.5" in lines
-    assert f"          advantage s{esc}0@0: expected=-5.5 actual=-1.0 abs_err=4.5" in lines
+    # a per-token line too: under --chain the advantages broadcast the recomputed rewards
+    chained = run(cli, "replay", hostile, "--chain")[1].splitlines()
+    assert f"          advantage s{esc}0@0: expected=-5.5 actual=-1.0 abs_err=4.5" in chained
     for w in warnings_of(hostile, esc, shown(in_name(seq))):
         assert w in lines
     assert f"warning: index.json $.config.knob{esc}x=False: unknown knob with a neutral value (ignored)" in lines
