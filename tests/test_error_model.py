@@ -397,3 +397,39 @@ def test_replay_help_documents_the_judging_flags_and_the_rule():
                   "a bundle may only tighten them, a looser value is capped at the default",
                   "Hazards", "never fail one"):
         assert words in text, words
+
+
+def test_a_float32_producer_on_close_rewards_comes_within_reach_of_the_reward_bound():
+    # reward-model scores 3 ± 1e-4 (the ill-conditioned case): the float32 producer's error is a sizable
+    # fraction of the bound, never beyond it
+    import random
+
+    worst = 0.0
+    for seed in range(50):
+        rng = random.Random(seed)
+        raw = [3.0 + 1e-4 * rng.gauss(0, 1) for _ in range(8)]
+        r = torch.tensor(raw, dtype=torch.float64)
+        truth = (r - r.mean()) / (r.std() + EPS)
+        bound = reward_bound(r, group_stats(r, torch.zeros(8, dtype=torch.int64)), truth, True, EPS)
+        written = torch.tensor(float32_group_normalize(raw, std=True), dtype=torch.float64)
+        worst = max(worst, float(((written - truth).abs() / bound).max()))
+    assert 0.02 < worst <= 1.0
+
+
+def test_advantage_bound_admits_the_payloads_rounding_of_the_recorded_reward(tmp_path):
+    # rewards recorded in float64 (not float32 values), advantages as their float32 rounding: off by ≤ u·|A|,
+    # within 2u·|A|; a bf16 payload of the same values is within its own 2·2⁻⁸·|A|
+    rewards = [-1.2345678901234, 0.3333333333333, 0.9012345678901]
+    lengths = [2, 1, 3]
+    adv = [r for r, n in zip(rewards, lengths) for _ in range(n)]
+    stages = [s for s in ROLLOUT_STAGES if s.value != "reward.post_process"]  # the recorded rewards as given
+    exact_bundle_part = ComparisonPolicy(tolerances={"advantage.estimate": Tolerance(atol=0.0, rtol=0.0)})
+    for dtype in (torch.float32, torch.bfloat16):
+        path = bundle(tmp_path / str(dtype), groups=[0, 1, 2], lengths=lengths, raw=[0.0] * 3, stages=stages,
+                      policy=exact_bundle_part,
+                      expected={"reward.raw": {"raw_rewards": [0.0] * 3}, "reward.post_process": {"rewards": rewards}},
+                      payloads={"kl": [0.0] * 6, "advantages": torch.tensor(adv, dtype=torch.float64).to(dtype)})
+        report = replay(path)
+        est = report.stage("advantage.estimate")
+        assert est.status == "pass", report_to_text(report)
+        assert 0.1 < est.max_noise_ratio <= 0.5  # one rounding of at most u·|A| against 2u·|A|
