@@ -77,6 +77,18 @@ class FieldValues:
         return noise_ratio(self.abs_error, self.tolerance)
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """All rows of a field, materialized once (:meth:`FieldResult._materialize`)."""
+
+    expected: torch.Tensor
+    actual: torch.Tensor
+    tolerance: torch.Tensor
+    diff: torch.Tensor  # |a − e| as judged (NaN/Inf where a side is not finite)
+    finite: torch.Tensor
+    bad: torch.Tensor
+
+
 def _read(column: Column, lo: int, hi: int) -> torch.Tensor:
     if isinstance(column, torch.Tensor):
         return column[lo:hi].to(torch.float64)
@@ -152,10 +164,16 @@ class FieldResult:
                              f"recomputed {self.length_mismatch[1]}")
         hi = self.size if hi is None else min(hi, self.size)
         lo = max(0, min(lo, hi))
+        compared = self.compared[lo:hi] if self.compared is not None else None
+        full = self._full
+        if full is not None:  # sliced from the columns already materialized: no stage kernel runs again
+            diff = full.diff[lo:hi]
+            return FieldValues(lo=lo, expected=full.expected[lo:hi], actual=full.actual[lo:hi],
+                               tolerance=full.tolerance[lo:hi], abs_error=diff, finite=full.finite[lo:hi],
+                               bad=full.bad[lo:hi], compared=compared)
         e, a = _read(self._expected, lo, hi), _read(self._actual, lo, hi)
         tol = _read(self._tolerance, lo, hi) if not self.exact else torch.zeros_like(e)
         diff, finite, bad = judge(e, a, tol, self.exact)
-        compared = self.compared[lo:hi] if self.compared is not None else None
         if compared is not None:
             bad = bad & compared
         return FieldValues(lo=lo, expected=e, actual=a, tolerance=tol, abs_error=diff, finite=finite, bad=bad,
@@ -165,44 +183,57 @@ class FieldResult:
         for lo in range(0, self.size, chunk):
             yield self.window(lo, lo + chunk)
 
-    def _column(self, name: str) -> torch.Tensor:
-        parts = [getattr(w, name) for w in self.chunks()]
-        if not parts:
-            return torch.empty(0, dtype=torch.bool if name in ("bad", "finite") else torch.float64)
-        return torch.cat(parts)
+    @property
+    def _full(self) -> Optional["_Columns"]:
+        return self.__dict__.get("_columns")
+
+    def _materialize(self) -> "_Columns":
+        """Every column over all rows, in one pass over the chunks: a function column (a stage kernel) is
+        evaluated once for all of them, where reading each column on its own would re-run it per column."""
+        full = self._full
+        if full is not None:
+            return full
+        parts = list(self.chunks())
+        if parts:
+            cols = [torch.cat([getattr(w, name) for w in parts])
+                    for name in ("expected", "actual", "tolerance", "abs_error", "finite", "bad")]
+        else:
+            cols = [torch.empty(0, dtype=torch.float64)] * 4 + [torch.empty(0, dtype=torch.bool)] * 2
+        full = _Columns(*cols)
+        self.__dict__["_columns"] = full
+        return full
 
     @functools.cached_property
     def expected(self) -> torch.Tensor:
         """float64 ``[size]``: what the bundle recorded."""
-        return self._column("expected")
+        return self._materialize().expected
 
     @functools.cached_property
     def actual(self) -> torch.Tensor:
         """float64 ``[size]``: what the replay recomputed."""
-        return self._column("actual")
+        return self._materialize().actual
 
     @functools.cached_property
     def tolerance(self) -> torch.Tensor:
         """float64 ``[size]``: the effective bound of each element (0 under ``--exact``)."""
-        return self._column("tolerance")
+        return self._materialize().tolerance
 
     @functools.cached_property
     def abs_error(self) -> torch.Tensor:
         """float64 ``[size]``: ``|a − e|`` (NaN where either side is not finite)."""
-        parts = [torch.where(w.finite, w.abs_error, torch.full_like(w.abs_error, float("nan"))) for w in self.chunks()]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+        full = self._materialize()
+        return torch.where(full.finite, full.diff, torch.full_like(full.diff, float("nan")))
 
     @functools.cached_property
     def bad(self) -> torch.Tensor:
         """bool ``[size]``: the compared elements that diverge."""
-        return self._column("bad")
+        return self._materialize().bad
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:
         """float64 ``[size]``: ``|a − e| / tolerance`` (NaN where either side is not finite)."""
-        parts = [torch.where(w.finite, w.noise_ratio, torch.full_like(w.abs_error, float("nan")))
-                 for w in self.chunks()]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+        full = self._materialize()
+        return torch.where(full.finite, noise_ratio(full.diff, full.tolerance), torch.full_like(full.diff, float("nan")))
 
     @property
     def divergent(self) -> torch.Tensor:
