@@ -75,10 +75,10 @@ exceeds the declared noise (see the README).
 from __future__ import annotations
 
 import math
-from array import array
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import numpy as np
 import torch
 
 from .schema import ComparisonPolicy, Manifest, Tolerance
@@ -302,13 +302,14 @@ def loss_clip_boundary(ratio: torch.Tensor, advantages: torch.Tensor, u_token: f
 
 
 def sequential_sum32(values: torch.Tensor) -> float:
-    """``((v0 + v1) + v2) + …`` in float32, left to right (torch's own float32 sums accumulate in double or
-    pairwise). The additions are done in float64 and stored to float32, which rounds a sum of two float32
-    values correctly."""
-    acc = array("f", [0.0])
-    for v in values.to(torch.float32).tolist():
-        acc[0] = acc[0] + v
-    return float(acc[0])
+    """``((0 + v0) + v1) + …`` in float32, left to right (torch's own float32 sums accumulate in double or
+    pairwise). numpy's ``add.accumulate`` is that loop in C: each partial sum is the float32 addition of the
+    previous one and the next value, correctly rounded (no pairwise regrouping, unlike ``sum``); ``+ 0.0``
+    gives an all-zero sum the sign the loop from ``0.0`` gives it."""
+    flat = values.detach().reshape(-1).to(torch.float32).numpy()
+    if flat.size == 0:
+        return 0.0
+    return float(np.add.accumulate(flat, dtype=np.float32)[-1]) + 0.0
 
 
 def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, torch.Tensor], names, *,

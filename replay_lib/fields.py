@@ -276,6 +276,12 @@ def _same(a: Column, b: Column) -> bool:
             and a.shape == b.shape and torch.equal(a, b) and bool(torch.isfinite(a).all()))
 
 
+# Fields of up to this many elements keep their float64 columns once judged (≈ 34 bytes an element): the
+# debugger's model reads a failing field's columns, and a function column (a stage kernel) is not run twice.
+# Larger fields are judged a chunk at a time and keep nothing.
+KEEP_COLUMNS = 1 << 18
+
+
 def compare_field(f: FieldResult, keep: int) -> Comparison:
     """Judge every element of ``f`` a chunk at a time: counts, the largest error and noise ratio, and the
     first ``keep`` divergences with their tolerance and noise ratio."""
@@ -294,6 +300,8 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     if f.compared is None and _same(f._expected, f._actual):
         out.max_abs_error = out.max_noise_ratio = 0.0
         return out
+    if f.size <= KEEP_COLUMNS:
+        f._materialize()  # judged from the kept columns; the debugger reads them without a recompute
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
     for w in f.chunks():

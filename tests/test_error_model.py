@@ -256,6 +256,20 @@ def test_sequential_sum32_is_float32_left_to_right():
     assert float(values.sum()) == 2.0 ** -23
 
 
+def test_sequential_sum32_is_the_float32_loop_bit_for_bit():
+    """The vectorized sum is the loop ``acc = float32(acc + v)`` from 0.0 on values of wide-ranging magnitude
+    (where a pairwise or double-precision sum differs), on an empty and an all-negative-zero input."""
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 7, 1000, 4096):
+        values = (torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 8)).to(torch.float32)
+        acc = array("f", [0.0])
+        for v in values.tolist():
+            acc[0] = acc[0] + v
+        assert sequential_sum32(values) == acc[0]
+    assert sequential_sum32(torch.zeros(0)) == 0.0
+    assert math.copysign(1.0, sequential_sum32(torch.tensor([-0.0, -0.0]))) == 1.0
+
+
 def test_accumulate_float64_drops_the_sequential_term(tmp_path):
     n = 4096
     produced = seq32_mean([f32(-0.1)] * n)

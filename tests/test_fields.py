@@ -99,6 +99,30 @@ def test_reading_every_column_evaluates_a_function_column_once_per_chunk():
     assert torch.equal(w.actual, actual(33_000, 34_000))
 
 
+def test_a_judged_field_keeps_its_columns_for_the_debugger():
+    """compare_field (the stage's report) evaluates a function column once per chunk, and what the debugger
+    reads afterwards — every column, any window — comes from what it kept, not from the kernel again."""
+    n = 40_000
+    e = torch.linspace(-1, 1, n, dtype=torch.float32)
+    calls = []
+
+    def actual(lo, hi):
+        calls.append((lo, hi))
+        out = e[lo:hi].to(torch.float64).clone()
+        out[(33_333 - lo) if lo <= 33_333 < hi else slice(0, 0)] += 1.0
+        return out
+
+    f = FieldResult(stage="advantage.estimate", name="advantage", per=PER_TOKEN, expected=e, actual=actual,
+                    tolerance=lambda lo, hi: torch.full((hi - lo,), 1e-3, dtype=torch.float64), size=n,
+                    sample_ids=["s-0"], group_indices=[0], offsets=torch.tensor([0]), lengths=torch.tensor([n]))
+    cmp = compare_field(f, keep=3)
+    assert cmp.mismatches == 1 and cmp.divergences[0].token_offset == 33_333
+    assert cmp.divergences[0].actual == float(e[33_333]) + 1.0 and cmp.divergences[0].tolerance == 1e-3
+    assert calls == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
+    assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and f.abs_error[33_333] == 1.0
+    assert f.window(33_000, 34_000).bad.nonzero().reshape(-1).tolist() == [333] and len(calls) == 3
+
+
 def test_scalar_rows_are_named_by_their_labels_and_a_length_mismatch_is_one_divergence():
     f = FieldResult(stage="loss.policy", name="loss", per=PER_SCALAR, expected=[1.0, 2.0], actual=[1.0, 2.5],
                     tolerance=lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), labels=["loss", "pg_loss"])
