@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -300,11 +300,14 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     if f.compared is None and _same(f._expected, f._actual):
         out.max_abs_error = out.max_noise_ratio = 0.0
         return out
-    if f.size <= KEEP_COLUMNS:
-        f._materialize()  # judged from the kept columns; the debugger reads them without a recompute
+    if f.size <= KEEP_COLUMNS:  # judged from the kept columns, all rows at once (the debugger reads them too)
+        f._materialize()
+        windows: Iterable[FieldValues] = [f.window()]
+    else:
+        windows = f.chunks()
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
-    for w in f.chunks():
+    for w in windows:
         ok = w.finite if w.compared is None else w.finite & w.compared
         all_ok = bool(ok.all())
         if w.compared is None:
