@@ -13,6 +13,7 @@ from rich.segment import Segment
 from rich.style import Style
 from textual.strip import Strip
 
+from replay_lib.report import fmt_ratio as report_ratio
 from replay_lib.report import fmt_value
 from replay_lib.safe_text import safe
 
@@ -85,18 +86,7 @@ def fmt_ratio(x: Optional[float]) -> str:
     ``0.33``, ``2.1``, ``46``, ``457``, ``2.1e6``, ``4.2e-5``; ``inf`` for a difference against a zero tolerance
     (``--exact``), ``nan`` where a side is not finite, ``—`` where nothing was compared. Two digits are what
     the ratio is read for: within the noise (< 1), or how many times beyond it."""
-    if x is None:
-        return "—"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf"
-    if x == 0:
-        return "0"
-    if 0.01 <= x < 1000:
-        return f"{x:.2g}" if x < 10 else f"{x:.0f}"
-    mantissa, exponent = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
+    return "—" if x is None else report_ratio(x)
 
 
 def fit_ratio(x: Optional[float], width: int) -> str:
