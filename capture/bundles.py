@@ -433,26 +433,25 @@ def _reported_fields(bundle_id: str, end: dict[str, torch.Tensor], columns: dict
     (1-D, in data-iterator order), which the caller sums in float64."""
     if any(name in end for name in LOSS_FIELDS):
         return {name: end[name] for name in LOSS_FIELDS if name in end}
-    out = {}
-    for name in LOSS_FIELDS:
-        column = columns.get(FIELD_PREFIX + name)
-        if column is None:
-            continue
-        if len(column) != n_parts:
-            raise ValueError(f"{bundle_id}: loss field {name!r} given for only some micro-batches")
-        out[name] = torch.cat(column).to(torch.float64)
-    return out
+    return _joined_columns(bundle_id, columns, n_parts, FIELD_PREFIX, LOSS_FIELDS, "loss field")
 
 
 def _per_sample_terms(bundle_id: str, columns: dict[str, list[torch.Tensor]], n_parts: int) -> dict[str, torch.Tensor]:
     """``{term: float64 [samples]}`` of the per-sample loss terms the micro-batches gave, in index order."""
+    return _joined_columns(bundle_id, columns, n_parts, TERM_PREFIX, PER_SAMPLE_TERMS, "loss term")
+
+
+def _joined_columns(bundle_id: str, columns: dict[str, list[torch.Tensor]], n_parts: int, prefix: str,
+                    names, what: str) -> dict[str, torch.Tensor]:
+    """Each named column's micro-batch pieces joined in data-iterator order, as float64; a column that only
+    some micro-batches gave is an error (the step's values would be a partial sum)."""
     out = {}
-    for name in PER_SAMPLE_TERMS:
-        column = columns.get(TERM_PREFIX + name)
+    for name in names:
+        column = columns.get(prefix + name)
         if column is None:
             continue
         if len(column) != n_parts:
-            raise ValueError(f"{bundle_id}: loss term {name!r} given for only some micro-batches")
+            raise ValueError(f"{bundle_id}: {what} {name!r} given for only some micro-batches")
         out[name] = torch.cat(column).to(torch.float64)
     return out
 
