@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per semantic group (n_samples_per_prompt)")
     w.add_argument("--vary-lengths", action="store_true", help="random response lengths in [0, L]")
     w.add_argument("--kl-coef", type=float, default=0.05, help="kl_coef of the recorded config")
-    w = dsub.add_parser("write-all", help="write the shipped demo bundles (PR #65 buggy/fixed, step loss, 2-rank cohort)")
+    w = dsub.add_parser("write-all", help="write the shipped demo bundles: pr65-buggy, pr65-fixed, step-loss, cohort-2rank, support-fullvocab")
     w.add_argument("dir", type=Path, metavar="DIR")
     return parser
 

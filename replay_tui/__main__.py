@@ -50,6 +50,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         parser.error("a BUNDLE path or --demo is required")
     if args.bundle is not None and args.demo is not None:
         parser.error("pass either BUNDLE or --demo, not both")
+    if args.format != "text" and not args.check:  # the debugger prints no report: say so rather than ignore it
+        parser.error(f"--format {args.format} needs --check (the debugger itself prints no report)")
     loading = LoadingLine(enabled=not args.check)
     loading.show()  # torch takes a second or two to import: say something at once, over SSH especially
     try:

@@ -114,3 +114,25 @@ def test_the_loading_line_shows_on_a_terminal_only_and_is_erased(monkeypatch):
     line = LoadingLine(enabled=False, stream=out)  # --check prints its report instead
     line.show()
     assert out.getvalue() == ""
+
+
+def test_format_json_without_check_is_a_usage_error_not_silently_ignored(capsys, tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        tui_main([str(tmp_path), "--format", "json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "replay-tui: error: --format json needs --check (the debugger itself prints no report)"
+
+
+def test_demo_write_all_help_names_every_demo(capsys):
+    import pytest
+
+    from replay_lib.cli import main as cli_main
+    from replay_lib.demo import _DEMO_BUILDERS
+
+    with pytest.raises(SystemExit):
+        cli_main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
+    assert all(name in out for name in _DEMO_BUILDERS), out
