@@ -1,4 +1,4 @@
-"""Comparison helpers: counts of a comparison, tolerance lookup, float64 conversion. The element rule and the
+"""Comparison helpers: counts of a comparison, float64 conversion. The element rule and the
 per-element tolerances live in ``replay_lib.fields`` and ``replay_lib.error_model``; NaN/Inf on either side
 always diverges."""
 
@@ -11,7 +11,6 @@ from typing import Optional, Sequence
 import torch
 
 from .report import Divergence
-from .schema import ComparisonPolicy
 
 
 @dataclass
@@ -34,13 +33,6 @@ class Comparison:
         if other.max_noise_ratio is not None:
             if self.max_noise_ratio is None or other.max_noise_ratio > self.max_noise_ratio:
                 self.max_noise_ratio = other.max_noise_ratio
-
-
-def tolerance_for(policy: ComparisonPolicy, stage: str, field_name: str) -> tuple[float, float]:
-    if field_name in policy.exact_fields or f"{stage}.{field_name}" in policy.exact_fields:
-        return 0.0, 0.0
-    tol = policy.tolerance(stage)
-    return float(tol.atol), float(tol.rtol)
 
 
 _ARRAY_TYPECODES = {torch.float64: "d", torch.int64: "q"}
@@ -70,43 +62,3 @@ def as_float64(values) -> torch.Tensor:
 # instead of a dozen full-length copies at once. Below torch's parallel grain size (32768) every op runs on
 # the calling thread, which is also the fastest choice on a busy machine (no OpenMP hand-off per op).
 CHUNK = 1 << 14
-
-
-def mismatch(expected: torch.Tensor, actual: torch.Tensor, atol: float, rtol: float):
-    """``(abs diff, both finite, bad)`` on float64 tensors with the fixed bound ``atol + rtol·|e|`` (the rule
-    of :func:`replay_lib.fields.judge` with that tolerance)."""
-    from .fields import judge
-
-    return judge(expected, actual, atol + rtol * expected.abs())
-
-
-def compare_elements(
-    stage: str,
-    field_name: str,
-    expected,
-    actual,
-    *,
-    atol: float,
-    rtol: float,
-    keep: int,
-    sample_ids: Sequence[str],
-    group_indices: Sequence[Optional[int]],
-    rank: Optional[int],
-    seg: Optional[torch.Tensor] = None,
-    offsets: Optional[torch.Tensor] = None,
-) -> Comparison:
-    """Compare two 1-D sequences with the fixed bound ``atol + rtol·|e|``. ``offsets`` given → per-token
-    (element t belongs to the last sample starting at or before it); otherwise per-sample (element i is
-    sample i), or a scalar when ``sample_ids`` is empty. A thin form of
-    :func:`replay_lib.fields.compare_field`, which stages use with their per-element tolerances."""
-    from .fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field
-
-    per = PER_TOKEN if offsets is not None else PER_SAMPLE if sample_ids else PER_SCALAR
-    e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
-
-    def tolerance(lo: int, hi: int) -> torch.Tensor:
-        return atol + rtol * e[lo:hi].to(torch.float64).abs()
-
-    f = FieldResult(stage=stage, name=field_name, per=per, expected=e, actual=actual, tolerance=tolerance,
-                    sample_ids=sample_ids, group_indices=group_indices, offsets=offsets, rank=rank)
-    return compare_field(f, keep)

@@ -273,11 +273,13 @@ def test_entropy_coef_subtracts_the_masked_entropy_mean():
 
 
 def _compare(expected, actual):
-    from replay_lib.compare import compare_elements
+    """A per-token field of two samples judged with the fixed bound 1e-6 + 1e-5·|e|."""
+    from replay_lib.fields import PER_TOKEN, FieldResult, compare_field
 
-    return compare_elements("advantage.kl", "kl", expected, actual, atol=1e-6, rtol=1e-5, keep=5,
-                            sample_ids=["s-0", "s-1"], group_indices=[0, 0], rank=None,
-                            offsets=torch.tensor([0, 2], dtype=torch.int64))
+    f = FieldResult(stage="advantage.kl", name="kl", per=PER_TOKEN, expected=expected, actual=actual,
+                    tolerance=1e-6 + 1e-5 * expected.to(torch.float64).abs(), sample_ids=["s-0", "s-1"],
+                    group_indices=[0, 0], offsets=torch.tensor([0, 2], dtype=torch.int64))
+    return compare_field(f, 5)
 
 
 def test_identical_finite_tensors_take_the_fast_path_with_the_full_passs_result():
