@@ -235,7 +235,7 @@ class FieldResult:
         full = self._materialize()
         return torch.where(full.finite, noise_ratio(full.diff, full.tolerance), torch.full_like(full.diff, float("nan")))
 
-    @property
+    @functools.cached_property
     def divergent(self) -> torch.Tensor:
         """bool ``[size]``: what a view marks — the bad elements and the ones the stage flagged."""
         return self.bad | self.flagged if self.flagged is not None else self.bad

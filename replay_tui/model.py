@@ -238,10 +238,7 @@ class ShardRecompute:
     ctx: StageContext
     ran: set[str] = field(default_factory=set)
     results: dict[str, FieldResult] = field(default_factory=dict)
-    values: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
-    errors: dict[str, torch.Tensor] = field(default_factory=dict)
-    bad: dict[str, torch.Tensor] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     loss_names: list[str] = field(default_factory=list)
 
@@ -249,9 +246,22 @@ class ShardRecompute:
     def rank(self) -> Optional[int]:
         return self.reader.rank
 
+    # The columns of each computed field, read from its FieldResult (the one copy of them).
+    @property
+    def values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: (r.expected, r.actual) for name, r in self.results.items()}
+
+    @property
+    def errors(self) -> dict[str, torch.Tensor]:
+        return {name: r.abs_error for name, r in self.results.items()}
+
+    @property
+    def bad(self) -> dict[str, torch.Tensor]:
+        return {name: r.divergent for name, r in self.results.items()}
+
     def ensure(self, name: str) -> bool:
         """Compute field ``name`` (and the stages it depends on) unless done; False if unavailable."""
-        if name in self.values:
+        if name in self.results:
             return True
         if name in self.unavailable:
             return False
@@ -263,7 +273,7 @@ class ShardRecompute:
             self._compute(name)
         except StageInputError as exc:
             self.unavailable[name] = str(exc)
-        return name in self.values
+        return name in self.results
 
     def _run(self, stage: StageId) -> None:
         """Run a stage adapter once (after the stages it consumes), so ``ctx.fields`` holds exactly what the
@@ -308,12 +318,11 @@ class ShardRecompute:
             ne, na = result.length_mismatch
             self.unavailable[name] = f"expected {ne} value(s), recomputed {na}"
             return
+        # materialized here, in the replay worker, not on the UI thread's first draw
+        result.expected, result.actual, result.abs_error, result.divergent  # noqa: B018
         self.results[name] = result
-        self.values[name] = (result.expected, result.actual)
         self.tolerances[name] = bundle_tolerance(self.reader.manifest.comparison_policy, result.stage, name,
                                                  self.ctx.rules.tolerance_policy)
-        self.errors[name] = result.abs_error
-        self.bad[name] = result.divergent
         if result.labels is not None:
             self.loss_names = list(result.labels)
 
