@@ -160,12 +160,17 @@ class Precision:
 # ------------------------------------------------------------------------------ bundle tolerances
 
 
+def is_exact_field(policy: ComparisonPolicy, stage: str, field: str) -> bool:
+    """Whether the bundle's ``exact_fields`` name the field (alone or as ``stage.field``): no tolerance at all."""
+    return field in policy.exact_fields or f"{stage}.{field}" in policy.exact_fields
+
+
 def bundle_tolerance(policy: ComparisonPolicy, stage: str, field: str, tolerance_policy: str = "bundle") -> tuple[float, float]:
     """``(atol, rtol)`` of a field: 0 for an exact field of the bundle's policy; else the stage's declared
     tolerance — as declared under ``--tolerance-policy bundle`` (the default; a looser value than the
     defaults is used and reported as a warning), capped at the defaults (1e-6, 1e-5) under ``default``
     (a bundle may tighten its tolerances, never loosen them)."""
-    if field in policy.exact_fields or f"{stage}.{field}" in policy.exact_fields:
+    if is_exact_field(policy, stage, field):
         return 0.0, 0.0
     tol = policy.tolerance(stage)
     atol, rtol = float(tol.atol), float(tol.rtol)

@@ -10,7 +10,7 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
-from ..error_model import Precision, Rules, bundle_tolerance
+from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
 from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
 from ..kernels import segment_ids, segment_offsets
 from ..report import Hazard, StageReport
@@ -160,7 +160,7 @@ class StageContext:
         ``atol + rtol·|e|`` for the field plus ``bound`` (the producer's rounding bound per element, a
         tensor or a function of ``(lo, hi)``); an exact field of the bundle's policy has none at all."""
         atol, rtol = bundle_tolerance(self.reader.manifest.comparison_policy, stage, name, self.rules.tolerance_policy)
-        exact_field = _is_exact_field(self, stage, name)
+        exact_field = is_exact_field(self.reader.manifest.comparison_policy, stage, name)
         e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
 
         def tolerance(lo: int, hi: int) -> torch.Tensor:
@@ -212,11 +212,6 @@ class Chunked:
 
     def column(self, name: str) -> Callable[[int, int], torch.Tensor]:
         return lambda lo, hi: self(lo, hi)[name]
-
-
-def _is_exact_field(ctx: StageContext, stage: str, name: str) -> bool:
-    exact = ctx.reader.manifest.comparison_policy.exact_fields
-    return name in exact or f"{stage}.{name}" in exact
 
 
 @dataclass(frozen=True)
