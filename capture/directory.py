@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from replay_lib.layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES
+from replay_lib.layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, STAGING_NAME
 from replay_lib.safe_text import safe
 
 from .bundles import rollout_bundle_id, step_bundle_id
@@ -60,8 +60,6 @@ _LISTED = 3  # bundle names named in the refusal
 # with ASCII digits only.
 _ROLLOUT = re.compile(r"\Arollout-([0-9]+)\Z")
 _STEP = re.compile(r"\Astep-([0-9]+)-([0-9]+)\Z")
-# ``BundleWriter``'s staging directories and ``_atomic_write``'s / the finalizer's temporary sentinels.
-_STAGING = re.compile(r"\A\.[^/]+\.tmp-([0-9]+)-[0-9a-f]{8}\Z")
 
 _IMPORTED_AT = time.time()
 
@@ -195,7 +193,7 @@ def _stale_entries(parent: Path, started: float) -> Iterable[os.DirEntry]:
         return []
     stale = []
     for entry in entries:
-        m = _STAGING.match(entry.name)
+        m = STAGING_NAME.match(entry.name)  # a writer's staging directory or temporary sentinel
         if m is None or entry.is_symlink():
             continue
         try:

@@ -3,7 +3,9 @@ verifying reader and the tolerant ``inspect``."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 
 METADATA_FILES = ("manifest.json", "index.json", "expected.json")
 PAYLOAD_DIR = "payloads"
@@ -13,6 +15,14 @@ PAYLOAD_SUFFIX = ".pt"
 _PAYLOAD_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 _RANK_DIR = re.compile(r"\Arank-([0-9]+)\Z")
 _RANK_SENTINEL = re.compile(r"\ACOMPLETE\.([0-9]+)\Z")
+# A writer's hidden staging directory or temporary file beside ``name``: ``.<name>.tmp-<pid>-<8 hex>`` (the
+# pid lets a later writer tell a killed writer's leftovers from a live one's: capture/directory.py).
+STAGING_NAME = re.compile(r"\A\.[^/]+\.tmp-([0-9]+)-[0-9a-f]{8}\Z")
+
+
+def staging_name(name: str) -> str:
+    """The hidden staging name of ``name`` for this process (matches :data:`STAGING_NAME`)."""
+    return f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 # What each payload a stage reads holds (SPEC §2): its kind (``float``: a real floating dtype; ``int``: an
 # integer one) and its dimensions. Per-token payloads are 1-D, side channels ``[Σ response_length, …]``
 # (stages/support.py: ids and logits [Σ T, K], routed experts [Σ T, layers, topk]). A payload of any other

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import secrets
 import threading
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,7 @@ import msgspec
 from ..errors import BundleError
 from ..safe_open import json_cap, read_regular
 from ..json_limits import json_depth_error
-from ..layout import _PAYLOAD_NAME, _RANK_KEY
+from ..layout import _PAYLOAD_NAME, _RANK_KEY, staging_name
 from ..schema import SUPPORTED_MAJOR
 
 
@@ -62,7 +61,7 @@ def check_shard_keys(path: Path, shards: dict) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(staging_name(path.name))
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

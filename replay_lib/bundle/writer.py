@@ -9,7 +9,6 @@ a cohort a bundle directory of its own.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -17,7 +16,7 @@ from typing import Iterable, Optional
 import msgspec
 import torch
 
-from ..layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX, staging_name
 from ..schema import (
     ORIGINAL_RECOMPUTED_STAGE_IDS,
     ORIGINAL_STAGE_IDS,
@@ -79,7 +78,7 @@ class BundleWriter:
         self.payloads: dict[str, PayloadSpec] = {}
         parent = self.final_path.parent
         parent.mkdir(parents=True, exist_ok=True)
-        self.staging = parent / f".{self.final_path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.staging = parent / staging_name(self.final_path.name)
         (self.staging / PAYLOAD_DIR).mkdir(parents=True)
         self._finalized = False
 
@@ -242,7 +241,7 @@ def try_finalize_cohort(cohort: str | os.PathLike) -> bool:
     if not all((cohort / f"rank-{r}" / "manifest.json").is_file() for r in expected):
         return False
     blob = encode_json(BundleComplete(ranks=expected, shards={str(r): shards[r] for r in expected}))
-    tmp = cohort / f".COMPLETE.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = cohort / staging_name("COMPLETE")
     with open(tmp, "wb") as fh:
         fh.write(blob)
         fh.flush()
