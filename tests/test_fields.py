@@ -73,35 +73,9 @@ def test_a_column_may_be_a_function_evaluated_a_chunk_at_a_time():
     assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and f.expected.dtype == torch.float64
 
 
-def test_reading_every_column_evaluates_a_function_column_once_per_chunk():
-    """The debugger reads expected, actual, tolerance, abs error, bad mask and noise ratio of a failing field:
-    one pass over the chunks serves them all (a function column is a stage kernel, not re-run per column),
-    and a window sliced afterwards reads the same values without evaluating it again."""
-    n = 40_000  # three chunks
-    e = torch.linspace(-1, 1, n, dtype=torch.float32)
-    calls = []
-
-    def actual(lo, hi):
-        calls.append((lo, hi))
-        out = e[lo:hi].to(torch.float64).clone()
-        out[(33_333 - lo) if lo <= 33_333 < hi else slice(0, 0)] += 1.0
-        return out
-
-    f = FieldResult(stage="advantage.estimate", name="advantage", per=PER_TOKEN, expected=e, actual=actual,
-                    tolerance=lambda lo, hi: torch.full((hi - lo,), 1e-3, dtype=torch.float64), size=n,
-                    sample_ids=["s-0"], group_indices=[0], offsets=torch.tensor([0]), lengths=torch.tensor([n]))
-    assert f.bad.nonzero().reshape(-1).tolist() == [33_333]
-    assert f.actual[33_333] == float(e[33_333]) + 1.0 and f.abs_error[33_333] == 1.0
-    assert f.tolerance[0] == 1e-3 and f.noise_ratio[33_333] == 1.0 / 1e-3 and f.expected.dtype == torch.float64
-    assert calls == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
-    w = f.window(33_000, 34_000)
-    assert w.bad.nonzero().reshape(-1).tolist() == [333] and w.lo == 33_000 and len(calls) == 3
-    assert torch.equal(w.actual, actual(33_000, 34_000))
-
-
-def test_a_judged_field_keeps_its_columns_for_the_debugger():
-    """compare_field (the stage's report) evaluates a function column once per chunk, and what the debugger
-    reads afterwards — every column, any window — comes from what it kept, not from the kernel again."""
+def _counted_field():
+    """A 40,000-token field (three chunks) whose actual column is a function that records each call; token
+    33,333 is off by 1.0 against a tolerance of 1e-3. ``(field, expected, actual function, calls)``."""
     n = 40_000
     e = torch.linspace(-1, 1, n, dtype=torch.float32)
     calls = []
@@ -115,6 +89,27 @@ def test_a_judged_field_keeps_its_columns_for_the_debugger():
     f = FieldResult(stage="advantage.estimate", name="advantage", per=PER_TOKEN, expected=e, actual=actual,
                     tolerance=lambda lo, hi: torch.full((hi - lo,), 1e-3, dtype=torch.float64), size=n,
                     sample_ids=["s-0"], group_indices=[0], offsets=torch.tensor([0]), lengths=torch.tensor([n]))
+    return f, e, actual, calls
+
+
+def test_reading_every_column_evaluates_a_function_column_once_per_chunk():
+    """The debugger reads expected, actual, tolerance, abs error, bad mask and noise ratio of a failing field:
+    one pass over the chunks serves them all (a function column is a stage kernel, not re-run per column),
+    and a window sliced afterwards reads the same values without evaluating it again."""
+    f, e, actual, calls = _counted_field()
+    assert f.bad.nonzero().reshape(-1).tolist() == [33_333]
+    assert f.actual[33_333] == float(e[33_333]) + 1.0 and f.abs_error[33_333] == 1.0
+    assert f.tolerance[0] == 1e-3 and f.noise_ratio[33_333] == 1.0 / 1e-3 and f.expected.dtype == torch.float64
+    assert calls == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
+    w = f.window(33_000, 34_000)
+    assert w.bad.nonzero().reshape(-1).tolist() == [333] and w.lo == 33_000 and len(calls) == 3
+    assert torch.equal(w.actual, actual(33_000, 34_000))
+
+
+def test_a_judged_field_keeps_its_columns_for_the_debugger():
+    """compare_field (the stage's report) evaluates a function column once per chunk, and what the debugger
+    reads afterwards — every column, any window — comes from what it kept, not from the kernel again."""
+    f, e, actual, calls = _counted_field()
     cmp = compare_field(f, keep=3)
     assert cmp.mismatches == 1 and cmp.divergences[0].token_offset == 33_333
     assert cmp.divergences[0].actual == float(e[33_333]) + 1.0 and cmp.divergences[0].tolerance == 1e-3
