@@ -569,12 +569,7 @@ def test_a_cohort_the_original_began_and_we_completed_is_finalized(tmp_path, cli
     cohort = json.loads((c / "COMPLETE").read_bytes())
     assert cohort["ranks"] == [0, 1] and cohort["shards"]["1"]["bundle_id"] == "orig-rollout"
     assert cohort["shards"]["0"]["bundle_id"] is None
-    rc, out, err = cli("validate", c)
-    assert (rc, err) == (0, "")
-    assert out.splitlines()[0] == ("bundle orig-rollout — valid (format 1.0.0, rollout-level, rollout_id=120, "
-                                   "8 sample(s), 24 token(s), 2 ranks)")
-    rc, out, err = cli("replay", c, "--format", "json")
-    assert (rc, err) == (0, "") and json.loads(out)["passed"] is True
+    _validates_and_replays_clean(cli, c)
     assert len(original_reads_cohort(c)) == 2  # and the original reads the cohort it began
 
 
@@ -719,15 +714,20 @@ def test_malformed_json_that_holds_a_nan_keeps_its_error(tmp_path, cli, bundle_t
     assert err.startswith(f"trajectory-replay: error: {b / 'expected.json'}: $") and "got `str`" in err
 
 
-def test_a_cohort_the_original_wrote_whole_opens_and_replays(tmp_path, cli):
-    c = tmp_path / "orig-rollout"
-    for r in (0, 1):
-        write_original_shard(c, r)
-    shards = {str(r): json.loads((c / f"COMPLETE.{r}").read_bytes()) for r in (0, 1)}
-    (c / "COMPLETE").write_bytes(_dump({"ranks": [0, 1], "shards": shards}))  # its finalizer's cohort COMPLETE
+def _validates_and_replays_clean(cli, c) -> None:
+    """The two-rank original-layout cohort ``c`` validates as format 1.0.0 and replays with no divergence."""
     rc, out, err = cli("validate", c)
     assert (rc, err) == (0, "")
     assert out.splitlines()[0] == ("bundle orig-rollout — valid (format 1.0.0, rollout-level, rollout_id=120, "
                                    "8 sample(s), 24 token(s), 2 ranks)")
     rc, out, err = cli("replay", c, "--format", "json")
     assert (rc, err) == (0, "") and json.loads(out)["passed"] is True
+
+
+def test_a_cohort_the_original_wrote_whole_opens_and_replays(tmp_path, cli):
+    c = tmp_path / "orig-rollout"
+    for r in (0, 1):
+        write_original_shard(c, r)
+    shards = {str(r): json.loads((c / f"COMPLETE.{r}").read_bytes()) for r in (0, 1)}
+    (c / "COMPLETE").write_bytes(_dump({"ranks": [0, 1], "shards": shards}))  # its finalizer's cohort COMPLETE
+    _validates_and_replays_clean(cli, c)
