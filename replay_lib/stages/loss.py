@@ -12,11 +12,11 @@ import torch
 from ..bundle import BundleReader
 from ..error_model import SEQ32_SUMS, loss_clip_boundary, loss_scalar_bounds
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import (LOSS_FIELDS, POLICY_SUMS, GrpoReturns, policy_fields_from_sums, policy_loss_fields,
+from ..kernels import (LOSS_FIELDS, GrpoReturns, policy_fields_from_sums, policy_loss_fields,
                        policy_loss_terms, sorted_segment_sums, token_chunks)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import StageContext, StageDef, StageInputError
+from .base import StageContext, StageDef, StageInputError, not_recomputed_yet
 from .loss_terms import loss_term_fields
 
 
@@ -200,7 +200,13 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
             out.append((knob, why))
     if cfg.eps_clip_c is not None:
         out.append(("eps_clip_c", f"{cfg.eps_clip_c}: dual-clip PPO is not implemented in V1"))
-    return out
+    return out + not_recomputed_yet(cfg, LOSS_KNOBS)
+
+
+# SPEC §4.2's loss-side knobs (besides the V1 flags above).
+LOSS_KNOBS = ("loss_agg_mode", "metric_agg_mode", "loss_token_count", "loss_seq_count", "loss_horizon",
+              "loss_scale", "log_ratio_clamp", "importance_level", "kl_loss_input_clamp", "kl_loss_output_clamp",
+              "is_level", "is_mode", "is_low", "is_high", "is_log_clamp", "value_clip")
 
 
 LOSS_POLICY = StageDef(

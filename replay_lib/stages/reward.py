@@ -13,7 +13,7 @@ from ..kernels import STD_EPS, group_normalize
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..schema import RecomputeConfig, StageId
-from .base import StageContext, StageDef
+from .base import StageContext, StageDef, not_recomputed_yet
 
 
 def _expected_list_present(reader: BundleReader, stage: str, key: str) -> list[str]:
@@ -122,7 +122,8 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
 def _refuse_post_process(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     if not cfg.rewards_normalization:
         return [("rewards_normalization", "False: V1 recomputes GRPO group normalization only")]
-    return []
+    return not_recomputed_yet(cfg, ("grpo_std_eps", "grpo_std_unbiased", "group_baseline", "std_zero",
+                                    "singleton_group", "kl_in_reward", "kl_penalty_type"))
 
 
 REWARD_RAW = StageDef(

@@ -1,0 +1,48 @@
+"""The numerical kernels: plain eager PyTorch, vectorized over the concatenated token axis.
+
+These are the single source of truth: the replay stages call them and the capture side (and the
+example trainer) import them, so "expected" and "actual" are produced by the same formulas.
+
+Precision: every kernel takes ``dtype`` (default float32, what the capture side and the example trainer
+compute in, unchanged). The replay calls them with float64 on the recorded values (SPEC §5.1): the
+float64 result is the truth a legitimate producer approximates, and ``replay_lib.error_model`` bounds how
+far its rounding may take it.
+
+Token layout: per-token tensors are 1-D, every sample's response tokens concatenated in index order.
+``segment_ids(lengths)`` maps each token to its sample; segment sums are ``index_add_`` over that map.
+"""
+
+from __future__ import annotations
+
+from .segments import segment_ids, segment_offsets, segment_sum, sorted_segment_sums, LOSS_CHUNK, token_chunks, masked_sample_sums
+from .reward import STD_EPS, group_normalize, batch_normalize
+from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, rollout_kl
+from .advantage import get_grpo_returns, GrpoReturns
+from .loss import compute_policy_loss, policy_loss_terms, sum_of_sample_mean, LOSS_FIELDS, policy_loss_fields, POLICY_SUMS, policy_loss_columns, policy_fields_from_sums
+
+__all__ = [
+    "segment_ids",
+    "segment_offsets",
+    "segment_sum",
+    "sorted_segment_sums",
+    "LOSS_CHUNK",
+    "token_chunks",
+    "masked_sample_sums",
+    "STD_EPS",
+    "group_normalize",
+    "batch_normalize",
+    "KL_TYPES",
+    "KL_CLAMP",
+    "compute_approx_kl",
+    "rollout_kl",
+    "get_grpo_returns",
+    "GrpoReturns",
+    "compute_policy_loss",
+    "policy_loss_terms",
+    "sum_of_sample_mean",
+    "LOSS_FIELDS",
+    "policy_loss_fields",
+    "POLICY_SUMS",
+    "policy_loss_columns",
+    "policy_fields_from_sums",
+]

@@ -1,0 +1,44 @@
+"""advantage.kl kernels: the per-token KL estimators k1, k2, k3, low_var_kl."""
+
+from __future__ import annotations
+
+import torch
+
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+# low_var_kl's clamp of the k3 value
+KL_CLAMP = 10.0
+
+
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token KL estimate with ``r = log_probs − log_probs_base``, in ``dtype``.
+
+    k1 = r; k2 = r²/2; k3 = exp(−r) − 1 + r; low_var_kl = k3 clamped to [−10, 10].
+    """
+    if kl_loss_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_loss_type {kl_loss_type!r} (expected one of {', '.join(KL_TYPES)})")
+    log_ratio = log_probs.to(dtype) - log_probs_base.to(dtype)
+    if kl_loss_type == "k1":
+        return log_ratio
+    if kl_loss_type == "k2":
+        return log_ratio * log_ratio / 2.0
+    neg = -log_ratio
+    kl = neg.exp() - 1 - neg
+    if kl_loss_type == "low_var_kl":
+        kl = torch.clamp(kl, min=-KL_CLAMP, max=KL_CLAMP)
+    return kl
+
+
+def rollout_kl(
+    old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None, kl_coef: float, kl_loss_type: str,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """advantage.kl: rollout vs reference; all zeros when ``kl_coef == 0`` (no reference needed)."""
+    if kl_coef == 0:
+        return torch.zeros(old_log_probs.shape[0], dtype=dtype)
+    if ref_log_probs is None:
+        raise ValueError("ref_log_probs is required when kl_coef != 0")
+    return compute_approx_kl(old_log_probs, ref_log_probs, kl_loss_type, dtype=dtype)
