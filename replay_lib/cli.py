@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
-from .safe_text import json_document, safe
+from .safe_text import elided_listing, json_document, safe
+from .schema import config_changes
 
 TOLERANCE_POLICIES = ("bundle", "default")  # replay_lib.error_model's, without importing torch for --help
 
@@ -221,14 +222,16 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             lines.append(("", f"  weights   rollout={wl.get('rollout_weight')} actor={wl.get('actor_weight')}"))
             for key in ("rollout_partition_ids", "consumer_batch_ids", "micro_batch_ids", "normalization_cohort_ids"):
                 if ident.get(key):
-                    lines.append(("", f"  {key:<26}{', '.join(map(str, ident[key]))}"))
+                    lines.append(("", f"  {key:<26}{elided_listing(ident[key], limit=8)}"))
         if b.producer:
             lines.append(("", f"  producer  commit={b.producer.get('commit')} torch={b.producer.get('torch_version')}"))
         if b.samples is not None:
             lines.append(("", f"  samples   {b.samples} in {b.groups} group(s), {b.tokens} token(s)"))
         if b.config:
-            knobs = ", ".join(f"{k}={v}" for k, v in b.config.items())
-            lines.append(("", f"  config    {knobs}"))
+            changed = config_changes(b.config)
+            knobs = ", ".join(f"{k}={v}" for k, v in changed.items())
+            rest = len(b.config) - len(changed)
+            lines.append(("", f"  config    {knobs}" + (f" (+{rest} knobs at their defaults)" if rest else "")))
         if b.redaction:
             lines.append(("", "  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
         for stage, cap in b.stages.items():

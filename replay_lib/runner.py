@@ -16,6 +16,7 @@ from .error_model import Rules, tolerance_warnings
 from .errors import SelectionError, UnsupportedError
 from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
+from .safe_text import elided_listing, safe
 from .schema import ActorStepId, StageCapability, StageId
 from .selection import Selection, resolve_selection, selection_keys
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
@@ -186,6 +187,18 @@ def replay_run(
         return _replay_run(bundles, stages, selection, max_divergences, progress, rules)
 
 
+def _did_you_mean(bundles: BundleSet, kind: str, value: str, limit: int = 4) -> str:
+    """`` (did you mean r0-s-0, r1-s-0?)``: the cohort's sample ids that end with ``-value`` (ranks often prefix
+    their ids), or "" when none does."""
+    if kind != "sample":
+        return ""
+    near = [s.sample_id for shard in bundles.shards for s in shard.index.samples
+            if s.sample_id.endswith("-" + value)]
+    if not near:
+        return ""
+    return f" (did you mean {elided_listing([safe(n) for n in near], limit)}?)"
+
+
 def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selection: Selection,
                 max_divergences: int, progress: Optional[ProgressFn],
                 rules: Rules) -> tuple[ReplayReport, list[Optional[StageContext]]]:
@@ -200,7 +213,8 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         missing = sorted(selection_keys(selection) - matched)
         if missing:
             kind, _, value = missing[0].partition(":")
-            raise SelectionError(f"{bundles.path}: --{kind} {value}: not found in any rank shard")
+            raise SelectionError(f"{bundles.path}: --{kind} {value}: not found in any rank shard"
+                                 + _did_you_mean(bundles, kind, value))
     partial = any(r.partial for r in resolutions)
     plans = [plan_stages(shard, stages, partial) for shard in bundles.shards]
 

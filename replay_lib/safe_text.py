@@ -73,6 +73,15 @@ def _json_escape(match: re.Match) -> str:
     return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
+def elided_listing(values, limit: int = 4) -> str:
+    """``a, b, c, d … (+60)``: the first ``limit`` of ``values``, then how many more ("—" when empty)."""
+    values = list(values)
+    if not values:
+        return "—"
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
+
+
 def safe_json(document: str) -> str:
     """A JSON document with the hidden characters inside its strings written as ``\\uXXXX`` escapes.
 

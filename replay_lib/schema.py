@@ -203,6 +203,19 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     support_scored: Optional[list[str]] = None
 
 
+# The knobs every config summary shows; the others only when set away from their default.
+CORE_KNOBS = ("advantage_estimator", "n_samples_per_prompt", "grpo_std_normalization", "kl_loss_type", "kl_coef",
+              "eps_clip", "eps_clip_high", "entropy_coef")
+
+
+def config_changes(config) -> dict:
+    """``{knob: value}`` of the knobs a summary shows: :data:`CORE_KNOBS`, then every other knob whose value
+    differs from :class:`RecomputeConfig`'s default (``config``: a RecomputeConfig or its dict form)."""
+    raw = msgspec.to_builtins(config) if isinstance(config, RecomputeConfig) else dict(config)
+    defaults = msgspec.to_builtins(RecomputeConfig())
+    return {k: v for k, v in raw.items() if k in CORE_KNOBS or k not in defaults or v != defaults[k]}
+
+
 class BundleIndex(_Struct, kw_only=True, forbid_unknown_fields=True):
     bundle_id: str
     identity: Identity

@@ -10,11 +10,22 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from replay_lib.cli import (EXIT_CODES_HELP, _Parser, _print_error, add_replay_arguments, add_version_argument,
+from replay_lib.cli import (_Parser, _print_error, add_replay_arguments, add_version_argument,
                             print_internal_error, run_check)
 from replay_lib.errors import ReplayError
 
 PROG = "replay-tui"
+
+# The codes of EXIT_CODES_HELP as the debugger (or --check) returns them when it quits: the same API, worded for it.
+TUI_EXIT_CODES_HELP = """exit codes (on quitting the debugger, or of --check):
+  0  every compared stage passed
+  1  a divergence was found
+  2  bad command line
+  3  bundle invalid, incomplete, unsafe or ambiguous, or a selection that cannot be exact (nothing recomputed)
+  4  unsupported topology, stage or config knob (nothing guessed)
+  5  internal error: a bug in this tool; one line names the saved traceback file (never 1)
+  130  quit before the replay reached a verdict (the debugger only)
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Keyboard-driven replay debugger. With --check: headless, same report and exit codes as "
                     "'trajectory-replay replay'.",
-        epilog=EXIT_CODES_HELP + "  130  quit before the replay reached a verdict (the debugger only)\n",
+        epilog=TUI_EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")

@@ -28,7 +28,8 @@ from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
-from replay_lib.schema import StageId
+from replay_lib.safe_text import elided_listing
+from replay_lib.schema import CORE_KNOBS, StageId, config_changes
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
 from replay_lib.stages.support import SCORED_FIELDS, SupportTokens, scored_sources
@@ -818,11 +819,14 @@ def token_diff(bundles: BundleSet, sample_id: str, field_name: str, rules: Rules
     raise KeyError(f"no sample {sample_id!r} in bundle {bundles.bundle_id}")
 
 
-def _listing(values: Sequence, limit: int = 4) -> str:
-    if not values:
-        return "—"
-    shown = ", ".join(str(v) for v in values[:limit])
-    return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
+def _cohort_ids(bundles: BundleSet, key: str) -> list:
+    """An identity list of the whole cohort: every shard's values, in rank order, each once (a cohort's ranks
+    hold their own partitions, consumer batches and micro-batches)."""
+    seen: dict = {}
+    for shard in bundles.shards:
+        for v in getattr(shard.index.identity, key):
+            seen.setdefault(v, None)
+    return list(seen)
 
 
 def identity_lines(bundles: BundleSet, report: ReplayReport,
@@ -863,17 +867,18 @@ def identity_lines(bundles: BundleSet, report: ReplayReport,
         ("samples", f"{n_samples} in {n_groups} group{'s' if n_groups != 1 else ''}"
                     + (f" ({len(groups)} ids × {len(bundles.shards)} ranks)" if n_groups != len(groups) else "")
                     + f", {n_tokens} tokens"),
-        ("groups", _listing([f"g-{g}" for g in groups])),
-        ("cohorts", _listing(ident.normalization_cohort_ids)),
-        ("partitions", _listing(ident.rollout_partition_ids)),
-        ("consumer", _listing(ident.consumer_batch_ids)),
-        ("micro-batch", _listing(ident.micro_batch_ids)),
+        ("groups", elided_listing([f"g-{g}" for g in groups])),
+        ("cohorts", elided_listing(_cohort_ids(bundles, "normalization_cohort_ids"))),
+        ("partitions", elided_listing(_cohort_ids(bundles, "rollout_partition_ids"))),
+        ("consumer", elided_listing(_cohort_ids(bundles, "consumer_batch_ids"))),
+        ("micro-batch", elided_listing(_cohort_ids(bundles, "micro_batch_ids"))),
         ("weights", f"rollout={wl.rollout_weight} actor={wl.actor_weight}"),
         ("ranks", ranks),
         ("redaction", redaction),
         ("config", f"{cfg.advantage_estimator} n={cfg.n_samples_per_prompt} "
                    f"std={'on' if cfg.grpo_std_normalization else 'off'} kl={cfg.kl_loss_type}×{cfg.kl_coef} "
-                   f"clip={cfg.eps_clip}/{cfg.eps_clip_high} ent={cfg.entropy_coef}"),
+                   f"clip={cfg.eps_clip}/{cfg.eps_clip_high} ent={cfg.entropy_coef}"
+                   + "".join(f" {k}={v}" for k, v in config_changes(cfg).items() if k not in CORE_KNOBS)),
     ]
     if report.selected_samples is not None:
         rows.append(("selection", f"{len(report.selected_samples)} sample(s) (semantic-group closure)"))

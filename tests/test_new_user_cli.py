@@ -1,0 +1,58 @@
+"""Rough edges a new user hit in the command-line tools (issue: "The debugger explains", §4 help texts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from replay_lib.demo import write_cohort, write_pr65
+from replay_lib.schema import RecomputeConfig, config_changes
+
+from conftest import edit_json
+
+
+def test_replay_tui_help_describes_the_debugger_exit_codes_only():
+    out = subprocess.run([sys.executable, "-m", "replay_tui", "--help"], capture_output=True, text=True, check=True)
+    epilog = out.stdout[out.stdout.index("exit codes (on quitting"):]
+    # worded for the debugger: nothing about validate or inspect, every code of the API and 130
+    assert "validate" not in epilog and "inspect" not in epilog
+    codes = [line.split()[0] for line in epilog.splitlines()[1:] if line.strip()]
+    assert codes == ["0", "1", "2", "3", "4", "5", "130"]
+
+
+def test_inspect_elides_a_long_micro_batch_list(tmp_path, cli):
+    b = write_pr65(tmp_path / "b")
+    ids = [f"mb-{i:04d}" for i in range(64)]
+    edit_json(b, "index.json", lambda doc: doc["identity"].__setitem__("micro_batch_ids", ids))
+    code, out, _ = cli("inspect", b)
+    assert code == 0
+    line = next(x for x in out.splitlines() if "micro_batch_ids" in x)
+    # the first 8 ids, then the count of the other 56 — not 64 ids on one line
+    assert line.split(None, 1)[1] == "mb-0000, mb-0001, mb-0002, mb-0003, mb-0004, mb-0005, mb-0006, mb-0007 … (+56)"
+
+
+def test_inspect_lists_the_core_knobs_and_only_the_changed_others(tmp_path, cli):
+    b = write_pr65(tmp_path / "b")
+    edit_json(b, "index.json", lambda doc: doc["config"].update(grpo_std_eps=1e-4))
+    code, out, _ = cli("inspect", b)
+    line = next(x for x in out.splitlines() if x.strip().startswith("config"))
+    n_knobs = len(RecomputeConfig.__struct_fields__)
+    # 8 core knobs + the one changed knob are listed; the other n − 9 are counted
+    assert line.endswith(f", grpo_std_eps=0.0001 (+{n_knobs - 9} knobs at their defaults)")
+    assert line.split()[1] == "advantage_estimator=grpo,"
+
+
+def test_config_changes_keeps_core_knobs_and_non_defaults():
+    assert config_changes(RecomputeConfig(loss_agg_mode="token_mean", eps_clip=0.3)) == {
+        "advantage_estimator": "grpo", "n_samples_per_prompt": 1, "grpo_std_normalization": False,
+        "kl_loss_type": "k1", "kl_coef": 0.0, "eps_clip": 0.3, "eps_clip_high": 0.2, "entropy_coef": 0.0,
+        "loss_agg_mode": "token_mean"}
+
+
+def test_a_bare_sample_id_on_a_cohort_suggests_the_rank_prefixed_ones(tmp_path, cli):
+    c = write_cohort(tmp_path / "c", samples=4, tokens=3)
+    code, _, err = cli("replay", c, "--sample", "s-0")
+    assert code == 3
+    assert err.strip().endswith("--sample s-0: not found in any rank shard (did you mean r0-s-0, r1-s-0?)")
+    code, _, err = cli("replay", c, "--sample", "zz")
+    assert code == 3 and err.strip().endswith("--sample zz: not found in any rank shard")
