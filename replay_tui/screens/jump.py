@@ -54,6 +54,7 @@ class JumpScreen(ModalScreen[Optional[str]]):
         box.focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
+        self.query_one("#jump-error", Static).update("")  # the last error was about another value
         if not event.value.isprintable():
             event.input.value = safe(event.value)
 

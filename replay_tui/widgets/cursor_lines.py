@@ -89,8 +89,7 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
             Binding("pageup", "page(-1)", "Page up", show=False, id=f"{pane}.page-up", tooltip="One screen up"),
             Binding("pagedown", "page(1)", "Page down", show=False, id=f"{pane}.page-down",
                     tooltip="One screen down"),
-            Binding("ctrl+b", "page(-1)", "Page up", show=False, id=f"{pane}.page-up-vim",
-                    tooltip="One screen up (vim)"),
+            # no ctrl+b (vim's page up): it is tmux's prefix key, which a debugger over SSH must leave alone
             Binding("ctrl+f", "page(1)", "Page down", show=False, id=f"{pane}.page-down-vim",
                     tooltip="One screen down (vim)"),
             Binding("home", "edge(0)", "First", show=False, id=f"{pane}.first", tooltip=f"First {noun}"),

@@ -318,6 +318,9 @@ async def test_slash_jumps_to_a_sample(make_app):
         await pilot.press(*"nope", "enter")
         assert isinstance(app.screen, JumpScreen)
         assert "no sample 'nope' in this bundle" in screen_text(app)
+        await pilot.press("backspace")  # typing again clears the old error
+        await pilot.pause()
+        assert "no sample" not in screen_text(app)
         await pilot.press("escape")
         assert not isinstance(app.screen, JumpScreen)
         assert app.debugger.sample_id == "s-5"
@@ -392,7 +395,7 @@ async def _walk(pilot, view, rows: int) -> None:
     page = view.scrollable_content_region.height
     steps = [("home", 0), ("down", 1), ("j", 2), ("up", 1), ("k", 0), ("end", rows - 1), ("g", 0),
              ("G", rows - 1), ("home", 0), ("pagedown", min(page, rows - 1)), ("pageup", 0),
-             ("ctrl+f", min(page, rows - 1)), ("ctrl+b", 0)]
+             ("ctrl+f", min(page, rows - 1)), ("ctrl+b", min(page, rows - 1)), ("pageup", 0)]  # ctrl+b: tmux's
     for key, expected in steps:
         await pilot.press(key)
         assert view.cursor == expected, key
@@ -593,7 +596,7 @@ def test_every_binding_has_an_id_and_a_tooltip():
         ids.append(b.id)
     assert len(ids) == len(set(ids))
     vim = {b.key for b in bindings if b.id.endswith("-vim")}
-    assert vim == {"j", "k", "g", "G", "h", "l", "ctrl+b", "ctrl+f"}
+    assert vim == {"j", "k", "g", "G", "h", "l", "ctrl+f"}  # not ctrl+b: tmux's prefix
     assert all(not b.show for b in bindings if b.id.endswith("-vim"))
 
 
