@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider, SearchIcon
 
 from .keys import KeyAction, key_actions
 
@@ -15,6 +15,21 @@ def command_title(ka: KeyAction) -> str:
     if ka.pane == "main":
         return title
     return f"{ka.section.split()[0]}: {title}"
+
+
+def _help_line(keys: list[str], tooltip: str, title: str) -> str:
+    """``key tab``, then what the tooltip says beyond the title (the title is not repeated under itself)."""
+    rest = tooltip[len(title):].lstrip(" ;,") if tooltip.startswith(title) else tooltip
+    rest = rest[1:-1] if rest.startswith("(") and rest.endswith(")") else rest
+    return f"key {', '.join(keys)}" + (f" · {rest}" if rest else "")
+
+
+class ReplayPalette(CommandPalette):
+    """Textual's palette with an ASCII prompt mark: its magnifier emoji is a missing glyph in many terminal
+    fonts (a box at 80×24 over SSH)."""
+
+    def on_mount(self) -> None:
+        self.query_one(SearchIcon).icon = ">"
 
 
 class ReplayCommands(Provider):
@@ -29,7 +44,7 @@ class ReplayCommands(Provider):
             title = command_title(ka)
             first.setdefault(title, ka)
             keys.setdefault(title, []).extend(k for k in ka.keys if k not in keys.get(title, ()))
-        return [(title, f"key {', '.join(keys[title])} · {ka.tooltip}", ka) for title, ka in first.items()]
+        return [(title, _help_line(keys[title], ka.tooltip, title), ka) for title, ka in first.items()]
 
     async def _run(self, ka: KeyAction) -> None:
         from .screens.main import DebuggerScreen

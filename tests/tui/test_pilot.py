@@ -580,8 +580,10 @@ def test_palette_lists_the_same_actions_as_the_bindings():
     provider_titles = {title for title, _, _ in commands}
     assert provider_titles == {command_title(ka) for ka in key_actions()}
     assert len(provider_titles) == len(commands)  # each once
+    # the help line under a title names the keys and adds only what the title does not already say
     assert [h for t, h, _ in commands if t == "Quit"] == [
-        "key q, ctrl+q · Quit (exit code: 0 pass, 1 divergence, else the error's)"]
+        "key q, ctrl+q · exit code: 0 pass, 1 divergence, else the error's"]
+    assert [h for t, h, _ in commands if t == "Focus the next pane"] == ["key tab"]
     assert "Next divergence of the viewed field" in provider_titles
     assert "Samples: Show only samples with a mismatch" in provider_titles
 
@@ -613,6 +615,7 @@ async def test_the_palette_holds_the_debugger_s_commands_only(make_app):
         assert isinstance(palette, CommandPalette)
         shown = [str(o.prompt) for o in palette.query_one("CommandList")._options]
         assert [line.splitlines()[0] for line in shown] == ["Quit"]  # not Textual's own Quit as well
+        assert str(palette.query_one("SearchIcon").render()) == ">"  # not 🔎: a missing glyph in many fonts
         await pilot.press("ctrl+u", *"theme")  # nor its themes, keys panel, screenshots
         await app.workers.wait_for_complete()
         await pilot.pause()
