@@ -43,6 +43,16 @@ EXIT_CODES_HELP = """exit codes:
   5  internal error: a bug in this tool; one line names the saved traceback file (never 1)
 """
 
+SCAN_EXIT_CODES_HELP = """exit codes (SPEC §9):
+  0  every bundle passed
+  1  a bundle diverged (a stage of its own, or stage link against its rollout bundle)
+  2  bad command line
+  3  no bundle under DIR, or a bundle invalid, incomplete or gone during the scan (and none diverged)
+  4  a bundle needs an unsupported topology, stage or knob (and none diverged or was invalid)
+  5  internal error in a row (its line names the saved traceback), or a worker that died
+  130  interrupted (Ctrl+C): the rows that finished are printed
+"""
+
 STYLES = {
     "header-fail": "bold red",
     "header-pass": "bold green",
@@ -51,6 +61,7 @@ STYLES = {
     "skipped": "dim",
     "detail": "yellow",
     "hazard": "cyan",
+    "explanation": "bold yellow",
     "warning": "magenta",
     "title": "bold",
     "": "",
@@ -113,10 +124,11 @@ def apply_limits(args) -> None:
     set_max_json_bytes(getattr(args, "max_json_bytes", None))
 
 
-def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+def add_replay_arguments(p: argparse.ArgumentParser, selection: bool = True) -> None:
     p.add_argument("--stage", action="append", default=[], metavar="NAME",
                    help="stage to replay (repeatable, or 'all'); what it needs runs too")
-    add_selection_arguments(p)
+    if selection:
+        add_selection_arguments(p)
     p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
     p.add_argument("--max-divergences", type=int, default=5, metavar="N",
                    help="divergences kept per stage (default 5)")
@@ -296,6 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     add_replay_arguments(p)
+    p = sub.add_parser("scan", help="replay every bundle and cohort of a capture directory in parallel (SPEC §9)",
+                       description="Replay every bundle and cohort under DIR in worker processes, check each step "
+                                   "bundle against its rollout bundle (stage link), and name the first bad step.",
+                       epilog=SCAN_EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, metavar="DIR")
+    from .run.command import add_scan_arguments
+
+    add_scan_arguments(p)
+    add_replay_arguments(p, selection=False)
+    p = sub.add_parser("diff", help="compare two captures of the same step field by field (SPEC §9)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bundle", type=Path, metavar="A")
+    p.add_argument("other", type=Path, metavar="B")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
+    p.add_argument("--max-divergences", type=int, default=5, metavar="N",
+                   help="differences kept per field (default 5)")
+    add_limit_arguments(p)
     p = sub.add_parser("demo", help="write demo or synthetic bundles")
     dsub = p.add_subparsers(dest="demo_command", metavar="ACTION", parser_class=_Parser)
     dsub.required = True
@@ -370,6 +399,14 @@ def _dispatch(args) -> int:
     apply_limits(args)
     if args.command == "replay":
         return run_check(args)
+    if args.command == "scan":
+        from .run.command import run_scan_command
+
+        return run_scan_command(args)
+    if args.command == "diff":
+        from .run.diff import run_diff_command
+
+        return run_diff_command(args)
     if args.command == "validate":
         from .validate import validate
 
