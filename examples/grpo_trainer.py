@@ -438,6 +438,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
     worker.start()
     result = TrainResult(model=model)
     version = 0  # optimizer steps applied to the actor
+    previous_rewards = None  # (raw, rewards) of the rollout before, for --stale-advantages-bug
     start = time.perf_counter()
     try:
         for r in range(args.rollouts):
@@ -504,8 +505,14 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     support_scored=("old_log_probs",) if args.sample_support else None,
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
+            fresh = (raw, rewards, advantages)
+            stale = fresh
+            if args.stale_advantages_bug and r == 1:  # the bug: step 1:0 reads a cache of rollout 0's values
+                stale = (*previous_rewards, get_grpo_returns(previous_rewards[1], lengths))
+            previous_rewards = (raw, rewards)
             for step_id in range(args.steps_per_rollout):
                 t0, c0 = time.perf_counter(), time.thread_time()
+                step_raw, step_rewards, step_advantages = stale if step_id == 0 else fresh
                 first = step_id * step_size
                 step = capture.begin_step(r, step_id, provenance=Provenance(
                     rollout_weight=rollout_weight, actor_weight=version,
@@ -526,7 +533,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     else:
                         log_probs, entropy = score(model, mb_samples)
                     mb_loss = policy_loss(
-                        log_probs, old_log_probs[tok], advantages[tok], entropy, mask[tok], lengths[mb],
+                        log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug,
                     )
@@ -544,7 +551,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         response_lengths=lengths[mb].tolist(),
                         total_lengths=[len(prompt_tokens(samples[i].digits)) + int(lengths[i]) for i in mb],
                         loss_mask=mask[tok], log_probs=log_probs, old_log_probs=old_log_probs[tok],
-                        advantages=advantages[tok], entropy=entropy, raw_rewards=raw[mb], rewards=rewards[mb],
+                        advantages=step_advantages[tok], entropy=entropy, raw_rewards=step_raw[mb],
+                        rewards=step_rewards[mb],
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=mb_loss.pg_losses,
                         loss_fields=fields,
                     )
@@ -611,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-mask-bug", action="store_true",
                    help="an off-by-one mask in the loss: each sample's last loss token is left out of its sums "
                         "(the recorded loss mask keeps it)")
+    p.add_argument("--stale-advantages-bug", action="store_true",
+                   help="the first step of rollout 1 trains on rollout 0's per-sample rewards and advantages (a "
+                        "stale cache); each bundle is consistent on its own, only scan's stage link sees it")
     p.add_argument("--sample-support", action="store_true",
                    help="score log-probs over each token's recorded top-k sampler support (policy, old, ref) "
                         "and capture stage logprob.support")
@@ -641,6 +652,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--top-k must lie in [1, {VOCAB}]")
     if args.max_staleness < 0:
         p.error("--max-staleness must be >= 0")
+    if args.stale_advantages_bug and args.rollouts < 2:
+        p.error("--stale-advantages-bug needs --rollouts >= 2 (step 1:0 reuses rollout 0's advantages)")
     if args.support_full_vocab_bug:
         args.sample_support = True  # the bug claims support scoring
     try:

@@ -328,7 +328,8 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
     except Exception as exc:  # a bug in this tool: the row names the saved traceback, the scan goes on
         from ..crash import internal_error_line
 
-        return error_row(target, STATUS_ERROR, internal_error_line(exc), elapsed())
+        line = internal_error_line(exc).removeprefix("trajectory-replay: ")
+        return error_row(target, STATUS_ERROR, f"{target.path}: {line}", elapsed())
 
 
 # ------------------------------------------------------------------------------------------ the scan

@@ -1,0 +1,90 @@
+"""``--executor ray``: the scan's rows as Ray tasks, for captures that outgrow one host (SPEC §9).
+
+Each row is one task running :func:`~replay_lib.run.scan.check_target` — the same work as a local worker —
+on a Ray worker process; Ray reuses its workers, so the torch import is paid once per worker, not per
+bundle. ``--ray-address`` names the cluster (``ray.init(address=…)``); without it ``RAY_ADDRESS`` is used,
+else a local Ray instance is started for the scan and shut down after it. At most ``--jobs`` tasks are in
+flight (each asks for one CPU). The bundles are read by path: every node must see the capture directory
+at the same path (a shared file system) and have this package installed.
+
+A task whose worker dies (killed, out of memory) becomes an ``error`` row; ``stop`` cancels the tasks in
+flight (``ray.cancel(force=True)``) and keeps the rows already finished.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from ..errors import UnsupportedError, UsageError
+
+POLL_SECONDS = 0.1
+_single_thread = False
+
+
+def _ray_check(target, partner, options):
+    """One row, on a Ray worker (single-threaded torch: the other tasks use the other CPUs)."""
+    global _single_thread
+    if not _single_thread:
+        import torch
+
+        torch.set_num_threads(1)
+        _single_thread = True
+    from .scan import check_target
+
+    return check_target(target, options, partner)
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UnsupportedError("--executor ray: Ray is not installed (pip install 'trajectory-replay[ray]')") from None
+    return ray
+
+
+def make_ray_executor(*, jobs: int, address: Optional[str] = None):
+    ray = _import_ray()
+
+    def run(work, options, take, stop: threading.Event) -> None:
+        from .scan import STATUS_ERROR, error_row
+
+        started = False
+        if not ray.is_initialized():
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR", configure_logging=True)
+            except (ConnectionError, ValueError, RuntimeError) as exc:
+                where = f"at {address}" if address else "(RAY_ADDRESS or a local one)"
+                raise UsageError(f"--executor ray: cannot start or reach the Ray cluster {where}: "
+                                 f"{' '.join(str(exc).split())}") from None
+            started = True
+        check = ray.remote(num_cpus=1, max_retries=0)(_ray_check)
+        pending = list(reversed(work))
+        flight: dict = {}
+        try:
+            while (pending or flight) and not stop.is_set():
+                while pending and len(flight) < jobs:
+                    target, partner = pending.pop()
+                    flight[check.remote(target, partner, options)] = target
+                done, _ = ray.wait(list(flight), num_returns=1, timeout=POLL_SECONDS)
+                for ref in done:
+                    target = flight.pop(ref)
+                    try:
+                        row = ray.get(ref)
+                    except ray.exceptions.RayError as exc:
+                        row = error_row(target, STATUS_ERROR, f"{target.path}: the Ray task replaying it failed "
+                                                              f"({type(exc).__name__}: {exc})")
+                    take(row)
+                    if stop.is_set():
+                        break
+        finally:
+            for ref in flight:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # already finished or its worker is gone: nothing to cancel
+                    pass
+            if started:
+                ray.shutdown()
+
+    return run
