@@ -39,3 +39,17 @@ class UsageError(ReplayError):
     """Bad command line (exit 2)."""
 
     exit_code = EXIT_USAGE
+
+
+class FrameworkConfigError(ReplayError):
+    """A framework's configuration or dump is malformed (a value of the wrong type, a missing key, another
+    format version): one line naming the file and the key (exit 3)."""
+
+    exit_code = EXIT_INVALID
+
+
+class UnsupportedFrameworkConfig(UnsupportedError):
+    """A framework setting whose math this tool cannot recompute, or a key the mapping does not know whose
+    value could change the math: refused by name, never mapped to a silent default (exit 4)."""
+
+    exit_code = EXIT_UNSUPPORTED

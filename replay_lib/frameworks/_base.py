@@ -1,0 +1,251 @@
+"""What every framework mapping shares: reading a framework's own config object, typed getters that name the
+key they read, refusals by name, and the check that no unknown key could change the math.
+
+A mapping reads each key it knows through :class:`ConfigReader` (which records it), declares the keys and
+sections it knows to be neutral for the recomputed stages (paths, parallelism, optimizer, logging: things a
+bundle records the *result* of), and then calls :meth:`ConfigReader.check_unknown`: every other key in the
+math-bearing sections whose name looks like a knob of the reward → advantage → loss math (``kl``, ``clip``,
+``adv``, ``reward``, ``loss``, ``entropy``, ``norm``, ``ratio``, ``coef`` …) and whose value is not off
+(``None``, ``False``, ``0``, empty) is refused by name (exit 4) — never mapped to a silent default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Iterable, Optional
+
+import msgspec
+
+from ..errors import FrameworkConfigError, UnsupportedFrameworkConfig
+from ..schema import RecomputeConfig
+
+_MISSING = object()
+
+# The words of a key name that may change the recomputed math (matched as whole words of the key).
+MATH_WORDS = (
+    "kl", "clip", "adv", "advantage", "advantages", "reward", "rewards", "loss", "entropy", "tis", "is",
+    "norm", "normalize", "normalization", "whiten", "gamma", "lam", "lambd", "eps", "epsilon", "baseline",
+    "std", "ratio", "coef", "coeff", "estimator", "penalty", "agg", "reduction", "importance", "mis", "icepop",
+    "value", "values", "critic", "opd", "beta", "scale", "scaling", "logprobs", "tau", "delta", "weight",
+    "weights", "rs", "cispo", "gspo", "sapo", "dual",
+)
+
+
+def word_pattern(words: Iterable[str]) -> re.Pattern:
+    """A pattern matching a key name that holds one of ``words`` as a whole ``_``- or ``-``-separated word."""
+    return re.compile(r"(?:^|[_\-])(?:" + "|".join(words) + r")(?:$|[_\-])")
+
+
+_MATH_KEY = word_pattern(MATH_WORDS)
+
+
+def is_active(value: Any) -> bool:
+    """Whether a value turns something on: not ``None``/``False``/``0``/empty/``"none"``/``"null"``."""
+    if value is None or value is False:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value != 0
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "none", "null", "false", "0")
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) > 0
+    return True
+
+
+def to_plain(cfg: Any) -> Any:
+    """A framework's config object as plain Python: mappings, OmegaConf (resolved), argparse namespaces,
+    dataclasses, pydantic models and plain objects become dicts; lists stay lists."""
+    module = type(cfg).__module__ or ""
+    if module.startswith("omegaconf"):
+        from omegaconf import OmegaConf  # only when an OmegaConf object was passed in
+
+        return to_plain(OmegaConf.to_container(cfg, resolve=True))
+    if isinstance(cfg, Mapping):
+        return {str(k): to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, argparse.Namespace):
+        return {k: to_plain(v) for k, v in vars(cfg).items()}
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if callable(getattr(cfg, "model_dump", None)):  # pydantic
+        return to_plain(cfg.model_dump())
+    if isinstance(cfg, (list, tuple)):
+        return [to_plain(v) for v in cfg]
+    if isinstance(cfg, (str, int, float, bool)) or cfg is None:
+        return cfg
+    if hasattr(cfg, "__dict__"):
+        return {k: to_plain(v) for k, v in vars(cfg).items() if not k.startswith("_")}
+    return cfg
+
+
+def nest_dotted(tree: Any) -> Any:
+    """``{"a.b": 1}`` → ``{"a": {"b": 1}}`` at every level (argparse stores OpenRLHF's ``--algo.kl.init_coef``
+    under a dotted name); a dotted key and a nested one for the same path are merged."""
+    if not isinstance(tree, dict):
+        return tree
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        value = nest_dotted(value)
+        *parents, leaf = key.split(".") if key else [key]
+        node = out
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf].update(value)
+        else:
+            node[leaf] = value
+    return out
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of a nested dict (lists are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+class ConfigReader:
+    """Typed, recorded reads of one framework config. ``where`` (a file name) prefixes every message."""
+
+    def __init__(self, framework: str, cfg: Any, where: Optional[str] = None):
+        self.framework = framework
+        self.where = where
+        tree = nest_dotted(to_plain(cfg))
+        if not isinstance(tree, dict):
+            raise FrameworkConfigError(f"{self._label()}: expected a mapping of settings, got {type(cfg).__name__}")
+        self.tree = tree
+        self.flat = flatten(tree)
+        self.read: set[str] = set()
+        self.neutral_prefixes: list[str] = []
+
+    def _label(self) -> str:
+        return f"{self.where}: {self.framework} config" if self.where else f"{self.framework} config"
+
+    # -------------------------------------------------------------------------------------- reads
+
+    def has(self, path: str) -> bool:
+        return self._lookup(path) is not _MISSING
+
+    def _lookup(self, path: str) -> Any:
+        node: Any = self.tree
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def raw(self, path: str, default: Any = None) -> Any:
+        """The value at ``path`` (``default`` when absent); the key is then known (not an unknown knob)."""
+        self.read.add(path)
+        value = self._lookup(path)
+        if isinstance(value, dict):  # a section read whole: every leaf under it is known
+            self.neutral_prefixes.append(path)
+        return default if value is _MISSING else value
+
+    def number(self, path: str, default: Any) -> Optional[float]:
+        """A float (``None`` stays ``None``); a bool or a non-number names the key (exit 3)."""
+        value = self.raw(path, default)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                self.bad(path, value, "a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            self.bad(path, value, "a finite number")
+        return float(value)
+
+    def integer(self, path: str, default: Any) -> Optional[int]:
+        value = self.raw(path, default)
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.bad(path, value, "an integer")
+        return value
+
+    def flag(self, path: str, default: bool) -> bool:
+        value = self.raw(path, default)
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return bool(value)
+        if not isinstance(value, bool):
+            self.bad(path, value, "true or false")
+        return value
+
+    def text(self, path: str, default: Optional[str]) -> Optional[str]:
+        value = self.raw(path, default)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            self.bad(path, value, "a string")
+        return value
+
+    def bad(self, path: str, value: Any, expected: str) -> None:
+        raise FrameworkConfigError(f"{self._label()}: {path}={value!r}: expected {expected}")
+
+    # ----------------------------------------------------------------------------------- refusals
+
+    def refuse(self, path: str, value: Any, why: str) -> None:
+        raise UnsupportedFrameworkConfig(f"{self._label()}: {path}={value!r}: {why}")
+
+    def neutral(self, *paths: str) -> None:
+        """Keys or whole sections known not to change the recomputed math (the bundle records their result)."""
+        for path in paths:
+            self.read.add(path)
+            self.neutral_prefixes.append(path)
+
+    def _known(self, path: str) -> bool:
+        if path in self.read:
+            return True
+        return any(path == p or path.startswith(p + ".") for p in self.neutral_prefixes)
+
+    def check_unknown(self, sections: Optional[Iterable[str]] = None, pattern: Optional[re.Pattern] = None) -> None:
+        """Refuse (exit 4) the first key under ``sections`` (every key when ``None``) that this mapping does
+        not know, whose last name component matches ``pattern`` (default: :data:`MATH_WORDS`) and whose value
+        is on."""
+        scopes = None if sections is None else tuple(sections)
+        pattern = pattern or _MATH_KEY
+        for path, value in sorted(self.flat.items()):
+            if scopes is not None and not any(path == s or path.startswith(s + ".") for s in scopes):
+                continue
+            name = path.rsplit(".", 1)[-1].lower()
+            if self._known(path) or not pattern.search(name) or not is_active(value):
+                continue
+            self.refuse(path, value, f"a key the {self.framework} mapping does not know; it could change the "
+                                     "math, so it is refused rather than guessed")
+
+    # ------------------------------------------------------------------------------------- result
+
+    def build(self, fields: dict[str, Any]) -> RecomputeConfig:
+        """The ``RecomputeConfig`` of ``fields``; a value the schema rejects is a one-line error (exit 3)."""
+        try:
+            return msgspec.convert(fields, RecomputeConfig)
+        except (msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise FrameworkConfigError(f"{self._label()}: maps to an invalid RecomputeConfig: {exc}") from None
+
+
+def kl_clamps(kl_type: str, input_clamp: Optional[float], output_clamp: Optional[float]) -> dict[str, Any]:
+    """The ``kl_loss_*_clamp`` fields of a KL-in-loss estimator that clamps (set only for k3, the one the
+    frameworks clamp)."""
+    if kl_type != "k3":
+        return {"kl_loss_input_clamp": None, "kl_loss_output_clamp": None}
+    return {"kl_loss_input_clamp": input_clamp, "kl_loss_output_clamp": output_clamp}

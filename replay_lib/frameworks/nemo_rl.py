@@ -1,0 +1,118 @@
+"""NeMo-RL's GRPO configuration (the ``grpo:`` and ``loss_fn:`` sections of its YAML) → ``RecomputeConfig``.
+
+Source read: NVIDIA-NeMo/RL @ 7ea279abfbeb (2026-08-22). ``yaml`` below is ``examples/configs/grpo_math_1B.yaml``
+(the base nearly every GRPO recipe inherits), ``loss.py`` is ``nemo_rl/algorithms/loss/loss_functions.py``
+(``ClippedPGLossConfig``, whose defaults equal the YAML's), ``adv.py`` is
+``nemo_rl/algorithms/advantage_estimator.py``, ``utils.py`` is ``nemo_rl/algorithms/utils.py``.
+
+GRPO here is a leave-one-out baseline and the leave-one-out Bessel std over the other samples of the prompt,
+divided only where that std is > 0 (``adv.py:82-98``; ``utils.py:104-198``); a prompt with one valid sample gets
+baseline = reward, so advantage 0 (``utils.py:156-159``).
+
+Not encoded (per-step values): ``global_valid_toks`` / ``global_valid_seqs``, the all-reduced denominators of
+the loss (``loss.py:673-692``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..schema import RecomputeConfig
+from ._base import ConfigReader
+
+FRAMEWORK = "nemo-rl"
+G = "grpo"
+L = "loss_fn"
+# grpo.* keys outside the recomputed math: schedule, validation, rollout turns, dynamic sampling (chooses the
+# groups a step trains on), overlong filtering and the logprob-error mask (both change masks the bundle holds).
+GRPO_NEUTRAL = ("num_prompts_per_step", "max_rollout_turns", "max_num_epochs", "max_num_steps", "val_period",
+                "val_start_at", "val_at_start", "val_at_end", "max_val_samples", "val_num_generations_per_prompt",
+                "stop_at_validation_metric", "stop_at_validation_threshold", "val_batch_size", "seed",
+                "use_dynamic_sampling", "dynamic_sampling_max_gen_batches", "batch_multiplier", "async_grpo",
+                "overlong_filtering", "seq_logprob_error_threshold", "reward_shaping.overlong_buffer_length",
+                "reward_shaping.overlong_buffer_penalty", "reward_shaping.max_response_length",
+                "reward_shaping.stop_properly_penalty_coef", "reward_scaling.source_min", "reward_scaling.source_max",
+                "reward_scaling.target_min", "reward_scaling.target_max", "adv_estimator.minus_baseline",
+                "adv_estimator.reward_weights")
+
+
+def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
+    """The ``RecomputeConfig`` NeMo-RL's master config ``cfg`` (with ``grpo`` and ``loss_fn``) encodes."""
+    r = ConfigReader(FRAMEWORK, cfg, where)
+    name = r.text(f"{G}.adv_estimator.name", "grpo")  # yaml:40; adv.py:47
+    if name != "grpo":
+        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo is)")
+    normalize = r.flag(f"{G}.normalize_rewards", True)  # yaml:8
+    loo = r.flag(f"{G}.use_leave_one_out_baseline", True)  # yaml:9
+    # the estimator's own copies interpolate the two above (yaml:41-42; adv.py:49-50)
+    normalize = r.flag(f"{G}.adv_estimator.normalize_rewards", normalize)
+    loo = r.flag(f"{G}.adv_estimator.use_leave_one_out_baseline", loo)
+    for key in ("advantage_clip_low", "advantage_clip_high", "invalid_tool_call_advantage",
+                "malformed_thinking_advantage"):  # yaml:15-16,52,54: null
+        value = r.raw(f"{G}.{key}", None)
+        if value is not None:
+            r.refuse(f"{G}.{key}", value, "NeMo-RL's advantage clipping and penalties are not recomputed")
+    for key in ("reward_shaping.enabled", "reward_scaling.enabled"):  # yaml:31,45: false
+        if r.flag(f"{G}.{key}", False):
+            r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
+    for key, why in (("disable_ppo_ratio", "the REINFORCE surrogate"),  # loss.py:113
+                     ("sequence_level_importance_ratios", "sequence-level ratios"),  # loss.py:119
+                     ("use_kl_in_reward", "KL in the reward"),  # loss.py:135
+                     ("use_on_policy_kl_approximation", "the importance-weighted KL"),  # loss.py:153
+                     ("force_on_policy_ratio", "a forced ratio of 1"),  # loss.py:158
+                     ("use_cispo", "CISPO")):  # loss.py:160
+        if r.flag(f"{L}.{key}", False):
+            r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
+    nll = r.number(f"{L}.positive_example_nll_weight", 0.0)  # loss.py:164
+    if nll != 0:
+        r.refuse(f"{L}.positive_example_nll_weight", nll, "the VAPO NLL term is not recomputed")
+    kl_coef = r.number(f"{L}.reference_policy_kl_penalty", 0.01)  # loss.py:128; yaml:80
+    kl_type = r.text(f"{L}.reference_policy_kl_type", "k3")  # loss.py:131; yaml:83
+    if kl_type not in ("k1", "k2", "k3") and kl_coef != 0:
+        r.refuse(f"{L}.reference_policy_kl_type", kl_type, "not one of k1, k2, k3")
+    token_level = r.flag(f"{L}.token_level_loss", True)  # loss.py:114; yaml:102
+    fields: dict[str, Any] = dict(
+        advantage_estimator="grpo",
+        n_samples_per_prompt=r.integer(f"{G}.num_generations_per_prompt", 16),  # yaml:4
+        grpo_std_normalization=normalize,
+        group_baseline="leave_one_out" if loo else "mean",  # adv.py:82-88
+        grpo_std_eps=1e-6,  # adv.py:92
+        grpo_std_unbiased=True,  # utils.py:189-196: × num_valid / (num_valid − 1)
+        std_zero="skip",  # adv.py:93-96: divide only where std > 0
+        singleton_group="zero",  # utils.py:156-159
+        eps_clip=r.number(f"{L}.ratio_clip_min", 0.2),  # loss.py:122; yaml:86
+        eps_clip_high=r.number(f"{L}.ratio_clip_max", 0.2),  # loss.py:123; yaml:87
+        eps_clip_c=r.number(f"{L}.ratio_clip_c", None),  # loss.py:125; yaml:88
+        log_ratio_clamp=None,  # loss.py:527: curr − prev exponentiated unclamped
+        use_kl_loss=kl_coef != 0,
+        kl_loss_coef=kl_coef,
+        kl_loss_type=kl_type if kl_type in ("k1", "k2", "k3") else "k1",
+        # utils.py:72-99 clamps the log-ratio and the estimate for every type
+        kl_loss_input_clamp=r.number(f"{L}.kl_input_clamp_value", 20.0),  # loss.py:132; yaml:84
+        kl_loss_output_clamp=r.number(f"{L}.kl_output_clamp_value", 10.0),  # loss.py:133; yaml:85
+        loss_agg_mode="token_mean" if token_level else "seq_mean_token_mean",  # loss.py:506-515, 678-692
+        entropy_coef=0.0,  # NeMo-RL's entropy is a metric only
+    )
+    _importance(r, fields)
+    r.neutral(*(f"{G}.{k}" for k in GRPO_NEUTRAL))
+    r.check_unknown([G, L])
+    return r.build(fields)
+
+
+def _importance(r: ConfigReader, fields: dict[str, Any]) -> None:
+    """``use_importance_sampling_correction``: ``w = exp(prev − gen)`` per token, untruncated, or ``tis``
+    (clamp to [min (default 0), max]) / ``icepop`` (zero outside [min, max]) (loss.py:137-149, 564-676)."""
+    on = r.flag(f"{L}.use_importance_sampling_correction", False)  # loss.py:140; yaml:93
+    kind = r.raw(f"{L}.truncated_importance_sampling_type", None)  # loss.py:146; yaml:97
+    high = r.number(f"{L}.truncated_importance_sampling_ratio", None)  # loss.py:147; yaml:98
+    low = r.number(f"{L}.truncated_importance_sampling_ratio_min", None)  # loss.py:149; yaml:100
+    if not on:
+        return
+    if kind is None:
+        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None)
+    elif kind == "tis":
+        fields.update(is_level="token", is_mode="truncate", is_low=0.0 if low is None else low, is_high=high)
+    elif kind == "icepop":
+        fields.update(is_level="token", is_mode="mask", is_low=low, is_high=high)
+    else:
+        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis and icepop are)")

@@ -1,0 +1,188 @@
+"""verl's trainer configuration (the OmegaConf / YAML dict of ``ppo_trainer``) → ``RecomputeConfig``.
+
+Source read: verl-project/verl @ 1dda039b9c63 (2026-08-22). ``yaml`` below is
+``verl/trainer/config/_generated_ppo_trainer.yaml`` (the resolved defaults), ``core_algos.py`` is
+``verl/trainer/ppo/core_algos.py``, ``rollout_corr.py`` is ``verl/trainer/ppo/rollout_corr_helper.py``.
+
+Read: ``algorithm.*`` (estimator, std normalization, KL in the reward, rollout correction) and the policy-loss
+keys of ``actor_rollout_ref.actor`` (clips, dual-clip, aggregation, KL loss, entropy, ``policy_loss.loss_mode``);
+``actor_rollout_ref.rollout.n`` for the group size. Checked for unknown knobs: ``algorithm`` and
+``actor_rollout_ref.actor`` minus their engine sections (optimizer, FSDP/Megatron, checkpoint, profiler).
+
+Not encoded (per-step values a capture records): the all-reduced token count of ``token-mean``
+(``batch_num_tokens``), the global batch size of the ``seq-mean-*`` modes and the ``dp_size`` multiplier
+(``core_algos.py:1140-1207``), so ``loss_token_count`` / ``loss_seq_count`` stay unset and ``loss_scale`` 1.
+verl's metrics (``pg_clipfrac``, ``ppo_kl``) are masked token means whatever the loss mode
+(``core_algos.py:1341,1354``): ``metric_agg_mode="token_mean"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..schema import RecomputeConfig
+from ._base import ConfigReader, kl_clamps
+
+FRAMEWORK = "verl"
+ACTOR = "actor_rollout_ref.actor"
+ALGO = "algorithm"
+RC = "algorithm.rollout_correction"
+
+# verl's names → ours (core_algos.py:1170-1207: agg_loss).
+LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
+            "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
+# kl_penalty_forward (core_algos.py:2215-2250); a trailing '+' is a straight-through gradient trick with the
+# same forward value (core_algos.py:2199-2203). k3 and low_var_kl are one formula, clamped at ±20 then ±10.
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
+# Sections of the actor config that configure the engine, not the loss.
+ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "checkpoint", "profiler", "_target_", "strategy",
+                 "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+                 "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "data_loader_seed", "use_torch_compile",
+                 "use_fused_kernels", "use_remove_padding", "rollout_n", "grad_clip", "freeze_vision_tower",
+                 "max_concurrent", "memory_limit_mb", "calculate_entropy", "calculate_sum_pi_squared",
+                 "use_prefix_grouper", "entropy_from_logits_with_chunking", "entropy_checkpointing",
+                 "ulysses_sequence_parallel_size", "router_replay", "qat", "nccl_timeout")
+# policy_loss.* knobs that only act under their own loss_mode (clip_cov, kl_cov, geo_mean, dppo, sapo, ...).
+POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+                           "dro_beta", "_target_")
+# algorithm.* keys that do not change the recomputed math (dynamic sampling chooses which groups a step
+# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon act only under
+# kl_ctrl.type=adaptive, which refuses).
+ALGO_NEUTRAL = ("_target_", "filter_groups", "kl_ctrl._target_", "kl_ctrl.horizon", "kl_ctrl.target_kl")
+
+
+def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
+    """The ``RecomputeConfig`` verl's config ``cfg`` (dict or OmegaConf, the full trainer config) encodes."""
+    r = ConfigReader(FRAMEWORK, cfg, where)
+    est = r.text(f"{ALGO}.adv_estimator", "gae")  # yaml:864
+    if est in ("grpo", "grpo_vectorized"):
+        estimator = "grpo"
+    elif est == "gae":
+        estimator = "gae"
+    else:
+        r.refuse(f"{ALGO}.adv_estimator", est, "not mapped (grpo, grpo_vectorized and gae are)")
+    mode = r.text(f"{ACTOR}.policy_loss.loss_mode", "vanilla")  # yaml:92
+    if mode not in ("vanilla", "gspo"):
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla and gspo are)")
+    agg = r.text(f"{ACTOR}.loss_agg_mode", "token-mean")  # yaml:100
+    if agg not in LOSS_AGG:
+        r.refuse(f"{ACTOR}.loss_agg_mode", agg, f"not one of {', '.join(LOSS_AGG)}")
+    loss_agg_mode = LOSS_AGG[agg]
+    clip = r.number(f"{ACTOR}.clip_ratio", 0.2)  # yaml:84
+    clip_low = r.number(f"{ACTOR}.clip_ratio_low", 0.2)  # yaml:85; None → clip_ratio (core_algos.py:1328)
+    clip_high = r.number(f"{ACTOR}.clip_ratio_high", 0.2)  # yaml:86; None → clip_ratio (core_algos.py:1329)
+    clip_c = r.number(f"{ACTOR}.clip_ratio_c", 3.0)  # yaml:99; vanilla always applies it (core_algos.py:1356-1361)
+    entropy_coef = r.number(f"{ACTOR}.entropy_coeff", 0.0)  # yaml:102
+    use_kl_loss = r.flag(f"{ACTOR}.use_kl_loss", False)  # yaml:105
+    kl_loss_coef = r.number(f"{ACTOR}.kl_loss_coef", 0.001)  # yaml:108
+    kl_loss_type_name = r.text(f"{ACTOR}.kl_loss_type", "low_var_kl")  # yaml:109
+    kl_loss_type = _kl_type(r, f"{ACTOR}.kl_loss_type", kl_loss_type_name, use_kl_loss and kl_loss_coef != 0)
+    scale_factor = r.integer(f"{ACTOR}.loss_scale_factor", None)  # yaml:101: None → the mask width
+    fields: dict[str, Any] = dict(
+        advantage_estimator=estimator,
+        n_samples_per_prompt=r.integer("actor_rollout_ref.rollout.n", 1),  # verl/trainer/config/rollout/rollout.yaml:167
+        grpo_std_normalization=r.flag(f"{ALGO}.norm_adv_by_std_in_grpo", True),  # yaml:865
+        grpo_std_eps=1e-6,  # core_algos.py:272 (epsilon)
+        grpo_std_unbiased=True,  # core_algos.py:318: torch.std
+        group_baseline="mean",  # core_algos.py:317
+        std_zero="eps",
+        singleton_group="raw",  # core_algos.py:313-315: mean 0, std 1
+        gamma=r.number(f"{ALGO}.gamma", 1.0),  # yaml:862
+        lam=r.number(f"{ALGO}.lam", 1.0),  # yaml:863
+        eps_clip=clip if clip_low is None else clip_low,
+        eps_clip_high=clip if clip_high is None else clip_high,
+        log_ratio_clamp=20.0,  # core_algos.py:1338: clamp(logp − old, −20, 20) before exp, also in ppo_kl
+        entropy_coef=entropy_coef,
+        use_kl_loss=use_kl_loss,
+        kl_loss_coef=kl_loss_coef,
+        kl_loss_type=kl_loss_type,
+        **kl_clamps(kl_loss_type, 20.0, 10.0),  # core_algos.py:2238-2244
+        loss_agg_mode=loss_agg_mode,
+        metric_agg_mode="token_mean",  # core_algos.py:1341,1354: verl_F.masked_mean
+        loss_horizon=scale_factor if loss_agg_mode == "seq_mean_token_sum_norm" else None,
+    )
+    if mode == "vanilla":
+        if clip_c is None or clip_c <= 1.0:  # core_algos.py:1333-1336 asserts c > 1
+            r.refuse(f"{ACTOR}.clip_ratio_c", clip_c, "verl requires a dual-clip constant > 1")
+        fields["eps_clip_c"] = clip_c
+    else:
+        # GSPO (core_algos.py:1545-1618): one ratio per sample, its log clamped at max 10 (one-sided; ours is
+        # symmetric: the two differ only where a sample's mean log-ratio is below −10), no dual-clip, and the
+        # policy term always aggregated seq-mean-token-mean (core_algos.py:1604-1606).
+        fields.update(importance_level="sequence", log_ratio_clamp=10.0, eps_clip_c=None,
+                      loss_agg_mode="seq_mean_token_mean")
+        r.neutral(f"{ACTOR}.clip_ratio_c")
+        if loss_agg_mode != "seq_mean_token_mean" and (entropy_coef != 0 or (use_kl_loss and kl_loss_coef != 0)):
+            r.refuse(f"{ACTOR}.loss_agg_mode", agg, "under gspo verl aggregates the policy term seq-mean-token-mean "
+                                                    "but the entropy and KL terms with this mode; one loss cannot "
+                                                    "mix two modes here")
+    _kl_in_reward(r, fields)
+    _rollout_correction(r, fields)
+    if r.flag(f"{ALGO}.use_pf_ppo", False):  # yaml:880
+        r.refuse(f"{ALGO}.use_pf_ppo", True, "PF-PPO's sample reweighting is not recomputed")
+    r.neutral(f"{ALGO}.pf_ppo")
+    r.neutral(*(f"{ALGO}.{k}" for k in ALGO_NEUTRAL), *(f"{ACTOR}.{k}" for k in ACTOR_NEUTRAL),
+              *(f"{ACTOR}.policy_loss.{k}" for k in POLICY_LOSS_OTHER_MODES))
+    r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")  # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654)
+    r.check_unknown([ALGO, ACTOR])
+    return r.build(fields)
+
+
+def _kl_type(r: ConfigReader, path: str, name: str, active: bool) -> str:
+    base = name[:-1] if name.endswith("+") else name
+    if base in KL_TYPES:
+        return KL_TYPES[base]
+    if active:
+        r.refuse(path, name, f"not mapped (one of {', '.join(KL_TYPES)})")
+    return "k1"
+
+
+def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
+    """``use_kl_in_reward``: the score minus ``kl_coef·Σ_t kl_t`` is what the group normalizes
+    (verl/trainer/ppo/ray_trainer.py:78-112 apply_kl_penalty, then core_algos.py:304)."""
+    on = r.flag(f"{ALGO}.use_kl_in_reward", False)  # yaml:872
+    name = r.text(f"{ALGO}.kl_penalty", "kl")  # yaml:873
+    ctrl = r.text(f"{ALGO}.kl_ctrl.type", "fixed")  # yaml:876
+    coef = r.number(f"{ALGO}.kl_ctrl.kl_coef", 0.001)  # yaml:877
+    if not on:
+        return
+    if ctrl != "fixed":
+        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step; only fixed is mapped")
+    kl_type = _kl_type(r, f"{ALGO}.kl_penalty", name, coef != 0)
+    fields.update(kl_in_reward="sequence", kl_coef=coef, kl_penalty_type=kl_type)
+
+
+def _rollout_correction(r: ConfigReader, fields: dict[str, Any]) -> None:
+    """``algorithm.rollout_correction`` (rollout_corr.py:522-657): token or sequence weights
+    ``exp(clamp(Δ, ±20))`` (SAFETY_BOUND, rollout_corr.py:75), TIS ``min(w, C)`` for a number, IcePop
+    ``w·1[lo ≤ w ≤ hi]`` for a ``"lo_hi"`` string (rollout_corr.py:93-129)."""
+    level = r.raw(f"{RC}.rollout_is", None)  # yaml:854
+    threshold = r.raw(f"{RC}.rollout_is_threshold", 2.0)  # yaml:855
+    rs = r.raw(f"{RC}.rollout_rs", None)  # yaml:856
+    r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
+    if rs:
+        r.refuse(f"{RC}.rollout_rs", rs, "rejection sampling by divergence statistics is not recomputed")
+    if r.flag(f"{RC}.bypass_mode", False):  # yaml:858
+        r.refuse(f"{RC}.bypass_mode", True, "bypass mode takes the rollout log-probs as the PPO anchor")
+    loss_type = r.text(f"{RC}.loss_type", "ppo_clip")  # yaml:859
+    if loss_type != "ppo_clip":
+        r.refuse(f"{RC}.loss_type", loss_type, "only ppo_clip is mapped")
+    batch_norm = r.flag(f"{RC}.rollout_is_batch_normalize", False)  # yaml:860
+    if level is None:
+        return
+    if level not in ("token", "sequence"):
+        r.refuse(f"{RC}.rollout_is", level, "not one of token, sequence")
+    if batch_norm:
+        r.refuse(f"{RC}.rollout_is_batch_normalize", True, "normalizing the weights to mean 1 is not recomputed")
+    low: Optional[float] = None
+    if isinstance(threshold, str) and "_" in threshold:
+        lo, _, hi = threshold.partition("_")
+        try:
+            low, high = float(lo), float(hi)
+        except ValueError:
+            r.bad(f"{RC}.rollout_is_threshold", threshold, "a number or a 'low_high' string")
+        mode = "mask"
+    else:
+        high = r.number(f"{RC}.rollout_is_threshold", 2.0)
+        mode = "truncate"
+    fields.update(is_level=level, is_mode=mode, is_low=low, is_high=high, is_log_clamp=20.0)
