@@ -62,6 +62,7 @@ STYLES = {
     "detail": "yellow",
     "hazard": "cyan",
     "explanation": "bold yellow",
+    "explanation": "bold yellow",
     "warning": "magenta",
     "title": "bold",
     "": "",

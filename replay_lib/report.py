@@ -60,6 +60,23 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     capability: Optional[str] = None
     compared: int = 0
     max_noise_ratio: Optional[float] = None
+    # Under --chain: the upstream stage this one fails only because of (it passes when judged on its recorded
+    # inputs, replay_lib.explain.downstream); None for a root cause. Its status stays "fail".
+    downstream_of: Optional[str] = None
+
+
+class Explanation(msgspec.Struct, frozen=True, kw_only=True):
+    """A known bug that reproduces a failing stage's recorded values (SPEC §10, ``replay_lib.explain``):
+    ``matched`` of the ``of`` compared elements (``unit``) agree with the hypothesis within the error model's
+    tolerance; ``detail`` says it in words."""
+
+    stage: str
+    hypothesis: str
+    matched: int
+    of: int
+    detail: str
+    unit: str = "values"
+    rank: Optional[int] = None
 
 
 class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +96,7 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     exact: bool = False
     tolerance_policy: str = "bundle"
     hazards: list[Hazard] = []
+    explanations: list[Explanation] = []
 
     @property
     def exit_code(self) -> int:
@@ -182,12 +200,19 @@ def _header_line(report: ReplayReport) -> str:
 def stage_line(s: StageReport, verbose: bool = False) -> str:
     """``[   fail] stage — reason``; ``verbose``: the reason of a passing stage too, and the stage's largest
     noise ratio (how close to its tolerance the worst element came)."""
-    line = f"[{s.status:>7}] {s.stage}"
+    line = f"[{'downstream' if s.downstream_of else s.status:>7}] {s.stage}"
     if s.reason and (s.status != STATUS_PASS or verbose):
         line += f" — {s.reason}"
+    if s.downstream_of:
+        line += f" (downstream of {s.downstream_of}: passes on its recorded inputs)"
     if verbose and s.max_noise_ratio is not None:
         line += f" (max {fmt_ratio(s.max_noise_ratio)}× noise)"
     return safe(line)
+
+
+def explanation_line(e: "Explanation") -> str:
+    """``likely cause: <detail> — 4/4 samples``."""
+    return safe(f"likely cause: {e.detail} — {e.matched}/{e.of} {e.unit}")
 
 
 def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
@@ -198,7 +223,7 @@ def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
 
 
 def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False) -> list[tuple[str, str]]:
-    """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/hazard/warning. ``verbose``
+    """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/explanation/hazard/warning. ``verbose``
     adds each divergence's tolerance and noise ratio and each stage's largest noise ratio; the default text
     is the seed's (SPEC §5.2)."""
     multi = len(report.ranks) > 1
@@ -216,6 +241,11 @@ def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False)
             if s.max_abs_error is not None:
                 tail += f"; max abs_err={fmt_value(s.max_abs_error)}"
             out.append(("detail", " " * 10 + tail))
+        for e in report.explanations:
+            if e.stage == s.stage:
+                out.append(("explanation", " " * 10 + explanation_line(e)))
+        if verbose and not s.downstream_of and not any(e.stage == s.stage for e in report.explanations):
+            out.append(("explanation", " " * 10 + "likely cause: no known cause matches"))
     for h in report.hazards:
         out.append(("hazard", hazard_line(h, multi)))
     for w in report.warnings:

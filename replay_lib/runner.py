@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
 from .error_model import Rules, tolerance_warnings
 from .errors import SelectionError, UnsupportedError
+from .explain import annotate
 from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from .safe_text import elided_listing, safe
@@ -165,10 +166,11 @@ def run_replay(
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
+    explain: bool = True,
 ) -> ReplayReport:
     """Replay every rank shard of a verified :class:`BundleSet`."""
     return replay_run(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
-                      progress=progress, rules=rules)[0]
+                      progress=progress, rules=rules, explain=explain)[0]
 
 
 def replay_run(
@@ -179,12 +181,15 @@ def replay_run(
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
+    explain: bool = True,
 ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
     left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
-    that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``."""
+    that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
+    evaluate the known-bug hypotheses of each failing stage (``replay_lib.explain``; under ``--chain`` the
+    downstream stages are marked either way)."""
     with gc_paused():
-        return _replay_run(bundles, stages, selection, max_divergences, progress, rules)
+        return _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain)
 
 
 def _did_you_mean(bundles: BundleSet, kind: str, value: str, limit: int = 4) -> str:
@@ -201,7 +206,7 @@ def _did_you_mean(bundles: BundleSet, kind: str, value: str, limit: int = 4) -> 
 
 def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selection: Selection,
                 max_divergences: int, progress: Optional[ProgressFn],
-                rules: Rules) -> tuple[ReplayReport, list[Optional[StageContext]]]:
+                rules: Rules, explain: bool = True) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     keep = max(int(max_divergences), 1)
     resolutions = []
     matched: set[str] = set()
@@ -289,7 +294,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         tolerance_policy=rules.tolerance_policy,
         hazards=_hazards([c for c in contexts if c is not None], keep),
     )
-    return report, contexts
+    return annotate(report, contexts, rules, explain=explain), contexts
 
 
 def _hazards(contexts: Sequence[StageContext], keep: int) -> list[Hazard]:
@@ -321,8 +326,9 @@ def replay(
     max_divergences: int = 5,
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
+    explain: bool = True,
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory."""
     bundles = open_bundle(path, step=step, rollout=rollout)
     return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress,
-                      rules=rules)
+                      rules=rules, explain=explain)

@@ -57,13 +57,16 @@ def test_pr65_buggy_bundle_prints_the_seed_report_and_exits_1(buggy_run):
     lines = proc.stdout.splitlines()
     assert lines[:5] == SEED_LINES
     # the remaining divergences of the stage follow, then the later stages
-    assert lines[5:8] == [
+    assert lines[5:9] == [
         "          reward s-1: expected=-3.5 actual=1.0 abs_err=4.5",
         "          reward s-2: expected=3.5 actual=-1.0 abs_err=4.5",
         "          reward s-3: expected=5.5 actual=1.0 abs_err=4.5",
+        # SPEC §10: the mean of [1, 3, 10, 12] is 6.5, so the whole batch's centering gives [-5.5, -3.5, 3.5, 5.5]
+        "          likely cause: the recorded rewards equal group normalization over the whole batch of 4 samples "
+        "(not semantic groups) — 4/4 samples",
     ]
     # teacher forcing (SPEC §4): the stages after the wrong one consumed its recorded output faithfully and pass
-    assert lines[8:] == [
+    assert lines[9:] == [
         "[   pass] advantage.kl",
         "[   pass] advantage.estimate",
         "[skipped] loss.policy — not declared in manifest",
@@ -77,7 +80,9 @@ def test_chain_recomputes_end_to_end(cli, pr65):
     assert (code, err) == (1, "")
     lines = out.splitlines()
     assert lines[:5] == SEED_LINES
-    assert "[   fail] advantage.estimate — advantage mismatch in 12 token(s) of 4 sample(s)" in lines
+    # it passes on its recorded inputs: marked downstream of the root cause, not a second one
+    assert ("[downstream] advantage.estimate — advantage mismatch in 12 token(s) of 4 sample(s) (downstream of "
+            "reward.post_process: passes on its recorded inputs)") in lines
     assert "          advantage s-0@0: expected=-5.5 actual=-1.0 abs_err=4.5" in lines
     assert "          ... 7 more; max abs_err=4.5" in lines
     code, out, _ = cli("replay", pr65[0], "--chain", "--format", "json")

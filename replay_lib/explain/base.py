@@ -1,0 +1,162 @@
+"""What every hypothesis family shares: a :class:`Hypothesis` (alternative values of a stage's fields), the
+rows it is judged on (:func:`rows`) and the one judging rule (:func:`score`, :func:`reported`).
+
+A hypothesis gives, for some of a failing stage's fields, the values a known bug would have produced from the
+same recorded inputs the stage consumed (teacher forcing). An element *matches* when the recorded value lies
+within the element's tolerance of the hypothesis: the stage's own tolerance there (the bundle's ``atol +
+rtol·|e|`` plus the error model's rounding bound of the correct formula), or — where the family computes one —
+the bundle's part plus the rounding bound of the hypothesized formula, whichever is larger. A field the
+hypothesis leaves out keeps the stage's recompute (the bug does not change it): there an element matches when
+it passed.
+
+A hypothesis is reported (:func:`reported`) when it explains **most of the divergent elements** and **most of
+all compared elements** (``MOST`` = 90 %): a bug that reproduces the recorded values of a PR #65 step on every
+sample is reported, one that happens to reproduce one divergent sample of many is not, and so is not one that
+fits the divergent elements but breaks the ones that passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..error_model import bundle_tolerance
+from ..fields import PER_TOKEN, FieldResult
+from ..stages import StageContext
+
+# Column of a hypothesis: a tensor over all of a field's rows, or a function of ``(lo, hi)``.
+Values = Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
+
+# A hypothesis is reported when it matches at least this share of the divergent and of all compared elements.
+MOST = 0.9
+# A per-token field longer than this is judged on blocks of rows: around the stage's reported divergences and
+# spread evenly over the rest (ROW_BLOCK rows each), this many rows in all — bounded work on million-token
+# bundles; per-sample and scalar fields are judged whole.
+ROW_BUDGET = 1 << 16
+ROW_BLOCK = 1 << 11
+
+
+@dataclass
+class Hypothesis:
+    """One known bug: ``values[field name]`` its values of that field, ``bounds[field name]`` (optional) the
+    rounding bound of the hypothesized formula per element; ``detail`` the sentence the report prints."""
+
+    stage: str
+    id: str
+    detail: str
+    values: dict[str, Values]
+    bounds: dict[str, Values] = field(default_factory=dict)
+
+
+@dataclass
+class Score:
+    matched: int = 0
+    of: int = 0
+    bad: int = 0
+    bad_matched: int = 0
+    sampled: bool = False  # judged on blocks of a per-token field's rows, not all of them
+
+    def add(self, other: "Score") -> None:
+        self.matched += other.matched
+        self.of += other.of
+        self.bad += other.bad
+        self.bad_matched += other.bad_matched
+        self.sampled = self.sampled or other.sampled
+
+
+def _read(values: Values, lo: int, hi: int) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values[lo:hi].to(torch.float64)
+    return values(lo, hi).to(torch.float64)
+
+
+def rows(f: FieldResult, positions: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The row ranges ``f`` is judged on: all of it, or for a per-token field over :data:`ROW_BUDGET` rows,
+    blocks around ``positions`` (the reported divergences) and blocks spread evenly over the rest."""
+    n = f.size
+    if f.per != PER_TOKEN or n <= ROW_BUDGET:
+        return [(0, n)] if n else []
+    starts = {max(0, min(p - ROW_BLOCK // 2, n - ROW_BLOCK)) for p in positions}
+    spread = ROW_BUDGET // ROW_BLOCK - len(starts)
+    if spread > 0:
+        step = (n - ROW_BLOCK) / max(spread - 1, 1)
+        starts |= {int(k * step) for k in range(spread)}
+    out: list[tuple[int, int]] = []
+    for lo in sorted(starts):
+        hi = min(lo + ROW_BLOCK, n)
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def divergence_positions(ctx: StageContext, f: FieldResult, divergences) -> list[int]:
+    """The rows of ``f`` the stage reported as divergent (their sample and token offset)."""
+    if f.per != PER_TOKEN:
+        return []
+    index = {sid: i for i, sid in enumerate(f.sample_ids)}
+    out = []
+    for d in divergences:
+        if d.field == f.name and d.sample_id in index and d.token_offset is not None and d.rank == ctx.rank:
+            out.append(int(f.offsets[index[d.sample_id]]) + d.token_offset)
+    return out
+
+
+def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence[Hypothesis],
+          divergences=()) -> list[Score]:
+    """Each hypothesis's :class:`Score` over ``fields``, every field read once per row block."""
+    scores = [Score() for _ in hypotheses]
+    policy = ctx.reader.manifest.comparison_policy
+    for f in fields:
+        if f.length_mismatch is not None:
+            continue
+        atol, rtol = bundle_tolerance(policy, f.stage, f.name, ctx.rules.tolerance_policy)
+        blocks = rows(f, divergence_positions(ctx, f, divergences))
+        if sum(hi - lo for lo, hi in blocks) < f.size:
+            for s in scores:
+                s.sampled = True
+        for lo, hi in blocks:
+            w = f.window(lo, hi)
+            compared = w.compared if w.compared is not None else torch.ones_like(w.bad)
+            bad = w.bad
+            passed = compared & ~bad
+            n_compared, n_bad = int(compared.sum()), int(bad.sum())
+            for s, h in zip(scores, hypotheses):
+                s.of += n_compared
+                s.bad += n_bad
+                if f.name not in h.values:
+                    s.matched += int(passed.sum())
+                    continue
+                value = _read(h.values[f.name], lo, hi)
+                tol = w.tolerance
+                if f.name in h.bounds:
+                    own = _read(h.bounds[f.name], lo, hi) + w.expected.abs() * rtol + atol
+                    tol = torch.maximum(tol, own)
+                ok = compared & torch.isfinite(value) & torch.isfinite(w.expected) & ((value - w.expected).abs() <= tol)
+                s.matched += int(ok.sum())
+                s.bad_matched += int((ok & bad).sum())
+    return scores
+
+
+def reported(s: Score) -> bool:
+    """Whether a hypothesis explains most of the divergent elements and most of all compared elements."""
+    return s.bad > 0 and s.bad_matched >= math.ceil(MOST * s.bad) and s.matched >= math.ceil(MOST * s.of)
+
+
+def listing(names: Sequence[object], limit: int = 4) -> str:
+    """``cb-0, cb-1`` — at most ``limit`` names, then how many more."""
+    names = [str(n) for n in names]
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit - 1]) + f", … ({len(names) - limit + 1} more)"
+
+
+def fmt_number(x: Optional[float]) -> str:
+    """A knob's value as a person writes it: ``0.2``, ``1e-06``, ``3``."""
+    if x is None:
+        return "off"
+    return f"{x:g}"

@@ -1,0 +1,206 @@
+"""``loss.policy`` hypotheses, evaluated from the loss stage's own inputs (``stages.loss.loss_inputs``: the
+recorded log-probs, old log-probs, advantages, entropy and mask).
+
+Per-token variants of the clipped surrogate, all summed per sample in **one pass** over the tokens (a chunk at a
+time, every variant's masked terms stacked into one cumulative sum):
+
+* other clip bounds: ``(eps_clip, eps_clip_high)`` from {0.2, 0.28, 0.3} and the declared pair's own values;
+* dual-clip switched: on with ``c = 3`` (``pg = min(pg, −c·A)`` where ``A < 0``, verl's default) when the
+  config has it off, off when on;
+* the loss mask shifted one token later (or earlier) inside every sample;
+* stale old log-probs: ``old = logp`` (ratio ≡ 1, ``ppo_kl`` = 0);
+* the advantages negated inside the loss.
+
+Aggregations of the declared surrogate (no extra pass): each other ``loss_agg_mode`` of SPEC §4.2
+(``Σ_i w_i Σ_t x·mask`` with ``w_i`` = ``1/max(n_i,1)`` sum_of_sample_means · ``1/(N·max(n_i,1))``
+seq_mean_token_mean · ``1/T`` token_mean · ``1/N`` seq_mean_token_sum · ``1/(N·L)`` seq_mean_token_sum_norm,
+with the recorded ``T``, ``N``, ``L`` or else the bundle's token count, sample count and longest response),
+and the per-sample mean taken over the response length instead of the loss tokens (``1/max(len_i, 1)``).
+
+A variant gives every loss field it changes: the reported scalars, the recorded per-sample terms and the
+per-token ``pg_losses``; its elements are judged with the stage's own tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..fields import PER_SCALAR, FieldResult
+from ..kernels import sorted_segment_sums, token_chunks
+from ..stages import StageContext, StageInputError
+from ..stages.loss import LossInputs, loss_inputs
+from .base import Hypothesis, fmt_number
+
+STAGE = "loss.policy"
+CLIP_VALUES = (0.2, 0.28, 0.3)
+DUAL_CLIP_C = 3.0
+AGG_MODES = ("sum_of_sample_means", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum",
+             "seq_mean_token_sum_norm")
+TERMS = {"pg_sum": "pg", "entropy_sum": "ent", "kl_sum": "kl", "clip_count": "clip", "mask_count": "mask"}
+ROWS = ("pg", "clip", "kl", "ent", "mask")
+
+
+@dataclass(frozen=True)
+class Variant:
+    id: str
+    detail: str
+    eps_clip: float
+    eps_clip_high: float
+    dual_c: Optional[float] = None
+    mask_shift: int = 0
+    stale: bool = False
+    sign: float = 1.0
+
+    def surrogate(self, old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """float64 per-token ``pg``, clip indicator and ``ppo_kl`` of this variant."""
+        kl = torch.zeros_like(old) if self.stale else old - logp
+        ratio = (-kl).exp()
+        a = adv * self.sign
+        l1 = -ratio * a
+        l2 = -ratio.clamp(1 - self.eps_clip, 1 + self.eps_clip_high) * a
+        pg = torch.maximum(l1, l2)
+        if self.dual_c is not None:
+            pg = torch.where(a < 0, torch.minimum(pg, -self.dual_c * a), pg)
+        return {"pg": pg, "clip": (l2 > l1).to(torch.float64), "kl": kl}
+
+
+def _variants(ctx: StageContext) -> list[Variant]:
+    cfg = ctx.config
+    lo, hi = float(cfg.eps_clip), float(cfg.eps_clip_high)
+    dual = cfg.eps_clip_c
+    out = [Variant("loss.declared", "", lo, hi, dual)]
+    values = sorted(set(CLIP_VALUES) | {lo, hi})
+    for a in values:
+        for b in values:
+            if (a, b) != (lo, hi):
+                out.append(Variant(f"loss.clip_{fmt_number(a)}_{fmt_number(b)}",
+                                   f"the recorded loss equals clip bounds eps_clip={fmt_number(a)}, eps_clip_high="
+                                   f"{fmt_number(b)} (config: {fmt_number(lo)}, {fmt_number(hi)})", a, b, dual))
+    if dual is None:
+        out.append(Variant("loss.dual_clip_on", f"the recorded loss equals dual-clip PPO with c={DUAL_CLIP_C:g} "
+                           f"(config: dual-clip off)", lo, hi, DUAL_CLIP_C))
+    else:
+        out.append(Variant("loss.dual_clip_off", f"the recorded loss equals the loss without dual-clip (config: "
+                           f"eps_clip_c={fmt_number(dual)})", lo, hi, None))
+    out.append(Variant("loss.mask_shifted_later", "the recorded loss equals the loss mask shifted one token later "
+                       "in every sample", lo, hi, dual, mask_shift=1))
+    out.append(Variant("loss.mask_shifted_earlier", "the recorded loss equals the loss mask shifted one token "
+                       "earlier in every sample", lo, hi, dual, mask_shift=-1))
+    out.append(Variant("loss.stale_old_log_probs", "the recorded loss equals a ratio of 1 everywhere: the old "
+                       "log-probs were the current ones (stale old_log_probs)", lo, hi, dual, stale=True))
+    out.append(Variant("loss.advantages_negated", "the recorded loss equals the surrogate of the negated "
+                       "advantages", lo, hi, dual, sign=-1.0))
+    return out
+
+
+def _shifted_mask(mask: torch.Tensor, ends: torch.Tensor, lo: int, hi: int, seg: torch.Tensor,
+                  shift: int) -> torch.Tensor:
+    """Mask of tokens ``lo … hi − 1`` read ``shift`` tokens back inside their own sample (0 where that leaves it)."""
+    src = torch.arange(lo, hi, dtype=torch.int64) - shift
+    total = mask.numel()
+    inside = (src >= 0) & (src < total)
+    src = src.clamp(0, max(total - 1, 0))
+    inside &= torch.searchsorted(ends, src, right=True) == seg
+    return torch.where(inside, mask[src].to(torch.float64), torch.zeros(hi - lo, dtype=torch.float64))
+
+
+def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[dict[str, torch.Tensor]]:
+    """Per variant, the per-sample sums ``Σ_t x·mask`` of :data:`ROWS` (float64), in one pass over the tokens."""
+    n = ctx.n
+    ends = torch.cumsum(ctx.lengths.to(torch.int64), 0)
+    out = torch.zeros((len(variants) * len(ROWS), n), dtype=torch.float64)
+    for lo, hi, seg in token_chunks(ctx.lengths):
+        old = li.old_log_probs[lo:hi].to(torch.float64)
+        logp = li.log_probs[lo:hi].to(torch.float64)
+        adv = li.advantages[lo:hi].to(torch.float64)
+        ent = li.entropy[lo:hi].to(torch.float64) if li.entropy is not None else torch.zeros_like(old)
+        mask = li.mask[lo:hi].to(torch.float64)
+        masks = {0: mask}
+        rows = []
+        for v in variants:
+            if v.mask_shift not in masks:
+                masks[v.mask_shift] = _shifted_mask(li.mask, ends, lo, hi, seg, v.mask_shift)
+            m = masks[v.mask_shift]
+            t = v.surrogate(old, logp, adv)
+            rows += [t["pg"] * m, t["clip"] * m, t["kl"] * m, ent * m, m]
+        samples, sums = sorted_segment_sums(torch.stack(rows), seg)
+        out.index_add_(1, samples, sums)
+    k = len(ROWS)
+    return [dict(zip(ROWS, out[i * k:(i + 1) * k])) for i in range(len(variants))]
+
+
+def _weights(ctx: StageContext, mode: str, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+    cfg = ctx.config
+    count = sums["mask"]
+    n_i = count.clamp(min=1.0)
+    N = float(cfg.loss_seq_count or ctx.n or 1)
+    T = float(cfg.loss_token_count or max(float(count.sum()), 1.0))
+    L = float(cfg.loss_horizon or max(int(ctx.lengths.max()) if ctx.n else 1, 1))
+    if mode == "sum_of_sample_means":
+        w = 1.0 / n_i
+    elif mode == "seq_mean_token_mean":
+        w = 1.0 / (N * n_i)
+    elif mode == "token_mean":
+        w = torch.full_like(count, 1.0 / T)
+    elif mode == "seq_mean_token_sum":
+        w = torch.full_like(count, 1.0 / N)
+    elif mode == "seq_mean_token_sum_norm":
+        w = torch.full_like(count, 1.0 / (N * L))
+    else:  # "response_length": a per-sample mean over the whole response, the mask ignored in the denominator
+        w = 1.0 / ctx.lengths.to(torch.float64).clamp(min=1.0)
+    return w * float(cfg.loss_scale)
+
+
+def _fields(ctx: StageContext, li: LossInputs, sums: dict[str, torch.Tensor], w: torch.Tensor) -> dict[str, float]:
+    pg = float((w * sums["pg"]).sum())
+    ent = float((w * sums["ent"]).sum()) if li.entropy is not None else 0.0
+    return {"loss": pg - ctx.config.entropy_coef * ent, "pg_loss": pg, "entropy_loss": ent,
+            "pg_clipfrac": float((w * sums["clip"]).sum()), "ppo_kl": float((w * sums["kl"]).sum())}
+
+
+def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    try:
+        li = loss_inputs(ctx)
+    except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
+        return []
+    names = {f.name: f for f in fields}
+    scalars = next((f for f in fields if f.per == PER_SCALAR), None)
+    variants = _variants(ctx)
+    sums = _sums(ctx, li, variants)
+    declared_mode = ctx.config.loss_agg_mode
+    out: list[Hypothesis] = []
+
+    def values_of(loss_fields: dict[str, float], per_sample: Optional[dict[str, torch.Tensor]],
+                  token: Optional[Variant]) -> dict:
+        values: dict = {}
+        if scalars is not None and scalars.labels:
+            actual = scalars.actual
+            values[scalars.name] = torch.tensor([loss_fields.get(label, float(actual[i]))
+                                                 for i, label in enumerate(scalars.labels)], dtype=torch.float64)
+        if per_sample is not None:
+            for term, row in TERMS.items():
+                if term in names:
+                    values[term] = per_sample[row]
+        if token is not None and "pg_losses" in names:
+            def pg(lo: int, hi: int, v: Variant = token) -> torch.Tensor:
+                return v.surrogate(li.old_log_probs[lo:hi].to(torch.float64), li.log_probs[lo:hi].to(torch.float64),
+                                   li.advantages[lo:hi].to(torch.float64))["pg"]
+            values["pg_losses"] = pg
+        return values
+
+    for v, s in zip(variants[1:], sums[1:]):
+        token = v if v.mask_shift == 0 else None
+        out.append(Hypothesis(stage=STAGE, id=v.id, detail=v.detail,
+                              values=values_of(_fields(ctx, li, s, _weights(ctx, declared_mode, s)), s, token)))
+    for mode in (*AGG_MODES, "response_length"):
+        if mode == declared_mode:
+            continue
+        what = (f"a {mode} aggregation" if mode != "response_length" else
+                "per-sample means over the response length instead of the loss tokens")
+        out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{mode}", detail=f"the recorded loss fields equal {what} "
+                              f"(config: {declared_mode})",
+                              values=values_of(_fields(ctx, li, sums[0], _weights(ctx, mode, sums[0])), None, None)))
+    return out

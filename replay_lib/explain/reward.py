@@ -1,0 +1,162 @@
+"""``reward.post_process`` hypotheses: normalization over the wrong sets, and the std / eps variants.
+
+Partitions (PR #65 and its cousins), each normalized as the config says (std on or off, its eps):
+
+* **consumer batches** — the transfer batches that delivered the samples. A sample's batch is its
+  ``consumer_batch_id`` when the records carry one; else the identity's ``consumer_batch_ids`` taken as
+  consecutive batches of the index, in order, each ``⌈n / k⌉`` samples but the last (the way a consumer takes
+  a stream: ``k`` ids for ``n`` samples; no such layout, no hypothesis);
+* **micro-batches** — the samples' ``micro_batch_id``;
+* **the whole batch** — one mean over every sample (slime#2230's fallback for uneven groups);
+* **consecutive chunks of c samples** — a fixed stride instead of the groups (AReaL#1419), for ``c`` the
+  config's ``n_samples_per_prompt``, each group size found, 1.5 and 2…8 times ``n``, and the powers of two.
+
+A partition equal to another one earlier in this list is tried once, and one equal to the semantic groups not
+at all. Then, on the semantic groups: std normalization switched (on ↔ off), the biased (ddof = 0) std, another
+eps (1e-4 TRL, 1e-5 AReaL, 1e-8, 1e-9 OpenRLHF, 0), and the raw rewards passed through unnormalized. Positions
+are those of the bundle's whole index, so a partial selection keeps each sample's batch.
+
+Each is evaluated in float64 with its own rounding bound (``error_model.reward_bound`` of its sets).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+
+from ..compare import as_float64
+from ..error_model import group_stats, reward_bound
+from ..fields import FieldResult
+from ..stages import StageContext
+from .base import Hypothesis, fmt_number, listing
+
+STAGE = "reward.post_process"
+OTHER_EPS = (1e-6, 1e-4, 1e-5, 1e-8, 1e-9, 0.0)
+MAX_CHUNK_SIZES = 64
+
+
+def normalize(raw: torch.Tensor, labels: torch.Tensor, std: bool, eps: float, unbiased: bool = True) -> torch.Tensor:
+    """float64 group normalization of ``raw`` over the sets ``labels``: ``r − mean``, divided by ``std + eps``
+    (unbiased or population std) when ``std``."""
+    _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+    k = counts.numel()
+    size = counts.to(torch.float64)
+    mean = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, raw) / size
+    centered = raw - mean[inverse]
+    if not std:
+        return centered
+    var = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, centered * centered) / (size - (1 if unbiased else 0))
+    return centered / (var.sqrt()[inverse] + eps)
+
+
+def _canonical(labels: torch.Tensor) -> torch.Tensor:
+    return torch.unique(labels, return_inverse=True)[1]
+
+
+def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two labelings of the same samples put them into the same sets."""
+    a, b = _canonical(a), _canonical(b)
+    ka, kb = int(a.max()) + 1 if a.numel() else 0, int(b.max()) + 1 if b.numel() else 0
+    return ka == kb and int(torch.unique(a * kb + b).numel()) == ka
+
+
+def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
+    """``(batch ids, the batch of every selected sample)`` (module doc), ``None`` when it cannot be placed."""
+    samples = ctx.reader.index.samples
+    own = [getattr(s, "consumer_batch_id", None) for s in samples]
+    if samples and None not in own:
+        ids = list(dict.fromkeys(own))
+        label = torch.tensor([ids.index(b) for b in own], dtype=torch.int64)
+    else:
+        ids = [str(b) for b in ctx.reader.index.identity.consumer_batch_ids]
+        n, k = len(samples), len(ids)
+        if k < 2 or k > n:
+            return None
+        size = math.ceil(n / k)
+        if math.ceil(n / size) != k:
+            return None
+        label = torch.arange(n, dtype=torch.int64) // size
+    return ids, label[ctx.indices] if ctx.partial else label
+
+
+def _micro_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
+    ids = [s.micro_batch_id for s in ctx.samples]
+    if not ids or None in ids:
+        return None
+    order = list(dict.fromkeys(ids))
+    return order, torch.tensor([order.index(m) for m in ids], dtype=torch.int64)
+
+
+def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[int]:
+    n = max(int(ctx.config.n_samples_per_prompt), 1)
+    sizes = {n, n + n // 2, *(k * n for k in range(2, 9))}
+    sizes |= set(torch.unique(groups, return_counts=True)[1].tolist())
+    p = 2
+    while p < n_total:
+        sizes.add(p)
+        p *= 2
+    return sorted(c for c in sizes if 2 <= c < n_total)[:MAX_CHUNK_SIZES]
+
+
+def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(id, what the sets are, labels)`` of each partition worth trying, each distinct one once."""
+    positions = torch.tensor(ctx.indices, dtype=torch.int64) if ctx.partial else torch.arange(ctx.n)
+    n_total = len(ctx.reader.index.samples)
+    found: list[torch.Tensor] = [groups]
+    listed: list[tuple[str, str, torch.Tensor]] = []
+    cb = consumer_batches(ctx)
+    if cb is not None:
+        listed.append(("reward.consumer_batches", f"consumer batches {listing(cb[0])}", cb[1]))
+    mb = _micro_batches(ctx)
+    if mb is not None:
+        listed.append(("reward.micro_batches", f"micro-batches {listing(mb[0])}", mb[1]))
+    listed.append(("reward.whole_batch", f"the whole batch of {n_total} samples", torch.zeros_like(positions)))
+    for c in _chunk_sizes(ctx, n_total, groups):
+        listed.append((f"reward.chunks_of_{c}", f"consecutive chunks of {c} samples", positions // c))
+    for pid, what, labels in listed:
+        if any(same_partition(labels, seen) for seen in found):
+            continue
+        found.append(labels)
+        yield pid, what, labels
+
+
+def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    if not any(f.name == "reward" for f in fields) or None in ctx.group_indices:
+        return []
+    cfg = ctx.config
+    raw = as_float64([s.raw_reward for s in ctx.samples])
+    if not bool(torch.isfinite(raw).all()):
+        return []
+    groups = torch.tensor(ctx.group_indices, dtype=torch.int64)
+    std, eps = cfg.grpo_std_normalization, float(cfg.grpo_std_eps)
+    unbiased = bool(cfg.grpo_std_unbiased)
+    out: list[Hypothesis] = []
+
+    def add(hid: str, detail: str, labels: torch.Tensor, h_std: bool, h_eps: float, h_unbiased: bool) -> None:
+        values = normalize(raw, labels, h_std, h_eps, h_unbiased)
+        bound = reward_bound(raw, group_stats(raw, labels), values, h_std, h_eps)
+        out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"reward": values}, bounds={"reward": bound}))
+
+    for pid, what, labels in partitions(ctx, groups):
+        add(pid, f"the recorded rewards equal group normalization over {what} (not semantic groups)", labels,
+            std, eps, unbiased)
+    config_std = f"config: grpo_std_normalization={'true' if std else 'false'}"
+    if std:
+        add("reward.std_off", f"the recorded rewards equal group normalization without the std division ({config_std})",
+            groups, False, eps, unbiased)
+        kind = "biased (population, ddof=0)" if unbiased else "unbiased (ddof=1)"
+        add("reward.biased_std" if unbiased else "reward.unbiased_std",
+            f"the recorded rewards equal group normalization with the {kind} std", groups, True, eps, not unbiased)
+        for other in OTHER_EPS:
+            if other != eps:
+                add(f"reward.eps_{fmt_number(other)}", f"the recorded rewards equal group normalization with eps "
+                    f"{fmt_number(other)} (config: {fmt_number(eps)})", groups, True, other, unbiased)
+    else:
+        add("reward.std_on", f"the recorded rewards equal group normalization with the std division ({config_std})",
+            groups, True, eps, unbiased)
+    out.append(Hypothesis(stage=STAGE, id="reward.unnormalized",
+                          detail="the recorded rewards are the raw rewards, not normalized",
+                          values={"reward": raw}, bounds={"reward": torch.zeros_like(raw)}))
+    return out
