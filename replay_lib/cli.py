@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
+from .demo_catalog import DEMO_NAMES
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
 from .safe_text import elided_listing, json_document, safe
 from .schema import config_changes
@@ -61,7 +62,6 @@ STYLES = {
     "skipped": "dim",
     "detail": "yellow",
     "hazard": "cyan",
-    "explanation": "bold yellow",
     "explanation": "bold yellow",
     "warning": "magenta",
     "title": "bold",
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per semantic group (n_samples_per_prompt)")
     w.add_argument("--vary-lengths", action="store_true", help="random response lengths in [0, L]")
     w.add_argument("--kl-coef", type=float, default=0.05, help="kl_coef of the recorded config")
-    w = dsub.add_parser("write-all", help="write the shipped demo bundles: pr65-buggy, pr65-fixed, step-loss, cohort-2rank, support-fullvocab")
+    w = dsub.add_parser("write-all", help="write the shipped demo bundles: " + ", ".join(DEMO_NAMES))
     w.add_argument("dir", type=Path, metavar="DIR")
     return parser
 

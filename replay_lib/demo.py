@@ -6,7 +6,8 @@ tests and the benchmarks.
 * ``step-loss``   — step-level loss.policy bundle (logp = 0.5, old = 0: pg_loss ≈ 0.8974426);
 * ``cohort-2rank`` — a two-rank cohort of synthetic full bundles;
 * ``support-fullvocab`` — sample-support bundle whose trainer scored over the full vocabulary instead of the
-  recorded support: the first divergence is ``logprob.support`` (loss.policy still passes).
+  recorded support: the first divergence is ``logprob.support`` (loss.policy still passes);
+* ``kl-bug``, ``loss-bug``, ``loose-kl``, ``hazard-clean`` — the hand-made faults the README's screenshots show.
 
 Every bundle here is the same bytes on every machine (for one torch version): the same arguments give the same
 numbers. The shipped demos (and the test suite's bundles) are also *settled*: their replay recomputes the recorded
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .bundle import BundleWriter
+from .demo_catalog import DEMO_HELP, DEMO_NAMES, demo_list  # noqa: F401  (re-exported)
 from .kernels import (LOSS_CHUNK, STD_EPS, batch_normalize, get_grpo_returns, group_normalize, rollout_kl, segment_ids,
                       segment_sum)
 from .schema import (
@@ -38,6 +40,7 @@ from .schema import (
     SampleRecord,
     StageContract,
     StageId,
+    Tolerance,
     WeightLineage,
     stage_contracts,
 )
@@ -46,7 +49,6 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
                   StageId.ADVANTAGE_ESTIMATE)
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ALL_STAGES = ROLLOUT_STAGES + (StageId.LOSS_POLICY,)
-DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank", "support-fullvocab")
 # ``support-fullvocab``: 8 samples × 24 tokens, top-16 support rows over a 32k vocabulary. Seed 30: its groups'
 # reward standard deviations (0.5, 1.5) are exact in float32, so the replay's float32 sqrt (MKL's, not correctly
 # rounded on every code path: seed 0's √3.5833334 rounds the other way on its SSE4.2 path) has one answer.
@@ -330,8 +332,12 @@ def synthetic_parts(
     rank_sizes: Optional[dict] = None,
     sample_prefix: str = "s-",
     settle: bool = False,
+    batch_offset: int = 0,
 ):
     """(manifest, index, expected, payloads) of a clean synthetic bundle: N samples × ~L tokens.
+
+    ``batch_offset``: this bundle's micro-batches and consumer batches are numbered after that many bundles'
+    worth of them (a cohort's rank r consumes its own: ``mb-0001`` on rank 1 of a two-rank cohort of 8 samples).
 
     The same bytes on every host for a given seed (see "Host-independent arithmetic"); expected outputs are
     the kernels' float32 formulas, so it always replays clean. ``settle`` nudges ``log_probs`` and
@@ -373,18 +379,21 @@ def synthetic_parts(
                                  eps_clip_high=cfg.eps_clip_high, entropy_coef=entropy_coef)
     offsets = (torch.cumsum(lengths, 0) - lengths).tolist()
     mask_list = mask_flat.tolist()
+    n_mb, n_cb = (samples + 7) // 8, max(1, samples // 16)
+    first_mb, first_cb = batch_offset * n_mb, batch_offset * n_cb
     records = [
         SampleRecord(sample_id=f"{sample_prefix}{i}", group_index=int(groups[i]), response_length=int(lengths[i]),
                      total_length=int(lengths[i]) + 32,
                      loss_mask=mask_list[offsets[i]: offsets[i] + int(lengths[i])],
-                     raw_reward=float(raw[i]), reward=float(rewards[i]), micro_batch_id=f"mb-{i // 8:04d}")
+                     raw_reward=float(raw[i]), reward=float(rewards[i]),
+                     micro_batch_id=f"mb-{i // 8 + first_mb:04d}")
         for i in range(samples)
     ]
-    n_mb = (samples + 7) // 8
     identity = Identity(
         actor_step_id=anchor, rollout_id=None if anchor is not None else 7,
-        rollout_partition_ids=["rp-0"], consumer_batch_ids=[f"cb-{i}" for i in range(max(1, samples // 16))],
-        micro_batch_ids=[f"mb-{i:04d}" for i in range(n_mb)], semantic_group_ids=sorted(set(groups.tolist())),
+        rollout_partition_ids=["rp-0"], consumer_batch_ids=[f"cb-{first_cb + i}" for i in range(n_cb)],
+        micro_batch_ids=[f"mb-{first_mb + i:04d}" for i in range(n_mb)],
+        semantic_group_ids=sorted(set(groups.tolist())),
         normalization_cohort_ids=["nc-0"], weight_lineage=WeightLineage(rollout_weight=3, actor_weight=4),
         rank=rank_sizes or {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
     )
@@ -416,10 +425,73 @@ def write_synthetic(path: str | Path, **kwargs) -> Path:
 def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7-0", **kwargs) -> Path:
     path = Path(path)
     for r in range(ranks):
-        parts = synthetic_parts(bundle_id=bundle_id, seed=100 + r, sample_prefix=f"r{r}-s-",
+        parts = synthetic_parts(bundle_id=bundle_id, seed=100 + r, sample_prefix=f"r{r}-s-", batch_offset=r,
                                 rank_sizes={"dp": ranks, "tp": 1, "pp": 1, "cp": 1}, **kwargs)
         write_bundle(path, *parts, rank=r, ranks=range(ranks))
     return path
+
+
+# ------------------------------------------------------------------ the bundles the README's screenshots show
+# Hand-made faults with known numbers (the TUI tests open them too): each screenshot can be reproduced with
+# ``replay-tui --demo NAME``.
+
+KL_BUG_TOKENS = {"s-5": (3, 7, 11), "s-6": (0,)}  # sample → token offsets whose expected kl is +0.25
+KL_BUG_DELTA = 0.25
+LOSS_BUG_DELTA = 0.5
+
+
+def write_kl_bug(path: str | Path) -> Path:
+    """8 samples × 16 tokens, two groups; the recorded kl is off by +0.25 at s-5@3,7,11 and s-6@0."""
+    manifest, index, expected, payloads = synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="kl-bug",
+                                                               settle=True)
+    kl = payloads["kl"].clone()
+    for sid, offsets in KL_BUG_TOKENS.items():
+        i = int(sid.split("-")[1])
+        for off in offsets:
+            kl[i * 16 + off] += KL_BUG_DELTA
+    payloads["kl"] = kl
+    return write_bundle(path, manifest, index, expected, payloads)
+
+
+# loose-kl: the bundle's advantage.kl tolerance is atol 0.1 (rtol 0), so each element's tolerance is 0.1 plus a
+# rounding bound below 1e-5 and its noise ratio is |a − e| / 0.1 to two digits: s-1@2 is 0.25 off (×2.5, a
+# divergence), s-1@5 0.05 (×0.5, within the tolerance).
+LOOSE_KL_ATOL = 0.1
+LOOSE_KL_DELTAS = {("s-1", 2): 0.25, ("s-1", 5): 0.05}
+LOOSE_KL_TOKENS = 8
+
+
+def write_loose_kl(path: str | Path) -> Path:
+    """4 samples × 8 tokens whose recorded kl is off at LOOSE_KL_DELTAS, judged with atol LOOSE_KL_ATOL."""
+    import msgspec
+
+    manifest, index, expected, payloads = synthetic_parts(samples=4, tokens=LOOSE_KL_TOKENS, seed=2,
+                                                               bundle_id="loose-kl", settle=True)
+    kl = payloads["kl"].clone()
+    for (sid, offset), delta in LOOSE_KL_DELTAS.items():
+        kl[int(sid.split("-")[1]) * LOOSE_KL_TOKENS + offset] += delta
+    payloads["kl"] = kl
+    policy = msgspec.structs.replace(manifest.comparison_policy, tolerances={
+        "advantage.kl": Tolerance(atol=LOOSE_KL_ATOL, rtol=0.0)})
+    manifest = msgspec.structs.replace(manifest, comparison_policy=policy)
+    return write_bundle(path, manifest, index, expected, payloads)
+
+
+def write_hazard_clean(path: str | Path) -> Path:
+    """The clean twin of kl-bug (8 samples × 16 tokens, seed 3): it replays without a divergence, and the four
+    raw rewards of its group g-1 are equal, so the group's normalized rewards are all 0 (a hazard)."""
+    return write_bundle(path, *synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="hazard-clean",
+                                                         settle=True))
+
+
+def write_loss_bug(path: str | Path) -> Path:
+    """Step-level bundle whose recorded pg_loss (and so loss) is off by +0.5."""
+    manifest, index, expected, payloads = synthetic_parts(samples=4, tokens=8, seed=5, bundle_id="loss-bug",
+                                                               stages=STEP_STAGES, settle=True)
+    loss = dict(expected["loss.policy"])
+    loss["pg_loss"] += LOSS_BUG_DELTA
+    loss["loss"] += LOSS_BUG_DELTA
+    return write_bundle(path, manifest, index, {"loss.policy": loss}, payloads)
 
 
 # Every shipped demo bundle, by the name --demo takes (DEMO_NAMES order).
@@ -429,6 +501,10 @@ _DEMO_BUILDERS = {
     "step-loss": write_step_loss,
     "cohort-2rank": lambda p: write_cohort(p, settle=True),
     "support-fullvocab": lambda p: write_support_bundle(p, **SUPPORT_DEMO),
+    "kl-bug": write_kl_bug,
+    "loss-bug": write_loss_bug,
+    "loose-kl": write_loose_kl,
+    "hazard-clean": write_hazard_clean,
 }
 
 

@@ -55,14 +55,18 @@ PINNED_TORCH = "2.13.0"
 # sha256 over each bundle's files: a payload by its dtype, shape and tensor bytes, manifest.json without the
 # payloads' container size and checksum, index.json and expected.json as written (COMPLETE* holds checksums).
 CONTENT_DIGESTS = {
-    "demo/cohort-2rank": "94caddb79a977e5fb07f1b2960ccdb51ab2573325c708373e0936865971a6071",
+    "demo/cohort-2rank": "c45f44472894b2546dea470fd771b1c5dc0ee943e9bf78bf506aec6908360497",
+    "demo/hazard-clean": "16b73b0d4dd25c8684183cbbac100611c1d2ab66d34798f3a3c339660f78eec0",
+    "demo/kl-bug": "26a2fe89880c20b76c850a886280183f65b8da38898b7e7f4a22f9ab7ef62e35",
+    "demo/loose-kl": "dcff6f619982b0bc2269d398706231fa02f001d5465ed21e8308091816851a47",
+    "demo/loss-bug": "9777bd7f758426094abcc8ae8be5b28ee06d054cfe8668482b69313c269fa728",
     "demo/pr65-buggy": "0c172fe5afad388d2c14db4e5b80c5b82644fc3597d73e15e426dff47434b1ad",
     "demo/pr65-fixed": "03340290f09305473f18015872b51b37f1b325df58accbfed52f28649e5b152a",
     "demo/step-loss": "b8e01383a2c20a159b4175ba5207ef09dabdecde268d703e113b13f1ea440003",
     "demo/support-fullvocab": "823a1d2658d481f8433ef15641cb823adb6b09e3155704699f9e1eb737f8a7f7",
     "tui/brackets": "dc0cb95c35b0e224825b3871c9bbe6efae0baa31ea49964f8ad6450b4b1c96de",
     "tui/broken": "0c172fe5afad388d2c14db4e5b80c5b82644fc3597d73e15e426dff47434b1ad",
-    "tui/cohort-2rank": "94caddb79a977e5fb07f1b2960ccdb51ab2573325c708373e0936865971a6071",
+    "tui/cohort-2rank": "c45f44472894b2546dea470fd771b1c5dc0ee943e9bf78bf506aec6908360497",
     "tui/hazard-clean": "16b73b0d4dd25c8684183cbbac100611c1d2ab66d34798f3a3c339660f78eec0",
     "tui/kl-bug": "26a2fe89880c20b76c850a886280183f65b8da38898b7e7f4a22f9ab7ef62e35",
     "tui/loose-kl": "dcff6f619982b0bc2269d398706231fa02f001d5465ed21e8308091816851a47",
@@ -78,14 +82,18 @@ CONTENT_DIGESTS = {
 }
 # sha256 over the raw bytes of every file (payload containers, COMPLETE sentinels included), under PINNED_TORCH.
 FILE_DIGESTS = {
-    "demo/cohort-2rank": "c3d4d0bf35701ab1ab7511bb41eb8b156b4a56ed23ce3e693feb7bf9a29b5361",
+    "demo/cohort-2rank": "dd2d26a428d09b8594f690d4d4b85de11cb0457242df190ad02c245e32a1e6e3",
+    "demo/hazard-clean": "288e963b2d6b5d73c6a298cab1461069637b3ecf3da2818d12a499af62d37c06",
+    "demo/kl-bug": "d3aa40efefdb920a3d278218bda47b4d932c10834a391e81a41311852ba2f354",
+    "demo/loose-kl": "e9ae008555acf6a95c966375032f4fa72000527b744d449a8389c52b76357bd1",
+    "demo/loss-bug": "82704d35d312ef10127e61f47c126b0a54197fbe622ebf8c2bbe852a4fdeb416",
     "demo/pr65-buggy": "352dafb5532779d8f503a02694314f8db1ae9a1cac2dd1ab68568267429b4fbd",
     "demo/pr65-fixed": "9525565f4954a05fde05b0516d859fe03646a4370d3fcec2be6af67eb4a4a7b8",
     "demo/step-loss": "b0655d79de1284f720a38fe2bc4b4eca849e7af555cf6502d3e987cc9f53b4ba",
     "demo/support-fullvocab": "c5fbf1709611323467c230aed8db6f0e6b425a40b667595a9596be6ddf68ebe5",
     "tui/brackets": "24f574a9c914595327bd2585f03872e6231f336fb4417fe7de13568fb79cd15b",
     "tui/broken": "a6739679f72803f771508d448189e4f4fb5e88c61c3cdef8da2d0a64cadfd76f",
-    "tui/cohort-2rank": "c3d4d0bf35701ab1ab7511bb41eb8b156b4a56ed23ce3e693feb7bf9a29b5361",
+    "tui/cohort-2rank": "dd2d26a428d09b8594f690d4d4b85de11cb0457242df190ad02c245e32a1e6e3",
     "tui/hazard-clean": "288e963b2d6b5d73c6a298cab1461069637b3ecf3da2818d12a499af62d37c06",
     "tui/kl-bug": "d3aa40efefdb920a3d278218bda47b4d932c10834a391e81a41311852ba2f354",
     "tui/loose-kl": "e9ae008555acf6a95c966375032f4fa72000527b744d449a8389c52b76357bd1",

@@ -11,6 +11,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from ..cells import FAIL, PASS, SKIP, WARN
+from ..hazards import HAZARD_MARK
 from ..keys import key_actions
 from ..widgets.key_bar import KeyBar
 
@@ -36,6 +38,33 @@ INTRO = (
 )
 
 
+# (mark, its style, what it means): every glyph and colour the panes draw, in the order a user meets them.
+LEGEND = (
+    ("✓", PASS, "compared, every element within its tolerance (green)"),
+    ("✗", FAIL, "mismatches (red); the ✗ column counts the sample's mismatching elements, red text marks "
+                "a diverging sample, value or |err|"),
+    ("·", SKIP, "not compared: the stage did not run for it, the field has no element there, or the count is "
+                "zero (dim)"),
+    ("○", SKIP, "a skipped stage: not declared recompute (recorded-only, inspect-only, unsupported), not "
+                "selected, or cohort-level under a partial selection; it never counts as the first divergence"),
+    ("◀ first", None, "the first divergence (the stage a report names)"),
+    (HAZARD_MARK, WARN, "a hazard: reported, never failed (z lists them)"),
+    ("▾ ▸", None, "an open / folded group (space, ← →)"),
+    ("reward", None, "the samples' reward column is the recorded value: the normalized reward when the "
+                     "bundle records it, else the raw reward"),
+)
+
+
+def legend() -> Table:
+    grid = Table.grid(padding=(0, 2), expand=True)
+    grid.add_column(no_wrap=True, min_width=12)
+    grid.add_column(ratio=1)
+    grid.add_row(Text("Legend", style="bold underline"), "")
+    for mark, style, meaning in LEGEND:
+        grid.add_row(Text(mark, style=style or ""), Text(meaning))
+    return grid
+
+
 class HelpScreen(ModalScreen[None]):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
@@ -53,6 +82,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self):
         with VerticalScroll(id="help-box"):
+            yield Static(legend(), id="help-legend")  # first: short, and what a new user asks about first
             yield Static(Text(INTRO, style="italic"), id="help-intro")
             yield Static(self._content(), id="help-text")
         yield KeyBar()  # this screen's keys, not the pane's beneath it

@@ -417,7 +417,9 @@ async def test_stage_pane_keys(make_app):
         assert state(app) == ("s-5", "kl", 3)
         await pilot.press("1", "G", "enter")  # loss.value: unsupported, nothing to open
         assert state(app) == ("s-5", "kl", 3)
-        assert any("loss.value: nothing to show" in n.message for n in app._notifications)
+        said = [n.message for n in app._notifications]
+        reason = next(s.reason for s in app.model.report.stages if s.stage == "loss.value")
+        assert said == [f"loss.value: skipped — {reason}: nothing was compared"] and reason
 
 
 async def test_sample_tree_keys(make_app):

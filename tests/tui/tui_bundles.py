@@ -8,72 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from replay_lib import demo
+# the screenshot demos live in the library (``replay-tui --demo kl-bug``); their numbers, for the tests
+from replay_lib.demo import (KL_BUG_DELTA, KL_BUG_TOKENS, LOOSE_KL_ATOL, LOOSE_KL_DELTAS,  # noqa: F401
+                             LOOSE_KL_TOKENS, LOSS_BUG_DELTA, write_hazard_clean, write_kl_bug, write_loose_kl,
+                             write_loss_bug)
 from replay_lib.schema import ProducerInfo
 
-KL_BUG_TOKENS = {"s-5": (3, 7, 11), "s-6": (0,)}  # sample → token offsets whose expected kl is +0.25
-KL_BUG_DELTA = 0.25
-LOSS_BUG_DELTA = 0.5
 BRACKET_PREFIX = "[red]s-"
 
 
 def fixed_producer() -> ProducerInfo:
     return ProducerInfo(commit="demo", dirty_patch_digest=None, torch_version="test")
-
-
-def write_kl_bug(path: Path) -> Path:
-    """8 samples × 16 tokens, two groups; the recorded kl is off by +0.25 at s-5@3,7,11 and s-6@0."""
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="kl-bug",
-                                                               settle=True)
-    kl = payloads["kl"].clone()
-    for sid, offsets in KL_BUG_TOKENS.items():
-        i = int(sid.split("-")[1])
-        for off in offsets:
-            kl[i * 16 + off] += KL_BUG_DELTA
-    payloads["kl"] = kl
-    return demo.write_bundle(path, manifest, index, expected, payloads)
-
-
-# loose-kl: the bundle's advantage.kl tolerance is atol 0.1 (rtol 0), so each element's tolerance is 0.1 plus a
-# rounding bound below 1e-5 and its noise ratio is |a − e| / 0.1 to two digits: s-1@2 is 0.25 off (×2.5, a
-# divergence), s-1@5 0.05 (×0.5, within the tolerance).
-LOOSE_KL_ATOL = 0.1
-LOOSE_KL_DELTAS = {("s-1", 2): 0.25, ("s-1", 5): 0.05}
-LOOSE_KL_TOKENS = 8
-
-
-def write_loose_kl(path: Path) -> Path:
-    """4 samples × 8 tokens whose recorded kl is off at LOOSE_KL_DELTAS, judged with atol LOOSE_KL_ATOL."""
-    import msgspec
-
-    from replay_lib.schema import Tolerance
-
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=LOOSE_KL_TOKENS, seed=2,
-                                                               bundle_id="loose-kl", settle=True)
-    kl = payloads["kl"].clone()
-    for (sid, offset), delta in LOOSE_KL_DELTAS.items():
-        kl[int(sid.split("-")[1]) * LOOSE_KL_TOKENS + offset] += delta
-    payloads["kl"] = kl
-    policy = msgspec.structs.replace(manifest.comparison_policy, tolerances={
-        "advantage.kl": Tolerance(atol=LOOSE_KL_ATOL, rtol=0.0)})
-    manifest = msgspec.structs.replace(manifest, comparison_policy=policy)
-    return demo.write_bundle(path, manifest, index, expected, payloads)
-
-
-def write_hazard_clean(path: Path) -> Path:
-    """The clean twin of kl-bug (8 samples × 16 tokens, seed 3): it replays without a divergence, and the four
-    raw rewards of its group g-1 are equal, so the group's normalized rewards are all 0 (a hazard)."""
-    return demo.write_bundle(path, *demo.synthetic_parts(samples=8, tokens=16, seed=3, bundle_id="hazard-clean",
-                                                         settle=True))
-
-
-def write_loss_bug(path: Path) -> Path:
-    """Step-level bundle whose recorded pg_loss (and so loss) is off by +0.5."""
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=8, seed=5, bundle_id="loss-bug",
-                                                               stages=demo.STEP_STAGES, settle=True)
-    loss = dict(expected["loss.policy"])
-    loss["pg_loss"] += LOSS_BUG_DELTA
-    loss["loss"] += LOSS_BUG_DELTA
-    return demo.write_bundle(path, manifest, index, {"loss.policy": loss}, payloads)
 
 
 def write_brackets(path: Path) -> Path:
