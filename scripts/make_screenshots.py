@@ -3,8 +3,9 @@
 
     python scripts/make_screenshots.py [--out screenshots] [--no-png]
 
-The bundles are the shipped demos (PR #65, support-fullvocab) and the test suite's hand-made faults
-(tests/tui/tui_bundles.py), written to a temporary directory; only bundle basenames appear on screen.
+The bundles are the shipped demos (``replay-tui --demo NAME`` opens each one a screenshot shows) and one broken
+copy of pr65-buggy, written to a temporary directory by this torch: the identity pane shows the live torch version
+(the snapshot tests use a fixed label instead); only bundle basenames appear on screen.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "tui"))
 os.environ.pop("NO_COLOR", None)
 os.environ["TEXTUAL_ANIMATIONS"] = "none"
 
@@ -92,13 +92,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "screenshots")
     p.add_argument("--no-png", action="store_true")
     args = p.parse_args()
-    from tui_bundles import write_all
+    from replay_lib.demo import write_demos, write_pr65
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     make_png = not args.no_png and shutil.which("rsvg-convert") is not None
     with tempfile.TemporaryDirectory(prefix="replay-shots-") as tmp:
-        root = write_all(Path(tmp))
+        root = Path(tmp)
+        write_demos(root)
+        (write_pr65(root / "broken") / "COMPLETE").unlink()  # an unpublished bundle: the error screen
         cwd = os.getcwd()
         os.chdir(root)  # the error screen names the bundle by the (relative) path it was given
         try:
