@@ -294,7 +294,7 @@ def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
 # float32 sequential sums of the surrogate, ppo_kl and entropy (seq32; the clip and mask counts are whole
 # numbers, exact in either precision).
 ABS_SUMS = ("abs_pg", "abs_kl", "abs_ent", "kl_pg", "near_clip", "ratio")
-SEQ32_SUMS = ("pg32", "kl32", "ent32")
+SEQ32_SUMS = ("pg32", "kl32", "ent32", "kl_loss32")
 
 
 def loss_clip_boundary(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float, eps_clip: float,
@@ -317,50 +317,115 @@ def sequential_sum32(values: torch.Tensor) -> float:
     return float(np.add.accumulate(flat, dtype=np.float32)[-1]) + 0.0
 
 
+def near_value(x: torch.Tensor, edge: float, u_token: float, cond) -> torch.Tensor:
+    """bool per token: ``x`` within ``8·u_t·(1 + cond)`` (relative) of ``edge`` — a comparison with ``edge``
+    (a dual-clip bound c, an IcePop bound) that a legitimate producer's rounding of ``x`` may decide either way
+    (``cond``: the condition of the exponent ``x`` was computed from)."""
+    return (x - edge).abs() <= x.abs() * (C_NEAR_CLIP * u_token) * (1.0 + cond)
+
+
+def loss_aggregate_bound(weighted, value: float, precision: Precision) -> float:
+    """The rounding bound of a scalar aggregated from recorded per-sample terms (``weighted``: the terms'
+    ``w_i·S_i`` columns, float64): the producer summed ``n`` of them (``2·u_a·n·Σ|w_i·S_i|``, a sequential sum's
+    worst case) and rounded the result (``2·u32·|value|``)."""
+    cond = sum(float(w.abs().sum()) for w in weighted)
+    count = max((int(w.numel()) for w in weighted), default=0)
+    return C_FINAL * U32 * abs(value) + C_REDUCE * precision.reduce * count * cond
+
+
+def aggregated_condition(signed: torch.Tensor, magnitude: Optional[torch.Tensor], tok, seq32: Optional[torch.Tensor],
+                         inner: torch.Tensor, outer: float, scale: float = 1.0):
+    """``(K_sum, K_outer, K_tok, seq32)`` of a field ``scale·(Σ_i S_i / inner_i) / outer`` (module doc) from its
+    per-sample sums: ``signed`` (S_i, float64), ``magnitude`` (Σ_t|x_t·m_t|; None: |S_i|, a 0/1 count's),
+    ``tok`` (Σ_t c_t·m_t, the per-token evaluation's condition; None: exact terms) and ``seq32`` (the float32
+    sequential per-sample sums; None: ``signed`` in float32) — the sum over samples evaluated sequentially in
+    float32, divided and scaled as a float32 producer does."""
+    w = 1.0 / (inner * outer)
+    s = abs(float(scale))
+    mean = signed * w
+    k_sum = (magnitude * w).sum() * s if magnitude is not None else mean.abs().sum() * s
+    k_tok = (tok * w).sum() * s if isinstance(tok, torch.Tensor) else torch.zeros((), dtype=torch.float64)
+    source = seq32 if seq32 is not None else signed.to(torch.float32)
+    outer32 = float(torch.tensor(outer, dtype=torch.float32))
+    sq = sequential_sum32(source / inner.to(torch.float32)) / outer32 * float(torch.tensor(scale, dtype=torch.float32))
+    return k_sum, mean.abs().sum() * s, k_tok, sq
+
+
+def scalar_bound(truth: float, condition, precision: Precision) -> float:
+    """``2·u32·|T| + max(2·u_a·(K_sum + K_outer) + 2·u_t·K_tok, 3·|seq32 − T|)`` (module doc; the sequential
+    term only for float32 accumulation)."""
+    ks, ko, kt, sq = condition
+    cond = C_REDUCE * precision.reduce * float(ks + ko) + C_REDUCE * precision.token * float(kt)
+    sequential = C_SEQUENTIAL * abs(sq - truth) if precision.sequential else 0.0
+    return C_FINAL * U32 * abs(truth) + max(cond, sequential if math.isfinite(sequential) else 0.0)
+
+
 def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, torch.Tensor], names, *,
                        entropy_coef: float, precision: Precision,
                        advantage_bound_per_sample: Optional[torch.Tensor] = None,
-                       advantage_per_sample: Optional[torch.Tensor] = None) -> dict[str, float]:
+                       advantage_per_sample: Optional[torch.Tensor] = None, knobs=None) -> dict[str, float]:
     """The rounding bound of each loss.policy field (module doc) from the per-sample sums of one pass:
-    the float64 ones (``pg, clip, kl, ent, mask``), :data:`ABS_SUMS`, and the float32 sequential ones
-    (:data:`SEQ32_SUMS`). ``advantage_bound_per_sample``: ρ_i under ``--chain``."""
-    denom = torch.clamp_min(sums["mask"], 1.0)
-    denom32 = denom.to(torch.float32)
-    mean = {k: sums[k] / denom for k in ("pg", "clip", "kl", "ent")}
-    k_sum = {"pg": (sums["abs_pg"] / denom).sum(), "clip": mean["clip"].abs().sum(),
-             "kl": (sums["abs_kl"] / denom).sum(), "ent": (sums["abs_ent"] / denom).sum()}
-    k_outer = {k: v.abs().sum() for k, v in mean.items()}
-    k_tok = {"pg": ((PG_COND * sums["abs_pg"] + PG_KL_COND * sums["kl_pg"]) / denom).sum(),
-             "clip": torch.zeros((), dtype=torch.float64),
-             "kl": k_sum["kl"], "ent": torch.zeros((), dtype=torch.float64)}
-    seq = {k: sequential_sum32(sums[f"{k}32"] / denom32) for k in ("pg", "kl", "ent")}
-    seq["clip"] = sequential_sum32(sums["clip"].to(torch.float32) / denom32)
-    c = abs(entropy_coef)
+    the float64 ones (``pg, clip, kl, ent, mask`` and, as the knobs ask, ``clip_lower``, ``kl_loss``),
+    :data:`ABS_SUMS`, and the float32 sequential ones (:data:`SEQ32_SUMS`). ``advantage_bound_per_sample``:
+    ρ_i under ``--chain``. ``knobs`` (``kernels.loss.LossKnobs``, default V1's): a field is
+    ``scale·(Σ_i S_i / inner_i) / outer`` (``kernels.loss.agg_divisors``), so every sum over samples is
+    weighted by ``w_i = 1/(inner_i·outer)`` and the loss terms by ``|loss_scale|``; the KL term's per-token
+    condition is the estimator's (``kl_condition``); ``pg_clipfrac_lower`` admits the tokens whose ratio lies
+    within rounding of ``c``; an IcePop mask the tokens it may keep or drop."""
+    from .kernels.loss import LossKnobs, agg_divisors
+
+    knobs = knobs or LossKnobs(entropy_coef=entropy_coef)
+    n = sums["mask"]
+    scale = abs(float(knobs.loss_scale))
+
+    loss_mode, metric_mode = agg_divisors(knobs.loss_agg_mode, n, knobs), agg_divisors(knobs.metric_agg_mode, n, knobs)
+
+    def term(signed: str, magnitude: Optional[str], tok, seq: Optional[str], metric: bool):
+        inner, outer = metric_mode if metric else loss_mode
+        return aggregated_condition(sums[signed], sums[magnitude] if magnitude else None, tok,
+                                    sums[seq] if seq else None, inner, outer, 1.0 if metric else knobs.loss_scale)
+
     terms = {
-        "loss": (k_sum["pg"] + c * k_sum["ent"], k_outer["pg"] + c * k_outer["ent"], k_tok["pg"],
-                 seq["pg"] - float(torch.tensor(entropy_coef, dtype=torch.float32)) * seq["ent"]),
-        "pg_loss": (k_sum["pg"], k_outer["pg"], k_tok["pg"], seq["pg"]),
-        "entropy_loss": (k_sum["ent"], k_outer["ent"], k_tok["ent"], seq["ent"]),
-        "pg_clipfrac": (k_sum["clip"], k_outer["clip"], k_tok["clip"], seq["clip"]),
-        "ppo_kl": (k_sum["kl"], k_outer["kl"], k_tok["kl"], seq["kl"]),
+        "pg_loss": term("pg", "abs_pg", PG_COND * sums["abs_pg"] + PG_KL_COND * sums["kl_pg"], "pg32", False),
+        "entropy_loss": term("ent", "abs_ent", None, "ent32", False),
+        "pg_clipfrac": term("clip", None, None, None, True),
+        "ppo_kl": term("kl", "abs_kl", sums["abs_kl"], "kl32", True),
     }
+    if "clip_lower" in sums:
+        terms["pg_clipfrac_lower"] = term("clip_lower", None, None, None, True)
+    if "kl_loss" in sums:
+        terms["kl_loss"] = term("kl_loss", "abs_kl_loss", sums["kl_loss_tok"], "kl_loss32", False)
+    c = abs(entropy_coef)
+    c32 = float(torch.tensor(entropy_coef, dtype=torch.float32))
+    pg, ent = terms["pg_loss"], terms["entropy_loss"]
+    loss = [pg[k] + c * ent[k] for k in range(3)] + [pg[3] - c32 * ent[3]]
+    if "kl_loss" in terms:
+        kc = abs(float(knobs.kl_loss_coef))
+        kl = terms["kl_loss"]
+        loss = [loss[k] + kc * kl[k] for k in range(3)] + [loss[3] + float(torch.tensor(
+            knobs.kl_loss_coef, dtype=torch.float32)) * kl[3]]
+    terms["loss"] = tuple(loss)
+    inner_l, outer_l = loss_mode
+    inner_m, outer_m = metric_mode
     extra_pg = extra_clip = 0.0
     if advantage_bound_per_sample is not None and sums["ratio"].numel():
         rho = advantage_bound_per_sample.to(torch.float64)
-        extra_pg = float(((sums["ratio"] / denom) * rho).sum())
+        extra_pg = float(((sums["ratio"] / (inner_l * outer_l)) * rho).sum()) * scale
+        if knobs.dual_clip:
+            extra_pg = max(extra_pg, extra_pg * float(knobs.eps_clip_c))
         if advantage_per_sample is not None:
             a = advantage_per_sample.to(torch.float64).abs()
-            extra_clip = float(((rho > 0) & (a <= rho) & (sums["mask"] > 0)).sum())
+            extra_clip = float(((rho > 0) & (a <= rho) & (n > 0)).sum())
+    if "is_flip" in sums:
+        extra_pg += float((sums["is_flip"] / (inner_l * outer_l)).sum()) * scale
     out = {}
     for name in names:
-        truth = float(fields[name])
-        ks, ko, kt, sq = terms[name]
-        cond = C_REDUCE * precision.reduce * float(ks + ko) + C_REDUCE * precision.token * float(kt)
-        sequential = C_SEQUENTIAL * abs(sq - truth) if precision.sequential else 0.0
-        bound = C_FINAL * U32 * abs(truth) + max(cond, sequential if math.isfinite(sequential) else 0.0)
+        bound = scalar_bound(float(fields[name]), terms[name], precision)
         if name in ("loss", "pg_loss"):
             bound += extra_pg
         if name == "pg_clipfrac":
-            bound += float((sums["near_clip"] / denom).sum()) + extra_clip
+            bound += float((sums["near_clip"] / (inner_m * outer_m)).sum()) + extra_clip
+        if name == "pg_clipfrac_lower":
+            bound += float((sums["near_lower"] / (inner_m * outer_m)).sum()) + extra_clip
         out[name] = bound
     return out

@@ -169,9 +169,9 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # seq_mean_token_sum_norm; the recorded all-reduced counts T, N, L and the producer's multiplier.
     loss_agg_mode: str = "sum_of_sample_means"
     metric_agg_mode: Optional[str] = None  # None = loss_agg_mode
-    loss_token_count: Optional[Int] = None
-    loss_seq_count: Optional[Int] = None
-    loss_horizon: Optional[Int] = None
+    loss_token_count: Optional[Count] = None
+    loss_seq_count: Optional[Count] = None
+    loss_horizon: Optional[Count] = None
     loss_scale: float = 1.0
     log_ratio_clamp: Optional[float] = None
     importance_level: str = "token"  # token | sequence (GSPO)
@@ -201,6 +201,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Optional[Int] = None
     num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
+        # error naming the field (exit 3), never a refusal or a crash in a stage.
+        from .loss_knobs import LossKnobs, check_knobs
+
+        errors = check_knobs(LossKnobs.of(self))
+        if errors:
+            raise ValueError(errors[0])
 
 
 # The knobs every config summary shows; the others only when set away from their default.

@@ -184,11 +184,13 @@ def test_stage_pulls_in_what_it_consumes(cli, pr65):
     assert code == 0
 
 
-def test_stage_loss_value_is_unsupported(cli, pr65):
+def test_stage_loss_value_declared_unsupported_is_refused(cli, pr65):
+    # loss.value is recomputed (stages/value.py) where a bundle declares it recompute; PR #65's declares it
+    # unsupported, as every V1 producer does
     code, out, err = cli("replay", pr65[0], "--stage", "loss.value")
     assert (code, out) == (4, "")
-    assert err == ("trajectory-replay: error: stage loss.value is unsupported: "
-                   "value loss is unsupported in V1 (GRPO has no critic)\n")
+    assert err.startswith("trajectory-replay: error: stage loss.value is declared unsupported in ")
+    assert err.endswith("manifest.json; only recompute stages can be replayed\n")
 
 
 def test_stage_not_declared_is_unsupported(cli, pr65):
@@ -214,14 +216,12 @@ def bundle_with(tmp_path, *, stages=ALL_STAGES, rank=None, **config):
     return write_bundle(tmp_path / "bundle", manifest, index, expected, payloads)
 
 
+# use_tis, use_kl_loss and eps_clip_c are recomputed now (SPEC §4.2): tests/test_loss_knobs.py.
 REFUSALS = [
     ({"advantage_estimator": "ppo"}, "$.config.advantage_estimator='ppo': V1 recomputes GRPO only"),
-    ({"use_tis": True}, "$.config.use_tis=True: truncated importance sampling is not implemented in V1 (stage loss.policy)"),
-    ({"use_kl_loss": True}, "$.config.use_kl_loss=True: a KL term in the actor loss is not implemented in V1"),
     ({"calculate_per_token_loss": True}, "$.config.calculate_per_token_loss=True: per-token loss aggregation"),
     ({"normalize_advantages": True},
      "$.config.normalize_advantages=True: advantage whitening is not implemented in V1 (stage advantage.estimate)"),
-    ({"eps_clip_c": 3.0}, "$.config.eps_clip_c=3.0: dual-clip PPO is not implemented in V1"),
     ({"rewards_normalization": False},
      "$.config.rewards_normalization=False: V1 recomputes GRPO group normalization only (stage reward.post_process)"),
     ({"use_rollout_logprobs": True}, "$.config.use_rollout_logprobs=True: rollout log-probs as the PPO anchor"),
@@ -277,7 +277,7 @@ def test_unknown_config_knob_with_a_neutral_value_is_a_warning(tmp_path, cli, va
 
 
 def test_loss_only_knob_does_not_block_the_reward_stages(tmp_path, cli):
-    path = bundle_with(tmp_path, use_tis=True)
+    path = bundle_with(tmp_path, use_rollout_logprobs=True)
     assert cli("replay", path, "--stage", "reward.post_process")[0] == 0
     assert cli("replay", path, "--stage", "loss.policy")[0] == 4
 

@@ -19,6 +19,7 @@ from .reward import STD_EPS, group_normalize, batch_normalize
 from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, rollout_kl
 from .advantage import get_grpo_returns, GrpoReturns
 from .loss import compute_policy_loss, policy_loss_terms, sum_of_sample_mean, LOSS_FIELDS, policy_loss_fields, POLICY_SUMS, policy_loss_columns, policy_fields_from_sums
+from .loss import AGG_MODES, POLICY_FIELDS, VALUE_FIELDS, LossKnobs, aggregate, agg_weights, policy_token_terms, value_token_terms, value_loss_fields
 
 __all__ = [
     "segment_ids",
@@ -45,4 +46,13 @@ __all__ = [
     "POLICY_SUMS",
     "policy_loss_columns",
     "policy_fields_from_sums",
+    "AGG_MODES",
+    "POLICY_FIELDS",
+    "VALUE_FIELDS",
+    "LossKnobs",
+    "aggregate",
+    "agg_weights",
+    "policy_token_terms",
+    "value_token_terms",
+    "value_loss_fields",
 ]

@@ -1,12 +1,46 @@
-"""loss.policy kernels: the clipped surrogate and its aggregation into the reported fields."""
+"""loss.policy and loss.value kernels: the clipped surrogate with the loss-side knobs of SPEC §4.2, and the
+aggregation of per-sample sums into the reported fields.
+
+One formula per token, in the dtype of its inputs (float32 for a producer, float64 for the replay):
+
+* ``Δ = logp − old`` (clamped to ``±log_ratio_clamp`` when set, as verl does), ``ppo_kl = −Δ``;
+* the ratio ``exp(Δ)`` (``importance_level="token"``), or per sample ``s_i = exp(Σ_t Δ·mask / n_i)`` (GSPO,
+  ``"sequence"``: the log-ratio clamp then applies to that mean, and ``ppo_kl`` is the token log-ratio as
+  verl's ``compute_policy_loss_gspo`` reports it);
+* ``l1 = −ratio·A``, ``l2 = −clamp(ratio, 1 − eps_clip, 1 + eps_clip_high)·A``, ``pg = max(l1, l2)``,
+  ``clip = l2 > l1``; dual-clip (``eps_clip_c = c``): ``pg = where(A < 0, min(pg, −c·A), pg)`` and
+  ``clip_lower = (pg > −c·A) ∧ (A < 0)`` before the min (verl's ``pg_clipfrac_lower``);
+* train/rollout importance correction ``w`` (a constant): the log weight ``old − rollout`` per token (``token``),
+  summed (``sequence``) or averaged (``geometric``) over the sample's loss tokens, clamped to
+  ``±is_log_clamp`` when set; ``w = exp(·)``; ``truncate``: ``clamp(w, is_low, is_high)``; ``mask``
+  (IcePop): ``w·1[is_low ≤ w ≤ is_high]`` (a missing bound is no bound); ``pg ← w·pg``;
+* the KL term of the loss on the current log-probs: ``r = logp − ref`` (clamped to ``±kl_loss_input_clamp``),
+  the estimator ``kl_loss_type`` (``kl.compute_approx_kl``), clamped to ``±kl_loss_output_clamp``.
+
+Aggregation (:func:`aggregate`): a field is ``loss_scale · Σ_i w_i Σ_t x·mask`` with ``w_i`` from the mode,
+``n_i = Σ_t mask``: ``1/max(n_i,1)`` (sum_of_sample_means) · ``1/(N·max(n_i,1))`` (seq_mean_token_mean) ·
+``1/T`` (token_mean) · ``1/N`` (seq_mean_token_sum) · ``1/(N·L)`` (seq_mean_token_sum_norm), evaluated as
+``(Σ_i S_i / inner_i) / outer`` — the per-sample division of slime, the global division of verl. ``T``, ``N``,
+``L`` are the producer's recorded counts. The loss terms (pg_loss, entropy_loss, kl_loss, vf_loss) use
+``loss_agg_mode`` and carry ``loss_scale``; the metrics (pg_clipfrac, pg_clipfrac_lower, ppo_kl, vf_clipfrac)
+use ``metric_agg_mode`` and are not scaled (verl multiplies its loss by the dp size, never its metrics).
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping, Optional
 
 import torch
 
+from ..loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, SUM_OF_SAMPLE_MEANS,
+                          LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
+# (the knobs and their allowed values live in replay_lib.loss_knobs, torch-free: the schema checks them)
+
+def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
+    return x if bound is None else x.clamp(-bound, bound)
 
 
 def compute_policy_loss(
@@ -30,6 +64,176 @@ def policy_loss_terms(
     return pg_losses, clipfrac, ratio
 
 
+def dual_clip(pg_losses: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO: ``(where(A < 0, min(pg, −c·A), pg), clip_lower)``, ``clip_lower = (pg > −c·A) ∧ (A < 0)``
+    (1/0 in the dtype of ``pg_losses``)."""
+    l3 = -c * advantages
+    negative = advantages < 0
+    lower = torch.gt(pg_losses, l3) & negative
+    return torch.where(negative, torch.minimum(pg_losses, l3), pg_losses), lower.to(pg_losses.dtype)
+
+
+def importance_weight(log_weight: torch.Tensor, knobs: LossKnobs) -> torch.Tensor:
+    """``w`` from its log (per token, already summed or averaged for a sequence or geometric level):
+    ``exp`` of the log clamped to ``±is_log_clamp``, then truncated or masked to ``[is_low, is_high]``."""
+    w = _clamp(log_weight, knobs.is_log_clamp).exp()
+    if knobs.is_mode == "truncate":
+        if knobs.is_low is not None or knobs.is_high is not None:
+            w = w.clamp(min=knobs.is_low, max=knobs.is_high)
+        return w
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if knobs.is_low is not None:
+        keep &= w >= knobs.is_low
+    if knobs.is_high is not None:
+        keep &= w <= knobs.is_high
+    return w * keep.to(w.dtype)
+
+
+def kl_loss_values(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, knobs: LossKnobs,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The KL term of the loss per token: ``kl(logp, ref)`` with the input and output clamps."""
+    if knobs.kl_loss_input_clamp is None:
+        kl = compute_approx_kl(log_probs, ref_log_probs, knobs.kl_loss_type, dtype=dtype)
+    else:
+        r = _clamp(log_probs.to(dtype) - ref_log_probs.to(dtype), knobs.kl_loss_input_clamp)
+        kl = compute_approx_kl(r, torch.zeros_like(r), knobs.kl_loss_type, dtype=dtype)
+    return _clamp(kl, knobs.kl_loss_output_clamp)
+
+
+def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
+                     loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
+                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The per-sample quantities the per-token terms need first (``[n]`` each, ``{}`` when none is):
+    ``seq_log_ratio`` (GSPO, ``Σ_t (logp − old)·mask / max(n_i, 1)``, clamped) and ``is_log_weight``
+    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``)."""
+    if not knobs.needs_sample_pass:
+        return {}
+    mask = loss_mask.to(dtype)
+    want_is = knobs.is_level in ("sequence", "geometric")
+    if want_is and rollout_log_probs is None:
+        raise ValueError(f"rollout_log_probs is required for is_level={knobs.is_level!r}")
+
+    def columns(start: int, stop: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = mask[start:stop]
+        out = {"mask": m}
+        if knobs.sequence_ratio:
+            out["lr"] = (log_probs[start:stop].to(dtype) - old_log_probs[start:stop].to(dtype)) * m
+        if want_is:
+            out["is"] = (old_log_probs[start:stop].to(dtype) - rollout_log_probs[start:stop].to(dtype)) * m
+        return out
+
+    names = ["mask"] + (["lr"] if knobs.sequence_ratio else []) + (["is"] if want_is else [])
+    sums = masked_sample_sums(lengths, loss_mask, columns, {k: dtype for k in names})
+    n = torch.clamp_min(sums["mask"], 1.0)
+    out = {}
+    if knobs.sequence_ratio:
+        out["seq_log_ratio"] = _clamp(sums["lr"] / n, knobs.log_ratio_clamp)
+    if want_is:
+        out["is_log_weight"] = sums["is"] / n if knobs.is_level == "geometric" else sums["is"]
+    return out
+
+
+def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                       knobs: LossKnobs, *, seg: Optional[torch.Tensor] = None,
+                       sample_terms: Optional[Mapping[str, torch.Tensor]] = None,
+                       rollout_log_probs: Optional[torch.Tensor] = None,
+                       ref_log_probs: Optional[torch.Tensor] = None,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The per-token terms of one run of tokens, in ``dtype`` (module docstring): ``pg`` (after dual-clip and
+    the importance weight), ``clip``, ``ppo_kl``, ``ratio`` (the one clipped), ``log_ratio`` (its log), and as
+    the knobs ask ``clip_lower``, ``is_weight``, ``kl_loss``. ``seg``: the sample of each token (an index into
+    ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs."""
+    logp = log_probs.to(dtype)
+    old = old_log_probs.to(dtype)
+    adv = advantages.to(dtype)
+    token_lr = logp - old
+    if knobs.sequence_ratio:
+        lr = sample_terms["seq_log_ratio"][seg]
+        ppo_kl = -token_lr
+    else:
+        lr = _clamp(token_lr, knobs.log_ratio_clamp)
+        ppo_kl = -lr
+    if knobs.sequence_ratio or knobs.log_ratio_clamp is not None:
+        pg, clip, ratio = policy_loss_terms(-lr, adv, knobs.eps_clip, knobs.eps_clip_high)
+    else:  # the V1 arithmetic, op for op: exp(−(old − logp))
+        pg, clip, ratio = policy_loss_terms(ppo_kl, adv, knobs.eps_clip, knobs.eps_clip_high)
+    out = {"ppo_kl": ppo_kl, "ratio": ratio, "log_ratio": lr, "clip": clip}
+    if knobs.dual_clip:
+        pg, out["clip_lower"] = dual_clip(pg, adv, float(knobs.eps_clip_c))
+    if knobs.is_level is not None:
+        if knobs.is_level == "token":
+            if rollout_log_probs is None:
+                raise ValueError("rollout_log_probs is required for is_level='token'")
+            log_w = old - rollout_log_probs.to(dtype)
+        else:
+            log_w = sample_terms["is_log_weight"][seg]
+        out["is_log_weight"] = log_w
+        out["is_weight"] = importance_weight(log_w, knobs)
+        out["pg_unweighted"] = pg
+        pg = pg * out["is_weight"]
+    out["pg"] = pg
+    if knobs.kl_loss:
+        if ref_log_probs is None:
+            raise ValueError("ref_log_probs is required for a KL term in the loss (use_kl_loss, kl_loss_coef != 0)")
+        out["kl_r"] = logp - ref_log_probs.to(dtype)
+        out["kl_loss"] = kl_loss_values(logp, ref_log_probs, knobs, dtype=dtype)
+    return out
+
+
+def value_token_terms(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                      value_clip: Optional[float], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """loss.value per token (verl ``compute_value_loss``): ``vf = 0.5·max((v − R)², (clamp(v, v_old − ε,
+    v_old + ε) − R)²)`` and ``clip = (clipped > unclipped)``; unclipped when ``value_clip`` is None."""
+    v, r = values.to(dtype), returns.to(dtype)
+    d1 = v - r
+    vf1 = d1 * d1
+    if value_clip is None:
+        return {"vf": 0.5 * vf1, "clip": torch.zeros_like(vf1), "d1": d1, "d2": d1}
+    old = old_values.to(dtype)
+    d2 = torch.minimum(torch.maximum(v, old - value_clip), old + value_clip) - r
+    vf2 = d2 * d2
+    return {"vf": 0.5 * torch.maximum(vf1, vf2), "clip": torch.gt(vf2, vf1).to(dtype), "d1": d1, "d2": d2}
+
+
+# ------------------------------------------------------------------------------------ aggregation
+
+
+def agg_divisors(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> tuple[torch.Tensor, float]:
+    """``(inner [n], outer)``: a field is ``(Σ_i S_i / inner_i) / outer`` under ``mode`` (module doc)."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r} (expected one of {', '.join(AGG_MODES)})")
+    for count in AGG_COUNTS[mode]:
+        if getattr(knobs, count) is None:
+            raise ValueError(f"loss_agg_mode {mode!r} needs the recorded {count}")
+    per_sample = mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean")
+    inner = torch.clamp_min(mask_counts, 1.0) if per_sample else torch.ones_like(mask_counts)
+    if mode == SUM_OF_SAMPLE_MEANS:
+        outer = 1.0
+    elif mode == "token_mean":
+        outer = float(max(knobs.loss_token_count, 1))
+    elif mode == "seq_mean_token_sum_norm":
+        outer = float(max(knobs.loss_seq_count, 1) * max(knobs.loss_horizon, 1))
+    else:
+        outer = float(max(knobs.loss_seq_count, 1))
+    return inner, outer
+
+
+def agg_weights(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> torch.Tensor:
+    """``w_i`` (float64 ``[n]``): each sample's ``Σ_t x·mask`` enters a field as ``w_i·S_i``."""
+    inner, outer = agg_divisors(mode, mask_counts.to(torch.float64), knobs)
+    return 1.0 / (inner * outer)
+
+
+def aggregate(per_sample: torch.Tensor, mask_counts: torch.Tensor, mode: str, knobs: LossKnobs,
+              scale: float = 1.0) -> torch.Tensor:
+    """``scale · (Σ_i S_i / inner_i) / outer`` in the dtype of ``per_sample``."""
+    inner, outer = agg_divisors(mode, mask_counts.to(per_sample.dtype), knobs)
+    total = (per_sample / inner).sum()
+    if outer != 1.0:
+        total = total / outer
+    return total * scale if scale != 1.0 else total
+
+
 def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n_samples: int,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``Σ_samples Σ_t x·mask / max(Σ_t mask, 1)``: the sum of per-sample masked means."""
@@ -40,6 +244,17 @@ def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, seg: torch.Tens
 
 
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
+# What the knobs add (SPEC §4.2): the dual-clip fraction and the KL term of the loss.
+POLICY_EXTRA_FIELDS = ("pg_clipfrac_lower", "kl_loss")
+POLICY_FIELDS = LOSS_FIELDS + POLICY_EXTRA_FIELDS
+VALUE_FIELDS = ("vf_loss", "vf_clipfrac")
+# Which fields are loss terms (loss_agg_mode, × loss_scale); the others are metrics (metric_agg_mode).
+METRIC_FIELDS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
+
+
+def policy_fields_for(knobs: LossKnobs) -> tuple[str, ...]:
+    """The loss.policy fields a producer with these knobs reports."""
+    return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
 
 
 def policy_loss_fields(
@@ -54,55 +269,107 @@ def policy_loss_fields(
     eps_clip_high: float,
     entropy_coef: float,
     dtype: torch.dtype = torch.float32,
+    knobs: Optional[LossKnobs] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
 ) -> Mapping[str, torch.Tensor]:
-    """The reported loss.policy fields: ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl`` (0-d ``dtype``).
+    """The reported loss.policy fields (0-d ``dtype``): ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl``
+    and, as ``knobs`` ask, ``pg_clipfrac_lower`` and ``kl_loss``.
 
-    Each field is :func:`sum_of_sample_mean` of its per-token value. The masked per-sample sums are
-    accumulated chunk by chunk; ``index_add_`` adds in token order either way, so the result is the same
-    as one pass over all tokens.
-    """
-    sums = masked_sample_sums(lengths, loss_mask, policy_loss_columns(
-        log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
-        dtype=dtype), {name: dtype for name in POLICY_SUMS})
-    return policy_fields_from_sums(sums, entropy is not None, entropy_coef)
+    Each field aggregates its per-token value (:func:`aggregate`). The masked per-sample sums are accumulated
+    chunk by chunk; ``index_add_`` adds in token order either way, so the result is the same as one pass over
+    all tokens. ``knobs`` default to V1's (the sum of per-sample means, no dual-clip, no KL, no IS)."""
+    knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
+    knobs = replace(knobs, entropy_coef=entropy_coef)
+    sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype)
+    columns = policy_loss_columns(log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip,
+                                  eps_clip_high=eps_clip_high, dtype=dtype, knobs=knobs, sample_terms=sample_terms,
+                                  rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs)
+    sums = masked_sample_sums(lengths, loss_mask, columns, {name: dtype for name in policy_sums(knobs)})
+    return policy_fields_from_sums(sums, entropy is not None, entropy_coef, knobs)
 
 
 # The per-sample sums :func:`policy_loss_fields` reduces: Σ_t x·mask of the surrogate, the clip indicator,
-# ppo_kl and entropy, and Σ_t mask.
+# ppo_kl and entropy, and Σ_t mask (V1); the dual-clip indicator and the KL term as the knobs ask.
 POLICY_SUMS = ("pg", "clip", "kl", "ent", "mask")
+
+
+def policy_sums(knobs: LossKnobs) -> tuple[str, ...]:
+    return POLICY_SUMS + (("clip_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
 
 
 def policy_loss_columns(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, entropy: Optional[torch.Tensor],
     loss_mask: torch.Tensor, *, eps_clip: float, eps_clip_high: float, dtype: torch.dtype,
+    knobs: Optional[LossKnobs] = None, sample_terms: Optional[Mapping[str, torch.Tensor]] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None, ref_log_probs: Optional[torch.Tensor] = None,
 ) -> Callable[[int, int, torch.Tensor], dict[str, torch.Tensor]]:
-    """The masked per-token terms of :data:`POLICY_SUMS` for one chunk, in ``dtype``."""
+    """The masked per-token terms of :func:`policy_sums` for one chunk, in ``dtype``."""
     mask = loss_mask.to(dtype)
+    knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
 
     def columns(start: int, stop: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
         m = mask[start:stop]
-        ppo_kl = old_log_probs[start:stop].to(dtype) - log_probs[start:stop].to(dtype)
-        pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages[start:stop].to(dtype), eps_clip, eps_clip_high)
-        out = {"pg": pg_losses * m, "clip": clipfrac * m, "kl": ppo_kl * m}
+        t = policy_token_terms(
+            log_probs[start:stop], old_log_probs[start:stop], advantages[start:stop], knobs, seg=seg,
+            sample_terms=sample_terms, dtype=dtype,
+            rollout_log_probs=rollout_log_probs[start:stop] if rollout_log_probs is not None else None,
+            ref_log_probs=ref_log_probs[start:stop] if ref_log_probs is not None else None)
+        out = {"pg": t["pg"] * m, "clip": t["clip"] * m, "kl": t["ppo_kl"] * m}
         if entropy is not None:
             out["ent"] = entropy[start:stop].to(dtype) * m
         out["mask"] = m
+        if knobs.dual_clip:
+            out["clip_lower"] = t["clip_lower"] * m
+        if knobs.kl_loss:
+            out["kl_loss"] = t["kl_loss"] * m
         return out
 
     return columns
 
 
 def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
-                            entropy_coef: float) -> dict[str, torch.Tensor]:
-    """The five loss.policy fields from the per-sample sums of :data:`POLICY_SUMS`: each a sum over samples of
-    the masked means (``Σ_t x·mask / max(Σ_t mask, 1)``)."""
-    denom = torch.clamp_min(sums["mask"], 1.0)
-    pg_loss = (sums["pg"] / denom).sum()
-    entropy_loss = (sums["ent"] / denom).sum() if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
-    return {
-        "loss": pg_loss - entropy_coef * entropy_loss,
-        "pg_loss": pg_loss,
-        "entropy_loss": entropy_loss,
-        "pg_clipfrac": (sums["clip"] / denom).sum(),
-        "ppo_kl": (sums["kl"] / denom).sum(),
-    }
+                            entropy_coef: float, knobs: Optional[LossKnobs] = None) -> dict[str, torch.Tensor]:
+    """The loss.policy fields from the per-sample sums of :func:`policy_sums`, aggregated as the knobs say
+    (default: V1's sum over samples of the masked means ``Σ_t x·mask / max(Σ_t mask, 1)``)."""
+    knobs = knobs or LossKnobs()
+    n = sums["mask"]
+
+    def loss_term(name: str) -> torch.Tensor:
+        return aggregate(sums[name], n, knobs.loss_agg_mode, knobs, knobs.loss_scale)
+
+    def metric(name: str) -> torch.Tensor:
+        return aggregate(sums[name], n, knobs.metric_agg_mode, knobs)
+
+    pg_loss = loss_term("pg")
+    entropy_loss = loss_term("ent") if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
+    loss = pg_loss - entropy_coef * entropy_loss
+    out = {"loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"),
+           "ppo_kl": metric("kl")}
+    if knobs.dual_clip:
+        out["pg_clipfrac_lower"] = metric("clip_lower")
+    if knobs.kl_loss:
+        out["kl_loss"] = loss_term("kl_loss")
+        out["loss"] = loss + knobs.kl_loss_coef * out["kl_loss"]
+    return out
+
+
+def value_loss_fields(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                      loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """loss.value's fields ``vf_loss`` (the loss mode, × loss_scale) and ``vf_clipfrac`` (the metric mode)."""
+    mask = loss_mask.to(dtype)
+
+    def columns(start: int, stop: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        t = value_token_terms(values[start:stop], old_values[start:stop], returns[start:stop], knobs.value_clip,
+                              dtype)
+        m = mask[start:stop]
+        return {"vf": t["vf"] * m, "clip": t["clip"] * m, "mask": m}
+
+    sums = masked_sample_sums(lengths, loss_mask, columns, {k: dtype for k in ("vf", "clip", "mask")})
+    return value_fields_from_sums(sums, knobs)
+
+
+def value_fields_from_sums(sums: Mapping[str, torch.Tensor], knobs: LossKnobs) -> dict[str, torch.Tensor]:
+    return {"vf_loss": aggregate(sums["vf"], sums["mask"], knobs.loss_agg_mode, knobs, knobs.loss_scale),
+            "vf_clipfrac": aggregate(sums["clip"], sums["mask"], knobs.metric_agg_mode, knobs)}

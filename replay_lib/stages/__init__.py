@@ -9,6 +9,7 @@ from .loss import LOSS_POLICY
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
 from .support import LOGPROB_SUPPORT
+from .value import LOSS_VALUE
 
 # Pipeline order; the first failing stage in this order is the first divergence.
 STAGE_ORDER: tuple[StageId, ...] = (
@@ -24,11 +25,12 @@ STAGE_ORDER: tuple[StageId, ...] = (
 
 REGISTRY: dict[StageId, StageDef] = {
     d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
-                      LOSS_POLICY)
+                      LOSS_POLICY, LOSS_VALUE)
 }
 
-# Stages this engine can never recompute, whatever the manifest declares.
-UNSUPPORTED: dict[StageId, str] = {StageId.LOSS_VALUE: "value loss is unsupported in V1 (GRPO has no critic)"}
+# Stages this engine can never recompute, whatever the manifest declares (loss.value is recomputed since SPEC
+# §4.2: stages/value.py).
+UNSUPPORTED: dict[StageId, str] = {}
 
 
 __all__ = ["REGISTRY", "STAGE_ORDER", "UNSUPPORTED", "StageContext", "StageDef", "StageInputError"]

@@ -1,5 +1,7 @@
-"""``loss.policy``: clipped surrogate, sum of per-sample masked means. (``loss.value`` has no adapter: it is
-listed in ``stages.UNSUPPORTED``.)"""
+"""``loss.policy``: the clipped surrogate with the loss-side knobs of SPEC §4.2 (aggregation modes and their
+recorded counts, dual-clip, log-ratio clamp, GSPO, KL in the loss, train/rollout importance correction),
+recomputed in float64 (``kernels.loss``) and judged with the error model (``error_model.loss_scalar_bounds``).
+``loss.value`` is :mod:`replay_lib.stages.value`."""
 
 from __future__ import annotations
 
@@ -10,21 +12,24 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import SEQ32_SUMS, loss_clip_boundary, loss_scalar_bounds
+from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_boundary, loss_scalar_bounds,
+                           near_value)
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import (LOSS_FIELDS, GrpoReturns, policy_fields_from_sums, policy_loss_fields,
-                       policy_loss_terms, sorted_segment_sums, token_chunks)
+from ..kernels import GrpoReturns, sorted_segment_sums, token_chunks
+from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
+                            policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError, not_recomputed_yet
-from .loss_terms import loss_term_fields
+from .loss_terms import loss_term_fields, recorded_terms
 
 
 @dataclass(frozen=True)
 class LossInputs:
     """What loss.policy consumes: the recorded log-probs, old log-probs, entropy and mask, and the
     advantages — the recorded payload (teacher forcing), or under ``--chain`` (or without the payload)
-    advantage.estimate's recomputed ones, with their per-sample rounding bound (``advantage_bound``)."""
+    advantage.estimate's recomputed ones, with their per-sample rounding bound (``advantage_bound``); and
+    what the knobs need: ``rollout_log_probs`` (importance correction), ``ref_log_probs`` (KL in the loss)."""
 
     log_probs: torch.Tensor
     old_log_probs: torch.Tensor
@@ -33,18 +38,26 @@ class LossInputs:
     mask: torch.Tensor
     advantage_bound: Optional[torch.Tensor] = None
     advantage_per_sample: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    knobs: LossKnobs = LossKnobs()
 
 
 def recorded_loss(ctx: StageContext) -> dict[str, float]:
     recorded = ctx.reader.expected.get("loss.policy", {})
-    expected = {f: recorded[f] for f in LOSS_FIELDS if f in recorded}
+    expected = {f: recorded[f] for f in POLICY_FIELDS if f in recorded}
     if not expected:
-        raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(LOSS_FIELDS), field="loss")
+        raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(POLICY_FIELDS), field="loss")
+    knobs = LossKnobs.of(ctx.config)
+    for name, why in (("pg_clipfrac_lower", "eps_clip_c is not set"), ("kl_loss", "no KL term is in the loss")):
+        if name in expected and name not in policy_fields_for(knobs):
+            raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but {why}", field=name)
     return expected
 
 
 def loss_inputs(ctx: StageContext) -> LossInputs:
     cfg = ctx.config
+    knobs = LossKnobs.of(cfg)
     recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
     bound = per_sample = None
     if recomputed is None:
@@ -56,69 +69,157 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
+    rollout = ref = None
+    if knobs.is_level is not None:
+        if not ctx.has("rollout_log_probs"):
+            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
+                                  field="rollout_log_probs")
+        rollout = ctx.payload("rollout_log_probs")
+    if knobs.kl_loss:
+        if not ctx.has("ref_log_probs"):
+            raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
+                                  field="ref_log_probs")
+        ref = ctx.payload("ref_log_probs")
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
                       advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
-                      advantage_per_sample=per_sample)
+                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
 
 
-def recompute_policy_loss(ctx: StageContext) -> tuple[dict, dict, Optional[dict]]:
+def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) -> tuple[dict, dict, Optional[dict]]:
     """``(expected, actual, bound)`` of the loss fields the bundle records: ``actual`` recomputed in float64
     from the inputs this stage consumes (:func:`loss_inputs`), ``bound`` the rounding bound of each
     (``error_model.loss_scalar_bounds``); under ``--exact`` the producer's float32 kernel and no bound."""
-    cfg = ctx.config
     expected = recorded_loss(ctx)
-    li = loss_inputs(ctx)
+    li = li or loss_inputs(ctx)
+    knobs = li.knobs
     if ctx.dtype != torch.float64:
         advantages = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
         actual = policy_loss_fields(li.log_probs, li.old_log_probs, advantages, li.entropy, li.mask, ctx.lengths,
-                                    eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                                    entropy_coef=cfg.entropy_coef, dtype=ctx.dtype)
+                                    eps_clip=knobs.eps_clip, eps_clip_high=knobs.eps_clip_high,
+                                    entropy_coef=knobs.entropy_coef, dtype=ctx.dtype, knobs=knobs,
+                                    rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
         return expected, {f: actual[f] for f in expected}, None
     sums = _loss_sums(ctx, li)
-    actual = policy_fields_from_sums(sums, li.entropy is not None, cfg.entropy_coef)
-    bound = loss_scalar_bounds(sums, actual, list(expected), entropy_coef=cfg.entropy_coef,
+    actual = policy_fields_from_sums(sums, li.entropy is not None, knobs.entropy_coef, knobs)
+    bound = loss_scalar_bounds(sums, actual, list(expected), entropy_coef=knobs.entropy_coef,
                                precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
-                               advantage_per_sample=li.advantage_per_sample)
+                               advantage_per_sample=li.advantage_per_sample, knobs=knobs)
     _loss_hazards(ctx, sums)
     return expected, {f: actual[f] for f in expected}, bound
 
 
+def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torch.Tensor]]:
+    """The per-sample quantities a per-sample knob needs before the token pass (GSPO's ratio, a sequence or
+    geometric IS weight: ``kernels.sample_log_terms`` in float64), and each sample's extra log-ratio condition
+    for the error model: ``√n_i·Σ_t|x_t|·m_t`` of the sums the sample's exponent is made of (divided by ``n_i``
+    for a mean), ``None`` when no knob has one."""
+    knobs = li.knobs
+    if not knobs.needs_sample_pass:
+        return {}, None
+    terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
+                             dtype=torch.float64)
+    m = li.mask.to(torch.float64)
+    seg = ctx.seg
+    n = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, m)
+    cond = torch.zeros(ctx.n, dtype=torch.float64)
+    if knobs.sequence_ratio:
+        lr = (li.log_probs.to(torch.float64) - li.old_log_probs.to(torch.float64)).abs_().mul_(m)
+        cond += torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, lr) / n.clamp_min(1.0)
+    if knobs.is_level in ("sequence", "geometric"):
+        d = (li.old_log_probs.to(torch.float64) - li.rollout_log_probs.to(torch.float64)).abs_().mul_(m)
+        s = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, d)
+        cond += s / n.clamp_min(1.0) if knobs.is_level == "geometric" else s
+    return terms, cond * n.sqrt()
+
+
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     """One pass over the tokens, a chunk at a time, each per-token term evaluated once in float64: the float64
-    per-sample sums of the loss fields (``kernels.POLICY_SUMS``), the error model's (``error_model.ABS_SUMS``)
-    and the tokens with an extreme ratio — all columns of a chunk summed in one cumulative sum — and the
-    surrogate, ppo_kl and entropy summed sequentially in float32 (``error_model.SEQ32_SUMS``: ``seq32``)."""
-    cfg = ctx.config
+    per-sample sums of the loss fields (``kernels.policy_sums``), the error model's (``error_model.ABS_SUMS``)
+    and the tokens with an extreme ratio or a clamp hit — all columns of a chunk summed in one cumulative sum —
+    and the surrogate, ppo_kl, entropy and KL term summed sequentially in float32 (``error_model.SEQ32_SUMS``)."""
+    knobs = li.knobs
     u_token = ctx.precision.token
     entropy = li.entropy
     # a non-negative entropy is its own magnitude; Σ ratio only matters for recomputed advantages (--chain)
     signed_entropy = entropy is not None and not bool((entropy >= 0).all())
     with_ratio = li.advantage_bound is not None
-    names = ["pg", "kl", "ent", "clip", "mask", "abs_pg", "abs_kl", "kl_pg", "near_clip", "extreme"]
-    names += ["abs_ent"] if signed_entropy else []
-    names += ["ratio"] if with_ratio else []
+    kl_loss = knobs.kl_loss
+    masked_is = knobs.is_level is not None and knobs.is_mode == "mask"
+    clamps = (knobs.log_ratio_clamp is not None or (kl_loss and (knobs.kl_loss_input_clamp is not None
+                                                                 or knobs.kl_loss_output_clamp is not None)))
+    signed_names = ["pg", "kl", "ent"] + (["kl_loss"] if kl_loss else [])
+    names = signed_names + ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else [])
+    names += ["abs_pg", "abs_kl"] + (["abs_kl_loss", "kl_loss_tok"] if kl_loss else [])
+    names += ["kl_pg", "near_clip", "extreme"] + (["near_lower"] if knobs.dual_clip else [])
+    names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
+    names += (["is_flip"] if masked_is else []) + (["clamped"] if clamps else [])
+    sample_terms, sample_cond = _sample_pass(ctx, li)
     n = ctx.n
     out = torch.zeros((len(names), n), dtype=torch.float64)
-    seq32 = torch.zeros((len(SEQ32_SUMS), n), dtype=torch.float32)
+    seq32 = torch.zeros((len(signed_names), n), dtype=torch.float32)
     zeros = torch.zeros(0, dtype=torch.float64)
+    low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     for lo, hi, seg in token_chunks(ctx.lengths):
         m = li.mask[lo:hi].to(torch.float64)
-        ppo_kl = li.old_log_probs[lo:hi].to(torch.float64) - li.log_probs[lo:hi].to(torch.float64)
         adv = li.advantages[lo:hi].to(torch.float64)
-        pg, clip, ratio = policy_loss_terms(ppo_kl, adv, cfg.eps_clip, cfg.eps_clip_high)
+        t = policy_token_terms(
+            li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
+            rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+            ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64)
+        pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
         ent = entropy[lo:hi].to(torch.float64) if entropy is not None else torch.zeros_like(m)
-        signed = torch.stack([pg, ppo_kl, ent]).mul_(m)  # pg·m, ppo_kl·m, entropy·m
+        signed = torch.stack([pg, t["ppo_kl"], ent] + ([t["kl_loss"]] if kl_loss else [])).mul_(m)
         magnitude = signed[:2].abs()
-        rows = [signed, clip.mul_(m)[None], m[None], magnitude, (magnitude[0] * ppo_kl.abs())[None],
-                loss_clip_boundary(ratio, adv, u_token, cfg.eps_clip, cfg.eps_clip_high).mul_(m)[None],
-                (ppo_kl.abs() > EXTREME_LOG_RATIO).to(torch.float64).mul_(m)[None]]
+        # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
+        cond = lr.abs()
+        if sample_cond is not None:
+            cond = cond + sample_cond[seg]
+        if "is_log_weight" in t:
+            cond = cond + t["is_log_weight"].abs()
+        rows = [signed, t["clip"].mul(m)[None], m[None]]
+        if knobs.dual_clip:
+            rows.append(t["clip_lower"].mul(m)[None])
+        rows.append(magnitude)
+        if kl_loss:
+            rows += [signed[3:].abs(), kl_condition(t["kl_r"] if knobs.kl_loss_input_clamp is None else
+                                                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp,
+                                                                    knobs.kl_loss_input_clamp),
+                                                    knobs.kl_loss_type).mul_(m)[None]]
+        rows += [(magnitude[0] * cond)[None],
+                 loss_clip_boundary(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high).mul_(m)[None],
+                 (lr.abs() > EXTREME_LOG_RATIO).to(torch.float64).mul_(m)[None]]
+        if knobs.dual_clip:
+            chosen = torch.maximum(ratio, ratio.clamp(low, high))
+            rows.append((near_value(chosen, float(knobs.eps_clip_c), u_token, cond) & (adv < 0))
+                        .to(torch.float64).mul_(m)[None])
         if signed_entropy:
-            rows.append(signed[2:].abs())
+            rows.append(signed[2:3].abs())
         if with_ratio:
-            rows.append((ratio * m)[None])
+            w = t.get("is_weight")
+            r = ratio if w is None else ratio * w
+            rows.append((r * m)[None])
+        if masked_is:
+            log_w = t["is_log_weight"]
+            w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
+            w_cond = log_w.abs() + (sample_cond[seg] if sample_cond is not None else 0.0)
+            flip = torch.zeros_like(w, dtype=torch.bool)
+            for edge in (knobs.is_low, knobs.is_high):
+                if edge is not None:
+                    flip |= near_value(w, float(edge), u_token, w_cond)
+            # a token the mask may keep or drop: its whole weighted term w·|pg| is open
+            rows.append((flip.to(torch.float64) * m * t["pg_unweighted"].abs() * w)[None])
+        if clamps:
+            hit = torch.zeros_like(m, dtype=torch.bool)
+            if knobs.log_ratio_clamp is not None:
+                hit |= (t["log_ratio"].abs() >= knobs.log_ratio_clamp)
+            if kl_loss and knobs.kl_loss_input_clamp is not None:
+                hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
+            if kl_loss and knobs.kl_loss_output_clamp is not None:
+                hit |= t["kl_loss"].abs() >= knobs.kl_loss_output_clamp
+            rows.append((hit.to(torch.float64) * m)[None])
         samples, sums = sorted_segment_sums(torch.cat(rows), seg)
         out.index_add_(1, samples, sums)
-        for k in range(len(SEQ32_SUMS)):
+        for k in range(len(signed_names)):
             seq32[k].index_add_(0, seg, signed[k].to(torch.float32))
     sums = dict(zip(names, out))
     sums["abs_ent"] = sums.get("abs_ent", sums["ent"])
@@ -140,22 +241,92 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
         ctx.hazard(stage, "extreme_ratio", sample=i, message=(
             f"{ctx.sample_ids[i]}: {int(sums['extreme'][i])} loss token(s) with a ratio beyond 1e3 or below 1e-3 "
             f"(|log ratio| > {EXTREME_LOG_RATIO:.2f})"))
+    if "clamped" in sums:
+        for i in torch.nonzero(sums["clamped"]).reshape(-1).tolist():
+            ctx.hazard(stage, "clamp_hit", sample=i, message=(
+                f"{ctx.sample_ids[i]}: {int(sums['clamped'][i])} loss token(s) at a log-ratio or KL clamp "
+                f"(log_ratio_clamp / kl_loss_input_clamp / kl_loss_output_clamp): the clamped value is compared"))
+    if "is_flip" in sums:
+        for i in torch.nonzero(sums["is_flip"]).reshape(-1).tolist():
+            ctx.hazard(stage, "is_mask_boundary", sample=i, message=(
+                f"{ctx.sample_ids[i]}: an importance weight within rounding of an IcePop bound (is_low/is_high): a "
+                f"legitimate producer may keep or drop its tokens (pg_loss admits either)"))
+
+
+# Per-sample terms → the loss fields they aggregate to (SPEC §4: the scalars are checked against them).
+_TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfrac": "clip_count",
+                  "ppo_kl": "kl_sum"}
+
+
+def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKnobs):
+    """The recorded scalars against the aggregation of the recorded per-sample terms (SPEC §4), with the
+    weights of the configured mode (``kernels.agg_weights``; ``n_i`` the recorded ``mask_count``, else the
+    loss mask): a producer whose per-sample sums are right but whose aggregation is not (a per-micro-batch
+    token-mean denominator) fails here. ``None`` when the bundle records no per-sample terms."""
+    terms = recorded_terms(ctx)
+    if terms is None:
+        return None
+    recorded = terms.recorded()
+    names = [f for f in expected if _TERM_OF_FIELD.get(f) in recorded]
+    if "loss" in expected and "pg_sum" in recorded and not knobs.kl_loss and (
+            knobs.entropy_coef == 0 or "entropy_sum" in recorded):
+        names.insert(0, "loss")
+    if not names:
+        return None
+    if "mask_count" in recorded:
+        n = torch.tensor([float(v) for v in recorded["mask_count"]], dtype=torch.float64)
+        if ctx.partial:
+            n = n[ctx.indices]
+    else:
+        n = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, ctx.seg, ctx.loss_mask.to(torch.float64))
+
+    def column(term: str) -> torch.Tensor:
+        values = torch.tensor([math.nan if v is None else float(v) for v in recorded[term]], dtype=torch.float64)
+        return values[ctx.indices] if ctx.partial else values
+
+    actual, bound = [], []
+    for name in names:
+        if name == "loss":
+            parts = [(column("pg_sum"), knobs.loss_agg_mode, knobs.loss_scale)]
+            if knobs.entropy_coef != 0:
+                parts.append((column("entropy_sum"), knobs.loss_agg_mode, -knobs.entropy_coef * knobs.loss_scale))
+        else:
+            metric = name in ("pg_clipfrac", "ppo_kl")
+            parts = [(column(_TERM_OF_FIELD[name]), knobs.metric_agg_mode if metric else knobs.loss_agg_mode,
+                      1.0 if metric else knobs.loss_scale)]
+        weighted = [values * agg_weights(mode, n, knobs) * scale for values, mode, scale in parts]
+        value = sum(float(w.sum()) for w in weighted)
+        actual.append(value)
+        bound.append(loss_aggregate_bound(weighted, value, ctx.precision))
+    return ctx.field("loss.policy", "aggregate", PER_SCALAR, [expected[f] for f in names],
+                     torch.tensor(actual, dtype=torch.float64), labels=names,
+                     bound=torch.tensor(bound, dtype=torch.float64),
+                     note=f"the recorded scalars against the recorded per-sample terms aggregated "
+                          f"({knobs.loss_agg_mode}; metrics {knobs.metric_agg_mode})")
 
 
 def run_loss_policy(ctx: StageContext) -> StageReport:
     """The per-sample and per-token loss terms first, when the bundle records them (SPEC §4: a loss divergence
-    is then located to its sample and token), then the reported scalars."""
+    is then located to its sample and token), then the recorded scalars against the recorded terms'
+    aggregation, then the recorded scalars against the recompute."""
     li = loss_inputs(ctx)
+    knobs = li.knobs
     terms = loss_term_fields(ctx, log_probs=li.log_probs, old_log_probs=li.old_log_probs, advantages=li.advantages,
                              entropy=li.entropy, mask=li.mask, config=ctx.config,
-                             advantage_bound=li.advantage_bound)
-    expected, actual, bound = recompute_policy_loss(ctx)
+                             advantage_bound=li.advantage_bound, rollout_log_probs=li.rollout_log_probs)
+    expected, actual, bound = recompute_policy_loss(ctx, li)
     names = list(expected)
     n = ctx.n
+    aggregate = aggregate_field(ctx, expected, knobs)
+    how = "each a sum over {n} sample{s} of per-sample means" if knobs.loss_agg_mode == "sum_of_sample_means" \
+        and knobs.metric_agg_mode == "sum_of_sample_means" else \
+        f"loss terms aggregated {knobs.loss_agg_mode} (× {knobs.loss_scale:g}), metrics {knobs.metric_agg_mode}, " \
+        "over {n} sample{s}"
     scalars = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
                         torch.tensor([float(actual[f]) for f in names], dtype=torch.float64), labels=names,
                         bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
-                        note=f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means")
+                        note=how.format(n=n, s="s" if n != 1 else ""))
+    extra = [aggregate] if aggregate is not None else []
 
     def fail_reason(total, per) -> str:
         parts = []
@@ -164,14 +335,41 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
                      for f in terms if per[f.name].mismatches]
         if bad_terms:
             parts.append("loss term mismatch: " + ", ".join(bad_terms))
+        if aggregate is not None and per["aggregate"].mismatches:
+            bad = [f for f, b in zip(aggregate.labels, aggregate.bad.tolist()) if b]
+            parts.append("loss aggregation mismatch (the recorded per-sample terms do not aggregate to the "
+                         f"recorded {', '.join(bad)} under {knobs.loss_agg_mode})")
         bad_fields = [f for f, bad in zip(names, scalars.bad.tolist()) if bad]
         if bad_fields:
             parts.append("loss field mismatch: " + ", ".join(bad_fields))
         return "; ".join(parts)
 
     checked = f"{len(names)} field(s)" + (f" and {len(terms)} loss term(s)" if terms else "")
-    return ctx.report(StageId.LOSS_POLICY, [*terms, scalars], fail_reason=fail_reason,
+    return ctx.report(StageId.LOSS_POLICY, [*terms, *extra, scalars], fail_reason=fail_reason,
                       pass_reason=f"{checked} over {n} sample(s) compared")
+
+
+def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
+    """``(knob, payload)`` for each payload the configured loss-side knobs need (effective values)."""
+    knobs = LossKnobs.of(cfg)
+    out = []
+    if knobs.is_level is not None:
+        out.append(("is_level" if cfg.is_level is not None else "use_tis", "rollout_log_probs"))
+    if knobs.kl_loss:
+        out.append(("use_kl_loss", "ref_log_probs"))
+    return out
+
+
+def count_requirements(cfg: RecomputeConfig) -> list[str]:
+    """Dependency-closure errors for the aggregation modes: a mode whose recorded count is missing."""
+    out = []
+    for knob in ("loss_agg_mode", "metric_agg_mode"):
+        mode = getattr(cfg, knob) or cfg.loss_agg_mode
+        for count in AGG_COUNTS.get(mode, ()):
+            if getattr(cfg, count) is None:
+                out.append(f"index.json $.config.{count} ({knob}={mode!r} aggregates over the producer's "
+                           f"recorded {count})")
+    return list(dict.fromkeys(out))
 
 
 def _loss_requirements(reader: BundleReader) -> list[str]:
@@ -182,7 +380,11 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
     est = reader.manifest.stage_contracts.get(StageId.ADVANTAGE_ESTIMATE)
     if not reader.has_payload("advantages") and not (est is not None and est.capability == StageCapability.RECOMPUTE):
         missing.append("payloads/advantages.pt")
-    if not any(f in reader.expected.get("loss.policy", {}) for f in LOSS_FIELDS):
+    for knob, payload in knob_payloads(cfg):
+        if not reader.has_payload(payload):
+            missing.append(f"payloads/{payload}.pt (for {knob})")
+    missing += count_requirements(cfg)
+    if not any(f in reader.expected.get("loss.policy", {}) for f in POLICY_FIELDS):
         missing.append("expected.json $.loss.policy.loss")
     return missing
 
@@ -190,27 +392,23 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
 def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     out = []
     for knob, why in (
-        ("use_kl_loss", "True: a KL term in the actor loss is not implemented in V1"),
-        ("use_tis", "True: truncated importance sampling is not implemented in V1"),
-        ("calculate_per_token_loss", "True: per-token loss aggregation is not implemented in V1"),
-        ("normalize_advantages", "True: advantage whitening is not implemented in V1"),
+        ("calculate_per_token_loss", "True: per-token loss aggregation under slime's name is not mapped: record "
+                                     "loss_agg_mode='token_mean' with loss_token_count instead"),
         ("use_rollout_logprobs", "True: rollout log-probs as the PPO anchor are not implemented in V1"),
     ):
         if getattr(cfg, knob):
             out.append((knob, why))
-    if cfg.eps_clip_c is not None:
-        out.append(("eps_clip_c", f"{cfg.eps_clip_c}: dual-clip PPO is not implemented in V1"))
+    # (normalize_advantages is advantage.estimate's: this stage consumes the advantages as recorded, or under
+    # --chain as advantage.estimate recomputed them)
     return out + not_recomputed_yet(cfg, LOSS_KNOBS)
 
 
-# SPEC §4.2's loss-side knobs (besides the V1 flags above).
-LOSS_KNOBS = ("loss_agg_mode", "metric_agg_mode", "loss_token_count", "loss_seq_count", "loss_horizon",
-              "loss_scale", "log_ratio_clamp", "importance_level", "kl_loss_input_clamp", "kl_loss_output_clamp",
-              "is_level", "is_mode", "is_low", "is_high", "is_log_clamp", "value_clip")
+# SPEC §4.2's loss-side knobs this stage does not recompute yet (every one of them is now recomputed).
+LOSS_KNOBS: tuple[str, ...] = ()
 
 
 LOSS_POLICY = StageDef(
     id=StageId.LOSS_POLICY, run=run_loss_policy, needs=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE),
     cohort_level=True, refuse=_loss_refuse, requirements=_loss_requirements,
-    description="clipped policy loss, sum of per-sample masked means",
+    description="clipped policy loss (SPEC §4.2 aggregation modes, dual-clip, GSPO, KL loss, IS correction)",
 )

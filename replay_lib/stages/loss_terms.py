@@ -58,7 +58,8 @@ from typing import Optional
 import torch
 
 from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
-from ..kernels import LOSS_CHUNK
+from ..kernels import LOSS_CHUNK, segment_ids
+from ..kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
 from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
 
@@ -113,45 +114,84 @@ def _storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
 
 class _Tokens:
     """The loss stage's per-token inputs, evaluated a chunk at a time in ``dtype`` (float64; float32, the
-    producer's kernels' arithmetic, under ``--exact``) and handed out as float64 with their rounding bounds."""
+    producer's kernels' arithmetic, under ``--exact``) with the configured knobs (``kernels.policy_token_terms``:
+    dual-clip, GSPO, the importance weight) and handed out as float64 with their rounding bounds."""
 
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
                  lengths: torch.Tensor, u_t: float, u_s: float, dtype: torch.dtype = torch.float64,
-                 advantage_bound: Optional[torch.Tensor] = None):
+                 advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.entropy, self.mask = entropy, mask
+        self.rollout = rollout_log_probs
+        self.knobs = LossKnobs.of(config)
         self.low = 1.0 - float(config.eps_clip)
         self.high = 1.0 + float(config.eps_clip_high)
         self.size = int(mask.numel())
         self.ends = torch.cumsum(lengths.to(torch.int64), 0)
         self.u_t, self.u_s, self.dtype = u_t, u_s, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
+        self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
+                                             dtype=dtype)
+        # a per-sample exponent (GSPO's ratio, a sequence/geometric IS weight): its rounding, per sample
+        self.sample_cond: Optional[torch.Tensor] = None
+        if self.sample_terms:
+            n = len(lengths)
+            seg = segment_ids(lengths)
+            m = mask.to(torch.float64)
+            count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+            cond = torch.zeros(n, dtype=torch.float64)
+            if self.knobs.sequence_ratio:
+                lr = (log_probs.to(torch.float64) - old_log_probs.to(torch.float64)).abs_().mul_(m)
+                cond += torch.zeros(n, dtype=torch.float64).index_add_(0, seg, lr) / count.clamp_min(1.0)
+            if "is_log_weight" in self.sample_terms:
+                d = (old_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)).abs_().mul_(m)
+                total = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, d)
+                cond += total / count.clamp_min(1.0) if self.knobs.is_level == "geometric" else total
+            self.sample_cond = cond * count.sqrt()
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.compute_policy_loss``) and
+        """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.policy_token_terms``) and
         their bounds (module docstring)."""
+        seg = torch.searchsorted(self.ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
         logp = self.log_probs[lo:hi].to(self.dtype)
         old = self.old[lo:hi].to(self.dtype)
-        adv = self.adv[lo:hi].to(self.dtype)
-        ppo_kl = old - logp
-        ratio = torch.exp(-ppo_kl)
-        l1 = -ratio * adv
-        l2 = -ratio.clamp(self.low, self.high) * adv
-        pg = torch.maximum(l1, l2)
-        clipped = torch.gt(l2, l1)
-        pg, ppo_kl, ratio, adv = (t.to(torch.float64) for t in (pg, ppo_kl, ratio, adv))
-        e_delta = ppo_kl.abs().mul_(self.u_t)
+        t = policy_token_terms(logp, old, self.adv[lo:hi], self.knobs, seg=seg, sample_terms=self.sample_terms,
+                               rollout_log_probs=self.rollout[lo:hi] if self.rollout is not None else None,
+                               dtype=self.dtype)
+        pg, ppo_kl, ratio = (t[k].to(torch.float64) for k in ("pg", "ppo_kl", "ratio"))
+        adv = self.adv[lo:hi].to(self.dtype).to(torch.float64)
+        clipped = t["clip"].to(torch.float64)
+        lr = t["log_ratio"].to(torch.float64)
+        e_delta = lr.abs().mul_(self.u_t)
         if self.u_s:
             e_delta += (logp.to(torch.float64).abs() + old.to(torch.float64).abs()).mul_(self.u_s)
-        seg = torch.searchsorted(self.ends, torch.arange(lo, hi, dtype=torch.int64), right=True)
-        out = {"pg": pg, "clipped": clipped.to(torch.float64), "ppo_kl": ppo_kl, "ratio": ratio, "adv": adv,
+        if self.sample_cond is not None:
+            e_delta += self.sample_cond[seg] * self.u_t
+        if "is_log_weight" in t and self.knobs.is_level == "token":
+            e_delta += t["is_log_weight"].to(torch.float64).abs() * self.u_t
+        out = {"pg": pg, "clipped": clipped, "ppo_kl": ppo_kl, "ratio": ratio, "adv": adv,
                "mask": self.mask[lo:hi].to(torch.float64), "e_delta": e_delta, "seg": seg,
                "pg_bound": pg.abs().mul_(TOKEN_SLACK).mul_(e_delta * 2.0 + 3.0 * self.u_t),
-               "ppo_kl_bound": e_delta * TOKEN_SLACK}
+               "ppo_kl_bound": (ppo_kl.abs().mul_(self.u_t) + (e_delta - lr.abs().mul(self.u_t))) * TOKEN_SLACK}
+        if "is_weight" in t and self.knobs.is_mode == "mask":  # a weight at an IcePop edge: kept or dropped
+            raw = t["is_log_weight"].to(torch.float64)
+            if self.knobs.is_log_clamp is not None:
+                raw = raw.clamp(-self.knobs.is_log_clamp, self.knobs.is_log_clamp)
+            raw = raw.exp()
+            near = torch.zeros_like(raw, dtype=torch.bool)
+            for edge in (self.knobs.is_low, self.knobs.is_high):
+                if edge is not None:
+                    near |= (raw - edge).abs() <= raw * e_delta.mul(TOKEN_SLACK).add(TOKEN_SLACK * self.u_t)
+            out["pg_bound"] += near.to(torch.float64) * t["pg_unweighted"].to(torch.float64).abs() * raw
         if self.rho is not None:  # --chain: the advantage itself is a recomputed value, ρ off per sample
             rho = self.rho[seg]
             out["rho"] = rho
-            out["pg_bound"] += torch.maximum(ratio, ratio.clamp(self.low, self.high)) * rho
+            scale = torch.maximum(ratio, ratio.clamp(self.low, self.high))
+            if self.knobs.dual_clip:
+                scale = torch.maximum(scale, torch.full_like(scale, float(self.knobs.eps_clip_c)))
+            if "is_weight" in t:
+                scale = scale * t["is_weight"].to(torch.float64)
+            out["pg_bound"] += scale * rho
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
             out["entropy_bound"] = out["entropy"].abs().mul_(TOKEN_SLACK * self.u_s)
@@ -212,7 +252,8 @@ def _expected(ctx: StageContext, key: str, values: list) -> list:
 
 def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                      advantages: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
-                     config: RecomputeConfig, advantage_bound: Optional[torch.Tensor] = None) -> list[FieldResult]:
+                     config: RecomputeConfig, advantage_bound: Optional[torch.Tensor] = None,
+                     rollout_log_probs: Optional[torch.Tensor] = None) -> list[FieldResult]:
     """The loss stage's per-token ``pg_losses`` field (when the bundle has the payload), then its per-sample
     fields (one per term ``expected.json $.loss.policy.per_sample`` records, in ``PER_SAMPLE_TERMS`` order),
     recomputed in float64 from the stage's own inputs; ``[]`` when the bundle records neither. Raises
@@ -231,7 +272,7 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
     tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, lengths=ctx.lengths,
                      u_t=UNIT_ROUNDOFF[compute], u_s=_storage_unit(compute, *stored),
                      dtype=torch.float32 if exact else torch.float64,
-                     advantage_bound=None if exact else advantage_bound)
+                     advantage_bound=None if exact else advantage_bound, rollout_log_probs=rollout_log_probs)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []

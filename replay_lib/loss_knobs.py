@@ -1,0 +1,120 @@
+"""The loss-side knobs of SPEC §4.2 as the kernels read them (:class:`LossKnobs`), their allowed values, and
+the check of those values (:func:`check_knobs`). No torch here: the schema validates a bundle's config with
+it, and ``inspect``/``validate`` never import torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+# kernels.kl.KL_TYPES (a test keeps the two equal; that module imports torch)
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+SUM_OF_SAMPLE_MEANS = "sum_of_sample_means"
+AGG_MODES = (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+# The recorded counts each mode needs (RecomputeConfig field names).
+AGG_COUNTS = {
+    SUM_OF_SAMPLE_MEANS: (),
+    "seq_mean_token_mean": ("loss_seq_count",),
+    "token_mean": ("loss_token_count",),
+    "seq_mean_token_sum": ("loss_seq_count",),
+    "seq_mean_token_sum_norm": ("loss_seq_count", "loss_horizon"),
+}
+IMPORTANCE_LEVELS = ("token", "sequence")
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+
+
+@dataclass(frozen=True)
+class LossKnobs:
+    """The loss-side knobs of SPEC §4.2, resolved from a :class:`~replay_lib.schema.RecomputeConfig`
+    (:meth:`of`): effective values only — a KL term with coefficient 0 is off, slime's ``use_tis`` is
+    ``is_level="token", is_mode="truncate"`` with its clip bounds."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    entropy_coef: float = 0.0
+    eps_clip_c: Optional[float] = None
+    log_ratio_clamp: Optional[float] = None
+    importance_level: str = "token"
+    kl_loss_coef: float = 0.0  # 0: no KL term in the loss
+    kl_loss_type: str = "k1"
+    kl_loss_input_clamp: Optional[float] = None
+    kl_loss_output_clamp: Optional[float] = None
+    is_level: Optional[str] = None
+    is_mode: str = "truncate"
+    is_low: Optional[float] = None
+    is_high: Optional[float] = None
+    is_log_clamp: Optional[float] = None
+    loss_agg_mode: str = SUM_OF_SAMPLE_MEANS
+    metric_agg_mode: str = SUM_OF_SAMPLE_MEANS
+    loss_token_count: Optional[int] = None
+    loss_seq_count: Optional[int] = None
+    loss_horizon: Optional[int] = None
+    loss_scale: float = 1.0
+    value_clip: Optional[float] = None
+
+    @classmethod
+    def of(cls, cfg) -> "LossKnobs":
+        use_kl = bool(getattr(cfg, "use_kl_loss", False)) and float(getattr(cfg, "kl_loss_coef", 0.0)) != 0.0
+        is_level, is_mode = cfg.is_level, cfg.is_mode
+        is_low, is_high = cfg.is_low, cfg.is_high
+        if is_level is None and getattr(cfg, "use_tis", False):  # slime's names
+            is_level, is_mode, is_low, is_high = "token", "truncate", cfg.tis_clip_low, cfg.tis_clip
+        return cls(eps_clip=float(cfg.eps_clip), eps_clip_high=float(cfg.eps_clip_high),
+                   entropy_coef=float(cfg.entropy_coef), eps_clip_c=cfg.eps_clip_c,
+                   log_ratio_clamp=cfg.log_ratio_clamp, importance_level=cfg.importance_level,
+                   kl_loss_coef=float(cfg.kl_loss_coef) if use_kl else 0.0, kl_loss_type=cfg.kl_loss_type,
+                   kl_loss_input_clamp=cfg.kl_loss_input_clamp, kl_loss_output_clamp=cfg.kl_loss_output_clamp,
+                   is_level=is_level, is_mode=is_mode, is_low=is_low, is_high=is_high,
+                   is_log_clamp=cfg.is_log_clamp, loss_agg_mode=cfg.loss_agg_mode,
+                   metric_agg_mode=cfg.metric_agg_mode or cfg.loss_agg_mode,
+                   loss_token_count=cfg.loss_token_count, loss_seq_count=cfg.loss_seq_count,
+                   loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip)
+
+    @property
+    def kl_loss(self) -> bool:
+        return self.kl_loss_coef != 0.0
+
+    @property
+    def dual_clip(self) -> bool:
+        return self.eps_clip_c is not None
+
+    @property
+    def sequence_ratio(self) -> bool:
+        return self.importance_level == "sequence"
+
+    @property
+    def needs_sample_pass(self) -> bool:
+        """A per-sample quantity (GSPO's ratio, a sequence or geometric IS weight) is needed before the
+        per-token terms: one more pass over the tokens."""
+        return self.sequence_ratio or self.is_level in ("sequence", "geometric")
+
+    def with_clips(self, eps_clip: float, eps_clip_high: float) -> "LossKnobs":
+        return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
+
+
+def check_knobs(knobs: LossKnobs) -> list[str]:
+    """What is wrong with the knobs' values (one message each; ``[]``: valid): an unknown mode or type,
+    ``eps_clip_c ≤ 1``, a non-positive clamp. The schema reports these as one-line errors (exit 3)."""
+    errors = []
+    for name, value, allowed in (("loss_agg_mode", knobs.loss_agg_mode, AGG_MODES),
+                                 ("metric_agg_mode", knobs.metric_agg_mode, AGG_MODES),
+                                 ("importance_level", knobs.importance_level, IMPORTANCE_LEVELS),
+                                 ("is_mode", knobs.is_mode, IS_MODES), ("kl_loss_type", knobs.kl_loss_type, KL_TYPES)):
+        if value not in allowed:
+            errors.append(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
+    if knobs.is_level is not None and knobs.is_level not in IS_LEVELS:
+        errors.append(f"is_level: expected null or one of {', '.join(IS_LEVELS)}, got {knobs.is_level!r}")
+    if knobs.eps_clip_c is not None and not (math.isfinite(knobs.eps_clip_c) and knobs.eps_clip_c > 1.0):
+        errors.append(f"eps_clip_c: dual-clip needs c > 1, got {knobs.eps_clip_c!r}")
+    for name in ("log_ratio_clamp", "kl_loss_input_clamp", "kl_loss_output_clamp", "is_log_clamp", "value_clip"):
+        value = getattr(knobs, name)
+        if value is not None and not value > 0:
+            errors.append(f"{name}: expected null or a value > 0, got {value!r}")
+    if knobs.is_low is not None and knobs.is_high is not None and knobs.is_low > knobs.is_high:
+        errors.append(f"is_low: {knobs.is_low!r} is above is_high {knobs.is_high!r}")
+    if not math.isfinite(knobs.loss_scale):
+        errors.append(f"loss_scale: expected a finite multiplier, got {knobs.loss_scale!r}")
+    return errors
