@@ -51,7 +51,7 @@ _EXIT_PRECEDENCE = (EXIT_DIVERGENCE, EXIT_INVALID, EXIT_UNSUPPORTED, EXIT_INTERN
 @dataclass(frozen=True)
 class ScanTarget:
     """One bundle or cohort of a scan. ``kind``: ``rollout`` | ``step`` | ``cohort`` | ``unknown`` (the
-    identity could not be read: ``problem`` says why, and its row will be ``invalid``). ``anchor``:
+    identity could not be read: ``problem`` says why; its row gives the reader's own error). ``anchor``:
     ``"23:0"`` for a step (or a step cohort), ``"rollout 23"`` for a rollout, ``"?"`` unknown."""
 
     path: Path
@@ -184,7 +184,7 @@ def _target(root: Path, path: Path, cohort: bool, anchor) -> ScanTarget:
 def _candidate(root: Path, path: Path) -> ScanTarget:
     from ..bundle.resolution import _Anchor, _anchor_of, _looks_like_cohort
 
-    cohort = _looks_like_cohort(path)
+    cohort = not os.path.lexists(path / "manifest.json") and _looks_like_cohort(path)  # a bundle has COMPLETE.0 too
     try:
         anchor = _anchor_of(root, path)
     except OSError as exc:  # gone or unreadable while listed
@@ -298,8 +298,6 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
 
     if not os.path.lexists(target.path):
         return error_row(target, STATUS_VANISHED, f"{target.path}: vanished during the scan (listed, then gone)")
-    if target.problem is not None:
-        return error_row(target, STATUS_INVALID, f"{target.path}: unreadable identity: {target.problem}", elapsed())
     try:
         from ..error_model import Rules
         from ..bundle import open_bundle

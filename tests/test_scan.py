@@ -1,0 +1,298 @@
+"""``trajectory-replay scan DIR`` (SPEC §9): discovery and order, rows and summary, exit codes, JSON, and
+bad input — an empty directory, only invalid bundles, a bundle that vanishes, a worker that is killed,
+Ctrl+C, --fail-fast. The bundles are written by the real writer; the CLI runs as a real process where the
+output, the exit code or a signal is what is tested."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from replay_lib.demo import ROLLOUT_STAGES, synthetic_parts, write_bundle, write_cohort, write_pr65, write_synthetic
+from replay_lib.report import report_to_json
+from replay_lib.run.scan import ScanOptions, check_target, discover, scan, scan_exit_code
+from replay_lib.runner import replay
+from replay_lib.schema import ActorStepId
+
+SCAN = [sys.executable, "-m", "replay_lib", "scan"]
+
+
+def _run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([*SCAN, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def _step(path: Path, rollout: int, step: int, **kw) -> Path:
+    return write_synthetic(path, samples=8, tokens=16, kl_coef=0.0, bundle_id=path.name,
+                           anchor=ActorStepId(rollout_id=rollout, step_id=step), **kw)
+
+
+def _rollout7(path: Path) -> Path:
+    """The rollout-level bundle of rollout 7 whose payloads are those of ``_step(…, 7, 0)`` (one seed)."""
+    return write_bundle(path, *synthetic_parts(samples=8, tokens=16, kl_coef=0.0, anchor=None,
+                                               stages=ROLLOUT_STAGES, bundle_id=path.name))
+
+
+def _broken(path: Path) -> Path:
+    path.mkdir()
+    (path / "manifest.json").write_text("{")
+    return path
+
+
+def _unsupported(path: Path) -> Path:
+    """A bundle whose config sets a knob this engine does not know: refused by name (exit 4)."""
+    _step(path, 4, 0)
+    index = json.loads((path / "index.json").read_text())
+    index["config"]["future_knob"] = 0.5
+    (path / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _seal_metadata(path)
+    return path
+
+
+def _seal_metadata(bundle: Path) -> None:
+    """Re-record the sha256 of the three JSON files in every sentinel (payload hashes untouched)."""
+    metadata = {n: hashlib.sha256((bundle / n).read_bytes()).hexdigest()
+                for n in ("manifest.json", "index.json", "expected.json")}
+    for sentinel in bundle.glob("COMPLETE*"):
+        doc = json.loads(sentinel.read_text())
+        doc["metadata"] = metadata
+        sentinel.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+SLOW_BYTES = 1 << 30
+
+
+def _slow(path: Path, rollout: int) -> Path:
+    """A step bundle whose ``advantages`` payload is a sparse 1 GiB file that the manifest declares at that
+    size: its replay spends seconds hashing it (then fails its checksum) — long enough to be killed or
+    interrupted in the middle, and the test sees when a worker has the file open."""
+    _step(path, rollout, 0)
+    os.truncate(path / "payloads" / "advantages.pt", SLOW_BYTES)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["payloads"]["advantages"]["bytes"] = SLOW_BYTES
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _seal_metadata(path)
+    return path / "payloads" / "advantages.pt"
+
+
+def _holders(file: Path) -> list[int]:
+    """Pids of the processes that have ``file`` open (from /proc)."""
+    target, out = str(file.resolve()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def _wait_for_holder(file: Path, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        holders = [p for p in _holders(file) if p != os.getpid()]
+        if holders:
+            return holders[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no process opened {file} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """rollout 7 + its step 7:0 (linked, clean), PR #65's buggy rollout 120, an invalid bundle."""
+    root = tmp_path_factory.mktemp("run")
+    _rollout7(root / "rollout-7")
+    _step(root / "step-7-0", 7, 0)
+    write_pr65(root / "pr65", buggy=True)  # rollout 120, bundle b-00001
+    _broken(root / "broken")
+    return root
+
+
+def test_discover_orders_by_rollout_then_step_and_skips_what_resolve_capture_skips(tmp_path):
+    _step(tmp_path / "z-step-2-1", 2, 1)
+    _step(tmp_path / "a-step-10-0", 10, 0)
+    _rollout7(tmp_path / "m-rollout-7")
+    _step(tmp_path / "b-step-7-3", 7, 3)
+    write_cohort(tmp_path / "cohort", samples=4, tokens=4, group_size=4)  # step 7:0 on 2 ranks
+    _broken(tmp_path / "broken")
+    _step(tmp_path / ".hidden", 1, 0)  # hidden: a writer's staging directory
+    os.symlink(tmp_path / "z-step-2-1", tmp_path / "link-to-step")  # links are not followed
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty-dir").mkdir()
+    got = [(t.relpath, t.kind, t.anchor, t.rollout_id, t.step_id) for t in discover(tmp_path)]
+    assert got == [
+        ("z-step-2-1", "step", "2:1", 2, 1),
+        ("m-rollout-7", "rollout", "rollout 7", 7, None),  # a rollout before the steps of its rollout
+        ("cohort", "cohort", "7:0", 7, 0),
+        ("b-step-7-3", "step", "7:3", 7, 3),
+        ("a-step-10-0", "step", "10:0", 10, 0),
+        ("broken", "unknown", "?", None, None),  # unreadable identity: last
+    ]
+    # a bundle's own path is one target
+    assert [t.relpath for t in discover(tmp_path / "b-step-7-3")] == ["b-step-7-3"]
+
+
+def test_scan_text_rows_in_order_first_bad_step_and_no_progress_bar_in_a_pipe(run_dir):
+    proc = _run(run_dir, "--jobs", "2")
+    assert proc.returncode == 1, proc.stderr  # a divergence outranks the invalid bundle (SPEC §9)
+    assert proc.stderr == ""  # piped: no progress bar
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[       pass] rollout 7    rollout-7"
+    assert lines[1] == "[       pass] 7:0          step-7-0"
+    assert lines[2] == ("[   diverged] rollout 120  b-00001 (pr65) — reward.post_process: "
+                        "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5")
+    assert lines[3] == f"[    invalid] ?            broken — {run_dir / 'broken' / 'index.json'}: missing index.json"
+    assert lines[4:] == [
+        "4 bundle(s) scanned: 2 pass, 1 diverged, 1 invalid; link: 1 step(s) checked against their rollout "
+        "bundle, 0 diverged",
+        "first bad step: rollout 120 (b-00001) — reward.post_process",
+    ]
+
+
+def test_scan_json_is_each_bundles_replay_report_plus_the_summary(run_dir):
+    proc = _run(run_dir, "--jobs", "2", "--format", "json")
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    rows = doc["bundles"]
+    assert [(r["path"], r["status"], r["exit_code"]) for r in rows] == [
+        ("rollout-7", "pass", 0), ("step-7-0", "pass", 0), ("pr65", "diverged", 1), ("broken", "invalid", 3)]
+    # a row's report is `replay --format json` of its bundle; the step's has stage link appended
+    assert rows[2]["report"] == json.loads(report_to_json(replay(run_dir / "pr65")))
+    alone = json.loads(report_to_json(replay(run_dir / "step-7-0")))
+    assert rows[1]["report"]["stages"][:-1] == alone["stages"]
+    link = rows[1]["report"]["stages"][-1]
+    # advantages + old_log_probs of 8 samples × 16 tokens: 256 tokens, all bit-equal
+    assert (link["stage"], link["status"], link["compared"], link["mismatches"]) == ("link", "pass", 256, 0)
+    assert rows[3]["report"] is None
+    assert doc["summary"] == {
+        "bundles": 4, "scanned": 4, "exit_code": 1, "interrupted": False, "unfinished": [],
+        "counts": {"pass": 2, "diverged": 1, "invalid": 1, "unsupported": 0, "error": 0, "vanished": 0},
+        "first_bad": {"anchor": "rollout 120", "path": "pr65", "bundle_id": "b-00001",
+                      "stage": "reward.post_process",
+                      "first_divergence": "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5"},
+    }
+    assert [(l["step"], l["rollout"], l["status"]) for l in doc["links"]] == [("step-7-0", "rollout-7", "pass")]
+
+
+def test_exit_codes_diverged_then_invalid_then_unsupported(tmp_path):
+    rows = {}
+    for name, make in (("a", lambda p: _step(p, 1, 0)), ("b", _broken), ("c", _unsupported),
+                       ("d", lambda p: write_pr65(p, buggy=True))):
+        make(tmp_path / name)
+    for t in discover(tmp_path):
+        rows[t.relpath] = check_target(t, ScanOptions())
+    assert {k: (r.status, r.exit_code) for k, r in rows.items()} == {
+        "a": ("pass", 0), "b": ("invalid", 3), "c": ("unsupported", 4), "d": ("diverged", 1)}
+    assert rows["c"].message == (f"{tmp_path / 'c' / 'index.json'}: $.config.future_knob=0.5: unknown config knob; "
+                                 f"refusing to guess what it changes")
+    code = lambda *names: scan_exit_code([rows[n] for n in names])  # noqa: E731
+    assert (code("a"), code("a", "c"), code("a", "b", "c"), code("a", "b", "c", "d")) == (0, 4, 3, 1)
+
+
+def test_an_empty_directory_is_one_line_exit_3(tmp_path):
+    proc = _run(tmp_path)
+    assert (proc.returncode, proc.stdout) == (3, "")
+    assert proc.stderr == (f"trajectory-replay: error: {tmp_path}: no bundle found (no manifest.json, no bundle "
+                           f"subdirectories)\n")
+
+
+def test_only_invalid_bundles_give_a_row_each_and_exit_3(tmp_path):
+    _broken(tmp_path / "one")
+    _step(tmp_path / "two", 3, 0)
+    (tmp_path / "two" / "payloads" / "advantages.pt").unlink()
+    proc = _run(tmp_path, "--jobs", "1")
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (f"[    invalid] 3:0          two — {tmp_path / 'two' / 'payloads' / 'advantages.pt'}: missing "
+                        f"payload listed in manifest.json $.payloads.advantages")
+    assert lines[1] == f"[    invalid] ?            one — {tmp_path / 'one' / 'index.json'}: missing index.json"
+    assert lines[2:] == ["2 bundle(s) scanned: 2 invalid", "first bad step: none"]
+
+
+def test_a_bundle_that_vanishes_after_discovery_is_a_row_saying_so(tmp_path):
+    _step(tmp_path / "keep", 1, 0)
+    _step(tmp_path / "gone", 2, 0)
+    targets = discover(tmp_path)
+    shutil.rmtree(tmp_path / "gone")
+    result = scan(targets, jobs=1)
+    assert [(r.target.relpath, r.status, r.exit_code) for r in result.rows] == [("keep", "pass", 0),
+                                                                              ("gone", "vanished", 3)]
+    assert result.rows[1].message == f"{tmp_path / 'gone'}: vanished during the scan (listed, then gone)"
+    assert result.exit_code == 3 and not result.interrupted
+
+
+def test_a_killed_worker_is_an_error_row_and_the_other_bundles_are_scanned_on(tmp_path):
+    slow = _slow(tmp_path / "slow", 1)
+    _step(tmp_path / "after", 2, 0)
+    seen, out = [], {}
+    thread = threading.Thread(target=lambda: out.update(result=scan(discover(tmp_path), jobs=1, on_row=seen.append)))
+    thread.start()
+    os.kill(_wait_for_holder(slow), signal.SIGKILL)  # the worker, while it hashes the slow bundle
+    thread.join(120)
+    assert not thread.is_alive()
+    result = out["result"]
+    assert [(r.target.relpath, r.status, r.exit_code) for r in result.rows] == [("slow", "error", 5),
+                                                                              ("after", "pass", 0)]
+    assert result.rows[0].message == (f"{tmp_path / 'slow'}: the worker replaying it died (killed by SIGKILL); "
+                                      f"the other bundles were scanned on")
+    assert sorted(r.target.relpath for r in seen) == ["after", "slow"]  # on_row: once per row
+    assert result.exit_code == 5
+
+
+def test_ctrl_c_stops_the_workers_and_prints_what_finished(tmp_path):
+    _step(tmp_path / "first", 1, 0)
+    slow = _slow(tmp_path / "slow", 2)
+    proc = subprocess.Popen([*SCAN, str(tmp_path), "--jobs", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    worker = _wait_for_holder(slow)  # "first" is done: its only worker moved on to "slow"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert out.splitlines() == ["[       pass] 1:0          first", "1 of 2 bundle(s) scanned: 1 pass",
+                                "first bad step: none", "interrupted: 1 bundle(s) not scanned"]
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _holders(slow), "a worker still reads the slow bundle after the scan returned"
+
+
+def test_fail_fast_stops_at_the_first_diverged_bundle(tmp_path):
+    write_pr65(tmp_path / "pr65", buggy=True)  # rollout 120
+    _slow(tmp_path / "later", 200)
+    result = scan(discover(tmp_path), jobs=1, fail_fast=True)
+    assert [(r.target.relpath, r.status) for r in result.rows] == [("pr65", "diverged")]
+    assert [t.relpath for t in result.unfinished] == ["later"]
+    assert (result.exit_code, result.interrupted, result.first_bad.target.relpath) == (1, False, "pr65")
+
+
+def test_a_progress_bar_is_drawn_on_a_terminal(tmp_path):
+    import pty
+
+    _step(tmp_path / "only", 1, 0)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*SCAN, str(tmp_path), "--jobs", "1"], stdout=subprocess.PIPE, stderr=slave,
+                            env=dict(os.environ, TERM="xterm", COLUMNS="100"))
+    os.close(slave)
+    out, _ = proc.communicate(timeout=120)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"scan" in drawn and b"1/1" in drawn  # the bar's label and its count, on the terminal (stderr)
+    assert out.decode().splitlines()[-1] == "first bad step: none"  # the rows still on stdout
