@@ -1,0 +1,66 @@
+"""``scan --executor ray``: the same rows as the local workers, as Ray tasks on a local ``ray.init()``.
+
+Marked ``ray`` (deselected from the default run, which does not install the optional extra): ``.ci/run``
+installs ``.[ray]`` and runs this file on its own (≈ 10–20 s on two cores, most of it Ray's start)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import ray
+
+from test_link import _pair
+from test_scan import _slow, _step, _wait_for_holder
+
+from replay_lib.demo import write_pr65
+from replay_lib.run.scan import discover, scan
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _summary(result):
+    return [(r.target.relpath, r.status, r.exit_code, r.first_stage, r.first_divergence) for r in result.rows]
+
+
+def test_ray_tasks_give_the_rows_of_the_local_workers(tmp_path, local_ray):
+    def edit(payloads):
+        payloads["old_log_probs"] = payloads["old_log_probs"].clone()
+        payloads["old_log_probs"][19] = -1.25  # s-1, token 3: only stage link sees it
+
+    _pair(tmp_path, rollout_edit=edit)
+    write_pr65(tmp_path / "pr65", buggy=True)
+    targets = discover(tmp_path)
+    seen = []
+    on_ray = scan(targets, jobs=2, executor="ray", on_row=seen.append)
+    assert sorted(r.target.relpath for r in seen) == ["pr65", "rollout-7", "step-7-0"]
+    local = scan(targets, jobs=2)
+    assert _summary(on_ray) == _summary(local)
+    assert [(r[0], r[1], r[3]) for r in _summary(on_ray)] == [
+        ("rollout-7", "pass", None), ("step-7-0", "diverged", "link"), ("pr65", "diverged", "reward.post_process")]
+    assert [r.report for r in on_ray.rows] == [r.report for r in local.rows]
+    assert on_ray.exit_code == 1 and not on_ray.interrupted
+
+
+def test_a_killed_ray_worker_is_an_error_row(tmp_path, local_ray):
+    slow = _slow(tmp_path / "slow", 1)
+    _step(tmp_path / "after", 2, 0)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=scan(discover(tmp_path), jobs=1, executor="ray")))
+    thread.start()
+    os.kill(_wait_for_holder(slow), signal.SIGKILL)
+    thread.join(120)
+    assert not thread.is_alive()
+    rows = out["result"].rows
+    assert [(r.target.relpath, r.status) for r in rows] == [("slow", "error"), ("after", "pass")]
+    assert rows[0].message.startswith(f"{tmp_path / 'slow'}: the Ray task replaying it failed (")
+    assert out["result"].exit_code == 5
