@@ -77,7 +77,8 @@ def explain_stage(stage: str, contexts: Sequence[StageContext], divergences=()) 
             if s.bad:
                 ranks[h.id].add(ctx.rank)
     found = [i for i in order if reported(totals[i])]
-    found.sort(key=lambda i: (-totals[i].matched / max(totals[i].of, 1), -totals[i].bad_matched, order.index(i)))
+    found.sort(key=lambda i: (-totals[i].matched / max(totals[i].of, 1), -totals[i].bad_matched, totals[i].misfit,
+                              order.index(i)))
     out = []
     for i in found[:MAX_PER_STAGE]:
         s = totals[i]

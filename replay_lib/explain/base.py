@@ -58,6 +58,7 @@ class Score:
     bad: int = 0
     bad_matched: int = 0
     sampled: bool = False  # judged on blocks of a per-token field's rows, not all of them
+    misfit: float = 0.0  # Σ |h − e| / tolerance over the matched elements: between equal counts, lower fits better
 
     def add(self, other: "Score") -> None:
         self.matched += other.matched
@@ -65,6 +66,7 @@ class Score:
         self.bad += other.bad
         self.bad_matched += other.bad_matched
         self.sampled = self.sampled or other.sampled
+        self.misfit += other.misfit
 
 
 def _read(values: Values, lo: int, hi: int) -> torch.Tensor:
@@ -136,8 +138,10 @@ def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence
                 if f.name in h.bounds:
                     own = _read(h.bounds[f.name], lo, hi) + w.expected.abs() * rtol + atol
                     tol = torch.maximum(tol, own)
-                ok = compared & torch.isfinite(value) & torch.isfinite(w.expected) & ((value - w.expected).abs() <= tol)
+                diff = (value - w.expected).abs()
+                ok = compared & torch.isfinite(value) & torch.isfinite(w.expected) & (diff <= tol)
                 s.matched += int(ok.sum())
+                s.misfit += float((diff[ok] / tol[ok].clamp(min=1e-300)).sum())
                 s.bad_matched += int((ok & bad).sum())
     return scores
 

@@ -41,6 +41,10 @@ AGG_MODES = ("sum_of_sample_means", "seq_mean_token_mean", "token_mean", "seq_me
              "seq_mean_token_sum_norm")
 TERMS = {"pg_sum": "pg", "entropy_sum": "ent", "kl_sum": "kl", "clip_count": "clip", "mask_count": "mask"}
 ROWS = ("pg", "clip", "kl", "ent", "mask")
+# The loss stage's fields besides the per-sample terms: the per-token surrogate, and the recorded scalars checked
+# against the recorded per-sample terms' aggregation (when the bundle records them).
+TOKEN_FIELD = "pg_losses"
+AGGREGATE_FIELD = "aggregate"
 
 
 @dataclass(frozen=True)
@@ -151,14 +155,29 @@ def _weights(ctx: StageContext, mode: str, sums: dict[str, torch.Tensor]) -> tor
         w = torch.full_like(count, 1.0 / (N * L))
     else:  # "response_length": a per-sample mean over the whole response, the mask ignored in the denominator
         w = 1.0 / ctx.lengths.to(torch.float64).clamp(min=1.0)
-    return w * float(cfg.loss_scale)
+    return w
 
 
-def _fields(ctx: StageContext, li: LossInputs, sums: dict[str, torch.Tensor], w: torch.Tensor) -> dict[str, float]:
+def _fields(ctx: StageContext, li: LossInputs, sums: dict[str, torch.Tensor], mode: str,
+            metric_mode: Optional[str] = None) -> dict[str, float]:
+    """The loss fields of per-sample sums ``sums`` (:data:`ROWS`): the loss terms aggregated with ``mode`` and the
+    loss scale, the metrics (clip fraction, ppo_kl) with ``metric_mode`` (default: ``mode``)."""
+    w = _weights(ctx, mode, sums) * float(ctx.config.loss_scale)
+    wm = _weights(ctx, metric_mode or mode, sums)
     pg = float((w * sums["pg"]).sum())
     ent = float((w * sums["ent"]).sum()) if li.entropy is not None else 0.0
     return {"loss": pg - ctx.config.entropy_coef * ent, "pg_loss": pg, "entropy_loss": ent,
-            "pg_clipfrac": float((w * sums["clip"]).sum()), "ppo_kl": float((w * sums["kl"]).sum())}
+            "pg_clipfrac": float((wm * sums["clip"]).sum()), "ppo_kl": float((wm * sums["kl"]).sum())}
+
+
+def _recorded_sums(fields: dict[str, FieldResult], sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-sample sums as the bundle records them (the per-sample term fields' expected values), the
+    recompute's where a term is not recorded."""
+    out = dict(sums)
+    for term, row in TERMS.items():
+        if term in fields:
+            out[row] = fields[term].expected
+    return out
 
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
@@ -166,41 +185,50 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
         return []
+    cfg = ctx.config
     names = {f.name: f for f in fields}
-    scalars = next((f for f in fields if f.per == PER_SCALAR), None)
     variants = _variants(ctx)
     sums = _sums(ctx, li, variants)
-    declared_mode = ctx.config.loss_agg_mode
+    mode = cfg.loss_agg_mode
+    metric_mode = getattr(cfg, "metric_agg_mode", None) or mode
+    recorded = _recorded_sums(names, sums[0])
     out: list[Hypothesis] = []
 
     def values_of(loss_fields: dict[str, float], per_sample: Optional[dict[str, torch.Tensor]],
-                  token: Optional[Variant]) -> dict:
+                  token: Optional[Variant], aggregated: Optional[dict[str, float]] = None) -> dict:
+        """The hypothesis's values of each field it changes: the recomputed scalars (``loss_fields``), the
+        recorded scalars' check against the recorded terms (``aggregated``: an aggregation hypothesis), the
+        per-sample terms and the per-token surrogate."""
         values: dict = {}
-        if scalars is not None and scalars.labels:
-            actual = scalars.actual
-            values[scalars.name] = torch.tensor([loss_fields.get(label, float(actual[i]))
-                                                 for i, label in enumerate(scalars.labels)], dtype=torch.float64)
+        for f in fields:
+            if f.per != PER_SCALAR or not f.labels:
+                continue
+            by_label = aggregated if f.name == AGGREGATE_FIELD else loss_fields
+            if by_label is None:
+                continue
+            actual = f.actual
+            values[f.name] = torch.tensor([by_label.get(label, float(actual[i])) for i, label in enumerate(f.labels)],
+                                          dtype=torch.float64)
         if per_sample is not None:
             for term, row in TERMS.items():
                 if term in names:
                     values[term] = per_sample[row]
-        if token is not None and "pg_losses" in names:
+        if token is not None and TOKEN_FIELD in names:
             def pg(lo: int, hi: int, v: Variant = token) -> torch.Tensor:
                 return v.surrogate(li.old_log_probs[lo:hi].to(torch.float64), li.log_probs[lo:hi].to(torch.float64),
                                    li.advantages[lo:hi].to(torch.float64))["pg"]
-            values["pg_losses"] = pg
+            values[TOKEN_FIELD] = pg
         return values
 
     for v, s in zip(variants[1:], sums[1:]):
-        token = v if v.mask_shift == 0 else None
-        out.append(Hypothesis(stage=STAGE, id=v.id, detail=v.detail,
-                              values=values_of(_fields(ctx, li, s, _weights(ctx, declared_mode, s)), s, token)))
-    for mode in (*AGG_MODES, "response_length"):
-        if mode == declared_mode:
+        out.append(Hypothesis(stage=STAGE, id=v.id, detail=v.detail, values=values_of(
+            _fields(ctx, li, s, mode, metric_mode), s, v if v.mask_shift == 0 else None)))
+    for other in (*AGG_MODES, "response_length"):
+        if other == mode and other == metric_mode:
             continue
-        what = (f"a {mode} aggregation" if mode != "response_length" else
+        what = (f"a {other} aggregation" if other != "response_length" else
                 "per-sample means over the response length instead of the loss tokens")
-        out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{mode}", detail=f"the recorded loss fields equal {what} "
-                              f"(config: {declared_mode})",
-                              values=values_of(_fields(ctx, li, sums[0], _weights(ctx, mode, sums[0])), None, None)))
+        out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{other}", detail=f"the recorded loss fields equal {what} "
+                              f"(config: {mode})", values=values_of(
+                                  _fields(ctx, li, sums[0], other), None, None, _fields(ctx, li, recorded, other))))
     return out

@@ -1,0 +1,435 @@
+"""Explanations (SPEC §10, ``replay_lib.explain``): one bundle per hypothesis with exactly that bug, and no
+explanation for a clean bundle or an unrelated bug.
+
+Every bundle comes from the independent producers of ``tests/producers`` (the ``float64`` family: float64
+arithmetic, each output rounded once to float32), written with the real :class:`BundleWriter` and replayed
+through the runner. A producer bug of ``producers.bugs`` is used where there is one; the other bugs are applied
+here, with the formulas written out in NumPy below (never ``replay_lib.kernels``): the recorded value of the
+buggy stage is replaced, and the bundle declares the stages up to that one, so that exactly one stage is wrong.
+
+Expected counts, by hand: ``SIZE`` is 16 samples in groups of 4 with responses of 48–64 tokens; seed 1 draws
+901 response tokens in all (``TOKENS``, read off the producer's inputs), so a per-sample stage is judged on 16
+samples, a per-token one on 901 tokens, and the loss scalars are the 5 reported fields.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from producers import Config, Size, bug_config, produce_parts, write_parts  # noqa: E402
+from replay_lib.explain.reward import consumer_batches  # noqa: E402
+from replay_lib.runner import replay  # noqa: E402
+from replay_lib.schema import StageId, stage_contracts  # noqa: E402
+from replay_lib.stages import StageContext  # noqa: E402
+from replay_lib.bundle import open_bundle  # noqa: E402
+
+SIZE = Size(16, 64, 4)
+SEED = 1
+FAMILY = "float64"
+ROLLOUT = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
+           StageId.ADVANTAGE_ESTIMATE)
+STEP = ROLLOUT + (StageId.LOSS_POLICY,)
+
+
+def _parts(config: Config = Config(), bug: Optional[str] = None, per_sample: bool = False, name: str = "b"):
+    return produce_parts(FAMILY, SEED, SIZE, config, bug=bug, per_sample=per_sample, bundle_id=name)
+
+
+TOKENS = int(_parts().inputs.lengths.sum())
+
+
+def test_the_step_has_901_tokens():
+    assert TOKENS == 901
+
+
+# ------------------------------------------------------------------------------ NumPy references
+
+
+def normalize(raw: np.ndarray, labels: np.ndarray, std: bool, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+    """GRPO normalization over the sets ``labels``: r − mean, / (std + eps) with std of ``ddof``."""
+    out = np.empty_like(raw)
+    for k in np.unique(labels):
+        at = labels == k
+        r = raw[at]
+        g = r - r.mean()
+        out[at] = g / (r.std(ddof=ddof) + eps) if std else g
+    return out
+
+
+def approx_kl(a: np.ndarray, b: np.ndarray, kl_type: str) -> np.ndarray:
+    r = a.astype(np.float64) - b.astype(np.float64)
+    if kl_type == "k1":
+        return r
+    if kl_type == "k2":
+        return r * r / 2
+    k3 = np.exp(-r) - 1 + r
+    return np.clip(k3, -10, 10) if kl_type == "low_var_kl" else k3
+
+
+def loss_fields(inputs, adv: np.ndarray, *, eps_clip: float = 0.2, eps_clip_high: float = 0.28,
+                dual_c: Optional[float] = None, mask: Optional[np.ndarray] = None, stale: bool = False,
+                agg: str = "sum_of_sample_means", entropy_coef: float = 0.0) -> dict[str, float]:
+    """SPEC §4 loss.policy fields in float64: the clipped surrogate (dual-clip: min with −c·A where A < 0),
+    per-sample masked sums, aggregated with ``agg``'s weights (SPEC §4.2)."""
+    old = inputs.old_log_probs.astype(np.float64)
+    logp = old if stale else inputs.log_probs.astype(np.float64)
+    m = (inputs.mask if mask is None else mask).astype(np.float64)
+    a = adv.astype(np.float64)
+    ppo_kl = old - logp
+    ratio = np.exp(-ppo_kl)
+    l1, l2 = -ratio * a, -np.clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * a
+    pg = np.maximum(l1, l2)
+    if dual_c is not None:
+        pg = np.where(a < 0, np.minimum(pg, -dual_c * a), pg)
+    clip = (l2 > l1).astype(np.float64)
+    seg = np.repeat(np.arange(inputs.lengths.size), inputs.lengths)
+    sums = {k: np.bincount(seg, v * m, minlength=inputs.lengths.size)
+            for k, v in (("pg", pg), ("clip", clip), ("kl", ppo_kl), ("ent", inputs.entropy.astype(np.float64)))}
+    n = np.bincount(seg, m, minlength=inputs.lengths.size)
+    w = {"sum_of_sample_means": 1 / np.maximum(n, 1), "token_mean": np.full(n.size, 1 / n.sum()),
+         "seq_mean_token_mean": 1 / (n.size * np.maximum(n, 1)), "seq_mean_token_sum": np.full(n.size, 1 / n.size),
+         "seq_mean_token_sum_norm": np.full(n.size, 1 / (n.size * inputs.lengths.max()))}[agg]
+    out = {k: float((w * sums[s]).sum()) for k, s in (("pg_loss", "pg"), ("entropy_loss", "ent"),
+                                                     ("pg_clipfrac", "clip"), ("ppo_kl", "kl"))}
+    out["loss"] = out["pg_loss"] - entropy_coef * out["entropy_loss"]
+    return out
+
+
+def f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).astype(np.float64)
+
+
+# ------------------------------------------------------------------------------ bundles
+
+
+def write(tmp_path: Path, parts, stages=STEP, *, rewards: Optional[np.ndarray] = None,
+          kl: Optional[np.ndarray] = None, advantages: Optional[np.ndarray] = None,
+          loss: Optional[dict] = None, consumer_batch_ids: Optional[list[str]] = None) -> Path:
+    """``parts`` with the recorded values of one stage replaced, declaring ``stages``."""
+    lengths = parts.inputs.lengths
+    if rewards is not None:  # recorded in float32, as a float32 producer writes them; advantages follow them
+        rec = f32(rewards)
+        parts.expected["reward.post_process"] = {"rewards": rec.tolist()}
+        samples = [msgspec.structs.replace(s, reward=float(r)) for s, r in zip(parts.index.samples, rec)]
+        parts.index = msgspec.structs.replace(parts.index, samples=samples)
+        parts.payloads["advantages"] = torch.from_numpy(np.repeat(rec, lengths).astype(np.float32))
+    if kl is not None:
+        parts.payloads["kl"] = torch.from_numpy(kl.astype(np.float32))
+    if advantages is not None:
+        parts.payloads["advantages"] = torch.from_numpy(advantages.astype(np.float32))
+    if loss is not None:
+        parts.expected["loss.policy"] = loss
+    if consumer_batch_ids is not None:
+        identity = msgspec.structs.replace(parts.index.identity, consumer_batch_ids=consumer_batch_ids)
+        parts.index = msgspec.structs.replace(parts.index, identity=identity)
+    if StageId.LOSS_POLICY not in stages:
+        parts.expected.pop("loss.policy", None)
+    parts.manifest = msgspec.structs.replace(parts.manifest, stage_contracts=stage_contracts(stages))
+    return write_parts(parts, tmp_path / parts.index.bundle_id)
+
+
+def explained(path: Path, **kw) -> list[tuple]:
+    report = replay(path, **kw)
+    return [(e.stage, e.hypothesis, e.matched, e.of, e.unit) for e in report.explanations]
+
+
+def first_stage(path: Path) -> Optional[str]:
+    return replay(path).first_divergent_stage
+
+
+# ------------------------------------------------------------------------------ reward.post_process
+
+RAW = _parts().inputs.raw_rewards  # binary rewards, groups of 4 (Config's default: std normalization on)
+GROUPS = np.arange(16) // 4
+
+
+def test_consumer_batches(tmp_path):
+    """Three consumer batches for 16 samples: ⌈16/3⌉ = 6 each, the last 4 — (0–5, 6–11, 12–15), normalized
+    with std as declared. (The same sets as chunks of 6, which are then not listed again.)"""
+    rewards = normalize(RAW, np.arange(16) // 6, std=True)
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=rewards, consumer_batch_ids=["cb-0", "cb-1", "cb-2"])
+    report = replay(path)
+    assert report.first_divergent_stage == "reward.post_process"
+    assert [(e.stage, e.hypothesis, e.matched, e.of, e.unit) for e in report.explanations] == [
+        ("reward.post_process", "reward.consumer_batches", 16, 16, "samples")]
+    assert report.explanations[0].detail == ("the recorded rewards equal group normalization over consumer batches "
+                                             "cb-0, cb-1, cb-2 (not semantic groups)")
+
+
+def test_micro_batches(tmp_path):
+    """The family's micro-batches hold 8 samples each (mb-0000: 0–7, mb-0001: 8–15): two groups each."""
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=normalize(RAW, np.arange(16) // 8, std=True))
+    assert explained(path) == [("reward.post_process", "reward.micro_batches", 16, 16, "samples")]
+
+
+def test_whole_batch(tmp_path):
+    """slime#2230: one mean (and std) over all 16 samples."""
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=normalize(RAW, np.zeros(16), std=True))
+    assert explained(path) == [("reward.post_process", "reward.whole_batch", 16, 16, "samples")]
+
+
+def test_pr65_chunks_of_one_and_a_half_groups(tmp_path):
+    """producers.bugs "pr65": consecutive physical batches of 4 + 4 // 2 = 6 samples (one consumer batch id
+    in the identity, so it is the chunk hypothesis that names them)."""
+    parts = _parts(bug="pr65")
+    path = write(tmp_path, parts, STEP)
+    assert explained(path) == [("reward.post_process", "reward.chunks_of_6", 16, 16, "samples")]
+
+
+def test_biased_std(tmp_path):
+    path = write(tmp_path, _parts(bug_config("biased_std", Config()), bug="biased_std"), STEP)
+    assert explained(path) == [("reward.post_process", "reward.biased_std", 16, 16, "samples")]
+
+
+def test_std_switched_off_and_on(tmp_path):
+    """Declared std on, recorded without it; and declared off, recorded with it."""
+    off = write(tmp_path, _parts(name="off"), ROLLOUT, rewards=normalize(RAW, GROUPS, std=False))
+    assert explained(off) == [("reward.post_process", "reward.std_off", 16, 16, "samples")]
+    on = write(tmp_path, _parts(Config(std_normalization=False), name="on"), ROLLOUT,
+               rewards=normalize(RAW, GROUPS, std=True))
+    assert explained(on) == [("reward.post_process", "reward.std_on", 16, 16, "samples")]
+
+
+def test_other_eps(tmp_path):
+    """Rewards of a std ≈ 1e-4 make the eps visible: a group of [0, 0, 0, 2e-4] has std 1e-4; its normalized
+    rewards with eps 1e-4 are half those with 1e-6 (1e-4 / (1e-4 + 1e-4) vs 1e-4 / (1e-4 + 1e-6))."""
+    raw = RAW.copy()
+    raw[0:4] = [0.0, 0.0, 0.0, 2e-4]
+    parts = _parts(name="eps")
+    parts.inputs.raw_rewards[:] = raw
+    parts.expected["reward.raw"] = {"raw_rewards": raw.tolist()}
+    parts.index = msgspec.structs.replace(parts.index, samples=[
+        msgspec.structs.replace(s, raw_reward=float(r)) for s, r in zip(parts.index.samples, raw)])
+    path = write(tmp_path, parts, ROLLOUT, rewards=normalize(raw, GROUPS, std=True, eps=1e-4))
+    # only g-0 differs (its 4 samples); the binary groups have std ≥ 0.5, where eps 1e-4 moves a value by
+    # ≤ 2e-4 relative — beyond the float32 bound, so they diverge too and the hypothesis matches all 16
+    assert explained(path)[0] == ("reward.post_process", "reward.eps_0.0001", 16, 16, "samples")
+
+
+def test_unnormalized_rewards(tmp_path):
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=RAW)
+    assert explained(path) == [("reward.post_process", "reward.unnormalized", 16, 16, "samples")]
+
+
+# ------------------------------------------------------------------------------ advantage.kl
+
+INPUTS = _parts().inputs
+
+
+def test_kl_type_swapped(tmp_path):
+    """producers.bugs "k1_for_k3": the payload is k1 where the config declares k3."""
+    path = write(tmp_path, _parts(bug_config("k1_for_k3", Config()), bug="k1_for_k3"), STEP)
+    assert explained(path) == [("advantage.kl", "kl.type_k1", TOKENS, TOKENS, "tokens")]
+
+
+def test_kl_arguments_swapped(tmp_path):
+    path = write(tmp_path, _parts(), STEP, kl=approx_kl(INPUTS.ref_log_probs, INPUTS.old_log_probs, "k3"))
+    assert first_stage(path) == "advantage.kl"
+    assert explained(path) == [("advantage.kl", "kl.arguments_swapped", TOKENS, TOKENS, "tokens")]
+
+
+def test_kl_of_the_current_log_probs(tmp_path):
+    path = write(tmp_path, _parts(), STEP, kl=approx_kl(INPUTS.log_probs, INPUTS.ref_log_probs, "k3"))
+    assert explained(path) == [("advantage.kl", "kl.current_log_probs", TOKENS, TOKENS, "tokens")]
+
+
+# ------------------------------------------------------------------------------ advantage.estimate
+
+RECORDED = f32(_parts().rewards)  # the normalized rewards the producer recorded
+
+
+def test_sign_flipped_advantages(tmp_path):
+    path = write(tmp_path, _parts(bug="sign_flip"), STEP)
+    assert explained(path) == [("advantage.estimate", "advantage.sign_flipped", TOKENS, TOKENS, "tokens")]
+
+
+def test_unnormalized_advantages(tmp_path):
+    path = write(tmp_path, _parts(), ROLLOUT, advantages=np.repeat(RAW, INPUTS.lengths))
+    assert explained(path) == [("advantage.estimate", "advantage.unnormalized", TOKENS, TOKENS, "tokens")]
+
+
+def test_advantages_shifted_one_token(tmp_path):
+    """A[t − 1] along the packed tokens, 0 at the first: only each sample's first token changes (where the
+    previous sample's reward differs), and the hypothesis reproduces every token."""
+    adv = np.repeat(RECORDED, INPUTS.lengths)
+    shifted = np.r_[0.0, adv[:-1]]
+    path = write(tmp_path, _parts(), ROLLOUT, advantages=shifted)
+    assert explained(path) == [("advantage.estimate", "advantage.shifted_later", TOKENS, TOKENS, "tokens")]
+
+
+def test_advantages_shifted_inside_each_sample(tmp_path):
+    adv = np.repeat(RECORDED, INPUTS.lengths)
+    starts = np.cumsum(INPUTS.lengths) - INPUTS.lengths
+    shifted = np.r_[0.0, adv[:-1]]
+    shifted[starts] = 0.0
+    path = write(tmp_path, _parts(), ROLLOUT, advantages=shifted)
+    assert explained(path) == [("advantage.estimate", "advantage.shifted_later_in_sample", TOKENS, TOKENS,
+                                "tokens")]
+
+
+def test_advantages_permuted_between_samples(tmp_path):
+    """s-0 and s-5 swap their rewards (s-0 is in g-0, s-5 in g-1: different values)."""
+    assert RECORDED[0] != RECORDED[5]
+    perm = np.arange(16)
+    perm[[0, 5]] = [5, 0]
+    path = write(tmp_path, _parts(), ROLLOUT, advantages=np.repeat(RECORDED[perm], INPUTS.lengths))
+    report = replay(path)
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [("advantage.permuted", TOKENS, TOKENS)]
+    assert report.explanations[0].detail == ("the recorded advantages are the normalized rewards permuted between "
+                                             "samples (s-0 has s-5's, s-5 has s-0's)")
+
+
+# ------------------------------------------------------------------------------ loss.policy
+
+
+def _loss(**kw) -> dict:
+    return loss_fields(INPUTS, np.repeat(RECORDED, INPUTS.lengths).astype(np.float32), **kw)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                 "seq_mean_token_sum_norm"])
+def test_other_aggregation(tmp_path, agg):
+    path = write(tmp_path, _parts(name=agg), STEP, loss=_loss(agg=agg))
+    assert explained(path) == [("loss.policy", f"loss.agg_{agg}", 5, 5, "loss fields")]
+
+
+def test_token_mean_with_per_sample_terms(tmp_path):
+    """producers.bugs "token_mean" with the per-sample terms recorded: 16 samples × 5 terms are right, the 5
+    scalars are not, and the recorded scalars against the recorded terms' aggregation fail too (when the
+    stage has that check): every value matches the token mean."""
+    path = write(tmp_path, _parts(bug="token_mean", per_sample=True), STEP)
+    [(stage, hypothesis, matched, of, unit)] = explained(path)
+    assert (stage, hypothesis, unit) == ("loss.policy", "loss.agg_token_mean", "values")
+    assert matched == of and of in (16 * 5 + 5, 16 * 5 + 5 + 5)
+
+
+def test_clip_bounds(tmp_path):
+    """0.2/0.3 where the config declares 0.2/0.28. The inputs' log-ratios stay within ±0.3, so ratios lie in
+    [e^−0.3, e^0.3] = [0.741, 1.350]: the upper bounds 1.28 and 1.3 differ on the ratios in (1.28, 1.35], and
+    only the lower bound 0.8 binds (0.72 and 0.7 lie below every ratio), so no other pair of {0.2, 0.28, 0.3}
+    gives these values."""
+    path = write(tmp_path, _parts(name="clip"), STEP, loss=_loss(eps_clip=0.2, eps_clip_high=0.3))
+    assert explained(path) == [("loss.policy", "loss.clip_0.2_0.3", 5, 5, "loss fields")]
+
+
+def test_clip_high_for_both_bounds(tmp_path):
+    """producers.bugs "clip_high_both": 0.28 for both bounds. A lower bound of 0.72 or of 0.7 clips no ratio
+    ≥ 0.741 (see test_clip_bounds), so 0.28/0.28 and 0.3/0.28 give the same values: both are listed, the
+    closer fit first."""
+    path = write(tmp_path, _parts(bug="clip_high_both"), STEP)
+    assert explained(path) == [("loss.policy", "loss.clip_0.28_0.28", 5, 5, "loss fields"),
+                               ("loss.policy", "loss.clip_0.3_0.28", 5, 5, "loss fields")]
+
+
+def test_dual_clip(tmp_path):
+    """Dual-clip c = 3 binds where A < 0 and the surrogate ratio·|A| exceeds 3·|A|: ratio > 3, which never
+    happens here (≤ 1.35); so s-2 (A = −1.5) gets logp − old = ln 4 on its tokens (ratio 4, loss capped at 3·|A|)."""
+    inputs = _parts().inputs
+    adv = np.repeat(RECORDED, inputs.lengths)
+    assert RECORDED[2] < 0
+    start = int(inputs.lengths[:2].sum())
+    logp = inputs.log_probs.copy()
+    logp[start:start + inputs.lengths[2]] = inputs.old_log_probs[start:start + inputs.lengths[2]] + np.log(4.0)
+    parts = _parts(name="dual")
+    parts.payloads["log_probs"] = torch.from_numpy(logp.astype(np.float32))
+    inputs.log_probs = logp.astype(np.float32)
+    path = write(tmp_path, parts, STEP, loss=loss_fields(inputs, adv.astype(np.float32), dual_c=3.0))
+    assert explained(path) == [("loss.policy", "loss.dual_clip_on", 5, 5, "loss fields")]
+
+
+def test_mask_shifted(tmp_path):
+    path = write(tmp_path, _parts(bug="mask_shift"), STEP)
+    assert explained(path) == [("loss.policy", "loss.mask_shifted_later", 5, 5, "loss fields")]
+
+
+def test_stale_old_log_probs(tmp_path):
+    path = write(tmp_path, _parts(name="stale"), STEP, loss=_loss(stale=True))
+    assert explained(path) == [("loss.policy", "loss.stale_old_log_probs", 5, 5, "loss fields")]
+
+
+# ------------------------------------------------------------------------------ no false explanation
+
+
+@pytest.mark.parametrize("config", [Config(), Config(std_normalization=False, kl_type="k1", entropy_coef=0.01)])
+def test_clean_bundles_have_none(tmp_path, config):
+    report = replay(write(tmp_path, _parts(config, per_sample=True), STEP))
+    assert report.passed and report.explanations == []
+
+
+def test_unrelated_bugs_get_none(tmp_path):
+    """Rewards scaled by 1.5, a KL 0.01 too high everywhere, advantages 0.25 too high, pg_loss 0.5 too high:
+    each stage fails and no known cause matches."""
+    cases = {
+        "scaled": dict(stages=ROLLOUT, rewards=1.5 * RECORDED),
+        "kl": dict(stages=STEP, kl=approx_kl(INPUTS.old_log_probs, INPUTS.ref_log_probs, "k3") + 0.01),
+        "adv": dict(stages=ROLLOUT, advantages=np.repeat(RECORDED, INPUTS.lengths) + 0.25),
+        "loss": dict(stages=STEP, loss={**_loss(), "pg_loss": _loss()["pg_loss"] + 0.5}),
+    }
+    for name, kw in cases.items():
+        stages = kw.pop("stages")
+        report = replay(write(tmp_path, _parts(name=name), stages, **kw))
+        assert not report.passed, name
+        assert report.explanations == [], (name, report.explanations)
+
+
+# ------------------------------------------------------------------------------ the consumer-batch layout
+
+
+@pytest.mark.parametrize("n,ids,expected", [
+    (16, 3, [0] * 6 + [1] * 6 + [2] * 4),  # ⌈16/3⌉ = 6: 6, 6, 4
+    (10, 4, [0] * 3 + [1] * 3 + [2] * 3 + [3]),  # ⌈10/4⌉ = 3 and ⌈10/3⌉ = 4 batches: 3, 3, 3, 1
+    (5, 4, None),  # ⌈5/4⌉ = 2 makes only ⌈5/2⌉ = 3 batches: no layout of 4 ids
+    (16, 1, None),  # a single batch is the whole batch, not a consumer-batch hypothesis
+])
+def test_consumer_batch_layout(tmp_path, n, ids, expected):
+    parts = produce_parts(FAMILY, SEED, Size(n, 8, 1), Config(kl_coef=0.0, std_normalization=False),
+                          bundle_id=f"l{n}-{ids}")
+    path = write(tmp_path, parts, ROLLOUT, consumer_batch_ids=[f"cb-{k}" for k in range(ids)])
+    reader = open_bundle(path).shards[0]
+    ctx = StageContext(reader=reader, indices=list(range(n)), partial=False)
+    found = consumer_batches(ctx)
+    assert (found[1].tolist() if found else None) == expected
+
+
+# ------------------------------------------------------------------------------ the views
+
+
+def test_text_and_json_in_a_real_process(tmp_path):
+    """The CLI prints ``likely cause: …`` under the failing stage and ``--format json`` carries the same."""
+    rewards = normalize(RAW, np.arange(16) // 6, std=True)
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=rewards, consumer_batch_ids=["cb-0", "cb-1", "cb-2"])
+    text = subprocess.run(["trajectory-replay", "replay", str(path)], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 1, text.stderr
+    lines = text.stdout.splitlines()
+    # cb-2 (samples 12–15) is the group g-3, normalized right: 12 samples diverge, all 16 match the hypothesis
+    at = lines.index("[   fail] reward.post_process — normalized reward mismatch in 12 sample(s)")
+    assert lines[at + 6] == "          ... 7 more; max abs_err=0.85450105"
+    assert lines[at + 7] == ("          likely cause: the recorded rewards equal group normalization over consumer "
+                             "batches cb-0, cb-1, cb-2 (not semantic groups) — 16/16 samples")
+    js = subprocess.run(["trajectory-replay", "replay", str(path), "--format", "json"], capture_output=True,
+                        text=True, timeout=120)
+    assert json.loads(js.stdout)["explanations"] == [{
+        "stage": "reward.post_process", "hypothesis": "reward.consumer_batches", "matched": 16, "of": 16,
+        "detail": "the recorded rewards equal group normalization over consumer batches cb-0, cb-1, cb-2 (not "
+                  "semantic groups)", "unit": "samples", "rank": None}]
+
+
+def test_verbose_says_when_no_known_cause_matches(tmp_path):
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=1.5 * RECORDED)
+    out = subprocess.run(["trajectory-replay", "replay", str(path), "--verbose"], capture_output=True, text=True,
+                         timeout=120).stdout.splitlines()
+    assert "          likely cause: no known cause matches" in out
+    quiet = subprocess.run(["trajectory-replay", "replay", str(path)], capture_output=True, text=True,
+                           timeout=120).stdout
+    assert "likely cause" not in quiet
