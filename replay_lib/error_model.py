@@ -223,17 +223,42 @@ def group_stats(raw: torch.Tensor, groups: torch.Tensor) -> GroupStats:
 
 
 def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_normalization: bool,
-                 eps: float) -> torch.Tensor:
+                 eps: float, *, leave_one_out: bool = False, sample_std: Optional[torch.Tensor] = None,
+                 magnitude: Optional[torch.Tensor] = None, score_error: Optional[torch.Tensor] = None,
+                 cancellation: bool = True) -> torch.Tensor:
     """float64 ``[n]``: the rounding bound of each normalized reward (module doc); 0 for a group of equal
-    rewards whose every partial sum is exact in float32 (:func:`exact_multiples`)."""
-    r = raw.to(torch.float64).abs()
-    sqrt_n = stats.size.sqrt()[stats.inverse]
-    spread = r + sqrt_n * stats.max_abs[stats.inverse]
-    if not std_normalization:
-        bound = C_REWARD * U32 * spread
+    rewards whose every partial sum is exact in float32 (:func:`exact_multiples`).
+
+    SPEC §4.2 knobs: ``leave_one_out`` — the centred value is ``n/(n − 1)·(r − mean)`` and the std (given per
+    sample in ``sample_std``) is NeMo-RL's ``E[r²] − b²`` form, whose cancellation adds ``2·max|r|²/s²`` of
+    relative error (``cancellation=False``: a std known to be exact); ``magnitude`` — each score's condition when it is not the raw reward (``|r| + kl_coef·Σ|kl|``
+    for KL in the reward); ``score_error`` — a further absolute error of each score (its float32 sum), which
+    enters a group's values and its mean."""
+    mag = raw.to(torch.float64).abs() if magnitude is None else magnitude.to(torch.float64)
+    inv = stats.inverse
+    size = stats.size[inv]
+    sqrt_n = size.sqrt()
+    if magnitude is None:
+        group_max = stats.max_abs
     else:
-        bound = C_REWARD * U32 * (spread / (stats.std[stats.inverse] + eps) + sqrt_n * truth.abs())
-    equal = torch.nonzero(stats.std == 0).reshape(-1)
+        group_max = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
+            0, inv, mag, reduce="amax", include_self=True)
+    spread = mag + sqrt_n * group_max[inv]
+    extra = torch.zeros_like(spread)
+    if score_error is not None:
+        worst = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
+            0, inv, score_error.to(torch.float64), reduce="amax", include_self=True)
+        extra = score_error.to(torch.float64) + worst[inv]
+    factor = torch.where(size > 1, size / (size - 1), torch.ones_like(size)) if leave_one_out else torch.ones_like(size)
+    if not std_normalization:
+        bound = (C_REWARD * U32 * spread + extra) * factor
+    else:
+        s = stats.std[inv] if sample_std is None else sample_std.to(torch.float64)
+        g = truth.to(torch.float64).abs()
+        bound = (C_REWARD * U32 * spread + extra) * factor / (s + eps) + C_REWARD * U32 * sqrt_n * g
+        if leave_one_out and cancellation:
+            bound = bound + C_REWARD * U32 * g * 2 * group_max[inv] ** 2 / (s * s)
+    equal = torch.nonzero(stats.std == 0).reshape(-1) if magnitude is None else torch.zeros(0, dtype=torch.int64)
     if equal.numel():
         value = torch.zeros(stats.size.numel(), dtype=torch.float64).index_copy_(
             0, stats.inverse, raw.to(torch.float64))  # any member's reward: they are equal
@@ -261,6 +286,21 @@ def exact_multiples(r: float, n: int) -> bool:
     return width + int(n).bit_length() <= 24
 
 
+def exact_zero_std(raw: torch.Tensor, stats: GroupStats, sample_std: torch.Tensor) -> torch.Tensor:
+    """bool per sample: a leave-one-out std of exactly 0 over other rewards that are equal, float32 values and
+    exact multiples of each other's sums (:func:`exact_multiples`): then every float32 producer's std is 0 too,
+    and the zero-std rule applies to the same samples in the producer and here."""
+    out = torch.zeros(raw.numel(), dtype=torch.bool)
+    r = raw.to(torch.float64)
+    for i in torch.nonzero(sample_std == 0).reshape(-1).tolist():
+        others = r[(stats.inverse == stats.inverse[i]) & (torch.arange(r.numel()) != i)]
+        if others.numel() and bool((others == others[0]).all()):
+            mine = float(r[i])
+            out[i] = exact_multiples(float(others[0]), others.numel()) and exact_multiples(mine, 1) \
+                and float(torch.tensor(mine - float(others[0]), dtype=torch.float32)) == mine - float(others[0])
+    return out
+
+
 def near_zero_std(stats: GroupStats) -> torch.Tensor:
     """bool per group: a std at the rounding level of the group's mean (a float32 producer's normalized
     values there are rounding noise)."""
@@ -285,6 +325,48 @@ def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token
 
 def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
     return C_ADVANTAGE * max(u_store, U32) * truth.abs()
+
+
+def singleton_bound(truth: torch.Tensor, rule: Optional[str]) -> Optional[torch.Tensor]:
+    """The bound of a one-sample group's value under its ``singleton_group`` rule: ``zero`` is exact (0),
+    ``raw`` one float32 rounding of ``r/(1 + eps)`` (``2·u·|T|``), ``nan`` is not compared (0); ``None``
+    without a rule (the arithmetic's own bound)."""
+    if rule is None:
+        return None
+    if rule == "raw":
+        return C_ADVANTAGE * U32 * truth.to(torch.float64).abs()
+    return torch.zeros_like(truth, dtype=torch.float64)
+
+
+def recursion_bound(truth: torch.Tensor, truth32: torch.Tensor, condition: torch.Tensor, u_token: float) -> torch.Tensor:
+    """float64 per token: the bound of a backward recursion a producer evaluates token by token (discounted
+    returns, GAE): ``8·u·cond + 3·|T32 − T|``. ``cond`` is the same recursion over the magnitudes of its terms
+    (each rounded by ``u``); ``T32`` the recursion evaluated in float32, whose error on a long, nearly constant
+    sequence grows like ``L·u`` (the sequential case of the loss bound: three times one such evaluation)."""
+    seq = (truth32.to(torch.float64) - truth.to(torch.float64)).abs()
+    seq = torch.where(torch.isfinite(seq), seq, torch.zeros_like(seq))
+    return C_TOKEN * u_token * condition + C_SEQUENTIAL * seq
+
+
+def whiten_bound(values: torch.Tensor, bound: torch.Tensor, mask: torch.Tensor, whitened: torch.Tensor,
+                 mean: float, divisor: float, recorded: bool, u_reduce: float = U32) -> torch.Tensor:
+    """float64 per token: the bound of whitened advantages ``A' = (A − μ)/σ`` over ``N`` loss tokens, given the
+    bound ``ρ`` of the advantages ``A`` before it (a producer's own ``A`` is that far from ``T``):
+    ``(ρ_t + Δμ)/σ + |A'_t|·(Δσ/σ + 2u)``, with ``Δμ = 2·u_a·√N·mean|A| + mean ρ`` and
+    ``Δσ/σ = u_a·√N + Σ|A − μ|·ρ/((N − 1)·σ²)`` (a sum of ``N`` terms rounds by about ``√N·u`` of its
+    magnitude, as the group sums above; the variance's terms are positive). With recorded statistics
+    (``advantage_whiten_stats``) ``μ`` and ``σ`` are the producer's own: ``Δμ = Δσ = 0``."""
+    m = mask.to(torch.float64)
+    a = values.to(torch.float64)
+    rho = bound.to(torch.float64)
+    n = float(m.sum())
+    if recorded or n < 2:
+        d_mean, d_rel = 0.0, 0.0
+    else:
+        d_mean = C_REDUCE * u_reduce * math.sqrt(n) * float((a.abs() * m).sum()) / n + float((rho * m).sum()) / n
+        d_rel = u_reduce * math.sqrt(n) + float(((a - mean).abs() * rho * m).sum()) / ((n - 1) * divisor * divisor)
+    w = whitened.to(torch.float64).abs()
+    return (rho + d_mean) / divisor + w * (d_rel + 2 * U32)
 
 
 # -------------------------------------------------------------------------------------- loss scalars

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
 from .error_model import Rules, tolerance_warnings
-from .errors import SelectionError, UnsupportedError
+from .errors import BundleError, SelectionError, UnsupportedError
 from .explain import annotate
 from .gcpause import gc_paused
 from .report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
@@ -21,6 +21,7 @@ from .safe_text import elided_listing, safe
 from .schema import ActorStepId, StageCapability, StageId
 from .selection import Selection, resolve_selection, selection_keys
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
+from .stages.advantage import advantage_config_error, estimator_refusal
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
@@ -107,10 +108,12 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
         return
     cfg = reader.index.config
     where = reader.path / "index.json"
-    if cfg.advantage_estimator != "grpo":
-        raise UnsupportedError(
-            f"{where}: $.config.advantage_estimator={cfg.advantage_estimator!r}: V1 recomputes GRPO only"
-        )
+    invalid = advantage_config_error(reader, stages)  # a value the format does not define: exit 3
+    if invalid is not None:
+        raise BundleError(f"{where}: {invalid}")
+    refused = estimator_refusal(cfg)
+    if refused is not None:
+        raise UnsupportedError(f"{where}: {refused}")
     cp = reader.index.identity.rank.get("cp", 1)
     if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "

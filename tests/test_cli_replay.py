@@ -218,12 +218,11 @@ def bundle_with(tmp_path, *, stages=ALL_STAGES, rank=None, **config):
 
 # use_tis, use_kl_loss and eps_clip_c are recomputed now (SPEC §4.2): tests/test_loss_knobs.py.
 REFUSALS = [
-    ({"advantage_estimator": "ppo"}, "$.config.advantage_estimator='ppo': V1 recomputes GRPO only"),
+    # the advantage side of SPEC §4.2 is recomputed (tests/test_advantage_*.py); what stays out of reach refuses
+    ({"advantage_estimator": "dppo"},
+     "$.config.advantage_estimator='dppo': prime-rl's DPPO is a loss family outside the clipped surrogate"),
+    ({"advantage_estimator": "decoupled_ppo"}, "$.config.advantage_estimator='decoupled_ppo': AReaL's decoupled loss"),
     ({"calculate_per_token_loss": True}, "$.config.calculate_per_token_loss=True: per-token loss aggregation"),
-    ({"normalize_advantages": True},
-     "$.config.normalize_advantages=True: advantage whitening is not implemented in V1 (stage advantage.estimate)"),
-    ({"rewards_normalization": False},
-     "$.config.rewards_normalization=False: V1 recomputes GRPO group normalization only (stage reward.post_process)"),
     ({"use_rollout_logprobs": True}, "$.config.use_rollout_logprobs=True: rollout log-probs as the PPO anchor"),
 ]
 
@@ -283,11 +282,11 @@ def test_loss_only_knob_does_not_block_the_reward_stages(tmp_path, cli):
 
 
 def test_refusal_in_a_real_process_is_one_line_without_traceback(tmp_path):
-    path = bundle_with(tmp_path, stages=ROLLOUT_STAGES, advantage_estimator="reinforce_plus_plus")
+    path = bundle_with(tmp_path, stages=ROLLOUT_STAGES, advantage_estimator="remax")
     proc = run_process("replay", path)
     assert (proc.returncode, proc.stdout) == (4, "")
     assert proc.stderr == (f"trajectory-replay: error: {path / 'index.json'}: "
-                           f"$.config.advantage_estimator='reinforce_plus_plus': V1 recomputes GRPO only\n")
+                           f"$.config.advantage_estimator='remax': verl's ReMax (greedy baseline) is not recomputed\n")
 
 
 def test_help_documents_the_exit_codes():

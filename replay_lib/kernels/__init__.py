@@ -15,9 +15,12 @@ Token layout: per-token tensors are 1-D, every sample's response tokens concaten
 from __future__ import annotations
 
 from .segments import segment_ids, segment_offsets, segment_sum, sorted_segment_sums, LOSS_CHUNK, token_chunks, masked_sample_sums
-from .reward import STD_EPS, group_normalize, batch_normalize
+from .reward import (STD_EPS, group_normalize, batch_normalize, GROUP_BASELINES, STD_ZERO_RULES, SINGLETON_RULES,
+                     ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, GroupRule, group_rule, group_moments, post_process,
+                     sequence_kl_score)
 from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, rollout_kl
-from .advantage import get_grpo_returns, GrpoReturns
+from .advantage import (get_grpo_returns, GrpoReturns, WHITEN_EPS, last_loss_token, token_rewards, discounted_returns,
+                        gae_advantages, whiten_stats, whiten)
 from .loss import compute_policy_loss, policy_loss_terms, sum_of_sample_mean, LOSS_FIELDS, policy_loss_fields, POLICY_SUMS, policy_loss_columns, policy_fields_from_sums
 from .loss import AGG_MODES, POLICY_FIELDS, VALUE_FIELDS, LossKnobs, aggregate, agg_weights, policy_token_terms, value_token_terms, value_loss_fields
 
@@ -32,12 +35,29 @@ __all__ = [
     "STD_EPS",
     "group_normalize",
     "batch_normalize",
+    "GROUP_BASELINES",
+    "STD_ZERO_RULES",
+    "SINGLETON_RULES",
+    "ADVANTAGE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "GroupRule",
+    "group_rule",
+    "group_moments",
+    "post_process",
+    "sequence_kl_score",
     "KL_TYPES",
     "KL_CLAMP",
     "compute_approx_kl",
     "rollout_kl",
     "get_grpo_returns",
     "GrpoReturns",
+    "WHITEN_EPS",
+    "last_loss_token",
+    "token_rewards",
+    "discounted_returns",
+    "gae_advantages",
+    "whiten_stats",
+    "whiten",
     "compute_policy_loss",
     "policy_loss_terms",
     "sum_of_sample_mean",

@@ -1,8 +1,13 @@
-"""advantage.estimate kernels: GRPO returns (the normalized reward broadcast over the response tokens)."""
+"""advantage.estimate kernels: GRPO returns (the normalized reward broadcast over the response tokens), per-token
+rewards and their discounted returns (KL in the reward, REINFORCE++), GAE, and advantage whitening."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .segments import segment_ids
 
 
 def get_grpo_returns(rewards: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,3 +44,112 @@ class GrpoReturns:
 
     def materialize(self) -> torch.Tensor:
         return self[0:self.shape[0]]
+
+
+# verl's masked_whiten adds this to the variance before its rsqrt
+WHITEN_EPS = 1e-8
+
+
+def last_loss_token(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64: the position (in the concatenated token axis) of each sample's last loss token — where
+    the outcome reward is placed (OpenRLHF's ``eos_indices``) — or of its last token when it has none; −1 for
+    an empty sample."""
+    lengths = lengths.to(torch.int64)
+    ends = torch.cumsum(lengths, 0)
+    if not lengths.numel() or int(ends[-1]) == 0:
+        return ends - 1
+    seg = segment_ids(lengths)
+    pos = torch.arange(seg.numel(), dtype=torch.int64)
+    marked = torch.where(loss_mask.reshape(-1) != 0, pos, torch.full_like(pos, -1))
+    last = torch.full((lengths.numel(),), -1, dtype=torch.int64).scatter_reduce(
+        0, seg, marked, reduce="amax", include_self=True)
+    return torch.where(last >= 0, last, ends - 1)
+
+
+def token_rewards(scores: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                  kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token rewards ``r_t = mask_t·(1[t = last]·g_i − kl_coef·kl_t)`` (OpenRLHF ``compute_reward`` then
+    the action mask; verl's ``token_level_rewards``): each sample's score ``g_i`` on its last loss token, the
+    KL penalty (``kl_in_reward="token_returns"``) on every loss token."""
+    total = int(lengths.to(torch.int64).sum())
+    mask = loss_mask.to(dtype)
+    out = torch.zeros(total, dtype=dtype)
+    if kl is not None and kl_coef != 0:
+        out = out - kl_coef * kl.to(dtype)
+    last = last_loss_token(loss_mask, lengths)
+    keep = last >= 0
+    out.index_add_(0, last[keep], scores.to(dtype)[keep])
+    return out * mask
+
+
+def _padded(values: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([n, L_max] values right-padded with 0, [n, L_max] bool valid)`` of a concatenated token axis."""
+    lengths = lengths.to(torch.int64)
+    n = lengths.numel()
+    width = int(lengths.max()) if n else 0
+    valid = torch.arange(width, dtype=torch.int64).unsqueeze(0) < lengths.unsqueeze(1)
+    out = torch.zeros((n, width), dtype=dtype)
+    out[valid] = values.to(dtype)
+    return out, valid
+
+
+def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: float = 1.0,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``G_t = r_t + γ·G_{t+1}`` over each sample's tokens, evaluated backwards one token at a time in ``dtype``
+    (OpenRLHF ``get_cumulative_returns``, verl ``compute_reinforce_plus_plus_outcome_advantage``'s loop): the
+    reverse cumulative sums of ``kl_in_reward="token_returns"`` and REINFORCE++. ``rewards`` are per token
+    (:func:`token_rewards`, 0 off the loss mask, so masked tokens carry the return through)."""
+    padded, valid = _padded(rewards, lengths, dtype)
+    out = torch.zeros_like(padded)
+    running = torch.zeros(padded.shape[0], dtype=dtype)
+    for t in range(padded.shape[1] - 1, -1, -1):
+        running = padded[:, t] + gamma * running
+        out[:, t] = running
+    return out[valid]
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                   gamma: float, lam: float, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (verl ``compute_gae_advantage_return``, before its whitening): ``δ_t = r_t + γ·V_next − V_t``,
+    ``A_t = δ_t + γλ·A_next``, returns ``A + V``; a token off the loss mask is skipped (its δ is dropped and the
+    next value and advantage are carried through it, verl's observation tokens). ``(advantages, returns)``
+    in ``dtype``, one token at a time backwards as the frameworks do."""
+    r, valid = _padded(rewards, lengths, dtype)
+    v, _ = _padded(values, lengths, dtype)
+    m, _ = _padded(loss_mask, lengths, dtype)
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros(r.shape[0], dtype=dtype)
+    last = torch.zeros(r.shape[0], dtype=dtype)
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        candidate = delta + gamma * lam * last
+        next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        last = candidate * m[:, t] + (1 - m[:, t]) * last
+        adv[:, t] = last
+    advantages = adv[valid]
+    return advantages, advantages + values.to(dtype)
+
+
+def whiten_stats(values: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 eps: float = WHITEN_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, divisor)`` of verl's ``masked_whiten`` over the loss tokens: the masked mean and
+    ``sqrt(var + eps)``, ``var`` the Bessel-corrected masked variance."""
+    m = loss_mask.to(dtype)
+    v = values.to(dtype)
+    count = m.sum()
+    mean = (v * m).sum() / count
+    var = (((v - mean) ** 2) * m).sum() / count * (count / (count - 1))
+    return mean, torch.sqrt(var + eps)
+
+
+def whiten(values: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32,
+           stats: Optional[tuple[float, float]] = None) -> torch.Tensor:
+    """``normalize_advantages``: ``(A − mean)/divisor`` over the step's loss tokens (:func:`whiten_stats`), or
+    with the producer's recorded global ``stats = (mean, divisor)`` (``advantage_whiten_stats``) when the
+    bundle is one shard of a larger batch."""
+    if stats is None:
+        mean, divisor = whiten_stats(values, loss_mask, dtype)
+    else:
+        mean, divisor = torch.tensor(stats[0], dtype=dtype), torch.tensor(stats[1], dtype=dtype)
+    return (values.to(dtype) - mean) / divisor

@@ -1,42 +1,170 @@
-"""reward.post_process kernels: group normalization by semantic group (and the PR #65 batch bug for fixtures)."""
+"""reward.post_process kernels: group normalization by semantic group with the knobs of SPEC §4.2 (baseline,
+std constants, the zero-std and singleton rules), KL folded into the score, and the PR #65 batch bug for
+fixtures."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from .segments import segment_sum
+from .segments import segment_ids, segment_sum
 
 
 STD_EPS = 1e-6
 
+GROUP_BASELINES = ("mean", "leave_one_out")
+STD_ZERO_RULES = ("eps", "skip")
+SINGLETON_RULES = ("nan", "zero", "raw")
+# The estimators whose reward.post_process centres each group (the others pass the score through) and the ones
+# of those that may divide by the group std.
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """How reward.post_process turns a score into the value advantage.estimate consumes.
+
+    ``center``: subtract a group baseline (else the score passes through unchanged); ``baseline``: ``mean`` or
+    ``leave_one_out`` (``b_i = (Σ_j r_j − r_i)/(n − 1)``); ``std``: divide by the group std + ``eps``, the std
+    ``unbiased`` (Bessel) or not; ``std_zero``: ``eps`` (always divide) or ``skip`` (leave the centred value
+    where the std is 0, NeMo-RL); ``singleton``: what a one-sample group gets — ``None`` the arithmetic (NaN
+    under an unbiased std), ``nan``, ``zero`` or ``raw`` (verl's mean 0 and std 1: ``r/(1 + eps)`` under std,
+    ``r`` without)."""
+
+    center: bool = True
+    baseline: str = "mean"
+    std: bool = False
+    unbiased: bool = True
+    eps: float = STD_EPS
+    std_zero: str = "eps"
+    singleton: Optional[str] = None
+
+
+def group_rule(cfg) -> GroupRule:
+    """The :class:`GroupRule` of a ``RecomputeConfig`` (SPEC §4.2): ``grpo`` as configured; ``dr_grpo`` without
+    the std; ``rloo`` the leave-one-out baseline without the std; ``reinforce_plus_plus_baseline`` the baseline
+    without the std (whitened later, in advantage.estimate); ``reinforce_plus_plus`` and ``gae`` the score
+    itself (no group). ``rewards_normalization=False`` passes the score through for every estimator."""
+    est = cfg.advantage_estimator
+    center = bool(cfg.rewards_normalization) and est in GROUP_ESTIMATORS
+    return GroupRule(
+        center=center,
+        baseline="leave_one_out" if est == "rloo" else cfg.group_baseline,
+        std=center and est == "grpo" and bool(cfg.grpo_std_normalization),
+        unbiased=bool(cfg.grpo_std_unbiased),
+        eps=float(cfg.grpo_std_eps),
+        std_zero=cfg.std_zero,
+        singleton=cfg.singleton_group,
+    )
+
 
 def group_normalize(
     raw_rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float = STD_EPS,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, *, unbiased: bool = True, baseline: str = "mean", std_zero: str = "eps",
+    singleton: Optional[str] = None,
 ) -> torch.Tensor:
-    """GRPO reward post-processing by *semantic group* (``group_index``), never by physical batch.
+    """GRPO reward post-processing by *semantic group* (``group_index``), never by physical batch, in ``dtype``.
 
-    ``g = r − mean(r_group)``; with std normalization ``g / (std_unbiased(r_group) + eps)``, in ``dtype``.
-    The mean is taken of ``r − min(r_group)`` and shifted back, which is the same value mathematically
-    but exact for a group of equal rewards (0, not a rounding residue). A singleton group under std
-    normalization has an undefined unbiased std: the result is NaN, which the comparison reports.
+    ``g = r − b``, ``b`` the group mean or (``leave_one_out``) the mean of the *other* samples; with std
+    normalization ``g / (std + eps)`` — over the group, or under ``leave_one_out`` over the other samples too
+    (NeMo-RL's ``calculate_baseline_and_std_per_prompt``; fewer than two others: std 0). ``std_zero="skip"``
+    leaves ``g`` where the std is 0. The sums are taken of ``r − min(r_group)`` and shifted back, which is the
+    same value mathematically but exact for a group of equal rewards (0, not a rounding residue). A one-sample
+    group follows ``singleton`` (see :class:`GroupRule`); by default the arithmetic, NaN under an unbiased std,
+    which the comparison reports.
     """
     r = raw_rewards.to(dtype)
     if r.numel() == 0:
         return r.clone()
+    inverse, counts, centered, std = group_moments(r, group_index, dtype, unbiased=unbiased, baseline=baseline,
+                                                   with_std=std_normalization)
+    if std_normalization:
+        divided = centered / (std + eps)
+        centered = torch.where(std > 0, divided, centered) if std_zero == "skip" else divided
+    if singleton is not None:
+        one = counts[inverse] == 1
+        if bool(one.any()):
+            if singleton == "nan":
+                value = torch.full_like(r, float("nan"))
+            elif singleton == "zero":
+                value = torch.zeros_like(r)
+            else:  # raw: verl's mean 0, std 1
+                value = r / (1.0 + eps) if std_normalization else r
+            centered = torch.where(one, value, centered)
+    return centered
+
+
+def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype, *, unbiased: bool = True,
+                  baseline: str = "mean", with_std: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(group of each sample, group sizes, centred value r − b, std per sample or None)`` in ``dtype`` (see
+    :func:`group_normalize`; the error model reads the float64 std of each sample from here)."""
+    r = r.to(dtype)
     _, inverse, counts = torch.unique(group_index.to(torch.int64), return_inverse=True, return_counts=True)
     n_groups = counts.numel()
     group_min = torch.full((n_groups,), float("inf"), dtype=dtype).scatter_reduce(
         0, inverse, r, reduce="amin", include_self=True
     )
     shifted = r - group_min[inverse]
-    mean = segment_sum(shifted, inverse, n_groups) / counts.to(dtype)
-    centered = shifted - mean[inverse]
-    if std_normalization:
-        var = segment_sum(centered * centered, inverse, n_groups) / (counts - 1).to(dtype)
-        std = torch.sqrt(var)
-        centered = centered / (std[inverse] + eps)
-    return centered
+    n = counts.to(dtype)[inverse]
+    total = segment_sum(shifted, inverse, n_groups)[inverse]
+    if baseline == "leave_one_out":
+        # r_i − (Σ_j r_j − r_i)/(n − 1); a singleton divides 0 by 0 (NaN) unless its rule says otherwise
+        centered = shifted - (total - shifted) / (n - 1)
+    else:
+        centered = shifted - total / n
+    if not with_std:
+        return inverse, counts, centered, None
+    dev = shifted - total / n
+    ss = segment_sum(dev * dev, inverse, n_groups)[inverse]
+    if baseline == "leave_one_out":
+        # Σ_{j≠i} (r_j − b_i)² = Σ_j (r_j − mean)² − n/(n − 1)·(r_i − mean)², over m = n − 1 samples
+        others = n - 1
+        ss_others = torch.clamp_min(ss - dev * dev * n / others, 0.0)
+        denom = others - 1 if unbiased else others
+        var = torch.where(denom > 0, ss_others / denom, torch.zeros_like(ss_others))
+        # others that are all equal have std 0 exactly, whatever the cancellation above leaves
+        var = torch.where(_others_equal(shifted, inverse, n_groups), torch.zeros_like(var), var)
+    else:
+        var = ss / (n - 1 if unbiased else n)
+    return inverse, counts, centered, torch.sqrt(var)
+
+
+def _others_equal(shifted: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """bool per sample: every *other* sample of its group has the same value (the group has at most two
+    values, and this sample is the only one of the other)."""
+    low = torch.zeros(n_groups, dtype=shifted.dtype)  # shifted values: each group's minimum is 0
+    high = torch.full((n_groups,), -float("inf"), dtype=shifted.dtype).scatter_reduce(
+        0, inverse, shifted, reduce="amax", include_self=True)
+    at_low = shifted == low[inverse]
+    at_high = shifted == high[inverse]
+    ones = torch.ones_like(shifted, dtype=torch.int64)
+    n_low = torch.zeros(n_groups, dtype=torch.int64).index_add_(0, inverse, ones * at_low)[inverse]
+    n_high = torch.zeros(n_groups, dtype=torch.int64).index_add_(0, inverse, ones * at_high)[inverse]
+    size = torch.zeros(n_groups, dtype=torch.int64).index_add_(0, inverse, ones)[inverse]
+    two_values = n_low + n_high == size
+    return (high[inverse] == 0) | (two_values & ((at_low & (n_low == 1)) | (at_high & (n_high == 1))))
+
+
+def post_process(raw_rewards: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """reward.post_process under ``rule``: the group-normalized score, or the score itself (``dtype``)."""
+    if not rule.center:
+        return raw_rewards.to(dtype).clone()
+    return group_normalize(raw_rewards, group_index, rule.std, rule.eps, dtype=dtype, unbiased=rule.unbiased,
+                           baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton)
+
+
+def sequence_kl_score(raw_rewards: torch.Tensor, kl: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                      kl_coef: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``kl_in_reward="sequence"`` (verl ``use_kl_in_reward``): each sample's score minus
+    ``kl_coef·Σ_t kl_t·mask_t``, summed in token order; what the group then normalizes."""
+    seg = segment_ids(lengths)
+    penalty = segment_sum(kl.to(dtype) * loss_mask.to(dtype), seg, int(lengths.numel()))
+    return raw_rewards.to(dtype) - kl_coef * penalty
 
 
 def batch_normalize(raw_rewards: torch.Tensor, batch_size: int, std_normalization: bool, eps: float = STD_EPS) -> torch.Tensor:

@@ -1,19 +1,25 @@
-"""``advantage.kl`` (rollout vs reference) and ``advantage.estimate`` (GRPO returns)."""
+"""``advantage.kl`` (rollout vs reference) and ``advantage.estimate`` (SPEC §4.2: GRPO returns and the other
+estimators — dr_grpo, rloo, REINFORCE++ (-baseline), GAE —, KL in the per-token rewards, whitening)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from typing import Optional
 
 import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import advantage_bound, kl_bound, unit_roundoff
+from ..error_model import U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
 from ..fields import PER_TOKEN
-from ..kernels import KL_CLAMP, KL_TYPES, GrpoReturns, compute_approx_kl, get_grpo_returns, rollout_kl, token_chunks
+from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
+                       GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
+                       token_chunks, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import Chunked, StageContext, StageDef, StageInputError, not_recomputed_yet
+from .base import Chunked, StageContext, StageDef, StageInputError
+from .reward import _reward_kl, reward_kl_type
 
 
 def run_advantage_kl(ctx: StageContext) -> StageReport:
@@ -27,22 +33,22 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")
         old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
         if ctx.dtype != torch.float64:  # --exact: the producer's float32 kernel, compared bitwise
-            kl = rollout_kl(old, ref, cfg.kl_coef, cfg.kl_loss_type, dtype=ctx.dtype)
+            kl = rollout_kl(old, ref, cfg.kl_coef, reward_kl_type(cfg), dtype=ctx.dtype)
         else:
             cols = _kl_columns(ctx, old, ref, expected.dtype)
             kl, bound = cols.column("actual"), cols.column("bound")
-            if cfg.kl_loss_type == "low_var_kl":
+            if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
     field = ctx.field("advantage.kl", "kl", PER_TOKEN, expected, kl, bound=bound)
     return ctx.report(
         StageId.ADVANTAGE_KL, [field],
         fail_reason=lambda total, per: f"kl mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
-        pass_reason=lambda total, per: f"{total.compared} token(s) compared ({cfg.kl_loss_type}, kl_coef={cfg.kl_coef})")
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared ({reward_kl_type(cfg)}, kl_coef={cfg.kl_coef})")
 
 
 def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> Chunked:
     """The float64 KL of rows ``[lo, hi)`` and its rounding bound, from the recorded log-probs upcast."""
-    kl_type = ctx.config.kl_loss_type
+    kl_type = reward_kl_type(ctx.config)
     u_token, u_store = ctx.precision.token, unit_roundoff(stored)
 
     def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
@@ -75,8 +81,9 @@ def _kl_requirements(reader: BundleReader) -> list[str]:
 
 
 def _kl_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
-    if cfg.kl_coef != 0 and cfg.kl_loss_type not in KL_TYPES:
-        return [("kl_loss_type", f"{cfg.kl_loss_type!r} is not one of {', '.join(KL_TYPES)}")]
+    if cfg.kl_coef != 0 and reward_kl_type(cfg) not in KL_TYPES:
+        knob = "kl_penalty_type" if cfg.kl_penalty_type is not None else "kl_loss_type"
+        return [(knob, f"{reward_kl_type(cfg)!r} is not one of {', '.join(KL_TYPES)}")]
     return []
 
 
@@ -102,7 +109,43 @@ def _rewards_recorded(ctx: StageContext) -> bool:
 
 
 def run_advantage_estimate(ctx: StageContext) -> StageReport:
+    cfg = ctx.config
     expected = ctx.payload("advantages")
+    if estimate_kind(cfg) == "broadcast" and not whitens(cfg):
+        return _broadcast_estimate(ctx, expected)
+    est = _token_estimate(ctx)
+    if not ctx.partial or est.whiten_stats is not None or not whitens(cfg):
+        stats = est.whiten_stats
+    else:  # whitened over the shard's loss tokens, not the selection's: the shard's statistics
+        full = StageContext(reader=ctx.reader, indices=list(range(len(ctx.reader.index.samples))), partial=False,
+                            rules=ctx.rules)
+        stats = _token_estimate(full).stats_of()
+    actual, bound = est.finish(stats, unit_roundoff(expected.dtype))
+    compared = est.mask != 0
+    fields = [ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
+                        compared=_rule_nan(ctx, compared, expected))]
+    if est.returns is not None and ctx.has("returns"):
+        recorded = ctx.payload("returns")
+        ret_bound = None if est.returns_bound is None else \
+            est.returns_bound + advantage_bound(est.returns.to(torch.float64), unit_roundoff(recorded.dtype))
+        fields.append(ctx.field("advantage.estimate", "returns", PER_TOKEN, recorded, est.returns, bound=ret_bound,
+                                compared=compared))
+    ctx.outputs["advantages"] = actual
+    if bound is not None:
+        per_sample = torch.zeros(ctx.n, dtype=torch.float64)
+        if bound.numel():
+            per_sample.scatter_reduce_(0, ctx.seg, bound, reduce="amax", include_self=True)
+        ctx.outputs["advantage_bound"] = per_sample
+    what = _estimate_text(cfg)
+    return ctx.report(
+        StageId.ADVANTAGE_ESTIMATE, fields,
+        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
+        pass_reason=lambda total, per: f"{total.compared} loss token(s) compared ({what})")
+
+
+def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
+    """GRPO returns (and dr_grpo, rloo, REINFORCE++-baseline's before their whitening): each sample's reward
+    broadcast over its tokens, compared on every token, as V1."""
     rewards, inherited = grpo_rewards(ctx)
     bound = None
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 broadcast, compared bitwise
@@ -122,11 +165,151 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
         cols = Chunked(chunk)
         actual, bound = cols.column("actual"), cols.column("bound")
     ctx.outputs["advantages"] = advantages
-    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound)
+    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
+                      compared=_rule_nan(ctx, None, expected))
     return ctx.report(
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
         pass_reason=lambda total, per: f"{total.compared} token(s) compared")
+
+
+def _rule_nan(ctx: StageContext, compared: Optional[torch.Tensor], expected: torch.Tensor) -> Optional[torch.Tensor]:
+    """``compared`` without the tokens of one-sample groups whose recorded advantage is NaN because the
+    bundle's ``singleton_group="nan"`` rule made their reward NaN (slime): the rule, not a divergence."""
+    if ctx.config.singleton_group != "nan" or None in ctx.group_indices:
+        return compared
+    sizes = Counter(ctx.group_indices)
+    one = torch.tensor([sizes[g] == 1 for g in ctx.group_indices], dtype=torch.bool)
+    if not bool(one.any()):
+        return compared
+    skip = one[ctx.seg] & torch.isnan(expected.reshape(-1))
+    base = compared if compared is not None else torch.ones_like(skip)
+    return base & ~skip
+
+
+def estimate_kind(cfg: RecomputeConfig) -> str:
+    """``broadcast`` (each sample's reward on all its tokens), ``returns`` (per-token rewards and their discounted
+    sums: REINFORCE++, or any estimator with ``kl_in_reward="token_returns"``) or ``gae``."""
+    if cfg.advantage_estimator == "gae":
+        return "gae"
+    if cfg.advantage_estimator == "reinforce_plus_plus" or cfg.kl_in_reward == "token_returns":
+        return "returns"
+    return "broadcast"
+
+
+def whitens(cfg: RecomputeConfig) -> bool:
+    """REINFORCE++ and REINFORCE++-baseline whiten by definition (verl ``masked_whiten``); any estimator with
+    ``normalize_advantages``."""
+    return bool(cfg.normalize_advantages) or cfg.advantage_estimator in ("reinforce_plus_plus",
+                                                                          "reinforce_plus_plus_baseline")
+
+
+def _estimate_text(cfg: RecomputeConfig) -> str:
+    kind = estimate_kind(cfg)
+    parts = [cfg.advantage_estimator]
+    if kind == "returns":
+        parts.append(f"discounted returns, γ={cfg.gamma:g}")
+    elif kind == "gae":
+        parts.append(f"GAE, γ={cfg.gamma:g}, λ={cfg.lam:g}")
+    if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
+        parts.append(f"− {cfg.kl_coef:g}·kl per token")
+    if whitens(cfg):
+        parts.append("whitened" + (" with the recorded stats" if cfg.advantage_whiten_stats is not None else ""))
+    return ", ".join(parts)
+
+
+class _TokenEstimate:
+    """The per-token advantages of one context before whitening (float64 with their bound, or the float32
+    kernels under ``--exact``), and :meth:`finish`, which whitens them when the estimator does."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        cfg = ctx.config
+        self.cfg = cfg
+        self.exact = ctx.dtype != torch.float64
+        dtype = ctx.dtype
+        rewards, inherited = grpo_rewards(ctx)
+        self.mask = ctx.loss_mask
+        lengths = ctx.lengths
+        kl = None
+        if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
+            kl = _reward_kl(ctx)
+        kind = estimate_kind(cfg)
+        self.returns = self.returns_bound = None
+        if kind == "broadcast":
+            pre = get_grpo_returns(rewards, lengths, dtype=dtype)
+            pre32 = None
+        elif kind == "returns":
+            pre = discounted_returns(token_rewards(rewards, self.mask, lengths, kl, cfg.kl_coef, dtype=dtype),
+                                     lengths, cfg.gamma, dtype=dtype)
+            pre32 = None if self.exact else discounted_returns(
+                token_rewards(rewards.to(torch.float32), self.mask, lengths, kl, cfg.kl_coef), lengths, cfg.gamma)
+        else:
+            if not ctx.has("values"):
+                raise StageInputError("payload 'values' is required for advantage_estimator='gae'", field="values")
+            values = ctx.payload("values")
+            per_token = token_rewards(rewards, self.mask, lengths, kl, cfg.kl_coef, dtype=dtype)
+            pre, self.returns = gae_advantages(per_token, values, self.mask, lengths, cfg.gamma, cfg.lam, dtype=dtype)
+            pre32 = None
+            if not self.exact:
+                per_token32 = token_rewards(rewards.to(torch.float32), self.mask, lengths, kl, cfg.kl_coef)
+                pre32, _ = gae_advantages(per_token32, values, self.mask, lengths, cfg.gamma, cfg.lam)
+        self.pre = pre
+        self.bound = None
+        if not self.exact:
+            m = self.mask.to(torch.float64)
+            g = rewards.to(torch.float64)
+            if kind == "broadcast":
+                bound = torch.zeros_like(pre)
+            else:
+                terms = token_rewards(g.abs(), self.mask, lengths, None if kl is None else kl.to(torch.float64).abs(),
+                                      -abs(cfg.kl_coef), dtype=torch.float64)
+                if kind == "gae":
+                    v = values.to(torch.float64).abs()
+                    v_max = torch.zeros(ctx.n, dtype=torch.float64)
+                    if v.numel():
+                        v_max.scatter_reduce_(0, ctx.seg, v, reduce="amax", include_self=True)
+                    cond = discounted_returns(terms + m * (v + cfg.gamma * v_max[ctx.seg]), lengths,
+                                              cfg.gamma * cfg.lam, dtype=torch.float64)
+                else:
+                    cond = discounted_returns(terms, lengths, cfg.gamma, dtype=torch.float64)
+                bound = recursion_bound(pre, pre32, cond, U32)
+            if inherited is not None:  # --chain: the recomputed rewards' own bound, carried like the reward
+                carried = token_rewards(inherited.to(torch.float64), self.mask, lengths, dtype=torch.float64)
+                decay = cfg.gamma * (cfg.lam if kind == "gae" else 1.0)
+                bound = bound + (inherited.to(torch.float64)[ctx.seg] if kind == "broadcast"
+                                 else discounted_returns(carried, lengths, decay, dtype=torch.float64))
+            self.bound = bound
+            if kind == "gae":  # returns = A + V: the advantage's error (and the sum's rounding, added by the caller)
+                self.returns_bound = bound
+        recorded = cfg.advantage_whiten_stats
+        self.whiten_stats = None if recorded is None else (float(recorded.mean), float(recorded.std))
+
+    def stats_of(self) -> tuple[float, float]:
+        """``(mean, divisor)`` of these advantages over their loss tokens (verl ``masked_whiten``)."""
+        if self.whiten_stats is not None:
+            return self.whiten_stats
+        mean, divisor = whiten_stats(self.pre, self.mask, dtype=self.pre.dtype)
+        return float(mean), float(divisor)
+
+    def finish(self, stats: Optional[tuple[float, float]], u_store: float):
+        """``(advantages, bound)``: whitened with ``stats`` (None: over these tokens) when the estimator
+        whitens; the bound adds the payload's own rounding."""
+        if not whitens(self.cfg):
+            if self.bound is None:
+                return self.pre, None
+            return self.pre, self.bound + advantage_bound(self.pre.to(torch.float64), u_store)
+        if stats is None:
+            stats = self.stats_of()
+        out = whiten(self.pre, self.mask, dtype=self.pre.dtype, stats=stats)
+        if self.bound is None:
+            return out, None
+        bound = whiten_bound(self.pre, self.bound, self.mask, out, stats[0], stats[1],
+                             recorded=self.whiten_stats is not None)
+        return out, bound + advantage_bound(out.to(torch.float64), u_store)
+
+
+def _token_estimate(ctx: StageContext) -> _TokenEstimate:
+    return _TokenEstimate(ctx)
 
 
 def _estimate_requirements(reader: BundleReader) -> list[str]:
@@ -137,13 +320,62 @@ def _estimate_requirements(reader: BundleReader) -> list[str]:
     ) or all(s.reward is not None for s in reader.index.samples)
     if not has_rewards:
         missing.append("normalized rewards (reward.post_process, expected rewards or samples[].reward)")
+    cfg = reader.index.config
+    if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
+        missing.append("payloads/kl.pt (kl_in_reward=token_returns)")
     return missing
 
 
-def _estimate_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
-    if cfg.normalize_advantages:
-        return [("normalize_advantages", "True: advantage whitening is not implemented in V1")]
-    return not_recomputed_yet(cfg, ("gamma", "lam", "advantage_whiten_stats"))
+# Estimators of the frameworks this engine knows by name but does not recompute (exit 4, named), and why.
+UNSUPPORTED_ESTIMATORS = {
+    "ppo": "slime's name for GAE: write advantage_estimator='gae' (with the values payload) to recompute it",
+    "dppo": "prime-rl's DPPO is a loss family outside the clipped surrogate",
+    "decoupled_ppo": "AReaL's decoupled loss (a proximal policy between behaviour and current) is not recomputed",
+    "grpo_passk": "verl's pass@k GRPO is not recomputed",
+    "opo": "verl's OPO (length-weighted baseline) is not recomputed",
+    "remax": "verl's ReMax (greedy baseline) is not recomputed",
+    "gpg": "verl's GPG is not recomputed",
+    "optimal_token_baseline": "verl's optimal token baseline is not recomputed",
+}
+KL_IN_REWARD_FORMS = ("sequence", "token_returns")
+
+
+def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
+    """The first advantage-side knob of SPEC §4.2 whose value is not one the format defines (``validate`` and
+    ``replay`` exit 3 on it, naming ``$.config.<knob>``), or a GAE bundle without its ``values`` payload."""
+    cfg = reader.index.config
+    known = ADVANTAGE_ESTIMATORS + tuple(UNSUPPORTED_ESTIMATORS)
+    checks = (
+        ("advantage_estimator", cfg.advantage_estimator in known, "one of " + ", ".join(ADVANTAGE_ESTIMATORS)),
+        ("group_baseline", cfg.group_baseline in GROUP_BASELINES, "one of " + ", ".join(GROUP_BASELINES)),
+        ("std_zero", cfg.std_zero in STD_ZERO_RULES, "one of " + ", ".join(STD_ZERO_RULES)),
+        ("singleton_group", cfg.singleton_group is None or cfg.singleton_group in SINGLETON_RULES,
+         "null or one of " + ", ".join(SINGLETON_RULES)),
+        ("kl_in_reward", cfg.kl_in_reward is None or cfg.kl_in_reward in KL_IN_REWARD_FORMS,
+         "null or one of " + ", ".join(KL_IN_REWARD_FORMS)),
+        ("kl_penalty_type", cfg.kl_penalty_type is None or cfg.kl_penalty_type in KL_TYPES,
+         "null or one of " + ", ".join(KL_TYPES)),
+        ("gamma", math.isfinite(cfg.gamma) and 0.0 <= cfg.gamma <= 1.0, "a number in [0, 1]"),
+        ("lam", math.isfinite(cfg.lam) and 0.0 <= cfg.lam <= 1.0, "a number in [0, 1]"),
+        ("grpo_std_eps", math.isfinite(cfg.grpo_std_eps) and cfg.grpo_std_eps >= 0, "a finite number >= 0"),
+    )
+    for knob, ok, what in checks:
+        if not ok:
+            return f"$.config.{knob}={getattr(cfg, knob)!r}: expected {what}"
+    stats = cfg.advantage_whiten_stats
+    if stats is not None and not (math.isfinite(stats.mean) and math.isfinite(stats.std) and stats.std > 0):
+        return (f"$.config.advantage_whiten_stats={{mean: {stats.mean!r}, std: {stats.std!r}}}: expected a finite "
+                "mean and a finite std > 0 (the divisor the producer whitened by)")
+    if cfg.advantage_estimator == "gae" and StageId.ADVANTAGE_ESTIMATE in stages and not reader.has_payload("values"):
+        return ("$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is "
+                "missing")
+    return None
+
+
+def estimator_refusal(cfg: RecomputeConfig) -> Optional[str]:
+    """``$.config.advantage_estimator=…: why`` for an estimator known by name but not recomputed (exit 4)."""
+    why = UNSUPPORTED_ESTIMATORS.get(cfg.advantage_estimator)
+    return None if why is None else f"$.config.advantage_estimator={cfg.advantage_estimator!r}: {why}"
 
 
 ADVANTAGE_KL = StageDef(
@@ -152,6 +384,6 @@ ADVANTAGE_KL = StageDef(
 )
 ADVANTAGE_ESTIMATE = StageDef(
     id=StageId.ADVANTAGE_ESTIMATE, run=run_advantage_estimate, needs=(StageId.REWARD_POST_PROCESS,),
-    refuse=_estimate_refuse, requirements=_estimate_requirements,
-    description="GRPO returns: reward broadcast over response tokens",
+    requirements=_estimate_requirements,
+    description="advantages: GRPO returns, discounted returns, GAE, whitening (SPEC §4.2)",
 )

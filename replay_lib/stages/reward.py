@@ -1,4 +1,5 @@
-"""``reward.raw`` and ``reward.post_process`` (GRPO group normalization by semantic group)."""
+"""``reward.raw`` and ``reward.post_process`` (group normalization by semantic group, with the knobs of SPEC §4.2:
+the baseline, the std constants, the zero-std and singleton rules, KL in the score)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import torch
 
 from ..compare import Comparison, as_float64, list_tensor
 from ..fields import PER_SAMPLE
-from ..error_model import group_stats, near_zero_std, reward_bound
-from ..kernels import STD_EPS, group_normalize
+from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, U32, exact_zero_std, group_stats, near_zero_std,
+                           reward_bound, singleton_bound)
+from ..kernels import (GroupRule, compute_approx_kl, group_moments, group_rule, post_process, segment_sum,
+                       sequence_kl_score)
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..schema import RecomputeConfig, StageId
-from .base import StageContext, StageDef, not_recomputed_yet
+from .base import StageContext, StageDef, StageInputError
 
 
 def _expected_list_present(reader: BundleReader, stage: str, key: str) -> list[str]:
@@ -30,7 +33,8 @@ def run_reward_raw(ctx: StageContext) -> StageReport:
 
 
 def run_reward_post_process(ctx: StageContext) -> StageReport:
-    n = ctx.config.n_samples_per_prompt
+    cfg = ctx.config
+    n = cfg.n_samples_per_prompt
     pre = Comparison()
     gidx = ctx.group_indices
     grouped = None not in gidx
@@ -45,12 +49,13 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
                     message="sample has no group_index; its semantic group is unknown (never inferred from a batch)",
                 ))
     first_of_group: dict[int, int] = {}
-    if any(size != n for size in sizes.values()):
+    uneven = n > 0 and any(size != n for size in sizes.values())  # n = 0: groups of any size (SPEC §4.2)
+    if uneven:
         for i, g in enumerate(gidx):
             if g is not None:
                 first_of_group.setdefault(g, i)
     for gi, size in sizes.items():
-        if size != n:
+        if uneven and size != n:
             s = ctx.samples[first_of_group[gi]]
             pre.mismatches += 1
             pre.divergences.append(Divergence(
@@ -63,19 +68,48 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     raw = as_float64([s.raw_reward for s in ctx.samples])
     groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
                          torch.int64)
-    std = ctx.config.grpo_std_normalization
-    rewards = group_normalize(raw if ctx.dtype == torch.float64 else raw.to(ctx.dtype), groups, std, STD_EPS,
-                              dtype=ctx.dtype)
-    stats = group_stats(raw, groups)
-    bound = reward_bound(raw, stats, rewards.to(torch.float64), std, STD_EPS)
+    rule = group_rule(cfg)
+    score, magnitude, score_error = _scores(ctx, raw)
+    rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups, rule, dtype=ctx.dtype)
+    stats = group_stats(score, groups)
+    truth = rewards.to(torch.float64)
+    one = stats.size[stats.inverse] == 1
+    if rule.center:
+        sample_std = group_moments(score, groups, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline)[3] \
+            if rule.std else None
+        loo = rule.baseline == "leave_one_out"
+        bound = reward_bound(score, stats, truth, rule.std, rule.eps, leave_one_out=loo, sample_std=sample_std,
+                             magnitude=magnitude, score_error=score_error)
+        if loo and rule.std and magnitude is None:
+            # a std over equal others whose every float32 sum is exact: any producer computes exactly 0, and the
+            # value is the centred one (skip) or the centred one over eps: the bound without the std's
+            exact = exact_zero_std(score, stats, sample_std)
+            if bool(exact.any()):
+                flat = reward_bound(score, stats, truth, rule.std_zero != "skip", rule.eps, leave_one_out=True,
+                                    sample_std=torch.zeros_like(sample_std), cancellation=False)
+                bound = torch.where(exact, flat, bound)
+        rule_bound = singleton_bound(truth, rule.singleton)
+        if rule_bound is not None:
+            bound = torch.where(one, rule_bound, bound)
+    else:  # the score itself: its one rounding to float32 (and its KL sum's)
+        sample_std = None
+        bound = C_ADVANTAGE * U32 * (raw.abs() if magnitude is None else magnitude)
+        if score_error is not None:
+            bound = bound + score_error
     if pre.mismatches:  # a sample without a group has no defined normalized reward
         no_group = torch.tensor([s.group_index is None for s in ctx.samples])
         rewards = torch.where(no_group, torch.full_like(rewards, float("nan")), rewards)
     ctx.outputs["rewards"] = rewards
     ctx.outputs["reward_bound"] = bound
     expected = ctx.expected_list("reward.post_process", "rewards")
-    field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards, bound=bound)
-    _group_hazards(ctx, stats, rewards, bound, std, grouped)
+    compared = None
+    if rule.center and rule.singleton == "nan" and bool(one.any()):
+        # the bundle's rule writes NaN for a one-sample group: a recorded NaN there is the rule, not a divergence
+        recorded_nan = torch.tensor([e is None or e != e for e in expected], dtype=torch.bool)
+        compared = ~(one & recorded_nan)
+    field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards, bound=bound, compared=compared)
+    if rule.center:
+        _group_hazards(ctx, stats, rewards, bound, rule, grouped, sample_std, score)
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         if pre.mismatches:
@@ -84,46 +118,129 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
 
     pre.divergences = pre.divergences[: ctx.keep]
     return ctx.report(StageId.REWARD_POST_PROCESS, [field], structural=pre, fail_reason=fail_reason,
-                      pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared")
+                      pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared{_rule_text(cfg, rule)}")
 
 
-def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch.Tensor, std: bool,
-                   grouped: bool) -> None:
+# The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).
+POST_PROCESS_KNOBS = ("advantage_estimator", "rewards_normalization", "grpo_std_eps", "grpo_std_unbiased",
+                      "group_baseline", "std_zero", "singleton_group", "kl_in_reward")
+
+
+def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
+    """The post-processing the stage recomputed, in a few words (the pass reason's tail): empty for V1's."""
+    defaults = RecomputeConfig()
+    if all(getattr(cfg, k) == getattr(defaults, k) for k in POST_PROCESS_KNOBS):
+        return ""
+    parts = [cfg.advantage_estimator]
+    if cfg.kl_in_reward == "sequence" and cfg.kl_coef != 0:
+        parts.append(f"score − {cfg.kl_coef:g}·Σkl")
+    if rule.center:
+        parts.append(f"{rule.baseline} baseline")
+        if rule.std:
+            parts.append(f"{'unbiased' if rule.unbiased else 'biased'} std + {rule.eps:g}"
+                         + (", skipped where 0" if rule.std_zero == "skip" else ""))
+        if rule.singleton is not None:
+            parts.append(f"singleton → {rule.singleton}")
+    else:
+        parts.append("score passed through")
+    return f" ({', '.join(parts)})"
+
+
+def _scores(ctx: StageContext, raw: torch.Tensor):
+    """``(score, magnitude, score_error)``: what the group normalizes. The raw reward (``None, None``), or under
+    ``kl_in_reward="sequence"`` (verl ``use_kl_in_reward``) the raw reward minus ``kl_coef·Σ_t kl_t·mask_t`` —
+    the recorded ``kl`` payload (teacher forcing; under ``--chain`` the KL recomputed from the log-probs), with
+    each score's condition ``|r| + |kl_coef|·Σ|kl|·mask`` and the error of a float32 sum of its KL in token
+    order (three times ``|seq32 − T|``, as the loss bound)."""
+    cfg = ctx.config
+    if cfg.kl_in_reward != "sequence" or cfg.kl_coef == 0:
+        return raw, None, None
+    kl = _reward_kl(ctx)
+    mask = ctx.loss_mask
+    if ctx.dtype != torch.float64:  # --exact: the producer's float32 sum
+        return sequence_kl_score(raw.to(ctx.dtype), kl, mask, ctx.lengths, cfg.kl_coef, dtype=ctx.dtype), None, None
+    score = sequence_kl_score(raw, kl, mask, ctx.lengths, cfg.kl_coef, dtype=torch.float64)
+    abs_kl = segment_sum(kl.to(torch.float64).abs() * mask.to(torch.float64), ctx.seg, ctx.n)
+    magnitude = raw.abs() + abs(cfg.kl_coef) * abs_kl
+    seq32 = sequence_kl_score(raw.to(torch.float32), kl.to(torch.float32), mask, ctx.lengths, cfg.kl_coef)
+    score_error = C_SEQUENTIAL * (seq32.to(torch.float64) - score).abs() + C_REWARD * U32 * abs(cfg.kl_coef) * abs_kl
+    return score, magnitude, score_error
+
+
+def _reward_kl(ctx: StageContext) -> torch.Tensor:
+    """The per-token KL the score is penalized by: the recorded payload, or under ``--chain`` advantage.kl's
+    formula on the recorded log-probs (float64)."""
+    cfg = ctx.config
+    if ctx.chain and ctx.has("old_log_probs") and ctx.has("ref_log_probs"):
+        return compute_approx_kl(ctx.payload("old_log_probs").to(torch.float64),
+                                 ctx.payload("ref_log_probs").to(torch.float64), reward_kl_type(cfg),
+                                 dtype=torch.float64)
+    if not ctx.has("kl"):
+        raise StageInputError("payload 'kl' is required when kl_in_reward is set and kl_coef != 0", field="kl")
+    return ctx.payload("kl")
+
+
+def reward_kl_type(cfg: RecomputeConfig) -> str:
+    """The estimator of the rollout KL (advantage.kl, and the KL in the reward): ``kl_penalty_type`` when set
+    (verl's ``algorithm.kl_penalty``), else ``kl_loss_type``."""
+    return cfg.kl_penalty_type if cfg.kl_penalty_type is not None else cfg.kl_loss_type
+
+
+def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch.Tensor, rule: GroupRule,
+                   grouped: bool, sample_std, score: torch.Tensor) -> None:
     """Groups a legitimate producer cannot normalize meaningfully (SPEC §5.1 hazards): a single sample, a
-    std at the rounding level of the mean under std normalization, every normalized reward 0."""
+    std at the rounding level of the mean under std normalization (under ``leave_one_out``, a sample's std
+    over the others at the rounding level of NeMo-RL's ``E[r²] − b²``), every normalized reward 0. Reported
+    whatever rule the bundle chose for them (a singleton rule, ``std_zero="skip"``): the rule decides the
+    value, the hazard says it carries no gradient signal or only rounding."""
     if not grouped:
         return
+    std = rule.std
     stage = StageId.REWARD_POST_PROCESS.value
     first = torch.full((stats.size.numel(),), len(ctx.samples), dtype=torch.int64).scatter_reduce(
         0, stats.inverse, torch.arange(len(ctx.samples)), reduce="amin", include_self=True).tolist()
     zero = torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
         0, stats.inverse, (rewards != 0).to(torch.int64)) == 0
     tiny = near_zero_std(stats) if std else torch.zeros_like(zero)
+    if std and rule.baseline == "leave_one_out" and sample_std is not None:
+        level = C_REWARD * U32 * 2 * stats.max_abs[stats.inverse] ** 2
+        loo_tiny = (sample_std * sample_std <= level) & (stats.size[stats.inverse] > 2) & (bound > 0) \
+            & ~exact_zero_std(score, stats, sample_std)
+        tiny = tiny | (torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
+            0, stats.inverse, loo_tiny.to(torch.int64)) > 0)
     worst = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
         0, stats.inverse, bound, reduce="amax", include_self=True)
+    skip = " (std_zero=skip: a producer that rounds it to 0 leaves the centred value)" if rule.std_zero == "skip" else ""
     for k in torch.nonzero((stats.size == 1) | tiny | zero).reshape(-1).tolist():
         g = ctx.group_indices[first[k]]
         n = int(stats.size[k])
         if n == 1:
-            what = "its unbiased std is undefined (NaN)" if std else "its normalized reward is 0"
+            if rule.singleton is not None:
+                value = {"nan": "NaN", "zero": "0", "raw": "its raw reward (mean 0, std 1)"}[rule.singleton]
+                what = f"singleton_group={rule.singleton} gives it {value}"
+            elif std and (rule.unbiased or rule.baseline == "leave_one_out"):
+                what = "its unbiased std is undefined (NaN)"
+            else:
+                what = "its normalized reward is 0" if rule.baseline == "mean" else "its leave-one-out baseline is undefined (NaN)"
             ctx.hazard(stage, "singleton_group", group_index=g, message=f"group g-{g} has a single sample: {what}")
             continue
         if bool(tiny[k]) and float(worst[k]) > 0:  # (equal rewards whose every sum is exact normalize to 0)
             ctx.hazard(stage, "near_zero_std", group_index=g, message=(
                 f"group g-{g}: std {float(stats.std[k]):.3g} of its {n} rewards is at the rounding level of their "
                 f"mean (max |r| {float(stats.max_abs[k]):g}): a float32 producer's normalized values there are "
-                f"rounding noise, admitted up to ±{float(worst[k]):.3g}"))
+                f"rounding noise, admitted up to ±{float(worst[k]):.3g}{skip}"))
         if bool(zero[k]):
             ctx.hazard(stage, "zero_advantage_group", group_index=g, message=(
                 f"group g-{g}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
                 f"policy gradient"))
 
 
-def _refuse_post_process(cfg: RecomputeConfig) -> list[tuple[str, str]]:
-    if not cfg.rewards_normalization:
-        return [("rewards_normalization", "False: V1 recomputes GRPO group normalization only")]
-    return not_recomputed_yet(cfg, ("grpo_std_eps", "grpo_std_unbiased", "group_baseline", "std_zero",
-                                    "singleton_group", "kl_in_reward", "kl_penalty_type"))
+def _post_process_requirements(reader: BundleReader) -> list[str]:
+    missing = _expected_list_present(reader, "reward.post_process", "rewards")
+    cfg = reader.index.config
+    if cfg.kl_in_reward == "sequence" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
+        missing.append("payloads/kl.pt (kl_in_reward=sequence)")
+    return missing
 
 
 REWARD_RAW = StageDef(
@@ -133,7 +250,6 @@ REWARD_RAW = StageDef(
 )
 REWARD_POST_PROCESS = StageDef(
     id=StageId.REWARD_POST_PROCESS, run=run_reward_post_process, needs=(StageId.REWARD_RAW,),
-    refuse=_refuse_post_process,
-    requirements=lambda r: _expected_list_present(r, "reward.post_process", "rewards"),
-    description="GRPO normalization by semantic group",
+    requirements=_post_process_requirements,
+    description="group normalization by semantic group (SPEC §4.2 knobs)",
 )
