@@ -326,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-divergences", type=int, default=5, metavar="N",
                    help="differences kept per field (default 5)")
     add_limit_arguments(p)
+    p = sub.add_parser("import", help="write a bundle from slime's or NeMo-RL's debug dump (SPEC §8)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .importers.command import add_import_arguments
+
+    add_import_arguments(p, _Parser)
+    p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .frameworks.command import add_config_arguments
+
+    add_config_arguments(p)
     p = sub.add_parser("demo", help="write demo or synthetic bundles")
     dsub = p.add_subparsers(dest="demo_command", metavar="ACTION", parser_class=_Parser)
     dsub.required = True
@@ -408,6 +418,14 @@ def _dispatch(args) -> int:
         from .run.diff import run_diff_command
 
         return run_diff_command(args)
+    if args.command == "import":
+        from .importers.command import run_import_command
+
+        return run_import_command(args)
+    if args.command == "config":
+        from .frameworks.command import run_config_command
+
+        return run_config_command(args)
     if args.command == "validate":
         from .validate import validate
 

@@ -1,0 +1,77 @@
+"""``trajectory-replay config FRAMEWORK FILE``: a framework's own configuration file mapped to the
+``RecomputeConfig`` JSON the replay would use (the knobs and the defaults that framework encodes).
+
+FILE is JSON (always) or YAML (``.yaml`` / ``.yml``, read with PyYAML when it is installed; this tool does not
+depend on it). For slime, FILE may also be a JSON list of argv tokens (``["--eps-clip", "0.2", ...]``). Exit 3
+for an unreadable or malformed file, 4 for a setting the mapping refuses (named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import FrameworkConfigError, UnsupportedError, UsageError
+from ..safe_open import read_regular
+
+MAX_CONFIG_BYTES = 64 << 20
+
+
+def load_config_file(path: Path) -> Any:
+    """The parsed content of a framework config file (JSON, or YAML through PyYAML when installed)."""
+    path = Path(path)
+    data = read_regular(path, path.parent if str(path.parent) else Path("."), "framework config", MAX_CONFIG_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # optional: only to read YAML configs
+        except ImportError:
+            raise UnsupportedError(f"{path}: reading YAML needs PyYAML, which is not installed; give the config "
+                                   "as JSON (or pip install pyyaml)") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise FrameworkConfigError(f"{path}: not YAML: {' '.join(str(exc).split())[:200]}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FrameworkConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+def map_config(framework: str, cfg: Any, where: Optional[str] = None):
+    """``RecomputeConfig`` of ``cfg`` through the framework's ``from_*`` (``where`` names the file)."""
+    from . import FRAMEWORKS, mapping
+
+    if framework not in FRAMEWORKS:
+        raise UsageError(f"unknown framework {framework!r} (expected one of: {', '.join(FRAMEWORKS)})")
+    try:
+        fn = mapping(framework)
+    except ImportError as exc:
+        raise UnsupportedError(f"the {framework} mapping is not available: {exc}") from None
+    if "where" in inspect.signature(fn).parameters:
+        return fn(cfg, where=where)
+    return fn(cfg)
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    from . import FRAMEWORKS
+
+    p.add_argument("framework", choices=tuple(FRAMEWORKS), metavar="FRAMEWORK",
+                   help="one of: " + ", ".join(FRAMEWORKS))
+    p.add_argument("file", type=Path, metavar="FILE", help="the framework's config: JSON, or YAML with PyYAML")
+
+
+def run_config_command(args) -> int:
+    import sys
+
+    from ..safe_text import json_document
+
+    cfg = map_config(args.framework, load_config_file(args.file), where=str(args.file))
+    sys.stdout.write(json_document(cfg))
+    return 0
