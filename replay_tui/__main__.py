@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from replay_lib.cli import (_Parser, _print_error, add_replay_arguments, add_version_argument,
                             print_internal_error, run_check)
 from replay_lib.errors import ReplayError
+from replay_lib.run.command import add_scan_arguments, main_check
 
 PROG = "replay-tui"
 
@@ -27,13 +28,19 @@ TUI_EXIT_CODES_HELP = """exit codes (on quitting the debugger, or of --check):
   130  quit before the replay reached a verdict (the debugger only)
 """
 
+# A directory of several bundles: the scan's code (SPEC §9), whichever bundle the debugger showed last.
+RUN_VIEW_EXIT_HELP = """  of a directory of several bundles (the run view, or --check): 1 if any bundle diverged, else 3 if any is
+  invalid, else 4 if any is unsupported, else 5 on an internal error, else 0; 130 if quit before the scan finished
+  with --forensic: never 0 (3 when the replay of the incomplete cohort is clean)
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
         description="Keyboard-driven replay debugger. With --check: headless, same report and exit codes as "
                     "'trajectory-replay replay'.",
-        epilog=TUI_EXIT_CODES_HELP,
+        epilog=TUI_EXIT_CODES_HELP + RUN_VIEW_EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")
@@ -42,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "or support-fullvocab (log-probs scored over the full vocabulary instead of the "
                         "sampler support)")
     p.add_argument("--check", action="store_true", help="run headless and exit with the replay's exit code")
+    p.add_argument("--forensic", action="store_true",
+                   help="open an incomplete cohort (no final COMPLETE) read-only with the ranks that published, "
+                        "labelled FORENSIC: untrusted, it never exits 0 (3 when the replay is clean, else its code)")
     add_replay_arguments(p)
+    add_scan_arguments(p.add_argument_group(
+        "run view (BUNDLE is a directory of several bundles: a scan, as 'trajectory-replay scan' runs it)"))
     add_version_argument(p)
     return p
 
@@ -63,6 +75,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         parser.error("pass either BUNDLE or --demo, not both")
     if args.format != "text" and not args.check:  # the debugger prints no report: say so rather than ignore it
         parser.error(f"--format {args.format} needs --check (the debugger itself prints no report)")
+    if args.forensic and args.check:
+        parser.error("--forensic opens the debugger only (a headless check of an incomplete cohort is refused, exit 3)")
     loading = LoadingLine(enabled=not args.check)
     loading.show()  # torch takes a second or two to import: say something at once, over SSH especially
     try:
@@ -74,8 +88,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             except ValueError as exc:
                 loading.clear()
                 parser.error(str(exc))
+        run_view = run_view_wanted(args, parser)
         if args.check:
-            return run_check(args)
+            return main_check(args) if run_view else run_check(args)
         from .app import run_app
     except ReplayError as exc:
         loading.clear()
@@ -85,7 +100,27 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         loading.clear()
         raise
     loading.clear()
+    if run_view:
+        from .screens.run import app_from_args as run_view_app
+
+        return run_app(args, build=run_view_app)
     return run_app(args)
+
+
+def run_view_wanted(args, parser) -> bool:
+    """``BUNDLE`` is a directory of several bundles and no ``--step``/``--rollout`` picks one: the run view (or,
+    with ``--check``, the scan). The scan's own flags on a single bundle are refused, not ignored."""
+    from replay_lib.bundle.resolution import holds_several_bundles
+
+    if args.step is None and args.rollout is None and holds_several_bundles(args.bundle):
+        if args.forensic:
+            parser.error("--forensic opens one cohort: pass its own path (or --step/--rollout), not a directory")
+        return True
+    flags = [f for f, on in (("--jobs", args.jobs is not None), ("--executor", args.executor != "local"),
+                             ("--ray-address", args.ray_address is not None), ("--fail-fast", args.fail_fast)) if on]
+    if flags:
+        parser.error(f"{', '.join(flags)} apply to a directory of several bundles (the run view), not to one bundle")
+    return False
 
 
 class LoadingLine:

@@ -19,7 +19,7 @@ from replay_lib.bundle import open_bundle
 from replay_lib.cli import error_line as cli_error_line
 from replay_lib.crash import internal_error_line
 from replay_lib.error_model import Rules
-from replay_lib.errors import EXIT_INTERNAL, ReplayError
+from replay_lib.errors import EXIT_INTERNAL, EXIT_INVALID, EXIT_PASS, ReplayError
 from replay_lib.gcpause import gc_paused
 from replay_lib.report import STATUS_SKIPPED
 from replay_lib.runner import replay_run
@@ -32,6 +32,7 @@ from .model import ReplayModel, build_model
 from .screens.error import ErrorScreen
 from .screens.help import HelpScreen
 from .screens.main import DebuggerScreen
+from .widgets.header_line import ForensicLabel
 
 PROG = "replay-tui"
 
@@ -72,6 +73,7 @@ class ReplayApp(App[int]):
         rollout: Optional[int] = None,
         max_divergences: int = 5,
         rules: Rules = Rules(),
+        forensic: bool = False,
     ) -> None:
         super().__init__()
         # Start-up allocates heavily (widgets, styles, the verified bundle); move what the imports created
@@ -86,6 +88,8 @@ class ReplayApp(App[int]):
         self.rollout = rollout
         self.max_divergences = max_divergences
         self.rules = rules
+        # --forensic: an incomplete cohort opens with the ranks that published; labelled, never exit 0
+        self.forensic = forensic
         self.model: Optional[ReplayModel] = None
         self.error: Optional[tuple[str, int]] = None
         self.progress: tuple[str, int, int] = ("verify", 0, 0)
@@ -94,7 +98,10 @@ class ReplayApp(App[int]):
         self._first_done = threading.Event()
 
     def get_default_screen(self) -> DebuggerScreen:
-        return DebuggerScreen(self.display_name)
+        screen = DebuggerScreen(self.display_name)
+        if self.forensic:
+            screen.compose_add_child(ForensicLabel())  # composed first: the top line of the screen
+        return screen
 
     @property
     def debugger(self) -> DebuggerScreen:
@@ -116,6 +123,7 @@ class ReplayApp(App[int]):
         self._run += 1
         self.progress = ("verify", 0, 0)
         self.model = None
+        self.error = None  # a retry from the error screen starts without the old error
         if self._screen_ready():
             self.debugger.show_progress("verify", 0, 0)
         self._replay(self._run)
@@ -154,7 +162,7 @@ class ReplayApp(App[int]):
 
     def _verify_replay_model(self, run: int, progress) -> ReplayModel:
         # "verify" is on screen already (start_replay); later states are posted through the throttle.
-        bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout)
+        bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout, forensic=self.forensic)
         report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
                                       max_divergences=self.max_divergences, progress=progress, rules=self.rules)
         ran = sum(1 for s in report.stages if s.status != STATUS_SKIPPED)
@@ -219,11 +227,13 @@ class ReplayApp(App[int]):
     # -- actions ----------------------------------------------------------------------------------
     @property
     def exit_code(self) -> int:
-        """The replay's exit code; quitting before it reached a verdict is not a pass: 130."""
+        """The replay's exit code; quitting before it reached a verdict is not a pass: 130. A forensic
+        replay is untrusted: a clean one exits 3 (the bundle is incomplete), never 0."""
         if self.error is not None:
             return self.error[1]
         if self.model is not None:
-            return self.model.report.exit_code
+            code = self.model.report.exit_code
+            return EXIT_INVALID if self.forensic and code == EXIT_PASS else code
         return EXIT_NO_VERDICT
 
     async def action_quit(self) -> None:
@@ -239,14 +249,15 @@ def app_from_args(args) -> ReplayApp:
     from replay_lib.cli import replay_options
 
     name = getattr(args, "demo", None) or None
-    return ReplayApp(args.bundle, name=name, **replay_options(args))
+    return ReplayApp(args.bundle, name=name, forensic=getattr(args, "forensic", False), **replay_options(args))
 
 
-def run_app(args) -> int:
-    """Run the debugger; returns its exit code (the replay's, or the error's: 2/3/4)."""
+def run_app(args, build=app_from_args) -> int:
+    """Run the debugger (``build``: the app from the arguments; the run view passes its own); returns its
+    exit code (the replay's, or the error's: 2/3/4)."""
     try:
         try:
-            app = app_from_args(args)
+            app = build(args)
         except ReplayError as exc:
             sys.stderr.write(error_line(str(exc)) + "\n")
             return exc.exit_code

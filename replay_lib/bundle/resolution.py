@@ -21,7 +21,7 @@ import msgspec
 from ..errors import BundleError, SelectionError
 from ..gcpause import gc_paused
 from ..layout import _RANK_DIR, _RANK_SENTINEL
-from ..schema import BUNDLE_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
+from ..schema import BUNDLE_COMPLETE_DECODER, RANK_COMPLETE_DECODER, ActorStepId, BundleComplete, RankComplete
 from .files import _decode, _read_bytes, check_shard_keys
 from ..safe_open import UnsafeFile, read_json_file
 from .reader import BundleReader
@@ -154,6 +154,26 @@ def _matches(anchor: _Anchor, step: Optional[ActorStepId], rollout: Optional[int
     return True
 
 
+def holds_several_bundles(path: Path) -> bool:
+    """Whether ``path`` is a capture directory with two or more bundle or cohort subdirectories (the
+    candidates :func:`resolve_capture` would have to choose among). Stops at the second one, reads no
+    ``index.json``: ``replay-tui DIR`` asks it before its first frame."""
+    try:
+        if resolve_bundle(path).kind != "capture":
+            return False
+        found = 0
+        for entry in path.iterdir():
+            if _is_hidden(entry) or not _real_dir(entry):
+                continue
+            if os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry):
+                found += 1
+                if found > 1:
+                    return True
+    except (BundleError, OSError):
+        return False
+    return False
+
+
 def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Optional[int] = None) -> Resolved:
     """Resolve a bundle, cohort or capture directory to exactly one bundle or cohort (fails when ambiguous)."""
     if step is not None and rollout is not None:
@@ -203,6 +223,9 @@ class BundleSet:
     path: Path
     shards: list[BundleReader]
     cohort: bool
+    # Why this set is not a verified whole (``open_bundle(..., forensic=True)`` on an incomplete cohort);
+    # ``None`` for every strict open.
+    forensic: Optional[str] = None
 
     @property
     def bundle_id(self) -> str:
@@ -210,24 +233,65 @@ class BundleSet:
 
     @property
     def warnings(self) -> list[str]:
-        return [w for s in self.shards for w in s.warnings]
+        return ([self.forensic] if self.forensic else []) + [w for s in self.shards for w in s.warnings]
 
 
 def open_bundle(
-    path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None
+    path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None,
+    *, forensic: bool = False,
 ) -> BundleSet:
-    """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly."""
+    """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly.
+
+    ``forensic=True`` (the debugger's ``--forensic``, never a default) also opens a cohort whose final
+    COMPLETE is missing: see :func:`_published_shards`. Everything else stays as strict as without it."""
     with gc_paused():
-        return _open_bundle(Path(path), step, rollout)
+        return _open_bundle(Path(path), step, rollout, forensic)
 
 
-def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]) -> BundleSet:
+def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
+    """The ranks of an incomplete cohort that did publish, as a cohort COMPLETE would list them, and a line
+    saying what is missing. A rank counts when its ``rank-<r>/`` directory is there with a rank sentinel:
+    the cohort's ``COMPLETE.<r>``, else (a writer stopped between publishing the directory and the
+    sentinel) the shard's own ``rank-<r>/COMPLETE.<r>``. Each shard is then verified by the reader as
+    strictly as in a complete cohort (checksums, sizes, ids, tensors): only the cohort's promise that every
+    expected rank is there is missing."""
+    shards: dict[str, RankComplete] = {}
+    expected: set[int] = set()
+    for entry in sorted(cohort.iterdir(), key=lambda e: e.name):
+        m = _RANK_DIR.match(entry.name)
+        if not m or not _real_dir(entry) or not os.path.lexists(entry / "manifest.json"):
+            continue
+        rank = int(m.group(1))
+        for sentinel in (cohort / f"COMPLETE.{rank}", entry / f"COMPLETE.{rank}"):
+            if os.path.lexists(sentinel):
+                shard = _decode(sentinel, _read_bytes(sentinel, f"COMPLETE.{rank}"), RANK_COMPLETE_DECODER)
+                shards[str(rank)] = shard
+                expected.update(shard.expected_ranks or ())
+                break
+    if not shards:
+        raise BundleError(f"{cohort}: no rank shard published (no rank-<r>/ with a COMPLETE.<r>); nothing to "
+                          f"open, even in forensic mode")
+    ranks = sorted(int(r) for r in shards)
+    missing = sorted(expected - set(ranks))
+    note = (f"{cohort}: FORENSIC: incomplete cohort (no final COMPLETE), opened with rank(s) "
+            f"{', '.join(map(str, ranks))}" + (f" of {', '.join(map(str, sorted(expected)))}; missing: "
+                                              f"{', '.join(map(str, missing))}" if missing else "")
+            + "; untrusted: the result cannot pass")
+    return BundleComplete(ranks=ranks, shards=shards), note
+
+
+def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool = False
+                 ) -> BundleSet:
     resolved = resolve_capture(path, step, rollout)
+    note = None
     if resolved.kind == "bundle":
         shards = [BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank)]
         cohort = False
     else:
-        complete = _cohort_complete(resolved.path)
+        if forensic and not os.path.lexists(resolved.path / "COMPLETE"):
+            complete, note = _published_shards(resolved.path)
+        else:
+            complete = _cohort_complete(resolved.path)
         shards = []
         for r in sorted(complete.ranks):
             shard_dir = resolved.path / f"rank-{r}"
@@ -243,7 +307,7 @@ def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]
         if (s.index.identity.actor_step_id, s.index.identity.rollout_id) != (first.actor_step_id, first.rollout_id):
             raise BundleError(f"{s.path / 'index.json'}: $.identity: anchor differs from rank {shards[0].rank}")
     check_anchor(resolved.path, first.actor_step_id, first.rollout_id, step, rollout)
-    return BundleSet(path=resolved.path, shards=shards, cohort=cohort)
+    return BundleSet(path=resolved.path, shards=shards, cohort=cohort, forensic=note)
 
 
 def check_anchor(path, actual_step, actual_rollout, step, rollout) -> None:

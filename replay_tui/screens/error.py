@@ -1,8 +1,10 @@
-"""The error screen: the CLI's one-line error and exit code; quitting returns that code."""
+"""The error screen: the CLI's one-line error and exit code. ``q`` quits with the app's exit code (that
+error's; the scan's in the run view), ``r`` verifies and replays the bundle again (after the file is
+fixed), and ``esc`` goes back where there is a screen to go back to (the run view), else quits."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar, Optional
 
 from rich.text import Text
 from textual.binding import Binding, BindingType
@@ -34,26 +36,44 @@ class ErrorScreen(Screen):
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "leave", "Quit", id="error.quit", tooltip="Quit with the error's exit code"),
-        Binding("escape", "leave", "Quit", show=False, id="error.quit-escape",
-                tooltip="Quit with the error's exit code"),
+        Binding("r", "retry", "Retry", id="error.retry",
+                tooltip="Verify and replay the bundle again (after fixing the file)"),
+        Binding("escape", "back", "Back", show=False, id="error.back",
+                tooltip="Back to the run view (where there is one), else quit with the error's exit code"),
         Binding("enter", "leave", "Quit", show=False, id="error.quit-enter",
                 tooltip="Quit with the error's exit code"),
     ]
 
-    def __init__(self, line: str, code: int) -> None:
+    def __init__(self, line: str, code: int, *, back: Optional[Callable[[], None]] = None) -> None:
+        """``back``: what ``esc`` does instead of quitting (the run view returns to its table)."""
         super().__init__()
         self.line = line
         self.code = code
+        self.back = back
 
     def compose(self):
+        hint = "q to quit · r to retry" + (" · esc to go back" if self.back else "")
         with Vertical(id="error-box"):
             yield Static(Text(safe(self.line)), id="error-line")  # the line names bundle files
-            yield Static(Text(f"exit code {self.code} — {EXIT_MEANING.get(self.code, 'error')}\npress q to quit"),
+            yield Static(Text(f"exit code {self.code} — {EXIT_MEANING.get(self.code, 'error')}\npress {hint}"),
                          id="error-code")
         yield KeyBar()
 
     def on_mount(self) -> None:
         self.query_one("#error-box").border_title = "replay failed"
 
-    def action_leave(self) -> None:
-        self.app.exit(return_code=self.code)
+    async def action_leave(self) -> None:
+        # the app's code: this error's (it is the app's error), or the scan's in the run view
+        await self.app.run_action("quit")
+
+    def action_retry(self) -> None:
+        """Close this screen and run the replay again from the start (the debugger under it shows its
+        progress); a bundle still broken brings a fresh error screen with the new line."""
+        self.app.pop_screen()
+        self.app.start_replay()
+
+    async def action_back(self) -> None:
+        if self.back is None:
+            await self.action_leave()
+        else:
+            self.back()

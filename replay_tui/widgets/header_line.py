@@ -1,9 +1,11 @@
-"""A one-line column header drawn by the list it labels (so the columns always line up)."""
+"""One-line headers: a column header drawn by the list it labels (so the columns always line up), and the
+forensic mode's label."""
 
 from __future__ import annotations
 
 from textual.strip import Strip
 from textual.widget import Widget
+from textual.widgets import Static
 
 
 class HeaderLine(Widget):
@@ -28,3 +30,17 @@ class HeaderLine(Widget):
         # the rows' width (the list may show a scrollbar), so the columns line up
         row_width = min(width, self.view.row_width) if self.view.is_mounted else width
         return self.view.render_header(row_width, base).crop_extend(0, width, base)
+
+
+class ForensicLabel(Static):
+    """The top line of a ``--forensic`` debugger: what is on screen is an incomplete cohort, untrusted."""
+
+    DEFAULT_CSS = """
+    ForensicLabel { height: 1; background: $warning; color: $text; text-style: bold; padding: 0 1;
+                    text-wrap: nowrap; text-overflow: ellipsis; }
+    """
+    TEXT = ("FORENSIC — an incomplete cohort opened read-only with the ranks that published: untrusted, "
+            "never exits 0")
+
+    def __init__(self) -> None:
+        super().__init__(self.TEXT, markup=False, id="forensic")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from test_run_view import make_run_app, run_dir, scanned  # noqa: F401 (run_dir: the fixture)
+
 
 async def _ready(pilot) -> None:
     await pilot.app.wait_settled(pilot)
@@ -72,3 +74,13 @@ def test_error_model_columns(snap_compare, bundles, monkeypatch):
 def test_hazard_list(snap_compare, make_app):
     # a passing bundle with one hazard (group g-1's rewards are equal): ⚠ on the verdict line and in the tree, z
     assert snap_compare(make_app("hazard-clean"), terminal_size=(120, 40), run_before=_after("z"))
+
+
+def test_run_view_after_the_scan(snap_compare, run_dir):
+    # the five-bundle capture of test_run_view, scanned to the end (its rows never change after it); e puts the
+    # cursor on the first bad step (b-kl, 2:0), whose bundle the line under the table names
+    async def run_before(pilot) -> None:
+        await scanned(pilot)
+        await pilot.press("e")
+
+    assert snap_compare(make_run_app(run_dir), terminal_size=(120, 40), run_before=run_before)

@@ -1,0 +1,283 @@
+"""``replay-tui DIR``: the run view (SPEC §9) on a real capture directory of five small bundles written by the
+demo writer, scanned by the real library in a worker process. Pilot waits for the scan (``app.settled``:
+the worker is done and every row is in the table), never sleeps.
+
+The directory (anchors chosen so the scan's (rollout_id, step_id) order differs from the names' order):
+
+    name        anchor  what                                          row
+    e-clean     1:0     clean                                          pass
+    b-kl        2:0     recorded kl of s-1@2 is +0.25 off             diverged, advantage.kl
+    a-clean     3:0     clean                                          pass
+    d-broken    4:0     its COMPLETE removed                           invalid
+    c-clean     5:0     clean                                          pass
+
+so the scan's exit code is 1 (a divergence beats an invalid bundle, SPEC §9) and the first bad step is 2:0.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from replay_lib import demo
+from replay_lib.schema import ActorStepId
+
+SIZE = (120, 40)
+ORDER = ["e-clean", "b-kl", "a-clean", "d-broken", "c-clean"]
+ANCHORS = ["1:0", "2:0", "3:0", "4:0", "5:0"]
+STATUSES = ["pass", "diverged", "pass", "invalid", "pass"]
+KL_DELTA = 0.25
+TOKENS = 4
+
+
+def _write(path: Path, rollout: int, *, kl_delta: float = 0.0) -> Path:
+    manifest, index, expected, payloads = demo.synthetic_parts(
+        samples=4, tokens=TOKENS, seed=rollout, bundle_id=path.name, anchor=ActorStepId(rollout_id=rollout, step_id=0),
+        settle=True)
+    if kl_delta:
+        kl = payloads["kl"].clone()
+        kl[1 * TOKENS + 2] += kl_delta  # s-1@2
+        payloads = dict(payloads, kl=kl)
+    return demo.write_bundle(path, manifest, index, expected, payloads)
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run-view") / "capture"
+    root.mkdir()
+    saved = demo.producer
+    from tui_bundles import fixed_producer
+
+    demo.producer = fixed_producer  # no torch version anywhere on screen
+    try:
+        _write(root / "e-clean", 1)
+        _write(root / "b-kl", 2, kl_delta=KL_DELTA)
+        _write(root / "a-clean", 3)
+        (_write(root / "d-broken", 4) / "COMPLETE").unlink()
+        _write(root / "c-clean", 5)
+    finally:
+        demo.producer = saved
+    return root
+
+
+def make_run_app(path: Path, **kwargs):
+    from replay_tui.screens.run import RunApp
+
+    return RunApp(path, jobs=1, **kwargs)
+
+
+async def scanned(pilot) -> None:
+    """Until the scan finished and all its rows are in the table (or a bundle opened from it settled)."""
+    app = pilot.app
+    for _ in range(400):
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        if app.settled:
+            return
+    raise TimeoutError("the scan never finished on screen")
+
+
+def screen_text(app) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def table_lines(app) -> list[str]:
+    table = app.run_screen.table
+    return [table.render_line(y).text.rstrip() for y in range(table.row_count)]
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+
+async def test_the_table_fills_in_and_q_quits_with_the_scan_s_code(run_dir):
+    app = make_run_app(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        data = app.run_screen.data
+        assert [t.relpath for t in data.targets] == ORDER  # (rollout_id, step_id), not the names' order
+        assert [data.status(t) for t in data.targets] == STATUSES
+        lines = table_lines(app)
+        kinds = [t.kind for t in data.targets]  # the library's word for each target, drawn as it is
+        assert [line.split()[:5] for line in lines] == [
+            ["✓", "1:0", "e-clean", kinds[0], "pass"],
+            ["✗", "2:0", "b-kl", kinds[1], "diverged"],
+            ["✓", "3:0", "a-clean", kinds[2], "pass"],
+            ["!", "4:0", "d-broken", kinds[3], "invalid"],
+            ["✓", "5:0", "c-clean", kinds[4], "pass"],
+        ]
+        kl_row = data.rows[run_dir / "b-kl"]
+        # the row's own first divergence (the scan's line) and its stage, drawn as they are
+        assert kl_row.first_stage == "advantage.kl" and kl_row.first_divergence.startswith("kl s-1@2: ")
+        assert "abs_err=0.25" in kl_row.first_divergence
+        assert "advantage.kl" in lines[1] and "kl s-1@2: expected=" in lines[1]
+        assert "missing COMPLETE sentinel" in lines[3]
+        text = screen_text(app)
+        # 5 rows: 3 pass, 1 diverged, 1 invalid; the first bad step is the first diverged one in order
+        assert "5 bundle(s) scanned: 3 pass, 1 diverged, 1 invalid" in text
+        assert "first bad step: 2:0 (b-kl) — advantage.kl" in text
+        assert "(q exits 1)" in text
+        assert app.exit_code == 1
+        await pilot.press("q")
+    assert app.return_code == 1
+
+
+async def test_rows_show_while_the_scan_runs_and_q_before_the_end_exits_130(run_dir, monkeypatch):
+    """The scan is held after its first row (an Event in ``on_row``, never a sleep): the row is on screen, the
+    other four are pending, the progress line counts 1/5, keys work; q stops the scan and exits 130."""
+    import replay_lib.run.scan as scan_module
+
+    gate = threading.Event()
+    stops: list = []
+    real_scan = scan_module.scan
+
+    def held_scan(targets, *, on_row, stop, **kwargs):
+        stops.append(stop)
+
+        def first_then_wait(row):
+            on_row(row)
+            gate.wait(timeout=30)
+
+        return real_scan(targets, on_row=first_then_wait, stop=stop, **kwargs)
+
+    monkeypatch.setattr(scan_module, "scan", held_scan)
+    app = make_run_app(run_dir)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            for _ in range(400):
+                await pilot.pause()
+                if app.run_screen.data.rows and not app.run_screen._pending:
+                    break
+            data = app.run_screen.data
+            assert [data.status(t) for t in data.targets] == ["pass", "pending", "pending", "pending", "pending"]
+            assert [line.split()[0] for line in table_lines(app)] == ["✓", "·", "·", "·", "·"]
+            assert "⟳ scanning 1/5 ■■■■□□□□□□□□□□□□□□□□  ✓ 1 pass" in screen_text(app)  # 20 cells · 1/5 = 4
+            assert not app.run_screen.finished and app.exit_code == 130
+            await pilot.press("down")
+            assert app.run_screen.table.cursor == 1  # live: the keys move the cursor while it scans
+            await pilot.press("q")
+            assert stops[0].is_set()  # the scan was told to stop before the app exited
+            gate.set()
+    finally:
+        gate.set()
+    assert app.return_code == 130
+
+
+async def test_d_shows_only_the_bundles_that_did_not_pass_and_keeps_the_cursor_s_bundle(run_dir):
+    app = make_run_app(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        screen = app.run_screen
+        await pilot.press("down", "down", "down")  # d-broken (row 3 of 5)
+        assert screen.table.target.relpath == "d-broken"
+        await pilot.press("d")
+        assert [t.relpath for t in map(screen.data.target_at, range(screen.table.row_count))] == ["b-kl", "d-broken"]
+        assert screen.table.target.relpath == "d-broken" and screen.table.cursor == 1
+        assert "not passing only" in screen_text(app)
+        await pilot.press("d")
+        assert screen.table.row_count == 5 and screen.table.target.relpath == "d-broken"
+        await pilot.press("home", "e")  # e: the first bad step
+        assert screen.table.target.relpath == "b-kl"
+
+
+# ------------------------------------------------------------------------------------- opening a bundle
+
+
+async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_the_cursor_kept(run_dir):
+    from replay_tui.screens.main import DebuggerScreen
+    from replay_tui.screens.run import RunScreen
+
+    app = make_run_app(run_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        await pilot.press("down", "enter")  # b-kl
+        await scanned(pilot)
+        assert isinstance(app.screen, DebuggerScreen)
+        assert app.model.report.bundle_id == "b-kl" and app.model.report.exit_code == 1
+        # its own replay opens on its first divergence: kl of s-1, token 2
+        assert (app.debugger.sample_id, app.debugger.field, app.debugger.diff_cursor) == ("s-1", "kl", 2)
+        assert "✗ first divergence in advantage.kl" in screen_text(app)
+        await pilot.press("escape")
+        assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 1
+        await pilot.press("down", "down", "enter")  # c-clean... no: 1 + 2 = row 3, d-broken (invalid)
+        await scanned(pilot)
+        from replay_tui.screens.error import ErrorScreen
+
+        assert isinstance(app.screen, ErrorScreen) and app.screen.code == 3
+        assert "d-broken/COMPLETE: missing COMPLETE sentinel" in app.screen.line
+        assert "esc to go back" in screen_text(app)
+        await pilot.press("escape")
+        assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 3
+        await pilot.press("up", "up", "up", "enter")  # e-clean: a pass
+        await scanned(pilot)
+        assert app.model.report.bundle_id == "e-clean" and app.model.report.exit_code == 0
+        await pilot.press("q")  # quitting from the debugger: the run's code, not the open bundle's 0
+    assert app.return_code == 1
+
+
+# ------------------------------------------------------------------------------------- the command line
+
+
+def test_replay_tui_dir_check_is_trajectory_replay_scan(run_dir, capsys):
+    """Same stdout and exit code, in-process through both entry points (--jobs 1: one worker each)."""
+    from replay_lib.cli import main as cli_main
+    from replay_tui.__main__ import main as tui_main
+
+    code = cli_main(["scan", str(run_dir), "--jobs", "1"])
+    scan_out = capsys.readouterr().out
+    assert tui_main([str(run_dir), "--check", "--jobs", "1"]) == code == 1
+    assert capsys.readouterr().out == scan_out
+    assert "first bad step: 2:0 (b-kl) — advantage.kl" in scan_out
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--forensic"], "--forensic opens one cohort"),
+    (["--check", "--forensic"], "--forensic opens the debugger only"),
+])
+def test_forensic_on_a_directory_of_several_bundles_is_a_usage_error(run_dir, capsys, argv, words):
+    from replay_tui.__main__ import main as tui_main
+
+    with pytest.raises(SystemExit) as exc:
+        tui_main([str(run_dir), *argv])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_scan_flags_on_one_bundle_are_a_usage_error(run_dir, capsys):
+    from replay_tui.__main__ import main as tui_main
+
+    with pytest.raises(SystemExit) as exc:
+        tui_main([str(run_dir / "e-clean"), "--check", "--jobs", "2", "--fail-fast"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--jobs, --fail-fast apply to a directory of several bundles" in err
+
+
+def test_a_directory_of_one_bundle_still_opens_that_bundle(run_dir, tmp_path, capsys):
+    import shutil
+
+    from replay_tui.__main__ import main as tui_main
+
+    shutil.copytree(run_dir / "b-kl", tmp_path / "b-kl")
+    assert tui_main([str(tmp_path), "--check"]) == 1  # the replay's report, not a scan's
+    out = capsys.readouterr().out
+    assert "first bad step" not in out and "advantage.kl" in out
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def test_run_rows_filter_and_nearest_row_without_an_app(run_dir):
+    from replay_lib.run.scan import discover, error_row
+    from replay_tui.widgets.run_table import RunRows
+
+    targets = discover(run_dir)
+    rows = RunRows()
+    rows.set_targets(targets)
+    rows.add([error_row(targets[3], "invalid", "gone"), error_row(targets[1], "error", "a bug")])
+    rows.set_bad_only(True)
+    assert rows.visible == [1, 3]  # error and invalid; pending and pass rows hidden
+    # a bundle filtered out: the next shown one after it in scan order (a-clean, #2 → d-broken, shown as row 1)
+    assert rows.nearest_visible(targets[2].path) == 1
+    assert rows.nearest_visible(targets[4].path) == 1  # none after it: the last shown row
+    assert rows.counts() == {"pass": 0, "diverged": 0, "invalid": 1, "unsupported": 0, "vanished": 0, "error": 1}
