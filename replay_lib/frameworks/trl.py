@@ -1,0 +1,229 @@
+"""TRL's ``GRPOConfig`` → :class:`~replay_lib.schema.RecomputeConfig`.
+
+Read from TRL 1.16.0 (``trl/trainer/grpo_trainer.py`` and ``trl/trainer/grpo_config.py`` of the release on the
+package index; the line numbers below are of that release):
+
+* group normalization (``_generate_and_score_completions``): the weighted sum of the reward functions
+  (``:2763``), the group mean over ``view(-1, num_generations)`` (``:2765``), the Bessel-corrected ``nanstd``
+  (``:2770``; ``trl/trainer/utils.py:1037-1044``), ``(r − mean) / (std + 1e-4)`` unless ``scale_rewards="none"``
+  (``:2787``); ``scale_rewards="batch"`` takes the std over the whole batch (``:2774-2778``).
+* the surrogate (``_compute_loss``): ``coef_1 = exp(logp − old)`` per token, or per sequence as
+  ``exp(Σ_t (logp − old)·m / max(Σ_t m, 1))`` under ``importance_sampling_level="sequence"`` (``:3087``);
+  ``coef_2 = clamp(coef_1, 1 − epsilon, 1 + epsilon_high)`` (``:3113``, ``epsilon_high`` defaults to
+  ``epsilon``, ``:945-946``), ``per_token_loss = −min(coef_1·A, coef_2·A)`` (``:3120``); vLLM's importance
+  ratio multiplies it (``:3147``), then ``beta · k3`` with ``k3 = exp(ref − logp) − (ref − logp) − 1`` on the
+  *current* log-probs is added (``:3101,3150``; times ``coef_1`` when ``use_bias_correction_kl``, ``:3105``).
+* the aggregation of one micro-batch (``:3153-3173``), summed over an optimizer step's
+  ``gradient_accumulation_steps`` (GAS) micro-batches of ``per_device_train_batch_size`` (B) sequences:
+
+  ============ =================================================== ===========================================
+  ``loss_type``  TRL's micro-batch loss                              the step, as SPEC §4.2 names it
+  ============ =================================================== ===========================================
+  ``dapo``     Σ x·m / (num_items_in_batch / P · GAS / SPG)          ``token_mean``, T = num_items_in_batch
+                                                                     (recorded per step), loss_scale = P·SPG/GAS
+  ``grpo``     mean over B of per-sequence means / GAS               ``seq_mean_token_mean``, N = B·GAS
+  ``bnpo``     Σ x·m / max(Σ m, 1) over the micro-batch / GAS        ``token_mean`` over the local batch:
+                                                                     T = its tokens (GAS must be 1)
+  ``dr_grpo``  Σ x·m / (B · max_completion_length) / GAS             ``seq_mean_token_sum_norm``, N = B·GAS,
+                                                                     L = max_completion_length
+  ============ =================================================== ===========================================
+
+  (P = processes, SPG = ``steps_per_generation``; ``num_items_in_batch`` is the loss-mask token count of the
+  whole generation batch gathered over the processes, ``:2498``.) The per-step token counts are data, not
+  configuration: ``from_trl`` leaves ``loss_token_count`` unset and the live capture
+  (``capture.integrations.trl``) records it in every step bundle.
+
+What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
+another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"``,
+``multi_objective_aggregation="normalize_then_sum"``, ``delta`` (two-sided clipping), ``top_entropy_quantile
+< 1``, ``off_policy_mask_threshold``, an entropy bonus (``entropy_coef``, ``use_adaptive_entropy``: TRL divides
+it by the micro-batch's own token count whatever the loss type), ``use_bias_correction_kl`` with ``beta != 0``,
+``bnpo`` with GAS > 1 and a step that straddles two generation batches. Any other key whose name looks like a
+knob of the math and whose value is on refuses too (``ConfigReader.check_unknown``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+from ..schema import RecomputeConfig
+from ._base import ConfigReader
+
+FRAMEWORK = "TRL"
+# TRL's std epsilon (grpo_trainer.py:2787) and its one KL estimator (k3, :3101).
+TRL_STD_EPS = 1e-4
+LOSS_MODES = {"dapo": "token_mean", "grpo": "seq_mean_token_mean", "bnpo": "token_mean",
+              "dr_grpo": "seq_mean_token_sum_norm"}
+_VLLM_IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
+                  "sequence_truncate": ("sequence", "truncate"), "sequence_mask": ("sequence", "mask")}
+
+# GRPOConfig keys (beyond transformers.TrainingArguments) that do not change the recomputed math: the bundle
+# records their result (sampled tokens, log-probs, masks) or they only concern generation, vLLM, the reference
+# model's refresh, logging or tools.
+NEUTRAL_KEYS = (
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "num_generations_eval",
+    "ds3_gather_for_generation", "shuffle_dataset", "pad_to_multiple_of", "temperature", "top_p", "top_k",
+    "min_p", "generation_kwargs", "chat_template_kwargs", "repetition_penalty", "cache_implementation",
+    "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "reward_weights",
+    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "max_tool_calling_iterations", "log_completions", "log_multimodal", "num_completions_to_print",
+    "log_unique_prompts", "log_completions_hub_repo", "use_transformers_continuous_batching",
+    "transformers_continuous_batching_config", "use_transformers_paged",
+    # loss-type parameters of the loss types refused below
+    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+)
+# transformers.TrainingArguments keys whose names hold a math word but that act on the optimizer or evaluation,
+# outside the recomputed stages (used when transformers is not importable; otherwise every TrainingArguments
+# field is neutral).
+TRAINING_ARGUMENTS_MATH_NAMED = ("weight_decay", "adam_epsilon", "max_grad_norm", "prediction_loss_only",
+                                 "greater_is_better", "label_smoothing_factor", "adam_beta1", "adam_beta2",
+                                 "warmup_ratio", "lr_scheduler_kwargs")
+
+
+@functools.lru_cache(maxsize=1)
+def _training_argument_keys() -> tuple[str, ...]:
+    try:
+        from transformers import TrainingArguments
+    except ImportError:  # a dict mapped without transformers installed
+        return TRAINING_ARGUMENTS_MATH_NAMED
+    return tuple(f.name for f in dataclasses.fields(TrainingArguments)) + TRAINING_ARGUMENTS_MATH_NAMED
+
+
+def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None) -> RecomputeConfig:
+    """The :class:`RecomputeConfig` of a TRL ``GRPOConfig`` (or its ``to_dict()``), for a run on
+    ``num_processes`` processes (the data-parallel world TRL's ``dapo`` denominator divides by).
+
+    The per-step counts (``loss_token_count`` for ``dapo`` and ``bnpo``) are left unset: they are recorded by
+    the capture. Raises ``UnsupportedFrameworkConfig`` (exit 4) naming the first key it cannot recompute and
+    ``FrameworkConfigError`` (exit 3) for a value of the wrong type."""
+    cfg = ConfigReader(FRAMEWORK, config, where)
+    cfg.neutral(*NEUTRAL_KEYS, *_training_argument_keys())
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+
+    n = cfg.integer("num_generations", 8)
+    batch = cfg.integer("per_device_train_batch_size", 8)
+    gas = cfg.integer("gradient_accumulation_steps", 1)
+    spg = cfg.integer("steps_per_generation", None)
+    generation_batch = cfg.integer("generation_batch_size", None)
+    if spg is None:  # GRPOConfig.__post_init__ (grpo_config.py:1098-1112)
+        spg = gas if generation_batch is None else generation_batch // (batch * num_processes)
+    iterations = cfg.integer("num_iterations", 1)
+    # A step's micro-batches come from one generation batch only when each generation's SPG × num_iterations
+    # micro-batches are a whole number of steps and no step repeats a micro-batch (SPG ≥ GAS).
+    if spg < gas or (spg * iterations) % gas:
+        cfg.refuse("steps_per_generation", spg,
+                   f"with gradient_accumulation_steps={gas} and num_iterations={iterations} an optimizer step "
+                   "trains on micro-batches of several generation batches, which one step bundle cannot hold "
+                   "(needs steps_per_generation ≥ gradient_accumulation_steps and steps_per_generation × "
+                   "num_iterations a multiple of it)")
+
+    fields: dict[str, Any] = {"advantage_estimator": "grpo", "n_samples_per_prompt": n,
+                              "grpo_std_eps": TRL_STD_EPS, "grpo_std_unbiased": True, "kl_coef": 0.0,
+                              "kl_loss_type": "k3"}
+    fields.update(_rewards(cfg))
+    fields.update(_loss(cfg, batch=batch, gas=gas, spg=spg, num_processes=num_processes))
+    fields.update(_kl(cfg))
+    fields.update(_vllm_importance(cfg))
+    _refuse_rest(cfg)
+    cfg.check_unknown()
+    return cfg.build(fields)
+
+
+def _rewards(cfg: ConfigReader) -> dict[str, Any]:
+    scale = cfg.raw("scale_rewards", "group")
+    scale = {True: "group", False: "none"}.get(scale, scale)  # grpo_config.py:1078
+    if scale == "batch":
+        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole batch is not "
+                                          "recomputed (group and none are)")
+    if scale not in ("group", "none"):
+        cfg.refuse("scale_rewards", scale, "expected group, batch or none")
+    aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
+    if aggregation != "sum_then_normalize":
+        cfg.refuse("multi_objective_aggregation", aggregation,
+                   "each reward function normalized on its own, then whitened over the batch, is not recomputed")
+    return {"grpo_std_normalization": scale == "group"}
+
+
+def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: int) -> dict[str, Any]:
+    loss_type = cfg.text("loss_type", "dapo")
+    if loss_type not in LOSS_MODES:
+        cfg.refuse("loss_type", loss_type, f"only {', '.join(LOSS_MODES)} aggregate the clipped surrogate the "
+                                          "replay recomputes")
+    out: dict[str, Any] = {"loss_agg_mode": LOSS_MODES[loss_type]}
+    if loss_type == "dapo":
+        out["loss_scale"] = num_processes * spg / gas
+    elif loss_type == "bnpo":
+        if gas != 1:
+            cfg.refuse("loss_type", loss_type, f"with gradient_accumulation_steps={gas} each micro-batch is a token "
+                                              "mean over its own tokens: a step is no single token mean")
+    else:  # grpo, dr_grpo: every micro-batch holds B sequences
+        out["loss_seq_count"] = batch * gas
+        if loss_type == "dr_grpo":
+            out["loss_horizon"] = cfg.integer("max_completion_length", 512)
+    eps = cfg.number("epsilon", 0.2)
+    high = cfg.number("epsilon_high", None)
+    out["eps_clip"] = eps
+    out["eps_clip_high"] = eps if high is None else high
+    delta = cfg.number("delta", None)
+    if delta is not None:
+        cfg.refuse("delta", delta, "the upper bound on the unclipped ratio (two-sided clipping) is not recomputed")
+    level = cfg.text("importance_sampling_level", "token")
+    if level not in ("token", "sequence"):
+        cfg.refuse("importance_sampling_level", level, "expected token or sequence")
+    out["importance_level"] = level
+    return out
+
+
+def _kl(cfg: ConfigReader) -> dict[str, Any]:
+    beta = cfg.number("beta", 0.0)
+    correction = cfg.flag("use_bias_correction_kl", True)
+    if beta == 0:
+        return {"use_kl_loss": False, "kl_loss_coef": 0.0}
+    if correction:
+        cfg.refuse("use_bias_correction_kl", correction,
+                   f"with beta={beta} TRL multiplies the KL by the importance ratio, which is not recomputed "
+                   "(set use_bias_correction_kl=False)")
+    return {"use_kl_loss": True, "kl_loss_coef": beta, "kl_loss_input_clamp": None, "kl_loss_output_clamp": None}
+
+
+def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
+    use_vllm = cfg.flag("use_vllm", False)
+    correction = cfg.flag("vllm_importance_sampling_correction", True)
+    mode = cfg.text("vllm_importance_sampling_mode", "sequence_mask")
+    low = cfg.number("vllm_importance_sampling_clip_min", None)
+    high = cfg.number("vllm_importance_sampling_clip_max", 3.0)
+    cap = cfg.number("vllm_importance_sampling_cap", None)
+    if cap is not None:  # the deprecated name of clip_max (grpo_config.py:1143-1149)
+        high = cap
+    if not (use_vllm and correction):
+        return {"is_level": None}
+    if mode not in _VLLM_IS_MODES:
+        cfg.refuse("vllm_importance_sampling_mode", mode, f"expected one of {', '.join(_VLLM_IS_MODES)}")
+    level, is_mode = _VLLM_IS_MODES[mode]
+    # sequence_*: exp(Σ_t Δ) (grpo_trainer.py:2668-2672), the SPEC's summed 'sequence' level.
+    return {"is_level": level, "is_mode": is_mode, "is_low": low, "is_high": high}
+
+
+def _refuse_rest(cfg: ConfigReader) -> None:
+    quantile = cfg.number("top_entropy_quantile", 1.0)
+    if quantile < 1.0:
+        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask is not recorded or recomputed")
+    threshold = cfg.number("off_policy_mask_threshold", None)
+    if threshold is not None:
+        cfg.refuse("off_policy_mask_threshold", threshold, "the off-policy sequence mask is not recomputed")
+    coef = cfg.number("entropy_coef", 0.0)
+    if coef != 0:
+        cfg.refuse("entropy_coef", coef, "TRL's entropy bonus is a token mean over each micro-batch whatever the "
+                                        "loss type; it is not recomputed")
+    adaptive = cfg.flag("use_adaptive_entropy", False)
+    if adaptive:
+        cfg.refuse("use_adaptive_entropy", adaptive, "the adaptive entropy coefficient is not recomputed")
+    aux = cfg.number("router_aux_loss_coef", None)
+    if aux:
+        cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

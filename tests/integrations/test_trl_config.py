@@ -1,0 +1,152 @@
+"""``replay_lib.frameworks.trl.from_trl``: TRL's GRPOConfig → RecomputeConfig.
+
+The expected values are read from TRL 1.16.0's own code (huggingface/trl, ``trl/trainer/grpo_trainer.py`` and
+``trl/trainer/grpo_config.py`` of the release the ``[trl]`` extra pins; the same functions at
+huggingface/trl@f2cd57710ae3 in /work/shared/FRAMEWORKS.md §1): the denominators of ``_compute_loss``
+(``grpo_trainer.py:3153-3173``), the std epsilon of ``_generate_and_score_completions`` (``:2787``), the clip
+bounds (``:945-946, 3113``), the KL (``:3101-3105``), vLLM's importance ratio (``:2658-2690``) and
+``GRPOConfig.__post_init__``'s ``steps_per_generation`` (``grpo_config.py:1098-1112``). Dict inputs run without
+TRL installed; the GRPOConfig-object tests skip (with the reason) when it is not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from replay_lib.errors import EXIT_INVALID, EXIT_UNSUPPORTED, FrameworkConfigError, UnsupportedFrameworkConfig
+from replay_lib.frameworks.trl import from_trl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _base(**kw) -> dict:
+    """A GRPOConfig's math-bearing keys at TRL's defaults (grpo_config.py), overridden by ``kw``."""
+    return {"loss_type": "dapo", "num_generations": 8, "per_device_train_batch_size": 8,
+            "gradient_accumulation_steps": 1, "steps_per_generation": None, "generation_batch_size": None,
+            "num_iterations": 1, "epsilon": 0.2, "epsilon_high": None, "beta": 0.0, "use_bias_correction_kl": True,
+            "scale_rewards": "group", "importance_sampling_level": "token", "max_completion_length": 512,
+            "multi_objective_aggregation": "sum_then_normalize", "top_entropy_quantile": 1.0, "entropy_coef": 0.0,
+            "use_vllm": False, "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": 3.0,
+            "vllm_importance_sampling_clip_min": None, "reward_weights": [1.0, 0.5], **kw}
+
+
+def test_dapo_default_is_a_global_token_mean_with_trl_std_eps():
+    # dapo (the default, grpo_config.py:801): Σ x·m / (num_items_in_batch / P · GAS / SPG): token_mean with the
+    # count recorded per step (None here) and loss_scale = P·SPG/GAS = 2·4/2 = 4.0 for 2 processes, GAS 2,
+    # SPG 4. Group normalization: num_generations 8, unbiased std, eps 1e-4 (:2787), no KL in the reward.
+    cfg = from_trl(_base(gradient_accumulation_steps=2, steps_per_generation=4), num_processes=2)
+    assert (cfg.loss_agg_mode, cfg.loss_token_count, cfg.loss_scale) == ("token_mean", None, 4.0)
+    assert (cfg.advantage_estimator, cfg.n_samples_per_prompt, cfg.grpo_std_normalization) == ("grpo", 8, True)
+    assert (cfg.grpo_std_eps, cfg.grpo_std_unbiased, cfg.kl_coef) == (1e-4, True, 0.0)
+    # epsilon_high None → epsilon (grpo_trainer.py:946)
+    assert (cfg.eps_clip, cfg.eps_clip_high, cfg.importance_level) == (0.2, 0.2, "token")
+    assert (cfg.use_kl_loss, cfg.is_level) == (False, None)
+
+
+def test_spg_defaults_to_gradient_accumulation_steps():
+    # grpo_config.py:1098-1100: neither generation_batch_size nor steps_per_generation → SPG = GAS = 3, so
+    # loss_scale = 1·3/3 = 1.0; with generation_batch_size 48 over B=8 × 1 process, SPG = 48 // 8 = 6 → 6/3 = 2.0.
+    assert from_trl(_base(gradient_accumulation_steps=3)).loss_scale == 1.0
+    assert from_trl(_base(gradient_accumulation_steps=3, generation_batch_size=48)).loss_scale == 2.0
+
+
+@pytest.mark.parametrize("loss_type, mode, n, horizon", [
+    ("grpo", "seq_mean_token_mean", 4 * 2, None),  # mean over B of per-sequence means / GAS: N = B·GAS = 8
+    ("dr_grpo", "seq_mean_token_sum_norm", 4 * 2, 6),  # Σ x·m / (B·max_completion_length) / GAS: N=8, L=6
+])
+def test_sequence_modes_record_b_times_gas(loss_type, mode, n, horizon):
+    cfg = from_trl(_base(loss_type=loss_type, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         max_completion_length=6))
+    assert (cfg.loss_agg_mode, cfg.loss_seq_count, cfg.loss_horizon, cfg.loss_scale) == (mode, n, horizon, 1.0)
+
+
+def test_bnpo_is_a_local_token_mean_only_without_accumulation():
+    # bnpo: Σ x·m / max(Σ m, 1) over the micro-batch / GAS (grpo_trainer.py:3158-3162): one token mean per step
+    # only when GAS = 1; with GAS 2 the step is a mean of two micro-batch token means and is refused by name.
+    assert from_trl(_base(loss_type="bnpo")).loss_agg_mode == "token_mean"
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"^TRL config: loss_type='bnpo': with gradient_acc"):
+        from_trl(_base(loss_type="bnpo", gradient_accumulation_steps=2))
+
+
+def test_beta_maps_to_k3_in_the_loss_without_clamps():
+    # per_token_loss += beta · (exp(ref − logp) − (ref − logp) − 1) on the current log-probs (:3101, :3150),
+    # no clamp; with use_bias_correction_kl (TRL's default True) the KL is multiplied by the ratio (:3105).
+    cfg = from_trl(_base(beta=0.04, use_bias_correction_kl=False))
+    assert (cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_type) == (True, 0.04, "k3")
+    assert (cfg.kl_loss_input_clamp, cfg.kl_loss_output_clamp, cfg.kl_coef) == (None, None, 0.0)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"use_bias_correction_kl=True: with beta=0.04"):
+        from_trl(_base(beta=0.04))
+    # beta 0: the correction flag is neutral (no KL term at all)
+    assert from_trl(_base(beta=0.0, use_bias_correction_kl=True)).use_kl_loss is False
+
+
+def test_scale_rewards_and_sequence_level_and_clip_high():
+    cfg = from_trl(_base(scale_rewards="none", importance_sampling_level="sequence", epsilon_high=0.28))
+    assert (cfg.grpo_std_normalization, cfg.importance_level, cfg.eps_clip_high) == (False, "sequence", 0.28)
+    # the booleans GRPOConfig accepts (grpo_config.py:1078): True = group, False = none
+    assert from_trl(_base(scale_rewards=True)).grpo_std_normalization is True
+    assert from_trl(_base(scale_rewards=False)).grpo_std_normalization is False
+
+
+@pytest.mark.parametrize("mode, level, is_mode", [("sequence_mask", "sequence", "mask"),
+                                                 ("token_truncate", "token", "truncate")])
+def test_vllm_importance_correction(mode, level, is_mode):
+    # Δ = old − sampling per token, summed per sequence for sequence_* (exp of the sum, :2664-2672), clamped
+    # (truncate) or zeroed outside [min, max] (mask, :2676-2690); clip_max 3.0 is TRL's default.
+    cfg = from_trl(_base(use_vllm=True, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5))
+    assert (cfg.is_level, cfg.is_mode, cfg.is_low, cfg.is_high) == (level, is_mode, 0.5, 3.0)
+    # without vLLM the correction flag (default True) is neutral
+    assert from_trl(_base(use_vllm=False)).is_level is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
+    ("scale_rewards", "batch", "scale_rewards='batch': the group mean divided by the std of the whole batch"),
+    ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
+    ("delta", 1.5, "delta=1.5: the upper bound"),
+    ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2"),
+    ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5"),
+    ("entropy_coef", 0.01, "entropy_coef=0.01"),
+    ("some_new_reward_scale", 2.0, "some_new_reward_scale=2.0: a key the TRL mapping does not know"),
+])
+def test_refusals_name_the_key(key, value, message):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_trl(_base(**{key: value}))
+    assert str(err.value).startswith("TRL config: ") and message in str(err.value)
+    assert err.value.exit_code == EXIT_UNSUPPORTED
+
+
+def test_a_step_across_generation_batches_is_refused():
+    # GAS 4, SPG 2: one optimizer step trains on two generation batches (grpo_trainer.py:1536-1546)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"^TRL config: steps_per_generation=2: "):
+        from_trl(_base(gradient_accumulation_steps=4, steps_per_generation=2))
+    # SPG 3, GAS 2, 2 iterations: 6 micro-batches per generation = 3 whole steps → accepted
+    assert from_trl(_base(gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2)).loss_scale == 1.5
+
+
+def test_wrong_types_are_invalid_input_and_neutral_keys_pass():
+    with pytest.raises(FrameworkConfigError, match=r"^TRL config: epsilon='wide': expected a number$") as err:
+        from_trl(_base(epsilon="wide"))
+    assert err.value.exit_code == EXIT_INVALID
+    # optimizer and generation keys with math-looking names change nothing the replay recomputes
+    cfg = from_trl(_base(weight_decay=0.1, max_grad_norm=1.0, temperature=0.7, top_k=20))
+    assert cfg == from_trl(_base())
+
+
+def test_grpoconfig_object_and_its_dict_map_alike():
+    trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]')")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = trl.GRPOConfig(output_dir=str(REPO / "no-such-dir"), use_cpu=True, report_to=[],
+                              per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
+                              loss_type="dr_grpo", max_completion_length=6, epsilon_high=0.28)
+    cfg = from_trl(args)
+    # post_init: SPG = GAS = 2 (grpo_config.py:1098-1100); dr_grpo: N = 4·2 = 8, L = 6
+    assert (cfg.loss_agg_mode, cfg.loss_seq_count, cfg.loss_horizon) == ("seq_mean_token_sum_norm", 8, 6)
+    assert (cfg.n_samples_per_prompt, cfg.eps_clip_high, cfg.grpo_std_eps) == (4, 0.28, 1e-4)
+    assert from_trl(args.to_dict()) == cfg
+
