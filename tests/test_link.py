@@ -162,3 +162,22 @@ def test_the_trainers_stale_advantages_bug_is_found_by_link_and_only_by_link(tmp
     assert reward[0]["reward"] != reward[1]["reward"]
     assert (d["stage"], d["field"], d["sample_id"], d["token_offset"]) == ("link", "advantages", "s-0", 0)
     assert (d["expected"], d["actual"]) == (reward[1]["reward"], reward[0]["reward"])
+
+
+def test_stage_link_alone_and_stages_without_it(tmp_path):
+    """``--stage link`` checks the links and replays no stage of the bundles; ``--stage reward.raw``
+    replays that stage where a bundle declares it and leaves link out."""
+    def edit(payloads):
+        payloads["old_log_probs"] = payloads["old_log_probs"].clone()
+        payloads["old_log_probs"][19] = -1.25
+
+    _pair(tmp_path, rollout_edit=edit)
+    targets = discover(tmp_path)
+    partners = link_partners(targets)
+    step = next(t for t in targets if t.relpath == "step-7-0")
+    only_link = check_target(step, ScanOptions(stages=("link",)), partners[step.path])
+    ran = [s["stage"] for s in only_link.report["stages"] if s["status"] != "skipped"]
+    assert (only_link.status, only_link.first_stage, ran) == ("diverged", "link", ["link"])
+    no_link = check_target(step, ScanOptions(stages=("reward.raw",)), partners[step.path])
+    ran = [s["stage"] for s in no_link.report["stages"] if s["status"] != "skipped"]
+    assert (no_link.status, no_link.link, ran) == ("pass", None, ["sample", "reward.raw"])  # and what it needs

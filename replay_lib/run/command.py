@@ -161,7 +161,7 @@ class _Progress:
 def run_scan_command(args, stream: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """``trajectory-replay scan DIR``: discover, scan, print; the exit code of SPEC §9 (130: interrupted)."""
     from ..cli import emit
-    from .scan import discover, scan
+    from .scan import discover, scan, split_stages
 
     stream = stream or sys.stdout
     err = err or sys.stderr
@@ -169,7 +169,13 @@ def run_scan_command(args, stream: Optional[TextIO] = None, err: Optional[TextIO
     jobs = args.jobs if getattr(args, "jobs", None) is not None else default_jobs()
     if jobs < 1:
         raise UsageError("--jobs must be at least 1")
+    if getattr(args, "max_divergences", 5) < 1:
+        raise UsageError("--max-divergences must be at least 1")
     options = options_from_args(args)
+    try:
+        split_stages(options.stages)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("(expected one of: all, ", "(expected one of: all, link, ")) from None
     targets = discover(directory)
     if not targets:
         from ..errors import BundleError

@@ -244,6 +244,21 @@ def link_partners(targets: Sequence[ScanTarget]) -> dict[Path, ScanTarget | str]
 
 # ------------------------------------------------------------------------------------------ one row
 
+LINK = "link"
+
+
+def split_stages(names: Optional[Sequence[str]]):
+    """``--stage`` names of a scan → (the bundle stages, ``None`` for all; whether stage link runs).
+    ``link`` is the scan's own stage: ``--stage link`` alone checks the links and replays nothing else;
+    without ``--stage`` (or with ``all``) everything runs. An unknown name raises ``ValueError``."""
+    from ..runner import parse_stage_names
+
+    if not names or "all" in names:
+        return None, True
+    own = [n for n in names if n != LINK]
+    return (parse_stage_names(own) or []) if own else [], LINK in names
+
+
 
 def _status_of(exc: ReplayError) -> str:
     return STATUS_UNSUPPORTED if exc.exit_code == EXIT_UNSUPPORTED else STATUS_INVALID
@@ -290,7 +305,10 @@ def error_row(target: ScanTarget, status: str, message: str, seconds: float = 0.
 def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
                  partner: ScanTarget | str | None = None) -> ScanRow:
     """Replay one target as ``trajectory-replay replay PATH`` would, then (a step bundle with a rollout
-    bundle in the scan) stage ``link``. Never raises: every failure is a row."""
+    bundle in the scan) stage ``link``. Never raises: every failure is a row. ``options.stages``: of the
+    requested stages, those this bundle declares ``recompute`` run; a bundle declaring none of them passes
+    with nothing compared (``--stage loss.policy`` over a run checks the step bundles, and the rollout
+    bundles are not "unsupported" for lacking a loss)."""
     start = time.perf_counter()
 
     def elapsed() -> float:
@@ -301,16 +319,21 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
     try:
         from ..error_model import Rules
         from ..bundle import open_bundle
-        from ..runner import parse_stage_names, run_replay
+        from ..runner import run_replay
         from ..safe_open import set_max_json_bytes
 
         set_max_json_bytes(options.max_json_bytes)
         rules = Rules(chain=options.chain, exact=options.exact, tolerance_policy=options.tolerance_policy)
-        stages = parse_stage_names(options.stages)
+        stages, run_link = split_stages(options.stages)
         bundles = open_bundle(target.path)
+        if stages is not None:  # --stage in a scan: the requested stages each bundle declares recompute
+            from ..schema import StageCapability
+
+            contracts = bundles.shards[0].manifest.stage_contracts
+            stages = [s for s in stages if s in contracts and contracts[s].capability == StageCapability.RECOMPUTE]
         report = run_replay(bundles, stages=stages, max_divergences=options.max_divergences, rules=rules)
         link = None
-        if options.link and partner is not None:
+        if options.link and run_link and partner is not None:
             from .link import check_link
 
             link = check_link(target, bundles, partner, options)
@@ -358,10 +381,7 @@ def scan(targets: Sequence[ScanTarget], *, jobs: int, executor: str = "local", r
     options = options or ScanOptions()
     if stages is not None:
         options = replace(options, stages=tuple(stages) or None)
-    if options.stages is not None:
-        from ..runner import parse_stage_names
-
-        parse_stage_names(options.stages)  # ValueError on a bad name, before any worker starts
+    split_stages(options.stages)  # ValueError on a bad name, before any worker starts
     targets = sorted(targets, key=lambda t: t.sort_key)
     partners = link_partners(targets) if options.link else {}
     stop = stop or threading.Event()
@@ -387,3 +407,11 @@ def scan(targets: Sequence[ScanTarget], *, jobs: int, executor: str = "local", r
     links = [r.link for r in rows if r.link is not None]
     return ScanResult(rows=rows, links=links, first_bad=first_bad_row(rows), exit_code=scan_exit_code(rows),
                       interrupted=bool(unfinished) and not stopped_early, unfinished=unfinished)
+
+
+def main_check(args, stream=None) -> int:
+    """``replay-tui DIR --check``: exactly ``trajectory-replay scan DIR`` (see
+    :func:`replay_lib.run.command.main_check`)."""
+    from .command import main_check as check
+
+    return check(args, stream)
