@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..schema import RecomputeConfig
-from ._base import ConfigReader, word_pattern
+from ._base import ConfigReader, to_plain, word_pattern
 
 FRAMEWORK = "slime"
 
@@ -78,9 +78,11 @@ def parse_argv(tokens: list[str]) -> dict[str, Any]:
 def _normalize(args: Any) -> dict[str, Any]:
     if isinstance(args, (list, tuple)) and all(isinstance(t, str) for t in args):
         args = parse_argv(list(args))
-    reader = ConfigReader(FRAMEWORK, args)  # to_plain: a Namespace or a mapping
+    tree = to_plain(args)  # a Namespace or a mapping
+    if not isinstance(tree, dict):
+        return tree  # ConfigReader names what it got
     out: dict[str, Any] = {}
-    for key, value in reader.tree.items():
+    for key, value in tree.items():
         dest = key.lstrip("-").replace("-", "_")
         if dest in _NEGATED:  # the flag given → the dest False
             on = value if isinstance(value, bool) else str(value).lower() in ("1", "true")

@@ -1,0 +1,301 @@
+"""``replay_lib.frameworks``: each framework's own configuration → ``RecomputeConfig``.
+
+The expected knobs are read from the frameworks' code and recipes (cited per test), at the snapshots of
+SPEC §8: verl-project/verl @ 1dda039b9c63, THUDM/slime @ 624b824a898a, NovaSky-AI/SkyRL @ a9564572eb8e,
+NVIDIA-NeMo/RL @ 7ea279abfbeb, OpenRLHF/OpenRLHF @ 3c3be6234e0c. Each test lists the fields that differ from
+``RecomputeConfig()``, so a default the mapping forgot to encode (or encodes silently) fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from replay_lib.cli import main
+from replay_lib.errors import FrameworkConfigError, UnsupportedFrameworkConfig
+from replay_lib.frameworks import from_nemo_rl, from_openrlhf, from_skyrl, from_slime, from_verl
+from replay_lib.frameworks.slime import parse_argv
+from replay_lib.schema import RecomputeConfig
+
+BASE = msgspec.to_builtins(RecomputeConfig())
+
+
+def changed(cfg: RecomputeConfig) -> dict:
+    return {k: v for k, v in msgspec.to_builtins(cfg).items() if BASE[k] != v}
+
+
+def test_verl_grpo_defaults():
+    """verl/trainer/config/_generated_ppo_trainer.yaml: clip_ratio(_low/_high) 0.2 (:84-86), clip_ratio_c 3.0
+    (:99) always applied by the vanilla loss (core_algos.py:1356-1361), loss_agg_mode token-mean (:100),
+    kl_loss_type low_var_kl (:109, k3 clamped ±20 then ±10, core_algos.py:2238-2244) at 0.001 (:108) but
+    use_kl_loss false (:105), norm_adv_by_std_in_grpo (:865); the log-ratio clamp ±20 (core_algos.py:1338); a
+    group of one gets mean 0 and std 1 (core_algos.py:313-315); the metrics are masked token means."""
+    cfg = from_verl({"algorithm": {"adv_estimator": "grpo"}})
+    assert changed(cfg) == {
+        "grpo_std_normalization": True, "eps_clip_c": 3.0, "loss_agg_mode": "token_mean",
+        "metric_agg_mode": "token_mean", "log_ratio_clamp": 20.0, "kl_loss_type": "k3", "kl_loss_coef": 0.001,
+        "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw"}
+    assert cfg.use_kl_loss is False  # the KL term is off: its coefficient and type are inert
+
+
+def test_verl_fully_async_dapo_recipe():
+    """verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_4_4.sh:27-45,91-120: grpo, n=16, no KL,
+    clip 0.2 / 0.28, clip_ratio_c 10, token-mean, entropy 0; engine and optimizer settings are neutral, the DAPO
+    overlong reward buffer lives outside the mapped sections (its result is the recorded score)."""
+    cfg = from_verl({
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False, "kl_ctrl": {"kl_coef": 0.0}},
+        "actor_rollout_ref": {"rollout": {"n": 16}, "actor": {
+            "use_kl_loss": False, "kl_loss_coef": 0.0, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+            "clip_ratio_c": 10.0, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 40960,
+            "optim": {"lr": 1e-6, "lr_warmup_steps": 10, "weight_decay": 0.1}, "ppo_mini_batch_size": 32,
+            "fsdp_config": {"param_offload": False, "optimizer_offload": False, "fsdp_size": 2,
+                            "strategy": "fsdp2"},
+            "entropy_coeff": 0, "grad_clip": 1.0, "loss_agg_mode": "token-mean",
+            "ulysses_sequence_parallel_size": 1}},
+        "reward": {"reward_manager": {"name": "dapo"},
+                   "reward_kwargs": {"overlong_buffer_cfg": {"enable": True, "len": 4096, "penalty_factor": 1.0}}},
+    })
+    assert changed(cfg) == {
+        "n_samples_per_prompt": 16, "grpo_std_normalization": True, "eps_clip_high": 0.28, "eps_clip_c": 10.0,
+        "loss_agg_mode": "token_mean", "metric_agg_mode": "token_mean", "log_ratio_clamp": 20.0,
+        "kl_loss_type": "k3", "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw"}
+
+
+def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
+    """use_kl_loss with low_var_kl at 0.001 (the common recipe); use_kl_in_reward folds kl_coef·Σ kl into the
+    score (ray_trainer.py:78-112), with kl_penalty k2 ('mse'); rollout_is token at 2.0 = TIS min(w, 2) on
+    exp(clamp(Δ, ±20)) (rollout_corr_helper.py:572-596); a "0.5_2.0" threshold is IcePop; gspo is a sequence
+    ratio clamped at 10, no dual-clip, seq-mean-token-mean (core_algos.py:1545-1606)."""
+    cfg = from_verl({"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True, "kl_penalty": "mse",
+                                   "kl_ctrl": {"kl_coef": 0.002},
+                                   "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
+                     "actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl+"}}})
+    assert (cfg.kl_in_reward, cfg.kl_coef, cfg.kl_penalty_type) == ("sequence", 0.002, "k2")
+    assert (cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_type) == (True, 0.001, "k3")
+    assert (cfg.is_level, cfg.is_mode, cfg.is_low, cfg.is_high, cfg.is_log_clamp) == ("token", "truncate", None,
+                                                                                      2.0, 20.0)
+    ice = from_verl({"algorithm": {"adv_estimator": "grpo", "rollout_correction": {
+        "rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0"}}})
+    assert (ice.is_level, ice.is_mode, ice.is_low, ice.is_high) == ("sequence", "mask", 0.5, 2.0)
+    gspo = from_verl({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"actor": {
+        "policy_loss": {"loss_mode": "gspo"}, "loss_agg_mode": "seq-mean-token-mean"}}})
+    assert (gspo.importance_level, gspo.eps_clip_c, gspo.log_ratio_clamp, gspo.loss_agg_mode) == (
+        "sequence", None, 10.0, "seq_mean_token_mean")
+
+
+@pytest.mark.parametrize("cfg, key, why", [
+    ({"algorithm": {"adv_estimator": "remax"}}, "algorithm.adv_estimator", "not mapped"),
+    ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "token-sum"}}}, "actor_rollout_ref.actor.loss_agg_mode",
+     "not one of"),
+    ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
+     "rejection sampling"),
+    ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}}}, "algorithm.kl_ctrl.type",
+     "adaptive"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
+    ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "abs"}}},
+     "actor_rollout_ref.actor.kl_loss_type", "not mapped"),
+    ({"algorithm": {"my_adv_scale": 2.0}}, "algorithm.my_adv_scale", "a key the verl mapping does not know"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"new_clip_bound": 0.1}}}},
+     "actor_rollout_ref.actor.policy_loss.new_clip_bound", "a key the verl mapping does not know"),
+])
+def test_verl_refuses_by_name(cfg, key, why):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_verl(cfg)
+    assert str(err.value).startswith(f"verl config: {key}=") and why in str(err.value)
+    assert err.value.exit_code == 4
+
+
+def test_unknown_keys_that_are_off_or_not_math_are_accepted():
+    """An unknown knob whose value is off (0, None, False, "") cannot change the math; a key whose name holds
+    no math word is outside the check (engine, logging)."""
+    cfg = from_verl({"algorithm": {"adv_estimator": "grpo", "my_adv_scale": 0, "new_kl_thing": None,
+                                   "use_new_reward_norm": False},
+                     "actor_rollout_ref": {"actor": {"fancy_logger": "wandb", "seed": 3}}})
+    assert cfg.advantage_estimator == "grpo"
+
+
+def test_slime_reference_script_as_argv():
+    """scripts/run-qwen3-4B.sh:49-99 with its model (scripts/models/qwen3-4B.sh:1-17) and Megatron arguments:
+    GRPO, n=8, --use-kl-loss at --kl-loss-coef 0.00 (inert), low_var_kl, entropy 0, clip 0.2 / 0.28; slime's
+    defaults otherwise: std normalization on (arguments.py:1005-1010), eps 1e-6 (rollout.py:629), the sum of
+    per-sample means, no dual-clip, no clamps. Megatron's colliding names (--normalization, --norm-epsilon,
+    --weight-decay, --adam-beta1) are neutral."""
+    argv = ("--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32 "
+            "--group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear "
+            "--normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 "
+            "--kv-channels 128 --qk-layernorm --prompt-data /d.jsonl --input-key prompt --label-key label "
+            "--apply-chat-template --rollout-shuffle --rm-type deepscaler --num-rollout 3000 "
+            "--rollout-batch-size 32 --n-samples-per-prompt 8 --rollout-max-response-len 8192 "
+            "--rollout-temperature 1 --global-batch-size 256 --balance-data --eval-interval 20 "
+            "--n-samples-per-eval-prompt 16 --eval-max-response-len 16384 --eval-top-p 1 "
+            "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full "
+            "--use-dynamic-batch-size --max-tokens-per-gpu 9216 --advantage-estimator grpo --use-kl-loss "
+            "--kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 "
+            "--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 "
+            "--adam-beta2 0.98 --attention-dropout 0.0 --hidden-dropout 0.0 --attention-softmax-in-fp32").split()
+    cfg = from_slime(argv)
+    assert changed(cfg) == {"n_samples_per_prompt": 8, "grpo_std_normalization": True, "kl_loss_type": "low_var_kl",
+                            "eps_clip_high": 0.28, "use_kl_loss": True}
+    assert cfg.kl_loss_coef == 0.0  # the flag without a coefficient: the term is exactly zero
+
+
+def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
+    """--eps-clip-high None → --eps-clip (arguments.py:1876-1877); gspo = GRPO advantages with one sequence
+    ratio; --use-tis = clamp(w, tis_clip_low 0, tis_clip 2) (loss.py:884-905), icepop_function zeroes outside
+    (loss.py:908-931); --calculate-per-token-loss is a token mean; --disable-* flags set their dest false."""
+    assert changed(from_slime({})) == {"grpo_std_normalization": True}
+    cfg = from_slime({"advantage_estimator": "gspo", "eps_clip": 0.3, "use_tis": True,
+                      "calculate_per_token_loss": True, "disable_grpo_std_normalization": True})
+    assert changed(cfg) == {"eps_clip": 0.3, "eps_clip_high": 0.3, "importance_level": "sequence",
+                            "is_level": "token", "is_low": 0.0, "is_high": 2.0, "loss_agg_mode": "token_mean"}
+    ice = from_slime(["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5", "--custom-tis-function-path",
+                      "slime.backends.megatron_utils.loss.icepop_function"])
+    assert (ice.is_level, ice.is_mode, ice.is_low, ice.is_high) == ("token", "mask", 0.5, 1.5)
+    assert parse_argv(["--eps-clip=0.1", "--x", "--y", "-3"]) == {"eps-clip": "0.1", "x": True, "y": "-3"}
+
+
+@pytest.mark.parametrize("args, key, why", [
+    ({"advantage_estimator": "cispo"}, "advantage_estimator", "not mapped"),
+    ({"loss_type": "custom_loss"}, "loss_type", "only slime's policy_loss"),
+    ({"custom_reward_post_process_path": "m.py:f"}, "custom_reward_post_process_path", "custom function"),
+    ({"use_tis": True, "custom_tis_function_path": "mis.py:compute_mis_weights_with_cp"},
+     "custom_tis_function_path", "custom TIS"),
+    ({"use_opd": True}, "use_opd", "distillation"),
+    ({"use_kl_loss": True, "kl_loss_coef": 0.01, "use_unbiased_kl": True}, "use_unbiased_kl", "importance"),
+    ({"--grpo-reward-clip": 5.0}, "grpo_reward_clip", "a key the slime mapping does not know"),
+])
+def test_slime_refuses_by_name(args, key, why):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_slime(args)
+    assert str(err.value).startswith(f"slime config: {key}=") and why in str(err.value)
+
+
+def test_skyrl_default_refuses_on_its_kl_term_and_maps_without_it():
+    """SkyRL's default has the KL term on (use_kl_loss true, 0.001, config.py:833,836), averaged per sequence and
+    per micro-batch (worker.py:1077,1089) unlike the policy term: refused by name. Without it: GRPO, n=5
+    (config.py:1225), token_mean (config.py:876), clip 0.2/0.2 (config.py:906-908), the log-ratio clamp ±20
+    (ppo_utils.py:567), a group of one gets mean 0 / std 1 (ppo_utils.py:1378-1380); dual_clip uses c = 3
+    (config.py:910); token TIS caps exp(clamp(Δ, ±20)) at 2 (config.py:797; off_policy_correction_utils.py:51,60)."""
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({})
+    assert str(err.value).startswith("skyrl config: trainer.algorithm.use_kl_loss=True: kl_loss_coef=0.001:")
+    cfg = from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False}}})
+    assert changed(cfg) == {"n_samples_per_prompt": 5, "grpo_std_normalization": True, "loss_agg_mode": "token_mean",
+                            "log_ratio_clamp": 20.0, "singleton_group": "raw"}
+    dual = from_skyrl({"trainer": {"algorithm": {"kl_loss_coef": 0.0, "policy_loss_type": "dual_clip",
+                                                 "off_policy_correction": {"tis_ratio_type": "token"}}},
+                       "generator": {"n_samples_per_prompt": 8}})
+    assert (dual.eps_clip_c, dual.n_samples_per_prompt) == (3.0, 8)
+    assert (dual.is_level, dual.is_mode, dual.is_low, dual.is_high, dual.is_log_clamp) == ("token", "truncate", None,
+                                                                                          2.0, 20.0)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"loss_reduction='prompt_mean': not mapped"):
+        from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
+
+
+def test_nemo_rl_grpo_math_defaults_and_tis():
+    """examples/configs/grpo_math_1B.yaml: 16 generations (:4), normalize_rewards + leave-one-out (:8-9), KL
+    penalty k3 at 0.01 with clamps 20 / 10 (:80-85), clip 0.2/0.2 (:86-87), token-level loss (:102); the
+    leave-one-out std divides only where > 0 (advantage_estimator.py:93-96), a prompt with one sample gets 0
+    (utils.py:156-159). use_importance_sampling_correction with type tis clamps to [min default 0, max]
+    (loss_functions.py:143-149)."""
+    cfg = from_nemo_rl({})
+    assert changed(cfg) == {
+        "n_samples_per_prompt": 16, "grpo_std_normalization": True, "kl_loss_type": "k3", "use_kl_loss": True,
+        "kl_loss_coef": 0.01, "loss_agg_mode": "token_mean", "kl_loss_input_clamp": 20.0,
+        "kl_loss_output_clamp": 10.0, "group_baseline": "leave_one_out", "std_zero": "skip",
+        "singleton_group": "zero"}
+    tis = from_nemo_rl({"loss_fn": {"use_importance_sampling_correction": True, "ratio_clip_max": 0.28,
+                                    "truncated_importance_sampling_type": "tis",
+                                    "truncated_importance_sampling_ratio": 2.0, "reference_policy_kl_penalty": 0}})
+    assert (tis.is_level, tis.is_mode, tis.is_low, tis.is_high, tis.eps_clip_high, tis.use_kl_loss) == (
+        "token", "truncate", 0.0, 2.0, 0.28, False)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"grpo.advantage_clip_low=-5.0: NeMo-RL's advantage"):
+        from_nemo_rl({"grpo": {"advantage_clip_low": -5.0}})
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"loss_fn.truncated_importance_sampling_type='seq-mask-tis'"):
+        from_nemo_rl({"loss_fn": {"use_importance_sampling_correction": True,
+                                  "truncated_importance_sampling_type": "seq-mask-tis"}})
+
+
+def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
+    """examples/scripts/train_dapo_ray_hybrid_engine.sh:12-46: group_norm (std + 1e-9, experience_maker.py:270),
+    n=8, k3 KL loss at 1e-3 (output clamped ±10, models/utils.py:95), clip 0.2/0.27, IS correction tis [0.5, 5]
+    (train_ppo_ray.py:257-270); the default reward clip ±10 cannot bind a z-score of 8 values (|z| ≤ 7/√8 =
+    2.47). OpenRLHF's default KL is k1 in the reward (init_coef 0.01), clamped ±10: refused by name."""
+    cfg = from_openrlhf({"algo.kl.init_coef": 1e-3, "algo.advantage.gamma": 1.0, "algo.kl.use_loss": True,
+                         "algo.kl.estimator": "k3", "algo.advantage.estimator": "group_norm",
+                         "algo.dynamic_filtering_enable": True, "algo.dynamic_filtering_range": [0, 1],
+                         "actor.eps_clip_low_high": [0.2, 0.27], "actor.model_name_or_path": "m",
+                         "rollout.n_samples_per_prompt": 8, "actor.adam.lr": 5e-7,
+                         "algo.advantage.is_correction_enable": True})
+    assert changed(cfg) == {
+        "n_samples_per_prompt": 8, "grpo_std_normalization": True, "kl_loss_type": "k3", "eps_clip_high": 0.27,
+        "use_kl_loss": True, "kl_loss_coef": 0.001, "loss_agg_mode": "token_mean", "log_ratio_clamp": 20.0,
+        "kl_loss_output_clamp": 10.0, "is_level": "token", "is_low": 0.5, "is_high": 5.0, "grpo_std_eps": 1e-9}
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf({"algo": {"advantage": {"estimator": "group_norm"}}, "rollout": {"n_samples_per_prompt": 8}})
+    assert str(err.value).startswith("openrlhf config: algo.kl.estimator='k1': OpenRLHF clamps the in-reward KL")
+    k3 = from_openrlhf({"algo": {"advantage": {"estimator": "group_norm"}, "kl": {"estimator": "k3"}},
+                        "rollout": {"n_samples_per_prompt": 8}})
+    assert (k3.kl_in_reward, k3.kl_coef, k3.kl_penalty_type) == ("token_returns", 0.01, "low_var_kl")
+    # (n − 1)/√n > 10 from n = 102: the clip may bind
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"reward.clip_range=\[-10.0, 10.0\]: the reward clip"):
+        from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 102,
+                       "algo.kl.init_coef": 0})
+    assert from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 101,
+                          "algo.kl.init_coef": 0}).n_samples_per_prompt == 101
+
+
+@pytest.mark.parametrize("fn, cfg, message", [
+    (from_verl, {"actor_rollout_ref": {"actor": {"clip_ratio_c": "ten"}}},
+     "verl config: actor_rollout_ref.actor.clip_ratio_c='ten': expected a number"),
+    (from_slime, {"use_kl_loss": "yes"}, "slime config: use_kl_loss='yes': expected true or false"),
+    (from_nemo_rl, {"grpo": {"num_generations_per_prompt": 2.5}},
+     "nemo-rl config: grpo.num_generations_per_prompt=2.5: expected an integer"),
+    (from_openrlhf, {"actor": {"eps_clip_low_high": [0.2]}},
+     "openrlhf config: actor.eps_clip_low_high=[0.2]: expected two numbers [low, high]"),
+    (from_verl, ["not", "a", "mapping"], "verl config: expected a mapping of settings, got list"),
+])
+def test_malformed_values_are_one_line_errors(fn, cfg, message):
+    with pytest.raises(FrameworkConfigError) as err:
+        fn(cfg)
+    assert str(err.value) == message and err.value.exit_code == 3
+
+
+def test_config_command_prints_the_mapped_json_in_a_real_process(tmp_path):
+    path = tmp_path / "verl.json"
+    path.write_text(json.dumps({"algorithm": {"adv_estimator": "grpo"},
+                                "actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}}}))
+    proc = subprocess.run([sys.executable, "-m", "replay_lib", "config", "verl", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["eps_clip_high"], doc["eps_clip_c"], doc["loss_agg_mode"]) == (0.28, 10.0, "token_mean")
+    assert msgspec.convert(doc, RecomputeConfig) == from_verl(json.loads(path.read_text()))
+
+
+def test_config_command_errors(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["config", "slime", str(bad)]) == 3
+    assert capsys.readouterr().err.strip() == (f"trajectory-replay: error: {bad}: not JSON (Expecting property "
+                                               "name enclosed in double quotes at line 1 column 2)")
+    refused = tmp_path / "slime.json"
+    refused.write_text(json.dumps(["--advantage-estimator", "cispo"]))
+    assert main(["config", "slime", str(refused)]) == 4
+    assert capsys.readouterr().err.strip() == (f"trajectory-replay: error: {refused}: slime config: "
+                                               "advantage_estimator='cispo': not mapped (grpo, gspo, ppo, "
+                                               "reinforce_plus_plus and reinforce_plus_plus_baseline are)")
+    yaml_file = tmp_path / "nemo.yaml"
+    yaml_file.write_text("grpo:\n  num_generations_per_prompt: 4\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML absent: the tool does not depend on it
+    assert main(["config", "nemo-rl", str(yaml_file)]) == 4
+    assert capsys.readouterr().err.strip() == (f"trajectory-replay: error: {yaml_file}: reading YAML needs PyYAML, "
+                                               "which is not installed; give the config as JSON (or pip install "
+                                               "pyyaml)")
+    assert main(["config", "nemo-rl", str(tmp_path / "absent.json")]) == 3
+    assert "absent.json" in capsys.readouterr().err
