@@ -14,6 +14,7 @@ The normalized rewards are the ones the stage consumed on its recorded inputs (t
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 import torch
@@ -29,20 +30,49 @@ from .base import Hypothesis, listing
 STAGE = "advantage.estimate"
 
 
-def _broadcast(rewards: torch.Tensor, ctx: StageContext, u: float, shift: int = 0, in_sample: bool = False):
+class _SampleOf:
+    """The sample of each token of a contiguous range (a marks-and-cumsum scan, as ``kernels.token_chunks``
+    does), remembered for the last few ranges: the hypotheses of the stage read the same row blocks, each
+    shifted by at most one token."""
+
+    def __init__(self, returns: GrpoReturns, lengths: torch.Tensor) -> None:
+        self.returns = returns
+        self.ends = returns.ends.tolist()
+        self.starts = returns.ends - lengths.to(torch.int64)
+        self.memo: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        key = (lo, hi)
+        if key not in self.memo:
+            if len(self.memo) > 8:
+                self.memo.clear()
+            first, last = bisect.bisect_right(self.ends, lo), bisect.bisect_right(self.ends, hi - 1)
+            marks = torch.zeros(hi - lo, dtype=torch.int64)
+            marks.index_add_(0, self.starts[first + 1:last + 1] - lo, torch.ones(last - first, dtype=torch.int64))
+            self.memo[key] = marks.cumsum_(0).add_(first)
+        return self.memo[key]
+
+
+def _broadcast(rewards: torch.Tensor, sample_of: _SampleOf, u: float, shift: int = 0, in_sample: bool = False):
     """``(values, bound)`` columns of ``rewards`` broadcast over the tokens, each token reading the one ``shift``
     tokens before it (0 past either end; ``in_sample``: 0 where that token is another sample's)."""
-    returns = GrpoReturns(rewards, ctx.lengths, dtype=torch.float64)
-    total = returns.numel()
+    total = sample_of.returns.numel()
+    last: dict[tuple[int, int], torch.Tensor] = {}
 
     def values(lo: int, hi: int) -> torch.Tensor:
-        src = torch.arange(lo, hi, dtype=torch.int64) - shift
-        keep = (src >= 0) & (src < total)
-        src_sample = torch.searchsorted(returns.ends, src.clamp(0, max(total - 1, 0)), right=True)
-        if in_sample:
-            keep &= src_sample == returns.sample_of(lo, hi)
+        if (lo, hi) in last:
+            return last[(lo, hi)]
         out = torch.zeros(hi - lo, dtype=torch.float64)
-        out[keep] = returns.rewards[src_sample[keep]]
+        a, b = max(lo - shift, 0), min(hi - shift, total)  # the source tokens inside the axis
+        if a < b:
+            src_sample = sample_of(a, b)
+            keep = torch.ones(b - a, dtype=torch.bool)
+            if in_sample:
+                keep = src_sample == sample_of(a + shift, b + shift)
+            out[a + shift - lo:b + shift - lo] = torch.where(keep, rewards[src_sample], torch.zeros(b - a,
+                                                                                                 dtype=torch.float64))
+        last.clear()
+        last[(lo, hi)] = out
         return out
 
     def bound(lo: int, hi: int) -> torch.Tensor:
@@ -87,8 +117,10 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     rewards = rewards.to(torch.float64)
     out: list[Hypothesis] = []
 
+    sample_of = _SampleOf(GrpoReturns(rewards, ctx.lengths, dtype=torch.float64), ctx.lengths)
+
     def add(hid: str, detail: str, per_sample: torch.Tensor, shift: int = 0, in_sample: bool = False) -> None:
-        values, bound = _broadcast(per_sample, ctx, u, shift, in_sample)
+        values, bound = _broadcast(per_sample.to(torch.float64), sample_of, u, shift, in_sample)
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"advantage": values},
                               bounds={"advantage": bound}))
 

@@ -58,17 +58,24 @@ class Variant:
     stale: bool = False
     sign: float = 1.0
 
-    def surrogate(self, old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor) -> dict[str, torch.Tensor]:
-        """float64 per-token ``pg``, clip indicator and ``ppo_kl`` of this variant."""
-        kl = torch.zeros_like(old) if self.stale else old - logp
-        ratio = (-kl).exp()
+    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 per-token ``(pg, clip indicator)`` of this variant from the ratio ``exp(logp − old)`` (1 for a
+        stale variant: pass it ``ones``) and the advantages."""
         a = adv * self.sign
         l1 = -ratio * a
         l2 = -ratio.clamp(1 - self.eps_clip, 1 + self.eps_clip_high) * a
         pg = torch.maximum(l1, l2)
         if self.dual_c is not None:
             pg = torch.where(a < 0, torch.minimum(pg, -self.dual_c * a), pg)
-        return {"pg": pg, "clip": (l2 > l1).to(torch.float64), "kl": kl}
+        return pg, (l2 > l1).to(torch.float64)
+
+    def token_pg(self, li: LossInputs, lo: int, hi: int) -> torch.Tensor:
+        """The per-token surrogate of tokens ``lo … hi − 1`` (the ``pg_losses`` a producer with this bug records)."""
+        adv = li.advantages[lo:hi].to(torch.float64)
+        if self.stale:
+            return self.surrogate(torch.ones_like(adv), adv)[0]
+        kl = li.old_log_probs[lo:hi].to(torch.float64) - li.log_probs[lo:hi].to(torch.float64)
+        return self.surrogate((-kl).exp(), adv)[0]
 
 
 def _variants(ctx: StageContext) -> list[Variant]:
@@ -100,40 +107,80 @@ def _variants(ctx: StageContext) -> list[Variant]:
     return out
 
 
-def _shifted_mask(mask: torch.Tensor, ends: torch.Tensor, lo: int, hi: int, seg: torch.Tensor,
+def _shifted_mask(mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, lo: int, hi: int,
                   shift: int) -> torch.Tensor:
-    """Mask of tokens ``lo … hi − 1`` read ``shift`` tokens back inside their own sample (0 where that leaves it)."""
-    src = torch.arange(lo, hi, dtype=torch.int64) - shift
+    """The mask of tokens ``lo … hi − 1`` read one token back (``shift`` 1) or ahead (−1) inside their own sample:
+    0 at a sample's first (last) token."""
     total = mask.numel()
-    inside = (src >= 0) & (src < total)
-    src = src.clamp(0, max(total - 1, 0))
-    inside &= torch.searchsorted(ends, src, right=True) == seg
-    return torch.where(inside, mask[src].to(torch.float64), torch.zeros(hi - lo, dtype=torch.float64))
+    a, b = max(lo - shift, 0), min(hi - shift, total)
+    out = torch.zeros(hi - lo, dtype=torch.float64)
+    out[a + shift - lo:b + shift - lo] = mask[a:b].to(torch.float64)
+    edges = starts if shift > 0 else ends - 1
+    edges = edges[(edges >= lo) & (edges < hi)] - lo
+    out[edges] = 0.0
+    return out
 
 
 def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[dict[str, torch.Tensor]]:
-    """Per variant, the per-sample sums ``Σ_t x·mask`` of :data:`ROWS` (float64), in one pass over the tokens."""
+    """Per variant, the per-sample sums ``Σ_t x·mask`` of :data:`ROWS` (float64), in one pass over the tokens.
+
+    Nine full-length rows per chunk: the declared variant's five, the unclipped surrogate ``−ratio·A``, the
+    stale variant's ``−A`` and the negated advantages' surrogate and clip. The others differ from those on few
+    tokens, which are added alone: a clip or dual-clip variant's surrogate equals ``−ratio·A`` (and it does not
+    clip) wherever the ratio lies inside its bounds, so it is summed over the tokens outside the narrowest
+    bounds only; a shifted mask differs from the mask where the mask changes and at sample edges only."""
     n = ctx.n
     ends = torch.cumsum(ctx.lengths.to(torch.int64), 0)
-    out = torch.zeros((len(variants) * len(ROWS), n), dtype=torch.float64)
+    starts = ends - ctx.lengths.to(torch.int64)
+    declared = variants[0]
+    clipping = [k for k, v in enumerate(variants) if k and not (v.mask_shift or v.stale or v.sign != 1.0)]
+    low = min(variants[k].eps_clip for k in [0, *clipping])
+    high = min(variants[k].eps_clip_high for k in [0, *clipping])
+    full = torch.zeros((9, n), dtype=torch.float64)
+    extra = {k: torch.zeros((2, n), dtype=torch.float64) for k in clipping}
+    shifted = {v.mask_shift: torch.zeros((5, n), dtype=torch.float64) for v in variants if v.mask_shift}
+    negated = next((v for v in variants if v.sign != 1.0), Variant("", "", declared.eps_clip,
+                                                                   declared.eps_clip_high, declared.dual_c, sign=-1.0))
     for lo, hi, seg in token_chunks(ctx.lengths):
         old = li.old_log_probs[lo:hi].to(torch.float64)
-        logp = li.log_probs[lo:hi].to(torch.float64)
+        kl = old - li.log_probs[lo:hi].to(torch.float64)
+        ratio = (-kl).exp()
         adv = li.advantages[lo:hi].to(torch.float64)
         ent = li.entropy[lo:hi].to(torch.float64) if li.entropy is not None else torch.zeros_like(old)
         mask = li.mask[lo:hi].to(torch.float64)
-        masks = {0: mask}
-        rows = []
-        for v in variants:
-            if v.mask_shift not in masks:
-                masks[v.mask_shift] = _shifted_mask(li.mask, ends, lo, hi, seg, v.mask_shift)
-            m = masks[v.mask_shift]
-            t = v.surrogate(old, logp, adv)
-            rows += [t["pg"] * m, t["clip"] * m, t["kl"] * m, ent * m, m]
-        samples, sums = sorted_segment_sums(torch.stack(rows), seg)
-        out.index_add_(1, samples, sums)
-    k = len(ROWS)
-    return [dict(zip(ROWS, out[i * k:(i + 1) * k])) for i in range(len(variants))]
+        pg, clip = declared.surrogate(ratio, adv)
+        unclipped = -ratio * adv
+        pg_neg, clip_neg = negated.surrogate(ratio, adv)
+        terms = torch.stack([pg, clip, kl, ent, torch.ones_like(old)])
+        rows = torch.cat([terms * mask, torch.stack([unclipped, -adv, pg_neg, clip_neg]) * mask])
+        samples, sums = sorted_segment_sums(rows, seg)
+        full.index_add_(1, samples, sums)
+        outside = torch.nonzero((ratio < 1 - low) | (ratio > 1 + high)).reshape(-1)
+        if outside.numel():
+            r, a, m, sg, u = ratio[outside], adv[outside], mask[outside], seg[outside], unclipped[outside]
+            for k in clipping:
+                pg_k, clip_k = variants[k].surrogate(r, a)
+                extra[k].index_add_(1, sg, torch.stack([(pg_k - u) * m, clip_k * m]))
+        for shift, acc in shifted.items():
+            delta = _shifted_mask(li.mask, starts, ends, lo, hi, shift) - mask
+            at = torch.nonzero(delta).reshape(-1)
+            if at.numel():
+                acc.index_add_(1, seg[at], terms[:, at] * delta[at])
+    base = dict(zip(ROWS, full[:5]))
+    zeros = torch.zeros(n, dtype=torch.float64)
+    found = []
+    for k, v in enumerate(variants):
+        if k == 0:
+            found.append(base)
+        elif v.mask_shift:
+            found.append(dict(zip(ROWS, full[:5] + shifted[v.mask_shift])))
+        elif v.stale:
+            found.append({**base, "pg": full[6], "clip": zeros, "kl": zeros})
+        elif v.sign != 1.0:
+            found.append({**base, "pg": full[7], "clip": full[8]})
+        else:
+            found.append({**base, "pg": full[5] + extra[k][0], "clip": extra[k][1]})
+    return found
 
 
 def _weights(ctx: StageContext, mode: str, sums: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -214,10 +261,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
                 if term in names:
                     values[term] = per_sample[row]
         if token is not None and TOKEN_FIELD in names:
-            def pg(lo: int, hi: int, v: Variant = token) -> torch.Tensor:
-                return v.surrogate(li.old_log_probs[lo:hi].to(torch.float64), li.log_probs[lo:hi].to(torch.float64),
-                                   li.advantages[lo:hi].to(torch.float64))["pg"]
-            values[TOKEN_FIELD] = pg
+            values[TOKEN_FIELD] = lambda lo, hi, v=token: v.token_pg(li, lo, hi)
         return values
 
     for v, s in zip(variants[1:], sums[1:]):
