@@ -134,12 +134,13 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch
 def whiten_stats(values: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32,
                  eps: float = WHITEN_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, divisor)`` of verl's ``masked_whiten`` over the loss tokens: the masked mean and
-    ``sqrt(var + eps)``, ``var`` the Bessel-corrected masked variance."""
+    ``sqrt(var + eps)``, ``var`` the Bessel-corrected masked variance (verl's masked means divide by
+    ``Σ mask + 1e-8``, kept here)."""
     m = loss_mask.to(dtype)
     v = values.to(dtype)
     count = m.sum()
-    mean = (v * m).sum() / count
-    var = (((v - mean) ** 2) * m).sum() / count * (count / (count - 1))
+    mean = (v * m).sum() / (count + eps)
+    var = (((v - mean) ** 2) * m).sum() / (count + eps) * (count / (count - 1))
     return mean, torch.sqrt(var + eps)
 
 
