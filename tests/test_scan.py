@@ -296,3 +296,25 @@ def test_a_progress_bar_is_drawn_on_a_terminal(tmp_path):
     assert proc.returncode == 0
     assert b"scan" in drawn and b"1/1" in drawn  # the bar's label and its count, on the terminal (stderr)
     assert out.decode().splitlines()[-1] == "first bad step: none"  # the rows still on stdout
+
+
+def _exit_at_start(conn, single_thread):
+    os._exit(3)
+
+
+def test_workers_that_cannot_start_end_the_scan_with_a_row_each_instead_of_respawning(tmp_path, monkeypatch):
+    """Every worker exits before it is ready (forked here, so the patched entry point is the one run):
+    after three such starts the bundles left become error rows; the scan returns."""
+    import multiprocessing
+
+    from replay_lib.run import executor
+
+    _step(tmp_path / "a", 1, 0)
+    _step(tmp_path / "b", 2, 0)
+    monkeypatch.setattr(executor, "_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(executor, "_worker_main", _exit_at_start)
+    result = scan(discover(tmp_path), jobs=2)
+    why = "not scanned: no worker process could start (exited with status 3, 3 times)"
+    assert [(r.target.relpath, r.status, r.message) for r in result.rows] == [
+        ("a", "error", f"{tmp_path / 'a'}: {why}"), ("b", "error", f"{tmp_path / 'b'}: {why}")]
+    assert result.exit_code == 5

@@ -9,6 +9,8 @@ reaches the scan, which stops them.
 
 A worker that dies (killed, out of memory, a crash in native code) turns the bundle it was replaying into
 an ``error`` row naming the exit signal or status, and a new worker takes its place; the scan goes on.
+Workers that die before they are ready, three in a row, end the scan with an ``error`` row for each bundle
+left (an environment where no worker can start must not respawn them forever).
 ``stop`` (Ctrl+C, ``--fail-fast``) terminates the workers at once and keeps the rows already finished.
 """
 
@@ -26,6 +28,7 @@ from ..errors import UsageError
 EXECUTORS = ("local", "ray")
 POLL_SECONDS = 0.1  # how often a waiting scan looks at ``stop``
 STOP_GRACE_SECONDS = 2.0  # a terminated worker's time to exit before it is killed
+MAX_FAILED_STARTS = 3  # workers in a row dying before they are ready: the rest of the scan is error rows
 
 Work = Sequence[tuple]  # (ScanTarget, partner) pairs
 TakeFn = Callable[[object], None]
@@ -126,6 +129,7 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
     ctx = _context()
     single_thread = jobs > 1
     workers = [_Worker(ctx, single_thread) for _ in range(min(jobs, len(pending)))]
+    failed_starts = 0  # workers in a row that died before they were ready
     try:
         while (pending or any(w.task is not None for w in workers)) and not stop.is_set():
             for w in workers:
@@ -147,6 +151,7 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                     else:
                         if kind == "ready":
                             w.ready = True
+                            failed_starts = 0
                         else:
                             w.task = None
                             take(value)
@@ -156,6 +161,13 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                     died = True
                 if died:
                     w.process.join(STOP_GRACE_SECONDS)
+                    if not w.ready:
+                        failed_starts += 1
+                        if failed_starts >= MAX_FAILED_STARTS:  # no worker can start: say so, never respawn forever
+                            why = f"no worker process could start ({_death(w.process)}, {failed_starts} times)"
+                            for target, _ in reversed(pending):
+                                take(error_row(target, STATUS_ERROR, f"{target.path}: not scanned: {why}"))
+                            pending.clear()
                     if w.task is not None:
                         target = w.task[0]
                         take(error_row(target, STATUS_ERROR,

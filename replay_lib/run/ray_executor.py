@@ -19,6 +19,7 @@ from typing import Optional
 from ..errors import UnsupportedError, UsageError
 
 POLL_SECONDS = 0.1
+MESSAGE_LIMIT = 300  # characters of a Ray error kept in its row (the first line: Ray appends tracebacks)
 _single_thread = False
 
 
@@ -73,8 +74,9 @@ def make_ray_executor(*, jobs: int, address: Optional[str] = None):
                     try:
                         row = ray.get(ref)
                     except ray.exceptions.RayError as exc:
+                        why = (str(exc).strip().splitlines() or [""])[0][:MESSAGE_LIMIT]
                         row = error_row(target, STATUS_ERROR, f"{target.path}: the Ray task replaying it failed "
-                                                              f"({type(exc).__name__}: {exc})")
+                                                              f"({type(exc).__name__}: {why})")
                     take(row)
                     if stop.is_set():
                         break
