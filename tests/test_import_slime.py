@@ -268,12 +268,15 @@ def test_a_dump_that_needs_unpickling_is_refused_with_how_to_convert_it(tmp_path
     torch.save(obj, train)
     code, err = _import_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
     assert code == 3
-    assert err.startswith(f"trajectory-replay: error: {train}: slime train dump holds objects that only a full "
-                          "unpickle can rebuild (")
-    assert err.endswith("this tool never unpickles. Convert it where you trust the file: d = torch.load(PATH, "
-                        "weights_only=False), then torch.save of the same dict with its values as tensors, lists, "
-                        "numbers and strings")
-    assert "\n" not in err and not (tmp_path / "out").exists()
+    assert err == (f"trajectory-replay: error: {train}: slime train dump holds objects that only a full unpickle "
+                   "can rebuild (argparse.Namespace); this tool never unpickles. Convert it where you trust the file: "
+                   "d = torch.load(PATH, weights_only=False), then torch.save of the same dict with its values as "
+                   "tensors, lists, numbers and strings")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "garbage.pt").write_bytes(b"not a pt")  # neither a zip nor a pickle of objects
+    code, err = _import_error(capsys, tmp_path / "garbage.pt", "-o", tmp_path / "out")
+    assert (code, err) == (3, f"trajectory-replay: error: {tmp_path / 'garbage.pt'}: slime train dump is not a "
+                              "readable torch.save file (Unsupported operand 110)")
 
 
 def test_existing_output_is_refused(tmp_path, capsys):

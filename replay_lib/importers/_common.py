@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,14 +69,24 @@ def load_pt(path: Path, what: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        detail = _unpickler_detail(str(exc))
+        found = re.search(r"GLOBAL (\S+)", detail)
+        if found is None:  # not a pickle of objects at all: a damaged or foreign file
+            raise FrameworkConfigError(f"{path}: {what} is not a readable torch.save file ({detail[:160]})") from None
         raise FrameworkConfigError(
-            f"{path}: {what} holds objects that only a full unpickle can rebuild ({first[:160]}); this tool "
+            f"{path}: {what} holds objects that only a full unpickle can rebuild ({found.group(1)}); this tool "
             f"never unpickles. Convert it where you trust the file: d = torch.load(PATH, weights_only=False), "
             f"then torch.save of the same dict with its values as tensors, lists, numbers and strings") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise FrameworkConfigError(f"{path}: {what} is not a readable torch.save file: "
                                    f"{' '.join(str(exc).split())[:200]}") from None
+
+
+def _unpickler_detail(message: str) -> str:
+    """The reason in torch's weights_only refusal (``WeightsUnpickler error: …``), on one line."""
+    _, _, tail = message.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (tail or message).splitlines() if line.strip()]
+    return lines[0].split(". ", 1)[0] if lines else "unreadable"
 
 
 class DumpFields:
