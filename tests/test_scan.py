@@ -318,3 +318,26 @@ def test_workers_that_cannot_start_end_the_scan_with_a_row_each_instead_of_respa
     assert [(r.target.relpath, r.status, r.message) for r in result.rows] == [
         ("a", "error", f"{tmp_path / 'a'}: {why}"), ("b", "error", f"{tmp_path / 'b'}: {why}")]
     assert result.exit_code == 5
+
+
+def test_bundle_text_never_reaches_the_terminal_unescaped(tmp_path, capsys):
+    """A directory name and a bundle id holding escape sequences (clear screen, OSC 52 clipboard write)
+    show as visible escapes in the rows, the summary and the JSON."""
+    from replay_lib.cli import main
+
+    evil = tmp_path / "step\x1b[2J"
+    write_synthetic(evil, samples=4, tokens=4, kl_coef=0.0, bundle_id="b\x1b]52;c;QUJD\x07",
+                    anchor=ActorStepId(rollout_id=1, step_id=0))
+    (evil / "payloads" / "advantages.pt").unlink()  # invalid: the reader's message names the path too
+    write_synthetic(tmp_path / "ok", samples=4, tokens=4, kl_coef=0.0, bundle_id="b\x1b]52;c;QUJD\x07",
+                    anchor=ActorStepId(rollout_id=2, step_id=0))
+    assert main(["scan", str(tmp_path), "--jobs", "1"]) == 3
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.splitlines()[:2] == [
+        f"[    invalid] 1:0          step\\x1b[2J — {tmp_path}/step\\x1b[2J/payloads/advantages.pt: missing payload "
+        f"listed in manifest.json $.payloads.advantages",
+        "[       pass] 2:0          b\\x1b]52;c;QUJD\\x07 (ok)"]
+    assert main(["scan", str(tmp_path), "--jobs", "1", "--format", "json"]) == 3
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and json.loads(out)["bundles"][0]["path"] == "step\x1b[2J"
