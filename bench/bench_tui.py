@@ -15,7 +15,9 @@ and the PR #65 demo bundle. Then, in one run:
   ratios are printed beside it, and the worker's parts — verify, replay, model — measured outside the app.
 * **cursor move** — in the large bundle's diff viewer (the 32k sample, cursor at its first divergence),
   ``--moves`` × (``await pilot.press("down"|"up")`` + ``await pilot.pause()``), timed each; the floor is
-  the same Pilot round trip for a key bound to nothing, in the same app, interleaved. Target: median
+  the same Pilot round trip for a key bound to nothing, in the same app, interleaved. The why strip (the
+  token's inputs, ``replay_lib.inputs``) and the three-line error plot are on screen and follow every move;
+  the ratio move / floor is printed beside the difference. Target: median
   move − median floor ≤ 20 ms (the render cost of a move). Pilot's idle detection sleeps 20 ms per
   check by default, so a bare press + pause never takes under ~60 ms whatever the app does; the bench
   sets that granularity to 2 ms (``--stock-pilot`` keeps the default) and prints the raw medians too.
@@ -51,6 +53,7 @@ MOVE_LIMIT_MS = 20.0
 DIVERGENT_OFFSETS = (20000, 20001, 20002, 31000)
 KL_DELTA = 0.125
 SIZE = (120, 40)
+FLOOR_KEY = "f12"  # bound to nothing
 
 
 def build_large(path: Path, *, samples: int, tokens: int, long_tokens: int, long_index: int, seed: int = 11):
@@ -211,13 +214,17 @@ async def cursor_moves(path: Path, sample_id: str, moves: int) -> dict[str, list
         start = view.cursor
         for i in range(moves):
             key = "down" if i < moves // 2 else "up"
-            for kind, k in (("move", key), ("floor", "x")):  # "x" is bound to nothing
+            for kind, k in (("move", key), ("floor", FLOOR_KEY)):
                 t, c = time.perf_counter(), time.process_time()
                 await pilot.press(k)
                 await pilot.pause()
                 out[kind].append(time.perf_counter() - t)
                 out[kind + "_cpu"].append(time.process_time() - c)
         assert view.cursor == start, (view.cursor, start)  # every move happened
+        # the move's cost includes the why strip (the token's inputs) and the error plot, both on screen
+        why = app.debugger.diff_panel.why_strip
+        assert why.region.height >= 2 and why.text_lines()[0].startswith(f"why {sample_id}@{start} "), why.text_lines()
+        assert app.debugger.query_one("ErrorStrip").region.height >= 2
     return out
 
 
@@ -276,7 +283,8 @@ async def run(args) -> int:
         print(f"pilot floor  press+pause median {ms(m['floor']):6.1f} ms (cpu {ms(m['floor_cpu']):5.1f} ms), "
               f"unbound key, same app")
         ok_move = cost <= MOVE_LIMIT_MS
-        print(f"{'PASS' if ok_move else 'FAIL'}  cursor move above the floor = {cost:.1f} ms (≤ {MOVE_LIMIT_MS:g} ms); "
+        print(f"{'PASS' if ok_move else 'FAIL'}  cursor move above the floor = {cost:.1f} ms (≤ {MOVE_LIMIT_MS:g} ms), "
+              f"why strip and error plot on; move/floor ratio {ms(m['move']) / ms(m['floor']):.2f}; "
               f"raw median {ms(m['move']):.1f} ms")
         return 0 if ok_frame and ok_move else 1
     finally:

@@ -26,10 +26,12 @@ from replay_lib.compare import as_float64, list_tensor
 from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
+from replay_lib.inputs import ElementInputs, element_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing
 from replay_lib.schema import CORE_KNOBS, StageId, config_changes
+from replay_lib.schema import PER_SAMPLE_KEY, PER_SAMPLE_TERMS, PerSampleLossTerms
 from replay_lib.selection import group_label
 from replay_lib.stages import REGISTRY, StageContext, StageInputError
 from replay_lib.stages.support import SCORED_FIELDS, SupportTokens, scored_sources
@@ -50,6 +52,7 @@ class FieldSpec:
     stage: str
     kind: str
     title: str
+    sort: str = ""  # the diff viewer's default row order ("err": by |err|, largest first)
 
 
 FIELDS: tuple[FieldSpec, ...] = (
@@ -62,12 +65,20 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("support_old_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded old_log_probs vs logp_S over the support"),
     FieldSpec("support_ref_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded ref_log_probs vs logp_S over the support"),
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
+    # loss.policy's per-token and per-sample terms (replay_lib.stages.loss_terms), when the bundle records them
+    FieldSpec("pg_losses", "loss.policy", KIND_TOKEN, "per-token clipped surrogate (loss tokens)"),
+    FieldSpec("pg_contribution", "loss.policy", KIND_SAMPLE, "each sample's term of pg_loss (pg_sum / Σmask)",
+              sort="err"),
+    *(FieldSpec(name, "loss.policy", KIND_SAMPLE, f"per-sample {name}") for name in PER_SAMPLE_TERMS),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # A stage's own field (what opening the stage shows): the first one listed for it.
 FIELD_BY_STAGE = {f.stage: f for f in reversed(FIELDS)}
 # Support field → the recorded payload it compares (the stage's own names, see replay_lib.stages.support).
 SUPPORT_SOURCE = {field_name: source for source, field_name in SCORED_FIELDS.items()}
+LOSS_TERM_FIELDS = ("pg_losses", *PER_SAMPLE_TERMS)
+# Fields the model derives from a stage's fields (not compared by a stage; never counted as mismatches).
+DERIVED_FIELDS = ("pg_contribution",)
 
 def field_for_divergence(stage: str, field_name: str) -> Optional[str]:
     """The viewable field a report divergence belongs to (loss sub-fields → ``loss``)."""
@@ -184,16 +195,21 @@ class FieldDiff:
 
         Fewer rows than bins: each row spans several bins (the strip always fills its width). A
         non-finite element (NaN/Inf on either side) counts as the maximum error."""
+        peaks, flagged, top = self.error_peaks(bins)
+        scale = top if top > 0 else 1.0
+        return [(min(p, scale) / scale, f) for p, f in zip(peaks, flagged)]
+
+    def error_peaks(self, bins: int) -> tuple[list[float], list[bool], float]:
+        """``(max |err| per bin, any divergence per bin, the largest finite |err|)`` along the row axis; a
+        non-finite element (NaN/Inf on either side) is ``inf`` (the error plot draws it full height)."""
         n = len(self)
         if n == 0 or bins <= 0:
-            return []
+            return [], [], 0.0
         err = self.error_tensor.clone()
         err = torch.where(torch.isnan(err) & self.bad_tensor, torch.full_like(err, float("inf")), err)
-        err = torch.nan_to_num(err, nan=0.0)
+        err = torch.nan_to_num(err, nan=0.0, posinf=float("inf"))
         finite = err[torch.isfinite(err)]
         top = float(finite.max()) if finite.numel() else 0.0
-        err = torch.where(torch.isinf(err), torch.full_like(err, top if top > 0 else 1.0), err)
-        scale = float(err.max()) if float(err.max()) > 0 else 1.0
         if bins >= n:
             rows = torch.arange(bins, dtype=torch.int64) * n // bins
             peak, flagged = err[rows], self.bad_tensor[rows]
@@ -202,7 +218,7 @@ class FieldDiff:
             peak = torch.zeros(bins, dtype=torch.float64).scatter_reduce(0, which, err, reduce="amax",
                                                                          include_self=True)
             flagged = torch.zeros(bins, dtype=torch.int64).index_add_(0, which, self.bad_tensor.to(torch.int64)) > 0
-        return [(float(p) / scale, bool(f)) for p, f in zip(peak.tolist(), flagged.tolist())]
+        return peak.tolist(), flagged.tolist(), top
 
     def row_of_bin(self, b: int, bins: int) -> int:
         """The first row drawn in bin ``b`` (clicking the strip jumps there)."""
@@ -286,6 +302,9 @@ class ShardRecompute:
             REGISTRY[stage].run(self.ctx)
 
     def _compute(self, name: str) -> None:
+        if name == "pg_contribution":
+            self._pg_contribution()
+            return
         stage = FIELD_BY_NAME[name].stage
         self._run(StageId(stage))
         result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
@@ -293,6 +312,26 @@ class ShardRecompute:
             self.unavailable[name] = f"{stage} did not compare {name} on this bundle"
             return
         self._put(name, result)
+
+    def _pg_contribution(self) -> None:
+        """Each sample's term of pg_loss, ``pg_sum / max(Σmask, 1)``, from loss.policy's ``pg_sum`` field (the
+        recorded over the recorded mask count when there is one, the recomputed over the recomputed) with its
+        tolerance scaled alike: a divergence of ``pg_sum`` is one here, now in pg_loss units."""
+        if not self.ensure("pg_sum"):
+            self.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
+            return
+        pg = self.results["pg_sum"]
+        mask = self.ctx.loss_mask.to(torch.float64)
+        actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64).index_add_(0, self.ctx.seg, mask)
+        actual_mask = actual_mask.clamp_min(1.0)
+        expected_mask = actual_mask
+        if self.ensure("mask_count"):
+            expected_mask = self.results["mask_count"].expected.clamp_min(1.0)
+        result = FieldResult(stage=pg.stage, name="pg_contribution", per=pg.per, expected=pg.expected / expected_mask,
+                             actual=pg.actual / actual_mask, tolerance=pg.tolerance / actual_mask,
+                             sample_ids=pg.sample_ids, group_indices=pg.group_indices, rank=pg.rank, exact=pg.exact,
+                             note="pg_sum / max(Σmask, 1): the sample's term of pg_loss")
+        self._put("pg_contribution", result)
 
     def support_tokens(self) -> SupportTokens:
         """``logprob.support``'s per-token record of this shard, as the stage left it on the context (the
@@ -362,6 +401,15 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
         for name, source in SUPPORT_SOURCE.items():
             if source not in scored:
                 out.unavailable[name] = f"{source} is not scored over the support in this bundle"
+    if "loss.policy" in out.ran:
+        # known without computing: a loss term field exists only for what the bundle records
+        terms = shard.expected.get("loss.policy", {}).get(PER_SAMPLE_KEY)
+        recorded = terms.recorded() if isinstance(terms, PerSampleLossTerms) else {}
+        for name in LOSS_TERM_FIELDS:
+            if name not in recorded and not (name == "pg_losses" and shard.has_payload("pg_losses")):
+                out.unavailable[name] = f"the bundle records no {name}"
+        if "pg_sum" not in recorded:
+            out.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
     for name in fields:
         out.ensure(name)
     return out
@@ -764,6 +812,28 @@ class ReplayModel:
         except StageInputError as exc:
             raise KeyError(f"no support row: {exc}") from None
 
+    def element_inputs(self, field_name: str, sample_id: Optional[str], row: int) -> ElementInputs:
+        """The inputs of the element at ``row`` of ``field_name``'s diff (a token of ``sample_id``, or a row
+        of a per-sample table), from :func:`replay_lib.inputs.element_inputs` on the shard's context; a
+        cohort (loss) row says what its scalar sums. Raises ``KeyError``/``IndexError``/``StageInputError``
+        when there is no breakdown."""
+        spec = FIELD_BY_NAME[field_name]
+        if spec.kind == KIND_COHORT:
+            diff = self.field_diff(field_name)
+            label = diff.label(row)
+            more = " · f: pg_contribution lists each sample's term by |err|" if "pg_contribution" in self.fields else ""
+            return ElementInputs(field=field_name, sample_id=None, offset=None,
+                                 formula=f"{label}: {diff.note or 'a cohort scalar'}{more}")
+        if spec.kind == KIND_SAMPLE:
+            sample_id = self.field_diff(field_name).labels[row]
+        sample = self.sample(sample_id) if sample_id is not None else None
+        if sample is None:
+            raise KeyError(f"no sample {sample_id!r}")
+        shard = self.shards[sample.shard]
+        if field_name not in DERIVED_FIELDS and FIELD_BY_NAME[field_name].stage != "reward.raw":
+            shard.ensure(field_name)  # the stages before it ran on the context (--chain's outputs are in place)
+        return element_inputs(shard.ctx, field_name, sample.index, row if spec.kind == KIND_TOKEN else None)
+
     def sample_row_index(self, field_name: str, sample_id: str) -> Optional[int]:
         """Row of ``sample_id`` in a per-sample field's table."""
         diff = self.field_diff(field_name)
@@ -897,7 +967,7 @@ def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = 
 def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
                  contexts: Optional[Sequence[Optional[StageContext]]]) -> ReplayModel:
     failed = {s.stage for s in report.stages if s.status == STATUS_FAIL}
-    failing = [f.name for f in FIELDS if f.stage in failed]
+    failing = [f.name for f in FIELDS if f.stage in failed and f.name not in DERIVED_FIELDS]
     shards: list[ShardRecompute] = []
     for i, shard in enumerate(bundles.shards):
         ctx = contexts[i] if contexts is not None else None
@@ -910,7 +980,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
                 pass  # the support fields say why when viewed
         shards.append(rec)
     selected = set(report.selected_samples) if report.selected_samples is not None else None
-    per_sample_fields = [f.name for f in FIELDS if f.kind != KIND_COHORT]
+    per_sample_fields = [f.name for f in FIELDS if f.kind != KIND_COHORT and f.name not in DERIVED_FIELDS]
     samples = SampleRows()
     groups: list[GroupRow] = []
     for si, rec in enumerate(shards):

@@ -13,19 +13,22 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
 
+from replay_lib.report import STATUS_SKIPPED
 from replay_lib.safe_text import safe
 
 from ..hazards import NO_HAZARDS, HazardMarks, hazard_marks
 from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, FIELD_BY_NAME, FIELD_BY_STAGE
+from ..export import ExportRequest, default_export_path, export_field
 from ..widgets.cursor_lines import CursorLines
-from ..widgets.diff_view import DiffPanel, DiffView
+from ..widgets.diff_view import DiffPanel, DiffView, worst_row
 from ..widgets.identity_pane import IdentityPane
 from ..widgets.key_bar import KeyBar
 from ..widgets.sample_tree import SamplesPanel, SampleTree
 from ..widgets.stage_pane import StageList, StagesPanel
 from ..widgets.status_bar import TitleBar, VerdictBar
+from .export import ExportScreen
+from .find import FindScreen, is_number
 from .hazards import HazardsScreen
-from .jump import JumpScreen
 
 PANES = ("stages", "samples", "diff", "identity")
 # The identity pane is shown by default only when the terminal is tall enough for it.
@@ -40,14 +43,22 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen.-narrow #left { width: 30; }
     DebuggerScreen #right { width: 1fr; }
     DebuggerScreen.-short SupportStrip { height: 1; }
-    DebuggerScreen.-short StageList { max-height: 5; }
+    DebuggerScreen.-short ErrorStrip { height: 1; }
+    DebuggerScreen.-short WhyStrip { height: 2; }
+    DebuggerScreen.-short #stage-detail { display: none; }
+    DebuggerScreen.-tiny SupportStrip { height: 1; }
+    DebuggerScreen.-tiny ErrorStrip { height: 1; }
+    DebuggerScreen.-tiny WhyStrip { height: 1; }
+    DebuggerScreen.-tiny #stage-detail { display: none; }
+    DebuggerScreen.-tiny StageList { max-height: 4; }
     """
     # A focus change repaints the panes whose focus style changes (their borders), not the whole screen:
     # Textual's own ``Screen.focused`` repaints every cell (≈ 22 kB at 120×40 over an SSH link per Tab).
     focused: Reactive[Optional[Widget]] = Reactive(None, repaint=False)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
-    # Below 32 rows the support strip under the diff rows takes one line instead of two.
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    # Below 32 rows the strips under and over the diff rows take fewer lines and the line under the DAG goes
+    # (every stage row stays: the verdict names the first divergence); below 22 the DAG scrolls too.
+    VERTICAL_BREAKPOINTS = [(0, "-tiny"), (22, "-short"), (32, "-tall")]
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("tab", "focus_pane(1)", "Pane", id="main.next-pane", tooltip="Focus the next pane"),
@@ -70,12 +81,16 @@ class DebuggerScreen(Screen, inherit_bindings=False):
                 tooltip="View the previous field"),
         Binding("e", "first_divergence", "First div", show=False, id="main.first-divergence",
                 tooltip="Go to the report's first divergence"),
-        Binding("slash", "jump", "Jump", id="main.jump", tooltip="Jump to a sample by id"),
+        Binding("slash", "jump", "Jump", id="main.jump",
+                tooltip="Jump to a sample by id; in the diff, @17 to token offset (row) 17, a number to the next row "
+                        "whose expected or actual value matches it to the digits typed"),
         Binding("z", "hazards", "Hazards", id="main.hazards",
                 tooltip="List the report's hazards (reported, never failed; ⏎ shows a hazard's sample)"),
         Binding("i", "toggle_identity", "Identity", show=False, id="main.toggle-identity",
                 tooltip="Show or hide the identity pane"),
         Binding("r", "rerun", "Re-run", show=False, id="main.rerun", tooltip="Verify and replay the bundle again"),
+        Binding("m", "zoom", "Zoom", show=False, id="main.zoom",
+                tooltip="Maximize the focused pane to the whole screen, or restore the layout (toggle)"),
         Binding("question_mark", "app.help", "Help", id="main.help", tooltip="Show the help screen (keys and panes)"),
         Binding("f1", "app.help", "Help", show=False, id="main.help-f1",
                 tooltip="Show the help screen (keys and panes)"),
@@ -210,12 +225,17 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         except KeyError as exc:  # a field whose inputs are unusable (computed lazily, on first view)
             self.diff_panel.show(None, message=str(exc.args[0]))
             return
+        sort = FIELD_BY_NAME[self.field].sort
         if row is None:
-            if kind == KIND_SAMPLE:
+            if kind == KIND_SAMPLE and sort:
+                row = worst_row(diff)
+            elif kind == KIND_SAMPLE:
                 row = model.sample_row_index(self.field, self.sample_id) if self.sample_id else 0
             else:
                 row = diff.divergent[0] if diff.divergent else 0
-        self.diff_panel.show(diff, cursor=row or 0)
+        # a field's own order when the viewer changes field (pg_contribution: by |err|); the user's across samples
+        changed = self.diff_view.diff is None or self.diff_view.diff.field != self.field
+        self.diff_panel.show(diff, cursor=row or 0, sort=sort if changed else None)
 
     @property
     def diff_cursor(self) -> int:
@@ -233,12 +253,13 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             if kind == KIND_SAMPLE and self.model is not None:
                 row = self.model.sample_row_index(self.field, event.sample_id)
                 if row is not None:
-                    self.diff_view.cursor = row
+                    self.diff_view.show_row(row)
 
     def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
         view = event.view
         if isinstance(view, DiffView) and view.diff is not None and view.diff.kind == KIND_SAMPLE:
-            label = view.diff.labels[event.row] if event.row < len(view.diff.labels) else None
+            row = view.row_at(event.row)
+            label = view.diff.labels[row] if row < len(view.diff.labels) else None
             if label is not None and label != self.sample_id:
                 self.sample_id = label
                 self.tree.show_sample(label)
@@ -250,7 +271,13 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         elif isinstance(view, SampleTree):
             self.set_focus(self.diff_view)
         elif isinstance(view, DiffView) and view.diff is not None and view.diff.kind == KIND_SAMPLE:
-            self.open_sample_tokens(view.diff.labels[event.row])
+            self.open_sample_tokens(view.diff.labels[view.row_at(event.row)])
+        elif isinstance(view, DiffView) and view.diff is not None:  # a loss row: its per-sample terms
+            if "pg_contribution" in self.model.fields:
+                self.select(field="pg_contribution")
+            else:
+                self.say("this bundle records no per-sample loss terms (expected.json $.loss.policy.per_sample): "
+                         "the loss fields are cohort sums only", severity="warning", timeout=4)
 
     def open_sample_tokens(self, sample_id: str) -> None:
         """From a per-sample table to that sample's per-token diff (its first diverging token field)."""
@@ -269,6 +296,10 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             return
         stage = model.report.stages[index]
         spec = FIELD_BY_STAGE.get(stage.stage)
+        if stage.status == STATUS_SKIPPED and (spec is None or spec.name not in model.fields):
+            self.say(f"{stage.stage}: skipped — {safe(stage.reason or 'not run')}: nothing was compared",
+                     severity="warning", timeout=4)
+            return
         if spec is None or spec.name not in model.fields:
             why = model.unavailable.get(spec.name) if spec else None
             self.say(f"{stage.stage}: nothing to show" + (f" ({why})" if why else " (no per-element values)"),
@@ -276,10 +307,12 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             return
         first = next((d for d in stage.divergences if d.sample_id is not None), None)
         sample = first.sample_id if first is not None and first.sample_id in model.by_id else None
-        row = first.token_offset if first is not None and spec.kind == KIND_TOKEN else None
-        # a stage with several fields (logprob.support) opens the one its first divergence is in
+        # a stage with several fields (logprob.support, loss.policy's terms) opens the one its first divergence
+        # is in, at its token
         field = field_for_divergence(stage.stage, first.field) if first is not None else None
-        self.select(sample_id=sample, field=field if field in model.fields else spec.name, row=row)
+        field = field if field in model.fields else spec.name
+        row = first.token_offset if first is not None and FIELD_BY_NAME[field].kind == KIND_TOKEN else None
+        self.select(sample_id=sample, field=field, row=row)
         self.set_focus(self.diff_view)
 
     def say(self, message: str, **kwargs) -> None:
@@ -365,7 +398,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
                 self.select(sample_id=sample_id)
                 self.set_focus(self.tree)
 
-        self.app.push_screen(JumpScreen([s.sample_id for s in self.model.samples]), done)
+        self.app.push_screen(FindScreen([s.sample_id for s in self.model.samples], self.find_in_diff), done)
 
     def action_hazards(self) -> None:
         if self.model is None:
@@ -393,6 +426,71 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     def action_rerun(self) -> None:
         self.app.start_replay()
+
+    # -- zoom, find, export, copy -----------------------------------------------------------------
+    def panel_of(self, pane: str) -> Widget:
+        """The bordered panel a pane sits in (what zoom maximizes)."""
+        widget = self.pane_widget(pane)
+        return widget if pane == "identity" else widget.parent
+
+    def action_zoom(self) -> None:
+        if self.maximized is not None:
+            self.minimize()
+            return
+        pane = self.focused_pane() or "diff"
+        self.maximized = self.panel_of(pane)
+        self.set_focus(self.pane_widget(pane))
+
+    def find_in_diff(self, query: str) -> Optional[str]:
+        """Run a find query (``@17``, a number, a sample id); the error to show in the dialog, else None."""
+        view = self.diff_view
+        diff = view.diff
+        query = query.strip()
+        if not query:
+            return "type a sample id, @offset or a value"
+        if query.startswith("@"):
+            if diff is None:
+                return "no diff to move in"
+            try:
+                row = int(query[1:])
+            except ValueError:
+                return f"'{safe(query)}': an offset is @ and a whole number (e.g. @17)"
+            if not 0 <= row < len(diff):
+                what = f"token offsets of {safe(diff.sample_id)}" if diff.kind == KIND_TOKEN else "rows"
+                return f"@{row} is outside the {what} (0…{len(diff) - 1})"
+            view.show_row(row)
+            self.set_focus(view)
+            return None
+        if is_number(query):
+            if diff is None:
+                return "no diff to search"
+            row = view.find_value(query)
+            if row is None:
+                return f"no expected or actual value matches {safe(query)} to the digits typed"
+            view.show_row(row)
+            self.set_focus(view)
+            return None
+        return f"'{safe(query)}' is no @offset or number"
+
+    def on_diff_view_export(self, event: DiffView.Export) -> None:
+        event.stop()
+        view = self.diff_view
+        if self.model is None or view.diff is None:
+            return
+        request = ExportRequest(field=view.diff.field, sample_id=view.diff.sample_id,
+                                whole_stage=event.whole_stage or view.diff.kind != KIND_TOKEN)
+
+        def write(path: str, overwrite: bool) -> str:
+            return export_field(self.model, request, path, overwrite=overwrite)
+
+        self.app.push_screen(ExportScreen(request, default_export_path(request), write),
+                             lambda message: self.say(message, timeout=4) if message else None)
+
+    def on_diff_view_copy(self, event: DiffView.Copy) -> None:
+        event.stop()
+        text = safe(event.text)  # a bundle string reaches the terminal inside the OSC 52 payload
+        self.app.copy_to_clipboard(text)
+        self.say(f"copied (OSC 52): {text}", timeout=3)
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit_identity(event.size.height)

@@ -8,41 +8,78 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import ClassVar, Optional
+
+import torch
 
 from rich.style import Style
 from rich.text import Text
-from textual.binding import BindingType
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
+from replay_lib.report import fmt_value
 from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, WARN, fit, fit_number, fit_ratio, fmt_tolerance, strip_of
 from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff, ReplayModel
 from .cursor_lines import CursorLines
+from .error_plot import ErrorStrip
 from .header_line import HeaderLine
 from .support_strip import SupportStrip
+from .why_strip import WhyStrip
+
+__all__ = ["DiffPanel", "DiffView", "ErrorStrip", "WhyStrip"]
 
 
 # Cells of the optional columns (without the space before each); the numbers must keep NUM_READABLE cells
 # ("-0.25078", eight digits and a sign) for an optional column to be shown.
-RATIO_W, TOL_W, MASK_W = 7, 7, 4
+RATIO_W, TOL_W, MASK_W, GROUP_W = 7, 7, 4, 6
 NUM_READABLE = 9
+NUM_MIN = 7  # a number column narrower than this is not drawn (dropped, not cut)
+NUM_SCROLLED = 10  # the numbers' cells once → has scrolled the columns
 NEAR = 0.5  # a ratio above this is within the tolerance, but no longer deep inside it
+NUMBERS = ("expected", "actual", "err")
+# What a narrow pane keeps, most valuable first: the recomputed value and its error, then the recorded value
+# (the bundle's, beside them), the group, the error model, the mask.
+PRIORITY = ("actual", "err", "expected", "group", "noise", "tol", "mask")
+HEADERS = {"group": "group", "expected": "expected", "actual": "actual", "err": "abs err", "noise": "×noise",
+           "tol": "tol", "mask": "mask"}
+SORT_NONE, SORT_ERR = "", "err"
 
 
 @dataclass(frozen=True)
 class Columns:
-    """Cells per column of a diff row: the key, each number; 0 for an optional column left out."""
+    """A diff row's layout at one width: the key's cells, then ``(column, cells)`` in display order;
+    ``hidden``: columns left out (narrow pane or scrolled past with →)."""
 
     key: int
-    num: int
-    noise: int
-    tol: int
-    mask: int
+    shown: tuple[tuple[str, int], ...]
+    hidden: tuple[str, ...] = ()
+
+    def width_of(self, name: str) -> int:
+        return next((w for n, w in self.shown if n == name), 0)
+
+    # the error-model tests read these
+    @property
+    def num(self) -> int:
+        return self.width_of("actual")
+
+    @property
+    def noise(self) -> int:
+        return self.width_of("noise")
+
+    @property
+    def tol(self) -> int:
+        return self.width_of("tol")
+
+    @property
+    def mask(self) -> int:
+        return self.width_of("mask")
 
 
 def _ratio_style(ratio: Optional[float], bad: bool) -> Optional[Style]:
@@ -54,23 +91,86 @@ def _ratio_style(ratio: Optional[float], bad: bool) -> Optional[Style]:
     return DIM
 
 
+def digits_window(text: str) -> Optional[tuple[float, float]]:
+    """``(value, half)`` for a typed number: a value matches it "to the digits typed" within ``half``, half a
+    unit of the last digit (``0.25`` → ±0.005, ``-5.5`` → ±0.05, ``1e-3`` → ±0.5e-3); None for no number."""
+    try:
+        d = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not d.is_finite():
+        return None
+    return float(d), float(Decimal(5).scaleb(d.as_tuple().exponent - 1)) * (1 + 1e-12)
+
+
+def worst_row(diff: Optional[FieldDiff]) -> Optional[int]:
+    """The row with the largest |err| (a non-finite divergent one first; the first of equals)."""
+    if diff is None or len(diff) == 0:
+        return None
+    err = diff.error_tensor
+    key = torch.where(torch.isnan(err) & diff.bad_tensor, torch.full_like(err, math.inf), err)
+    return int(torch.argmax(torch.nan_to_num(key, nan=-1.0, posinf=math.inf)))
+
+
 class DiffView(CursorLines):
+    """The rows of one :class:`FieldDiff`. The cursor counts *shown* rows: sorted by |err| (``s``) or
+    filtered to the divergent ones (``d``), shown row ``i`` is data row ``order[i]`` (a token offset, or a
+    row of the table); :attr:`data_row` is the cursor's. Messages carry shown rows; :meth:`row_at` maps
+    them back."""
+
     DEFAULT_CSS = """
     DiffView { overflow-y: scroll; }
     """
     PANE = "diff"
     BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
-        "diff", "row", "Open the sample's per-token diff (from a per-sample table)")
+        "diff", "row", "Open the sample's per-token diff (from a per-sample table)") + [
+        Binding("s", "toggle_sort", "Sort |err|", show=False, id="diff.sort",
+                tooltip="Sort the rows by |err|, largest first (toggle; n/N still follow the offsets)"),
+        Binding("D", "toggle_divergent", "Divergent", show=False, id="diff.divergent-only",
+                tooltip="Show only the divergent rows (toggle)"),
+        Binding("w", "worst", "Max |err|", show=False, id="diff.worst", tooltip="Go to the row with the largest |err|"),
+        Binding("right", "scroll_columns(1)", "Columns →", show=False, id="diff.columns-right",
+                tooltip="Scroll the columns right (shows the ones a narrow pane leaves out)"),
+        Binding("left", "scroll_columns(-1)", "Columns ←", show=False, id="diff.columns-left",
+                tooltip="Scroll the columns back left"),
+        Binding("L", "toggle_log", "Log |err|", show=False, id="diff.log-scale",
+                tooltip="Error plot on a log scale (toggle)"),
+        Binding("x", "export(False)", "Export", show=False, id="diff.export",
+                tooltip="Export the viewed rows (expected, actual, abs err, tolerance) to CSV or JSON"),
+        Binding("X", "export(True)", "Export stage", show=False, id="diff.export-stage",
+                tooltip="Export the field over every sample of the stage to CSV or JSON"),
+        Binding("y", "copy(False)", "Copy", show=False, id="diff.copy-value",
+                tooltip="Copy the cursor row's recomputed value to the clipboard (OSC 52, works over SSH)"),
+        Binding("Y", "copy(True)", "Copy row", show=False, id="diff.copy-row",
+                tooltip="Copy the cursor row (key, expected, actual, abs err, tolerance) to the clipboard (OSC 52)"),
+    ]
+
+    class Export(Message):
+        def __init__(self, whole_stage: bool) -> None:
+            super().__init__()
+            self.whole_stage = whole_stage
+
+    class Copy(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.diff: Optional[FieldDiff] = None
         self._label_width = 6
+        self.sort: str = SORT_NONE
+        self.divergent_only = False
+        self.col_offset = 0
+        self.log_scale = False
+        self.order: Optional[list[int]] = None  # shown row → data row (None: the identity)
+        self._shown_of: Optional[dict[int, int]] = None  # data row → shown row
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Enter opens a sample's per-token diff from a per-sample table; elsewhere it has nothing to open
+        # Enter opens a sample's per-token diff from a per-sample table (or the loss table's per-sample terms);
+        # elsewhere it has nothing to open
         if action == "activate":
-            return self.diff is not None and self.diff.kind == KIND_SAMPLE
+            return self.diff is not None and self.diff.kind != KIND_TOKEN
         return True
 
     def watch_cursor(self, old: int, new: int) -> None:
@@ -78,175 +178,298 @@ class DiffView(CursorLines):
         if isinstance(self.parent, DiffPanel):
             self.parent.cursor_moved()
 
-    def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0) -> None:
-        was_table = self.diff is not None and self.diff.kind == KIND_SAMPLE
+    def set_diff(self, diff: Optional[FieldDiff], cursor: int = 0, sort: Optional[str] = None) -> None:
+        """Show ``diff`` with the cursor on data row ``cursor``; ``sort``: the field's default order (kept
+        across fields when None)."""
+        was_table = self.diff is not None and self.diff.kind != KIND_TOKEN
         self.diff = diff
-        if was_table != (diff is not None and diff.kind == KIND_SAMPLE):
+        if sort is not None:
+            self.sort = sort
+        if was_table != (diff is not None and diff.kind != KIND_TOKEN):
             self.refresh_bindings()  # the key bar shows or drops "⏎ Open"
         # the widest row label, once per diff (not per rendered row: a table may list 4,096 samples)
         self._label_width = max((len(safe(x)) for x in diff.labels), default=6) if diff is not None else 6
-        self.set_rows(len(diff) if diff is not None else 0, cursor=cursor)
+        self._reorder()
+        self.set_rows(self._shown_count(), cursor=self.shown_row(cursor))
         self.center_cursor()
+
+    # -- row order --------------------------------------------------------------------------------
+    def _reorder(self) -> None:
+        """The shown rows for the sort and filter (a 32k-token sample: one argsort)."""
+        diff = self.diff
+        self._shown_of = None
+        if diff is None or (not self.sort and not self.divergent_only):
+            self.order = None
+            return
+        if self.divergent_only:
+            rows = torch.tensor(diff.divergent, dtype=torch.int64)
+        else:
+            rows = torch.arange(len(diff), dtype=torch.int64)
+        if self.sort == SORT_ERR and rows.numel():
+            err = diff.error_tensor[rows]
+            # a non-finite side (NaN error) is the worst row; stable: equal errors keep offset order
+            key = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+            rows = rows[torch.sort(key, descending=True, stable=True).indices]
+        self.order = rows.tolist()
+
+    def _shown_count(self) -> int:
+        if self.diff is None:
+            return 0
+        return len(self.order) if self.order is not None else len(self.diff)
+
+    def row_at(self, shown: int) -> int:
+        """The data row drawn at shown row ``shown``."""
+        if self.order is None:
+            return shown
+        return self.order[shown] if 0 <= shown < len(self.order) else 0
+
+    @property
+    def data_row(self) -> int:
+        """The data row under the cursor (a token offset, or a table row)."""
+        return self.row_at(self.cursor)
+
+    def shown_row(self, data_row: int) -> Optional[int]:
+        """Where data row ``data_row`` is shown; None when the filter hides it."""
+        if self.order is None:
+            return data_row
+        if self._shown_of is None:
+            self._shown_of = {r: i for i, r in enumerate(self.order)}
+        return self._shown_of.get(data_row)
+
+    def show_row(self, data_row: int) -> None:
+        """Cursor to data row ``data_row``, lifting the divergent-only filter when it hides the row."""
+        shown = self.shown_row(data_row)
+        if shown is None:
+            self.divergent_only = False
+            self._relayout(data_row)
+            return
+        self.cursor = shown
+
+    def _relayout(self, keep: int) -> None:
+        self._reorder()
+        self.set_rows(self._shown_count(), cursor=self.shown_row(keep) or 0)
+        self.center_cursor()
+        if isinstance(self.parent, DiffPanel):
+            self.parent.order_changed()
 
     # -- layout -----------------------------------------------------------------------------------
     def _columns(self, width: int) -> "Columns":
-        """The row's columns at ``width``: the key (offset, sample, field) and the three numbers always; then,
-        while the numbers keep :data:`NUM_READABLE` cells, ×noise, tol and the loss mask, in that order of
-        value (a narrow terminal drops the mask first, ×noise last)."""
+        """The row's columns at ``width``: the key (offset, sample, field) always, then by value
+        (:data:`PRIORITY`) while they fit — the three numbers while each keeps :data:`NUM_MIN` cells, ×noise,
+        tol and the loss mask while the numbers keep :data:`NUM_READABLE` (a narrow terminal drops the mask
+        first, then tol, ×noise, the group, the recorded value; the recomputed value and its error stay).
+        After ``→`` (:attr:`col_offset`), the first columns are scrolled past and the rest fill the row."""
         diff = self.diff
         if diff is None or diff.kind == KIND_TOKEN:
             key = max(6, len(str(max(len(diff) - 1, 0))) if diff is not None else 6)
         elif diff.kind == KIND_SAMPLE:
-            key = max(6, min(24, self._label_width)) + 7
+            key = max(6, min(24, self._label_width))
         else:
             key = max(6, min(28, self._label_width))
         room = width - 2 - key  # after the ✗ marker and the key
-        optional = []
+        order = []  # display order
+        if diff is not None and diff.kind == KIND_SAMPLE:
+            order.append("group")
+        order += list(NUMBERS)
         if diff is not None and diff.tolerance_tensor is not None:
-            optional += [("noise", RATIO_W), ("tol", TOL_W)]
+            order += ["noise", "tol"]
         if diff is not None and diff.kind == KIND_TOKEN:
-            optional.append(("mask", MASK_W))
-        shown: dict[str, int] = {}
-        for name, w in optional:  # by value: a column is shown only when every one before it is
-            if room - sum(c + 1 for c in shown.values()) - (w + 1) < 3 * (NUM_READABLE + 1):
-                break
-            shown[name] = w
-        num = max(7, min(15, (room - sum(c + 1 for c in shown.values())) // 3 - 1))
-        return Columns(key, num, shown.get("noise", 0), shown.get("tol", 0), shown.get("mask", 0))
+            order.append("mask")
+        fixed = {"group": GROUP_W, "noise": RATIO_W, "tol": TOL_W, "mask": MASK_W}
+        if self.col_offset:
+            skip = order[:min(self.col_offset, len(order) - 1)]
+            shown: list[tuple[str, int]] = []
+            used = 0
+            for name in order[len(skip):]:
+                w = fixed.get(name, NUM_SCROLLED)
+                if used + w + 1 > room:
+                    break
+                shown.append((name, w))
+                used += w + 1
+            hidden = tuple(n for n in order if n not in dict(shown))
+            return Columns(key, tuple(shown), hidden)
+        picked: dict[str, int] = {}
+
+        def numbers_fit(extra: dict[str, int], need: int) -> bool:
+            nums = sum(1 for n in NUMBERS if n in extra)
+            others = sum(w + 1 for n, w in extra.items() if n not in NUMBERS)
+            return nums == 0 or (room - others) // nums - 1 >= need
+
+        for name in PRIORITY:
+            if name not in order:
+                continue
+            trial = dict(picked, **{name: fixed.get(name, 0)})
+            if name in NUMBERS or name == "group":
+                ok = numbers_fit(trial, NUM_MIN)
+            else:  # the error model's columns and the mask: only beside three readable numbers
+                ok = all(n in trial for n in NUMBERS) and numbers_fit(trial, NUM_READABLE)
+            if ok:
+                picked = trial
+            elif name != "group":
+                break  # a number (or ×noise, tol) that does not fit: none after it is shown either
+        nums = [n for n in NUMBERS if n in picked]
+        if nums:
+            others = sum(w + 1 for n, w in picked.items() if n not in NUMBERS)
+            num = max(NUM_MIN, min(15, (room - others) // len(nums) - 1))
+            for n in nums:
+                picked[n] = num
+        shown = tuple((n, picked[n]) for n in order if n in picked)
+        return Columns(key, shown, tuple(n for n in order if n not in picked))
 
     def render_header(self, width: int, base: Style) -> Strip:
         diff = self.diff
         cols = self._columns(width)
         if diff is None:
             return strip_of([("", None)], width, base)
-        key, num = cols.key, cols.num
         if diff.kind == KIND_TOKEN:
-            head = fit("offset", key, ">")
+            head = fit("offset", cols.key, ">")
         elif diff.kind == KIND_SAMPLE:
-            head = fit("sample", key - 7) + " " + fit("group", 6)
+            head = fit("sample", cols.key)
         else:
-            head = fit("field", key)
-        parts = [("  " + head, None), (" " + fit("expected", num, ">"), None), (" " + fit("actual", num, ">"), None),
-                 (" " + fit("abs err", num, ">"), None)]
-        if cols.noise:
-            parts.append((" " + fit("×noise", cols.noise, ">"), None))
-        if cols.tol:
-            parts.append((" " + fit("tol", cols.tol, ">"), None))
-        if cols.mask:
-            parts.append((" " + fit("mask", cols.mask, ">"), None))
+            head = fit("field", cols.key)
+        parts = [("  " + head, None)]
+        for name, w in cols.shown:
+            parts.append((" " + fit(HEADERS[name], w, "<" if name == "group" else ">"), None))
+        if self.col_offset:
+            parts[0] = ("←" + parts[0][0][1:], DIM)  # columns scrolled past on the left
         return strip_of(parts, width, base)
 
     def render_row(self, row: int, width: int, base: Style) -> Strip:
         diff = self.diff
+        row = self.row_at(row)
         cols = self._columns(width)
-        key, num = cols.key, cols.num
+        key = cols.key
         expected, actual, err, bad = diff.row(row)
         marker = ("✗ ", FAIL) if bad else ("  ", None)
         if diff.kind == KIND_TOKEN:
             head = (fit(str(row), key, ">"), FAIL_SOFT if bad else DIM)
-        elif diff.kind == KIND_SAMPLE:  # sample ids from the bundle: escaped before they are cut
-            head = (fit(safe(diff.labels[row]), key - 7) + " " + fit(safe(diff.groups[row]), 6),
-                    FAIL_SOFT if bad else None)
-        else:
+        else:  # sample ids and field names from the bundle: escaped before they are cut
             head = (fit(safe(diff.labels[row]), key), FAIL_SOFT if bad else None)
         value_style = FAIL_SOFT if bad else None
-        parts = [
-            marker, head,
-            (" " + fit_number(expected, num), value_style),
-            (" " + fit_number(actual, num), FAIL if bad else value_style),
-            (" " + fit_number(err, num), FAIL if bad else DIM),
-        ]
+        parts = [marker, head]
+        tol = ratio = None
         if cols.noise or cols.tol:
             tol, ratio = diff.error_model_row(row)
-            if cols.noise:
-                parts.append((" " + fit_ratio(ratio, cols.noise), _ratio_style(ratio, bad)))
-            if cols.tol:
-                parts.append((" " + fit(fmt_tolerance(tol), cols.tol, ">"), DIM))
-        if cols.mask:
-            m = diff.mask[row]
-            parts.append((" " + fit(str(m), cols.mask, ">"), None if m else DIM))
+        for name, w in cols.shown:
+            if name == "group":
+                parts.append((" " + fit(safe(diff.groups[row]), w), FAIL_SOFT if bad else None))
+            elif name == "expected":
+                parts.append((" " + fit_number(expected, w), value_style))
+            elif name == "actual":
+                parts.append((" " + fit_number(actual, w), FAIL if bad else value_style))
+            elif name == "err":
+                parts.append((" " + fit_number(err, w), FAIL if bad else DIM))
+            elif name == "noise":
+                parts.append((" " + fit_ratio(ratio, w), _ratio_style(ratio, bad)))
+            elif name == "tol":
+                parts.append((" " + fit(fmt_tolerance(tol), w, ">"), DIM))
+            elif name == "mask":
+                m = diff.mask[row]
+                parts.append((" " + fit(str(m), w, ">"), None if m else DIM))
         return strip_of(parts, width, base)
 
-    # -- divergence navigation --------------------------------------------------------------------
+    # -- navigation -------------------------------------------------------------------------------
     def jump(self, direction: int) -> bool:
-        """Cursor to the next/previous divergent row of this diff; False when there is none."""
+        """Cursor to the next/previous divergent row of this diff (in data order, whatever the sort); False
+        when there is none."""
         if self.diff is None:
             return False
-        row = self.diff.next_divergence(self.cursor, direction)
+        row = self.diff.next_divergence(self.data_row, direction)
         if row is None:
             return False
-        self.cursor = row
+        self.show_row(row)
         return True
 
+    def find_value(self, text: str) -> Optional[int]:
+        """The next data row after the cursor (wrapping) whose expected or actual value matches ``text`` to
+        the digits typed (:func:`digits_window`); None when none does."""
+        diff = self.diff
+        window = digits_window(text)
+        if diff is None or len(diff) == 0 or window is None:
+            return None
+        v, half = window
+        hit = ((diff.expected_tensor - v).abs() <= half) | ((diff.actual_tensor - v).abs() <= half)
+        rows = torch.nonzero(hit).reshape(-1).tolist()
+        if not rows:
+            return None
+        here = self.data_row
+        return next((r for r in rows if r > here), rows[0])
 
-CURSOR_MARK = Style(color="bright_yellow", bold=True)
+    def row_text(self, row: Optional[int] = None) -> str:
+        """One row as text for the clipboard: ``kl s-5@3 expected=… actual=… abs_err=… tol=…``."""
+        diff = self.diff
+        row = self.data_row if row is None else row
+        expected, actual, err, bad = diff.row(row)
+        tol, _ = diff.error_model_row(row)
+        where = f"{diff.sample_id}@{row}" if diff.kind == KIND_TOKEN else diff.labels[row]
+        text = f"{diff.field} {where}: expected={fmt_value(expected)} actual={fmt_value(actual)} " \
+               f"abs_err={fmt_value(err)}"
+        if tol is not None:
+            text += f" tol={fmt_value(tol)}"
+        return text + (" divergent" if bad else "")
 
+    # -- actions ----------------------------------------------------------------------------------
+    def on_resize(self) -> None:
+        super().on_resize()
+        if isinstance(self.parent, DiffPanel):
+            self.parent.show_state()  # how many columns the new width leaves out
 
-class ErrorStrip(Widget):
-    """|error| along the rows in one line: bar height = max |err| of the bin, red where a bin holds a
-    divergence, green where |err| > 0 within tolerance; the cursor's bins are yellow. Click a bin to
-    jump there."""
+    def action_toggle_sort(self) -> None:
+        keep = self.data_row
+        self.sort = SORT_NONE if self.sort else SORT_ERR
+        self._relayout(keep)
 
-    DEFAULT_CSS = """
-    ErrorStrip { height: 1; }
-    """
-
-    def __init__(self, view: DiffView, *, id: str | None = None) -> None:
-        super().__init__(id=id)
-        self.view = view
-        self._cache_key: tuple = ()
-        self._profile: list[tuple[float, bool]] = []
-
-    LABEL = "|err| "
-
-    def _bins(self) -> int:
-        return max(1, self.size.width - len(self.LABEL))
-
-    def profile(self) -> list[tuple[float, bool]]:
-        diff = self.view.diff
-        if diff is None:
-            return []
-        key = (id(diff), self._bins())
-        if key != self._cache_key:
-            self._cache_key = key
-            self._profile = diff.error_profile(self._bins())
-        return self._profile
-
-    def render_line(self, y: int) -> Strip:
-        width = self.size.width
-        base = self.rich_style
-        diff = self.view.diff
-        if y != 0 or diff is None or len(diff) == 0:
-            return Strip.blank(width, base)
-        prof = self.profile()
-        cursor_bins = diff.bins_of_row(self.view.cursor, len(prof))
-        parts: list[tuple[str, Optional[Style]]] = [(self.LABEL, DIM)]
-        for b, (level, flagged) in enumerate(prof):
-            if level <= 0 and not flagged:
-                ch, style = "▁", DIM
-            else:
-                ch = SPARK[min(len(SPARK) - 1, max(0, math.ceil(level * len(SPARK)) - 1))]
-                style = FAIL_SOFT if flagged else PASS
-            if b in cursor_bins:
-                style = CURSOR_MARK
-            parts.append((ch, style))
-        return strip_of(parts, width, base)
-
-    def on_click(self, event) -> None:
-        diff = self.view.diff
-        offset = event.get_content_offset(self)
-        if diff is None or offset is None or offset.x < len(self.LABEL):
+    def action_toggle_divergent(self) -> None:
+        if self.diff is None:
             return
-        b = offset.x - len(self.LABEL)
-        bins = len(self.profile())
-        if 0 <= b < bins:
-            self.view.cursor = diff.row_of_bin(b, bins)
-            self.view.focus()
+        if not self.divergent_only and not self.diff.divergent:
+            self.app.bell()
+            self.notify("no divergent row in this diff", timeout=2)
+            return
+        keep = self.data_row
+        self.divergent_only = not self.divergent_only
+        if self.divergent_only and self.diff.divergent and keep not in self.diff.divergent:
+            nxt = self.diff.next_divergence(keep, 1)
+            keep = nxt if nxt is not None else self.diff.divergent[-1]
+        self._relayout(keep)
 
+    def action_worst(self) -> None:
+        row = worst_row(self.diff)
+        if row is not None:
+            self.show_row(row)
+
+    def action_scroll_columns(self, step: int) -> None:
+        if self.diff is None:
+            return
+        cols = self._columns(self.row_width)
+        if step > 0 and not cols.hidden:
+            return  # every column is shown
+        n = len(cols.shown) + len(cols.hidden)
+        self.col_offset = max(0, min(n - 1, self.col_offset + step))
+        self.invalidate()
+        if isinstance(self.parent, DiffPanel):
+            self.parent.order_changed()
+
+    def action_toggle_log(self) -> None:
+        self.log_scale = not self.log_scale
+        if isinstance(self.parent, DiffPanel):
+            self.parent.order_changed()
+
+    def action_export(self, whole_stage: bool) -> None:
+        if self.diff is not None:
+            self.post_message(self.Export(whole_stage))
+
+    def action_copy(self, row: bool) -> None:
+        if self.diff is None or not self.row_count:
+            return
+        if row:
+            self.post_message(self.Copy(self.row_text()))
+        else:
+            self.post_message(self.Copy(fmt_value(self.diff.row(self.data_row)[1])))
 
 class DiffPanel(Vertical):
-    """Title line, |error| strip, column header, the rows and (for a bundle with support rows) the support
-    strip of the token under the cursor."""
+    """Title line, error plot, column header, the rows, (for a bundle with support rows) the support strip of
+    the token under the cursor, and the why strip: the inputs of the element under the cursor."""
 
     DEFAULT_CSS = """
     DiffPanel {
@@ -264,9 +487,11 @@ class DiffPanel(Vertical):
         yield HeaderLine(view, id="diff-header")
         yield view
         yield SupportStrip(view, id="support-strip")
+        yield WhyStrip(view, id="why-strip")
 
     def on_mount(self) -> None:
         self.border_title = "Diff"
+        self._message = ""
 
     @property
     def view(self) -> DiffView:
@@ -276,19 +501,31 @@ class DiffPanel(Vertical):
     def support_strip(self) -> SupportStrip:
         return self.query_one(SupportStrip)
 
-    def set_model(self, model: Optional[ReplayModel]) -> None:
-        """The model the support strip reads its rows from."""
-        self.support_strip.model = model
+    @property
+    def why_strip(self) -> WhyStrip:
+        return self.query_one(WhyStrip)
 
-    def show(self, diff: Optional[FieldDiff], cursor: int = 0, message: str = "") -> None:
+    def set_model(self, model: Optional[ReplayModel]) -> None:
+        """The model the support and why strips read their rows from."""
+        self.support_strip.model = model
+        self.why_strip.model = model
+
+    def show(self, diff: Optional[FieldDiff], cursor: int = 0, message: str = "", sort: Optional[str] = None) -> None:
         view = self.view
-        view.set_diff(diff, cursor)
+        view.set_diff(diff, cursor, sort=sort)
+        self._message = message
         self.query_one("#diff-header", HeaderLine).refresh()
         self.query_one(ErrorStrip).refresh()
+        self.why_strip.refresh()
         support = self.support_strip
         if support.display != support.wanted:  # a relayout only when the strip appears or goes
             support.display = support.wanted
         support.refresh()
+        self._info(diff, message)
+
+    def _info(self, diff: Optional[FieldDiff], message: str) -> None:
+        """The border title and the line above the plot: what is shown, how many diverge, the view's order."""
+        view = self.view
         info = Text(no_wrap=True, overflow="ellipsis")
         if diff is None:
             self.border_title = "Diff"
@@ -310,11 +547,30 @@ class DiffPanel(Vertical):
                 info.append(f" · {diff.mismatches} divergent", style="bold red")
             else:
                 info.append(" · no divergence", style="green")
+            # before the first layout the width is unknown: the resize that follows fills the count in
+            hidden = view._columns(view.row_width).hidden if view.row_width > 0 else ()
+            view_state = [w for w, on in (("by |err|", view.sort), ("divergent only", view.divergent_only),
+                                          ("log |err|", view.log_scale),
+                                          (f"→ {len(hidden)} more column(s)", hidden and not view.col_offset),
+                                          ("← scrolled", view.col_offset)) if on]
+            if view_state:
+                info.append(" · " + ", ".join(view_state), style="bold yellow")
             info.append(f" · {diff.stage} atol={diff.atol:g} rtol={diff.rtol:g}", style="dim")
-        self.query_one("#diff-info", Static).update(info)
+        self.query_one("#diff-info", Static).update(info, layout=False)
+
+    def order_changed(self) -> None:
+        """The sort, the filter, the columns or the plot's scale changed: header, plot and title line."""
+        self.show_state()
+        self.query_one("#diff-header", HeaderLine).refresh()
+        self.query_one(ErrorStrip).refresh()
+        self.why_strip.refresh()
+
+    def show_state(self) -> None:
+        self._info(self.view.diff, self._message)
 
     def cursor_moved(self) -> None:
         """The |err| strip's cursor mark and the support row follow the cursor in the same frame as the
         rows (through the ``Highlighted`` message they would be one more frame, one more write)."""
         self.query_one(ErrorStrip).refresh()
         self.support_strip.refresh()
+        self.why_strip.refresh()

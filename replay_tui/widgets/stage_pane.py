@@ -95,7 +95,8 @@ class StageList(CursorLines):
         floating-point noise the stage is), then ×noise and the mark; the mismatch count stays (the names
         are cut first)."""
         name_w = max([len(g) + 2 + len(s.stage) for g, s in zip(self.gutters, self.report.stages)] + [10]) + 1
-        name_w = min(name_w, max(width - 6, 4))  # the mismatch count always has its 6 cells (names get cut)
+        # the mismatch count always has its 6 cells, and the first divergence its ◀ (names get cut)
+        name_w = min(name_w, max(width - 6 - (len(SHORT_MARK) if self.report.first_divergent_stage else 0), 4))
         rest = width - name_w - 6
         mark = ""
         if self.report.first_divergent_stage and rest >= len(SHORT_MARK):
@@ -140,10 +141,13 @@ class StageList(CursorLines):
         glyph, gstyle = STATUS_GLYPH.get(s.status, ("○", SKIP))
         first = s.stage == report.first_divergent_stage
         gutter = self.gutters[row]
-        label = s.stage + mark if first else s.stage
+        room = cols.name - len(gutter) - 2
+        label = fit(s.stage + mark if first else s.stage, room)
+        if first and len(s.stage) + len(mark) > room:  # a cut name keeps the first-divergence mark after it
+            label = fit(s.stage, room - len(mark)) + mark
         parts: list[tuple[str, Optional[Style]]] = [
             (gutter, DIM), (glyph + " ", gstyle),
-            (fit(label, cols.name - len(gutter) - 2), FIRST if first else (None if s.status != "skipped" else SKIP)),
+            (label, FIRST if first else (None if s.status != "skipped" else SKIP)),
         ]
         if cols.status:
             status = {"pass": "pass", "fail": "FAIL", "skipped": "skipped"}.get(s.status, s.status)

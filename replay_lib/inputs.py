@@ -1,0 +1,244 @@
+"""The inputs of one compared element: what a stage consumed to produce it, as data a view prints.
+
+``element_inputs(ctx, field, index, offset)`` answers "why is this value what it is" for the element under a
+debugger's cursor: for a (raw or normalized) reward, its semantic group's raw rewards, their mean and unbiased
+std, the eps and the formula, and each member's micro-batch and consumer batch; for a KL token, the two
+log-probs, ``r = old − ref`` and the estimator's formula with its value; for an advantage token, the sample's
+normalized reward it broadcasts; for a token of a loss field (``pg_losses``, or a per-sample loss term), the
+ratio, its clip region, the mask, the advantage, the clipped surrogate and the token's contribution to the
+sample's term. Values are recomputed here in float64 from the context's recorded inputs with the kernels
+(``replay_lib.kernels``), the same formulas the stages compare, so the strip and the report agree.
+
+Headless (no Textual); cheap enough for every cursor move: O(1) per token, O(group) per reward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .kernels import KL_CLAMP, STD_EPS, compute_approx_kl, policy_loss_terms
+from .report import fmt_value
+from .selection import group_label
+from .stages.base import StageContext, StageInputError
+
+REWARD_FIELDS = ("raw_reward", "reward")
+LOSS_TOKEN_FIELDS = ("pg_losses",)
+LOSS_SAMPLE_FIELDS = ("pg_sum", "entropy_sum", "kl_sum", "clip_count", "mask_count", "pg_contribution")
+NOT_RECORDED = "—"
+
+KL_FORMULAS = {
+    "k1": "kl = r",
+    "k2": "kl = r²/2",
+    "k3": "kl = exp(−r) − 1 + r",
+    "low_var_kl": f"kl = clamp(exp(−r) − 1 + r, ±{KL_CLAMP:g})",
+}
+
+
+@dataclass(frozen=True)
+class ElementInputs:
+    """What produced one element: ``items`` are ``(label, value)`` pairs in reading order (values already in
+    the CLI's number format), ``formula`` the computation with its inputs substituted, ``members`` one
+    ``(sample, micro-batch, consumer batch)`` per sample of a reward's group."""
+
+    field: str
+    sample_id: Optional[str]
+    offset: Optional[int]
+    formula: str
+    items: tuple[tuple[str, str], ...] = ()
+    members: tuple[tuple[str, str, str], ...] = ()
+
+    def lines(self) -> list[str]:
+        """Plain text, one line per part (for a text view or a test)."""
+        out = [self.formula] if self.formula else []
+        if self.items:
+            out.append("  ".join(f"{k} {v}" for k, v in self.items))
+        if self.members:
+            out.append("  ".join(f"{s} mb {m} cb {c}" for s, m, c in self.members))
+        return out
+
+
+def fmt(x: Optional[float]) -> str:
+    """A number as the report prints it; ``nan`` for a missing one."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    return fmt_value(float(x))
+
+
+def consumer_batch(record) -> str:
+    """A sample's consumer (transfer) batch id, when the bundle records one per sample (SPEC §3: optional)."""
+    value = getattr(record, "consumer_batch_id", None)
+    return str(value) if value is not None else NOT_RECORDED
+
+
+def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[int] = None) -> ElementInputs:
+    """The inputs of ``field``'s element for sample ``index`` (in ``ctx``'s sample order) and, for a per-token
+    field, its token ``offset``. Raises ``KeyError`` for a field without an input breakdown, ``IndexError``
+    for an offset outside the sample, :class:`StageInputError` when the inputs are unusable."""
+    if not 0 <= index < len(ctx.samples):
+        raise IndexError(f"sample index {index} outside 0..{len(ctx.samples) - 1}")
+    if field in REWARD_FIELDS:
+        return reward_inputs(ctx, field, index)
+    if field in LOSS_SAMPLE_FIELDS:
+        return loss_sample_inputs(ctx, field, index)
+    if offset is None:
+        raise KeyError(f"{field} needs a token offset")
+    n = int(ctx.lengths[index])
+    if not 0 <= offset < n:
+        raise IndexError(f"token offset {offset} outside sample {ctx.sample_ids[index]} ({n} token(s))")
+    t = int(ctx.offsets[index]) + offset
+    if field == "kl":
+        return kl_inputs(ctx, index, offset, t)
+    if field == "advantage":
+        return advantage_inputs(ctx, index, offset, t)
+    if field in LOSS_TOKEN_FIELDS:
+        return loss_token_inputs(ctx, field, index, offset, t)
+    raise KeyError(f"no input breakdown for field {field!r}")
+
+
+# ------------------------------------------------------------------------------------------ rewards
+
+
+def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
+    """A reward's group: raw rewards, mean, unbiased std, eps, the normalization formula with its value (the
+    kernel's ``group_normalize`` in float64), and each member's micro-batch and consumer batch."""
+    record = ctx.samples[index]
+    g = record.group_index
+    members = [j for j, gi in enumerate(ctx.group_indices) if gi == g] if g is not None else [index]
+    raw = [ctx.samples[j].raw_reward for j in members]
+    people = tuple((ctx.sample_ids[j], ctx.samples[j].micro_batch_id or NOT_RECORDED, consumer_batch(ctx.samples[j]))
+                   for j in members)
+    std_on = bool(ctx.config.grpo_std_normalization)
+    if g is None or any(r is None for r in raw):
+        why = "no group_index" if g is None else "a member has no raw reward"
+        return ElementInputs(field=field, sample_id=record.sample_id, offset=None, formula=f"not normalized: {why}",
+                             items=(("raw", fmt(record.raw_reward)),), members=people)
+    r = torch.tensor(raw, dtype=torch.float64)
+    mean = float(r.mean())
+    std = float(r.std(unbiased=True)) if r.numel() > 1 else float("nan")
+    mine = float(record.raw_reward)
+    if std_on:
+        value = (mine - mean) / (std + STD_EPS)
+        formula = f"(r − mean) / (std + eps) = ({fmt(mine)} − {fmt(mean)}) / ({fmt(std)} + {STD_EPS:g}) = {fmt(value)}"
+    else:
+        value = mine - mean
+        formula = f"r − mean = {fmt(mine)} − {fmt(mean)} = {fmt(value)} (std normalization off)"
+    if field == "raw_reward":
+        formula = f"raw reward {fmt(mine)} as recorded; normalized: " + formula
+    items = (("group", group_label(g)), ("raw", "[" + ", ".join(fmt(x) for x in raw) + "]"), ("mean", fmt(mean)),
+             ("std", fmt(std)), ("eps", f"{STD_EPS:g}"), ("std-norm", "on" if std_on else "off"))
+    return ElementInputs(field=field, sample_id=record.sample_id, offset=None, formula=formula, items=items,
+                         members=people)
+
+
+# ------------------------------------------------------------------------------------------- tokens
+
+
+def _at(ctx: StageContext, name: str, t: int) -> float:
+    return float(ctx.payload(name)[t].to(torch.float64))
+
+
+def kl_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInputs:
+    """``r = old − ref`` and the estimator (``compute_approx_kl``, float64) of one token."""
+    cfg = ctx.config
+    sid = ctx.sample_ids[index]
+    mask = int(ctx.loss_mask[t])
+    if cfg.kl_coef == 0:
+        return ElementInputs(field="kl", sample_id=sid, offset=offset, formula="kl_coef = 0: kl is 0 at every token",
+                             items=(("mask", str(mask)),))
+    if not ctx.has("ref_log_probs"):
+        raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")
+    old, ref = _at(ctx, "old_log_probs", t), _at(ctx, "ref_log_probs", t)
+    r = old - ref
+    kl = float(compute_approx_kl(torch.tensor([old], dtype=torch.float64), torch.tensor([ref], dtype=torch.float64),
+                                 cfg.kl_loss_type, dtype=torch.float64)[0])
+    formula = f"{cfg.kl_loss_type}: {KL_FORMULAS.get(cfg.kl_loss_type, 'kl = ?')} = {fmt(kl)}  (r = old − ref)"
+    items = (("old", fmt(old)), ("ref", fmt(ref)), ("r", fmt(r)), ("kl_coef", f"{cfg.kl_coef:g}"), ("mask", str(mask)))
+    return ElementInputs(field="kl", sample_id=sid, offset=offset, formula=formula, items=items)
+
+
+def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInputs:
+    """The normalized reward an advantage token broadcasts (GRPO: every response token of the sample)."""
+    from .stages.advantage import grpo_rewards  # the rewards advantage.estimate consumes
+
+    rewards, _ = grpo_rewards(ctx)
+    reward = float(rewards[index])
+    record = ctx.samples[index]
+    items = (("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t]))))
+    how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
+    formula = f"A = the sample's normalized reward, broadcast over its {int(ctx.lengths[index])} token(s) = " \
+              f"{fmt(reward)} ({how})"
+    return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset, formula=formula, items=items)
+
+
+def _loss_token(ctx: StageContext, t: int) -> dict[str, float]:
+    """One token of loss.policy's inputs, the surrogate and its clip decision, in float64."""
+    from .stages.loss import loss_inputs  # the inputs the loss stage consumes (recorded or --chain's)
+
+    li = loss_inputs(ctx)
+    cfg = ctx.config
+    logp = float(li.log_probs[t].to(torch.float64))
+    old = float(li.old_log_probs[t].to(torch.float64))
+    adv = float(li.advantages[t:t + 1].to(torch.float64)[0])
+    ppo_kl = torch.tensor([old - logp], dtype=torch.float64)
+    pg, clipped, ratio = policy_loss_terms(ppo_kl, torch.tensor([adv], dtype=torch.float64), cfg.eps_clip,
+                                           cfg.eps_clip_high)
+    return {"logp": logp, "old": old, "adv": adv, "ratio": float(ratio[0]), "pg": float(pg[0]),
+            "clipped": float(clipped[0]), "mask": float(li.mask[t]), "low": 1.0 - float(cfg.eps_clip),
+            "high": 1.0 + float(cfg.eps_clip_high)}
+
+
+def clip_region(ratio: float, low: float, high: float) -> str:
+    if ratio < low:
+        return f"below 1−ε ({fmt(low)})"
+    if ratio > high:
+        return f"above 1+ε_high ({fmt(high)})"
+    return f"inside [{fmt(low)}, {fmt(high)}]"
+
+
+def _sample_mask_count(ctx: StageContext, index: int) -> float:
+    lo = int(ctx.offsets[index])
+    return float(ctx.loss_mask[lo:lo + int(ctx.lengths[index])].sum())
+
+
+def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A loss token: ratio ``exp(logp − old)``, its clip region and decision, mask, advantage, the surrogate
+    ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
+    ``pg·mask / Σmask`` to its term of pg_loss (a sum of per-sample masked means)."""
+    v = _loss_token(ctx, t)
+    n_mask = _sample_mask_count(ctx, index)
+    term = v["pg"] * v["mask"]
+    share = term / max(n_mask, 1.0)
+    branch = "clipped branch −clamp(r)·A" if v["clipped"] else "unclipped branch −r·A"
+    formula = f"pg = max(−r·A, −clamp(r, {fmt(v['low'])}, {fmt(v['high'])})·A) = {fmt(v['pg'])} ({branch})"
+    items = (("ratio", fmt(v["ratio"])), ("clip", clip_region(v["ratio"], v["low"], v["high"])),
+             ("mask", fmt(v["mask"])), ("A", fmt(v["adv"])), ("→ pg_sum", fmt(term)),
+             ("→ pg_loss", f"{fmt(share)} (÷ {fmt(n_mask)} mask tokens)"))
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula, items=items)
+
+
+def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
+    """A per-sample loss term: how many loss tokens, how many clipped, and the term's share of pg_loss."""
+    from .stages.loss import loss_inputs
+
+    li = loss_inputs(ctx)
+    cfg = ctx.config
+    lo, n = int(ctx.offsets[index]), int(ctx.lengths[index])
+    ppo_kl = li.old_log_probs[lo:lo + n].to(torch.float64) - li.log_probs[lo:lo + n].to(torch.float64)
+    adv = li.advantages[lo:lo + n].to(torch.float64)
+    pg, clipped, _ = policy_loss_terms(ppo_kl, adv, cfg.eps_clip, cfg.eps_clip_high)
+    mask = li.mask[lo:lo + n].to(torch.float64)
+    pg_sum = float((pg * mask).sum())
+    n_mask = float(mask.sum())
+    clips = float((clipped * mask).sum())
+    share = pg_sum / max(n_mask, 1.0)
+    formula = f"pg_loss term = pg_sum / max(Σmask, 1) = {fmt(pg_sum)} / {fmt(max(n_mask, 1.0))} = {fmt(share)}"
+    items = (("tokens", str(n)), ("mask", fmt(n_mask)), ("clipped", fmt(clips)), ("pg_sum", fmt(pg_sum)),
+             ("kl_sum", fmt(float((ppo_kl * mask).sum()))))
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
+
+
+__all__ = ["ElementInputs", "element_inputs", "clip_region", "consumer_batch", "KL_FORMULAS"]

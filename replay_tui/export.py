@@ -1,0 +1,137 @@
+"""Export of the viewed field: expected, actual, abs error, tolerance and the divergence mark of each element,
+for one sample's tokens or the whole stage, as CSV or JSON (by the file's extension). Pure data: the model's
+field results, no Textual.
+
+CSV: a header line, then one line per element: ``rank, sample_id, offset, label, expected, actual, abs_error,
+tolerance, divergent`` (``offset`` for a per-token field, ``label`` for a table row — a sample id or a loss
+field — empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such).
+JSON: ``{"field", "stage", "scope", "columns", "rows": [[…], …]}`` with the same columns, a non-finite number
+as ``null``. A file that exists is never replaced unless the caller says so (the dialog asks first); the
+file is written beside its final name and renamed into place, so a failed write leaves no half file."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .model import FIELD_BY_NAME, KIND_COHORT, KIND_TOKEN, ReplayModel
+
+COLUMNS = ("rank", "sample_id", "offset", "label", "expected", "actual", "abs_error", "tolerance", "divergent")
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    field: str
+    sample_id: Optional[str]  # the viewed sample (a per-token field), else None
+    whole_stage: bool  # every sample of the stage (a table is always whole)
+
+    @property
+    def scope(self) -> str:
+        if FIELD_BY_NAME[self.field].kind == KIND_COHORT:
+            return "cohort"
+        return "stage" if self.whole_stage or self.sample_id is None else "sample"
+
+
+def default_export_path(request: ExportRequest) -> str:
+    """``kl-s-5.csv``, ``kl-stage.csv``, ``reward.csv``: a file name made of the field and the scope (a sample
+    id's characters outside ``[A-Za-z0-9._-]`` become ``_``)."""
+    if request.scope == "sample":
+        stem = f"{request.field}-{re.sub(r'[^A-Za-z0-9._-]', '_', request.sample_id)}"
+    elif request.scope == "stage" and FIELD_BY_NAME[request.field].kind == KIND_TOKEN:
+        stem = f"{request.field}-stage"
+    else:
+        stem = request.field
+    return f"{stem}.csv"
+
+
+def _number(x: float):
+    return x if math.isfinite(x) else None
+
+
+def export_rows(model: ReplayModel, request: ExportRequest) -> tuple[str, list[list]]:
+    """``(stage, rows)``: one row per element in :data:`COLUMNS` order."""
+    spec = FIELD_BY_NAME[request.field]
+    if spec.kind == KIND_TOKEN and request.scope == "sample":
+        diff = model.field_diff(request.field, request.sample_id)
+        row = model.sample(request.sample_id)
+        rank = model.shards[row.shard].rank if row is not None else None
+        return spec.stage, _rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor, diff.tolerance_tensor,
+                                 diff.bad_tensor, rank=rank, sample_ids=[diff.sample_id] * len(diff),
+                                 offsets=range(len(diff)))
+    if spec.kind == KIND_TOKEN:
+        rows: list[list] = []
+        shown = set(model.samples.ids)
+        for shard in model.shards:
+            if not shard.ensure(request.field):
+                continue
+            result = shard.results[request.field]
+            ctx = shard.ctx
+            starts, lengths = ctx.offsets.tolist(), ctx.lengths.tolist()
+            keep = [i for i, sid in enumerate(ctx.sample_ids) if sid in shown]
+            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in keep]) if keep else \
+                torch.zeros(0, dtype=torch.int64)
+            sample_ids = [ctx.sample_ids[i] for i in keep for _ in range(lengths[i])]
+            offsets = [t for i in keep for t in range(lengths[i])]
+            rows += _rows(result.expected[index], result.actual[index], result.abs_error[index],
+                          result.tolerance[index], result.divergent[index], rank=shard.rank, sample_ids=sample_ids,
+                          offsets=offsets)
+        return spec.stage, rows
+    diff = model.field_diff(request.field)
+    return spec.stage, _rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor, diff.tolerance_tensor,
+                             diff.bad_tensor, labels=diff.labels,
+                             sample_ids=diff.labels if spec.kind != KIND_COHORT else None)
+
+
+def _rows(expected, actual, err, tol, bad, *, rank=None, sample_ids=None, offsets=None, labels=None) -> list[list]:
+    n = int(expected.numel())
+    cols = [expected.tolist(), actual.tolist(), err.tolist(), tol.tolist() if tol is not None else [None] * n,
+            bad.tolist()]
+    sample_ids = list(sample_ids) if sample_ids is not None else [None] * n
+    offsets = list(offsets) if offsets is not None else [None] * n
+    labels = list(labels) if labels is not None else [None] * n
+    return [[rank, sample_ids[i], offsets[i], labels[i], cols[0][i], cols[1][i], cols[2][i], cols[3][i],
+             bool(cols[4][i])] for i in range(n)]
+
+
+def render(path: str, field: str, stage: str, scope: str, rows: list[list]) -> str:
+    """The file's text: JSON for a ``.json`` path, else CSV."""
+    if path.lower().endswith(".json"):
+        doc = {"field": field, "stage": stage, "scope": scope, "columns": list(COLUMNS),
+               "rows": [[_number(v) if isinstance(v, float) else v for v in row] for row in rows]}
+        return json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for row in rows:
+        writer.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in row])
+    return out.getvalue()
+
+
+def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overwrite: bool = False) -> str:
+    """Write the export to ``path``; returns the one-line result to show. Raises ``FileExistsError`` when
+    ``path`` exists and ``overwrite`` is False (nothing is written), ``OSError`` when it cannot be written."""
+    target = Path(path).expanduser()
+    if target.exists() and not overwrite:
+        raise FileExistsError(str(target))
+    stage, rows = export_rows(model, request)
+    text = render(str(target), request.field, stage, request.scope, rows)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=str(target.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    what = "JSON" if str(target).lower().endswith(".json") else "CSV"
+    return f"wrote {len(rows)} row(s) of {request.field} ({request.scope}) to {target} as {what}"

@@ -1,0 +1,101 @@
+"""The "why" strip under the diff rows: the inputs of the element under the cursor.
+
+What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.inputs``): for a reward its group's raw
+rewards, mean, std, eps and each member's micro-batch and consumer batch; for a KL token ``r`` and the
+formula; for a loss token the ratio, its clip region, the mask, the advantage and the token's contribution
+to its sample's term. Line 1 is the formula with its values, line 2 the inputs, line 3 (tall terminals) a
+reward group's members. Line API: one lookup per cursor move, the lines cached until the element changes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from rich.style import Style
+from textual.strip import Strip
+from textual.widget import Widget
+
+from replay_lib.inputs import ElementInputs
+from replay_lib.safe_text import safe
+from replay_lib.stages import StageInputError
+
+from ..cells import BOLD, DIM, strip_of
+from ..model import ReplayModel
+
+if TYPE_CHECKING:
+    from .diff_view import DiffView
+
+LINES = 3
+
+
+def inputs_parts(inputs: ElementInputs) -> list[list[tuple[str, Optional[Style]]]]:
+    """The strip's lines as ``(text, style)`` parts: labels dim, values plain; bundle text escaped."""
+    where = safe(inputs.sample_id or "")
+    if inputs.offset is not None:
+        where += f"@{inputs.offset}"
+    first: list[tuple[str, Optional[Style]]] = [("why ", DIM)]
+    if where:
+        first.append((where + " ", BOLD))
+    first.append((safe(inputs.formula), None))
+    lines = [first]
+    items: list[tuple[str, Optional[Style]]] = []
+    for label, value in inputs.items:
+        items += [(("  " if items else "") + label + " ", DIM), (safe(value), None)]
+    if items:
+        lines.append(items)
+    if inputs.members:
+        members: list[tuple[str, Optional[Style]]] = [("members", DIM)]
+        for sid, mb, cb in inputs.members:
+            members += [("  " + safe(sid), BOLD if sid == inputs.sample_id else None), (" mb ", DIM), (safe(mb), None),
+                        (" cb ", DIM), (safe(cb), None)]
+        lines.append(members)
+    return lines
+
+
+class WhyStrip(Widget):
+    DEFAULT_CSS = """
+    WhyStrip { height: 3; border-top: none; }
+    """
+
+    def __init__(self, view: "DiffView", *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.view = view
+        self.model: Optional[ReplayModel] = None
+        self._key: tuple = ()
+        self._lines: list[list[tuple[str, Optional[Style]]]] = []
+
+    def element_key(self) -> tuple:
+        diff = self.view.diff
+        if diff is None or self.model is None or not len(diff):
+            return ()
+        return id(self.model), diff.field, diff.sample_id, self.view.data_row
+
+    def current_lines(self) -> list[list[tuple[str, Optional[Style]]]]:
+        key = self.element_key()
+        if key != self._key:
+            self._key = key
+            self._lines = self._compute()
+        return self._lines
+
+    def _compute(self) -> list[list[tuple[str, Optional[Style]]]]:
+        diff = self.view.diff
+        if not self._key:
+            return []
+        try:
+            inputs = self.model.element_inputs(diff.field, diff.sample_id, self.view.data_row)
+        except (KeyError, IndexError) as exc:
+            return [[("why ", DIM), (safe(str(exc.args[0]) if exc.args else "no input breakdown"), DIM)]]
+        except StageInputError as exc:
+            return [[("why ", DIM), ("inputs unusable: " + safe(str(exc)), DIM)]]
+        return inputs_parts(inputs)
+
+    def text_lines(self) -> list[str]:
+        """The strip as plain text (tests, the clipboard)."""
+        return ["".join(t for t, _ in parts) for parts in self.current_lines()]
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        base = self.rich_style
+        lines = self.current_lines()
+        if y >= len(lines):
+            return Strip.blank(width, base)
+        return strip_of(lines[y], width, base)
