@@ -143,7 +143,8 @@ def test_a_run_without_the_leave_one_out_baseline_diverges_at_reward_post_proces
     assert first["actual"] == pytest.approx(1.1546985, abs=1e-6)
     (tmp_path / "cfg.json").write_text(json.dumps({"grpo": {"num_generations_per_prompt": 4,
                                                             "use_leave_one_out_baseline": False}}))
-    assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "c"), "--config", str(tmp_path / "cfg.json")]) == 0
+    assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "c"),
+                 "--config", str(tmp_path / "cfg.json")]) == 0
     assert main(["replay", str(tmp_path / "c")]) == 0
 
 

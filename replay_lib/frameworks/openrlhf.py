@@ -31,7 +31,8 @@ NEUTRAL = ("actor.model_name_or_path", "actor.optim", "actor.muon", "actor.adam"
            "actor.lr_warmup_ratio", "actor.min_lr_ratio", "actor.max_norm", "actor.aux_loss_coef",
            "actor.num_nodes", "actor.num_gpus_per_node", "actor.gradient_checkpointing_enable", "actor.freezing_steps",
            "reward.num_nodes", "reward.num_gpus_per_node", "reward.model_name_or_path", "reward.remote_url",
-           "reward.offload", "reward.normalize_enable", "reward.overlong_penalty_factor", "algo.kl.horizon", "algo.advantage.no_std_norm",
+           "reward.offload", "reward.normalize_enable", "reward.overlong_penalty_factor", "algo.kl.horizon",
+           "algo.advantage.no_std_norm",
            "algo.dynamic_filtering_enable", "algo.dynamic_filtering_range")
 
 

@@ -40,7 +40,8 @@ ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "checkpoint", "profiler", "
                  "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "data_loader_seed", "use_torch_compile",
                  "use_fused_kernels", "use_remove_padding", "rollout_n", "grad_clip", "freeze_vision_tower",
                  "max_concurrent", "memory_limit_mb", "calculate_entropy", "calculate_sum_pi_squared",
-                 "use_prefix_grouper", "entropy_from_logits_with_chunking", "entropy_checkpointing",
+                 "use_prefix_grouper", "entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size",
+                 "entropy_checkpointing",
                  "ulysses_sequence_parallel_size", "router_replay", "qat", "nccl_timeout")
 # policy_loss.* knobs that only act under their own loss_mode (clip_cov, kl_cov, geo_mean, dppo, sapo, ...).
 POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
@@ -80,7 +81,8 @@ def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     scale_factor = r.integer(f"{ACTOR}.loss_scale_factor", None)  # yaml:101: None → the mask width
     fields: dict[str, Any] = dict(
         advantage_estimator=estimator,
-        n_samples_per_prompt=r.integer("actor_rollout_ref.rollout.n", 1),  # verl/trainer/config/rollout/rollout.yaml:167
+        # verl/trainer/config/rollout/rollout.yaml:127
+        n_samples_per_prompt=r.integer("actor_rollout_ref.rollout.n", 1),
         grpo_std_normalization=r.flag(f"{ALGO}.norm_adv_by_std_in_grpo", True),  # yaml:865
         grpo_std_eps=1e-6,  # core_algos.py:272 (epsilon)
         grpo_std_unbiased=True,  # core_algos.py:318: torch.std
@@ -123,7 +125,8 @@ def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     r.neutral(f"{ALGO}.pf_ppo")
     r.neutral(*(f"{ALGO}.{k}" for k in ALGO_NEUTRAL), *(f"{ACTOR}.{k}" for k in ACTOR_NEUTRAL),
               *(f"{ACTOR}.policy_loss.{k}" for k in POLICY_LOSS_OTHER_MODES))
-    r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")  # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654)
+    # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654)
+    r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")
     r.check_unknown([ALGO, ACTOR])
     return r.build(fields)
 
