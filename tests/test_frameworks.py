@@ -221,6 +221,23 @@ def test_nemo_rl_grpo_math_defaults_and_tis():
                                   "truncated_importance_sampling_type": "seq-mask-tis"}})
 
 
+def test_yaml_interpolations_resolve_as_omegaconf_would():
+    """A YAML read without OmegaConf keeps ``${grpo.normalize_rewards}`` (grpo_math_1B.yaml:41-42) and verl's
+    ``${oc.select:path,default}`` / ``${.sibling}`` as strings: they are resolved against the same config."""
+    cfg = from_nemo_rl({"grpo": {"normalize_rewards": False, "use_leave_one_out_baseline": True,
+                                 "num_generations_per_prompt": "${grpo.group_size}", "group_size": 6,
+                                 "adv_estimator": {"normalize_rewards": "${grpo.normalize_rewards}",
+                                                   "use_leave_one_out_baseline": "${grpo.use_leave_one_out_baseline}"}}})
+    assert (cfg.grpo_std_normalization, cfg.group_baseline, cfg.n_samples_per_prompt) == (False, "leave_one_out", 6)
+    verl = from_verl({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {
+        "rollout": {"n": 8}, "actor": {"rollout_n": "${oc.select:actor_rollout_ref.rollout.n,1}",
+                                       "clip_ratio_high": "${oc.select:actor_rollout_ref.actor.missing,0.28}",
+                                       "clip_ratio_low": "${.clip_ratio}", "clip_ratio": 0.25}}})
+    assert (verl.eps_clip, verl.eps_clip_high) == (0.25, 0.28)
+    with pytest.raises(FrameworkConfigError, match=r"clip_ratio_c='\$\{oc.env:C\}': expected a number"):
+        from_verl({"actor_rollout_ref": {"actor": {"clip_ratio_c": "${oc.env:C}"}}})
+
+
 def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
     """examples/scripts/train_dapo_ray_hybrid_engine.sh:12-46: group_norm (std + 1e-9, experience_maker.py:270),
     n=8, k3 KL loss at 1e-3 (output clamped ±10, models/utils.py:95), clip 0.2/0.27, IS correction tis [0.5, 5]

@@ -103,6 +103,65 @@ def nest_dotted(tree: Any) -> Any:
     return out
 
 
+_INTERPOLATION = re.compile(r"\A\$\{([^{}]+)\}\Z")
+
+
+def resolve_interpolations(tree: dict) -> dict:
+    """A YAML read without OmegaConf keeps its interpolations as strings: ``${a.b}`` (absolute), ``${.b}``
+    (a sibling) and ``${oc.select:a.b,default}`` are resolved against the same tree, as OmegaConf would; any
+    other resolver stays a string (a typed read then names it)."""
+
+    def lookup(path: str, parent: list[str]) -> Any:
+        if path.startswith("."):
+            parts = parent + path.lstrip(".").split(".")
+        else:
+            parts = path.split(".")
+        node: Any = tree
+        for part in parts:
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def value_of(value: Any, parent: list[str], depth: int = 0) -> Any:
+        match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+        if match is None or depth > 16:
+            return value
+        inner = match.group(1).strip()
+        default: Any = _MISSING
+        if inner.startswith("oc.select:"):
+            inner, _, fallback = inner[len("oc.select:"):].partition(",")
+            default = _literal(fallback.strip()) if fallback else None
+        elif ":" in inner:
+            return value  # another resolver (oc.env, …): not evaluated here
+        found = lookup(inner.strip(), parent)
+        if found is _MISSING:
+            return value if default is _MISSING else default
+        return value_of(found, parent, depth + 1)
+
+    def walk(node: Any, parent: list[str]) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v, parent + [k]) if isinstance(v, dict) else value_of(v, parent) for k, v in node.items()}
+        return node
+
+    return walk(tree, [])
+
+
+def _literal(text: str) -> Any:
+    """An ``oc.select`` default as OmegaConf reads it: null, a bool, a number, else the string."""
+    lowered = text.lower()
+    if lowered in ("null", "none", "~"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a.b": leaf}`` of a nested dict (lists are leaves)."""
     if not isinstance(tree, dict):
@@ -126,8 +185,8 @@ class ConfigReader:
         tree = nest_dotted(to_plain(cfg))
         if not isinstance(tree, dict):
             raise FrameworkConfigError(f"{self._label()}: expected a mapping of settings, got {type(cfg).__name__}")
-        self.tree = tree
-        self.flat = flatten(tree)
+        self.tree = resolve_interpolations(tree)
+        self.flat = flatten(self.tree)
         self.read: set[str] = set()
         self.neutral_prefixes: list[str] = []
 

@@ -33,7 +33,7 @@ GRPO_NEUTRAL = ("num_prompts_per_step", "max_rollout_turns", "max_num_epochs", "
                 "reward_shaping.overlong_buffer_penalty", "reward_shaping.max_response_length",
                 "reward_shaping.stop_properly_penalty_coef", "reward_scaling.source_min", "reward_scaling.source_max",
                 "reward_scaling.target_min", "reward_scaling.target_max", "adv_estimator.minus_baseline",
-                "adv_estimator.reward_weights")
+                "adv_estimator.reward_weights", "skip_reference_policy_logprobs_calculation")
 
 
 def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
