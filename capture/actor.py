@@ -45,7 +45,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from replay_lib.kernels import LOSS_FIELDS
+from replay_lib.kernels import POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.schema import PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
 from .bundles import (
@@ -191,10 +191,15 @@ def _scalar(value) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
 
 
+# What a step may report (SPEC §4.2): loss.policy's fields, with the knobs' pg_clipfrac_lower and kl_loss, and
+# loss.value's (PPO).
+REPORTED_FIELDS = POLICY_FIELDS + VALUE_FIELDS
+
+
 def _loss_fields(label: str, fields: Mapping[str, object], what: str) -> dict[str, torch.Tensor]:
-    unknown = sorted(set(fields) - set(LOSS_FIELDS))
+    unknown = sorted(set(fields) - set(REPORTED_FIELDS))
     if unknown:
-        raise ValueError(f"{label}: unknown loss field(s) {unknown} in {what} (expected {', '.join(LOSS_FIELDS)})")
+        raise ValueError(f"{label}: unknown loss field(s) {unknown} in {what} (expected {', '.join(REPORTED_FIELDS)})")
     out = {name: _scalar(value) for name, value in fields.items()}
     for name, t in out.items():
         if t.numel() != 1:
@@ -249,8 +254,9 @@ class StepCapture:
     _tokens = itertools.count()
 
     def __init__(self, capture: "ReplayCapture", actor_step_id: ActorStepId, provenance: Provenance,
-                 support_scored: Optional[tuple[str, ...]] = None):
+                 support_scored: Optional[tuple[str, ...]] = None, advantage_estimate: bool = False):
         self._capture = capture
+        self.advantage_estimate = advantage_estimate
         self.actor_step_id = actor_step_id
         self.provenance = provenance
         self.support_scored = support_scored
@@ -278,6 +284,11 @@ class StepCapture:
         entropy: Optional[TensorLike] = None,
         raw_rewards: Optional[TensorLike] = None,
         rewards: Optional[TensorLike] = None,
+        ref_log_probs: Optional[TensorLike] = None,
+        rollout_log_probs: Optional[TensorLike] = None,
+        values: Optional[TensorLike] = None,
+        old_values: Optional[TensorLike] = None,
+        returns: Optional[TensorLike] = None,
         side_channels: Optional[SideChannels] = None,
         loss_terms: Optional[Mapping[str, TensorLike]] = None,
         pg_losses: Optional[TensorLike] = None,
@@ -287,8 +298,11 @@ class StepCapture:
         the micro-batch's per-token support rows (see the module docstring). ``loss_terms``: its samples'
         per-sample loss terms (``PER_SAMPLE_TERMS``, one value per sample each); ``pg_losses``: its per-token
         surrogate (kept only under ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``, else not even copied);
-        ``loss_fields``: the loss fields it reports (summed by ``finish()``). Every micro-batch of a step
-        gives the same side channels, terms and fields."""
+        ``loss_fields``: the loss fields it reports (summed by ``finish()``). ``ref_log_probs`` /
+        ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
+        (SPEC §4.2); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
+        declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
+        micro-batch of a step gives the same side channels, terms and fields."""
         if self._finished:
             raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
         if self._broken is not None:
@@ -316,6 +330,10 @@ class StepCapture:
             "old_log_probs": _flat(old_log_probs),
             "advantages": _flat(advantages),
             "entropy": None if entropy is None else _flat(entropy),
+            "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
+            "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            **{name: None if t is None else _flat(t) for name, t in (("values", values), ("old_values", old_values),
+                                                                    ("returns", returns))},
             "raw_rewards": None if raw_rewards is None else _flat(raw_rewards, torch.float64),
             "rewards": None if rewards is None else _flat(rewards, torch.float64),
             **channels,
@@ -344,13 +362,16 @@ class StepCapture:
             raise ValueError(f"{where}: {show(layout)} differ from the step's first micro-batch "
                              f"({show(self._terms_layout)})")
 
-    def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, **kwargs: torch.Tensor) -> bool:
+    def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, *,
+               config: Optional[RecomputeConfig] = None, **kwargs: torch.Tensor) -> bool:
         """Submit the loss fields the trainer reports for the whole step (``loss, pg_loss, entropy_loss,
         pg_clipfrac, ppo_kl``; 0-d tensors, they stay on their device; Python numbers are float64). For a
         step of several micro-batches this is the reduction ``loss.policy`` recomputes over the whole
         bundle: the sum of per-sample masked means over all samples, i.e. the sum of the micro-batch values.
         Without fields, that sum is taken of the micro-batches' ``loss_fields`` (in float64, on the writer
-        thread); a step gives its fields one way or the other, not both."""
+        thread); a step gives its fields one way or the other, not both. ``config``: this step's own
+        ``RecomputeConfig`` (e.g. with the recorded counts ``loss_token_count`` of SPEC §4.2) instead of the
+        capture's."""
         if self._finished:
             raise RuntimeError(f"{self.label}: finish() called twice")
         self._finished = True
@@ -361,9 +382,12 @@ class StepCapture:
                              "(which finish() sums): give them one way")
         if "loss" not in given and "loss" not in summed:
             raise ValueError(f"{self.label}: finish() needs at least the 'loss' field")
+        if config is not None and not isinstance(config, RecomputeConfig):
+            raise TypeError(f"{self.label}: finish() config must be a RecomputeConfig, got {type(config).__name__}")
         tensors = given
         meta = StepEndMeta(token=self.token, actor_step_id=self.actor_step_id, n_parts=self._parts,
-                           provenance=self.provenance, broken=self._broken, support_scored=self.support_scored)
+                           provenance=self.provenance, broken=self._broken, support_scored=self.support_scored,
+                           config=config, advantage_estimate=self.advantage_estimate)
         return self._capture.manager.submit(CaptureItem(kind="step-end", label=self.label, meta=meta, tensors=tensors))
 
 
@@ -450,14 +474,25 @@ class ReplayCapture:
         provenance: Optional[Provenance] = None,
         side_channels: Optional[SideChannels] = None,
         support_scored: Optional[Sequence[str]] = None,
+        scored_rewards: Optional[TensorLike] = None,
+        reward_terms: Optional[Mapping[str, Sequence[float]]] = None,
+        config: Optional[RecomputeConfig] = None,
+        values: Optional[TensorLike] = None,
+        returns: Optional[TensorLike] = None,
     ) -> bool:
         """Record what ``reward.raw … advantage.estimate`` consumed and produced for one rollout.
+        ``values`` / ``returns``: per token, the critic's values GAE consumed and the returns it produced
+        (``advantage_estimator="gae"``, SPEC §4.2).
 
         ``raw_rewards`` / ``rewards``: per sample, raw and as post-processed by the trainer; ``kl`` and
         ``advantages``: per token, as the trainer computed them. ``side_channels``: optional per-token
         rows (``SUPPORT_CHANNELS``); ``support_scored``: which of ``old_log_probs`` / ``ref_log_probs``
         the trainer scored over the recorded support with the ``support_logits`` given here (declares
-        ``logprob.support``). Returns False if not captured.
+        ``logprob.support``). ``scored_rewards``: the raw rewards as the reward functions produced them, when
+        the trainer sees them apart from ``raw_rewards`` (what entered the normalization): they become
+        ``reward.raw``'s expected values. ``reward_terms``: more lists or numbers stored beside them under
+        ``expected.json $.reward.raw`` (per reward function scores and weights). ``config``: this rollout's
+        own ``RecomputeConfig`` instead of the capture's. Returns False if not captured.
         """
         if not self.wants_rollout(rollout_id):
             return False
@@ -467,36 +502,50 @@ class ReplayCapture:
         channels = _side_channels(label, side_channels, sum(int(n) for n in response_lengths), self.recompute_config)
         if scored is not None:
             _require_support_rows(label, channels)
+        terms = {str(k): [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+                 for k, v in (reward_terms or {}).items()}
+        if "raw_rewards" in terms:
+            raise ValueError(f"{label}: reward_terms may not be named 'raw_rewards' (give scored_rewards)")
+        if config is not None and not isinstance(config, RecomputeConfig):
+            raise TypeError(f"{label}: config must be a RecomputeConfig, got {type(config).__name__}")
         meta = RolloutMeta(
             rollout_id=int(rollout_id),
             samples=_sample_meta(sample_ids, group_index, response_lengths, total_lengths, prompts, responses, labels),
             provenance=provenance or Provenance(),
             support_scored=scored,
+            reward_terms=terms,
+            config=config,
         )
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
             "raw_rewards": _flat(raw_rewards, torch.float64),
+            "scored_rewards": None if scored_rewards is None else _flat(scored_rewards, torch.float64),
             "rewards": _flat(rewards, torch.float64),
             "old_log_probs": _flat(old_log_probs),
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "kl": _flat(kl),
             "advantages": _flat(advantages),
+            "values": None if values is None else _flat(values),
+            "returns": None if returns is None else _flat(returns),
             **channels,
         }
         item = CaptureItem(kind="rollout", label=label, meta=meta, tensors=tensors)
         return self.manager.submit(item)
 
     def begin_step(self, rollout_id: int, step_id: int, *, provenance: Optional[Provenance] = None,
-                   support_scored: Optional[Sequence[str]] = None):
+                   support_scored: Optional[Sequence[str]] = None, advantage_estimate: bool = False):
         """A :class:`StepCapture` for actor step ``(rollout_id, step_id)``, or a no-op if not captured.
         ``support_scored``: which of ``log_probs`` / ``old_log_probs`` the trainer scored over the recorded
-        support with the ``support_logits`` its micro-batches give (declares ``logprob.support``)."""
+        support with the ``support_logits`` its micro-batches give (declares ``logprob.support``).
+        ``advantage_estimate``: the micro-batches give every sample's normalized reward (``rewards``), and the
+        bundle also declares ``advantage.estimate``: the advantages the loss consumed must be those rewards
+        broadcast over each sample's tokens (catches advantages handed to the wrong samples)."""
         if not self.wants_step(rollout_id, step_id):
             return NULL_STEP
         scored = _support_scored(step_bundle_id(rollout_id, step_id), support_scored,
                                  ("log_probs", "old_log_probs"), self.recompute_config)
         return StepCapture(self, ActorStepId(rollout_id=int(rollout_id), step_id=int(step_id)),
-                           provenance or Provenance(), scored)
+                           provenance or Provenance(), scored, advantage_estimate)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ import torch
 
 from replay_lib.bundle import BundleWriter
 from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
-from replay_lib.kernels import LOSS_FIELDS
+from replay_lib.kernels import LOSS_FIELDS, POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.schema import (
     FORMAT_VERSION,
     PER_SAMPLE_KEY,
@@ -80,6 +80,9 @@ _CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, 
 
 # Names a step-part record gives its per-sample loss terms and its reported loss fields under (never payload
 # names: the writer turns them into expected.json values).
+# The fields a step may report (loss.policy's with the SPEC §4.2 knobs', loss.value's) and PPO's payloads.
+REPORTED_FIELDS = POLICY_FIELDS + VALUE_FIELDS
+VALUE_PAYLOADS = ("values", "old_values", "returns")
 TERM_PREFIX = "term:"
 FIELD_PREFIX = "field:"
 # The declared per-token compute formats (SPEC §5.1 ``producer_precision.compute``).
@@ -133,6 +136,8 @@ class RolloutMeta:
     provenance: Provenance
     # The recorded log-probs the trainer scored over the recorded support (None: not support-scored).
     support_scored: Optional[tuple[str, ...]] = None
+    reward_terms: Mapping = field(default_factory=dict)  # more values under expected.json $.reward.raw
+    config: Optional[RecomputeConfig] = None  # this rollout's own config (None: the producer's)
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,8 @@ class StepEndMeta:
     provenance: Provenance
     broken: Optional[str] = None  # why the training side gave up on this step (a dropped micro-batch)
     support_scored: Optional[tuple[str, ...]] = None
+    config: Optional[RecomputeConfig] = None  # this step's own config (None: the producer's)
+    advantage_estimate: bool = False  # also declare advantage.estimate (the samples carry their rewards)
 
 
 @dataclass(frozen=True)
@@ -297,7 +304,8 @@ class BundleSink:
     def _manifest(self, bundle_id: str, stages: Sequence[StageId],
                   capabilities: Optional[Mapping[StageId, StageCapability]] = None,
                   accumulate: str = "float32") -> Manifest:
-        contracts = stage_contracts(stages, capabilities=dict(capabilities or {}))
+        contracts = stage_contracts(stages, capabilities=dict(capabilities or {}),
+                                    declare_value=StageId.LOSS_VALUE not in stages)
         policy = _comparison_policy(
             exact_fields=["reward.raw.raw_reward"],
             tolerances={str(stage): self.context.tolerance for stage in stages},
@@ -307,10 +315,12 @@ class BundleSink:
                         stage_contracts=contracts, payloads={}, comparison_policy=policy,
                         redaction=dict(self.context.redaction))
 
-    def _config(self, support_scored: Optional[Sequence[str]]) -> RecomputeConfig:
+    def _config(self, support_scored: Optional[Sequence[str]],
+                own: Optional[RecomputeConfig] = None) -> RecomputeConfig:
+        config = self.context.config if own is None else own
         if support_scored is None:
-            return self.context.config
-        return msgspec.structs.replace(self.context.config, support_scored=list(support_scored))
+            return config
+        return msgspec.structs.replace(config, support_scored=list(support_scored))
 
     def _with_support(self, stages: Sequence[StageId], payloads: dict, support_scored):
         """``(stages, capabilities)`` with ``logprob.support`` added when the bundle declares it."""
@@ -346,10 +356,11 @@ class BundleSink:
             identity=self._identity(rollout_id=int(meta.rollout_id), provenance=meta.provenance,
                                     groups=meta.samples.group_index),
             samples=records,
-            config=self._config(meta.support_scored),
+            config=self._config(meta.support_scored, meta.config),
         )
+        scored = _float_list(tensors["scored_rewards"]) if "scored_rewards" in tensors else raw
         expected = {
-            "reward.raw": {"raw_rewards": raw},
+            "reward.raw": {**meta.reward_terms, "raw_rewards": scored},
             "reward.post_process": {"rewards": rewards},
         }
         payloads = {"old_log_probs": tensors["old_log_probs"]}
@@ -357,6 +368,9 @@ class BundleSink:
             payloads["ref_log_probs"] = tensors["ref_log_probs"]
         payloads["kl"] = tensors["kl"]
         payloads["advantages"] = tensors["advantages"]
+        for name in ("values", "returns"):  # GAE's critic values and returns (SPEC §4.2)
+            if name in tensors:
+                payloads[name] = tensors[name]
         for name in SUPPORT_CHANNELS:
             if name in tensors:
                 payloads[name] = _channel(name, tensors[name])
@@ -400,7 +414,8 @@ class BundleSink:
             for name, tensor in part.items():
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
-        for name in ("log_probs", "old_log_probs", "entropy", "advantages", "pg_losses", *SUPPORT_CHANNELS):
+        for name in ("log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "advantages",
+                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
@@ -410,8 +425,15 @@ class BundleSink:
             identity=self._identity(actor_step_id=meta.actor_step_id, provenance=meta.provenance,
                                     micro_batch_ids=mb_ids, groups=groups),
             samples=records,
-            config=self._config(meta.support_scored),
+            config=self._config(meta.support_scored, meta.config),
         )
+        step_stages = STEP_STAGES
+        if meta.advantage_estimate:
+            missing = [r.sample_id for r in records if r.reward is None]
+            if missing:
+                raise ValueError(f"{bundle_id}: advantage.estimate needs every sample's reward; "
+                                 f"{len(missing)} sample(s) have none (first {missing[0]!r})")
+            step_stages = (StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY)
         reported = _reported_fields(bundle_id, tensors, columns, len(parts))
         loss = {name: float(_cpu(t).reshape(())) if t.dim() == 0 else math.fsum(t.tolist())
                 for name, t in reported.items()}
@@ -422,18 +444,25 @@ class BundleSink:
         sums = [tensors[n] for n in LOSS_FIELDS if n in tensors] + [
             t for n in (*(FIELD_PREFIX + f for f in LOSS_FIELDS), *(TERM_PREFIX + n for n in PER_SAMPLE_SUMS))
             for t in columns.get(n, ())]
-        stages, capabilities = self._with_support(STEP_STAGES, payloads, meta.support_scored)
-        return self._publish(bundle_id, stages, index, {"loss.policy": loss}, payloads, capabilities,
-                             _accumulated_in(sums))
+        expected = {"loss.policy": loss}
+        value = {name: loss.pop(name) for name in VALUE_FIELDS if name in loss}
+        if value:  # PPO: loss.value recomputes the critic's loss from the recorded values and returns
+            missing = [n for n in VALUE_PAYLOADS if n not in payloads]
+            if missing:
+                raise ValueError(f"{bundle_id}: loss fields {sorted(value)} need the payload(s) {', '.join(missing)}")
+            expected["loss.value"] = value
+            step_stages = (*step_stages, StageId.LOSS_VALUE)
+        stages, capabilities = self._with_support(step_stages, payloads, meta.support_scored)
+        return self._publish(bundle_id, stages, index, expected, payloads, capabilities, _accumulated_in(sums))
 
 
 def _reported_fields(bundle_id: str, end: dict[str, torch.Tensor], columns: dict[str, list[torch.Tensor]],
                      n_parts: int) -> dict[str, torch.Tensor]:
     """The step's reported loss fields: those ``finish()`` gave (0-d), else each field's micro-batch values
     (1-D, in data-iterator order), which the caller sums in float64."""
-    if any(name in end for name in LOSS_FIELDS):
-        return {name: end[name] for name in LOSS_FIELDS if name in end}
-    return _joined_columns(bundle_id, columns, n_parts, FIELD_PREFIX, LOSS_FIELDS, "loss field")
+    if any(name in end for name in REPORTED_FIELDS):
+        return {name: end[name] for name in REPORTED_FIELDS if name in end}
+    return _joined_columns(bundle_id, columns, n_parts, FIELD_PREFIX, REPORTED_FIELDS, "loss field")
 
 
 def _per_sample_terms(bundle_id: str, columns: dict[str, list[torch.Tensor]], n_parts: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,347 @@
+"""Live capture from TRL's GRPOTrainer (``capture.integrations.trl``) through ``examples/trl_grpo.py``.
+
+One subprocess trains every variant (TRL is imported once), capturing with the ``RELAX_REPLAY_CAPTURE*``
+variables; each capture directory is then replayed by ``trajectory-replay scan`` in its own process. The
+expected values in the bundles are TRL's own; the fidelity checks below recompute TRL's formulas in the test,
+written from TRL 1.16.0's ``trl/trainer/grpo_trainer.py`` (huggingface/trl, the release the ``[trl]`` extra
+pins): the group normalization of ``_generate_and_score_completions`` (``:2763-2787``) and the loss of
+``_compute_loss`` (``:3083-3173``) — not from ``replay_lib.kernels``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]' installs the tested version)")
+
+import torch  # noqa: E402
+
+from replay_lib.bundle import BundleReader  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+# name → (example arguments, capture variables; None = capture off)
+VARIANTS = {
+    "clean": ([], {}),
+    "off": ([], None),
+    "one-pass": (["--iterations", "1"], {}),
+    "grpo": (["--loss-type", "grpo", "--steps", "2"], {}),
+    "dr_grpo": (["--loss-type", "dr_grpo", "--steps", "2"], {}),
+    "bnpo": (["--loss-type", "bnpo", "--gradient-accumulation", "1", "--steps", "2"], {}),
+    "beta": (["--beta", "0.1", "--steps", "2"], {}),
+    "filtered": ([], {"RELAX_REPLAY_CAPTURE_STEPS": "1:1", "RELAX_REPLAY_CAPTURE_ROLLOUTS": "0"}),
+    "batch-normalized-rewards": (["--bug", "batch-normalized-rewards", "--steps", "2"], {}),
+    "shuffled-advantages": (["--bug", "shuffled-advantages", "--steps", "2"], {}),
+    "wrong-mapping": (["--steps", "2"], {}),  # dapo captured as if it were a sum of per-sample means
+}
+
+# replayed by ``trajectory-replay scan`` (with stage link); the others bundle by bundle with ``replay``
+SCANNED = ("clean", "one-pass", "filtered", "shuffled-advantages")
+
+DRIVER = textwrap.dedent("""
+    import contextlib, io, json, os, sys
+    sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+    import msgspec
+    import replay_lib.frameworks.trl as mapping
+    import trl_grpo
+    from capture.integrations.trl import TESTED_VERSIONS, UntestedTRLVersion, enable_replay_capture, require_tested_trl
+    from replay_lib.cli import main
+
+    real = mapping.from_trl
+    plan = json.loads(sys.argv[2])
+    for name, argv, env in plan:
+        for key in [k for k in os.environ if k.startswith("RELAX_REPLAY_CAPTURE")]:
+            del os.environ[key]
+        os.environ.update(env)
+        mapping.from_trl = real if name != "wrong-mapping" else (
+            lambda *a, **k: msgspec.structs.replace(real(*a, **k), loss_agg_mode="sum_of_sample_means"))
+        print(json.dumps({"name": name, **trl_grpo.train(argv)}), flush=True)
+    # every capture directory replayed by the CLI in this process (TRL and torch are imported once): scan (with
+    # its stage link) where the test reads the links, else replay bundle by bundle (scan's worker processes
+    # cost more than these few bundles)
+    def cli(argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(argv)
+        return code, json.loads(out.getvalue())
+
+    statuses = {0: "pass", 1: "diverged"}
+    for name, argv, env in plan:
+        if not env:
+            continue
+        directory = env["RELAX_REPLAY_CAPTURE_DIR"]
+        if name in sys.argv[3].split(","):
+            code, report = cli(["scan", directory, "--format", "json", "--jobs", "1"])
+        else:
+            rows, codes = [], []
+            for path in sorted(os.listdir(directory)):
+                c, r = cli(["replay", os.path.join(directory, path), "--format", "json"])
+                codes.append(c)
+                rows.append({"path": path, "status": statuses.get(c, str(c)), "first_stage": r["first_divergent_stage"],
+                             "report": r})
+            code, report = (1 if 1 in codes else max(codes, default=0)), {"bundles": rows, "links": None}
+        print(json.dumps({"scan": name, "code": code, "report": report}), flush=True)
+    checks = {"tested": TESTED_VERSIONS}
+    try:
+        require_tested_trl("1.17.0")
+    except UntestedTRLVersion as exc:
+        checks["untested"] = str(exc)
+    try:
+        enable_replay_capture(object(), env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": "/nowhere"})
+    except TypeError as exc:
+        checks["not_a_trainer"] = str(exc)
+    print(json.dumps({"checks": checks}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(root, trainings by name, scans by name as (exit code, JSON report), checks)``."""
+    root = tmp_path_factory.mktemp("trl")
+    plan = []
+    for name, (argv, env) in VARIANTS.items():
+        capture = {} if env is None else {"RELAX_REPLAY_CAPTURE": "1",
+                                           "RELAX_REPLAY_CAPTURE_DIR": str(root / name), **env}
+        plan.append((name, argv, capture))
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), json.dumps(plan), ",".join(SCANNED)], cwd=REPO,
+                          capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results, scans, checks = {}, {}, None
+    for line in done.stdout.splitlines():
+        if line.startswith('{"name"'):
+            row = json.loads(line)
+            results[row["name"]] = row
+        elif line.startswith('{"scan"'):
+            row = json.loads(line)
+            scans[row["scan"]] = (row["code"], row["report"])
+        elif line.startswith('{"checks"'):
+            checks = json.loads(line)["checks"]
+    assert sorted(results) == sorted(VARIANTS)
+    assert sorted(scans) == sorted(n for n, (_, env) in VARIANTS.items() if env is not None)
+    return root, results, scans, checks
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {b["path"]: b["status"] for b in report["bundles"]}
+
+
+def stage_status(row: dict) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in row["report"]["stages"]}
+
+
+def test_capture_changes_nothing_in_training(runs):
+    _, results, _, _ = runs
+    assert results["off"]["capture"] is None
+    assert results["clean"]["weights_sha256"] == results["off"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("name, bundles", [
+    # 4 steps, GAS 2, SPG 2, 2 iterations: each generation of 2 prompts × 4 completions feeds
+    # 2 passes × 2 micro-batches = 2 optimizer steps → rollouts 0..1, steps R:0 and R:1
+    ("clean", ["rollout-0", "rollout-1", "step-0-0", "step-0-1", "step-1-0", "step-1-1"]),
+    # one pass: one step per generation → 4 rollouts
+    ("one-pass", ["rollout-0", "rollout-1", "rollout-2", "rollout-3",
+                  "step-0-0", "step-1-0", "step-2-0", "step-3-0"]),
+    ("grpo", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("dr_grpo", ["rollout-0", "step-0-0", "step-0-1"]),
+    # GAS 1, SPG 1, 2 iterations: one micro-batch of 4 per step, a generation of one prompt per 2 steps
+    ("bnpo", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("beta", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("filtered", ["rollout-0", "step-1-1"]),
+])
+def test_every_bundle_replays_clean(runs, name, bundles):
+    root, results, scans, _ = runs
+    assert results[name]["capture"] == {"directory": str(root / name), "written": len(bundles), "dropped": 0,
+                                         "errors": 0}
+    code, report = scans[name]
+    assert statuses(report) == dict.fromkeys(bundles, "pass"), report.get("summary")
+    assert code == 0
+    if name in SCANNED:  # stage link: every step bundle whose rollout bundle was captured too
+        linked = [b for b in bundles if b.startswith("step-") and f"rollout-{b.split('-')[1]}" in bundles]
+        assert sorted(link["step"] for link in report["links"]) == linked
+        assert all(link["status"] == "pass" for link in report["links"])
+
+
+def _tensor(reader: BundleReader, name: str) -> torch.Tensor:
+    return reader.payload(name).to(torch.float64)
+
+
+def _trl_loss(reader: BundleReader) -> float:
+    """TRL's loss of a captured step, recomputed here in float64 from the bundle's inputs
+    (grpo_trainer.py:3083-3173): coef_1 = exp(logp − old); per_token_loss = −min(coef_1·A, clamp(coef_1,
+    1−ε, 1+ε_high)·A) + β·(exp(ref − logp) − (ref − logp) − 1); then per loss type over the step's tokens:
+    dapo Σ x·m / (num_items_in_batch / P · GAS / SPG), grpo Σ_i mean_i / (B·GAS), dr_grpo Σ x·m / (B·GAS·L),
+    bnpo Σ x·m / Σ m (GAS 1)."""
+    cfg = reader.index.config
+    logp, old, adv = _tensor(reader, "log_probs"), _tensor(reader, "old_log_probs"), _tensor(reader, "advantages")
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if cfg.use_kl_loss:
+        d = _tensor(reader, "ref_log_probs") - logp
+        per_token = per_token + cfg.kl_loss_coef * (torch.exp(d) - d - 1)
+    total, means, tokens = 0.0, 0.0, 0
+    start = 0
+    for s in reader.index.samples:
+        m = torch.tensor(s.loss_mask, dtype=torch.float64)
+        x = float((per_token[start:start + s.response_length] * m).sum())
+        total, means, tokens = total + x, means + x / max(float(m.sum()), 1.0), tokens + int(m.sum())
+        start += s.response_length
+    if cfg.loss_agg_mode == "token_mean":  # dapo (scale P·SPG/GAS) or bnpo (the micro-batch's own tokens)
+        return cfg.loss_scale * total / cfg.loss_token_count
+    if cfg.loss_agg_mode == "seq_mean_token_mean":
+        return means / cfg.loss_seq_count
+    return total / (cfg.loss_seq_count * cfg.loss_horizon)
+
+
+@pytest.mark.parametrize("name, mode, count", [
+    ("clean", "token_mean", None), ("grpo", "seq_mean_token_mean", 8), ("dr_grpo", "seq_mean_token_sum_norm", 8),
+    ("bnpo", "token_mean", None), ("beta", "token_mean", None),
+])
+def test_recorded_loss_is_trls_formula_on_the_recorded_inputs(runs, name, mode, count):
+    root, _, scans, _ = runs
+    steps = sorted(p for p in (root / name).iterdir() if p.name.startswith("step-"))
+    assert steps
+    for path in steps:
+        reader = BundleReader(path)
+        cfg = reader.index.config
+        assert cfg.loss_agg_mode == mode
+        rollout = BundleReader(root / name / f"rollout-{path.name.split('-')[1]}")
+        if name in ("clean", "beta"):
+            # dapo: T = num_items_in_batch = every loss-mask token of the generation batch (1 process), and
+            # P·SPG/GAS = 1·2/2 = 1
+            assert cfg.loss_token_count == sum(sum(s.loss_mask) for s in rollout.index.samples)
+            assert cfg.loss_scale == 1.0
+        elif name == "bnpo":  # GAS 1: the step's one micro-batch of 4 samples is its own token count
+            assert len(reader.index.samples) == 4
+            assert cfg.loss_token_count == sum(sum(s.loss_mask) for s in reader.index.samples)
+        else:  # B·GAS = 4·2; dr_grpo's L = max_completion_length = 6
+            assert cfg.loss_seq_count == count and len(reader.index.samples) == count
+            assert cfg.loss_horizon == (6 if name == "dr_grpo" else None)
+        recorded = reader.expected["loss.policy"]["loss"]
+        assert math.isclose(_trl_loss(reader), recorded, rel_tol=1e-5, abs_tol=1e-6), (path.name, recorded)
+        if name == "beta":
+            assert reader.has_payload("ref_log_probs") and cfg.kl_loss_coef == 0.1
+
+
+@pytest.mark.parametrize("name", ["clean", "one-pass", "grpo"])
+def test_rollout_records_trls_rewards_groups_and_normalization(runs, name):
+    root, _, scans, _ = runs
+    for path in sorted((root / name).glob("rollout-*")):
+        reader = BundleReader(path)
+        samples = reader.index.samples
+        expected = reader.expected
+        # TRL's order and grouping: s-0 … s-7, view(-1, num_generations=4) → groups 0,0,0,0,1,1,1,1
+        assert [s.sample_id for s in samples] == [f"s-{i}" for i in range(8)]
+        assert [s.group_index for s in samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+        per_func = expected["reward.raw"]["rewards_per_func"]
+        assert expected["reward.raw"]["reward_weights"] == [1.0, 0.5]
+        # raw reward = odd digits + 0.5 · (ended with <eos>): exact in float32 (halves of small integers)
+        raw = [per_func[2 * i] + 0.5 * per_func[2 * i + 1] for i in range(8)]
+        assert [s.raw_reward for s in samples] == raw == expected["reward.raw"]["raw_rewards"]
+        assert all(float(r).is_integer() and r >= 0 for r in per_func[0::2]) and set(per_func[1::2]) <= {0.0, 1.0}
+        # TRL's normalization (:2765-2787): (r − mean_group) / (Bessel std_group + 1e-4), here in float64
+        for g in (0, 1):
+            r = torch.tensor(raw[4 * g:4 * g + 4], dtype=torch.float64)
+            want = (r - r.mean()) / (r.std(unbiased=True) + 1e-4)
+            got = torch.tensor(expected["reward.post_process"]["rewards"][4 * g:4 * g + 4], dtype=torch.float64)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (path.name, g)
+        # per-token advantages = each sample's normalized reward over its completion tokens
+        adv = reader.payload("advantages").tolist()
+        spread = [x for s, a in zip(samples, expected["reward.post_process"]["rewards"]) for x in
+                  [a] * s.response_length]
+        assert adv == pytest.approx(spread, abs=0.0)
+        assert reader.payload("kl").abs().sum().item() == 0.0
+
+
+def test_old_log_probs_without_trls_recompute_are_the_first_forward(runs):
+    """One pass (GAS 2 % generate_every 2 == 0, grpo_trainer.py:2643): TRL computes no old log-probs and uses
+    the detached current ones (:3071); the rollout bundle records exactly the step's log-probs."""
+    root, _, scans, _ = runs
+    rollout = BundleReader(root / "one-pass" / "rollout-2")
+    step = BundleReader(root / "one-pass" / "step-2-0")
+    assert torch.equal(step.payload("old_log_probs"), step.payload("log_probs"))
+    by_id = {}
+    start = 0
+    for s in step.index.samples:
+        by_id[s.sample_id] = step.payload("log_probs")[start:start + s.response_length]
+        start += s.response_length
+    start = 0
+    for s in rollout.index.samples:
+        assert torch.equal(rollout.payload("old_log_probs")[start:start + s.response_length], by_id[s.sample_id])
+        start += s.response_length
+
+
+def test_batch_normalized_rewards_fail_first_at_reward_raw(runs):
+    """The reward functions' scores normalized over the whole batch before TRL's group normalization: the
+    rewards TRL normalized are not the scores the functions returned (reward.raw), while TRL's normalization
+    of what it was given is right (reward.post_process passes on the recorded raw rewards)."""
+    root, _, scans, _ = runs
+    code, report = scans["batch-normalized-rewards"]
+    assert code == 1
+    rows = {b["path"]: b for b in report["bundles"]}
+    assert rows["rollout-0"]["first_stage"] == "reward.raw"
+    stages = stage_status(rows["rollout-0"])
+    assert (stages["reward.raw"], stages["reward.post_process"], stages["advantage.estimate"]) == \
+        ("fail", "pass", "pass")
+    reader = BundleReader(root / "batch-normalized-rewards" / "rollout-0")
+    actual = torch.tensor([s.raw_reward for s in reader.index.samples], dtype=torch.float64)
+    # what TRL normalized: per function (r − mean)/(std + 1e-6), weighted 1 and 0.5 → a weighted sum of
+    # zero-mean columns has mean 0 over the batch (to float32 rounding)
+    assert abs(float(actual.mean())) < 1e-6
+    assert [rows[p]["status"] for p in ("step-0-0", "step-0-1")] == ["pass", "pass"]
+
+
+def test_shuffled_advantages_fail_first_at_advantage_estimate(runs):
+    """Advantages rolled by one sample inside each micro-batch: the rollouts are clean; each step's first
+    divergence is advantage.estimate (the consumed advantages are not the samples' normalized rewards), and
+    loss.policy, judged on what the loss consumed, passes; the link stage sees the same samples differ."""
+    root, _, scans, _ = runs
+    code, report = scans["shuffled-advantages"]
+    assert code == 1
+    rows = {b["path"]: b for b in report["bundles"]}
+    assert rows["rollout-0"]["status"] == "pass"
+    for path in ("step-0-0", "step-0-1"):
+        assert rows[path]["first_stage"] == "advantage.estimate"
+        stages = stage_status(rows[path])
+        assert (stages["advantage.estimate"], stages["loss.policy"]) == ("fail", "pass")
+    assert [link["status"] for link in report["links"]] == ["diverged", "diverged"]
+
+
+def test_a_wrong_denominator_fails_loss_policy(runs):
+    """Control: the same dapo run captured with a mapping that claims a sum of per-sample means — only the
+    loss's denominator is wrong, and only loss.policy fails."""
+    root, _, scans, _ = runs
+    code, report = scans["wrong-mapping"]
+    assert code == 1
+    rows = {b["path"]: b for b in report["bundles"]}
+    assert rows["rollout-0"]["status"] == "pass"
+    for path in ("step-0-0", "step-0-1"):
+        assert rows[path]["first_stage"] == "loss.policy"
+
+
+def test_untested_trl_version_is_refused_in_one_line(runs):
+    checks = runs[3]
+    assert checks["untested"] == ("capture.integrations.trl is tested with trl==1.16.0 only, found trl 1.17.0: "
+                                  "install the tested version (pip install -e '.[trl]')")
+
+
+def test_the_extra_pins_the_tested_versions(runs):
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    assert sorted(extra) == sorted(f"{name}=={version}" for name, version in runs[3]["tested"].items())
+    import trl
+
+    assert trl.__version__ == runs[3]["tested"]["trl"]
+
+
+def test_only_a_grpo_trainer_is_instrumented(runs):
+    assert runs[3]["not_a_trainer"] == "enable_replay_capture needs a trl.GRPOTrainer, got object"
