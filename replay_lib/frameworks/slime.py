@@ -40,7 +40,7 @@ NEUTRAL = (
     "min_batch_collection_ratio", "num_critic_only_steps", "use_rollout_entropy", "get_mismatch_metrics",
     "keep_old_actor", "use_critic", "reward_key", "rollout_batch_size", "global_batch_size",
     "rollout_temperature", "opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef",
-    "ref_update_interval",
+    "ref_update_interval", "check_for_nan_in_loss_and_grad", "no_check_for_nan_in_loss_and_grad",
 )
 NEUTRAL_PREFIXES = ("ci_", "eval_", "log_", "wandb_", "tensorboard_", "save_debug_", "load_debug_")
 

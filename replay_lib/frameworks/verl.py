@@ -35,7 +35,8 @@ LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_m
 # same forward value (core_algos.py:2199-2203). k3 and low_var_kl are one formula, clamped at ±20 then ±10.
 KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
 # Sections of the actor config that configure the engine, not the loss.
-ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "checkpoint", "profiler", "_target_", "strategy",
+ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "veomni", "torchtitan", "automodel", "checkpoint", "profiler",
+                 "_target_", "strategy",
                  "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                  "ppo_max_token_len_per_gpu", "ppo_epochs", "shuffle", "data_loader_seed", "use_torch_compile",
                  "use_fused_kernels", "use_remove_padding", "rollout_n", "grad_clip", "freeze_vision_tower",
