@@ -27,7 +27,7 @@ from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.inputs import ElementInputs, element_inputs
-from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, fmt_value
+from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing
 from replay_lib.schema import CORE_KNOBS, StageId, config_changes
@@ -1055,6 +1055,15 @@ def first_divergence_text(report: ReplayReport) -> str:
     if report.first_divergence is None:
         return ""
     return divergence_line(report.first_divergence, len(report.ranks) > 1)
+
+
+def explanation_text(report: ReplayReport) -> str:
+    """The best explanation of the first divergent stage as the CLI prints it (``likely cause: … — 4/4
+    samples``); "" when no known cause matches (``replay_lib.explain``)."""
+    for e in report.explanations:
+        if e.stage == report.first_divergent_stage:
+            return explanation_line(e)
+    return ""
 
 
 def fmt_cell(x: Optional[float]) -> str:

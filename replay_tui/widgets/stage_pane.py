@@ -26,6 +26,7 @@ LEAVES = ("loss.policy", "loss.value")
 FIRST_MARK = " ◀ first"
 SHORT_MARK = " ◀"  # the same mark where the pane is narrow (an 80-column terminal)
 STATUS_GLYPH = {STATUS_PASS: ("✓", PASS), STATUS_FAIL: ("✗", FAIL)}
+DOWNSTREAM_GLYPH = ("↓", DIM)  # a stage that fails (--chain) only because an upstream stage failed
 NOISE_W = 6  # the max ×noise column ("×noise", "7.1e4")
 
 
@@ -139,6 +140,8 @@ class StageList(CursorLines):
         cols = self._columns(width)
         mark = cols.mark
         glyph, gstyle = STATUS_GLYPH.get(s.status, ("○", SKIP))
+        if s.downstream_of:  # fails under --chain only because of an upstream stage: not a root cause
+            glyph, gstyle = DOWNSTREAM_GLYPH
         first = s.stage == report.first_divergent_stage
         gutter = self.gutters[row]
         room = cols.name - len(gutter) - 2
@@ -151,6 +154,7 @@ class StageList(CursorLines):
         ]
         if cols.status:
             status = {"pass": "pass", "fail": "FAIL", "skipped": "skipped"}.get(s.status, s.status)
+            status = "down" if s.downstream_of else status
             parts.append((fit(status, 8), gstyle if s.status != "skipped" else SKIP))
         mism = str(s.mismatches) if s.status != "skipped" else "—"
         parts.append((fit(mism, 5, ">") + " ", FAIL if s.mismatches else DIM))
@@ -211,6 +215,8 @@ class StagesPanel(Vertical):
         text.append(f" [{' · '.join(how)}]", style="dim")
         if stage.reason:
             text.append(" — " + safe(stage.reason))
+        if stage.downstream_of:
+            text.append(f" — downstream of {safe(stage.downstream_of)}: passes on its recorded inputs")
         n = sum(1 for h in report.hazards if h.stage == stage.stage) if report is not None else 0
         if n:
             text.append(f"  ⚠ {n} hazard{'s' if n != 1 else ''}", style="bold yellow")

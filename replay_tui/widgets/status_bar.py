@@ -11,7 +11,7 @@ from textual.widgets import Static
 from replay_lib.report import STATUS_PASS, ReplayReport
 from replay_lib.safe_text import safe
 
-from ..model import first_divergence_text
+from ..model import explanation_text, first_divergence_text
 
 
 class TitleBar(Static):
@@ -85,7 +85,7 @@ def ellipsize(text: str, width: int) -> str:
 
 class VerdictBar(Static):
     DEFAULT_CSS = """
-    VerdictBar { height: auto; max-height: 4; padding: 0 1; }
+    VerdictBar { height: auto; max-height: 5; padding: 0 1; }
     VerdictBar.-fail { background: $error 20%; }
     VerdictBar.-pass { background: $success 15%; }
     """
@@ -164,6 +164,10 @@ class VerdictBar(Static):
                     text.append(part, style="bold")
                 if on_last:
                     text.append(MARK_GAP + on_last, style=HAZARD_STYLE)
+            cause = explanation_text(report)  # the likely cause under them, cut at spaces into two lines at most
+            for part in hang(cause, width - len(INDENT), limit=2) if cause else []:
+                text.append("\n" + INDENT)
+                text.append(part, style="italic")
         self._shown_width = width
         self.update(text)
 
