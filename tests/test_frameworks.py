@@ -81,10 +81,15 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ice = from_verl({"algorithm": {"adv_estimator": "grpo", "rollout_correction": {
         "rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0"}}})
     assert (ice.is_level, ice.is_mode, ice.is_low, ice.is_high) == ("sequence", "mask", 0.5, 2.0)
-    gspo = from_verl({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"actor": {
-        "policy_loss": {"loss_mode": "gspo"}, "loss_agg_mode": "seq-mean-token-mean"}}})
+    gspo = from_verl({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"rollout": {"n": 8}, "actor": {
+        "policy_loss": {"loss_mode": "gspo"}, "loss_agg_mode": "seq-mean-token-mean", "ppo_mini_batch_size": 32}}})
     assert (gspo.importance_level, gspo.eps_clip_c, gspo.log_ratio_clamp, gspo.loss_agg_mode) == (
         "sequence", None, 10.0, "seq_mean_token_mean")
+    # seq-mean modes divide by the nominal ppo_mini_batch_size · n = 32 · 8 (ray_trainer.py:1352-1362)
+    assert (gspo.loss_seq_count, gspo.loss_token_count) == (256, None)
+    norm = from_verl({"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm",
+                                                      "loss_scale_factor": 4096}}})
+    assert (norm.loss_agg_mode, norm.loss_seq_count, norm.loss_horizon) == ("seq_mean_token_sum_norm", 256, 4096)
 
 
 @pytest.mark.parametrize("cfg, key, why", [

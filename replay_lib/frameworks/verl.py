@@ -10,8 +10,9 @@ keys of ``actor_rollout_ref.actor`` (clips, dual-clip, aggregation, KL loss, ent
 ``actor_rollout_ref.actor`` minus their engine sections (optimizer, FSDP/Megatron, checkpoint, profiler).
 
 Not encoded (per-step values a capture records): the all-reduced token count of ``token-mean``
-(``batch_num_tokens``), the global batch size of the ``seq-mean-*`` modes and the ``dp_size`` multiplier
-(``core_algos.py:1140-1207``), so ``loss_token_count`` / ``loss_seq_count`` stay unset and ``loss_scale`` 1.
+(``batch_num_tokens``) and the ``dp_size`` multiplier (``core_algos.py:1140-1207``), so ``loss_token_count``
+stays unset and ``loss_scale`` 1. The ``seq-mean-*`` modes divide by a constant of the config, the nominal
+``ppo_mini_batch_size · rollout.n``: that is ``loss_seq_count``.
 verl's metrics (``pg_clipfrac``, ``ppo_kl``) are masked token means whatever the loss mode
 (``core_algos.py:1341,1354``): ``metric_agg_mode="token_mean"``.
 """
@@ -119,6 +120,11 @@ def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
             r.refuse(f"{ACTOR}.loss_agg_mode", agg, "under gspo verl aggregates the policy term seq-mean-token-mean "
                                                     "but the entropy and KL terms with this mode; one loss cannot "
                                                     "mix two modes here")
+    if fields["loss_agg_mode"] != "token_mean":
+        # the seq-mean modes divide by the nominal global batch size, ppo_mini_batch_size · rollout.n
+        # (verl/trainer/ppo/ray_trainer.py:1352-1353,1362; core_algos.py:1181-1203), not by the valid samples
+        mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79
+        fields["loss_seq_count"] = mini * fields["n_samples_per_prompt"]
     _kl_in_reward(r, fields)
     _rollout_correction(r, fields)
     if r.flag(f"{ALGO}.use_pf_ppo", False):  # yaml:880
