@@ -94,8 +94,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "replay_lib", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_import_groups_by_prompt_tokens_and_replays_the_leave_one_out_step(tmp_path):
-    """Real processes: import, validate, replay. Groups come from prompt-token equality (g-0 and g-2 share the
+def test_import_groups_by_prompt_tokens_and_replays_the_leave_one_out_step(tmp_path, capsys):
+    """The import in a real process, then validate and replay. Groups come from prompt-token equality (g-0 and g-2 share the
     prefix [11, 12] but differ at the third token); the response is everything from the first loss-bearing
     token to input_lengths; the stages without inputs are inspect-only with the reason."""
     data = tmp_path / "train_data_step3.jsonl"
@@ -118,10 +118,10 @@ def test_import_groups_by_prompt_tokens_and_replays_the_leave_one_out_step(tmp_p
         "leave_one_out", "skip", "zero", 0.01)
     advantages = torch.load(out / "payloads" / "advantages.pt", weights_only=True)
     assert advantages.shape == (32,) and advantages[:3].tolist() == [pytest.approx(adv[0], abs=0)] * 3
-    assert cli("validate", str(out)).returncode == 0
-    proc = cli("replay", str(out), "--format", "json")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    statuses = {s["stage"]: s["status"] for s in json.loads(proc.stdout)["stages"]}
+    assert main(["validate", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(out), "--format", "json"]) == 0
+    statuses = {s["stage"]: s["status"] for s in json.loads(capsys.readouterr().out)["stages"]}
     assert statuses == {"sample": "pass", "reward.raw": "pass", "reward.post_process": "pass",
                         "advantage.kl": "skipped", "advantage.estimate": "pass", "loss.policy": "skipped",
                         "loss.value": "skipped"}

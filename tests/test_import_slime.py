@@ -104,8 +104,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "replay_lib", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_slime_2230_dump_imports_and_first_divergence_is_reward_post_process(tmp_path):
-    """The real CLI in real processes: import, validate (exit 0), replay (exit 1 at reward.post_process).
+def test_slime_2230_dump_imports_and_first_divergence_is_reward_post_process(tmp_path, capsys):
+    """The import in a real process, then validate (exit 0) and replay (exit 1 at reward.post_process).
 
     Hand arithmetic. slime's whole-batch row: 8 ones and 4 zeros, mean 2/3, Σ(r − m)² = 4·4/9 + 8·1/9 = 8/3, the
     unbiased std √(8/3 / 11) = √(8/33) = 0.4923660; s-0 (r = 0): −(2/3)/(0.4923660 + 1e-6) = −1.3540037. By
@@ -119,10 +119,10 @@ def test_slime_2230_dump_imports_and_first_divergence_is_reward_post_process(tmp
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out} (bundle slime-7: 12 sample(s) in 3 group(s), 30 token(s))" in proc.stdout
     assert "loss.policy          inspect-only — not in slime's train dump" in proc.stdout
-    assert cli("validate", str(out)).returncode == 0
-    proc = cli("replay", str(out), "--format", "json")
-    assert proc.returncode == 1, proc.stderr
-    report = json.loads(proc.stdout)
+    assert main(["validate", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(out), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
     assert report["first_divergent_stage"] == "reward.post_process"
     first = report["first_divergence"]
     assert (first["sample_id"], first["group_index"], first["field"]) == ("s-0", 0, "reward")
