@@ -165,9 +165,6 @@ class RunScreen(Screen, inherit_bindings=False):
         except ReplayError as exc:
             self.post_message(ScanFailed(error_line(str(exc)), exc.exit_code))
             return
-        except ValueError as exc:  # a bad --stage name, refused before any worker starts
-            self.post_message(ScanFailed(error_line(str(exc)), 2))
-            return
         except Exception as exc:  # a bug in this tool: a line naming the saved traceback, exit 5
             self.post_message(ScanFailed(internal_error_line(exc, PROG), EXIT_INTERNAL))
             return
@@ -205,8 +202,12 @@ class RunScreen(Screen, inherit_bindings=False):
         if self._pending:
             rows, self._pending = self._pending, []
             selected = self.table.target
+            shown = list(self.data.visible)
             self.data.add(rows)
-            self.table.refresh_rows(cursor=self.data.nearest_visible(selected.path if selected else None))
+            if self.data.visible == shown:  # the same rows in the same places: repaint the finished ones only
+                self.table.rows_finished([self.data.visible_index(r.target.path) for r in rows])
+            else:
+                self.table.refresh_rows(cursor=self.data.nearest_visible(selected.path if selected else None))
             self._show_detail()
         self._show_progress()
 
@@ -214,28 +215,29 @@ class RunScreen(Screen, inherit_bindings=False):
     def _show_progress(self) -> None:
         line = self.query_one("#run-progress", Static)
         text = Text(no_wrap=True, overflow="ellipsis")
+        verdict = ""
         if self.failure is not None:
-            line.set_classes("-fail")
+            verdict = "-fail"
             text.append(f"✗ {safe(self.failure[0])}", style="bold red")
             text.append(f"  (q exits {self.failure[1]})")
         elif self.result is not None:
             from replay_lib.run.command import summary_lines
 
             code = self.exit_code
-            line.set_classes("-pass" if code == 0 else "-fail")
+            verdict = "-pass" if code == 0 else "-fail"
             text.append("✓ " if code == 0 else "✗ ", style="bold green" if code == 0 else "bold red")
             text.append(" · ".join(safe(part) for _, part in summary_lines(self.result, self.total)))
             text.append(f"  (q exits {code})", style="dim")
         elif not self.listed:
-            line.set_classes("")
             text.append(f"⟳ looking for bundles in {safe(self.directory.name or str(self.directory))}…")
         else:
-            line.set_classes("")
             done = len(self.data.rows)
             filled = BAR_CELLS * done // max(self.total, 1)
             text.append(f"⟳ scanning {done}/{self.total} ", style="bold")
             text.append("■" * filled + "□" * (BAR_CELLS - filled), style="dim")
             self._append_counts(text)
+        if set(line.classes) != ({verdict} if verdict else set()):
+            line.set_classes(verdict)  # a class change restyles the screen: only when the verdict arrives
         line.update(text, layout=False)
 
     def _append_counts(self, text: Text) -> None:
@@ -361,6 +363,12 @@ class RunApp(ReplayApp):
             return
         self.error = (message.message, message.code)
         self.push_screen(ErrorScreen(message.message, message.code, back=self.action_back_to_run))
+
+    def action_command_palette(self) -> None:
+        if self.screen is self._run_screen:  # its commands are the debugger's: they act on an open bundle
+            self.notify("the command palette holds the debugger's commands: open a bundle first (⏎)", timeout=3)
+            return
+        super().action_command_palette()
 
     @property
     def settled(self) -> bool:

@@ -61,18 +61,26 @@ class RunRows:
         self.bad_only = False
         self.visible: list[int] = []
         self._position: dict[Path, int] = {}
+        # the longest anchor and path (the table's column widths: measured once per target, not per row drawn)
+        self.anchor_width = 0
+        self.relpath_width = 0
 
     def set_targets(self, targets: Iterable) -> None:
         self.targets = list(targets)
         self._position = {t.path: i for i, t in enumerate(self.targets)}
+        self.anchor_width = max((len(t.anchor) for t in self.targets), default=0)
+        self.relpath_width = max((len(t.relpath) for t in self.targets), default=0)
         self._refilter()
 
     def add(self, rows: Iterable) -> None:
         for row in rows:
-            if row.target.path not in self._position:  # a row for a target discover did not list
-                self._position[row.target.path] = len(self.targets)
-                self.targets.append(row.target)
-            self.rows[row.target.path] = row
+            target = row.target
+            if target.path not in self._position:  # a row for a target discover did not list
+                self._position[target.path] = len(self.targets)
+                self.targets.append(target)
+                self.anchor_width = max(self.anchor_width, len(target.anchor))
+                self.relpath_width = max(self.relpath_width, len(target.relpath))
+            self.rows[target.path] = row
         self._refilter()
 
     def set_bad_only(self, bad_only: bool) -> None:
@@ -139,15 +147,21 @@ class RunTable(CursorLines):
     def refresh_rows(self, cursor: Optional[int] = None) -> None:
         self.set_rows(len(self.data.visible), cursor=cursor)
 
+    def rows_finished(self, rows: Iterable[Optional[int]]) -> None:
+        """Rows that got their result, where they were: only those on screen are drawn again (a scan's
+        rows finish a few at a time, mostly off screen)."""
+        self._line_cache.clear()
+        for row in rows:
+            if row is not None:
+                self._refresh_row(row)
+
     @property
     def target(self):
         return self.data.target_at(self.cursor)
 
     def _columns(self, width: int) -> RunColumns:
-        anchors = [len(t.anchor) for t in self.data.targets] or [6]
-        anchor_w = min(max(max(anchors), 6), 14)
-        names = [len(t.relpath) for t in self.data.targets] or [6]
-        bundle_w = min(max(max(names), 6), 24)
+        anchor_w = min(max(self.data.anchor_width, 6), 14)
+        bundle_w = min(max(self.data.relpath_width, 6), 24)
         rest = width - 2 - (anchor_w + 1) - (STATUS_W + 1) - (STAGE_W + 1)
         noise = rest >= NOISE_W + 1 + 30
         rest -= NOISE_W + 1 if noise else 0
