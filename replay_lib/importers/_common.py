@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import msgspec
 import torch
 
 from ..bundle.writer import BundleWriter
@@ -147,16 +148,19 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def n_samples_of(groups: Sequence[int], given: Optional[int], source: str, notes: list[str]) -> int:
-    """The group size: ``given`` (a flag or the framework's config), else the most common size among the
-    dump's groups, said in a note (a group of another size then fails reward.post_process by name)."""
-    if given is not None:
-        return given
-    sizes = Counter(Counter(groups).values())
-    n = max(sizes, key=lambda s: (sizes[s], s)) if sizes else 1
-    notes.append(f"n_samples_per_prompt={n}: the most common group size in {source} "
-                 f"(pass --n-samples-per-prompt or --config to set it)")
-    return n
+def with_group_size(cfg: RecomputeConfig, flag: Optional[int], config_given: bool, groups: Sequence[Optional[int]],
+                    source: str, notes: list[str]) -> RecomputeConfig:
+    """``cfg`` with its ``n_samples_per_prompt``: ``flag`` (``--n-samples-per-prompt``), else the framework
+    config's when one was given, else the most common size among the dump's groups, said in a note (a group of
+    another size then fails reward.post_process by name)."""
+    n = cfg.n_samples_per_prompt if flag is None else flag
+    known = [g for g in groups if g is not None]
+    if flag is None and not config_given and known:
+        sizes = Counter(Counter(known).values())
+        n = max(sizes, key=lambda s: (sizes[s], s))
+        notes.append(f"n_samples_per_prompt={n}: the most common group size in {source} "
+                     f"(pass --n-samples-per-prompt or --config to set it)")
+    return msgspec.structs.replace(cfg, n_samples_per_prompt=n)
 
 
 def contracts(reasons: dict[StageId, str]) -> dict[StageId, StageContract]:

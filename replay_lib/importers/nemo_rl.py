@@ -32,7 +32,7 @@ import torch
 
 from ..frameworks.nemo_rl import from_nemo_rl
 from ..schema import Identity, SampleRecord, StageId
-from ._common import DumpFields, ImportResult, n_samples_of, read_dump, write_import
+from ._common import DumpFields, ImportResult, read_dump, with_group_size, write_import
 
 TOKEN_KEYS = ("token_ids", "token_loss_mask", "advantages", "generation_logprobs", "prev_logprobs")
 SCALAR_KEYS = ("rewards", "input_lengths", "sample_loss_mask")
@@ -66,12 +66,7 @@ def import_nemo_rl(jsonl: Path, out: Path, *, config: Any = None, config_where: 
     prompt_group: dict[tuple[int, ...], int] = {}
     groups = [prompt_group.setdefault(r["prompt"], len(prompt_group)) for r in rows]
     notes: list[str] = []
-    n = n_samples_per_prompt if n_samples_per_prompt is not None else cfg.n_samples_per_prompt
-    if n_samples_per_prompt is None and config is None:
-        n = n_samples_of(groups, None, jsonl.name, notes)
-    import msgspec
-
-    cfg = msgspec.structs.replace(cfg, n_samples_per_prompt=n)
+    cfg = with_group_size(cfg, n_samples_per_prompt, config is not None, groups, jsonl.name, notes)
     samples = [
         SampleRecord(sample_id=f"s-{r['idx']}", group_index=g, response_length=r["R"], total_length=r["T"],
                      loss_mask=r["mask"], raw_reward=r["raw"], reward=r["reward"])

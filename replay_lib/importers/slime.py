@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from ..frameworks.slime import from_slime
-from ..schema import Identity, RecomputeConfig, SampleRecord, StageId
-from ._common import DumpFields, ImportResult, load_pt, n_samples_of, write_import
+from ..schema import Identity, SampleRecord, StageId
+from ._common import DumpFields, ImportResult, load_pt, with_group_size, write_import
 
 FORMAT_VERSION = 2
 SAMPLE_KEYS = ("rollout_position", "tokens", "response_lengths", "total_lengths", "rewards", "loss_masks",
@@ -74,11 +74,8 @@ def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = 
     mb_of, dp_size = _micro_batches(dump, obj.get("dp_shards"), set(positions))
 
     reasons: dict[StageId, str] = {StageId.LOSS_POLICY: LOSS_REASON, StageId.LOSS_VALUE: VALUE_REASON}
-    n = n_samples_per_prompt if n_samples_per_prompt is not None else cfg.n_samples_per_prompt
     if rollout_dump is not None:
         groups, raw = _join_rollout(Path(rollout_dump), rollout_id, rows, reward_key)
-        if n_samples_per_prompt is None and config is None:
-            n = n_samples_of(groups, None, Path(rollout_dump).name, notes)
     else:
         groups = [None] * len(rows)
         raw = _train_raw_rewards(dump, obj, rows)
@@ -87,7 +84,8 @@ def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = 
     if raw is None:
         reasons[StageId.REWARD_RAW] = "no raw rewards in the train dump (raw_reward) and no rollout dump"
         reasons.setdefault(StageId.REWARD_POST_PROCESS, "no raw rewards to normalize")
-    cfg = _with(cfg, n_samples_per_prompt=n)
+    source = Path(rollout_dump).name if rollout_dump is not None else train_dump.name
+    cfg = with_group_size(cfg, n_samples_per_prompt, config is not None, groups, source, notes)
 
     old_key = "rollout_log_probs" if cfg.use_rollout_logprobs else "log_probs"  # loss.py:730-731
     payloads = {"old_log_probs": _cat(dump, rows, old_key), "kl": _cat(dump, rows, "kl"),
@@ -110,12 +108,6 @@ def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = 
                         semantic_group_ids=sorted({g for g in groups if g is not None}), rank={"dp": dp_size})
     return write_import(out, source="slime", identity=identity, samples=samples, config=cfg, expected=expected,
                         payloads=payloads, reasons=reasons, notes=notes)
-
-
-def _with(cfg: RecomputeConfig, **changes) -> RecomputeConfig:
-    import msgspec
-
-    return msgspec.structs.replace(cfg, **changes)
 
 
 def _sample(dump: DumpFields, s: Any, where: str) -> dict:
