@@ -55,6 +55,7 @@ copied (``CaptureManager.submit``); TRL's inputs, outputs, random draws and arit
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -186,8 +187,6 @@ class TRLCapture:
     def _scorer(self, index: int, func: Any) -> Any:
         """A plain synchronous reward function, recording the scores it returns (modules and coroutines are
         left alone: their scores are read from ``_calculate_rewards``)."""
-        import inspect
-
         if isinstance(func, torch.nn.Module) or not callable(func) or inspect.iscoroutinefunction(func) \
                 or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
             return func
@@ -475,6 +474,8 @@ def enable_replay_capture(trainer: GRPOTrainer, *, env: Optional[Mapping[str, st
 
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"enable_replay_capture needs a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if getattr(trainer, "_replay_capture_hooks", None) is not None:
+        raise RuntimeError("enable_replay_capture: this trainer is already instrumented")
     from capture.config import config_from_env
 
     if not config_from_env(env).enabled:
@@ -492,6 +493,7 @@ def enable_replay_capture(trainer: GRPOTrainer, *, env: Optional[Mapping[str, st
         return None
     hooks = TRLCapture(trainer, capture, config)
     hooks.install()
+    trainer._replay_capture_hooks = hooks
     return hooks
 
 

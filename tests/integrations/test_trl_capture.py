@@ -97,6 +97,18 @@ DRIVER = textwrap.dedent("""
         enable_replay_capture(object(), env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": "/nowhere"})
     except TypeError as exc:
         checks["not_a_trainer"] = str(exc)
+    # a configuration the replay cannot recompute is refused when the trainer is built, before any training
+    from trl import GRPOConfig
+    tokenizer = trl_grpo.make_tokenizer()
+    os.environ.update({"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": sys.argv[4]})
+    try:
+        trl_grpo.ReplayGRPOTrainer(
+            model=trl_grpo.make_model(tokenizer, 0), reward_funcs=[trl_grpo.odd_digits],
+            args=GRPOConfig(output_dir=sys.argv[4] + "-out", use_cpu=True, report_to=[], loss_type="sapo",
+                            per_device_train_batch_size=4, num_generations=4),
+            train_dataset=trl_grpo.make_dataset(8, 0), processing_class=tokenizer)
+    except Exception as exc:
+        checks["refused"] = [type(exc).__name__, str(exc)]
     print(json.dumps({"checks": checks}), flush=True)
 """)
 
@@ -110,7 +122,8 @@ def runs(tmp_path_factory):
         capture = {} if env is None else {"RELAX_REPLAY_CAPTURE": "1",
                                            "RELAX_REPLAY_CAPTURE_DIR": str(root / name), **env}
         plan.append((name, argv, capture))
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), json.dumps(plan), ",".join(SCANNED)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), json.dumps(plan), ",".join(SCANNED),
+                           str(root / "refused")], cwd=REPO,
                           capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stderr[-4000:]
     results, scans, checks = {}, {}, None
@@ -126,6 +139,13 @@ def runs(tmp_path_factory):
     assert sorted(results) == sorted(VARIANTS)
     assert sorted(scans) == sorted(n for n, (_, env) in VARIANTS.items() if env is not None)
     return root, results, scans, checks
+
+
+def bundle_rows(runs, name: str, code: int) -> tuple[dict[str, dict], dict]:
+    """The replay rows of a variant's bundles by path (and the whole report), its exit code checked."""
+    got, report = runs[2][name]
+    assert got == code, report.get("summary")
+    return {b["path"]: b for b in report["bundles"]}, report
 
 
 def statuses(report: dict) -> dict[str, str]:
@@ -283,15 +303,12 @@ def test_batch_normalized_rewards_fail_first_at_reward_raw(runs):
     """The reward functions' scores normalized over the whole batch before TRL's group normalization: the
     rewards TRL normalized are not the scores the functions returned (reward.raw), while TRL's normalization
     of what it was given is right (reward.post_process passes on the recorded raw rewards)."""
-    root, _, scans, _ = runs
-    code, report = scans["batch-normalized-rewards"]
-    assert code == 1
-    rows = {b["path"]: b for b in report["bundles"]}
+    rows, report = bundle_rows(runs, "batch-normalized-rewards", 1)
     assert rows["rollout-0"]["first_stage"] == "reward.raw"
     stages = stage_status(rows["rollout-0"])
     assert (stages["reward.raw"], stages["reward.post_process"], stages["advantage.estimate"]) == \
         ("fail", "pass", "pass")
-    reader = BundleReader(root / "batch-normalized-rewards" / "rollout-0")
+    reader = BundleReader(runs[0] / "batch-normalized-rewards" / "rollout-0")
     actual = torch.tensor([s.raw_reward for s in reader.index.samples], dtype=torch.float64)
     # what TRL normalized: per function (r − mean)/(std + 1e-6), weighted 1 and 0.5 → a weighted sum of
     # zero-mean columns has mean 0 over the batch (to float32 rounding)
@@ -303,10 +320,7 @@ def test_shuffled_advantages_fail_first_at_advantage_estimate(runs):
     """Advantages rolled by one sample inside each micro-batch: the rollouts are clean; each step's first
     divergence is advantage.estimate (the consumed advantages are not the samples' normalized rewards), and
     loss.policy, judged on what the loss consumed, passes; the link stage sees the same samples differ."""
-    root, _, scans, _ = runs
-    code, report = scans["shuffled-advantages"]
-    assert code == 1
-    rows = {b["path"]: b for b in report["bundles"]}
+    rows, report = bundle_rows(runs, "shuffled-advantages", 1)
     assert rows["rollout-0"]["status"] == "pass"
     for path in ("step-0-0", "step-0-1"):
         assert rows[path]["first_stage"] == "advantage.estimate"
@@ -318,10 +332,7 @@ def test_shuffled_advantages_fail_first_at_advantage_estimate(runs):
 def test_a_wrong_denominator_fails_loss_policy(runs):
     """Control: the same dapo run captured with a mapping that claims a sum of per-sample means — only the
     loss's denominator is wrong, and only loss.policy fails."""
-    root, _, scans, _ = runs
-    code, report = scans["wrong-mapping"]
-    assert code == 1
-    rows = {b["path"]: b for b in report["bundles"]}
+    rows, report = bundle_rows(runs, "wrong-mapping", 1)
     assert rows["rollout-0"]["status"] == "pass"
     for path in ("step-0-0", "step-0-1"):
         assert rows[path]["first_stage"] == "loss.policy"
@@ -345,3 +356,10 @@ def test_the_extra_pins_the_tested_versions(runs):
 
 def test_only_a_grpo_trainer_is_instrumented(runs):
     assert runs[3]["not_a_trainer"] == "enable_replay_capture needs a trl.GRPOTrainer, got object"
+
+
+def test_an_unrecomputable_config_is_refused_before_training(runs):
+    root, _, _, checks = runs
+    assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: loss_type='sapo': only dapo, grpo, "
+                                 "bnpo, dr_grpo aggregate the clipped surrogate the replay recomputes"]
+    assert not (root / "refused").exists()
