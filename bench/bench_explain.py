@@ -13,7 +13,11 @@ Then times, interleaved, fresh processes of ``replay(path, explain=False)`` and 
 (median wall time of ``--reps`` runs after a warm-up each) and prints the explanations found. PASS when the extra
 time with explanations is ≤ 0.3× the replay without them.
 
-    python bench/bench_explain.py [--samples 256] [--tokens 8192] [--reps 5] [--keep DIR]
+The timed children run torch with ``--threads`` intra-op threads (default 1): on a shared machine the chunked
+kernels' tiny parallel regions wait on busy cores (an ``exp`` of 16,384 values measured 4 ms with 2 threads on
+a loaded 2-core host, 14 µs with one), which times the contention, not the work.
+
+    python bench/bench_explain.py [--samples 256] [--tokens 8192] [--reps 5] [--threads 1] [--keep DIR]
 
 Exit status 0 when the target passes, 1 otherwise.
 """
@@ -57,7 +61,8 @@ write_bundle(path, manifest, index, expected, payloads)
 """
 
 RUN_CODE = """
-import sys
+import sys, torch
+torch.set_num_threads(int(sys.argv[3]))
 from replay_lib.runner import replay
 report = replay(sys.argv[1], explain=sys.argv[2] == "1")
 assert not report.passed
@@ -76,7 +81,14 @@ for e in report.explanations:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    threads = 1
+    if "--threads" in argv:  # torch's intra-op threads in the timed children (harness.bundle_args has no such option)
+        at = argv.index("--threads")
+        threads = int(argv[at + 1])
+        del argv[at:at + 2]
     args = bundle_args(__doc__.splitlines()[0], argv)
+    args.threads = threads
     with workdir(args.keep, "bench-explain-") as root:
         path = root / "failing"
         if not path.exists():
@@ -84,9 +96,10 @@ def main(argv=None) -> int:
                            check=True)
         print(f"bundle: {args.samples} samples × {args.tokens} tokens, four failing stages")
         subprocess.run([sys.executable, "-c", SHOW_CODE, str(path)], check=True)
+        threads = str(args.threads)
         cmds = {
-            "replay without explanations": [sys.executable, "-c", RUN_CODE, str(path), "0"],
-            "replay with explanations": [sys.executable, "-c", RUN_CODE, str(path), "1"],
+            "replay without explanations": [sys.executable, "-c", RUN_CODE, str(path), "0", threads],
+            "replay with explanations": [sys.executable, "-c", RUN_CODE, str(path), "1", threads],
         }
         med, _, _ = measure(cmds, args.reps)
         base = med["replay without explanations"]

@@ -124,23 +124,23 @@ def _shifted_mask(mask: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, 
 def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[dict[str, torch.Tensor]]:
     """Per variant, the per-sample sums ``Σ_t x·mask`` of :data:`ROWS` (float64), in one pass over the tokens.
 
-    Nine full-length rows per chunk: the declared variant's five, the unclipped surrogate ``−ratio·A``, the
-    stale variant's ``−A`` and the negated advantages' surrogate and clip. The others differ from those on few
-    tokens, which are added alone: a clip or dual-clip variant's surrogate equals ``−ratio·A`` (and it does not
-    clip) wherever the ratio lies inside its bounds, so it is summed over the tokens outside the narrowest
-    bounds only; a shifted mask differs from the mask where the mask changes and at sample edges only."""
+    Six full-length rows per chunk: the declared variant's five and the stale variant's surrogate ``−A``. The
+    others differ from the declared one on few tokens, which are summed alone: inside the narrowest clip bounds
+    of all variants the surrogate is ``−ratio·A`` for every one (none clips; dual-clip's ``−c·A`` cap binds only
+    at ratios beyond ``c``) and ``+ratio·A`` for the negated advantages, so a clip, dual-clip or negated variant
+    adds its difference on the tokens outside those bounds; a shifted mask differs from the mask where the mask
+    changes and at sample edges only."""
     n = ctx.n
     ends = torch.cumsum(ctx.lengths.to(torch.int64), 0)
     starts = ends - ctx.lengths.to(torch.int64)
     declared = variants[0]
-    clipping = [k for k, v in enumerate(variants) if k and not (v.mask_shift or v.stale or v.sign != 1.0)]
-    low = min(variants[k].eps_clip for k in [0, *clipping])
-    high = min(variants[k].eps_clip_high for k in [0, *clipping])
-    full = torch.zeros((9, n), dtype=torch.float64)
-    extra = {k: torch.zeros((2, n), dtype=torch.float64) for k in clipping}
+    sparse = [k for k, v in enumerate(variants) if k and not (v.mask_shift or v.stale)]
+    bounded = [variants[k] for k in [0, *sparse]]
+    low = min(v.eps_clip for v in bounded)
+    high = min([v.eps_clip_high for v in bounded] + [v.dual_c - 1 for v in bounded if v.dual_c is not None])
+    full = torch.zeros((6, n), dtype=torch.float64)
+    extra = {k: torch.zeros((2, n), dtype=torch.float64) for k in sparse}
     shifted = {v.mask_shift: torch.zeros((5, n), dtype=torch.float64) for v in variants if v.mask_shift}
-    negated = next((v for v in variants if v.sign != 1.0), Variant("", "", declared.eps_clip,
-                                                                   declared.eps_clip_high, declared.dual_c, sign=-1.0))
     for lo, hi, seg in token_chunks(ctx.lengths):
         old = li.old_log_probs[lo:hi].to(torch.float64)
         kl = old - li.log_probs[lo:hi].to(torch.float64)
@@ -149,23 +149,23 @@ def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[di
         ent = li.entropy[lo:hi].to(torch.float64) if li.entropy is not None else torch.zeros_like(old)
         mask = li.mask[lo:hi].to(torch.float64)
         pg, clip = declared.surrogate(ratio, adv)
-        unclipped = -ratio * adv
-        pg_neg, clip_neg = negated.surrogate(ratio, adv)
-        terms = torch.stack([pg, clip, kl, ent, torch.ones_like(old)])
-        rows = torch.cat([terms * mask, torch.stack([unclipped, -adv, pg_neg, clip_neg]) * mask])
-        samples, sums = sorted_segment_sums(rows, seg)
+        terms = torch.stack([pg, clip, kl, ent, torch.ones_like(old), -adv])
+        samples, sums = sorted_segment_sums(terms * mask, seg)
         full.index_add_(1, samples, sums)
         outside = torch.nonzero((ratio < 1 - low) | (ratio > 1 + high)).reshape(-1)
         if outside.numel():
-            r, a, m, sg, u = ratio[outside], adv[outside], mask[outside], seg[outside], unclipped[outside]
-            for k in clipping:
+            r, a, m, sg = ratio[outside], adv[outside], mask[outside], seg[outside]
+            p0, c0 = pg[outside], clip[outside]
+            for k in sparse:
                 pg_k, clip_k = variants[k].surrogate(r, a)
-                extra[k].index_add_(1, sg, torch.stack([(pg_k - u) * m, clip_k * m]))
+                base = -p0 if variants[k].sign != 1.0 else p0  # the variant's value inside the bounds, per token
+                extra[k].index_add_(1, sg, torch.stack([(pg_k - base) * m, (clip_k - (0 if variants[k].sign != 1.0
+                                                                                      else c0)) * m]))
         for shift, acc in shifted.items():
             delta = _shifted_mask(li.mask, starts, ends, lo, hi, shift) - mask
             at = torch.nonzero(delta).reshape(-1)
             if at.numel():
-                acc.index_add_(1, seg[at], terms[:, at] * delta[at])
+                acc.index_add_(1, seg[at], terms[:5, at] * delta[at])
     base = dict(zip(ROWS, full[:5]))
     zeros = torch.zeros(n, dtype=torch.float64)
     found = []
@@ -175,11 +175,11 @@ def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[di
         elif v.mask_shift:
             found.append(dict(zip(ROWS, full[:5] + shifted[v.mask_shift])))
         elif v.stale:
-            found.append({**base, "pg": full[6], "clip": zeros, "kl": zeros})
+            found.append({**base, "pg": full[5], "clip": zeros, "kl": zeros})
         elif v.sign != 1.0:
-            found.append({**base, "pg": full[7], "clip": full[8]})
+            found.append({**base, "pg": -full[0] + extra[k][0], "clip": extra[k][1]})
         else:
-            found.append({**base, "pg": full[5] + extra[k][0], "clip": extra[k][1]})
+            found.append({**base, "pg": full[0] + extra[k][0], "clip": full[1] + extra[k][1]})
     return found
 
 
