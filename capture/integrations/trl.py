@@ -15,7 +15,7 @@ Where it hooks (instance attributes wrapping the trainer's own methods, so whate
 captured as TRL's call sites see it, and TRL's own code runs unchanged):
 
 * the reward functions (``reward_funcs``, plain synchronous callables): each call's scores as returned, with
-  ``None`` as NaN (TRL's conversion, ``:1634-1640``) — the expected raw rewards;
+  ``None`` as NaN (TRL's conversion, ``:1629-1630``) — the expected raw rewards;
 * ``_calculate_rewards`` (called at ``:2753``): the ``[B·P, K]`` rewards TRL goes on to weight and normalize;
 * ``_generate_and_score_completions`` (``:2324``): its output (masks, ``advantages`` — TRL's normalized rewards,
   ``num_items_in_batch``, old/ref/sampling log-probs when TRL computed them); one more tensor, the sample index
@@ -33,8 +33,8 @@ What each bundle holds:
   ``:2763``), ``reward.raw.raw_rewards`` = the same sum over the scores the reward functions returned,
   ``reward.raw.rewards_per_func`` (``[B, K]`` row-major) and ``reward.raw.reward_weights``, the normalized
   rewards = TRL's ``advantages``, the per-token ``advantages`` payload = each one broadcast over its completion
-  (as ``_compute_loss`` does, ``:3063-3064``), ``old_log_probs`` (TRL's when it computed them, ``:2643-2656``,
-  else the detached current log-probs of each sample's first loss forward, which is what TRL uses, ``:3071``),
+  (as ``_compute_loss`` does, ``:3059``), ``old_log_probs`` (TRL's when it computed them, ``:2643-2656``,
+  else the detached current log-probs of each sample's first loss forward, which is what TRL uses, ``:3066``),
   ``ref_log_probs`` when ``beta != 0``, and a zero ``kl`` (TRL puts no KL into the rewards).
 * ``step-<R>-<S>`` (S = optimizer step within generation R): per micro-batch the samples it trained on (their
   ids and normalized rewards), the loss mask (``completion_mask × tool_mask``, ``:3027``), current and old
@@ -358,7 +358,7 @@ class TRLCapture:
         completion = inputs["completion_mask"]
         mask = completion if "tool_mask" not in inputs else completion * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
-        old = logps.detach() if old is None else old  # grpo_trainer.py:3071
+        old = logps.detach() if old is None else old  # grpo_trainer.py:3066
         if rollout.old is None and not rollout.submitted:
             for row, p in enumerate(positions):
                 rollout.filled.setdefault(p, old[row].detach().clone())

@@ -199,14 +199,15 @@ def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
     low = cfg.number("vllm_importance_sampling_clip_min", None)
     high = cfg.number("vllm_importance_sampling_clip_max", 3.0)
     cap = cfg.number("vllm_importance_sampling_cap", None)
-    if cap is not None:  # the deprecated name of clip_max (grpo_config.py:1143-1149)
+    if cap is not None:  # the deprecated name of clip_max (grpo_config.py:1143-1150)
         high = cap
     if not (use_vllm and correction):
         return {"is_level": None}
     if mode not in _VLLM_IS_MODES:
         cfg.refuse("vllm_importance_sampling_mode", mode, f"expected one of {', '.join(_VLLM_IS_MODES)}")
     level, is_mode = _VLLM_IS_MODES[mode]
-    # sequence_*: exp(Σ_t Δ) (grpo_trainer.py:2668-2672), the SPEC's summed 'sequence' level.
+    # sequence_*: exp(Σ_t Δ) (grpo_trainer.py:2669-2674), the SPEC's summed 'sequence' level;
+    # truncate clamps (:2681), mask zeroes outside [min, max] (:2698-2701).
     return {"is_level": level, "is_mode": is_mode, "is_low": low, "is_high": high}
 
 

@@ -283,7 +283,7 @@ def test_rollout_records_trls_rewards_groups_and_normalization(runs, name):
 
 def test_old_log_probs_without_trls_recompute_are_the_first_forward(runs):
     """One pass (GAS 2 % generate_every 2 == 0, grpo_trainer.py:2643): TRL computes no old log-probs and uses
-    the detached current ones (:3071); the rollout bundle records exactly the step's log-probs."""
+    the detached current ones (:3066); the rollout bundle records exactly the step's log-probs."""
     root, _, scans, _ = runs
     rollout = BundleReader(root / "one-pass" / "rollout-2")
     step = BundleReader(root / "one-pass" / "step-2-0")

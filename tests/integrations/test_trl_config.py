@@ -1,10 +1,9 @@
 """``replay_lib.frameworks.trl.from_trl``: TRL's GRPOConfig → RecomputeConfig.
 
 The expected values are read from TRL 1.16.0's own code (huggingface/trl, ``trl/trainer/grpo_trainer.py`` and
-``trl/trainer/grpo_config.py`` of the release the ``[trl]`` extra pins; the same functions at
-huggingface/trl@f2cd57710ae3 in /work/shared/FRAMEWORKS.md §1): the denominators of ``_compute_loss``
+``trl/trainer/grpo_config.py`` of the release the ``[trl]`` extra pins): the denominators of ``_compute_loss``
 (``grpo_trainer.py:3153-3173``), the std epsilon of ``_generate_and_score_completions`` (``:2787``), the clip
-bounds (``:945-946, 3113``), the KL (``:3101-3105``), vLLM's importance ratio (``:2658-2690``) and
+bounds (``:945-946, 3113``), the KL (``:3101-3105``), vLLM's importance ratio (``:2662-2701``) and
 ``GRPOConfig.__post_init__``'s ``steps_per_generation`` (``grpo_config.py:1098-1112``). Dict inputs run without
 TRL installed; the GRPOConfig-object tests skip (with the reason) when it is not.
 """
@@ -95,8 +94,8 @@ def test_scale_rewards_and_sequence_level_and_clip_high():
 @pytest.mark.parametrize("mode, level, is_mode", [("sequence_mask", "sequence", "mask"),
                                                  ("token_truncate", "token", "truncate")])
 def test_vllm_importance_correction(mode, level, is_mode):
-    # Δ = old − sampling per token, summed per sequence for sequence_* (exp of the sum, :2664-2672), clamped
-    # (truncate) or zeroed outside [min, max] (mask, :2676-2690); clip_max 3.0 is TRL's default.
+    # Δ = old − sampling per token, summed per sequence for sequence_* (exp of the sum, :2669-2674), clamped
+    # (truncate, :2681) or zeroed outside [min, max] (mask, :2698-2701); clip_max 3.0 is TRL's default.
     cfg = from_trl(_base(use_vllm=True, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5))
     assert (cfg.is_level, cfg.is_mode, cfg.is_low, cfg.is_high) == (level, is_mode, 0.5, 3.0)
     # without vLLM the correction flag (default True) is neutral
