@@ -203,6 +203,38 @@ def test_n_samples_per_prompt_inferred_from_rollout_groups_is_said(tmp_path, cap
     assert stage["reason"] == "group g-2 has 3 sample(s), n_samples_per_prompt=4"
 
 
+def test_ppo_without_critic_values_keeps_advantage_estimate_inspect_only(tmp_path, capsys):
+    """--advantage-estimator ppo is GAE over the critic's values (slime/backends/megatron_utils/loss.py:769-781):
+    a dump without them cannot feed advantage.estimate, which is then inspect-only with the reason, and the
+    bundle still validates."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    (tmp_path / "args.json").write_text(json.dumps(["--advantage-estimator", "ppo", "--n-samples-per-prompt", "4"]))
+    assert main(["import", "slime", str(train), "--rollout-dump", str(rollout), "-o", str(tmp_path / "b"),
+                 "--config", str(tmp_path / "args.json"), "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stages"]["advantage.estimate"] == {
+        "capability": "inspect-only",
+        "reason": "GAE (--advantage-estimator ppo) needs the critic's values; the train dump has none"}
+    assert main(["validate", str(tmp_path / "b")]) == 0
+
+
+def test_a_written_bundle_that_does_not_validate_is_removed(tmp_path, capsys, monkeypatch):
+    """The import reads its bundle back as validate does; should that fail (here: a validate that refuses
+    everything), the published directory is removed and the error is one line (exit 3)."""
+    import replay_lib.validate
+    from replay_lib.errors import BundleError
+
+    def refuse(path, **_):
+        raise BundleError(f"{path}/index.json: refused by the test")
+
+    monkeypatch.setattr(replay_lib.validate, "validate", refuse)
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    code, err = _import_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
+    assert (code, err) == (3, "trajectory-replay: error: the bundle written from the slime dump does not validate, "
+                              f"so it was removed: {tmp_path / 'out'}/index.json: refused by the test")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([train.name, rollout.name])
+
+
 def _import_error(capsys, *args) -> tuple[int, str]:
     code = main(["import", "slime", *map(str, args)])
     return code, capsys.readouterr().err.strip()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,9 +193,25 @@ def write_import(out: Path, *, source: str, identity: Identity, samples: list[Sa
         for name, tensor in payloads.items():
             writer.write_payload(name, tensor)
         path = writer.finalize(ranks=[0])
+    notes = list(notes) + _verify(path, source)
     groups = {s.group_index for s in samples if s.group_index is not None}
     return ImportResult(path=path, bundle_id=bundle_id, samples=len(samples), groups=len(groups),
                         tokens=sum(s.response_length for s in samples),
                         stages={s.value: ("inspect-only" if s in reasons else "recompute") for s in STAGES},
-                        reasons={s.value: r for s, r in reasons.items()}, notes=list(notes))
+                        reasons={s.value: r for s, r in reasons.items()}, notes=notes)
+
+
+def _verify(path: Path, source: str) -> list[str]:
+    """Read the published bundle back as ``validate`` does (checksums, schema, tensors, dependency closure);
+    a bundle that fails is removed, never left behind. Returns what a replay would refuse, as notes."""
+    from ..errors import ReplayError
+    from ..validate import validate
+
+    try:
+        result = validate(path)
+    except ReplayError as exc:
+        shutil.rmtree(path, ignore_errors=True)
+        raise FrameworkConfigError(f"the bundle written from the {source} dump does not validate, so it was "
+                                   f"removed: {exc}") from None
+    return [f"replay would refuse (exit 4): {r}" for r in result.replay_refusals]
 

@@ -43,7 +43,7 @@ SAMPLE_KEYS = ("rollout_position", "tokens", "response_lengths", "total_lengths"
                "log_probs", "kl", "advantages")
 LOSS_REASON = ("not in slime's train dump: no loss scalar, no entropy or current-policy log-probs of the "
                "training forward (slime/observability/train_data_utils.py:112-188)")
-VALUE_REASON = "not imported: a GRPO step has no value head"
+VALUE_REASON = "not imported: the value loss's old values and clip are not in slime's train dump"
 
 
 def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = None, config: Any = None,
@@ -90,9 +90,12 @@ def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = 
     old_key = "rollout_log_probs" if cfg.use_rollout_logprobs else "log_probs"  # loss.py:730-731
     payloads = {"old_log_probs": _cat(dump, rows, old_key), "kl": _cat(dump, rows, "kl"),
                 "advantages": _cat(dump, rows, "advantages")}
-    for key in ("ref_log_probs", "rollout_log_probs"):
+    for key in ("ref_log_probs", "rollout_log_probs", "values", "returns"):  # values: the critic's (ppo)
         if all(key in r["tensors"] for r in rows):
             payloads[key] = _cat(dump, rows, key)
+    if cfg.advantage_estimator == "gae" and "values" not in payloads:
+        reasons[StageId.ADVANTAGE_ESTIMATE] = "GAE (--advantage-estimator ppo) needs the critic's values; the train " \
+                                              "dump has none"
     if cfg.kl_coef != 0 and "ref_log_probs" not in payloads:
         reasons[StageId.ADVANTAGE_KL] = "kl_coef != 0 but the train dump has no ref_log_probs"
     samples = [
@@ -123,7 +126,8 @@ def _sample(dump: DumpFields, s: Any, where: str) -> dict:
     dump.vector(s["tokens"], f"{where}.tokens", T, torch.int64)
     mask = dump.vector(s["loss_masks"], f"{where}.loss_masks", R, torch.int64).tolist()
     tensors = {key: dump.vector(s[key], f"{where}.{key}", R)
-               for key in ("log_probs", "kl", "advantages", "ref_log_probs", "rollout_log_probs") if key in s}
+               for key in ("log_probs", "kl", "advantages", "ref_log_probs", "rollout_log_probs", "values", "returns")
+               if key in s}
     reward = dump.number(s["rewards"], f"{where}.rewards")
     local_raw = dump.number(s["local_raw_reward"], f"{where}.local_raw_reward") if "local_raw_reward" in s else None
     return {"pos": pos, "R": R, "T": T, "mask": mask, "tensors": tensors, "reward": reward, "local_raw": local_raw,
