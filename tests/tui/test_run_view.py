@@ -16,10 +16,10 @@ so the scan's exit code is 1 (a divergence beats an invalid bundle, SPEC §9) an
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from replay_lib import demo
@@ -281,3 +281,46 @@ def test_run_rows_filter_and_nearest_row_without_an_app(run_dir):
     assert rows.nearest_visible(targets[2].path) == 1
     assert rows.nearest_visible(targets[4].path) == 1  # none after it: the last shown row
     assert rows.counts() == {"pass": 0, "diverged": 0, "invalid": 1, "unsupported": 0, "vanished": 0, "error": 1}
+
+
+# ------------------------------------------------------------------------------------------ a real terminal
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_replay_tui_dir_in_a_terminal_scans_and_q_exits_with_the_scan_s_code(run_dir, tmp_path):
+    """``replay-tui DIR`` as a user runs it, on a pseudo-terminal: the scan's worker process starts under the
+    running debugger (whose stderr is Textual's capture), the summary reaches the screen, and q exits 1."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "TEXTUAL_ANIMATIONS": "none", "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "replay_tui", str(run_dir), "--jobs", "1"], stdin=slave,
+                            stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    out, pressed, deadline = b"", False, time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:  # the process closed the terminal
+                    break
+            if not pressed and b"(q exits 1)" in out:
+                os.write(master, b"q")
+                pressed = True
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert pressed, out[-2000:]
+    assert code == 1
+    assert b"Traceback" not in out and b"fds_to_keep" not in out
