@@ -10,8 +10,9 @@ Builds (in a child process) a ``write_synthetic``-style step bundle of ``--sampl
 * loss.policy — the recorded loss fields a token mean of the surrogate of those advantages.
 
 Then times, interleaved, fresh processes of ``replay(path, explain=False)`` and ``replay(path, explain=True)``
-(median wall time of ``--reps`` runs after a warm-up each) and prints the explanations found. PASS when the extra
-time with explanations is ≤ 0.3× the replay without them.
+(median wall and CPU time of ``--reps`` runs after a warm-up each) and prints the explanations found. PASS when
+the extra CPU time with explanations is ≤ 0.3× the replay's without them (one thread: the CPU time is the work;
+the wall time of a shared machine varies by half between runs and is printed beside it).
 
 The timed children run torch with ``--threads`` intra-op threads (default 1): on a shared machine the chunked
 kernels' tiny parallel regions wait on busy cores (an ``exp`` of 16,384 values measured 4 ms with 2 threads on
@@ -101,11 +102,14 @@ def main(argv=None) -> int:
             "replay without explanations": [sys.executable, "-c", RUN_CODE, str(path), "0", threads],
             "replay with explanations": [sys.executable, "-c", RUN_CODE, str(path), "1", threads],
         }
-        med, _, _ = measure(cmds, args.reps)
-        base = med["replay without explanations"]
-        extra = med["replay with explanations"] - base
-        print(f"extra time of the explanations: {extra:.3f} s = {extra / base:.2f}× the replay ({base:.3f} s)")
-        return report([(f"explanations add ≤ {LIMIT}× the replay ({extra / base:.2f}×)", extra <= LIMIT * base)])
+        med, med_cpu, _ = measure(cmds, args.reps)
+        without, with_ = "replay without explanations", "replay with explanations"
+        extra, extra_cpu = med[with_] - med[without], med_cpu[with_] - med_cpu[without]
+        print(f"extra time of the explanations: wall {extra:.3f} s = {extra / med[without]:.2f}× the replay "
+              f"({med[without]:.3f} s); cpu {extra_cpu:.3f} s = {extra_cpu / med_cpu[without]:.2f}× "
+              f"({med_cpu[without]:.3f} s)")
+        ratio = extra_cpu / med_cpu[without]
+        return report([(f"explanations add ≤ {LIMIT}× the replay's CPU time ({ratio:.2f}×)", ratio <= LIMIT)])
 
 
 if __name__ == "__main__":

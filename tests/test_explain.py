@@ -31,6 +31,7 @@ from producers import Config, Size, bug_config, produce_parts, write_parts  # no
 from replay_lib.explain.reward import consumer_batches  # noqa: E402
 from replay_lib.runner import replay  # noqa: E402
 from replay_lib.schema import StageId, stage_contracts  # noqa: E402
+from replay_lib.selection import Selection  # noqa: E402
 from replay_lib.stages import StageContext  # noqa: E402
 from replay_lib.bundle import open_bundle  # noqa: E402
 
@@ -179,6 +180,14 @@ def test_whole_batch(tmp_path):
     assert explained(path) == [("reward.post_process", "reward.whole_batch", 16, 16, "samples")]
 
 
+def test_whole_batch_under_a_selection(tmp_path):
+    """--sample s-5 expands to its group g-1 (s-4 … s-7); the hypothesis is still the whole batch's statistics
+    (all 16 samples), read at the 4 selected."""
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=normalize(RAW, np.zeros(16), std=True))
+    assert explained(path, selection=Selection(samples=("s-5",))) == [
+        ("reward.post_process", "reward.whole_batch", 4, 4, "samples")]
+
+
 def test_pr65_chunks_of_one_and_a_half_groups(tmp_path):
     """producers.bugs "pr65": consecutive physical batches of 4 + 4 // 2 = 6 samples (one consumer batch id
     in the identity, so it is the chunk hypothesis that names them)."""
@@ -239,6 +248,15 @@ def test_kl_arguments_swapped(tmp_path):
     assert explained(path) == [("advantage.kl", "kl.arguments_swapped", TOKENS, TOKENS, "tokens")]
 
 
+def test_kl_of_another_estimator_and_scaled_by_the_coefficient(tmp_path):
+    k2 = write(tmp_path, _parts(name="k2"), STEP, kl=approx_kl(INPUTS.old_log_probs, INPUTS.ref_log_probs, "k2"))
+    assert explained(k2) == [("advantage.kl", "kl.type_k2", TOKENS, TOKENS, "tokens")]
+    # Config's kl_coef is 0.05: the k3 values times 0.05
+    scaled = write(tmp_path, _parts(name="scaled"), STEP,
+                   kl=0.05 * approx_kl(INPUTS.old_log_probs, INPUTS.ref_log_probs, "k3"))
+    assert explained(scaled) == [("advantage.kl", "kl.scaled_by_coef", TOKENS, TOKENS, "tokens")]
+
+
 def test_kl_of_the_current_log_probs(tmp_path):
     path = write(tmp_path, _parts(), STEP, kl=approx_kl(INPUTS.log_probs, INPUTS.ref_log_probs, "k3"))
     assert explained(path) == [("advantage.kl", "kl.current_log_probs", TOKENS, TOKENS, "tokens")]
@@ -266,6 +284,13 @@ def test_advantages_shifted_one_token(tmp_path):
     shifted = np.r_[0.0, adv[:-1]]
     path = write(tmp_path, _parts(), ROLLOUT, advantages=shifted)
     assert explained(path) == [("advantage.estimate", "advantage.shifted_later", TOKENS, TOKENS, "tokens")]
+
+
+def test_advantages_shifted_one_token_earlier(tmp_path):
+    """A[t + 1], 0 at the last token: each sample's last token holds the next sample's reward."""
+    adv = np.repeat(RECORDED, INPUTS.lengths)
+    path = write(tmp_path, _parts(), ROLLOUT, advantages=np.r_[adv[1:], 0.0])
+    assert explained(path) == [("advantage.estimate", "advantage.shifted_earlier", TOKENS, TOKENS, "tokens")]
 
 
 def test_advantages_shifted_inside_each_sample(tmp_path):
@@ -351,6 +376,40 @@ def test_dual_clip(tmp_path):
 def test_mask_shifted(tmp_path):
     path = write(tmp_path, _parts(bug="mask_shift"), STEP)
     assert explained(path) == [("loss.policy", "loss.mask_shifted_later", 5, 5, "loss fields")]
+
+
+def test_mask_shifted_earlier(tmp_path):
+    """m'[t] = m[t + 1] inside each sample, 0 at its last token."""
+    m = INPUTS.mask
+    ends = np.cumsum(INPUTS.lengths)
+    shifted = np.r_[m[1:], 0].astype(np.uint8)
+    shifted[ends - 1] = 0
+    path = write(tmp_path, _parts(name="earlier"), STEP, loss=_loss(mask=shifted))
+    assert explained(path) == [("loss.policy", "loss.mask_shifted_earlier", 5, 5, "loss fields")]
+
+
+def test_response_length_denominator(tmp_path):
+    """Σ_i (Σ_t x·mask) / len_i: each per-sample mean taken over the whole response (its masked tokens counted
+    in the denominator), the declared clip bounds 0.2/0.28."""
+    seg = np.repeat(np.arange(16), INPUTS.lengths)
+    old, logp = INPUTS.old_log_probs.astype(np.float64), INPUTS.log_probs.astype(np.float64)
+    a = np.repeat(RECORDED, INPUTS.lengths)
+    ratio = np.exp(logp - old)
+    l1, l2 = -ratio * a, -np.clip(ratio, 0.8, 1.28) * a
+    m = INPUTS.mask.astype(np.float64)
+    w = 1 / INPUTS.lengths
+    loss = {name: float((w * np.bincount(seg, x * m, minlength=16)).sum()) for name, x in (
+        ("pg_loss", np.maximum(l1, l2)), ("entropy_loss", INPUTS.entropy.astype(np.float64)),
+        ("pg_clipfrac", (l2 > l1).astype(np.float64)), ("ppo_kl", old - logp))}
+    loss["loss"] = loss["pg_loss"]  # entropy_coef 0
+    path = write(tmp_path, _parts(name="len"), STEP, loss=loss)
+    assert explained(path) == [("loss.policy", "loss.agg_response_length", 5, 5, "loss fields")]
+
+
+def test_negated_advantages_inside_the_loss(tmp_path):
+    path = write(tmp_path, _parts(name="neg"), STEP,
+                 loss=loss_fields(INPUTS, -np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)))
+    assert explained(path) == [("loss.policy", "loss.advantages_negated", 5, 5, "loss fields")]
 
 
 def test_stale_old_log_probs(tmp_path):

@@ -14,7 +14,8 @@ Partitions (PR #65 and its cousins), each normalized as the config says (std on 
 A partition equal to another one earlier in this list is tried once, and one equal to the semantic groups not
 at all. Then, on the semantic groups: std normalization switched (on ↔ off), the biased (ddof = 0) std, another
 eps (1e-4 TRL, 1e-5 AReaL, 1e-8, 1e-9 OpenRLHF, 0), and the raw rewards passed through unnormalized. Positions
-are those of the bundle's whole index, so a partial selection keeps each sample's batch.
+are those of the bundle's whole index and every hypothesis is evaluated over all of it, so a partial selection
+keeps each sample's batch and each batch's statistics.
 
 Each is evaluated in float64 with its own rounding bound (``error_model.reward_bound`` of its sets).
 """
@@ -63,7 +64,7 @@ def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
-    """``(batch ids, the batch of every selected sample)`` (module doc), ``None`` when it cannot be placed."""
+    """``(batch ids, the batch of every sample of the index)`` (module doc), ``None`` when it cannot be placed."""
     samples = ctx.reader.index.samples
     own = [getattr(s, "consumer_batch_id", None) for s in samples]
     if samples and None not in own:
@@ -78,11 +79,11 @@ def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tenso
         if math.ceil(n / size) != k:
             return None
         label = torch.arange(n, dtype=torch.int64) // size
-    return ids, label[ctx.indices] if ctx.partial else label
+    return ids, label
 
 
 def _micro_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
-    ids = [s.micro_batch_id for s in ctx.samples]
+    ids = [s.micro_batch_id for s in ctx.reader.index.samples]
     if not ids or None in ids:
         return None
     order = list(dict.fromkeys(ids))
@@ -101,9 +102,10 @@ def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[
 
 
 def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """``(id, what the sets are, labels)`` of each partition worth trying, each distinct one once."""
-    positions = torch.tensor(ctx.indices, dtype=torch.int64) if ctx.partial else torch.arange(ctx.n)
+    """``(id, what the sets are, labels)`` of each partition of the whole index worth trying, each distinct one
+    once (``groups``: the semantic group of every sample of the index)."""
     n_total = len(ctx.reader.index.samples)
+    positions = torch.arange(n_total)
     found: list[torch.Tensor] = [groups]
     listed: list[tuple[str, str, torch.Tensor]] = []
     cb = consumer_batches(ctx)
@@ -123,13 +125,18 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
 
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
-    if not any(f.name == "reward" for f in fields) or None in ctx.group_indices:
+    """Each evaluated over the bundle's whole index (a partition may span samples outside a selection; the
+    selection is closed under semantic groups, so the group variants are the same either way), then read at
+    the selected samples."""
+    samples = ctx.reader.index.samples
+    if not any(f.name == "reward" for f in fields) or any(s.group_index is None for s in samples):
         return []
     cfg = ctx.config
-    raw = as_float64([s.raw_reward for s in ctx.samples])
+    raw = as_float64([s.raw_reward for s in samples])
     if not bool(torch.isfinite(raw).all()):
         return []
-    groups = torch.tensor(ctx.group_indices, dtype=torch.int64)
+    groups = torch.tensor([s.group_index for s in samples], dtype=torch.int64)
+    pick = torch.tensor(ctx.indices, dtype=torch.int64) if ctx.partial else None
     std, eps = cfg.grpo_std_normalization, float(cfg.grpo_std_eps)
     unbiased = bool(cfg.grpo_std_unbiased)
     out: list[Hypothesis] = []
@@ -137,6 +144,8 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     def add(hid: str, detail: str, labels: torch.Tensor, h_std: bool, h_eps: float, h_unbiased: bool) -> None:
         values = normalize(raw, labels, h_std, h_eps, h_unbiased)
         bound = reward_bound(raw, group_stats(raw, labels), values, h_std, h_eps)
+        if pick is not None:
+            values, bound = values[pick], bound[pick]
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"reward": values}, bounds={"reward": bound}))
 
     for pid, what, labels in partitions(ctx, groups):
@@ -156,7 +165,8 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     else:
         add("reward.std_on", f"the recorded rewards equal group normalization with the std division ({config_std})",
             groups, True, eps, unbiased)
+    selected = raw[pick] if pick is not None else raw
     out.append(Hypothesis(stage=STAGE, id="reward.unnormalized",
                           detail="the recorded rewards are the raw rewards, not normalized",
-                          values={"reward": raw}, bounds={"reward": torch.zeros_like(raw)}))
+                          values={"reward": selected}, bounds={"reward": torch.zeros_like(selected)}))
     return out
