@@ -158,6 +158,13 @@ def test_a_run_without_the_leave_one_out_baseline_diverges_at_reward_post_proces
     (lambda r: r.update(rewards=[1.0, 2.0]), "line 2.rewards", "a list of 2 values, expected one"),
     (lambda r: r.update(advantages=[[0.0] * ROW, [0.0] * ROW]), "line 2.advantages", "a batch of 2 rows, expected one"),
     (lambda r: r.update(idx=0), "line 2.idx", "0 repeats line 1's"),
+    (lambda r: r.update(input_lengths=[-2]), "line 2.input_lengths", "-2, expected at least 1"),
+    (lambda r: r["prev_logprobs"][0].__setitem__(4, float("-inf")), "line 2.prev_logprobs[3:7]",
+     "holds a NaN or an infinity"),
+    (lambda r: r.update(token_ids=[[1.5] * ROW]), "line 2.token_ids",
+     "expected a tensor or a list of integers, got list"),
+    (lambda r: r.update(prev_logprobs=[[None] * ROW]), "line 2.prev_logprobs",
+     "expected a tensor or a list of numbers, got list"),
 ])
 def test_malformed_line_is_one_line_naming_it_and_writes_nothing(tmp_path, capsys, edit, key, message):
     data = tmp_path / "train_data_step1.jsonl"
@@ -170,6 +177,18 @@ def test_malformed_line_is_one_line_naming_it_and_writes_nothing(tmp_path, capsy
     assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "out")]) == 3
     assert capsys.readouterr().err.strip() == f"trajectory-replay: error: {data}: NeMo-RL train data {key}: {message}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [data.name]
+
+
+def test_padding_beyond_the_response_may_hold_anything(tmp_path, capsys):
+    """Only the response span [first loss token, input_lengths) is read: a −inf in the padding is not an error."""
+    data = tmp_path / "train_data_step1.jsonl"
+    write_jsonl(data, PROMPT_OF, REWARDS, RESPONSES)
+    lines = data.read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["prev_logprobs"][0][-1] = float("-inf")  # ROW − 1 = 11 ≥ input_lengths 6
+    lines[0] = json.dumps(rec)
+    data.write_text("\n".join(lines) + "\n")
+    assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "out")]) == 0
 
 
 def test_not_json_and_empty_files(tmp_path, capsys):

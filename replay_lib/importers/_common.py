@@ -122,25 +122,39 @@ class DumpFields:
             self.fail(key, f"expected a number, got {_kind(value)}")
         return float(value)
 
-    def vector(self, value: Any, key: str, length: Optional[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A 1-D tensor (from a tensor or a list of numbers) of ``length`` elements (``None``: any)."""
+    def vector(self, value: Any, key: str, length: Optional[int], dtype: torch.dtype = torch.float32,
+               finite: bool = True) -> torch.Tensor:
+        """A 1-D tensor (from a tensor or a list of numbers) of ``length`` elements (``None``: any). An integer
+        ``dtype`` (token ids, masks) takes whole numbers only: a fraction is refused, never truncated."""
+        integral = not dtype.is_floating_point
+        allowed = (int,) if integral else (int, float)
         if isinstance(value, torch.Tensor):
             if value.dim() != 1:
                 self.fail(key, f"expected a 1-D tensor, got shape {list(value.shape)}")
+            if integral and (value.is_floating_point() or value.is_complex()):
+                self.fail(key, f"expected integers, got a {value.dtype} tensor")
             t = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, allowed) and not isinstance(v, bool)
                                                       for v in value):
-            t = torch.tensor(value, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+            try:
+                t = torch.tensor(value, dtype=torch.int64 if integral else torch.float64)
+            except (OverflowError, RuntimeError):
+                self.fail(key, "holds an integer outside int64")
         else:
-            self.fail(key, f"expected a tensor or a list of numbers, got {_kind(value)}")
+            what = "integers" if integral else "numbers"
+            self.fail(key, f"expected a tensor or a list of {what}, got {_kind(value)}")
         if length is not None and t.numel() != length:
             self.fail(key, f"{t.numel()} value(s), expected {length}")
-        if dtype.is_floating_point:
+        if not integral:
             if not t.is_floating_point():
                 t = t.to(torch.float64)
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                self.fail(key, "holds a NaN or an infinity")
+            if finite:
+                self.finite(t, key)
         return t.to(dtype)
+
+    def finite(self, t: torch.Tensor, key: str) -> None:
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            self.fail(key, "holds a NaN or an infinity")
 
 
 def _kind(value: Any) -> str:

@@ -111,6 +111,8 @@ def _row(dump: DumpFields, line: str, lineno: int) -> dict:
         dump.fail(where, f"expected a JSON object, got {type(record).__name__}")
     idx = dump.integer(record.get("idx", lineno - 1), f"{where}.idx")
     T = dump.integer(_one(dump, record, "input_lengths", where, False), f"{where}.input_lengths")
+    if T < 1:
+        dump.fail(f"{where}.input_lengths", f"{T}, expected at least 1")
     raw_key = "filtered_rewards" if "filtered_rewards" in record else "rewards"  # grpo.py:3095-3098,3637-3640
     raw = dump.number(_one(dump, record, raw_key, where, False), f"{where}.{raw_key}")
     sample_mask = dump.number(_one(dump, record, "sample_loss_mask", where, False), f"{where}.sample_loss_mask")
@@ -118,8 +120,9 @@ def _row(dump: DumpFields, line: str, lineno: int) -> dict:
     arrays = {}
     for key in TOKEN_KEYS:
         value = _one(dump, record, key, where, True)
+        # padding beyond input_lengths (and the prompt) may hold anything: finiteness is checked on the response
         t = dump.vector(value, f"{where}.{key}", None, torch.int64 if key in ("token_ids", "token_loss_mask")
-                        else torch.float32)
+                        else torch.float32, finite=False)
         if t.numel() < T:
             dump.fail(f"{where}.{key}", f"{t.numel()} value(s), shorter than input_lengths={T}")
         arrays[key] = t[:T] if key != "advantages" else t
@@ -131,6 +134,9 @@ def _row(dump: DumpFields, line: str, lineno: int) -> dict:
     p = int(on[0])
     if arrays["advantages"].numel() == 0:
         dump.fail(f"{where}.advantages", "empty")
+    for key in ("advantages", "prev_logprobs", "generation_logprobs"):
+        dump.finite(arrays[key][p:T], f"{where}.{key}[{p}:{T}]")
+    dump.finite(arrays["advantages"][:1], f"{where}.advantages[0]")
     mask = (token_mask[p:] * int(sample_mask != 0)).tolist()
     return {"idx": idx, "T": T, "R": T - p, "prompt": tuple(arrays["token_ids"][:p].tolist()), "raw": raw,
             "reward": float(arrays["advantages"][0]), "mask": mask,
