@@ -149,6 +149,35 @@ def test_slime_reference_script_as_argv():
     assert cfg.kl_loss_coef == 0.0  # the flag without a coefficient: the term is exactly zero
 
 
+def test_config_objects_are_read_like_dicts():
+    """slime hands its argparse Namespace, SkyRL its dataclasses, OpenRLHF its hierarchized namespaces."""
+    import argparse
+    import dataclasses
+
+    ns = argparse.Namespace(advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True,
+                            kl_loss_coef=0.0, grpo_std_normalization=False, n_samples_per_prompt=8)
+    assert changed(from_slime(ns)) == {"n_samples_per_prompt": 8, "eps_clip_high": 0.28, "use_kl_loss": True}
+
+    @dataclasses.dataclass
+    class Algorithm:
+        use_kl_loss: bool = False
+        eps_clip_high: float = 0.28
+
+    @dataclasses.dataclass
+    class Trainer:
+        algorithm: Algorithm = dataclasses.field(default_factory=Algorithm)
+
+    @dataclasses.dataclass
+    class SkyRL:
+        trainer: Trainer = dataclasses.field(default_factory=Trainer)
+
+    assert from_skyrl(SkyRL()).eps_clip_high == 0.28
+    hier = argparse.Namespace(algo=argparse.Namespace(advantage=argparse.Namespace(estimator="group_norm"),
+                                                      kl=argparse.Namespace(init_coef=0.0)),
+                              rollout=argparse.Namespace(n_samples_per_prompt=4))
+    assert (from_openrlhf(hier).advantage_estimator, from_openrlhf(hier).n_samples_per_prompt) == ("grpo", 4)
+
+
 def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
     """--eps-clip-high None → --eps-clip (arguments.py:1876-1877); gspo = GRPO advantages with one sequence
     ratio; --use-tis = clamp(w, tis_clip_low 0, tis_clip 2) (loss.py:884-905), icepop_function zeroes outside
