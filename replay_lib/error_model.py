@@ -225,13 +225,15 @@ def group_stats(raw: torch.Tensor, groups: torch.Tensor) -> GroupStats:
 def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_normalization: bool,
                  eps: float, *, leave_one_out: bool = False, sample_std: Optional[torch.Tensor] = None,
                  magnitude: Optional[torch.Tensor] = None, score_error: Optional[torch.Tensor] = None,
-                 cancellation: bool = True) -> torch.Tensor:
+                 cancellation: bool = True, std_zero: str = "eps") -> torch.Tensor:
     """float64 ``[n]``: the rounding bound of each normalized reward (module doc); 0 for a group of equal
     rewards whose every partial sum is exact in float32 (:func:`exact_multiples`).
 
     SPEC §4.2 knobs: ``leave_one_out`` — the centred value is ``n/(n − 1)·(r − mean)`` and the std (given per
     sample in ``sample_std``) is NeMo-RL's ``E[r²] − b²`` form, whose cancellation adds ``2·max|r|²/s²`` of
-    relative error (``cancellation=False``: a std known to be exact); ``magnitude`` — each score's condition when it is not the raw reward (``|r| + kl_coef·Σ|kl|``
+    relative error (``cancellation=False``: a std known to be exact), and where that std is 0 over others that are
+    not exactly equal, a producer may divide its centred value ``c`` by a rounding-level std or not: up to
+    ``|c|/eps`` (``std_zero`` says how ``c`` relates to ``T``); ``magnitude`` — each score's condition when it is not the raw reward (``|r| + kl_coef·Σ|kl|``
     for KL in the reward); ``score_error`` — a further absolute error of each score (its float32 sum), which
     enters a group's values and its mean."""
     mag = raw.to(torch.float64).abs() if magnitude is None else magnitude.to(torch.float64)
@@ -257,7 +259,14 @@ def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_
         g = truth.to(torch.float64).abs()
         bound = (C_REWARD * U32 * spread + extra) * factor / (s + eps) + C_REWARD * U32 * sqrt_n * g
         if leave_one_out and cancellation:
-            bound = bound + C_REWARD * U32 * g * 2 * group_max[inv] ** 2 / (s * s)
+            # s = 0 over others that are not exactly equal in float32: a producer's E[r²] − b² may leave a
+            # rounding-level std and divide by it (or, under std_zero="skip", not): anything up to |c|/eps
+            centred = g * eps if std_zero == "eps" else g
+            at_zero = (centred + C_REWARD * U32 * spread * factor + extra * factor) / eps if eps > 0 \
+                else torch.full_like(g, float("inf"))
+            with torch.no_grad():
+                spread_term = C_REWARD * U32 * g * 2 * group_max[inv] ** 2 / torch.where(s > 0, s * s, torch.ones_like(s))
+            bound = torch.where(s > 0, bound + spread_term, torch.maximum(bound, at_zero))
     equal = torch.nonzero(stats.std == 0).reshape(-1) if magnitude is None else torch.zeros(0, dtype=torch.int64)
     if equal.numel():
         value = torch.zeros(stats.size.numel(), dtype=torch.float64).index_copy_(

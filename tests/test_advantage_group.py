@@ -203,3 +203,19 @@ def test_the_pass_reason_names_the_rule(tmp_path):
     assert report.stage("reward.post_process").reason == (
         "14 sample(s) in 5 group(s) compared (grpo, leave_one_out baseline, unbiased std + 1e-06, skipped where 0, "
         "singleton → zero)")
+
+
+def test_leave_one_out_zero_std_hazards_are_reported_and_never_fail(tmp_path):
+    # NeMo-RL's rule on a group of four 0.3s (not exact in float32: its std, E[r²] − b², may come out at rounding
+    # level) and on [0.3, 0.3, 0.3, 0.9], whose s-7's others are three 0.3s: both pass, each reported as a hazard.
+    # The all-0.3 group's bound is 8u·(|r| + √4·max|r|)·(4/3)/1e-6 = 8·2⁻²⁴·0.9·(4/3)/1e-6 ≈ 0.572 (not NaN: its
+    # centred values are 0).
+    raw, groups = [0.3] * 4 + [0.3, 0.3, 0.3, 0.9], [0] * 4 + [1] * 4
+    config = dict(grpo_std_normalization=True, group_baseline="leave_one_out", std_zero="skip")
+    report = replay(knob_bundle(tmp_path, "b", raw, groups, **config))
+    assert report.passed, report_to_text(report)
+    hazards = [(h.kind, h.group_index, h.sample_id) for h in report.hazards]
+    assert hazards == [("near_zero_std", 0, None), ("zero_advantage_group", 0, None), ("near_zero_std", 1, "s-7")]
+    assert "admitted up to ±0.572" in report.hazards[0].message
+    assert report.hazards[2].message.startswith(
+        "group g-1: s-7's leave-one-out std over the other 3 rewards is 0, at the rounding level of E[r²] − b²")

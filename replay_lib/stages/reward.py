@@ -79,7 +79,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
             if rule.std else None
         loo = rule.baseline == "leave_one_out"
         bound = reward_bound(score, stats, truth, rule.std, rule.eps, leave_one_out=loo, sample_std=sample_std,
-                             magnitude=magnitude, score_error=score_error)
+                             magnitude=magnitude, score_error=score_error, std_zero=rule.std_zero)
         if loo and rule.std and magnitude is None:
             # a std over equal others whose every float32 sum is exact: any producer computes exactly 0, and the
             # value is the centred one (skip) or the centred one over eps: the bound without the std's
@@ -202,16 +202,17 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
     zero = torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
         0, stats.inverse, (rewards != 0).to(torch.int64)) == 0
     tiny = near_zero_std(stats) if std else torch.zeros_like(zero)
+    loo_first = torch.full((stats.size.numel(),), -1, dtype=torch.int64)  # a sample whose others' std is tiny
     if std and rule.baseline == "leave_one_out" and sample_std is not None:
         level = C_REWARD * U32 * 2 * stats.max_abs[stats.inverse] ** 2
         loo_tiny = (sample_std * sample_std <= level) & (stats.size[stats.inverse] > 2) & (bound > 0) \
             & ~exact_zero_std(score, stats, sample_std)
-        tiny = tiny | (torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
-            0, stats.inverse, loo_tiny.to(torch.int64)) > 0)
+        loo_first.scatter_reduce_(0, stats.inverse, torch.where(loo_tiny, torch.arange(len(ctx.samples)), -1),
+                                  reduce="amax", include_self=True)
     worst = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
         0, stats.inverse, bound, reduce="amax", include_self=True)
     skip = " (std_zero=skip: a producer that rounds it to 0 leaves the centred value)" if rule.std_zero == "skip" else ""
-    for k in torch.nonzero((stats.size == 1) | tiny | zero).reshape(-1).tolist():
+    for k in torch.nonzero((stats.size == 1) | tiny | zero | (loo_first >= 0)).reshape(-1).tolist():
         g = ctx.group_indices[first[k]]
         n = int(stats.size[k])
         if n == 1:
@@ -229,6 +230,13 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
                 f"group g-{g}: std {float(stats.std[k]):.3g} of its {n} rewards is at the rounding level of their "
                 f"mean (max |r| {float(stats.max_abs[k]):g}): a float32 producer's normalized values there are "
                 f"rounding noise, admitted up to ±{float(worst[k]):.3g}{skip}"))
+        elif int(loo_first[k]) >= 0:
+            i = int(loo_first[k])
+            ctx.hazard(stage, "near_zero_std", group_index=g, sample=i, message=(
+                f"group g-{g}: {ctx.sample_ids[i]}'s leave-one-out std over the other {n - 1} rewards is "
+                f"{float(sample_std[i]):.3g}, at the rounding level of E[r²] − b² (max |r| "
+                f"{float(stats.max_abs[k]):g}): a float32 producer may divide by rounding noise there, admitted up "
+                f"to ±{float(bound[i]):.3g}{skip}"))
         if bool(zero[k]):
             ctx.hazard(stage, "zero_advantage_group", group_index=g, message=(
                 f"group g-{g}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
