@@ -299,6 +299,14 @@ def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
                        "algo.kl.init_coef": 0})
     assert from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 101,
                           "algo.kl.init_coef": 0}).n_samples_per_prompt == 101
+    # GSPO: a per-sample ratio and per-sample aggregation (models/loss.py:142-144,170-177), no log-ratio clamp
+    gspo = from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 8,
+                          "algo.kl.init_coef": 0, "actor.policy_loss_type": "gspo"})
+    assert (gspo.importance_level, gspo.loss_agg_mode, gspo.log_ratio_clamp) == ("sequence", "seq_mean_token_mean",
+                                                                                None)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"actor.entropy_coef=0.01: under gspo"):
+        from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 8,
+                       "algo.kl.init_coef": 0, "actor.policy_loss_type": "gspo", "actor.entropy_coef": 0.01})
 
 
 @pytest.mark.parametrize("fn, cfg, message", [

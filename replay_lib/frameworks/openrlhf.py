@@ -81,6 +81,9 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         fields["log_ratio_clamp"] = 20.0  # loss.py:168
     else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:142-144,170-177)
         fields.update(importance_level="sequence", log_ratio_clamp=None, loss_agg_mode="seq_mean_token_mean")
+        if entropy:  # the entropy term keeps the token mean (ppo_actor.py:345-352)
+            r.refuse("actor.entropy_coef", entropy, "under gspo the policy term is a per-sample mean but the "
+                                                    "entropy term a token mean; one loss cannot mix two modes here")
     if est == "gae":  # whitened over the step's tokens (exp.py:315-328), critic value clip (cli.py:390)
         if r.flag("algo.advantage.no_std_norm", False):
             r.refuse("algo.advantage.no_std_norm", True, "mean-only whitening is not recomputed")
