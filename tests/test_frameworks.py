@@ -200,6 +200,7 @@ def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
     ({"use_tis": True, "custom_tis_function_path": "mis.py:compute_mis_weights_with_cp"},
      "custom_tis_function_path", "custom TIS"),
     ({"use_opd": True}, "use_opd", "distillation"),
+    (["--use-opsm", "--opsm-delta", "0.001"], "use_opsm", "off-policy sequence masking"),
     ({"use_kl_loss": True, "kl_loss_coef": 0.01, "use_unbiased_kl": True}, "use_unbiased_kl", "importance"),
     ({"--grpo-reward-clip": 5.0}, "grpo_reward_clip", "a key the slime mapping does not know"),
 ])

@@ -41,6 +41,7 @@ NEUTRAL = (
     "keep_old_actor", "use_critic", "reward_key", "rollout_batch_size", "global_batch_size",
     "rollout_temperature", "opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_kl_coef",
     "ref_update_interval", "check_for_nan_in_loss_and_grad", "no_check_for_nan_in_loss_and_grad",
+    "opsm_delta", "rollout_top_p", "allgather_cp",  # OPSM's threshold (only with use_opsm); log-prob plumbing
 )
 NEUTRAL_PREFIXES = ("ci_", "eval_", "log_", "wandb_", "tensorboard_", "save_debug_", "load_debug_")
 
@@ -116,6 +117,8 @@ def from_slime(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
             r.refuse(key, value, "a custom function's math cannot be recomputed")
     if not r.flag("compute_advantages_and_returns", True):  # args.py:956-965
         r.refuse("compute_advantages_and_returns", False, "the advantages are then not slime's formula")
+    if r.flag("use_opsm", False):  # args.py:1103-1108; loss.py:1011,1046: pg_loss × the OPSM mask
+        r.refuse("use_opsm", True, "off-policy sequence masking is not recomputed")
     if r.flag("use_opd", False):  # args.py:1123-1128
         r.refuse("use_opd", True, "on-policy distillation's KL term in the advantages is not recomputed")
 
