@@ -226,7 +226,9 @@ class RunScreen(Screen, inherit_bindings=False):
             code = self.exit_code
             verdict = "-pass" if code == 0 else "-fail"
             text.append("✓ " if code == 0 else "✗ ", style="bold green" if code == 0 else "bold red")
-            text.append(" · ".join(safe(part) for _, part in summary_lines(self.result, self.total)))
+            # the first bad step first: on a narrow terminal it is what must stay on the line
+            lines = [safe(part) for _, part in summary_lines(self.result, self.total)]
+            text.append(" · ".join(lines[1:2] + lines[:1] + lines[2:]))
             text.append(f"  (q exits {code})", style="dim")
         elif not self.listed:
             text.append(f"⟳ looking for bundles in {safe(self.directory.name or str(self.directory))}…")

@@ -5,8 +5,8 @@ screenful costs).
 
 Columns: the status mark, anchor, bundle (its path under the directory), kind, status, first divergent
 stage, ×noise (the first divergence's |err| / tolerance) and the first divergence — or, for a row
-nothing was compared for, its one-line message. Narrow terminals drop ×noise, then kind, then the bundle
-column (the anchor stays, and the line under the table names the bundle under the cursor)."""
+nothing was compared for, its one-line message. Narrow terminals drop ×noise, then kind, then shorten the
+bundle column (dropped only below 6 cells; the line under the table names the bundle under the cursor)."""
 
 from __future__ import annotations
 
@@ -167,8 +167,9 @@ class RunTable(CursorLines):
         rest -= NOISE_W + 1 if noise else 0
         kind = rest >= KIND_W + 1 + 30
         rest -= KIND_W + 1 if kind else 0
-        if rest < bundle_w + 1 + 24:
-            bundle_w = 0
+        if rest < bundle_w + 1 + 24:  # narrow: the path shrinks before it goes (same anchors need it)
+            bundle_w = min(bundle_w, rest - 1 - 16)
+            bundle_w = bundle_w if bundle_w >= 6 else 0
         rest -= bundle_w + 1 if bundle_w else 0
         return RunColumns(anchor_w, bundle_w, kind, noise, max(rest, 0))
 
