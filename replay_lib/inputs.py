@@ -42,7 +42,8 @@ KL_FORMULAS = {
 class ElementInputs:
     """What produced one element: ``items`` are ``(label, value)`` pairs in reading order (values already in
     the CLI's number format), ``formula`` the computation with its inputs substituted, ``members`` one
-    ``(sample, micro-batch, consumer batch)`` per sample of a reward's group."""
+    ``(sample, micro-batch, consumer batch)`` per sample of a reward's group, ``note`` what the element adds
+    to (a loss token's share of its sample's terms)."""
 
     field: str
     sample_id: Optional[str]
@@ -50,6 +51,7 @@ class ElementInputs:
     formula: str
     items: tuple[tuple[str, str], ...] = ()
     members: tuple[tuple[str, str, str], ...] = ()
+    note: str = ""
 
     def lines(self) -> list[str]:
         """Plain text, one line per part (for a text view or a test)."""
@@ -58,6 +60,8 @@ class ElementInputs:
             out.append("  ".join(f"{k} {v}" for k, v in self.items))
         if self.members:
             out.append("  ".join(f"{s} mb {m} cb {c}" for s, m, c in self.members))
+        if self.note:
+            out.append(self.note)
         return out
 
 
@@ -66,6 +70,11 @@ def fmt(x: Optional[float]) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "nan"
     return fmt_value(float(x))
+
+
+def fmt_count(x: float) -> str:
+    """A mask value or a token count: ``1``, ``4`` (a fractional mask keeps its digits)."""
+    return str(int(x)) if float(x).is_integer() else fmt(x)
 
 
 def consumer_batch(record) -> str:
@@ -192,10 +201,11 @@ def _loss_token(ctx: StageContext, t: int) -> dict[str, float]:
 
 
 def clip_region(ratio: float, low: float, high: float) -> str:
+    """Where the ratio lies against the clip range ``[1 − eps_clip, 1 + eps_clip_high]``."""
     if ratio < low:
-        return f"below 1−ε ({fmt(low)})"
+        return f"below {fmt(low)}"
     if ratio > high:
-        return f"above 1+ε_high ({fmt(high)})"
+        return f"above {fmt(high)}"
     return f"inside [{fmt(low)}, {fmt(high)}]"
 
 
@@ -212,12 +222,14 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     n_mask = _sample_mask_count(ctx, index)
     term = v["pg"] * v["mask"]
     share = term / max(n_mask, 1.0)
-    branch = "clipped branch −clamp(r)·A" if v["clipped"] else "unclipped branch −r·A"
+    branch = "clipped: −clamp(r)·A" if v["clipped"] else "unclipped: −r·A"
     formula = f"pg = max(−r·A, −clamp(r, {fmt(v['low'])}, {fmt(v['high'])})·A) = {fmt(v['pg'])} ({branch})"
-    items = (("ratio", fmt(v["ratio"])), ("clip", clip_region(v["ratio"], v["low"], v["high"])),
-             ("mask", fmt(v["mask"])), ("A", fmt(v["adv"])), ("→ pg_sum", fmt(term)),
-             ("→ pg_loss", f"{fmt(share)} (÷ {fmt(n_mask)} mask tokens)"))
-    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula, items=items)
+    items = (("ratio r", fmt(v["ratio"])), ("clip", clip_region(v["ratio"], v["low"], v["high"])),
+             ("mask", fmt_count(v["mask"])), ("A", fmt(v["adv"])))
+    sid = ctx.sample_ids[index]
+    note = f"adds pg·mask = {fmt(term)} to {sid}'s pg_sum, {fmt(share)} to its pg_loss term (÷ {fmt_count(n_mask)} " \
+           f"mask tokens)"
+    return ElementInputs(field=field, sample_id=sid, offset=offset, formula=formula, items=items, note=note)
 
 
 def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
@@ -235,8 +247,8 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     n_mask = float(mask.sum())
     clips = float((clipped * mask).sum())
     share = pg_sum / max(n_mask, 1.0)
-    formula = f"pg_loss term = pg_sum / max(Σmask, 1) = {fmt(pg_sum)} / {fmt(max(n_mask, 1.0))} = {fmt(share)}"
-    items = (("tokens", str(n)), ("mask", fmt(n_mask)), ("clipped", fmt(clips)), ("pg_sum", fmt(pg_sum)),
+    formula = f"pg_loss term = pg_sum / max(Σmask, 1) = {fmt(pg_sum)} / {fmt_count(max(n_mask, 1.0))} = {fmt(share)}"
+    items = (("tokens", str(n)), ("mask", fmt_count(n_mask)), ("clipped", fmt_count(clips)), ("pg_sum", fmt(pg_sum)),
              ("kl_sum", fmt(float((ppo_kl * mask).sum()))))
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 

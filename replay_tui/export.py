@@ -3,8 +3,8 @@ for one sample's tokens or the whole stage, as CSV or JSON (by the file's extens
 field results, no Textual.
 
 CSV: a header line, then one line per element: ``rank, sample_id, offset, label, expected, actual, abs_error,
-tolerance, divergent`` (``offset`` for a per-token field, ``label`` for a table row — a sample id or a loss
-field — empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such).
+tolerance, divergent`` (``rank`` for a cohort's shard, ``offset`` for a per-token field, ``label`` for a table
+row — a sample id or a loss field —, each empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such).
 JSON: ``{"field", "stage", "scope", "columns", "rows": [[…], …]}`` with the same columns, a non-finite number
 as ``null``. A file that exists is never replaced unless the caller says so (the dialog asks first); the
 file is written beside its final name and renamed into place, so a failed write leaves no half file."""

@@ -999,7 +999,8 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         diverging = {i: {f: int(c[i]) for f, c in counts.items() if int(c[i])}
                      for i in torch.nonzero(total).reshape(-1).tolist()}
         totals = total.tolist()
-        compared = any(FIELD_BY_STAGE[st].kind != KIND_COHORT for st in rec.ran if st in FIELD_BY_STAGE)
+        compared = any(FIELD_BY_STAGE[st].kind != KIND_COHORT for st in rec.ran if st in FIELD_BY_STAGE) or (
+            "loss.policy" in rec.ran and any(f not in rec.unavailable for f in LOSS_TERM_FIELDS))  # per-sample terms
         records = rec.reader.index.samples
         picks = None if selected is None else [i for i, s in enumerate(records) if s.sample_id in selected]
         rank = rec.rank

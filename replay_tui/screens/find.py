@@ -31,7 +31,7 @@ class FindScreen(JumpScreen):
     def on_mount(self) -> None:
         super().on_mount()
         box = self.query_one(Input)
-        box.placeholder = f"sample id (e.g. {self._example}), @17 (offset) or a value"
+        box.placeholder = f"sample id, e.g. {self._example} (→ completes) · @17 offset · a value"
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()

@@ -42,6 +42,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen #left { width: 40; }
     DebuggerScreen.-narrow #left { width: 30; }
     DebuggerScreen #right { width: 1fr; }
+    DebuggerScreen.-short #left StagesPanel, DebuggerScreen.-tiny #left StagesPanel { height: auto; }
     DebuggerScreen.-short SupportStrip { height: 1; }
     DebuggerScreen.-short ErrorStrip { height: 1; }
     DebuggerScreen.-short WhyStrip { height: 2; }
@@ -56,8 +57,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     # Textual's own ``Screen.focused`` repaints every cell (≈ 22 kB at 120×40 over an SSH link per Tab).
     focused: Reactive[Optional[Widget]] = Reactive(None, repaint=False)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
-    # Below 32 rows the strips under and over the diff rows take fewer lines and the line under the DAG goes
-    # (every stage row stays: the verdict names the first divergence); below 22 the DAG scrolls too.
+    # Below 32 rows the DAG moves under the samples (compose, _place_stages), the strips under and over the
+    # diff rows take fewer lines and the line under the DAG goes (every stage row stays: the verdict names the
+    # first divergence); below 22 the DAG scrolls, its cursor on the first divergence.
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (22, "-short"), (32, "-tall")]
 
     BINDINGS: ClassVar[list[BindingType]] = [
@@ -111,11 +113,17 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         yield TitleBar(id="title")
         yield VerdictBar(id="verdict")
         with Horizontal(id="body"):
+            # a short terminal puts the DAG under the samples (whose pane would keep empty rows) and gives the
+            # diff the right column's whole height (see _place_stages)
+            short = self.app.size.height < IDENTITY_MIN_HEIGHT
             with Vertical(id="left"):
                 yield IdentityPane(id="identity")
                 yield SamplesPanel(id="samples")
+                if short:
+                    yield StagesPanel(id="stages")
             with Vertical(id="right"):
-                yield StagesPanel(id="stages")
+                if not short:
+                    yield StagesPanel(id="stages")
                 yield DiffPanel(id="diff")
         yield KeyBar()
 
@@ -492,8 +500,31 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         self.app.copy_to_clipboard(text)
         self.say(f"copied (OSC 52): {text}", timeout=3)
 
-    def on_resize(self, event: events.Resize) -> None:
+    async def on_resize(self, event: events.Resize) -> None:
         self._fit_identity(event.size.height)
+        await self._place_stages(event.size.height)
+
+    async def _place_stages(self, height: int) -> None:
+        """The DAG's column for ``height``: under the samples when short, above the diff when tall. Moving
+        it mounts a new pane (Textual moves a widget only among its siblings) with the same report and cursor."""
+        panel = self.query_one(StagesPanel)
+        column = self.query_one("#left" if height < IDENTITY_MIN_HEIGHT else "#right", Vertical)
+        if panel.parent is column:
+            return
+        focused = self.stage_list.has_focus
+        cursor = self.stage_list.cursor
+        await panel.remove()
+        fresh = StagesPanel(id="stages")
+        if column.id == "right":
+            await column.mount(fresh, before=0)
+        else:
+            await column.mount(fresh)
+        if self.model is not None:
+            self.stage_list.set_report(self.model.report)
+            self.stage_list.cursor = cursor
+            fresh.show_detail(self.stage_list.stage)
+        if focused:
+            self.set_focus(self.stage_list)
 
     def _fit_identity(self, height: int) -> None:
         pane = self.query_one(IdentityPane)

@@ -41,7 +41,7 @@ __all__ = ["DiffPanel", "DiffView", "ErrorStrip", "WhyStrip"]
 RATIO_W, TOL_W, MASK_W, GROUP_W = 7, 7, 4, 6
 NUM_READABLE = 9
 NUM_MIN = 7  # a number column narrower than this is not drawn (dropped, not cut)
-NUM_SCROLLED = 10  # the numbers' cells once → has scrolled the columns
+NUM_SCROLLED = 8  # the numbers' cells once → has scrolled the columns (a narrow pane: fewer digits)
 NEAR = 0.5  # a ratio above this is within the tolerance, but no longer deep inside it
 NUMBERS = ("expected", "actual", "err")
 # What a narrow pane keeps, most valuable first: the recomputed value and its error, then the recorded value
@@ -60,6 +60,7 @@ class Columns:
     key: int
     shown: tuple[tuple[str, int], ...]
     hidden: tuple[str, ...] = ()
+    at_end: bool = True  # the last column is shown (→ has nothing more to show)
 
     def width_of(self, name: str) -> int:
         return next((w for n, w in self.shown if n == name), 0)
@@ -287,7 +288,7 @@ class DiffView(CursorLines):
                 shown.append((name, w))
                 used += w + 1
             hidden = tuple(n for n in order if n not in dict(shown))
-            return Columns(key, tuple(shown), hidden)
+            return Columns(key, tuple(shown), hidden, at_end=order[-1] not in hidden)
         picked: dict[str, int] = {}
 
         def numbers_fit(extra: dict[str, int], need: int) -> bool:
@@ -314,7 +315,7 @@ class DiffView(CursorLines):
             for n in nums:
                 picked[n] = num
         shown = tuple((n, picked[n]) for n in order if n in picked)
-        return Columns(key, shown, tuple(n for n in order if n not in picked))
+        return Columns(key, shown, tuple(n for n in order if n not in picked), at_end=order[-1] in picked)
 
     def render_header(self, width: int, base: Style) -> Strip:
         diff = self.diff
@@ -442,8 +443,8 @@ class DiffView(CursorLines):
         if self.diff is None:
             return
         cols = self._columns(self.row_width)
-        if step > 0 and not cols.hidden:
-            return  # every column is shown
+        if step > 0 and cols.at_end:
+            return  # the last column is shown already
         n = len(cols.shown) + len(cols.hidden)
         self.col_offset = max(0, min(n - 1, self.col_offset + step))
         self.invalidate()

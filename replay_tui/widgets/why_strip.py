@@ -4,7 +4,7 @@ What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.inputs``): fo
 rewards, mean, std, eps and each member's micro-batch and consumer batch; for a KL token ``r`` and the
 formula; for a loss token the ratio, its clip region, the mask, the advantage and the token's contribution
 to its sample's term. Line 1 is the formula with its values, line 2 the inputs, line 3 (tall terminals) a
-reward group's members. Line API: one lookup per cursor move, the lines cached until the element changes."""
+reward group's members or what a loss token adds to its sample's terms. Line API: one lookup per cursor move, the lines cached until the element changes."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def inputs_parts(inputs: ElementInputs) -> list[list[tuple[str, Optional[Style]]
             members += [("  " + safe(sid), BOLD if sid == inputs.sample_id else None), (" mb ", DIM), (safe(mb), None),
                         (" cb ", DIM), (safe(cb), None)]
         lines.append(members)
+    if inputs.note:
+        lines.append([(safe(inputs.note), DIM)])
     return lines
 
 

@@ -165,9 +165,9 @@ async def test_an_80_column_terminal_keeps_the_essentials_and_the_noise_ratio(ma
         header, rows = diff_cells(app)
         assert header == ["offset", "expected", "actual", "abs", "err", "×noise"]
         assert rows["2"] == ["0.2589161", "0.0089161", "0.25", "2.5"]
-        # the DAG: ×noise before max|err| at this width (all 7 stages shown: no scrollbar takes a cell)
-        stages = app.debugger.query_one("#stages-header").render_line(0).text.split()
-        assert stages == ["stage", "mism", "max|err|", "×noise"]
+        # the DAG (under the samples at this height): ×noise instead of max|err| at 47 cells, its old width here
+        stages = app.debugger.stage_list.render_header(47, Style()).text.split()
+        assert stages == ["stage", "mism", "×noise"]
 
 
 # ------------------------------------------------------------------------------------ the stage pane

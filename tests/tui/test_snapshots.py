@@ -84,3 +84,23 @@ def test_run_view_after_the_scan(snap_compare, run_dir):
         await pilot.press("e")
 
     assert snap_compare(make_run_app(run_dir), terminal_size=(120, 40), run_before=run_before)
+
+
+def test_why_strip_on_a_loss_token(snap_compare, tmp_path):
+    # pg_losses s-2@1 is +0.5 off (test_why_strip): the viewer opens there, the why strip gives the token's
+    # ratio, clip region, mask, advantage and its share of s-2's term
+    from replay_tui.app import ReplayApp
+    from test_why_strip import write_loss_terms_bug
+
+    assert snap_compare(ReplayApp(write_loss_terms_bug(tmp_path / "loss-terms")), terminal_size=(120, 40),
+                        run_before=_after())
+
+
+def test_reward_table_at_60x20(snap_compare, make_app):
+    # the DAG under the samples with its ◀; the table keeps actual and abs err
+    assert snap_compare(make_app("pr65-buggy"), terminal_size=(60, 20), run_before=_after())
+
+
+def test_diff_sorted_by_err_with_a_log_plot(snap_compare, make_app):
+    # kl-bug s-5: s sorts by |err| (its three 0.25 errors first), L puts the error plot on a log scale
+    assert snap_compare(make_app("kl-bug"), terminal_size=(120, 40), run_before=_after("s", "L"))

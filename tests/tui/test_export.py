@@ -1,0 +1,125 @@
+"""Export (x: the viewed rows, X: the whole stage) to CSV or JSON, and the refusal to overwrite without asking.
+
+kl-bug: 8 samples × 16 tokens, the recorded kl +0.25 off at s-5@3, 7, 11 and s-6@0; the app opens on s-5@3."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from textual.widgets import Input
+
+from replay_tui.export import COLUMNS, ExportRequest, default_export_path
+from replay_tui.screens.export import ExportScreen
+
+SIZE = (120, 40)
+
+
+async def ready(pilot) -> None:
+    await pilot.app.wait_settled(pilot)
+
+
+async def submit(pilot, path) -> None:
+    pilot.app.screen.query_one(Input).value = str(path)
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+def error_text(app) -> str:
+    return str(app.screen.query_one("#export-error").render())
+
+
+def test_default_paths_name_the_field_and_the_scope():
+    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=False)) == "kl-s-5.csv"
+    assert default_export_path(ExportRequest(field="kl", sample_id="s/../x", whole_stage=False)) == "kl-s_.._x.csv"
+    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=True)) == "kl-stage.csv"
+    assert default_export_path(ExportRequest(field="reward", sample_id=None, whole_stage=True)) == "reward.csv"
+
+
+async def test_x_writes_the_sample_s_rows_as_csv(make_app, tmp_path):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        diff = app.debugger.diff_view.diff
+        await pilot.press("x")
+        assert isinstance(app.screen, ExportScreen)
+        assert app.screen.query_one(Input).value == "kl-s-5.csv"
+        out = tmp_path / "kl.csv"
+        await submit(pilot, out)
+        assert app.screen is app.debugger
+        rows = list(csv.reader(out.open()))
+        assert rows[0] == list(COLUMNS) and len(rows) == 1 + 16
+        by_offset = {int(r[2]): r for r in rows[1:]}
+        for t in range(16):  # each value is the viewer's, written as Python's repr (it reads back exactly)
+            r = by_offset[t]
+            assert r[:2] == ["", "s-5"] and r[3] == ""  # a single-rank bundle has no rank
+            assert float(r[4]) == float(diff.expected_tensor[t]) and float(r[5]) == float(diff.actual_tensor[t])
+            assert float(r[6]) == float(diff.error_tensor[t]) and float(r[7]) == float(diff.tolerance_tensor[t])
+            assert r[8] == str(t in (3, 7, 11))
+        assert any("wrote 16 row(s) of kl (sample)" in str(n.message) for n in app._notifications)
+
+
+async def test_X_writes_the_whole_stage_as_json(make_app, tmp_path):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("X")
+        assert app.screen.query_one(Input).value == "kl-stage.csv"
+        out = tmp_path / "kl.json"
+        await submit(pilot, out)
+        doc = json.loads(out.read_text())
+        assert (doc["field"], doc["stage"], doc["scope"], doc["columns"]) == ("kl", "advantage.kl", "stage",
+                                                                              list(COLUMNS))
+        assert len(doc["rows"]) == 8 * 16
+        divergent = [(r[1], r[2]) for r in doc["rows"] if r[8]]
+        assert divergent == [("s-5", 3), ("s-5", 7), ("s-5", 11), ("s-6", 0)]
+        s6 = next(r for r in doc["rows"] if (r[1], r[2]) == ("s-6", 0))
+        assert abs(s6[4] - s6[5] - 0.25) < 1e-6  # the recorded kl is 0.25 above the recomputed
+
+
+async def test_an_existing_file_is_kept_until_enter_is_pressed_again(make_app, tmp_path):
+    out = tmp_path / "kept.csv"
+    out.write_text("mine\n")
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("x")
+        await submit(pilot, out)
+        assert isinstance(app.screen, ExportScreen)
+        assert error_text(app) == f"{out} exists — enter again to overwrite it, escape to keep it"
+        assert out.read_text() == "mine\n"
+        # another path forgets the confirmation; coming back asks again
+        app.screen.query_one(Input).value = str(tmp_path / "other.csv")
+        await pilot.pause()
+        await submit(pilot, out)
+        assert out.read_text() == "mine\n" and isinstance(app.screen, ExportScreen)
+        await pilot.press("enter")  # the same path again: confirmed
+        await pilot.pause()
+        assert app.screen is app.debugger and out.read_text().startswith(",".join(COLUMNS))
+
+
+async def test_an_unwritable_path_keeps_the_dialog_with_the_reason(make_app, tmp_path):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("x")
+        await submit(pilot, tmp_path / "no-such-dir" / "kl.csv")
+        assert isinstance(app.screen, ExportScreen)
+        assert error_text(app).startswith(f"cannot write {tmp_path / 'no-such-dir' / 'kl.csv'}: No such file")
+        assert not (tmp_path / "no-such-dir").exists() and list(tmp_path.iterdir()) == []
+        await pilot.press("escape")
+        assert app.screen is app.debugger
+
+
+async def test_the_reward_table_exports_every_sample(make_app, tmp_path):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("x")
+        assert app.screen.query_one(Input).value == "reward.csv"
+        await submit(pilot, tmp_path / "reward.csv")
+        rows = list(csv.reader((tmp_path / "reward.csv").open()))[1:]
+        # PR #65: recorded −5.5, −3.5, 3.5, 5.5; recomputed −1, 1, −1, 1; every |err| 4.5
+        assert [(r[1], r[3], float(r[4]), float(r[5]), float(r[6]), r[8]) for r in rows] == [
+            ("s-0", "s-0", -5.5, -1.0, 4.5, "True"), ("s-1", "s-1", -3.5, 1.0, 4.5, "True"),
+            ("s-2", "s-2", 3.5, -1.0, 4.5, "True"), ("s-3", "s-3", 5.5, 1.0, 4.5, "True")]

@@ -1,0 +1,82 @@
+"""Small terminals: the PR #65 reward table at 60×20 keeps actual and abs err (the low-value columns go
+first), → scrolls to the others, the DAG keeps its ◀; at 80×24 the DAG shows all 7 stages; zoom gives a pane
+the whole screen. PR #65: recorded −5.5, −3.5, 3.5, 5.5; recomputed −1, 1, −1, 1; |err| 4.5 each."""
+
+from __future__ import annotations
+
+from rich.style import Style
+
+from replay_tui.widgets.diff_view import DiffPanel
+
+
+async def ready(pilot) -> None:
+    await pilot.app.wait_settled(pilot)
+
+
+def screen_lines(app) -> list[str]:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+def header(app) -> list[str]:
+    return app.debugger.query_one("#diff-header").render_line(0).text.split()
+
+
+async def test_60x20_keeps_actual_and_abs_err_and_the_first_mark(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(60, 20)) as pilot:
+        await ready(pilot)
+        view = app.debugger.diff_view
+        assert view.row_width == 27  # 30 cells of pane: the borders and the scrollbar take 3
+        assert header(app) == ["sample", "actual", "abs", "err"]
+        cells = view.render_row(0, view.row_width, Style()).text.split()
+        assert cells == ["✗", "s-0", "-1.0", "4.5"]
+        # the DAG's name column is cut, not its first-divergence mark
+        dag = [line for line in screen_lines(app) if "reward.post_pr…" in line]
+        assert len(dag) == 1 and "reward.post_pr… ◀" in dag[0]
+        # → scrolls past the group, then the recorded value: the rest of the row shows
+        await pilot.press("right")
+        assert header(app) == ["←", "sample", "expected", "actual"]
+        assert view.render_row(0, view.row_width, Style()).text.split() == ["✗", "s-0", "-5.5", "-1.0"]
+        for _ in range(3):
+            await pilot.press("right")
+        assert header(app) == ["←", "sample", "×noise", "tol"]
+        await pilot.press("right")  # the last column is shown: nothing further
+        assert header(app) == ["←", "sample", "×noise", "tol"]
+        for _ in range(5):
+            await pilot.press("left")
+        assert header(app) == ["sample", "actual", "abs", "err"] and view.col_offset == 0
+
+
+async def test_60x20_zoom_shows_the_whole_row(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(60, 20)) as pilot:
+        await ready(pilot)
+        await pilot.press("m")
+        assert app.debugger.maximized is app.debugger.query_one(DiffPanel)
+        assert header(app) == ["sample", "group", "expected", "actual", "abs", "err", "×noise"]
+        await pilot.press("m")
+        assert header(app) == ["sample", "actual", "abs", "err"]
+
+
+async def test_80x24_shows_every_stage_under_the_samples(make_app):
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        screen = app.debugger
+        stages = screen.stage_list
+        assert stages.parent.parent.id == "left"  # under the samples: the diff has the right column's height
+        assert stages.size.height == 7 and stages.row_count == 7 and stages.max_scroll_y == 0
+        names = [line.split("│")[1] for line in screen_lines(app)[stages.region.y:stages.region.bottom]]
+        assert [n.split()[1] for n in names] == ["sample", "reward.raw", "reward.post_pro…", "advantage.kl",
+                                                 "advantage.estim…", "loss.policy", "loss.value"]
+        # all four samples of the reward table show beside the plot and the why strip
+        assert screen.diff_view.size.height >= 4 and screen.diff_view.max_scroll_y == 0
+        # taller again: the DAG goes back above the diff, its cursor where it was
+        await pilot.press("1", "down")
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause()
+        assert screen.stage_list.parent.parent.id == "right" and screen.stage_list.cursor == 3
+        assert screen.stage_list.has_focus
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert screen.stage_list.parent.parent.id == "left" and screen.stage_list.cursor == 3
