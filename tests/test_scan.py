@@ -212,7 +212,8 @@ def test_only_invalid_bundles_give_a_row_each_and_exit_3(tmp_path):
     proc = _run(tmp_path, "--jobs", "1")
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == (f"[    invalid] 3:0          two — {tmp_path / 'two' / 'payloads' / 'advantages.pt'}: missing "
+    missing = tmp_path / "two" / "payloads" / "advantages.pt"
+    assert lines[0] == (f"[    invalid] 3:0          two — {missing}: missing "
                         f"payload listed in manifest.json $.payloads.advantages")
     assert lines[1] == f"[    invalid] ?            one — {tmp_path / 'one' / 'index.json'}: missing index.json"
     assert lines[2:] == ["2 bundle(s) scanned: 2 invalid", "first bad step: none"]

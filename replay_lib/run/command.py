@@ -63,7 +63,7 @@ STATUS_STYLES = {"pass": "pass", "diverged": "fail", "invalid": "warning", "unsu
 
 
 def row_line(row, verbose: bool = False) -> str:
-    """``[   diverged] 23:0         b-00023 — reward.post_process: reward s-0: expected=… actual=… abs_err=…``"""
+    """``[   diverged] 23:0         b-00023 — reward.post_process: reward s-0: expected=… actual=…``"""
     from ..report import fmt_ratio
 
     t = row.target
