@@ -211,8 +211,9 @@ def stage_line(s: StageReport, verbose: bool = False) -> str:
 
 
 def explanation_line(e: "Explanation") -> str:
-    """``likely cause: <detail> — 4/4 samples``."""
-    return safe(f"likely cause: {e.detail} — {e.matched}/{e.of} {e.unit}")
+    """``likely cause: <detail> — 4/4 samples`` (``likely cause [rank 1]: …`` when one rank's shard has it)."""
+    where = f" [rank {e.rank}]" if e.rank is not None else ""
+    return safe(f"likely cause{where}: {e.detail} — {e.matched}/{e.of} {e.unit}")
 
 
 def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:

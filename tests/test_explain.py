@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from producers import Config, Size, bug_config, produce_parts, write_parts  # noqa: E402
 from replay_lib.explain.reward import consumer_batches  # noqa: E402
+from replay_lib.report import explanation_line  # noqa: E402
 from replay_lib.runner import replay  # noqa: E402
 from replay_lib.schema import StageId, stage_contracts  # noqa: E402
 from replay_lib.selection import Selection  # noqa: E402
@@ -440,6 +441,36 @@ def test_unrelated_bugs_get_none(tmp_path):
         report = replay(write(tmp_path, _parts(name=name), stages, **kw))
         assert not report.passed, name
         assert report.explanations == [], (name, report.explanations)
+
+
+def test_a_cohort_names_the_rank_whose_shard_has_the_bug(tmp_path):
+    """A 2-rank cohort (``demo.synthetic_parts`` shards of 8 samples in groups of 4, std on): rank 1 recorded
+    rewards normalized over its whole shard; rank 0 is right. Each shard's 8 samples are one micro-batch
+    (mb-0001 on rank 1), so the whole shard is that micro-batch, listed first. Judged on the rank where the
+    stage fails: 8/8 samples, named on rank 1 (on rank 0 the hypothesis would break 8 right values)."""
+    from replay_lib.demo import synthetic_parts, write_bundle
+
+    path = tmp_path / "cohort"
+    for r in range(2):
+        manifest, index, expected, payloads = synthetic_parts(
+            bundle_id="cohort", seed=100 + r, sample_prefix=f"r{r}-s-", batch_offset=r,
+            rank_sizes={"dp": 2, "tp": 1, "pp": 1, "cp": 1}, stages=ROLLOUT)
+        if r == 1:
+            raw = np.array([smp.raw_reward for smp in index.samples])
+            rec = f32(normalize(raw, np.zeros(8), std=True))
+            expected["reward.post_process"] = {"rewards": rec.tolist()}
+            index = msgspec.structs.replace(index, samples=[
+                msgspec.structs.replace(smp, reward=float(v)) for smp, v in zip(index.samples, rec)])
+            lengths = np.array([smp.response_length for smp in index.samples])
+            payloads["advantages"] = torch.from_numpy(np.repeat(rec, lengths).astype(np.float32))
+        write_bundle(path, manifest, index, expected, payloads, rank=r, ranks=range(2))
+    report = replay(path)
+    assert report.first_divergent_stage == "reward.post_process"
+    assert [(e.hypothesis, e.matched, e.of, e.rank) for e in report.explanations] == [
+        ("reward.micro_batches", 8, 8, 1)]
+    assert explanation_line(report.explanations[0]) == (
+        "likely cause [rank 1]: the recorded rewards equal group normalization over micro-batches mb-0001 (not "
+        "semantic groups) — 8/8 samples")
 
 
 # ------------------------------------------------------------------------------ the consumer-batch layout

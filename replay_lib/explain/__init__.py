@@ -4,7 +4,7 @@ For each failing stage, the hypotheses of its family (one module each: :mod:`.re
 :mod:`.advantage`, :mod:`.loss`) are evaluated in float64 from the recorded inputs the stage consumed and judged
 against its recorded values with the error model's tolerance (:mod:`.base`: an element matches within its
 tolerance; a hypothesis is reported when it matches most — 90 % — of the divergent elements and of all
-compared ones). The report carries them as ``explanations: [{stage, hypothesis, matched, of, detail, unit,
+compared ones; in a cohort, over the rank shards where the stage fails). The report carries them as ``explanations: [{stage, hypothesis, matched, of, detail, unit,
 rank}]``, best first, at most :data:`MAX_PER_STAGE` per stage; none is a valid answer ("no known cause
 matches").
 
@@ -66,23 +66,25 @@ def explain_stage(stage: str, contexts: Sequence[StageContext], divergences=()) 
         fields = ctx.fields.get(stage) or []
         if not fields:
             continue
-        fields_seen += fields
         hyps = family(ctx, fields)
-        for h, s in zip(hyps, score(ctx, fields, hyps, divergences)):
+        scores = score(ctx, fields, hyps, divergences)
+        if not any(s.bad for s in scores):
+            continue  # a shard where the stage passed: its bug is elsewhere (a cohort's other ranks)
+        fields_seen += fields
+        for h, s in zip(hyps, scores):
             if h.id not in totals:
                 totals[h.id], first[h.id] = Score(), h
                 order.append(h.id)
                 ranks[h.id] = set()
             totals[h.id].add(s)
-            if s.bad:
-                ranks[h.id].add(ctx.rank)
+            ranks[h.id].add(ctx.rank)
     found = [i for i in order if reported(totals[i])]
     found.sort(key=lambda i: (-totals[i].matched / max(totals[i].of, 1), -totals[i].bad_matched, totals[i].misfit,
                               order.index(i)))
     out = []
     for i in found[:MAX_PER_STAGE]:
         s = totals[i]
-        rank = next(iter(ranks[i])) if len(ranks[i]) == 1 and len(contexts) > 1 else None
+        rank = next(iter(ranks[i])) if len(ranks[i]) == 1 and len(contexts) > 1 else None  # one failing rank
         out.append(Explanation(stage=stage, hypothesis=i, matched=s.matched, of=s.of, detail=first[i].detail,
                                unit=_unit(fields_seen, s.sampled), rank=rank))
     return out
