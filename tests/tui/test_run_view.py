@@ -217,6 +217,52 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
     assert app.return_code == 1
 
 
+async def test_rows_finishing_while_a_bundle_is_open_are_in_the_table_on_escape(run_dir, monkeypatch):
+    """The scan is held after its first row; that bundle (e-clean) is opened, the scan released and finished
+    behind the debugger; esc shows all five rows, the cursor still on e-clean."""
+    import replay_lib.run.scan as scan_module
+    from replay_tui.screens.main import DebuggerScreen
+    from replay_tui.screens.run import RunScreen
+
+    gate = threading.Event()
+    real_scan = scan_module.scan
+
+    def held_scan(targets, *, on_row, **kwargs):
+        def first_then_wait(row):
+            on_row(row)
+            gate.wait(timeout=30)
+
+        return real_scan(targets, on_row=first_then_wait, **kwargs)
+
+    monkeypatch.setattr(scan_module, "scan", held_scan)
+    app = make_run_app(run_dir)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            for _ in range(400):
+                await pilot.pause()
+                if app.run_screen.data.rows and not app.run_screen._pending:
+                    break
+            await pilot.press("enter")
+            for _ in range(400):
+                await pilot.pause()
+                if isinstance(app.screen, DebuggerScreen) and app.settled:
+                    break
+            assert app.model.report.bundle_id == "e-clean" and not app.run_screen.finished
+            gate.set()
+            for _ in range(400):
+                await pilot.pause()
+                if app.run_screen.finished and not app.run_screen._pending:
+                    break
+            assert isinstance(app.screen, DebuggerScreen)  # the scan finished behind it
+            await pilot.press("escape")
+            assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 0
+            data = app.run_screen.data
+            assert [data.status(t) for t in data.targets] == STATUSES
+            assert [line.split()[0] for line in table_lines(app)] == ["✓", "✗", "✓", "!", "✓"]
+    finally:
+        gate.set()
+
+
 # ------------------------------------------------------------------------------------- the command line
 
 
