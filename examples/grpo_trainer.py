@@ -24,6 +24,14 @@ records the support rows and the member logits of the scoring forward, and both 
 ``logprob.support``. ``--support-full-vocab-bug`` claims support scoring but scores over the whole
 vocabulary; ``--append-eos`` appends an <eos> without support to responses cut off at the length limit.
 
+The loss side of SPEC §4.2 (``--loss-agg MODE`` with the step's all-reduced counts and the dp size as
+``loss_scale``, ``--dual-clip C``, ``--kl-loss TYPE:COEF`` with verl's clamps, ``--tis LEVEL:HIGH`` on the
+sampler's own log-probs with ``--icepop LOW`` masking, ``--gspo``, ``--ppo`` with a value head and the clipped
+value loss, returns = advantages + values): the step's config records the counts and scale, the step bundle
+the rollout and reference log-probs, PPO's values and returns; one bug flag per family (:data:`LOSS_BUG_FLAGS`:
+``--token-mean-denominator-bug``, ``--dual-clip-bug``, ``--kl-loss-bug``, ``--tis-bug``, ``--gspo-bug``,
+``--value-loss-bug``).
+
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
 micro-batch hands capture its per-sample loss terms, its per-token surrogate and its loss fields, so the step
@@ -44,10 +52,11 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+import msgspec
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,12 +66,13 @@ from capture import Provenance, maybe_enable_for_actor
 from replay_lib.kernels import (
     LOSS_FIELDS,
     batch_normalize,
-    compute_policy_loss,
     get_grpo_returns,
     group_normalize,
     rollout_kl,
     segment_ids,
 )
+from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, policy_fields_from_sums, policy_token_terms,
+                                     sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.schema import RecomputeConfig
 
 # ------------------------------------------------------------------------------------------ task
@@ -107,15 +117,22 @@ def reward_of(digits: Sequence[int], response: Sequence[int]) -> float:
 class TinyLM(nn.Module):
     """A 2-layer GRU causal language model."""
 
-    def __init__(self, hidden: int = 64, embed: int = 32, layers: int = 2):
+    def __init__(self, hidden: int = 64, embed: int = 32, layers: int = 2, value_head: bool = False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, embed)
         self.rnn = nn.GRU(embed, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, VOCAB)
+        # PPO's critic (--ppo): built last, so the policy's initial weights do not depend on it
+        self.value_head = nn.Linear(hidden, 1) if value_head else None
 
     def forward(self, tokens: torch.Tensor, state: Optional[torch.Tensor] = None):
         out, state = self.rnn(self.embed(tokens), state)
         return self.head(out), state
+
+    def values(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, W]``: the value head at every position (the state after reading each token)."""
+        out, _ = self.rnn(self.embed(tokens))
+        return self.value_head(out).squeeze(-1)
 
 
 @dataclass
@@ -176,9 +193,9 @@ def sample_group(model: TinyLM, digits: list[int], n: int, *, temperature: float
     return out
 
 
-def _forward(model: TinyLM, samples: Sequence[Sample]):
-    """Teacher-forced forward: ``(logits [B, W, V], rows, cols, targets)``, where ``logits[rows, cols]``
-    are the positions predicting the response tokens ``targets``, concatenated in sample order."""
+def _teacher_batch(samples: Sequence[Sample]):
+    """``(batch [B, W], rows, cols, targets)``: the teacher-forced inputs; ``[rows, cols]`` are the positions
+    predicting the response tokens ``targets``, concatenated in sample order."""
     inputs = [prompt_tokens(s.digits) + s.response[:-1] for s in samples]
     width = max(len(x) for x in inputs)
     batch = torch.full((len(samples), width), PAD, dtype=torch.int64)
@@ -189,8 +206,40 @@ def _forward(model: TinyLM, samples: Sequence[Sample]):
         rows += [i] * len(s.response)
         cols += range(start, start + len(s.response))
         targets += s.response
+    return batch, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
+
+
+def _forward(model: TinyLM, samples: Sequence[Sample]):
+    """Teacher-forced forward: ``(logits [B, W, V], rows, cols, targets)``, where ``logits[rows, cols]``
+    are the positions predicting the response tokens ``targets``, concatenated in sample order."""
+    batch, rows, cols, targets = _teacher_batch(samples)
     logits, _ = model(batch)
-    return logits, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
+    return logits, rows, cols, targets
+
+
+def score_values(model: TinyLM, samples: Sequence[Sample]) -> torch.Tensor:
+    """The critic's value of every response token's position (``--ppo``), in sample order."""
+    batch, rows, cols, _ = _teacher_batch(samples)
+    return model.values(batch)[rows, cols]
+
+
+def rollout_log_probs_of(samples: Sequence[Sample], fallback: torch.Tensor) -> torch.Tensor:
+    """What the sampler's own distribution gave each sampled token: its tempered logit over the recorded top-k
+    support renormalized (``l_y − logsumexp(l_S)``) — the ``rollout_log_probs`` of the train/rollout importance
+    correction. A token without support (an appended <eos>) takes ``fallback`` (the trainer's old log-prob:
+    weight 1)."""
+    out = []
+    for s in samples:
+        ids, logits = s.support_ids.to(torch.int64), s.support_logits.float()
+        target = torch.tensor(s.response, dtype=torch.int64)
+        hit = ids == target[:, None]
+        has = hit.any(1)
+        masked = logits.masked_fill(ids < 0, float("-inf"))
+        lse = torch.logsumexp(masked, 1)
+        chosen = (logits * hit).sum(1)
+        out.append(torch.where(has, chosen - lse, torch.full_like(lse, float("nan"))))
+    flat = torch.cat(out)
+    return torch.where(torch.isnan(flat), fallback.float(), flat)
 
 
 def score(model: TinyLM, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +308,8 @@ def score_support(model: TinyLM, samples: Sequence[Sample], full_vocab_bug: bool
 
 @dataclass
 class MicroBatchLoss:
-    fields: dict[str, torch.Tensor]  # loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl: 0-d float64 (``loss``
-    # carries the graph)
+    fields: dict[str, torch.Tensor]  # loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl (+ pg_clipfrac_lower,
+    # kl_loss as the knobs ask; + vf_loss, vf_clipfrac under --ppo): 0-d float64 (``loss`` carries the graph)
     terms: dict[str, torch.Tensor]  # per sample, float64: pg_sum, entropy_sum, kl_sum, clip_count, mask_count
     pg_losses: torch.Tensor  # [tokens] float32: the per-token surrogate before aggregation
 
@@ -277,33 +326,74 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return out
 
 
+# The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
+LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss")
+
+
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 entropy: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, *, eps_clip: float,
-                eps_clip_high: float, entropy_coef: float, mask_bug: bool = False) -> MicroBatchLoss:
-    """One micro-batch's clipped surrogate: per token in float32 (``compute_policy_loss``, the replay's kernel),
-    then every per-sample sum ``Σ_t x·mask`` and the sum of per-sample masked means in float64 — float32
-    sums of long responses carry rounding (at ~u·n relative) that would blur a one-token difference.
-    ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps it)."""
-    ppo_kl = old_log_probs.float() - log_probs.float()
-    pg_losses, clipfrac = compute_policy_loss(ppo_kl, advantages.float(), eps_clip, eps_clip_high)
+                eps_clip_high: float, entropy_coef: float, mask_bug: bool = False,
+                knobs: Optional[LossKnobs] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                ref_log_probs: Optional[torch.Tensor] = None, bug: Optional[str] = None,
+                value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> MicroBatchLoss:
+    """One micro-batch's loss: the per-token terms in float32 (``policy_token_terms``, the replay's kernel, with
+    the SPEC §4.2 knobs: dual-clip, GSPO's sequence ratio, the importance weight, the KL term), then every
+    per-sample sum ``Σ_t x·mask`` in float64 and the fields aggregated from them in float64 (``aggregate``: the
+    sum of per-sample means, or a mode over the step's recorded counts; the micro-batches' fields add up to
+    the step's) — float32 sums of long responses carry rounding (at ~u·n relative) that would blur a one-token
+    difference. ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps
+    it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``."""
+    knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
+    m32 = mask.float()
+    used = knobs
+    if bug == "gspo":  # the sequence ratio from the summed log-ratio (a product of ratios), not its mean
+        used = replace(knobs, importance_level="token")
+    sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used)
+    if bug == "gspo":
+        lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
+        sample_terms = dict(sample_terms, seq_log_ratio=lr)
+        used = knobs
+    t = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(), used, seg=seg,
+                           sample_terms=sample_terms, rollout_log_probs=None if rollout_log_probs is None else (
+                               rollout_log_probs.float() if bug != "tis" else 2 * old_log_probs.float()
+                               - rollout_log_probs.float()),
+                           ref_log_probs=None if ref_log_probs is None else (
+                               ref_log_probs.float() if bug != "kl_loss" else 2 * log_probs.float()
+                               - ref_log_probs.float()))
+    pg_losses = t["pg"]
+    if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
+        plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
+                                   replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
+                                   sample_terms=sample_terms)
+        pg_losses = torch.minimum(plain["pg"], -float(knobs.eps_clip_c) * advantages.float())
+        if "is_weight" in t:
+            pg_losses = pg_losses * t["is_weight"]
     m = (drop_last_loss_token(mask, lengths) if mask_bug else mask).to(torch.float64)
 
     def per_sample(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(lengths.numel(), dtype=torch.float64).index_add(0, seg, x.to(torch.float64) * m)
 
-    terms = {"pg_sum": per_sample(pg_losses), "entropy_sum": per_sample(entropy), "kl_sum": per_sample(ppo_kl),
-             "clip_count": per_sample(clipfrac), "mask_count": per_sample(m)}
-    denom = terms["mask_count"].clamp_min(1.0)
-    pg_loss = (terms["pg_sum"] / denom).sum()
-    entropy_loss = (terms["entropy_sum"] / denom).sum()
-    fields = {
-        "loss": pg_loss - entropy_coef * entropy_loss,
-        "pg_loss": pg_loss,
-        "entropy_loss": entropy_loss,
-        "pg_clipfrac": (terms["clip_count"] / denom).sum(),
-        "ppo_kl": (terms["kl_sum"] / denom).sum(),
-    }
+    terms = {"pg_sum": per_sample(pg_losses), "entropy_sum": per_sample(entropy), "kl_sum": per_sample(t["ppo_kl"]),
+             "clip_count": per_sample(t["clip"]), "mask_count": per_sample(m)}
+    sums = {"pg": terms["pg_sum"], "ent": terms["entropy_sum"], "kl": terms["kl_sum"], "clip": terms["clip_count"],
+            "mask": terms["mask_count"]}
+    if knobs.dual_clip:
+        sums["clip_lower"] = per_sample(t["clip_lower"])
+    if knobs.kl_loss:
+        sums["kl_loss"] = per_sample(t["kl_loss"])
+    agg = knobs
+    if bug == "token_mean_denominator":  # verl#7321's class: the micro-batch's own token count as T
+        agg = replace(knobs, loss_token_count=int(m.sum()))
+    fields = policy_fields_from_sums(sums, True, entropy_coef, agg)
+    if value is not None:
+        v, old_v, returns = value
+        vt = value_token_terms(v.float(), old_v.float(), returns.float(), knobs.value_clip)
+        vf = value_fields_from_sums({"vf": per_sample(vt["vf"]), "clip": per_sample(vt["clip"]), "mask": sums["mask"]},
+                                    knobs)
+        if bug == "value_loss":  # slime's convention (no ½) under a config that declares verl's
+            vf["vf_loss"] = 2 * vf["vf_loss"]
+        fields.update(vf)
     return MicroBatchLoss(fields=fields, terms={k: v.detach() for k, v in terms.items()},
                           pg_losses=pg_losses.detach())
 
@@ -347,7 +437,7 @@ _END = object()
 def rollout_worker(args, rank: int, store: WeightStore, stream: queue.Queue) -> None:
     """Generates rollouts on stale weights and streams their samples, one at a time."""
     try:
-        sampler = TinyLM(args.hidden, args.embed)
+        sampler = TinyLM(args.hidden, args.embed, value_head=args.ppo)
         for r in range(args.rollouts):
             version, state = store.wait(max(r - 1 - args.max_staleness, -1))
             sampler.load_state_dict(state)
@@ -386,12 +476,77 @@ def recompute_config(args) -> RecomputeConfig:
     """Every knob that changes the math, from the trainer's real settings."""
     return RecomputeConfig(
         advantage_estimator="grpo", n_samples_per_prompt=args.n_samples,
-        grpo_std_normalization=args.std_normalization, kl_loss_type=args.kl_loss_type, kl_coef=args.kl_coef,
+        grpo_std_normalization=args.std_normalization, kl_coef=args.kl_coef,
         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
-        rewards_normalization=True, use_kl_loss=False, kl_loss_coef=0.0, use_tis=False, tis_clip=2.0,
-        tis_clip_low=0.0, calculate_per_token_loss=False, normalize_advantages=False, eps_clip_c=None,
-        use_rollout_logprobs=False, vocab_size=VOCAB,
+        rewards_normalization=True, use_tis=False, tis_clip=2.0,
+        tis_clip_low=0.0, calculate_per_token_loss=False, normalize_advantages=False,
+        use_rollout_logprobs=False, vocab_size=VOCAB, **loss_knobs(args),
     )
+
+
+def loss_knobs(args) -> dict:
+    """The SPEC §4.2 loss-side knobs of the flags (``--loss-agg``, ``--dual-clip``, ``--kl-loss``, ``--tis``,
+    ``--icepop``, ``--gspo``, ``--ppo``); ``{}`` without them (a V1 config). The counts an aggregation mode
+    divides by are the step's (``step_counts``)."""
+    # written explicitly (V1's values without the flags); kl_loss_type is also the rollout KL's estimator
+    out: dict = {"use_kl_loss": False, "kl_loss_coef": 0.0, "eps_clip_c": None, "kl_loss_type": args.kl_loss_type}
+    if args.loss_agg != "sum_of_sample_means":
+        out["loss_agg_mode"] = args.loss_agg
+    if args.dual_clip is not None:
+        out["eps_clip_c"] = args.dual_clip
+    if args.kl_loss is not None:
+        kind, coef = args.kl_loss
+        out.update(use_kl_loss=True, kl_loss_coef=coef, kl_loss_type=kind, kl_loss_input_clamp=KL_LOSS_CLAMPS[0],
+                   kl_loss_output_clamp=KL_LOSS_CLAMPS[1])
+        if kind != args.kl_loss_type:  # the rollout KL keeps its own estimator
+            out["kl_penalty_type"] = args.kl_loss_type
+    if args.tis is not None:
+        level, high = args.tis
+        out.update(is_level=level, is_high=high, is_mode="mask" if args.icepop is not None else "truncate",
+                   is_low=args.icepop, is_log_clamp=IS_LOG_CLAMP)
+    if args.gspo:
+        out["importance_level"] = "sequence"
+    if args.ppo:
+        out["value_clip"] = args.value_clip
+    return out
+
+
+# verl / SkyRL's clamps of the KL term (log-ratio ±20, value ±10) and of an importance weight's log (±20)
+KL_LOSS_CLAMPS = (20.0, 10.0)
+IS_LOG_CLAMP = 20.0
+
+
+def step_counts(args, mask: torch.Tensor, lengths: torch.Tensor, world: int) -> dict:
+    """The counts an aggregation mode divides by, for one actor step, all-reduced over the data-parallel ranks
+    (what a bundle of one rank's shard records, SPEC §4.2): the loss tokens ``T``, the samples with a loss
+    token ``N``, the longest response the sampler allows ``L`` (Dr.GRPO's constant), and ``loss_scale`` = the
+    dp size (each rank's loss carries ×world: the gradients are averaged over the ranks). ``{}`` for the sum
+    of per-sample means (V1)."""
+    if args.loss_agg == "sum_of_sample_means":
+        return {}
+    seg = segment_ids(lengths)
+    per_sample = torch.zeros(lengths.numel()).index_add_(0, seg, mask.float())
+    counts = torch.tensor([float(mask.sum()), float((per_sample > 0).sum())], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(counts)
+    return dict(loss_token_count=int(counts[0]), loss_seq_count=int(counts[1]),
+                loss_horizon=args.max_digits + 2 + int(args.append_eos), loss_scale=float(world))
+
+
+def knob_payloads(knobs: LossKnobs, tok: torch.Tensor, ref_log_probs: torch.Tensor,
+                  rollout_lp: Optional[torch.Tensor], value) -> dict:
+    """What capture records for the knobs (SPEC §4.2): ``ref_log_probs`` for a KL term in the loss,
+    ``rollout_log_probs`` for the importance correction, ``values`` / ``old_values`` / ``returns`` for PPO."""
+    out = {}
+    if knobs.kl_loss:
+        out["ref_log_probs"] = ref_log_probs[tok]
+    if rollout_lp is not None:
+        out["rollout_log_probs"] = rollout_lp[tok]
+    if value is not None:
+        out.update(values=value[0].detach(), old_values=value[1], returns=value[2])
+    return out
+
+
 
 
 def _take(stream: queue.Queue, count: int) -> list[Sample]:
@@ -421,8 +576,8 @@ def _mask(samples: Sequence[Sample], mask_truncated: bool) -> torch.Tensor:
 
 def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = TinyLM(args.hidden, args.embed)
-    reference = TinyLM(args.hidden, args.embed)
+    model = TinyLM(args.hidden, args.embed, value_head=args.ppo)
+    reference = TinyLM(args.hidden, args.embed, value_head=args.ppo)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -476,6 +631,13 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     ref_log_probs, _ = score(reference, samples)
             kl = rollout_kl(old_log_probs, ref_log_probs, args.kl_coef, args.kl_loss_type)
             advantages = get_grpo_returns(rewards, lengths)
+            # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
+            # the returns are advantages + values: GAE is advantage.estimate's)
+            rollout_lp = rollout_log_probs_of(samples, old_log_probs) if args.tis is not None else None
+            old_values = None
+            if args.ppo:
+                with torch.no_grad():
+                    old_values = score_values(model, samples)
             result.mean_rewards.append(float(raw.mean()))
             rollout_weight = samples[0].rollout_weight
             ids = [f"s-{s.index}" if world == 1 else f"r{rank}-s-{s.index}" for s in samples]
@@ -522,6 +684,12 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     support_scored=("log_probs",) if args.sample_support else None)
                 optimizer.zero_grad(set_to_none=True)
                 totals = {name: torch.zeros((), dtype=torch.float64) for name in LOSS_FIELDS}
+                step_tok = torch.arange(int(offsets[first]), int(offsets[first + step_size - 1]
+                                                                 + lengths[first + step_size - 1]))
+                counts = step_counts(args, mask[step_tok], lengths[first:first + step_size], world)
+                step_cfg = msgspec.structs.replace(cfg, **counts) if counts else None
+                knobs = LossKnobs.of(step_cfg or cfg)
+                vf_returns = step_advantages + old_values if old_values is not None else None
                 for mb_start in range(first, first + step_size, args.micro_batch):
                     mb = list(range(mb_start, min(mb_start + args.micro_batch, first + step_size)))
                     tok = torch.cat([torch.arange(int(offsets[i]), int(offsets[i] + lengths[i])) for i in mb])
@@ -532,12 +700,21 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, entropy = support.log_probs, support.entropy
                     else:
                         log_probs, entropy = score(model, mb_samples)
+                    value = None
+                    if vf_returns is not None:
+                        value = (score_values(model, mb_samples), old_values[tok], vf_returns[tok])
                     mb_loss = policy_loss(
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
-                        mask_bug=args.loss_mask_bug,
+                        mask_bug=args.loss_mask_bug, knobs=knobs,
+                        rollout_log_probs=rollout_lp[tok] if rollout_lp is not None else None,
+                        ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
+                        bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
                     )
-                    mb_loss.fields["loss"].backward()
+                    objective = mb_loss.fields["loss"]
+                    if value is not None:
+                        objective = objective + args.vf_coef * mb_loss.fields["vf_loss"]
+                    objective.backward()
                     fields = {name: value.detach() for name, value in mb_loss.fields.items()}
                     for name in LOSS_FIELDS:
                         totals[name] += fields[name]
@@ -554,7 +731,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         advantages=step_advantages[tok], entropy=entropy, raw_rewards=step_raw[mb],
                         rewards=step_rewards[mb],
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=mb_loss.pg_losses,
-                        loss_fields=fields,
+                        loss_fields=fields, **knob_payloads(knobs, tok, ref_log_probs, rollout_lp, value),
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -567,7 +744,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 # The reported loss of the step: the sum over micro-batches of their sums of per-sample
                 # means, which is exactly loss.policy's reduction over the whole step (capture sums the
                 # micro-batches' loss_fields in float64).
-                step.finish()
+                step.finish(config=step_cfg)
                 result.step_times.append(time.perf_counter() - t0)
                 result.step_cpu_times.append(time.thread_time() - c0)
                 result.steps += 1
@@ -622,6 +799,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-advantages-bug", action="store_true",
                    help="the first step of rollout 1 trains on rollout 0's per-sample rewards and advantages (a "
                         "stale cache); each bundle is consistent on its own, only scan's stage link sees it")
+    loss = p.add_argument_group("loss side (SPEC §4.2)")
+    loss.add_argument("--loss-agg", default="sum_of_sample_means", choices=AGG_MODES, metavar="MODE",
+                      help="loss aggregation: " + ", ".join(AGG_MODES) + " (the counts are the step's, all-reduced)")
+    loss.add_argument("--dual-clip", type=float, default=None, metavar="C", help="dual-clip PPO bound c > 1")
+    loss.add_argument("--kl-loss", type=_kl_loss, default=None, metavar="TYPE:COEF",
+                      help="a KL term in the loss on the current log-probs, e.g. low_var_kl:0.001")
+    loss.add_argument("--tis", type=_tis, default=None, metavar="LEVEL:HIGH",
+                      help="train/rollout importance correction (" + ", ".join(IS_LEVELS) + "), weights truncated "
+                           "at HIGH, e.g. token:2.0")
+    loss.add_argument("--icepop", type=float, default=None, metavar="LOW",
+                      help="with --tis: mask the tokens whose weight leaves [LOW, HIGH] (IcePop) instead of truncating")
+    loss.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sample")
+    loss.add_argument("--ppo", action="store_true",
+                      help="PPO: a value head with the clipped value loss (returns = advantages + values)")
+    loss.add_argument("--value-clip", type=float, default=0.2, help="with --ppo: the value clip range")
+    loss.add_argument("--vf-coef", type=float, default=0.5, help="with --ppo: the value loss's weight")
+    for bug, needs, what in LOSS_BUG_FLAGS:
+        loss.add_argument(f"--{bug.replace('_', '-')}-bug", dest=f"{bug}_bug", action="store_true",
+                          help=f"(needs {needs}) {what}")
     p.add_argument("--sample-support", action="store_true",
                    help="score log-probs over each token's recorded top-k sampler support (policy, old, ref) "
                         "and capture stage logprob.support")
@@ -637,6 +833,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-close-timeout", type=float, default=60.0, help="seconds to flush capture at exit")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+# One bug per loss-side family: (bug, the flag it needs, what the buggy code does).
+LOSS_BUG_FLAGS = (
+    ("token_mean_denominator", "--loss-agg token_mean", "divide each micro-batch's token sum by its own token count "
+                                                        "instead of the step's all-reduced count (verl#7321's class)"),
+    ("dual_clip", "--dual-clip", "apply the dual-clip bound to positive advantages too"),
+    ("kl_loss", "--kl-loss", "evaluate the KL term on logp − ref reversed (the reverse KL)"),
+    ("tis", "--tis", "invert the importance weight: exp(rollout − old)"),
+    ("gspo", "--gspo", "take the sequence ratio from the summed log-ratio instead of its mean"),
+    ("value_loss", "--ppo", "report the value loss without its ½ (slime's (v − R)² under verl's ½·(v − R)²)"),
+)
+
+
+def _kl_loss(text: str) -> tuple[str, float]:
+    kind, _, coef = text.partition(":")
+    kinds = ("k1", "k2", "k3", "low_var_kl")
+    if kind not in kinds or not coef:
+        raise argparse.ArgumentTypeError(f"expected TYPE:COEF with TYPE one of {', '.join(kinds)}, got {text!r}")
+    return kind, float(coef)
+
+
+def _tis(text: str) -> tuple[str, float]:
+    level, _, high = text.partition(":")
+    if level not in IS_LEVELS or not high:
+        raise argparse.ArgumentTypeError(f"expected LEVEL:HIGH with LEVEL one of {', '.join(IS_LEVELS)}, got {text!r}")
+    return level, float(high)
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
@@ -656,6 +879,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--stale-advantages-bug needs --rollouts >= 2 (step 1:0 reuses rollout 0's advantages)")
     if args.support_full_vocab_bug:
         args.sample_support = True  # the bug claims support scoring
+    bugs = [bug for bug, _, _ in LOSS_BUG_FLAGS if getattr(args, f"{bug}_bug")]
+    if len(bugs) > 1:
+        p.error("at most one loss-side --*-bug flag at a time")
+    args.loss_bug = bugs[0] if bugs else None
+    needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
+             "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
+             "value_loss": args.ppo}
+    if args.loss_bug and not needs[args.loss_bug]:
+        p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
+                f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        p.error("--dual-clip C needs C > 1")
+    if args.icepop is not None and args.tis is None:
+        p.error("--icepop needs --tis LEVEL:HIGH")
     try:
         args.prompt_template.format(digits="0")
     except (KeyError, IndexError, ValueError) as exc:

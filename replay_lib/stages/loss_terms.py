@@ -53,6 +53,7 @@ Everything is evaluated a chunk of tokens at a time (``LOSS_CHUNK``): no full-le
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -123,7 +124,8 @@ class _Tokens:
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.entropy, self.mask = entropy, mask
         self.rollout = rollout_log_probs
-        self.knobs = LossKnobs.of(config)
+        # the terms recorded per sample are the surrogate's and ppo_kl's: the KL term of the loss is not one
+        self.knobs = replace(LossKnobs.of(config), kl_loss_coef=0.0)
         self.low = 1.0 - float(config.eps_clip)
         self.high = 1.0 + float(config.eps_clip_high)
         self.size = int(mask.numel())

@@ -1,0 +1,121 @@
+"""The example trainer with the loss-side knobs of SPEC §4.2, in real processes: every combination of its
+flags replays clean (step bundles with the recorded counts, scale, rollout and reference log-probs, PPO's
+values and returns), and each ``--*-bug`` flag makes its stage the first divergence — located to the sample by
+the per-sample terms where the bug changes them, to the aggregation where it changes only the weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replay_lib.bundle import open_bundle
+from replay_lib.runner import replay
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / "examples" / "grpo_trainer.py"
+# One rollout of 3 prompts × 4 samples (groups of equal rewards, which have no surrogate, are rarer than in
+# 2 × 4), three actor steps of 4 samples, micro-batches of 3 and 1 samples
+SMALL = ["--rollouts", "1", "--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5",
+         "--steps-per-rollout", "3", "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet"]
+STEPS = ("step-0-0", "step-0-1", "step-0-2")
+
+
+def train(tmp_path: Path, *flags: str, world: int = 1) -> Path:
+    directory = tmp_path / "bundles"
+    env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(directory),
+           "RELAX_REPLAY_CAPTURE_TOKEN_TERMS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(ROOT)}
+    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(world)]
+    proc = subprocess.run([*launcher, str(TRAINER), *SMALL, *flags, "--dist-timeout", "60"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return directory
+
+
+def first_divergences(directory: Path) -> dict[str, tuple]:
+    out = {}
+    for name in STEPS:
+        report = replay(directory / name)
+        d = report.first_divergence
+        out[name] = None if d is None else (report.first_divergent_stage, d.field, d.sample_id)
+    return out
+
+
+VERL_DAPO_PPO = ("--loss-agg", "token_mean", "--dual-clip", "3", "--eps-clip-high", "0.28",
+                 "--kl-loss", "low_var_kl:0.001", "--tis", "token:2.0", "--ppo")
+
+
+def test_every_knob_at_once_replays_clean_and_records_what_the_loss_used(tmp_path):
+    directory = train(tmp_path, *VERL_DAPO_PPO)
+    for name in STEPS:
+        report = replay(directory / name)
+        assert report.passed, (name, [(s.stage, s.reason) for s in report.stages if s.status == "fail"])
+        compared = {s.stage for s in report.stages if s.status == "pass"}
+        assert {"loss.policy", "loss.value"} <= compared, name
+    reader = open_bundle(directory / "step-0-1").shards[0]
+    cfg = reader.index.config
+    step_tokens = sum(sum(s.loss_mask) for s in reader.index.samples)
+    # the step's own counts, recorded (one rank: the all-reduce is the identity), dp size 1
+    assert (cfg.loss_agg_mode, cfg.loss_token_count, cfg.loss_seq_count, cfg.loss_scale) == (
+        "token_mean", step_tokens, sum(1 for s in reader.index.samples if any(s.loss_mask)), 1.0)
+    assert (cfg.eps_clip_c, cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_input_clamp, cfg.is_level,
+            cfg.is_high, cfg.value_clip) == (3.0, True, 0.001, 20.0, "token", 2.0, 0.2)
+    for payload in ("rollout_log_probs", "ref_log_probs", "values", "old_values", "returns", "pg_losses"):
+        assert reader.has_payload(payload), payload
+    expected = reader.expected
+    assert {"pg_clipfrac_lower", "kl_loss"} <= set(expected["loss.policy"])
+    assert set(expected["loss.value"]) == {"vf_loss", "vf_clipfrac"}
+
+
+@pytest.mark.parametrize("flags", [
+    ("--loss-agg", "seq_mean_token_mean", "--gspo", "--tis", "sequence:2.0", "--icepop", "0.5"),
+    ("--loss-agg", "seq_mean_token_sum_norm", "--kl-loss", "k3:0.01", "--tis", "geometric:1.5"),
+    ("--loss-agg", "seq_mean_token_sum", "--dual-clip", "10"),
+], ids=["gspo-icepop", "dr-grpo-geometric", "seq-sum-dual-clip"])
+def test_other_combinations_replay_clean(tmp_path, flags):
+    directory = train(tmp_path, *flags)
+    assert first_divergences(directory) == dict.fromkeys(STEPS)
+
+
+def test_two_ranks_record_the_all_reduced_token_count_and_replay_clean(tmp_path):
+    directory = train(tmp_path, "--loss-agg", "token_mean", "--dual-clip", "3", world=2)
+    bundles = open_bundle(directory / "step-0-0")
+    shard_tokens = [sum(sum(s.loss_mask) for s in shard.index.samples) for shard in bundles.shards]
+    for shard in bundles.shards:  # each rank's shard records the count over both: T ≠ its own tokens
+        assert shard.index.config.loss_token_count == sum(shard_tokens)
+        assert shard.index.config.loss_scale == 2.0
+    for name in STEPS:
+        assert replay(directory / name).passed, name
+
+
+@pytest.mark.parametrize("flags,stage,fields,located", [
+    # per-sample sums are right, the weights are not: the recorded terms do not aggregate to the scalar
+    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), "loss.policy", {"pg_loss", "loss"}, False),
+    (("--dual-clip", "3", "--dual-clip-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
+    (("--kl-loss", "low_var_kl:0.1", "--kl-loss-bug"), "loss.policy", {"kl_loss", "loss"}, False),
+    (("--tis", "token:1.5", "--tis-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
+    (("--gspo", "--gspo-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
+    (("--ppo", "--value-loss-bug"), "loss.value", {"vf_loss"}, False),
+], ids=["denominator", "dual-clip", "kl-loss", "tis", "gspo", "value-loss"])
+def test_each_bug_flag_is_the_first_divergence(tmp_path, flags, stage, fields, located):
+    found = first_divergences(train(tmp_path, *flags))
+    hits = [d for d in found.values() if d is not None]
+    # a step whose groups all have equal rewards has zero advantages: no surrogate for a bug to change; the
+    # first step's policy is the reference (no KL) and the critic's old values (no clipping)
+    assert len(hits) >= 2 if "--kl-loss-bug" not in flags else len(hits) >= 1, found
+    for got_stage, field, sample in hits:
+        assert (got_stage, field in fields, sample is not None) == (stage, True, located), found
+
+
+def test_bad_knob_flags_are_usage_errors(tmp_path):
+    for flags, message in ((("--dual-clip", "1.0"), "--dual-clip C needs C > 1"),
+                           (("--tis", "batch:2"), "expected LEVEL:HIGH with LEVEL one of token, sequence, geometric"),
+                           (("--dual-clip-bug",), "--dual-clip-bug needs --dual-clip"),
+                           (("--icepop", "0.5"), "--icepop needs --tis LEVEL:HIGH")):
+        proc = subprocess.run([sys.executable, str(TRAINER), *flags], capture_output=True, text=True, timeout=60,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
