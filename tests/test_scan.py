@@ -146,11 +146,11 @@ def test_scan_text_rows_in_order_first_bad_step_and_no_progress_bar_in_a_pipe(ru
     assert proc.returncode == 1, proc.stderr  # a divergence outranks the invalid bundle (SPEC §9)
     assert proc.stderr == ""  # piped: no progress bar
     lines = proc.stdout.splitlines()
-    assert lines[0] == "[       pass] rollout 7    rollout-7"
-    assert lines[1] == "[       pass] 7:0          step-7-0"
-    assert lines[2] == ("[   diverged] rollout 120  b-00001 (pr65) — reward.post_process: "
+    assert lines[0] == "[       pass] rollout 7      rollout-7"
+    assert lines[1] == "[       pass] step 7:0       step-7-0"
+    assert lines[2] == ("[   diverged] rollout 120    b-00001 (pr65) — reward.post_process: "
                         "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5")
-    assert lines[3] == f"[    invalid] ?            broken — {run_dir / 'broken' / 'index.json'}: missing index.json"
+    assert lines[3] == f"[    invalid] ?              broken — {run_dir / 'broken' / 'index.json'}: missing index.json"
     assert lines[4:] == [
         "4 bundle(s) scanned: 2 pass, 1 diverged, 1 invalid; link: 1 step(s) checked against their rollout "
         "bundle, 0 diverged",
@@ -213,9 +213,9 @@ def test_only_invalid_bundles_give_a_row_each_and_exit_3(tmp_path):
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
     missing = tmp_path / "two" / "payloads" / "advantages.pt"
-    assert lines[0] == (f"[    invalid] 3:0          two — {missing}: missing "
+    assert lines[0] == (f"[    invalid] step 3:0       two — {missing}: missing "
                         f"payload listed in manifest.json $.payloads.advantages")
-    assert lines[1] == f"[    invalid] ?            one — {tmp_path / 'one' / 'index.json'}: missing index.json"
+    assert lines[1] == f"[    invalid] ?              one — {tmp_path / 'one' / 'index.json'}: missing index.json"
     assert lines[2:] == ["2 bundle(s) scanned: 2 invalid", "first bad step: none"]
 
 
@@ -258,7 +258,7 @@ def test_ctrl_c_stops_the_workers_and_prints_what_finished(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err
-    assert out.splitlines() == ["[       pass] 1:0          first", "1 of 2 bundle(s) scanned: 1 pass",
+    assert out.splitlines() == ["[       pass] step 1:0       first", "1 of 2 bundle(s) scanned: 1 pass",
                                 "first bad step: none", "interrupted: 1 bundle(s) not scanned"]
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
@@ -336,9 +336,9 @@ def test_bundle_text_never_reaches_the_terminal_unescaped(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert out.splitlines()[:2] == [
-        f"[    invalid] 1:0          step\\x1b[2J — {tmp_path}/step\\x1b[2J/payloads/advantages.pt: missing payload "
+        f"[    invalid] step 1:0       step\\x1b[2J — {tmp_path}/step\\x1b[2J/payloads/advantages.pt: missing payload "
         f"listed in manifest.json $.payloads.advantages",
-        "[       pass] 2:0          b\\x1b]52;c;QUJD\\x07 (ok)"]
+        "[       pass] step 2:0       b\\x1b]52;c;QUJD\\x07 (ok)"]
     assert main(["scan", str(tmp_path), "--jobs", "1", "--format", "json"]) == 3
     out = capsys.readouterr().out
     assert "\x1b" not in out and json.loads(out)["bundles"][0]["path"] == "step\x1b[2J"

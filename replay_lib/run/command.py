@@ -62,12 +62,19 @@ STATUS_STYLES = {"pass": "pass", "diverged": "fail", "invalid": "warning", "unsu
                  "vanished": "warning", "error": "fail"}
 
 
+def kind_anchor(target) -> str:
+    """``step 23:0``, ``cohort 23:0``, ``rollout 23`` or ``?``: the kind and the anchor in one column."""
+    if target.kind in ("step", "cohort"):
+        return f"{target.kind} {target.anchor}"
+    return target.anchor
+
+
 def row_line(row, verbose: bool = False) -> str:
-    """``[   diverged] 23:0         b-00023 — reward.post_process: reward s-0: expected=… actual=…``"""
+    """``[   diverged] step 23:0      b-00023 — reward.post_process: reward s-0: expected=… actual=…``"""
     from ..report import fmt_ratio
 
     t = row.target
-    line = f"[{row.status:>11}] {t.anchor:<12} {safe(row.bundle_id or t.relpath)}"
+    line = f"[{row.status:>11}] {kind_anchor(t):<14} {safe(row.bundle_id or t.relpath)}"
     if row.bundle_id and row.bundle_id != t.relpath:
         line += f" ({safe(t.relpath)})"
     if row.status == "diverged":
