@@ -344,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the replay's own kernels; the same arguments give the same numbers on every "
                                     "machine (the bundle id is the directory's name).",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    w.add_argument("dir", type=Path, metavar="DIR", help="where to publish it (must not exist)")
+    w.add_argument("dir", type=Path, nargs="+", metavar="[NAME] DIR",
+                   help="where to publish it (must not exist); with a NAME before it, that shipped demo instead ("
+                        + ", ".join(DEMO_NAMES) + ")")
     w.add_argument("--samples", type=int, default=8, metavar="N", help="samples (a multiple of --group-size)")
     w.add_argument("--tokens", type=int, default=16, metavar="L", help="response tokens per sample")
     w.add_argument("--seed", type=int, default=0, help="random seed of the log-probs and rewards")
@@ -462,6 +464,15 @@ def _demo(args) -> int:
         written = demo.write_demos(args.dir)
         emit([("", f"wrote {name}: {path}") for name, path in written.items()])
         return 0
+    if len(args.dir) > 2:
+        raise UsageError("demo write takes [NAME] DIR")
+    if len(args.dir) == 2:  # a shipped demo by name
+        name, target = str(args.dir[0]), args.dir[1]
+        if name not in DEMO_NAMES:
+            raise UsageError(f"unknown demo {name!r} (expected one of {', '.join(DEMO_NAMES)})")
+        emit([("", f"wrote {name}: {demo.write_demo(name, target)}")])
+        return 0
+    args.dir = args.dir[0]
     if args.samples < 1 or args.tokens < 0 or args.group_size < 1 or args.samples % args.group_size:
         raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
     path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,

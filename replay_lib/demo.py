@@ -7,7 +7,9 @@ tests and the benchmarks.
 * ``cohort-2rank`` — a two-rank cohort of synthetic full bundles;
 * ``support-fullvocab`` — sample-support bundle whose trainer scored over the full vocabulary instead of the
   recorded support: the first divergence is ``logprob.support`` (loss.policy still passes);
-* ``kl-bug``, ``loss-bug``, ``loose-kl``, ``hazard-clean`` — the hand-made faults the README's screenshots show.
+* ``kl-bug``, ``loss-bug``, ``loose-kl``, ``hazard-clean`` — the hand-made faults the README's screenshots show;
+* ``nemo-loo`` — NeMo-RL's leave-one-out GRPO (SPEC §4.2): a zero-std group reported as a hazard beside a group
+  normalized with the group mean instead of leave-one-out (a real divergence).
 
 Every bundle here is the same bytes on every machine (for one torch version): the same arguments give the same
 numbers. The shipped demos (and the test suite's bundles) are also *settled*: their replay recomputes the recorded
@@ -494,6 +496,47 @@ def write_loss_bug(path: str | Path) -> Path:
     return write_bundle(path, manifest, index, {"loss.policy": loss}, payloads)
 
 
+# nemo-loo: three groups of four under NeMo-RL's rule (leave-one-out baseline and std, no division where the
+# std is 0, a one-sample group 0). g-0's rewards are equal (0.3, not exact in float32): a hazard, never a
+# failure; g-2 was normalized with its group mean and std (GRPO's formula) instead of leave-one-out.
+NEMO_LOO_RAW = (0.3, 0.3, 0.3, 0.3, 1.0, 0.0, 0.0, 1.0, 0.25, 1.0, 0.5, 0.75)
+NEMO_LOO_CONFIG = dict(grpo_std_normalization=True, group_baseline="leave_one_out", std_zero="skip",
+                       singleton_group="zero")
+NEMO_LOO_BUG_GROUP = 2
+
+
+def write_nemo_loo(path: str | Path) -> Path:
+    """The ``nemo-loo`` demo (rollout-level, 12 samples × 6 tokens, no KL): the recorded rewards are the
+    leave-one-out kernel's in float64 rounded once to float32 (host-independent), except group g-2's; the
+    advantages broadcast the recorded rewards, so only reward.post_process fails (under teacher forcing)."""
+    path = Path(path)
+    raw = torch.tensor(NEMO_LOO_RAW, dtype=torch.float32)
+    groups = torch.arange(raw.numel()) // 4
+    lengths = torch.full((raw.numel(),), 6, dtype=torch.int64)
+    raw64 = raw.to(torch.float64)
+    rewards = group_normalize(raw64, groups, True, dtype=torch.float64, baseline="leave_one_out", std_zero="skip",
+                              singleton="zero")
+    grpo = group_normalize(raw64, groups, True, dtype=torch.float64)
+    rewards = torch.where(groups == NEMO_LOO_BUG_GROUP, grpo, rewards).to(torch.float32)
+    total = int(lengths.sum())
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=4, kl_loss_type="k1", kl_coef=0.0,
+                          eps_clip=0.2, eps_clip_high=0.28, **NEMO_LOO_CONFIG)
+    records = [SampleRecord(sample_id=f"s-{i}", group_index=int(groups[i]), response_length=6, total_length=14,
+                            loss_mask=[1] * 6, raw_reward=float(raw[i]), reward=float(rewards[i]),
+                            micro_batch_id="mb-0000") for i in range(raw.numel())]
+    identity = Identity(rollout_id=3, rollout_partition_ids=["rp-0"], consumer_batch_ids=["cb-0"],
+                        semantic_group_ids=[0, 1, 2], normalization_cohort_ids=["nc-0"],
+                        weight_lineage=WeightLineage(rollout_weight=2, actor_weight=2))
+    index = BundleIndex(bundle_id="nemo-loo", identity=identity, samples=records, config=cfg)
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="nemo-loo", producer=producer(),
+                        stage_contracts=contracts(ROLLOUT_STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
+                        redaction={})
+    expected = {"reward.raw": {"raw_rewards": raw.tolist()}, "reward.post_process": {"rewards": rewards.tolist()}}
+    old = -torch.rand(total, generator=torch.Generator().manual_seed(11)) * 2
+    payloads = {"old_log_probs": old, "kl": torch.zeros(total), "advantages": get_grpo_returns(rewards, lengths)}
+    return write_bundle(path, manifest, index, expected, payloads)
+
+
 # Every shipped demo bundle, by the name --demo takes (DEMO_NAMES order).
 _DEMO_BUILDERS = {
     "pr65-buggy": lambda p: write_pr65(p, buggy=True),
@@ -505,6 +548,7 @@ _DEMO_BUILDERS = {
     "loss-bug": write_loss_bug,
     "loose-kl": write_loose_kl,
     "hazard-clean": write_hazard_clean,
+    "nemo-loo": write_nemo_loo,
 }
 
 
@@ -512,6 +556,11 @@ def write_demos(root: str | Path) -> dict[str, Path]:
     """Write every demo bundle under ``root`` (which must not hold them already)."""
     root = Path(root)
     return {name: build(root / name) for name, build in _DEMO_BUILDERS.items()}
+
+
+def write_demo(name: str, path: str | Path) -> Path:
+    """Write the shipped demo ``name`` at ``path`` (which must not exist)."""
+    return _DEMO_BUILDERS[name](Path(path))
 
 
 def materialize_demo(name: str = "pr65-buggy") -> Path:
