@@ -10,8 +10,13 @@ Asynchrony, as in a fully-async RL job:
   are recorded), and streams the samples to the trainer;
 * the trainer consumes them in consumer (transfer) batches of ``--consumer-batch`` samples, which do not
   align with the prompt groups;
-* rewards are normalized by semantic group (``group_normalize``) once the rollout is in; ``--pr65-bug``
+* rewards are normalized by semantic group (``post_process``) once the rollout is in; ``--pr65-bug``
   reproduces PR #65 by normalizing each physical consumer batch instead (``batch_normalize``);
+* the advantage side of SPEC §4.2: ``--estimator`` (grpo, dr_grpo, rloo, reinforce_plus_plus,
+  reinforce_plus_plus_baseline, gae with a fixed critic), ``--loo`` (NeMo-RL), ``--std-eps``, ``--std-biased``,
+  ``--kl-in-reward sequence|token_returns``, ``--whiten``, ``--gamma``, ``--lam``, ``--uneven-groups``; one bug
+  flag per family (:data:`ADVANTAGE_BUGS`: ``--uneven-groups-bug``, ``--stride-groups-bug``, ``--loo-bug``,
+  ``--kl-reward-sign-bug``, ``--gae-lambda-bug``, ``--whiten-batch-bug``);
 * old log-probs (actor) and reference log-probs (the frozen initial model) give the rollout KL; the
   advantages are GRPO returns; each rollout is trained for ``--steps-per-rollout`` actor steps of
   micro-batches with gradient accumulation and Adam. With several processes (``torchrun``, gloo) every
@@ -66,8 +71,14 @@ from capture import Provenance, maybe_enable_for_actor
 from replay_lib.kernels import (
     LOSS_FIELDS,
     batch_normalize,
+    discounted_returns,
+    gae_advantages,
+    group_rule,
+    post_process,
+    sequence_kl_score,
+    token_rewards,
+    whiten,
     get_grpo_returns,
-    group_normalize,
     rollout_kl,
     segment_ids,
 )
@@ -448,7 +459,7 @@ def rollout_worker(args, rank: int, store: WeightStore, stream: queue.Queue) -> 
                 group = rank * args.prompts_per_rollout + p
                 text = args.prompt_template.format(digits=" ".join(map(str, digits)))
                 for response, ids, logits, truncated in sample_group(
-                        sampler, digits, args.n_samples, temperature=args.temperature, top_k=args.top_k, gen=gen,
+                        sampler, digits, group_sizes(args)[p], temperature=args.temperature, top_k=args.top_k, gen=gen,
                         append_eos=args.append_eos):
                     stream.put(Sample(r, index, group, digits, text, response, version, ids, logits, truncated))
                     index += 1
@@ -475,13 +486,100 @@ class TrainResult:
 def recompute_config(args) -> RecomputeConfig:
     """Every knob that changes the math, from the trainer's real settings."""
     return RecomputeConfig(
-        advantage_estimator="grpo", n_samples_per_prompt=args.n_samples,
+        n_samples_per_prompt=0 if args.uneven_groups else args.n_samples,
         grpo_std_normalization=args.std_normalization, kl_coef=args.kl_coef,
         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
         rewards_normalization=True, use_tis=False, tis_clip=2.0,
-        tis_clip_low=0.0, calculate_per_token_loss=False, normalize_advantages=False,
-        use_rollout_logprobs=False, vocab_size=VOCAB, **loss_knobs(args),
+        tis_clip_low=0.0, calculate_per_token_loss=False,
+        use_rollout_logprobs=False, vocab_size=VOCAB, **loss_knobs(args), **advantage_knobs(args),
     )
+
+
+def advantage_knobs(args) -> dict:
+    """The SPEC §4.2 advantage-side knobs of the flags (``--estimator``, ``--loo``, ``--std-eps``, ``--std-biased``,
+    ``--kl-in-reward``, ``--whiten``, ``--gamma``, ``--lam``)."""
+    out = dict(advantage_estimator=args.estimator, normalize_advantages=bool(args.whiten), grpo_std_eps=args.std_eps,
+               grpo_std_unbiased=not args.std_biased, kl_in_reward=args.kl_in_reward, gamma=args.gamma, lam=args.lam)
+    if args.loo:  # NeMo-RL's GRPO: leave-one-out baseline (and std), no division where the std is 0
+        out.update(group_baseline="leave_one_out", std_zero="skip", singleton_group="zero")
+    return out
+
+
+# The advantage-side bugs (one per family, SPEC §4.2): the flag and what the buggy code does instead.
+ADVANTAGE_BUGS = {
+    "uneven_groups_bug": "slime#2230's class: uneven groups normalized together over the whole batch (a reshape "
+                         "to one row)",
+    "stride_groups_bug": "AReaL#1419's class: groups recovered by a fixed stride of --n-samples (wrong once the "
+                         "groups are uneven)",
+    "loo_bug": "the leave-one-out baseline divides the whole group's sum by n − 1 (the sample itself left in)",
+    "kl_reward_sign_bug": "the KL penalty added to the reward instead of subtracted",
+    "gae_lambda_bug": "GAE computed with λ = 1 whatever --lam says",
+    "whiten_batch_bug": "advantages whitened per consumer batch instead of over the rollout's loss tokens",
+}
+
+
+def group_sizes(args) -> list[int]:
+    """The samples drawn per prompt: ``--n-samples`` each, or under ``--uneven-groups`` one more for even and
+    one fewer for odd prompts (a rollout keeps its size; the last prompt of an odd count keeps ``n``)."""
+    sizes = [args.n_samples] * args.prompts_per_rollout
+    if args.uneven_groups:
+        for p in range(0, args.prompts_per_rollout - 1, 2):
+            sizes[p], sizes[p + 1] = args.n_samples + 1, args.n_samples - 1
+    return sizes
+
+
+def post_process_rewards(args, cfg: RecomputeConfig, raw: torch.Tensor, groups: torch.Tensor, kl: torch.Tensor,
+                         mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """reward.post_process as this trainer runs it (the replay's kernels in float32), with the bug flags."""
+    kl_coef = -args.kl_coef if args.kl_reward_sign_bug else args.kl_coef
+    score = raw
+    if args.kl_in_reward == "sequence":
+        score = sequence_kl_score(raw, kl, mask, lengths, kl_coef)
+    rule = group_rule(cfg)
+    if args.uneven_groups_bug:
+        groups = torch.zeros_like(groups)
+    elif args.stride_groups_bug:
+        groups = torch.arange(groups.numel()) // args.n_samples
+    if args.loo_bug and rule.baseline == "leave_one_out" and not rule.std:
+        _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        total = torch.zeros(counts.numel()).index_add_(0, inverse, score.float())
+        return score.float() - total[inverse] / (counts[inverse] - 1).float()
+    return post_process(score, groups, rule)
+
+
+def critic_values(samples: Sequence[Sample], baseline: float) -> torch.Tensor:
+    """A fixed critic for ``--estimator gae`` (the toy has no value head): ``V_t = baseline·(t + 1)/L`` over
+    each response, ``baseline`` the previous rollout's mean raw reward."""
+    rows = [baseline * torch.arange(1, len(s.response) + 1, dtype=torch.float32) / len(s.response) for s in samples]
+    return torch.cat(rows) if rows else torch.zeros(0)
+
+
+def estimate_advantages(args, rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+                        values: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """advantage.estimate as this trainer runs it: ``(advantages, returns)`` (returns for GAE only)."""
+    kl_coef = -args.kl_coef if args.kl_reward_sign_bug else args.kl_coef
+    token_kl = kl if args.kl_in_reward == "token_returns" else None
+    returns = None
+    if args.estimator == "gae":
+        per_token = token_rewards(rewards, mask, lengths, token_kl, kl_coef)
+        advantages, returns = gae_advantages(per_token, values, mask, lengths, args.gamma,
+                                             1.0 if args.gae_lambda_bug else args.lam)
+    elif args.estimator == "reinforce_plus_plus" or args.kl_in_reward == "token_returns":
+        advantages = discounted_returns(token_rewards(rewards, mask, lengths, token_kl, kl_coef), lengths, args.gamma)
+    else:
+        advantages = get_grpo_returns(rewards, lengths)
+    if args.whiten or args.estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if args.whiten_batch_bug:
+            ends = torch.cumsum(lengths, 0)
+            parts, start = [], 0
+            for first in range(0, lengths.numel(), args.consumer_batch):
+                stop = int(ends[min(first + args.consumer_batch, lengths.numel()) - 1])
+                parts.append(whiten(advantages[start:stop], mask[start:stop]))
+                start = stop
+            advantages = torch.cat(parts)
+        else:
+            advantages = whiten(advantages, mask)
+    return advantages, returns
 
 
 def loss_knobs(args) -> dict:
@@ -545,8 +643,6 @@ def knob_payloads(knobs: LossKnobs, tok: torch.Tensor, ref_log_probs: torch.Tens
     if value is not None:
         out.update(values=value[0].detach(), old_values=value[1], returns=value[2])
     return out
-
-
 
 
 def _take(stream: queue.Queue, count: int) -> list[Sample]:
@@ -616,7 +712,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 rewards = torch.cat(rewards_parts)
                 cohorts = batch_ids
             else:
-                rewards = group_normalize(raw, groups, args.std_normalization)
+                rewards = None  # post-processed below, once the KL is known (--kl-in-reward sequence)
                 cohorts = [f"g-{g}" for g in sorted(set(groups.tolist()))]
             lengths = _lengths(samples)
             mask = _mask(samples, args.mask_truncated)
@@ -630,7 +726,11 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     old_log_probs, _ = score(model, samples)
                     ref_log_probs, _ = score(reference, samples)
             kl = rollout_kl(old_log_probs, ref_log_probs, args.kl_coef, args.kl_loss_type)
-            advantages = get_grpo_returns(rewards, lengths)
+            if rewards is None:
+                rewards = post_process_rewards(args, cfg, raw, groups, kl, mask, lengths)
+            values = critic_values(samples, result.mean_rewards[-1] if result.mean_rewards else 0.5) \
+                if args.estimator == "gae" else None
+            advantages, returns = estimate_advantages(args, rewards, kl, mask, lengths, values)
             # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
             # the returns are advantages + values: GAE is advantage.estimate's)
             rollout_lp = rollout_log_probs_of(samples, old_log_probs) if args.tis is not None else None
@@ -659,7 +759,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     r, sample_ids=ids, group_index=groups.tolist(), response_lengths=lengths.tolist(),
                     total_lengths=[len(prompt_tokens(s.digits)) + len(s.response) for s in samples],
                     loss_mask=mask, raw_rewards=raw, rewards=rewards, old_log_probs=old_log_probs,
-                    ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
+                    ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, values=values, returns=returns,
                     prompts=[s.prompt_text for s in samples],
                     responses=[" ".join(TOKEN_TEXT[t] for t in s.response) for s in samples],
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
@@ -765,6 +865,28 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
 # ------------------------------------------------------------------------------------------- cli
 
 
+def check_advantage_args(p: argparse.ArgumentParser, args) -> None:
+    """The advantage-side flags: the group bugs imply uneven groups; each other bug needs its family."""
+    if args.uneven_groups_bug or args.stride_groups_bug:
+        args.uneven_groups = True
+    if args.uneven_groups and (args.n_samples < 3 or args.prompts_per_rollout < 2):
+        p.error("--uneven-groups needs --n-samples >= 3 and --prompts-per-rollout >= 2 (no one-sample groups)")
+    for name, value in (("--gamma", args.gamma), ("--lam", args.lam)):
+        if not 0.0 <= value <= 1.0:
+            p.error(f"{name} must lie in [0, 1]")
+    if args.std_eps < 0:
+        p.error("--std-eps must be >= 0")
+    needs = (("loo_bug", args.estimator == "rloo", "--estimator rloo"),
+             ("gae_lambda_bug", args.estimator == "gae", "--estimator gae"),
+             ("kl_reward_sign_bug", args.kl_in_reward is not None and args.kl_coef != 0,
+              "--kl-in-reward with --kl-coef != 0"),
+             ("whiten_batch_bug", args.whiten or args.estimator.startswith("reinforce_plus_plus"),
+              "--whiten or a reinforce_plus_plus estimator"))
+    for name, ok, what in needs:
+        if getattr(args, name) and not ok:
+            p.error(f"--{name.replace('_', '-')} needs {what}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Asynchronous GRPO on a toy digit-reversal task (CPU), with replay capture.")
     p.add_argument("--rollouts", type=int, default=4)
@@ -789,6 +911,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"))
     p.add_argument("--no-std-normalization", dest="std_normalization", action="store_false",
                    help="GRPO without dividing by the group std")
+    p.add_argument("--estimator", default="grpo", choices=("grpo", "dr_grpo", "rloo", "reinforce_plus_plus",
+                                                           "reinforce_plus_plus_baseline", "gae"),
+                   help="advantage estimator (SPEC §4.2); gae uses a fixed critic (previous mean reward, ramped)")
+    p.add_argument("--loo", action="store_true",
+                   help="NeMo-RL's GRPO: leave-one-out baseline and std, no division where the std is 0")
+    p.add_argument("--std-eps", type=float, default=1e-6, metavar="E", help="the group std's eps (TRL: 1e-4)")
+    p.add_argument("--std-biased", action="store_true", help="divide by the biased (population) group std")
+    p.add_argument("--kl-in-reward", choices=("sequence", "token_returns"), default=None,
+                   help="fold --kl-coef × KL into the reward: the score (verl) or per token, as returns (OpenRLHF)")
+    p.add_argument("--whiten", action="store_true", help="whiten the advantages over the rollout's loss tokens")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus, gae, token returns)")
+    p.add_argument("--lam", type=float, default=0.95, help="GAE's λ")
+    p.add_argument("--uneven-groups", action="store_true",
+                   help="draw n + 1 and n − 1 samples for alternate prompts (dynamic sampling's uneven groups)")
+    for name, why in ADVANTAGE_BUGS.items():
+        p.add_argument("--" + name.replace("_", "-"), action="store_true", help=why)
     p.add_argument("--mask-truncated", action="store_true",
                    help="overlong filtering: mask out responses cut off without <eos>")
     p.add_argument("--pr65-bug", action="store_true",
@@ -864,6 +1002,7 @@ def _tis(text: str) -> tuple[str, float]:
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
     per_rollout = args.prompts_per_rollout * args.n_samples
+    check_advantage_args(p, args)
     if min(args.rollouts, args.prompts_per_rollout, args.n_samples, args.consumer_batch,
            args.steps_per_rollout, args.micro_batch) < 1:
         p.error("sizes must be positive")
