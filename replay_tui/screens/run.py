@@ -303,7 +303,7 @@ class RunApp(ReplayApp):
     own replay of that bundle (the replay options of the command line apply to it), esc pops back."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "back_to_run", "Run view", show=False, id="app.back-to-run",
+        Binding("escape", "back_to_run", "Run view", id="app.back-to-run",
                 tooltip="Back to the run view (the cursor where it was)"),
     ]
 
@@ -349,6 +349,12 @@ class RunApp(ReplayApp):
         self.error = None
         self.push_screen(DebuggerScreen(self.display_name))
         self.start_replay()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # "esc Run view" is in the key bar only over an opened bundle
+        if action == "back_to_run":
+            return any(isinstance(s, DebuggerScreen) for s in self.screen_stack)
+        return super().check_action(action, parameters)
 
     def action_back_to_run(self) -> None:
         if not any(isinstance(s, DebuggerScreen) for s in self.screen_stack):
