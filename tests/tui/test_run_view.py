@@ -199,7 +199,9 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
         # its own replay opens on its first divergence: kl of s-1, token 2
         assert (app.debugger.sample_id, app.debugger.field, app.debugger.diff_cursor) == ("s-1", "kl", 2)
         assert "✗ first divergence in advantage.kl" in screen_text(app)
+        assert "esc Run view" in screen_text(app).splitlines()[-1]  # the key bar says how to get back
         await pilot.press("escape")
+        assert "esc Run view" not in screen_text(app)
         assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 1
         await pilot.press("down", "down", "enter")  # c-clean... no: 1 + 2 = row 3, d-broken (invalid)
         await scanned(pilot)
