@@ -59,7 +59,7 @@ class ElementInputs:
         if self.items:
             out.append("  ".join(f"{k} {v}" for k, v in self.items))
         if self.members:
-            out.append("  ".join(f"{s} mb {m} cb {c}" for s, m, c in self.members))
+            out.append("  ".join(f"{s} {m}/{c}" for s, m, c in self.members))
         if self.note:
             out.append(self.note)
         return out
@@ -77,10 +77,30 @@ def fmt_count(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else fmt(x)
 
 
-def consumer_batch(record) -> str:
-    """A sample's consumer (transfer) batch id, when the bundle records one per sample (SPEC §3: optional)."""
-    value = getattr(record, "consumer_batch_id", None)
-    return str(value) if value is not None else NOT_RECORDED
+STREAM_MARK = "~"
+
+
+def consumer_batch_labels(ctx: StageContext) -> list[str]:
+    """Each sample's consumer (transfer) batch, in ``ctx``'s sample order: the recorded ``consumer_batch_id``
+    (SPEC §3: optional, per sample); else, when the identity lists ``k`` consumer batches for ``n`` samples, the
+    batch a stream consumer would take it in — consecutive runs of ``⌈n / k⌉`` of the index, marked ``~``
+    (``~cb-0``: a layout, not a record; the explanations test the same one, ``explain.reward``); else ``—``.
+    Computed once per context."""
+    cached = ctx.records.get("consumer_batches")
+    if cached is None:
+        from .explain.reward import consumer_batches
+
+        samples = ctx.reader.index.samples
+        placed = consumer_batches(ctx)
+        if placed is None:
+            labels = [NOT_RECORDED] * len(samples)
+        else:
+            ids, label = placed
+            recorded = all(getattr(r, "consumer_batch_id", None) is not None for r in samples)
+            mark = "" if recorded else STREAM_MARK
+            labels = [mark + str(ids[k]) for k in label.tolist()]
+        cached = ctx.records["consumer_batches"] = [labels[i] for i in ctx.indices] if ctx.partial else labels
+    return cached
 
 
 def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[int] = None) -> ElementInputs:
@@ -118,8 +138,8 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     g = record.group_index
     members = [j for j, gi in enumerate(ctx.group_indices) if gi == g] if g is not None else [index]
     raw = [ctx.samples[j].raw_reward for j in members]
-    people = tuple((ctx.sample_ids[j], ctx.samples[j].micro_batch_id or NOT_RECORDED, consumer_batch(ctx.samples[j]))
-                   for j in members)
+    batches = consumer_batch_labels(ctx)
+    people = tuple((ctx.sample_ids[j], ctx.samples[j].micro_batch_id or NOT_RECORDED, batches[j]) for j in members)
     std_on = bool(ctx.config.grpo_std_normalization)
     if g is None or any(r is None for r in raw):
         why = "no group_index" if g is None else "a member has no raw reward"
@@ -164,8 +184,9 @@ def kl_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInpu
     r = old - ref
     kl = float(compute_approx_kl(torch.tensor([old], dtype=torch.float64), torch.tensor([ref], dtype=torch.float64),
                                  cfg.kl_loss_type, dtype=torch.float64)[0])
-    formula = f"{cfg.kl_loss_type}: {KL_FORMULAS.get(cfg.kl_loss_type, 'kl = ?')} = {fmt(kl)}  (r = old − ref)"
-    items = (("old", fmt(old)), ("ref", fmt(ref)), ("r", fmt(r)), ("kl_coef", f"{cfg.kl_coef:g}"), ("mask", str(mask)))
+    formula = f"{cfg.kl_loss_type}: {KL_FORMULAS.get(cfg.kl_loss_type, 'kl = ?')} = {fmt(kl)}"
+    items = (("old", fmt(old)), ("ref", fmt(ref)), ("r = old − ref", fmt(r)), ("kl_coef", f"{cfg.kl_coef:g}"),
+             ("mask", str(mask)))
     return ElementInputs(field="kl", sample_id=sid, offset=offset, formula=formula, items=items)
 
 
@@ -253,4 +274,4 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 
-__all__ = ["ElementInputs", "element_inputs", "clip_region", "consumer_batch", "KL_FORMULAS"]
+__all__ = ["ElementInputs", "element_inputs", "clip_region", "consumer_batch_labels", "KL_FORMULAS"]

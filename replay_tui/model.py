@@ -26,7 +26,7 @@ from replay_lib.compare import as_float64, list_tensor
 from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
-from replay_lib.inputs import ElementInputs, element_inputs
+from replay_lib.inputs import NOT_RECORDED, ElementInputs, consumer_batch_labels, element_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing
@@ -834,6 +834,16 @@ class ReplayModel:
             shard.ensure(field_name)  # the stages before it ran on the context (--chain's outputs are in place)
         return element_inputs(shard.ctx, field_name, sample.index, row if spec.kind == KIND_TOKEN else None)
 
+    def consumer_batch(self, row: SampleRow) -> str:
+        """``row``'s consumer batch as the why strip and the tree show it (``replay_lib.inputs``: recorded, ``~``
+        by stream order, or ``—``)."""
+        return consumer_batch_labels(self.shards[row.shard].ctx)[row.index]
+
+    @functools.cached_property
+    def has_consumer_batches(self) -> bool:
+        """Some shard places its samples in consumer batches (recorded, or by stream order)."""
+        return any(label != NOT_RECORDED for sh in self.shards for label in consumer_batch_labels(sh.ctx))
+
     def sample_row_index(self, field_name: str, sample_id: str) -> Optional[int]:
         """Row of ``sample_id`` in a per-sample field's table."""
         diff = self.field_diff(field_name)
@@ -1041,11 +1051,13 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
             unavailable[spec.name] = missing[0]
             continue
         fields.append(spec.name)
-    return ReplayModel(
+    model = ReplayModel(
         report=report, name=name or Path(str(bundles.path)).name,
         identity=identity_lines(bundles, report, [rec.ctx for rec in shards]),
         shards=shards, samples=samples, groups=groups, fields=fields, unavailable=unavailable,
     )
+    model.has_consumer_batches  # noqa: B018 - placed here, in the worker, not by the tree's first frame
+    return model
 
 
 # ----------------------------------------------------------------------------------- formatting

@@ -14,7 +14,7 @@ from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
-from replay_lib.inputs import ElementInputs
+from replay_lib.inputs import STREAM_MARK, ElementInputs
 from replay_lib.safe_text import safe
 from replay_lib.stages import StageInputError
 
@@ -43,10 +43,11 @@ def inputs_parts(inputs: ElementInputs) -> list[list[tuple[str, Optional[Style]]
     if items:
         lines.append(items)
     if inputs.members:
-        members: list[tuple[str, Optional[Style]]] = [("members", DIM)]
+        streamed = any(cb.startswith(STREAM_MARK) for _, _, cb in inputs.members)
+        members: list[tuple[str, Optional[Style]]] = [("mb/cb" + (" (~: stream order)" if streamed else ""), DIM)]
         for sid, mb, cb in inputs.members:
-            members += [("  " + safe(sid), BOLD if sid == inputs.sample_id else None), (" mb ", DIM), (safe(mb), None),
-                        (" cb ", DIM), (safe(cb), None)]
+            members += [("  " + safe(sid) + " ", BOLD if sid == inputs.sample_id else None), (safe(mb), None),
+                        ("/", DIM), (safe(cb), None)]
         lines.append(members)
     if inputs.note:
         lines.append([(safe(inputs.note), DIM)])

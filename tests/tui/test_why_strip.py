@@ -18,7 +18,7 @@ import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.demo import PR65_RAW, write_pr65, write_step_loss
-from replay_lib.inputs import element_inputs
+from replay_lib.inputs import consumer_batch_labels, element_inputs
 from replay_lib.report import fmt_value
 from replay_lib.stages import StageContext
 from replay_tui.app import ReplayApp
@@ -76,8 +76,10 @@ def test_reward_inputs_are_the_group_its_stats_and_its_members(tmp_path):
     assert got.formula == "r − mean = 1.0 − 2.0 = -1.0 (std normalization off)"
     assert dict(got.items) == {"group": "g-0", "raw": "[1.0, 3.0]", "mean": "2.0", "std": fmt_value(math.sqrt(2)),
                                "eps": "1e-06", "std-norm": "off"}
-    # the bundle lists cb-0, cb-1 but records no consumer batch per sample: "—", never guessed
-    assert got.members == (("s-0", "mb-0000", "—"), ("s-1", "mb-0000", "—"))
+    # the bundle lists consumer batches cb-0, cb-1 but records none per sample: the stream layout (4 samples in
+    # 2 batches of ⌈4/2⌉ = 2, in index order) places s-0, s-1 in cb-0 — marked ~, a layout and not a record
+    assert got.members == (("s-0", "mb-0000", "~cb-0"), ("s-1", "mb-0000", "~cb-0"))
+    assert consumer_batch_labels(ctx) == ["~cb-0", "~cb-0", "~cb-1", "~cb-1"]
     # g-1 = s-2, s-3 (raw 10, 12): s-3 is 12 − 11 = 1
     assert element_inputs(ctx, "reward", 3).formula == "r − mean = 12.0 − 11.0 = 1.0 (std normalization off)"
     with pytest.raises(IndexError):
@@ -111,11 +113,11 @@ async def test_the_why_strip_follows_the_cursor_over_the_reward_table(tmp_path):
         assert why_lines(app) == [
             "why s-0 r − mean = 1.0 − 2.0 = -1.0 (std normalization off)",
             f"group g-0  raw [1.0, 3.0]  mean 2.0  std {fmt_value(math.sqrt(2))}  eps 1e-06  std-norm off",
-            "members  s-0 mb mb-0000 cb —  s-1 mb mb-0000 cb —",
+            "mb/cb (~: stream order)  s-0 mb-0000/~cb-0  s-1 mb-0000/~cb-0",
         ]
         await pilot.press("down", "down")  # s-2, group g-1: raw 10, 12
         assert why_lines(app)[0] == "why s-2 r − mean = 10.0 − 11.0 = -1.0 (std normalization off)"
-        assert why_lines(app)[2] == "members  s-2 mb mb-0001 cb —  s-3 mb mb-0001 cb —"
+        assert why_lines(app)[2] == "mb/cb (~: stream order)  s-2 mb-0001/~cb-1  s-3 mb-0001/~cb-1"
 
 
 async def test_a_kl_token_shows_r_and_the_formula(make_app, bundles):
@@ -129,10 +131,9 @@ async def test_a_kl_token_shows_r_and_the_formula(make_app, bundles):
         t = 5 * 16 + 3
         r = float(old[t] - ref[t])
         k3 = math.exp(-r) - 1 + r  # inside the ±10 clamp
-        assert why_lines(app)[0] == f"why s-5@3 low_var_kl: kl = clamp(exp(−r) − 1 + r, ±10) = {fmt_value(k3)}  " \
-                                    "(r = old − ref)"
+        assert why_lines(app)[0] == f"why s-5@3 low_var_kl: kl = clamp(exp(−r) − 1 + r, ±10) = {fmt_value(k3)}"
         assert why_lines(app)[1].startswith(f"old {fmt_value(float(old[t]))}  ref {fmt_value(float(ref[t]))}  "
-                                            f"r {fmt_value(r)}  kl_coef 0.05  mask ")
+                                            f"r = old − ref {fmt_value(r)}  kl_coef 0.05  mask ")
         await pilot.press("n")  # s-5@7: the strip is that token's
         assert why_lines(app)[0].startswith("why s-5@7 low_var_kl")
 
@@ -208,3 +209,24 @@ async def test_a_loss_table_without_per_sample_terms_says_why(make_app):
         await pilot.pause()
         assert app.debugger.field == "loss"
         assert any("records no per-sample loss terms" in str(n.message) for n in app._notifications)
+
+
+async def test_the_sample_tree_shows_the_consumer_batch_beside_the_micro_batch(tmp_path, loss_bug):
+    from rich.style import Style
+
+    app = ReplayApp(write_pr65(tmp_path / "p"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tree = app.debugger.tree
+        width = tree.row_width
+        assert tree.render_header(width, Style()).text.split() == ["id", "batch", "cb", "reward", "✗"]
+        rows = [tree.render_row(r, width, Style()).text.split() for r in range(tree.row_count)]
+        assert rows[1] == ["✗", "s-0", "mb-0000", "~cb-0", "-5.5", "1"]
+        assert rows[5] == ["✗", "s-3", "mb-0001", "~cb-1", "5.5", "1"]
+    # the step bundle lists no consumer batches: no column, "—" in the why strip
+    app = ReplayApp(loss_bug)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        tree = app.debugger.tree
+        assert "cb" not in tree.render_header(tree.row_width, Style()).text.split()
+        assert consumer_batch_labels(app.debugger.model.shards[0].ctx) == ["—"] * 4
