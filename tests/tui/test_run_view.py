@@ -66,6 +66,40 @@ def run_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def held_scan(monkeypatch):
+    """The real scan, held in ``on_row`` after its first row (an Event, never a sleep) until ``gate`` is set;
+    ``stops`` collects the stop events the run view passed."""
+    import replay_lib.run.scan as scan_module
+
+    gate = threading.Event()
+    stops: list = []
+    real_scan = scan_module.scan
+
+    def held(targets, *, on_row, stop, **kwargs):
+        stops.append(stop)
+
+        def first_then_wait(row):
+            on_row(row)
+            gate.wait(timeout=30)
+
+        return real_scan(targets, on_row=first_then_wait, stop=stop, **kwargs)
+
+    monkeypatch.setattr(scan_module, "scan", held)
+    yield gate, stops
+    gate.set()  # never leave a worker thread waiting
+
+
+async def first_row(pilot) -> None:
+    """Until the held scan's first row is in the table."""
+    screen = pilot.app.run_screen
+    for _ in range(400):
+        await pilot.pause()
+        if screen.data.rows and not screen._pending:
+            return
+    raise TimeoutError("no row reached the table")
+
+
 def make_run_app(path: Path, **kwargs):
     from replay_tui.screens.run import RunApp
 
@@ -134,43 +168,22 @@ async def test_the_table_fills_in_and_q_quits_with_the_scan_s_code(run_dir):
     assert app.return_code == 1
 
 
-async def test_rows_show_while_the_scan_runs_and_q_before_the_end_exits_130(run_dir, monkeypatch):
-    """The scan is held after its first row (an Event in ``on_row``, never a sleep): the row is on screen, the
-    other four are pending, the progress line counts 1/5, keys work; q stops the scan and exits 130."""
-    import replay_lib.run.scan as scan_module
-
-    gate = threading.Event()
-    stops: list = []
-    real_scan = scan_module.scan
-
-    def held_scan(targets, *, on_row, stop, **kwargs):
-        stops.append(stop)
-
-        def first_then_wait(row):
-            on_row(row)
-            gate.wait(timeout=30)
-
-        return real_scan(targets, on_row=first_then_wait, stop=stop, **kwargs)
-
-    monkeypatch.setattr(scan_module, "scan", held_scan)
+async def test_rows_show_while_the_scan_runs_and_q_before_the_end_exits_130(run_dir, held_scan):
+    """The scan is held after its first row: the row is on screen, the other four are pending, the progress line
+    counts 1/5, keys work; q stops the scan and exits 130."""
+    gate, stops = held_scan
     app = make_run_app(run_dir)
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            for _ in range(400):
-                await pilot.pause()
-                if app.run_screen.data.rows and not app.run_screen._pending:
-                    break
-            data = app.run_screen.data
-            assert [data.status(t) for t in data.targets] == ["pass", "pending", "pending", "pending", "pending"]
-            assert [line.split()[0] for line in table_lines(app)] == ["✓", "·", "·", "·", "·"]
-            assert "⟳ scanning 1/5 ■■■■□□□□□□□□□□□□□□□□  ✓ 1 pass" in screen_text(app)  # 20 cells · 1/5 = 4
-            assert not app.run_screen.finished and app.exit_code == 130
-            await pilot.press("down")
-            assert app.run_screen.table.cursor == 1  # live: the keys move the cursor while it scans
-            await pilot.press("q")
-            assert stops[0].is_set()  # the scan was told to stop before the app exited
-            gate.set()
-    finally:
+    async with app.run_test(size=SIZE) as pilot:
+        await first_row(pilot)
+        data = app.run_screen.data
+        assert [data.status(t) for t in data.targets] == ["pass", "pending", "pending", "pending", "pending"]
+        assert [line.split()[0] for line in table_lines(app)] == ["✓", "·", "·", "·", "·"]
+        assert "⟳ scanning 1/5 ■■■■□□□□□□□□□□□□□□□□  ✓ 1 pass" in screen_text(app)  # 20 cells · 1/5 = 4
+        assert not app.run_screen.finished and app.exit_code == 130
+        await pilot.press("down")
+        assert app.run_screen.table.cursor == 1  # live: the keys move the cursor while it scans
+        await pilot.press("q")
+        assert stops[0].is_set()  # the scan was told to stop before the app exited
         gate.set()
     assert app.return_code == 130
 
@@ -229,50 +242,33 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
     assert app.return_code == 1
 
 
-async def test_rows_finishing_while_a_bundle_is_open_are_in_the_table_on_escape(run_dir, monkeypatch):
+async def test_rows_finishing_while_a_bundle_is_open_are_in_the_table_on_escape(run_dir, held_scan):
     """The scan is held after its first row; that bundle (e-clean) is opened, the scan released and finished
     behind the debugger; esc shows all five rows, the cursor still on e-clean."""
-    import replay_lib.run.scan as scan_module
     from replay_tui.screens.main import DebuggerScreen
     from replay_tui.screens.run import RunScreen
 
-    gate = threading.Event()
-    real_scan = scan_module.scan
-
-    def held_scan(targets, *, on_row, **kwargs):
-        def first_then_wait(row):
-            on_row(row)
-            gate.wait(timeout=30)
-
-        return real_scan(targets, on_row=first_then_wait, **kwargs)
-
-    monkeypatch.setattr(scan_module, "scan", held_scan)
+    gate, _ = held_scan
     app = make_run_app(run_dir)
-    try:
-        async with app.run_test(size=SIZE) as pilot:
-            for _ in range(400):
-                await pilot.pause()
-                if app.run_screen.data.rows and not app.run_screen._pending:
-                    break
-            await pilot.press("enter")
-            for _ in range(400):
-                await pilot.pause()
-                if isinstance(app.screen, DebuggerScreen) and app.settled:
-                    break
-            assert app.model.report.bundle_id == "e-clean" and not app.run_screen.finished
-            gate.set()
-            for _ in range(400):
-                await pilot.pause()
-                if app.run_screen.finished and not app.run_screen._pending:
-                    break
-            assert isinstance(app.screen, DebuggerScreen)  # the scan finished behind it
-            await pilot.press("escape")
-            assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 0
-            data = app.run_screen.data
-            assert [data.status(t) for t in data.targets] == STATUSES
-            assert [line.split()[0] for line in table_lines(app)] == ["✓", "✗", "✓", "!", "✓"]
-    finally:
+    async with app.run_test(size=SIZE) as pilot:
+        await first_row(pilot)
+        await pilot.press("enter")
+        for _ in range(400):
+            await pilot.pause()
+            if isinstance(app.screen, DebuggerScreen) and app.settled:
+                break
+        assert app.model.report.bundle_id == "e-clean" and not app.run_screen.finished
         gate.set()
+        for _ in range(400):
+            await pilot.pause()
+            if app.run_screen.finished and not app.run_screen._pending:
+                break
+        assert isinstance(app.screen, DebuggerScreen)  # the scan finished behind it
+        await pilot.press("escape")
+        assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 0
+        data = app.run_screen.data
+        assert [data.status(t) for t in data.targets] == STATUSES
+        assert [line.split()[0] for line in table_lines(app)] == ["✓", "✗", "✓", "!", "✓"]
 
 
 # ------------------------------------------------------------------------------------- the command line
