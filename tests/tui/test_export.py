@@ -123,3 +123,26 @@ async def test_the_reward_table_exports_every_sample(make_app, tmp_path):
         assert [(r[1], r[3], float(r[4]), float(r[5]), float(r[6]), r[8]) for r in rows] == [
             ("s-0", "s-0", -5.5, -1.0, 4.5, "True"), ("s-1", "s-1", -3.5, 1.0, 4.5, "True"),
             ("s-2", "s-2", 3.5, -1.0, 4.5, "True"), ("s-3", "s-3", 5.5, 1.0, 4.5, "True")]
+
+
+async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path):
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p", *"Diff: Export the viewed")
+        await app.workers.wait_for_complete()  # the palette searches in a worker
+        await pilot.pause()
+        shown = [str(o.prompt).splitlines()[0] for o in app.screen.query_one("CommandList")._options]
+        assert shown[0] == "Diff: Export the viewed rows"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ExportScreen) and app.screen.query_one(Input).value == "kl-s-5.csv"
+        await pilot.press("escape")
+        await pilot.press("ctrl+p", *"Copy the cursor row's")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        await pilot.press("enter")
+        await pilot.pause()
+        from replay_lib.report import fmt_value
+
+        assert app.clipboard == fmt_value(app.debugger.diff_view.diff.row(3)[1])
