@@ -380,7 +380,8 @@ class RunApp(ReplayApp):
 
     @property
     def settled(self) -> bool:
-        """The scan finished and every row of it is in the table (or it failed), and no bundle is open."""
+        """With a bundle open: its replay's result is on screen (as in ``replay-tui PATH``); on the run view: the
+        scan finished (or failed) and every row of it is in the table."""
         if len(self.screen_stack) > 1:
             return super().settled
         return self._run_screen.finished and not self._run_screen._pending
