@@ -9,7 +9,9 @@ tests and the benchmarks.
   recorded support: the first divergence is ``logprob.support`` (loss.policy still passes);
 * ``kl-bug``, ``loss-bug``, ``loose-kl``, ``hazard-clean`` — the hand-made faults the README's screenshots show;
 * ``nemo-loo`` — NeMo-RL's leave-one-out GRPO (SPEC §4.2): a zero-std group reported as a hazard beside a group
-  normalized with the group mean instead of leave-one-out (a real divergence).
+  normalized with the group mean instead of leave-one-out (a real divergence);
+* ``verl-dapo`` — a verl DAPO step (SPEC §4.2: token mean over the all-reduced count × dp, dual-clip,
+  clip-higher) whose trainer took each micro-batch's own token count as the denominator.
 
 Every bundle here is the same bytes on every machine (for one torch version): the same arguments give the same
 numbers. The shipped demos (and the test suite's bundles) are also *settled*: their replay recomputes the recorded
@@ -537,6 +539,72 @@ def write_nemo_loo(path: str | Path) -> Path:
     return write_bundle(path, manifest, index, expected, payloads)
 
 
+# verl-dapo: one rank's step of a verl DAPO run (SPEC §4.2): a global token mean over the all-reduced count T
+# of the mini-batch × the dp size, dual-clip c = 3 (always on in verl), clip-higher 0.2 / 0.28 — whose
+# trainer divided each micro-batch's token sum by that micro-batch's own token count (verl#7321's class).
+VERL_DAPO = dict(samples=16, tokens=24, micro_batches=2, dp=4, seed=17)
+VERL_DAPO_CONFIG = dict(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, log_ratio_clamp=20.0,
+                        loss_agg_mode="token_mean", metric_agg_mode="token_mean")
+
+
+def write_verl_dapo(path: str | Path) -> Path:
+    """The ``verl-dapo`` demo (a step bundle, 16 samples × up to 24 tokens in 2 micro-batches, rank 0 of a dp
+    group of 4 whose mini-batch has ``T`` = 4× this shard's loss tokens): the per-sample loss terms are the
+    kernels' float64 sums, and so are the recorded metrics, while ``pg_loss`` / ``loss`` are the buggy
+    trainer's — each micro-batch's ``Σ pg·mask`` over its own token count, × dp. Everything is computed in
+    float64 and rounded once to float32 (host-independent). loss.policy fails at the aggregation: the recorded
+    per-sample terms are right, their weights are not."""
+    from .kernels.loss import LossKnobs, aggregate, policy_fields_from_sums, policy_token_terms
+
+    n, width, parts, dp = (VERL_DAPO[k] for k in ("samples", "tokens", "micro_batches", "dp"))
+    g = torch.Generator().manual_seed(VERL_DAPO["seed"])
+    lengths = torch.randint(width // 3, width + 1, (n,), generator=g)
+    total = int(lengths.sum())
+    mask = (torch.rand(total, generator=g) > 0.15).to(torch.float32)
+    old = (-torch.rand(total, generator=g) * 2.0).to(torch.float32)
+    # uniform draws and float32 arithmetic only (randn is ATen SIMD); each ratio's float32 exp settled
+    logp = _settle((old + (torch.rand(total, generator=g) - 0.5) * 1.2).to(torch.float32), old)
+    rewards = (torch.rand(n, generator=g) * 2.0 - 1.0).to(torch.float32)
+    advantages = get_grpo_returns(rewards, lengths)
+    tokens = int(mask.sum())
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=4, kl_coef=0.0, entropy_coef=0.0,
+                          loss_token_count=tokens * dp, loss_scale=float(dp), **VERL_DAPO_CONFIG)
+    knobs = LossKnobs.of(cfg)
+    seg = segment_ids(lengths)
+    t = policy_token_terms(logp, old, advantages, knobs, seg=seg, dtype=torch.float64)
+    m = mask.to(torch.float64)
+    sums = {"pg": segment_sum(t["pg"] * m, seg, n), "clip": segment_sum(t["clip"] * m, seg, n),
+            "clip_lower": segment_sum(t["clip_lower"] * m, seg, n), "kl": segment_sum(t["ppo_kl"] * m, seg, n),
+            "mask": segment_sum(m, seg, n)}
+    fields = policy_fields_from_sums(sums, False, 0.0, knobs)
+    bounds = [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
+    buggy = sum(float(aggregate(sums["pg"][a:b], sums["mask"][a:b], "token_mean",
+                                LossKnobs(loss_token_count=int(sums["mask"][a:b].sum())), float(dp)))
+                for a, b in bounds)
+    f32 = lambda v: float(torch.tensor(float(v), dtype=torch.float32))  # noqa: E731
+    expected = {name: f32(value) for name, value in fields.items()}
+    expected["pg_loss"] = expected["loss"] = f32(buggy)
+    expected["per_sample"] = {"pg_sum": sums["pg"].tolist(), "kl_sum": sums["kl"].tolist(),
+                              "clip_count": sums["clip"].tolist(), "mask_count": sums["mask"].tolist()}
+    offsets = torch.cumsum(lengths, 0) - lengths
+    records = [SampleRecord(sample_id=f"s-{i}", group_index=i // 4, response_length=int(lengths[i]),
+                            total_length=int(lengths[i]) + 40,
+                            loss_mask=[int(x) for x in mask[int(offsets[i]):int(offsets[i] + lengths[i])].tolist()],
+                            raw_reward=None, reward=float(rewards[i]),
+                            micro_batch_id=f"mb-{next(k for k, (a, b) in enumerate(bounds) if a <= i < b):04d}")
+               for i in range(n)]
+    identity = Identity(actor_step_id=ActorStepId(rollout_id=40, step_id=1), rollout_partition_ids=["rp-0"],
+                        micro_batch_ids=[f"mb-{k:04d}" for k in range(parts)], semantic_group_ids=list(range(n // 4)),
+                        weight_lineage=WeightLineage(rollout_weight=39, actor_weight=41),
+                        rank={"dp": dp, "tp": 1, "pp": 1, "cp": 1})
+    index = BundleIndex(bundle_id="verl-dapo", identity=identity, samples=records, config=cfg)
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="verl-dapo", producer=producer(),
+                        stage_contracts=contracts(STEP_STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
+                        redaction={})
+    payloads = {"log_probs": logp, "old_log_probs": old, "advantages": advantages}
+    return write_bundle(path, manifest, index, {"loss.policy": expected}, payloads)
+
+
 # Every shipped demo bundle, by the name --demo takes (DEMO_NAMES order).
 _DEMO_BUILDERS = {
     "pr65-buggy": lambda p: write_pr65(p, buggy=True),
@@ -549,6 +617,7 @@ _DEMO_BUILDERS = {
     "loose-kl": write_loose_kl,
     "hazard-clean": write_hazard_clean,
     "nemo-loo": write_nemo_loo,
+    "verl-dapo": write_verl_dapo,
 }
 
 

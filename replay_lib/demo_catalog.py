@@ -4,7 +4,7 @@ list them without importing the generators (``replay_lib.demo`` builds them)."""
 from __future__ import annotations
 
 DEMO_NAMES = ("pr65-buggy", "pr65-fixed", "step-loss", "cohort-2rank", "support-fullvocab", "kl-bug", "loss-bug",
-              "loose-kl", "hazard-clean", "nemo-loo")
+              "loose-kl", "hazard-clean", "nemo-loo", "verl-dapo")
 # One line per demo for the command lines' help (``demo write-all --help``, ``replay-tui --help``).
 DEMO_HELP = {
     "pr65-buggy": "PR #65: rewards normalized over the physical batch; the default",
@@ -17,6 +17,7 @@ DEMO_HELP = {
     "loose-kl": "a bundle tolerance (atol 0.1): one divergence and one value within it",
     "hazard-clean": "a passing step with a hazard (a group of equal rewards)",
     "nemo-loo": "NeMo-RL leave-one-out: a zero-std group's hazard beside a group normalized by its mean",
+    "verl-dapo": "verl DAPO (token mean, dual-clip, clip-higher): a per-micro-batch token-mean denominator",
 }
 
 

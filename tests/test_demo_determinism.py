@@ -65,6 +65,7 @@ CONTENT_DIGESTS = {
     "demo/pr65-fixed": "03340290f09305473f18015872b51b37f1b325df58accbfed52f28649e5b152a",
     "demo/step-loss": "b8e01383a2c20a159b4175ba5207ef09dabdecde268d703e113b13f1ea440003",
     "demo/support-fullvocab": "823a1d2658d481f8433ef15641cb823adb6b09e3155704699f9e1eb737f8a7f7",
+    "demo/verl-dapo": "54779cc475fb815be1de27420c9a5397dab86e2e08ebbcce771493965d5bfddf",
     "tui/brackets": "dc0cb95c35b0e224825b3871c9bbe6efae0baa31ea49964f8ad6450b4b1c96de",
     "tui/broken": "0c172fe5afad388d2c14db4e5b80c5b82644fc3597d73e15e426dff47434b1ad",
     "tui/cohort-2rank": "c45f44472894b2546dea470fd771b1c5dc0ee943e9bf78bf506aec6908360497",
@@ -74,11 +75,11 @@ CONTENT_DIGESTS = {
     "tui/loss-bug": "9777bd7f758426094abcc8ae8be5b28ee06d054cfe8668482b69313c269fa728",
     "tui/pr65-buggy": "0c172fe5afad388d2c14db4e5b80c5b82644fc3597d73e15e426dff47434b1ad",
     "tui/pr65-fixed": "03340290f09305473f18015872b51b37f1b325df58accbfed52f28649e5b152a",
+    "tui/refused": "c82179ed5be049e775ebb9a3eee6c69e71641f5e6b3f74818a0924b0b45f38f0",
     "tui/step-loss": "b8e01383a2c20a159b4175ba5207ef09dabdecde268d703e113b13f1ea440003",
     "tui/support-fullvocab": "823a1d2658d481f8433ef15641cb823adb6b09e3155704699f9e1eb737f8a7f7",
     "tui/support-hand": "91788c06cb95cef487dfbf39bb9d26723baae12c36f2cee71a842c6bc9b1bdc5",
     "tui/support-invariants": "e71616640d413c3cfb23db96005d14a760885751f414d7bed6b9e319dfbf9184",
-    "tui/tis": "2d146040b21fed35aafa298b2563334da9b266a599b629ba8870d903ae9da931",
     "write/synthetic": "e902928646c4ba487a7e3198063b160a2a16e6f642549aa0d77512ea2e09a60f",
 }
 # sha256 over the raw bytes of every file (payload containers, COMPLETE sentinels included), under PINNED_TORCH.
@@ -93,6 +94,7 @@ FILE_DIGESTS = {
     "demo/pr65-fixed": "9525565f4954a05fde05b0516d859fe03646a4370d3fcec2be6af67eb4a4a7b8",
     "demo/step-loss": "b0655d79de1284f720a38fe2bc4b4eca849e7af555cf6502d3e987cc9f53b4ba",
     "demo/support-fullvocab": "c5fbf1709611323467c230aed8db6f0e6b425a40b667595a9596be6ddf68ebe5",
+    "demo/verl-dapo": "68f8af0f49c0f478252b999d4a08bdc930feebf3df8210624dcd17b9a0baaefb",
     "tui/brackets": "24f574a9c914595327bd2585f03872e6231f336fb4417fe7de13568fb79cd15b",
     "tui/broken": "a6739679f72803f771508d448189e4f4fb5e88c61c3cdef8da2d0a64cadfd76f",
     "tui/cohort-2rank": "dd2d26a428d09b8594f690d4d4b85de11cb0457242df190ad02c245e32a1e6e3",
@@ -102,11 +104,11 @@ FILE_DIGESTS = {
     "tui/loss-bug": "82704d35d312ef10127e61f47c126b0a54197fbe622ebf8c2bbe852a4fdeb416",
     "tui/pr65-buggy": "352dafb5532779d8f503a02694314f8db1ae9a1cac2dd1ab68568267429b4fbd",
     "tui/pr65-fixed": "9525565f4954a05fde05b0516d859fe03646a4370d3fcec2be6af67eb4a4a7b8",
+    "tui/refused": "e2befd0c36d55e6999caeba1e8058dd5e11ae663c223ec767b0abeeef17b4620",
     "tui/step-loss": "b0655d79de1284f720a38fe2bc4b4eca849e7af555cf6502d3e987cc9f53b4ba",
     "tui/support-fullvocab": "c5fbf1709611323467c230aed8db6f0e6b425a40b667595a9596be6ddf68ebe5",
     "tui/support-hand": "c65793927a0a51fe83690681d05660ebf9ce28a8982f74b0eccda5ce811135f6",
     "tui/support-invariants": "23c85c073cb3f04ca1979cb12680debf99d68aaf157574280d7e16a9c8a50051",
-    "tui/tis": "b187c1bc9f02a29e2d0a7a38129668b4514db7de0ddca34cb44b082711ebda36",
     "write/synthetic": "21a82c29feda9e458836e457e17aeffef021b8511df26582b4d5a144a0ed31f3",
 }
 

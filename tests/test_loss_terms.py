@@ -367,7 +367,7 @@ def test_replay_locates_a_one_token_mask_bug_to_its_sample(tmp_path, step_bundle
     # log-ratio are unchanged by the bug (3·r/3 = 4·r/4, −1.5/3 = −2/4), its mean entropy is not (3 of its 4
     # entropies, ÷ 3), so the recorded entropy_loss is not the recorded terms' aggregate
     assert {(d["field"], d["sample_id"]) for d in loss["divergences"]} == {
-        ("pg_sum", "s-2"), ("entropy_sum", "s-2"), ("kl_sum", "s-2"), ("mask_count", "s-2"), ("entropy_loss", None)}
+        ("pg_sum", "s-2"), ("entropy_sum", "s-2"), ("kl_sum", "s-2"), ("mask_count", "s-2"), ("entropy_loss_from_terms", None)}
 
 
 @needs_loss_stage_call

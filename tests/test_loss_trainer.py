@@ -94,7 +94,8 @@ def test_two_ranks_record_the_all_reduced_token_count_and_replay_clean(tmp_path)
 
 @pytest.mark.parametrize("flags,stage,fields,located", [
     # per-sample sums are right, the weights are not: the recorded terms do not aggregate to the scalar
-    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), "loss.policy", {"pg_loss", "loss"}, False),
+    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), "loss.policy",
+     {"pg_loss_from_terms", "loss_from_terms"}, False),
     (("--dual-clip", "3", "--dual-clip-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
     (("--kl-loss", "low_var_kl:0.1", "--kl-loss-bug"), "loss.policy", {"kl_loss", "loss"}, False),
     (("--tis", "token:1.5", "--tis-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),

@@ -258,6 +258,10 @@ _TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfr
                   "ppo_kl": "kl_sum"}
 
 
+# The aggregate check's rows are named after the field they check: ``pg_loss_from_terms``.
+AGGREGATE_SUFFIX = "_from_terms"
+
+
 def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKnobs):
     """The recorded scalars against the aggregation of the recorded per-sample terms (SPEC §4), with the
     weights of the configured mode (``kernels.agg_weights``; ``n_i`` the recorded ``mask_count``, else the
@@ -299,7 +303,7 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
         actual.append(value)
         bound.append(loss_aggregate_bound(weighted, value, ctx.precision))
     return ctx.field("loss.policy", "aggregate", PER_SCALAR, [expected[f] for f in names],
-                     torch.tensor(actual, dtype=torch.float64), labels=names,
+                     torch.tensor(actual, dtype=torch.float64), labels=[f + AGGREGATE_SUFFIX for f in names],
                      bound=torch.tensor(bound, dtype=torch.float64),
                      note=f"the recorded scalars against the recorded per-sample terms aggregated "
                           f"({knobs.loss_agg_mode}; metrics {knobs.metric_agg_mode})")
@@ -336,7 +340,7 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
         if bad_terms:
             parts.append("loss term mismatch: " + ", ".join(bad_terms))
         if aggregate is not None and per["aggregate"].mismatches:
-            bad = [f for f, b in zip(aggregate.labels, aggregate.bad.tolist()) if b]
+            bad = [f.removesuffix(AGGREGATE_SUFFIX) for f, b in zip(aggregate.labels, aggregate.bad.tolist()) if b]
             parts.append("loss aggregation mismatch (the recorded per-sample terms do not aggregate to the "
                          f"recorded {', '.join(bad)} under {knobs.loss_agg_mode})")
         bad_fields = [f for f, bad in zip(names, scalars.bad.tolist()) if bad]

@@ -37,7 +37,7 @@ print(json.dumps(results))
 """
 
 CASES = [("pr65-buggy", "text", 1), ("pr65-fixed", "text", 0), ("broken", "text", 3), ("kl-bug", "json", 1),
-         ("tis", "text", 4)]
+         ("refused", "text", 4)]
 
 
 def test_check_equals_the_cli_and_never_imports_textual(bundles):
@@ -57,8 +57,8 @@ def test_check_equals_the_cli_and_never_imports_textual(bundles):
     assert "          reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5\n" in buggy
     broken = results[f"{bundles / 'broken'} text"]["tui"]
     assert broken[1] == "" and "COMPLETE: missing COMPLETE sentinel" in broken[2]
-    tis = results[f"{bundles / 'tis'} text"]["tui"]
-    assert tis[2].startswith("replay-tui: error: ") and "$.config.use_tis=True" in tis[2]
+    refused = results[f"{bundles / 'refused'} text"]["tui"]
+    assert refused[2].startswith("replay-tui: error: ") and "$.config.use_rollout_logprobs=True" in refused[2]
     assert '"first_divergent_stage": "advantage.kl"' in results[f"{bundles / 'kl-bug'} json"]["tui"][1]
 
 

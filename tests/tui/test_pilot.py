@@ -648,7 +648,8 @@ async def test_palette_runs_a_pane_action(make_app):
 
 @pytest.mark.parametrize(("name", "key", "code", "words"), [
     ("broken", "q", 3, "broken/COMPLETE: missing COMPLETE sentinel (bundle incomplete or still being written)"),
-    ("tis", "escape", 4, "tis/index.json: $.config.use_tis=True: truncated importance sampling is not implemented"),
+    ("refused", "escape", 4, "refused/index.json: $.config.use_rollout_logprobs=True: rollout log-probs as the PPO "
+                             "anchor are not implemented"),
     ("broken", "enter", 3, "missing COMPLETE sentinel"),
 ])
 async def test_error_screen_shows_the_cli_line_and_exits_with_its_code(make_app, name, key, code, words):

@@ -31,12 +31,14 @@ def write_brackets(path: Path) -> Path:
     return demo.write_bundle(path, manifest, index, expected, payloads)
 
 
-def write_tis(path: Path) -> Path:
-    """A knob V1 cannot recompute (use_tis): replay refuses with exit 4."""
+def write_refused(path: Path) -> Path:
+    """A knob this engine cannot recompute (use_rollout_logprobs; use_tis, which this bundle once set, is
+    recomputed since SPEC §4.2): replay refuses with exit 4."""
     import msgspec
 
-    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=4, bundle_id="tis", settle=True)
-    index = msgspec.structs.replace(index, config=msgspec.structs.replace(index.config, use_tis=True))
+    manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=4, bundle_id="refused",
+                                                               settle=True)
+    index = msgspec.structs.replace(index, config=msgspec.structs.replace(index.config, use_rollout_logprobs=True))
     return demo.write_bundle(path, manifest, index, expected, payloads)
 
 
@@ -128,7 +130,7 @@ def write_all(root: Path) -> Path:
         write_loose_kl(root / "loose-kl")
         write_hazard_clean(root / "hazard-clean")
         write_brackets(root / "brackets")
-        write_tis(root / "tis")
+        write_refused(root / "refused")
         demo.write_support_bundle(root / "support-fullvocab", **demo.SUPPORT_DEMO)
         write_support_hand(root / "support-hand")
         write_support_invariants(root / "support-invariants")
