@@ -117,7 +117,8 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
     cp = reader.index.identity.rank.get("cp", 1)
     if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "
-                               f"(at any CP size only --stage sample / logprob.support run)")
+                               f"(at any CP size only the stages that read whole trajectories run: "
+                               f"{', '.join(s.value for s in STAGE_ORDER if s in REGISTRY and REGISTRY[s].any_cp)})")
     for stage in stages:
         for knob, why in REGISTRY[stage].refuse(cfg):
             raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")

@@ -271,3 +271,15 @@ def test_bad_input_in_a_real_process_is_one_line_exit_3(tmp_path):
                               timeout=120)
         assert (proc.returncode, proc.stdout) == (3, ""), proc.stderr
         assert proc.stderr == f"trajectory-replay: error: {path / 'index.json'}: $.config.gamma=2.0: expected a number in [0, 1]\n"
+
+
+def test_context_parallel_size_is_provenance_for_the_advantage_side(tmp_path):
+    # SPEC §4.2: a bundle holds whole trajectories (the capture joins the CP shards), so rank.cp = 2 changes nothing
+    # for reward.raw … advantage.estimate (a loss.policy stage still refuses it: tests/test_cli_replay.py)
+    inp = make_inputs()
+    rewards, adv, _, _ = estimate(inp, "grpo", whitened=True)
+    path = producer.write(tmp_path / "cp", raw=inp["raw"], groups=inp["groups"], lengths=inp["lengths"],
+                          masks=inp["masks"], rewards=rewards, advantages=adv, grpo_std_normalization=True,
+                          normalize_advantages=True, rank={"cp": 2})
+    report = replay(path)
+    assert report.passed and len([s for s in report.stages if s.status == "pass"]) == 5, report_to_text(report)

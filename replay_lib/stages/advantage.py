@@ -380,10 +380,12 @@ def estimator_refusal(cfg: RecomputeConfig) -> Optional[str]:
 
 ADVANTAGE_KL = StageDef(
     id=StageId.ADVANTAGE_KL, run=run_advantage_kl, needs=(StageId.SAMPLE,), refuse=_kl_refuse,
+    any_cp=True,  # whole trajectories (SPEC §4.2): rank.cp is provenance
     requirements=_kl_requirements, description="rollout-vs-reference KL per token",
 )
 ADVANTAGE_ESTIMATE = StageDef(
     id=StageId.ADVANTAGE_ESTIMATE, run=run_advantage_estimate, needs=(StageId.REWARD_POST_PROCESS,),
+    any_cp=True,  # whole trajectories (SPEC §4.2): rank.cp is provenance
     requirements=_estimate_requirements,
     description="advantages: GRPO returns, discounted returns, GAE, whitening (SPEC §4.2)",
 )

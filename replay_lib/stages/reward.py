@@ -253,11 +253,13 @@ def _post_process_requirements(reader: BundleReader) -> list[str]:
 
 REWARD_RAW = StageDef(
     id=StageId.REWARD_RAW, run=run_reward_raw, needs=(StageId.SAMPLE,),
+    any_cp=True,  # whole trajectories (SPEC §4.2): rank.cp is provenance
     requirements=lambda r: _expected_list_present(r, "reward.raw", "raw_rewards"),
     description="recorded raw rewards",
 )
 REWARD_POST_PROCESS = StageDef(
     id=StageId.REWARD_POST_PROCESS, run=run_reward_post_process, needs=(StageId.REWARD_RAW,),
+    any_cp=True,  # whole trajectories (SPEC §4.2): rank.cp is provenance
     requirements=_post_process_requirements,
     description="group normalization by semantic group (SPEC §4.2 knobs)",
 )

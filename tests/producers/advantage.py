@@ -139,7 +139,7 @@ def whiten(values, masks) -> tuple[np.ndarray, float, float]:
 
 def write(path: Path, *, raw, groups, lengths, rewards, advantages, masks=None, kl=None, values=None,
           returns_=None, old_log_probs=None, ref_log_probs=None, policy: ComparisonPolicy = ComparisonPolicy(),
-          whiten_stats: Optional[tuple[float, float]] = None, **config) -> Path:
+          whiten_stats: Optional[tuple[float, float]] = None, rank: Optional[dict] = None, **config) -> Path:
     """A rollout bundle (sample → advantage.estimate) with these recorded values, written by BundleWriter."""
     total = int(sum(lengths))
     masks = masks if masks is not None else [[1] * n for n in lengths]
@@ -150,7 +150,7 @@ def write(path: Path, *, raw, groups, lengths, rewards, advantages, masks=None, 
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=int(g), response_length=int(n), total_length=int(n) + 4,
                             loss_mask=[int(x) for x in m], raw_reward=float(r))
                for i, (g, n, m, r) in enumerate(zip(groups, lengths, masks, raw))]
-    index = BundleIndex(bundle_id=path.name, identity=Identity(rollout_id=0), samples=samples,
+    index = BundleIndex(bundle_id=path.name, identity=Identity(rollout_id=0, rank=rank or {}), samples=samples,
                         config=RecomputeConfig(**cfg))
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=path.name,
                         producer=ProducerInfo(commit="advantage-producer", torch_version=torch.__version__),
