@@ -283,3 +283,19 @@ def test_context_parallel_size_is_provenance_for_the_advantage_side(tmp_path):
                           normalize_advantages=True, rank={"cp": 2})
     report = replay(path)
     assert report.passed and len([s for s in report.stages if s.status == "pass"]) == 5, report_to_text(report)
+
+
+def test_whitening_equal_advantages_is_a_hazard_not_a_failure(tmp_path):
+    # REINFORCE++ on rewards that are all 0.3 with γ = 1: every loss token's return is 0.3, the variance is 0 up to
+    # rounding and the whitened values are a float32 producer's rounding over √(1e-8) = 1e-4
+    inp = make_inputs()
+    inp["raw"] = np.full(len(inp["raw"]), 0.3)
+    rewards, adv, _, _ = estimate(inp, "reinforce_plus_plus")
+    path = producer.write(tmp_path / "b", raw=inp["raw"], groups=inp["groups"], lengths=inp["lengths"],
+                          masks=inp["masks"], rewards=rewards, advantages=adv, advantage_estimator="reinforce_plus_plus")
+    report = replay(path)
+    assert report.passed, report_to_text(report)
+    [hazard] = [h for h in report.hazards if h.stage == "advantage.estimate"]
+    assert hazard.kind == "whiten_zero_std" and hazard.message.startswith(
+        f"whitening over {sum(sum(m) for m in inp['masks'])} loss token(s) whose advantages are equal up to rounding")
+    assert "hazard: advantage.estimate whiten_zero_std" in report_to_text(report)

@@ -11,11 +11,11 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
+from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
 from ..fields import PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
-                       token_chunks, token_rewards, whiten, whiten_stats)
+                       WHITEN_EPS, token_chunks, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
@@ -121,6 +121,8 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
                             rules=ctx.rules)
         stats = _token_estimate(full).stats_of()
     actual, bound = est.finish(stats, unit_roundoff(expected.dtype))
+    if whitens(cfg) and not est.exact:
+        _whiten_hazard(ctx, est, stats if stats is not None else est.stats_of())
     compared = est.mask != 0
     fields = [ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
                         compared=_rule_nan(ctx, compared, expected))]
@@ -141,6 +143,23 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
         StageId.ADVANTAGE_ESTIMATE, fields,
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
         pass_reason=lambda total, per: f"{total.compared} loss token(s) compared ({what})")
+
+
+def _whiten_hazard(ctx: StageContext, est: "_TokenEstimate", stats: tuple[float, float]) -> None:
+    """A whitening whose variance is at the rounding level of its mean (every loss token's advantage equal, up
+    to rounding): the whitened values a float32 producer writes are its rounding over ``sqrt(1e-8)``."""
+    m = est.mask.to(torch.float64)
+    n = float(m.sum())
+    if n < 2 or est.whiten_stats is not None:
+        return
+    mean_abs = float((est.pre.to(torch.float64).abs() * m).sum()) / n
+    var = max(stats[1] ** 2 - WHITEN_EPS, 0.0)
+    level = C_REWARD * U32 * math.sqrt(n) * mean_abs
+    if math.sqrt(var) <= level:
+        ctx.hazard("advantage.estimate", "whiten_zero_std", message=(
+            f"whitening over {int(n)} loss token(s) whose advantages are equal up to rounding (std "
+            f"{math.sqrt(var):.3g}, mean |A| {mean_abs:.3g}): the whitened values are rounding noise over "
+            f"sqrt(var + 1e-8)"))
 
 
 def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
