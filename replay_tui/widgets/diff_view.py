@@ -26,7 +26,7 @@ from replay_lib.report import fmt_value
 from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, WARN, fit, fit_number, fit_ratio, fmt_tolerance, strip_of
-from ..model import KIND_SAMPLE, KIND_TOKEN, FieldDiff, ReplayModel
+from ..model import KIND_SAMPLE, KIND_TOKEN, SUPPORT_STAGE, FieldDiff, ReplayModel
 from .cursor_lines import CursorLines
 from .error_plot import ErrorStrip
 from .header_line import HeaderLine
@@ -522,6 +522,11 @@ class DiffPanel(Vertical):
         if support.display != support.wanted:  # a relayout only when the strip appears or goes
             support.display = support.wanted
         support.refresh()
+        why = self.why_strip
+        # a support field's inputs are its support row, in the strip above: no why strip
+        wanted = diff is None or diff.stage != SUPPORT_STAGE
+        if why.display != wanted:
+            why.display = wanted
         self._info(diff, message)
 
     def _info(self, diff: Optional[FieldDiff], message: str) -> None:

@@ -146,3 +146,17 @@ async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path):
         from replay_lib.report import fmt_value
 
         assert app.clipboard == fmt_value(app.debugger.diff_view.diff.row(3)[1])
+
+
+async def test_a_cohort_s_stage_export_names_each_row_s_rank(make_app, tmp_path):
+    app = make_app("cohort-2rank")  # 2 ranks × 8 samples × 16 tokens, ids r0-s-… and r1-s-…
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.debugger.select(field="kl", sample_id="r1-s-0")
+        await pilot.pause()
+        await pilot.press("X")
+        await submit(pilot, tmp_path / "kl.json")
+        rows = json.loads((tmp_path / "kl.json").read_text())["rows"]
+        assert len(rows) == 2 * 8 * 16
+        assert {(r[0], r[1][:3]) for r in rows} == {(0, "r0-"), (1, "r1-")}
+        assert [r[2] for r in rows[:17]] == list(range(16)) + [0]  # offsets restart with each sample

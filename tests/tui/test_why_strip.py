@@ -118,6 +118,12 @@ async def test_the_why_strip_follows_the_cursor_over_the_reward_table(tmp_path):
         await pilot.press("down", "down")  # s-2, group g-1: raw 10, 12
         assert why_lines(app)[0] == "why s-2 r − mean = 10.0 − 11.0 = -1.0 (std normalization off)"
         assert why_lines(app)[2] == "mb/cb (~: stream order)  s-2 mb-0001/~cb-1  s-3 mb-0001/~cb-1"
+        # the advantages (teacher-forced) broadcast the *recorded* normalized reward: s-2's is 3.5, its 4 tokens
+        app.debugger.select(sample_id="s-2", field="advantage", row=1)
+        await pilot.pause()
+        assert why_lines(app)[0] == "why s-2@1 A = the sample's normalized reward, broadcast over its 4 token(s) " \
+                                    "= 3.5 (recorded)"
+        assert why_lines(app)[1] == "reward 3.5  group g-1  mask 1"
 
 
 async def test_a_kl_token_shows_r_and_the_formula(make_app, bundles):
