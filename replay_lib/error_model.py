@@ -46,6 +46,14 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   forcing), ``2·u_s·|T|`` — the reward's one rounding to float32 and the payload's, ``u_s`` = max(float32,
   the payload dtype). Under ``--chain`` the advantage is the recomputed reward, and the reward's own rounding
   bound (the part above, without atol/rtol) is added: a legitimate producer's reward can be that far off T.
+* **advantage side of SPEC §4.2** (:func:`reward_bound`'s knobs, :func:`singleton_bound`, :func:`recursion_bound`,
+  :func:`whiten_bound`): the reward bound takes the configured eps, the leave-one-out factor ``n/(n − 1)`` and
+  NeMo-RL's ``E[r²] − b²`` cancellation (``8u·|g|·2·max|r|²/s²``; ``|c|/eps`` where the others' std is 0 without
+  being exact); KL in the score adds its float32 sum (``3·|seq32 − T| + 8u·kl_coef·Σ|kl|``). Per-token
+  recursions (discounted returns, GAE) take ``8u·cond + 3·|T32 − T|`` — cond the recursion over the magnitudes
+  of its terms, ``T32`` the recursion in float32 (a sequential evaluation drifts like ``L·u`` on long, nearly
+  constant sequences; measured inside it at 16 × 2,048 tokens). Whitening adds ``(ρ + Δμ)/σ + |A'|·(Δσ/σ + 2u)``
+  with ``Δμ = 2u·√N·mean|A| + mean ρ`` and ``Δσ/σ = u·√N + Σ|A − μ|·ρ/((N − 1)σ²)``, 0 for recorded statistics.
 * **loss.policy** (each field ``F = Σ_i μ_i``, ``μ_i = Σ_t x_t·m_t / n_i``):
   ``2·u32·|T| + max(2·u_a·(K_sum + K_outer) + 2·u_t·K_tok, 3·|seq32 − T|)`` (+ the clip and chain terms),
   with ``K_sum = Σ_i Σ_t |x_t·m_t| / n_i`` (the per-sample sums' condition), ``K_outer = Σ_i |μ_i|`` (the sum
