@@ -11,10 +11,10 @@ then measures in one run, each as a fresh process (after one untimed floor run t
 * scan  — ``trajectory-replay scan DIR --jobs 2`` (start-up paid once per worker).
 
 Wall and CPU time and the peak RSS of each come from ``os.wait4`` (CPU of the loop: bash and every replay it
-waited for; of scan: the scan process alone — its workers are the fork server's children, so their CPU is
-not in it, and only wall time is compared). While scan runs, every process below it is sampled from /proc
-every 20 ms for its peak RSS (``VmHWM``): the largest worker's is compared to the peak RSS of a replay of
-one bundle (the loop's), since a worker replays one bundle at a time and frees it before the next.
+waited for; of scan: the scan process and its workers, which it reaps). While scan runs, every process below
+it (its workers) is sampled from /proc every 20 ms for its peak RSS (``VmHWM``): the largest is compared to
+the peak RSS of a replay of one bundle (the loop's), since a worker replays one bundle at a time and frees it
+before the next.
 
 Targets (PASS/FAIL, exit 1 on a FAIL):
 
@@ -160,7 +160,6 @@ def main(argv=None) -> int:
             wall["scan"].append(t)
             cpu["scan"].append(c)
             rss["scan"] = max(rss["scan"], m)
-            # the fork server and its workers: the largest is a worker (the server only imports)
             worker_peak = max([worker_peak, *peaks.values()])
             workers = max(workers, len(peaks))
         med = {k: statistics.median(v) for k, v in wall.items()}

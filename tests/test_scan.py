@@ -71,14 +71,14 @@ def _seal_metadata(bundle: Path) -> None:
 SLOW_BYTES = 1 << 30
 
 
-def _slow(path: Path, rollout: int) -> Path:
+def _slow(path: Path, rollout: int, size: int = SLOW_BYTES) -> Path:
     """A step bundle whose ``advantages`` payload is a sparse 1 GiB file that the manifest declares at that
     size: its replay spends seconds hashing it (then fails its checksum) — long enough to be killed or
     interrupted in the middle, and the test sees when a worker has the file open."""
     _step(path, rollout, 0)
-    os.truncate(path / "payloads" / "advantages.pt", SLOW_BYTES)
+    os.truncate(path / "payloads" / "advantages.pt", size)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["payloads"]["advantages"]["bytes"] = SLOW_BYTES
+    manifest["payloads"]["advantages"]["bytes"] = size
     (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _seal_metadata(path)
     return path / "payloads" / "advantages.pt"
@@ -231,6 +231,20 @@ def test_a_bundle_that_vanishes_after_discovery_is_a_row_saying_so(tmp_path):
     assert result.exit_code == 3 and not result.interrupted
 
 
+def test_a_bundle_removed_while_it_is_replayed_is_a_vanished_row(tmp_path):
+    slow = _slow(tmp_path / "slow", 1, size=1 << 28)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=scan(discover(tmp_path), jobs=1)))
+    thread.start()
+    _wait_for_holder(slow)  # its worker is hashing the payload
+    shutil.rmtree(tmp_path / "slow")
+    thread.join(120)
+    assert not thread.is_alive()
+    [row] = out["result"].rows
+    assert (row.status, row.exit_code) == ("vanished", 3)
+    assert row.message.startswith(f"{tmp_path / 'slow'}: vanished during the scan")
+
+
 def test_a_killed_worker_is_an_error_row_and_the_other_bundles_are_scanned_on(tmp_path):
     slow = _slow(tmp_path / "slow", 1)
     _step(tmp_path / "after", 2, 0)
@@ -299,23 +313,17 @@ def test_a_progress_bar_is_drawn_on_a_terminal(tmp_path):
     assert out.decode().splitlines()[-1] == "first bad step: none"  # the rows still on stdout
 
 
-def _exit_at_start(conn, single_thread):
-    os._exit(3)
-
-
 def test_workers_that_cannot_start_end_the_scan_with_a_row_each_instead_of_respawning(tmp_path, monkeypatch):
-    """Every worker exits before it is ready (forked here, so the patched entry point is the one run):
-    after three such starts the bundles left become error rows; the scan returns."""
-    import multiprocessing
-
+    """Every worker exits before it is ready: after three such starts the bundles left become error rows
+    naming how the last one ended; the scan returns."""
     from replay_lib.run import executor
 
     _step(tmp_path / "a", 1, 0)
     _step(tmp_path / "b", 2, 0)
-    monkeypatch.setattr(executor, "_context", lambda: multiprocessing.get_context("fork"))
-    monkeypatch.setattr(executor, "_worker_main", _exit_at_start)
+    code = "import sys; sys.stderr.write('no torch here\\n'); sys.exit(3)"
+    monkeypatch.setattr(executor, "worker_command", lambda *fds: [sys.executable, "-c", code])
     result = scan(discover(tmp_path), jobs=2)
-    why = "not scanned: no worker process could start (exited with status 3, 3 times)"
+    why = "not scanned: no worker process could start (exited with status 3: no torch here; 3 times)"
     assert [(r.target.relpath, r.status, r.message) for r in result.rows] == [
         ("a", "error", f"{tmp_path / 'a'}: {why}"), ("b", "error", f"{tmp_path / 'b'}: {why}")]
     assert result.exit_code == 5

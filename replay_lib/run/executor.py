@@ -1,26 +1,29 @@
 """Where a scan's rows are computed: worker processes on this host (``local``) or Ray tasks (``ray``).
 
-Local: a persistent pool of ``jobs`` worker processes, each started once (the torch import is paid once
-per worker, not per bundle) from a fork server that imported the replay before forking (on platforms
-without one: spawned). Each worker replays one bundle at a time — its memory stays that of one bundle —
-and asks for the next when it sends its row, so a slow bundle never holds up the others. torch runs
-single-threaded in each worker (``jobs`` processes already use the CPUs). Workers ignore SIGINT: Ctrl+C
-reaches the scan, which stops them.
+Local: a persistent pool of ``jobs`` worker processes (:mod:`replay_lib.run.worker`), each a fresh
+interpreter started once — the torch import is paid once per worker, not per bundle — never a fork of the
+caller (which may be a threaded TUI) nor a re-run of the caller's main script. Each worker replays one bundle
+at a time — its memory stays that of one bundle — and gets the next when it sends its row, so a slow bundle
+never holds up the others. torch runs single-threaded in each worker when there are several (they already
+use the CPUs). Workers run in their own session: Ctrl+C reaches the scan only, which stops them.
 
 A worker that dies (killed, out of memory, a crash in native code) turns the bundle it was replaying into
-an ``error`` row naming the exit signal or status, and a new worker takes its place; the scan goes on.
-Workers that die before they are ready, three in a row, end the scan with an ``error`` row for each bundle
-left (an environment where no worker can start must not respawn them forever).
+an ``error`` row naming the exit signal or status (and the last line the worker wrote on stderr), and a new
+worker takes its place; the scan goes on. Workers that die before they are ready, three in a row, end the
+scan with an ``error`` row for each bundle left (where no worker can start, none is respawned forever).
 ``stop`` (Ctrl+C, ``--fail-fast``) terminates the workers at once and keeps the rows already finished.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..errors import UsageError
@@ -48,77 +51,92 @@ def run_serial(work: Work, options, take: TakeFn, stop: threading.Event) -> None
 # ------------------------------------------------------------------------------------ local pool
 
 
-def _worker_main(conn, single_thread: bool) -> None:
-    """A worker: replay each (target, partner, options) received, send its row back; ``None`` ends it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    from .scan import check_target
-
-    if single_thread:
-        torch.set_num_threads(1)
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        target, partner, options = task
-        conn.send(("row", check_target(target, options, partner)))
+def worker_command(tasks_fd: int, rows_fd: int, single_thread: bool) -> list[str]:
+    """The command line of one worker (see :mod:`replay_lib.run.worker`)."""
+    return [sys.executable, "-m", "replay_lib.run.worker", str(tasks_fd), str(rows_fd), "1" if single_thread else "0"]
 
 
-def _context():
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["replay_lib.run.scan", "replay_lib.runner", "replay_lib.run.link"])
-        return ctx
-    return multiprocessing.get_context("spawn")
+def _worker_env() -> dict:
+    """This environment, with the directory holding ``replay_lib`` first on PYTHONPATH: a worker imports the
+    same package as its scan, installed or not."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
 
 
-def _death(process) -> str:
-    code = process.exitcode
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}"
-    return f"exited with status {code}"
+LAST_LINE_LIMIT = 200  # characters of a dead worker's last stderr line kept in its row
 
 
 class _Worker:
-    def __init__(self, ctx, single_thread: bool) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, single_thread), daemon=True,
-                                   name="trajectory-replay-scan")
-        self.process.start()
-        child.close()
+    def __init__(self, single_thread: bool) -> None:
+        tasks_r, tasks_w = os.pipe()
+        rows_r, rows_w = os.pipe()
+        self.log = tempfile.TemporaryFile()
+        try:
+            self.process = subprocess.Popen(worker_command(tasks_r, rows_w, single_thread), pass_fds=(tasks_r, rows_w),
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
+                                            env=_worker_env(), start_new_session=True)
+        except BaseException:
+            for fd in (tasks_r, tasks_w, rows_r, rows_w):
+                os.close(fd)
+            self.log.close()
+            raise
+        os.close(tasks_r)
+        os.close(rows_w)
+        self.tasks = Connection(tasks_w, readable=False)
+        self.conn = Connection(rows_r, writable=False)
         self.task: Optional[tuple] = None  # (target, partner) being replayed
         self.ready = False
 
     def send(self, item, options) -> None:
         self.task = item
-        self.conn.send((item[0], item[1], options))
+        self.tasks.send((item[0], item[1], options))
+
+    def death(self) -> str:
+        """How it ended: the signal or exit status, and the last line it wrote on stderr."""
+        try:
+            code = self.process.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        if code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        try:
+            self.log.seek(0)
+            lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        return f"{how}: {lines[-1].strip()[:LAST_LINE_LIMIT]}" if lines else how
 
     def stop(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-        if self.process.is_alive():
+        for conn in (self.tasks, self.conn):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        if self.process.poll() is None:
             self.process.terminate()
+
+    def close(self) -> None:
+        try:
+            self.process.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_GRACE_SECONDS)
+        self.log.close()
 
 
 def _reap(workers: Sequence[_Worker]) -> None:
     for w in workers:
         w.stop()
     for w in workers:
-        w.process.join(STOP_GRACE_SECONDS)
-        if w.process.is_alive():
-            w.process.kill()
-            w.process.join(STOP_GRACE_SECONDS)
+        w.close()
 
 
 def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs: int) -> None:
@@ -126,19 +144,22 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
     from .scan import STATUS_ERROR, error_row
 
     pending = list(reversed(work))
-    ctx = _context()
     single_thread = jobs > 1
-    workers = [_Worker(ctx, single_thread) for _ in range(min(jobs, len(pending)))]
+    workers: list[_Worker] = []
+    for _ in range(min(jobs, len(pending))):
+        workers.append(_Worker(single_thread))
     failed_starts = 0  # workers in a row that died before they were ready
     try:
         while (pending or any(w.task is not None for w in workers)) and not stop.is_set():
             for w in workers:
                 if w.task is None and w.ready and pending:
+                    item = pending.pop()
                     try:
-                        w.send(pending.pop(), options)
-                    except OSError:  # died between two rows: its sentinel says so below
-                        pass
-            ready = wait([w.conn for w in workers] + [w.process.sentinel for w in workers], POLL_SECONDS)
+                        w.send(item, options)
+                    except OSError:  # died between two rows: the end of its pipe says so below
+                        w.task = None
+                        pending.append(item)
+            ready = wait([w.conn for w in workers], POLL_SECONDS)
             if not ready:
                 continue
             for w in list(workers):
@@ -157,27 +178,25 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                             take(value)
                             if stop.is_set():
                                 return
-                elif w.process.sentinel in ready:
-                    died = True
                 if died:
-                    w.process.join(STOP_GRACE_SECONDS)
+                    how = w.death()
                     if not w.ready:
                         failed_starts += 1
                         if failed_starts >= MAX_FAILED_STARTS:  # no worker can start: say so, never respawn forever
-                            why = f"no worker process could start ({_death(w.process)}, {failed_starts} times)"
+                            why = f"no worker process could start ({how}; {failed_starts} times)"
                             for target, _ in reversed(pending):
                                 take(error_row(target, STATUS_ERROR, f"{target.path}: not scanned: {why}"))
                             pending.clear()
                     if w.task is not None:
                         target = w.task[0]
-                        take(error_row(target, STATUS_ERROR,
-                                       f"{target.path}: the worker replaying it died ({_death(w.process)}); "
-                                       f"the other bundles were scanned on"))
+                        take(error_row(target, STATUS_ERROR, f"{target.path}: the worker replaying it died ({how}); "
+                                                             f"the other bundles were scanned on"))
                         w.task = None
                     workers.remove(w)
                     w.stop()
+                    w.close()
                     if pending and not stop.is_set():
-                        workers.append(_Worker(ctx, single_thread))
+                        workers.append(_Worker(single_thread))
     finally:
         _reap(workers)
 
