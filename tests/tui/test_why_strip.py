@@ -41,20 +41,22 @@ def why_lines(app) -> list[str]:
     return app.debugger.query_one(WhyStrip).text_lines()
 
 
-def write_loss_terms_bug(path):
-    """The step bundle of the module docstring, written again through the real writer with the terms added."""
+def write_loss_terms_bug(path, *, per_token: bool = True):
+    """The step bundle of the module docstring, written again through the real writer with the terms added
+    (``per_token=False``: the per-sample terms only, no ``pg_losses`` payload)."""
     from replay_lib.bundle import BundleReader
     from replay_lib.demo import write_bundle
 
     base = BundleReader(write_step_loss(path.with_name(path.name + "-base")))
     r32 = float(torch.tensor(RATIO, dtype=torch.float32))
-    per_token = [r32] * 3 + [-CLIP] * 2 + [r32] * 4 + [-CLIP] * 3  # the producer's float32 surrogate
-    per_token[5 + 1] += BUMP  # s-2@1
+    surrogate = [r32] * 3 + [-CLIP] * 2 + [r32] * 4 + [-CLIP] * 3  # the producer's float32 surrogate
+    surrogate[5 + 1] += BUMP  # s-2@1
     expected = {stage: dict(values) for stage, values in base.expected.items()}
     expected["loss.policy"]["per_sample"] = {"pg_sum": [3 * r32, 2 * -CLIP, 4 * r32 + BUMP, 3 * -CLIP],
                                              "clip_count": [0.0, 2.0, 0.0, 3.0], "mask_count": [3.0, 2.0, 4.0, 3.0]}
     tensors = {name: base.payload(name).clone() for name in base.payload_names}
-    tensors["pg_losses"] = torch.tensor(per_token, dtype=torch.float32)
+    if per_token:
+        tensors["pg_losses"] = torch.tensor(surrogate, dtype=torch.float32)
     manifest = msgspec.structs.replace(base.manifest, producer=fixed_producer())  # no torch version on screen
     return write_bundle(path, manifest, base.index, expected, tensors)
 
@@ -236,3 +238,18 @@ async def test_the_sample_tree_shows_the_consumer_batch_beside_the_micro_batch(t
         tree = app.debugger.tree
         assert "cb" not in tree.render_header(tree.row_width, Style()).text.split()
         assert consumer_batch_labels(app.debugger.model.shards[0].ctx) == ["—"] * 4
+
+
+async def test_a_per_sample_loss_divergence_opens_its_sample_s_row(tmp_path):
+    # the same bug recorded in the per-sample terms only: the first divergence is pg_sum of s-2 (a table row)
+    app = ReplayApp(write_loss_terms_bug(tmp_path / "terms-only", per_token=False))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = app.debugger
+        assert "pg_losses" not in screen.model.fields
+        assert screen.field == "pg_sum" and screen.diff_view.diff.labels[screen.diff_view.data_row] == "s-2"
+        assert screen.tree.selected_sample == "s-2"
+        # 4 tokens at r each (A = −1, unclipped): pg_sum 4r recomputed against 4r + 0.5 recorded
+        expected, actual, err, bad = screen.diff_view.diff.row(screen.diff_view.data_row)
+        assert bad and actual == pytest.approx(4 * RATIO, rel=1e-12) and err == pytest.approx(BUMP, abs=1e-6)
+        assert why_lines(app)[1] == f"tokens 4  mask 4  clipped 0  pg_sum {fmt_value(4 * RATIO)}  kl_sum -2.0"
