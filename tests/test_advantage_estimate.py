@@ -299,3 +299,18 @@ def test_whitening_equal_advantages_is_a_hazard_not_a_failure(tmp_path):
     assert hazard.kind == "whiten_zero_std" and hazard.message.startswith(
         f"whitening over {sum(sum(m) for m in inp['masks'])} loss token(s) whose advantages are equal up to rounding")
     assert "hazard: advantage.estimate whiten_zero_std" in report_to_text(report)
+
+
+def test_kl_penalty_type_is_the_rollout_kls_estimator(tmp_path):
+    # verl: algorithm.kl_penalty (here k1: kl = old − ref) for the reward's KL, actor.kl_loss_type (k3) for the loss
+    inp = make_inputs()
+    rewards, adv, _, _ = estimate(inp, "grpo", kl_in_reward="sequence", kl_coef=0.1)
+    common = dict(raw=inp["raw"], groups=inp["groups"], lengths=inp["lengths"], masks=inp["masks"], rewards=rewards,
+                  advantages=adv, kl=inp["kl"], old_log_probs=inp["old"], ref_log_probs=inp["ref"],
+                  grpo_std_normalization=True, singleton_group="zero", kl_in_reward="sequence", kl_coef=0.1,
+                  kl_loss_type="k3")
+    report = replay(producer.write(tmp_path / "k1", kl_penalty_type="k1", **common))
+    assert report.passed, report_to_text(report)
+    assert report.stage("advantage.kl").reason.endswith("compared (k1, kl_coef=0.1)")
+    # without it the recorded k1 values are judged as k3 (exp(−r) − 1 + r ≈ r²/2, not r): a divergence at advantage.kl
+    assert replay(producer.write(tmp_path / "k3", **common)).first_divergent_stage == "advantage.kl"
