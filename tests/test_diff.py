@@ -134,3 +134,19 @@ def test_different_sizes_are_one_line_exit_3(tmp_path):
                             f"compares two captures of the same step")
     else:
         raise AssertionError("diff of 8 against 4 samples did not refuse")
+
+
+def test_json_has_the_replay_report_shape(tmp_path, capsys):
+    from replay_lib.cli import main
+
+    a = _write(tmp_path / "a", _parts())
+    b = _write(tmp_path / "b", _with_reward(_parts(), 3, 0.5))
+    reward = json.loads((a / "index.json").read_text())["samples"][3]["reward"]
+    assert main(["diff", str(a), str(b), "--format", "json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["passed"], doc["first_divergent_stage"], doc["mode"]) == (False, "reward", "diff")
+    d = doc["first_divergence"]
+    assert (d["stage"], d["field"], d["sample_id"], d["expected"], d["actual"]) == ("reward", "reward", "s-3",
+                                                                                  reward, 0.5)
+    assert [s["stage"] for s in doc["stages"] if s["status"] == "fail"] == ["reward",
+                                                                          "expected.reward.post_process.rewards"]
