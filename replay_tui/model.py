@@ -208,8 +208,8 @@ class FieldDiff:
         err = self.error_tensor.clone()
         err = torch.where(torch.isnan(err) & self.bad_tensor, torch.full_like(err, float("inf")), err)
         err = torch.nan_to_num(err, nan=0.0, posinf=float("inf"))
-        finite = err[torch.isfinite(err)]
-        top = float(finite.max()) if finite.numel() else 0.0
+        # the largest finite |err| (a where, not a boolean index: that costs ms on a 32k-token sample)
+        top = float(torch.where(torch.isinf(err), torch.zeros_like(err), err).max())
         if bins >= n:
             rows = torch.arange(bins, dtype=torch.int64) * n // bins
             peak, flagged = err[rows], self.bad_tensor[rows]
