@@ -350,3 +350,20 @@ def test_bundle_text_never_reaches_the_terminal_unescaped(tmp_path, capsys):
     assert main(["scan", str(tmp_path), "--jobs", "1", "--format", "json"]) == 3
     out = capsys.readouterr().out
     assert "\x1b" not in out and json.loads(out)["bundles"][0]["path"] == "step\x1b[2J"
+
+
+def test_an_unreadable_bundle_is_an_invalid_row_not_an_internal_error(tmp_path, monkeypatch):
+    """An OSError while reading (here a permission error, which root never gets from the file system
+    itself) names the file and is invalid input (exit 3), not a bug of the tool (exit 5)."""
+    import replay_lib.bundle
+
+    _step(tmp_path / "locked", 1, 0)
+    index = tmp_path / "locked" / "index.json"
+
+    def denied(path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(index))
+
+    monkeypatch.setattr(replay_lib.bundle, "open_bundle", denied)
+    [target] = discover(tmp_path)
+    row = check_target(target, ScanOptions())
+    assert (row.status, row.exit_code, row.message) == ("invalid", 3, f"{index}: cannot read: Permission denied")

@@ -342,10 +342,11 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
         if not os.path.lexists(target.path):
             return error_row(target, STATUS_VANISHED, f"{target.path}: vanished during the scan ({exc})", elapsed())
         return error_row(target, _status_of(exc), str(exc), elapsed())
-    except (FileNotFoundError, NotADirectoryError) as exc:
+    except OSError as exc:  # unreadable, or gone while it was read
         if not os.path.lexists(target.path):
             return error_row(target, STATUS_VANISHED, f"{target.path}: vanished during the scan", elapsed())
-        return error_row(target, STATUS_INVALID, f"{target.path}: {exc}", elapsed())
+        where = exc.filename if exc.filename is not None else target.path
+        return error_row(target, STATUS_INVALID, f"{where}: cannot read: {exc.strerror or exc}", elapsed())
     except Exception as exc:  # a bug in this tool: the row names the saved traceback, the scan goes on
         from ..crash import internal_error_line
 
