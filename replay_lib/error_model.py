@@ -72,6 +72,16 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   Under ``--chain`` (advantages recomputed) the pg terms add ``Σ_i (Σ_t ratio_t·m_t / n_i)·ρ_i``, ``ρ_i`` the
   rounding bound of the sample's advantage, and the clip fraction 1 per sample with loss tokens whose
   ``|A_i| ≤ ρ_i ≠ 0`` (its sign, and so every clip decision, is rounding-dominated).
+  The loss-side knobs of SPEC §4.2 (``loss_scalar_bounds(knobs=…)``): a field is ``scale·Σ_i S_i/(inner_i·outer)``
+  under its aggregation mode (``kernels.loss.agg_divisors``), so ``1/n_i`` above becomes the mode's weight
+  ``w_i`` and the loss terms carry ``|loss_scale|`` (``aggregated_condition``, ``scalar_bound``). The surrogate's
+  ``|ppo_kl|`` becomes the condition of what it exponentiates: the (clamped) token log-ratio, plus
+  ``√n_i·Σ_t|Δ_t|·m_t/n_i`` for GSPO's sample ratio and ``√n_i·Σ_t|old − rollout|·m_t`` (÷ n_i geometric) for a
+  sequence importance weight, ``|old − rollout|`` for a token one. ``kl_loss``: ``K_tok`` is the estimator's
+  ``kl_condition`` at the clamped log-ratio. ``pg_clipfrac_lower`` admits the tokens with ``A < 0`` whose chosen
+  ratio lies within ``8·u_t·(1 + cond)`` of c; an IcePop mask admits the whole ``w·|pg|`` of a token whose weight
+  lies within that of ``is_low`` / ``is_high``. ``loss_aggregate_bound``: the recorded scalars against the
+  recorded per-sample terms, ``2·u32·|T| + 2·u_a·n·Σ_i|w_i·S_i|``.
 
 Measured on the independent producers of ``tests/producers`` (8 families, up to 512 × 16,384 tokens), no
 clean bundle diverges, while the bug classes of ``tests/producers/bugs.py`` are caught where their signal

@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import torch
 
-from replay_lib.bundle import BundleWriter
+from replay_lib.bundle import BundleReader, BundleWriter
 from replay_lib.demo import producer
 from replay_lib.kernels import compute_approx_kl
 from replay_lib.kernels.loss import (LossKnobs, agg_weights, policy_loss_fields, value_loss_fields)
@@ -338,3 +338,22 @@ def test_knob_values_round_trip_through_the_schema():
     cfg = RecomputeConfig(loss_agg_mode="token_mean", loss_token_count=10, eps_clip_c=3.0, is_level="geometric",
                           is_mode="mask", is_low=0.5, is_high=2.0)
     assert msgspec.json.decode(msgspec.json.encode(cfg), type=RecomputeConfig) == cfg
+
+
+def test_the_verl_dapo_demo_fails_at_the_aggregation_of_right_per_sample_terms(tmp_path, cli):
+    code, out, err = cli("demo", "write", "verl-dapo", tmp_path / "d")
+    assert (code, err) == (0, ""), out
+    cfg = BundleReader(tmp_path / "d").index.config
+    assert (cfg.loss_agg_mode, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c, cfg.loss_scale) == (
+        "token_mean", 0.2, 0.28, 3.0, 4.0)
+    code, out, err = cli("replay", tmp_path / "d", "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and report["first_divergent_stage"] == "loss.policy", out + err
+    loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
+    # the per-sample terms (pg_sum, kl_sum, clip_count, mask_count) all pass; the metrics too: only the loss
+    # terms the buggy denominator wrote diverge, against the terms' aggregate and against the recompute
+    assert {d["field"] for d in loss["divergences"]} == {"loss_from_terms", "pg_loss_from_terms", "loss", "pg_loss"}
+    first = report["first_divergence"]
+    # two micro-batches of about half the shard's tokens each, over T = 4× the shard's tokens, × dp 4: the
+    # recorded value is ≈ 2·4 = 8× the right one
+    assert 7.0 < first["expected"] / first["actual"] < 9.0
