@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..errors import EXIT_DIVERGENCE, EXIT_INTERNAL, EXIT_INVALID, EXIT_PASS, EXIT_UNSUPPORTED, ReplayError
+from ..safe_text import safe
 
 STATUS_PASS = "pass"
 STATUS_DIVERGED = "diverged"
@@ -259,7 +260,6 @@ def split_stages(names: Optional[Sequence[str]]):
     return (parse_stage_names(own) or []) if own else [], LINK in names
 
 
-
 def _status_of(exc: ReplayError) -> str:
     return STATUS_UNSUPPORTED if exc.exit_code == EXIT_UNSUPPORTED else STATUS_INVALID
 
@@ -286,8 +286,6 @@ def row_of_report(target: ScanTarget, report, seconds: float, link: Optional[Lin
             doc.update(passed=False, first_divergent_stage="link",
                        first_divergence=(link.stage.get("divergences") or [None])[0])
             message = f"bundle {report.bundle_id} — first divergent stage: link ({link.message})"
-    from ..safe_text import safe
-
     status = STATUS_DIVERGED if first_stage is not None else STATUS_PASS
     return ScanRow(target=target, status=status, exit_code=_EXIT_OF_STATUS[status], first_stage=first_stage,
                    first_divergence=safe(first_line) if first_line is not None else None, noise_ratio=ratio,
@@ -296,8 +294,6 @@ def row_of_report(target: ScanTarget, report, seconds: float, link: Optional[Lin
 
 def error_row(target: ScanTarget, status: str, message: str, seconds: float = 0.0) -> ScanRow:
     """A row for a target nothing was recomputed for (``message``: one line, escaped here)."""
-    from ..safe_text import safe
-
     return ScanRow(target=target, status=status, exit_code=_EXIT_OF_STATUS[status],
                    message=" ".join(safe(message).split()), seconds=seconds)
 
