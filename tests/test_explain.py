@@ -523,3 +523,20 @@ def test_verbose_says_when_no_known_cause_matches(tmp_path):
     quiet = subprocess.run(["trajectory-replay", "replay", str(path)], capture_output=True, text=True,
                            timeout=120).stdout
     assert "likely cause" not in quiet
+
+
+def test_configurations_outside_the_varied_formulas_get_no_hypotheses():
+    """A hypothesis family varies one declared formula; a configuration it does not model (a leave-one-out
+    baseline, KL in the reward, importance weights, a log-ratio clamp, sequence-level ratios) gets none, never
+    one built on the wrong formula."""
+    from replay_lib.explain import loss, reward
+    from replay_lib.schema import RecomputeConfig
+
+    assert reward.modelled(RecomputeConfig()) and loss.modelled(RecomputeConfig())
+    for knob in (dict(group_baseline="leave_one_out"), dict(kl_in_reward="sequence"), dict(std_zero="skip"),
+                 dict(singleton_group="zero"), dict(advantage_estimator="rloo")):
+        assert not reward.modelled(RecomputeConfig(**knob)), knob
+    for knob in (dict(use_tis=True), dict(is_level="token"), dict(log_ratio_clamp=20.0),
+                 dict(importance_level="sequence"), dict(use_kl_loss=True, kl_loss_coef=0.1)):
+        assert not loss.modelled(RecomputeConfig(**knob)), knob
+    assert loss.modelled(RecomputeConfig(use_kl_loss=True, kl_loss_coef=0.0))  # effective values: no KL term

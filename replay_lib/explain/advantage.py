@@ -109,8 +109,10 @@ def _permutation(ctx: StageContext, rewards: torch.Tensor, recorded: torch.Tenso
 
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
-    if not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
-        return []
+    cfg = ctx.config
+    grpo = cfg.advantage_estimator == "grpo" and not cfg.normalize_advantages and cfg.kl_in_reward is None
+    if not grpo or not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
+        return []  # only GRPO's broadcast rewards are varied here
     recorded = ctx.payload("advantages")
     u = unit_roundoff(recorded.dtype)
     rewards, _ = grpo_rewards(ctx)

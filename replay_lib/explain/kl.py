@@ -44,13 +44,13 @@ def _estimate(a: torch.Tensor, b: torch.Tensor, kl_type: str, u_token: float, u_
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     cfg = ctx.config
-    if cfg.kl_coef == 0 or cfg.kl_loss_type not in KL_TYPES or not any(f.name == "kl" for f in fields):
+    declared = cfg.kl_penalty_type or cfg.kl_loss_type  # the estimator of advantage.kl (verl may set its own)
+    if cfg.kl_coef == 0 or declared not in KL_TYPES or not any(f.name == "kl" for f in fields):
         return []
     if not (ctx.has("old_log_probs") and ctx.has("ref_log_probs")):
         return []
     old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
     u_token, u_store = ctx.precision.token, unit_roundoff(ctx.reader.payload("kl").dtype)
-    declared = cfg.kl_loss_type
     out: list[Hypothesis] = []
 
     def add(hid: str, detail: str, a: torch.Tensor, b: torch.Tensor, kl_type: str, scale: float = 1.0) -> None:

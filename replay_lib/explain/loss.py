@@ -227,7 +227,18 @@ def _recorded_sums(fields: dict[str, FieldResult], sums: dict[str, torch.Tensor]
     return out
 
 
+def modelled(cfg) -> bool:
+    """Whether the declared loss is the clipped surrogate these variants vary: no KL term in the loss, no
+    train/rollout importance weights, no log-ratio clamp, token-level ratios (other configurations get no loss
+    hypotheses rather than ones built on the wrong formula)."""
+    kl_loss = cfg.use_kl_loss and cfg.kl_loss_coef != 0
+    return not (kl_loss or cfg.use_tis or cfg.is_level is not None or cfg.log_ratio_clamp is not None
+                or cfg.importance_level != "token" or cfg.use_rollout_logprobs)
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    if not modelled(ctx.config):
+        return []
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from

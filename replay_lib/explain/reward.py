@@ -124,14 +124,22 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
         yield pid, what, labels
 
 
+def modelled(cfg) -> bool:
+    """Whether the declared normalization is the one these hypotheses vary: GRPO's group mean (and std + eps),
+    no leave-one-out baseline, zero-std or singleton rule, nor KL in the reward (those configurations get no
+    reward hypotheses rather than ones built on the wrong formula)."""
+    return (cfg.advantage_estimator == "grpo" and cfg.rewards_normalization and cfg.group_baseline == "mean"
+            and cfg.std_zero == "eps" and cfg.singleton_group is None and cfg.kl_in_reward is None)
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     """Each evaluated over the bundle's whole index (a partition may span samples outside a selection; the
     selection is closed under semantic groups, so the group variants are the same either way), then read at
     the selected samples."""
     samples = ctx.reader.index.samples
-    if not any(f.name == "reward" for f in fields) or any(s.group_index is None for s in samples):
-        return []
     cfg = ctx.config
+    if not modelled(cfg) or not any(f.name == "reward" for f in fields) or any(s.group_index is None for s in samples):
+        return []
     raw = as_float64([s.raw_reward for s in samples])
     if not bool(torch.isfinite(raw).all()):
         return []
