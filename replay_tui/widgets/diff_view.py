@@ -577,6 +577,6 @@ class DiffPanel(Vertical):
     def cursor_moved(self) -> None:
         """The |err| strip's cursor mark and the support row follow the cursor in the same frame as the
         rows (through the ``Highlighted`` message they would be one more frame, one more write)."""
-        self.query_one(ErrorStrip).refresh()
+        self.query_one(ErrorStrip).cursor_moved()
         self.support_strip.refresh()
         self.why_strip.refresh()

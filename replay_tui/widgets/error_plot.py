@@ -55,6 +55,21 @@ class ErrorStrip(Widget):
         self._levels: list[float] = []
         self._flagged: list[bool] = []
         self._scale: tuple[float, float] = (0.0, 0.0)
+        # drawn lines by (line, the cursor's bins): a move within a bin (≈300 tokens of a 32k sample) redraws none
+        self._lines: dict[tuple, Strip] = {}
+        self._profile: list[tuple[float, bool]] = []
+        self._drawn_bins: Optional[range] = None
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._lines = {}
+
+    def cursor_moved(self) -> None:
+        """Repaint when the cursor's bins changed (a move within a bin leaves the plot as it is)."""
+        diff = self.view.diff
+        bins = diff.bins_of_row(self.view.data_row, len(self.profile())) if diff is not None else None
+        if bins != self._drawn_bins:
+            self.refresh()
 
     def _bins(self) -> int:
         return max(1, self.size.width - LABEL_W)
@@ -67,10 +82,12 @@ class ErrorStrip(Widget):
         key = (id(diff), self._bins(), self.view.log_scale)
         if key != self._cache_key:
             self._cache_key = key
+            self._lines = {}
             peaks, self._flagged, top = diff.error_peaks(self._bins())
             self._levels, low = bar_levels(peaks, top, self.view.log_scale)
             self._scale = (low, top)
-        return list(zip(self._levels, self._flagged))
+            self._profile = list(zip(self._levels, self._flagged))
+        return self._profile
 
     @property
     def scale(self) -> tuple[float, float]:
@@ -96,7 +113,17 @@ class ErrorStrip(Widget):
         if diff is None or len(diff) == 0 or y >= height:
             return Strip.blank(width, base)
         prof = self.profile()
-        cursor_bins = diff.bins_of_row(self.view.data_row, len(prof))
+        cursor_bins = self._drawn_bins = diff.bins_of_row(self.view.data_row, len(prof))
+        key = (y, height, width, cursor_bins.start, cursor_bins.stop)
+        strip = self._lines.get(key)
+        if strip is None:
+            if len(self._lines) > 256:
+                self._lines = {}
+            strip = self._lines[key] = self._draw(y, height, width, prof, cursor_bins)
+        return strip
+
+    def _draw(self, y: int, height: int, width: int, prof: list[tuple[float, bool]], cursor_bins: range) -> Strip:
+        base = self.rich_style
         parts: list[tuple[str, Optional[Style]]] = [(self._label(y, height), DIM)]
         below = height - 1 - y  # lines under this one
         for b, (level, flagged) in enumerate(prof):

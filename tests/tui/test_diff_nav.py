@@ -191,3 +191,37 @@ async def test_y_and_Y_copy_over_osc52_the_exact_bytes(make_app):
         row = f"kl s-5@3: expected={fmt_value(e)} actual={value} abs_err={fmt_value(err)} tol={fmt_value(tol)} divergent"
         assert written[1] == "\x1b]52;c;" + base64.b64encode(row.encode()).decode() + "\a"
         assert app.clipboard == row
+
+
+async def test_the_plot_s_cursor_column_follows_the_cursor(make_app):
+    from replay_tui.widgets.error_plot import CURSOR_MARK
+
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        plot = app.debugger.query_one(ErrorStrip)
+        diff = plot.view.diff
+        bins = plot.size.width - LABEL_W
+
+        def marked() -> set[int]:
+            """The bins drawn in the cursor's colour on the bottom line."""
+            line = plot.render_line(plot.size.height - 1).crop(LABEL_W, plot.size.width)
+            out, x = set(), 0
+            for seg in line:
+                if seg.style is not None and seg.style.color is not None and \
+                        seg.style.color.name == CURSOR_MARK.color.name:
+                    out |= set(range(x, x + len(seg.text)))
+                x += len(seg.text)
+            return out
+
+        def pointer() -> set[int]:
+            """Where the screen shows ▾ on the plot's top line (over an empty bar: the cursor's column)."""
+            strips = app.screen._compositor.render_strips()
+            top = strips[plot.region.y].crop(plot.region.x + LABEL_W, plot.region.right).text
+            return {i for i, ch in enumerate(top) if ch == "▾"}
+
+        assert marked() == set(diff.bins_of_row(3, bins)) and pointer() == set()  # token 3: a full bar
+        await pilot.press("down")
+        await pilot.pause()
+        # token 4's |err| is rounding-level: its top cells are empty, so the screen shows the ▾ there
+        assert marked() == set(diff.bins_of_row(4, bins)) == pointer()
