@@ -433,6 +433,34 @@ def near_value(x: torch.Tensor, edge: float, u_token: float, cond) -> torch.Tens
     return (x - edge).abs() <= x.abs() * (C_NEAR_CLIP * u_token) * (1.0 + cond)
 
 
+def sample_exponent_condition(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                              rollout_log_probs: Optional[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
+                              knobs) -> Optional[torch.Tensor]:
+    """float64 ``[samples]``: the condition of a per-sample exponent (module doc) — ``√n_i`` times the sample's
+    mean ``|logp − old|`` (GSPO's ratio) plus its ``Σ_t |old − rollout|·m_t`` (÷ n_i for ``geometric``; a
+    sequence or geometric importance weight); ``None`` when no knob exponentiates a per-sample sum."""
+    from .kernels import segment_ids
+
+    if not knobs.needs_sample_pass:
+        return None
+    n_samples = int(lengths.numel())
+    seg = segment_ids(lengths)
+    m = mask.to(torch.float64)
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_samples, dtype=torch.float64).index_add_(0, seg, x)
+
+    count = per_sample(m)
+    cond = torch.zeros(n_samples, dtype=torch.float64)
+    if knobs.sequence_ratio:
+        cond += per_sample((log_probs.to(torch.float64) - old_log_probs.to(torch.float64)).abs_().mul_(m)) \
+            / count.clamp_min(1.0)
+    if knobs.is_level in ("sequence", "geometric"):
+        total = per_sample((old_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)).abs_().mul_(m))
+        cond += total / count.clamp_min(1.0) if knobs.is_level == "geometric" else total
+    return cond * count.sqrt()
+
+
 def loss_aggregate_bound(weighted, value: float, precision: Precision) -> float:
     """The rounding bound of a scalar aggregated from recorded per-sample terms (``weighted``: the terms'
     ``w_i·S_i`` columns, float64): the producer summed ``n`` of them (``2·u_a·n·Σ|w_i·S_i|``, a sequential sum's

@@ -13,7 +13,7 @@ import torch
 
 from ..bundle import BundleReader
 from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_boundary, loss_scalar_bounds,
-                           near_value)
+                           near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import GrpoReturns, sorted_segment_sums, token_chunks
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
@@ -110,26 +110,15 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
 
 def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torch.Tensor]]:
     """The per-sample quantities a per-sample knob needs before the token pass (GSPO's ratio, a sequence or
-    geometric IS weight: ``kernels.sample_log_terms`` in float64), and each sample's extra log-ratio condition
-    for the error model: ``√n_i·Σ_t|x_t|·m_t`` of the sums the sample's exponent is made of (divided by ``n_i``
-    for a mean), ``None`` when no knob has one."""
+    geometric IS weight: ``kernels.sample_log_terms`` in float64) and their condition for the error model
+    (``error_model.sample_exponent_condition``; ``None`` when no knob has one)."""
     knobs = li.knobs
     if not knobs.needs_sample_pass:
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
                              dtype=torch.float64)
-    m = li.mask.to(torch.float64)
-    seg = ctx.seg
-    n = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, m)
-    cond = torch.zeros(ctx.n, dtype=torch.float64)
-    if knobs.sequence_ratio:
-        lr = (li.log_probs.to(torch.float64) - li.old_log_probs.to(torch.float64)).abs_().mul_(m)
-        cond += torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, lr) / n.clamp_min(1.0)
-    if knobs.is_level in ("sequence", "geometric"):
-        d = (li.old_log_probs.to(torch.float64) - li.rollout_log_probs.to(torch.float64)).abs_().mul_(m)
-        s = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, seg, d)
-        cond += s / n.clamp_min(1.0) if knobs.is_level == "geometric" else s
-    return terms, cond * n.sqrt()
+    return terms, sample_exponent_condition(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask,
+                                            ctx.lengths, knobs)
 
 
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:

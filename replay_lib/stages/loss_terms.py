@@ -58,8 +58,9 @@ from typing import Optional
 
 import torch
 
+from ..error_model import sample_exponent_condition
 from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
-from ..kernels import LOSS_CHUNK, segment_ids
+from ..kernels import LOSS_CHUNK
 from ..kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
 from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
@@ -135,21 +136,8 @@ class _Tokens:
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
                                              dtype=dtype)
         # a per-sample exponent (GSPO's ratio, a sequence/geometric IS weight): its rounding, per sample
-        self.sample_cond: Optional[torch.Tensor] = None
-        if self.sample_terms:
-            n = len(lengths)
-            seg = segment_ids(lengths)
-            m = mask.to(torch.float64)
-            count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
-            cond = torch.zeros(n, dtype=torch.float64)
-            if self.knobs.sequence_ratio:
-                lr = (log_probs.to(torch.float64) - old_log_probs.to(torch.float64)).abs_().mul_(m)
-                cond += torch.zeros(n, dtype=torch.float64).index_add_(0, seg, lr) / count.clamp_min(1.0)
-            if "is_log_weight" in self.sample_terms:
-                d = (old_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)).abs_().mul_(m)
-                total = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, d)
-                cond += total / count.clamp_min(1.0) if self.knobs.is_level == "geometric" else total
-            self.sample_cond = cond * count.sqrt()
+        self.sample_cond = sample_exponent_condition(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
+                                                     self.knobs)
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.policy_token_terms``) and
