@@ -68,7 +68,7 @@ CRASH = "ZeroDivisionError: float division by zero"
 
 
 def test_a_crash_in_a_stage_is_exit_5_with_one_line_naming_the_traceback(pr65_bundle, cli, cache_dir, monkeypatch):
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     code, out, err = cli("replay", pr65_bundle)
     assert code == EXIT_INTERNAL == 5
     assert out == ""
@@ -78,7 +78,7 @@ def test_a_crash_in_a_stage_is_exit_5_with_one_line_naming_the_traceback(pr65_bu
 
 
 def test_json_format_crash_is_exit_5_too(pr65_bundle, cli, cache_dir, monkeypatch):
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     code, out, err = cli("replay", "--format", "json", pr65_bundle)
     assert code == 5
     assert out == ""
@@ -88,7 +88,7 @@ def test_json_format_crash_is_exit_5_too(pr65_bundle, cli, cache_dir, monkeypatc
 def test_replay_tui_check_crash_is_exit_5(pr65_bundle, capsys, cache_dir, monkeypatch):
     from replay_tui.__main__ import main
 
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     code = main([str(pr65_bundle), "--check"])
     out, err = capsys.readouterr()
     assert code == 5
@@ -97,7 +97,7 @@ def test_replay_tui_check_crash_is_exit_5(pr65_bundle, capsys, cache_dir, monkey
 
 
 def test_two_crashes_get_two_files(pr65_bundle, cli, cache_dir, monkeypatch):
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     paths = set()
     for _ in range(2):
         code, _, err = cli("replay", pr65_bundle)
@@ -113,7 +113,7 @@ def test_without_a_writable_cache_the_traceback_goes_to_the_temp_dir(pr65_bundle
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(temp))
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     code, _, err = cli("replay", pr65_bundle)
     assert code == 5
     assert_one_crash_line(err, "trajectory-replay", CRASH, temp)
@@ -124,7 +124,7 @@ def test_the_message_on_the_line_and_in_the_file_is_escaped(pr65_bundle, cli, ca
     def crashing(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None):
         raise LookupError(f"no slot for s\x1b[2J0\u202e")
 
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing)
+    monkeypatch.setattr(reward_stage, "post_process", crashing)
     code, _, err = cli("replay", pr65_bundle)
     assert code == 5
     assert "\x1b" not in err and "\u202e" not in err
@@ -149,7 +149,7 @@ def test_keyboard_interrupt_keeps_exit_130(pr65_bundle, cli, cache_dir, monkeypa
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reward_stage, "group_normalize", interrupted)
+    monkeypatch.setattr(reward_stage, "post_process", interrupted)
     code, out, err = cli("replay", pr65_bundle)
     assert (code, err) == (130, "trajectory-replay: error: interrupted\n")
     assert not cache_dir.exists()
@@ -171,7 +171,7 @@ BUG = textwrap.dedent("""
         secret = "".join(("LOCAL", "-SENTINEL"))
         scaled = raw_rewards * 111.0
         return float(scaled.sum()) / (len(secret) - len(secret))
-    reward_stage.group_normalize = crashing_group_normalize
+    reward_stage.post_process = crashing_group_normalize
 """)
 
 
@@ -239,7 +239,7 @@ async def test_a_crash_in_the_replay_worker_shows_the_error_screen_and_quits_wit
     from replay_tui.app import ReplayApp
     from replay_tui.screens.error import ErrorScreen
 
-    monkeypatch.setattr(reward_stage, "group_normalize", crashing_group_normalize)
+    monkeypatch.setattr(reward_stage, "post_process", crashing_group_normalize)
     app = ReplayApp(pr65_bundle)
     async with app.run_test(size=(120, 40)) as pilot:
         await app.wait_settled(pilot)
