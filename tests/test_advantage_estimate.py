@@ -314,3 +314,17 @@ def test_kl_penalty_type_is_the_rollout_kls_estimator(tmp_path):
     assert report.stage("advantage.kl").reason.endswith("compared (k1, kl_coef=0.1)")
     # without it the recorded k1 values are judged as k3 (exp(−r) − 1 + r ≈ r²/2, not r): a divergence at advantage.kl
     assert replay(producer.write(tmp_path / "k3", **common)).first_divergent_stage == "advantage.kl"
+
+
+def test_estimators_that_pass_the_score_through_need_no_groups(tmp_path):
+    # REINFORCE++ and GAE never group: samples without a group_index replay clean; GRPO still names them
+    inp = make_inputs()
+    rewards, adv, returns, _ = estimate(inp, "gae", gamma=0.99, lam=0.95)
+    common = dict(raw=inp["raw"], groups=[None] * len(inp["raw"]), lengths=inp["lengths"], masks=inp["masks"],
+                  rewards=rewards, values=inp["values"])
+    clean = replay(producer.write(tmp_path / "gae", advantages=adv, returns_=returns, advantage_estimator="gae",
+                                  gamma=0.99, lam=0.95, **common))
+    assert clean.passed, report_to_text(clean)
+    grpo = replay(producer.write(tmp_path / "grpo", advantages=np.repeat(rewards, inp["lengths"]), **common))
+    assert grpo.stage("reward.post_process").reason == (
+        "sample has no group_index; its semantic group is unknown (never inferred from a batch)")

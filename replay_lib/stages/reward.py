@@ -34,12 +34,13 @@ def run_reward_raw(ctx: StageContext) -> StageReport:
 
 def run_reward_post_process(ctx: StageContext) -> StageReport:
     cfg = ctx.config
-    n = cfg.n_samples_per_prompt
+    rule = group_rule(cfg)
+    n = cfg.n_samples_per_prompt if rule.center else 0  # a score passed through needs no group
     pre = Comparison()
     gidx = ctx.group_indices
     grouped = None not in gidx
     sizes = Counter(gidx) if grouped else Counter(g for g in gidx if g is not None)
-    if not grouped:
+    if not grouped and rule.center:
         for s in ctx.samples:
             if s.group_index is None:
                 pre.mismatches += 1
@@ -68,7 +69,6 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     raw = as_float64([s.raw_reward for s in ctx.samples])
     groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
                          torch.int64)
-    rule = group_rule(cfg)
     score, magnitude, score_error = _scores(ctx, raw)
     rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups, rule, dtype=ctx.dtype)
     stats = group_stats(score, groups)

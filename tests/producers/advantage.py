@@ -147,7 +147,7 @@ def write(path: Path, *, raw, groups, lengths, rewards, advantages, masks=None, 
     cfg.update(config)
     if whiten_stats is not None:
         cfg["advantage_whiten_stats"] = AdvantageWhitenStats(mean=whiten_stats[0], std=whiten_stats[1])
-    samples = [SampleRecord(sample_id=f"s-{i}", group_index=int(g), response_length=int(n), total_length=int(n) + 4,
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=None if g is None else int(g), response_length=int(n), total_length=int(n) + 4,
                             loss_mask=[int(x) for x in m], raw_reward=float(r))
                for i, (g, n, m, r) in enumerate(zip(groups, lengths, masks, raw))]
     index = BundleIndex(bundle_id=path.name, identity=Identity(rollout_id=0, rank=rank or {}), samples=samples,
