@@ -12,7 +12,7 @@ import torch
 
 from producers import advantage as producer
 from replay_lib.error_model import Rules, recursion_bound, whiten_bound, U32
-from replay_lib.kernels import (discounted_returns, gae_advantages, get_grpo_returns, group_normalize, token_rewards,
+from replay_lib.kernels import (discounted_returns, group_normalize, token_rewards,
                                 whiten)
 from replay_lib.report import report_to_text
 from replay_lib.runner import replay
