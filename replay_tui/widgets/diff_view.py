@@ -1,6 +1,6 @@
 """The diff viewer: offset | expected | actual | abs err | ×noise | tol | loss mask for one sample's per-token
-field (or the per-sample / cohort table of a scalar field), mismatches in red, and a one-line |error| strip
-along the row axis. ``tol`` is the element's effective bound (the bundle's atol + rtol·|e| plus the producer's
+field (or the per-sample / cohort table of a scalar field), mismatches in red, the error plot over the rows
+(``error_plot``) and the why strip under them (``why_strip``). ``tol`` is the element's effective bound (the bundle's atol + rtol·|e| plus the producer's
 rounding bound) and ``×noise`` = |a − e| / tol: below 1 the difference is floating-point noise. Line API with an
 LRU cache: a 32k-token sample renders only the visible rows."""
 
@@ -65,7 +65,6 @@ class Columns:
     def width_of(self, name: str) -> int:
         return next((w for n, w in self.shown if n == name), 0)
 
-    # the error-model tests read these
     @property
     def num(self) -> int:
         return self.width_of("actual")
@@ -115,7 +114,7 @@ def worst_row(diff: Optional[FieldDiff]) -> Optional[int]:
 
 class DiffView(CursorLines):
     """The rows of one :class:`FieldDiff`. The cursor counts *shown* rows: sorted by |err| (``s``) or
-    filtered to the divergent ones (``d``), shown row ``i`` is data row ``order[i]`` (a token offset, or a
+    filtered to the divergent ones (``D``), shown row ``i`` is data row ``order[i]`` (a token offset, or a
     row of the table); :attr:`data_row` is the cursor's. Messages carry shown rows; :meth:`row_at` maps
     them back."""
 
@@ -124,7 +123,8 @@ class DiffView(CursorLines):
     """
     PANE = "diff"
     BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
-        "diff", "row", "Open the sample's per-token diff (from a per-sample table)") + [
+        "diff", "row", "Open the sample's per-token diff (from a per-sample table; from the loss table, each "
+                       "sample's term)") + [
         Binding("s", "toggle_sort", "Sort |err|", show=False, id="diff.sort",
                 tooltip="Sort the rows by |err|, largest first (toggle; n/N still follow the offsets)"),
         Binding("D", "toggle_divergent", "Divergent", show=False, id="diff.divergent-only",
