@@ -225,3 +225,25 @@ async def test_the_plot_s_cursor_column_follows_the_cursor(make_app):
         await pilot.pause()
         # token 4's |err| is rounding-level: its top cells are empty, so the screen shows the ▾ there
         assert marked() == set(diff.bins_of_row(4, bins)) == pointer()
+
+
+async def test_Y_copies_a_hostile_sample_id_escaped(tmp_path, bundle_tools):
+    import base64
+
+    from injection_bundles import SEQUENCES, shown, write_hostile
+
+    from replay_tui.app import ReplayApp
+
+    seq = SEQUENCES["osc52"]  # an OSC 52 of its own in the sample ids: it must not reach the terminal raw
+    app = ReplayApp(write_hostile(tmp_path / "hostile", seq, bundle_tools.reseal))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        written: list[str] = []
+        app._driver.write = written.append
+        diff = app.debugger.diff_view.diff
+        tol = float(diff.tolerance_tensor[0])
+        await pilot.press("Y")
+        # PR #65's s-0: recorded −5.5, recomputed −1.0; its id s<OSC 52>0 shown (and copied) escaped
+        row = f"reward s{shown(seq)}0: expected=-5.5 actual=-1.0 abs_err=4.5 tol={fmt_value(tol)} divergent"
+        assert "\x1b" not in row and "\\x1b" in row
+        assert written == ["\x1b]52;c;" + base64.b64encode(row.encode()).decode() + "\a"]
