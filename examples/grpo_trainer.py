@@ -82,8 +82,8 @@ from replay_lib.kernels import (
     rollout_kl,
     segment_ids,
 )
-from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, policy_fields_from_sums, policy_token_terms,
-                                     sample_log_terms, value_fields_from_sums, value_token_terms)
+from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, policy_fields_from_sums,
+                                     policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.schema import RecomputeConfig
 
 # ------------------------------------------------------------------------------------------ task
@@ -392,11 +392,14 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     if knobs.dual_clip:
         sums["clip_lower"] = per_sample(t["clip_lower"])
     if knobs.kl_loss:
-        sums["kl_loss"] = per_sample(t["kl_loss"])
+        sums["kl_loss"] = terms["kl_loss_sum"] = per_sample(t["kl_loss"])
     agg = knobs
     if bug == "token_mean_denominator":  # verl#7321's class: the micro-batch's own token count as T
         agg = replace(knobs, loss_token_count=int(m.sum()))
     fields = policy_fields_from_sums(sums, True, entropy_coef, agg)
+    if agg.loss_agg_mode != "sum_of_sample_means":  # the weight each sample entered the loss terms with
+        inner, outer = agg_divisors(agg.loss_agg_mode, terms["mask_count"], agg)
+        terms["loss_weight"] = agg.loss_scale / (inner * outer)
     if value is not None:
         v, old_v, returns = value
         vt = value_token_terms(v.float(), old_v.float(), returns.float(), knobs.value_clip)

@@ -345,9 +345,11 @@ Expected = dict[str, dict[str, ExpectedValue]]
 # (``ppo_kl``), and Σ_t of the clip indicator and of the mask. With them a loss divergence is located to its
 # sample, and the clip fraction becomes a ratio of whole numbers that float rounding cannot blur.
 PER_SAMPLE_KEY = "per_sample"
-PER_SAMPLE_SUMS = ("pg_sum", "entropy_sum", "kl_sum")
+PER_SAMPLE_SUMS = ("pg_sum", "entropy_sum", "kl_sum", "kl_loss_sum")
 PER_SAMPLE_COUNTS = ("clip_count", "mask_count")
-PER_SAMPLE_TERMS = PER_SAMPLE_SUMS + PER_SAMPLE_COUNTS
+# SPEC §4.2: the weight each sample's sums entered the loss terms with (loss_scale·w_i of loss_agg_mode).
+PER_SAMPLE_WEIGHTS = ("loss_weight",)
+PER_SAMPLE_TERMS = PER_SAMPLE_SUMS + PER_SAMPLE_COUNTS + PER_SAMPLE_WEIGHTS
 
 
 class PerSampleLossTerms(_Struct, kw_only=True, omit_defaults=True):
@@ -359,8 +361,10 @@ class PerSampleLossTerms(_Struct, kw_only=True, omit_defaults=True):
     pg_sum: Optional[list[Optional[float]]] = None
     entropy_sum: Optional[list[Optional[float]]] = None
     kl_sum: Optional[list[Optional[float]]] = None
+    kl_loss_sum: Optional[list[Optional[float]]] = None  # Σ_t kl·mask of the KL term in the loss (SPEC §4.2)
     clip_count: Optional[list[float]] = None
     mask_count: Optional[list[float]] = None
+    loss_weight: Optional[list[Optional[float]]] = None  # loss_scale·w_i the producer applied (SPEC §4.2)
 
     def recorded(self) -> dict[str, list[Optional[float]]]:
         """``{term: values}`` of the terms present, in ``PER_SAMPLE_TERMS`` order."""

@@ -357,3 +357,32 @@ def test_the_verl_dapo_demo_fails_at_the_aggregation_of_right_per_sample_terms(t
     # two micro-batches of about half the shard's tokens each, over T = 4× the shard's tokens, × dp 4: the
     # recorded value is ≈ 2·4 = 8× the right one
     assert 7.0 < first["expected"] / first["actual"] < 9.0
+
+
+def test_the_per_sample_kl_term_and_loss_weight_by_hand(tmp_path, cli):
+    """``kl_loss_sum`` and ``loss_weight`` (SPEC §4.2's per-sample terms) on the table's step with the KL test's
+    reference: kl_loss_sum = [e^−1 + 0, 0 + 10] (the 30 clamped to 20, its k3 to 10), and under token_mean with
+    T = 10 and scale 2 every sample's weight is 2/10 = 0.2. The same step with the micro-batch's own 4 tokens as
+    T records 2/4 = 0.5: named at the first sample."""
+    ref = [LN2 - 1.0, 0.0, 0.0, LN4 - 30.0, 0.0]
+    config = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_input_clamp=20.0,
+                  kl_loss_output_clamp=10.0, loss_agg_mode="token_mean", **COUNTS)
+    policy = f32_fields(ref=ref, **config)
+    terms = {"kl_loss_sum": [math.exp(-1.0), 10.0], "loss_weight": [0.2, 0.2], "mask_count": [2.0, 2.0]}
+    good = write_step(tmp_path / "good", config=config, policy=dict(policy, per_sample=terms),
+                      payloads={"ref_log_probs": ref})
+    code, out, err = cli("replay", good, "--format", "json")
+    assert (code, err) == (0, ""), out
+    loss = next(s for s in json.loads(out)["stages"] if s["stage"] == "loss.policy")
+    # loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl, kl_loss; the three recorded terms
+    assert loss["reason"] == "6 field(s) and 3 loss term(s) over 2 sample(s) compared"
+    bad = write_step(tmp_path / "bad", config=config, payloads={"ref_log_probs": ref},
+                     policy=dict(policy, per_sample=dict(terms, loss_weight=[0.5, 0.5])))
+    code, out, err = cli("replay", bad, "--format", "json")
+    first = json.loads(out)["first_divergence"]
+    assert code == 1 and (first["field"], first["sample_id"], first["expected"], first["actual"]) == (
+        "loss_weight", "s-0", 0.5, pytest.approx(0.2, rel=1e-15))
+    wrong_kl = write_step(tmp_path / "kl", config=config, payloads={"ref_log_probs": ref},
+                          policy=dict(policy, per_sample=dict(terms, kl_loss_sum=[math.exp(-1.0), 5.0])))
+    first = json.loads(cli("replay", wrong_kl, "--format", "json")[1])["first_divergence"]
+    assert (first["field"], first["sample_id"]) == ("kl_loss_sum", "s-1")

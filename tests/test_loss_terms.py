@@ -89,7 +89,7 @@ def test_absent_null_and_unknown_terms(tmp_path, bundle_tools):
     version may add one); ``per_sample: null`` is no terms at all."""
     bundle = write_step_loss(tmp_path / "step")
     bundle_tools.edit_json(bundle, "expected.json", lambda doc: doc["loss.policy"].update(
-        per_sample={"pg_sum": hand_terms()["pg_sum"], "entropy_sum": None, "kl_loss_sum": [0, 0, 0, 0]}))
+        per_sample={"pg_sum": hand_terms()["pg_sum"], "entropy_sum": None, "future_sum": [0, 0, 0, 0]}))
     terms = BundleReader(bundle).expected["loss.policy"]["per_sample"]
     assert terms.recorded() == {"pg_sum": hand_terms()["pg_sum"]}
     bundle_tools.edit_json(bundle, "expected.json", lambda doc: doc["loss.policy"].update(per_sample=None))

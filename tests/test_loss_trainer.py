@@ -1,7 +1,7 @@
 """The example trainer with the loss-side knobs of SPEC §4.2, in real processes: every combination of its
 flags replays clean (step bundles with the recorded counts, scale, rollout and reference log-probs, PPO's
 values and returns), and each ``--*-bug`` flag makes its stage the first divergence — located to the sample by
-the per-sample terms where the bug changes them, to the aggregation where it changes only the weights."""
+the per-sample terms (``loss_weight`` for a wrong denominator, ``kl_loss_sum`` for the KL term)."""
 
 from __future__ import annotations
 
@@ -93,11 +93,10 @@ def test_two_ranks_record_the_all_reduced_token_count_and_replay_clean(tmp_path)
 
 
 @pytest.mark.parametrize("flags,stage,fields,located", [
-    # per-sample sums are right, the weights are not: the recorded terms do not aggregate to the scalar
-    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), "loss.policy",
-     {"pg_loss_from_terms", "loss_from_terms"}, False),
+    # the per-sample sums are right, the weight each sample entered the loss with is not
+    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), "loss.policy", {"loss_weight"}, True),
     (("--dual-clip", "3", "--dual-clip-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
-    (("--kl-loss", "low_var_kl:0.1", "--kl-loss-bug"), "loss.policy", {"kl_loss", "loss"}, False),
+    (("--kl-loss", "low_var_kl:0.1", "--kl-loss-bug"), "loss.policy", {"kl_loss_sum"}, True),
     (("--tis", "token:1.5", "--tis-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
     (("--gspo", "--gspo-bug"), "loss.policy", {"pg_losses", "pg_sum"}, True),
     (("--ppo", "--value-loss-bug"), "loss.value", {"vf_loss"}, False),

@@ -244,7 +244,7 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
 
 # Per-sample terms → the loss fields they aggregate to (SPEC §4: the scalars are checked against them).
 _TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfrac": "clip_count",
-                  "ppo_kl": "kl_sum"}
+                  "ppo_kl": "kl_sum", "kl_loss": "kl_loss_sum"}
 
 
 # The aggregate check's rows are named after the field they check: ``pg_loss_from_terms``.
@@ -261,7 +261,7 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
         return None
     recorded = terms.recorded()
     names = [f for f in expected if _TERM_OF_FIELD.get(f) in recorded]
-    if "loss" in expected and "pg_sum" in recorded and not knobs.kl_loss and (
+    if "loss" in expected and "pg_sum" in recorded and (not knobs.kl_loss or "kl_loss_sum" in recorded) and (
             knobs.entropy_coef == 0 or "entropy_sum" in recorded):
         names.insert(0, "loss")
     if not names:
@@ -283,6 +283,8 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
             parts = [(column("pg_sum"), knobs.loss_agg_mode, knobs.loss_scale)]
             if knobs.entropy_coef != 0:
                 parts.append((column("entropy_sum"), knobs.loss_agg_mode, -knobs.entropy_coef * knobs.loss_scale))
+            if knobs.kl_loss:
+                parts.append((column("kl_loss_sum"), knobs.loss_agg_mode, knobs.kl_loss_coef * knobs.loss_scale))
         else:
             metric = name in ("pg_clipfrac", "ppo_kl")
             parts = [(column(_TERM_OF_FIELD[name]), knobs.metric_agg_mode if metric else knobs.loss_agg_mode,
@@ -306,7 +308,8 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
     knobs = li.knobs
     terms = loss_term_fields(ctx, log_probs=li.log_probs, old_log_probs=li.old_log_probs, advantages=li.advantages,
                              entropy=li.entropy, mask=li.mask, config=ctx.config,
-                             advantage_bound=li.advantage_bound, rollout_log_probs=li.rollout_log_probs)
+                             advantage_bound=li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
+                             ref_log_probs=li.ref_log_probs)
     expected, actual, bound = recompute_policy_loss(ctx, li)
     names = list(expected)
     n = ctx.n

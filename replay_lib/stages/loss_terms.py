@@ -58,10 +58,10 @@ from typing import Optional
 
 import torch
 
-from ..error_model import sample_exponent_condition
+from ..error_model import kl_condition, sample_exponent_condition
 from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
 from ..kernels import LOSS_CHUNK
-from ..kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
+from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
 from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
 
@@ -121,12 +121,14 @@ class _Tokens:
 
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
                  lengths: torch.Tensor, u_t: float, u_s: float, dtype: torch.dtype = torch.float64,
-                 advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None):
+                 advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                 ref_log_probs: Optional[torch.Tensor] = None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.entropy, self.mask = entropy, mask
-        self.rollout = rollout_log_probs
-        # the terms recorded per sample are the surrogate's and ppo_kl's: the KL term of the loss is not one
-        self.knobs = replace(LossKnobs.of(config), kl_loss_coef=0.0)
+        self.rollout, self.ref = rollout_log_probs, ref_log_probs
+        knobs = LossKnobs.of(config)
+        # the KL term of the loss per token only where its term (kl_loss_sum) can be recomputed
+        self.knobs = knobs if knobs.kl_loss and ref_log_probs is not None else replace(knobs, kl_loss_coef=0.0)
         self.low = 1.0 - float(config.eps_clip)
         self.high = 1.0 + float(config.eps_clip_high)
         self.size = int(mask.numel())
@@ -147,7 +149,7 @@ class _Tokens:
         old = self.old[lo:hi].to(self.dtype)
         t = policy_token_terms(logp, old, self.adv[lo:hi], self.knobs, seg=seg, sample_terms=self.sample_terms,
                                rollout_log_probs=self.rollout[lo:hi] if self.rollout is not None else None,
-                               dtype=self.dtype)
+                               ref_log_probs=self.ref[lo:hi] if self.knobs.kl_loss else None, dtype=self.dtype)
         pg, ppo_kl, ratio = (t[k].to(torch.float64) for k in ("pg", "ppo_kl", "ratio"))
         adv = self.adv[lo:hi].to(self.dtype).to(torch.float64)
         clipped = t["clip"].to(torch.float64)
@@ -182,6 +184,16 @@ class _Tokens:
             if "is_weight" in t:
                 scale = scale * t["is_weight"].to(torch.float64)
             out["pg_bound"] += scale * rho
+        if "kl_loss" in t:  # the KL term: 8·(u_t·cond + cond·e_r), e_r the log-ratio's own error
+            r = t["kl_r"].to(torch.float64)
+            if self.knobs.kl_loss_input_clamp is not None:
+                r = r.clamp(-self.knobs.kl_loss_input_clamp, self.knobs.kl_loss_input_clamp)
+            cond = kl_condition(r, self.knobs.kl_loss_type)
+            e_r = r.abs() * self.u_t
+            if self.u_s:
+                e_r += (logp.to(torch.float64).abs() + self.ref[lo:hi].to(torch.float64).abs()) * self.u_s
+            out["kl_loss"] = t["kl_loss"].to(torch.float64)
+            out["kl_loss_bound"] = cond.mul_(e_r + self.u_t).mul_(TOKEN_SLACK)
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
             out["entropy_bound"] = out["entropy"].abs().mul_(TOKEN_SLACK * self.u_s)
@@ -199,7 +211,7 @@ class _Tokens:
 
 
 # per-sample term → its per-token value in a chunk's dict (the bound is ``<value>_bound``)
-_TERMS = {"pg_sum": "pg", "entropy_sum": "entropy", "kl_sum": "ppo_kl"}
+_TERMS = {"pg_sum": "pg", "entropy_sum": "entropy", "kl_sum": "ppo_kl", "kl_loss_sum": "kl_loss"}
 
 
 def _per_sample(ctx: StageContext, tokens: _Tokens, names: list[str], u_a: float,
@@ -208,6 +220,7 @@ def _per_sample(ctx: StageContext, tokens: _Tokens, names: list[str], u_a: float
     ``accumulate`` (float64; the declared format under ``--exact``); a sum's bound is its per-token bounds
     summed plus ``2·u_a·n_i·Σ|x|·mask``, a count's the boundary tokens (clip) or 0 (mask)."""
     n = len(ctx.lengths)
+    names = [k for k in names if k != "loss_weight"]  # not a sum over tokens: _weight_field
     values = {k: torch.zeros(n, dtype=accumulate) for k in names}
     token_bound = {k: torch.zeros(n, dtype=torch.float64) for k in names}
     magnitude = {k: torch.zeros(n, dtype=torch.float64) for k in names}
@@ -243,7 +256,8 @@ def _expected(ctx: StageContext, key: str, values: list) -> list:
 def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                      advantages: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
                      config: RecomputeConfig, advantage_bound: Optional[torch.Tensor] = None,
-                     rollout_log_probs: Optional[torch.Tensor] = None) -> list[FieldResult]:
+                     rollout_log_probs: Optional[torch.Tensor] = None,
+                     ref_log_probs: Optional[torch.Tensor] = None) -> list[FieldResult]:
     """The loss stage's per-token ``pg_losses`` field (when the bundle has the payload), then its per-sample
     fields (one per term ``expected.json $.loss.policy.per_sample`` records, in ``PER_SAMPLE_TERMS`` order),
     recomputed in float64 from the stage's own inputs; ``[]`` when the bundle records neither. Raises
@@ -262,7 +276,8 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
     tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, lengths=ctx.lengths,
                      u_t=UNIT_ROUNDOFF[compute], u_s=_storage_unit(compute, *stored),
                      dtype=torch.float32 if exact else torch.float64,
-                     advantage_bound=None if exact else advantage_bound, rollout_log_probs=rollout_log_probs)
+                     advantage_bound=None if exact else advantage_bound, rollout_log_probs=rollout_log_probs,
+                     ref_log_probs=ref_log_probs)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []
@@ -270,6 +285,10 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
     if "entropy_sum" in recorded and entropy is None:
         raise StageInputError(f"expected.json $.{STAGE}.{PER_SAMPLE_KEY}.entropy_sum needs the payload 'entropy'",
                               field="entropy_sum")
+    if "kl_loss_sum" in recorded and not tokens.knobs.kl_loss:
+        raise StageInputError(f"expected.json $.{STAGE}.{PER_SAMPLE_KEY}.kl_loss_sum needs a KL term in the loss "
+                              "(use_kl_loss with kl_loss_coef != 0) and the payload 'ref_log_probs'",
+                              field="kl_loss_sum")
     if has_tokens:  # first: a surrogate that is wrong at a token is named at that token
         fields.append(_token_field(ctx, tokens))
     if recorded:
@@ -278,6 +297,8 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
             expected = _expected(ctx, name, raw)
             if name in ("mask_count", "clip_count"):
                 fields.append(_count_field(ctx, name, expected, values[name], bounds[name]))
+            elif name == "loss_weight":
+                fields.append(_weight_field(ctx, expected, mask, LossKnobs.of(config)))
             else:
                 fields.append(ctx.field(STAGE, name, PER_SAMPLE, expected, values[name], bound=bounds[name],
                                         note=_NOTES[name]))
@@ -290,7 +311,18 @@ _NOTES = {
     "kl_sum": "Σ_t (old − logp)·mask per sample",
     "clip_count": "loss tokens where the clipped branch was taken, per sample",
     "mask_count": "loss tokens per sample (Σ_t mask)",
+    "kl_loss_sum": "Σ_t kl(logp, ref)·mask per sample (the KL term of the loss)",
+    "loss_weight": "the weight of each sample's sums in the loss terms (loss_scale·w_i of loss_agg_mode)",
 }
+
+
+def _weight_field(ctx: StageContext, expected: list, mask: torch.Tensor, knobs: LossKnobs) -> FieldResult:
+    """``loss_weight`` per sample against ``loss_scale·w_i`` of the configured mode (``kernels.agg_weights``, with
+    ``n_i`` the sample's loss tokens): one division and one product a producer rounds, ``2·u32·|w|``."""
+    n = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, ctx.seg, mask.to(torch.float64))
+    actual = agg_weights(knobs.loss_agg_mode, n, knobs) * knobs.loss_scale
+    return ctx.field(STAGE, "loss_weight", PER_SAMPLE, expected, actual,
+                     bound=actual.abs() * (2.0 * UNIT_ROUNDOFF["float32"]), note=_NOTES["loss_weight"])
 
 
 def _count_field(ctx: StageContext, name: str, expected: list, actual: torch.Tensor,

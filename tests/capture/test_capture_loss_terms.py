@@ -128,7 +128,7 @@ def test_rollout_bundle_keeps_float64_rewards_and_declares_their_precision(tmp_p
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"loss_terms": {"pg_total": [1.0]}}, "step-7-4 mb-0000: unknown loss term 'pg_total' (expected one of pg_sum, "
-                                          "entropy_sum, kl_sum, clip_count, mask_count)"),
+                                          "entropy_sum, kl_sum, kl_loss_sum, clip_count, mask_count, loss_weight)"),
     ({"loss_terms": {"pg_sum": [1.0, 2.0]}}, "step-7-4 mb-0000: loss term 'pg_sum' has 2 value(s) for 1 sample(s)"),
     ({"loss_terms": {"mask_count": torch.tensor([True])}}, "step-7-4 mb-0000: loss term 'mask_count' must hold "
                                                            "numbers, got torch.bool"),
