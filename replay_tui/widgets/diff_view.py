@@ -61,6 +61,7 @@ class Columns:
     shown: tuple[tuple[str, int], ...]
     hidden: tuple[str, ...] = ()
     at_end: bool = True  # the last column is shown (→ has nothing more to show)
+    scrolled: bool = False  # → scrolled past the first columns
 
     def width_of(self, name: str) -> int:
         return next((w for n, w in self.shown if n == name), 0)
@@ -277,7 +278,7 @@ class DiffView(CursorLines):
         if diff is not None and diff.kind == KIND_TOKEN:
             order.append("mask")
         fixed = {"group": GROUP_W, "noise": RATIO_W, "tol": TOL_W, "mask": MASK_W}
-        if self.col_offset:
+        if self.col_offset and self._fitted(key, room, order, fixed).hidden:  # (wide enough: nothing to scroll)
             skip = order[:min(self.col_offset, len(order) - 1)]
             shown: list[tuple[str, int]] = []
             used = 0
@@ -288,7 +289,12 @@ class DiffView(CursorLines):
                 shown.append((name, w))
                 used += w + 1
             hidden = tuple(n for n in order if n not in dict(shown))
-            return Columns(key, tuple(shown), hidden, at_end=order[-1] not in hidden)
+            return Columns(key, tuple(shown), hidden, at_end=order[-1] not in hidden, scrolled=True)
+        return self._fitted(key, room, order, fixed)
+
+    @staticmethod
+    def _fitted(key: int, room: int, order: list[str], fixed: dict[str, int]) -> "Columns":
+        """The unscrolled layout: the columns by :data:`PRIORITY` while they fit in ``room``, in display order."""
         picked: dict[str, int] = {}
 
         def numbers_fit(extra: dict[str, int], need: int) -> bool:
@@ -331,7 +337,7 @@ class DiffView(CursorLines):
         parts = [("  " + head, None)]
         for name, w in cols.shown:
             parts.append((" " + fit(HEADERS[name], w, "<" if name == "group" else ">"), None))
-        if self.col_offset:
+        if cols.scrolled:
             parts[0] = ("←" + parts[0][0][1:], DIM)  # columns scrolled past on the left
         return strip_of(parts, width, base)
 
@@ -554,11 +560,12 @@ class DiffPanel(Vertical):
             else:
                 info.append(" · no divergence", style="green")
             # before the first layout the width is unknown: the resize that follows fills the count in
-            hidden = view._columns(view.row_width).hidden if view.row_width > 0 else ()
+            cols = view._columns(view.row_width) if view.row_width > 0 else None
+            hidden = cols.hidden if cols is not None and not cols.scrolled else ()
             view_state = [w for w, on in (("by |err|", view.sort), ("divergent only", view.divergent_only),
                                           ("log |err|", view.log_scale),
-                                          (f"→ {len(hidden)} more column(s)", hidden and not view.col_offset),
-                                          ("← scrolled", view.col_offset)) if on]
+                                          (f"→ {len(hidden)} more column(s)", hidden),
+                                          ("← scrolled", cols is not None and cols.scrolled)) if on]
             if view_state:
                 info.append(" · " + ", ".join(view_state), style="bold yellow")
             info.append(f" · {diff.stage} atol={diff.atol:g} rtol={diff.rtol:g}", style="dim")

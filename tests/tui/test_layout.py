@@ -51,8 +51,13 @@ async def test_60x20_zoom_shows_the_whole_row(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=(60, 20)) as pilot:
         await ready(pilot)
+        await pilot.press("right")  # scrolled in the narrow pane …
+        assert header(app)[0] == "←"
         await pilot.press("m")
         assert app.debugger.maximized is app.debugger.query_one(DiffPanel)
+        # … and zoomed: 58 cells, still short of every column, so the group stays scrolled past and tol shows
+        assert header(app) == ["←", "sample", "expected", "actual", "abs", "err", "×noise", "tol"]
+        await pilot.press("left")  # unscrolled: by value, tol is the one left out
         assert header(app) == ["sample", "group", "expected", "actual", "abs", "err", "×noise"]
         await pilot.press("m")
         assert header(app) == ["sample", "actual", "abs", "err"]
@@ -80,3 +85,16 @@ async def test_80x24_shows_every_stage_under_the_samples(make_app):
         await pilot.resize_terminal(80, 24)
         await pilot.pause()
         assert screen.stage_list.parent.parent.id == "left" and screen.stage_list.cursor == 3
+
+
+async def test_a_scroll_is_dropped_where_every_column_fits(make_app):
+    app = make_app("kl-bug")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        assert header(app) == ["offset", "expected", "actual", "abs", "err", "×noise"]  # 47 cells: tol, mask out
+        await pilot.press("right")
+        assert header(app) == ["←", "offset", "actual", "abs", "err", "×noise", "tol", "mask"]
+        await pilot.press("m")  # 77 cells: every column fits, so nothing is scrolled past
+        assert header(app) == ["offset", "expected", "actual", "abs", "err", "×noise", "tol", "mask"]
+        await pilot.press("m")
+        assert header(app)[0] == "←"
