@@ -15,6 +15,7 @@ from .runner import check_topology
 from .schema import ActorStepId, StageCapability
 from .inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
+from .stages.loss import KNOB_TOKEN_PAYLOADS
 from .stages.sample import TOKEN_PAYLOADS
 
 
@@ -98,7 +99,7 @@ def check_token_counts(shard) -> None:
             f"$.samples[{i}].response_length is {lengths[i]} (sample {samples[i].sample_id!r})"
         )
     total = sum(lengths)  # each is a mask's length now: no sum of hostile numbers
-    for name in TOKEN_PAYLOADS:
+    for name in (*TOKEN_PAYLOADS, *KNOB_TOKEN_PAYLOADS):
         if not shard.has_payload(name):
             continue
         rows = int(shard.payload(name).shape[0])

@@ -386,3 +386,13 @@ def test_the_per_sample_kl_term_and_loss_weight_by_hand(tmp_path, cli):
                           policy=dict(policy, per_sample=dict(terms, kl_loss_sum=[math.exp(-1.0), 5.0])))
     first = json.loads(cli("replay", wrong_kl, "--format", "json")[1])["first_divergence"]
     assert (first["field"], first["sample_id"]) == ("kl_loss_sum", "s-1")
+
+
+def test_validate_counts_the_rows_of_the_knobs_per_token_payloads(tmp_path, cli):
+    # the table's step has 5 tokens; a rollout_log_probs of 4 rows lacks s-1's last one
+    path = write_step(tmp_path / "b", config=dict(is_level="token", is_high=2.0), policy={"loss": 0.0},
+                      payloads={"rollout_log_probs": [0.0] * 4})
+    code, out, err = cli("validate", path)
+    assert (code, out) == (3, "") and err.count("\n") == 1, err
+    assert "payloads/rollout_log_probs.pt: 4 row(s), index.json Σ $.samples[*].response_length is 5" in err
+    assert "sample 's-1' ($.samples[1]) has none from its token 2 on" in err

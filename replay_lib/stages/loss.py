@@ -345,6 +345,10 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
                       pass_reason=f"{checked} over {n} sample(s) compared")
 
 
+# The per-token payloads of the loss-side knobs (SPEC §4.2): validate checks their rows like the V1 ones.
+KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns")
+
+
 def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     """``(knob, payload)`` for each payload the configured loss-side knobs need (effective values)."""
     knobs = LossKnobs.of(cfg)
