@@ -20,7 +20,7 @@ from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, p
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
-from .base import StageContext, StageDef, StageInputError, not_recomputed_yet
+from .base import StageContext, StageDef, StageInputError
 from .loss_terms import loss_term_fields, recorded_terms
 
 
@@ -398,13 +398,9 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     ):
         if getattr(cfg, knob):
             out.append((knob, why))
-    # (normalize_advantages is advantage.estimate's: this stage consumes the advantages as recorded, or under
-    # --chain as advantage.estimate recomputed them)
-    return out + not_recomputed_yet(cfg, LOSS_KNOBS)
-
-
-# SPEC §4.2's loss-side knobs this stage does not recompute yet (every one of them is now recomputed).
-LOSS_KNOBS: tuple[str, ...] = ()
+    # Every loss-side knob of SPEC §4.2 is recomputed. (normalize_advantages is advantage.estimate's: this stage
+    # consumes the advantages as recorded, or under --chain as advantage.estimate recomputed them.)
+    return out
 
 
 LOSS_POLICY = StageDef(
