@@ -396,3 +396,29 @@ def test_validate_counts_the_rows_of_the_knobs_per_token_payloads(tmp_path, cli)
     assert (code, out) == (3, "") and err.count("\n") == 1, err
     assert "payloads/rollout_log_probs.pt: 4 row(s), index.json Σ $.samples[*].response_length is 5" in err
     assert "sample 's-1' ($.samples[1]) has none from its token 2 on" in err
+
+
+# The table's per-sample terms, as a producer records them: Σ_t x·mask per sample, whatever the mode.
+TABLE_TERMS = {"pg_sum": [-2.28, 2.5], "kl_sum": [-LN2, -LN4], "clip_count": [1.0, 0.0], "mask_count": [2.0, 2.0]}
+MODE_PG_LOSS = {"sum_of_sample_means": 0.22, "seq_mean_token_mean": 0.055, "token_mean": 0.044,
+                "seq_mean_token_sum": 0.11, "seq_mean_token_sum_norm": 0.01375}  # as test_each_aggregation_mode
+
+
+@pytest.mark.parametrize("mode", list(MODE_PG_LOSS))
+def test_the_recorded_scalars_are_checked_against_the_recorded_terms_under_every_mode(tmp_path, cli, mode):
+    config = dict(loss_agg_mode=mode, **COUNTS)
+    policy = f32_fields(**config)
+    good = write_step(tmp_path / "good", config=config, policy=dict(policy, per_sample=TABLE_TERMS), payloads={})
+    code, out, err = cli("replay", good, "--format", "json")
+    assert (code, err) == (0, ""), out
+    # a producer that aggregated with another mode's weights: 0.22 for seq_mean_token_sum_norm's 0.01375, …
+    other = "seq_mean_token_sum_norm" if mode == "sum_of_sample_means" else "sum_of_sample_means"
+    wrong = dict(policy, pg_loss=MODE_PG_LOSS[other], loss=MODE_PG_LOSS[other], per_sample=TABLE_TERMS)
+    bad = write_step(tmp_path / "bad", config=config, policy=wrong, payloads={})
+    report = json.loads(cli("replay", bad, "--format", "json")[1])
+    loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
+    fields = [d["field"] for d in loss["divergences"]]
+    # the per-sample terms pass; the aggregate rows fail before the recompute's
+    assert fields == ["loss_from_terms", "pg_loss_from_terms", "loss", "pg_loss"], fields
+    assert "loss aggregation mismatch" in loss["reason"] and mode in loss["reason"]
+    assert loss["divergences"][1]["actual"] == pytest.approx(MODE_PG_LOSS[mode], rel=1e-12)
