@@ -422,3 +422,18 @@ def test_the_recorded_scalars_are_checked_against_the_recorded_terms_under_every
     assert fields == ["loss_from_terms", "pg_loss_from_terms", "loss", "pg_loss"], fields
     assert "loss aggregation mismatch" in loss["reason"] and mode in loss["reason"]
     assert loss["divergences"][1]["actual"] == pytest.approx(MODE_PG_LOSS[mode], rel=1e-12)
+
+
+def test_a_binding_kl_clamp_is_a_hazard_not_a_failure(tmp_path, cli):
+    # s-1's token 1 has r = logp − ref = 30: the ±20 input clamp and the ±10 output clamp bind there (only there)
+    ref = [LN2 - 1.0, 0.0, 0.0, LN4 - 30.0, 0.0]
+    config = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_input_clamp=20.0,
+                  kl_loss_output_clamp=10.0)
+    path = write_step(tmp_path / "b", config=config, policy=f32_fields(ref=ref, **config),
+                      payloads={"ref_log_probs": ref})
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    assert (code, err) == (0, ""), out
+    assert [(h["stage"], h["kind"], h["sample_id"]) for h in report["hazards"]] == [
+        ("loss.policy", "clamp_hit", "s-1")]
+    assert report["hazards"][0]["message"].startswith("s-1: 1 loss token(s) at a log-ratio or KL clamp")
