@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from replay_lib.cli import (_Parser, _print_error, add_replay_arguments, add_version_argument,
                             print_internal_error, run_check)
+from replay_lib.demo_catalog import demo_list
 from replay_lib.errors import ReplayError
 from replay_lib.run.command import add_scan_arguments, main_check
 
@@ -45,9 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE")
     p.add_argument("--demo", nargs="?", const="pr65-buggy", default=None, metavar="NAME",
-                   help="open an embedded demo bundle: pr65-buggy (the default), pr65-fixed, step-loss, cohort-2rank, "
-                        "or support-fullvocab (log-probs scored over the full vocabulary instead of the "
-                        "sampler support)")
+                   help="open an embedded demo bundle: " + demo_list())
     p.add_argument("--check", action="store_true", help="run headless and exit with the replay's exit code")
     p.add_argument("--forensic", action="store_true",
                    help="open an incomplete cohort (no final COMPLETE) read-only with the ranks that published, "

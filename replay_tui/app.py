@@ -14,6 +14,7 @@ from typing import ClassVar, Optional, Sequence
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.command import CommandPalette
 
 from replay_lib.bundle import open_bundle
 from replay_lib.cli import error_line as cli_error_line
@@ -26,7 +27,7 @@ from replay_lib.runner import replay_run
 from replay_lib.schema import ActorStepId, StageId
 from replay_lib.selection import Selection
 
-from .commands import ReplayCommands
+from .commands import ReplayCommands, ReplayPalette
 from .messages import ReplayFailed, ReplayFinished, ReplayProgress
 from .model import ReplayModel, build_model
 from .screens.error import ErrorScreen
@@ -235,6 +236,10 @@ class ReplayApp(App[int]):
             code = self.model.report.exit_code
             return EXIT_INVALID if self.forensic and code == EXIT_PASS else code
         return EXIT_NO_VERDICT
+
+    def action_command_palette(self) -> None:
+        if self.use_command_palette and not CommandPalette.is_open(self):
+            self.push_screen(ReplayPalette(id="--command-palette"))
 
     async def action_quit(self) -> None:
         self.exit(return_code=self.exit_code)

@@ -83,9 +83,13 @@ def test_a_fifo_index_is_listed_as_unreadable_never_read(capture):
     proc = _run("trajectory-replay", "validate", str(capture), "--step", "7:1")
     _assert_one_line(proc, 3, f"trajectory-replay: error: {capture}: no bundle matches --step 7:1; "
                               f"candidates: a (step 7:0); {FIFO_B}")
+    # a directory of bundles is a scan: the FIFO bundle is an invalid row, never read, and the scan ends
     proc = _run("replay-tui", str(capture), "--check")
-    _assert_one_line(proc, 3, f"replay-tui: error: {capture}: ambiguous capture directory with 2 bundles "
-                              f"(pass --step R:S or --rollout R); candidates: a (step 7:0); {FIFO_B}")
+    assert (proc.returncode, proc.stderr) == (3, ""), proc.stderr
+    assert proc.stdout == (
+        "[       pass] step 7:0       a\n"
+        f"[    invalid] ?              b — {capture}/b/index.json: index.json is not a regular file (a FIFO)\n"
+        "2 bundle(s) scanned: 1 pass, 1 invalid\nfirst bad step: none\n")
 
 
 def test_an_index_linked_to_dev_zero_is_never_read(capture):

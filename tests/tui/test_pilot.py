@@ -351,6 +351,11 @@ async def test_help_opens_and_every_close_key_closes_it(make_app):
             await pilot.press(opener)
             assert isinstance(app.screen, HelpScreen)
             text = screen_text(app)
+            assert "Legend" in text  # first; the keys below it, reached by scrolling
+            box = app.screen.query_one("#help-box")
+            box.scroll_to_widget(app.screen.query_one("#help-text"), top=True, animate=False)
+            await pilot.pause()
+            text = screen_text(app)
             assert "Everywhere" in text and "Next divergence of the viewed field" in text
             await pilot.press(closer)
             assert not isinstance(app.screen, HelpScreen), (opener, closer)
