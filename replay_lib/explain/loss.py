@@ -31,7 +31,7 @@ import torch
 from ..fields import PER_SCALAR, FieldResult
 from ..kernels import sorted_segment_sums, token_chunks
 from ..stages import StageContext, StageInputError
-from ..stages.loss import LossInputs, loss_inputs
+from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
 from .base import Hypothesis, fmt_number
 
 STAGE = "loss.policy"
@@ -265,7 +265,9 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
             if by_label is None:
                 continue
             actual = f.actual
-            values[f.name] = torch.tensor([by_label.get(label, float(actual[i])) for i, label in enumerate(f.labels)],
+            # the aggregate check's rows are the fields they check, suffixed (pg_loss_from_terms)
+            keys = [label.removesuffix(AGGREGATE_SUFFIX) for label in f.labels]
+            values[f.name] = torch.tensor([by_label.get(key, float(actual[i])) for i, key in enumerate(keys)],
                                           dtype=torch.float64)
         if per_sample is not None:
             for term, row in TERMS.items():
