@@ -10,7 +10,9 @@ import signal
 import threading
 
 import pytest
-import ray
+
+# collected by every run; it runs where the extra is installed (.ci/run installs it, then selects -m ray)
+ray = pytest.importorskip("ray", reason="needs the optional extra [ray]")
 
 from test_link import _pair
 from test_scan import _slow, _step, _wait_for_holder
