@@ -108,16 +108,64 @@ def divergence_positions(ctx: StageContext, f: FieldResult, divergences) -> list
     return out
 
 
+def _matches(h: Hypothesis, f: FieldResult, w, lo: int, hi: int, atol: float, rtol: float, compared: torch.Tensor):
+    """``(ok, diff, tol)`` of hypothesis ``h`` on rows ``[lo, hi)`` of ``f`` (window ``w``): which compared
+    elements its values reproduce within their tolerance."""
+    value = _read(h.values[f.name], lo, hi)
+    tol = w.tolerance
+    if f.name in h.bounds:
+        own = _read(h.bounds[f.name], lo, hi) + w.expected.abs() * rtol + atol
+        tol = torch.maximum(tol, own)
+    diff = (value - w.expected).abs()
+    return compared & torch.isfinite(value) & torch.isfinite(w.expected) & (diff <= tol), diff, tol
+
+
+# A divergent element's run is merged with the next one across a gap of fewer rows than this; above this many
+# runs (or divergent rows) the pre-pass is skipped: it would cost what the full pass does.
+_RUN_GAP = 64
+_MAX_RUNS = 512
+
+
+def _bad_runs(f: FieldResult, blocks: list[tuple[int, int]]) -> Optional[list[tuple[int, int]]]:
+    """The row ranges, within ``blocks``, that hold ``f``'s divergent elements (merged across small gaps), or
+    ``None`` when there are too many for a pre-pass to be cheap."""
+    bad = f.bad
+    runs: list[tuple[int, int]] = []
+    total = 0
+    for lo, hi in blocks:
+        idx = torch.nonzero(bad[lo:hi]).reshape(-1)
+        total += idx.numel()
+        if total > ROW_BUDGET // 4:
+            return None
+        for i in (idx + lo).tolist():
+            if runs and i - runs[-1][1] < _RUN_GAP:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+            if len(runs) > _MAX_RUNS:
+                return None
+    return runs
+
+
 def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence[Hypothesis],
           divergences=()) -> list[Score]:
-    """Each hypothesis's :class:`Score` over ``fields``, every field read once per row block."""
+    """Each hypothesis's :class:`Score` over ``fields``, every field read once per row block.
+
+    A pre-pass judges every hypothesis on the divergent elements only (a few rows, usually): one that cannot
+    reproduce most of them is never :func:`reported`, whatever the other rows say, so the full pass skips it
+    (its score keeps the divergent counts and no matches). The pre-pass reads the same elements the full pass
+    would (the divergent ones of the same row blocks) and judges them the same way: the result is unchanged."""
     scores = [Score() for _ in hypotheses]
     policy = ctx.reader.manifest.comparison_policy
+    plan = []
     for f in fields:
         if f.length_mismatch is not None:
             continue
         atol, rtol = bundle_tolerance(policy, f.stage, f.name, ctx.rules.tolerance_policy)
         blocks = rows(f, divergence_positions(ctx, f, divergences))
+        plan.append((f, atol, rtol, blocks))
+    alive = _pre_pass(plan, hypotheses)
+    for f, atol, rtol, blocks in plan:
         if sum(hi - lo for lo, hi in blocks) < f.size:
             for s in scores:
                 s.sampled = True
@@ -127,23 +175,41 @@ def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence
             bad = w.bad
             passed = compared & ~bad
             n_compared, n_bad = int(compared.sum()), int(bad.sum())
-            for s, h in zip(scores, hypotheses):
+            for s, h, live in zip(scores, hypotheses, alive):
                 s.of += n_compared
                 s.bad += n_bad
+                if not live:
+                    continue
                 if f.name not in h.values:
                     s.matched += int(passed.sum())
                     continue
-                value = _read(h.values[f.name], lo, hi)
-                tol = w.tolerance
-                if f.name in h.bounds:
-                    own = _read(h.bounds[f.name], lo, hi) + w.expected.abs() * rtol + atol
-                    tol = torch.maximum(tol, own)
-                diff = (value - w.expected).abs()
-                ok = compared & torch.isfinite(value) & torch.isfinite(w.expected) & (diff <= tol)
+                ok, diff, tol = _matches(h, f, w, lo, hi, atol, rtol, compared)
                 s.matched += int(ok.sum())
                 s.misfit += float((diff[ok] / tol[ok].clamp(min=1e-300)).sum())
                 s.bad_matched += int((ok & bad).sum())
     return scores
+
+
+def _pre_pass(plan, hypotheses: Sequence[Hypothesis]) -> list[bool]:
+    """Per hypothesis: whether it reproduces at least :data:`MOST` of the divergent elements of ``plan``'s row
+    blocks (all ``True`` when the divergent rows are too many for a cheap pre-pass)."""
+    bad_total = 0
+    matched = [0] * len(hypotheses)
+    for f, atol, rtol, blocks in plan:
+        runs = _bad_runs(f, blocks)
+        if runs is None:
+            return [True] * len(hypotheses)
+        for lo, hi in runs:
+            w = f.window(lo, hi)
+            compared = w.compared if w.compared is not None else torch.ones_like(w.bad)
+            bad = w.bad
+            bad_total += int(bad.sum())
+            for k, h in enumerate(hypotheses):
+                if f.name in h.values:
+                    ok, _, _ = _matches(h, f, w, lo, hi, atol, rtol, compared)
+                    matched[k] += int((ok & bad).sum())
+    need = math.ceil(MOST * bad_total)
+    return [bad_total == 0 or m >= need for m in matched]
 
 
 def reported(s: Score) -> bool:
