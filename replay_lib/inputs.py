@@ -20,7 +20,9 @@ from typing import Optional
 
 import torch
 
-from .kernels import KL_CLAMP, STD_EPS, compute_approx_kl, policy_loss_terms
+from .kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
+from .kernels.reward import group_rule, post_process
+from .loss_knobs import LossKnobs
 from .report import fmt_value
 from .selection import group_label
 from .stages.base import StageContext, StageInputError
@@ -132,33 +134,51 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
 
 
 def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
-    """A reward's group: raw rewards, mean, unbiased std, eps, the normalization formula with its value (the
-    kernel's ``group_normalize`` in float64), and each member's micro-batch and consumer batch."""
+    """A reward's group: raw rewards, mean, std, eps, the normalization formula of the configured rule (baseline,
+    std bias, eps, zero-std and singleton rules: ``kernels.group_rule``) with its value (the stage's kernel
+    ``post_process`` on the group, in float64), and each member's micro-batch and consumer batch."""
     record = ctx.samples[index]
     g = record.group_index
     members = [j for j, gi in enumerate(ctx.group_indices) if gi == g] if g is not None else [index]
     raw = [ctx.samples[j].raw_reward for j in members]
     batches = consumer_batch_labels(ctx)
     people = tuple((ctx.sample_ids[j], ctx.samples[j].micro_batch_id or NOT_RECORDED, batches[j]) for j in members)
-    std_on = bool(ctx.config.grpo_std_normalization)
     if g is None or any(r is None for r in raw):
         why = "no group_index" if g is None else "a member has no raw reward"
         return ElementInputs(field=field, sample_id=record.sample_id, offset=None, formula=f"not normalized: {why}",
                              items=(("raw", fmt(record.raw_reward)),), members=people)
     r = torch.tensor(raw, dtype=torch.float64)
+    rule = group_rule(ctx.config)
+    me = members.index(index)
+    # the value is the stage's own kernel on this group (the configured baseline, std, eps and rules)
+    value = float(post_process(r, torch.zeros(r.numel(), dtype=torch.int64), rule, dtype=torch.float64)[me])
     mean = float(r.mean())
-    std = float(r.std(unbiased=True)) if r.numel() > 1 else float("nan")
+    std = float(r.std(unbiased=rule.unbiased)) if r.numel() > 1 else float("nan")
     mine = float(record.raw_reward)
-    if std_on:
-        value = (mine - mean) / (std + STD_EPS)
-        formula = f"(r − mean) / (std + eps) = ({fmt(mine)} − {fmt(mean)}) / ({fmt(std)} + {STD_EPS:g}) = {fmt(value)}"
+    std_on = rule.std
+    if not rule.center:
+        formula = f"{ctx.config.advantage_estimator}: the score passes through unchanged = {fmt(value)}"
     else:
-        value = mine - mean
-        formula = f"r − mean = {fmt(mine)} − {fmt(mean)} = {fmt(value)} (std normalization off)"
+        loo = rule.baseline == "leave_one_out"
+        b = "b" if loo else "mean"
+        base = ((float(r.sum()) - mine) / (r.numel() - 1) if r.numel() > 1 else float("nan")) if loo else mean
+        if std_on:
+            formula = f"(r − {b}) / (std + eps) = ({fmt(mine)} − {fmt(base)}) / ({fmt(std)} + {rule.eps:g}) = {fmt(value)}"
+            notes = ([] if rule.unbiased else ["biased std"]) + (["divided only where std > 0"]
+                                                                if rule.std_zero == "skip" else [])
+            formula += f" ({', '.join(notes)})" if notes else ""
+        else:
+            formula = f"r − {b} = {fmt(mine)} − {fmt(base)} = {fmt(value)} (std normalization off)"
+        if loo:
+            formula += "; b = the mean of the group's other rewards (leave-one-out)"
+        if r.numel() == 1 and rule.singleton is not None:
+            formula += f"; a one-sample group: singleton_group={rule.singleton}"
+    if ctx.config.kl_in_reward is not None:
+        formula += f"; the score is the raw reward minus KL (kl_in_reward={ctx.config.kl_in_reward})"
     if field == "raw_reward":
         formula = f"raw reward {fmt(mine)} as recorded; normalized: " + formula
     items = (("group", group_label(g)), ("raw", "[" + ", ".join(fmt(x) for x in raw) + "]"), ("mean", fmt(mean)),
-             ("std", fmt(std)), ("eps", f"{STD_EPS:g}"), ("std-norm", "on" if std_on else "off"))
+             ("std", fmt(std)), ("eps", f"{rule.eps:g}"), ("std-norm", "on" if std_on else "off"))
     return ElementInputs(field=field, sample_id=record.sample_id, offset=None, formula=formula, items=items,
                          members=people)
 
@@ -250,7 +270,29 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     sid = ctx.sample_ids[index]
     note = f"adds pg·mask = {fmt(term)} to {sid}'s pg_sum, {fmt(share)} to its pg_loss term (÷ {fmt_count(n_mask)} " \
            f"mask tokens)"
+    beyond = _loss_knobs_beyond_v1(ctx)
+    if beyond:
+        note = f"the plain clipped surrogate; this step also applies {beyond} (the stage's values include them)"
     return ElementInputs(field=field, sample_id=sid, offset=offset, formula=formula, items=items, note=note)
+
+
+def _loss_knobs_beyond_v1(ctx: StageContext) -> str:
+    """The loss knobs the token breakdown above does not spell out, as ``dual-clip c=3, token_mean``; "" if none."""
+    k = LossKnobs.of(ctx.config)
+    parts = []
+    if k.eps_clip_c is not None:
+        parts.append(f"dual-clip c={k.eps_clip_c:g}")
+    if k.log_ratio_clamp is not None:
+        parts.append(f"log-ratio clamp ±{k.log_ratio_clamp:g}")
+    if k.importance_level != "token":
+        parts.append(f"{k.importance_level}-level ratio")
+    if k.is_level is not None:
+        parts.append(f"{k.is_level} IS weights ({k.is_mode})")
+    if k.kl_loss_coef:
+        parts.append(f"{k.kl_loss_type} KL loss ×{k.kl_loss_coef:g}")
+    if k.loss_agg_mode != "sum_of_sample_means":
+        parts.append(f"{k.loss_agg_mode} aggregation")
+    return ", ".join(parts)
 
 
 def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:

@@ -253,3 +253,40 @@ async def test_a_per_sample_loss_divergence_opens_its_sample_s_row(tmp_path):
         expected, actual, err, bad = screen.diff_view.diff.row(screen.diff_view.data_row)
         assert bad and actual == pytest.approx(4 * RATIO, rel=1e-12) and err == pytest.approx(BUMP, abs=1e-6)
         assert why_lines(app)[1] == f"tokens 4  mask 4  clipped 0  pg_sum {fmt_value(4 * RATIO)}  kl_sum -2.0"
+
+
+def test_reward_inputs_follow_the_configured_rule(tmp_path, bundle_tools):
+    """The why strip shows the formula the bundle's config chose, not V1's. PR #65 groups g-0 = raw [1, 3],
+    g-1 = [10, 12] with std on: unbiased std √2 = 1.41421356, biased std 1.
+
+    - leave-one-out (NeMo-RL), std on, eps 1e-6: s-0's baseline is the other reward, 3; its LOO std is taken
+      by the kernel (the value printed is the stage's own); the formula names b and the rule.
+    - TRL's eps 1e-4 with a biased std: s-3 = (12 − 11) / (1 + 1e-4) = 0.99990001, shown at float32's
+      shortest digits (0.9999, as every value of the strip)."""
+    from replay_lib.demo import write_pr65
+
+    b = write_pr65(tmp_path / "trl")
+    bundle_tools.edit_json(b, "index.json", lambda d: d["config"].update(
+        grpo_std_normalization=True, grpo_std_eps=1e-4, grpo_std_unbiased=False))
+    ctx = StageContext(reader=open_bundle(b).shards[0], indices=list(range(4)), partial=False)
+    got = element_inputs(ctx, "reward", 3)
+    assert got.formula == "(r − mean) / (std + eps) = (12.0 − 11.0) / (1.0 + 0.0001) = 0.9999 (biased std)"
+    assert dict(got.items)["eps"] == "0.0001"
+
+    b = write_pr65(tmp_path / "loo")
+    bundle_tools.edit_json(b, "index.json", lambda d: d["config"].update(group_baseline="leave_one_out"))
+    ctx = StageContext(reader=open_bundle(b).shards[0], indices=list(range(4)), partial=False)
+    # std off: s-0 = 1 − 3 = −2, s-3 = 12 − 10 = 2
+    assert element_inputs(ctx, "reward", 0).formula == (
+        "r − b = 1.0 − 3.0 = -2.0 (std normalization off); b = the mean of the group's other rewards "
+        "(leave-one-out)")
+    assert element_inputs(ctx, "reward", 3).formula.startswith("r − b = 12.0 − 10.0 = 2.0")
+
+
+def test_loss_token_inputs_say_which_knobs_they_leave_out(tmp_path, bundle_tools):
+    b = write_step_loss(tmp_path / "s")
+    bundle_tools.edit_json(b, "index.json", lambda d: d["config"].update(eps_clip_c=3.0))
+    ctx = StageContext(reader=open_bundle(b).shards[0], indices=list(range(4)), partial=False)
+    got = element_inputs(ctx, "pg_losses", 0, 0)
+    assert got.note == "the plain clipped surrogate; this step also applies dual-clip c=3 (the stage's values " \
+                       "include them)"
