@@ -59,7 +59,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("raw_reward", "reward.raw", KIND_SAMPLE, "raw reward per sample"),
     FieldSpec("reward", "reward.post_process", KIND_SAMPLE, "normalized reward per sample"),
     FieldSpec("kl", "advantage.kl", KIND_TOKEN, "rollout-vs-reference KL per token"),
-    FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "GRPO advantage per token"),
+    FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "advantage per token"),
+    FieldSpec("returns", "advantage.estimate", KIND_TOKEN, "returns per token (GAE: advantages + values)"),
     # logprob.support: one field per recorded log-prob payload the stage compares (log_probs first)
     FieldSpec("support_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded log_probs vs logp_S over the support"),
     FieldSpec("support_old_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded old_log_probs vs logp_S over the support"),
@@ -410,6 +411,8 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
                 out.unavailable[name] = f"the bundle records no {name}"
         if "pg_sum" not in recorded:
             out.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
+    if "advantage.estimate" in out.ran and not shard.has_payload("returns"):
+        out.unavailable["returns"] = "the bundle records no returns (GAE's)"  # known without computing
     for name in fields:
         out.ensure(name)
     return out
