@@ -786,11 +786,11 @@ class ReplayModel:
         bad = torch.cat([sh.bad["loss"] for sh in parts])
         tol = torch.cat([sh.results["loss"].tolerance for sh in parts])
         atol, rtol = parts[0].tolerances["loss"]
-        # pg_clipfrac 2.0 on two samples is no bug: say what the numbers are
+        # pg_clipfrac 2.0 on two samples is no bug: say what the numbers are (the stage's own words: its mode)
         n = sum(len(sh.ctx.samples) for sh in parts)
-        note = f"each a sum over {n} sample{'s' if n != 1 else ''} of per-sample means"
+        note = parts[0].results["loss"].note or ""
         if len(parts) > 1:
-            note = f"each a sum over one rank's samples of per-sample means ({n} in all)"
+            note = f"per rank: {note} ({n} samples in all)"
         return FieldDiff(field="loss", stage=spec.stage, kind=KIND_COHORT, expected=e, actual=a,
                          abs_error=err, bad=bad, labels=labels, atol=atol, rtol=rtol, note=note, tolerance=tol)
 

@@ -56,3 +56,17 @@ async def test_a_cohort_identity_lists_every_rank_s_batches(make_app):
         assert rows["partitions"] == "rp-0"
         assert rows["consumer"] == "cb-0, cb-1"
         assert rows["micro-batch"] == "mb-0000, mb-0001"
+
+
+def test_the_loss_table_says_how_its_mode_aggregates(tmp_path):
+    """verl-dapo records a token mean: the loss table must not call its values sums of per-sample means."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.demo import write_demos
+    from replay_lib.runner import replay_run
+    from replay_tui.model import build_model
+
+    path = write_demos(tmp_path)["verl-dapo"]
+    bundles = open_bundle(path)
+    report, contexts = replay_run(bundles)
+    note = build_model(bundles, report, contexts=contexts).field_diff("loss", None).note
+    assert note.startswith("loss terms aggregated token_mean (× ") and "per-sample means" not in note
