@@ -24,6 +24,7 @@ from textual.widgets import Static
 
 from replay_lib.crash import internal_error_line
 from replay_lib.errors import EXIT_INTERNAL, ReplayError
+from replay_lib.run.command import kind_anchor
 from replay_lib.safe_text import safe
 
 from ..app import EXIT_NO_VERDICT, PROG, ReplayApp, error_line
@@ -260,7 +261,7 @@ class RunScreen(Screen, inherit_bindings=False):
         row = self.data.rows.get(target.path)
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(safe(target.relpath), style="bold")
-        text.append(f" · {target.kind} {target.anchor}")
+        text.append(f" · {kind_anchor(target)}")  # "step 7:0", "rollout 3" (not "rollout rollout 3")
         if row is not None and row.bundle_id and row.bundle_id != target.relpath:
             text.append(f" · {safe(row.bundle_id)}")
         if row is not None and row.status != "pass" and row.message:
