@@ -53,7 +53,13 @@ SHOTS = [
     ("support-row", "support-fullvocab", (120, 40), ("n",),
      "replay-tui --demo support-fullvocab: log-probs scored over the full vocabulary; under the diff, the "
      "support row of the token under the cursor (members by logit, the sampled one highlighted)"),
-    ("help", "pr65-buggy", (120, 40), ("question_mark",), "? / F1: every key by pane"),
+    ("verl-dapo", "verl-dapo", (120, 40), (),
+     "replay-tui --demo verl-dapo: a token-mean + dual-clip + clip-higher step whose denominator is wrong: the "
+     "recorded scalars disagree with the recorded per-sample terms aggregated over the all-reduced token count"),
+    ("nemo-loo", "nemo-loo", (120, 40), (),
+     "replay-tui --demo nemo-loo: leave-one-out baseline; a zero-std group (a hazard, never failed) beside a real "
+     "divergence"),
+    ("help", "pr65-buggy", (120, 40), ("question_mark",), "? / F1: the legend, then every key by pane"),
     ("palette", "pr65-buggy", (120, 40), ("ctrl+p", *"diverg"),
      "ctrl+p: the command palette lists the same actions as the key bindings"),
     ("error-invalid-bundle", "broken", (120, 40), (),
