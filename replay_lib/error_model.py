@@ -517,21 +517,22 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
 
     loss_mode, metric_mode = agg_divisors(knobs.loss_agg_mode, n, knobs), agg_divisors(knobs.metric_agg_mode, n, knobs)
 
-    def term(signed: str, magnitude: Optional[str], tok, seq: Optional[str], metric: bool):
-        inner, outer = metric_mode if metric else loss_mode
+    def term(signed: str, magnitude: Optional[str], tok, seq: Optional[str], metric: bool,
+             mode: Optional[str] = None):
+        inner, outer = metric_mode if metric else agg_divisors(mode, n, knobs) if mode else loss_mode
         return aggregated_condition(sums[signed], sums[magnitude] if magnitude else None, tok,
                                     sums[seq] if seq else None, inner, outer, 1.0 if metric else knobs.loss_scale)
 
     terms = {
         "pg_loss": term("pg", "abs_pg", PG_COND * sums["abs_pg"] + PG_KL_COND * sums["kl_pg"], "pg32", False),
-        "entropy_loss": term("ent", "abs_ent", None, "ent32", False),
+        "entropy_loss": term("ent", "abs_ent", None, "ent32", False, knobs.entropy_mode),
         "pg_clipfrac": term("clip", None, None, None, True),
         "ppo_kl": term("kl", "abs_kl", sums["abs_kl"], "kl32", True),
     }
     if "clip_lower" in sums:
         terms["pg_clipfrac_lower"] = term("clip_lower", None, None, None, True)
     if "kl_loss" in sums:
-        terms["kl_loss"] = term("kl_loss", "abs_kl_loss", sums["kl_loss_tok"], "kl_loss32", False)
+        terms["kl_loss"] = term("kl_loss", "abs_kl_loss", sums["kl_loss_tok"], "kl_loss32", False, knobs.kl_mode)
     c = abs(entropy_coef)
     c32 = float(torch.tensor(entropy_coef, dtype=torch.float32))
     pg, ent = terms["pg_loss"], terms["entropy_loss"]

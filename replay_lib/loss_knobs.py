@@ -49,6 +49,8 @@ class LossKnobs:
     is_log_clamp: Optional[float] = None
     loss_agg_mode: str = SUM_OF_SAMPLE_MEANS
     metric_agg_mode: str = SUM_OF_SAMPLE_MEANS
+    kl_loss_agg_mode: Optional[str] = None  # None: loss_agg_mode (see kl_mode)
+    entropy_agg_mode: Optional[str] = None  # None: loss_agg_mode (see entropy_mode)
     loss_token_count: Optional[int] = None
     loss_seq_count: Optional[int] = None
     loss_horizon: Optional[int] = None
@@ -70,8 +72,20 @@ class LossKnobs:
                    is_level=is_level, is_mode=is_mode, is_low=is_low, is_high=is_high,
                    is_log_clamp=cfg.is_log_clamp, loss_agg_mode=cfg.loss_agg_mode,
                    metric_agg_mode=cfg.metric_agg_mode or cfg.loss_agg_mode,
+                   kl_loss_agg_mode=getattr(cfg, "kl_loss_agg_mode", None),
+                   entropy_agg_mode=getattr(cfg, "entropy_agg_mode", None),
                    loss_token_count=cfg.loss_token_count, loss_seq_count=cfg.loss_seq_count,
                    loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip)
+
+    @property
+    def kl_mode(self) -> str:
+        """The aggregation of the KL term of the loss (``kl_loss_agg_mode``, else ``loss_agg_mode``)."""
+        return self.kl_loss_agg_mode or self.loss_agg_mode
+
+    @property
+    def entropy_mode(self) -> str:
+        """The aggregation of the entropy term (``entropy_agg_mode``, else ``loss_agg_mode``)."""
+        return self.entropy_agg_mode or self.loss_agg_mode
 
     @property
     def kl_loss(self) -> bool:
@@ -105,6 +119,10 @@ def check_knobs(knobs: LossKnobs) -> list[str]:
                                  ("is_mode", knobs.is_mode, IS_MODES), ("kl_loss_type", knobs.kl_loss_type, KL_TYPES)):
         if value not in allowed:
             errors.append(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
+    for name in ("kl_loss_agg_mode", "entropy_agg_mode"):
+        value = getattr(knobs, name)
+        if value is not None and value not in AGG_MODES:
+            errors.append(f"{name}: expected null or one of {', '.join(AGG_MODES)}, got {value!r}")
     if knobs.is_level is not None and knobs.is_level not in IS_LEVELS:
         errors.append(f"is_level: expected null or one of {', '.join(IS_LEVELS)}, got {knobs.is_level!r}")
     if knobs.eps_clip_c is not None and not (math.isfinite(knobs.eps_clip_c) and knobs.eps_clip_c > 1.0):

@@ -169,6 +169,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # seq_mean_token_sum_norm; the recorded all-reduced counts T, N, L and the producer's multiplier.
     loss_agg_mode: str = "sum_of_sample_means"
     metric_agg_mode: Optional[str] = None  # None = loss_agg_mode
+    # The KL-loss and entropy terms' own modes (SkyRL averages them per sequence / per token, its policy term
+    # per mini-batch token): None = loss_agg_mode.
+    kl_loss_agg_mode: Optional[str] = None
+    entropy_agg_mode: Optional[str] = None
     loss_token_count: Optional[Count] = None
     loss_seq_count: Optional[Count] = None
     loss_horizon: Optional[Count] = None

@@ -210,15 +210,14 @@ def test_slime_refuses_by_name(args, key, why):
     assert str(err.value).startswith(f"slime config: {key}=") and why in str(err.value)
 
 
-def test_skyrl_default_refuses_on_its_kl_term_and_maps_without_it():
+def test_skyrl_default_maps_its_kl_term_and_maps_without_it():
     """SkyRL's default has the KL term on (use_kl_loss true, 0.001, config.py:833,836), averaged per sequence and
-    per micro-batch (worker.py:1077,1089) unlike the policy term: refused by name. Without it: GRPO, n=5
+    per micro-batch (worker.py:1077,1089) unlike the policy term: kl_loss_agg_mode seq_mean_token_mean (the
+    knob itself: tests/test_skyrl_terms.py). Without it: GRPO, n=5
     (config.py:1225), token_mean (config.py:876), clip 0.2/0.2 (config.py:906-908), the log-ratio clamp ±20
     (ppo_utils.py:567), a group of one gets mean 0 / std 1 (ppo_utils.py:1378-1380); dual_clip uses c = 3
     (config.py:910); token TIS caps exp(clamp(Δ, ±20)) at 2 (config.py:797; off_policy_correction_utils.py:51,60)."""
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({})
-    assert str(err.value).startswith("skyrl config: trainer.algorithm.use_kl_loss=True: kl_loss_coef=0.001:")
+    assert from_skyrl({}).kl_loss_agg_mode == "seq_mean_token_mean"
     cfg = from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False}}})
     assert changed(cfg) == {"n_samples_per_prompt": 5, "grpo_std_normalization": True, "loss_agg_mode": "token_mean",
                             "log_ratio_clamp": 20.0, "singleton_group": "raw"}

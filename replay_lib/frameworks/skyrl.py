@@ -8,12 +8,15 @@ Source read: NovaSky-AI/SkyRL @ a9564572eb8e (2026-08-21). ``config.py`` below i
 ``cfg`` is the whole config (a dict, OmegaConf or the dataclass) with ``trainer.algorithm`` and
 ``generator``; a bare ``AlgorithmConfig`` dict (it has ``advantage_estimator`` at its top) is accepted too.
 
-Refused by name, with the reason: the KL and entropy terms of the loss when they are on. SkyRL adds them as a
-per-sequence masked mean averaged over each micro-batch (KL, ``worker.py:1077``) and a masked token mean over
-the micro-batch (entropy, ``worker.py:1062``), weighted per micro-batch (``worker.py:1087-1089``), while the
-policy term uses ``loss_reduction`` over the mini-batch: one ``RecomputeConfig`` aggregates every term with one
-mode. SkyRL's default (``use_kl_loss=True``, ``kl_loss_coef=0.001``, ``config.py:833,836``) therefore refuses;
-``kl_loss_coef=0`` or ``use_kl_loss=false`` maps.
+The KL and entropy terms of the loss are aggregated apart from the policy term (``worker.py:1058-1089``):
+the KL term is a per-sequence masked mean averaged over the micro-batch (``masked_mean(kl, mask, dim=-1).mean()``,
+``worker.py:1077``), i.e. ``kl_loss_agg_mode="seq_mean_token_mean"`` over the mini-batch's samples; the entropy
+term a masked token mean over the micro-batch (``masked_mean(entropy, mask)``, ``worker.py:1062``), i.e.
+``entropy_agg_mode="token_mean"``. Both are weighted by ``len(micro-batch)/len(mini-batch)``
+(``worker.py:1089``), so the mapping is exact when the bundle records one micro-batch per mini-batch on one DP
+rank (``loss_seq_count`` = its samples, ``loss_token_count`` = its loss tokens); with several micro-batches the
+entropy denominator is each micro-batch's own token count. The KL term is k3 on ``ref − logp`` clamped to ±20,
+the value clamped to ±10 (``ppo_utils.py`` ``compute_approx_kl``).
 
 Not encoded: SkyRL pre-divides the advantages by the mini-batch's token count for ``token_mean``
 (``ppo_utils.py:1180-1181``): a bundle holding the *raw* advantages (as SkyRL's dump does) replays them with
@@ -25,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..schema import RecomputeConfig
-from ._base import ConfigReader
+from ._base import ConfigReader, kl_clamps
 
 FRAMEWORK = "skyrl"
 LOSS_REDUCTION = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mean",
@@ -51,18 +54,13 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         r.refuse(f"{p}loss_reduction", reduction, f"not mapped ({', '.join(LOSS_REDUCTION)} are)")
     use_kl_loss = r.flag(f"{p}use_kl_loss", True)  # config.py:833
     kl_loss_coef = r.number(f"{p}kl_loss_coef", 0.001)  # config.py:836
-    r.text(f"{p}kl_estimator_type", "k3")  # config.py:828
-    if use_kl_loss and kl_loss_coef != 0:
-        r.refuse(f"{p}use_kl_loss", True, f"kl_loss_coef={kl_loss_coef:g}: SkyRL averages the KL term per sequence "
-                                          "and per micro-batch (worker.py:1077,1089), not with loss_reduction; "
-                                          "set kl_loss_coef=0 or use_kl_loss=false to map")
+    kl_type = r.text(f"{p}kl_estimator_type", "k3")  # config.py:828
+    if use_kl_loss and kl_loss_coef != 0 and kl_type not in ("k1", "k2", "k3"):
+        r.refuse(f"{p}kl_estimator_type", kl_type, "not mapped (k1, k2 and k3 are)")  # ppo_utils.py compute_approx_kl
     if r.flag(f"{p}use_kl_in_reward", False):  # config.py:830
         r.refuse(f"{p}use_kl_in_reward", True, "SkyRL's per-token KL reward is not mapped")
     use_entropy = r.flag(f"{p}use_entropy_loss", False)  # config.py:838
     entropy_coef = r.number(f"{p}entropy_loss_coef", 0.01)  # config.py:841, used only with use_entropy_loss
-    if use_entropy and entropy_coef != 0:
-        r.refuse(f"{p}use_entropy_loss", True, "SkyRL averages the entropy term per micro-batch (worker.py:1062,"
-                                               "1089), not with loss_reduction")
     if r.flag(f"{p}use_tis", False):  # config.py:914 (deprecated)
         r.refuse(f"{p}use_tis", True, "deprecated in SkyRL; set off_policy_correction.tis_ratio_type instead")
     fields: dict[str, Any] = dict(
@@ -85,6 +83,11 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         normalize_advantages=r.flag(f"{p}advantage_batch_normalize", False),  # config.py:849
         loss_agg_mode=LOSS_REDUCTION[reduction],
     )
+    if use_kl_loss and kl_loss_coef != 0:  # worker.py:1068-1078: coef · mean_i(masked_mean_t(kl_i))
+        fields.update(use_kl_loss=True, kl_loss_coef=kl_loss_coef, kl_loss_type=kl_type,
+                      kl_loss_agg_mode="seq_mean_token_mean", **kl_clamps(kl_type, 20.0, 10.0))
+    if use_entropy and entropy_coef != 0:  # worker.py:1058-1066: loss −= coef · masked_mean(entropy, mask)
+        fields.update(entropy_coef=entropy_coef, entropy_agg_mode="token_mean")
     clip_c = r.number(f"{p}clip_ratio_c", 3.0)  # config.py:910
     if loss_type == "dual_clip":  # ppo_utils.py:574-578
         fields["eps_clip_c"] = clip_c

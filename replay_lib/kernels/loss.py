@@ -22,7 +22,8 @@ Aggregation (:func:`aggregate`): a field is ``loss_scale · Σ_i w_i Σ_t x·mas
 ``1/T`` (token_mean) · ``1/N`` (seq_mean_token_sum) · ``1/(N·L)`` (seq_mean_token_sum_norm), evaluated as
 ``(Σ_i S_i / inner_i) / outer`` — the per-sample division of slime, the global division of verl. ``T``, ``N``,
 ``L`` are the producer's recorded counts. The loss terms (pg_loss, entropy_loss, kl_loss, vf_loss) use
-``loss_agg_mode`` and carry ``loss_scale``; the metrics (pg_clipfrac, pg_clipfrac_lower, ppo_kl, vf_clipfrac)
+``loss_agg_mode`` (the KL and entropy terms ``kl_loss_agg_mode`` / ``entropy_agg_mode`` when set) and carry
+``loss_scale``; the metrics (pg_clipfrac, pg_clipfrac_lower, ppo_kl, vf_clipfrac)
 use ``metric_agg_mode`` and are not scaled (verl multiplies its loss by the dp size, never its metrics).
 """
 
@@ -335,21 +336,21 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
     knobs = knobs or LossKnobs()
     n = sums["mask"]
 
-    def loss_term(name: str) -> torch.Tensor:
-        return aggregate(sums[name], n, knobs.loss_agg_mode, knobs, knobs.loss_scale)
+    def loss_term(name: str, mode: Optional[str] = None) -> torch.Tensor:
+        return aggregate(sums[name], n, mode or knobs.loss_agg_mode, knobs, knobs.loss_scale)
 
     def metric(name: str) -> torch.Tensor:
         return aggregate(sums[name], n, knobs.metric_agg_mode, knobs)
 
     pg_loss = loss_term("pg")
-    entropy_loss = loss_term("ent") if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
+    entropy_loss = loss_term("ent", knobs.entropy_mode) if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
     loss = pg_loss - entropy_coef * entropy_loss
     out = {"loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"),
            "ppo_kl": metric("kl")}
     if knobs.dual_clip:
         out["pg_clipfrac_lower"] = metric("clip_lower")
     if knobs.kl_loss:
-        out["kl_loss"] = loss_term("kl_loss")
+        out["kl_loss"] = loss_term("kl_loss", knobs.kl_mode)
         out["loss"] = loss + knobs.kl_loss_coef * out["kl_loss"]
     return out
 

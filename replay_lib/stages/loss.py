@@ -282,13 +282,14 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
         if name == "loss":
             parts = [(column("pg_sum"), knobs.loss_agg_mode, knobs.loss_scale)]
             if knobs.entropy_coef != 0:
-                parts.append((column("entropy_sum"), knobs.loss_agg_mode, -knobs.entropy_coef * knobs.loss_scale))
+                parts.append((column("entropy_sum"), knobs.entropy_mode, -knobs.entropy_coef * knobs.loss_scale))
             if knobs.kl_loss:
-                parts.append((column("kl_loss_sum"), knobs.loss_agg_mode, knobs.kl_loss_coef * knobs.loss_scale))
+                parts.append((column("kl_loss_sum"), knobs.kl_mode, knobs.kl_loss_coef * knobs.loss_scale))
         else:
             metric = name in ("pg_clipfrac", "ppo_kl")
-            parts = [(column(_TERM_OF_FIELD[name]), knobs.metric_agg_mode if metric else knobs.loss_agg_mode,
-                      1.0 if metric else knobs.loss_scale)]
+            mode = knobs.metric_agg_mode if metric else {"entropy_loss": knobs.entropy_mode,
+                                                          "kl_loss": knobs.kl_mode}.get(name, knobs.loss_agg_mode)
+            parts = [(column(_TERM_OF_FIELD[name]), mode, 1.0 if metric else knobs.loss_scale)]
         weighted = [values * agg_weights(mode, n, knobs) * scale for values, mode, scale in parts]
         value = sum(float(w.sum()) for w in weighted)
         actual.append(value)
@@ -363,7 +364,9 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
 def count_requirements(cfg: RecomputeConfig) -> list[str]:
     """Dependency-closure errors for the aggregation modes: a mode whose recorded count is missing."""
     out = []
-    for knob in ("loss_agg_mode", "metric_agg_mode"):
+    for knob in ("loss_agg_mode", "metric_agg_mode", "kl_loss_agg_mode", "entropy_agg_mode"):
+        if knob in ("kl_loss_agg_mode", "entropy_agg_mode") and getattr(cfg, knob) is None:
+            continue  # None: loss_agg_mode's counts, checked above
         mode = getattr(cfg, knob) or cfg.loss_agg_mode
         for count in AGG_COUNTS.get(mode, ()):
             if getattr(cfg, count) is None:
