@@ -12,7 +12,7 @@ import torch
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
 from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
-from ..fields import PER_TOKEN
+from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
                        WHITEN_EPS, token_chunks, token_rewards, whiten, whiten_stats)
@@ -62,7 +62,10 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
 def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -> None:
     """Samples with tokens whose k3 lies beyond low_var_kl's ±10 clamp."""
     hits = torch.zeros(ctx.n, dtype=torch.int64)
-    for lo, hi, seg in token_chunks(ctx.lengths):
+    total = int(ctx.offsets[-1] + ctx.lengths[-1]) if ctx.n else 0
+    # a small token axis in one pass (the context's sample of every token); a large one a chunk at a time
+    passes = [(0, total, ctx.seg)] if total <= KEEP_COLUMNS else token_chunks(ctx.lengths)
+    for lo, hi, seg in passes:
         neg = ref[lo:hi].to(torch.float64) - old[lo:hi].to(torch.float64)
         over = (neg.exp() - 1 - neg).abs() > KL_CLAMP
         if bool(over.any()):
@@ -177,12 +180,24 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
             per_sample = per_sample + inherited.to(torch.float64)
         ctx.outputs["advantage_bound"] = per_sample
 
-        def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
-            sample = advantages.sample_of(lo, hi)
-            return {"actual": advantages.rewards[sample], "bound": per_sample[sample]}
+        if advantages.numel() <= KEEP_COLUMNS:
+            # a field this small is kept whole anyway: one gather over the token axis (the context's sample
+            # of every token) instead of a search per chunk; the columns are read as slices of it
+            sample = ctx.seg
+            whole_actual, whole_bound = advantages.rewards[sample], per_sample[sample]
 
-        cols = Chunked(chunk)
-        actual, bound = cols.column("actual"), cols.column("bound")
+            def actual(lo: int, hi: int) -> torch.Tensor:
+                return whole_actual[lo:hi]
+
+            def bound(lo: int, hi: int) -> torch.Tensor:
+                return whole_bound[lo:hi]
+        else:
+            def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
+                sample = advantages.sample_of(lo, hi)
+                return {"actual": advantages.rewards[sample], "bound": per_sample[sample]}
+
+            cols = Chunked(chunk)
+            actual, bound = cols.column("actual"), cols.column("bound")
     ctx.outputs["advantages"] = advantages
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
                       compared=_rule_nan(ctx, None, expected))
