@@ -312,13 +312,15 @@ _NOTES = {
     "clip_count": "loss tokens where the clipped branch was taken, per sample",
     "mask_count": "loss tokens per sample (Σ_t mask)",
     "kl_loss_sum": "Σ_t kl(logp, ref)·mask per sample (the KL term of the loss)",
-    "loss_weight": "the weight of each sample's sums in the loss terms (loss_scale·w_i of loss_agg_mode)",
+    "loss_weight": "the weight of each sample's sums in the policy term (loss_scale·w_i of loss_agg_mode)",
 }
 
 
 def _weight_field(ctx: StageContext, expected: list, mask: torch.Tensor, knobs: LossKnobs) -> FieldResult:
     """``loss_weight`` per sample against ``loss_scale·w_i`` of the configured mode (``kernels.agg_weights``, with
-    ``n_i`` the sample's loss tokens): one division and one product a producer rounds, ``2·u32·|w|``."""
+    ``n_i`` the sample's loss tokens): one division and one product a producer rounds, ``2·u32·|w|``. It is the
+    policy term's weight: ``kl_loss_agg_mode`` / ``entropy_agg_mode`` do not change it (the KL and entropy sums are
+    checked through the aggregate of ``kl_loss_sum`` / ``entropy_sum`` under their own modes)."""
     n = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, ctx.seg, mask.to(torch.float64))
     actual = agg_weights(knobs.loss_agg_mode, n, knobs) * knobs.loss_scale
     return ctx.field(STAGE, "loss_weight", PER_SAMPLE, expected, actual,
