@@ -88,6 +88,14 @@ class LossKnobs:
         return self.entropy_agg_mode or self.loss_agg_mode
 
     @property
+    def loss_modes(self) -> str:
+        """``loss_agg_mode`` for a report, with the KL and entropy terms' own modes where they are set."""
+        own = [f"{term} {mode}" for term, mode, on in (("kl_loss", self.kl_loss_agg_mode, self.kl_loss),
+                                                       ("entropy", self.entropy_agg_mode, True))
+               if on and mode not in (None, self.loss_agg_mode)]
+        return ", ".join([self.loss_agg_mode, *own])
+
+    @property
     def kl_loss(self) -> bool:
         return self.kl_loss_coef != 0.0
 

@@ -85,6 +85,7 @@ def test_the_hand_bundle_replays_clean_and_a_token_mean_kl_term_is_a_loss_policy
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     # the per-sample terms pass; the two fields the wrong mode wrote fail, against the terms and the recompute
     assert [d["field"] for d in loss["divergences"]] == ["loss_from_terms", "kl_loss_from_terms", "loss", "kl_loss"]
+    assert "the recorded loss, kl_loss under token_mean, kl_loss seq_mean_token_mean)" in loss["reason"], loss
     first = report["first_divergence"]
     assert first["field"] == "loss_from_terms"
     assert (first["expected"], first["actual"]) == (pytest.approx(0.022 + 0.1 * wrong_kl, rel=1e-6),

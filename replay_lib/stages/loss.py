@@ -298,7 +298,7 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
                      torch.tensor(actual, dtype=torch.float64), labels=[f + AGGREGATE_SUFFIX for f in names],
                      bound=torch.tensor(bound, dtype=torch.float64),
                      note=f"the recorded scalars against the recorded per-sample terms aggregated "
-                          f"({knobs.loss_agg_mode}; metrics {knobs.metric_agg_mode})")
+                          f"({knobs.loss_modes}; metrics {knobs.metric_agg_mode})")
 
 
 def run_loss_policy(ctx: StageContext) -> StageReport:
@@ -315,9 +315,9 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
     names = list(expected)
     n = ctx.n
     aggregate = aggregate_field(ctx, expected, knobs)
-    how = "each a sum over {n} sample{s} of per-sample means" if knobs.loss_agg_mode == "sum_of_sample_means" \
+    how = "each a sum over {n} sample{s} of per-sample means" if knobs.loss_modes == "sum_of_sample_means" \
         and knobs.metric_agg_mode == "sum_of_sample_means" else \
-        f"loss terms aggregated {knobs.loss_agg_mode} (× {knobs.loss_scale:g}), metrics {knobs.metric_agg_mode}, " \
+        f"loss terms aggregated {knobs.loss_modes} (× {knobs.loss_scale:g}), metrics {knobs.metric_agg_mode}, " \
         "over {n} sample{s}"
     scalars = ctx.field("loss.policy", "loss", PER_SCALAR, [expected[f] for f in names],
                         torch.tensor([float(actual[f]) for f in names], dtype=torch.float64), labels=names,
@@ -335,7 +335,7 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
         if aggregate is not None and per["aggregate"].mismatches:
             bad = [f.removesuffix(AGGREGATE_SUFFIX) for f, b in zip(aggregate.labels, aggregate.bad.tolist()) if b]
             parts.append("loss aggregation mismatch (the recorded per-sample terms do not aggregate to the "
-                         f"recorded {', '.join(bad)} under {knobs.loss_agg_mode})")
+                         f"recorded {', '.join(bad)} under {knobs.loss_modes})")
         bad_fields = [f for f, bad in zip(names, scalars.bad.tolist()) if bad]
         if bad_fields:
             parts.append("loss field mismatch: " + ", ".join(bad_fields))
