@@ -56,7 +56,7 @@ def judge(expected: torch.Tensor, actual: torch.Tensor, tolerance: torch.Tensor,
 def noise_ratio(abs_error: torch.Tensor, tolerance: torch.Tensor) -> torch.Tensor:
     """``|a − e| / tolerance``: 0 where the two are equal, ∞ for a difference against a zero tolerance."""
     ratio = abs_error / tolerance
-    return torch.where(abs_error == 0, torch.zeros_like(ratio), ratio)
+    return ratio.masked_fill_(abs_error == 0, 0.0)
 
 
 @dataclass(frozen=True)
