@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
-from .kernels.reward import group_rule, post_process
+from .kernels.reward import group_moments, group_rule, post_process
 from .loss_knobs import LossKnobs
 from .report import fmt_value
 from .selection import group_label
@@ -150,10 +150,13 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     r = torch.tensor(raw, dtype=torch.float64)
     rule = group_rule(ctx.config)
     me = members.index(index)
-    # the value is the stage's own kernel on this group (the configured baseline, std, eps and rules)
-    value = float(post_process(r, torch.zeros(r.numel(), dtype=torch.int64), rule, dtype=torch.float64)[me])
+    # the stage's own kernels on this group: the value under the configured rule, and the baseline and std it
+    # used (a leave-one-out std is the std of the other rewards, not the group's)
+    one_group = torch.zeros(r.numel(), dtype=torch.int64)
+    value = float(post_process(r, one_group, rule, dtype=torch.float64)[me])
+    _, _, centered, stds = group_moments(r, one_group, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline)
     mean = float(r.mean())
-    std = float(r.std(unbiased=rule.unbiased)) if r.numel() > 1 else float("nan")
+    std = float(stds[me]) if r.numel() > 1 else float("nan")
     mine = float(record.raw_reward)
     std_on = rule.std
     if not rule.center:
@@ -161,7 +164,7 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     else:
         loo = rule.baseline == "leave_one_out"
         b = "b" if loo else "mean"
-        base = ((float(r.sum()) - mine) / (r.numel() - 1) if r.numel() > 1 else float("nan")) if loo else mean
+        base = mine - float(centered[me])  # r − (r − b)
         if std_on:
             formula = f"(r − {b}) / (std + eps) = ({fmt(mine)} − {fmt(base)}) / ({fmt(std)} + {rule.eps:g}) = {fmt(value)}"
             notes = ([] if rule.unbiased else ["biased std"]) + (["divided only where std > 0"]

@@ -290,3 +290,22 @@ def test_loss_token_inputs_say_which_knobs_they_leave_out(tmp_path, bundle_tools
     got = element_inputs(ctx, "pg_losses", 0, 0)
     assert got.note == "the plain clipped surrogate; this step also applies dual-clip c=3 (the stage's values " \
                        "include them)"
+
+
+def test_a_leave_one_out_std_is_the_std_of_the_other_rewards(tmp_path, bundle_tools):
+    """NeMo-RL's leave-one-out under std: sample 0's baseline b is the mean of the group's three other raw
+    rewards and its std their unbiased std (not the group's): the strip shows the numbers the stage divided by."""
+    from replay_lib.demo import synthetic_parts, write_bundle
+
+    b = write_bundle(tmp_path / "s", *synthetic_parts(samples=4, tokens=4, seed=1))
+    bundle_tools.edit_json(b, "index.json", lambda d: d["config"].update(group_baseline="leave_one_out"))
+    ctx = StageContext(reader=open_bundle(b).shards[0], indices=list(range(4)), partial=False)
+    raw = [s.raw_reward for s in ctx.samples]
+    others = raw[1:]
+    base = sum(others) / 3
+    std = math.sqrt(sum((x - base) ** 2 for x in others) / 2)
+    assert std != math.sqrt(sum((x - sum(raw) / 4) ** 2 for x in raw) / 3)  # the group's std is another number
+    got = element_inputs(ctx, "reward", 0)
+    assert got.formula.startswith(f"(r − b) / (std + eps) = ({fmt_value(raw[0])} − {fmt_value(base)}) / "
+                                  f"({fmt_value(std)} + 1e-06) = ")
+    assert dict(got.items)["std"] == fmt_value(std)
