@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from .bundle import BundleWriter
-from .demo_catalog import DEMO_HELP, DEMO_NAMES, demo_list  # noqa: F401  (re-exported)
+from .demo_catalog import DEMO_NAMES
 from .kernels import (LOSS_CHUNK, STD_EPS, batch_normalize, get_grpo_returns, group_normalize, rollout_kl, segment_ids,
                       segment_sum)
 from .schema import (

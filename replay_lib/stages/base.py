@@ -236,10 +236,3 @@ class StageDef:
     any_cp: bool = False
     # Outside the V1 DAG: reported only when a bundle declares it.
     optional: bool = False
-
-
-def not_recomputed_yet(cfg: RecomputeConfig, knobs: tuple[str, ...]) -> list[tuple[str, str]]:
-    """``(knob, why)`` for each of ``knobs`` set away from its V1 default: a knob of SPEC §4.2 the kernels do not
-    recompute yet refuses by name (exit 4), never a silent default."""
-    defaults = RecomputeConfig()
-    return [(k, f"{getattr(cfg, k)!r}: not recomputed yet") for k in knobs if getattr(cfg, k) != getattr(defaults, k)]
