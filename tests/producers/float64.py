@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import STD_EPS, TOKEN_MEAN, Family, LossInputs, check_kl_type
+from . import torch_sum
+from .base import TOKEN_MEAN, Family, LossInputs, check_kl_type
 
 PRECISION = {"compute": "float32", "accumulate": "float64"}
 
@@ -33,15 +34,8 @@ class Float64(Family):
         super().__init__(name="float64", precision=dict(PRECISION))
 
     def normalize(self, raw, bounds, std, ddof):
-        rewards = _f64(raw)
-        out = torch.empty_like(rewards)
-        for a, b in bounds:
-            group = rewards[a:b]
-            centered = group - group.mean()
-            if std:
-                centered = centered / (centered.std(correction=ddof) + STD_EPS)
-            out[a:b] = centered
-        return out.numpy()  # rounded to float32 where it is recorded (Family.recorded)
+        # torch_sum's group loop in float64; rounded to float32 where it is recorded (Family.recorded)
+        return torch_sum.normalize(raw, bounds, std, ddof, dtype=torch.float64)
 
     def kl(self, old, ref, kl_type):
         check_kl_type(kl_type)

@@ -18,8 +18,9 @@ import torch
 from .base import STD_EPS, TOKEN_MEAN, Family, LossInputs, check_kl_type
 
 
-def normalize(raw: np.ndarray, bounds, std: bool, ddof: int) -> np.ndarray:
-    rewards = torch.tensor(raw.tolist(), dtype=torch.float32)
+def normalize(raw: np.ndarray, bounds, std: bool, ddof: int, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """Group by group in ``dtype`` (float32: this family's; float64: the upcasting family's), as float64."""
+    rewards = torch.tensor(raw.tolist(), dtype=dtype)
     out = torch.empty_like(rewards)
     for a, b in bounds:
         group = rewards[a:b]
