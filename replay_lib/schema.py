@@ -495,6 +495,12 @@ RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
 BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
 
 
+def decode_index_strict(blob: bytes) -> tuple[BundleIndex, bool]:
+    """:func:`decode_index` of a document without unknown fields; raises for any other. Its schema has only
+    concrete types, so what it decodes nests a few levels deep at most (``bundle.files._decode``)."""
+    return INDEX_DECODER.decode(blob), False
+
+
 def decode_index(blob: bytes) -> tuple[BundleIndex, bool]:
     """``(index, whether it has fields this reader does not know)``. The usual document takes one strict
     decode (which proves it has none); one with unknown fields is decoded leniently (raising its real

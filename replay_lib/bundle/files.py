@@ -7,7 +7,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 
@@ -91,8 +91,20 @@ def _read_bytes(path: Path, what: str) -> bytes:
     return read_regular(path, path.parent, what, json_cap(path.name))
 
 
-def _decode(path: Path, data: bytes, decoder):
-    """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``)."""
+def _decode(path: Path, data: bytes, decoder, *, bounded: Optional[Callable[[bytes], object]] = None):
+    """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``).
+
+    ``bounded``: a strict decode (every type concrete, unknown fields forbidden: ``decode_index_strict``) whose
+    schema bounds the nesting far below :data:`~replay_lib.json_limits.MAX_JSON_DEPTH`, returning what
+    ``decoder`` would. A document it decodes cannot be too deep, so it is tried first and the byte scan is
+    skipped; on any failure (a deep document has an unknown field or a value of the wrong type, or exhausts the
+    decoder's recursion) the document goes the usual way — the depth scan, then ``decoder`` — and is reported
+    exactly as without it."""
+    if bounded is not None:
+        try:
+            return bounded(data)
+        except Exception:  # the checks below name it (the depth scan first, as for any document)
+            pass
     check_json_depth(path, data)
     try:
         return decoder.decode(data) if isinstance(decoder, msgspec.json.Decoder) else decoder(data)

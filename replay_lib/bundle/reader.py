@@ -34,6 +34,7 @@ from ..schema import (
     RedactionPolicy,
     decode_expected,
     decode_index,
+    decode_index_strict,
     loss_terms_length_error,
     unknown_fields,
 )
@@ -308,7 +309,8 @@ class BundleReader:
         root = self.path
         # Decoded while the thread hashes; a decode error is raised where it always was (after the
         # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
-        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index))
+        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index,
+                                                     bounded=decode_index_strict))
         expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], decode_expected))
         actual_meta = digests.metadata(blobs)
         if shard is None:
