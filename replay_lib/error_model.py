@@ -406,13 +406,13 @@ ABS_SUMS = ("abs_pg", "abs_kl", "abs_ent", "kl_pg", "near_clip", "ratio")
 SEQ32_SUMS = ("pg32", "kl32", "ent32", "kl_loss32")
 
 
-def loss_clip_boundary(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float, eps_clip: float,
-                       eps_clip_high: float) -> torch.Tensor:
-    """float64 1/0 per token: the ratio within ``8·u_t`` (relative) of a clip bound and ``A ≠ 0`` — a token
+def loss_clip_hits(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float, eps_clip: float,
+                   eps_clip_high: float) -> torch.Tensor:
+    """bool per token: the ratio within ``8·u_t`` (relative) of a clip bound and ``A ≠ 0`` — a token
     a legitimate rounding may clip either way."""
     near = ratio * (C_NEAR_CLIP * u_token)
     on_bound = ((ratio - (1 - eps_clip)).abs() <= near) | ((ratio - (1 + eps_clip_high)).abs() <= near)
-    return (on_bound & (advantages != 0)).to(torch.float64)
+    return on_bound & (advantages != 0)
 
 
 def sequential_sum32(values: torch.Tensor) -> float:

@@ -26,17 +26,15 @@ def segment_sum(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor
 
 def sorted_segment_sums(values: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(samples, sums)``: the sums of the rows ``values[k, :]`` over each run of equal ``seg`` (sorted, as a
-    chunk of the token axis is), ``sums[k, j]`` for sample ``samples[j]``: one cumulative sum per chunk for
-    every column at once instead of an ``index_add_`` per column. For float64 accumulation (the cumulative
-    sum's rounding is ~1e-16 of the chunk's partial sums; float32 sums keep their order with ``index_add_``)."""
-    change = torch.ones(seg.numel(), dtype=torch.bool)
-    change[1:] = seg[1:] != seg[:-1]
-    starts = torch.nonzero(change).reshape(-1)
-    ends = torch.cat([starts[1:], torch.tensor([seg.numel()])]) - 1
-    prefix = values.cumsum(1)
-    sums = prefix[:, ends]
-    sums[:, 1:] -= prefix[:, ends[:-1]]
-    return seg[starts], sums
+    chunk of the token axis is), ``sums[k, j]`` for sample ``samples[j]`` (every sample from the chunk's first
+    to its last; one without tokens in it sums to 0): one ``index_add_`` along the token axis for every row at
+    once, each sum accumulated in token order in the dtype of ``values``."""
+    if seg.numel() == 0:
+        return seg, values.new_zeros((values.shape[0], 0))
+    first = int(seg[0])
+    count = int(seg[-1]) - first + 1
+    sums = values.new_zeros((values.shape[0], count)).index_add_(1, seg - first, values)
+    return torch.arange(first, first + count, dtype=torch.int64), sums
 
 
 # Tokens per pass of :func:`policy_loss_fields`: a million-token step then needs a few small temporaries

@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_boundary, loss_scalar_bounds,
+from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_hits, loss_scalar_bounds,
                            near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import GrpoReturns, sorted_segment_sums, token_chunks
+from ..kernels import GrpoReturns, token_chunks
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
@@ -123,9 +123,10 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
 
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     """One pass over the tokens, a chunk at a time, each per-token term evaluated once in float64: the float64
-    per-sample sums of the loss fields (``kernels.policy_sums``), the error model's (``error_model.ABS_SUMS``)
-    and the tokens with an extreme ratio or a clamp hit — all columns of a chunk summed in one cumulative sum —
-    and the surrogate, ppo_kl, entropy and KL term summed sequentially in float32 (``error_model.SEQ32_SUMS``)."""
+    per-sample sums of the loss fields (``kernels.policy_sums``) and the error model's (``error_model.ABS_SUMS``)
+    — the rows of a chunk written into one buffer, added to their samples in one ``index_add_`` —, the counts of
+    tokens near a clip bound, with an extreme ratio or at a clamp (added only where a chunk has any), and the
+    surrogate, ppo_kl, entropy and KL term summed sequentially in float32 (``error_model.SEQ32_SUMS``)."""
     knobs = li.knobs
     u_token = ctx.precision.token
     entropy = li.entropy
@@ -137,15 +138,20 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     clamps = (knobs.log_ratio_clamp is not None or (kl_loss and (knobs.kl_loss_input_clamp is not None
                                                                  or knobs.kl_loss_output_clamp is not None)))
     signed_names = ["pg", "kl", "ent"] + (["kl_loss"] if kl_loss else [])
-    names = signed_names + ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else [])
-    names += ["abs_pg", "abs_kl"] + (["abs_kl_loss", "kl_loss_tok"] if kl_loss else [])
-    names += ["kl_pg", "near_clip", "extreme"] + (["near_lower"] if knobs.dual_clip else [])
+    # summed rows, in buffer order: the signed terms, then the magnitudes beside them
+    names = signed_names + ["abs_pg", "abs_kl"] + (["abs_kl_loss", "kl_loss_tok"] if kl_loss else [])
+    names += ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else []) + ["kl_pg"]
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
-    names += (["is_flip"] if masked_is else []) + (["clamped"] if clamps else [])
+    names += ["is_flip"] if masked_is else []
+    # counted rows: whole numbers of masked tokens, rare (hazards), added by sample where a chunk has any
+    counted = ["near_clip", "extreme"] + (["near_lower"] if knobs.dual_clip else []) + (["clamped"] if clamps else [])
+    row = {name: k for k, name in enumerate(names)}
+    n_signed = len(signed_names)
     sample_terms, sample_cond = _sample_pass(ctx, li)
     n = ctx.n
     out = torch.zeros((len(names), n), dtype=torch.float64)
-    seq32 = torch.zeros((len(signed_names), n), dtype=torch.float32)
+    counts = torch.zeros((len(counted), n), dtype=torch.float64)
+    seq32 = torch.zeros((n_signed, n), dtype=torch.float32)
     zeros = torch.zeros(0, dtype=torch.float64)
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     for lo, hi, seg in token_chunks(ctx.lengths):
@@ -156,37 +162,38 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
             ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64)
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
-        ent = entropy[lo:hi].to(torch.float64) if entropy is not None else torch.zeros_like(m)
-        signed = torch.stack([pg, t["ppo_kl"], ent] + ([t["kl_loss"]] if kl_loss else [])).mul_(m)
-        magnitude = signed[:2].abs()
+        buf = torch.empty((len(names), hi - lo), dtype=torch.float64)
+        signed = buf[:n_signed]
+        torch.mul(pg, m, out=buf[0])
+        torch.mul(t["ppo_kl"], m, out=buf[1])
+        if entropy is not None:
+            torch.mul(entropy[lo:hi].to(torch.float64), m, out=buf[2])
+        else:
+            buf[2].zero_()
+        if kl_loss:
+            torch.mul(t["kl_loss"], m, out=buf[3])
+        magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
         # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
         cond = lr.abs()
         if sample_cond is not None:
             cond = cond + sample_cond[seg]
         if "is_log_weight" in t:
             cond = cond + t["is_log_weight"].abs()
-        rows = [signed, t["clip"].mul(m)[None], m[None]]
+        torch.mul(t["clip"], m, out=buf[row["clip"]])
+        buf[row["mask"]].copy_(m)
         if knobs.dual_clip:
-            rows.append(t["clip_lower"].mul(m)[None])
-        rows.append(magnitude)
+            torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
         if kl_loss:
-            rows += [signed[3:].abs(), kl_condition(t["kl_r"] if knobs.kl_loss_input_clamp is None else
-                                                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp,
-                                                                    knobs.kl_loss_input_clamp),
-                                                    knobs.kl_loss_type).mul_(m)[None]]
-        rows += [(magnitude[0] * cond)[None],
-                 loss_clip_boundary(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high).mul_(m)[None],
-                 (lr.abs() > EXTREME_LOG_RATIO).to(torch.float64).mul_(m)[None]]
-        if knobs.dual_clip:
-            chosen = torch.maximum(ratio, ratio.clamp(low, high))
-            rows.append((near_value(chosen, float(knobs.eps_clip_c), u_token, cond) & (adv < 0))
-                        .to(torch.float64).mul_(m)[None])
+            torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
+            kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
+                t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
+            torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
+        torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
         if signed_entropy:
-            rows.append(signed[2:3].abs())
+            torch.abs(buf[2], out=buf[row["abs_ent"]])
         if with_ratio:
             w = t.get("is_weight")
-            r = ratio if w is None else ratio * w
-            rows.append((r * m)[None])
+            torch.mul(ratio if w is None else ratio * w, m, out=buf[row["ratio"]])
         if masked_is:
             log_w = t["is_log_weight"]
             w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
@@ -196,7 +203,12 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 if edge is not None:
                     flip |= near_value(w, float(edge), u_token, w_cond)
             # a token the mask may keep or drop: its whole weighted term w·|pg| is open
-            rows.append((flip.to(torch.float64) * m * t["pg_unweighted"].abs() * w)[None])
+            torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
+        hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high),
+                lr.abs() > EXTREME_LOG_RATIO]
+        if knobs.dual_clip:
+            chosen = torch.maximum(ratio, ratio.clamp(low, high))
+            hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond) & (adv < 0))
         if clamps:
             hit = torch.zeros_like(m, dtype=torch.bool)
             if knobs.log_ratio_clamp is not None:
@@ -205,12 +217,15 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
             if kl_loss and knobs.kl_loss_output_clamp is not None:
                 hit |= t["kl_loss"].abs() >= knobs.kl_loss_output_clamp
-            rows.append((hit.to(torch.float64) * m)[None])
-        samples, sums = sorted_segment_sums(torch.cat(rows), seg)
-        out.index_add_(1, samples, sums)
-        for k in range(len(signed_names)):
-            seq32[k].index_add_(0, seg, signed[k].to(torch.float32))
-    sums = dict(zip(names, out))
+            hits.append(hit)
+        for k, hit in enumerate(hits):
+            if bool(hit.any()):  # Σ hit·m of each sample
+                at = torch.nonzero(hit).reshape(-1)
+                counts[k].index_add_(0, seg[at], m[at])
+        # every row at once, each sample's sum in token order: float64 for the rows, float32 for seq32
+        out.index_add_(1, seg, buf)
+        seq32.index_add_(1, seg, signed.to(torch.float32))
+    sums = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     sums["abs_ent"] = sums.get("abs_ent", sums["ent"])
     sums["ratio"] = sums.get("ratio", zeros)
     return {**sums, **dict(zip(SEQ32_SUMS, seq32))}
