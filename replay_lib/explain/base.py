@@ -100,12 +100,12 @@ def divergence_positions(ctx: StageContext, f: FieldResult, divergences) -> list
     """The rows of ``f`` the stage reported as divergent (their sample and token offset)."""
     if f.per != PER_TOKEN:
         return []
-    index = {sid: i for i, sid in enumerate(f.sample_ids)}
-    out = []
-    for d in divergences:
-        if d.field == f.name and d.sample_id in index and d.token_offset is not None and d.rank == ctx.rank:
-            out.append(int(f.offsets[index[d.sample_id]]) + d.token_offset)
-    return out
+    mine = [d for d in divergences if d.field == f.name and d.token_offset is not None and d.rank == ctx.rank]
+    if not mine:
+        return []
+    wanted = {d.sample_id for d in mine}
+    index = {sid: i for i, sid in enumerate(f.sample_ids) if sid in wanted}
+    return [int(f.offsets[index[d.sample_id]]) + d.token_offset for d in mine if d.sample_id in index]
 
 
 def _matches(h: Hypothesis, f: FieldResult, w, lo: int, hi: int, atol: float, rtol: float, compared: torch.Tensor):
@@ -129,21 +129,24 @@ _MAX_RUNS = 512
 def _bad_runs(f: FieldResult, blocks: list[tuple[int, int]]) -> Optional[list[tuple[int, int]]]:
     """The row ranges, within ``blocks``, that hold ``f``'s divergent elements (merged across small gaps), or
     ``None`` when there are too many for a pre-pass to be cheap."""
-    bad = f.bad
     runs: list[tuple[int, int]] = []
-    total = 0
-    for lo, hi in blocks:
-        idx = torch.nonzero(bad[lo:hi]).reshape(-1)
-        total += idx.numel()
-        if total > ROW_BUDGET // 4:
+    if not blocks:
+        return runs
+    idx = torch.nonzero(f.bad).reshape(-1)  # every divergent row, then those inside the (sorted) blocks
+    if idx.numel() and (len(blocks) > 1 or blocks[0] != (0, f.size)):
+        starts = torch.tensor([lo for lo, _ in blocks], dtype=torch.int64)
+        ends = torch.tensor([hi for _, hi in blocks], dtype=torch.int64)
+        block = torch.searchsorted(starts, idx, right=True) - 1
+        idx = idx[(block >= 0) & (idx < ends[block.clamp(min=0)])]
+    if idx.numel() > ROW_BUDGET // 4:
+        return None
+    for i in idx.tolist():
+        if runs and i - runs[-1][1] < _RUN_GAP:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+        if len(runs) > _MAX_RUNS:
             return None
-        for i in (idx + lo).tolist():
-            if runs and i - runs[-1][1] < _RUN_GAP:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-            if len(runs) > _MAX_RUNS:
-                return None
     return runs
 
 
@@ -169,6 +172,12 @@ def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence
         if sum(hi - lo for lo, hi in blocks) < f.size:
             for s in scores:
                 s.sampled = True
+        if not any(alive):  # nothing left to judge: only the counts of the rows judged
+            n_compared, n_bad = _counts(f, blocks)
+            for s in scores:
+                s.of += n_compared
+                s.bad += n_bad
+            continue
         for lo, hi in blocks:
             w = f.window(lo, hi)
             compared = w.compared if w.compared is not None else torch.ones_like(w.bad)
@@ -188,6 +197,15 @@ def score(ctx: StageContext, fields: Sequence[FieldResult], hypotheses: Sequence
                 s.misfit += float((diff[ok] / tol[ok].clamp(min=1e-300)).sum())
                 s.bad_matched += int((ok & bad).sum())
     return scores
+
+
+def _counts(f: FieldResult, blocks: list[tuple[int, int]]) -> tuple[int, int]:
+    """``(compared, divergent)`` elements of ``f`` in its row ``blocks``."""
+    inside = torch.zeros(f.size, dtype=torch.bool)
+    for lo, hi in blocks:
+        inside[lo:hi] = True
+    compared = inside if f.compared is None else inside & f.compared
+    return int(compared.sum()), int((f.bad & inside).sum())
 
 
 def _pre_pass(plan, hypotheses: Sequence[Hypothesis]) -> list[bool]:
