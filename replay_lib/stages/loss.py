@@ -15,7 +15,7 @@ from ..bundle import BundleReader
 from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_hits, loss_scalar_bounds,
                            near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import GrpoReturns
+from ..kernels import GrpoReturns, token_chunks
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
@@ -121,11 +121,6 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
                                             ctx.lengths, knobs)
 
 
-# Tokens loss.policy evaluates in one pass (its two dozen float64 temporaries then take ≈ 30 MB at most); a
-# longer token axis goes a chunk at a time.
-LOSS_WHOLE_PASS = 1 << 17
-
-
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     """One pass over the tokens, a chunk at a time, each per-token term evaluated once in float64: the float64
     per-sample sums of the loss fields (``kernels.policy_sums``) and the error model's (``error_model.ABS_SUMS``)
@@ -159,7 +154,9 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     seq32 = torch.zeros((n_signed, n), dtype=torch.float32)
     zeros = torch.zeros(0, dtype=torch.float64)
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
-    for lo, hi, seg in ctx.token_passes(LOSS_WHOLE_PASS):
+    # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
+    # in the allocator's free lists, where full-length ones would be fresh pages on every replay
+    for lo, hi, seg in token_chunks(ctx.lengths):
         m = li.mask[lo:hi].to(torch.float64)
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
