@@ -193,13 +193,8 @@ class FieldResult:
         full = self._full
         if full is not None:
             return full
-        # a field small enough to keep is one window (each kernel runs once over all its rows, nothing to
-        # concatenate); a larger one is read a chunk at a time
-        parts = [self.window()] if 0 < self.size <= KEEP_COLUMNS else list(self.chunks())
-        if len(parts) == 1:
-            w = parts[0]
-            cols = [w.expected, w.actual, w.tolerance, w.abs_error, w.finite, w.bad]
-        elif parts:
+        parts = list(self.chunks())
+        if parts:
             cols = [torch.cat([getattr(w, name) for w in parts])
                     for name in ("expected", "actual", "tolerance", "abs_error", "finite", "bad")]
         else:

@@ -10,9 +10,7 @@ import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.demo import write_pr65, write_synthetic
-from replay_lib.compare import CHUNK
-from replay_lib.fields import (KEEP_COLUMNS, PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field, judge,
-                               stage_report)
+from replay_lib.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field, judge, stage_report
 from replay_lib.runner import replay_run
 
 NAN, INF = float("nan"), float("inf")
@@ -55,7 +53,7 @@ def test_token_divergences_name_sample_offset_tolerance_and_noise_ratio():
 
 
 def test_a_column_may_be_a_function_evaluated_a_chunk_at_a_time():
-    n = KEEP_COLUMNS + 40_000  # too large to keep: judged a chunk at a time
+    n = 40_000  # more than one chunk
     e = torch.linspace(-1, 1, n, dtype=torch.float32)
     calls = []
 
@@ -71,12 +69,12 @@ def test_a_column_may_be_a_function_evaluated_a_chunk_at_a_time():
                     sample_ids=["s-0"], group_indices=[0], offsets=torch.tensor([0]), lengths=torch.tensor([n]))
     cmp = compare_field(f, keep=3)
     assert cmp.mismatches == 1 and cmp.divergences[0].token_offset == 33_333
-    assert max(hi - lo for lo, hi in calls) <= CHUNK and len(calls) >= n // CHUNK
+    assert max(hi - lo for lo, hi in calls) <= 1 << 14
     assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and f.expected.dtype == torch.float64
 
 
 def _counted_field():
-    """A 40,000-token field (kept whole: at most KEEP_COLUMNS) whose actual column is a function that records each call; token
+    """A 40,000-token field (three chunks) whose actual column is a function that records each call; token
     33,333 is off by 1.0 against a tolerance of 1e-3. ``(field, expected, actual function, calls)``."""
     n = 40_000
     e = torch.linspace(-1, 1, n, dtype=torch.float32)
@@ -94,30 +92,30 @@ def _counted_field():
     return f, e, actual, calls
 
 
-def test_reading_every_column_evaluates_a_function_column_once():
+def test_reading_every_column_evaluates_a_function_column_once_per_chunk():
     """The debugger reads expected, actual, tolerance, abs error, bad mask and noise ratio of a failing field:
-    one evaluation over all rows serves them all (a function column is a stage kernel, not re-run per column),
+    one pass over the chunks serves them all (a function column is a stage kernel, not re-run per column),
     and a window sliced afterwards reads the same values without evaluating it again."""
     f, e, actual, calls = _counted_field()
     assert f.bad.nonzero().reshape(-1).tolist() == [33_333]
     assert f.actual[33_333] == float(e[33_333]) + 1.0 and f.abs_error[33_333] == 1.0
     assert f.tolerance[0] == 1e-3 and f.noise_ratio[33_333] == 1.0 / 1e-3 and f.expected.dtype == torch.float64
-    assert calls == [(0, 40_000)]
+    assert calls == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
     w = f.window(33_000, 34_000)
-    assert w.bad.nonzero().reshape(-1).tolist() == [333] and w.lo == 33_000 and len(calls) == 1
+    assert w.bad.nonzero().reshape(-1).tolist() == [333] and w.lo == 33_000 and len(calls) == 3
     assert torch.equal(w.actual, actual(33_000, 34_000))
 
 
 def test_a_judged_field_keeps_its_columns_for_the_debugger():
-    """compare_field (the stage's report) evaluates a function column once over a kept field, and what the debugger
+    """compare_field (the stage's report) evaluates a function column once per chunk, and what the debugger
     reads afterwards — every column, any window — comes from what it kept, not from the kernel again."""
     f, e, actual, calls = _counted_field()
     cmp = compare_field(f, keep=3)
     assert cmp.mismatches == 1 and cmp.divergences[0].token_offset == 33_333
     assert cmp.divergences[0].actual == float(e[33_333]) + 1.0 and cmp.divergences[0].tolerance == 1e-3
-    assert calls == [(0, 40_000)]
+    assert calls == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
     assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and f.abs_error[33_333] == 1.0
-    assert f.window(33_000, 34_000).bad.nonzero().reshape(-1).tolist() == [333] and len(calls) == 1
+    assert f.window(33_000, 34_000).bad.nonzero().reshape(-1).tolist() == [333] and len(calls) == 3
 
 
 def test_scalar_rows_are_named_by_their_labels_and_a_length_mismatch_is_one_divergence():
