@@ -502,13 +502,18 @@ class BundleReader:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
             if key not in shard.payloads:
                 raise BundleError(f"{root / sentinel_name}: $.payloads: no checksum for payload {key!r}")
+            # Loaded while the thread still hashes it (weights_only, within the declared size: no less safe
+            # before the checksum than after, a checksum is no signature); the checksum is judged first all
+            # the same, so an altered file reports its sha256 mismatch whatever its content does to the load.
+            tensor, unloadable = _attempt(lambda: _load_tensor(file, spec))
             digest = digests.file(file)
             if digest != spec.sha256 or digest != shard.payloads[key]:
                 raise BundleError(
                     f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "
                     f"{shard.payloads[key][:12]}…, file {digest[:12]}…)"
                 )
-            tensor = _load_tensor(file, spec)
+            if unloadable is not None:
+                raise unloadable
             if str(tensor.dtype) != spec.dtype:
                 raise BundleError(f"{file}: dtype {tensor.dtype}, manifest $.payloads.{key}.dtype says {spec.dtype}")
             if list(tensor.shape) != list(spec.shape):
