@@ -38,6 +38,27 @@ from .widgets.header_line import ForensicLabel
 PROG = "replay-tui"
 
 
+def release_frozen() -> int:
+    """Give the frozen objects back to the collector, collect, and freeze what is still alive; returns how many
+    were freed. A replay freezes its model with everything alive at that moment (:meth:`ReplayApp._replay`),
+    the screen showing it included, and the collector never looks at frozen objects: once that screen is
+    closed (the run view's esc), they are garbage only a collection after this can free. Textual's
+    ``StylesCache.get_inner_outer`` memoizes on the instance, so its cache keeps up to 1,024 closed widgets'
+    rendered lines (Textualize/textual#6665): it is emptied too."""
+    gc.unfreeze()
+    try:
+        from textual._styles_cache import StylesCache
+
+        clear = getattr(StylesCache.get_inner_outer, "cache_clear", None)
+        if clear is not None:
+            clear()
+    except ImportError:
+        pass
+    freed = gc.collect()
+    gc.freeze()
+    return freed
+
+
 def error_line(message: str, prog: str = PROG) -> str:
     """Exactly the line the CLI writes on stderr for a :class:`ReplayError` (escaped: it names bundle files)."""
     return cli_error_line(message, prog)
@@ -149,8 +170,10 @@ class ReplayApp(App[int]):
             with gc_paused():  # one bulk phase: no collection between verify, replay and model either
                 model = self._verify_replay_model(run, progress)
                 # The model lives as long as the app shows it: out of the collector's way, or the next
-                # collection walks its tens of thousands of records (on the UI thread, mid-frame).
-                gc.freeze()
+                # collection walks its tens of thousands of records (on the UI thread, mid-frame). A model
+                # nobody will show (its bundle was closed meanwhile) is left to the collector.
+                if run == self._run:
+                    gc.freeze()
         except ReplayError as exc:
             self.post_message(ReplayFailed(run, error_line(str(exc)), exc.exit_code))
             return

@@ -27,7 +27,7 @@ from replay_lib.errors import EXIT_INTERNAL, ReplayError
 from replay_lib.run.command import kind_anchor
 from replay_lib.safe_text import safe
 
-from ..app import EXIT_NO_VERDICT, PROG, ReplayApp, error_line
+from ..app import EXIT_NO_VERDICT, PROG, ReplayApp, error_line, release_frozen
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.header_line import HeaderLine
 from ..widgets.key_bar import KeyBar
@@ -365,6 +365,9 @@ class RunApp(ReplayApp):
         self._run += 1  # a replay still running for the closed bundle reports to nobody
         self.model = None
         self.error = None
+        self._first_result = None
+        # the closed bundle's screen and model were frozen with its replay: freed once the run view is drawn
+        self.call_after_refresh(release_frozen)
 
     def on_replay_failed(self, message) -> None:
         message.prevent_default()
