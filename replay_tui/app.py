@@ -210,6 +210,13 @@ class ReplayApp(App[int]):
             with self.batch_update():  # every pane changes at once: one layout, one frame
                 self.debugger.load(message.model)
 
+    def on_unmount(self) -> None:
+        # What the replays froze (their models, the screens alive then) goes back to the collector with the
+        # app, so a process running app after app (tests, an embedding) frees each one. Nothing is collected
+        # here: replay-tui exits as fast as before. A replay still running then freezes nothing when it ends.
+        self._run += 1
+        gc.unfreeze()
+
     def on_replay_failed(self, message: ReplayFailed) -> None:
         if message.run != self._run:
             return

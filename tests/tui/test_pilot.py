@@ -104,6 +104,25 @@ async def test_on_a_very_narrow_terminal_the_verdict_bar_keeps_to_its_four_lines
         assert lines[1:] == ["   kl s-5@3:", "   expected=0.25077856", "   actual=0.00077855656 …  ⚠1"]
 
 
+async def test_an_app_that_exited_leaves_its_model_to_the_collector(make_app):
+    """The replay freezes its model out of the collector's way; the app gives it back when it exits, so a process
+    that runs app after app (this test suite, the bench) does not keep every model it ever showed. (Textual's
+    ``active_app`` holds the last app run until the next one starts: the first app's model is the one freed.)"""
+    import gc
+    import weakref
+
+    models = []
+    for _ in range(2):
+        app = make_app("pr65-buggy")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await ready(pilot)
+            models.append(weakref.ref(app.model))
+            await pilot.press("q")
+        del app, pilot
+    gc.collect()
+    assert models[0]() is None and gc.get_freeze_count() == 0
+
+
 def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
     from replay_tui.widgets.status_bar import hang
 
