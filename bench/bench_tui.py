@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import shutil
 import statistics
@@ -270,7 +271,11 @@ async def run(args) -> int:
         await first_frame(demo, "s-0", 0)  # warm-up: imports, CSS parsing
         demo_t, large_t, in_app = [], [], []
         for _ in range(args.reps):
+            # every start from a collected heap, as in a fresh replay-tui: the apps before left their garbage
+            # (a few MB a run) for a full collection that may come at any time, mid-measurement included
+            gc.collect()
             demo_t.append(await first_frame(demo, "s-0", 0))
+            gc.collect()
             WORKER_RUNS.clear()
             large_t.append(await first_frame(large, long_id, DIVERGENT_OFFSETS[0]))
             in_app += WORKER_RUNS
