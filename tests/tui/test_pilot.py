@@ -123,6 +123,34 @@ async def test_an_app_that_exited_leaves_its_model_to_the_collector(make_app):
     assert models[0]() is None and gc.get_freeze_count() == 0
 
 
+def test_run_app_freezes_what_is_alive_before_the_process_ends(monkeypatch):
+    """The app unfreezes what its replays froze when it exits; run_app freezes everything again before the
+    process ends, or the interpreter's final collection walks it all (`q` took ≈ 0.55 s instead of ≈ 0.32 s to
+    end replay-tui on a 4,096-sample step)."""
+    import gc
+    from types import SimpleNamespace
+
+    import replay_tui.app as app_module
+
+    ran = []
+
+    class Stub:
+        error = None
+        return_code = 1
+
+        def run(self):
+            ran.append(True)
+            gc.unfreeze()  # what ReplayApp.on_unmount does
+
+    monkeypatch.setattr(app_module.sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(app_module.sys.stdout, "isatty", lambda: True, raising=False)
+    try:
+        assert app_module.run_app(SimpleNamespace(demo=None), build=lambda args: Stub()) == 1
+        assert ran and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_hang_cuts_at_spaces_keeps_long_words_and_ends_with_an_ellipsis():
     from replay_tui.widgets.status_bar import hang
 
