@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..fields import PER_SCALAR, FieldResult
-from ..kernels import sorted_segment_sums, token_chunks
+from ..kernels import token_chunks
 from ..stages import StageContext, StageInputError
 from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
 from .base import Hypothesis, fmt_number
@@ -150,8 +150,7 @@ def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[di
         mask = li.mask[lo:hi].to(torch.float64)
         pg, clip = declared.surrogate(ratio, adv)
         terms = torch.stack([pg, clip, kl, ent, torch.ones_like(old), -adv])
-        samples, sums = sorted_segment_sums(terms * mask, seg)
-        full.index_add_(1, samples, sums)
+        full.index_add_(1, seg, terms * mask)
         outside = torch.nonzero((ratio < 1 - low) | (ratio > 1 + high)).reshape(-1)
         if outside.numel():
             r, a, m, sg = ratio[outside], adv[outside], mask[outside], seg[outside]

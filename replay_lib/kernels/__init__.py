@@ -14,7 +14,7 @@ Token layout: per-token tensors are 1-D, every sample's response tokens concaten
 
 from __future__ import annotations
 
-from .segments import segment_ids, segment_offsets, segment_sum, sorted_segment_sums, LOSS_CHUNK, token_chunks, masked_sample_sums
+from .segments import segment_ids, segment_offsets, segment_sum, LOSS_CHUNK, token_chunks, masked_sample_sums
 from .reward import (STD_EPS, group_normalize, batch_normalize, GROUP_BASELINES, STD_ZERO_RULES, SINGLETON_RULES,
                      ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, GroupRule, group_rule, group_moments, post_process,
                      sequence_kl_score)
@@ -28,7 +28,6 @@ __all__ = [
     "segment_ids",
     "segment_offsets",
     "segment_sum",
-    "sorted_segment_sums",
     "LOSS_CHUNK",
     "token_chunks",
     "masked_sample_sums",

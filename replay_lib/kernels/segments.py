@@ -24,19 +24,6 @@ def segment_sum(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor
     return out.index_add_(0, seg, values)
 
 
-def sorted_segment_sums(values: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(samples, sums)``: the sums of the rows ``values[k, :]`` over each run of equal ``seg`` (sorted, as a
-    chunk of the token axis is), ``sums[k, j]`` for sample ``samples[j]`` (every sample from the chunk's first
-    to its last; one without tokens in it sums to 0): one ``index_add_`` along the token axis for every row at
-    once, each sum accumulated in token order in the dtype of ``values``."""
-    if seg.numel() == 0:
-        return seg, values.new_zeros((values.shape[0], 0))
-    first = int(seg[0])
-    count = int(seg[-1]) - first + 1
-    sums = values.new_zeros((values.shape[0], count)).index_add_(1, seg - first, values)
-    return torch.arange(first, first + count, dtype=torch.int64), sums
-
-
 # Tokens per pass of :func:`policy_loss_fields`: a million-token step then needs a few small temporaries
 # instead of a dozen full-length ones. Below torch's parallel grain size (32768), so ops stay on one thread.
 LOSS_CHUNK = 1 << 14

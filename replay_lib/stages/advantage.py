@@ -15,7 +15,7 @@ from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bo
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
-                       WHITEN_EPS, token_rewards, whiten, whiten_stats)
+                       WHITEN_EPS, token_chunks, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
@@ -62,7 +62,10 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
 def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -> None:
     """Samples with tokens whose k3 lies beyond low_var_kl's ±10 clamp."""
     hits = torch.zeros(ctx.n, dtype=torch.int64)
-    for lo, hi, seg in ctx.token_passes(KEEP_COLUMNS):
+    total = int(ctx.offsets[-1] + ctx.lengths[-1]) if ctx.n else 0
+    # a small token axis in one pass (the context's sample of every token); a large one a chunk at a time
+    passes = [(0, total, ctx.seg)] if total <= KEEP_COLUMNS else token_chunks(ctx.lengths)
+    for lo, hi, seg in passes:
         neg = ref[lo:hi].to(torch.float64) - old[lo:hi].to(torch.float64)
         over = (neg.exp() - 1 - neg).abs() > KL_CLAMP
         if bool(over.any()):

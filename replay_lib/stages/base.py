@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -12,7 +12,7 @@ from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
 from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
 from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
-from ..kernels import segment_ids, segment_offsets, token_chunks
+from ..kernels import segment_ids, segment_offsets
 from ..report import Hazard, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
 
@@ -74,13 +74,6 @@ class StageContext:
         if self._seg is None:
             self._seg = segment_ids(self.lengths)
         return self._seg
-
-    def token_passes(self, whole: int) -> Iterable[tuple[int, int, torch.Tensor]]:
-        """``(lo, hi, seg)`` over the (selected) tokens, ``seg`` the sample of each: a token axis of at most
-        ``whole`` tokens in one pass (with :attr:`seg`), a larger one a chunk at a time
-        (``kernels.token_chunks``), so that its float64 temporaries stay a few chunks long."""
-        total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
-        return [(0, total, self.seg)] if total <= whole else token_chunks(self.lengths)
 
     @property
     def config(self) -> RecomputeConfig:

@@ -23,7 +23,7 @@ import torch
 from ..bundle import BundleReader
 from ..error_model import C_NEAR_CLIP, aggregated_condition, scalar_bound
 from ..fields import PER_SCALAR
-from ..kernels import sorted_segment_sums, token_chunks
+from ..kernels import token_chunks
 from ..kernels.loss import VALUE_FIELDS, LossKnobs, agg_divisors, value_fields_from_sums, value_loss_fields, \
     value_token_terms
 from ..report import StageReport
@@ -59,8 +59,7 @@ def _sums(ctx: StageContext, values, old_values, returns, mask, knobs: LossKnobs
         cond = d * (v.abs() + r.abs() + old.abs() + eps) + t["vf"]
         near = ((t["d1"] * t["d1"] - t["d2"] * t["d2"]).abs() <= C_NEAR_CLIP * u * cond) & (t["d1"] != t["d2"])
         rows = torch.stack([t["vf"] * m, t["clip"] * m, m, cond * m, near.to(torch.float64) * m])
-        samples, sums = sorted_segment_sums(rows, seg)
-        out.index_add_(1, samples, sums)
+        out.index_add_(1, seg, rows)  # every row at once, each sample's sum in token order
         vf32.index_add_(0, seg, (t["vf"] * m).to(torch.float32))
     sums = dict(zip(names, out))
     sums["vf32"] = vf32
