@@ -45,12 +45,17 @@ def judge(expected: torch.Tensor, actual: torch.Tensor, tolerance: torch.Tensor,
     ``|a − e|`` (NaN/Inf where a side is not finite); ``bad``: a side is NaN or ±Inf, or ``|a − e| > tolerance``
     (a NaN tolerance admits nothing), or, ``exact``, the two differ bitwise."""
     diff = (actual - expected).abs()
-    finite = torch.isfinite(actual) & torch.isfinite(expected)
+    # |a − e| < ∞ exactly where both sides are finite, but for two finite values more than the largest double
+    # apart: the usual all-finite window takes one comparison, any other the two tests
+    finite = diff < math.inf
+    all_finite = bool(finite.all())
+    if not all_finite:
+        finite = torch.isfinite(actual) & torch.isfinite(expected)
     if exact:
         differ = actual.view(torch.int64) != expected.view(torch.int64)
     else:
         differ = ~(diff <= tolerance)
-    return diff, finite, ~finite | differ
+    return diff, finite, differ if all_finite else ~finite | differ
 
 
 def noise_ratio(abs_error: torch.Tensor, tolerance: torch.Tensor) -> torch.Tensor:
@@ -193,7 +198,10 @@ class FieldResult:
         full = self._full
         if full is not None:
             return full
-        parts = list(self.chunks())
+        return self._keep(list(self.chunks()))
+
+    def _keep(self, parts: Sequence[FieldValues]) -> "_Columns":
+        """The columns of ``parts`` (every row, in order) kept as the field's own."""
         if parts:
             cols = [torch.cat([getattr(w, name) for w in parts])
                     for name in ("expected", "actual", "tolerance", "abs_error", "finite", "bad")]
@@ -300,14 +308,16 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     if f.compared is None and _same(f._expected, f._actual):
         out.max_abs_error = out.max_noise_ratio = 0.0
         return out
-    if f.size <= KEEP_COLUMNS:  # judged from the kept columns, all rows at once (the debugger reads them too)
-        f._materialize()
-        windows: Iterable[FieldValues] = [f.window()]
-    else:
-        windows = f.chunks()
+    # Judged a chunk at a time. A field of up to KEEP_COLUMNS rows that diverges keeps its columns (the debugger
+    # reads a failing field's rows; its kernel is not run again); one that passes keeps nothing, as its full-length
+    # columns would be fresh memory on every replay for a field a view may never open (it recomputes on first view).
+    small = f.size <= KEEP_COLUMNS and f._full is None
+    seen: list[FieldValues] = []
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
-    for w in windows:
+    for w in (f.chunks() if f._full is None else [f.window()]):
+        if small:
+            seen.append(w)
         ok = w.finite if w.compared is None else w.finite & w.compared
         all_ok = bool(ok.all())
         if w.compared is None:
@@ -329,6 +339,8 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
         out.max_abs_error = out.max_noise_ratio = float("inf")
     if not bad_parts:
         return out
+    if small:
+        f._keep(seen)
     bad_idx = torch.cat(bad_parts)
     out.mismatches = int(bad_idx.numel())
     samples = f.sample_of(bad_idx)

@@ -117,7 +117,12 @@ def _matches(h: Hypothesis, f: FieldResult, w, lo: int, hi: int, atol: float, rt
         own = _read(h.bounds[f.name], lo, hi) + w.expected.abs() * rtol + atol
         tol = torch.maximum(tol, own)
     diff = (value - w.expected).abs()
-    return compared & torch.isfinite(value) & torch.isfinite(w.expected) & (diff <= tol), diff, tol
+    ok = compared & (diff <= tol)
+    # a side that is not finite makes |h − e| NaN (never within) or ∞ (within an infinite tolerance only): only
+    # then are the sides themselves tested
+    if bool((ok & (diff == math.inf)).any()):
+        ok &= torch.isfinite(value) & torch.isfinite(w.expected)
+    return ok, diff, tol
 
 
 # A divergent element's run is merged with the next one across a gap of fewer rows than this; above this many
