@@ -100,7 +100,8 @@ def consumer_batch_labels(ctx: StageContext) -> list[str]:
             ids, label = placed
             recorded = all(getattr(r, "consumer_batch_id", None) is not None for r in samples)
             mark = "" if recorded else STREAM_MARK
-            labels = [mark + str(ids[k]) for k in label.tolist()]
+            names = [mark + str(i) for i in ids]  # a few batches: each label built once, then shared
+            labels = [names[k] for k in label.tolist()]
         cached = ctx.records["consumer_batches"] = [labels[i] for i in ctx.indices] if ctx.partial else labels
     return cached
 

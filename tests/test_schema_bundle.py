@@ -375,10 +375,15 @@ def test_sha256_file_equals_hashlib_for_empty_small_and_multi_chunk_files(tmp_pa
         assert sha256_file(f) == hashlib.sha256(data).hexdigest()
 
 
-def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch):
-    # The digests come from a background thread; the reader compares each where it always did. A payload
-    # whose bytes differ from its checksum is refused whichever thread hashed it.
+@pytest.mark.parametrize("limit", [None, 0], ids=["reader-hashes-ahead", "thread-hashes"])
+def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch, limit):
+    # Usual payloads are loaded and hashed by the reader before the JSON decodes, larger ones (above
+    # HASH_AHEAD_BYTES; 0 here) by the background thread; the reader compares each digest where it always did.
+    # A payload whose bytes differ from its checksum is refused whichever thread hashed it.
     import replay_lib.bundle.reader as bundle_mod
+
+    if limit is not None:
+        monkeypatch.setattr(bundle_mod, "HASH_AHEAD_BYTES", limit)
 
     b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="ahead"))
     kl = b / "payloads" / "kl.pt"
@@ -393,6 +398,8 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
         BundleReader(b)
     assert ahead.count("kl.pt") == 1 and "kl.pt" not in inline  # hashed once, ahead of the check
     assert not [t for t in threading.enumerate() if t.name == "bundle-sha256"]  # and nothing left running
+    kl.write_bytes(bytes(data[: len(data) // 2]) + bytes([data[len(data) // 2] ^ 0x01]) + bytes(data[len(data) // 2 + 1:]))
+    assert BundleReader(b).has_payload("kl")  # restored: the same path opens it
 
 
 def test_the_reader_never_waits_on_a_hashing_thread_that_failed(tmp_path, monkeypatch):

@@ -105,6 +105,11 @@ class _Digests:
             for done in self._file_done.values():  # whatever happened, no reader waits forever
                 done.set()
 
+    @property
+    def stop(self) -> threading.Event:
+        """Set by :meth:`close`: a hash given up (the reader's own, ahead of its checks, too)."""
+        return self._stop
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -268,6 +273,43 @@ def _check_form(path: Path, key: str, tensor: torch.Tensor) -> None:
         raise BundleError(f"{where}.dtype: {tensor.dtype}, expected an integer dtype")
 
 
+# Payloads of up to this many bytes in all (≈ 50 ms of hashing) are hashed by the reader itself, ahead of the JSON
+# decodes (:meth:`BundleReader._verify`).
+HASH_AHEAD_BYTES = 64 << 20
+
+
+def _total_size(files: list[Path]) -> int:
+    try:
+        return sum(os.lstat(file).st_size for file in files)
+    except OSError:
+        return HASH_AHEAD_BYTES + 1  # something changed under the reader: its checks will say what
+
+
+def _preload(root: Path, manifest_blob: bytes, files: list[Path]) -> dict[Path, tuple]:
+    """``{file: (spec, load attempt, None)}`` for the payload files worth loading ahead (``_attempt`` of
+    :func:`_load_tensor`, judged in its place by :meth:`BundleReader._verify_payloads`, its checksum first): the
+    regular files the reader would hash ahead (:meth:`_Digests.payload_files`) whose key the manifest lists under
+    that name with exactly their size — what a load may inflate is bounded by the declared size. Nothing when the
+    manifest does not decode (the reader reports it in its place)."""
+    try:
+        manifest = MANIFEST_DECODER.decode(manifest_blob)
+    except Exception:
+        return {}
+    out: dict[Path, tuple] = {}
+    for file in files:
+        key = file.name[: -len(PAYLOAD_SUFFIX)]
+        spec = manifest.payloads.get(key)
+        if spec is None or spec.name != key:
+            continue
+        try:
+            if os.lstat(file).st_size != spec.bytes:
+                continue
+        except OSError:
+            continue
+        out[file] = (spec, _attempt(lambda: _load_tensor(file, spec)), None)
+    return out
+
+
 class BundleReader:
     """A verified bundle (or one verified rank shard of a cohort); ``open_bundle`` resolves cohorts too."""
 
@@ -298,11 +340,27 @@ class BundleReader:
         blobs = {name: _read_bytes(root / name, name) for name in METADATA_FILES}
         # decoded once: its payload names start the hashing; its error, if any, is raised in its place
         manifest_attempt = _attempt(lambda: self._raw(root / "manifest.json", blobs["manifest.json"]))
-        digests = _Digests(blobs, _Digests.payload_files(root, manifest_attempt[0]))
+        files = _Digests.payload_files(root, manifest_attempt[0])
+        # Payloads of a usual size are loaded and hashed by the reader while the thread hashes the JSON blobs (one
+        # call each, the GIL released; loads, reads and hash calls release it often, so the thread's return finds
+        # it soon), before the JSON decodes, which hold the GIL from start to end: a thread hashing files beside a
+        # decode would wait for all of it between two files. Larger payloads are hashed by the thread (after the
+        # blobs, so altered JSON files are refused without waiting for them) while the reader decodes and checks.
+        ahead = _total_size(files) <= HASH_AHEAD_BYTES
+        digests = _Digests(blobs, [] if ahead else files)
         try:
+            self._loaded = _preload(root, blobs["manifest.json"], files)
+            if ahead:
+                for file, (spec, attempt, _) in self._loaded.items():
+                    try:
+                        digest = _sha256_regular(file, digests.stop)
+                    except Exception:
+                        digest = None  # hashed again in its place, where its checks name what is wrong
+                    self._loaded[file] = (spec, attempt, digest)
             self._check(shard, blobs, digests, manifest_attempt)
         finally:
             digests.close()  # a bundle refused early leaves no hashing behind
+            self._loaded = {}  # what was loaded ahead and not taken (a refused bundle's) is let go
 
     def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests,
                manifest_attempt) -> None:
@@ -505,8 +563,13 @@ class BundleReader:
             # Loaded while the thread still hashes it (weights_only, within the declared size: no less safe
             # before the checksum than after, a checksum is no signature); the checksum is judged first all
             # the same, so an altered file reports its sha256 mismatch whatever its content does to the load.
-            tensor, unloadable = _attempt(lambda: _load_tensor(file, spec))
-            digest = digests.file(file)
+            early = self._loaded.pop(file, None)
+            if early is not None and early[0] == spec:
+                tensor, unloadable = early[1]
+                digest = early[2] if early[2] is not None else digests.file(file)
+            else:
+                tensor, unloadable = _attempt(lambda: _load_tensor(file, spec))
+                digest = digests.file(file)
             if digest != spec.sha256 or digest != shard.payloads[key]:
                 raise BundleError(
                     f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "

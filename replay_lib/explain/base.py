@@ -103,8 +103,12 @@ def divergence_positions(ctx: StageContext, f: FieldResult, divergences) -> list
     mine = [d for d in divergences if d.field == f.name and d.token_offset is not None and d.rank == ctx.rank]
     if not mine:
         return []
-    wanted = {d.sample_id for d in mine}
-    index = {sid: i for i, sid in enumerate(f.sample_ids) if sid in wanted}
+    index: dict[str, int] = {}
+    for sid in {d.sample_id for d in mine}:  # a few reported samples: a C-level search each, not a dict of all
+        try:
+            index[sid] = f.sample_ids.index(sid)
+        except ValueError:
+            pass
     return [int(f.offsets[index[d.sample_id]]) + d.token_offset for d in mine if d.sample_id in index]
 
 
