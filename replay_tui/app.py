@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence
 
+import torch
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
@@ -186,6 +187,12 @@ class ReplayApp(App[int]):
 
     def _verify_replay_model(self, run: int, progress) -> ReplayModel:
         # "verify" is on screen already (start_replay); later states are posted through the throttle.
+        # The replay's kernels run a chunk of 16k tokens at a time, below torch's parallel grain, on the calling
+        # thread; the few full-length ops above the grain would hand off to the OpenMP pool, whose threads sleep
+        # between two replays of an app: waking them cost more than they save (bench_tui's 4,096-sample step:
+        # 26.6 → 20.8 ms of replay in the app; a 2M-token step replays within 2 % either way, bench_replay). So
+        # the app runs torch on one thread (a process-wide setting: the views' own tensor work is a screenful).
+        torch.set_num_threads(1)
         bundles = open_bundle(self.bundle, step=self.step, rollout=self.rollout, forensic=self.forensic)
         report, contexts = replay_run(bundles, stages=self.stages, selection=self.selection,
                                       max_divergences=self.max_divergences, progress=progress, rules=self.rules)
