@@ -134,3 +134,34 @@ def test_chain_consumes_the_recomputed_rewards_with_their_bound(tmp_path):
                  kl_in_reward="token_returns", kl_coef=0.05)
     report = replay(path, rules=Rules(chain=True))
     assert report.passed and report.mode == "chained", report_to_text(report)
+
+
+@pytest.mark.parametrize("samples", [6, 40000], ids=["one-pass", "chunked"])
+def test_low_var_kl_clamp_hazards_match_a_float64_reference_on_every_token(tmp_path, samples):
+    # advantage.kl's hazard: tokens whose k3 = exp(−r) − 1 + r (r = old − ref) lies beyond low_var_kl's ±10
+    # clamp. k3 = 10 at r = −2.61087 and r = 10.99998: log-ratios a hair inside and outside both roots, far out,
+    # and ordinary ones, on short samples; the hazard's counts per sample against NumPy float64 on every token.
+    # 40,000 samples take the chunked pass (more tokens than KEEP_COLUMNS).
+    gen = np.random.default_rng(7)
+    edges = np.array([-2.6110, -2.6108, -2.6105, 10.9999, 11.0001, 11.5, -30.0, 40.0, -2.5, 10.8], dtype=np.float32)
+    lengths = [int(gen.integers(1, 12)) for _ in range(samples)]
+    total = sum(lengths)
+    r = (gen.normal(0, 1.5, total)).astype(np.float32)
+    where = gen.choice(total, size=min(total, 400), replace=False)
+    r[where] = edges[np.arange(where.size) % edges.size]
+    ref = (-gen.random(total) * 2).astype(np.float32)
+    old = (ref + r).astype(np.float32)
+    exact = old.astype(np.float64) - ref.astype(np.float64)
+    k3 = np.exp(-exact) - 1 + exact
+    kl = np.clip(k3, -10, 10).astype(np.float32)
+    seg = np.repeat(np.arange(samples), lengths)
+    want = np.bincount(seg[np.abs(k3) > 10], minlength=samples)
+    assert 0 < want.sum() < total  # hits and misses (the edge values sit on both sides of both roots)
+    path = producer.write(tmp_path / "kl", raw=np.zeros(samples), groups=list(range(samples)), lengths=lengths,
+                          rewards=np.zeros(samples), advantages=np.zeros(total), kl=kl, old_log_probs=old,
+                          ref_log_probs=ref, kl_coef=0.05, kl_loss_type="low_var_kl")
+    report = replay(path, max_divergences=10**6)
+    found = {h.sample_id: int(h.message.split(": ", 1)[1].split(" ", 1)[0])
+             for h in report.hazards if h.kind == "kl_clamp"}
+    assert found == {f"s-{i}": int(n) for i, n in enumerate(want) if n}
+    assert report.stage("advantage.kl").status == "pass", report_to_text(report)

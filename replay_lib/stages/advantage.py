@@ -11,7 +11,8 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
+from ..error_model import (C_REWARD, C_TOKEN, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff,
+                           whiten_bound)
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
@@ -53,10 +54,27 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
 
     def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
         o, r = old[lo:hi].to(torch.float64), ref[lo:hi].to(torch.float64)
-        truth = compute_approx_kl(o, r, kl_type, dtype=torch.float64)
-        return {"actual": truth, "bound": kl_bound(o - r, truth, kl_type, u_token, u_store)}
+        if kl_type in ("k1", "k2"):
+            truth = compute_approx_kl(o, r, kl_type, dtype=torch.float64)
+            return {"actual": truth, "bound": kl_bound(o - r, truth, kl_type, u_token, u_store)}
+        # k3 and low_var_kl: the estimate and its condition share r and exp(−r) (the same values, computed once,
+        # as kernels.compute_approx_kl and error_model.kl_condition compute them)
+        log_ratio = o - r
+        neg = -log_ratio
+        e = neg.exp()
+        truth = e - 1 - neg
+        if kl_type == "low_var_kl":
+            truth = truth.clamp_(min=-KL_CLAMP, max=KL_CLAMP)
+        cond = (e + 1).add_(log_ratio.abs())
+        return {"actual": truth, "bound": cond.mul_(C_TOKEN * u_token).add_(truth.abs().mul_(u_store))}
 
     return Chunked(chunk)
+
+
+# The float32 log-ratios r outside KL_CANDIDATE_CENTER ± KL_CANDIDATE_HALF = [−2.51, 10.89] may have k3 beyond the
+# ±10 clamp (exactly: r < −2.6109 or r > 10.99998); those are evaluated in float64 (_kl_clamp_hazards).
+KL_CANDIDATE_CENTER = 4.19
+KL_CANDIDATE_HALF = 6.7
 
 
 def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -> None:
@@ -66,10 +84,17 @@ def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -
     # a small token axis in one pass (the context's sample of every token); a large one a chunk at a time
     passes = [(0, total, ctx.seg)] if total <= KEEP_COLUMNS else token_chunks(ctx.lengths)
     for lo, hi, seg in passes:
-        neg = ref[lo:hi].to(torch.float64) - old[lo:hi].to(torch.float64)
+        # k3(r) = exp(−r) − 1 + r exceeds 10 only for r = old − ref below −2.6109 or above 10.99998 (it is convex,
+        # 0 at r = 0): the float32 difference (within 2⁻²⁴·|r| of the exact one) outside [−2.51, 10.89] marks the
+        # candidates, and only those are evaluated exactly in float64
+        near = torch.sub(old[lo:hi].float(), ref[lo:hi].float()).sub_(KL_CANDIDATE_CENTER).abs_() > KL_CANDIDATE_HALF
+        if not bool(near.any()):
+            continue
+        at = torch.nonzero(near).reshape(-1)
+        neg = ref[lo:hi][at].to(torch.float64) - old[lo:hi][at].to(torch.float64)
         over = (neg.exp() - 1 - neg).abs() > KL_CLAMP
         if bool(over.any()):
-            hits.index_add_(0, seg[over], torch.ones(int(over.sum()), dtype=torch.int64))
+            hits.index_add_(0, seg[at[over]], torch.ones(int(over.sum()), dtype=torch.int64))
     for i in torch.nonzero(hits).reshape(-1).tolist():
         ctx.hazard("advantage.kl", "kl_clamp", sample=i, message=(
             f"{ctx.sample_ids[i]}: {int(hits[i])} token(s) with k3 beyond the ±{KL_CLAMP:g} clamp of low_var_kl "

@@ -67,6 +67,9 @@ class ErrorStrip(Widget):
     def cursor_moved(self) -> None:
         """Repaint when the cursor's bins changed (a move within a bin leaves the plot as it is)."""
         diff = self.view.diff
+        if self.size.width <= LABEL_W:  # not laid out yet: its first render computes the profile at its width
+            self.refresh()
+            return
         bins = diff.bins_of_row(self.view.data_row, len(self.profile())) if diff is not None else None
         if bins != self._drawn_bins:
             self.refresh()
