@@ -94,6 +94,18 @@ class _Columns:
     bad: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SampleRuns:
+    """A per-token field constant within each sample on every side: float64 ``[samples]`` columns, each token of
+    sample ``s`` holding exactly ``expected[s]``, ``actual[s]`` and ``tolerance[s]`` (a reward broadcast over its
+    tokens, recorded as such). :func:`compare_field` judges it a sample at a time: the same verdict, counts and
+    divergences as a pass over the tokens (the stage checked the recorded side; see ``StageContext.field``)."""
+
+    expected: torch.Tensor
+    actual: torch.Tensor
+    tolerance: torch.Tensor
+
+
 def _read(column: Column, lo: int, hi: int) -> torch.Tensor:
     if isinstance(column, torch.Tensor):
         return column[lo:hi].to(torch.float64)
@@ -129,7 +141,8 @@ class FieldResult:
                  offsets: Optional[torch.Tensor] = None, lengths: Optional[torch.Tensor] = None,
                  labels: Optional[Sequence[str]] = None, note: str = "", exact: bool = False,
                  rank: Optional[int] = None, compared: Optional[torch.Tensor] = None,
-                 flagged: Optional[torch.Tensor] = None, size: Optional[int] = None) -> None:
+                 flagged: Optional[torch.Tensor] = None, size: Optional[int] = None,
+                 runs: Optional[SampleRuns] = None) -> None:
         if per not in PERS:
             raise ValueError(f"per must be one of {', '.join(PERS)}, got {per!r}")
         self.stage, self.name, self.per = stage, name, per
@@ -154,6 +167,7 @@ class FieldResult:
         self.rank = rank
         self.compared = compared
         self.flagged = flagged
+        self.runs = runs if per == PER_TOKEN and compared is None and not exact else None
 
     def __len__(self) -> int:
         return self.size
@@ -308,6 +322,8 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     if f.compared is None and _same(f._expected, f._actual):
         out.max_abs_error = out.max_noise_ratio = 0.0
         return out
+    if f.runs is not None and f._full is None:
+        return _compare_runs(f, f.runs, keep)
     # Judged a chunk at a time. A field of up to KEEP_COLUMNS rows that diverges keeps its columns (the debugger
     # reads a failing field's rows; its kernel is not run again); one that passes keeps nothing, as its full-length
     # columns would be fresh memory on every replay for a field a view may never open (it recomputes on first view).
@@ -361,6 +377,46 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
             expected=ev, actual=av, abs_error=err, tolerance=tol,
             noise_ratio=(0.0 if err == 0 else err / tol if tol > 0 else math.inf) if finite else None,
         ))
+    return out
+
+
+def _compare_runs(f: FieldResult, runs: SampleRuns, keep: int) -> Comparison:
+    """:func:`compare_field` of a field constant within each sample (:class:`SampleRuns`): each sample judged once
+    (:func:`judge`, the same rule on the same values as each of its tokens), counted by its tokens."""
+    out = Comparison(compared=f.size)
+    lengths = f.lengths
+    present = lengths > 0  # a sample without tokens has no element
+    diff, finite, bad = judge(runs.expected, runs.actual, runs.tolerance)
+    bad = bad & present
+    ok = finite & present
+    err = diff[ok]
+    if err.numel():
+        out.max_abs_error = float(err.max())
+        out.max_noise_ratio = float(noise_ratio(err, runs.tolerance[ok]).max())
+    if bool((present & ~finite).any()):
+        out.max_abs_error = out.max_noise_ratio = float("inf")
+    if not bool(bad.any()):
+        return out
+    if f.size <= KEEP_COLUMNS:
+        f._materialize()  # a failing field keeps its columns, as the pass over the tokens does
+    out.mismatches = int(lengths[bad].sum())
+    out.bad_samples = int(bad.sum())
+    shown = 0
+    for s in torch.nonzero(bad).reshape(-1).tolist():  # the first ``keep`` divergent tokens, in token order
+        start, n = int(f.offsets[s]), int(lengths[s])
+        for off in range(min(n, keep - shown)):
+            w = f.window(start + off, start + off + 1)
+            ev, av, tol = float(w.expected[0]), float(w.actual[0]), float(w.tolerance[0])
+            fin = math.isfinite(ev) and math.isfinite(av)
+            e_abs = abs(av - ev) if fin else None
+            out.divergences.append(Divergence(
+                stage=f.stage, rank=f.rank, sample_id=f.sample_ids[s], group_index=f.group_indices[s], field=f.name,
+                token_offset=off, expected=ev, actual=av, abs_error=e_abs, tolerance=tol,
+                noise_ratio=(0.0 if e_abs == 0 else e_abs / tol if tol > 0 else math.inf) if fin else None,
+            ))
+        shown += min(n, keep - shown)
+        if shown >= keep:
+            break
     return out
 
 

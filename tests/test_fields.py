@@ -10,7 +10,8 @@ import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.demo import write_pr65, write_synthetic
-from replay_lib.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, compare_field, judge, stage_report
+from replay_lib.fields import (PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, SampleRuns, compare_field, judge,
+                               stage_report)
 from replay_lib.runner import replay_run
 
 NAN, INF = float("nan"), float("inf")
@@ -179,3 +180,96 @@ def test_the_debugger_model_reads_the_stages_fields_not_its_own_recompute(tmp_pa
     diff = model.field_diff("kl", "s-3")
     start, n = int(contexts[0].offsets[3]), int(contexts[0].lengths[3])
     assert diff.tolerance_tensor.tolist() == contexts[0].fields["advantage.kl"][0].tolerance[start:start + n].tolist()
+
+
+def _broadcast_pair(seed: int, samples: int, keep_bad: float):
+    """The same broadcast field twice — judged token by token, and a sample at a time (``SampleRuns``) — with
+    empty samples, NaN and ±Inf on either side, samples beyond their tolerance and a zero tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 7, (samples,), generator=gen)
+    lengths[0] = 0
+    offsets = torch.cumsum(lengths, 0) - lengths
+    e_s = torch.randn(samples, generator=gen).to(torch.float32)
+    a_s = e_s.to(torch.float64) + torch.randn(samples, generator=gen, dtype=torch.float64) * 1e-7
+    wrong = torch.rand(samples, generator=gen) < keep_bad
+    a_s[wrong] += torch.rand(int(wrong.sum()), generator=gen, dtype=torch.float64) + 1e-3
+    for k, (ev, av) in enumerate([(NAN, 0.0), (1.0, INF), (INF, INF), (-INF, 0.0), (0.0, NAN)]):
+        e_s[3 + 5 * k], a_s[5 + 5 * k] = ev, av
+    bound_s = torch.rand(samples, generator=gen, dtype=torch.float64) * 1e-6
+    bound_s[7] = 0.0
+    atol, rtol = 1e-8, 1e-6
+    e_tok = e_s.repeat_interleave(lengths)
+
+    def tolerance(lo, hi):
+        b = bound_s.repeat_interleave(lengths)[lo:hi]
+        return e_tok[lo:hi].to(torch.float64).abs().mul_(rtol).add_(atol) + b
+
+    def field(runs):
+        return FieldResult(stage="advantage.estimate", name="advantage", per=PER_TOKEN, expected=e_tok,
+                           actual=a_s.repeat_interleave(lengths), tolerance=tolerance,
+                           sample_ids=[f"s-{i}" for i in range(samples)], group_indices=[i // 4 for i in range(samples)],
+                           offsets=offsets, lengths=lengths, runs=runs)
+
+    runs = SampleRuns(expected=e_s.to(torch.float64), actual=a_s,
+                      tolerance=e_s.to(torch.float64).abs().mul_(rtol).add_(atol) + bound_s)
+    return field(None), field(runs)
+
+
+def _same_comparison(a, b) -> None:
+    def num(x):
+        return "nan" if isinstance(x, float) and math.isnan(x) else x
+    assert (a.compared, a.mismatches, a.bad_samples) == (b.compared, b.mismatches, b.bad_samples)
+    assert num(a.max_abs_error) == num(b.max_abs_error) and num(a.max_noise_ratio) == num(b.max_noise_ratio)
+    assert [repr(d) for d in a.divergences] == [repr(d) for d in b.divergences]  # (repr: NaN reads "nan")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("keep", [1, 4, 50])
+def test_a_broadcast_field_judged_a_sample_at_a_time_is_judged_as_token_by_token(seed, keep):
+    tokens, runs = _broadcast_pair(seed, samples=64, keep_bad=0.2 if seed % 2 else 0.0)
+    assert runs.runs is not None and tokens.runs is None
+    _same_comparison(compare_field(tokens, keep), compare_field(runs, keep))
+    # what a view reads afterwards is the same too
+    assert torch.equal(tokens.bad, runs.bad)
+    torch.testing.assert_close(tokens.tolerance, runs.tolerance, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_clean_broadcast_field_reads_no_token_column():
+    _, runs = _broadcast_pair(0, samples=64, keep_bad=0.0)
+    runs.runs = SampleRuns(expected=torch.zeros(64, dtype=torch.float64), actual=torch.zeros(64, dtype=torch.float64),
+                           tolerance=torch.ones(64, dtype=torch.float64))
+    cmp = compare_field(runs, keep=5)
+    assert (cmp.mismatches, cmp.max_abs_error, cmp.max_noise_ratio) == (0, 0.0, 0.0) and runs._full is None
+
+
+def test_the_estimate_stage_reports_the_same_with_and_without_sample_runs(tmp_path, monkeypatch):
+    # A GRPO step whose advantages are off by 1e-3 on two samples and NaN on one token of a third (not constant
+    # within its sample: that field is judged token by token), then one whose only fault is per sample: the
+    # report — verdict, counts, divergences, JSON — is the same whether the stage judges a sample at a time.
+    from replay_lib.demo import synthetic_parts, write_bundle
+    from replay_lib.report import report_to_json
+    from replay_lib.stages.base import StageContext
+
+    def build(name, nan_token):
+        manifest, index, expected, payloads = synthetic_parts(samples=32, tokens=9, seed=3, bundle_id=name)
+        adv = payloads["advantages"].clone()
+        adv[9 * 5: 9 * 6] += 1e-3
+        adv[9 * 20: 9 * 21] -= 1e-3
+        if nan_token:
+            adv[9 * 7 + 4] = NAN
+        payloads["advantages"] = adv
+        return write_bundle(tmp_path / name, manifest, index, expected, payloads)
+
+    for name, nan_token in (("nan", True), ("plain", False)):
+        path = build(name, nan_token)
+        report, contexts = replay_run(open_bundle(path))
+        field = contexts[0].fields["advantage.estimate"][0]
+        assert (field.runs is None) == nan_token
+        with monkeypatch.context() as m:
+            m.setattr(StageContext, "_runs", lambda self, *a, **k: None)
+            token_report, token_contexts = replay_run(open_bundle(path))
+        assert token_contexts[0].fields["advantage.estimate"][0].runs is None
+        assert report_to_json(report) == report_to_json(token_report)
+        assert report.first_divergent_stage == "advantage.estimate"
+        stage = report.stage("advantage.estimate")
+        assert stage.mismatches == 18 + nan_token and [d.sample_id for d in stage.divergences][:2] == ["s-5", "s-5"]

@@ -208,14 +208,17 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
         if advantages.numel() <= KEEP_COLUMNS:
             # a field this small is kept whole anyway: one gather over the token axis (the context's sample
             # of every token) instead of a search per chunk; the columns are read as slices of it
-            sample = ctx.seg
-            whole_actual, whole_bound = advantages.rewards[sample], per_sample[sample]
+            # (gathered on first read: a field judged a sample at a time reads no token column unless it fails)
+            whole: dict[str, torch.Tensor] = {}
 
-            def actual(lo: int, hi: int) -> torch.Tensor:
-                return whole_actual[lo:hi]
+            def column(name: str, values: torch.Tensor):
+                def read(lo: int, hi: int) -> torch.Tensor:
+                    if name not in whole:
+                        whole[name] = values[ctx.seg]
+                    return whole[name][lo:hi]
+                return read
 
-            def bound(lo: int, hi: int) -> torch.Tensor:
-                return whole_bound[lo:hi]
+            actual, bound = column("actual", advantages.rewards), column("bound", per_sample)
         else:
             def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
                 sample = advantages.sample_of(lo, hi)
@@ -225,7 +228,8 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
             actual, bound = cols.column("actual"), cols.column("bound")
     ctx.outputs["advantages"] = advantages
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
-                      compared=_rule_nan(ctx, None, expected))
+                      compared=_rule_nan(ctx, None, expected),
+                      per_sample=(advantages.rewards, per_sample) if bound is not None else None)
     return ctx.report(
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",

@@ -11,7 +11,7 @@ import torch
 from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
 from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
-from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, stage_report
+from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
 from ..kernels import segment_ids, segment_offsets
 from ..report import Hazard, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
@@ -154,11 +154,17 @@ class StageContext:
 
     def field(self, stage: str, name: str, per: str, expected, actual, *, bound: Optional[Column] = None,
               labels: Optional[list[str]] = None, note: str = "", compared: Optional[torch.Tensor] = None,
-              flagged: Optional[torch.Tensor] = None) -> FieldResult:
+              flagged: Optional[torch.Tensor] = None,
+              per_sample: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> FieldResult:
         """A :class:`FieldResult` of this context: ``per`` token (the selected samples' tokens), sample (one
         element per selected sample) or scalar (``labels`` name the elements). Its tolerance is the bundle's
         ``atol + rtol·|e|`` for the field plus ``bound`` (the producer's rounding bound per element, a
-        tensor or a function of ``(lo, hi)``); an exact field of the bundle's policy has none at all."""
+        tensor or a function of ``(lo, hi)``); an exact field of the bundle's policy has none at all.
+
+        ``per_sample``: ``(actual, bound)`` float64 per selected sample, for a per-token field whose recomputed
+        value and bound are a sample's on each of its tokens (a broadcast): when the recorded tensor is constant
+        within each sample too (checked here, bit for bit), the field is judged a sample at a time
+        (``fields.SampleRuns``), with the same tolerance arithmetic on the same values."""
         atol, rtol = bundle_tolerance(self.reader.manifest.comparison_policy, stage, name, self.rules.tolerance_policy)
         exact_field = is_exact_field(self.reader.manifest.comparison_policy, stage, name)
         e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
@@ -169,6 +175,10 @@ class StageContext:
                 tol += bound[lo:hi].to(torch.float64) if isinstance(bound, torch.Tensor) else bound(lo, hi)
             return tol
 
+        runs = None
+        if per_sample is not None and per == PER_TOKEN and compared is None and not self.rules.exact:
+            runs = self._runs(e, per_sample, atol, rtol, bound is not None and not exact_field)
+
         if per == PER_TOKEN:
             where = dict(sample_ids=self.sample_ids, group_indices=self.group_indices, offsets=self.offsets,
                          lengths=self.lengths)
@@ -178,7 +188,26 @@ class StageContext:
             where = {}
         return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
                            labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
-                           exact=self.rules.exact, **where)
+                           exact=self.rules.exact, runs=runs, **where)
+
+    def _runs(self, e: torch.Tensor, per_sample: tuple[torch.Tensor, torch.Tensor], atol: float, rtol: float,
+              bounded: bool) -> Optional[SampleRuns]:
+        """The per-sample columns of a broadcast field whose recorded tokens repeat one value per sample (NaN
+        never repeats: such a field is judged token by token), else ``None``."""
+        if e.numel() != int(self.lengths.sum()) or e.dtype not in (torch.float32, torch.float64, torch.float16,
+                                                                   torch.bfloat16):
+            return None
+        present = self.lengths > 0
+        first = torch.zeros(self.n, dtype=e.dtype)
+        first[present] = e[self.offsets[present]]
+        if not torch.equal(first.repeat_interleave(self.lengths), e):
+            return None
+        e_s = first.to(torch.float64)
+        actual, bound = per_sample
+        tol = e_s.abs().mul_(rtol).add_(atol)  # the token tolerance's arithmetic, on the sample's values
+        if bounded:
+            tol += bound.to(torch.float64)
+        return SampleRuns(expected=e_s, actual=actual.to(torch.float64), tolerance=tol)
 
     def hazard(self, stage: str, kind: str, *, message: str, sample: Optional[int] = None,
                group_index: Optional[int] = None) -> None:
