@@ -53,11 +53,12 @@ def hazard_marks(model: ReplayModel) -> HazardMarks:
         return NO_HAZARDS
     multi = model.multi_rank
     group_rows: dict[tuple[Optional[int], Optional[int]], list[int]] = {}
-    # placed on groups only when a hazard names a group (not a sample): most steps' hazards name samples
-    for gi, group in enumerate(model.groups if any(h.sample_id is None and h.group_index is not None
-                                                   for h in hazards) else ()):
-        group_rows.setdefault((group.rank, group.group_index), []).append(gi)
-        group_rows.setdefault((None, group.group_index), []).append(gi)  # a hazard without a rank: every rank's
+    # the rows of the groups a hazard names (a few of a step's thousands)
+    named = {h.group_index for h in hazards if h.sample_id is None and h.group_index is not None}
+    for gi, group in enumerate(model.groups if named else ()):
+        if group.group_index in named:
+            group_rows.setdefault((group.rank, group.group_index), []).append(gi)
+            group_rows.setdefault((None, group.group_index), []).append(gi)  # a hazard without a rank: every rank's
     rows: list[HazardRow] = []
     samples: set[int] = set()
     groups: set[int] = set()

@@ -621,6 +621,10 @@ class GroupRow:
     diverging: int  # samples with at least one mismatch
 
 
+# ReplayModel.group_row_of scans the groups this many times before it builds the sample → group table.
+GROUP_SCANS = 8
+
+
 class TreeRows(Sequence[tuple[str, int]]):
     """The sample tree's rows without a tuple per row: a group row, then its shown sample rows, found by
     bisecting the groups' first rows (a 4,096-sample step has 5,120 rows; the tree draws a screenful)."""
@@ -650,7 +654,7 @@ class TreeRows(Sequence[tuple[str, int]]):
         if self._entry_of is None:
             self._entry_of = {gi: e for e, gi in enumerate(self._groups)}
         kind, i = row
-        gi = i if kind == TREE_GROUP else self._model.group_of.get(i) if kind == TREE_SAMPLE else None
+        gi = i if kind == TREE_GROUP else self._model.group_row_of(i) if kind == TREE_SAMPLE else None
         e = self._entry_of.get(gi) if gi is not None else None
         if e is not None:
             if kind == TREE_GROUP:
@@ -687,11 +691,20 @@ class ReplayModel:
         self.by_id = dict(zip(self.samples.ids, range(len(self.samples))))
         self._diffs: dict[tuple[Optional[str], str], FieldDiff] = {}
         self._all_rows = self._tree_rows(False, frozenset())
+        self._group_scans = 0
 
     @functools.cached_property
     def group_of(self) -> dict[int, int]:
         """Sample row → its group's index in :attr:`groups`."""
         return {m: gi for gi, g in enumerate(self.groups) for m in g.samples}
+
+    def group_row_of(self, sample_row: int) -> Optional[int]:
+        """The index in :attr:`groups` of the group holding ``sample_row``: the first few found among the groups
+        (the first frame places one sample: no table of thousands for it), then from :attr:`group_of`."""
+        if "group_of" in self.__dict__ or self._group_scans >= GROUP_SCANS:
+            return self.group_of.get(sample_row)
+        self._group_scans += 1
+        return next((gi for gi, g in enumerate(self.groups) if sample_row in g.samples), None)
 
     def tree_rows(self, diverging_only: bool, folded: AbstractSet[int]) -> "TreeRows":
         """The sample tree's rows: ``("group", group index)`` then its ``("sample", sample index)`` rows

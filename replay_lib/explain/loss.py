@@ -29,7 +29,6 @@ from typing import Optional
 import torch
 
 from ..fields import PER_SCALAR, FieldResult
-from ..kernels import token_chunks
 from ..stages import StageContext, StageInputError
 from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
 from .base import Hypothesis, fmt_number
@@ -141,7 +140,7 @@ def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[di
     full = torch.zeros((6, n), dtype=torch.float64)
     extra = {k: torch.zeros((2, n), dtype=torch.float64) for k in sparse}
     shifted = {v.mask_shift: torch.zeros((5, n), dtype=torch.float64) for v in variants if v.mask_shift}
-    for lo, hi, seg in token_chunks(ctx.lengths):
+    for lo, hi, seg in ctx.token_chunks():
         old = li.old_log_probs[lo:hi].to(torch.float64)
         kl = old - li.log_probs[lo:hi].to(torch.float64)
         ratio = (-kl).exp()

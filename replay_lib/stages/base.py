@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
 from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
-from ..fields import PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
-from ..kernels import segment_ids, segment_offsets
+from ..fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
+from ..kernels import segment_ids, segment_offsets, token_chunks
+from ..kernels.segments import LOSS_CHUNK
 from ..report import Hazard, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
 
@@ -74,6 +75,18 @@ class StageContext:
         if self._seg is None:
             self._seg = segment_ids(self.lengths)
         return self._seg
+
+    def token_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``kernels.token_chunks`` of the selected samples' tokens: the same chunks, each sample of the chunk's
+        tokens sliced from :attr:`seg` when the token axis is small enough to hold it (``fields.KEEP_COLUMNS``)."""
+        total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
+        if total > KEEP_COLUMNS:
+            yield from token_chunks(self.lengths)
+            return
+        seg = self.seg
+        for lo in range(0, total, LOSS_CHUNK):
+            hi = min(lo + LOSS_CHUNK, total)
+            yield lo, hi, seg[lo:hi]
 
     @property
     def config(self) -> RecomputeConfig:

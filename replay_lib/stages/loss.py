@@ -15,7 +15,7 @@ from ..bundle import BundleReader
 from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_hits, loss_scalar_bounds,
                            near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import GrpoReturns, token_chunks
+from ..kernels import GrpoReturns
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
@@ -156,7 +156,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay
-    for lo, hi, seg in token_chunks(ctx.lengths):
+    for lo, hi, seg in ctx.token_chunks():
         m = li.mask[lo:hi].to(torch.float64)
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
@@ -176,7 +176,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(t["kl_loss"], m, out=buf[3])
         magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
         # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
-        cond = lr.abs()
+        abs_lr = cond = lr.abs()
         if sample_cond is not None:
             cond = cond + sample_cond[seg]
         if "is_log_weight" in t:
@@ -207,7 +207,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             # a token the mask may keep or drop: its whole weighted term w·|pg| is open
             torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
         hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high),
-                lr.abs() > EXTREME_LOG_RATIO]
+                abs_lr > EXTREME_LOG_RATIO]
         if knobs.dual_clip:
             chosen = torch.maximum(ratio, ratio.clamp(low, high))
             hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond) & (adv < 0))

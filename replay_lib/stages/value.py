@@ -23,7 +23,6 @@ import torch
 from ..bundle import BundleReader
 from ..error_model import C_NEAR_CLIP, aggregated_condition, scalar_bound
 from ..fields import PER_SCALAR
-from ..kernels import token_chunks
 from ..kernels.loss import VALUE_FIELDS, LossKnobs, agg_divisors, value_fields_from_sums, value_loss_fields, \
     value_token_terms
 from ..report import StageReport
@@ -51,7 +50,7 @@ def _sums(ctx: StageContext, values, old_values, returns, mask, knobs: LossKnobs
     names = ("vf", "clip", "mask", "vf_tok", "near")
     out = torch.zeros((len(names), ctx.n), dtype=torch.float64)
     vf32 = torch.zeros(ctx.n, dtype=torch.float32)
-    for lo, hi, seg in token_chunks(ctx.lengths):
+    for lo, hi, seg in ctx.token_chunks():
         m = mask[lo:hi].to(torch.float64)
         v, old, r = (t[lo:hi].to(torch.float64) for t in (values, old_values, returns))
         t = value_token_terms(v, old, r, knobs.value_clip, dtype=torch.float64)

@@ -92,7 +92,7 @@ class SampleTree(CursorLines):
         si = model.by_id[sample_id]
         if self.diverging_only and not model.samples[si].total_mismatches:
             self.diverging_only = False
-        gi = model.group_of.get(si)
+        gi = model.group_row_of(si)
         if gi is not None and gi in self.folded:
             self.folded.discard(gi)
             self._rebuild()
