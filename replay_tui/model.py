@@ -879,7 +879,7 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     bad = shard.bad[field_name][start:start + n]
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
-    mask = list(sample.loss_mask[:n]) + [0] * max(0, n - len(sample.loss_mask))
+    mask = sample.loss_mask[:n] + [0] * max(0, n - len(sample.loss_mask))  # (a slice is a new list already)
     tol = shard.results[field_name].window(start, start + n).tolerance
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
                      expected=e[start:start + n], actual=a[start:start + n], abs_error=err, bad=bad, mask=mask,

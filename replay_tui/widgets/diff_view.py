@@ -161,6 +161,7 @@ class DiffView(CursorLines):
         super().__init__(id=id)
         self.diff: Optional[FieldDiff] = None
         self._label_width = 6
+        self._columns_memo: Optional[tuple] = None  # (diff, (width, col_offset, label width), Columns)
         self.sort: str = SORT_NONE
         self.divergent_only = False
         self.col_offset = 0
@@ -256,6 +257,14 @@ class DiffView(CursorLines):
 
     # -- layout -----------------------------------------------------------------------------------
     def _columns(self, width: int) -> "Columns":
+        """:meth:`_layout` at ``width``, worked out once per width, field and scroll (every row drawn asks)."""
+        key = (width, self.col_offset, self._label_width)
+        cached = self._columns_memo
+        if cached is None or cached[0] is not self.diff or cached[1] != key:
+            cached = self._columns_memo = (self.diff, key, self._layout(width))
+        return cached[2]
+
+    def _layout(self, width: int) -> "Columns":
         """The row's columns at ``width``: the key (offset, sample, field) always, then by value
         (:data:`PRIORITY`) while they fit — the three numbers while each keeps :data:`NUM_MIN` cells, ×noise,
         tol and the loss mask while the numbers keep :data:`NUM_READABLE` (a narrow terminal drops the mask
