@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -82,7 +83,7 @@ def fmt_count(x: float) -> str:
 STREAM_MARK = "~"
 
 
-def consumer_batch_labels(ctx: StageContext) -> list[str]:
+def consumer_batch_labels(ctx: StageContext) -> "BatchLabels":
     """Each sample's consumer (transfer) batch, in ``ctx``'s sample order: the recorded ``consumer_batch_id``
     (SPEC §3: optional, per sample); else, when the identity lists ``k`` consumer batches for ``n`` samples, the
     batch a stream consumer would take it in — consecutive runs of ``⌈n / k⌉`` of the index, marked ``~``
@@ -95,15 +96,35 @@ def consumer_batch_labels(ctx: StageContext) -> list[str]:
         samples = ctx.reader.index.samples
         placed = consumer_batches(ctx)
         if placed is None:
-            labels = [NOT_RECORDED] * len(samples)
+            cached = BatchLabels([NOT_RECORDED], [0] * len(ctx.indices))
         else:
             ids, label = placed
             recorded = all(getattr(r, "consumer_batch_id", None) is not None for r in samples)
             mark = "" if recorded else STREAM_MARK
-            names = [mark + str(i) for i in ids]  # a few batches: each label built once, then shared
-            labels = [names[k] for k in label.tolist()]
-        cached = ctx.records["consumer_batches"] = [labels[i] for i in ctx.indices] if ctx.partial else labels
+            which = label.tolist()
+            cached = BatchLabels([mark + str(i) for i in ids], [which[i] for i in ctx.indices] if ctx.partial else which)
+        ctx.records["consumer_batches"] = cached
     return cached
+
+
+class BatchLabels(Sequence[str]):
+    """Each sample's consumer batch label (:func:`consumer_batch_labels`): a few batch names and each sample's
+    batch, the label made when a row asks for it (a step's thousands of rows draw a screenful)."""
+
+    def __init__(self, names: list[str], which: list[int]) -> None:
+        self.names, self.which = names, which
+
+    def __len__(self) -> int:
+        return len(self.which)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.names[k] for k in self.which[i]]
+        return self.names[self.which[i]]
+
+    def recorded_any(self) -> bool:
+        """Some sample sits in a consumer batch (recorded, or by stream order)."""
+        return any(self.names[k] != NOT_RECORDED for k in set(self.which))
 
 
 def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[int] = None) -> ElementInputs:

@@ -26,7 +26,7 @@ from replay_lib.compare import as_float64, list_tensor
 from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
-from replay_lib.inputs import NOT_RECORDED, ElementInputs, consumer_batch_labels, element_inputs
+from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing
@@ -614,11 +614,16 @@ class SampleRows(Sequence[SampleRow]):
 
 @dataclass(slots=True)
 class GroupRow:
-    label: str
     rank: Optional[int]
     group_index: Optional[int]
     samples: tuple[int, ...]  # indices into ReplayModel.samples
     diverging: int  # samples with at least one mismatch
+    suffix: str = ""  # " · rank 1" in a cohort's tree
+
+    @property
+    def label(self) -> str:
+        """``g-17`` (and the rank in a cohort): made when a row is drawn, not for each of a step's groups."""
+        return (group_label(self.group_index) if self.group_index is not None else "(no group)") + self.suffix
 
 
 # ReplayModel.group_row_of scans the groups this many times before it builds the sample → group table.
@@ -858,7 +863,7 @@ class ReplayModel:
     @functools.cached_property
     def has_consumer_batches(self) -> bool:
         """Some shard places its samples in consumer batches (recorded, or by stream order)."""
-        return any(label != NOT_RECORDED for sh in self.shards for label in consumer_batch_labels(sh.ctx))
+        return any(consumer_batch_labels(sh.ctx).recorded_any() for sh in self.shards)
 
     def sample_row_index(self, field_name: str, sample_id: str) -> Optional[int]:
         """Row of ``sample_id`` in a per-sample field's table."""
@@ -1052,10 +1057,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
             shown = [k for k in diverging if k in pos]
         bad_per_group = Counter(gidx[k] for k in shown)  # diverging rows per group
         suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
-        for gi, members in order.items():
-            label = (group_label(gi) if gi is not None else "(no group)") + suffix
-            groups.append(GroupRow(label=label, rank=rank, group_index=gi, samples=tuple(members),
-                                   diverging=bad_per_group.get(gi, 0)))
+        groups += [GroupRow(rank, gi, tuple(members), bad_per_group.get(gi, 0), suffix) for gi, members in order.items()]
     fields, unavailable = [], {}
     for spec in FIELDS:
         status = report.stage(spec.stage)

@@ -81,7 +81,7 @@ def test_reward_inputs_are_the_group_its_stats_and_its_members(tmp_path):
     # the bundle lists consumer batches cb-0, cb-1 but records none per sample: the stream layout (4 samples in
     # 2 batches of ⌈4/2⌉ = 2, in index order) places s-0, s-1 in cb-0 — marked ~, a layout and not a record
     assert got.members == (("s-0", "mb-0000", "~cb-0"), ("s-1", "mb-0000", "~cb-0"))
-    assert consumer_batch_labels(ctx) == ["~cb-0", "~cb-0", "~cb-1", "~cb-1"]
+    assert list(consumer_batch_labels(ctx)) == ["~cb-0", "~cb-0", "~cb-1", "~cb-1"]
     # g-1 = s-2, s-3 (raw 10, 12): s-3 is 12 − 11 = 1
     assert element_inputs(ctx, "reward", 3).formula == "r − mean = 12.0 − 11.0 = 1.0 (std normalization off)"
     with pytest.raises(IndexError):
@@ -237,7 +237,7 @@ async def test_the_sample_tree_shows_the_consumer_batch_beside_the_micro_batch(t
         await ready(pilot)
         tree = app.debugger.tree
         assert "cb" not in tree.render_header(tree.row_width, Style()).text.split()
-        assert consumer_batch_labels(app.debugger.model.shards[0].ctx) == ["—"] * 4
+        assert list(consumer_batch_labels(app.debugger.model.shards[0].ctx)) == ["—"] * 4
 
 
 async def test_a_per_sample_loss_divergence_opens_its_sample_s_row(tmp_path):
