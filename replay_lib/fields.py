@@ -244,6 +244,8 @@ class FieldResult:
     def abs_error(self) -> torch.Tensor:
         """float64 ``[size]``: ``|a − e|`` (NaN where either side is not finite)."""
         full = self._materialize()
+        if bool(full.finite.all()):  # the usual field: |a − e| as judged
+            return full.diff
         return torch.where(full.finite, full.diff, torch.full_like(full.diff, float("nan")))
 
     @functools.cached_property
