@@ -1020,11 +1020,11 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         for fname in per_sample_fields:
             if fname not in rec.bad:
                 continue
-            bad = rec.bad[fname].to(torch.int64)
-            if FIELD_BY_NAME[fname].kind == KIND_TOKEN:
-                counts[fname] = torch.zeros(n, dtype=torch.int64).index_add_(0, rec.ctx.seg, bad)
+            if FIELD_BY_NAME[fname].kind == KIND_TOKEN:  # the divergent tokens' samples (a few of many tokens)
+                at = torch.nonzero(rec.bad[fname]).reshape(-1)
+                counts[fname] = torch.zeros(n, dtype=torch.int64).index_add_(0, rec.ctx.seg[at], torch.ones_like(at))
             else:
-                counts[fname] = bad
+                counts[fname] = rec.bad[fname].to(torch.int64)
         # Only diverging samples get a per-field dict; the rest share one empty (never mutated) mapping.
         total = sum(counts.values()) if counts else torch.zeros(n, dtype=torch.int64)
         diverging = {i: {f: int(c[i]) for f, c in counts.items() if int(c[i])}
