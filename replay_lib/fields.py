@@ -22,6 +22,7 @@ NaN or ±Inf, or ``|a − e| > tolerance`` (under ``--exact``: when ``a`` and ``
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -82,16 +83,59 @@ class FieldValues:
         return noise_ratio(self.abs_error, self.tolerance)
 
 
-@dataclass(frozen=True)
 class _Columns:
-    """All rows of a field, materialized once (:meth:`FieldResult._materialize`)."""
+    """All rows of a field, judged once (:meth:`FieldResult._materialize`): the chunk windows as they were judged,
+    each whole column concatenated the first time it is read. A window of rows is sliced from the chunks it
+    overlaps (a copy only across a chunk boundary), so a view that reads one sample's rows never copies the
+    field's million-row columns."""
 
-    expected: torch.Tensor
-    actual: torch.Tensor
-    tolerance: torch.Tensor
-    diff: torch.Tensor  # |a − e| as judged (NaN/Inf where a side is not finite)
-    finite: torch.Tensor
-    bad: torch.Tensor
+    _ATTR = {"expected": "expected", "actual": "actual", "tolerance": "tolerance", "diff": "abs_error",
+             "finite": "finite", "bad": "bad"}
+
+    def __init__(self, parts: Sequence[FieldValues]) -> None:
+        self.parts = list(parts)
+        self.starts = [p.lo for p in self.parts]
+        self._whole: dict[str, torch.Tensor] = {}
+
+    def column(self, name: str) -> torch.Tensor:
+        """Every row of column ``name`` (``diff``: ``|a − e|`` as judged, NaN/Inf where a side is not finite)."""
+        whole = self._whole.get(name)
+        if whole is None:
+            attr = self._ATTR[name]
+            if not self.parts:
+                whole = torch.empty(0, dtype=torch.bool if name in ("finite", "bad") else torch.float64)
+            elif len(self.parts) == 1:
+                whole = getattr(self.parts[0], attr)
+            else:
+                whole = torch.cat([getattr(p, attr) for p in self.parts])
+            self._whole[name] = whole
+        return whole
+
+    expected = property(lambda self: self.column("expected"))
+    actual = property(lambda self: self.column("actual"))
+    tolerance = property(lambda self: self.column("tolerance"))
+    diff = property(lambda self: self.column("diff"))
+    finite = property(lambda self: self.column("finite"))
+    bad = property(lambda self: self.column("bad"))
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of column ``name``."""
+        whole = self._whole.get(name)
+        if whole is not None or not self.parts:
+            return self.column(name)[lo:hi]
+        attr = self._ATTR[name]
+        k = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        pieces = []
+        while k < len(self.parts) and self.starts[k] < hi:
+            part = self.parts[k]
+            values = getattr(part, attr)
+            a, b = max(lo, part.lo) - part.lo, min(hi, part.lo + values.numel()) - part.lo
+            if b > a:
+                pieces.append(values[a:b])
+            k += 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else getattr(self.parts[0], attr)[:0]
 
 
 @dataclass(frozen=True)
@@ -185,11 +229,10 @@ class FieldResult:
         lo = max(0, min(lo, hi))
         compared = self.compared[lo:hi] if self.compared is not None else None
         full = self._full
-        if full is not None:  # sliced from the columns already materialized: no stage kernel runs again
-            diff = full.diff[lo:hi]
-            return FieldValues(lo=lo, expected=full.expected[lo:hi], actual=full.actual[lo:hi],
-                               tolerance=full.tolerance[lo:hi], abs_error=diff, finite=full.finite[lo:hi],
-                               bad=full.bad[lo:hi], compared=compared)
+        if full is not None:  # sliced from the columns already judged: no stage kernel runs again
+            return FieldValues(lo=lo, expected=full.rows("expected", lo, hi), actual=full.rows("actual", lo, hi),
+                               tolerance=full.rows("tolerance", lo, hi), abs_error=full.rows("diff", lo, hi),
+                               finite=full.rows("finite", lo, hi), bad=full.rows("bad", lo, hi), compared=compared)
         e, a = _read(self._expected, lo, hi), _read(self._actual, lo, hi)
         tol = _read(self._tolerance, lo, hi) if not self.exact else torch.zeros_like(e)
         diff, finite, bad = judge(e, a, tol, self.exact)
@@ -215,13 +258,8 @@ class FieldResult:
         return self._keep(list(self.chunks()))
 
     def _keep(self, parts: Sequence[FieldValues]) -> "_Columns":
-        """The columns of ``parts`` (every row, in order) kept as the field's own."""
-        if parts:
-            cols = [torch.cat([getattr(w, name) for w in parts])
-                    for name in ("expected", "actual", "tolerance", "abs_error", "finite", "bad")]
-        else:
-            cols = [torch.empty(0, dtype=torch.float64)] * 4 + [torch.empty(0, dtype=torch.bool)] * 2
-        full = _Columns(*cols)
+        """The judged windows ``parts`` (every row, in order) kept as the field's own columns."""
+        full = _Columns(parts)
         self.__dict__["_columns"] = full
         return full
 

@@ -24,7 +24,7 @@ import torch
 from replay_lib.bundle import BundleReader, BundleSet
 from replay_lib.compare import as_float64, list_tensor
 from replay_lib.error_model import Rules, bundle_tolerance
-from replay_lib.fields import FieldResult, noise_ratio
+from replay_lib.fields import PER_TOKEN, FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
@@ -359,8 +359,12 @@ class ShardRecompute:
             ne, na = result.length_mismatch
             self.unavailable[name] = f"expected {ne} value(s), recomputed {na}"
             return
-        # materialized here, in the replay worker, not on the UI thread's first draw
-        result.expected, result.actual, result.abs_error, result.divergent  # noqa: B018
+        # materialized here, in the replay worker, not on the UI thread's first draw; a per-token field keeps its
+        # judged chunks (a sample's rows are a window of them, token_rows) and only its divergent marks whole
+        if result.per == PER_TOKEN:
+            result.divergent  # noqa: B018
+        else:
+            result.expected, result.actual, result.abs_error, result.divergent  # noqa: B018
         self.results[name] = result
         self.tolerances[name] = bundle_tolerance(self.reader.manifest.comparison_policy, result.stage, name,
                                                  self.ctx.rules.tolerance_policy)
@@ -879,16 +883,17 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     ctx = shard.ctx
     start = int(ctx.offsets[index])
     n = int(ctx.lengths[index])
-    e, a = shard.values[field_name]
-    err = shard.errors[field_name][start:start + n]
+    result = shard.results[field_name]
+    w = result.window(start, start + n)  # the sample's rows of the judged chunks: no copy of the whole field
+    err = w.abs_error if bool(w.finite.all()) else torch.where(w.finite, w.abs_error, torch.full_like(w.abs_error,
+                                                                                                     float("nan")))
     bad = shard.bad[field_name][start:start + n]
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
     mask = sample.loss_mask[:n] + [0] * max(0, n - len(sample.loss_mask))  # (a slice is a new list already)
-    tol = shard.results[field_name].window(start, start + n).tolerance
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
-                     expected=e[start:start + n], actual=a[start:start + n], abs_error=err, bad=bad, mask=mask,
-                     sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=tol)
+                     expected=w.expected, actual=w.actual, abs_error=err, bad=bad, mask=mask,
+                     sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=w.tolerance)
 
 
 def token_diff(bundles: BundleSet, sample_id: str, field_name: str, rules: Rules = Rules()) -> FieldDiff:

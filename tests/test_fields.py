@@ -119,6 +119,21 @@ def test_a_judged_field_keeps_its_columns_for_the_debugger():
     assert f.window(33_000, 34_000).bad.nonzero().reshape(-1).tolist() == [333] and len(calls) == 3
 
 
+def test_a_failing_field_keeps_its_judged_chunks_and_copies_a_whole_column_only_when_read():
+    """The kept columns are the chunk windows as judged: a window of rows is a slice of the chunks it overlaps
+    (a sample of a million-token field costs its rows, not the field), the same values as a fresh judgement."""
+    f, e, actual, calls = _counted_field()
+    compare_field(f, keep=3)
+    assert f._full is not None and f._full._whole == {}  # nothing concatenated by the judgement itself
+    w = f.window(16_000, 17_000)  # across the chunk boundary at 16,384
+    assert torch.equal(w.expected, e[16_000:17_000].to(torch.float64)) and torch.equal(w.actual, actual(16_000, 17_000))
+    inside = f.window(20_000, 20_010)
+    assert inside.expected.data_ptr() == f._full.parts[1].expected[20_000 - 16_384:].data_ptr()  # a slice, no copy
+    assert f._full._whole == {} and len(calls) == 4  # (the one call above is the test's own)
+    assert f.bad.nonzero().reshape(-1).tolist() == [33_333] and set(f._full._whole) == {"bad"}
+    assert torch.equal(f.expected, e.to(torch.float64)) and f.window(39_990, 40_000).lo == 39_990
+
+
 def test_scalar_rows_are_named_by_their_labels_and_a_length_mismatch_is_one_divergence():
     f = FieldResult(stage="loss.policy", name="loss", per=PER_SCALAR, expected=[1.0, 2.0], actual=[1.0, 2.5],
                     tolerance=lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), labels=["loss", "pg_loss"])
