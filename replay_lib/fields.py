@@ -402,22 +402,24 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     samples = f.sample_of(bad_idx)
     out.bad_samples = int(torch.unique(samples).numel()) if samples is not None else out.mismatches
     for k, t in enumerate(bad_idx[:keep].tolist()):
-        w = f.window(t, t + 1)
-        ev, av, tol = float(w.expected[0]), float(w.actual[0]), float(w.tolerance[0])
-        finite = math.isfinite(ev) and math.isfinite(av)
-        err = abs(av - ev) if finite else None
-        sid = grp = off = None
-        if samples is not None:
-            s = int(samples[k])
-            sid, grp = f.sample_ids[s], f.group_indices[s]
-            if f.per == PER_TOKEN:
-                off = t - int(f.offsets[s])
-        out.divergences.append(Divergence(
-            stage=f.stage, rank=f.rank, sample_id=sid, group_index=grp, field=f.element_name(t), token_offset=off,
-            expected=ev, actual=av, abs_error=err, tolerance=tol,
-            noise_ratio=(0.0 if err == 0 else err / tol if tol > 0 else math.inf) if finite else None,
-        ))
+        s = int(samples[k]) if samples is not None else None
+        out.divergences.append(_divergence(f, t, s, t - int(f.offsets[s]) if s is not None and f.per == PER_TOKEN
+                                           else None))
     return out
+
+
+def _divergence(f: FieldResult, t: int, sample: Optional[int], offset: Optional[int]) -> Divergence:
+    """The report's divergence of element ``t`` of ``f`` (of sample ``sample``, at token ``offset``)."""
+    w = f.window(t, t + 1)
+    ev, av, tol = float(w.expected[0]), float(w.actual[0]), float(w.tolerance[0])
+    finite = math.isfinite(ev) and math.isfinite(av)
+    err = abs(av - ev) if finite else None
+    return Divergence(
+        stage=f.stage, rank=f.rank, sample_id=f.sample_ids[sample] if sample is not None else None,
+        group_index=f.group_indices[sample] if sample is not None else None, field=f.element_name(t),
+        token_offset=offset, expected=ev, actual=av, abs_error=err, tolerance=tol,
+        noise_ratio=(0.0 if err == 0 else err / tol if tol > 0 else math.inf) if finite else None,
+    )
 
 
 def _compare_runs(f: FieldResult, runs: SampleRuns, keep: int) -> Comparison:
@@ -444,16 +446,7 @@ def _compare_runs(f: FieldResult, runs: SampleRuns, keep: int) -> Comparison:
     shown = 0
     for s in torch.nonzero(bad).reshape(-1).tolist():  # the first ``keep`` divergent tokens, in token order
         start, n = int(f.offsets[s]), int(lengths[s])
-        for off in range(min(n, keep - shown)):
-            w = f.window(start + off, start + off + 1)
-            ev, av, tol = float(w.expected[0]), float(w.actual[0]), float(w.tolerance[0])
-            fin = math.isfinite(ev) and math.isfinite(av)
-            e_abs = abs(av - ev) if fin else None
-            out.divergences.append(Divergence(
-                stage=f.stage, rank=f.rank, sample_id=f.sample_ids[s], group_index=f.group_indices[s], field=f.name,
-                token_offset=off, expected=ev, actual=av, abs_error=e_abs, tolerance=tol,
-                noise_ratio=(0.0 if e_abs == 0 else e_abs / tol if tol > 0 else math.inf) if fin else None,
-            ))
+        out.divergences += [_divergence(f, start + off, s, off) for off in range(min(n, keep - shown))]
         shown += min(n, keep - shown)
         if shown >= keep:
             break
