@@ -337,17 +337,19 @@ def near_zero_std(stats: GroupStats) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- per token
 
 
-def kl_condition(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """``Σ|terms|`` of the KL estimate at ``r = log_ratio`` (float64)."""
+def kl_condition(log_ratio: torch.Tensor, kl_type: str, exp_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ|terms|`` of the KL estimate at ``r = log_ratio`` (float64); ``exp_neg``: ``exp(−r)`` when the caller
+    has it already (``kernels.kl.kl_of_log_ratio``)."""
     if kl_type == "k1":
         return log_ratio.abs()
     if kl_type == "k2":
         return log_ratio * log_ratio
-    return torch.exp(-log_ratio) + 1 + log_ratio.abs()
+    return (torch.exp(-log_ratio) if exp_neg is None else exp_neg) + 1 + log_ratio.abs()
 
 
-def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token: float, u_store: float) -> torch.Tensor:
-    return C_TOKEN * u_token * kl_condition(log_ratio, kl_type) + u_store * truth.abs()
+def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token: float, u_store: float,
+             exp_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * truth.abs()
 
 
 def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .segments import segment_ids, segment_offsets, segment_sum, LOSS_CHUNK, tok
 from .reward import (STD_EPS, group_normalize, batch_normalize, GROUP_BASELINES, STD_ZERO_RULES, SINGLETON_RULES,
                      ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, GroupRule, group_rule, group_moments, post_process,
                      sequence_kl_score)
-from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, rollout_kl
+from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, kl_of_log_ratio, rollout_kl
 from .advantage import (get_grpo_returns, GrpoReturns, WHITEN_EPS, last_loss_token, token_rewards, discounted_returns,
                         gae_advantages, whiten_stats, whiten)
 from .loss import compute_policy_loss, policy_loss_terms, sum_of_sample_mean, LOSS_FIELDS, policy_loss_fields, POLICY_SUMS, policy_loss_columns, policy_fields_from_sums
@@ -47,6 +47,7 @@ __all__ = [
     "KL_TYPES",
     "KL_CLAMP",
     "compute_approx_kl",
+    "kl_of_log_ratio",
     "rollout_kl",
     "get_grpo_returns",
     "GrpoReturns",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -20,16 +22,22 @@ def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_
     """
     if kl_loss_type not in KL_TYPES:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r} (expected one of {', '.join(KL_TYPES)})")
-    log_ratio = log_probs.to(dtype) - log_probs_base.to(dtype)
+    return kl_of_log_ratio(log_probs.to(dtype) - log_probs_base.to(dtype), kl_loss_type)[0]
+
+
+def kl_of_log_ratio(log_ratio: torch.Tensor, kl_loss_type: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(estimate, exp(−r))`` of :func:`compute_approx_kl` at ``r = log_ratio`` (in its dtype); the exponential
+    is ``None`` for k1 and k2, which have none (the error model's bound of k3 reads the same one)."""
     if kl_loss_type == "k1":
-        return log_ratio
+        return log_ratio, None
     if kl_loss_type == "k2":
-        return log_ratio * log_ratio / 2.0
+        return log_ratio * log_ratio / 2.0, None
     neg = -log_ratio
-    kl = neg.exp() - 1 - neg
+    e = neg.exp()
+    kl = e - 1 - neg
     if kl_loss_type == "low_var_kl":
         kl = torch.clamp(kl, min=-KL_CLAMP, max=KL_CLAMP)
-    return kl
+    return kl, e
 
 
 def rollout_kl(

@@ -11,11 +11,10 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import (C_REWARD, C_TOKEN, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff,
-                           whiten_bound)
+from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
-                       GrpoReturns, compute_approx_kl, discounted_returns, gae_advantages, get_grpo_returns, rollout_kl,
+                       GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
                        WHITEN_EPS, token_chunks, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
@@ -53,20 +52,10 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
     u_token, u_store = ctx.precision.token, unit_roundoff(stored)
 
     def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
-        o, r = old[lo:hi].to(torch.float64), ref[lo:hi].to(torch.float64)
-        if kl_type in ("k1", "k2"):
-            truth = compute_approx_kl(o, r, kl_type, dtype=torch.float64)
-            return {"actual": truth, "bound": kl_bound(o - r, truth, kl_type, u_token, u_store)}
-        # k3 and low_var_kl: the estimate and its condition share r and exp(−r) (the same values, computed once,
-        # as kernels.compute_approx_kl and error_model.kl_condition compute them)
-        log_ratio = o - r
-        neg = -log_ratio
-        e = neg.exp()
-        truth = e - 1 - neg
-        if kl_type == "low_var_kl":
-            truth = truth.clamp_(min=-KL_CLAMP, max=KL_CLAMP)
-        cond = (e + 1).add_(log_ratio.abs())
-        return {"actual": truth, "bound": cond.mul_(C_TOKEN * u_token).add_(truth.abs().mul_(u_store))}
+        log_ratio = old[lo:hi].to(torch.float64) - ref[lo:hi].to(torch.float64)
+        # the estimate and its bound share r and exp(−r) (k3, low_var_kl)
+        truth, exp_neg = kl_of_log_ratio(log_ratio, kl_type)
+        return {"actual": truth, "bound": kl_bound(log_ratio, truth, kl_type, u_token, u_store, exp_neg)}
 
     return Chunked(chunk)
 
