@@ -15,7 +15,7 @@ from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bo
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
-                       WHITEN_EPS, token_chunks, token_rewards, whiten, whiten_stats)
+                       WHITEN_EPS, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
@@ -69,10 +69,7 @@ KL_CANDIDATE_HALF = 6.7
 def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -> None:
     """Samples with tokens whose k3 lies beyond low_var_kl's ±10 clamp."""
     hits = torch.zeros(ctx.n, dtype=torch.int64)
-    total = int(ctx.offsets[-1] + ctx.lengths[-1]) if ctx.n else 0
-    # a small token axis in one pass (the context's sample of every token); a large one a chunk at a time
-    passes = [(0, total, ctx.seg)] if total <= KEEP_COLUMNS else token_chunks(ctx.lengths)
-    for lo, hi, seg in passes:
+    for lo, hi, seg in ctx.token_chunks():
         # k3(r) = exp(−r) − 1 + r exceeds 10 only for r = old − ref below −2.6109 or above 10.99998 (it is convex,
         # 0 at r = 0): the float32 difference (within 2⁻²⁴·|r| of the exact one) outside [−2.51, 10.89] marks the
         # candidates, and only those are evaluated exactly in float64

@@ -12,8 +12,7 @@ from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
 from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
 from ..fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
-from ..kernels import segment_ids, segment_offsets, token_chunks
-from ..kernels.segments import LOSS_CHUNK
+from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets, token_chunks
 from ..report import Hazard, StageReport
 from ..schema import RecomputeConfig, SampleRecord, StageId
 
