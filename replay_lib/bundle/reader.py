@@ -278,33 +278,29 @@ def _check_form(path: Path, key: str, tensor: torch.Tensor) -> None:
 HASH_AHEAD_BYTES = 64 << 20
 
 
-def _total_size(files: list[Path]) -> int:
+def _sizes(files: list[Path]) -> Optional[dict[Path, int]]:
+    """Each file's size, or ``None`` when one vanished under the reader (its checks will say what)."""
     try:
-        return sum(os.lstat(file).st_size for file in files)
+        return {file: os.lstat(file).st_size for file in files}
     except OSError:
-        return HASH_AHEAD_BYTES + 1  # something changed under the reader: its checks will say what
+        return None
 
 
-def _preload(root: Path, manifest_blob: bytes, files: list[Path]) -> dict[Path, tuple]:
+def _preload(manifest_blob: bytes, sizes: dict[Path, int]) -> dict[Path, tuple]:
     """``{file: (spec, load attempt, None)}`` for the payload files worth loading ahead (``_attempt`` of
-    :func:`_load_tensor`, judged in its place by :meth:`BundleReader._verify_payloads`, its checksum first): the
-    regular files the reader would hash ahead (:meth:`_Digests.payload_files`) whose key the manifest lists under
-    that name with exactly their size — what a load may inflate is bounded by the declared size. Nothing when the
-    manifest does not decode (the reader reports it in its place)."""
+    :func:`_load_tensor`, judged in its place by :meth:`BundleReader._verify_payloads`, its checksum first): of the
+    regular files the reader would hash ahead (:meth:`_Digests.payload_files`, with their ``sizes``), those whose
+    key the manifest lists under that name with exactly their size — what a load may inflate is bounded by the
+    declared size. Nothing when the manifest does not decode (the reader reports it in its place)."""
     try:
         manifest = MANIFEST_DECODER.decode(manifest_blob)
     except Exception:
         return {}
     out: dict[Path, tuple] = {}
-    for file in files:
+    for file, size in sizes.items():
         key = file.name[: -len(PAYLOAD_SUFFIX)]
         spec = manifest.payloads.get(key)
-        if spec is None or spec.name != key:
-            continue
-        try:
-            if os.lstat(file).st_size != spec.bytes:
-                continue
-        except OSError:
+        if spec is None or spec.name != key or size != spec.bytes:
             continue
         out[file] = (spec, _attempt(lambda: _load_tensor(file, spec)), None)
     return out
@@ -346,10 +342,11 @@ class BundleReader:
         # it soon), before the JSON decodes, which hold the GIL from start to end: a thread hashing files beside a
         # decode would wait for all of it between two files. Larger payloads are hashed by the thread (after the
         # blobs, so altered JSON files are refused without waiting for them) while the reader decodes and checks.
-        ahead = _total_size(files) <= HASH_AHEAD_BYTES
+        sizes = _sizes(files)
+        ahead = sizes is not None and sum(sizes.values()) <= HASH_AHEAD_BYTES
         digests = _Digests(blobs, [] if ahead else files)
         try:
-            self._loaded = _preload(root, blobs["manifest.json"], files)
+            self._loaded = _preload(blobs["manifest.json"], sizes or {})
             if ahead:
                 for file, (spec, attempt, _) in self._loaded.items():
                     try:
