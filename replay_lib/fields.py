@@ -82,6 +82,18 @@ class FieldValues:
     def noise_ratio(self) -> torch.Tensor:
         return noise_ratio(self.abs_error, self.tolerance)
 
+    @property
+    def shown_error(self) -> torch.Tensor:
+        """``|a − e|`` with NaN where a side is not finite (:attr:`FieldResult.abs_error` of these rows)."""
+        return nan_where_not_finite(self.abs_error, self.finite)
+
+
+def nan_where_not_finite(values: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``values``, NaN where ``finite`` is False (the values themselves when every element is finite)."""
+    if bool(finite.all()):
+        return values
+    return torch.where(finite, values, torch.full_like(values, float("nan")))
+
 
 class _Columns:
     """All rows of a field, judged once (:meth:`FieldResult._materialize`): the chunk windows as they were judged,
@@ -282,9 +294,7 @@ class FieldResult:
     def abs_error(self) -> torch.Tensor:
         """float64 ``[size]``: ``|a − e|`` (NaN where either side is not finite)."""
         full = self._materialize()
-        if bool(full.finite.all()):  # the usual field: |a − e| as judged
-            return full.diff
-        return torch.where(full.finite, full.diff, torch.full_like(full.diff, float("nan")))
+        return nan_where_not_finite(full.diff, full.finite)
 
     @functools.cached_property
     def bad(self) -> torch.Tensor:

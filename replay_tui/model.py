@@ -885,8 +885,7 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     n = int(ctx.lengths[index])
     result = shard.results[field_name]
     w = result.window(start, start + n)  # the sample's rows of the judged chunks: no copy of the whole field
-    err = w.abs_error if bool(w.finite.all()) else torch.where(w.finite, w.abs_error, torch.full_like(w.abs_error,
-                                                                                                     float("nan")))
+    err = w.shown_error
     bad = shard.bad[field_name][start:start + n]
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
@@ -1021,15 +1020,8 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
     groups: list[GroupRow] = []
     for si, rec in enumerate(shards):
         n = len(rec.reader.index.samples)
-        counts: dict[str, torch.Tensor] = {}
-        for fname in per_sample_fields:
-            if fname not in rec.bad:
-                continue
-            if FIELD_BY_NAME[fname].kind == KIND_TOKEN:  # the divergent tokens' samples (a few of many tokens)
-                at = torch.nonzero(rec.bad[fname]).reshape(-1)
-                counts[fname] = torch.zeros(n, dtype=torch.int64).index_add_(0, rec.ctx.seg[at], torch.ones_like(at))
-            else:
-                counts[fname] = rec.bad[fname].to(torch.int64)
+        counts = {fname: c for fname in per_sample_fields if fname in rec.results
+                  and (c := rec.results[fname].per_sample_counts()) is not None}
         # Only diverging samples get a per-field dict; the rest share one empty (never mutated) mapping.
         total = sum(counts.values()) if counts else torch.zeros(n, dtype=torch.int64)
         diverging = {i: {f: int(c[i]) for f, c in counts.items() if int(c[i])}
