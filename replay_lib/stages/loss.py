@@ -15,7 +15,7 @@ from ..bundle import BundleReader
 from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_hits, loss_scalar_bounds,
                            near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
-from ..kernels import GrpoReturns
+from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
@@ -155,16 +155,18 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     zeros = torch.zeros(0, dtype=torch.float64)
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
-    # in the allocator's free lists, where full-length ones would be fresh pages on every replay
+    # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
+    # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
+    rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     for lo, hi, seg in ctx.token_chunks():
-        m = li.mask[lo:hi].to(torch.float64)
+        buf = rows[:, :hi - lo]
+        m = buf[row["mask"]].copy_(li.mask[lo:hi])
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
             li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
             ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64)
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
-        buf = torch.empty((len(names), hi - lo), dtype=torch.float64)
         signed = buf[:n_signed]
         torch.mul(pg, m, out=buf[0])
         torch.mul(t["ppo_kl"], m, out=buf[1])
@@ -182,7 +184,6 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         if "is_log_weight" in t:
             cond = cond + t["is_log_weight"].abs()
         torch.mul(t["clip"], m, out=buf[row["clip"]])
-        buf[row["mask"]].copy_(m)
         if knobs.dual_clip:
             torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
         if kl_loss:
