@@ -73,12 +73,13 @@ def _json_escape(match: re.Match) -> str:
     return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
-def elided_listing(values, limit: int = 4) -> str:
-    """``a, b, c, d … (+60)``: the first ``limit`` of ``values``, then how many more ("—" when empty)."""
+def elided_listing(values, limit: int = 4, fmt=str) -> str:
+    """``a, b, c, d … (+60)``: the first ``limit`` of ``values``, then how many more ("—" when empty); ``fmt``
+    writes each one shown (only those: a step's thousands of groups are counted, not formatted)."""
     values = list(values)
     if not values:
         return "—"
-    shown = ", ".join(str(v) for v in values[:limit])
+    shown = ", ".join(fmt(v) for v in values[:limit])
     return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
 
 

@@ -972,7 +972,7 @@ def identity_lines(bundles: BundleSet, report: ReplayReport,
         ("samples", f"{n_samples} in {n_groups} group{'s' if n_groups != 1 else ''}"
                     + (f" ({len(groups)} ids × {len(bundles.shards)} ranks)" if n_groups != len(groups) else "")
                     + f", {n_tokens} tokens"),
-        ("groups", elided_listing([f"g-{g}" for g in groups[:4]] + groups[4:])),  # (the rest only counted)
+        ("groups", elided_listing(groups, fmt=group_label)),
         ("cohorts", elided_listing(_cohort_ids(bundles, "normalization_cohort_ids"))),
         ("partitions", elided_listing(_cohort_ids(bundles, "rollout_partition_ids"))),
         ("consumer", elided_listing(_cohort_ids(bundles, "consumer_batch_ids"))),

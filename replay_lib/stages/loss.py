@@ -157,9 +157,9 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
-    rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
+    chunk_rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     for lo, hi, seg in ctx.token_chunks():
-        buf = rows[:, :hi - lo]
+        buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
