@@ -93,6 +93,7 @@ exceeds the declared noise (see the README).
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -289,7 +290,8 @@ def reward_bound(raw: torch.Tensor, stats: GroupStats, truth: torch.Tensor, std_
     if equal.numel():
         value = torch.zeros(stats.size.numel(), dtype=torch.float64).index_copy_(
             0, stats.inverse, raw.to(torch.float64))  # any member's reward: they are equal
-        exact = [k for k in equal.tolist() if exact_multiples(float(value[k]), int(stats.size[k]))]
+        values, sizes = value.tolist(), stats.size.tolist()
+        exact = [k for k in equal.tolist() if exact_multiples(values[k], int(sizes[k]))]
         if exact:
             hit = torch.zeros(stats.size.numel(), dtype=torch.bool)
             hit[exact] = True
@@ -305,8 +307,9 @@ def exact_multiples(r: float, n: int) -> bool:
     writes exactly 0, and the bound there is 0."""
     if r == 0:
         return True
-    if not math.isfinite(r) or float(torch.tensor(r, dtype=torch.float32)) != r or abs(r) < 2.0 ** -100 \
-            or abs(r) * n > 2.0 ** 100:
+    # the magnitude first: within it the float32 round trip (struct's correctly rounded cast) cannot overflow
+    if not math.isfinite(r) or abs(r) < 2.0 ** -100 or abs(r) * n > 2.0 ** 100 \
+            or struct.unpack("f", struct.pack("f", r))[0] != r:
         return False
     mantissa = int(abs(math.frexp(r)[0]) * 2 ** 24)  # a 24-bit integer: r is a float32 value
     width = mantissa.bit_length() - ((mantissa & -mantissa).bit_length() - 1)

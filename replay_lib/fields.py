@@ -45,24 +45,41 @@ def judge(expected: torch.Tensor, actual: torch.Tensor, tolerance: torch.Tensor,
     """The one divergence rule, on float64 tensors: ``(abs_error, finite, bad)``. ``abs_error`` is
     ``|a − e|`` (NaN/Inf where a side is not finite); ``bad``: a side is NaN or ±Inf, or ``|a − e| > tolerance``
     (a NaN tolerance admits nothing), or, ``exact``, the two differ bitwise."""
+    diff, finite, bad, _ = _judge(expected, actual, tolerance, exact)
+    return diff, finite, bad
+
+
+def _judge(expected: torch.Tensor, actual: torch.Tensor, tolerance: torch.Tensor, exact: bool):
+    """:func:`judge`, and the largest ``|a − e|`` when every element is finite (``None`` otherwise)."""
     diff = (actual - expected).abs()
-    # |a − e| < ∞ exactly where both sides are finite, but for two finite values more than the largest double
-    # apart: the usual all-finite window takes one comparison, any other the two tests
-    finite = diff < math.inf
-    all_finite = bool(finite.all())
-    if not all_finite:
+    # the largest |a − e| (a max propagates NaN) is finite exactly when both sides are finite everywhere, but for
+    # two finite values more than the largest double apart: the usual all-finite window takes that one reduction
+    # (its value is the window's largest error), any other the tests per element
+    top = float(diff.max()) if diff.numel() else 0.0
+    all_finite = top < math.inf
+    if all_finite:
+        finite = torch.ones(diff.shape, dtype=torch.bool)
+    else:
         finite = torch.isfinite(actual) & torch.isfinite(expected)
     if exact:
         differ = actual.view(torch.int64) != expected.view(torch.int64)
     else:
         differ = ~(diff <= tolerance)
-    return diff, finite, differ if all_finite else ~finite | differ
+    return diff, finite, differ if all_finite else ~finite | differ, top if all_finite else None
 
 
 def noise_ratio(abs_error: torch.Tensor, tolerance: torch.Tensor) -> torch.Tensor:
     """``|a − e| / tolerance``: 0 where the two are equal, ∞ for a difference against a zero tolerance."""
     ratio = abs_error / tolerance
     return ratio.masked_fill_(abs_error == 0, 0.0)
+
+
+def _max_noise_ratio(abs_error: torch.Tensor, tolerance: torch.Tensor) -> float:
+    """The largest :func:`noise_ratio`. Where ``|a − e| = 0`` the quotient is already 0 unless the tolerance is 0
+    (or NaN) too: the plain quotient's max is the answer unless it is NaN (a max propagates NaN), and only then
+    are the equal elements masked."""
+    top = float((abs_error / tolerance).max())
+    return top if top == top else float(noise_ratio(abs_error, tolerance).max())
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,8 @@ class FieldValues:
     finite: torch.Tensor
     bad: torch.Tensor
     compared: Optional[torch.Tensor]  # bool: elements the stage compares (None: all of them)
+    # the largest |a − e| of the rows when every one is finite (None otherwise, or not known)
+    max_error: Optional[float] = None
 
     @property
     def noise_ratio(self) -> torch.Tensor:
@@ -247,11 +266,11 @@ class FieldResult:
                                finite=full.rows("finite", lo, hi), bad=full.rows("bad", lo, hi), compared=compared)
         e, a = _read(self._expected, lo, hi), _read(self._actual, lo, hi)
         tol = _read(self._tolerance, lo, hi) if not self.exact else torch.zeros_like(e)
-        diff, finite, bad = judge(e, a, tol, self.exact)
+        diff, finite, bad, top = _judge(e, a, tol, self.exact)
         if compared is not None:
             bad = bad & compared
         return FieldValues(lo=lo, expected=e, actual=a, tolerance=tol, abs_error=diff, finite=finite, bad=bad,
-                           compared=compared)
+                           compared=compared, max_error=top)
 
     def chunks(self, chunk: int = CHUNK) -> Iterator[FieldValues]:
         for lo in range(0, self.size, chunk):
@@ -384,19 +403,19 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     for w in (f.chunks() if f._full is None else [f.window()]):
         if small:
             seen.append(w)
+        known = w.compared is None and w.max_error is not None  # every row compared, all finite, its max known
         ok = w.finite if w.compared is None else w.finite & w.compared
-        all_ok = bool(ok.all())
+        all_ok = known or bool(ok.all())
         if w.compared is None:
             any_nonfinite = any_nonfinite or not all_ok
         else:
             any_nonfinite = any_nonfinite or bool((w.compared & ~w.finite).any())
         err = w.abs_error if all_ok else w.abs_error[ok]
         if err.numel():
-            m = float(err.max())
+            m = w.max_error if known else float(err.max())
             if out.max_abs_error is None or m > out.max_abs_error:
                 out.max_abs_error = m
-            ratio = noise_ratio(err, w.tolerance if all_ok else w.tolerance[ok])
-            r = float(ratio.max())
+            r = _max_noise_ratio(err, w.tolerance if all_ok else w.tolerance[ok])
             if out.max_noise_ratio is None or r > out.max_noise_ratio:
                 out.max_noise_ratio = r
         if bool(w.bad.any()):

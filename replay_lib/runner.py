@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
+import torch
+
 from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
 from .error_model import Rules, tolerance_warnings
 from .errors import BundleError, SelectionError, UnsupportedError
@@ -192,7 +194,7 @@ def replay_run(
     that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
     evaluate the known-bug hypotheses of each failing stage (``replay_lib.explain``; under ``--chain`` the
     downstream stages are marked either way)."""
-    with gc_paused():
+    with gc_paused(), torch.inference_mode():
         return _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain)
 
 

@@ -620,7 +620,7 @@ class SampleRows(Sequence[SampleRow]):
 class GroupRow:
     rank: Optional[int]
     group_index: Optional[int]
-    samples: tuple[int, ...]  # indices into ReplayModel.samples
+    samples: Sequence[int]  # indices into ReplayModel.samples (a range when they sit together)
     diverging: int  # samples with at least one mismatch
     suffix: str = ""  # " · rank 1" in a cohort's tree
 
@@ -990,12 +990,39 @@ def identity_lines(bundles: BundleSet, report: ReplayReport,
     return rows
 
 
+def group_rows(gidx: Sequence[Optional[int]], first: int) -> dict[Optional[int], Sequence[int]]:
+    """Each group's sample rows, for a shard whose samples are rows ``first, first + 1, …`` in index order; the
+    groups in the order they first appear. When every group's samples sit together (the usual layout) its rows
+    are a ``range``, found with a few tensor operations rather than a step per sample; otherwise lists."""
+    try:
+        g = list_tensor(gidx, torch.int64)
+    except (TypeError, OverflowError):  # a sample without a group (None)
+        g = None
+    if g is not None and g.numel():
+        starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), g[1:] != g[:-1]])).reshape(-1)
+        keys = g[starts].tolist()
+        if len(set(keys)) == len(keys):  # one run per group
+            bounds = starts.tolist() + [g.numel()]
+            return {k: range(first + bounds[j], first + bounds[j + 1]) for j, k in enumerate(keys)}
+    order: dict[Optional[int], list[int]] = {}
+    row = first
+    for gi, run in itertools.groupby(gidx):  # one step per run of equal group indices
+        n = len(list(run))
+        members = order.get(gi)
+        if members is None:
+            order[gi] = list(range(row, row + n))
+        else:
+            members.extend(range(row, row + n))
+        row += n
+    return order
+
+
 def build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str] = None,
                 contexts: Optional[Sequence[Optional[StageContext]]] = None) -> ReplayModel:
     """What the panes show, built in the replay worker (off the UI thread). The fields of the failing
     stages are compared now (they mark the diverging samples); the others on first view. ``contexts``
     (from :func:`replay_lib.runner.replay_run`) carry what the replay already recomputed."""
-    with gc_paused():
+    with gc_paused(), torch.inference_mode():
         return _build_model(bundles, report, name, contexts)
 
 
@@ -1034,18 +1061,9 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         rank = rec.rank
         first = samples.add_shard(si, records, picks, rank, diverging, compared, totals)
         gidx = rec.ctx.group_indices  # the shard's context covers all its samples, in order
-        order: dict[Optional[int], list[int]] = {}
+        order: dict[Optional[int], Sequence[int]] = {}
         if picks is None:
-            # a group's samples usually sit together: one step per run of equal group indices
-            row = first
-            for g, run in itertools.groupby(gidx):
-                n = len(list(run))
-                members = order.get(g)
-                if members is None:
-                    order[g] = list(range(row, row + n))
-                else:
-                    members.extend(range(row, row + n))
-                row += n
+            order = group_rows(gidx, first)
             shown = diverging  # every sample is a row
         else:
             pos = {i: row for row, i in enumerate(picks, first)}
@@ -1054,7 +1072,8 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
             shown = [k for k in diverging if k in pos]
         bad_per_group = Counter(gidx[k] for k in shown)  # diverging rows per group
         suffix = f" · rank {rank}" if len(shards) > 1 and rank is not None else ""
-        groups += [GroupRow(rank, gi, tuple(members), bad_per_group.get(gi, 0), suffix) for gi, members in order.items()]
+        groups += [GroupRow(rank, gi, members if isinstance(members, range) else tuple(members),
+                            bad_per_group.get(gi, 0), suffix) for gi, members in order.items()]
     fields, unavailable = [], {}
     for spec in FIELDS:
         status = report.stage(spec.stage)

@@ -212,9 +212,16 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
     worst = torch.zeros(stats.size.numel(), dtype=torch.float64).scatter_reduce(
         0, stats.inverse, bound, reduce="amax", include_self=True)
     skip = " (std_zero=skip: a producer that rounds it to 0 leaves the centred value)" if rule.std_zero == "skip" else ""
-    for k in torch.nonzero((stats.size == 1) | tiny | zero | (loo_first >= 0)).reshape(-1).tolist():
+    flagged = torch.nonzero((stats.size == 1) | tiny | zero | (loo_first >= 0)).reshape(-1).tolist()
+    if not flagged:
+        return
+    # the groups' columns as lists: a step with hundreds of flagged groups (all-equal rewards are common in GRPO)
+    # reads them as Python values, not as a tensor element (two torch calls) each
+    size, std_of, max_abs = stats.size.tolist(), stats.std.tolist(), stats.max_abs.tolist()
+    tiny, zero, loo_first, worst = tiny.tolist(), zero.tolist(), loo_first.tolist(), worst.tolist()
+    for k in flagged:
         g = ctx.group_indices[first[k]]
-        n = int(stats.size[k])
+        n = int(size[k])
         if n == 1:
             if rule.singleton is not None:
                 value = {"nan": "NaN", "zero": "0", "raw": "its raw reward (mean 0, std 1)"}[rule.singleton]
@@ -225,19 +232,19 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
                 what = "its normalized reward is 0" if rule.baseline == "mean" else "its leave-one-out baseline is undefined (NaN)"
             ctx.hazard(stage, "singleton_group", group_index=g, message=f"group g-{g} has a single sample: {what}")
             continue
-        if bool(tiny[k]) and float(worst[k]) > 0:  # (equal rewards whose every sum is exact normalize to 0)
+        if tiny[k] and worst[k] > 0:  # (equal rewards whose every sum is exact normalize to 0)
             ctx.hazard(stage, "near_zero_std", group_index=g, message=(
-                f"group g-{g}: std {float(stats.std[k]):.3g} of its {n} rewards is at the rounding level of their "
-                f"mean (max |r| {float(stats.max_abs[k]):g}): a float32 producer's normalized values there are "
-                f"rounding noise, admitted up to ±{float(worst[k]):.3g}{skip}"))
-        elif int(loo_first[k]) >= 0:
-            i = int(loo_first[k])
+                f"group g-{g}: std {std_of[k]:.3g} of its {n} rewards is at the rounding level of their "
+                f"mean (max |r| {max_abs[k]:g}): a float32 producer's normalized values there are "
+                f"rounding noise, admitted up to ±{worst[k]:.3g}{skip}"))
+        elif loo_first[k] >= 0:
+            i = loo_first[k]
             ctx.hazard(stage, "near_zero_std", group_index=g, sample=i, message=(
                 f"group g-{g}: {ctx.sample_ids[i]}'s leave-one-out std over the other {n - 1} rewards is "
                 f"{float(sample_std[i]):.3g}, at the rounding level of E[r²] − b² (max |r| "
-                f"{float(stats.max_abs[k]):g}): a float32 producer may divide by rounding noise there, admitted up "
+                f"{max_abs[k]:g}): a float32 producer may divide by rounding noise there, admitted up "
                 f"to ±{float(bound[i]):.3g}{skip}"))
-        if bool(zero[k]):
+        if zero[k]:
             ctx.hazard(stage, "zero_advantage_group", group_index=g, message=(
                 f"group g-{g}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
                 f"policy gradient"))
