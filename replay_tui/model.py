@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AbstractSet, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
@@ -206,20 +207,23 @@ class FieldDiff:
         n = len(self)
         if n == 0 or bins <= 0:
             return [], [], 0.0
-        err = self.error_tensor.clone()
-        err = torch.where(torch.isnan(err) & self.bad_tensor, torch.full_like(err, float("inf")), err)
-        err = torch.nan_to_num(err, nan=0.0, posinf=float("inf"))
-        # the largest finite |err| (a where, not a boolean index: that costs ms on a 32k-token sample)
-        top = float(torch.where(torch.isinf(err), torch.zeros_like(err), err).max())
+        err = self.error_tensor
+        top = float(err.max())  # a max propagates NaN: finite exactly when every element is
+        if not math.isfinite(top):
+            err = torch.where(torch.isnan(err) & self.bad_tensor, torch.full_like(err, float("inf")), err)
+            err = torch.nan_to_num(err, nan=0.0, posinf=float("inf"))
+            # the largest finite |err| (a where, not a boolean index: that costs ms on a 32k-token sample)
+            top = float(torch.where(torch.isinf(err), torch.zeros_like(err), err).max())
         if bins >= n:
             rows = torch.arange(bins, dtype=torch.int64) * n // bins
-            peak, flagged = err[rows], self.bad_tensor[rows]
-        else:
-            which = torch.arange(n, dtype=torch.int64) * bins // n
-            peak = torch.zeros(bins, dtype=torch.float64).scatter_reduce(0, which, err, reduce="amax",
-                                                                         include_self=True)
-            flagged = torch.zeros(bins, dtype=torch.int64).index_add_(0, which, self.bad_tensor.to(torch.int64)) > 0
-        return peak.tolist(), flagged.tolist(), top
+            return err[rows].tolist(), self.bad_tensor[rows].tolist(), top
+        # bin b draws the rows from row_of_bin(b) to the next bin's first: contiguous runs, none empty, each bin's
+        # max one reduction over its run
+        starts = [-(-b * n // bins) for b in range(bins)]
+        peak = np.maximum.reduceat(err.numpy(), starts).tolist()
+        flagged = torch.zeros(bins, dtype=torch.bool)
+        flagged[torch.nonzero(self.bad_tensor).reshape(-1) * bins // n] = True
+        return peak, flagged.tolist(), top
 
     def row_of_bin(self, b: int, bins: int) -> int:
         """The first row drawn in bin ``b`` (clicking the strip jumps there)."""
@@ -889,7 +893,8 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     bad = shard.bad[field_name][start:start + n]
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
-    mask = sample.loss_mask[:n] + [0] * max(0, n - len(sample.loss_mask))  # (a slice is a new list already)
+    recorded = sample.loss_mask  # read, never written: a 32k-token sample's list is not copied
+    mask = recorded if len(recorded) == n else recorded[:n] + [0] * max(0, n - len(recorded))
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
                      expected=w.expected, actual=w.actual, abs_error=err, bad=bad, mask=mask,
                      sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=w.tolerance)

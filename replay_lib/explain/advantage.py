@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from ..compare import as_float64
 from ..error_model import advantage_bound, unit_roundoff
 from ..fields import FieldResult
 from ..kernels import GrpoReturns
@@ -126,7 +125,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"advantage": values},
                               bounds={"advantage": bound}))
 
-    raw = as_float64([s.raw_reward for s in ctx.samples])
+    raw = ctx.raw_rewards
     if bool(torch.isfinite(raw).all()):
         add("advantage.unnormalized", "the recorded advantages are the raw rewards broadcast (not normalized)", raw)
     add("advantage.sign_flipped", "the recorded advantages are the normalized rewards negated", -rewards)

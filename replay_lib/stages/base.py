@@ -65,6 +65,7 @@ class StageContext:
         else:
             self.token_index = None
         self._mask: Optional[torch.Tensor] = None
+        self._raw: Optional[torch.Tensor] = None
 
     @property
     def seg(self) -> torch.Tensor:
@@ -112,6 +113,14 @@ class StageContext:
     @property
     def n(self) -> int:
         return len(self.indices)
+
+    @property
+    def raw_rewards(self) -> torch.Tensor:
+        """float64 ``[samples]``: the selected samples' recorded raw rewards (``None`` is NaN), made once (the reward
+        stages and their explanations read them)."""
+        if self._raw is None:
+            self._raw = as_float64([s.raw_reward for s in self.samples])
+        return self._raw
 
     @property
     def loss_mask(self) -> torch.Tensor:

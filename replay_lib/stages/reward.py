@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from ..compare import Comparison, as_float64, list_tensor
+from ..compare import Comparison, list_tensor
 from ..fields import PER_SAMPLE
 from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, U32, exact_zero_std, group_stats, near_zero_std,
                            reward_bound, singleton_bound)
@@ -26,7 +26,7 @@ def _expected_list_present(reader: BundleReader, stage: str, key: str) -> list[s
 
 def run_reward_raw(ctx: StageContext) -> StageReport:
     expected = ctx.expected_list("reward.raw", "raw_rewards")
-    actual = as_float64([s.raw_reward for s in ctx.samples])
+    actual = ctx.raw_rewards
     field = ctx.field("reward.raw", "raw_reward", PER_SAMPLE, expected, actual)
     return ctx.report(StageId.REWARD_RAW, [field], pass_reason=f"{ctx.n} sample(s) compared",
                       fail_reason=lambda total, per: f"raw reward mismatch in {total.bad_samples} sample(s)")
@@ -66,7 +66,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
             ))
     # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
     # them is what the bound admits); under --exact the producer's float32 kernel
-    raw = as_float64([s.raw_reward for s in ctx.samples])
+    raw = ctx.raw_rewards
     groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
                          torch.int64)
     score, magnitude, score_error = _scores(ctx, raw)
