@@ -117,22 +117,25 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 # gc=False: a step holds thousands of records, and a record (strings, numbers, a list of ints) can never be
-# part of a reference cycle, so the collector need not track or walk them.
+# part of a reference cycle, so the collector need not track or walk them. The fields are declared in the order
+# the wire writes the keys (sorted, SPEC §2.1): the decoder then finds each key's field at its first guess
+# (≈ 6 % of decoding a 4,096-sample index). Keyword-only: the order means nothing else.
 class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
-    sample_id: str
     group_index: Optional[Int] = None
-    response_length: Int
-    total_length: Int
-    loss_mask: list[Int]
-    raw_reward: Optional[float] = None
-    reward: Optional[float] = None
-    label_hash: Optional[str] = None
-    micro_batch_id: Optional[str] = None
-    # Redacted text fields (written only as the manifest's redaction policy says; ``None`` = dropped).
-    prompt: Optional[str] = None
-    response: Optional[str] = None
+    # Redacted text fields (label, prompt, response, tool_output) are written only as the manifest's redaction
+    # policy says; ``None`` = dropped.
     label: Optional[str] = None
+    label_hash: Optional[str] = None
+    loss_mask: list[Int]
+    micro_batch_id: Optional[str] = None
+    prompt: Optional[str] = None
+    raw_reward: Optional[float] = None
+    response: Optional[str] = None
+    response_length: Int
+    reward: Optional[float] = None
+    sample_id: str
     tool_output: Optional[str] = None
+    total_length: Int
 
 
 class AdvantageWhitenStats(_Struct, kw_only=True, forbid_unknown_fields=True):
