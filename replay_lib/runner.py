@@ -193,7 +193,11 @@ def replay_run(
     left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
     that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
     evaluate the known-bug hypotheses of each failing stage (``replay_lib.explain``; under ``--chain`` the
-    downstream stages are marked either way)."""
+    downstream stages are marked either way).
+
+    The stages run under ``torch.inference_mode`` (no autograd bookkeeping on the replay's thousands of torch
+    calls): the tensors the contexts hold are inference tensors, read freely anywhere, never modified in place
+    outside that mode (copy one first)."""
     with gc_paused(), torch.inference_mode():
         return _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain)
 
