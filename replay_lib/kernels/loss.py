@@ -58,12 +58,10 @@ def policy_loss_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compute_policy_loss` and the ratio ``exp(−ppo_kl)`` it took: ``(pg_losses, clipfrac, ratio)``."""
     ratio = (-ppo_kl).exp()
-    # −r·A as r·A negated, in place (a negation is exact: the same bits), and the max written over the first:
-    # three chunk-long temporaries fewer per call
-    pg_losses1 = torch.mul(ratio, advantages).neg_()
-    pg_losses2 = ratio.clamp(1 - eps_clip, 1 + eps_clip_high).mul_(advantages).neg_()
+    pg_losses1 = -ratio * advantages
+    pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
     clipfrac = torch.gt(pg_losses2, pg_losses1).to(ppo_kl.dtype)
-    pg_losses = torch.maximum(pg_losses1, pg_losses2, out=pg_losses1)
     return pg_losses, clipfrac, ratio
 
 
