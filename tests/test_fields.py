@@ -288,3 +288,26 @@ def test_the_estimate_stage_reports_the_same_with_and_without_sample_runs(tmp_pa
         assert report.first_divergent_stage == "advantage.estimate"
         stage = report.stage("advantage.estimate")
         assert stage.mismatches == 18 + nan_token and [d.sample_id for d in stage.divergences][:2] == ["s-5", "s-5"]
+
+
+def test_a_zero_error_against_a_zero_tolerance_has_noise_ratio_zero():
+    # |a − e| = 0 with tolerance 0: the quotient is 0/0, the ratio 0 (the max falls back to the masked quotient)
+    f = token_field([1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 2.0, 3.0, 4.0, 5.25],
+                    torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5], dtype=torch.float64))
+    cmp = compare_field(f, keep=5)
+    assert (cmp.mismatches, cmp.max_abs_error, cmp.max_noise_ratio) == (0, 0.25, 0.5)
+    # and a nonzero error against a zero tolerance is an infinite ratio, a divergence
+    g = token_field([1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 2.5, 3.0, 4.0, 5.0],
+                    torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5], dtype=torch.float64))
+    cmp = compare_field(g, keep=5)
+    assert (cmp.mismatches, cmp.max_abs_error, cmp.max_noise_ratio) == (1, 0.5, INF)
+
+
+def test_two_finite_values_further_apart_than_the_largest_double_are_finite_and_divergent():
+    big = 1.7e308
+    diff, finite, bad = judge(torch.tensor([-big, 0.0], dtype=torch.float64), torch.tensor([big, 0.0], dtype=torch.float64),
+                              torch.full((2,), 1.0, dtype=torch.float64))
+    assert diff.tolist() == [INF, 0.0] and finite.tolist() == [True, True] and bad.tolist() == [True, False]
+    cmp = compare_field(token_field([-big, 0.0, 0.0, 0.0, 0.0], [big, 0.0, 0.0, 0.0, 0.0],
+                                    torch.full((5,), 1.0, dtype=torch.float64)), keep=5)
+    assert cmp.mismatches == 1 and cmp.max_abs_error == INF

@@ -21,6 +21,7 @@ from replay_tui.model import (
     build_model,
     field_for_divergence,
     first_divergence_text,
+    group_rows,
     token_diff,
 )
 from replay_tui.cells import fit_number, fmt_ratio, fmt_tolerance
@@ -307,3 +308,31 @@ def test_identity_values_wrap_at_spaces_and_cut_long_words_after_a_separator():
     lines = wrap_rows([("id", "abcdefghijklmnopqrstuvwxyz")], 12)
     assert "".join(v for _, _, v, _ in lines) == "abcdefghijklmnopqrstuvwxyz"
     assert all(len(v) <= 12 - 2 - 1 for _, _, v, _ in lines)
+
+
+def test_group_rows_are_ranges_when_groups_sit_together():
+    assert group_rows([0, 0, 1, 1, 2], 0) == {0: range(0, 2), 1: range(2, 4), 2: range(4, 5)}
+    assert group_rows([7, 7, 3], 10) == {7: range(10, 12), 3: range(12, 13)}  # rows from the shard's first
+    # a group that comes back later, or a sample without a group: lists, groups in order of first appearance
+    assert group_rows([0, 1, 0], 5) == {0: [5, 7], 1: [6]}
+    assert group_rows([None, None, 1], 0) == {None: [0, 1], 1: [2]}
+    assert group_rows([], 0) == {}
+
+
+@pytest.mark.parametrize("n,bins", [(1000, 7), (1000, 104), (999, 1000), (5, 9)])
+def test_error_peaks_of_a_finite_sample_are_each_bins_max(n, bins):
+    gen = torch.Generator().manual_seed(n + bins)
+    err = torch.rand(n, generator=gen, dtype=torch.float64)
+    bad = err > 0.97
+    diff = FieldDiff(field="kl", stage="advantage.kl", kind=KIND_TOKEN, expected=err, actual=torch.zeros(n),
+                     abs_error=err, bad=bad, mask=[1] * n)
+    peaks, flagged, top = diff.error_peaks(bins)
+    values, marks = err.tolist(), bad.tolist()
+    # row i is drawn in bin i·bins // n (fewer rows than bins: bin b shows row b·n // bins)
+    if bins >= n:
+        want = [values[b * n // bins] for b in range(bins)]
+        want_flags = [marks[b * n // bins] for b in range(bins)]
+    else:
+        want = [max(v for i, v in enumerate(values) if i * bins // n == b) for b in range(bins)]
+        want_flags = [any(m for i, m in enumerate(marks) if i * bins // n == b) for b in range(bins)]
+    assert peaks == want and flagged == want_flags and top == max(values)
