@@ -574,14 +574,15 @@ class SampleRows(Sequence[SampleRow]):
         self._made: dict[int, SampleRow] = {}
 
     def add_shard(self, si: int, records: Sequence, picks: Optional[list[int]], rank: Optional[int],
-                  diverging: dict[int, dict[str, int]], compared: bool, totals: list[int]) -> int:
-        """Append shard ``si``'s rows (``picks``: its selected record indices, ``None`` for all); returns
-        the first row's index."""
+                  diverging: dict[int, dict[str, int]], compared: bool, totals: list[int],
+                  ids: Optional[list[str]] = None) -> int:
+        """Append shard ``si``'s rows (``picks``: its selected record indices, ``None`` for all; ``ids``: every
+        record's sample id, when the reader has them); returns the first row's index."""
         start = len(self._ids)
         self._starts.append(start)
         self._blocks.append((start, si, records, picks, rank, diverging, compared, totals))
         if picks is None:
-            self._ids += [r.sample_id for r in records]
+            self._ids += ids if ids is not None else [r.sample_id for r in records]
             self._totals += totals
         else:
             self._ids += [records[i].sample_id for i in picks]
@@ -1064,7 +1065,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         records = rec.reader.index.samples
         picks = None if selected is None else [i for i, s in enumerate(records) if s.sample_id in selected]
         rank = rec.rank
-        first = samples.add_shard(si, records, picks, rank, diverging, compared, totals)
+        first = samples.add_shard(si, records, picks, rank, diverging, compared, totals, rec.reader.sample_ids)
         gidx = rec.ctx.group_indices  # the shard's context covers all its samples, in order
         order: dict[Optional[int], Sequence[int]] = {}
         if picks is None:

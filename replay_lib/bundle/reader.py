@@ -451,7 +451,8 @@ class BundleReader:
             )
         if shard.actor_step_id != ident.actor_step_id or shard.rollout_id != ident.rollout_id:
             raise BundleError(f"{root / sentinel_name}: identity anchor does not match index.json $.identity")
-        ids = [s.sample_id for s in self.index.samples]
+        # the records' ids, in index order: checked for repeats here, read by every replay context and view
+        self.sample_ids = ids = [s.sample_id for s in self.index.samples]
         if len(set(ids)) != len(ids):  # find and name the first repeat
             seen: dict[str, int] = {}
             for i, sample_id in enumerate(ids):

@@ -49,7 +49,7 @@ class StageContext:
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples
         self.samples: list[SampleRecord] = [all_samples[i] for i in self.indices] if self.partial else all_samples
-        self.sample_ids = [s.sample_id for s in self.samples]
+        self.sample_ids = [s.sample_id for s in self.samples] if self.partial else self.reader.sample_ids
         self.group_indices = [s.group_index for s in self.samples]
         all_lengths = list_tensor([s.response_length for s in all_samples], torch.int64).clamp_(min=0)
         self.full_total = int(all_lengths.sum())
