@@ -416,8 +416,10 @@ def loss_clip_hits(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float
     """bool per token: the ratio within ``8·u_t`` (relative) of a clip bound and ``A ≠ 0`` — a token
     a legitimate rounding may clip either way."""
     near = ratio * (C_NEAR_CLIP * u_token)
-    on_bound = ((ratio - (1 - eps_clip)).abs() <= near) | ((ratio - (1 + eps_clip_high)).abs() <= near)
-    return on_bound & (advantages != 0)
+    # within it of either bound ⇔ within it of the nearer one (a min picks one of the two, exactly; NaN stays NaN)
+    to_low = (ratio - (1 - eps_clip)).abs_()
+    nearer = torch.minimum(to_low, (ratio - (1 + eps_clip_high)).abs_(), out=to_low)
+    return (nearer <= near).logical_and_(advantages != 0)
 
 
 def sequential_sum32(values: torch.Tensor) -> float:

@@ -44,3 +44,20 @@ def test_each_loss_bug_is_the_first_divergence(tmp_path, cli, precision, bug):
     assert report["first_divergent_stage"] == "loss.policy"
     field = report["first_divergence"]["field"]
     assert field in {"kl_direction": {"kl_loss", "loss"}}.get(bug, {"pg_loss", "loss", "pg_clipfrac_lower"}), field
+
+
+def test_clip_boundary_hits_are_the_tokens_within_8u_of_either_bound():
+    """``error_model.loss_clip_hits``: a ratio within ``8·u_t·r`` of ``1 − ε`` or of ``1 + ε_high`` with a nonzero
+    advantage, by the two comparisons written out (NaN never, ∞ always within ∞)."""
+    import torch
+
+    from replay_lib.error_model import loss_clip_hits
+
+    u = 2.0 ** -24
+    ratio = torch.tensor([0.8, 0.8 * (1 + 4 * u), 0.8 * (1 + 16 * u), 1.28, 1.28 * (1 - 7 * u), 1.0, float("nan"),
+                          float("inf"), 0.0, 0.8], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0, 1.0, 0.5, 3.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    near = ratio * (8 * u)
+    want = (((ratio - 0.8).abs() <= near) | ((ratio - 1.28).abs() <= near)) & (adv != 0)
+    got = loss_clip_hits(ratio, adv, u, 0.2, 0.28)
+    assert got.tolist() == want.tolist() == [True, True, False, True, True, False, False, True, False, False]
