@@ -219,7 +219,7 @@ class FieldDiff:
             return err[rows].tolist(), self.bad_tensor[rows].tolist(), top
         # bin b draws the rows from row_of_bin(b) to the next bin's first: contiguous runs, none empty, each bin's
         # max one reduction over its run
-        starts = [-(-b * n // bins) for b in range(bins)]
+        starts = [self.row_of_bin(b, bins) for b in range(bins)]
         peak = np.maximum.reduceat(err.numpy(), starts).tolist()
         flagged = torch.zeros(bins, dtype=torch.bool)
         flagged[torch.nonzero(self.bad_tensor).reshape(-1) * bins // n] = True
@@ -573,19 +573,18 @@ class SampleRows(Sequence[SampleRow]):
         self._totals: list[int] = []
         self._made: dict[int, SampleRow] = {}
 
-    def add_shard(self, si: int, records: Sequence, picks: Optional[list[int]], rank: Optional[int],
-                  diverging: dict[int, dict[str, int]], compared: bool, totals: list[int],
-                  ids: Optional[list[str]] = None) -> int:
-        """Append shard ``si``'s rows (``picks``: its selected record indices, ``None`` for all; ``ids``: every
-        record's sample id, when the reader has them); returns the first row's index."""
+    def add_shard(self, si: int, records: Sequence, ids: list[str], picks: Optional[list[int]],
+                  rank: Optional[int], diverging: dict[int, dict[str, int]], compared: bool, totals: list[int]) -> int:
+        """Append shard ``si``'s rows (``ids``: every record's sample id, the reader's; ``picks``: its selected record
+        indices, ``None`` for all); returns the first row's index."""
         start = len(self._ids)
         self._starts.append(start)
         self._blocks.append((start, si, records, picks, rank, diverging, compared, totals))
         if picks is None:
-            self._ids += ids if ids is not None else [r.sample_id for r in records]
+            self._ids += ids
             self._totals += totals
         else:
-            self._ids += [records[i].sample_id for i in picks]
+            self._ids += [ids[i] for i in picks]
             self._totals += [totals[i] for i in picks]
         return start
 
@@ -1065,7 +1064,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         records = rec.reader.index.samples
         picks = None if selected is None else [i for i, s in enumerate(records) if s.sample_id in selected]
         rank = rec.rank
-        first = samples.add_shard(si, records, picks, rank, diverging, compared, totals, rec.reader.sample_ids)
+        first = samples.add_shard(si, records, rec.reader.sample_ids, picks, rank, diverging, compared, totals)
         gidx = rec.ctx.group_indices  # the shard's context covers all its samples, in order
         order: dict[Optional[int], Sequence[int]] = {}
         if picks is None:
