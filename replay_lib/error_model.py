@@ -419,7 +419,9 @@ def loss_clip_hits(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float
     # within it of either bound ⇔ within it of the nearer one (a min picks one of the two, exactly; NaN stays NaN)
     to_low = (ratio - (1 - eps_clip)).abs_()
     nearer = torch.minimum(to_low, (ratio - (1 + eps_clip_high)).abs_(), out=to_low)
-    return (nearer <= near).logical_and_(advantages != 0)
+    close = nearer <= near
+    # rare: a chunk with no ratio near a bound has nothing to restrict to A ≠ 0
+    return close.logical_and_(advantages != 0) if bool(close.any()) else close
 
 
 def sequential_sum32(values: torch.Tensor) -> float:

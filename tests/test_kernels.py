@@ -20,11 +20,14 @@ from replay_lib.kernels import (
     get_grpo_returns,
     group_normalize,
     policy_loss_fields,
+    policy_loss_terms,
     rollout_kl,
     segment_ids,
     segment_offsets,
     sum_of_sample_mean,
 )
+from replay_lib.kernels.loss import surrogate_terms
+from replay_lib.kernels.segments import ChunkSums
 
 F32 = dict(rel=2e-7, abs=1e-7)
 
@@ -40,6 +43,47 @@ def test_segment_ids_and_offsets_skip_zero_length_samples():
     lengths = torch.tensor([2, 0, 3, 1])
     assert segment_ids(lengths).tolist() == [0, 0, 2, 2, 2, 3]
     assert segment_offsets(lengths).tolist() == [0, 2, 2, 5]
+
+
+def test_chunk_sums_add_each_samples_part_of_a_chunk_including_empty_and_cut_samples():
+    # samples of 2, 0, 3, 1 and 0 tokens: tokens 0-1 are sample 0, 2-4 sample 2, 5 sample 3; chunks [0, 3), [3, 6)
+    # cut sample 2 in two (token 2 in the first, tokens 3-4 in the second); the empty samples get nothing
+    lengths = torch.tensor([2, 0, 3, 1, 0])
+    rows = torch.tensor([[1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                         [0.5, 0.25, 0.0, -1.0, 3.0, 0.125]], dtype=torch.float64)
+    totals = torch.zeros((2, 5), dtype=torch.float64)
+    sums = ChunkSums(lengths, segment_offsets(lengths))
+    for lo, hi in ((0, 3), (3, 6)):
+        sums.add(totals, lo, hi, rows[:, lo:hi])
+    assert totals.tolist() == [[3.0, 0.0, 28.0, 32.0, 0.0], [0.75, 0.0, 2.0, 0.125, 0.0]]
+    # without empty samples the chunk's samples are a slice of the totals: one chunk per sample edge, and one
+    # chunk inside a sample
+    lengths = torch.tensor([1, 4, 1])
+    totals = torch.zeros((1, 3), dtype=torch.float64)
+    sums = ChunkSums(lengths, segment_offsets(lengths))
+    for lo, hi in ((0, 2), (2, 4), (4, 6)):
+        sums.add(totals, lo, hi, rows[:1, lo:hi])
+    assert totals.tolist() == [[1.0, 2.0 + 4.0 + 8.0 + 16.0, 32.0]]
+
+
+def test_the_surrogate_negates_the_advantage_once_with_the_written_out_formulas_bits():
+    # −r·A and −clip(r)·A as two negations of the ratio (the formula as verl writes it), against one of A:
+    # products are sign-symmetric, so every bit agrees (signed zeros and infinities too)
+    gen = torch.Generator().manual_seed(3)
+    ppo_kl = torch.cat([torch.randn(4096, generator=gen, dtype=torch.float64) * 0.3,
+                        torch.tensor([0.0, -0.0, 50.0, -800.0, 800.0], dtype=torch.float64)])
+    adv = torch.cat([torch.randn(4096, generator=gen, dtype=torch.float64),
+                     torch.tensor([0.0, -0.0, 1.0, -2.0, 1.0], dtype=torch.float64)])
+    ratio = (-ppo_kl).exp()
+    written1, written2 = -ratio * adv, -ratio.clamp(0.8, 1.28) * adv
+    for dtype in (torch.float64, torch.float32):
+        pg, clip, r = policy_loss_terms(ppo_kl.to(dtype), adv.to(dtype), 0.2, 0.28)
+        ratio_d = (-ppo_kl.to(dtype)).exp()
+        w1, w2 = -ratio_d * adv.to(dtype), -ratio_d.clamp(0.8, 1.28) * adv.to(dtype)
+        assert torch.equal(pg.view(torch.int64 if dtype == torch.float64 else torch.int32),
+                           torch.maximum(w1, w2).view(torch.int64 if dtype == torch.float64 else torch.int32))
+        assert torch.equal(clip, (w2 > w1).to(dtype)) and torch.equal(r, ratio_d)
+    assert torch.equal(surrogate_terms(ratio, adv, 0.2, 0.28)[0], torch.maximum(written1, written2))
 
 
 # ------------------------------------------------------------------------------ reward.post_process

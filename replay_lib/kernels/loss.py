@@ -57,11 +57,18 @@ def policy_loss_terms(
     ppo_kl: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compute_policy_loss` and the ratio ``exp(−ppo_kl)`` it took: ``(pg_losses, clipfrac, ratio)``."""
-    ratio = (-ppo_kl).exp()
-    pg_losses1 = -ratio * advantages
-    pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    return surrogate_terms((-ppo_kl).exp(), advantages, eps_clip, eps_clip_high)
+
+
+def surrogate_terms(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float,
+                    eps_clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`policy_loss_terms` of the ratio itself: ``max(−r·A, −clip(r)·A)``. ``−r·A`` is computed as
+    ``r·(−A)``, one negation for both products: IEEE products are sign-symmetric, so every bit is the same."""
+    neg_adv = -advantages
+    pg_losses1 = ratio * neg_adv
+    pg_losses2 = ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * neg_adv
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
-    clipfrac = torch.gt(pg_losses2, pg_losses1).to(ppo_kl.dtype)
+    clipfrac = torch.gt(pg_losses2, pg_losses1).to(ratio.dtype)
     return pg_losses, clipfrac, ratio
 
 
@@ -144,20 +151,21 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     the importance weight), ``clip``, ``ppo_kl``, ``ratio`` (the one clipped), ``log_ratio`` (its log), and as
     the knobs ask ``clip_lower``, ``is_weight``, ``kl_loss``. ``seg``: the sample of each token (an index into
     ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs."""
-    logp = log_probs.to(dtype)
     old = old_log_probs.to(dtype)
     adv = advantages.to(dtype)
-    token_lr = logp - old
+    if knobs.kl_loss or torch.promote_types(log_probs.dtype, dtype) != dtype:
+        logp = log_probs.to(dtype)
+        token_lr = logp - old
+    else:  # the log-probs promoted to ``dtype`` inside the difference: the same bits, one conversion fewer
+        token_lr = torch.sub(log_probs, old)
     if knobs.sequence_ratio:
         lr = sample_terms["seq_log_ratio"][seg]
         ppo_kl = -token_lr
     else:
         lr = _clamp(token_lr, knobs.log_ratio_clamp)
         ppo_kl = -lr
-    if knobs.sequence_ratio or knobs.log_ratio_clamp is not None:
-        pg, clip, ratio = policy_loss_terms(-lr, adv, knobs.eps_clip, knobs.eps_clip_high)
-    else:  # the V1 arithmetic, op for op: exp(−(old − logp))
-        pg, clip, ratio = policy_loss_terms(ppo_kl, adv, knobs.eps_clip, knobs.eps_clip_high)
+    # exp(lr) is V1's exp(−ppo_kl) bit for bit: ppo_kl = −lr, and a negation is exact
+    pg, clip, ratio = surrogate_terms(lr.exp(), adv, knobs.eps_clip, knobs.eps_clip_high)
     out = {"ppo_kl": ppo_kl, "ratio": ratio, "log_ratio": lr, "clip": clip}
     if knobs.dual_clip:
         pg, out["clip_lower"] = dual_clip(pg, adv, float(knobs.eps_clip_c))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 
@@ -22,6 +24,34 @@ def segment_offsets(lengths: torch.Tensor) -> torch.Tensor:
 def segment_sum(values: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(n, dtype=values.dtype)
     return out.index_add_(0, seg, values)
+
+
+class ChunkSums:
+    """Per-sample sums of the rows of one token chunk, added into ``[rows, n]`` float64 totals: ``np.add.reduceat``
+    over the chunk's runs of tokens (a sample cut by a chunk edge gets each part's sum in turn). The sums within a
+    run are numpy's pairwise ones, so a float64 total may differ from a token-order one in its last bits; about
+    twice as fast as ``index_add_`` over a few rows. ``lengths`` and ``offsets``: the samples of the token axis."""
+
+    def __init__(self, lengths: torch.Tensor, offsets: torch.Tensor) -> None:
+        present = lengths > 0
+        self._all = bool(present.all())  # no empty sample: the chunk's samples are a slice of the totals
+        self._samples = None if self._all else torch.nonzero(present).reshape(-1).numpy()
+        # where each non-empty sample starts, for the bisection of each chunk's first and last
+        self._starts = offsets[present].numpy()
+        self._list = self._starts.tolist()
+
+    def add(self, totals: torch.Tensor, lo: int, hi: int, rows: torch.Tensor) -> None:
+        """``totals[:, s] += Σ rows[:, t]`` over the tokens ``t`` of ``[lo, hi)`` of each sample ``s``."""
+        first = bisect.bisect_right(self._list, lo) - 1
+        stop = bisect.bisect_left(self._list, hi)
+        at = self._starts[first:stop] - lo
+        at[0] = 0  # the first sample may have started in an earlier chunk
+        sums = np.add.reduceat(rows.numpy(), at, axis=1)
+        out = totals.numpy()
+        if self._all:
+            out[:, first:stop] += sums
+        else:
+            out[:, self._samples[first:stop]] += sums
 
 
 # Tokens per pass of :func:`policy_loss_fields`: a million-token step then needs a few small temporaries

@@ -16,6 +16,7 @@ from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_
                            near_value, sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
+from ..kernels.segments import ChunkSums
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
                             policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
 from ..report import StageReport
@@ -131,7 +132,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     u_token = ctx.precision.token
     entropy = li.entropy
     # a non-negative entropy is its own magnitude; Σ ratio only matters for recomputed advantages (--chain)
-    signed_entropy = entropy is not None and not bool((entropy >= 0).all())
+    # (its min: one pass, and a NaN makes it signed as a comparison would)
+    signed_entropy = entropy is not None and entropy.numel() > 0 and not bool(entropy.min() >= 0)
     with_ratio = li.advantage_bound is not None
     kl_loss = knobs.kl_loss
     masked_is = knobs.is_level is not None and knobs.is_mode == "mask"
@@ -158,6 +160,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
     chunk_rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
+    sums = ChunkSums(ctx.lengths, ctx.offsets)
     for lo, hi, seg in ctx.token_chunks():
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
@@ -171,7 +174,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         torch.mul(pg, m, out=buf[0])
         torch.mul(t["ppo_kl"], m, out=buf[1])
         if entropy is not None:
-            torch.mul(entropy[lo:hi].to(torch.float64), m, out=buf[2])
+            torch.mul(entropy[lo:hi], m, out=buf[2])  # promoted to float64 in the product: the same bits
         else:
             buf[2].zero_()
         if kl_loss:
@@ -225,13 +228,13 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             if bool(hit.any()):  # Σ hit·m of each sample
                 at = torch.nonzero(hit).reshape(-1)
                 counts[k].index_add_(0, seg[at], m[at])
-        # every row at once, each sample's sum in token order: float64 for the rows, float32 for seq32
-        out.index_add_(1, seg, buf)
+        # every row at once: the float64 rows' per-sample sums, and seq32's in token order in float32
+        sums.add(out, lo, hi, buf)
         seq32.index_add_(1, seg, signed.to(torch.float32))
-    sums = {**dict(zip(names, out)), **dict(zip(counted, counts))}
-    sums["abs_ent"] = sums.get("abs_ent", sums["ent"])
-    sums["ratio"] = sums.get("ratio", zeros)
-    return {**sums, **dict(zip(SEQ32_SUMS, seq32))}
+    totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
+    totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
+    totals["ratio"] = totals.get("ratio", zeros)
+    return {**totals, **dict(zip(SEQ32_SUMS, seq32))}
 
 
 # ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
