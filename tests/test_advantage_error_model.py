@@ -136,6 +136,25 @@ def test_chain_consumes_the_recomputed_rewards_with_their_bound(tmp_path):
     assert report.passed and report.mode == "chained", report_to_text(report)
 
 
+def test_low_var_kl_clamp_hazard_is_found_beside_a_nan_log_ratio(tmp_path):
+    # the hazard pass skips a chunk whose smallest and largest r are inside the candidate window; a NaN makes both
+    # NaN, and the chunk is then tested token by token: the k3 beyond the clamp at r = 11.5 (sample 2) is found
+    # beside the NaN r of sample 0, and a chunk of ordinary r (the second bundle) has no hazard
+    lengths = [3, 2, 4]
+    r = np.array([0.1, np.nan, -0.2, 0.3, 0.0, 1.0, 11.5, -1.0, 0.5], dtype=np.float32)
+    ref = np.full(9, -1.0, dtype=np.float32)
+    for name, values, want in (("nan", r, {"s-2"}), ("inside", np.where(np.isnan(r) | (r > 11), 0.25, r), set())):
+        values = values.astype(np.float32)
+        old = (ref + values).astype(np.float32)
+        exact = old.astype(np.float64) - ref.astype(np.float64)
+        kl = np.clip(np.exp(-exact) - 1 + exact, -10, 10).astype(np.float32)
+        path = producer.write(tmp_path / name, raw=np.zeros(3), groups=[0, 1, 2], lengths=lengths, rewards=np.zeros(3),
+                              advantages=np.zeros(9), kl=kl, old_log_probs=old, ref_log_probs=ref, kl_coef=0.05,
+                              kl_loss_type="low_var_kl")
+        report = replay(path)
+        assert {h.sample_id for h in report.hazards if h.kind == "kl_clamp"} == want, report_to_text(report)
+
+
 @pytest.mark.parametrize("samples", [6, 40000], ids=["one-pass", "chunked"])
 def test_low_var_kl_clamp_hazards_match_a_float64_reference_on_every_token(tmp_path, samples):
     # advantage.kl's hazard: tokens whose k3 = exp(−r) − 1 + r (r = old − ref) lies beyond low_var_kl's ±10

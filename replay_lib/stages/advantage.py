@@ -74,7 +74,13 @@ def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -
         # k3(r) = exp(−r) − 1 + r exceeds 10 only for r = old − ref below −2.6109 or above 10.99998 (it is convex,
         # 0 at r = 0): the float32 difference (within 2⁻²⁴·|r| of the exact one) outside [−2.51, 10.89] marks the
         # candidates, and only those are evaluated exactly in float64
-        near = torch.sub(old[lo:hi].float(), ref[lo:hi].float()).sub_(KL_CANDIDATE_CENTER).abs_() > KL_CANDIDATE_HALF
+        diff = torch.sub(old[lo:hi].float(), ref[lo:hi].float())
+        # fl32(r − center) grows with r: when the smallest and the largest r are inside, every r is, and the chunk
+        # needs no per-token test (a NaN makes both NaN, which are not inside: its tokens are tested one by one)
+        ends = torch.stack(torch.aminmax(diff))
+        if bool((ends.sub_(KL_CANDIDATE_CENTER).abs_() <= KL_CANDIDATE_HALF).all()):
+            continue
+        near = diff.sub_(KL_CANDIDATE_CENTER).abs_() > KL_CANDIDATE_HALF
         if not bool(near.any()):
             continue
         at = torch.nonzero(near).reshape(-1)
