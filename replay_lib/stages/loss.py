@@ -125,9 +125,10 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
 def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     """One pass over the tokens, a chunk at a time, each per-token term evaluated once in float64: the float64
     per-sample sums of the loss fields (``kernels.policy_sums``) and the error model's (``error_model.ABS_SUMS``)
-    — the rows of a chunk written into one buffer, added to their samples in one ``index_add_`` —, the counts of
-    tokens near a clip bound, with an extreme ratio or at a clamp (added only where a chunk has any), and the
-    surrogate, ppo_kl, entropy and KL term summed sequentially in float32 (``error_model.SEQ32_SUMS``)."""
+    — the rows of a chunk written into one buffer, added to their samples by ``kernels.segments.ChunkSums`` —,
+    the counts of tokens near a clip bound, with an extreme ratio or at a clamp (added only where a chunk has
+    any), and the surrogate, ppo_kl, entropy and KL term summed sequentially in float32
+    (``error_model.SEQ32_SUMS``)."""
     knobs = li.knobs
     u_token = ctx.precision.token
     entropy = li.entropy
