@@ -153,11 +153,10 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs."""
     old = old_log_probs.to(dtype)
     adv = advantages.to(dtype)
-    if knobs.kl_loss or torch.promote_types(log_probs.dtype, dtype) != dtype:
-        logp = log_probs.to(dtype)
-        token_lr = logp - old
-    else:  # the log-probs promoted to ``dtype`` inside the difference: the same bits, one conversion fewer
-        token_lr = torch.sub(log_probs, old)
+    # the log-probs promoted to ``dtype`` inside the difference when that is where it lands (the same bits as
+    # converting them first, one conversion fewer)
+    promoted = torch.promote_types(log_probs.dtype, dtype) == dtype
+    token_lr = torch.sub(log_probs, old) if promoted else log_probs.to(dtype) - old
     if knobs.sequence_ratio:
         lr = sample_terms["seq_log_ratio"][seg]
         ppo_kl = -token_lr
@@ -184,6 +183,7 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     if knobs.kl_loss:
         if ref_log_probs is None:
             raise ValueError("ref_log_probs is required for a KL term in the loss (use_kl_loss, kl_loss_coef != 0)")
+        logp = log_probs.to(dtype)
         out["kl_r"] = logp - ref_log_probs.to(dtype)
         out["kl_loss"] = kl_loss_values(logp, ref_log_probs, knobs, dtype=dtype)
     return out
