@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--vary-lengths", action="store_true", help="random response lengths in [0, L]")
     w.add_argument("--kl-coef", type=float, default=0.05, help="kl_coef of the recorded config")
     w = dsub.add_parser("write-all", help="write the shipped demo bundles: " + ", ".join(DEMO_NAMES))
-    w.add_argument("dir", type=Path, metavar="DIR")
+    w.add_argument("dir", type=Path, metavar="DIR", help="a directory to write them in, one subdirectory each "
+                                                         "(created; an existing demo subdirectory is refused)")
     return parser
 
 
@@ -461,6 +462,8 @@ def _demo(args) -> int:
     from . import demo
 
     if args.demo_command == "write-all":
+        if args.dir.exists() and not args.dir.is_dir():
+            raise UsageError(f"{args.dir}: not a directory (demo write-all writes one subdirectory per demo in DIR)")
         written = demo.write_demos(args.dir)
         emit([("", f"wrote {name}: {path}") for name, path in written.items()])
         return 0

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
+from .kernels.loss import sample_term
 from .kernels.reward import group_moments, group_rule, post_process
 from .loss_knobs import LossKnobs
 from .report import fmt_value
@@ -283,22 +284,37 @@ def _sample_mask_count(ctx: StageContext, index: int) -> float:
 def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
     """A loss token: ratio ``exp(logp − old)``, its clip region and decision, mask, advantage, the surrogate
     ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
-    ``pg·mask / Σmask`` to its term of pg_loss (a sum of per-sample masked means)."""
+    ``loss_scale · w_i · pg·mask`` to its term of pg_loss (``w_i`` the loss mode's weight, :func:`pg_term`)."""
     v = _loss_token(ctx, t)
     n_mask = _sample_mask_count(ctx, index)
     term = v["pg"] * v["mask"]
-    share = term / max(n_mask, 1.0)
+    divisor, w, den = pg_term(ctx, n_mask)
+    share = term * w
     branch = "clipped: −clamp(r)·A" if v["clipped"] else "unclipped: −r·A"
     formula = f"pg = max(−r·A, −clamp(r, {fmt(v['low'])}, {fmt(v['high'])})·A) = {fmt(v['pg'])} ({branch})"
     items = (("ratio r", fmt(v["ratio"])), ("clip", clip_region(v["ratio"], v["low"], v["high"])),
              ("mask", fmt_count(v["mask"])), ("A", fmt(v["adv"])))
     sid = ctx.sample_ids[index]
-    note = f"adds pg·mask = {fmt(term)} to {sid}'s pg_sum, {fmt(share)} to its pg_loss term (÷ {fmt_count(n_mask)} " \
-           f"mask tokens)"
+    knobs = LossKnobs.of(ctx.config)
+    how = f"÷ {fmt_count(n_mask)} mask tokens" if divisor == "max(Σmask, 1)" and knobs.loss_scale == 1 else \
+        f"{_scaled(knobs.loss_scale)}÷ {divisor} = {fmt_count(den)}, {knobs.loss_agg_mode}"
+    note = f"adds pg·mask = {fmt(term)} to {sid}'s pg_sum, {fmt(share)} to its pg_loss term ({how})"
     beyond = _loss_knobs_beyond_v1(ctx)
     if beyond:
         note = f"the plain clipped surrogate; this step also applies {beyond} (the stage's values include them)"
     return ElementInputs(field=field, sample_id=sid, offset=offset, formula=formula, items=items, note=note)
+
+
+def pg_term(ctx: StageContext, mask_count: float) -> tuple[str, float, float]:
+    """``(divisor, w, value)``: a sample's ``pg_sum`` enters pg_loss as ``w·pg_sum = loss_scale · pg_sum / value``
+    under the configured ``loss_agg_mode`` (``kernels.loss.sample_term``: ``divisor`` is ``value`` in words)."""
+    knobs = LossKnobs.of(ctx.config)
+    divisor, value = sample_term(knobs.loss_agg_mode, mask_count, knobs)
+    return divisor, knobs.loss_scale / value, value
+
+
+def _scaled(scale: float) -> str:
+    return f"× {scale:g} " if scale != 1 else ""
 
 
 def _loss_knobs_beyond_v1(ctx: StageContext) -> str:
@@ -315,13 +331,13 @@ def _loss_knobs_beyond_v1(ctx: StageContext) -> str:
         parts.append(f"{k.is_level} IS weights ({k.is_mode})")
     if k.kl_loss_coef:
         parts.append(f"{k.kl_loss_type} KL loss ×{k.kl_loss_coef:g}")
-    if k.loss_agg_mode != "sum_of_sample_means":
-        parts.append(f"{k.loss_agg_mode} aggregation")
-    return ", ".join(parts)
+    return ", ".join(parts)  # the aggregation mode and loss_scale: spelled out in the pg_loss term (pg_term)
 
 
 def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
-    """A per-sample loss term: how many loss tokens, how many clipped, and the term's share of pg_loss."""
+    """A per-sample loss term: how many loss tokens, how many clipped, and the term's share of pg_loss
+    (``loss_scale · w_i · pg_sum``, :func:`pg_term`). The sums are the stage's own recomputation when it compared
+    them (every loss knob included), else the plain clipped surrogate's."""
     from .stages.loss import loss_inputs
 
     li = loss_inputs(ctx)
@@ -331,13 +347,20 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     adv = li.advantages[lo:lo + n].to(torch.float64)
     pg, clipped, _ = policy_loss_terms(ppo_kl, adv, cfg.eps_clip, cfg.eps_clip_high)
     mask = li.mask[lo:lo + n].to(torch.float64)
-    pg_sum = float((pg * mask).sum())
     n_mask = float(mask.sum())
-    clips = float((clipped * mask).sum())
-    share = pg_sum / max(n_mask, 1.0)
-    formula = f"pg_loss term = pg_sum / max(Σmask, 1) = {fmt(pg_sum)} / {fmt_count(max(n_mask, 1.0))} = {fmt(share)}"
+    stage = {f.name: f for f in ctx.fields.get("loss.policy", ())}
+
+    def term(name: str, plain: torch.Tensor) -> float:
+        return float(stage[name].actual[index]) if name in stage else float((plain * mask).sum())
+
+    pg_sum = term("pg_sum", pg)
+    clips = term("clip_count", clipped)
+    divisor, w, den = pg_term(ctx, n_mask)
+    share = pg_sum * w
+    scale = _scaled(LossKnobs.of(cfg).loss_scale)
+    formula = f"pg_loss term = pg_sum {scale}/ {divisor} = {fmt(pg_sum)} {scale}/ {fmt_count(den)} = {fmt(share)}"
     items = (("tokens", str(n)), ("mask", fmt_count(n_mask)), ("clipped", fmt_count(clips)), ("pg_sum", fmt(pg_sum)),
-             ("kl_sum", fmt(float((ppo_kl * mask).sum()))))
+             ("kl_sum", fmt(term("kl_sum", ppo_kl))))
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 

@@ -75,7 +75,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.format != "text" and not args.check:  # the debugger prints no report: say so rather than ignore it
         parser.error(f"--format {args.format} needs --check (the debugger itself prints no report)")
     if args.forensic and args.check:
-        parser.error("--forensic opens the debugger only (a headless check of an incomplete cohort is refused, exit 3)")
+        parser.error("--forensic opens the debugger only: drop --check (a headless check refuses an incomplete cohort with exit 3)")
     loading = LoadingLine(enabled=not args.check)
     loading.show()  # torch takes a second or two to import: say something at once, over SSH especially
     try:
@@ -118,7 +118,8 @@ def run_view_wanted(args, parser) -> bool:
     flags = [f for f, on in (("--jobs", args.jobs is not None), ("--executor", args.executor != "local"),
                              ("--ray-address", args.ray_address is not None), ("--fail-fast", args.fail_fast)) if on]
     if flags:
-        parser.error(f"{', '.join(flags)} apply to a directory of several bundles (the run view), not to one bundle")
+        verb = "applies" if len(flags) == 1 else "apply"
+        parser.error(f"{', '.join(flags)} {verb} to a directory of several bundles (the run view), not to one bundle")
     return False
 
 

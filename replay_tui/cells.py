@@ -69,6 +69,79 @@ def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Sty
     return Strip(segments, width)
 
 
+Parts = list[tuple[str, Optional[Style]]]
+WRAP_INDENT = "  "  # a wrapped line's continuation rows
+
+
+def _cells(parts: Parts) -> list[tuple[str, Optional[Style]]]:
+    return [(ch, style) for text, style in parts for ch in safe(text)]
+
+
+def _parts(cells: list[tuple[str, Optional[Style]]]) -> Parts:
+    out: Parts = []
+    for ch, style in cells:
+        if out and out[-1][1] == style:
+            out[-1] = (out[-1][0] + ch, style)
+        else:
+            out.append((ch, style))
+    return out
+
+
+def wrap_parts(parts: Parts, width: int, hard: bool = False) -> list[Parts]:
+    """A line of ``(text, style)`` parts as rows of at most ``width`` cells: broken after the last space of a
+    row when there is one in its second half (``hard``: always at the width); continuation rows are indented."""
+    cells = _cells(parts)
+    rows: list[Parts] = []
+    indent = [(ch, None) for ch in WRAP_INDENT] if width > 2 * len(WRAP_INDENT) else []
+    while cells:
+        room, used, cut = width - (len(indent) if rows else 0), 0, 0
+        while cut < len(cells) and used + cell_len(cells[cut][0]) <= room:
+            used += cell_len(cells[cut][0])
+            cut += 1
+        if cut < len(cells) and not hard:
+            space = next((i for i in range(cut - 1, cut // 2, -1) if cells[i][0] == " "), None)
+            cut = space + 1 if space is not None else max(cut, 1)
+        rows.append(_parts((indent if rows else []) + cells[:cut]))
+        cells = cells[cut:]
+    return rows or [[]]
+
+
+def elide_middle(parts: Parts, cells_left: int) -> Parts:
+    """``parts`` cut to ``cells_left`` cells by dropping their middle for ``…``: a formula keeps its start (what it
+    is) and its end (its value)."""
+    cells = _cells(parts)
+    if sum(cell_len(ch) for ch, _ in cells) <= cells_left or cells_left < 3:
+        return parts if cells_left >= 3 else _parts(cells[:max(cells_left, 0)])
+    head = (cells_left - 1) * 2 // 5
+    tail = cells_left - 1 - head
+    return _parts(cells[:head] + [("…", DIM)] + cells[len(cells) - tail:])
+
+
+def fit_rows(lines: list[Parts], width: int, height: int) -> list[Parts]:
+    """Logical lines (the first most important) wrapped into at most ``height`` rows of ``width`` cells: the
+    first line takes the rows it needs, elided in its middle when it needs more than all of them; the next
+    lines take what is left, whole lines first: the last row shown ends in ``…`` when its line goes on."""
+    if width <= 0 or height <= 0 or not lines:
+        return []
+    first = wrap_parts(lines[0], width)
+    if len(first) > height:
+        room = width + (height - 1) * (width - len(WRAP_INDENT))
+        first = wrap_parts(elide_middle(lines[0], room), width, hard=True)[:height]
+    rows = [(row, i == len(first) - 1) for i, row in enumerate(first)]  # (row, its line ends there)
+    for line in lines[1:]:
+        wrapped = wrap_parts(line, width)
+        rows += [(row, i == len(wrapped) - 1) for i, row in enumerate(wrapped)]
+    if len(rows) <= height:
+        return [row for row, _ in rows]
+    shown = [row for row, _ in rows[:height]]
+    if not rows[height - 1][1]:
+        last = _cells(shown[-1])
+        while last and sum(cell_len(ch) for ch, _ in last) > width - 1:
+            last.pop()
+        shown[-1] = _parts(last + [("…", DIM)])
+    return shown
+
+
 def fit_number(x: Optional[float], width: int) -> str:
     """The CLI's shortest float32 form when it fits, else fewer significant digits (never ``…``)."""
     text = "nan" if x is None or math.isnan(x) else fmt_value(x)

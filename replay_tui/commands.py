@@ -6,7 +6,7 @@ from functools import partial
 
 from textual.command import CommandPalette, DiscoveryHit, Hit, Hits, Provider, SearchIcon
 
-from .keys import KeyAction, key_actions
+from .keys import KeyAction, key_actions, key_display
 
 
 def command_title(ka: KeyAction) -> str:
@@ -44,7 +44,9 @@ class ReplayCommands(Provider):
             title = command_title(ka)
             first.setdefault(title, ka)
             keys.setdefault(title, []).extend(k for k in ka.keys if k not in keys.get(title, ()))
-        return [(title, _help_line(keys[title], ka.tooltip, title), ka) for title, ka in first.items()]
+        # keys as the key bar and the help show them ("/", "^p"), not by their names ("slash", "ctrl+p")
+        return [(title, _help_line([key_display(k) for k in keys[title]], ka.tooltip, title), ka)
+                for title, ka in first.items()]
 
     async def _run(self, ka: KeyAction) -> None:
         from .screens.main import DebuggerScreen

@@ -4,7 +4,8 @@ field results, no Textual.
 
 CSV: a header line, then one line per element: ``rank, sample_id, offset, label, expected, actual, abs_error,
 tolerance, divergent`` (``rank`` for a cohort's shard, ``offset`` for a per-token field, ``label`` for a table
-row — a sample id or a loss field —, each empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such).
+row — a sample id or a loss field —, each empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such;
+text escaped as the views show it, with a leading ``'`` where a spreadsheet would read a formula).
 JSON: ``{"field", "stage", "scope", "columns", "rows": [[…], …]}`` with the same columns, a non-finite number
 as ``null``. A file that exists is never replaced unless the caller says so (the dialog asks first); the
 file is written beside its final name and renamed into place, so a failed write leaves no half file."""
@@ -12,6 +13,7 @@ file is written beside its final name and renamed into place, so a failed write 
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import math
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from replay_lib.safe_text import safe
 
 from .model import FIELD_BY_NAME, KIND_COHORT, KIND_TOKEN, ReplayModel
 
@@ -113,14 +117,29 @@ def render(path: str, field: str, stage: str, scope: str, rows: list[list]) -> s
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
     for row in rows:
-        writer.writerow(["" if v is None else (repr(v) if isinstance(v, float) else v) for v in row])
+        writer.writerow(["" if v is None else repr(v) if isinstance(v, float) else _cell(v) if isinstance(v, str)
+                         else v for v in row])
     return out.getvalue()
+
+
+# A cell a spreadsheet would evaluate as a formula (OWASP's list of first characters).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(text: str) -> str:
+    """A text cell of the CSV (a sample id or a label, from the bundle): escaped as every view shows it
+    (``safe_text.safe``: a control character as ``\\x1b``, so ``cat`` of the file cannot act on the terminal),
+    and with a leading ``'`` when a spreadsheet would run it as a formula."""
+    text = safe(text)
+    return "'" + text if text.startswith(_FORMULA_START) else text
 
 
 def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overwrite: bool = False) -> str:
     """Write the export to ``path``; returns the one-line result to show. Raises ``FileExistsError`` when
     ``path`` exists and ``overwrite`` is False (nothing is written), ``OSError`` when it cannot be written."""
     target = Path(path).expanduser()
+    if target.is_dir():  # never offered for overwriting: no file can replace it
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
     if target.exists() and not overwrite:
         raise FileExistsError(str(target))
     stage, rows = export_rows(model, request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual.binding import Binding
+from textual.keys import format_key
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,14 @@ def key_actions() -> list[KeyAction]:
                                              prev.keys + (b.key,), prev.ids + (b.id or "",))
         out.extend(merged.values())
     return out
+
+
+def key_display(key: str) -> str:
+    """A key as the key bar and the help show it (Textual's default ``App.get_key_display``): ``/`` for
+    ``slash``, ``^p`` for ``ctrl+p``, ``shift+tab`` as written."""
+    *modifiers, name = key.split("+")
+    name = format_key(name)
+    if "ctrl" in modifiers:
+        modifiers.remove("ctrl")
+        name = f"^{name}"
+    return "+".join([*modifiers, name])

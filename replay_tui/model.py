@@ -20,17 +20,19 @@ from pathlib import Path
 from typing import AbstractSet, Iterable, Optional, Sequence
 
 import numpy as np
+from rich.cells import cell_len
 import torch
 
 from replay_lib.bundle import BundleReader, BundleSet
 from replay_lib.compare import as_float64, list_tensor
 from replay_lib.error_model import Rules, bundle_tolerance
-from replay_lib.fields import PER_TOKEN, FieldResult, noise_ratio
+from replay_lib.fields import PER_SCALAR, PER_TOKEN, FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
+from replay_lib.kernels.loss import LossKnobs, agg_weights, sample_term
 from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
 from replay_lib.runner import plan_stages
-from replay_lib.safe_text import elided_listing
+from replay_lib.safe_text import elided_listing, safe
 from replay_lib.schema import CORE_KNOBS, StageId, config_changes
 from replay_lib.schema import PER_SAMPLE_KEY, PER_SAMPLE_TERMS, PerSampleLossTerms
 from replay_lib.selection import group_label
@@ -69,7 +71,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
     # loss.policy's per-token and per-sample terms (replay_lib.stages.loss_terms), when the bundle records them
     FieldSpec("pg_losses", "loss.policy", KIND_TOKEN, "per-token clipped surrogate (loss tokens)"),
-    FieldSpec("pg_contribution", "loss.policy", KIND_SAMPLE, "each sample's term of pg_loss (pg_sum / Σmask)",
+    FieldSpec("pg_contribution", "loss.policy", KIND_SAMPLE, "each sample's term of pg_loss (w_i · pg_sum, the loss mode's weight)",
               sort="err"),
     *(FieldSpec(name, "loss.policy", KIND_SAMPLE, f"per-sample {name}") for name in PER_SAMPLE_TERMS),
 )
@@ -88,6 +90,24 @@ def field_for_divergence(stage: str, field_name: str) -> Optional[str]:
         return field_name
     spec = FIELD_BY_STAGE.get(stage)
     return spec.name if spec else None
+
+
+def cohort_result(results: Iterable[FieldResult], name: str) -> Optional[FieldResult]:
+    """The cohort table of a stage: every per-scalar field it compared, in the stage's order, as one result
+    named ``name`` (loss.policy: the recorded scalars against the recorded per-sample terms' aggregation —
+    ``pg_loss_from_terms`` — before the scalars against the recompute). ``None`` when it compared none."""
+    scalars = [r for r in results if r.per == PER_SCALAR and r.length_mismatch is None]
+    if len(scalars) <= 1:
+        return scalars[0] if scalars else None
+    own = next((r for r in scalars if r.name == name), scalars[-1])  # its note says what the values are
+    labels = [label for r in scalars for label in (r.labels or [r.name] * r.size)]
+    note = "; ".join([own.note, *(f"{r.name} rows: {r.note}" for r in scalars
+                                  if r.note and r is not own)])
+    return FieldResult(stage=own.stage, name=name, per=PER_SCALAR,
+                       expected=torch.cat([r.expected for r in scalars]),
+                       actual=torch.cat([r.actual for r in scalars]),
+                       tolerance=torch.cat([r.tolerance for r in scalars]), labels=labels, note=note,
+                       exact=own.exact, rank=own.rank)
 
 
 # --------------------------------------------------------------------------------- per-field diff
@@ -310,32 +330,41 @@ class ShardRecompute:
         if name == "pg_contribution":
             self._pg_contribution()
             return
-        stage = FIELD_BY_NAME[name].stage
+        spec = FIELD_BY_NAME[name]
+        stage = spec.stage
         self._run(StageId(stage))
-        result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
+        if spec.kind == KIND_COHORT:
+            result = cohort_result(self.ctx.fields.get(stage, ()), name)
+        else:
+            result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
         if result is None:
             self.unavailable[name] = f"{stage} did not compare {name} on this bundle"
             return
         self._put(name, result)
 
     def _pg_contribution(self) -> None:
-        """Each sample's term of pg_loss, ``pg_sum / max(Σmask, 1)``, from loss.policy's ``pg_sum`` field (the
-        recorded over the recorded mask count when there is one, the recomputed over the recomputed) with its
-        tolerance scaled alike: a divergence of ``pg_sum`` is one here, now in pg_loss units."""
+        """Each sample's term of pg_loss, ``loss_scale · w_i · pg_sum`` with ``w_i`` the configured mode's weight
+        (``kernels.agg_weights``: ``1 / max(Σmask, 1)`` by default, ``1 / loss_token_count`` under token_mean, …),
+        from loss.policy's ``pg_sum`` field (the recorded with the recorded mask count when there is one, the
+        recomputed with the recomputed) with its tolerance scaled alike: a divergence of ``pg_sum`` is one here,
+        now in pg_loss units, and the terms add up to the recomputed pg_loss."""
         if not self.ensure("pg_sum"):
             self.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
             return
         pg = self.results["pg_sum"]
+        knobs = LossKnobs.of(self.ctx.config)
         mask = self.ctx.loss_mask.to(torch.float64)
         actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64).index_add_(0, self.ctx.seg, mask)
-        actual_mask = actual_mask.clamp_min(1.0)
-        expected_mask = actual_mask
-        if self.ensure("mask_count"):
-            expected_mask = self.results["mask_count"].expected.clamp_min(1.0)
-        result = FieldResult(stage=pg.stage, name="pg_contribution", per=pg.per, expected=pg.expected / expected_mask,
-                             actual=pg.actual / actual_mask, tolerance=pg.tolerance / actual_mask,
+        expected_mask = self.results["mask_count"].expected if self.ensure("mask_count") else actual_mask
+        mode = knobs.loss_agg_mode
+        w_actual = agg_weights(mode, actual_mask, knobs) * knobs.loss_scale
+        w_expected = agg_weights(mode, expected_mask, knobs) * knobs.loss_scale
+        divisor, _ = sample_term(mode, 1.0, knobs)
+        scale = f" × {knobs.loss_scale:g}" if knobs.loss_scale != 1 else ""
+        result = FieldResult(stage=pg.stage, name="pg_contribution", per=pg.per, expected=pg.expected * w_expected,
+                             actual=pg.actual * w_actual, tolerance=pg.tolerance * w_actual,
                              sample_ids=pg.sample_ids, group_indices=pg.group_indices, rank=pg.rank, exact=pg.exact,
-                             note="pg_sum / max(Σmask, 1): the sample's term of pg_loss")
+                             note=f"pg_sum / {divisor}{scale} ({mode}): the sample's term of pg_loss")
         self._put("pg_contribution", result)
 
     def support_tokens(self) -> SupportTokens:
@@ -698,6 +727,8 @@ class ReplayModel:
     groups: list[GroupRow]
     fields: list[str]  # viewable fields, FIELDS order
     unavailable: dict[str, str]
+    # why the bundle set is not a verified whole (an incomplete cohort opened with --forensic), else None
+    forensic: Optional[str] = None
 
     def __post_init__(self) -> None:
         # built with the model (in the replay worker), not by the first frame
@@ -850,9 +881,13 @@ class ReplayModel:
         if spec.kind == KIND_COHORT:
             diff = self.field_diff(field_name)
             label = diff.label(row)
+            # what the row's own field compares (the table holds every scalar the stage compared)
+            base = label.split(" [rank ")[0]
+            note = next((r.note for sh in self.shards for r in sh.ctx.fields.get(spec.stage, ())
+                         if r.per == PER_SCALAR and r.note and base in (r.labels or ())), None) or diff.note
             more = " · f: pg_contribution lists each sample's term by |err|" if "pg_contribution" in self.fields else ""
             return ElementInputs(field=field_name, sample_id=None, offset=None,
-                                 formula=f"{label}: {diff.note or 'a cohort scalar'}{more}")
+                                 formula=f"{label}: {note or 'a cohort scalar'}{more}")
         if spec.kind == KIND_SAMPLE:
             sample_id = self.field_diff(field_name).labels[row]
         sample = self.sample(sample_id) if sample_id is not None else None
@@ -867,6 +902,12 @@ class ReplayModel:
         """``row``'s consumer batch as the why strip and the tree show it (``replay_lib.inputs``: recorded, ``~``
         by stream order, or ``—``)."""
         return consumer_batch_labels(self.shards[row.shard].ctx)[row.index]
+
+    @functools.cached_property
+    def consumer_batch_width(self) -> int:
+        """Cells of the longest consumer batch label the tree shows (escaped; a few names per shard)."""
+        return max((cell_len(safe(name)) for sh in self.shards for name in consumer_batch_labels(sh.ctx).names),
+                   default=1)
 
     @functools.cached_property
     def has_consumer_batches(self) -> bool:
@@ -1094,6 +1135,7 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         report=report, name=name or Path(str(bundles.path)).name,
         identity=identity_lines(bundles, report, [rec.ctx for rec in shards]),
         shards=shards, samples=samples, groups=groups, fields=fields, unavailable=unavailable,
+        forensic=bundles.forensic,
     )
     model.has_consumer_batches  # noqa: B018 - placed here, in the worker, not by the tree's first frame
     return model

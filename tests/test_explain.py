@@ -418,6 +418,70 @@ def test_stale_old_log_probs(tmp_path):
     assert explained(path) == [("loss.policy", "loss.stale_old_log_probs", 5, 5, "loss fields")]
 
 
+def _token_mean_config(parts, tokens: int):
+    """``parts`` declaring verl's token mean (loss and metrics) over the recorded ``loss_token_count``."""
+    cfg = msgspec.structs.replace(parts.index.config, loss_agg_mode="token_mean", metric_agg_mode="token_mean",
+                                  loss_token_count=tokens)
+    parts.index = msgspec.structs.replace(parts.index, config=cfg)
+    return parts
+
+
+def micro_batch_token_mean(inputs, adv: np.ndarray, micro: np.ndarray, averaged: bool) -> dict[str, float]:
+    """The token-mean loss fields of a trainer whose token mean divided each micro-batch's Σ x·mask by that
+    micro-batch's own loss tokens, then summed (or averaged) the micro-batches' means — for each loss term it
+    aggregates (pg_loss, entropy_loss); its metrics over all the tokens."""
+    out = loss_fields(inputs, adv, agg="token_mean")
+    seg = np.repeat(np.arange(inputs.lengths.size), inputs.lengths)
+    old, logp = inputs.old_log_probs.astype(np.float64), inputs.log_probs.astype(np.float64)
+    a, m = adv.astype(np.float64), inputs.mask.astype(np.float64)
+    ratio = np.exp(logp - old)
+    n = np.bincount(seg, m, minlength=16)
+    for name, x in (("pg_loss", np.maximum(-ratio * a, -np.clip(ratio, 0.8, 1.28) * a)),
+                    ("entropy_loss", inputs.entropy.astype(np.float64))):
+        per_sample = np.bincount(seg, x * m, minlength=16)
+        means = [per_sample[micro == k].sum() / n[micro == k].sum() for k in np.unique(micro)]
+        out[name] = float(np.mean(means) if averaged else np.sum(means))
+    out["loss"] = out["pg_loss"]  # entropy_coef 0
+    return out
+
+
+@pytest.mark.parametrize("averaged", [False, True])
+def test_token_mean_per_micro_batch(tmp_path, averaged):
+    """The family's micro-batches are samples 0–7 and 8–15; the config declares the token mean over all 901
+    tokens' loss tokens. Summed, the two micro-batch means are about twice the step's; averaged, they differ
+    from it by how unequal the two micro-batches' token counts are. With the per-sample terms recorded
+    (averaged), the 16 × 5 terms are right and only the scalars (5) and their check against the terms (5) fail:
+    every value matches."""
+    micro = np.arange(16) // 8
+    tokens = int(INPUTS.mask.sum())
+    parts = _token_mean_config(_parts(name=f"mb-{averaged}", per_sample=averaged), tokens)
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    loss = {**parts.expected["loss.policy"], **micro_batch_token_mean(INPUTS, adv, micro, averaged)}
+    assert ("per_sample" in loss) == averaged
+    path = write(tmp_path, parts, STEP, loss=loss)
+    report = replay(path)
+    assert report.first_divergent_stage == "loss.policy"
+    hid = "loss.micro_batch_token_mean" + ("_averaged" if averaged else "")
+    expected = (16 * 5 + 5 + 5, "values") if averaged else (5, "loss fields")
+    assert [(e.stage, e.hypothesis, e.matched, e.of, e.unit) for e in report.explanations] == [
+        ("loss.policy", hid, expected[0], expected[0], expected[1])]
+    how = "averaged over the 2 micro-batches" if averaged else "summed over the micro-batches"
+    assert report.explanations[0].detail == (
+        f"the recorded loss equals a token mean per micro-batch (mb-0000, mb-0001): each one's Σ x·mask over its own "
+        f"loss tokens, {how}, instead of over loss_token_count={tokens}")
+
+
+def test_the_verl_dapo_demo_is_explained(tmp_path):
+    """Its trainer took the token mean per micro-batch (× dp) under dual-clip and a log-ratio clamp, knobs the
+    surrogate variants do not model: the re-aggregation still applies. 16 samples × 4 recorded terms, 4 checks
+    of the scalars against the terms and 6 scalars: 74 values."""
+    from replay_lib.demo import write_demo
+
+    report = replay(write_demo("verl-dapo", tmp_path / "dapo"))
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [
+        ("loss.micro_batch_token_mean", 74, 74)]
+
+
 # ------------------------------------------------------------------------------ no false explanation
 
 
@@ -436,6 +500,15 @@ def test_unrelated_bugs_get_none(tmp_path):
         "adv": dict(stages=ROLLOUT, advantages=np.repeat(RECORDED, INPUTS.lengths) + 0.25),
         "loss": dict(stages=STEP, loss={**_loss(), "pg_loss": _loss()["pg_loss"] + 0.5}),
     }
+    # and under a token mean (the micro-batch hypotheses apply): pg_loss 0.5 too high
+    tokens = int(INPUTS.mask.sum())
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    token_mean = loss_fields(INPUTS, adv, agg="token_mean")
+    report = replay(write(tmp_path, _token_mean_config(_parts(name="tm"), tokens), STEP,
+                          loss={**token_mean, "pg_loss": token_mean["pg_loss"] + 0.5}))
+    assert not report.passed and report.explanations == []
+    report = replay(write(tmp_path, _token_mean_config(_parts(name="tm-clean"), tokens), STEP, loss=token_mean))
+    assert report.passed and report.explanations == []
     for name, kw in cases.items():
         stages = kw.pop("stages")
         report = replay(write(tmp_path, _parts(name=name), stages, **kw))

@@ -480,7 +480,7 @@ def test_the_early_writer_s_bundle_is_verified_everywhere_else(tmp_path, cli):
     kl.write_bytes(bytes(data))
     rc, out, err = cli("validate", b)
     assert (rc, out) == (3, "") and "Traceback" not in err
-    assert err == (f"trajectory-replay: error: {kl}: sha256 mismatch (manifest {recorded[:12]}…, sentinel "
+    assert err == (f"trajectory-replay: error: {kl}: sha256 mismatch (manifest {recorded[:12]}…, COMPLETE.0 "
                    f"{recorded[:12]}…, file {_sha(bytes(data))[:12]}…)\n")
     # its JSON files, against a COMPLETE.0 that records their checksums (then no warning is due)
     b = write_original_bundle(tmp_path / "rank-metadata", early=True, early_rank_metadata=True)
@@ -491,7 +491,7 @@ def test_the_early_writer_s_bundle_is_verified_everywhere_else(tmp_path, cli):
     (b / "index.json").write_bytes(_dump(index))
     rc, out, err = cli("validate", b)
     assert rc == 3 and "Traceback" not in err
-    assert f"{b / 'index.json'}: sha256 mismatch (sentinel " in err
+    assert f"{b / 'index.json'}: sha256 mismatch (COMPLETE.0 " in err  # the sentinel that disagrees, named
 
 
 def test_a_bundle_of_ours_cannot_shed_its_checksums(tmp_path, cli, bundle_tools):

@@ -527,7 +527,7 @@ class BundleReader:
             if recorded[name] != actual[name]:
                 raise BundleError(
                     f"{sentinel.parent / name if sentinel.parent.exists() else name}: sha256 mismatch "
-                    f"(sentinel {recorded[name][:12]}…, file {actual[name][:12]}…)"
+                    f"({sentinel.name} {recorded[name][:12]}…, file {actual[name][:12]}…)"
                 )
 
     def _verify_payloads(self, shard: RankComplete, sentinel_name: str, digests: _Digests) -> None:
@@ -570,7 +570,7 @@ class BundleReader:
                 digest = digests.file(file)
             if digest != spec.sha256 or digest != shard.payloads[key]:
                 raise BundleError(
-                    f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, sentinel "
+                    f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, {Path(sentinel_name).name} "
                     f"{shard.payloads[key][:12]}…, file {digest[:12]}…)"
                 )
             if unloadable is not None:

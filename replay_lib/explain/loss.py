@@ -17,6 +17,10 @@ seq_mean_token_mean · ``1/T`` token_mean · ``1/N`` seq_mean_token_sum · ``1/(
 with the recorded ``T``, ``N``, ``L`` or else the bundle's token count, sample count and longest response),
 and the per-sample mean taken over the response length instead of the loss tokens (``1/max(len_i, 1)``).
 
+A token mean per micro-batch (:func:`micro_batch_hypotheses`): each micro-batch's sums over its own loss-token
+count, summed or averaged over the micro-batches — a re-aggregation of the stage's own per-sample sums (every loss
+knob), so it is tried under any configuration with a ``token_mean`` term and two or more micro-batches.
+
 A variant gives every loss field it changes: the reported scalars, the recorded per-sample terms and the
 per-token ``pg_losses``; its elements are judged with the stage's own tolerance.
 """
@@ -31,7 +35,8 @@ import torch
 from ..fields import PER_SCALAR, FieldResult
 from ..stages import StageContext, StageInputError
 from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
-from .base import Hypothesis, fmt_number
+from ..kernels.loss import LossKnobs, agg_weights
+from .base import Hypothesis, fmt_number, listing
 
 STAGE = "loss.policy"
 CLIP_VALUES = (0.2, 0.28, 0.3)
@@ -234,9 +239,92 @@ def modelled(cfg) -> bool:
                 or cfg.importance_level != "token" or cfg.use_rollout_logprobs)
 
 
+def _micro_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
+    """``(ids, each selected sample's micro-batch position)`` when the samples name two or more micro-batches."""
+    ids = [s.micro_batch_id for s in ctx.samples]
+    if any(i is None for i in ids):
+        return None
+    order = list(dict.fromkeys(ids))
+    if len(order) < 2:
+        return None
+    where = {mb: k for k, mb in enumerate(order)}
+    return order, torch.tensor([where[i] for i in ids], dtype=torch.int64)
+
+
+def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """A token mean taken per micro-batch: each micro-batch's ``Σ x·mask`` over its own loss-token count instead
+    of the recorded ``loss_token_count``, the micro-batches' means then summed (gradient accumulation adding
+    their losses) or averaged — for each loss term aggregated ``token_mean``; the metrics as declared.
+
+    Only a re-aggregation of per-sample sums: of the stage's own recompute (every loss knob included, so no
+    :func:`modelled` gate) for the recorded scalars, and of the recorded per-sample terms for their aggregation
+    check."""
+    from ..stages.loss import _loss_sums
+
+    knobs = LossKnobs.of(ctx.config)
+    terms = [("pg", "pg_loss", knobs.loss_agg_mode), ("ent", "entropy_loss", knobs.entropy_mode)]
+    if knobs.kl_loss:
+        terms.append(("kl_loss", "kl_loss", knobs.kl_mode))
+    if not any(mode == "token_mean" for _, _, mode in terms):
+        return []
+    placed = _micro_batches(ctx)
+    if placed is None:
+        return []
+    try:
+        li = loss_inputs(ctx)
+        sums = _loss_sums(ctx, li)
+    except StageInputError:
+        return []
+    ids, mb = placed
+    k = len(ids)
+    names = {f.name: f for f in fields}
+
+    def scalars(per_sample: dict[str, torch.Tensor], counts: torch.Tensor, averaged: bool) -> dict[str, float]:
+        """The loss terms of ``per_sample`` with each token-mean term taken per micro-batch, and ``loss``."""
+        tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, counts).clamp(min=1.0)
+        out: dict[str, float] = {}
+        for row, name, mode in terms:
+            values = per_sample.get(row)
+            if values is None:
+                continue
+            if mode == "token_mean":
+                means = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, values) / tokens
+                total = float(means.sum()) / (k if averaged else 1)
+            else:
+                total = float((values * agg_weights(mode, counts, knobs)).sum())
+            out[name] = total * knobs.loss_scale
+        out["loss"] = out["pg_loss"] - knobs.entropy_coef * out.get("entropy_loss", 0.0) + \
+            (knobs.kl_loss_coef * out["kl_loss"] if "kl_loss" in out else 0.0)
+        return out
+
+    recorded = {row: names[term].expected for term, row in (("pg_sum", "pg"), ("entropy_sum", "ent"),
+                                                             ("kl_loss_sum", "kl_loss")) if term in names}
+    recorded_counts = names["mask_count"].expected if "mask_count" in names else sums["mask"]
+    out = []
+    for averaged in (False, True):
+        how = f"averaged over the {k} micro-batches" if averaged else "summed over the micro-batches"
+        loss_fields = scalars(sums, sums["mask"], averaged)
+        aggregated = scalars(recorded, recorded_counts, averaged) if "pg" in recorded else None
+        values = {}
+        for f in fields:
+            by_label = aggregated if f.name == AGGREGATE_FIELD else loss_fields if f.name == "loss" else None
+            if by_label is None or f.per != PER_SCALAR or not f.labels:
+                continue
+            keys = [label.removesuffix(AGGREGATE_SUFFIX) for label in f.labels]
+            values[f.name] = torch.tensor([by_label.get(key, float(f.actual[i])) for i, key in enumerate(keys)],
+                                          dtype=torch.float64)
+        count = f"loss_token_count={knobs.loss_token_count}" if knobs.loss_token_count is not None else \
+            "the step's loss tokens"
+        out.append(Hypothesis(
+            stage=STAGE, id="loss.micro_batch_token_mean" + ("_averaged" if averaged else ""),
+            detail=f"the recorded loss equals a token mean per micro-batch ({listing(ids)}): each one's Σ x·mask over "
+                   f"its own loss tokens, {how}, instead of over {count}", values=values))
+    return out
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     if not modelled(ctx.config):
-        return []
+        return micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
@@ -286,4 +374,4 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{other}", detail=f"the recorded loss fields equal {what} "
                               f"(config: {mode})", values=values_of(
                                   _fields(ctx, li, sums[0], other), None, None, _fields(ctx, li, recorded, other))))
-    return out
+    return out + micro_batch_hypotheses(ctx, fields)

@@ -233,6 +233,16 @@ def agg_weights(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> torch
     return 1.0 / (inner * outer)
 
 
+def sample_term(mode: str, mask_count: float, knobs: LossKnobs) -> tuple[str, float]:
+    """``(divisor, value)``: a sample's ``S = Σ_t x·mask`` enters a field under ``mode`` as ``S / value`` (before
+    ``loss_scale``), and that divisor in words, for a view that spells it out — ``max(Σmask, 1)``,
+    ``loss_token_count``, ``max(Σmask, 1)·loss_seq_count``, …"""
+    inner, outer = agg_divisors(mode, torch.tensor([float(mask_count)], dtype=torch.float64), knobs)
+    names = (["max(Σmask, 1)"] if mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean") else []) + \
+        list(AGG_COUNTS[mode])
+    return "·".join(names), float(inner[0]) * outer
+
+
 def aggregate(per_sample: torch.Tensor, mask_counts: torch.Tensor, mode: str, knobs: LossKnobs,
               scale: float = 1.0) -> torch.Tensor:
     """``scale · (Σ_i S_i / inner_i) / outer`` in the dtype of ``per_sample``."""

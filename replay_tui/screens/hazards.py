@@ -56,7 +56,7 @@ class HazardsScreen(ModalScreen[Optional[int]]):
     }
     HazardsScreen #hazards-intro { color: $text-muted; height: auto; }
     HazardsScreen HazardList { height: auto; max-height: 20; }
-    HazardsScreen #hazards-detail { height: auto; max-height: 4; }
+    HazardsScreen #hazards-detail { height: auto; max-height: 4; color: $text-muted; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close", id="hazards.close", tooltip="Close the hazard list"),
@@ -93,7 +93,8 @@ class HazardsScreen(ModalScreen[Optional[int]]):
         line = self.rows[row].line if 0 <= row < len(self.rows) else ""
         cut = cell_len(line) > width - len(HAZARD_MARK) - 1
         detail = self.query_one("#hazards-detail", Static)
-        detail.update(Text(line) if cut else Text(""))
+        # labelled, or it reads as the list's next hazard
+        detail.update(Text.assemble(("↳ in full: ", "dim"), line) if cut else Text(""))
         if detail.display != cut:
             detail.display = cut
 

@@ -22,7 +22,7 @@ from ..widgets.key_bar import KeyBar
 class JumpScreen(ModalScreen[Optional[str]]):
     DEFAULT_CSS = """
     JumpScreen { align: center middle; }
-    JumpScreen #jump-box { width: 60; max-width: 95%; height: auto; border: round $accent; background: $surface;
+    JumpScreen #jump-box { width: 66; max-width: 95%; height: auto; border: round $accent; background: $surface;
                            padding: 0 1; }
     JumpScreen #jump-error { color: $error; height: auto; }
     """

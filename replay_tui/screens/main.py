@@ -21,6 +21,7 @@ from ..model import KIND_SAMPLE, KIND_TOKEN, ReplayModel, field_for_divergence, 
 from ..export import ExportRequest, default_export_path, export_field
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.diff_view import DiffPanel, DiffView, worst_row
+from ..widgets.header_line import ForensicLabel
 from ..widgets.identity_pane import IdentityPane
 from ..widgets.key_bar import KeyBar
 from ..widgets.sample_tree import SamplesPanel, SampleTree
@@ -192,6 +193,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         if bool(self.hazards) != had_hazards:
             self.refresh_bindings()  # the key bar shows or drops "z Hazards"
         report = model.report
+        if self.app.forensic:
+            self.query_one(ForensicLabel).show_complete(model.forensic is None)
         self.query_one(TitleBar).show(model.name, report)
         self.query_one(VerdictBar).show_report(report)
         self.query_one(IdentityPane).set_rows(model.identity)
@@ -370,7 +373,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             row = first.token_offset if FIELD_BY_NAME[field].kind == KIND_TOKEN else None
             if FIELD_BY_NAME[field].kind == "cohort":
                 diff = model.field_diff(field)
-                row = diff.divergent[0] if diff.divergent else 0
+                # the divergence's own row (the table holds every scalar the stage compared), else its first
+                label = first.field + (f" [rank {first.rank}]" if model.multi_rank and first.rank is not None else "")
+                row = diff.labels.index(label) if label in diff.labels else diff.divergent[0] if diff.divergent else 0
             self.select(sample_id=first.sample_id, field=field, row=row)
         if first is not None:
             self.stage_list.cursor = next(

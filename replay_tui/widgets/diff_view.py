@@ -126,23 +126,24 @@ class DiffView(CursorLines):
     BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
         "diff", "row", "Open the sample's per-token diff (from a per-sample table; from the loss table, each "
                        "sample's term)") + [
-        Binding("s", "toggle_sort", "Sort |err|", show=False, id="diff.sort",
+        # s, w, x in the key bar while the diff has the focus (the bar keeps ? and q when it is short)
+        Binding("s", "toggle_sort", "Sort", id="diff.sort",
                 tooltip="Sort the rows by |err|, largest first (toggle; n/N still follow the offsets)"),
         Binding("D", "toggle_divergent", "Divergent", show=False, id="diff.divergent-only",
                 tooltip="Show only the divergent rows (toggle)"),
-        Binding("w", "worst", "Max |err|", show=False, id="diff.worst", tooltip="Go to the row with the largest |err|"),
+        Binding("w", "worst", "Max |err|", id="diff.worst", tooltip="Go to the row with the largest |err|"),
         Binding("right", "scroll_columns(1)", "Columns →", show=False, id="diff.columns-right",
                 tooltip="Scroll the columns right (shows the ones a narrow pane leaves out)"),
         Binding("left", "scroll_columns(-1)", "Columns ←", show=False, id="diff.columns-left",
                 tooltip="Scroll the columns back left"),
         Binding("L", "toggle_log", "Log |err|", show=False, id="diff.log-scale",
                 tooltip="Error plot on a log scale (toggle)"),
-        Binding("x", "export(False)", "Export", show=False, id="diff.export",
+        Binding("x", "export(False)", "Export", id="diff.export",
                 tooltip="Export the viewed rows (expected, actual, abs err, tolerance) to CSV or JSON"),
         Binding("X", "export(True)", "Export stage", show=False, id="diff.export-stage",
-                tooltip="Export the field over every sample of the stage to CSV or JSON"),
+                tooltip="Export the field over every sample of the stage (to CSV or JSON)"),
         Binding("y", "copy(False)", "Copy", show=False, id="diff.copy-value",
-                tooltip="Copy the cursor row's recomputed value to the clipboard (OSC 52, works over SSH)"),
+                tooltip="Copy the cursor row's recomputed value to the clipboard (in full; OSC 52, works over SSH)"),
         Binding("Y", "copy(True)", "Copy row", show=False, id="diff.copy-row",
                 tooltip="Copy the cursor row (key, expected, actual, abs err, tolerance) to the clipboard (OSC 52)"),
     ]
@@ -481,7 +482,8 @@ class DiffView(CursorLines):
         if row:
             self.post_message(self.Copy(self.row_text()))
         else:
-            self.post_message(self.Copy(fmt_value(self.diff.row(self.data_row)[1])))
+            # the recomputed value in full (Python's shortest repr of its float64, as the export writes it)
+            self.post_message(self.Copy(repr(float(self.diff.row(self.data_row)[1]))))
 
 class DiffPanel(Vertical):
     """Title line, error plot, column header, the rows, (for a bundle with support rows) the support strip of

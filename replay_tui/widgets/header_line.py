@@ -42,5 +42,11 @@ class ForensicLabel(Static):
     TEXT = ("FORENSIC — an incomplete cohort opened read-only with the ranks that published: untrusted, "
             "never exits 0")
 
+    # --forensic on a bundle set that verified whole: nothing is untrusted, but the mode's exit code holds
+    COMPLETE_TEXT = "FORENSIC — --forensic on a complete, verified bundle (not needed): still never exits 0"
+
     def __init__(self) -> None:
         super().__init__(self.TEXT, markup=False, id="forensic")
+
+    def show_complete(self, complete: bool) -> None:
+        self.update(self.COMPLETE_TEXT if complete else self.TEXT)

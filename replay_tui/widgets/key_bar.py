@@ -28,6 +28,10 @@ class KeyItem:
     end: int  # one past the last cell
 
 
+# Kept by a short bar (the actions of "?" and "q").
+ESSENTIAL = frozenset({"app.help", "app.quit"})
+
+
 class KeyBar(Widget):
     DEFAULT_CSS = """
     KeyBar {
@@ -48,7 +52,7 @@ class KeyBar(Widget):
 
     def __init__(self, *, id: Optional[str] = None) -> None:
         super().__init__(id=id)
-        self._items: Optional[tuple[KeyItem, ...]] = None
+        self._items: Optional[tuple[int, tuple[KeyItem, ...]]] = None  # (width, its keys)
         self._hover: Optional[int] = None
 
     def on_mount(self) -> None:
@@ -63,12 +67,15 @@ class KeyBar(Widget):
     @property
     def items(self) -> tuple[KeyItem, ...]:
         """The shown keys, one per action (the first binding of each, like the stock footer), laid
-        out left to right; the command palette's key goes last."""
-        if self._items is None:
-            self._items = self._layout()
-        return self._items
+        out left to right in the bar's width; the command palette's key goes last."""
+        width = self.size.width or 10_000  # not laid out yet: every key
+        if self._items is None or self._items[0] != width:
+            self._items = (width, self._layout(width))
+        return self._items[1]
 
-    def _layout(self) -> tuple[KeyItem, ...]:
+    def _layout(self, width: int) -> tuple[KeyItem, ...]:
+        """Whole keys only. The focused pane's keys come first; when they all do not fit, the last ones go,
+        except the help and quit keys (``ESSENTIAL``), which a short bar keeps (a new user's way out)."""
         app = self.app
         active = self.screen.active_bindings
         seen: set[str] = set()
@@ -81,13 +88,24 @@ class KeyBar(Widget):
         palette = active.get(app.COMMAND_PALETTE_BINDING) if app.ENABLE_COMMAND_PALETTE else None
         if palette is not None and palette.binding.action not in seen:
             entries.append((palette.binding, palette.enabled, palette.tooltip or palette.binding.tooltip))
-        items, x = [], 0
+        sized = []
         for binding, enabled, tooltip in entries:
             display = app.get_key_display(binding)
-            width = len(display) + (1 + len(binding.description) if binding.description else 0)
+            size = len(display) + (1 + len(binding.description) if binding.description else 0)
+            sized.append((binding, enabled, tooltip, display, size))
+        room = width - sum(e[4] + 1 for e in sized if e[0].action in ESSENTIAL)
+        kept, used = [], 0
+        for entry in sized:
+            if entry[0].action in ESSENTIAL or used + entry[4] <= room:
+                kept.append(entry)
+                used += 0 if entry[0].action in ESSENTIAL else entry[4] + 1
+        items, x = [], 0
+        for binding, enabled, tooltip, display, size in kept:
+            if x + size > width:
+                break
             items.append(KeyItem(binding.key, display, binding.description, tooltip or binding.description,
-                                 enabled, x, x + width))
-            x += width + 1  # one cell between keys
+                                 enabled, x, x + size))
+            x += size + 1  # one cell between keys
         return tuple(items)
 
     def render_line(self, y: int) -> Strip:
@@ -100,9 +118,7 @@ class KeyBar(Widget):
         hover_style = self.get_component_rich_style("key-bar--hover", partial=True)
         dim = Style(dim=True)
         parts: list[tuple[str, Optional[Style]]] = []
-        for i, item in enumerate(self.items):
-            if item.end > width:  # only whole keys: a narrow terminal drops the last ones (ctrl+p first)
-                break
+        for i, item in enumerate(self.items):  # whole keys, laid out for this width
             extra = hover_style if i == self._hover else None
             off = None if item.enabled else dim
             parts.append((item.display, Style.chain(key_style, extra, off)))

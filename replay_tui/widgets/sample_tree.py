@@ -22,7 +22,8 @@ from .cursor_lines import CursorLines
 from .header_line import HeaderLine
 
 GROUP, SAMPLE = TREE_GROUP, TREE_SAMPLE
-CB_W = 5  # "~cb-0"; a longer id is cut (the why strip shows it whole)
+CB_W = 5  # "~cb-0": the consumer batch column's least width
+CB_MAX = 12  # and its most: a longer id is cut (the why strip shows it whole)
 
 
 class SampleTree(CursorLines):
@@ -104,25 +105,29 @@ class SampleTree(CursorLines):
         return False
 
     # -- drawing ----------------------------------------------------------------------------------
-    def _columns(self, width: int) -> tuple[int, bool, bool, bool]:
-        """(id width, show micro-batch, show consumer batch, show reward). The consumer batch (the PR #65 case
-        is about it) stands beside the micro-batch when the bundle places its samples in consumer batches and
-        the ids keep 5 cells ("s-123"; a longer id is cut, the why strip shows it whole)."""
+    def _columns(self, width: int) -> tuple[int, bool, int, bool]:
+        """(id width, show micro-batch, consumer batch width (0: hidden), show reward). The consumer batch (the
+        PR #65 case is about it) stands beside the micro-batch when the bundle places its samples in consumer
+        batches and the ids keep 5 cells ("s-123"); it takes the width its longest id needs (up to ``CB_MAX``)
+        while the ids keep 6, else at least ``CB_W`` (a longer id is cut: the why strip shows it whole)."""
         show_mb = width >= 34
         show_reward = width >= 24
         fixed = 4 + (9 if show_mb else 0) + (8 if show_reward else 0) + 5
-        show_cb = show_mb and self.model is not None and self.model.has_consumer_batches and \
-            width - fixed - CB_W - 1 >= 5
-        fixed += CB_W + 1 if show_cb else 0
-        return max(4, width - fixed), show_mb, show_cb, show_reward
+        cb_w = 0
+        if show_mb and self.model is not None and self.model.has_consumer_batches and \
+                width - fixed - CB_W - 1 >= 5:
+            need = min(max(self.model.consumer_batch_width, CB_W), CB_MAX)
+            cb_w = max(CB_W, min(need, width - fixed - 1 - 6))
+            fixed += cb_w + 1
+        return max(4, width - fixed), show_mb, cb_w, show_reward
 
     def render_header(self, width: int, base: Style) -> Strip:
-        idw, show_mb, show_cb, show_reward = self._columns(width)
+        idw, show_mb, cb_w, show_reward = self._columns(width)
         parts = [("    " + fit("sample" if idw >= 6 else "id", idw), None)]
         if show_mb:
             parts.append((" " + fit("batch", 8), None))
-        if show_cb:
-            parts.append((" " + fit("cb", CB_W), None))
+        if cb_w:
+            parts.append((" " + fit("cb", cb_w), None))
         if show_reward:
             parts.append((" " + fit("reward", 7, ">"), None))
         parts.append((" " + fit("✗", 4, ">"), None))
@@ -147,7 +152,7 @@ class SampleTree(CursorLines):
                 parts.append((" " + tail, FAIL_SOFT if group.diverging else DIM))
             return strip_of(parts, width, base)
         s = model.samples[i]
-        idw, show_mb, show_cb, show_reward = self._columns(width)
+        idw, show_mb, cb_w, show_reward = self._columns(width)
         n = s.total_mismatches
         if not s.compared:
             mark, style = "·", SKIP
@@ -160,8 +165,8 @@ class SampleTree(CursorLines):
         parts = [hazard, (mark + " ", style), (fit(safe(s.sample_id), idw), FAIL_SOFT if n else None)]
         if show_mb:
             parts.append((" " + fit(safe(s.micro_batch_id or "—"), 8), DIM))
-        if show_cb:
-            parts.append((" " + fit(safe(model.consumer_batch(s)), CB_W), DIM))
+        if cb_w:
+            parts.append((" " + fit(safe(model.consumer_batch(s)), cb_w), DIM))
         if show_reward:
             reward = s.reward if s.reward is not None else s.raw_reward
             parts.append((" " + fit(_short(reward), 7, ">"), None))

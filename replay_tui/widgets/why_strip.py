@@ -4,7 +4,8 @@ What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.inputs``): fo
 rewards, mean, std, eps and each member's micro-batch and consumer batch; for a KL token ``r`` and the
 formula; for a loss token the ratio, its clip region, the mask, the advantage and the token's contribution
 to its sample's term. Line 1 is the formula with its values, line 2 the inputs, line 3 (tall terminals) a
-reward group's members or what a loss token adds to its sample's terms. Line API: one lookup per cursor move, the lines cached until the element changes."""
+reward group's members or what a loss token adds to its sample's terms; a line longer than the strip is wide
+wraps, and the formula keeps its value when it does not fit (its middle elided). Line API: one lookup per cursor move, the lines cached until the element changes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from replay_lib.inputs import STREAM_MARK, ElementInputs
 from replay_lib.safe_text import safe
 from replay_lib.stages import StageInputError
 
-from ..cells import BOLD, DIM, strip_of
+from ..cells import BOLD, DIM, fit_rows, strip_of
 from ..model import ReplayModel
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class WhyStrip(Widget):
         self.model: Optional[ReplayModel] = None
         self._key: tuple = ()
         self._lines: list[list[tuple[str, Optional[Style]]]] = []
+        self._rows: tuple[tuple, list[list[tuple[str, Optional[Style]]]]] = ((), [])
 
     def element_key(self) -> tuple:
         diff = self.view.diff
@@ -95,10 +97,19 @@ class WhyStrip(Widget):
         """The strip as plain text (tests, the clipboard)."""
         return ["".join(t for t, _ in parts) for parts in self.current_lines()]
 
+    def rows(self) -> list[list[tuple[str, Optional[Style]]]]:
+        """The lines as the strip shows them: wrapped to its width, within its height, the formula (and its
+        value) first (``cells.fit_rows``)."""
+        lines = self.current_lines()
+        key = (self._key, self.size.width, self.size.height)
+        if self._rows[0] != key:
+            self._rows = (key, fit_rows(lines, self.size.width, self.size.height))
+        return self._rows[1]
+
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         base = self.rich_style
-        lines = self.current_lines()
-        if y >= len(lines):
+        rows = self.rows()
+        if y >= len(rows):
             return Strip.blank(width, base)
-        return strip_of(lines[y], width, base)
+        return strip_of(rows[y], width, base)

@@ -143,9 +143,8 @@ async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path):
         await pilot.pause()
         await pilot.press("enter")
         await pilot.pause()
-        from replay_lib.report import fmt_value
 
-        assert app.clipboard == fmt_value(app.debugger.diff_view.diff.row(3)[1])
+        assert app.clipboard == repr(app.debugger.diff_view.diff.row(3)[1])
 
 
 async def test_a_cohort_s_stage_export_names_each_row_s_rank(make_app, tmp_path):

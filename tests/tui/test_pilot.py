@@ -215,7 +215,8 @@ async def test_a_quick_replay_is_on_the_very_first_frame(bundles):
         await ready(pilot)
     assert frames and "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5" in frames[0]
     assert not any("verifying bundle" in f or "replaying" in f for f in frames)
-    assert frames[0].splitlines()[-1].startswith("⏎ Open tab Pane n Next div")
+    # the diff's keys first (it has the focus), then the screen's
+    assert frames[0].splitlines()[-1].startswith("⏎ Open s Sort w Max |err| x Export tab Pane n Next div")
 
 
 async def test_markup_in_sample_ids_is_shown_literally(make_app):
@@ -545,10 +546,10 @@ async def test_key_bar_follows_focus_and_its_keys_click(make_app):
         # the first frame already lists the diff viewer's keys (no later recompose); on the per-sample reward
         # table, enter opens a sample's per-token diff
         assert [(i.display, i.description) for i in bar.items] == [
-            ("⏎", "Open"), ("tab", "Pane"), ("n", "Next div"), ("f", "Field"), ("/", "Jump"), ("?", "Help"),
-            ("q", "Quit"), ("^p", "palette")]
+            ("⏎", "Open"), ("s", "Sort"), ("w", "Max |err|"), ("x", "Export"), ("tab", "Pane"), ("n", "Next div"),
+            ("f", "Field"), ("/", "Jump"), ("?", "Help"), ("q", "Quit"), ("^p", "palette")]
         assert screen_text(app).splitlines()[-1].rstrip() == (
-            "⏎ Open tab Pane n Next div f Field / Jump ? Help q Quit ^p palette")
+            "⏎ Open s Sort w Max |err| x Export tab Pane n Next div f Field / Jump ? Help q Quit ^p palette")
         await pilot.press("2")
         assert [i.description for i in bar.items][:3] == ["Open", "Diverging", "Fold"]
         # a click on "d Diverging" presses d in the focused sample tree
@@ -587,11 +588,15 @@ async def test_key_bar_shows_only_whole_keys_on_a_narrow_terminal(make_app):
     app = make_app("pr65-buggy")
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
+        bar = app.debugger.query_one(KeyBar)
+        # the diff's keys, then the screen's while they fit (80 cells), and always ? and q
+        last = screen_text(app).splitlines()[-1].rstrip()
+        assert last == "⏎ Open s Sort w Max |err| x Export tab Pane n Next div f Field ? Help q Quit"
         await pilot.press("2")
         last = screen_text(app).splitlines()[-1].rstrip()
         assert last == "⏎ Open d Diverging space Fold tab Pane n Next div f Field / Jump ? Help q Quit"
-        bar = app.debugger.query_one(KeyBar)
-        assert bar.items[-1].display == "^p" and bar.item_at(bar.items[-1].start) is None  # not drawn
+        assert [i.display for i in bar.items][-2:] == ["?", "q"] and max(i.end for i in bar.items) <= 80
+        assert "^p" not in [i.display for i in bar.items]  # only whole keys, laid out for the width
 
 
 async def test_the_diverging_filter_on_a_passing_bundle_says_why_the_tree_is_empty(make_app):
@@ -636,7 +641,9 @@ def test_palette_lists_the_same_actions_as_the_bindings():
     assert len(provider_titles) == len(commands)  # each once
     # the help line under a title names the keys and adds only what the title does not already say
     assert [h for t, h, _ in commands if t == "Quit"] == [
-        "key q, ctrl+q · exit code: 0 pass, 1 divergence, else the error's"]
+        "key q, ^q · exit code: 0 pass, 1 divergence, else the error's"]
+    # keys as the key bar shows them, not by their binding names ("slash", "ctrl+q")
+    assert [h.split(" · ")[0] for t, h, _ in commands if t == "Jump to a sample by id"] == ["key /"]
     assert [h for t, h, _ in commands if t == "Focus the next pane"] == ["key tab"]
     assert "Next divergence of the viewed field" in provider_titles
     assert "Samples: Show only samples with a mismatch" in provider_titles
