@@ -119,14 +119,15 @@ def elide_middle(parts: Parts, cells_left: int) -> Parts:
 
 def fit_rows(lines: list[Parts], width: int, height: int) -> list[Parts]:
     """Logical lines (the first most important) wrapped into at most ``height`` rows of ``width`` cells: the
-    first line takes the rows it needs, elided in its middle when it needs more than all of them; the next
-    lines take what is left, whole lines first: the last row shown ends in ``…`` when its line goes on."""
+    first line takes the rows it needs but one (kept for the second line), elided in its middle when it needs
+    more; the next lines take what is left: the last row shown ends in ``…`` when its line goes on."""
     if width <= 0 or height <= 0 or not lines:
         return []
+    most = height - 1 if len(lines) > 1 and height > 1 else height
     first = wrap_parts(lines[0], width)
-    if len(first) > height:
-        room = width + (height - 1) * (width - len(WRAP_INDENT))
-        first = wrap_parts(elide_middle(lines[0], room), width, hard=True)[:height]
+    if len(first) > most:
+        room = width + (most - 1) * (width - len(WRAP_INDENT))
+        first = wrap_parts(elide_middle(lines[0], room), width, hard=True)[:most]
     rows = [(row, i == len(first) - 1) for i, row in enumerate(first)]  # (row, its line ends there)
     for line in lines[1:]:
         wrapped = wrap_parts(line, width)

@@ -904,6 +904,11 @@ class ReplayModel:
         return consumer_batch_labels(self.shards[row.shard].ctx)[row.index]
 
     @functools.cached_property
+    def has_micro_batches(self) -> bool:
+        """Some sample records its micro-batch (the first one, usually: no scan of a step's records)."""
+        return any(s.micro_batch_id is not None for sh in self.shards for s in sh.reader.index.samples)
+
+    @functools.cached_property
     def consumer_batch_width(self) -> int:
         """Cells of the longest consumer batch label the tree shows (escaped; a few names per shard)."""
         return max((cell_len(safe(name)) for sh in self.shards for name in consumer_batch_labels(sh.ctx).names),

@@ -106,15 +106,16 @@ class SampleTree(CursorLines):
 
     # -- drawing ----------------------------------------------------------------------------------
     def _columns(self, width: int) -> tuple[int, bool, int, bool]:
-        """(id width, show micro-batch, consumer batch width (0: hidden), show reward). The consumer batch (the
-        PR #65 case is about it) stands beside the micro-batch when the bundle places its samples in consumer
-        batches and the ids keep 5 cells ("s-123"); it takes the width its longest id needs (up to ``CB_MAX``)
-        while the ids keep 6, else at least ``CB_W`` (a longer id is cut: the why strip shows it whole)."""
-        show_mb = width >= 34
+        """(id width, show micro-batch, consumer batch width (0: hidden), show reward). The micro-batch shows
+        when a sample records one (not a column of "—"). The consumer batch (the PR #65 case is about it) stands
+        beside it when the bundle places its samples in consumer batches and the ids keep 5 cells ("s-123"); it
+        takes the width its longest id needs (up to ``CB_MAX``) while the ids keep 6, else at least ``CB_W`` (a
+        longer id is cut: the why strip shows it whole)."""
+        show_mb = width >= 34 and (self.model is None or self.model.has_micro_batches)
         show_reward = width >= 24
         fixed = 4 + (9 if show_mb else 0) + (8 if show_reward else 0) + 5
         cb_w = 0
-        if show_mb and self.model is not None and self.model.has_consumer_batches and \
+        if width >= 34 and self.model is not None and self.model.has_consumer_batches and \
                 width - fixed - CB_W - 1 >= 5:
             need = min(max(self.model.consumer_batch_width, CB_W), CB_MAX)
             cb_w = max(CB_W, min(need, width - fixed - 1 - 6))
