@@ -54,3 +54,23 @@ def test_a_bare_sample_id_on_a_cohort_suggests_the_rank_prefixed_ones(tmp_path, 
     assert err.strip().endswith("--sample s-0: not found in any rank shard (did you mean r0-s-0, r1-s-0?)")
     code, _, err = cli("replay", c, "--sample", "zz")
     assert code == 3 and err.strip().endswith("--sample zz: not found in any rank shard")
+
+
+def test_demo_write_all_into_a_file_says_it_is_not_a_directory(tmp_path, cli):
+    target = tmp_path / "afile"
+    target.write_text("mine\n")
+    code, out, err = cli("demo", "write-all", target)
+    assert (code, out) == (2, "")
+    assert err == (f"trajectory-replay: error: {target}: not a directory (demo write-all writes one subdirectory "
+                   f"per demo in DIR)\n")
+    assert target.read_text() == "mine\n"
+    help_text = subprocess.run([sys.executable, "-m", "replay_lib", "demo", "write-all", "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "a directory to write them in, one subdirectory each" in " ".join(help_text.split())
+
+
+def test_a_checksum_mismatch_names_the_sentinel_that_records_it(tmp_path, cli):
+    b = write_pr65(tmp_path / "b", buggy=True)
+    (b / "index.json").write_bytes((b / "index.json").read_bytes().replace(b'"raw_reward": 1.0', b'"raw_reward": 2.0', 1))
+    code, _, err = cli("validate", b)
+    assert code == 3 and f"{b / 'index.json'}: sha256 mismatch (COMPLETE " in err

@@ -111,6 +111,34 @@ async def test_an_unwritable_path_keeps_the_dialog_with_the_reason(make_app, tmp
         assert app.screen is app.debugger
 
 
+async def test_a_directory_is_refused_at_once(make_app, tmp_path):
+    """No "enter again to overwrite" for a directory: no file can replace it."""
+    target = tmp_path / "victim"
+    target.mkdir()
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("x")
+        await submit(pilot, target)
+        assert error_text(app) == f"cannot write {target}: Is a directory"
+        assert target.is_dir() and list(target.iterdir()) == []
+
+
+def test_csv_text_is_escaped_as_every_view_shows_it(tmp_path):
+    """A sample id from the bundle with a comma, quotes, an ESC sequence and a newline: the CSV keeps its
+    quoting and escapes the control characters (``cat`` cannot act on the terminal); a cell a spreadsheet
+    would evaluate gets a leading quote. Numbers stay numbers (a negative one keeps its sign)."""
+    from replay_tui.export import render
+
+    rows = [[None, 's-5,"x"\x1b[31mRED\n=cmd', 3, None, -0.5, 1.0, 1.5, 1e-6, True],
+            [None, "=HYPERLINK(1)", None, "@sum", -1.0, -1.0, 0.0, None, False]]
+    text = render(str(tmp_path / "w.csv"), "kl", "advantage.kl", "sample", rows)
+    assert "\x1b" not in text and text.count("\n") == 3
+    parsed = list(csv.reader(text.splitlines()))
+    assert parsed[1] == ["", 's-5,"x"\\x1b[31mRED\\n=cmd', "3", "", "-0.5", "1.0", "1.5", "1e-06", "True"]
+    assert parsed[2] == ["", "'=HYPERLINK(1)", "", "'@sum", "-1.0", "-1.0", "0.0", "", "False"]
+
+
 async def test_the_reward_table_exports_every_sample(make_app, tmp_path):
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:

@@ -70,3 +70,103 @@ def test_the_loss_table_says_how_its_mode_aggregates(tmp_path):
     report, contexts = replay_run(bundles)
     note = build_model(bundles, report, contexts=contexts).field_diff("loss", None).note
     assert note.startswith("loss terms aggregated token_mean (× ") and "per-sample means" not in note
+
+
+# -------------------------------------------------------------------- a second new user's round (verl-dapo, …)
+
+
+def _dapo_model(tmp_path):
+    from replay_lib.bundle import open_bundle
+    from replay_lib.demo import write_demo
+    from replay_lib.runner import replay_run
+    from replay_tui.model import build_model
+
+    bundles = open_bundle(write_demo("verl-dapo", tmp_path / "verl-dapo"))
+    report, contexts = replay_run(bundles)
+    return build_model(bundles, report, contexts=contexts), contexts[0]
+
+
+def test_the_loss_table_holds_the_aggregation_check_the_report_names(tmp_path):
+    """verl-dapo fails on 4 scalars: the recorded loss and pg_loss against the recorded per-sample terms
+    aggregated (loss_from_terms, pg_loss_from_terms, the report's first divergence) and against the recompute
+    (loss, pg_loss). The table shows all of them, the check's rows first, as the stage compared them."""
+    model, _ = _dapo_model(tmp_path)
+    diff = model.field_diff("loss")
+    assert diff.labels == ["loss_from_terms", "pg_loss_from_terms", "pg_clipfrac_from_terms", "ppo_kl_from_terms",
+                           "loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"]
+    assert diff.divergent == [0, 1, 4, 5]
+    assert model.report.first_divergence.field == "loss_from_terms"
+    stage = next(s for s in model.report.stages if s.stage == "loss.policy")
+    assert stage.mismatches == len(diff.divergent) == 4
+    # each row's why names what its own field compares
+    assert model.element_inputs("loss", None, 0).formula.startswith(
+        "loss_from_terms: the recorded scalars against the recorded per-sample terms aggregated (token_mean")
+    assert model.element_inputs("loss", None, 4).formula.startswith("loss: loss terms aggregated token_mean (× 4)")
+
+
+async def test_e_opens_the_loss_table_on_the_first_divergence_s_row(tmp_path):
+    from replay_lib.demo import write_demo
+    from replay_tui.app import ReplayApp
+
+    app = ReplayApp(write_demo("verl-dapo", tmp_path / "verl-dapo"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        view = app.debugger.diff_view
+        assert (view.diff.field, view.diff.label(view.data_row)) == ("loss", "loss_from_terms")
+        await pilot.press("down", "down", "e")
+        await pilot.pause()
+        assert view.diff.label(view.data_row) == "loss_from_terms"
+
+
+def test_the_pg_loss_terms_follow_the_loss_mode(tmp_path):
+    """verl-dapo: token_mean over loss_token_count = 824, loss_scale 4 (dp). s-0's recorded pg_sum 9.851029…
+    enters pg_loss as 4 · 9.851029 / 824 = 0.0478205…, and the 16 terms add up to the recomputed pg_loss."""
+    model, ctx = _dapo_model(tmp_path)
+    pg_sum = float(model.shards[0].results["pg_sum"].expected[0])
+    assert abs(pg_sum - 9.851029) < 1e-6
+    terms = model.field_diff("pg_contribution")
+    assert abs(terms.row(terms.labels.index("s-0"))[0] - pg_sum * 4 / 824) < 1e-15
+    pg_loss = model.field_diff("loss").row(5)[1]
+    assert abs(float(terms.actual_tensor.sum()) - pg_loss) < 1e-12
+    formula = model.element_inputs("pg_contribution", "s-0", terms.labels.index("s-0")).formula
+    assert formula == "pg_loss term = pg_sum × 4 / loss_token_count = 9.851029 × 4 / 824 = 0.04782053"
+
+
+def test_the_default_mode_s_terms_read_as_before(make_app, bundles):
+    """sum_of_sample_means, loss_scale 1: a term is pg_sum / max(Σmask, 1), worded as it always was."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.inputs import pg_term
+    from replay_lib.runner import replay_run
+
+    bundle = open_bundle(bundles / "loss-bug")
+    _, contexts = replay_run(bundle)
+    assert pg_term(contexts[0], 8.0) == ("max(Σmask, 1)", 1 / 8, 8.0)
+    assert pg_term(contexts[0], 0.0) == ("max(Σmask, 1)", 1.0, 1.0)
+
+
+async def test_a_forensic_debugger_on_a_complete_bundle_says_so(make_app):
+    from replay_tui.widgets.header_line import ForensicLabel
+
+    app = make_app("pr65-fixed", forensic=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert screen_text(app).splitlines()[0].strip() == (
+            "FORENSIC — --forensic on a complete, verified bundle (not needed): still never exits 0")
+        assert app.screen.query_one(ForensicLabel).render().plain == ForensicLabel.COMPLETE_TEXT
+        await pilot.press("q")
+    assert app.return_code == 3
+
+
+def test_the_tree_gives_consumer_batch_ids_their_width():
+    """``~cb-0-0-0`` (9 cells) fits a 38-cell tree without micro-batches (a column of "—" is not shown); with
+    them, the ids keep 6 cells and the batch ids get what is left (at least 5)."""
+    from types import SimpleNamespace
+
+    from replay_tui.widgets.sample_tree import SampleTree
+
+    tree = SampleTree()
+    tree.model = SimpleNamespace(has_consumer_batches=True, consumer_batch_width=9, has_micro_batches=False)
+    assert tree._columns(38) == (38 - 4 - 8 - 5 - 10, False, 9, True)
+    tree.model = SimpleNamespace(has_consumer_batches=True, consumer_batch_width=9, has_micro_batches=True)
+    assert tree._columns(38) == (6, True, 5, True)
+    assert tree._columns(60) == (60 - 4 - 9 - 8 - 5 - 10, True, 9, True)

@@ -644,6 +644,8 @@ def test_palette_lists_the_same_actions_as_the_bindings():
         "key q, ^q · exit code: 0 pass, 1 divergence, else the error's"]
     # keys as the key bar shows them, not by their binding names ("slash", "ctrl+q")
     assert [h.split(" · ")[0] for t, h, _ in commands if t == "Jump to a sample by id"] == ["key /"]
+    # titles are the tooltip's first clause, as short as their neighbours' (the file formats go under them)
+    assert {"Diff: Export the viewed rows", "Diff: Export the field over every sample of the stage"} <= provider_titles
     assert [h for t, h, _ in commands if t == "Focus the next pane"] == ["key tab"]
     assert "Next divergence of the viewed field" in provider_titles
     assert "Samples: Show only samples with a mismatch" in provider_titles

@@ -336,6 +336,21 @@ def test_scan_flags_on_one_bundle_are_a_usage_error(run_dir, capsys):
         tui_main([str(run_dir / "e-clean"), "--check", "--jobs", "2", "--fail-fast"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--jobs, --fail-fast apply to a directory of several bundles" in err
+    with pytest.raises(SystemExit) as exc:
+        tui_main([str(run_dir / "e-clean"), "--jobs", "2"])
+    assert exc.value.code == 2 and "--jobs applies to a directory of several bundles" in capsys.readouterr().err
+
+
+def test_check_with_forensic_says_its_own_exit_code(run_dir, capsys):
+    """The refusal is a usage error (2); the 3 it names is what a headless check of an incomplete cohort gives."""
+    from replay_tui.__main__ import main as tui_main
+
+    with pytest.raises(SystemExit) as exc:
+        tui_main([str(run_dir / "e-clean"), "--check", "--forensic"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.splitlines()[-1] == ("replay-tui: error: --forensic opens the debugger only: drop --check (a headless "
+                                    "check refuses an incomplete cohort with exit 3)")
 
 
 def test_a_directory_of_one_bundle_still_opens_that_bundle(run_dir, tmp_path, capsys):

@@ -309,3 +309,32 @@ def test_a_leave_one_out_std_is_the_std_of_the_other_rewards(tmp_path, bundle_to
     assert got.formula.startswith(f"(r − b) / (std + eps) = ({fmt_value(raw[0])} − {fmt_value(base)}) / "
                                   f"({fmt_value(std)} + 1e-06) = ")
     assert dict(got.items)["std"] == fmt_value(std)
+
+
+def _text(rows) -> list[str]:
+    return ["".join(t for t, _ in row) for row in rows]
+
+
+def test_a_long_line_wraps_and_the_formula_keeps_its_value():
+    """kl-bug's KL token at the widths a new user hit: the items line wraps instead of losing `mask 1`; a
+    formula longer than its rows is elided in its middle, never at its value; the last row shown ends in `…`
+    only when its own line goes on."""
+    from replay_tui.cells import fit_rows
+
+    formula = [("why ", None), ("s-5@3 ", None), ("low_var_kl: kl = clamp(exp(−r) − 1 + r, ±10) = 0.00077855656", None)]
+    items = [("old -1.9 ref -1.7 r = old − ref -0.03920245 kl_coef 0.05 mask 1", None)]
+    assert _text(fit_rows([formula, items], 120, 3)) == [
+        "why s-5@3 low_var_kl: kl = clamp(exp(−r) − 1 + r, ±10) = 0.00077855656",
+        "old -1.9 ref -1.7 r = old − ref -0.03920245 kl_coef 0.05 mask 1"]
+    assert _text(fit_rows([formula, items], 48, 3)) == [
+        "why s-5@3 low_var_kl: kl = clamp(exp(−r) − 1 + ",
+        "  r, ±10) = 0.00077855656",
+        "old -1.9 ref -1.7 r = old − ref -0.03920245 …"]  # broken after a space: its line goes on
+    # 48 × 2 (a short terminal): the formula gets one row, cut in its middle, its value whole
+    assert _text(fit_rows([formula, items], 48, 2)) == [
+        "why s-5@3 low_var_…− 1 + r, ±10) = 0.00077855656",
+        "old -1.9 ref -1.7 r = old − ref -0.03920245 …"]
+    assert _text(fit_rows([formula], 48, 1)) == ["why s-5@3 low_var_…− 1 + r, ±10) = 0.00077855656"]
+    # a line that fits is never marked; a line left out entirely is not either
+    assert _text(fit_rows([items, formula], 120, 1)) == [
+        "old -1.9 ref -1.7 r = old − ref -0.03920245 kl_coef 0.05 mask 1"]
