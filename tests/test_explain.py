@@ -232,6 +232,77 @@ def test_unnormalized_rewards(tmp_path):
     assert explained(path) == [("reward.post_process", "reward.unnormalized", 16, 16, "samples")]
 
 
+def leave_one_out(raw: np.ndarray, labels: np.ndarray, skip_zero: bool = True) -> np.ndarray:
+    """NeMo-RL's rule (std on): b_i the mean of the group's other rewards, divided by the unbiased std of those
+    others (fewer than two others: std 0) + 1e-6; ``skip_zero`` (NeMo-RL's) keeps the centred value where that
+    std is 0."""
+    out = np.empty_like(raw)
+    for i in range(raw.size):
+        others = raw[(labels == labels[i]) & (np.arange(raw.size) != i)]
+        g = raw[i] - others.mean()
+        std = others.std(ddof=1) if others.size >= 2 else 0.0
+        out[i] = g if skip_zero and std == 0 else g / (std + 1e-6)
+    return out
+
+
+def _loo_config(parts):
+    cfg = msgspec.structs.replace(parts.index.config, group_baseline="leave_one_out", std_zero="skip")
+    parts.index = msgspec.structs.replace(parts.index, config=cfg)
+    return parts
+
+
+def test_the_leave_one_out_reference_is_what_the_stage_recomputes(tmp_path):
+    path = write(tmp_path, _loo_config(_parts(name="loo")), ROLLOUT, rewards=leave_one_out(RAW, GROUPS))
+    report = replay(path)
+    assert report.passed and report.explanations == []
+
+
+def test_the_mean_baseline_where_leave_one_out_is_declared(tmp_path):
+    path = write(tmp_path, _loo_config(_parts(name="mean")), ROLLOUT, rewards=normalize(RAW, GROUPS, std=True))
+    report = replay(path)
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [("reward.baseline_mean", 16, 16)]
+    assert report.explanations[0].detail == ("the recorded rewards equal group normalization around the group mean "
+                                             "(config: leave_one_out baseline)")
+
+
+def test_the_mean_baseline_in_one_group_only(tmp_path):
+    """nemo-loo's case: g-1 normalized with GRPO's group mean and std, the other groups as declared: no
+    whole-batch hypothesis fits (12 of 16 samples break it), the one of the divergent group does."""
+    rewards = np.where(GROUPS == 1, normalize(RAW, GROUPS, std=True), leave_one_out(RAW, GROUPS))
+    assert not np.allclose(rewards[GROUPS == 1], leave_one_out(RAW, GROUPS)[GROUPS == 1])
+    path = write(tmp_path, _loo_config(_parts(name="one")), ROLLOUT, rewards=rewards)
+    report = replay(path)
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [
+        ("reward.baseline_mean_in_groups", 16, 16)]
+    assert report.explanations[0].detail == (
+        "the recorded rewards of g-1 equal group normalization around the group mean (config: leave_one_out "
+        "baseline; the other groups as declared)")
+
+
+def test_leave_one_out_where_the_mean_is_declared(tmp_path):
+    """The rest of the declared rule kept: a zero std of the others is divided by as eps says (the config's
+    std_zero), ±1e6 where a sample's three others are equal."""
+    rewards = leave_one_out(RAW, GROUPS, skip_zero=False)
+    assert np.abs(rewards).max() > 1e5
+    path = write(tmp_path, _parts(name="lo"), ROLLOUT, rewards=rewards)
+    assert explained(path) == [("reward.post_process", "reward.baseline_leave_one_out", 16, 16, "samples")]
+
+
+def test_a_scaled_group_under_leave_one_out_gets_no_baseline_explanation(tmp_path):
+    rewards = np.where(GROUPS == 1, 1.5 * leave_one_out(RAW, GROUPS), leave_one_out(RAW, GROUPS))
+    report = replay(write(tmp_path, _loo_config(_parts(name="scaled")), ROLLOUT, rewards=rewards))
+    assert not report.passed and report.explanations == []
+
+
+def test_the_nemo_loo_demo_is_explained(tmp_path):
+    from replay_lib.demo import write_demo
+
+    report = replay(write_demo("nemo-loo", tmp_path / "nemo"))
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [
+        ("reward.baseline_mean_in_groups", 12, 12)]
+    assert report.explanations[0].detail.startswith("the recorded rewards of g-2 equal group normalization around")
+
+
 # ------------------------------------------------------------------------------ advantage.kl
 
 INPUTS = _parts().inputs

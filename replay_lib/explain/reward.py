@@ -18,6 +18,10 @@ are those of the bundle's whole index and every hypothesis is evaluated over all
 keeps each sample's batch and each batch's statistics.
 
 Each is evaluated in float64 with its own rounding bound (``error_model.reward_bound`` of its sets).
+
+And under any group-centred rule (leave-one-out, NeMo-RL's zero-std and singleton rules included): the other
+baseline, the rest of the rule as declared, over every group and over the diverging groups alone
+(:func:`baseline_hypotheses`), judged with the stage's own tolerance.
 """
 
 from __future__ import annotations
@@ -132,6 +136,49 @@ def modelled(cfg) -> bool:
             and cfg.std_zero == "eps" and cfg.singleton_group is None and cfg.kl_in_reward is None)
 
 
+BASELINE_WORDS = {"mean": "the group mean", "leave_one_out": "the leave-one-out mean of the other samples"}
+
+
+def baseline_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """The other group baseline (the mean ↔ leave-one-out), the rest of the declared rule kept (std, eps, the
+    zero-std and singleton rules: ``kernels.group_rule``): over every group, and — when only some groups diverge —
+    over those groups alone, the others as declared (a trainer that took another code path for some prompts).
+    Any configuration that centers its rewards on a group, KL in the reward excepted (its score is not the raw
+    reward)."""
+    from dataclasses import replace
+
+    from ..kernels.reward import group_rule, post_process
+
+    cfg = ctx.config
+    rule = group_rule(cfg)
+    field = next((f for f in fields if f.name == "reward"), None)
+    samples = ctx.reader.index.samples
+    if field is None or not rule.center or cfg.kl_in_reward is not None or any(s.group_index is None for s in samples):
+        return []
+    raw = as_float64([s.raw_reward for s in samples])
+    if not bool(torch.isfinite(raw).all()):
+        return []
+    groups = torch.tensor([s.group_index for s in samples], dtype=torch.int64)
+    other = "mean" if rule.baseline == "leave_one_out" else "leave_one_out"
+    values = post_process(raw, groups, replace(rule, baseline=other), dtype=torch.float64)
+    if ctx.partial:
+        pick = torch.tensor(ctx.indices, dtype=torch.int64)
+        values, groups = values[pick], groups[pick]
+    declared = f"config: {rule.baseline} baseline"
+    out = [Hypothesis(stage=STAGE, id=f"reward.baseline_{other}", values={"reward": values}, detail=(
+        f"the recorded rewards equal group normalization around {BASELINE_WORDS[other]} ({declared})"))]
+    bad = field.bad
+    wrong = sorted({int(g) for g in groups[bad].tolist()})
+    if wrong and len(wrong) < len(set(groups.tolist())):
+        inside = torch.isin(groups, torch.tensor(wrong, dtype=torch.int64))
+        mixed = torch.where(inside, values, field.actual)
+        names = listing([f"g-{g}" for g in wrong])
+        out.append(Hypothesis(stage=STAGE, id=f"reward.baseline_{other}_in_groups", values={"reward": mixed}, detail=(
+            f"the recorded rewards of {names} equal group normalization around {BASELINE_WORDS[other]} ({declared}; "
+            f"the other groups as declared)")))
+    return out
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     """Each evaluated over the bundle's whole index (a partition may span samples outside a selection; the
     selection is closed under semantic groups, so the group variants are the same either way), then read at
@@ -139,7 +186,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     samples = ctx.reader.index.samples
     cfg = ctx.config
     if not modelled(cfg) or not any(f.name == "reward" for f in fields) or any(s.group_index is None for s in samples):
-        return []
+        return baseline_hypotheses(ctx, fields)
     raw = as_float64([s.raw_reward for s in samples])
     if not bool(torch.isfinite(raw).all()):
         return []
@@ -177,4 +224,4 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     out.append(Hypothesis(stage=STAGE, id="reward.unnormalized",
                           detail="the recorded rewards are the raw rewards, not normalized",
                           values={"reward": selected}, bounds={"reward": torch.zeros_like(selected)}))
-    return out
+    return out + baseline_hypotheses(ctx, fields)

@@ -44,6 +44,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen.-narrow #left { width: 30; }
     DebuggerScreen #right { width: 1fr; }
     DebuggerScreen.-short #left StagesPanel, DebuggerScreen.-tiny #left StagesPanel { height: auto; }
+    /* the identity pane shown on a short terminal (4) leaves the samples a few rows */
+    DebuggerScreen.-short #left IdentityPane, DebuggerScreen.-tiny #left IdentityPane { max-height: 30%; }
+    DebuggerScreen.-short SamplesPanel, DebuggerScreen.-tiny SamplesPanel { min-height: 5; }
     DebuggerScreen.-short SupportStrip { height: 1; }
     DebuggerScreen.-short ErrorStrip { height: 1; }
     DebuggerScreen.-short WhyStrip { height: 2; }
