@@ -106,28 +106,57 @@ def wrap_parts(parts: Parts, width: int, hard: bool = False) -> list[Parts]:
     return rows or [[]]
 
 
-def elide_middle(parts: Parts, cells_left: int) -> Parts:
-    """``parts`` cut to ``cells_left`` cells by dropping their middle for ``…``: a formula keeps its start (what it
-    is) and its end (its value)."""
+def _width(cells: list[tuple[str, Optional[Style]]]) -> int:
+    return sum(cell_len(ch) for ch, _ in cells)
+
+
+def _value_end(text: str) -> int:
+    """Where the value of a formula ends: after the last number that follows a `` = `` (``… = -1.999992 (note);
+    b = the mean …`` ends after ``-1.999992``); the whole text when there is none."""
+    end, at = len(text), text.find(" = ")
+    while at >= 0:
+        after = text.find(" ", at + 3)
+        word = text[at + 3:after if after >= 0 else len(text)].rstrip(",;)")
+        try:
+            float(word)
+            end = after if after >= 0 else len(text)
+        except ValueError:
+            pass
+        at = text.find(" = ", at + 3)
+    return end
+
+
+def elide_line(parts: Parts, cells_left: int) -> Parts:
+    """``parts`` cut to ``cells_left`` cells, keeping a formula's value (:func:`_value_end`): the text up to the
+    value stays whole when it fits, what follows it (a note) is cut with ``…``; when it does not fit, its middle
+    goes for ``…`` (its start says what it is, its end is the value)."""
     cells = _cells(parts)
-    if sum(cell_len(ch) for ch, _ in cells) <= cells_left or cells_left < 3:
+    if _width(cells) <= cells_left or cells_left < 3:
         return parts if cells_left >= 3 else _parts(cells[:max(cells_left, 0)])
-    head = (cells_left - 1) * 2 // 5
-    tail = cells_left - 1 - head
-    return _parts(cells[:head] + [("…", DIM)] + cells[len(cells) - tail:])
+    text = "".join(ch for ch, _ in cells)
+    end = _value_end(text)
+    head, tail = cells[:end], cells[end:]
+    if tail and _width(head) + 2 <= cells_left:
+        while _width(head) + _width(tail) + 1 > cells_left:
+            tail.pop()
+        return _parts(head + tail + [("…", DIM)])
+    first = (cells_left - 1) * 2 // 5
+    last = cells_left - 1 - first
+    return _parts(head[:first] + [("…", DIM)] + head[len(head) - last:])
 
 
 def fit_rows(lines: list[Parts], width: int, height: int) -> list[Parts]:
     """Logical lines (the first most important) wrapped into at most ``height`` rows of ``width`` cells: the
-    first line takes the rows it needs but one (kept for the second line), elided in its middle when it needs
-    more; the next lines take what is left: the last row shown ends in ``…`` when its line goes on."""
+    first line takes the rows it needs but one (kept for the second line), cut around its value when it needs
+    more (:func:`elide_line`); the next lines take what is left: the last row shown ends in ``…`` when its line
+    goes on."""
     if width <= 0 or height <= 0 or not lines:
         return []
     most = height - 1 if len(lines) > 1 and height > 1 else height
     first = wrap_parts(lines[0], width)
     if len(first) > most:
         room = width + (most - 1) * (width - len(WRAP_INDENT))
-        first = wrap_parts(elide_middle(lines[0], room), width, hard=True)[:most]
+        first = wrap_parts(elide_line(lines[0], room), width, hard=True)[:most]
     rows = [(row, i == len(first) - 1) for i, row in enumerate(first)]  # (row, its line ends there)
     for line in lines[1:]:
         wrapped = wrap_parts(line, width)

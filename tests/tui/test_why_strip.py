@@ -335,6 +335,17 @@ def test_a_long_line_wraps_and_the_formula_keeps_its_value():
         "why s-5@3 low_var_…− 1 + r, ±10) = 0.00077855656",
         "old -1.9 ref -1.7 r = old − ref -0.03920245 …"]
     assert _text(fit_rows([formula], 48, 1)) == ["why s-5@3 low_var_…− 1 + r, ±10) = 0.00077855656"]
+    # nemo-loo's reward: the value sits between the arithmetic and a note ("b = the mean …" is no value): the
+    # arithmetic's middle goes first, the note next, the value never
+    reward = [("why ", None), ("s-8 ", None), ("(r − b) / (std + eps) = (0.25 − 0.75) / (0.25 + 1e-06) = -1.999992 "
+                                               "(divided only where std > 0); b = the mean of the group's other "
+                                               "rewards (leave-one-out)", None)]
+    group = [("group g-2  raw [0.25, 1.0, 0.5, 0.75]  mean 0.625", None)]
+    assert _text(fit_rows([reward, group], 57, 2)) == [
+        "why s-8 (r − b) / (std…0.75) / (0.25 + 1e-06) = -1.999992", "group g-2  raw [0.25, 1.0, 0.5, 0.75]  mean 0.625"]
+    assert _text(fit_rows([reward, group], 40, 3)) == [
+        "why s-8 (r − b) / (std + eps) = (0.25 − ", "  0.75) / (0.25 + 1e-06) = -1.999992 (d…",
+        "group g-2  raw [0.25, 1.0, 0.5, 0.75]  …"]
     # a line that fits is never marked; a line left out entirely is not either
     assert _text(fit_rows([items, formula], 120, 1)) == [
         "old -1.9 ref -1.7 r = old − ref -0.03920245 kl_coef 0.05 mask 1"]
