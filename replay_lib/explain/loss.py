@@ -259,7 +259,7 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     Only a re-aggregation of per-sample sums: of the stage's own recompute (every loss knob included, so no
     :func:`modelled` gate) for the recorded scalars, and of the recorded per-sample terms for their aggregation
     check."""
-    from ..stages.loss import _loss_sums
+    from ..stages.loss import SUMS_OUTPUT, _loss_sums
 
     knobs = LossKnobs.of(ctx.config)
     terms = [("pg", "pg_loss", knobs.loss_agg_mode), ("ent", "entropy_loss", knobs.entropy_mode)]
@@ -271,8 +271,8 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     if placed is None:
         return []
     try:
-        li = loss_inputs(ctx)
-        sums = _loss_sums(ctx, li)
+        # the stage's own sums (its one pass over the tokens); --exact's float32 kernel leaves none: one more pass
+        sums = ctx.outputs.get(SUMS_OUTPUT) or _loss_sums(ctx, loss_inputs(ctx))
     except StageInputError:
         return []
     ids, mb = placed

@@ -101,12 +101,17 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
                                     rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
         return expected, {f: actual[f] for f in expected}, None
     sums = _loss_sums(ctx, li)
+    ctx.outputs[SUMS_OUTPUT] = sums  # the explanations re-aggregate them (explain.loss.micro_batch_hypotheses)
     actual = policy_fields_from_sums(sums, li.entropy is not None, knobs.entropy_coef, knobs)
     bound = loss_scalar_bounds(sums, actual, list(expected), entropy_coef=knobs.entropy_coef,
                                precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
                                advantage_per_sample=li.advantage_per_sample, knobs=knobs)
     _loss_hazards(ctx, sums)
     return expected, {f: actual[f] for f in expected}, bound
+
+
+# ctx.outputs key of the float64 per-sample sums of the recompute (:func:`_loss_sums`), every loss knob included.
+SUMS_OUTPUT = "loss_sums"
 
 
 def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torch.Tensor]]:
