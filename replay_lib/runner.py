@@ -288,6 +288,15 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         for w in tolerance_warnings(shard.manifest, str(shard.path / "manifest.json"), rules.tolerance_policy):
             if w not in warnings:
                 warnings.append(w)
+    if rules.exact:
+        for shard in bundles.shards:
+            p = shard.manifest.comparison_policy.producer_precision
+            if (p.compute, p.accumulate) != ("float32", "float32"):
+                w = (f"{shard.path / 'manifest.json'}: $.comparison_policy.producer_precision: --exact recomputes in "
+                     f"float32; this producer declares {p.compute} compute and {p.accumulate} accumulation, so its "
+                     f"values need not match bit for bit (the default mode judges them with its rounding bound)")
+                if w not in warnings:
+                    warnings.append(w)
     report = ReplayReport(
         bundle_id=bundles.bundle_id,
         passed=first_stage is None,

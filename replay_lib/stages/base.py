@@ -175,7 +175,8 @@ class StageContext:
     def field(self, stage: str, name: str, per: str, expected, actual, *, bound: Optional[Column] = None,
               labels: Optional[list[str]] = None, note: str = "", compared: Optional[torch.Tensor] = None,
               flagged: Optional[torch.Tensor] = None,
-              per_sample: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> FieldResult:
+              per_sample: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              exact: Optional[bool] = None) -> FieldResult:
         """A :class:`FieldResult` of this context: ``per`` token (the selected samples' tokens), sample (one
         element per selected sample) or scalar (``labels`` name the elements). Its tolerance is the bundle's
         ``atol + rtol·|e|`` for the field plus ``bound`` (the producer's rounding bound per element, a
@@ -184,7 +185,10 @@ class StageContext:
         ``per_sample``: ``(actual, bound)`` float64 per selected sample, for a per-token field whose recomputed
         value and bound are a sample's on each of its tokens (a broadcast): when the recorded tensor is constant
         within each sample too (checked here, bit for bit), the field is judged a sample at a time
-        (``fields.SampleRuns``), with the same tolerance arithmetic on the same values."""
+        (``fields.SampleRuns``), with the same tolerance arithmetic on the same values.
+
+        ``exact``: bitwise comparison (default: ``--exact``'s); ``False`` for a check of two recorded things
+        against each other, which no recompute reproduces bit for bit."""
         atol, rtol = bundle_tolerance(self.reader.manifest.comparison_policy, stage, name, self.rules.tolerance_policy)
         exact_field = is_exact_field(self.reader.manifest.comparison_policy, stage, name)
         e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
@@ -208,7 +212,7 @@ class StageContext:
             where = {}
         return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
                            labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
-                           exact=self.rules.exact, runs=runs, **where)
+                           exact=self.rules.exact if exact is None else exact, runs=runs, **where)
 
     def _runs(self, e: torch.Tensor, per_sample: tuple[torch.Tensor, torch.Tensor], atol: float, rtol: float,
               bounded: bool) -> Optional[SampleRuns]:
