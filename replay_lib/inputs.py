@@ -364,4 +364,71 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 
-__all__ = ["ElementInputs", "element_inputs", "clip_region", "consumer_batch_labels", "KL_FORMULAS"]
+# loss.policy's scalars: the per-sample row each one sums (stages.loss._loss_sums' names, the recorded terms'
+# names) and whether it is a loss term (loss_agg_mode × loss_scale) or a metric (metric_agg_mode).
+SCALAR_ROWS = {"pg_loss": ("pg", "pg_sum", "loss"), "entropy_loss": ("ent", "entropy_sum", "entropy"),
+               "kl_loss": ("kl_loss", "kl_loss_sum", "kl"), "pg_clipfrac": ("clip", "clip_count", "metric"),
+               "ppo_kl": ("kl", "kl_sum", "metric"), "pg_clipfrac_lower": ("clip_lower", None, "metric")}
+
+
+def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]:
+    """A loss.policy scalar (a row of the loss table): the per-sample sums it aggregates, their weights under its
+    mode and the value — over the stage's own recompute (its per-sample sums, every loss knob included), or for
+    a ``…_from_terms`` row over the recorded per-sample terms. ``None`` where the stage left no sums (``--exact``)
+    or the row is none of these."""
+    from .kernels.loss import agg_weights
+    from .stages.loss import AGGREGATE_SUFFIX, SUMS_OUTPUT
+
+    recorded = label.endswith(AGGREGATE_SUFFIX)
+    name = label.removesuffix(AGGREGATE_SUFFIX)
+    sums = ctx.outputs.get(SUMS_OUTPUT)
+    if sums is None:
+        return None
+    knobs = LossKnobs.of(ctx.config)
+    terms = {f.name: f.expected for f in ctx.fields.get("loss.policy", ()) if f.per == "sample"} if recorded else {}
+    counts = terms.get("mask_count", sums["mask"])
+
+    def value_of(key: str) -> Optional[tuple[float, str, float, str]]:
+        """``(value, mode, scale, Σ rows)`` of scalar ``key``."""
+        row, term, kind = SCALAR_ROWS[key]
+        values = terms.get(term) if recorded else sums.get(row)
+        if values is None:
+            return None
+        mode = {"loss": knobs.loss_agg_mode, "entropy": knobs.entropy_mode, "kl": knobs.kl_mode}.get(
+            kind, knobs.metric_agg_mode)
+        scale = 1.0 if kind == "metric" else knobs.loss_scale
+        return float((values * agg_weights(mode, counts, knobs)).sum()) * scale, mode, scale, term or row
+
+    source = "the recorded per-sample terms" if recorded else "the recompute's per-sample sums"
+    n = ", ".join((f"{int(counts.numel())} sample(s)", f"{fmt_count(float(counts.sum()))} loss token(s)"))
+    if name == "loss":
+        parts = [("pg_loss", 1.0), ("entropy_loss", -knobs.entropy_coef)]
+        if knobs.kl_loss:
+            parts.append(("kl_loss", knobs.kl_loss_coef))
+        got = [(key, coef, value_of(key)) for key, coef in parts if coef != 0 or key == "pg_loss"]
+        if any(v is None for _, _, v in got):
+            return None
+        suffix = AGGREGATE_SUFFIX if recorded else ""
+        words = " ".join(("" if i == 0 else "+ " if coef > 0 else "− ") + (f"{abs(coef):g}·" if i else "") + key
+                         + suffix for i, (key, coef, _) in enumerate(got))
+        numbers = " ".join(("" if i == 0 else "+ " if coef > 0 else "− ") + (f"{abs(coef):g}·" if i else "")
+                           + fmt(v[0]) for i, (key, coef, v) in enumerate(got))
+        total = sum(coef * v[0] for _, coef, v in got)
+        formula = f"{label} = {words} = {fmt(total)}" if len(got) == 1 else \
+            f"{label} = {words} = {numbers} = {fmt(total)}"
+        return ElementInputs(field="loss", sample_id=None, offset=None, formula=formula,
+                             items=(("from", source), ("over", n)))
+    if name not in SCALAR_ROWS:
+        return None
+    got = value_of(name)
+    if got is None:
+        return None
+    value, mode, scale, term = got
+    divisor, _ = sample_term(mode, 1.0, knobs)
+    scaled = f"{scale:g}·" if scale != 1 else ""
+    return ElementInputs(field="loss", sample_id=None, offset=None,
+                         formula=f"{label} = {scaled}Σ_i {term}_i / {divisor} = {fmt(value)} ({mode})",
+                         items=(("from", source), ("over", n)))
+
+
+__all__ = ["ElementInputs", "element_inputs", "loss_scalar_inputs", "clip_region", "consumer_batch_labels", "KL_FORMULAS"]

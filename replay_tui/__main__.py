@@ -114,6 +114,11 @@ def run_view_wanted(args, parser) -> bool:
     if args.step is None and args.rollout is None and holds_several_bundles(args.bundle):
         if args.forensic:
             parser.error("--forensic opens one cohort: pass its own path (or --step/--rollout), not a directory")
+        chosen = [f for f, on in (("--sample", getattr(args, "sample", None)), ("--group", getattr(args, "group", None)),
+                                  ("--batch", getattr(args, "batch", None))) if on]
+        if chosen:  # as scan refuses them: a run view never silently drops a selection
+            parser.error(f"{', '.join(chosen)} select{'s' if len(chosen) == 1 else ''} inside one bundle: pass its own "
+                         f"path (or --step/--rollout), not a directory of several")
         return True
     flags = [f for f, on in (("--jobs", args.jobs is not None), ("--executor", args.executor != "local"),
                              ("--ray-address", args.ray_address is not None), ("--fail-fast", args.fail_fast)) if on]

@@ -11,6 +11,7 @@ tolerance and the bad mask exactly as the report judged them. It never re-derive
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 import math
@@ -29,7 +30,7 @@ from replay_lib.error_model import Rules, bundle_tolerance
 from replay_lib.fields import PER_SCALAR, PER_TOKEN, FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.kernels.loss import LossKnobs, agg_weights, sample_term
-from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs
+from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs, loss_scalar_inputs
 from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing, safe
@@ -881,13 +882,17 @@ class ReplayModel:
         if spec.kind == KIND_COHORT:
             diff = self.field_diff(field_name)
             label = diff.label(row)
-            # what the row's own field compares (the table holds every scalar the stage compared)
-            base = label.split(" [rank ")[0]
-            note = next((r.note for sh in self.shards for r in sh.ctx.fields.get(spec.stage, ())
+            base, _, rank = label.partition(" [rank ")
+            shard = next((sh for sh in self.shards if rank and str(sh.rank) == rank.rstrip("]")), self.shards[0])
+            more = "f: pg_contribution lists each sample's term by |err|" if "pg_contribution" in self.fields else ""
+            # the scalar's sums, weights and value (replay_lib.inputs), else what the row's own field compares
+            found = loss_scalar_inputs(shard.ctx, base) if spec.stage == "loss.policy" else None
+            if found is not None:
+                return dataclasses.replace(found, formula=found.formula.replace(base, label, 1), note=more)
+            note = next((r.note for r in shard.ctx.fields.get(spec.stage, ())
                          if r.per == PER_SCALAR and r.note and base in (r.labels or ())), None) or diff.note
-            more = " · f: pg_contribution lists each sample's term by |err|" if "pg_contribution" in self.fields else ""
             return ElementInputs(field=field_name, sample_id=None, offset=None,
-                                 formula=f"{label}: {note or 'a cohort scalar'}{more}")
+                                 formula=f"{label}: {note or 'a cohort scalar'}{' · ' + more if more else ''}")
         if spec.kind == KIND_SAMPLE:
             sample_id = self.field_diff(field_name).labels[row]
         sample = self.sample(sample_id) if sample_id is not None else None

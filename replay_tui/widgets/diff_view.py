@@ -270,7 +270,8 @@ class DiffView(CursorLines):
         (:data:`PRIORITY`) while they fit — the three numbers while each keeps :data:`NUM_MIN` cells, ×noise,
         tol and the loss mask while the numbers keep :data:`NUM_READABLE` (a narrow terminal drops the mask
         first, then tol, ×noise, the group, the recorded value; the recomputed value and its error stay).
-        After ``→`` (:attr:`col_offset`), the first columns are scrolled past and the rest fill the row."""
+        After ``→`` (:attr:`col_offset`), a window over the display order, one column further per press, from
+        the first column left out between shown ones (else one column in)."""
         diff = self.diff
         if diff is None or diff.kind == KIND_TOKEN:
             key = max(6, len(str(max(len(diff) - 1, 0))) if diff is not None else 6)
@@ -288,8 +289,15 @@ class DiffView(CursorLines):
         if diff is not None and diff.kind == KIND_TOKEN:
             order.append("mask")
         fixed = {"group": GROUP_W, "noise": RATIO_W, "tol": TOL_W, "mask": MASK_W}
-        if self.col_offset and self._fitted(key, room, order, fixed).hidden:  # (wide enough: nothing to scroll)
-            skip = order[:min(self.col_offset, len(order) - 1)]
+        base = self._fitted(key, room, order, fixed)
+        if self.col_offset and base.hidden:  # (wide enough: nothing to scroll)
+            # a window over the display order, one column further per →. It starts at the first column the
+            # unscrolled layout left out between shown ones (the recorded value of a narrow table: always reached),
+            # else one column in (only columns at the right end were left out: the first → shows them)
+            last = max((order.index(n) for n, _ in base.shown), default=-1)
+            holes = [i for i, n in enumerate(order) if n in base.hidden and i < last]
+            start = holes[0] + self.col_offset - 1 if holes else self.col_offset
+            skip = order[:min(start, len(order) - 1)]
             shown: list[tuple[str, int]] = []
             used = 0
             for name in order[len(skip):]:
@@ -300,7 +308,7 @@ class DiffView(CursorLines):
                 used += w + 1
             hidden = tuple(n for n in order if n not in dict(shown))
             return Columns(key, tuple(shown), hidden, at_end=order[-1] not in hidden, scrolled=True)
-        return self._fitted(key, room, order, fixed)
+        return base
 
     @staticmethod
     def _fitted(key: int, room: int, order: list[str], fixed: dict[str, int]) -> "Columns":
@@ -564,8 +572,6 @@ class DiffPanel(Vertical):
             else:
                 self.border_title = f"Diff · {diff.field} · cohort"
                 info.append(f"{len(diff)} field(s)")
-            if diff.note:
-                info.append(f", {safe(diff.note)}")
             if diff.mismatches:
                 info.append(f" · {diff.mismatches} divergent", style="bold red")
             else:
@@ -579,6 +585,8 @@ class DiffPanel(Vertical):
                                           ("← scrolled", cols is not None and cols.scrolled)) if on]
             if view_state:
                 info.append(" · " + ", ".join(view_state), style="bold yellow")
+            if diff.note:  # after the counts and the view's state, which a narrow pane must not lose
+                info.append(f" · {safe(diff.note)}")
             info.append(f" · {diff.stage} atol={diff.atol:g} rtol={diff.rtol:g}", style="dim")
         self.query_one("#diff-info", Static).update(info, layout=False)
 

@@ -33,7 +33,10 @@ async def test_60x20_keeps_actual_and_abs_err_and_the_first_mark(make_app):
         # the DAG's name column is cut, not its first-divergence mark
         dag = [line for line in screen_lines(app) if "reward.post_pr…" in line]
         assert len(dag) == 1 and "reward.post_pr… ◀" in dag[0]
-        # → scrolls past the group, then the recorded value: the rest of the row shows
+        # → shows the columns left out, one further per press from the first (the group, the recorded value)
+        await pilot.press("right")
+        assert header(app) == ["←", "sample", "group", "expected"]
+        assert view.render_row(0, view.row_width, Style()).text.split() == ["✗", "s-0", "g-0", "-5.5"]
         await pilot.press("right")
         assert header(app) == ["←", "sample", "expected", "actual"]
         assert view.render_row(0, view.row_width, Style()).text.split() == ["✗", "s-0", "-5.5", "-1.0"]
@@ -42,9 +45,26 @@ async def test_60x20_keeps_actual_and_abs_err_and_the_first_mark(make_app):
         assert header(app) == ["←", "sample", "×noise", "tol"]
         await pilot.press("right")  # the last column is shown: nothing further
         assert header(app) == ["←", "sample", "×noise", "tol"]
-        for _ in range(5):
+        for _ in range(6):
             await pilot.press("left")
         assert header(app) == ["sample", "actual", "abs", "err"] and view.col_offset == 0
+
+
+async def test_80x24_reaches_the_loss_table_s_recorded_value(tmp_path):
+    """verl-dapo's loss table at 80×24: its long row names (pg_clipfrac_from_terms) leave the numbers room for the
+    recomputed value and its error; the first → shows the recorded one."""
+    from replay_lib.demo import write_demo
+    from replay_tui.app import ReplayApp
+
+    app = ReplayApp(write_demo("verl-dapo", tmp_path / "verl-dapo"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.press("3")
+        assert header(app) == ["field", "actual", "abs", "err"]
+        await pilot.press("right")
+        assert header(app)[:3] == ["←", "field", "expected"]
+        row = app.debugger.diff_view.render_row(0, app.debugger.diff_view.row_width, Style()).text.split()
+        assert row[:3] == ["✗", "loss_from_terms", "1.644468"]  # 1.6444676 in fewer digits
 
 
 async def test_60x20_zoom_shows_the_whole_row(make_app):

@@ -98,10 +98,16 @@ def test_the_loss_table_holds_the_aggregation_check_the_report_names(tmp_path):
     assert model.report.first_divergence.field == "loss_from_terms"
     stage = next(s for s in model.report.stages if s.stage == "loss.policy")
     assert stage.mismatches == len(diff.divergent) == 4
-    # each row's why names what its own field compares
-    assert model.element_inputs("loss", None, 0).formula.startswith(
-        "loss_from_terms: the recorded scalars against the recorded per-sample terms aggregated (token_mean")
-    assert model.element_inputs("loss", None, 4).formula.startswith("loss: loss terms aggregated token_mean (× 4)")
+    # each row's why: the sums it aggregates, their weights and its value — the recorded terms for the check's
+    # rows, the recompute's for the others (loss = pg_loss: entropy_coef 0, no KL term)
+    check = model.element_inputs("loss", None, 0)
+    assert check.formula == "loss_from_terms = pg_loss_from_terms = 0.20302161"
+    assert check.items == (("from", "the recorded per-sample terms"), ("over", "16 sample(s), 206 loss token(s)"))
+    assert model.element_inputs("loss", None, 5).formula == \
+        "pg_loss = 4·Σ_i pg_sum_i / loss_token_count = 0.20302161 (token_mean)"
+    assert model.element_inputs("loss", None, 5).items[0] == ("from", "the recompute's per-sample sums")
+    recorded = model.shards[0].results["pg_sum"].expected
+    assert abs(4 * float(recorded.sum()) / 824 - diff.row(1)[1]) < 1e-12  # pg_loss_from_terms, by hand
 
 
 async def test_e_opens_the_loss_table_on_the_first_divergence_s_row(tmp_path):
@@ -170,3 +176,25 @@ def test_the_tree_gives_consumer_batch_ids_their_width():
     tree.model = SimpleNamespace(has_consumer_batches=True, consumer_batch_width=9, has_micro_batches=True)
     assert tree._columns(38) == (6, True, 5, True)
     assert tree._columns(60) == (60 - 4 - 9 - 8 - 5 - 10, True, 9, True)
+
+
+def test_a_loss_row_s_why_adds_its_terms_up(bundles):
+    """loss-bug (sum_of_sample_means, entropy_coef 0.01): loss = pg_loss − 0.01·entropy_loss, by hand
+    −0.2210408 − 0.0422964 = −0.2633372, the value the table's row shows; under --exact the stage keeps no
+    per-sample sums, and the row says what its field compares instead."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.error_model import Rules
+    from replay_lib.runner import replay_run
+    from replay_tui.model import build_model
+
+    bundle = open_bundle(bundles / "loss-bug")
+    report, contexts = replay_run(bundle)
+    model = build_model(bundle, report, contexts=contexts)
+    assert model.element_inputs("loss", None, 0).formula == \
+        "loss = pg_loss − 0.01·entropy_loss = -0.2210408 − 0.01·4.22964 = -0.2633372"
+    assert abs(model.field_diff("loss").row(0)[1] - (-0.2210408 - 0.01 * 4.22964)) < 1e-7
+    assert model.element_inputs("loss", None, 1).formula == \
+        "pg_loss = Σ_i pg_sum_i / max(Σmask, 1) = -0.2210408 (sum_of_sample_means)"
+    report, contexts = replay_run(bundle, rules=Rules(exact=True))
+    exact = build_model(bundle, report, contexts=contexts)
+    assert exact.element_inputs("loss", None, 0).formula == "loss: each a sum over 4 samples of per-sample means"

@@ -320,8 +320,10 @@ def test_replay_tui_dir_check_is_trajectory_replay_scan(run_dir, capsys):
 @pytest.mark.parametrize(("argv", "words"), [
     (["--forensic"], "--forensic opens one cohort"),
     (["--check", "--forensic"], "--forensic opens the debugger only"),
+    (["--check", "--sample", "s-0"], "--sample selects inside one bundle: pass its own path"),
+    (["--sample", "s-0", "--batch", "mb-0000"], "--sample, --batch select inside one bundle"),
 ])
-def test_forensic_on_a_directory_of_several_bundles_is_a_usage_error(run_dir, capsys, argv, words):
+def test_one_bundle_flags_on_a_directory_of_several_bundles_are_a_usage_error(run_dir, capsys, argv, words):
     from replay_tui.__main__ import main as tui_main
 
     with pytest.raises(SystemExit) as exc:
