@@ -203,8 +203,12 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
         formula += f"; the score is the raw reward minus KL (kl_in_reward={ctx.config.kl_in_reward})"
     if field == "raw_reward":
         formula = f"raw reward {fmt(mine)} as recorded; normalized: " + formula
-    items = (("group", group_label(g)), ("raw", "[" + ", ".join(fmt(x) for x in raw) + "]"), ("mean", fmt(mean)),
-             ("std", fmt(std)), ("eps", f"{rule.eps:g}"), ("std-norm", "on" if std_on else "off"))
+    # under leave-one-out the baseline and the std are the other rewards' (what the formula used), named so
+    loo = rule.center and rule.baseline == "leave_one_out"
+    stats = (("b (others' mean)", fmt(mine - float(centered[me]))), ("others' std", fmt(std))) if loo else \
+        (("mean", fmt(mean)), ("std", fmt(std)))
+    items = (("group", group_label(g)), ("raw", "[" + ", ".join(fmt(x) for x in raw) + "]"), *stats,
+             ("eps", f"{rule.eps:g}"), ("std-norm", "on" if std_on else "off"))
     return ElementInputs(field=field, sample_id=record.sample_id, offset=None, formula=formula, items=items,
                          members=people)
 
@@ -355,12 +359,23 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
 
     pg_sum = term("pg_sum", pg)
     clips = term("clip_count", clipped)
+    kl_sum = term("kl_sum", ppo_kl)
     divisor, w, den = pg_term(ctx, n_mask)
     share = pg_sum * w
     scale = _scaled(LossKnobs.of(cfg).loss_scale)
     formula = f"pg_loss term = pg_sum {scale}/ {divisor} = {fmt(pg_sum)} {scale}/ {fmt_count(den)} = {fmt(share)}"
+    # a sum's own field: the sum first, then the term it makes (pg_contribution's formula above)
+    own = {"pg_sum": f"pg_sum = Σ_t pg·mask = {fmt(pg_sum)}",
+           "kl_sum": f"kl_sum = Σ_t (old − logp)·mask = {fmt(kl_sum)}",
+           "clip_count": f"clip_count = Σ_t clipped·mask = {fmt_count(clips)}",
+           "mask_count": f"mask_count = Σ_t mask = {fmt_count(n_mask)}"}
+    if field == "entropy_sum" and li.entropy is not None:
+        entropy_sum = term("entropy_sum", li.entropy[lo:lo + n].to(torch.float64))
+        own["entropy_sum"] = f"entropy_sum = Σ_t entropy·mask = {fmt(entropy_sum)}"
+    if field in own:
+        formula = own[field] + ("; its pg_loss term " + fmt(share) if field == "pg_sum" else "")
     items = (("tokens", str(n)), ("mask", fmt_count(n_mask)), ("clipped", fmt_count(clips)), ("pg_sum", fmt(pg_sum)),
-             ("kl_sum", fmt(term("kl_sum", ppo_kl))))
+             ("kl_sum", fmt(kl_sum)))
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 
@@ -431,4 +446,5 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
                          items=(("from", source), ("over", n)))
 
 
-__all__ = ["ElementInputs", "element_inputs", "loss_scalar_inputs", "clip_region", "consumer_batch_labels", "KL_FORMULAS"]
+__all__ = ["ElementInputs", "element_inputs", "loss_scalar_inputs", "clip_region", "consumer_batch_labels",
+           "KL_FORMULAS"]

@@ -72,7 +72,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
     # loss.policy's per-token and per-sample terms (replay_lib.stages.loss_terms), when the bundle records them
     FieldSpec("pg_losses", "loss.policy", KIND_TOKEN, "per-token clipped surrogate (loss tokens)"),
-    FieldSpec("pg_contribution", "loss.policy", KIND_SAMPLE, "each sample's term of pg_loss (w_i · pg_sum, the loss mode's weight)",
+    FieldSpec("pg_contribution", "loss.policy", KIND_SAMPLE,
+              "each sample's term of pg_loss (w_i · pg_sum, the loss mode's weight)",
               sort="err"),
     *(FieldSpec(name, "loss.policy", KIND_SAMPLE, f"per-sample {name}") for name in PER_SAMPLE_TERMS),
 )

@@ -317,8 +317,8 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
             "the step's loss tokens"
         out.append(Hypothesis(
             stage=STAGE, id="loss.micro_batch_token_mean" + ("_averaged" if averaged else ""),
-            detail=f"the recorded loss equals a token mean per micro-batch ({listing(ids)}): each one's Σ x·mask over "
-                   f"its own loss tokens, {how}, instead of over {count}", values=values))
+            detail=f"the recorded loss equals a token mean per micro-batch ({listing(ids)}): each one's Σ x·mask "
+                   f"over its own loss tokens, {how}, instead of over {count}", values=values))
     return out
 
 

@@ -198,3 +198,14 @@ def test_a_loss_row_s_why_adds_its_terms_up(bundles):
     report, contexts = replay_run(bundle, rules=Rules(exact=True))
     exact = build_model(bundle, report, contexts=contexts)
     assert exact.element_inputs("loss", None, 0).formula == "loss: each a sum over 4 samples of per-sample means"
+
+
+def test_a_per_sample_sum_s_why_is_that_sum(tmp_path):
+    """verl-dapo's s-0: each per-sample field's strip says what that field sums (not pg_loss's term for all)."""
+    model, ctx = _dapo_model(tmp_path)
+    from replay_lib.inputs import element_inputs
+
+    assert element_inputs(ctx, "pg_sum", 0).formula == "pg_sum = Σ_t pg·mask = 9.851029; its pg_loss term 0.04782053"
+    assert element_inputs(ctx, "mask_count", 0).formula == "mask_count = Σ_t mask = 17"
+    assert element_inputs(ctx, "clip_count", 0).formula == "clip_count = Σ_t clipped·mask = 3"
+    assert element_inputs(ctx, "kl_sum", 0).formula.startswith("kl_sum = Σ_t (old − logp)·mask = ")

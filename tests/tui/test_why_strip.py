@@ -308,7 +308,9 @@ def test_a_leave_one_out_std_is_the_std_of_the_other_rewards(tmp_path, bundle_to
     got = element_inputs(ctx, "reward", 0)
     assert got.formula.startswith(f"(r − b) / (std + eps) = ({fmt_value(raw[0])} − {fmt_value(base)}) / "
                                   f"({fmt_value(std)} + 1e-06) = ")
-    assert dict(got.items)["std"] == fmt_value(std)
+    # the inputs name them as what they are: the others' mean and std, not the group's
+    assert dict(got.items)["others' std"] == fmt_value(std) and dict(got.items)["b (others' mean)"] == fmt_value(base)
+    assert "mean" not in dict(got.items) and "std" not in dict(got.items)
 
 
 def _text(rows) -> list[str]:
