@@ -107,9 +107,12 @@ def _size(text: str) -> int:
     from .safe_open import parse_size
 
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:  # no file fits a cap of 0: a usage error, not every bundle refused (exit 3)
+        raise argparse.ArgumentTypeError(f"expected a positive size in bytes such as 67108864, 64M or 2G, got {text!r}")
+    return size
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:

@@ -98,6 +98,15 @@ def _read_regular(file: Path, root: Path) -> bytes:
     return data
 
 
+def _problem(name: str, exc: Exception) -> str:
+    """A file's decode error worded as ``validate`` words it (``$.samples[3].loss_mask: expected `array`, …``)."""
+    if isinstance(exc, msgspec.ValidationError):
+        from .bundle.files import _validation_message
+
+        return f"{name}: {_validation_message(exc)}"
+    return f"{name}: {exc}"
+
+
 def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False) -> BundleInfo:
     """One bundle directory; a rank shard's ``published`` comes from its cohort (``COMPLETE.<rank>`` or
     the cohort ``COMPLETE``'s record of it, as the reader takes it)."""
@@ -111,19 +120,19 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
-        info.problems.append(f"manifest.json: {exc}")
+        info.problems.append(_problem("manifest.json", exc))
     try:
         index, _ = decode_index(_read_regular(path / "index.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
-        info.problems.append(f"index.json: {exc}")
+        info.problems.append(_problem("index.json", exc))
     try:
         decode_expected(_read_regular(path / "expected.json", path))
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
-        info.problems.append(f"expected.json: {exc}")
+        info.problems.append(_problem("expected.json", exc))
     if manifest is not None:
         info.bundle_id = manifest.bundle_id
         info.format_version = manifest.format_version

@@ -74,3 +74,21 @@ def test_a_checksum_mismatch_names_the_sentinel_that_records_it(tmp_path, cli):
     (b / "index.json").write_bytes((b / "index.json").read_bytes().replace(b'"raw_reward": 1.0', b'"raw_reward": 2.0', 1))
     code, _, err = cli("validate", b)
     assert code == 3 and f"{b / 'index.json'}: sha256 mismatch (COMPLETE " in err
+
+
+def test_inspect_words_a_schema_problem_as_validate_does(tmp_path, cli, bundle_tools):
+    b = write_pr65(tmp_path / "b", buggy=True)
+    bundle_tools.edit_json(b, "index.json", lambda d: d["samples"][3].update(loss_mask="oops"))
+    code, out, _ = cli("inspect", b)
+    assert code == 0 and "problem: index.json: $.samples[3].loss_mask: expected `array`, got `str`" in out
+    code, _, err = cli("validate", b)
+    assert code == 3 and err.endswith("index.json: $.samples[3].loss_mask: expected `array`, got `str`\n")
+
+
+def test_a_zero_json_cap_is_a_usage_error(tmp_path):
+    b = write_pr65(tmp_path / "b", buggy=True)
+    out = subprocess.run([sys.executable, "-m", "replay_lib", "replay", str(b), "--max-json-bytes", "0"],
+                         capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.strip().endswith("argument --max-json-bytes: expected a positive size in bytes such as 67108864, "
+                                       "64M or 2G, got '0'")
