@@ -287,6 +287,10 @@ def test_fail_fast_stops_at_the_first_diverged_bundle(tmp_path):
     assert [(r.target.relpath, r.status) for r in result.rows] == [("pr65", "diverged")]
     assert [t.relpath for t in result.unfinished] == ["later"]
     assert (result.exit_code, result.interrupted, result.first_bad.target.relpath) == (1, False, "pr65")
+    from replay_lib.run.command import summary_lines
+
+    assert summary_lines(result, 2)[-1] == (
+        "warning", "stopped at the first diverged bundle (--fail-fast): 1 bundle(s) not scanned")
 
 
 def test_a_progress_bar_is_drawn_on_a_terminal(tmp_path):

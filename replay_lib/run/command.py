@@ -108,6 +108,9 @@ def summary_lines(result, total: int) -> list[tuple[str, str]]:
     out = [("title", line), ("header-fail" if result.first_bad else "header-pass", first_bad_line(result))]
     if result.interrupted:
         out.append(("warning", f"interrupted: {len(result.unfinished)} bundle(s) not scanned"))
+    elif result.unfinished:  # --fail-fast stopped it (JSON: "unfinished", "interrupted": false, exit 1)
+        out.append(("warning", f"stopped at the first diverged bundle (--fail-fast): {len(result.unfinished)} "
+                               f"bundle(s) not scanned"))
     return out
 
 
