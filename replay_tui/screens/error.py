@@ -77,3 +77,12 @@ class ErrorScreen(Screen):
             await self.action_leave()
         else:
             self.back()
+
+
+class RunErrorScreen(ErrorScreen):
+    """The error screen of a bundle opened from the run view: ``esc`` goes back to it, and the key bar says so."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "back", "Run view", id="error.back-run",
+                tooltip="Back to the run view (the cursor where it was)"),
+    ]

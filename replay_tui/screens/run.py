@@ -32,7 +32,7 @@ from ..widgets.cursor_lines import CursorLines
 from ..widgets.header_line import HeaderLine
 from ..widgets.key_bar import KeyBar
 from ..widgets.run_table import MARKS, RunRows, RunTable, relative_message
-from .error import ErrorScreen
+from .error import RunErrorScreen
 from .main import DebuggerScreen
 
 ROW_FLUSH_S = 0.1
@@ -77,8 +77,7 @@ class RunScreen(Screen, inherit_bindings=False):
     RunScreen #run-progress.-pass { background: $success 15%; }
     RunScreen #run-panel { height: 1fr; border: round $panel-lighten-2; }
     RunScreen #run-panel:focus-within { border: round $accent; }
-    RunScreen #run-detail { height: 1; padding: 0 1; color: $text-muted; text-wrap: nowrap;
-                            text-overflow: ellipsis; }
+    RunScreen #run-detail { height: 2; padding: 0 1; color: $text-muted; text-overflow: ellipsis; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("d", "toggle_bad", "Bad only", id="run.bad-only",
@@ -87,6 +86,7 @@ class RunScreen(Screen, inherit_bindings=False):
                 tooltip="Go to the first bad step (the first diverged bundle in rollout/step order)"),
         Binding("q", "app.quit", "Quit", id="run.quit",
                 tooltip="Quit (exit code: the scan's, SPEC §9; 130 while it runs)"),
+        Binding("question_mark", "keys", "Help", id="run.help", tooltip="The run view's keys"),
     ]
 
     def __init__(self, directory: Path, *, jobs: int, executor: str = "local", ray_address: Optional[str] = None,
@@ -219,18 +219,19 @@ class RunScreen(Screen, inherit_bindings=False):
         verdict = ""
         if self.failure is not None:
             verdict = "-fail"
-            text.append(f"✗ {safe(self.failure[0])}", style="bold red")
-            text.append(f"  (q exits {self.failure[1]})")
+            text.append("✗ ", style="bold red")
+            text.append(f"q exits {self.failure[1]} · ", style="dim")
+            text.append(safe(self.failure[0]), style="bold red")
         elif self.result is not None:
             from replay_lib.run.command import summary_lines
 
             code = self.exit_code
             verdict = "-pass" if code == 0 else "-fail"
             text.append("✓ " if code == 0 else "✗ ", style="bold green" if code == 0 else "bold red")
-            # the first bad step first: on a narrow terminal it is what must stay on the line
+            # the exit code, then the first bad step: on a narrow terminal they are what must stay on the line
+            text.append(f"q exits {code} · ", style="dim")
             lines = [safe(part) for _, part in summary_lines(self.result, self.total)]
             text.append(" · ".join(lines[1:2] + lines[:1] + lines[2:]))
-            text.append(f"  (q exits {code})", style="dim")
         elif not self.listed:
             text.append(f"⟳ looking for bundles in {safe(self.directory.name or str(self.directory))}…")
         else:
@@ -251,7 +252,8 @@ class RunScreen(Screen, inherit_bindings=False):
                 text.append(f"{mark} {n} {status}", style=style)
 
     def _show_detail(self) -> None:
-        """The bundle under the cursor, whole: its path and the row's message (cut only by the terminal)."""
+        """The bundle under the cursor, whole: its path and the row's message, on two rows (a fixed height: a
+        cursor move lays nothing out again); a message longer than both ends in ``…``."""
         target = self.table.target
         detail = self.query_one("#run-detail", Static)
         if target is None:
@@ -259,7 +261,7 @@ class RunScreen(Screen, inherit_bindings=False):
                           else "", layout=False)
             return
         row = self.data.rows.get(target.path)
-        text = Text(no_wrap=True, overflow="ellipsis")
+        text = Text(overflow="ellipsis")
         text.append(safe(target.relpath), style="bold")
         text.append(f" · {kind_anchor(target)}")  # "step 7:0", "rollout 3" (not "rollout rollout 3")
         if row is not None and row.bundle_id and row.bundle_id != target.relpath:
@@ -277,7 +279,13 @@ class RunScreen(Screen, inherit_bindings=False):
         if isinstance(event.view, RunTable):
             target = self.data.target_at(event.row)
             if target is not None:
-                self.app.open_target(target)
+                self.app.open_target(target, self.data.rows.get(target.path))
+
+    def action_keys(self) -> None:
+        self.notify("⏎ opens the bundle in the debugger (esc comes back) · d: only the bundles that did not pass · "
+                    "e: the first bad step · q quits with the scan's exit code (130 while it runs) · "
+                    "ctrl+p: commands",
+                    title="Run view", timeout=10, markup=False)
 
     def action_toggle_bad(self) -> None:
         selected = self.table.target
@@ -341,8 +349,10 @@ class RunApp(ReplayApp):
     def _screen_ready(self) -> bool:
         return any(isinstance(s, DebuggerScreen) and s.ready for s in self.screen_stack)
 
-    def open_target(self, target) -> None:
-        """Open one bundle of the run in the debugger: a fresh replay of it, as ``replay-tui PATH`` would."""
+    def open_target(self, target, row=None) -> None:
+        """Open one bundle of the run in the debugger: a fresh replay of it, as ``replay-tui PATH`` would. A step
+        the scan's ``link`` stage failed (a check across two bundles, which the debugger of one does not run)
+        says so as it opens: its own replay may well pass."""
         self.bundle = target.path
         self.display_name = target.relpath
         self.step = self.rollout = None
@@ -350,6 +360,11 @@ class RunApp(ReplayApp):
         self.error = None
         self.push_screen(DebuggerScreen(self.display_name))
         self.start_replay()
+        if row is not None and row.first_stage == "link":
+            what = row.first_divergence or row.message
+            self.notify(f"the scan's link stage: this step diverges from its rollout bundle ({what}); the debugger "
+                        f"replays the step alone — esc goes back to the run view", severity="warning", timeout=12,
+                        markup=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # "esc Run view" is in the key bar only over an opened bundle
@@ -374,7 +389,7 @@ class RunApp(ReplayApp):
         if message.run != self._run:
             return
         self.error = (message.message, message.code)
-        self.push_screen(ErrorScreen(message.message, message.code, back=self.action_back_to_run))
+        self.push_screen(RunErrorScreen(message.message, message.code, back=self.action_back_to_run))
 
     def action_command_palette(self) -> None:
         if self.screen is self._run_screen:  # its commands are the debugger's: they act on an open bundle

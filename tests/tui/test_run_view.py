@@ -162,7 +162,7 @@ async def test_the_table_fills_in_and_q_quits_with_the_scan_s_code(run_dir):
         # 5 rows: 3 pass, 1 diverged, 1 invalid; the first bad step is the first diverged one in order
         assert "5 bundle(s) scanned: 3 pass, 1 diverged, 1 invalid" in text
         assert "first bad step: 2:0 (b-kl) — advantage.kl" in text
-        assert "(q exits 1)" in text
+        assert "✗ q exits 1 · first bad step" in text
         assert app.exit_code == 1
         await pilot.press("q")
     assert app.return_code == 1
@@ -233,8 +233,14 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
         assert isinstance(app.screen, ErrorScreen) and app.screen.code == 3
         assert "d-broken/COMPLETE: missing COMPLETE sentinel" in app.screen.line
         assert "esc to go back" in screen_text(app)
+        assert screen_text(app).splitlines()[-1].split() == ["q", "Quit", "r", "Retry", "esc", "Run", "view", "^p",
+                                                              "palette"]  # the key bar says it too
         await pilot.press("escape")
         assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 3
+        # ? lists the run view's own keys
+        await pilot.press("question_mark")
+        assert app._notifications and list(app._notifications)[-1].message.startswith(
+            "⏎ opens the bundle in the debugger (esc comes back) · d: only the bundles that did not pass")
         await pilot.press("up", "up", "up", "enter")  # e-clean: a pass
         await scanned(pilot)
         assert app.model.report.bundle_id == "e-clean" and app.model.report.exit_code == 0
@@ -415,7 +421,7 @@ def test_replay_tui_dir_in_a_terminal_scans_and_q_exits_with_the_scan_s_code(run
                     out += os.read(master, 65536)
                 except OSError:  # the process closed the terminal
                     break
-            if not pressed and b"(q exits 1)" in out:
+            if not pressed and b"q exits 1 \xc2\xb7" in out:
                 os.write(master, b"q")
                 pressed = True
         code = proc.wait(timeout=30)
@@ -426,3 +432,31 @@ def test_replay_tui_dir_in_a_terminal_scans_and_q_exits_with_the_scan_s_code(run
     assert pressed, out[-2000:]
     assert code == 1
     assert b"Traceback" not in out and b"fds_to_keep" not in out
+
+
+async def test_a_step_only_the_link_failed_says_so_as_it_opens(tmp_path):
+    """The rollout bundle's old log-prob of s-1@3 differs from what the step consumed: the scan's link stage
+    fails the step, whose own replay passes. Opened from the run view, the debugger says why the row was ✗."""
+    from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, synthetic_parts, write_bundle
+    from replay_tui.screens.main import DebuggerScreen
+
+    rollout = synthetic_parts(samples=8, tokens=16, kl_coef=0.0, anchor=None, stages=ROLLOUT_STAGES, bundle_id="r-7")
+    step = synthetic_parts(samples=8, tokens=16, kl_coef=0.0, stages=ALL_STAGES, bundle_id="b-7-0")
+    rollout[3]["old_log_probs"] = rollout[3]["old_log_probs"].clone()
+    rollout[3]["old_log_probs"][19] = -1.25  # s-1, token 3
+    write_bundle(tmp_path / "rollout-7", *rollout)
+    write_bundle(tmp_path / "step-7-0", *step)
+    app = make_run_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        rows = table_lines(app)
+        at = next(i for i, line in enumerate(rows) if "step-7-0" in line)
+        assert "link" in rows[at] and rows[at].startswith("✗")
+        app.run_screen.table.cursor = at
+        await pilot.press("enter")
+        await scanned(pilot)
+        assert isinstance(app.screen, DebuggerScreen) and app.model.report.passed
+        [note] = [n.message for n in app._notifications]
+        assert note.startswith("the scan's link stage: this step diverges from its rollout bundle (old_log_probs "
+                               "s-1@3: expected=-1.25 ")
+        assert note.endswith("the debugger replays the step alone — esc goes back to the run view")
