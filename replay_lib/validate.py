@@ -9,6 +9,7 @@ from typing import Optional
 import msgspec
 
 from .bundle import BundleSet, open_bundle
+from .error_model import tolerance_warnings
 from .errors import BundleError, UnsupportedError
 from .layout import PAYLOAD_DIR, PAYLOAD_SUFFIX
 from .runner import check_topology
@@ -80,7 +81,9 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
         samples=sum(len(s.index.samples) for s in bundles.shards),
         tokens=sum(sum(max(x.response_length, 0) for x in s.index.samples) for s in bundles.shards),
         stages=_pipeline_order(first.manifest.stage_contracts),
-        warnings=bundles.warnings,
+        # the bundle's own looser tolerances, worded as replay words them (under its default policy)
+        warnings=list(dict.fromkeys([*bundles.warnings, *(w for shard in bundles.shards for w in tolerance_warnings(
+            shard.manifest, str(shard.path / "manifest.json")))])),
         replay_refusals=sorted(set(refusals)),
     )
 

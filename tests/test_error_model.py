@@ -299,6 +299,11 @@ def test_tolerance_policy_bundle_uses_a_loose_value_and_warns_default_caps_it(tm
     assert out.splitlines()[-1] == f"warning: {where} is looser than the default 1e-06: capped at 1e-06 (--tolerance-policy default)"
     assert bundle_tolerance(loose, "reward.post_process", "reward", "default") == (1e-6, 0.0)
     assert bundle_tolerance(loose, "reward.post_process", "reward", "bundle") == (1e308, 0.0)
+    # validate names it too, as replay words it
+    code, out, err = cli("validate", path)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[-1] == (f"warning: {where} is looser than the default 1e-06: used as declared "
+                                    "(--tolerance-policy default caps it)")
 
 
 def test_exact_compares_bitwise_with_the_float32_kernels(tmp_path, cli):
