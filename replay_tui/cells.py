@@ -71,6 +71,7 @@ def strip_of(parts: Iterable[tuple[str, Optional[Style]]], width: int, base: Sty
 
 Parts = list[tuple[str, Optional[Style]]]
 WRAP_INDENT = "  "  # a wrapped line's continuation rows
+WRAP_SLACK = 12  # cells a formula cut to fit its rows gives up per row, so that its rows break at spaces
 
 
 def _cells(parts: Parts) -> list[tuple[str, Optional[Style]]]:
@@ -156,7 +157,16 @@ def fit_rows(lines: list[Parts], width: int, height: int) -> list[Parts]:
     first = wrap_parts(lines[0], width)
     if len(first) > most:
         room = width + (most - 1) * (width - len(WRAP_INDENT))
-        first = wrap_parts(elide_line(lines[0], room), width, hard=True)[:most]
+        # broken at spaces when the line cut a little shorter still fits so and keeps all of it up to its value (a
+        # few cells given up at each row's end), else at the width
+        cells = _cells(lines[0])
+        head = _width(cells[:_value_end("".join(ch for ch, _ in cells))])
+        tries = [(room - WRAP_SLACK * (most - 1), False)] if head + 2 <= room - WRAP_SLACK * (most - 1) else []
+        for cut, hard in (*tries, (room, True)):
+            wrapped = wrap_parts(elide_line(lines[0], cut), width, hard=hard)
+            if len(wrapped) <= most:
+                break
+        first = wrapped[:most]
     rows = [(row, i == len(first) - 1) for i, row in enumerate(first)]  # (row, its line ends there)
     for line in lines[1:]:
         wrapped = wrap_parts(line, width)

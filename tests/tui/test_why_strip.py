@@ -345,6 +345,10 @@ def test_a_long_line_wraps_and_the_formula_keeps_its_value():
     group = [("group g-2  raw [0.25, 1.0, 0.5, 0.75]  mean 0.625", None)]
     assert _text(fit_rows([reward, group], 57, 2)) == [
         "why s-8 (r − b) / (std…0.75) / (0.25 + 1e-06) = -1.999992", "group g-2  raw [0.25, 1.0, 0.5, 0.75]  mean 0.625"]
+    # at 120×40's 78 cells: cut a little shorter, it still breaks at spaces (no "(di" / "vided")
+    assert _text(fit_rows([reward, group], 78, 3))[:2] == [
+        "why s-8 (r − b) / (std + eps) = (0.25 − 0.75) / (0.25 + 1e-06) = -1.999992 ",
+        "  (divided only where std > 0); b = the mean of the group's other re…"]
     assert _text(fit_rows([reward, group], 40, 3)) == [
         "why s-8 (r − b) / (std + eps) = (0.25 − ", "  0.75) / (0.25 + 1e-06) = -1.999992 (d…",
         "group g-2  raw [0.25, 1.0, 0.5, 0.75]  …"]
