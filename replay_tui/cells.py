@@ -101,7 +101,8 @@ def wrap_parts(parts: Parts, width: int, hard: bool = False) -> list[Parts]:
             cut += 1
         if cut < len(cells) and not hard:
             space = next((i for i in range(cut - 1, cut // 2, -1) if cells[i][0] == " "), None)
-            cut = space + 1 if space is not None else max(cut, 1)
+            cut = space + 1 if space is not None else cut
+        cut = max(cut, 1)  # a character wider than the row still takes one: every row consumes something
         rows.append(_parts((indent if rows else []) + cells[:cut]))
         cells = cells[cut:]
     return rows or [[]]

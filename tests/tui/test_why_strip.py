@@ -355,3 +355,12 @@ def test_a_long_line_wraps_and_the_formula_keeps_its_value():
     # a line that fits is never marked; a line left out entirely is not either
     assert _text(fit_rows([items, formula], 120, 1)) == [
         "old -1.9 ref -1.7 r = old − ref -0.03920245 kl_coef 0.05 mask 1"]
+
+
+def test_wide_characters_never_stall_the_wrap():
+    """A sample id of 2-cell characters in a strip 1 cell wide: every row still takes a character."""
+    from replay_tui.cells import fit_rows, wrap_parts
+
+    assert _text(wrap_parts([("样本名称", None)], 1, hard=True)) == ["样", "本", "名", "称"]
+    assert _text(wrap_parts([("样本名称", None)], 1)) == ["样", "本", "名", "称"]
+    assert len(fit_rows([[("why 样本 = 1.0 样本样本", None)], [("x", None)]], 1, 2)) == 2
