@@ -379,11 +379,10 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 
-# loss.policy's scalars: the per-sample row each one sums (stages.loss._loss_sums' names, the recorded terms'
-# names) and whether it is a loss term (loss_agg_mode × loss_scale) or a metric (metric_agg_mode).
-SCALAR_ROWS = {"pg_loss": ("pg", "pg_sum", "loss"), "entropy_loss": ("ent", "entropy_sum", "entropy"),
-               "kl_loss": ("kl_loss", "kl_loss_sum", "kl"), "pg_clipfrac": ("clip", "clip_count", "metric"),
-               "ppo_kl": ("kl", "kl_sum", "metric"), "pg_clipfrac_lower": ("clip_lower", None, "metric")}
+# loss.policy's scalars: the per-sample row of the recompute each one sums (``stages.loss._loss_sums``' names; the
+# recorded term is ``stages.loss.TERM_OF_FIELD``'s, its mode and scale ``kernels.loss.field_aggregation``'s).
+SCALAR_ROWS = {"pg_loss": "pg", "entropy_loss": "ent", "kl_loss": "kl_loss", "pg_clipfrac": "clip", "ppo_kl": "kl",
+               "pg_clipfrac_lower": "clip_lower"}
 
 
 def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]:
@@ -391,8 +390,8 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
     mode and the value — over the stage's own recompute (its per-sample sums, every loss knob included), or for
     a ``…_from_terms`` row over the recorded per-sample terms. ``None`` where the stage left no sums (``--exact``)
     or the row is none of these."""
-    from .kernels.loss import agg_weights
-    from .stages.loss import AGGREGATE_SUFFIX, SUMS_OUTPUT
+    from .kernels.loss import agg_weights, field_aggregation, loss_total
+    from .stages.loss import AGGREGATE_SUFFIX, SUMS_OUTPUT, TERM_OF_FIELD
 
     recorded = label.endswith(AGGREGATE_SUFFIX)
     name = label.removesuffix(AGGREGATE_SUFFIX)
@@ -405,13 +404,11 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
 
     def value_of(key: str) -> Optional[tuple[float, str, float, str]]:
         """``(value, mode, scale, Σ rows)`` of scalar ``key``."""
-        row, term, kind = SCALAR_ROWS[key]
+        row, term = SCALAR_ROWS[key], TERM_OF_FIELD.get(key)
         values = terms.get(term) if recorded else sums.get(row)
         if values is None:
             return None
-        mode = {"loss": knobs.loss_agg_mode, "entropy": knobs.entropy_mode, "kl": knobs.kl_mode}.get(
-            kind, knobs.metric_agg_mode)
-        scale = 1.0 if kind == "metric" else knobs.loss_scale
+        mode, scale = field_aggregation(key, knobs)
         return float((values * agg_weights(mode, counts, knobs)).sum()) * scale, mode, scale, term or row
 
     source = "the recorded per-sample terms" if recorded else "the recompute's per-sample sums"
@@ -420,15 +417,17 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
         parts = [("pg_loss", 1.0), ("entropy_loss", -knobs.entropy_coef)]
         if knobs.kl_loss:
             parts.append(("kl_loss", knobs.kl_loss_coef))
-        got = [(key, coef, value_of(key)) for key, coef in parts if coef != 0 or key == "pg_loss"]
-        if any(v is None for _, _, v in got):
+        got = {key: (coef, value_of(key)) for key, coef in parts if coef != 0 or key == "pg_loss"}
+        if any(v is None for _, v in got.values()):
             return None
         suffix = AGGREGATE_SUFFIX if recorded else ""
         words = " ".join(("" if i == 0 else "+ " if coef > 0 else "− ") + (f"{abs(coef):g}·" if i else "") + key
-                         + suffix for i, (key, coef, _) in enumerate(got))
+                         + suffix for i, (key, (coef, _)) in enumerate(got.items()))
         numbers = " ".join(("" if i == 0 else "+ " if coef > 0 else "− ") + (f"{abs(coef):g}·" if i else "")
-                           + fmt(v[0]) for i, (key, coef, v) in enumerate(got))
-        total = sum(coef * v[0] for _, coef, v in got)
+                           + fmt(v[0]) for i, (coef, v) in enumerate(got.values()))
+        value = {key: v[0] for key, (_, v) in got.items()}
+        total = loss_total(value["pg_loss"], value.get("entropy_loss", 0.0), value.get("kl_loss", 0.0),
+                           knobs.entropy_coef, knobs)
         formula = f"{label} = {words} = {fmt(total)}" if len(got) == 1 else \
             f"{label} = {words} = {numbers} = {fmt(total)}"
         return ElementInputs(field="loss", sample_id=None, offset=None, formula=formula,

@@ -258,6 +258,16 @@ def reported(s: Score) -> bool:
     return s.bad > 0 and s.bad_matched >= math.ceil(MOST * s.bad) and s.matched >= math.ceil(MOST * s.of)
 
 
+def micro_batches(samples: Sequence) -> Optional[tuple[list[str], torch.Tensor]]:
+    """``(micro-batch ids in order of first appearance, the position of each sample's)`` of ``samples`` (records
+    with a ``micro_batch_id``), ``None`` when there are none or one records no micro-batch."""
+    ids = [s.micro_batch_id for s in samples]
+    if not ids or None in ids:
+        return None
+    where = {mb: k for k, mb in enumerate(dict.fromkeys(ids))}
+    return list(where), torch.tensor([where[i] for i in ids], dtype=torch.int64)
+
+
 def listing(names: Sequence[object], limit: int = 4) -> str:
     """``cb-0, cb-1`` — at most ``limit`` names, then how many more."""
     names = [str(n) for n in names]

@@ -35,8 +35,8 @@ import torch
 from ..fields import PER_SCALAR, FieldResult
 from ..stages import StageContext, StageInputError
 from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
-from ..kernels.loss import LossKnobs, agg_weights
-from .base import Hypothesis, fmt_number, listing
+from ..kernels.loss import LossKnobs, agg_weights, field_aggregation, loss_total
+from .base import Hypothesis, fmt_number, listing, micro_batches
 
 STAGE = "loss.policy"
 CLIP_VALUES = (0.2, 0.28, 0.3)
@@ -239,18 +239,6 @@ def modelled(cfg) -> bool:
                 or cfg.importance_level != "token" or cfg.use_rollout_logprobs)
 
 
-def _micro_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
-    """``(ids, each selected sample's micro-batch position)`` when the samples name two or more micro-batches."""
-    ids = [s.micro_batch_id for s in ctx.samples]
-    if any(i is None for i in ids):
-        return None
-    order = list(dict.fromkeys(ids))
-    if len(order) < 2:
-        return None
-    where = {mb: k for k, mb in enumerate(order)}
-    return order, torch.tensor([where[i] for i in ids], dtype=torch.int64)
-
-
 def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     """A token mean taken per micro-batch: each micro-batch's ``Σ x·mask`` over its own loss-token count instead
     of the recorded ``loss_token_count``, the micro-batches' means then summed (gradient accumulation adding
@@ -259,16 +247,16 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     Only a re-aggregation of per-sample sums: of the stage's own recompute (every loss knob included, so no
     :func:`modelled` gate) for the recorded scalars, and of the recorded per-sample terms for their aggregation
     check."""
-    from ..stages.loss import SUMS_OUTPUT, _loss_sums
+    from ..stages.loss import SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
 
     knobs = LossKnobs.of(ctx.config)
-    terms = [("pg", "pg_loss", knobs.loss_agg_mode), ("ent", "entropy_loss", knobs.entropy_mode)]
-    if knobs.kl_loss:
-        terms.append(("kl_loss", "kl_loss", knobs.kl_mode))
-    if not any(mode == "token_mean" for _, _, mode in terms):
+    # (the recompute's row, the field) of each loss term, with its mode and scale
+    terms = [(row, name, *field_aggregation(name, knobs)) for row, name in
+             (("pg", "pg_loss"), ("ent", "entropy_loss"), *((("kl_loss", "kl_loss"),) if knobs.kl_loss else ()))]
+    if not any(mode == "token_mean" for _, _, mode, _ in terms):
         return []
-    placed = _micro_batches(ctx)
-    if placed is None:
+    placed = micro_batches(ctx.samples)
+    if placed is None or len(placed[0]) < 2:
         return []
     try:
         # the stage's own sums (its one pass over the tokens); --exact's float32 kernel leaves none: one more pass
@@ -283,7 +271,7 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
         """The loss terms of ``per_sample`` with each token-mean term taken per micro-batch, and ``loss``."""
         tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, counts).clamp(min=1.0)
         out: dict[str, float] = {}
-        for row, name, mode in terms:
+        for row, name, mode, scale in terms:
             values = per_sample.get(row)
             if values is None:
                 continue
@@ -292,13 +280,12 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
                 total = float(means.sum()) / (k if averaged else 1)
             else:
                 total = float((values * agg_weights(mode, counts, knobs)).sum())
-            out[name] = total * knobs.loss_scale
-        out["loss"] = out["pg_loss"] - knobs.entropy_coef * out.get("entropy_loss", 0.0) + \
-            (knobs.kl_loss_coef * out["kl_loss"] if "kl_loss" in out else 0.0)
+            out[name] = total * scale
+        out["loss"] = loss_total(out["pg_loss"], out.get("entropy_loss", 0.0), out.get("kl_loss", 0.0),
+                                 knobs.entropy_coef, knobs)
         return out
 
-    recorded = {row: names[term].expected for term, row in (("pg_sum", "pg"), ("entropy_sum", "ent"),
-                                                             ("kl_loss_sum", "kl_loss")) if term in names}
+    recorded = {row: names[TERM_OF_FIELD[name]].expected for row, name, _, _ in terms if TERM_OF_FIELD[name] in names}
     recorded_counts = names["mask_count"].expected if "mask_count" in names else sums["mask"]
     out = []
     for averaged in (False, True):

@@ -35,7 +35,7 @@ from ..compare import as_float64
 from ..error_model import group_stats, reward_bound
 from ..fields import FieldResult
 from ..stages import StageContext
-from .base import Hypothesis, fmt_number, listing
+from .base import Hypothesis, fmt_number, listing, micro_batches
 
 STAGE = "reward.post_process"
 OTHER_EPS = (1e-6, 1e-4, 1e-5, 1e-8, 1e-9, 0.0)
@@ -86,14 +86,6 @@ def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tenso
     return ids, label
 
 
-def _micro_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
-    ids = [s.micro_batch_id for s in ctx.reader.index.samples]
-    if not ids or None in ids:
-        return None
-    order = list(dict.fromkeys(ids))
-    return order, torch.tensor([order.index(m) for m in ids], dtype=torch.int64)
-
-
 def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[int]:
     n = max(int(ctx.config.n_samples_per_prompt), 1)
     sizes = {n, n + n // 2, *(k * n for k in range(2, 9))}
@@ -115,7 +107,7 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
     cb = consumer_batches(ctx)
     if cb is not None:
         listed.append(("reward.consumer_batches", f"consumer batches {listing(cb[0])}", cb[1]))
-    mb = _micro_batches(ctx)
+    mb = micro_batches(ctx.reader.index.samples)
     if mb is not None:
         listed.append(("reward.micro_batches", f"micro-batches {listing(mb[0])}", mb[1]))
     listed.append(("reward.whole_batch", f"the whole batch of {n_total} samples", torch.zeros_like(positions)))

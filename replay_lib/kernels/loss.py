@@ -271,6 +271,23 @@ VALUE_FIELDS = ("vf_loss", "vf_clipfrac")
 METRIC_FIELDS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
 
 
+def field_aggregation(name: str, knobs: LossKnobs) -> tuple[str, float]:
+    """``(mode, scale)`` the loss field ``name`` aggregates its per-sample sums with: a metric by
+    ``metric_agg_mode``, unscaled; ``entropy_loss`` and ``kl_loss`` by their own modes, the other loss terms by
+    ``loss_agg_mode``, each × ``loss_scale``."""
+    if name in METRIC_FIELDS:
+        return knobs.metric_agg_mode, 1.0
+    return {"entropy_loss": knobs.entropy_mode, "kl_loss": knobs.kl_mode}.get(name, knobs.loss_agg_mode), \
+        knobs.loss_scale
+
+
+def loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef: float, knobs: LossKnobs):
+    """``loss = pg_loss − entropy_coef·entropy_loss (+ kl_loss_coef·kl_loss with a KL term)``, of floats or
+    tensors alike."""
+    loss = pg_loss - entropy_coef * entropy_loss
+    return loss + knobs.kl_loss_coef * kl_loss if knobs.kl_loss else loss
+
+
 def policy_fields_for(knobs: LossKnobs) -> tuple[str, ...]:
     """The loss.policy fields a producer with these knobs reports."""
     return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
@@ -362,14 +379,13 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
 
     pg_loss = loss_term("pg")
     entropy_loss = loss_term("ent", knobs.entropy_mode) if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
-    loss = pg_loss - entropy_coef * entropy_loss
-    out = {"loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"),
-           "ppo_kl": metric("kl")}
+    kl_loss = loss_term("kl_loss", knobs.kl_mode) if knobs.kl_loss else None
+    out = {"loss": loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef, knobs), "pg_loss": pg_loss,
+           "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"), "ppo_kl": metric("kl")}
     if knobs.dual_clip:
         out["pg_clipfrac_lower"] = metric("clip_lower")
-    if knobs.kl_loss:
-        out["kl_loss"] = loss_term("kl_loss", knobs.kl_mode)
-        out["loss"] = loss + knobs.kl_loss_coef * out["kl_loss"]
+    if kl_loss is not None:
+        out["kl_loss"] = kl_loss
     return out
 
 

@@ -17,8 +17,9 @@ from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_
 from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
-from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, policy_fields_for,
-                            policy_fields_from_sums, policy_loss_fields, policy_token_terms, sample_log_terms)
+from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation,
+                            policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
+                            sample_log_terms)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
@@ -269,8 +270,8 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
                 f"legitimate producer may keep or drop its tokens (pg_loss admits either)"))
 
 
-# Per-sample terms → the loss fields they aggregate to (SPEC §4: the scalars are checked against them).
-_TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfrac": "clip_count",
+# Loss field → the recorded per-sample term it aggregates (SPEC §4: the scalars are checked against them).
+TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfrac": "clip_count",
                   "ppo_kl": "kl_sum", "kl_loss": "kl_loss_sum"}
 
 
@@ -289,7 +290,7 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
     if terms is None:
         return None
     recorded = terms.recorded()
-    names = [f for f in expected if _TERM_OF_FIELD.get(f) in recorded]
+    names = [f for f in expected if TERM_OF_FIELD.get(f) in recorded]
     if "loss" in expected and "pg_sum" in recorded and (not knobs.kl_loss or "kl_loss_sum" in recorded) and (
             knobs.entropy_coef == 0 or "entropy_sum" in recorded):
         names.insert(0, "loss")
@@ -315,10 +316,7 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
             if knobs.kl_loss:
                 parts.append((column("kl_loss_sum"), knobs.kl_mode, knobs.kl_loss_coef * knobs.loss_scale))
         else:
-            metric = name in ("pg_clipfrac", "ppo_kl")
-            mode = knobs.metric_agg_mode if metric else {"entropy_loss": knobs.entropy_mode,
-                                                          "kl_loss": knobs.kl_mode}.get(name, knobs.loss_agg_mode)
-            parts = [(column(_TERM_OF_FIELD[name]), mode, 1.0 if metric else knobs.loss_scale)]
+            parts = [(column(TERM_OF_FIELD[name]), *field_aggregation(name, knobs))]
         weighted = [values * agg_weights(mode, n, knobs) * scale for values, mode, scale in parts]
         value = sum(float(w.sum()) for w in weighted)
         actual.append(value)

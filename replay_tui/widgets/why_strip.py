@@ -4,8 +4,9 @@ What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.inputs``): fo
 rewards, mean, std, eps and each member's micro-batch and consumer batch; for a KL token ``r`` and the
 formula; for a loss token the ratio, its clip region, the mask, the advantage and the token's contribution
 to its sample's term. Line 1 is the formula with its values, line 2 the inputs, line 3 (tall terminals) a
-reward group's members or what a loss token adds to its sample's terms; a line longer than the strip is wide
-wraps, and the formula keeps its value when it does not fit (its middle elided). Line API: one lookup per cursor move, the lines cached until the element changes."""
+reward group's members or what a loss token adds to its sample's terms. A line longer than the strip is wide
+wraps, and a formula too long for its rows keeps its value (``cells.fit_rows``). Line API: one lookup per cursor
+move, the lines cached until the element changes, the rows until the strip's size changes too."""
 
 from __future__ import annotations
 
