@@ -39,22 +39,26 @@ from .widgets.header_line import ForensicLabel
 PROG = "replay-tui"
 
 
+def clear_style_cache() -> None:
+    """Empty Textual's ``StylesCache.get_inner_outer`` cache, which memoizes on the instance and so keeps up to
+    1,024 closed widgets' styles caches, with their rendered lines, alive (Textualize/textual#6665)."""
+    try:
+        from textual._styles_cache import StylesCache
+    except ImportError:
+        return
+    clear = getattr(StylesCache.get_inner_outer, "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 def release_frozen() -> int:
     """Give the frozen objects back to the collector, collect, and freeze what is still alive; returns how many
     were freed. A replay freezes its model with everything alive at that moment (:meth:`ReplayApp._replay`),
     the screen showing it included, and the collector never looks at frozen objects: once that screen is
-    closed (the run view's esc), they are garbage only a collection after this can free. Textual's
-    ``StylesCache.get_inner_outer`` memoizes on the instance, so its cache keeps up to 1,024 closed widgets'
-    rendered lines (Textualize/textual#6665): it is emptied too."""
+    closed (the run view's esc), they are garbage only a collection after this can free. Textual's style cache
+    of closed widgets is emptied too (:func:`clear_style_cache`)."""
     gc.unfreeze()
-    try:
-        from textual._styles_cache import StylesCache
-
-        clear = getattr(StylesCache.get_inner_outer, "cache_clear", None)
-        if clear is not None:
-            clear()
-    except ImportError:
-        pass
+    clear_style_cache()
     freed = gc.collect()
     gc.freeze()
     return freed
@@ -221,9 +225,11 @@ class ReplayApp(App[int]):
         # What the replays froze (their models, the screens alive then) goes back to the collector with the
         # app, so a process running app after app (tests, an embedding) frees each one. Nothing is collected
         # here, and run_app freezes everything again before the process ends, so replay-tui exits as fast as
-        # before. A replay still running then freezes nothing when it ends.
+        # before. A replay still running then freezes nothing when it ends. Textual's style cache would keep
+        # this app's widgets and their rendered lines (Textualize/textual#6665).
         self._run += 1
         gc.unfreeze()
+        clear_style_cache()
 
     def on_replay_failed(self, message: ReplayFailed) -> None:
         if message.run != self._run:

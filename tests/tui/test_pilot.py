@@ -123,6 +123,32 @@ async def test_an_app_that_exited_leaves_its_model_to_the_collector(make_app):
     assert models[0]() is None and gc.get_freeze_count() == 0
 
 
+async def test_an_app_that_exited_leaves_its_widgets_rendered_lines_to_the_collector(make_app):
+    """Textual's ``StylesCache.get_inner_outer`` memoizes on the instance (Textualize/textual#6665): each exited
+    app left its widgets' styles caches, and the rendered lines in them, alive until 1,024 had piled up (about
+    24 caches and 15,000 objects an app of this demo, 1.8 MB). The app empties that cache when it exits: three
+    apps in a row leave as many styles caches alive as one."""
+    import gc
+
+    from textual._styles_cache import StylesCache
+
+    def alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, StylesCache))
+
+    counts = []
+    for _ in range(3):
+        app = make_app("pr65-buggy")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await ready(pilot)
+            shown = sum(1 for w in app.screen.walk_children() if w.display)
+            await pilot.press("q")
+        del app, pilot
+        counts.append(alive())
+    assert shown >= 10  # the screen had its widgets, each with its styles cache
+    assert counts[2] == counts[0], counts
+
+
 def test_run_app_freezes_what_is_alive_before_the_process_ends(monkeypatch):
     """The app unfreezes what its replays froze when it exits; run_app freezes everything again before the
     process ends, or the interpreter's final collection walks it all (`q` took ≈ 0.55 s instead of ≈ 0.32 s to
