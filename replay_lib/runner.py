@@ -101,7 +101,16 @@ def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], pa
         else:
             plan.run.append(stage)
     check_topology(reader, plan.run)
+    check_closure(reader, plan.run)
     return plan
+
+
+def check_closure(reader: BundleReader, stages: Sequence[StageId]) -> None:
+    """Refuse (exit 3, as ``validate`` does) a bundle that lacks an input or expected output of a stage about to
+    run: nothing is recomputed from an incomplete bundle."""
+    missing = [f"{stage.value} needs {need}" for stage in stages for need in REGISTRY[stage].requirements(reader)]
+    if missing:
+        raise BundleError(f"{reader.path / 'manifest.json'}: dependency closure incomplete: " + "; ".join(missing))
 
 
 def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:

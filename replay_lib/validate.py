@@ -12,8 +12,8 @@ from .bundle import BundleSet, open_bundle
 from .error_model import tolerance_warnings
 from .errors import BundleError, UnsupportedError
 from .layout import PAYLOAD_DIR, PAYLOAD_SUFFIX
-from .runner import check_topology
-from .schema import ActorStepId, StageCapability
+from .runner import check_closure, check_topology
+from .schema import ActorStepId, StageCapability, StageId
 from .inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
 from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
 from .stages.loss import KNOB_TOKEN_PAYLOADS
@@ -45,7 +45,7 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
     refusals: list[str] = []
     for shard in bundles.shards:
         where = shard.path / "manifest.json"
-        missing: list[str] = []
+        closed: list[StageId] = []
         for stage in STAGE_ORDER:
             contract = shard.manifest.stage_contracts.get(stage)
             if contract is None or contract.capability != StageCapability.RECOMPUTE:
@@ -54,10 +54,8 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
                 refusals.append(f"{where}: $.stage_contracts.{stage.value}: declared recompute but "
                                 f"{UNSUPPORTED.get(stage, 'this engine has no adapter for it')}")
                 continue
-            for need in REGISTRY[stage].requirements(shard):
-                missing.append(f"{stage.value} needs {need}")
-        if missing:
-            raise BundleError(f"{where}: dependency closure incomplete: " + "; ".join(missing))
+            closed.append(stage)
+        check_closure(shard, closed)
         for name in shard.payload_names:
             t = shard.payload(name)
             if t.dim() == 0:

@@ -300,12 +300,28 @@ def test_loss_value_replays_clean_and_a_wrong_value_loss_diverges(tmp_path, cli)
     (dict(value_clip=0.2), {"values": [0.0] * 5, "old_values": [0.0] * 5}, {"vf_loss": 0.0},
      "loss.value needs payloads/returns.pt"),
 ])
-def test_validate_names_the_knob_and_the_missing_input(tmp_path, cli, config, payloads, value, message):
+def test_validate_and_replay_name_the_knob_and_the_missing_input(tmp_path, cli, config, payloads, value, message):
+    """validate refuses the bundle, and so do replay and replay-tui --check, with the same line and exit 3, before
+    any stage runs (a token mean without its recorded count was an internal error, exit 5)."""
     policy = {"loss": 0.0}
     path = write_step(tmp_path / "b", config=config, policy=policy, payloads=payloads, value=value)
     code, out, err = cli("validate", path)
     assert code == 3 and out == "" and err.count("\n") == 1, out + err
     assert "dependency closure incomplete" in err and message in err
+    for args in (("replay", path), ("replay", path, "--format", "json")):
+        assert cli(*args) == (3, "", err), args
+    from replay_tui.__main__ import main as tui_main
+
+    assert tui_main([str(path), "--check"]) == 3
+
+
+def test_a_missing_count_shared_by_two_modes_is_named_once(tmp_path, cli):
+    path = write_step(tmp_path / "b", config=dict(loss_agg_mode="token_mean", metric_agg_mode="token_mean"),
+                      policy={"loss": 0.0}, payloads={})
+    code, _, err = cli("replay", path)
+    assert code == 3 and err.endswith(
+        "dependency closure incomplete: loss.policy needs index.json $.config.loss_token_count (loss_agg_mode="
+        "'token_mean' and metric_agg_mode='token_mean' aggregate over the producer's recorded loss_token_count)\n"), err
 
 
 def test_kl_loss_with_a_zero_coefficient_needs_no_reference(tmp_path, cli):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replay_lib.errors import BundleError
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, STEP_STAGES, contracts, producer, write_bundle, write_pr65
 from replay_lib.error_model import Rules
 from replay_lib.report import report_to_text
@@ -211,13 +212,16 @@ def test_entropy_coef_enters_the_loss(tmp_path):
     assert report.first_divergence.abs_error == pytest.approx(0.01 * ent, rel=1e-5)
 
 
-def test_missing_entropy_with_entropy_coef_fails_the_stage_with_a_reason(tmp_path):
+def test_missing_entropy_with_entropy_coef_is_refused_before_any_stage_runs(tmp_path):
+    """An input a stage about to run needs is missing: the bundle is incomplete (exit 3, validate's line), not a
+    divergence (exit 1)."""
     pg = 2 * (E05 - 1.2)
     expected = {"loss": pg, "pg_loss": pg, "entropy_loss": 0.0, "pg_clipfrac": 2.0, "ppo_kl": -2.0}
-    report = replay(loss_bundle(tmp_path / "b", log_prob=0.5, expected=expected, entropy_coef=0.01))
-    stage = report.stage("loss.policy")
-    assert stage.status == "fail" and stage.reason == "payload 'entropy' is required when entropy_coef != 0"
-    assert report.first_divergence.field == "entropy"
+    path = loss_bundle(tmp_path / "b", log_prob=0.5, expected=expected, entropy_coef=0.01)
+    with pytest.raises(BundleError, match=r"/b/manifest\.json: dependency closure incomplete: loss\.policy needs "
+                                          r"payloads/entropy\.pt$") as refused:
+        replay(path)
+    assert refused.value.exit_code == 3
 
 
 def test_fully_masked_sample_and_zero_length_response(tmp_path):

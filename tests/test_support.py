@@ -472,13 +472,12 @@ def test_unknown_support_scored_name_is_refused(tmp_path):
 
 
 def test_missing_vocab_size(tmp_path):
+    """validate and replay refuse it alike (exit 3: nothing is recomputed from an incomplete bundle)."""
     b = write_hand(tmp_path / "b", vocab_size=None)
-    stage = support_stage(replay(b))
-    assert stage.status == "fail" and stage.divergences[0].field == "vocab_size"
-    assert "$.config.vocab_size is required" in stage.reason
-    with pytest.raises(BundleError, match=r"dependency closure incomplete: logprob\.support needs index\.json "
-                                          r"\$\.config\.vocab_size"):
-        validate(b)
+    for check in (validate, replay):
+        with pytest.raises(BundleError, match=r"dependency closure incomplete: logprob\.support needs index\.json "
+                                              r"\$\.config\.vocab_size"):
+            check(b)
 
 
 def test_inspect_only_contract_is_skipped(tmp_path):

@@ -390,16 +390,17 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
 
 def count_requirements(cfg: RecomputeConfig) -> list[str]:
     """Dependency-closure errors for the aggregation modes: a mode whose recorded count is missing."""
-    out = []
+    users: dict[str, list[str]] = {}  # a missing count → the modes that aggregate over it, one line each count
     for knob in ("loss_agg_mode", "metric_agg_mode", "kl_loss_agg_mode", "entropy_agg_mode"):
-        if knob in ("kl_loss_agg_mode", "entropy_agg_mode") and getattr(cfg, knob) is None:
-            continue  # None: loss_agg_mode's counts, checked above
+        if knob != "loss_agg_mode" and getattr(cfg, knob) is None:
+            continue  # None: loss_agg_mode's mode and counts, checked above
         mode = getattr(cfg, knob) or cfg.loss_agg_mode
         for count in AGG_COUNTS.get(mode, ()):
             if getattr(cfg, count) is None:
-                out.append(f"index.json $.config.{count} ({knob}={mode!r} aggregates over the producer's "
-                           f"recorded {count})")
-    return list(dict.fromkeys(out))
+                users.setdefault(count, []).append(f"{knob}={mode!r}")
+    return [f"index.json $.config.{count} ({' and '.join(modes)} "
+            f"{'aggregates' if len(modes) == 1 else 'aggregate'} over the producer's recorded {count})"
+            for count, modes in users.items()]
 
 
 def _loss_requirements(reader: BundleReader) -> list[str]:

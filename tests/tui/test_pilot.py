@@ -134,7 +134,7 @@ async def test_an_app_that_exited_leaves_its_widgets_rendered_lines_to_the_colle
 
     def alive() -> int:
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, StylesCache))
+        return sum(1 for o in gc.get_objects() if type(o) is StylesCache)
 
     counts = []
     for _ in range(3):
