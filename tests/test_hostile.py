@@ -186,6 +186,40 @@ def case_json_not_a_regular_file(tmp, tools):
     return b, b, [f"{b / 'expected.json'}:", "expected.json is not a regular file"]
 
 
+def case_payload_fifo(tmp, tools):
+    b = _pr65(tmp)
+    _kl(b).unlink()
+    os.mkfifo(_kl(b))  # opening it for reading would block until a writer came
+    return b, b, [f"{_kl(b)}:", "payload is not a regular file"]
+
+
+def case_payload_link_loop(tmp, tools):
+    b = _pr65(tmp)
+    _kl(b).unlink()
+    _kl(b).symlink_to(_kl(b).name)  # kl.pt → kl.pt
+    return b, b, [f"{_kl(b)}:", "payload is a link that leads nowhere (dangling, or a loop)"]
+
+
+def case_raw_pickle_payload(tmp, tools):
+    """A bare pickle (no torch archive): torch's refusal is named in its own words, the opcode it refused, not
+    its generic advice cut mid-sentence."""
+    import pickle
+
+    b = _pr65(tmp)
+    _kl(b).write_bytes(pickle.dumps(_MkdirOnLoad(tmp / "code-ran"), protocol=4))
+    tools.reseal(b)
+    return b, b, [f"{_kl(b)}:", "not a loadable weights-only tensor file (", "Unsupported operand"]
+
+
+def case_truncated_payload_resealed(tmp, tools):
+    """A torch archive cut in half, sizes and checksums re-sealed: torch's first sentence, whole."""
+    b = _pr65(tmp)
+    data = _kl(b).read_bytes()
+    _kl(b).write_bytes(data[: len(data) // 2])
+    tools.reseal(b)
+    return b, b, [f"{_kl(b)}:", "not a loadable weights-only tensor file (", "zip archive"]
+
+
 def case_wrong_dtype(tmp, tools):
     b = _pr65(tmp)
     _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)
@@ -280,6 +314,7 @@ def _check_refusal(rc: int, out: str, err: str, keywords: list[str]) -> None:
     assert err.startswith("trajectory-replay: error: ")
     for word in keywords:
         assert word in err, (word, err)
+    assert "weights_only" not in err and "there is a high" not in err, err  # torch's advice is left out
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
@@ -291,7 +326,7 @@ def test_validate_refuses_in_process(kind, tmp_path, capsys, bundle_tools):
     out, err = capsys.readouterr()
     _check_refusal(rc, out, err, keywords)
     assert bundle_tools.snapshot(root) == before
-    if kind == "pickled_object":
+    if kind in ("pickled_object", "raw_pickle_payload"):
         assert not (tmp_path / "code-ran").exists()
 
 
@@ -303,7 +338,7 @@ def test_validate_refuses_in_subprocess(kind, tmp_path, bundle_tools):
                           capture_output=True, text=True, timeout=120)
     _check_refusal(proc.returncode, proc.stdout, proc.stderr, keywords)
     assert bundle_tools.snapshot(root) == before
-    if kind == "pickled_object":
+    if kind in ("pickled_object", "raw_pickle_payload"):
         assert not (tmp_path / "code-ran").exists()
 
 
@@ -318,3 +353,88 @@ def test_every_case_starts_from_a_valid_bundle(tmp_path, capsys, bundle_tools):
     out, err = capsys.readouterr()
     assert err == ""
     assert out.count("— valid") == 3
+
+
+def _without_file_permissions(argv: list[str]) -> list[str]:
+    """``argv`` run so that file permissions apply: as is for a user, under ``setpriv`` without the capabilities that
+    let root read anything; ``[]`` when neither is possible here."""
+    if os.geteuid() != 0:
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return []
+    probe = subprocess.run([setpriv, "--bounding-set", "-dac_override,-dac_read_search", "true"], capture_output=True)
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search", *argv] if probe.returncode == 0 else []
+
+
+@pytest.mark.parametrize("what", ["payload", "payload directory"])
+def test_an_unreadable_payload_is_a_bundle_error_not_an_internal_one(what, tmp_path):
+    """A payload file (or the payloads/ directory) without read permission: exit 3 and one line naming the file,
+    from validate, replay and replay-tui --check alike (it was exit 5, "a bug in this tool")."""
+    b = _pr65(tmp_path)
+    target = _kl(b) if what == "payload" else b / "payloads"
+    argv = _without_file_permissions([sys.executable, "-m", "replay_lib", "validate", str(b)])
+    if not argv:
+        pytest.skip("file permissions cannot be made to apply here (root without setpriv)")
+    target.chmod(0)
+    try:
+        for command in (["validate"], ["replay"], ["replay", "--format", "json"]):
+            run = argv[:argv.index("validate")] + [*command, str(b)]
+            proc = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120)
+            assert (proc.returncode, proc.stdout) == (3, ""), (command, proc.stderr)
+            line = proc.stderr
+            assert len(line.splitlines()) == 1 and "Traceback" not in line and "internal error" not in line, line
+            assert line.startswith("trajectory-replay: error: " + str(b / "payloads")), line
+            assert line.rstrip().endswith(": cannot read: Permission denied"), line
+        tui = argv[:argv.index("-m")] + ["-m", "replay_tui", str(b), "--check"]
+        proc = subprocess.run(tui, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 3 and proc.stderr.rstrip().endswith(": cannot read: Permission denied"), proc.stderr
+    finally:
+        target.chmod(0o755 if what != "payload" else 0o644)
+
+
+def test_a_payload_swapped_for_a_fifo_while_the_bundle_is_read_never_blocks_the_reader(tmp_path):
+    """A producer (or anyone) swaps a payload between a good file and a FIFO while the reader verifies the bundle:
+    every open ends, valid or refused with exit 3's one line, never blocked on the FIFO (the reader opens the file
+    without blocking and checks the descriptor; torch and zipfile read that very file)."""
+    import threading
+
+    from replay_lib.bundle import open_bundle
+    from replay_lib.errors import BundleError
+
+    b = _pr65(tmp_path)
+    good = tmp_path / "kl-good.pt"
+    shutil.copyfile(_kl(b), good)
+    stop = threading.Event()
+
+    def swap() -> None:
+        staging = _kl(b).with_name("kl.pt.swap")
+        while not stop.is_set():
+            shutil.copyfile(good, staging)
+            os.replace(staging, _kl(b))
+            os.mkfifo(staging)
+            os.replace(staging, _kl(b))
+
+    outcomes: list[str] = []
+
+    def read() -> None:
+        for _ in range(150):
+            try:
+                open_bundle(b)
+                outcomes.append("valid")
+            except BundleError as exc:
+                outcomes.append(str(exc).split(": ", 1)[1])
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    reader = threading.Thread(target=read, daemon=True)
+    swapper.start()
+    reader.start()
+    reader.join(timeout=60)
+    stop.set()
+    swapper.join(timeout=10)
+    assert not reader.is_alive(), "the reader blocked on a FIFO"
+    assert len(outcomes) == 150
+    refused = {o for o in outcomes if o != "valid"}
+    # the FIFO itself, or the moment a copy of the good file had begun
+    assert all(o == "payload is not a regular file" or o.startswith("size ") for o in refused), sorted(refused)
+    assert "payload is not a regular file" in outcomes  # the FIFO was met

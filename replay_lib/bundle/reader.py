@@ -46,7 +46,6 @@ from .files import (
     check_payload_name,
     parse_format_version,
     sha256_bytes,
-    sha256_file,
 )
 
 
@@ -123,7 +122,14 @@ class _Digests:
         if done is not None:
             done.wait()
         digest = self._files.get(path)
-        return digest if digest is not None else sha256_file(path)
+        if digest is not None:
+            return digest
+        fd = open_payload(path)
+        try:
+            with open(fd, "rb", buffering=0, closefd=False) as fh:
+                return _sha256_stream(fh, None)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def payload_files(root: Path, raw_manifest) -> list[Path]:
@@ -188,26 +194,75 @@ def _settle(attempt):
 _INFLATE_SLACK = 1 << 20
 
 
+def _payload_size(file: Path, key: str, real_root: str) -> int:
+    """The size of the payload file the manifest lists as ``key``, after the checks that name what is wrong with
+    it: a link out of the bundle or to nothing, a missing file, not a regular file, an unreadable directory."""
+    try:
+        if file.is_symlink():
+            target = os.path.realpath(file)
+            if not target.startswith(real_root + os.sep):
+                raise BundleError(f"{file}: symlink leaves the bundle (→ {target})")
+            if not file.exists():
+                raise BundleError(f"{file}: payload is a link that leads nowhere (dangling, or a loop)")
+        if not file.exists():
+            raise BundleError(f"{file}: missing payload listed in manifest.json $.payloads.{key}")
+        if not file.is_file():
+            raise BundleError(f"{file}: payload is not a regular file")
+        return file.stat().st_size
+    except OSError as exc:
+        raise BundleError(f"{exc.filename or file}: cannot read: {exc.strerror or exc}") from None
+
+
+def open_payload(path: Path) -> int:
+    """A descriptor of the payload file, opened without blocking (``O_NONBLOCK``: a FIFO swapped in after the
+    reader's checks is opened at once, then refused) and checked on the descriptor: a regular file. An unreadable
+    file is a one-line bundle error (exit 3), never an internal one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"{path}: payload is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _descriptor_path(fd: int, path: Path) -> str:
+    """A name that opens the very file behind ``fd`` (Linux's ``/proc/self/fd``): what torch and zipfile open by
+    name is then the regular file checked, whatever the directory entry became meanwhile; elsewhere the path."""
+    name = f"/proc/self/fd/{fd}"
+    return name if os.path.exists(name) else str(path)
+
+
 def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
     """The payload as a plain dense CPU tensor of real numbers (SPEC §2, §11), memory-mapped when its
-    archive stores the records as they are."""
-    mmap = not _compressed_archive(path, spec)
+    archive stores the records as they are; read through a descriptor :func:`open_payload` checked."""
+    fd = open_payload(path)
+    try:
+        return _load_opened(path, _descriptor_path(fd, path), spec)
+    finally:
+        os.close(fd)
+
+
+def _load_opened(path: Path, source: str, spec: PayloadSpec) -> torch.Tensor:
+    """:func:`_load_tensor` of the file opened as ``source`` (messages name ``path``)."""
+    mmap = not _compressed_archive(path, spec, source)
     try:
         # torch may warn while it rebuilds a tensor (a quantized one is deprecated): the checks below
         # decide about such a tensor, and a passing run prints nothing of torch's
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+                obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
             except RuntimeError as exc:
                 if not mmap or ("mmap" not in str(exc) and "zipfile" not in str(exc).lower()):
                     raise
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+                obj = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError for objects, RuntimeError for corrupt archives
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        # torch's first line is generic advice (incl. "retry with weights_only=False"); name the blocked global.
-        first = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(exc).__name__)
-        raise BundleError(f"{path}: not a loadable weights-only tensor file ({first[:160]})") from None
+        raise BundleError(f"{path}: not a loadable weights-only tensor file ({_load_failure(exc)})") from None
     if type(obj) is not torch.Tensor:
         raise BundleError(f"{path}: payload must be a plain torch.Tensor, got {type(obj).__module__}.{type(obj).__qualname__}")
     if obj.is_quantized:
@@ -224,16 +279,36 @@ def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
     return obj.detach() if obj.requires_grad else obj
 
 
+# torch's weights-only refusal opens with generic advice (incl. "retry with weights_only=False"); what it refused
+# follows this marker.
+_UNPICKLER_MARKER = "WeightsUnpickler error:"
+_REASON_CAP = 160
+
+
+def _load_failure(exc: Exception) -> str:
+    """What torch.load refused, in a sentence: the blocked global or opcode of a weights-only refusal, else the first
+    sentence of torch's message (never cut mid-word: at most :data:`_REASON_CAP` characters, then "…")."""
+    text = str(exc)
+    if _UNPICKLER_MARKER in text:
+        text = text.split(_UNPICKLER_MARKER, 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(exc).__name__)
+    sentence = line.split(". ", 1)[0].rstrip(".")
+    if len(sentence) > _REASON_CAP:
+        sentence = sentence[:_REASON_CAP].rsplit(" ", 1)[0] + " …"
+    return sentence
+
+
 def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _compressed_archive(path: Path, spec: PayloadSpec) -> bool:
+def _compressed_archive(path: Path, spec: PayloadSpec, source: Optional[str] = None) -> bool:
     """Whether the payload's zip archive compresses a record. Memory-mapping such an archive would read the
     compressed bytes as the tensor's values, so it is loaded into memory instead — within the size the
     manifest declares. A file that is no zip archive (torch's legacy format) is left to ``torch.load``."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source or path) as archive:
             records = archive.infolist()
     except zipfile.BadZipFile:
         return False
@@ -547,13 +622,7 @@ class BundleReader:
             if spec.name != key:
                 raise BundleError(f"{where}.name: {spec.name!r} does not match its key")
             file = payload_dir / f"{key}{PAYLOAD_SUFFIX}"
-            if file.is_symlink() and not os.path.realpath(file).startswith(real_root + os.sep):
-                raise BundleError(f"{file}: symlink leaves the bundle (→ {os.path.realpath(file)})")
-            if not file.exists():
-                raise BundleError(f"{file}: missing payload listed in manifest.json $.payloads.{key}")
-            if not file.is_file():
-                raise BundleError(f"{file}: payload is not a regular file")
-            size = file.stat().st_size
+            size = _payload_size(file, key, real_root)
             if size != spec.bytes:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
             if key not in shard.payloads:
@@ -583,11 +652,16 @@ class BundleReader:
                 )
             _check_form(file, key, tensor)
             self._tensors[key] = tensor
-        if payload_dir.is_dir():
-            for entry in sorted(payload_dir.iterdir()):
-                stem = entry.name[: -len(PAYLOAD_SUFFIX)] if entry.name.endswith(PAYLOAD_SUFFIX) else None
-                if stem not in self.manifest.payloads:
-                    self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
+        try:
+            entries = sorted(payload_dir.iterdir()) if payload_dir.is_dir() else []
+        except OSError as exc:  # searchable, not listable: every listed payload was read all the same
+            entries = []
+            self.warnings.append(f"{payload_dir}: cannot list the directory ({exc.strerror or exc}): files not listed "
+                                 f"in manifest.json were not looked for")
+        for entry in entries:
+            stem = entry.name[: -len(PAYLOAD_SUFFIX)] if entry.name.endswith(PAYLOAD_SUFFIX) else None
+            if stem not in self.manifest.payloads:
+                self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
 
     # -- access ------------------------------------------------------------------------------------
     @property
