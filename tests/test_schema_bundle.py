@@ -391,9 +391,9 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
     data[len(data) // 2] ^= 0x01
     kl.write_bytes(bytes(data))
     ahead, inline = [], []
-    real_ahead, real_inline = bundle_mod._sha256_regular, bundle_mod.sha256_file
+    real_ahead, real_inline = bundle_mod._sha256_regular, bundle_mod._sha256_payload
     monkeypatch.setattr(bundle_mod, "_sha256_regular", lambda p, stop: ahead.append(p.name) or real_ahead(p, stop))
-    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p, stop=None: inline.append(p.name) or real_inline(p, stop))
+    monkeypatch.setattr(bundle_mod, "_sha256_payload", lambda p: inline.append(p.name) or real_inline(p))
     with pytest.raises(BundleError, match=r"kl\.pt: sha256 mismatch .* file " + hashlib.sha256(bytes(data)).hexdigest()[:12]):
         BundleReader(b)
     assert ahead.count("kl.pt") == 1 and "kl.pt" not in inline  # hashed once, ahead of the check

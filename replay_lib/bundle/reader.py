@@ -122,14 +122,7 @@ class _Digests:
         if done is not None:
             done.wait()
         digest = self._files.get(path)
-        if digest is not None:
-            return digest
-        fd = open_payload(path)
-        try:
-            with open(fd, "rb", buffering=0, closefd=False) as fh:
-                return _sha256_stream(fh, None)
-        finally:
-            os.close(fd)
+        return digest if digest is not None else _sha256_payload(path)
 
     @staticmethod
     def payload_files(root: Path, raw_manifest) -> list[Path]:
@@ -165,6 +158,16 @@ def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
             return None
         with open(fd, "rb", buffering=0, closefd=False) as fh:
             return _sha256_stream(fh, stop)
+    finally:
+        os.close(fd)
+
+
+def _sha256_payload(path: Path) -> str:
+    """The reader's own hash of a payload the thread did not hash: through :func:`open_payload`'s descriptor."""
+    fd = open_payload(path)
+    try:
+        with open(fd, "rb", buffering=0, closefd=False) as fh:
+            return _sha256_stream(fh, None)
     finally:
         os.close(fd)
 
