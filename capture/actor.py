@@ -46,7 +46,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from replay_lib.kernels import POLICY_FIELDS, VALUE_FIELDS
-from replay_lib.schema import PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
+from replay_lib.schema import ID_MAX_CHARS, PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
 from .bundles import (
     DEFAULT_REDACTION,
@@ -223,6 +223,10 @@ def _sample_meta(sample_ids, group_index, response_lengths, total_lengths, promp
         column = getattr(meta, name)
         if column is not None and len(column) != n:
             raise ValueError(f"{name} has {len(column)} entries for {n} sample id(s)")
+    long_id = next((i for i, s in enumerate(meta.sample_ids) if len(s) > ID_MAX_CHARS), None)
+    if long_id is not None:  # the reader would refuse the bundle: say so here, where the id comes from
+        raise ValueError(f"sample_ids[{long_id}] has {len(meta.sample_ids[long_id])} characters; an id has at most "
+                         f"{ID_MAX_CHARS}")
     return meta
 
 

@@ -27,7 +27,11 @@ Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # a size, a dimension, a rank number
 WorldSize = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # a parallel axis has at least one rank
 
-Scalar = Union[Int, str]
+# An identifier (a sample, micro-batch, bundle or partition id, a commit): at most this many characters. Every view
+# shows ids whole, and one of megabytes made the debugger unusable; real ids are a few dozen characters.
+ID_MAX_CHARS = 1024
+Id = Annotated[str, msgspec.Meta(max_length=ID_MAX_CHARS)]
+Scalar = Union[Int, Id]
 
 
 class StageId(str, enum.Enum):
@@ -127,13 +131,13 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     label: Optional[str] = None
     label_hash: Optional[str] = None
     loss_mask: list[Int]
-    micro_batch_id: Optional[str] = None
+    micro_batch_id: Optional[Id] = None
     prompt: Optional[str] = None
     raw_reward: Optional[float] = None
     response: Optional[str] = None
     response_length: Int
     reward: Optional[float] = None
-    sample_id: str
+    sample_id: Id
     tool_output: Optional[str] = None
     total_length: Int
 
@@ -233,16 +237,16 @@ def config_changes(config) -> dict:
 
 
 class BundleIndex(_Struct, kw_only=True, forbid_unknown_fields=True):
-    bundle_id: str
+    bundle_id: Id
     identity: Identity
     samples: list[SampleRecord]
     config: RecomputeConfig
 
 
 class ProducerInfo(_Struct, kw_only=True):
-    commit: str = ""
-    dirty_patch_digest: Optional[str] = None
-    torch_version: str = ""
+    commit: Id = ""
+    dirty_patch_digest: Optional[Id] = None
+    torch_version: Id = ""
 
     def __post_init__(self) -> None:
         # ``torch.__version__`` is a str subclass that JSON encoders refuse; store the plain string.
@@ -321,8 +325,8 @@ REDACTED_FIELDS = ("prompt", "response", "label", "tool_output", "paths", "endpo
 
 
 class Manifest(_Struct, kw_only=True):
-    format_version: str
-    bundle_id: str
+    format_version: Id
+    bundle_id: Id
     producer: ProducerInfo
     stage_contracts: dict[StageId, StageContract]
     payloads: dict[str, PayloadSpec]
@@ -400,7 +404,7 @@ class RankComplete(_Struct, kw_only=True):
     metadata: dict[str, str] = {}
     expected_ranks: Optional[list[Count]] = None
     relpath: Optional[str] = None
-    bundle_id: Optional[str] = None
+    bundle_id: Optional[Id] = None
 
     def anchor(self) -> tuple:
         """What the shards of one cohort agree on. Not ``bundle_id``: the original's shards do not record it

@@ -220,6 +220,13 @@ def case_truncated_payload_resealed(tmp, tools):
     return b, b, [f"{_kl(b)}:", "not a loadable weights-only tensor file (", "zip archive"]
 
 
+def case_sample_id_of_megabytes(tmp, tools):
+    """An id is at most ID_MAX_CHARS characters: one of 2 MB made the debugger spin for minutes."""
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc["samples"][0].update(sample_id="A" * 2_000_000))  # re-sealed
+    return b, b, [f"{b / 'index.json'}: $.samples[0].sample_id: expected `str` of length <= 1024"]
+
+
 def case_wrong_dtype(tmp, tools):
     b = _pr65(tmp)
     _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)

@@ -261,3 +261,26 @@ def test_index_written_by_capture_decodes_with_the_real_decoder(tmp_path):
     assert cap.close(timeout=DEADLOCK_GUARD_S)
     blob = (tmp_path / "rollout-9" / "index.json").read_bytes()
     assert encode_json(INDEX_DECODER.decode(blob)) == blob  # canonical form: sorted keys, 2-space indent
+
+
+def test_an_id_the_reader_would_refuse_is_refused_where_it_comes_from(tmp_path):
+    """A sample id over the schema's ID_MAX_CHARS: capture_rollout raises at once (the job's own call, its own
+    stack), rather than writing a bundle that every reader refuses."""
+    from replay_lib.schema import ID_MAX_CHARS
+
+    cap = _capture(tmp_path)
+    try:
+        kwargs = _rollout_kwargs(GROUP_NORMALIZED)
+        ids = list(kwargs["sample_ids"])
+        ids[2] = "s" * (ID_MAX_CHARS + 1)
+        with pytest.raises(ValueError, match=rf"^sample_ids\[2\] has {ID_MAX_CHARS + 1} characters; an id has at "
+                                             rf"most {ID_MAX_CHARS}$"):
+            cap.capture_rollout(7, **dict(kwargs, sample_ids=ids))
+        ids[2] = "s" * ID_MAX_CHARS  # the longest id is fine
+        cap.capture_rollout(8, **dict(kwargs, sample_ids=ids))
+    finally:
+        assert cap.close(timeout=DEADLOCK_GUARD_S)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout-8"]
+    from replay_lib.bundle import open_bundle
+
+    assert open_bundle(tmp_path / "rollout-8").shards[0].index.samples[2].sample_id == ids[2]
