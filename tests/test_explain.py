@@ -497,18 +497,22 @@ def _token_mean_config(parts, tokens: int):
     return parts
 
 
-def micro_batch_token_mean(inputs, adv: np.ndarray, micro: np.ndarray, averaged: bool) -> dict[str, float]:
+def micro_batch_token_mean(inputs, adv: np.ndarray, micro: np.ndarray, averaged: bool,
+                           with_metrics: bool = False) -> dict[str, float]:
     """The token-mean loss fields of a trainer whose token mean divided each micro-batch's Σ x·mask by that
     micro-batch's own loss tokens, then summed (or averaged) the micro-batches' means — for each loss term it
-    aggregates (pg_loss, entropy_loss); its metrics over all the tokens."""
+    aggregates (pg_loss, entropy_loss); its metrics over all the tokens, or (``with_metrics``) per micro-batch
+    the same way."""
     out = loss_fields(inputs, adv, agg="token_mean")
     seg = np.repeat(np.arange(inputs.lengths.size), inputs.lengths)
     old, logp = inputs.old_log_probs.astype(np.float64), inputs.log_probs.astype(np.float64)
     a, m = adv.astype(np.float64), inputs.mask.astype(np.float64)
     ratio = np.exp(logp - old)
     n = np.bincount(seg, m, minlength=16)
-    for name, x in (("pg_loss", np.maximum(-ratio * a, -np.clip(ratio, 0.8, 1.28) * a)),
-                    ("entropy_loss", inputs.entropy.astype(np.float64))):
+    l1, l2 = -ratio * a, -np.clip(ratio, 0.8, 1.28) * a
+    metrics = (("pg_clipfrac", (l2 > l1).astype(np.float64)), ("ppo_kl", old - logp)) if with_metrics else ()
+    for name, x in (("pg_loss", np.maximum(l1, l2)),
+                    ("entropy_loss", inputs.entropy.astype(np.float64)), *metrics):
         per_sample = np.bincount(seg, x * m, minlength=16)
         means = [per_sample[micro == k].sum() / n[micro == k].sum() for k in np.unique(micro)]
         out[name] = float(np.mean(means) if averaged else np.sum(means))
@@ -540,6 +544,59 @@ def test_token_mean_per_micro_batch(tmp_path, averaged):
     assert report.explanations[0].detail == (
         f"the recorded loss equals a token mean per micro-batch (mb-0000, mb-0001): each one's Σ x·mask over its own "
         f"loss tokens, {how}, instead of over loss_token_count={tokens}")
+
+
+@pytest.mark.parametrize("averaged", [False, True])
+def test_token_mean_per_micro_batch_with_the_loss_weights_recorded(tmp_path, averaged):
+    """A producer that records each sample's loss weight (the example trainer's ``loss_weight``, verl's
+    1/loss_token_count): under the per-micro-batch bug it is 1/(its micro-batch's loss tokens), halved when the two
+    means are averaged, and 16 weights diverge beside the scalars. The hypothesis predicts the weights too: all
+    16 × 6 terms, 5 scalars and 5 checks match (it was "no known cause matches" once a producer recorded them)."""
+    micro = np.arange(16) // 8
+    tokens = int(INPUTS.mask.sum())
+    parts = _token_mean_config(_parts(name=f"mbw-{averaged}", per_sample=True), tokens)
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    loss = {**parts.expected["loss.policy"], **micro_batch_token_mean(INPUTS, adv, micro, averaged)}
+    seg = np.repeat(np.arange(16), INPUTS.lengths)
+    n = np.bincount(seg, INPUTS.mask.astype(np.float64), minlength=16)
+    per_micro = np.array([n[micro == k].sum() for k in range(2)])
+    weights = 1.0 / (per_micro[micro] * (2 if averaged else 1))
+    loss["per_sample"] = {**loss["per_sample"], "loss_weight": [float(w) for w in weights]}
+    report = replay(write(tmp_path, parts, STEP, loss=loss))
+    weight = report.stage("loss.policy")
+    assert any(d.field == "loss_weight" for d in weight.divergences), weight.divergences
+    hid = "loss.micro_batch_token_mean" + ("_averaged" if averaged else "")
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [(hid, 16 * 6 + 5 + 5, 16 * 6 + 5 + 5)]
+
+
+def test_another_aggregation_with_the_loss_weights_recorded(tmp_path):
+    """The config says sum_of_sample_means, the producer aggregated (and weighted each sample) with the token mean:
+    its recorded weights are all 1/Σmask, not 1/n_i, and the token-mean hypothesis predicts them."""
+    parts = _parts(name="aggw", per_sample=True)
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    loss = {**parts.expected["loss.policy"], **loss_fields(INPUTS, adv, agg="token_mean")}
+    loss["per_sample"] = {**loss["per_sample"], "loss_weight": [1.0 / float(INPUTS.mask.sum())] * 16}
+    report = replay(write(tmp_path, parts, STEP, loss=loss))
+    assert report.first_divergent_stage == "loss.policy"
+    [e] = report.explanations
+    assert (e.hypothesis, e.matched) == ("loss.agg_token_mean", e.of) and e.of >= 16 * 6 + 5
+
+
+def test_token_mean_per_micro_batch_for_the_metrics_too(tmp_path):
+    """The producer's one aggregation took each micro-batch's own count for the metrics as well (verl's agg_loss
+    with the micro-batch's denominator): pg_clipfrac and ppo_kl diverge too, and the hypothesis that extends the
+    loss-only one to them explains every value; the loss-only one is not reported beside it."""
+    micro = np.arange(16) // 8
+    tokens = int(INPUTS.mask.sum())
+    parts = _token_mean_config(_parts(name="mbm"), tokens)
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    loss = {**parts.expected["loss.policy"], **micro_batch_token_mean(INPUTS, adv, micro, False, with_metrics=True)}
+    report = replay(write(tmp_path, parts, STEP, loss=loss))
+    failing = {d.field for d in report.stage("loss.policy").divergences}
+    assert report.first_divergent_stage == "loss.policy" and failing, failing
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [
+        ("loss.micro_batch_token_mean_with_metrics", 5, 5)]
+    assert report.explanations[0].detail.endswith("(the metrics pg_clipfrac, ppo_kl too)")
 
 
 def test_the_verl_dapo_demo_is_explained(tmp_path):

@@ -119,3 +119,25 @@ def test_bad_knob_flags_are_usage_errors(tmp_path):
         proc = subprocess.run([sys.executable, str(TRAINER), *flags], capture_output=True, text=True, timeout=60,
                               env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flags", [("--loss-agg", "token_mean"), ("--loss-agg", "token_mean", "--dual-clip", "3",
+                                                                 "--kl-loss", "low_var_kl:0.001", "--tis", "token:2.0")],
+                         ids=["token-mean", "every-knob"])
+def test_the_trainers_token_mean_denominator_bug_is_explained(tmp_path, flags):
+    """verl#7321's class from a real training process that records each sample's loss weight: every step that
+    diverges is explained as the token mean per micro-batch (summed, as gradient accumulation adds the
+    micro-batches' losses), with every compared value matching — under dual-clip, a KL loss and TIS too. Its
+    aggregation takes the micro-batch's count for the metrics as well (``replace(knobs, loss_token_count=…)``):
+    where they tell (a step with clipped tokens), the explanation says so."""
+    directory = train(tmp_path, *flags, "--token-mean-denominator-bug")
+    explained = []
+    for name in STEPS:
+        report = replay(directory / name)
+        if report.passed:
+            continue
+        [e] = report.explanations
+        assert e.hypothesis in ("loss.micro_batch_token_mean", "loss.micro_batch_token_mean_with_metrics"), (name, e)
+        assert e.matched == e.of, (name, e)
+        explained.append(e.hypothesis)
+    assert len(explained) >= 2 and "loss.micro_batch_token_mean_with_metrics" in explained, explained

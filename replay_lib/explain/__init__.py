@@ -79,6 +79,9 @@ def explain_stage(stage: str, contexts: Sequence[StageContext], divergences=()) 
             totals[h.id].add(s)
             ranks[h.id].add(ctx.rank)
     found = [i for i in order if reported(totals[i])]
+    # a hypothesis that extends a simpler one is kept only when it explains more (never two alike, the longer first)
+    found = [i for i in found if (base := first[i].extends) is None or base not in found
+             or totals[i].matched > totals[base].matched]
     found.sort(key=lambda i: (-totals[i].matched / max(totals[i].of, 1), -totals[i].bad_matched, totals[i].misfit,
                               order.index(i)))
     out = []

@@ -49,6 +49,8 @@ class Hypothesis:
     detail: str
     values: dict[str, Values]
     bounds: dict[str, Values] = field(default_factory=dict)
+    # the id of the simpler hypothesis this one extends: reported only when it matches more than that one
+    extends: Optional[str] = None
 
 
 @dataclass

@@ -43,6 +43,9 @@ CLIP_VALUES = (0.2, 0.28, 0.3)
 DUAL_CLIP_C = 3.0
 AGG_MODES = ("sum_of_sample_means", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum",
              "seq_mean_token_sum_norm")
+# The per-sample weight a producer records (``loss_scale·w_i`` of the policy term's mode): an aggregation
+# hypothesis predicts it too.
+WEIGHT_FIELD = "loss_weight"
 TERMS = {"pg_sum": "pg", "entropy_sum": "ent", "kl_sum": "kl", "clip_count": "clip", "mask_count": "mask"}
 ROWS = ("pg", "clip", "kl", "ent", "mask")
 # The loss stage's fields besides the per-sample terms: the per-token surrogate, and the recorded scalars checked
@@ -242,7 +245,10 @@ def modelled(cfg) -> bool:
 def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     """A token mean taken per micro-batch: each micro-batch's ``Σ x·mask`` over its own loss-token count instead
     of the recorded ``loss_token_count``, the micro-batches' means then summed (gradient accumulation adding
-    their losses) or averaged — for each loss term aggregated ``token_mean``; the metrics as declared.
+    their losses) or averaged — for each loss term aggregated ``token_mean``, each sample's recorded loss weight
+    then 1/(its micro-batch's tokens); the metrics as declared, or (a producer whose one aggregation function
+    took the micro-batch's count for everything, verl's ``agg_loss``) per micro-batch too, where they are a token
+    mean and that changes them.
 
     Only a re-aggregation of per-sample sums: of the stage's own recompute (every loss knob included, so no
     :func:`modelled` gate) for the recorded scalars, and of the recorded per-sample terms for their aggregation
@@ -253,6 +259,8 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     # (the recompute's row, the field) of each loss term, with its mode and scale
     terms = [(row, name, *field_aggregation(name, knobs)) for row, name in
              (("pg", "pg_loss"), ("ent", "entropy_loss"), *((("kl_loss", "kl_loss"),) if knobs.kl_loss else ()))]
+    metrics = [(row, name, *field_aggregation(name, knobs)) for row, name in (("clip", "pg_clipfrac"),
+                                                                               ("kl", "ppo_kl"))]
     if not any(mode == "token_mean" for _, _, mode, _ in terms):
         return []
     placed = micro_batches(ctx.samples)
@@ -267,11 +275,13 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     k = len(ids)
     names = {f.name: f for f in fields}
 
-    def scalars(per_sample: dict[str, torch.Tensor], counts: torch.Tensor, averaged: bool) -> dict[str, float]:
-        """The loss terms of ``per_sample`` with each token-mean term taken per micro-batch, and ``loss``."""
+    def scalars(per_sample: dict[str, torch.Tensor], counts: torch.Tensor, averaged: bool,
+                with_metrics: bool) -> dict[str, float]:
+        """The loss terms of ``per_sample`` with each token-mean term taken per micro-batch (the metrics too when
+        ``with_metrics``), and ``loss``."""
         tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, counts).clamp(min=1.0)
         out: dict[str, float] = {}
-        for row, name, mode, scale in terms:
+        for row, name, mode, scale in terms + (metrics if with_metrics else []):
             values = per_sample.get(row)
             if values is None:
                 continue
@@ -285,27 +295,37 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
                                  knobs.entropy_coef, knobs)
         return out
 
-    recorded = {row: names[TERM_OF_FIELD[name]].expected for row, name, _, _ in terms if TERM_OF_FIELD[name] in names}
+    recorded = {row: names[TERM_OF_FIELD[name]].expected for row, name, _, _ in terms + metrics
+                if TERM_OF_FIELD[name] in names}
     recorded_counts = names["mask_count"].expected if "mask_count" in names else sums["mask"]
+    _, _, pg_mode, pg_scale = terms[0]
+    metric_choices = [False] + ([True] if any(mode == "token_mean" for _, _, mode, _ in metrics) else [])
     out = []
     for averaged in (False, True):
         how = f"averaged over the {k} micro-batches" if averaged else "summed over the micro-batches"
-        loss_fields = scalars(sums, sums["mask"], averaged)
-        aggregated = scalars(recorded, recorded_counts, averaged) if "pg" in recorded else None
-        values = {}
-        for f in fields:
-            by_label = aggregated if f.name == AGGREGATE_FIELD else loss_fields if f.name == "loss" else None
-            if by_label is None or f.per != PER_SCALAR or not f.labels:
-                continue
-            keys = [label.removesuffix(AGGREGATE_SUFFIX) for label in f.labels]
-            values[f.name] = torch.tensor([by_label.get(key, float(f.actual[i])) for i, key in enumerate(keys)],
-                                          dtype=torch.float64)
-        count = f"loss_token_count={knobs.loss_token_count}" if knobs.loss_token_count is not None else \
-            "the step's loss tokens"
-        out.append(Hypothesis(
-            stage=STAGE, id="loss.micro_batch_token_mean" + ("_averaged" if averaged else ""),
-            detail=f"the recorded loss equals a token mean per micro-batch ({listing(ids)}): each one's Σ x·mask "
-                   f"over its own loss tokens, {how}, instead of over {count}", values=values))
+        for with_metrics in metric_choices:
+            loss_fields = scalars(sums, sums["mask"], averaged, with_metrics)
+            aggregated = scalars(recorded, recorded_counts, averaged, with_metrics) if "pg" in recorded else None
+            values = {}
+            if WEIGHT_FIELD in names and pg_mode == "token_mean":  # each sample's weight: 1 / its micro-batch's tokens
+                tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, sums["mask"]).clamp(min=1.0)
+                values[WEIGHT_FIELD] = pg_scale / (tokens[mb] * (k if averaged else 1))
+            for f in fields:
+                by_label = aggregated if f.name == AGGREGATE_FIELD else loss_fields if f.name == "loss" else None
+                if by_label is None or f.per != PER_SCALAR or not f.labels:
+                    continue
+                keys = [label.removesuffix(AGGREGATE_SUFFIX) for label in f.labels]
+                values[f.name] = torch.tensor([by_label.get(key, float(f.actual[i])) for i, key in enumerate(keys)],
+                                              dtype=torch.float64)
+            count = f"loss_token_count={knobs.loss_token_count}" if knobs.loss_token_count is not None else \
+                "the step's loss tokens"
+            also = " (the metrics pg_clipfrac, ppo_kl too)" if with_metrics else ""
+            base = "loss.micro_batch_token_mean" + ("_averaged" if averaged else "")
+            out.append(Hypothesis(
+                stage=STAGE, id=base + ("_with_metrics" if with_metrics else ""),
+                detail=f"the recorded loss equals a token mean per micro-batch ({listing(ids)}): each one's Σ x·mask "
+                       f"over its own loss tokens, {how}, instead of over {count}{also}", values=values,
+                extends=base if with_metrics else None))
     return out
 
 
@@ -326,10 +346,12 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     out: list[Hypothesis] = []
 
     def values_of(loss_fields: dict[str, float], per_sample: Optional[dict[str, torch.Tensor]],
-                  token: Optional[Variant], aggregated: Optional[dict[str, float]] = None) -> dict:
+                  token: Optional[Variant], aggregated: Optional[dict[str, float]] = None,
+                  weights: Optional[torch.Tensor] = None) -> dict:
         """The hypothesis's values of each field it changes: the recomputed scalars (``loss_fields``), the
         recorded scalars' check against the recorded terms (``aggregated``: an aggregation hypothesis), the
-        per-sample terms and the per-token surrogate."""
+        per-sample terms, each sample's loss weight (``weights``: another aggregation's) and the per-token
+        surrogate."""
         values: dict = {}
         for f in fields:
             if f.per != PER_SCALAR or not f.labels:
@@ -346,6 +368,8 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
             for term, row in TERMS.items():
                 if term in names:
                     values[term] = per_sample[row]
+        if weights is not None and WEIGHT_FIELD in names:
+            values[WEIGHT_FIELD] = weights
         if token is not None and TOKEN_FIELD in names:
             values[TOKEN_FIELD] = lambda lo, hi, v=token: v.token_pg(li, lo, hi)
         return values
@@ -360,5 +384,6 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
                 "per-sample means over the response length instead of the loss tokens")
         out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{other}", detail=f"the recorded loss fields equal {what} "
                               f"(config: {mode})", values=values_of(
-                                  _fields(ctx, li, sums[0], other), None, None, _fields(ctx, li, recorded, other))))
+                                  _fields(ctx, li, sums[0], other), None, None, _fields(ctx, li, recorded, other),
+                                  _weights(ctx, other, sums[0]) * float(cfg.loss_scale))))
     return out + micro_batch_hypotheses(ctx, fields)
