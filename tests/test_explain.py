@@ -599,6 +599,25 @@ def test_token_mean_per_micro_batch_for_the_metrics_too(tmp_path):
     assert report.explanations[0].detail.endswith("(the metrics pg_clipfrac, ppo_kl too)")
 
 
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_another_aggregation_under_a_knob_the_surrogate_variants_do_not_model(tmp_path, per_sample):
+    """A log-ratio clamp (20: it never binds on these ratios, so NumPy's plain formula is the producer's) makes
+    the configuration one the surrogate variants do not model; the producer aggregated with the token mean where
+    the config declares sum_of_sample_means. The re-aggregation of the stage's own sums still names it (it was
+    "no known cause matches" under any such knob: a KL term in the loss, TIS, GSPO)."""
+    parts = _parts(name=f"agg-clamp-{per_sample}", per_sample=per_sample)
+    cfg = msgspec.structs.replace(parts.index.config, log_ratio_clamp=20.0)
+    parts.index = msgspec.structs.replace(parts.index, config=cfg)
+    adv = np.repeat(RECORDED, INPUTS.lengths).astype(np.float32)
+    loss = {**parts.expected["loss.policy"], **loss_fields(INPUTS, adv, agg="token_mean")}
+    report = replay(write(tmp_path, parts, STEP, loss=loss))
+    assert report.first_divergent_stage == "loss.policy"
+    [e] = report.explanations
+    assert (e.hypothesis, e.matched) == ("loss.agg_token_mean", e.of)
+    assert e.of == (16 * 5 + 5 + 5 if per_sample else 5)
+    assert e.detail == "the recorded loss fields equal a token_mean aggregation (config: sum_of_sample_means)"
+
+
 def test_the_verl_dapo_demo_is_explained(tmp_path):
     """Its trainer took the token mean per micro-batch (× dp) under dual-clip and a log-ratio clamp, knobs the
     surrogate variants do not model: the re-aggregation still applies. 16 samples × 4 recorded terms, 4 checks

@@ -329,9 +329,59 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     return out
 
 
+def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """Each other ``loss_agg_mode`` (the metrics following it, as the modelled family's ``loss.agg_*``) under a
+    configuration the surrogate variants do not model (a KL term in the loss, IS weights, a log-ratio clamp, GSPO):
+    only a re-aggregation of the stage's own per-sample sums (every knob included) with the kernel's field rule,
+    of the recorded terms for their aggregation check, and each sample's weight. A count the other mode needs and
+    the bundle does not record is the step's own (its loss tokens, samples, longest response)."""
+    import msgspec
+
+    from ..kernels.loss import policy_fields_from_sums
+    from ..stages.loss import SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
+
+    cfg = ctx.config
+    try:
+        sums = ctx.outputs.get(SUMS_OUTPUT) or _loss_sums(ctx, loss_inputs(ctx))
+    except StageInputError:
+        return []
+    names = {f.name: f for f in fields}
+    recorded = dict(sums)
+    for field_name, row in (("pg_loss", "pg"), ("entropy_loss", "ent"), ("kl_loss", "kl_loss"), ("pg_clipfrac", "clip"),
+                            ("ppo_kl", "kl")):
+        if TERM_OF_FIELD[field_name] in names:
+            recorded[row] = names[TERM_OF_FIELD[field_name]].expected
+    if "mask_count" in names:
+        recorded["mask"] = names["mask_count"].expected
+    has_entropy = ctx.has("entropy")
+    counts = dict(loss_token_count=cfg.loss_token_count or max(int(float(sums["mask"].sum())), 1),
+                  loss_seq_count=cfg.loss_seq_count or max(ctx.n, 1),
+                  loss_horizon=cfg.loss_horizon or max(int(ctx.lengths.max()) if ctx.n else 1, 1))
+    out = []
+    for other in AGG_MODES:
+        if other == cfg.loss_agg_mode and (cfg.metric_agg_mode or other) == other:
+            continue
+        knobs = LossKnobs.of(msgspec.structs.replace(cfg, loss_agg_mode=other, metric_agg_mode=None, **counts))
+        by = {"loss": policy_fields_from_sums(sums, has_entropy, knobs.entropy_coef, knobs),
+              AGGREGATE_FIELD: policy_fields_from_sums(recorded, has_entropy, knobs.entropy_coef, knobs)}
+        values: dict = {}
+        for f in fields:
+            fields_of = by.get(f.name)
+            if fields_of is None or f.per != PER_SCALAR or not f.labels:
+                continue
+            keys = [label.removesuffix(AGGREGATE_SUFFIX) for label in f.labels]
+            values[f.name] = torch.tensor([float(fields_of[key]) if key in fields_of else float(f.actual[i])
+                                           for i, key in enumerate(keys)], dtype=torch.float64)
+        if WEIGHT_FIELD in names:
+            values[WEIGHT_FIELD] = agg_weights(other, sums["mask"], knobs) * knobs.loss_scale
+        out.append(Hypothesis(stage=STAGE, id=f"loss.agg_{other}", values=values,
+                              detail=f"the recorded loss fields equal a {other} aggregation (config: {cfg.loss_agg_mode})"))
+    return out
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     if not modelled(ctx.config):
-        return micro_batch_hypotheses(ctx, fields)
+        return aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
