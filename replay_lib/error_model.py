@@ -319,13 +319,19 @@ def exact_multiples(r: float, n: int) -> bool:
 def exact_zero_std(raw: torch.Tensor, stats: GroupStats, sample_std: torch.Tensor) -> torch.Tensor:
     """bool per sample: a leave-one-out std of exactly 0 over other rewards that are equal, float32 values and
     exact multiples of each other's sums (:func:`exact_multiples`): then every float32 producer's std is 0 too,
-    and the zero-std rule applies to the same samples in the producer and here."""
+    and the zero-std rule applies to the same samples in the producer and here. Others that are all exactly 0 (the
+    lone success of a binary-reward group, whatever its reward) qualify whatever this sample's reward: a masked sum
+    (NeMo-RL's ``(1 − I)·r``) adds only zeros, and a total less this reward gives back exactly 0, for ``r`` and
+    ``r²`` alike."""
     out = torch.zeros(raw.numel(), dtype=torch.bool)
     r = raw.to(torch.float64)
     for i in torch.nonzero(sample_std == 0).reshape(-1).tolist():
         others = r[(stats.inverse == stats.inverse[i]) & (torch.arange(r.numel()) != i)]
         if others.numel() and bool((others == others[0]).all()):
             mine = float(r[i])
+            if float(others[0]) == 0.0:
+                out[i] = math.isfinite(mine)
+                continue
             out[i] = exact_multiples(float(others[0]), others.numel()) and exact_multiples(mine, 1) \
                 and float(torch.tensor(mine - float(others[0]), dtype=torch.float32)) == mine - float(others[0])
     return out

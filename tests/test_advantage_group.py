@@ -219,3 +219,31 @@ def test_leave_one_out_zero_std_hazards_are_reported_and_never_fail(tmp_path):
     assert "admitted up to ±0.572" in report.hazards[0].message
     assert report.hazards[2].message.startswith(
         "group g-1: s-7's leave-one-out std over the other 3 rewards is 0, at the rounding level of E[r²] − b²")
+
+
+@pytest.mark.parametrize("std_zero", ["skip", "eps"])
+def test_the_lone_success_over_others_of_exactly_zero_is_checked_like_any_reward(tmp_path, std_zero):
+    """Binary-style group [0, 0, 0, 1/3] under a leave-one-out std: s-3's others are exactly 0, so every float32
+    producer's std over them is exactly 0 too (a masked sum adds only zeros, as NeMo-RL's (1 − I)·r; a total less
+    s-3's reward is 0 again, for r and r²), whatever s-3's reward. Its value is then r − 0 (skip) or r/(0 + 1e-6)
+    (eps), checked with the ordinary rounding bound: a recorded 1000 diverges (it passed, admitted up to ±|c|/eps
+    = ±3.3e5, with a near_zero_std hazard in place of a check)."""
+    raw, groups = [0.0, 0.0, 0.0, 1.0 / 3.0, 1.0, 0.0, 1.0, 1.0], [0] * 4 + [1] * 4
+    config = dict(grpo_std_normalization=True, group_baseline="leave_one_out", std_zero=std_zero,
+                  singleton_group="zero")
+    rule = group_rule(RecomputeConfig(**config))
+    recorded = producer.group_post_process(raw, groups, std=rule.std, eps=rule.eps, unbiased=rule.unbiased,
+                                           baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton)
+    clean = replay(knob_bundle(tmp_path, "clean", raw, groups, **config))
+    assert clean.passed, report_to_text(clean)
+    assert not [h for h in clean.hazards if h.kind == "near_zero_std" and h.sample_id == "s-3"], clean.hazards
+    # an independent float32 reference of s-3's value: the others' mean and std are 0, c = r
+    r = np.float32(1.0 / 3.0)
+    expected = float(r) if std_zero == "skip" else float(r / (np.float32(0.0) + np.float32(1e-6)))
+    assert recorded[3] == pytest.approx(expected, rel=1e-6)
+    rewards = recorded.copy()
+    rewards[3] = 1000.0
+    bad = replay(producer.write(tmp_path / "bad", raw=raw, groups=groups, lengths=[2] * len(raw), rewards=rewards,
+                                advantages=np.repeat(recorded, 2), **config))
+    post = bad.stage("reward.post_process")
+    assert (post.status, post.mismatches, bad.first_divergence.sample_id) == ("fail", 1, "s-3"), report_to_text(bad)
