@@ -72,6 +72,11 @@ def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], pa
                     f"stage {stage.value} is declared {contract.capability.value} in {reader.path / 'manifest.json'}; "
                     f"only recompute stages can be replayed"
                 )
+            if partial and REGISTRY[stage].cohort_level:  # asked for by name: never a pass that compared nothing
+                raise UnsupportedError(
+                    f"stage {stage.value} is cohort-level: it is not replayed under a partial selection "
+                    f"(--sample/--group/--batch); drop the selection to replay it"
+                )
         targets: set[StageId] = set()
         stack = list(requested)
         while stack:

@@ -75,6 +75,18 @@ def test_selection_outside_the_fault_passes(cli, sixteen):
     assert f"[skipped] loss.policy — {PARTIAL}" in out.splitlines()
 
 
+def test_a_cohort_level_stage_asked_for_by_name_under_a_selection_is_refused(cli, sixteen):
+    """--sample with --stage loss.policy: the stage cannot run on part of the step, and a report that skipped the one
+    stage asked for and exited 0 ("no divergence") read as a pass. Exit 4, one line; with the per-sample stages it
+    needs (--stage advantage.kl) the selection still replays."""
+    code, out, err = cli("replay", sixteen, "--sample", "s-0", "--stage", "loss.policy")
+    assert (code, out) == (4, "")
+    assert err == ("trajectory-replay: error: stage loss.policy is cohort-level: it is not replayed under a partial "
+                   "selection (--sample/--group/--batch); drop the selection to replay it\n")
+    assert cli("replay", sixteen, "--sample", "s-0", "--stage", "advantage.kl")[0] == 0
+    assert cli("replay", sixteen, "--stage", "loss.policy")[0] in (0, 1)  # the whole step: it runs
+
+
 def test_combined_selections_union_their_groups(sixteen):
     report = replay(sixteen, selection=Selection(samples=("s-0",), groups=("g-3",)))
     assert report.selected_samples == ids(0, 1, 2, 3, 12, 13, 14, 15)
