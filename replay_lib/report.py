@@ -177,9 +177,11 @@ def _divergence_line(d: Divergence, multi_rank: bool) -> str:
         where = f"{where}@{d.token_offset}"
     if multi_rank and d.rank is not None:
         where = f"{where} [rank {d.rank}]"
+    # a row named after its stage (diff's expected.loss.policy.loss) is named once
+    name = d.field if where == d.field else f"{d.field} {where}"
     if d.message:
-        return f"{d.field} {where}: {d.message}"
-    return f"{d.field} {where}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(d.abs_error)}"
+        return f"{name}: {d.message}"
+    return f"{name}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(d.abs_error)}"
 
 
 def header_line(report: ReplayReport) -> str:

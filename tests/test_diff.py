@@ -113,7 +113,7 @@ def test_cli_text_and_exit_1_and_different_samples_are_one_line_exit_3(tmp_path)
     proc = _cli(a, b)
     assert proc.returncode == 1 and proc.stderr == ""
     lines = proc.stdout.splitlines()
-    assert lines[0] == "bundle b-7-0 vs b-7-0 — first divergent stage: reward"
+    assert lines[0] == f"bundle b-7-0 (A {a} vs B {b}) — first divergent stage: reward"  # one id: the paths
     assert lines[2] == "[   fail] reward — 1 of 8 value(s) differ (max abs_err " + f"{abs(0.25 - reward):.3g})"
     assert lines[3] == (f"          reward s-1: expected={fmt_value(reward)} actual=0.25 "
                         f"abs_err={fmt_value(abs(0.25 - reward))}")
@@ -150,3 +150,24 @@ def test_json_has_the_replay_report_shape(tmp_path, capsys):
                                                                                   reward, 0.5)
     assert [s["stage"] for s in doc["stages"] if s["status"] == "fail"] == ["reward",
                                                                           "expected.reward.post_process.rewards"]
+
+
+def test_the_recorded_per_sample_loss_terms_are_compared_too(tmp_path):
+    """expected.json $.loss.policy.per_sample (pg_sum, …, loss_weight): every term both bundles record is a field,
+    named by sample; a term neither records is not listed (they were left out, the README says every number)."""
+    from conftest import edit_json
+
+    a = _write(tmp_path / "a", _parts())
+    b = _write(tmp_path / "b", _parts())
+    terms = {"pg_sum": [0.5] * 8, "mask_count": [3.0] * 8}
+    for path in (a, b):
+        edit_json(path, "expected.json", lambda doc: doc.setdefault("loss.policy", {"loss": 0.0}).update(
+            per_sample=dict(terms)))
+    edit_json(b, "expected.json", lambda doc: doc["loss.policy"]["per_sample"]["pg_sum"].__setitem__(2, 0.75))
+    stages = _stages(diff_bundles(a, b))
+    assert stages["expected.loss.policy.per_sample.mask_count"].status == "pass"
+    pg = stages["expected.loss.policy.per_sample.pg_sum"]
+    assert (pg.status, pg.mismatches) == ("fail", 1)
+    d = pg.divergences[0]
+    assert (d.sample_id, d.expected, d.actual) == ("s-2", 0.5, 0.75)
+    assert not [name for name in stages if name.endswith("per_sample.entropy_sum")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import msgspec
 import torch
 
 from ..bundle import BundleSet, open_bundle
@@ -65,6 +66,8 @@ class _Side:
         for shard in self.bundles.shards:
             for stage, values in shard.expected.items():
                 for key, value in values.items():
+                    if isinstance(value, msgspec.Struct):  # the per_sample loss terms: the ones recorded
+                        value = {k: v for k, v in msgspec.structs.asdict(value).items() if v is not None}
                     if isinstance(value, dict):
                         for sub, v in value.items():
                             _add(out, stage, f"{key}.{sub}", v)
@@ -192,7 +195,10 @@ def diff_bundles(path_a, path_b, *, max_divergences: int = 5) -> ReplayReport:
     warnings = []
     if ident_a.anchor != ident_b.anchor:
         warnings.append(f"the two bundles have different anchors: A {ident_a.anchor}, B {ident_b.anchor}")
-    return ReplayReport(bundle_id=f"{a.bundles.bundle_id} vs {b.bundles.bundle_id}", passed=first is None,
+    # two captures of one step usually share its id: then the paths tell A from B
+    title = f"{a.bundles.bundle_id} vs {b.bundles.bundle_id}" if a.bundles.bundle_id != b.bundles.bundle_id else \
+        f"{a.bundles.bundle_id} (A {path_a} vs B {path_b})"
+    return ReplayReport(bundle_id=title, passed=first is None,
                         first_divergent_stage=first.stage if first else None,
                         first_divergence=first.divergences[0] if first and first.divergences else None,
                         stages=stages, kind=ident_a.kind, anchor=ident_a.anchor, mode="diff", warnings=warnings)
