@@ -181,7 +181,10 @@ def _divergence_line(d: Divergence, multi_rank: bool) -> str:
     name = d.field if where == d.field else f"{d.field} {where}"
     if d.message:
         return f"{name}: {d.message}"
-    return f"{name}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(d.abs_error)}"
+    err = d.abs_error
+    if err is None and d.expected is not None and d.actual is not None:
+        err = abs(d.actual - d.expected)  # not finite (JSON's null): inf against a finite value, nan with a NaN
+    return f"{name}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(err)}"
 
 
 def header_line(report: ReplayReport) -> str:

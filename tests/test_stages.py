@@ -454,3 +454,14 @@ def test_exact_fields_override_the_tolerance(tmp_path, name):
     report = replay(reward_bundle(tmp_path / "exact", near, ComparisonPolicy(exact_fields=[name])))
     assert only_failure(report) == "reward.post_process"
     assert report.first_divergence.abs_error == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_a_non_finite_comparison_prints_the_ieee_difference():
+    """JSON has no infinity, so a non-finite comparison's abs_error is null; the text prints |a − e| as IEEE has it:
+    inf against a finite value (it printed nan), nan with a NaN."""
+    from replay_lib.report import Divergence, divergence_line
+
+    inf = Divergence(stage="reward.raw", sample_id="s-3", field="raw_reward", expected=math.inf, actual=12.0)
+    nan = Divergence(stage="reward.raw", sample_id="s-3", field="raw_reward", expected=0.0, actual=math.nan)
+    assert divergence_line(inf) == "raw_reward s-3: expected=inf actual=12.0 abs_err=inf"
+    assert divergence_line(nan) == "raw_reward s-3: expected=0.0 actual=nan abs_err=nan"
