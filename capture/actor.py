@@ -223,9 +223,9 @@ def _sample_meta(sample_ids, group_index, response_lengths, total_lengths, promp
         column = getattr(meta, name)
         if column is not None and len(column) != n:
             raise ValueError(f"{name} has {len(column)} entries for {n} sample id(s)")
-    long_id = next((i for i, s in enumerate(meta.sample_ids) if len(s) > ID_MAX_CHARS), None)
-    if long_id is not None:  # the reader would refuse the bundle: say so here, where the id comes from
-        raise ValueError(f"sample_ids[{long_id}] has {len(meta.sample_ids[long_id])} characters; an id has at most "
+    bad = next((i for i, s in enumerate(meta.sample_ids) if not 0 < len(s) <= ID_MAX_CHARS), None)
+    if bad is not None:  # the reader would refuse the bundle: say so here, where the id comes from
+        raise ValueError(f"sample_ids[{bad}] has {len(meta.sample_ids[bad])} characters; an id has 1 to "
                          f"{ID_MAX_CHARS}")
     return meta
 

@@ -31,6 +31,8 @@ WorldSize = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # a parallel axis 
 # shows ids whole, and one of megabytes made the debugger unusable; real ids are a few dozen characters.
 ID_MAX_CHARS = 1024
 Id = Annotated[str, msgspec.Meta(max_length=ID_MAX_CHARS)]
+# A sample is named in every view and selected by name (--sample): never the empty string.
+SampleId = Annotated[str, msgspec.Meta(min_length=1, max_length=ID_MAX_CHARS)]
 Scalar = Union[Int, Id]
 
 
@@ -137,7 +139,7 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     response: Optional[str] = None
     response_length: Int
     reward: Optional[float] = None
-    sample_id: Id
+    sample_id: SampleId
     tool_output: Optional[str] = None
     total_length: Int
 

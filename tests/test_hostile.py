@@ -227,6 +227,12 @@ def case_sample_id_of_megabytes(tmp, tools):
     return b, b, [f"{b / 'index.json'}: $.samples[0].sample_id: expected `str` of length <= 1024"]
 
 
+def case_empty_sample_id(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "index.json", lambda doc: doc["samples"][1].update(sample_id=""))  # re-sealed
+    return b, b, [f"{b / 'index.json'}: $.samples[1].sample_id: expected `str` of length >= 1"]
+
+
 def case_wrong_dtype(tmp, tools):
     b = _pr65(tmp)
     _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)

@@ -273,9 +273,11 @@ def test_an_id_the_reader_would_refuse_is_refused_where_it_comes_from(tmp_path):
         kwargs = _rollout_kwargs(GROUP_NORMALIZED)
         ids = list(kwargs["sample_ids"])
         ids[2] = "s" * (ID_MAX_CHARS + 1)
-        with pytest.raises(ValueError, match=rf"^sample_ids\[2\] has {ID_MAX_CHARS + 1} characters; an id has at "
-                                             rf"most {ID_MAX_CHARS}$"):
+        with pytest.raises(ValueError, match=rf"^sample_ids\[2\] has {ID_MAX_CHARS + 1} characters; an id has 1 "
+                                             rf"to {ID_MAX_CHARS}$"):
             cap.capture_rollout(7, **dict(kwargs, sample_ids=ids))
+        with pytest.raises(ValueError, match=r"^sample_ids\[1\] has 0 characters"):
+            cap.capture_rollout(7, **dict(kwargs, sample_ids=["s-0", "", "s-2", "s-3"]))
         ids[2] = "s" * ID_MAX_CHARS  # the longest id is fine
         cap.capture_rollout(8, **dict(kwargs, sample_ids=ids))
     finally:
