@@ -11,7 +11,8 @@ Asynchrony, as in a fully-async RL job:
 * the trainer consumes them in consumer (transfer) batches of ``--consumer-batch`` samples, which do not
   align with the prompt groups;
 * rewards are normalized by semantic group (``post_process``) once the rollout is in; ``--pr65-bug``
-  reproduces PR #65 by normalizing each physical consumer batch instead (``batch_normalize``);
+  reproduces PR #65 by normalizing each physical consumer batch instead (one ``group_normalize`` group, with
+  the step's ``--std-eps`` and ``--std-biased``);
 * the advantage side of SPEC §4.2: ``--estimator`` (grpo, dr_grpo, rloo, reinforce_plus_plus,
   reinforce_plus_plus_baseline, gae with a fixed critic), ``--loo`` (NeMo-RL), ``--std-eps``, ``--std-biased``,
   ``--kl-in-reward sequence|token_returns``, ``--whiten``, ``--gamma``, ``--lam``, ``--uneven-groups``; one bug
@@ -70,7 +71,7 @@ from torch import nn
 from capture import Provenance, maybe_enable_for_actor
 from replay_lib.kernels import (
     LOSS_FIELDS,
-    batch_normalize,
+    group_normalize,
     discounted_returns,
     gae_advantages,
     group_rule,
@@ -706,8 +707,10 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     raise RuntimeError(f"stream out of order: expected rollout {r}")
                 batch_ids.append(f"cb-{r}-{rank}-{len(batch_ids)}")
                 raw_batch = torch.tensor([reward_of(s.digits, s.response) for s in batch])
-                if args.pr65_bug:  # PR #65: normalized against the physical transfer batch
-                    rewards_parts.append(batch_normalize(raw_batch, len(batch), args.std_normalization))
+                if args.pr65_bug:  # PR #65: normalized against the physical transfer batch, with the step's eps/std
+                    one_batch = torch.zeros(len(batch), dtype=torch.int64)
+                    rewards_parts.append(group_normalize(raw_batch, one_batch, args.std_normalization, args.std_eps,
+                                                         unbiased=not args.std_biased))
                 samples += batch
             raw = torch.tensor([reward_of(s.digits, s.response) for s in samples])
             groups = torch.tensor([s.group for s in samples])

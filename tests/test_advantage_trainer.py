@@ -164,3 +164,25 @@ def test_exact_on_a_float64_accumulating_step_names_the_precision_not_an_aggrega
     assert not any(d.field.endswith("_from_terms") for d in loss.divergences)
     assert any("--exact recomputes in float32; this producer declares float32 compute and float64 accumulation"
                in w for w in report.warnings)
+
+
+def test_pr65_under_another_eps_and_the_biased_std_is_one_bug_and_is_explained(trainer, tmp_path):
+    """--pr65-bug with --std-eps 1e-4 --std-biased: each consumer batch (3 + 3 + 2 of 8 samples) is normalized with
+    the step's own eps and population std (it used 1e-6 and the unbiased std whatever the flags: two bugs, "no known
+    cause"), and the explanation names the consumer batches. Checked against a NumPy normalization of the recorded
+    raw rewards over those batches."""
+    import numpy as np
+
+    directory = captured(trainer, tmp_path, "--pr65-bug", "--std-eps", "1e-4", "--std-biased")
+    index = BundleReader(directory / "rollout-0").index
+    raw = np.array([s.raw_reward for s in index.samples], dtype=np.float64)
+    batch = np.arange(raw.size) // 3
+    want = np.empty_like(raw)
+    for b in np.unique(batch):
+        r = raw[batch == b]
+        want[batch == b] = (r - r.mean()) / (r.std(ddof=0) + 1e-4)
+    assert [s.reward for s in index.samples] == pytest.approx(want.tolist(), abs=1e-5)
+    report = replay(directory / "rollout-0")
+    assert report.first_divergent_stage == "reward.post_process"
+    [e] = report.explanations
+    assert e.hypothesis.startswith("reward.consumer_batches") and e.matched == e.of == raw.size, e

@@ -169,6 +169,19 @@ def test_consumer_batches(tmp_path):
                                              "cb-0, cb-1, cb-2 (not semantic groups)")
 
 
+def test_consumer_batches_of_a_size_that_does_not_divide_the_samples(tmp_path):
+    """Three consumer batches for 16 samples of 7 each, the last 2 (0–6, 7–13, 14–15): the even split (6, 6, 4) is
+    not the only placement of three batches, and a trainer's --consumer-batch rarely divides its rollout. (7 is
+    no chunk size tried otherwise: a group is 4.)"""
+    rewards = normalize(RAW, np.arange(16) // 7, std=True)
+    path = write(tmp_path, _parts(), ROLLOUT, rewards=rewards, consumer_batch_ids=["cb-0", "cb-1", "cb-2"])
+    report = replay(path)
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [
+        ("reward.consumer_batches_of_7", 16, 16)]
+    assert report.explanations[0].detail == ("the recorded rewards equal group normalization over consumer batches "
+                                             "cb-0, cb-1, cb-2 of 7 samples (the last of 2) (not semantic groups)")
+
+
 def test_micro_batches(tmp_path):
     """The family's micro-batches hold 8 samples each (mb-0000: 0–7, mb-0001: 8–15): two groups each."""
     path = write(tmp_path, _parts(), ROLLOUT, rewards=normalize(RAW, np.arange(16) // 8, std=True))

@@ -69,21 +69,26 @@ def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
     """``(batch ids, the batch of every sample of the index)`` (module doc), ``None`` when it cannot be placed."""
+    placed = consumer_batch_layouts(ctx)
+    return (placed[0][0], placed[0][1]) if placed else None
+
+
+def consumer_batch_layouts(ctx: StageContext) -> list[tuple[list[str], torch.Tensor, Optional[int]]]:
+    """Every placement of the samples in the recorded consumer batches: ``(batch ids, the batch of every sample,
+    batch size)`` — the samples' own ``consumer_batch_id`` (size ``None``), else the identity's k batch ids over
+    consecutive batches of each size ``c`` that makes k of them, the last one shorter (12 samples in 3 batches:
+    4 + 4 + 4, or 5 + 5 + 2), the even split first."""
     samples = ctx.reader.index.samples
     own = [getattr(s, "consumer_batch_id", None) for s in samples]
     if samples and None not in own:
         ids = list(dict.fromkeys(own))
-        label = torch.tensor([ids.index(b) for b in own], dtype=torch.int64)
-    else:
-        ids = [str(b) for b in ctx.reader.index.identity.consumer_batch_ids]
-        n, k = len(samples), len(ids)
-        if k < 2 or k > n:
-            return None
-        size = math.ceil(n / k)
-        if math.ceil(n / size) != k:
-            return None
-        label = torch.arange(n, dtype=torch.int64) // size
-    return ids, label
+        return [(ids, torch.tensor([ids.index(b) for b in own], dtype=torch.int64), None)]
+    ids = [str(b) for b in ctx.reader.index.identity.consumer_batch_ids]
+    n, k = len(samples), len(ids)
+    if k < 2 or k > n:
+        return []
+    sizes = [c for c in range(math.ceil(n / k), n) if math.ceil(n / c) == k][:MAX_CHUNK_SIZES]
+    return [(ids, torch.arange(n, dtype=torch.int64) // c, c) for c in sizes]
 
 
 def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[int]:
@@ -104,9 +109,13 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
     positions = torch.arange(n_total)
     found: list[torch.Tensor] = [groups]
     listed: list[tuple[str, str, torch.Tensor]] = []
-    cb = consumer_batches(ctx)
-    if cb is not None:
-        listed.append(("reward.consumer_batches", f"consumer batches {listing(cb[0])}", cb[1]))
+    for i, (ids, labels, size) in enumerate(consumer_batch_layouts(ctx)):
+        if i == 0:
+            listed.append(("reward.consumer_batches", f"consumer batches {listing(ids)}", labels))
+        else:  # a batch size that does not divide the samples
+            last = n_total - size * (len(ids) - 1)
+            listed.append((f"reward.consumer_batches_of_{size}", f"consumer batches {listing(ids)} of {size} samples "
+                           f"(the last of {last})", labels))
     mb = micro_batches(ctx.reader.index.samples)
     if mb is not None:
         listed.append(("reward.micro_batches", f"micro-batches {listing(mb[0])}", mb[1]))
