@@ -533,7 +533,7 @@ def decode_expected(blob: bytes) -> Expected:
         return _check_expected_objects(EXPECTED_DECODER.decode(blob))
     except msgspec.DecodeError as exc:
         if b"NaN" not in blob and b"Infinity" not in blob:
-            raise
+            raise _keyed(exc, blob) from None
         try:
             text = blob.decode("utf-8")
             doc = json.loads(text)
@@ -543,6 +543,30 @@ def decode_expected(blob: bytes) -> Expected:
         except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
             raise exc from None
         return _check_expected_objects(msgspec.convert(doc, Expected))
+
+
+_EXPECTED_KEYS_DECODER = msgspec.json.Decoder(dict[str, dict[str, msgspec.Raw]])
+_VALUE_DECODER = msgspec.json.Decoder(ExpectedValue)
+
+
+def _keyed(exc: Exception, blob: bytes) -> Exception:
+    """``exc`` with msgspec's ``$[...][...]`` (it does not name dict keys) replaced by the stage and key of the value
+    that failed — found by decoding each value on its own, only once a decode has failed; ``exc`` as it is when
+    the document's shape does not even get that far."""
+    if "`$[...][...]" not in str(exc):
+        return exc
+    try:
+        stages = _EXPECTED_KEYS_DECODER.decode(blob)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return exc
+    for stage, values in stages.items():
+        for key, raw in values.items():
+            try:
+                _VALUE_DECODER.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as bad:
+                message = str(bad).replace("`$", f"`$.{stage}.{key}", 1)
+                return type(exc)(message)
+    return exc
 
 
 def _check_expected_objects(doc: Expected) -> Expected:

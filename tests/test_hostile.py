@@ -233,6 +233,34 @@ def case_empty_sample_id(tmp, tools):
     return b, b, [f"{b / 'index.json'}: $.samples[1].sample_id: expected `str` of length >= 1"]
 
 
+def case_expected_number_out_of_range(tmp, tools):
+    """A 400-digit number in expected.json: named by its stage and key (msgspec alone says ``$[...][...][0]``)."""
+    b = _pr65(tmp)
+    data = (b / "expected.json").read_bytes()
+    first = data.index(b'"raw_rewards": [') + len(b'"raw_rewards": [')
+    end = min(data.index(b",", first), data.index(b"]", first))
+    (b / "expected.json").write_bytes(data[:first] + b"\n      " + b"9" * 400 + data[end:])
+    tools.reseal(b)
+    return b, b, [f"{b / 'expected.json'}: $.reward.raw.raw_rewards[0]: number out of range"]
+
+
+def case_expected_value_of_the_wrong_type(tmp, tools):
+    b = _pr65(tmp)
+    tools.edit_json(b, "expected.json", lambda doc: doc["reward.post_process"]["rewards"].__setitem__(2, "x"))
+    return b, b, [f"{b / 'expected.json'}: $.reward.post_process.rewards[2]:", "got `str`"]
+
+
+def case_nan_literal_in_index(tmp, tools):
+    """Python's json writes NaN as a bare literal; only expected.json (the original tool's) is read with them."""
+    b = _pr65(tmp)
+    data = (b / "index.json").read_bytes()
+    at = data.index(b'"raw_reward": ') + len(b'"raw_reward": ')
+    end = data.index(b",", at)
+    (b / "index.json").write_bytes(data[:at] + b"NaN" + data[end:])
+    tools.reseal(b)
+    return b, b, [f"{b / 'index.json'}: invalid JSON:", "NaN is not JSON (only expected.json may hold NaN or Infinity)"]
+
+
 def case_wrong_dtype(tmp, tools):
     b = _pr65(tmp)
     _replace_payload(b, _kl_tensor(b).to(torch.float64), tools)

@@ -117,7 +117,23 @@ def _decode(path: Path, data: bytes, decoder, *, bounded: Optional[Callable[[byt
             raise BundleError(f"{path}: not valid UTF-8 (byte {bad.start})") from None
         if isinstance(exc, msgspec.ValidationError):
             raise BundleError(f"{path}: {_validation_message(exc)}") from None
-        raise BundleError(f"{path}: invalid JSON: {exc}") from None
+        raise BundleError(f"{path}: invalid JSON: {exc}{_literal_hint(data, str(exc))}") from None
+
+
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+def _literal_hint(data: bytes, message: str) -> str:
+    """``; NaN is not JSON …`` when the decoder stopped at a bare ``NaN`` / ``Infinity`` literal (Python's json
+    writes them; only expected.json, the original's, is read with them)."""
+    m = _AT_BYTE.search(message)
+    if m is None:
+        return ""
+    at = int(m.group(1))
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        if data[at:at + len(literal)] == literal or data[at - 1:at - 1 + len(literal)] == literal:
+            return f"; {literal.decode()} is not JSON (only expected.json may hold NaN or Infinity)"
+    return ""
 
 
 def check_json_depth(path: Path, data: bytes) -> None:
