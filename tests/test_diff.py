@@ -152,11 +152,10 @@ def test_json_has_the_replay_report_shape(tmp_path, capsys):
                                                                           "expected.reward.post_process.rewards"]
 
 
-def test_the_recorded_per_sample_loss_terms_are_compared_too(tmp_path):
+def test_the_recorded_per_sample_loss_terms_are_compared_too(tmp_path, bundle_tools):
     """expected.json $.loss.policy.per_sample (pg_sum, …, loss_weight): every term both bundles record is a field,
     named by sample; a term neither records is not listed (they were left out, the README says every number)."""
-    from conftest import edit_json
-
+    edit_json = bundle_tools.edit_json
     a = _write(tmp_path / "a", _parts())
     b = _write(tmp_path / "b", _parts())
     terms = {"pg_sum": [0.5] * 8, "mask_count": [3.0] * 8}
