@@ -75,7 +75,7 @@ def test_a_changed_old_log_prob_is_a_link_divergence_naming_both_bundles_the_sam
     assert row.report["first_divergent_stage"] == "link" and row.report["passed"] is False
     assert "b-7-0 (step-7-0)" in link["reason"] and "r-7 (rollout-7)" in link["reason"]
     assert row.first_divergence == (f"old_log_probs s-1@3: expected=-1.25 actual={_fmt(recorded)} "
-                                    f"abs_err={_fmt(abs(recorded + 1.25))} (step bundle b-7-0 vs rollout bundle r-7)")
+                                    f"abs_err={_fmt(abs(recorded + 1.25))} (expected: rollout bundle r-7; actual: step bundle b-7-0)")
     assert row.link.rollout_bundle_id == "r-7" and row.link.step_bundle_id == "b-7-0"
 
 

@@ -131,8 +131,9 @@ def link_report(step: BundleSet, rollout: BundleSet, *, step_name: str, rollout_
 
 
 def link_line(d: Divergence, step_name: str, rollout_name: str) -> str:
-    """The row's first-divergence line: the element, then both bundles."""
-    return safe(f"{divergence_line(d)} (step bundle {step_name} vs rollout bundle {rollout_name})")
+    """The row's first-divergence line: the element, then which bundle holds which value (expected: what the
+    rollout recorded; actual: what the step consumed)."""
+    return safe(f"{divergence_line(d)} (expected: rollout bundle {rollout_name}; actual: step bundle {step_name})")
 
 
 def check_link(target, step: BundleSet, partner, options):
