@@ -69,15 +69,16 @@ def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
     """``(batch ids, the batch of every sample of the index)`` (module doc), ``None`` when it cannot be placed."""
-    placed = consumer_batch_layouts(ctx)
+    placed = consumer_batch_layouts(ctx, first_only=True)
     return (placed[0][0], placed[0][1]) if placed else None
 
 
-def consumer_batch_layouts(ctx: StageContext) -> list[tuple[list[str], torch.Tensor, Optional[int]]]:
+def consumer_batch_layouts(ctx: StageContext, first_only: bool = False
+                           ) -> list[tuple[list[str], torch.Tensor, Optional[int]]]:
     """Every placement of the samples in the recorded consumer batches: ``(batch ids, the batch of every sample,
     batch size)`` — the samples' own ``consumer_batch_id`` (size ``None``), else the identity's k batch ids over
     consecutive batches of each size ``c`` that makes k of them, the last one shorter (12 samples in 3 batches:
-    4 + 4 + 4, or 5 + 5 + 2), the even split first."""
+    4 + 4 + 4, or 5 + 5 + 2), the even split first (``first_only``: that one alone)."""
     samples = ctx.reader.index.samples
     own = [getattr(s, "consumer_batch_id", None) for s in samples]
     if samples and None not in own:
@@ -87,7 +88,11 @@ def consumer_batch_layouts(ctx: StageContext) -> list[tuple[list[str], torch.Ten
     n, k = len(samples), len(ids)
     if k < 2 or k > n:
         return []
-    sizes = [c for c in range(math.ceil(n / k), n) if math.ceil(n / c) == k][:MAX_CHUNK_SIZES]
+    first = math.ceil(n / k)
+    if math.ceil(n / first) != k:  # no size makes k batches (each larger one makes fewer)
+        return []
+    # (the views' consumer-batch column reads the even split alone: no other size is made for it)
+    sizes = [first] if first_only else [c for c in range(first, n) if math.ceil(n / c) == k][:MAX_CHUNK_SIZES]
     return [(ids, torch.arange(n, dtype=torch.int64) // c, c) for c in sizes]
 
 
