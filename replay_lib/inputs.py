@@ -379,19 +379,13 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=None, formula=formula, items=items)
 
 
-# loss.policy's scalars: the per-sample row of the recompute each one sums (``stages.loss._loss_sums``' names; the
-# recorded term is ``stages.loss.TERM_OF_FIELD``'s, its mode and scale ``kernels.loss.field_aggregation``'s).
-SCALAR_ROWS = {"pg_loss": "pg", "entropy_loss": "ent", "kl_loss": "kl_loss", "pg_clipfrac": "clip", "ppo_kl": "kl",
-               "pg_clipfrac_lower": "clip_lower"}
-
-
 def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]:
     """A loss.policy scalar (a row of the loss table): the per-sample sums it aggregates, their weights under its
     mode and the value — over the stage's own recompute (its per-sample sums, every loss knob included), or for
     a ``…_from_terms`` row over the recorded per-sample terms. ``None`` where the stage left no sums (``--exact``)
     or the row is none of these."""
     from .kernels.loss import agg_weights, field_aggregation, loss_total
-    from .stages.loss import AGGREGATE_SUFFIX, SUMS_OUTPUT, TERM_OF_FIELD
+    from .stages.loss import AGGREGATE_SUFFIX, ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD
 
     recorded = label.endswith(AGGREGATE_SUFFIX)
     name = label.removesuffix(AGGREGATE_SUFFIX)
@@ -404,7 +398,7 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
 
     def value_of(key: str) -> Optional[tuple[float, str, float, str]]:
         """``(value, mode, scale, Σ rows)`` of scalar ``key``."""
-        row, term = SCALAR_ROWS[key], TERM_OF_FIELD.get(key)
+        row, term = ROW_OF_FIELD[key], TERM_OF_FIELD.get(key)
         values = terms.get(term) if recorded else sums.get(row)
         if values is None:
             return None
@@ -432,7 +426,7 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
             f"{label} = {words} = {numbers} = {fmt(total)}"
         return ElementInputs(field="loss", sample_id=None, offset=None, formula=formula,
                              items=(("from", source), ("over", n)))
-    if name not in SCALAR_ROWS:
+    if name not in ROW_OF_FIELD:
         return None
     got = value_of(name)
     if got is None:

@@ -154,20 +154,26 @@ def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
     swapped for a FIFO or a link after the directory scan is not read: ``None``)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with open(fd, "rb", buffering=0, closefd=False) as fh:
-            return _sha256_stream(fh, stop)
-    finally:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
         os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return _sha256_descriptor(fd, stop)
 
 
 def _sha256_payload(path: Path) -> str:
     """The reader's own hash of a payload the thread did not hash: through :func:`open_payload`'s descriptor."""
-    fd = open_payload(path)
+    return _sha256_descriptor(open_payload(path), None)
+
+
+def _sha256_descriptor(fd: int, stop: Optional[threading.Event]) -> Optional[str]:
+    """The sha256 of the file open as ``fd`` (:func:`_sha256_stream`), which it closes."""
     try:
         with open(fd, "rb", buffering=0, closefd=False) as fh:
-            return _sha256_stream(fh, None)
+            return _sha256_stream(fh, stop)
     finally:
         os.close(fd)
 

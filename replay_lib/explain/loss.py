@@ -189,13 +189,20 @@ def _sums(ctx: StageContext, li: LossInputs, variants: list[Variant]) -> list[di
     return found
 
 
-def _weights(ctx: StageContext, mode: str, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+def _step_counts(ctx: StageContext, count: torch.Tensor) -> dict[str, float]:
+    """The counts another aggregation mode divides by: the recorded ones, else the step's own (its loss tokens,
+    samples, longest response)."""
     cfg = ctx.config
+    return {"loss_token_count": float(cfg.loss_token_count or max(float(count.sum()), 1.0)),
+            "loss_seq_count": float(cfg.loss_seq_count or ctx.n or 1),
+            "loss_horizon": float(cfg.loss_horizon or max(int(ctx.lengths.max()) if ctx.n else 1, 1))}
+
+
+def _weights(ctx: StageContext, mode: str, sums: dict[str, torch.Tensor]) -> torch.Tensor:
     count = sums["mask"]
     n_i = count.clamp(min=1.0)
-    N = float(cfg.loss_seq_count or ctx.n or 1)
-    T = float(cfg.loss_token_count or max(float(count.sum()), 1.0))
-    L = float(cfg.loss_horizon or max(int(ctx.lengths.max()) if ctx.n else 1, 1))
+    counts = _step_counts(ctx, count)
+    T, N, L = counts["loss_token_count"], counts["loss_seq_count"], counts["loss_horizon"]
     if mode == "sum_of_sample_means":
         w = 1.0 / n_i
     elif mode == "seq_mean_token_mean":
@@ -253,14 +260,13 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     Only a re-aggregation of per-sample sums: of the stage's own recompute (every loss knob included, so no
     :func:`modelled` gate) for the recorded scalars, and of the recorded per-sample terms for their aggregation
     check."""
-    from ..stages.loss import SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
+    from ..stages.loss import ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
 
     knobs = LossKnobs.of(ctx.config)
-    # (the recompute's row, the field) of each loss term, with its mode and scale
-    terms = [(row, name, *field_aggregation(name, knobs)) for row, name in
-             (("pg", "pg_loss"), ("ent", "entropy_loss"), *((("kl_loss", "kl_loss"),) if knobs.kl_loss else ()))]
-    metrics = [(row, name, *field_aggregation(name, knobs)) for row, name in (("clip", "pg_clipfrac"),
-                                                                               ("kl", "ppo_kl"))]
+    # (the recompute's row, the field) of each loss term and metric, with its mode and scale
+    terms = [(ROW_OF_FIELD[name], name, *field_aggregation(name, knobs))
+             for name in ("pg_loss", "entropy_loss", *(("kl_loss",) if knobs.kl_loss else ()))]
+    metrics = [(ROW_OF_FIELD[name], name, *field_aggregation(name, knobs)) for name in ("pg_clipfrac", "ppo_kl")]
     if not any(mode == "token_mean" for _, _, mode, _ in terms):
         return []
     placed = micro_batches(ctx.samples)
@@ -275,11 +281,14 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     k = len(ids)
     names = {f.name: f for f in fields}
 
+    def micro_batch_tokens(counts: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(k, dtype=torch.float64).index_add_(0, mb, counts).clamp(min=1.0)
+
     def scalars(per_sample: dict[str, torch.Tensor], counts: torch.Tensor, averaged: bool,
                 with_metrics: bool) -> dict[str, float]:
         """The loss terms of ``per_sample`` with each token-mean term taken per micro-batch (the metrics too when
         ``with_metrics``), and ``loss``."""
-        tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, counts).clamp(min=1.0)
+        tokens = micro_batch_tokens(counts)
         out: dict[str, float] = {}
         for row, name, mode, scale in terms + (metrics if with_metrics else []):
             values = per_sample.get(row)
@@ -299,6 +308,7 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
                 if TERM_OF_FIELD[name] in names}
     recorded_counts = names["mask_count"].expected if "mask_count" in names else sums["mask"]
     _, _, pg_mode, pg_scale = terms[0]
+    step_tokens = micro_batch_tokens(sums["mask"])[mb]  # each sample's micro-batch's loss tokens
     metric_choices = [False] + ([True] if any(mode == "token_mean" for _, _, mode, _ in metrics) else [])
     out = []
     for averaged in (False, True):
@@ -308,8 +318,7 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
             aggregated = scalars(recorded, recorded_counts, averaged, with_metrics) if "pg" in recorded else None
             values = {}
             if WEIGHT_FIELD in names and pg_mode == "token_mean":  # each sample's weight: 1 / its micro-batch's tokens
-                tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, mb, sums["mask"]).clamp(min=1.0)
-                values[WEIGHT_FIELD] = pg_scale / (tokens[mb] * (k if averaged else 1))
+                values[WEIGHT_FIELD] = pg_scale / (step_tokens * (k if averaged else 1))
             for f in fields:
                 by_label = aggregated if f.name == AGGREGATE_FIELD else loss_fields if f.name == "loss" else None
                 if by_label is None or f.per != PER_SCALAR or not f.labels:
@@ -338,7 +347,7 @@ def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     import msgspec
 
     from ..kernels.loss import policy_fields_from_sums
-    from ..stages.loss import SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
+    from ..stages.loss import ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
 
     cfg = ctx.config
     try:
@@ -347,16 +356,13 @@ def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
         return []
     names = {f.name: f for f in fields}
     recorded = dict(sums)
-    for field_name, row in (("pg_loss", "pg"), ("entropy_loss", "ent"), ("kl_loss", "kl_loss"), ("pg_clipfrac", "clip"),
-                            ("ppo_kl", "kl")):
-        if TERM_OF_FIELD[field_name] in names:
-            recorded[row] = names[TERM_OF_FIELD[field_name]].expected
+    for field_name, term in TERM_OF_FIELD.items():
+        if term in names:
+            recorded[ROW_OF_FIELD[field_name]] = names[term].expected
     if "mask_count" in names:
         recorded["mask"] = names["mask_count"].expected
     has_entropy = ctx.has("entropy")
-    counts = dict(loss_token_count=cfg.loss_token_count or max(int(float(sums["mask"].sum())), 1),
-                  loss_seq_count=cfg.loss_seq_count or max(ctx.n, 1),
-                  loss_horizon=cfg.loss_horizon or max(int(ctx.lengths.max()) if ctx.n else 1, 1))
+    counts = _step_counts(ctx, sums["mask"])
     out = []
     for other in AGG_MODES:
         if other == cfg.loss_agg_mode and (cfg.metric_agg_mode or other) == other:

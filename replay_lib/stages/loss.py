@@ -274,6 +274,11 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
 TERM_OF_FIELD = {"pg_loss": "pg_sum", "entropy_loss": "entropy_sum", "pg_clipfrac": "clip_count",
                   "ppo_kl": "kl_sum", "kl_loss": "kl_loss_sum"}
 
+# Loss field → the row of the recompute's per-sample sums it aggregates (:func:`_loss_sums`' names; its mode and
+# scale are ``kernels.loss.field_aggregation``'s).
+ROW_OF_FIELD = {"pg_loss": "pg", "entropy_loss": "ent", "kl_loss": "kl_loss", "pg_clipfrac": "clip", "ppo_kl": "kl",
+                "pg_clipfrac_lower": "clip_lower"}
+
 
 # The aggregate check's rows are named after the field they check: ``pg_loss_from_terms``.
 AGGREGATE_SUFFIX = "_from_terms"
