@@ -1,7 +1,8 @@
 """False divergences of clean independent producers, and detection of injected bugs, by size (SPEC §5.1).
 
 Every producer family of ``tests/producers`` (float32 ``torch.sum``, float64, Megatron micro-batches + ring
-all-reduce with a CUDA-like exp, bf16 payloads in both dtypes, GPU-style trees of 256 and 1024, NumPy) writes
+all-reduce with a CUDA-like exp, bf16 payloads in both dtypes, GPU-style trees of 256 and 1024, NumPy, bf16 copies of
+float32 values) writes
 clean bundles at each size for a rotation of configs (binary / partial-credit / reward-model rewards, std
 normalization on and off, every KL type and KL off, entropy in and out of the loss); each is replayed in
 process (``replay_lib.runner.replay``, every stage) and removed. Then each bug class of
@@ -137,8 +138,10 @@ def configs_for(size: Size, f: int, all_configs: bool) -> list:
     return [CONFIGS[f % len(CONFIGS)], CONFIGS[(f + 3) % len(CONFIGS)]]
 
 
-def bug_families(bug: str, families: list[str], size: Size, b: int, all_configs: bool) -> list[str]:
-    eligible = [n for n in families if visible(bug, family(n))]
+def bug_families(bug: str, families: list[str], size: Size, b: int, all_configs: bool,
+                 per_sample: bool = False) -> list[str]:
+    eligible = [n for n in families
+                if visible(bug, family(n), per_sample=per_sample, tokens=size.samples * size.tokens)]
     if all_configs or size.samples * size.tokens <= FULL_UP_TO or not eligible:
         return eligible
     return [eligible[(b + SIZES.index(size) if size in SIZES else b) % len(eligible)]]
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
             if not args.no_bugs:
                 for b, (bug, (stage, _)) in enumerate(BUGS.items()):
                     cell = bugs[bug].setdefault(str(size), Cell())
-                    for name in bug_families(bug, args.families, size, b, args.all_configs):
+                    for name in bug_families(bug, args.families, size, b, args.all_configs, args.per_sample):
                         config = bug_config(bug, CONFIGS[0])
                         out = run_one(root, name, 2000, size, config, bug=bug, per_sample=args.per_sample)
                         detected = out.first_stage == stage

@@ -42,6 +42,20 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   subtraction, ``exp`` (a CUDA ``__expf``/``exp2`` path is within 2 ulp), the two additions and the final
   rounding, each ≤ ``u·cond``, with room to spare; measured within 3 ulp·cond on torch, NumPy and a CUDA-like
   exp, and within 4·2⁻⁸·cond for bf16 arithmetic.
+* **payloads stored coarser than the declared compute** (:func:`storage_unit`, ``u_s``: a capture that keeps
+  bf16 copies of float32 log-probs): every expected value was computed from values the bundle no longer has,
+  each within ``u_s·|x|`` of the recorded one, so a recomputation from them admits ``2·Σ|∂F/∂x|·u_s·|x|`` — the
+  first-order propagation of one rounding per input, doubled for the exponentials' second-order term
+  (``C_STORE``), summed without cancellation (a worst case: the roundings of a real step mostly cancel, so this
+  admits far more than they do, which the ``coarse_payload`` hazard says). k1/k2/k3 take ``2·e_r·max|dKL/dr|``
+  over ``r ± e_r``, ``e_r = u_s·(|old| + |ref|)`` (:func:`kl_slope`: at ``r = 0`` the slope is 0, the move is
+  not); the loss fields the per-token ``|∂x_t|·e_t`` summed with their aggregation's weights
+  (:func:`loss_storage_bounds`), and the clip decisions within ``2·e`` of a bound are open. A payload as fine as
+  the compute format holds the values themselves (a bf16 forward's log-probs upcast for a float32 loss): 0.
+  Measured on ``tests/producers`` ``stored_bf16`` (slime's float32 arithmetic, bf16 payloads) and the loss-knob
+  producer's ``stored_bf16``: clean at every size and config (worst 0.015 of the tolerance), sign-flipped
+  advantages, k1 for k3, PR #65, biased std, the clip and token-mean bugs, a per-micro-batch denominator and
+  dual-clip on positive advantages still caught.
 * **advantage.estimate**: the recorded normalized reward broadcast over the sample's tokens (teacher
   forcing), ``2·u_s·|T|`` — the reward's one rounding to float32 and the payload's, ``u_s`` = max(float32,
   the payload dtype). Under ``--chain`` the advantage is the recomputed reward, and the reward's own rounding
@@ -83,7 +97,7 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   lies within that of ``is_low`` / ``is_high``. ``loss_aggregate_bound``: the recorded scalars against the
   recorded per-sample terms, ``2·u32·|T| + 2·u_a·n·Σ_i|w_i·S_i|``.
 
-Measured on the independent producers of ``tests/producers`` (8 families, up to 512 × 16,384 tokens), no
+Measured on the independent producers of ``tests/producers`` (9 families, up to 512 × 16,384 tokens), no
 clean bundle diverges, while the bug classes of ``tests/producers/bugs.py`` are caught where their signal
 exceeds the declared noise (see the README).
 
@@ -112,6 +126,7 @@ C_REDUCE = 2.0
 C_SEQUENTIAL = 3.0
 C_FINAL = 2.0
 C_NEAR_CLIP = 8.0
+C_STORE = 2.0
 # The surrogate's per-token condition: c_t = (PG_COND + PG_KL_COND·|ppo_kl|)·|pg|.
 PG_COND, PG_KL_COND = 3.0, 2.0
 
@@ -356,9 +371,59 @@ def kl_condition(log_ratio: torch.Tensor, kl_type: str, exp_neg: Optional[torch.
     return (torch.exp(-log_ratio) if exp_neg is None else exp_neg) + 1 + log_ratio.abs()
 
 
-def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token: float, u_store: float,
+def kl_slope(log_ratio: torch.Tensor, kl_type: str, reach: torch.Tensor,
              exp_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * truth.abs()
+    """The largest ``|dKL/dr|`` over ``[r − reach, r + reach]`` (float64; ``r = log_ratio``): 1 (k1),
+    ``|r| + reach`` (k2), ``|1 − exp(−r ∓ reach)|`` at the farther end (k3, whose slope grows away from 0 on
+    either side; low_var_kl's clamp is 1-Lipschitz) — how far an error of up to ``reach`` in ``r`` moves the
+    estimate (at ``r = 0`` the slope is 0, the move is not)."""
+    if kl_type == "k1":
+        return torch.ones_like(log_ratio)
+    if kl_type == "k2":
+        return log_ratio.abs() + reach
+    e = torch.exp(-log_ratio) if exp_neg is None else exp_neg
+    return torch.maximum((1.0 - e * reach.exp()).abs_(), (1.0 - e * (-reach).exp()).abs_())
+
+
+def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token: float, u_store: float,
+             exp_neg: Optional[torch.Tensor] = None, input_error: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``8·u_t·cond + u_s·|T|``, plus ``2·e_r·max|dKL/dr|`` over ``r ± e_r`` where the log-probs are stored coarser
+    than the compute format (``input_error``: ``e_r``, :func:`storage_error` of the two log-probs)."""
+    bound = C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * truth.abs()
+    if input_error is not None:
+        bound += kl_slope(log_ratio, kl_type, input_error, exp_neg).mul_(input_error).mul_(C_STORE)
+    return bound
+
+
+def storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
+    """``u_s``: the unit roundoff of the coarsest of ``tensors`` (payloads) stored coarser than the declared
+    ``compute`` format, 0 when none is. Such a payload holds one rounding of the values the producer computed
+    from (a capture that keeps a bf16 copy of float32 log-probs): its every recomputation from them is that far
+    from the producer's own (:func:`storage_error`). A payload as fine as the compute format holds the values
+    themselves (a bf16 forward's log-probs, upcast to compute a float32 loss)."""
+    u_t = UNIT_ROUNDOFF.get(compute, U32)
+    stored = [unit_roundoff(t.dtype) for t in tensors if isinstance(t, torch.Tensor)]
+    return max((u for u in stored if u > u_t), default=0.0)
+
+
+def coarse_payloads(compute: str, named: Mapping[str, Optional[torch.Tensor]]) -> str:
+    """``"log_probs, old_log_probs (bfloat16)"``: those of ``named`` stored coarser than ``compute`` (``""``:
+    none) — what a ``coarse_payload`` hazard names."""
+    u_t = UNIT_ROUNDOFF.get(compute, U32)
+    by_dtype: dict[str, list[str]] = {}
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and unit_roundoff(t.dtype) > u_t:
+            by_dtype.setdefault(str(t.dtype).removeprefix("torch."), []).append(name)
+    return "; ".join(f"{', '.join(names)} ({dtype})" for dtype, names in by_dtype.items())
+
+
+def storage_error(u_s: float, *values: torch.Tensor) -> torch.Tensor:
+    """float64 per token: ``u_s·Σ|x|`` — how far a difference (or sum) of the stored ``values`` can be from the
+    same of the values they round (each within ``u_s·|x|``)."""
+    out = values[0].to(torch.float64).abs()
+    for v in values[1:]:
+        out += v.abs()
+    return out.mul_(u_s)
 
 
 def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
@@ -418,10 +483,11 @@ SEQ32_SUMS = ("pg32", "kl32", "ent32", "kl_loss32")
 
 
 def loss_clip_hits(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float, eps_clip: float,
-                   eps_clip_high: float) -> torch.Tensor:
-    """bool per token: the ratio within ``8·u_t`` (relative) of a clip bound and ``A ≠ 0`` — a token
-    a legitimate rounding may clip either way."""
-    near = ratio * (C_NEAR_CLIP * u_token)
+                   eps_clip_high: float, stored: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool per token: the ratio within ``8·u_t`` (relative; plus ``2·e`` for log-probs stored coarser than the
+    compute format, ``stored`` = ``e`` the log-ratio's storage error) of a clip bound and ``A ≠ 0`` — a token a
+    legitimate rounding may clip either way."""
+    near = ratio * (C_NEAR_CLIP * u_token) if stored is None else ratio * (stored * C_STORE + C_NEAR_CLIP * u_token)
     # within it of either bound ⇔ within it of the nearer one (a min picks one of the two, exactly; NaN stays NaN)
     to_low = (ratio - (1 - eps_clip)).abs_()
     nearer = torch.minimum(to_low, (ratio - (1 + eps_clip_high)).abs_(), out=to_low)
@@ -441,11 +507,15 @@ def sequential_sum32(values: torch.Tensor) -> float:
     return float(np.add.accumulate(flat, dtype=np.float32)[-1]) + 0.0
 
 
-def near_value(x: torch.Tensor, edge: float, u_token: float, cond) -> torch.Tensor:
-    """bool per token: ``x`` within ``8·u_t·(1 + cond)`` (relative) of ``edge`` — a comparison with ``edge``
-    (a dual-clip bound c, an IcePop bound) that a legitimate producer's rounding of ``x`` may decide either way
-    (``cond``: the condition of the exponent ``x`` was computed from)."""
-    return (x - edge).abs() <= x.abs() * (C_NEAR_CLIP * u_token) * (1.0 + cond)
+def near_value(x: torch.Tensor, edge: float, u_token: float, cond, stored=None) -> torch.Tensor:
+    """bool per token: ``x`` within ``8·u_t·(1 + cond)`` (relative; plus ``2·e`` for an exponent whose inputs are
+    stored coarser than the compute format, ``stored`` = ``e`` its storage error) of ``edge`` — a comparison with
+    ``edge`` (a dual-clip bound c, an IcePop bound) that a legitimate producer's rounding of ``x`` may decide
+    either way (``cond``: the condition of the exponent ``x`` was computed from)."""
+    slack = (C_NEAR_CLIP * u_token) * (1.0 + cond)
+    if stored is not None:
+        slack = slack + stored * C_STORE
+    return (x - edge).abs() <= x.abs() * slack
 
 
 def sample_exponent_condition(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
@@ -474,6 +544,93 @@ def sample_exponent_condition(log_probs: torch.Tensor, old_log_probs: torch.Tens
         total = per_sample((old_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)).abs_().mul_(m))
         cond += total / count.clamp_min(1.0) if knobs.is_level == "geometric" else total
     return cond * count.sqrt()
+
+
+@dataclass(frozen=True)
+class StorageUnits:
+    """``u_s`` (:func:`storage_unit`) of the inputs of each loss term: the log-ratio's (log-probs, old log-probs),
+    the importance weight's (old, rollout), the KL term's (log-probs, reference), the entropy's and the
+    advantages'; all 0 when every payload is as fine as the declared compute. The loss stage's scalars and its
+    per-sample and per-token terms take their storage errors from here alike."""
+
+    ratio: float = 0.0
+    weight: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    advantage: float = 0.0
+
+    @classmethod
+    def of(cls, compute: str, *, log_probs, old_log_probs, rollout_log_probs=None, ref_log_probs=None, entropy=None,
+           advantages=None) -> "StorageUnits":
+        return cls(ratio=storage_unit(compute, log_probs, old_log_probs),
+                   weight=storage_unit(compute, old_log_probs, rollout_log_probs),
+                   kl=storage_unit(compute, log_probs, ref_log_probs),
+                   entropy=storage_unit(compute, entropy), advantage=storage_unit(compute, advantages))
+
+    @property
+    def any(self) -> bool:
+        return any((self.ratio, self.weight, self.kl, self.entropy, self.advantage))
+
+    def sample_errors(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                      rollout_log_probs: Optional[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
+                      knobs) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``([samples], [samples])``: the storage error of a per-sample exponent — GSPO's mean
+        log-ratio, ``u·Σ_t (|logp| + |old|)·m / n_i``, and a sequence (geometric: ÷ n_i) importance weight's log,
+        ``u·Σ_t (|old| + |rollout|)·m``; zeros where no knob has the exponent."""
+        from .kernels import segment_ids
+
+        n_samples = int(lengths.numel())
+        ratio = torch.zeros(n_samples, dtype=torch.float64)
+        weight = torch.zeros(n_samples, dtype=torch.float64)
+        if not knobs.needs_sample_pass:
+            return ratio, weight
+        seg = segment_ids(lengths)
+        m = mask.to(torch.float64)
+        count = torch.zeros(n_samples, dtype=torch.float64).index_add_(0, seg, m).clamp_min_(1.0)
+        if knobs.sequence_ratio and self.ratio:
+            ratio.index_add_(0, seg, storage_error(self.ratio, log_probs, old_log_probs).mul_(m)).div_(count)
+        if knobs.is_level in ("sequence", "geometric") and self.weight:
+            weight.index_add_(0, seg, storage_error(self.weight, old_log_probs, rollout_log_probs).mul_(m))
+            if knobs.is_level == "geometric":
+                weight.div_(count)
+        return ratio, weight
+
+    def token_errors(self, knobs, seg: torch.Tensor, sample: tuple[torch.Tensor, torch.Tensor], log_probs, old_log_probs,
+                     rollout_log_probs=None, ref_log_probs=None) -> dict[str, torch.Tensor]:
+        """float64 per token of one run of tokens (``seg``: their samples; ``sample``: :meth:`sample_errors`):
+        ``log_ratio`` (of ``old − logp``, ppo_kl's), ``ratio`` (of the exponent the ratio takes: the token's, or
+        GSPO's sample one), ``weight`` (of the importance weight's log), and ``kl`` (of the KL term's
+        ``logp − ref``, with a KL term)."""
+        out = {"log_ratio": storage_error(self.ratio, log_probs, old_log_probs)}
+        out["ratio"] = sample[0][seg] if knobs.sequence_ratio else out["log_ratio"]
+        out["weight"] = sample[1][seg]
+        if knobs.is_level == "token" and self.weight:
+            out["weight"] = out["weight"] + storage_error(self.weight, old_log_probs, rollout_log_probs)
+        if ref_log_probs is not None:
+            out["kl"] = storage_error(self.kl, log_probs, ref_log_probs)
+        return out
+
+
+def loss_storage_bounds(sums: Mapping[str, torch.Tensor], names, *, entropy_coef: float, knobs) -> dict[str, float]:
+    """What payloads stored coarser than the compute format (:func:`storage_unit`) add to each loss.policy
+    field: ``2·Σ_i w_i·Σ_t |∂x_t|·e_t·m_t`` with the per-sample sums :func:`loss_scalar_bounds` is given
+    (``store_pg``: ``|pg|·(e_ratio + e_weight + u_adv)``, ``store_kl``: ``e_Δ``, ``store_ent``: ``u_ent·|entropy|``,
+    ``store_kl_loss``: ``e_r·max|dKL/dr|``), weighted as the field aggregates them; ``{}`` when no payload is."""
+    if "store_pg" not in sums:
+        return {}
+    from .kernels.loss import agg_weights, field_aggregation
+
+    def weighted(row: str, field: str) -> float:
+        mode, scale = field_aggregation(field, knobs)
+        return C_STORE * abs(float(scale)) * float((agg_weights(mode, sums["mask"], knobs) * sums[row]).sum())
+
+    out = {"pg_loss": weighted("store_pg", "pg_loss"), "entropy_loss": weighted("store_ent", "entropy_loss"),
+           "ppo_kl": weighted("store_kl", "ppo_kl")}
+    out["loss"] = out["pg_loss"] + abs(entropy_coef) * out["entropy_loss"]
+    if "store_kl_loss" in sums:
+        out["kl_loss"] = weighted("store_kl_loss", "kl_loss")
+        out["loss"] += abs(float(knobs.kl_loss_coef)) * out["kl_loss"]
+    return {name: out[name] for name in names if name in out}
 
 
 def loss_aggregate_bound(weighted, value: float, precision: Precision) -> float:
@@ -572,8 +729,9 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
     if "is_flip" in sums:
         extra_pg += float((sums["is_flip"] / (inner_l * outer_l)).sum()) * scale
     out = {}
+    stored = loss_storage_bounds(sums, names, entropy_coef=entropy_coef, knobs=knobs)
     for name in names:
-        bound = scalar_bound(float(fields[name]), terms[name], precision)
+        bound = scalar_bound(float(fields[name]), terms[name], precision) + stored.get(name, 0.0)
         if name in ("loss", "pg_loss"):
             bound += extra_pg
         if name == "pg_clipfrac":

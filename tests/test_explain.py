@@ -327,6 +327,16 @@ def test_kl_type_swapped(tmp_path):
     assert explained(path) == [("advantage.kl", "kl.type_k1", TOKENS, TOKENS, "tokens")]
 
 
+def test_kl_type_swapped_in_bf16_copies_of_float32_values(tmp_path):
+    """The same bug from ``producers.stored_bf16`` (float32 arithmetic, bf16 payloads): the hypothesis's bound
+    carries the inputs' storage rounding as the stage's does, so k1 still explains every token."""
+    parts = produce_parts("stored_bf16", SEED, SIZE, bug_config("k1_for_k3", Config()), bug="k1_for_k3",
+                          bundle_id="stored")
+    assert parts.payloads["old_log_probs"].dtype == torch.bfloat16
+    path = write(tmp_path, parts, STEP)
+    assert explained(path) == [("advantage.kl", "kl.type_k1", TOKENS, TOKENS, "tokens")]
+
+
 def test_kl_arguments_swapped(tmp_path):
     path = write(tmp_path, _parts(), STEP, kl=approx_kl(INPUTS.ref_log_probs, INPUTS.old_log_probs, "k3"))
     assert first_stage(path) == "advantage.kl"

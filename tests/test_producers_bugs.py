@@ -42,7 +42,8 @@ def test_injected_bug_is_reported_at_its_stage(tmp_path, cli, bug, name):
 SAMPLE_LOSS_BUGS = ("clip_high_both", "mask_shift")
 
 
-@pytest.mark.parametrize("bug,name", [c for c in CASES if c.values[0] in SAMPLE_LOSS_BUGS])
+@pytest.mark.parametrize("bug,name", [pytest.param(bug, name, id=f"{bug}-{name}") for bug in SAMPLE_LOSS_BUGS
+                                      for name in FAMILIES if visible(bug, family(name), per_sample=True)])
 def test_loss_bug_is_located_to_a_sample_by_the_per_sample_terms(tmp_path, cli, bug, name):
     """With ``$.loss.policy.per_sample`` recorded, a loss bug is reported at loss.policy on a sample (the
     terms are compared first, SPEC §4), not only as a scalar."""

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..error_model import kl_bound, unit_roundoff
+from ..error_model import kl_bound, storage_error, storage_unit, unit_roundoff
 from ..fields import FieldResult
 from ..kernels import KL_TYPES, compute_approx_kl
 from ..stages import StageContext
@@ -23,11 +23,13 @@ from .base import Hypothesis
 STAGE = "advantage.kl"
 
 
-def _estimate(a: torch.Tensor, b: torch.Tensor, kl_type: str, u_token: float, u_store: float, scale: float = 1.0):
+def _estimate(a: torch.Tensor, b: torch.Tensor, kl_type: str, u_token: float, u_store: float, scale: float = 1.0,
+              u_input: float = 0.0):
     def columns(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = a[lo:hi].to(torch.float64), b[lo:hi].to(torch.float64)
         value = compute_approx_kl(x, y, kl_type, dtype=torch.float64)
-        return value * scale, kl_bound(x - y, value, kl_type, u_token, u_store) * abs(scale)
+        e_r = storage_error(u_input, x, y) if u_input else None
+        return value * scale, kl_bound(x - y, value, kl_type, u_token, u_store, input_error=e_r) * abs(scale)
 
     cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -54,7 +56,8 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     out: list[Hypothesis] = []
 
     def add(hid: str, detail: str, a: torch.Tensor, b: torch.Tensor, kl_type: str, scale: float = 1.0) -> None:
-        values, bound = _estimate(a, b, kl_type, u_token, u_store, scale)
+        # inputs stored coarser than the declared compute: the stage's own storage term (stages.advantage)
+        values, bound = _estimate(a, b, kl_type, u_token, u_store, scale, storage_unit(ctx.precision.compute, a, b))
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"kl": values}, bounds={"kl": bound}))
 
     for other in KL_TYPES:

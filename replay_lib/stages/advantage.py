@@ -11,7 +11,8 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import C_REWARD, U32, advantage_bound, kl_bound, recursion_bound, unit_roundoff, whiten_bound
+from ..error_model import (C_REWARD, U32, advantage_bound, coarse_payloads, kl_bound, recursion_bound, storage_error, storage_unit,
+                           unit_roundoff, whiten_bound)
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
@@ -37,6 +38,12 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         else:
             cols = _kl_columns(ctx, old, ref, expected.dtype)
             kl, bound = cols.column("actual"), cols.column("bound")
+            coarse = coarse_payloads(ctx.precision.compute, {"old_log_probs": old, "ref_log_probs": ref})
+            if coarse:
+                ctx.hazard("advantage.kl", "coarse_payload", message=(
+                    f"{coarse} stored coarser than the declared {ctx.precision.compute} compute: each kl admits "
+                    f"their rounding, 2·|dKL/dr|·u·(|old| + |ref|), as the producer's r was that far from the "
+                    f"recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
     field = ctx.field("advantage.kl", "kl", PER_TOKEN, expected, kl, bound=bound)
@@ -50,13 +57,16 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
     """The float64 KL of rows ``[lo, hi)`` and its rounding bound, from the recorded log-probs upcast."""
     kl_type = reward_kl_type(ctx.config)
     u_token, u_store = ctx.precision.token, unit_roundoff(stored)
+    # log-probs stored coarser than the declared compute: the producer's r was that far from the recorded one
+    u_input = storage_unit(ctx.precision.compute, old, ref)
 
     def chunk(lo: int, hi: int) -> dict[str, torch.Tensor]:
         # ref promoted to float64 inside the difference: the same bits as converting it first, one copy fewer
         log_ratio = torch.sub(old[lo:hi].to(torch.float64), ref[lo:hi])
         # the estimate and its bound share r and exp(−r) (k3, low_var_kl)
         truth, exp_neg = kl_of_log_ratio(log_ratio, kl_type)
-        return {"actual": truth, "bound": kl_bound(log_ratio, truth, kl_type, u_token, u_store, exp_neg)}
+        e_r = storage_error(u_input, old[lo:hi], ref[lo:hi]) if u_input else None
+        return {"actual": truth, "bound": kl_bound(log_ratio, truth, kl_type, u_token, u_store, exp_neg, e_r)}
 
     return Chunked(chunk)
 

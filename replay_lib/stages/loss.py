@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import (SEQ32_SUMS, kl_condition, loss_aggregate_bound, loss_clip_hits, loss_scalar_bounds,
-                           near_value, sample_exponent_condition)
+from ..error_model import (SEQ32_SUMS, StorageUnits, coarse_payloads, kl_condition, kl_slope, loss_aggregate_bound,
+                           loss_clip_hits, loss_scalar_bounds, loss_storage_bounds, near_value,
+                           sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
@@ -108,7 +109,30 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
                                precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
                                advantage_per_sample=li.advantage_per_sample, knobs=knobs)
     _loss_hazards(ctx, sums)
+    _storage_hazard(ctx, li, loss_storage_bounds(sums, list(expected), entropy_coef=knobs.entropy_coef, knobs=knobs),
+                    actual)
     return expected, {f: actual[f] for f in expected}, bound
+
+
+def _storage_hazard(ctx: StageContext, li: LossInputs, stored: dict[str, float], actual: dict) -> None:
+    """One ``coarse_payload`` hazard when the loss's inputs are stored coarser than the declared compute: their
+    rounding (``error_model.loss_storage_bounds``) is admitted in every field; the fields where it reaches a
+    tenth of the value are named with it (a change smaller than that goes unseen there)."""
+    if not stored:
+        return
+    coarse = coarse_payloads(ctx.precision.compute, {
+        "log_probs": li.log_probs, "old_log_probs": li.old_log_probs, "rollout_log_probs": li.rollout_log_probs,
+        "ref_log_probs": li.ref_log_probs, "entropy": li.entropy,
+        "advantages": li.advantages if isinstance(li.advantages, torch.Tensor) else None})
+    wide = [f"{f} ±{b:.2g} (value {float(actual[f]):.2g})" for f, b in stored.items()
+            if b > 0 and b >= STORAGE_HAZARD * abs(float(actual[f]))]
+    ctx.hazard(StageId.LOSS_POLICY.value, "coarse_payload", message=(
+        f"{coarse} stored coarser than the declared {ctx.precision.compute} compute: every loss field admits "
+        f"their rounding" + (f"; it reaches a tenth of the value in {', '.join(wide)}" if wide else "")))
+
+
+# The share of a loss field's value its inputs' storage rounding may reach before the hazard names the field.
+STORAGE_HAZARD = 0.1
 
 
 # ctx.outputs key of the float64 per-sample sums of the recompute (:func:`_loss_sums`), every loss knob included.
@@ -152,12 +176,21 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     names += ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else []) + ["kl_pg"]
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
     names += ["is_flip"] if masked_is else []
+    # payloads stored coarser than the declared compute (error_model.storage_unit): what their rounding moves
+    store = StorageUnits.of(ctx.precision.compute, log_probs=li.log_probs, old_log_probs=li.old_log_probs,
+                            rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs, entropy=entropy,
+                            advantages=li.advantages if isinstance(li.advantages, torch.Tensor) else None)
+    if store.any:
+        names += ["store_pg", "store_kl", "store_ent"] + (["store_kl_loss"] if kl_loss else [])
     # counted rows: whole numbers of masked tokens, rare (hazards), added by sample where a chunk has any
     counted = ["near_clip", "extreme"] + (["near_lower"] if knobs.dual_clip else []) + (["clamped"] if clamps else [])
     row = {name: k for k, name in enumerate(names)}
     n_signed = len(signed_names)
     sample_terms, sample_cond = _sample_pass(ctx, li)
     n = ctx.n
+    if store.any:
+        store_sample = store.sample_errors(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths,
+                                           knobs)
     out = torch.zeros((len(names), n), dtype=torch.float64)
     counts = torch.zeros((len(counted), n), dtype=torch.float64)
     seq32 = torch.zeros((n_signed, n), dtype=torch.float32)
@@ -202,6 +235,19 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
             torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
         torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
+        e_ratio = e_weight = None
+        if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
+            e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
+                                   li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+                                   li.ref_log_probs[lo:hi] if kl_loss else None)
+            e_ratio, e_weight = e["ratio"], e["weight"]
+            torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
+            torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
+            torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
+            if kl_loss:
+                kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
+                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
+                torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
         if signed_entropy:
             torch.abs(buf[2], out=buf[row["abs_ent"]])
         if with_ratio:
@@ -214,14 +260,14 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             flip = torch.zeros_like(w, dtype=torch.bool)
             for edge in (knobs.is_low, knobs.is_high):
                 if edge is not None:
-                    flip |= near_value(w, float(edge), u_token, w_cond)
+                    flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
             # a token the mask may keep or drop: its whole weighted term w·|pg| is open
             torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
-        hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high),
+        hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio),
                 abs_lr > EXTREME_LOG_RATIO]
         if knobs.dual_clip:
             chosen = torch.maximum(ratio, ratio.clamp(low, high))
-            hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond) & (adv < 0))
+            hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
         if clamps:
             hit = torch.zeros_like(m, dtype=torch.bool)
             if knobs.log_ratio_clamp is not None:

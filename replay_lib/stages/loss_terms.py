@@ -11,16 +11,17 @@ recorded term (``per="sample"``) and for ``pg_losses`` (``per="token"``).
 Tolerances. Each bound is what a legitimate producer's rounding can reach, computed alongside in float64 (the
 constants are those of ``replay_lib.error_model``: 8 for a per-token formula, 2 per addition). ``u_t`` is the
 unit roundoff of the producer's per-token arithmetic (``producer_precision.compute``), ``u_a`` that of its
-accumulation (``producer_precision.accumulate``; default float32/float32, SPEC §5.1), and ``u_s`` that of a
-payload stored coarser than ``compute`` (a bf16 payload of float32 values: the producer computed from values
-the bundle no longer has; 0 otherwise — then the recorded values are the producer's own):
+accumulation (``producer_precision.accumulate``; default float32/float32, SPEC §5.1):
 
-* the log-ratio ``Δ = old − logp`` is off by at most ``e_Δ = u_t·|Δ| + u_s·(|old| + |logp|)`` (its one
-  rounding, and the inputs' storage rounding);
+* the log-ratio ``Δ = old − logp`` is off by at most ``e_Δ = u_t·|Δ|`` (its one rounding);
 * a per-token term is off by at most ``8·(u_t·|pg|·3 + 2·|pg|·e_Δ)`` for the surrogate (``exp`` of a rounded
-  log-ratio, the clamp bound, the product with the advantage), ``8·e_Δ`` for ``ppo_kl``, ``8·u_s·|entropy|``
-  for the entropy (a recorded value: exact unless stored coarser) — the ``8·u·cond`` rule of the per-token
-  stages;
+  log-ratio, the clamp bound, the product with the advantage), ``8·e_Δ`` for ``ppo_kl``, 0 for the entropy (a
+  recorded value) — the ``8·u·cond`` rule of the per-token stages;
+* payloads stored coarser than ``compute`` (a bf16 copy of float32 values: the producer computed from values the
+  bundle no longer has; ``error_model.StorageUnits``) add ``2·|∂x|·e`` per token as the scalars do: ``e`` =
+  ``u_s·(|old| + |logp|)`` for the log-ratio (and the importance weight's ``u_s·(|old| + |rollout|)``, the
+  advantage's ``u_s``) in the surrogate, the log-ratio's for ``ppo_kl``, ``u_s·|entropy|``, and the KL term's
+  ``e_r·max|dKL/dr|``; the clip decisions within ``2·e`` of a bound are open;
 * a per-sample sum of ``n_i`` such terms adds at most ``2·u_a·n_i·Σ_t |x_t|·mask`` — the worst case of a
   sequential sum (a √n bound is not sound for sequential producers, which reach 10–160× it on constant data);
   a pairwise or tree sum does better, so this never refuses a legitimate order. The sum's bound is the
@@ -58,7 +59,7 @@ from typing import Optional
 
 import torch
 
-from ..error_model import kl_condition, sample_exponent_condition
+from ..error_model import C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condition, kl_slope, sample_exponent_condition
 from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
 from ..kernels import LOSS_CHUNK
 from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
@@ -66,10 +67,6 @@ from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
 
 STAGE = "loss.policy"
-# Unit roundoff of each declarable format (half an ulp of 1).
-UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
-_DTYPE_FORMAT = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
-                 torch.float16: "float16"}
 TOKEN_SLACK = 8.0  # roundings of one per-token formula, with room
 ACCUMULATE_SLACK = 2.0  # per addition of a sequential sum (the n_i·u bound, doubled)
 TOKEN_TERMS_PAYLOAD = "pg_losses"
@@ -102,25 +99,13 @@ def _exact(ctx: StageContext) -> bool:
     return bool(getattr(getattr(ctx, "rules", None), "exact", False))
 
 
-def _storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
-    """``u_s``: the unit roundoff of the coarsest payload stored coarser than the compute format (0: none)."""
-    u_t = UNIT_ROUNDOFF[compute]
-    u = 0.0
-    for t in tensors:
-        if t is not None:
-            u_t_payload = UNIT_ROUNDOFF.get(_DTYPE_FORMAT.get(t.dtype, "float32"), UNIT_ROUNDOFF["float32"])
-            if u_t_payload > u_t:
-                u = max(u, u_t_payload)
-    return u
-
-
 class _Tokens:
     """The loss stage's per-token inputs, evaluated a chunk at a time in ``dtype`` (float64; float32, the
     producer's kernels' arithmetic, under ``--exact``) with the configured knobs (``kernels.policy_token_terms``:
     dual-clip, GSPO, the importance weight) and handed out as float64 with their rounding bounds."""
 
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
-                 lengths: torch.Tensor, u_t: float, u_s: float, dtype: torch.dtype = torch.float64,
+                 lengths: torch.Tensor, u_t: float, store: StorageUnits, dtype: torch.dtype = torch.float64,
                  advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                  ref_log_probs: Optional[torch.Tensor] = None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
@@ -133,13 +118,16 @@ class _Tokens:
         self.high = 1.0 + float(config.eps_clip_high)
         self.size = int(mask.numel())
         self.ends = torch.cumsum(lengths.to(torch.int64), 0)
-        self.u_t, self.u_s, self.dtype = u_t, u_s, dtype
+        self.u_t, self.store, self.dtype = u_t, store, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
                                              dtype=dtype)
         # a per-sample exponent (GSPO's ratio, a sequence/geometric IS weight): its rounding, per sample
         self.sample_cond = sample_exponent_condition(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
                                                      self.knobs)
+        # payloads stored coarser than the declared compute: their rounding, per sample (GSPO, a sequence IS weight)
+        self.sample_store = store.sample_errors(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
+                                                self.knobs) if store.any else None
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.policy_token_terms``) and
@@ -155,8 +143,6 @@ class _Tokens:
         clipped = t["clip"].to(torch.float64)
         lr = t["log_ratio"].to(torch.float64)
         e_delta = lr.abs().mul_(self.u_t)
-        if self.u_s:
-            e_delta += (logp.to(torch.float64).abs() + old.to(torch.float64).abs()).mul_(self.u_s)
         if self.sample_cond is not None:
             e_delta += self.sample_cond[seg] * self.u_t
         if "is_log_weight" in t and self.knobs.is_level == "token":
@@ -165,15 +151,26 @@ class _Tokens:
                "mask": self.mask[lo:hi].to(torch.float64), "e_delta": e_delta, "seg": seg,
                "pg_bound": pg.abs().mul_(TOKEN_SLACK).mul_(e_delta * 2.0 + 3.0 * self.u_t),
                "ppo_kl_bound": (ppo_kl.abs().mul_(self.u_t) + (e_delta - lr.abs().mul(self.u_t))) * TOKEN_SLACK}
+        # payloads stored coarser than the declared compute (error_model.StorageUnits): C_STORE·|∂x|·e, as the scalars
+        store = self.store.token_errors(self.knobs, seg, self.sample_store, self.log_probs[lo:hi], self.old[lo:hi],
+                                        self.rollout[lo:hi] if self.rollout is not None else None,
+                                        self.ref[lo:hi] if "kl_loss" in t else None) if self.store.any else None
+        out["e_store"] = store["ratio"] if store else None
+        if store:
+            out["pg_bound"] += pg.abs().mul_(store["ratio"] + store["weight"] + self.store.advantage).mul_(C_STORE)
+            out["ppo_kl_bound"] += store["log_ratio"] * C_STORE
         if "is_weight" in t and self.knobs.is_mode == "mask":  # a weight at an IcePop edge: kept or dropped
             raw = t["is_log_weight"].to(torch.float64)
             if self.knobs.is_log_clamp is not None:
                 raw = raw.clamp(-self.knobs.is_log_clamp, self.knobs.is_log_clamp)
             raw = raw.exp()
+            slack = e_delta.mul(TOKEN_SLACK).add(TOKEN_SLACK * self.u_t)
+            if store:
+                slack += store["weight"] * C_STORE
             near = torch.zeros_like(raw, dtype=torch.bool)
             for edge in (self.knobs.is_low, self.knobs.is_high):
                 if edge is not None:
-                    near |= (raw - edge).abs() <= raw * e_delta.mul(TOKEN_SLACK).add(TOKEN_SLACK * self.u_t)
+                    near |= (raw - edge).abs() <= raw * slack
             out["pg_bound"] += near.to(torch.float64) * t["pg_unweighted"].to(torch.float64).abs() * raw
         if self.rho is not None:  # --chain: the advantage itself is a recomputed value, ρ off per sample
             rho = self.rho[seg]
@@ -184,25 +181,26 @@ class _Tokens:
             if "is_weight" in t:
                 scale = scale * t["is_weight"].to(torch.float64)
             out["pg_bound"] += scale * rho
-        if "kl_loss" in t:  # the KL term: 8·(u_t·cond + cond·e_r), e_r the log-ratio's own error
+        if "kl_loss" in t:  # the KL term: 8·(u_t·cond + cond·|r|·u_t), and its inputs' storage error
             r = t["kl_r"].to(torch.float64)
             if self.knobs.kl_loss_input_clamp is not None:
                 r = r.clamp(-self.knobs.kl_loss_input_clamp, self.knobs.kl_loss_input_clamp)
             cond = kl_condition(r, self.knobs.kl_loss_type)
-            e_r = r.abs() * self.u_t
-            if self.u_s:
-                e_r += (logp.to(torch.float64).abs() + self.ref[lo:hi].to(torch.float64).abs()) * self.u_s
             out["kl_loss"] = t["kl_loss"].to(torch.float64)
-            out["kl_loss_bound"] = cond.mul_(e_r + self.u_t).mul_(TOKEN_SLACK)
+            out["kl_loss_bound"] = cond.mul_(r.abs() * self.u_t + self.u_t).mul_(TOKEN_SLACK)
+            if store:
+                out["kl_loss_bound"] += kl_slope(r, self.knobs.kl_loss_type, store["kl"]).mul_(store["kl"]).mul_(C_STORE)
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
-            out["entropy_bound"] = out["entropy"].abs().mul_(TOKEN_SLACK * self.u_s)
+            out["entropy_bound"] = out["entropy"].abs().mul_(C_STORE * self.store.entropy)
         return out
 
     def near_clip_bound(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens whose clip decision a producer's rounding may flip: the ratio within its rounding of a bound
         (and a non-zero advantage: with A = 0 both sides are 0 and nothing is clipped)."""
         slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
+        if c["e_store"] is not None:
+            slack += c["ratio"] * c["e_store"] * C_STORE
         near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
         near &= c["adv"] != 0
         if "rho" in c:  # an advantage within its rounding of 0: its sign, and so the decision, is open
@@ -272,9 +270,11 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
         return []
     compute, accumulate = _precision(ctx)
     exact = _exact(ctx)
-    stored = [t for t in (log_probs, old_log_probs, advantages, entropy) if isinstance(t, torch.Tensor)]
+    store = StorageUnits.of(compute, log_probs=log_probs, old_log_probs=old_log_probs,
+                            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
+                            advantages=advantages if isinstance(advantages, torch.Tensor) else None)
     tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, lengths=ctx.lengths,
-                     u_t=UNIT_ROUNDOFF[compute], u_s=_storage_unit(compute, *stored),
+                     u_t=UNIT_ROUNDOFF[compute], store=store,
                      dtype=torch.float32 if exact else torch.float64,
                      advantage_bound=None if exact else advantage_bound, rollout_log_probs=rollout_log_probs,
                      ref_log_probs=ref_log_probs)

@@ -14,6 +14,7 @@ fidelity bug from floating-point noise.
 ``gpu_tree_256``   per-block stride-halving trees (256 elements) then a tree over blocks (CUDA kernels)
 ``gpu_tree_1024``  the same with blocks of 1024
 ``numpy``          float32 NumPy: ``np.sum``'s pairwise summation, NumPy's SIMD ``np.exp``
+``stored_bf16``    ``torch_sum`` on float32 values whose capture keeps bfloat16 copies of the per-token payloads
 =================  ==================================================================================
 
 Use :func:`produce` (writes a bundle with the real :class:`~replay_lib.bundle.BundleWriter`) or
@@ -54,6 +55,7 @@ from .gpu_tree import GPUTree
 from .inputs import REWARD_KINDS, Inputs, Size, make_inputs
 from .megatron import Megatron
 from .numpy_pairwise import NumpyPairwise
+from .stored_bf16 import StoredBF16
 from .torch_sum import TorchSum
 
 __all__ = ["BUGS", "CONFIGS", "FAMILIES", "REWARD_KINDS", "Config", "Family", "Parts", "Size", "bug_config", "family",
@@ -68,6 +70,7 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "gpu_tree_256": lambda: GPUTree(256),
     "gpu_tree_1024": lambda: GPUTree(1024),
     "numpy": NumpyPairwise,
+    "stored_bf16": StoredBF16,
 }
 
 # Every reward kind with std normalization on and off, every KL type and KL off, entropy in and out of the

@@ -8,7 +8,9 @@ PyTorch (``exp`` of a clamped log-ratio as ``compute_policy_loss_vanilla`` does,
 ``kl_penalty``'s ``exp(kl) − kl − 1``), reduces them with ``torch.sum`` and divides by the global count times
 the dp size (verl ``agg_loss``); the reported scalar is the float32 sum of the micro-batches' values, as
 verl's metrics accumulate. ``precision="bfloat16"``: the log-probs are bf16 values (a bf16 forward), stored as
-bf16 payloads, the loss computed from them upcast — the declared ``compute: bfloat16``.
+bf16 payloads, the loss computed from them upcast — the declared ``compute: bfloat16``. ``precision="stored_bf16"``:
+the loss computed from the float32 log-probs, their bf16 copies stored (a capture that halves the bundle) — the
+declared ``compute: float32``; the bundle no longer has the values the loss consumed.
 
 :data:`LOSS_BUGS` are the bug classes a loss side really has: ``denominator`` (verl#7321's class: the token
 mean divided by the micro-batch's own token count instead of the global one), ``dual_clip_sign`` (dual-clip
@@ -163,9 +165,8 @@ def produce_loss_bundle(path: str | Path, seed: int, size: Size, cfg: LossConfig
     rollout = (inputs.old_log_probs + rng.normal(0, 0.3, total)).astype(np.float32)
     adv = np.repeat(rng.normal(0, 1, size.samples), inputs.lengths).astype(np.float32)
     logp, old, ref = inputs.log_probs, inputs.old_log_probs, inputs.ref_log_probs
-    payload_dtype = torch.float32
+    payload_dtype = torch.bfloat16 if precision in ("bfloat16", "stored_bf16") else torch.float32
     if precision == "bfloat16":
-        payload_dtype = torch.bfloat16
         logp, old, ref, rollout = (_f32(x).to(torch.bfloat16).float().numpy() for x in (logp, old, ref, rollout))
     lengths = torch.from_numpy(inputs.lengths.astype(np.int64))
     mask = torch.from_numpy(inputs.mask.astype(np.float32))
@@ -179,7 +180,8 @@ def produce_loss_bundle(path: str | Path, seed: int, size: Size, cfg: LossConfig
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=3, step_id=0),
                                                                rank={"dp": cfg.dp}),
                         samples=samples, config=recompute_config(cfg, tokens))
-    declared = {"compute": precision, "accumulate": "float32"} if precision != "float32" else None
+    declared = {"compute": precision, "accumulate": "float32"} if precision == "bfloat16" else \
+        {"compute": "float32", "accumulate": "float32"} if precision == "stored_bf16" else None
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.loss_knobs", torch_version=torch.__version__),
                         stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)), payloads={},
