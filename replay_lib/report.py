@@ -39,7 +39,7 @@ class Divergence(msgspec.Struct, frozen=True, kw_only=True):
 class Hazard(msgspec.Struct, frozen=True, kw_only=True):
     """A place where a legitimate producer's result is dominated by rounding or mathematically undefined
     (SPEC §5.1): reported, never failed. ``kind``: ``near_zero_std``, ``singleton_group``,
-    ``zero_advantage_group``, ``kl_clamp``, ``clip_boundary``, ``extreme_ratio``; ``sample_id`` or
+    ``zero_advantage_group``, ``kl_clamp``, ``clip_boundary``, ``extreme_ratio``, ``coarse_payload``; ``sample_id`` or
     ``group_index`` says where (neither: a summary of further places)."""
 
     stage: str
