@@ -108,9 +108,10 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
     bound = loss_scalar_bounds(sums, actual, list(expected), entropy_coef=knobs.entropy_coef,
                                precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
                                advantage_per_sample=li.advantage_per_sample, knobs=knobs)
-    _loss_hazards(ctx, sums)
+    # the step-wide hazard first: it says how much every loss field admits
     _storage_hazard(ctx, li, loss_storage_bounds(sums, list(expected), entropy_coef=knobs.entropy_coef, knobs=knobs),
                     actual)
+    _loss_hazards(ctx, sums)
     return expected, {f: actual[f] for f in expected}, bound
 
 
