@@ -245,9 +245,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
             torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
             torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
-            if kl_loss:
-                kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
-                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
+            if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
                 torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
         if signed_entropy:
             torch.abs(buf[2], out=buf[row["abs_ent"]])
