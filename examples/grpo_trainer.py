@@ -635,6 +635,15 @@ def step_counts(args, mask: torch.Tensor, lengths: torch.Tensor, world: int) -> 
                 loss_horizon=args.max_digits + 2 + int(args.append_eos), loss_scale=float(world))
 
 
+def stored(args, tensor):
+    """What the trainer hands to capture: a per-token float tensor as ``--capture-dtype`` keeps it (bfloat16:
+    a copy of the float32 values half the size; the bundle then declares float32 compute with coarser payloads,
+    whose rounding the replay admits), anything else as it is."""
+    if args.capture_dtype == "float32" or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        return tensor
+    return tensor.detach().to(getattr(torch, args.capture_dtype))
+
+
 def knob_payloads(knobs: LossKnobs, tok: torch.Tensor, ref_log_probs: torch.Tensor,
                   rollout_lp: Optional[torch.Tensor], value) -> dict:
     """What capture records for the knobs (SPEC §4.2): ``ref_log_probs`` for a KL term in the loss,
@@ -764,8 +773,9 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                 capture.capture_rollout(
                     r, sample_ids=ids, group_index=groups.tolist(), response_lengths=lengths.tolist(),
                     total_lengths=[len(prompt_tokens(s.digits)) + len(s.response) for s in samples],
-                    loss_mask=mask, raw_rewards=raw, rewards=rewards, old_log_probs=old_log_probs,
-                    ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, values=values, returns=returns,
+                    loss_mask=mask, raw_rewards=raw, rewards=rewards, old_log_probs=stored(args, old_log_probs),
+                    ref_log_probs=stored(args, ref_log_probs), kl=stored(args, kl),
+                    advantages=stored(args, advantages), values=stored(args, values), returns=stored(args, returns),
                     prompts=[s.prompt_text for s in samples],
                     responses=[" ".join(TOKEN_TEXT[t] for t in s.response) for s in samples],
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
@@ -833,11 +843,12 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         sample_ids=[ids[i] for i in mb], group_index=[samples[i].group for i in mb],
                         response_lengths=lengths[mb].tolist(),
                         total_lengths=[len(prompt_tokens(samples[i].digits)) + int(lengths[i]) for i in mb],
-                        loss_mask=mask[tok], log_probs=log_probs, old_log_probs=old_log_probs[tok],
-                        advantages=step_advantages[tok], entropy=entropy, raw_rewards=step_raw[mb],
-                        rewards=step_rewards[mb],
-                        side_channels=channels, loss_terms=mb_loss.terms, pg_losses=mb_loss.pg_losses,
-                        loss_fields=fields, **knob_payloads(knobs, tok, ref_log_probs, rollout_lp, value),
+                        loss_mask=mask[tok], log_probs=stored(args, log_probs),
+                        old_log_probs=stored(args, old_log_probs[tok]), advantages=stored(args, step_advantages[tok]),
+                        entropy=stored(args, entropy), raw_rewards=step_raw[mb], rewards=step_rewards[mb],
+                        side_channels=channels, loss_terms=mb_loss.terms, pg_losses=stored(args, mb_loss.pg_losses),
+                        loss_fields=fields, **{k: stored(args, v) for k, v in knob_payloads(
+                            knobs, tok, ref_log_probs, rollout_lp, value).items()},
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -962,6 +973,9 @@ def build_parser() -> argparse.ArgumentParser:
     for bug, needs, what in LOSS_BUG_FLAGS:
         loss.add_argument(f"--{bug.replace('_', '-')}-bug", dest=f"{bug}_bug", action="store_true",
                           help=f"(needs {needs}) {what}")
+    p.add_argument("--capture-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the per-token tensors handed to capture (bfloat16: copies of the float32 values, "
+                        "half the bundle; the replay admits their rounding)")
     p.add_argument("--sample-support", action="store_true",
                    help="score log-probs over each token's recorded top-k sampler support (policy, old, ref) "
                         "and capture stage logprob.support")

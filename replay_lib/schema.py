@@ -274,7 +274,8 @@ def stage_contracts(
     declare_value: bool = True,
 ) -> dict[StageId, StageContract]:
     """Version-1 contracts for ``stages`` (``recompute`` unless ``capabilities`` says otherwise, ``reuse``
-    unless ``implementations`` does), plus ``loss.value`` declared unsupported, as V1 producers write."""
+    unless ``implementations`` does), plus ``loss.value`` declared unsupported, as V1 producers write, where
+    ``stages`` does not ask for it."""
     capabilities = capabilities or {}
     implementations = implementations or {}
     out = {
@@ -282,7 +283,7 @@ def stage_contracts(
                          implementation=implementations.get(s, "reuse"))
         for s in stages
     }
-    if declare_value:
+    if declare_value and StageId.LOSS_VALUE not in out:
         out[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, version="v1",
                                                 capability=StageCapability.UNSUPPORTED)
     return out

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.runner import replay
@@ -109,6 +110,44 @@ def test_each_bug_flag_is_the_first_divergence(tmp_path, flags, stage, fields, l
     assert len(hits) >= 2 if "--kl-loss-bug" not in flags else len(hits) >= 1, found
     for got_stage, field, sample in hits:
         assert (got_stage, field in fields, sample is not None) == (stage, True, located), found
+
+
+BF16_CAPTURE = ("--capture-dtype", "bfloat16")
+
+
+@pytest.mark.parametrize("flags", [VERL_DAPO_PPO, ("--loss-agg", "seq_mean_token_mean", "--gspo", "--tis", "sequence:2.0",
+                                                  "--icepop", "0.5"), ("--sample-support",)],
+                         ids=["every-knob-ppo", "gspo-icepop", "sample-support"])
+def test_bf16_copies_of_the_float32_tensors_replay_clean(tmp_path, flags):
+    """``--capture-dtype bfloat16``: the trainer computes in float32 and hands capture bf16 copies of every
+    per-token tensor (half the bundle). The bundles declare float32 compute with coarser payloads; every stage
+    (KL, advantages, the loss and its per-sample and per-token terms, PPO's value loss, the support rescoring)
+    admits their rounding, and says so in a coarse_payload hazard."""
+    directory = train(tmp_path, *flags, *BF16_CAPTURE)
+    assert first_divergences(directory) == dict.fromkeys(STEPS)
+    reader = open_bundle(directory / "step-0-1").shards[0]
+    assert reader.payload("log_probs").dtype == torch.bfloat16
+    assert reader.manifest.comparison_policy.producer_precision.compute == "float32"
+    report = replay(directory / "step-0-1")
+    hazards = [h.message for h in report.hazards if h.kind == "coarse_payload"]
+    assert len(hazards) == 1 and hazards[0].startswith("log_probs, old_log_probs"), hazards
+    assert "(bfloat16) stored coarser than the declared float32 compute" in hazards[0]
+
+
+@pytest.mark.parametrize("flags,fields", [
+    (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), {"loss_weight"}),
+    (("--dual-clip", "3", "--dual-clip-bug"), {"pg_losses", "pg_sum"}),
+    (("--tis", "token:1.5", "--tis-bug"), {"pg_losses", "pg_sum"}),
+], ids=["denominator", "dual-clip", "tis"])
+def test_bugs_above_the_bf16_rounding_are_still_the_first_divergence(tmp_path, flags, fields):
+    """The storage rounding hides no bug that moves values by more than a bf16 rounding of the log-probs: the
+    weights, the dual-clip branch and the importance weight are still named at their sample and token (the
+    KL term's bug at kl_loss_coef 0.1, a change of a few 1e-2 per token, is inside it)."""
+    found = first_divergences(train(tmp_path, *flags, *BF16_CAPTURE))
+    hits = [d for d in found.values() if d is not None]
+    assert len(hits) >= 2, found
+    for stage, field, sample in hits:
+        assert (stage, field in fields, sample is not None) == ("loss.policy", True, True), found
 
 
 def test_bad_knob_flags_are_usage_errors(tmp_path):

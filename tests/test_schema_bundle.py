@@ -452,3 +452,12 @@ def test_a_linked_payload_directory_is_never_read_ahead(tmp_path, monkeypatch):
     with pytest.raises(BundleError, match="payload directory must not be a symlink"):
         BundleReader(b)
     assert ahead == []
+
+
+def test_stage_contracts_declares_loss_value_unsupported_only_where_not_asked_for():
+    from replay_lib.schema import StageCapability, StageId, stage_contracts
+
+    assert stage_contracts((StageId.SAMPLE,))[StageId.LOSS_VALUE].capability == StageCapability.UNSUPPORTED
+    asked = stage_contracts((StageId.SAMPLE, StageId.LOSS_VALUE))
+    assert asked[StageId.LOSS_VALUE].capability == StageCapability.RECOMPUTE
+    assert StageId.LOSS_VALUE not in stage_contracts((StageId.SAMPLE,), declare_value=False)

@@ -153,3 +153,46 @@ def test_payloads_as_fine_as_the_compute_admit_no_storage_rounding(tmp_path, cli
     assert code == 1
     assert report["first_divergence"]["field"] == "ppo_kl"
     assert not [h for h in report["hazards"] if h["kind"] == "coarse_payload"]
+
+
+def _value_bundle(path, *, dtype: torch.dtype, vf_loss: float):
+    """One sample of two loss tokens, v = v_old = (1, 2), R = (0.5, 1) (exact in bf16), no value clip:
+    vf = d²/2 with d = (0.5, 1), vf_loss = (0.125 + 0.5)/2 = 0.3125 (sum of per-sample means)."""
+    samples = [SampleRecord(sample_id="s-0", group_index=0, response_length=2, total_length=10, loss_mask=[1, 1],
+                            raw_reward=1.0, reward=0.5, micro_batch_id="mb-0")]
+    index = BundleIndex(bundle_id="value", identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0)),
+                        samples=samples, config=RecomputeConfig(value_clip=None))
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="value",
+                        producer=ProducerInfo(commit="tests.test_storage_rounding", torch_version=torch.__version__),
+                        stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_VALUE)), payloads={},
+                        comparison_policy=comparison_policy({"compute": "float32", "accumulate": "float32"}),
+                        redaction={})
+    writer = BundleWriter(path, manifest, index, {"loss.value": {"vf_loss": vf_loss, "vf_clipfrac": 0.0}})
+    writer.write_payload("values", torch.tensor([1.0, 2.0], dtype=dtype))
+    writer.write_payload("old_values", torch.tensor([1.0, 2.0], dtype=dtype))
+    writer.write_payload("returns", torch.tensor([0.5, 1.0], dtype=dtype))
+    return writer.finalize(ranks=[0])
+
+
+# e = 2⁻⁸·(|v| + |v_old| + |R|) = (2.5, 5)·2⁻⁸ per token; vf_loss admits 2·(1/2)·Σ_t (|d| + e)·e.
+E_VALUE = (2.5 * U8, 5.0 * U8)
+VF_STORE = (0.5 + E_VALUE[0]) * E_VALUE[0] + (1.0 + E_VALUE[1]) * E_VALUE[1]
+
+
+def test_the_value_loss_admits_the_storage_rounding_and_not_more(tmp_path, cli):
+    assert VF_STORE == 0.024890899658203125  # (0.5 + 0.009765625)·0.009765625 + (1 + 0.01953125)·0.01953125
+    code, _ = _replay(cli, _value_bundle(tmp_path / "in", dtype=torch.bfloat16, vf_loss=0.3125 + VF_STORE - 1e-4))
+    assert code == 0
+    code, report = _replay(cli, _value_bundle(tmp_path / "out", dtype=torch.bfloat16,
+                                              vf_loss=0.3125 + VF_STORE + 1e-4))
+    assert code == 1
+    d = report["first_divergence"]
+    assert (d["stage"], d["field"]) == ("loss.value", "vf_loss")
+    # atol + rtol·|e| + the float32 evaluation's own bound + the storage term. Its own: 2u·|T| + 2u·(K_sum + K_outer)
+    # + 2u·K_tok with u = 2⁻²⁴, K_sum = K_outer = 0.3125 and K_tok = 2·Σ_t w·(|d|·(|v| + |R| + |v_old|) + vf) =
+    # 2·(1.375 + 5.5)/2 = 6.875 (stages.value)
+    own = 2 * 2.0 ** -24 * (0.3125 + 0.625 + 6.875)
+    assert d["tolerance"] == pytest.approx(ATOL + RTOL * d["expected"] + own + VF_STORE, rel=1e-12)
+    # float32 payloads hold the values the producer used: the same vf_loss is a divergence
+    code, _ = _replay(cli, _value_bundle(tmp_path / "f32", dtype=torch.float32, vf_loss=0.3125 + VF_STORE - 1e-4))
+    assert code == 1

@@ -59,7 +59,8 @@ from typing import Optional
 
 import torch
 
-from ..error_model import C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condition, kl_slope, sample_exponent_condition
+from ..error_model import (C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condition, kl_slope, sample_exponent_condition,
+                           storage_unit)
 from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
 from ..kernels import LOSS_CHUNK
 from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
@@ -346,8 +347,12 @@ def _token_field(ctx: StageContext, tokens: _Tokens) -> FieldResult:
     def actual(lo: int, hi: int) -> torch.Tensor:
         return tokens.chunk(lo, hi)["pg"]
 
+    # the payload itself stored coarser than the compute: one more rounding of the producer's value
+    u_own = storage_unit(ctx.precision.compute, recorded)
+
     def bound(lo: int, hi: int) -> torch.Tensor:
-        return tokens.chunk(lo, hi)["pg_bound"]
+        c = tokens.chunk(lo, hi)
+        return c["pg_bound"] + c["pg"].abs() * u_own if u_own else c["pg_bound"]
 
     return ctx.field(STAGE, TOKEN_TERMS_PAYLOAD, PER_TOKEN, recorded, actual, bound=bound,
                      compared=tokens.mask != 0, note="the per-token surrogate before aggregation (loss tokens)")

@@ -35,7 +35,7 @@ from ..bundle import BundleReader
 import msgspec
 
 from ..compare import Comparison
-from ..error_model import C_TOKEN, U32
+from ..error_model import C_STORE, C_TOKEN, U32, storage_unit
 from ..fields import PER_TOKEN
 from ..report import STATUS_FAIL, Divergence, StageReport
 from ..schema import RecomputeConfig, StageId
@@ -295,12 +295,15 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
                                            invariants=dict(v.flags))
 
     violation = v.flags_union(loss)
-    bound = _support_bound(ctx, ids, actual) if not ctx.rules.exact else None
+    bound = _support_bound(ctx, ids, logits, actual) if not ctx.rules.exact else None
     fields = []
     for source in sources:
-        recorded = _token_payload(ctx, source, 1, "float").to(torch.float32)
-        fields.append(ctx.field(STAGE, SCORED_FIELDS.get(source, f"support_{source}"), PER_TOKEN, recorded, actual,
-                                compared=compared, flagged=violation, bound=bound))
+        recorded = _token_payload(ctx, source, 1, "float")
+        # a log-prob payload stored coarser than the compute: one rounding of the producer's value more
+        u_own = storage_unit(ctx.precision.compute, recorded)
+        own = bound + actual.to(torch.float64).abs().nan_to_num(0.0) * u_own if bound is not None and u_own else bound
+        fields.append(ctx.field(STAGE, SCORED_FIELDS.get(source, f"support_{source}"), PER_TOKEN,
+                                recorded.to(torch.float32), actual, compared=compared, flagged=violation, bound=own))
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         bad_fields = [f"{source} ({cmp.mismatches} token(s) of {cmp.bad_samples} sample(s))"
@@ -321,13 +324,21 @@ def run_logprob_support(ctx: StageContext) -> StageReport:
     return msgspec.structs.replace(report, compared=n_compared)
 
 
-def _support_bound(ctx: StageContext, ids: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+def _support_bound(ctx: StageContext, ids: torch.Tensor, logits: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
     """The rounding bound of ``logp_S = (l_y − m) − log Σ_j exp(l_j − m)`` per token, for the producer's
     evaluation (its declared ``compute`` precision) and for this stage's own float32 one: the subtraction is
     off by ``u·|l_y − m| ≤ u·|logp_S|``, the sum of K terms in [1, K] by ``K·u`` relative, so its log by
-    ``K·u`` absolute; ``8·(u_t + u32)·(|logp_S| + K)`` (see ``error_model``)."""
+    ``K·u`` absolute; ``8·(u_t + u32)·(|logp_S| + K)`` (see ``error_model``). Support logits stored coarser
+    than the compute (``error_model.storage_unit``) add ``2·2·u_s·max_j|l_j|``: ``logp_S`` moves by at most
+    twice the largest change of a member logit."""
     members = (ids >= 0).sum(1).to(torch.float64)
-    return C_TOKEN * (ctx.precision.token + U32) * (actual.to(torch.float64).abs().nan_to_num(0.0) + members)
+    bound = C_TOKEN * (ctx.precision.token + U32) * (actual.to(torch.float64).abs().nan_to_num(0.0) + members)
+    u_logits = storage_unit(ctx.precision.compute, logits)
+    if u_logits and logits.numel():
+        member = logits.to(torch.float64).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        largest = torch.where(ids >= 0, member, torch.zeros_like(member)).amax(1)  # padding is no member
+        bound += (2 * C_STORE * u_logits) * largest
+    return bound
 
 
 def _check_experts(ctx: StageContext, v: _Violations) -> None:

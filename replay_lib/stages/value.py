@@ -11,7 +11,10 @@ Teacher forcing: the returns are the recorded payload (GAE, which makes them, is
 Rounding bound (``error_model.aggregated_condition`` / ``scalar_bound``): per token the condition of ``vf`` is
 ``c_t = |d|·(|v| + |R| + |v_old| + ε_v) + vf`` (``d`` the chosen difference: each of ``v − R`` and the clamp
 rounds once relative to its operands, and squaring doubles a relative error); the clip fraction admits the
-tokens where the two squares lie within ``8·u_t·c_t`` of each other (a rounding may pick either).
+tokens where the two squares lie within ``8·u_t·c_t`` of each other (a rounding may pick either). Payloads
+stored coarser than the declared compute (``error_model.storage_unit``: bf16 copies of float32 values) add their
+rounding, ``e = u_s·(|v| + |v_old| + |R|)`` per difference: ``2·(|d| + e)·e`` per token (``vf = d²/2``), and the
+clip decisions within ``4·|d|·e`` of a tie are open.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import C_NEAR_CLIP, aggregated_condition, scalar_bound
+from ..error_model import C_NEAR_CLIP, C_STORE, aggregated_condition, scalar_bound, storage_error, storage_unit
 from ..fields import PER_SCALAR
 from ..kernels.loss import VALUE_FIELDS, LossKnobs, agg_divisors, value_fields_from_sums, value_loss_fields, \
     value_token_terms
@@ -46,8 +49,9 @@ def _sums(ctx: StageContext, values, old_values, returns, mask, knobs: LossKnobs
     """One pass: per sample, Σ_t x·mask of vf and the clip indicator, Σ_t mask, Σ_t |vf|·c_t·mask, the tokens
     at the clip decision's rounding, and the float32 sequential sum of vf."""
     u = ctx.precision.token
+    u_s = storage_unit(ctx.precision.compute, values, old_values, returns)
     eps = float(knobs.value_clip) if knobs.value_clip is not None else 0.0
-    names = ("vf", "clip", "mask", "vf_tok", "near")
+    names = ("vf", "clip", "mask", "vf_tok", "near") + (("store",) if u_s else ())
     out = torch.zeros((len(names), ctx.n), dtype=torch.float64)
     vf32 = torch.zeros(ctx.n, dtype=torch.float32)
     for lo, hi, seg in ctx.token_chunks():
@@ -56,8 +60,15 @@ def _sums(ctx: StageContext, values, old_values, returns, mask, knobs: LossKnobs
         t = value_token_terms(v, old, r, knobs.value_clip, dtype=torch.float64)
         d = torch.maximum(t["d1"].abs(), t["d2"].abs())
         cond = d * (v.abs() + r.abs() + old.abs() + eps) + t["vf"]
-        near = ((t["d1"] * t["d1"] - t["d2"] * t["d2"]).abs() <= C_NEAR_CLIP * u * cond) & (t["d1"] != t["d2"])
-        rows = torch.stack([t["vf"] * m, t["clip"] * m, m, cond * m, near.to(torch.float64) * m])
+        slack = C_NEAR_CLIP * u * cond
+        if u_s:  # the differences' inputs stored coarser than the compute: each is e off the producer's
+            e = storage_error(u_s, v, old, r)
+            slack = slack + (2 * C_STORE) * d * e
+        near = ((t["d1"] * t["d1"] - t["d2"] * t["d2"]).abs() <= slack) & (t["d1"] != t["d2"])
+        rows = [t["vf"] * m, t["clip"] * m, m, cond * m, near.to(torch.float64) * m]
+        if u_s:
+            rows.append((d + e) * e * m)
+        rows = torch.stack(rows)
         out.index_add_(1, seg, rows)  # every row at once, each sample's sum in token order
         vf32.index_add_(0, seg, (t["vf"] * m).to(torch.float32))
     sums = dict(zip(names, out))
@@ -80,6 +91,8 @@ def value_bounds(sums: dict[str, torch.Tensor], fields: dict[str, torch.Tensor],
         bound = scalar_bound(float(fields[name]), cond, precision)
         if metric:
             bound += float((sums["near"] / (inner * outer)).sum())
+        elif "store" in sums:
+            bound += C_STORE * abs(float(knobs.loss_scale)) * float((sums["store"] / (inner * outer)).sum())
         out[name] = bound
     return out
 
