@@ -50,8 +50,12 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
   admits far more than they do, which the ``coarse_payload`` hazard says). k1/k2/k3 take ``2·e_r·max|dKL/dr|``
   over ``r ± e_r``, ``e_r = u_s·(|old| + |ref|)`` (:func:`kl_slope`: at ``r = 0`` the slope is 0, the move is
   not); the loss fields the per-token ``|∂x_t|·e_t`` summed with their aggregation's weights
-  (:func:`loss_storage_bounds`), and the clip decisions within ``2·e`` of a bound are open. A payload as fine as
-  the compute format holds the values themselves (a bf16 forward's log-probs upcast for a float32 loss): 0.
+  (:func:`loss_storage_bounds`), and the clip decisions within ``2·e`` of a bound are open; the KL penalty in the
+  score ``2·u_s·|kl_coef|·Σ|kl|``, a GAE or discounted-return recursion ``2·u_s`` times its recursion over the
+  magnitudes, the value loss ``2·(|d| + e)·e`` per token (``stages.value``), and an expected payload stored
+  coarser (pg_losses, a support-scored log-prob) its own one rounding. Each such stage raises one
+  ``coarse_payload`` hazard. A payload as fine as the compute format holds the values themselves (a bf16
+  forward's log-probs upcast for a float32 loss): 0.
   Measured on ``tests/producers`` ``stored_bf16`` (slime's float32 arithmetic, bf16 payloads) and the loss-knob
   producer's ``stored_bf16``: clean at every size and config (worst 0.015 of the tolerance), sign-flipped
   advantages, k1 for k3, PR #65, biased std, the clip and token-mean bugs, a per-micro-batch denominator and

@@ -129,9 +129,25 @@ def test_bf16_copies_of_the_float32_tensors_replay_clean(tmp_path, flags):
     assert reader.payload("log_probs").dtype == torch.bfloat16
     assert reader.manifest.comparison_policy.producer_precision.compute == "float32"
     report = replay(directory / "step-0-1")
-    hazards = [h.message for h in report.hazards if h.kind == "coarse_payload"]
-    assert len(hazards) == 1 and hazards[0].startswith("log_probs, old_log_probs"), hazards
-    assert "(bfloat16) stored coarser than the declared float32 compute" in hazards[0]
+    hazards = {h.stage: h.message for h in report.hazards if h.kind == "coarse_payload"}
+    assert set(hazards) == ({"loss.policy", "loss.value"} if "--ppo" in flags else {"loss.policy"}), hazards
+    assert hazards["loss.policy"].startswith("log_probs, old_log_probs"), hazards
+    assert "(bfloat16) stored coarser than the declared float32 compute" in hazards["loss.policy"]
+
+
+@pytest.mark.parametrize("flags,stage", [(("--estimator", "gae", "--ppo"), "advantage.estimate"),
+                                         (("--estimator", "dr_grpo", "--kl-in-reward", "sequence"), "reward.post_process")],
+                         ids=["gae", "kl-in-reward"])
+def test_bf16_copies_of_values_and_kl_replay_clean_on_the_rollout_side(tmp_path, flags, stage):
+    """The rollout side under ``--capture-dtype bfloat16``: GAE over bf16 copies of the critic's values, and the
+    sequence KL penalty in the score over a bf16 copy of the KL (the second rollout: the first one's policy is
+    the reference, its KL 0), each with its coarse_payload hazard."""
+    directory = train(tmp_path, *flags, "--rollouts", "2", *BF16_CAPTURE)
+    for name in ("rollout-0", "rollout-1"):
+        report = replay(directory / name)
+        assert report.passed, (name, [(s.stage, s.reason) for s in report.stages if s.status == "fail"])
+    hazards = {h.stage for h in replay(directory / "rollout-1").hazards if h.kind == "coarse_payload"}
+    assert stage in hazards, hazards
 
 
 @pytest.mark.parametrize("flags,fields", [

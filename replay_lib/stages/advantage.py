@@ -11,7 +11,7 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import as_float64, list_tensor
-from ..error_model import (C_REWARD, U32, advantage_bound, coarse_payloads, kl_bound, recursion_bound, storage_error, storage_unit,
+from ..error_model import (C_REWARD, C_STORE, U32, advantage_bound, kl_bound, recursion_bound, storage_error, storage_unit,
                            unit_roundoff, whiten_bound)
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
@@ -38,12 +38,9 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         else:
             cols = _kl_columns(ctx, old, ref, expected.dtype)
             kl, bound = cols.column("actual"), cols.column("bound")
-            coarse = coarse_payloads(ctx.precision.compute, {"old_log_probs": old, "ref_log_probs": ref})
-            if coarse:
-                ctx.hazard("advantage.kl", "coarse_payload", message=(
-                    f"{coarse} stored coarser than the declared {ctx.precision.compute} compute: each kl admits "
-                    f"their rounding, 2·|dKL/dr|·u·(|old| + |ref|), as the producer's r was that far from the "
-                    f"recorded one"))
+            ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
+                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|), as the producer's r was that far "
+                "from the recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
     field = ctx.field("advantage.kl", "kl", PER_TOKEN, expected, kl, bound=bound)
@@ -339,6 +336,15 @@ class _TokenEstimate:
                 else:
                     cond = discounted_returns(terms, lengths, cfg.gamma, dtype=torch.float64)
                 bound = recursion_bound(pre, pre32, cond, U32)
+                # values / kl stored coarser than the declared compute: the recursion carries their rounding,
+                # within the same recursion over the magnitudes of its terms
+                u_s = storage_unit(ctx.precision.compute, values if kind == "gae" else None, kl)
+                if u_s:
+                    bound = bound + (C_STORE * u_s) * cond
+                    ctx.coarse_payload_hazard("advantage.estimate", {"values": values if kind == "gae" else None,
+                                                                     "kl": kl}, (
+                        "each advantage admits their rounding, carried by the recursion (2·u times the recursion "
+                        "over the magnitudes of its terms)"))
             if inherited is not None:  # --chain: the recomputed rewards' own bound, carried like the reward
                 carried = token_rewards(inherited.to(torch.float64), self.mask, lengths, dtype=torch.float64)
                 decay = cfg.gamma * (cfg.lam if kind == "gae" else 1.0)
@@ -347,6 +353,9 @@ class _TokenEstimate:
             self.bound = bound
             if kind == "gae":  # returns = A + V: the advantage's error (and the sum's rounding, added by the caller)
                 self.returns_bound = bound
+                u_v = storage_unit(ctx.precision.compute, values)
+                if u_v:  # and the stored V's own rounding, which the sum carries as it is
+                    self.returns_bound = bound + (C_STORE * u_v) * values.to(torch.float64).abs()
         recorded = cfg.advantage_whiten_stats
         self.whiten_stats = None if recorded is None else (float(recorded.mean), float(recorded.std))
 

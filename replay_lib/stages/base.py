@@ -9,7 +9,7 @@ import torch
 
 from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
-from ..error_model import Precision, Rules, bundle_tolerance, is_exact_field
+from ..error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field
 from ..fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets, token_chunks
 from ..report import Hazard, StageReport
@@ -239,6 +239,16 @@ class StageContext:
         """Report a hazard at the selected sample ``sample`` (an index into :attr:`samples`) or a group."""
         self.hazards.append(Hazard(stage=stage, kind=kind, sample_id=self.sample_ids[sample] if sample is not None
                                    else None, group_index=group_index, message=message, rank=self.rank))
+
+    def coarse_payload_hazard(self, stage: str, named: dict, admits: str) -> bool:
+        """One ``coarse_payload`` hazard when any of ``named`` (payloads) is stored coarser than the declared
+        compute (``error_model.coarse_payloads``): ``<payloads> stored coarser than the declared float32 compute:
+        <admits>``. Whether it was raised."""
+        coarse = coarse_payloads(self.precision.compute, named)
+        if coarse:
+            self.hazard(stage, "coarse_payload", message=(
+                f"{coarse} stored coarser than the declared {self.precision.compute} compute: {admits}"))
+        return bool(coarse)
 
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import (SEQ32_SUMS, StorageUnits, coarse_payloads, kl_condition, kl_slope, loss_aggregate_bound,
+from ..error_model import (SEQ32_SUMS, StorageUnits, kl_condition, kl_slope, loss_aggregate_bound,
                            loss_clip_hits, loss_scalar_bounds, loss_storage_bounds, near_value,
                            sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
@@ -121,15 +121,14 @@ def _storage_hazard(ctx: StageContext, li: LossInputs, stored: dict[str, float],
     tenth of the value are named with it (a change smaller than that goes unseen there)."""
     if not stored:
         return
-    coarse = coarse_payloads(ctx.precision.compute, {
-        "log_probs": li.log_probs, "old_log_probs": li.old_log_probs, "rollout_log_probs": li.rollout_log_probs,
-        "ref_log_probs": li.ref_log_probs, "entropy": li.entropy,
-        "advantages": li.advantages if isinstance(li.advantages, torch.Tensor) else None})
     wide = [f"{f} ±{b:.2g} (value {float(actual[f]):.2g})" for f, b in stored.items()
             if b > 0 and b >= STORAGE_HAZARD * abs(float(actual[f]))]
-    ctx.hazard(StageId.LOSS_POLICY.value, "coarse_payload", message=(
-        f"{coarse} stored coarser than the declared {ctx.precision.compute} compute: every loss field admits "
-        f"their rounding" + (f"; it reaches a tenth of the value in {', '.join(wide)}" if wide else "")))
+    ctx.coarse_payload_hazard(StageId.LOSS_POLICY.value, {
+        "log_probs": li.log_probs, "old_log_probs": li.old_log_probs, "rollout_log_probs": li.rollout_log_probs,
+        "ref_log_probs": li.ref_log_probs, "entropy": li.entropy,
+        "advantages": li.advantages if isinstance(li.advantages, torch.Tensor) else None},
+        "every loss field admits their rounding" + (f"; it reaches a tenth of the value in {', '.join(wide)}"
+                                                     if wide else ""))
 
 
 # The share of a loss field's value its inputs' storage rounding may reach before the hazard names the field.

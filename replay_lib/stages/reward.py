@@ -9,8 +9,8 @@ import torch
 
 from ..compare import Comparison, list_tensor
 from ..fields import PER_SAMPLE
-from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, U32, exact_zero_std, group_stats, near_zero_std,
-                           reward_bound, singleton_bound)
+from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, U32, exact_zero_std, group_stats,
+                           near_zero_std, reward_bound, singleton_bound, storage_unit)
 from ..kernels import (GroupRule, compute_approx_kl, group_moments, group_rule, post_process, segment_sum,
                        sequence_kl_score)
 from ..report import Divergence, StageReport
@@ -164,6 +164,11 @@ def _scores(ctx: StageContext, raw: torch.Tensor):
     magnitude = raw.abs() + abs(cfg.kl_coef) * abs_kl
     seq32 = sequence_kl_score(raw.to(torch.float32), kl.to(torch.float32), mask, ctx.lengths, cfg.kl_coef)
     score_error = C_SEQUENTIAL * (seq32.to(torch.float64) - score).abs() + C_REWARD * U32 * abs(cfg.kl_coef) * abs_kl
+    u_kl = storage_unit(ctx.precision.compute, kl)
+    if u_kl:  # a kl payload stored coarser than the compute: each term one rounding off the producer's
+        score_error = score_error + (C_STORE * u_kl * abs(cfg.kl_coef)) * abs_kl
+        ctx.coarse_payload_hazard("reward.post_process", {"kl": kl}, (
+            "each score r − kl_coef·Σ kl admits their rounding, 2·u·|kl_coef|·Σ|kl|"))
     return score, magnitude, score_error
 
 

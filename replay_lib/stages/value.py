@@ -50,6 +50,9 @@ def _sums(ctx: StageContext, values, old_values, returns, mask, knobs: LossKnobs
     at the clip decision's rounding, and the float32 sequential sum of vf."""
     u = ctx.precision.token
     u_s = storage_unit(ctx.precision.compute, values, old_values, returns)
+    if u_s:
+        ctx.coarse_payload_hazard(STAGE, dict(zip(VALUE_PAYLOADS, (values, old_values, returns))), (
+            "vf_loss admits their rounding, 2·(|d| + e)·e per token with e = u·(|v| + |v_old| + |R|)"))
     eps = float(knobs.value_clip) if knobs.value_clip is not None else 0.0
     names = ("vf", "clip", "mask", "vf_tok", "near") + (("store",) if u_s else ())
     out = torch.zeros((len(names), ctx.n), dtype=torch.float64)
