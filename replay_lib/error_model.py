@@ -131,6 +131,9 @@ C_SEQUENTIAL = 3.0
 C_FINAL = 2.0
 C_NEAR_CLIP = 8.0
 C_STORE = 2.0
+# The share of a value its inputs' storage rounding may reach before a coarse_payload hazard names it: a change
+# smaller than that goes unseen there.
+STORAGE_HAZARD = 0.1
 # The surrogate's per-token condition: c_t = (PG_COND + PG_KL_COND·|ppo_kl|)·|pg|.
 PG_COND, PG_KL_COND = 3.0, 2.0
 
@@ -395,8 +398,16 @@ def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token
     than the compute format (``input_error``: ``e_r``, :func:`storage_error` of the two log-probs)."""
     bound = C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * truth.abs()
     if input_error is not None:
-        bound += kl_slope(log_ratio, kl_type, input_error, exp_neg).mul_(input_error).mul_(C_STORE)
+        bound += kl_storage_error(log_ratio, kl_type, input_error, exp_neg)
     return bound
+
+
+def kl_storage_error(log_ratio: torch.Tensor, kl_type: str, input_error: torch.Tensor,
+                     exp_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 per token: ``2·e_r·max|dKL/dr|`` over ``r ± e_r`` — how far the KL recomputed from log-probs
+    stored coarser than the compute can be from the producer's (``input_error``: ``e_r``, :func:`storage_error`
+    of the two log-probs). advantage.kl's bound, and what the KL in the reward carries under ``--chain``."""
+    return kl_slope(log_ratio, kl_type, input_error, exp_neg).mul_(input_error).mul_(C_STORE)
 
 
 def storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
@@ -411,14 +422,20 @@ def storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
 
 
 def coarse_payloads(compute: str, named: Mapping[str, Optional[torch.Tensor]]) -> str:
-    """``"log_probs, old_log_probs (bfloat16)"``: those of ``named`` stored coarser than ``compute`` (``""``:
+    """``"log_probs, old_log_probs (bfloat16, u = 2^-8)"``: those of ``named`` stored coarser than ``compute`` (``""``:
     none) — what a ``coarse_payload`` hazard names."""
     u_t = UNIT_ROUNDOFF.get(compute, U32)
     by_dtype: dict[str, list[str]] = {}
     for name, t in named.items():
         if isinstance(t, torch.Tensor) and unit_roundoff(t.dtype) > u_t:
             by_dtype.setdefault(str(t.dtype).removeprefix("torch."), []).append(name)
-    return "; ".join(f"{', '.join(names)} ({dtype})" for dtype, names in by_dtype.items())
+    return "; ".join(f"{', '.join(names)} ({dtype}, u = {_power_of_two(unit_roundoff(dtype))})"
+                     for dtype, names in by_dtype.items())
+
+
+def _power_of_two(u: float) -> str:
+    """``2^-8``: a unit roundoff as the power of two it is."""
+    return f"2^{int(math.log2(u))}"
 
 
 def storage_error(u_s: float, *values: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from replay_lib.demo import write_bundle, write_step_loss
 from replay_lib.fields import compare_field, stage_report
 from replay_lib.schema import PerSampleLossTerms
 from replay_lib.stages.base import StageContext, StageInputError
+from replay_lib.stages.loss_inputs import LossInputs
 from replay_lib.stages.loss_terms import loss_term_fields
 
 # The loss stage compares the terms once it calls ``loss_term_fields`` (stages/loss.py); until then the tests of
@@ -170,9 +171,10 @@ def _fields(bundle, indices=None):
     ctx = StageContext(reader=reader, indices=list(range(n)) if indices is None else indices,
                        partial=indices is not None)
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None
-    fields = loss_term_fields(ctx, log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                              advantages=ctx.payload("advantages"), entropy=entropy, mask=ctx.loss_mask,
-                              config=ctx.config)
+    fields = loss_term_fields(ctx, LossInputs(log_probs=ctx.payload("log_probs"),
+                                              old_log_probs=ctx.payload("old_log_probs"),
+                                              advantages=ctx.payload("advantages"), entropy=entropy,
+                                              mask=ctx.loss_mask))
     return {f.name: f for f in fields}, ctx
 
 
@@ -327,8 +329,8 @@ def test_no_terms_no_fields_and_entropy_sum_needs_entropy(tmp_path, step_bundle)
     ctx = StageContext(reader=reader, indices=[0, 1, 2, 3], partial=False)
     with pytest.raises(StageInputError, match=r"expected.json \$.loss.policy.per_sample.entropy_sum needs the "
                                               r"payload 'entropy'"):
-        loss_term_fields(ctx, log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                         advantages=ctx.payload("advantages"), entropy=None, mask=ctx.loss_mask, config=ctx.config)
+        loss_term_fields(ctx, LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
+                                         advantages=ctx.payload("advantages"), entropy=None, mask=ctx.loss_mask))
 
 
 # ----------------------------------------------------------------------- through the loss stage (CLI)
@@ -387,11 +389,10 @@ def test_chained_advantages_widen_the_surrogate_and_clip_bounds_by_their_roundin
     reader = BundleReader(step_bundle)
     ctx = StageContext(reader=reader, indices=[0, 1, 2, 3], partial=False)
     args = dict(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                advantages=ctx.payload("advantages"), entropy=ctx.payload("entropy"), mask=ctx.loss_mask,
-                config=ctx.config)
-    plain = {f.name: f for f in loss_term_fields(ctx, **args)}
+                advantages=ctx.payload("advantages"), entropy=ctx.payload("entropy"), mask=ctx.loss_mask)
+    plain = {f.name: f for f in loss_term_fields(ctx, LossInputs(**args))}
     rho = torch.tensor([0.1, 0, 0, 2.0], dtype=torch.float64)
-    chained = {f.name: f for f in loss_term_fields(ctx, **args, advantage_bound=rho)}
+    chained = {f.name: f for f in loss_term_fields(ctx, LossInputs(**args, advantage_bound=rho))}
     grown = (chained["pg_sum"].tolerance - plain["pg_sum"].tolerance).tolist()
     assert grown[0] == pytest.approx(3 * 0.1 * math.exp(0.5), rel=1e-12) and grown[1:3] == [0.0, 0.0]
     assert grown[3] == pytest.approx(3 * 2.0 * math.exp(0.5), rel=1e-12)

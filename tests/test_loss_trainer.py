@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replay_lib.bundle import open_bundle
+from replay_lib.error_model import Rules
 from replay_lib.runner import replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,24 +133,33 @@ def test_bf16_copies_of_the_float32_tensors_replay_clean(tmp_path, flags):
     hazards = {h.stage: h.message for h in report.hazards if h.kind == "coarse_payload"}
     assert set(hazards) == ({"loss.policy", "loss.value"} if "--ppo" in flags else {"loss.policy"}), hazards
     assert hazards["loss.policy"].startswith("log_probs, old_log_probs"), hazards
-    assert "(bfloat16) stored coarser than the declared float32 compute" in hazards["loss.policy"]
+    assert "(bfloat16, u = 2^-8) stored coarser than the declared float32 compute" in hazards["loss.policy"]
 
 
-@pytest.mark.parametrize("flags,stage", [(("--estimator", "gae", "--ppo"), "advantage.estimate"),
-                                         (("--estimator", "dr_grpo", "--kl-in-reward", "sequence"), "reward.post_process")],
-                         ids=["gae", "kl-in-reward"])
-def test_bf16_copies_of_values_and_kl_replay_clean_on_the_rollout_side(tmp_path, flags, stage):
+@pytest.mark.parametrize("flags,hazards", [
+    (("--estimator", "gae", "--ppo"), {"advantage.estimate": "values"}),
+    (("--estimator", "dr_grpo", "--kl-in-reward", "sequence"), {"reward.post_process": "kl"}),
+    (("--kl-in-reward", "sequence"), {"reward.post_process": "kl"}),
+    (("--estimator", "reinforce_plus_plus", "--kl-in-reward", "token_returns"), {"advantage.estimate": "kl"}),
+], ids=["gae", "kl-in-reward", "grpo-kl-in-reward", "token-returns"])
+@pytest.mark.parametrize("chain", [False, True], ids=["teacher-forced", "chain"])
+def test_bf16_copies_of_values_and_kl_replay_clean_on_the_rollout_side(tmp_path, flags, hazards, chain):
     """The rollout side under ``--capture-dtype bfloat16``: GAE over bf16 copies of the critic's values, and the
-    sequence KL penalty in the score over a bf16 copy of the KL (the second rollout: the first one's policy is
-    the reference, its KL 0), each with its coarse_payload hazard."""
+    KL penalty in the score (sequence) or in the token rewards (token returns) over a bf16 copy of the KL — the
+    second rollout: the first one's policy is the reference, its KL 0 —, each with its coarse_payload hazard.
+    Under ``--chain`` the KL is recomputed from the bf16 old and reference log-probs: its storage error
+    (2·|dKL/dr|·u·(|old| + |ref|), about 5% of a KL this small) is carried into the score and the token rewards,
+    and the hazard names the log-probs (they once failed there at up to 9.7e3×)."""
     directory = train(tmp_path, *flags, "--rollouts", "2", *BF16_CAPTURE)
+    rules = Rules(chain=chain)
     for name in ("rollout-0", "rollout-1"):
-        report = replay(directory / name)
+        report = replay(directory / name, rules=rules)
         assert report.passed, (name, [(s.stage, s.reason) for s in report.stages if s.status == "fail"])
-    hazards = {h.stage for h in replay(directory / "rollout-1").hazards if h.kind == "coarse_payload"}
-    assert stage in hazards, hazards
-
-
+    found = {h.stage: h.message for h in replay(directory / "rollout-1", rules=rules).hazards
+             if h.kind == "coarse_payload"}
+    for stage, payload in hazards.items():
+        named = "old_log_probs, ref_log_probs" if chain and payload == "kl" else payload
+        assert found[stage].startswith(f"{named} (bfloat16"), found
 @pytest.mark.parametrize("flags,fields", [
     (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), {"loss_weight"}),
     (("--dual-clip", "3", "--dual-clip-bug"), {"pg_losses", "pg_sum"}),

@@ -78,7 +78,7 @@ def test_kl_bound_admits_what_a_bf16_copy_of_a_float32_log_prob_moves():
 def test_coarse_payloads_names_them_by_dtype():
     named = {"log_probs": torch.zeros(1, dtype=torch.bfloat16), "old_log_probs": torch.zeros(1, dtype=torch.bfloat16),
              "entropy": torch.zeros(1, dtype=torch.float16), "advantages": torch.zeros(1), "ref_log_probs": None}
-    assert coarse_payloads("float32", named) == "log_probs, old_log_probs (bfloat16); entropy (float16)"
+    assert coarse_payloads("float32", named) == "log_probs, old_log_probs (bfloat16, u = 2^-8); entropy (float16, u = 2^-11)"
     assert coarse_payloads("bfloat16", named) == ""
 
 
@@ -122,8 +122,9 @@ def test_ppo_kl_admits_the_storage_rounding_and_not_more(tmp_path, cli):
     assert code == 0, report["stages"]
     hazard = [h for h in report["hazards"] if h["kind"] == "coarse_payload"]
     assert [h["message"] for h in hazard] == [
-        "log_probs, old_log_probs (bfloat16) stored coarser than the declared float32 compute: every loss field "
-        "admits their rounding; it reaches a tenth of the value in ppo_kl ±0.023 (value 0)"]
+        "log_probs, old_log_probs (bfloat16, u = 2^-8) stored coarser than the declared float32 compute: every loss field "
+        "admits their rounding; it exceeds the value in ppo_kl ±0.023 (value 0), which cannot tell a change that "
+        "size: record the per-sample loss terms (loss_terms=, pg_losses=) to locate it"]
 
     outside = _bundle(tmp_path / "out", dtype=torch.bfloat16, compute="float32", ppo_kl=PPO_KL_STORE + 1e-4)
     code, report = _replay(cli, outside)

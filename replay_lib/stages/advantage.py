@@ -20,7 +20,7 @@ from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
-from .reward import _reward_kl, reward_kl_type
+from .reward import _reward_kl, kl_reach, reward_kl_type
 
 
 def run_advantage_kl(ctx: StageContext) -> StageReport:
@@ -293,9 +293,10 @@ class _TokenEstimate:
         rewards, inherited = grpo_rewards(ctx)
         self.mask = ctx.loss_mask
         lengths = ctx.lengths
-        kl = None
+        kl = kl_error = None
+        kl_stored, kl_rounding = {}, ""
         if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
-            kl = _reward_kl(ctx)
+            kl, kl_error, kl_stored, kl_rounding = _reward_kl(ctx)
         kind = estimate_kind(cfg)
         self.returns = self.returns_bound = None
         if kind == "broadcast":
@@ -336,15 +337,24 @@ class _TokenEstimate:
                 else:
                     cond = discounted_returns(terms, lengths, cfg.gamma, dtype=torch.float64)
                 bound = recursion_bound(pre, pre32, cond, U32)
-                # values / kl stored coarser than the declared compute: the recursion carries their rounding,
-                # within the same recursion over the magnitudes of its terms
-                u_s = storage_unit(ctx.precision.compute, values if kind == "gae" else None, kl)
-                if u_s:
-                    bound = bound + (C_STORE * u_s) * cond
-                    ctx.coarse_payload_hazard("advantage.estimate", {"values": values if kind == "gae" else None,
-                                                                     "kl": kl}, (
-                        "each advantage admits their rounding, carried by the recursion (2·u times the recursion "
-                        "over the magnitudes of its terms)"))
+                # values / kl (or under --chain the log-probs it is recomputed from) stored coarser than the
+                # declared compute: the recursion carries their rounding — the values' within the recursion over
+                # the magnitudes of its terms, each KL's own storage error discounted like its reward
+                u_v = storage_unit(ctx.precision.compute, values) if kind == "gae" else 0.0
+                if u_v:
+                    bound = bound + (C_STORE * u_v) * cond
+                if kl_error is not None:
+                    bound = bound + discounted_returns(m * (abs(cfg.kl_coef) * kl_error), lengths,
+                                                       cfg.gamma * (cfg.lam if kind == "gae" else 1.0),
+                                                       dtype=torch.float64)
+                if u_v or kl_error is not None:
+                    carried = (["the values' 2·u times the recursion over the magnitudes of its terms"] if u_v
+                               else []) + ([f"each kl's {kl_rounding} discounted like its reward"]
+                                           if kl_error is not None else [])
+                    ctx.coarse_payload_hazard("advantage.estimate", {
+                        "values": values if u_v else None, **(kl_stored if kl_error is not None else {})},
+                        f"each advantage admits their rounding, carried by the recursion ({'; '.join(carried)})"
+                        + (kl_reach(ctx, kl, kl_error, m) if kl_error is not None else ""))
             if inherited is not None:  # --chain: the recomputed rewards' own bound, carried like the reward
                 carried = token_rewards(inherited.to(torch.float64), self.mask, lengths, dtype=torch.float64)
                 decay = cfg.gamma * (cfg.lam if kind == "gae" else 1.0)

@@ -6,14 +6,13 @@ recomputed in float64 (``kernels.loss``) and judged with the error model (``erro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import (SEQ32_SUMS, StorageUnits, kl_condition, kl_slope, loss_aggregate_bound,
-                           loss_clip_hits, loss_scalar_bounds, loss_storage_bounds, near_value,
+from ..error_model import (SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
+                           loss_clip_hits, loss_scalar_bounds, near_value,
                            sample_exponent_condition)
 from ..fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
@@ -24,26 +23,8 @@ from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, f
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
-from .loss_terms import loss_term_fields, recorded_terms
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """What loss.policy consumes: the recorded log-probs, old log-probs, entropy and mask, and the
-    advantages — the recorded payload (teacher forcing), or under ``--chain`` (or without the payload)
-    advantage.estimate's recomputed ones, with their per-sample rounding bound (``advantage_bound``); and
-    what the knobs need: ``rollout_log_probs`` (importance correction), ``ref_log_probs`` (KL in the loss)."""
-
-    log_probs: torch.Tensor
-    old_log_probs: torch.Tensor
-    advantages: "torch.Tensor | GrpoReturns"
-    entropy: Optional[torch.Tensor]
-    mask: torch.Tensor
-    advantage_bound: Optional[torch.Tensor] = None
-    advantage_per_sample: Optional[torch.Tensor] = None
-    rollout_log_probs: Optional[torch.Tensor] = None
-    ref_log_probs: Optional[torch.Tensor] = None
-    knobs: LossKnobs = LossKnobs()
+from .loss_inputs import LossInputs, loss_inputs
+from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
 def recorded_loss(ctx: StageContext) -> dict[str, float]:
@@ -56,36 +37,6 @@ def recorded_loss(ctx: StageContext) -> dict[str, float]:
         if name in expected and name not in policy_fields_for(knobs):
             raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but {why}", field=name)
     return expected
-
-
-def loss_inputs(ctx: StageContext) -> LossInputs:
-    cfg = ctx.config
-    knobs = LossKnobs.of(cfg)
-    recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
-    bound = per_sample = None
-    if recomputed is None:
-        advantages = ctx.payload("advantages")
-    else:
-        advantages = recomputed
-        bound = ctx.outputs.get("advantage_bound")
-        per_sample = recomputed.rewards if isinstance(recomputed, GrpoReturns) else None
-    entropy = ctx.payload("entropy") if ctx.has("entropy") else None
-    if entropy is None and cfg.entropy_coef != 0:
-        raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
-    rollout = ref = None
-    if knobs.is_level is not None:
-        if not ctx.has("rollout_log_probs"):
-            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
-                                  field="rollout_log_probs")
-        rollout = ctx.payload("rollout_log_probs")
-    if knobs.kl_loss:
-        if not ctx.has("ref_log_probs"):
-            raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
-                                  field="ref_log_probs")
-        ref = ctx.payload("ref_log_probs")
-    return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                      advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
-                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
 
 
 def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) -> tuple[dict, dict, Optional[dict]]:
@@ -109,30 +60,32 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
                                precision=ctx.precision, advantage_bound_per_sample=li.advantage_bound,
                                advantage_per_sample=li.advantage_per_sample, knobs=knobs)
     # the step-wide hazard first: it says how much every loss field admits
-    _storage_hazard(ctx, li, loss_storage_bounds(sums, list(expected), entropy_coef=knobs.entropy_coef, knobs=knobs),
-                    actual)
+    if "store_pg" in sums:
+        _storage_hazard(ctx, li, bound, actual)
     _loss_hazards(ctx, sums)
     return expected, {f: actual[f] for f in expected}, bound
 
 
-def _storage_hazard(ctx: StageContext, li: LossInputs, stored: dict[str, float], actual: dict) -> None:
+def _storage_hazard(ctx: StageContext, li: LossInputs, bound: dict[str, float], actual: dict) -> None:
     """One ``coarse_payload`` hazard when the loss's inputs are stored coarser than the declared compute: their
-    rounding (``error_model.loss_storage_bounds``) is admitted in every field; the fields where it reaches a
-    tenth of the value are named with it (a change smaller than that goes unseen there)."""
-    if not stored:
-        return
-    wide = [f"{f} ±{b:.2g} (value {float(actual[f]):.2g})" for f, b in stored.items()
-            if b > 0 and b >= STORAGE_HAZARD * abs(float(actual[f]))]
-    ctx.coarse_payload_hazard(StageId.LOSS_POLICY.value, {
-        "log_probs": li.log_probs, "old_log_probs": li.old_log_probs, "rollout_log_probs": li.rollout_log_probs,
-        "ref_log_probs": li.ref_log_probs, "entropy": li.entropy,
-        "advantages": li.advantages if isinstance(li.advantages, torch.Tensor) else None},
-        "every loss field admits their rounding" + (f"; it reaches a tenth of the value in {', '.join(wide)}"
-                                                     if wide else ""))
-
-
-# The share of a loss field's value its inputs' storage rounding may reach before the hazard names the field.
-STORAGE_HAZARD = 0.1
+    rounding is admitted in every field (``error_model.loss_storage_bounds``, and the clip decisions it opens);
+    the fields whose bound then reaches a tenth of the value are named with it (a change smaller than that goes
+    unseen there), those whose bound exceeds the value apart: such a scalar cannot tell the value from 0, and the
+    per-sample terms (or ``pg_losses``) are what locate a change there."""
+    wide, over = [], []
+    for f, b in bound.items():
+        value = abs(float(actual[f]))
+        if b > 0 and b >= STORAGE_HAZARD * value:
+            (over if b >= value else wide).append(f"{f} ±{b:.2g} (value {float(actual[f]):.2g})")
+    parts = ["every loss field admits their rounding"]
+    if over:
+        located = recorded_terms(ctx) is not None or ctx.has(TOKEN_TERMS_PAYLOAD)
+        parts.append(f"it exceeds the value in {', '.join(over)}, which cannot tell a change that size: "
+                     + ("the per-sample terms locate it" if located else
+                        "record the per-sample loss terms (loss_terms=, pg_losses=) to locate it"))
+    if wide:
+        parts.append(f"it reaches a tenth of the value in {', '.join(wide)}")
+    ctx.coarse_payload_hazard(StageId.LOSS_POLICY.value, li.payloads(), "; ".join(parts))
 
 
 # ctx.outputs key of the float64 per-sample sums of the recompute (:func:`_loss_sums`), every loss knob included.
@@ -177,9 +130,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
     names += ["is_flip"] if masked_is else []
     # payloads stored coarser than the declared compute (error_model.storage_unit): what their rounding moves
-    store = StorageUnits.of(ctx.precision.compute, log_probs=li.log_probs, old_log_probs=li.old_log_probs,
-                            rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs, entropy=entropy,
-                            advantages=li.advantages if isinstance(li.advantages, torch.Tensor) else None)
+    store = li.storage(ctx.precision.compute)
     if store.any:
         names += ["store_pg", "store_kl", "store_ent"] + (["store_kl_loss"] if kl_loss else [])
     # counted rows: whole numbers of masked tokens, rare (hazards), added by sample where a chunk has any
@@ -383,10 +334,7 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
     aggregation, then the recorded scalars against the recompute."""
     li = loss_inputs(ctx)
     knobs = li.knobs
-    terms = loss_term_fields(ctx, log_probs=li.log_probs, old_log_probs=li.old_log_probs, advantages=li.advantages,
-                             entropy=li.entropy, mask=li.mask, config=ctx.config,
-                             advantage_bound=li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
-                             ref_log_probs=li.ref_log_probs)
+    terms = loss_term_fields(ctx, li)
     expected, actual, bound = recompute_policy_loss(ctx, li)
     names = list(expected)
     n = ctx.n

@@ -66,6 +66,7 @@ from ..kernels import LOSS_CHUNK
 from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
 from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
+from .loss_inputs import LossInputs
 
 STAGE = "loss.policy"
 TOKEN_SLACK = 8.0  # roundings of one per-token formula, with room
@@ -252,17 +253,13 @@ def _expected(ctx: StageContext, key: str, values: list) -> list:
     return [values[i] for i in ctx.indices] if ctx.partial else values
 
 
-def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                     advantages: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
-                     config: RecomputeConfig, advantage_bound: Optional[torch.Tensor] = None,
-                     rollout_log_probs: Optional[torch.Tensor] = None,
-                     ref_log_probs: Optional[torch.Tensor] = None) -> list[FieldResult]:
+def loss_term_fields(ctx: StageContext, li: "LossInputs") -> list[FieldResult]:
     """The loss stage's per-token ``pg_losses`` field (when the bundle has the payload), then its per-sample
     fields (one per term ``expected.json $.loss.policy.per_sample`` records, in ``PER_SAMPLE_TERMS`` order),
     recomputed in float64 from the stage's own inputs; ``[]`` when the bundle records neither. Raises
     :class:`StageInputError` when a recorded term needs an input the bundle lacks (``entropy_sum`` without the
-    ``entropy`` payload). ``advantages``: a tensor, or anything sliced ``[lo:hi]`` into one (the lazy GRPO
-    returns of ``--chain``); ``advantage_bound``: per sample, the rounding bound ``ρ_i`` of advantages that
+    ``entropy`` payload). ``li``: the loss stage's inputs (:class:`LossInputs`) — ``advantages`` a tensor, or
+    anything sliced ``[lo:hi]`` into one (the lazy GRPO returns of ``--chain``); ``advantage_bound``: per sample, the rounding bound ``ρ_i`` of advantages that
     were recomputed rather than recorded (``--chain``): the surrogate's bounds add ``ρ_i·max(ratio,
     clamp(ratio))`` per token, and a token whose ``|A| ≤ ρ_i`` may be clipped either way."""
     terms = recorded_terms(ctx)
@@ -271,14 +268,12 @@ def loss_term_fields(ctx: StageContext, *, log_probs: torch.Tensor, old_log_prob
         return []
     compute, accumulate = _precision(ctx)
     exact = _exact(ctx)
-    store = StorageUnits.of(compute, log_probs=log_probs, old_log_probs=old_log_probs,
-                            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
-                            advantages=advantages if isinstance(advantages, torch.Tensor) else None)
-    tokens = _Tokens(log_probs, old_log_probs, advantages, entropy, mask, config, lengths=ctx.lengths,
-                     u_t=UNIT_ROUNDOFF[compute], store=store,
+    config, entropy, mask = ctx.config, li.entropy, li.mask
+    tokens = _Tokens(li.log_probs, li.old_log_probs, li.advantages, entropy, mask, config, lengths=ctx.lengths,
+                     u_t=UNIT_ROUNDOFF[compute], store=li.storage(compute),
                      dtype=torch.float32 if exact else torch.float64,
-                     advantage_bound=None if exact else advantage_bound, rollout_log_probs=rollout_log_probs,
-                     ref_log_probs=ref_log_probs)
+                     advantage_bound=None if exact else li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
+                     ref_log_probs=li.ref_log_probs)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []

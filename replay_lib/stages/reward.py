@@ -4,13 +4,15 @@ the baseline, the std constants, the zero-std and singleton rules, KL in the sco
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..compare import Comparison, list_tensor
 from ..fields import PER_SAMPLE
-from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, U32, exact_zero_std, group_stats,
-                           near_zero_std, reward_bound, singleton_bound, storage_unit)
+from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, exact_zero_std, group_stats,
+                           kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
+                           storage_unit)
 from ..kernels import (GroupRule, compute_approx_kl, group_moments, group_rule, post_process, segment_sum,
                        sequence_kl_score)
 from ..report import Divergence, StageReport
@@ -155,34 +157,69 @@ def _scores(ctx: StageContext, raw: torch.Tensor):
     cfg = ctx.config
     if cfg.kl_in_reward != "sequence" or cfg.kl_coef == 0:
         return raw, None, None
-    kl = _reward_kl(ctx)
+    kl, kl_error, stored, rounding = _reward_kl(ctx)
     mask = ctx.loss_mask
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 sum
         return sequence_kl_score(raw.to(ctx.dtype), kl, mask, ctx.lengths, cfg.kl_coef, dtype=ctx.dtype), None, None
     score = sequence_kl_score(raw, kl, mask, ctx.lengths, cfg.kl_coef, dtype=torch.float64)
-    abs_kl = segment_sum(kl.to(torch.float64).abs() * mask.to(torch.float64), ctx.seg, ctx.n)
+    m = mask.to(torch.float64)
+    abs_kl = segment_sum(kl.to(torch.float64).abs() * m, ctx.seg, ctx.n)
     magnitude = raw.abs() + abs(cfg.kl_coef) * abs_kl
     seq32 = sequence_kl_score(raw.to(torch.float32), kl.to(torch.float32), mask, ctx.lengths, cfg.kl_coef)
     score_error = C_SEQUENTIAL * (seq32.to(torch.float64) - score).abs() + C_REWARD * U32 * abs(cfg.kl_coef) * abs_kl
-    u_kl = storage_unit(ctx.precision.compute, kl)
-    if u_kl:  # a kl payload stored coarser than the compute: each term one rounding off the producer's
-        score_error = score_error + (C_STORE * u_kl * abs(cfg.kl_coef)) * abs_kl
-        ctx.coarse_payload_hazard("reward.post_process", {"kl": kl}, (
-            "each score r − kl_coef·Σ kl admits their rounding, 2·u·|kl_coef|·Σ|kl|"))
+    if kl_error is not None:  # the KL one storage rounding (or its log-probs') off the producer's, summed
+        score_error = score_error + abs(cfg.kl_coef) * segment_sum(kl_error * m, ctx.seg, ctx.n)
+        ctx.coarse_payload_hazard("reward.post_process", stored, (
+            f"each score r − kl_coef·Σ kl admits their rounding, |kl_coef|·Σ {rounding}"
+            + kl_reach(ctx, kl, kl_error, m)))
     return score, magnitude, score_error
 
 
-def _reward_kl(ctx: StageContext) -> torch.Tensor:
-    """The per-token KL the score is penalized by: the recorded payload, or under ``--chain`` advantage.kl's
-    formula on the recorded log-probs (float64)."""
+class RewardKL(NamedTuple):
+    """The per-token KL the score is penalized by, ``error`` (float64 per token, or None) how far it can be from
+    the producer's where it, or the log-probs it is recomputed from, is stored coarser than the compute, and
+    ``stored``: the payloads it came from and ``rounding`` the error's formula (what a ``coarse_payload`` hazard
+    names)."""
+    kl: torch.Tensor
+    error: Optional[torch.Tensor]
+    stored: dict
+    rounding: str
+
+
+def _reward_kl(ctx: StageContext) -> RewardKL:
+    """The recorded ``kl`` payload, or under ``--chain`` advantage.kl's formula on the recorded log-probs
+    (float64), each with its storage error (:class:`RewardKL`)."""
     cfg = ctx.config
+    compute = ctx.precision.compute
     if ctx.chain and ctx.has("old_log_probs") and ctx.has("ref_log_probs"):
-        return compute_approx_kl(ctx.payload("old_log_probs").to(torch.float64),
-                                 ctx.payload("ref_log_probs").to(torch.float64), reward_kl_type(cfg),
-                                 dtype=torch.float64)
+        old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
+        kl_type = reward_kl_type(cfg)
+        log_ratio = old.to(torch.float64) - ref.to(torch.float64)
+        kl = compute_approx_kl(old.to(torch.float64), ref.to(torch.float64), kl_type, dtype=torch.float64)
+        u = storage_unit(compute, old, ref)
+        error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref)) if u else None
+        return RewardKL(kl, error, {"old_log_probs": old, "ref_log_probs": ref},
+                        "2·|dKL/dr|·u·(|old| + |ref|) (the KL recomputed from them, --chain)")
     if not ctx.has("kl"):
         raise StageInputError("payload 'kl' is required when kl_in_reward is set and kl_coef != 0", field="kl")
-    return ctx.payload("kl")
+    kl = ctx.payload("kl")
+    u = storage_unit(compute, kl)
+    return RewardKL(kl, (C_STORE * u) * kl.to(torch.float64).abs() if u else None, {"kl": kl}, "2·u·|kl|")
+
+
+def kl_reach(ctx: StageContext, kl: torch.Tensor, error: torch.Tensor, m: torch.Tensor) -> str:
+    """The hazard's tail where the KL's storage error reaches a tenth of the KL it bounds (``Σ error / Σ |kl|``
+    over a sample's loss tokens, the largest sample's): a KL penalty this coarse is not resolved; under
+    ``--chain`` the replay without it compares against the recorded ``kl`` (``""`` below a tenth)."""
+    total = segment_sum(kl.to(torch.float64).abs() * m, ctx.seg, ctx.n)
+    allowed = segment_sum(error * m, ctx.seg, ctx.n)
+    ratio = torch.where(total > 0, allowed / total.clamp(min=torch.finfo(torch.float64).tiny),
+                        torch.where(allowed > 0, float("inf"), 0.0))
+    if not ratio.numel() or float(ratio.max()) < STORAGE_HAZARD:
+        return ""
+    hint = ": the replay without --chain compares against the recorded kl" if ctx.chain and ctx.has("kl") else ""
+    return (f"; it reaches {float(ratio.max()):.2g}× the KL it bounds (a sample's Σ), a KL penalty this coarse "
+            f"is not resolved{hint}")
 
 
 def reward_kl_type(cfg: RecomputeConfig) -> str:

@@ -284,13 +284,15 @@ def test_trainer_loss_mask_bug_is_located_to_a_sample_by_its_per_sample_terms(tr
 
 def _loss_term_fields(bundle, rules):
     from replay_lib.stages.base import StageContext
+    from replay_lib.stages.loss_inputs import LossInputs
     from replay_lib.stages.loss_terms import loss_term_fields
 
     reader = BundleReader(bundle)
     ctx = StageContext(reader=reader, indices=list(range(len(reader.index.samples))), partial=False, rules=rules)
-    return loss_term_fields(ctx, log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                            advantages=ctx.payload("advantages"), entropy=ctx.payload("entropy"),
-                            mask=ctx.loss_mask, config=ctx.config)
+    return loss_term_fields(ctx, LossInputs(log_probs=ctx.payload("log_probs"),
+                                            old_log_probs=ctx.payload("old_log_probs"),
+                                            advantages=ctx.payload("advantages"), entropy=ctx.payload("entropy"),
+                                            mask=ctx.loss_mask))
 
 
 @pytest.mark.slow

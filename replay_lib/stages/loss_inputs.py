@@ -1,0 +1,77 @@
+"""What loss.policy consumes (:class:`LossInputs`): the recorded log-probs, old log-probs, entropy and mask, the
+advantages (recorded, or ``--chain``'s recomputed ones with their bound), and the tensors the knobs need; by
+payload name too, which is what their storage units (``error_model.StorageUnits``) and the ``coarse_payload``
+hazard are taken of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..error_model import StorageUnits
+from ..kernels import GrpoReturns
+from ..kernels.loss import LossKnobs
+from .base import StageContext, StageInputError
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What loss.policy consumes: the recorded log-probs, old log-probs, entropy and mask, and the
+    advantages — the recorded payload (teacher forcing), or under ``--chain`` (or without the payload)
+    advantage.estimate's recomputed ones, with their per-sample rounding bound (``advantage_bound``); and
+    what the knobs need: ``rollout_log_probs`` (importance correction), ``ref_log_probs`` (KL in the loss)."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: "torch.Tensor | GrpoReturns"
+    entropy: Optional[torch.Tensor]
+    mask: torch.Tensor
+    advantage_bound: Optional[torch.Tensor] = None
+    advantage_per_sample: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    knobs: LossKnobs = LossKnobs()
+
+    def payloads(self) -> dict[str, Optional[torch.Tensor]]:
+        """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
+        GRPO returns of ``--chain``."""
+        return {"log_probs": self.log_probs, "old_log_probs": self.old_log_probs,
+                "rollout_log_probs": self.rollout_log_probs, "ref_log_probs": self.ref_log_probs,
+                "entropy": self.entropy,
+                "advantages": self.advantages if isinstance(self.advantages, torch.Tensor) else None}
+
+    def storage(self, compute: str) -> StorageUnits:
+        """The storage units of the loss terms' inputs under the declared ``compute``."""
+        return StorageUnits.of(compute, **self.payloads())
+
+
+def loss_inputs(ctx: StageContext) -> LossInputs:
+    cfg = ctx.config
+    knobs = LossKnobs.of(cfg)
+    recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
+    bound = per_sample = None
+    if recomputed is None:
+        advantages = ctx.payload("advantages")
+    else:
+        advantages = recomputed
+        bound = ctx.outputs.get("advantage_bound")
+        per_sample = recomputed.rewards if isinstance(recomputed, GrpoReturns) else None
+    entropy = ctx.payload("entropy") if ctx.has("entropy") else None
+    if entropy is None and cfg.entropy_coef != 0:
+        raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
+    rollout = ref = None
+    if knobs.is_level is not None:
+        if not ctx.has("rollout_log_probs"):
+            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
+                                  field="rollout_log_probs")
+        rollout = ctx.payload("rollout_log_probs")
+    if knobs.kl_loss:
+        if not ctx.has("ref_log_probs"):
+            raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
+                                  field="ref_log_probs")
+        ref = ctx.payload("ref_log_probs")
+    return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
+                      advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
+                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
