@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+import msgspec
 import torch
 
 from ..bundle import BundleReader
 from ..compare import Comparison, as_float64, list_tensor
-from ..error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field
+from ..error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
 from ..fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets, token_chunks
 from ..report import Hazard, StageReport
@@ -191,6 +192,8 @@ class StageContext:
         against each other, which no recompute reproduces bit for bit."""
         atol, rtol = bundle_tolerance(self.reader.manifest.comparison_policy, stage, name, self.rules.tolerance_policy)
         exact_field = is_exact_field(self.reader.manifest.comparison_policy, stage, name)
+        if isinstance(expected, torch.Tensor) and storage_unit(self.precision.compute, expected):
+            self._coarse_output(stage, name, expected)
         e = expected.detach().reshape(-1) if isinstance(expected, torch.Tensor) else as_float64(expected)
 
         def tolerance(lo: int, hi: int) -> torch.Tensor:
@@ -249,6 +252,20 @@ class StageContext:
             self.hazard(stage, "coarse_payload", message=(
                 f"{coarse} stored coarser than the declared {self.precision.compute} compute: {admits}"))
         return bool(coarse)
+
+    def _coarse_output(self, stage: str, name: str, expected: torch.Tensor) -> None:
+        """A recorded output stored coarser than the compute (a bf16 copy of float32 advantages): its own
+        rounding is in the field's bound (each stage's ``u_store·|T|``), so a change smaller than that is not
+        seen there. Said in the stage's ``coarse_payload`` hazard, or one of its own."""
+        coarse = coarse_payloads(self.precision.compute, {name: expected})
+        tail = f"the recorded {coarse} is compared within its own rounding (about u·|value|)"
+        for k, h in enumerate(self.hazards):
+            if h.stage == stage and h.kind == "coarse_payload":
+                self.hazards[k] = msgspec.structs.replace(h, message=f"{h.message}; {tail}")
+                return
+        self.hazard(stage, "coarse_payload", message=(
+            f"{coarse} stored coarser than the declared {self.precision.compute} compute: compared within its "
+            "own rounding (about u·|value|): a change smaller than that is not seen there"))
 
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:
