@@ -13,6 +13,7 @@ from typing import Optional
 import msgspec
 
 from .safe_text import json_document, safe
+from .selection import group_label
 
 STATUS_PASS = "pass"
 STATUS_FAIL = "fail"
@@ -222,7 +223,8 @@ def explanation_line(e: "Explanation") -> str:
 
 
 def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
-    where = h.sample_id if h.sample_id is not None else (f"g-{h.group_index}" if h.group_index is not None else "")
+    where = h.sample_id if h.sample_id is not None else (group_label(h.group_index) if h.group_index is not None
+                                                         else "")
     if multi_rank and h.rank is not None:
         where = f"{where} [rank {h.rank}]" if where else f"[rank {h.rank}]"
     return safe(f"hazard: {h.stage} {h.kind}{' ' + where if where else ''}: {h.message}")

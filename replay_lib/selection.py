@@ -35,14 +35,18 @@ def parse_rollout(text: str) -> int:
 
 
 def parse_group(text: str) -> int:
-    m = re.match(r"^(?:g-)?(\d+)$", text.strip())
+    """``g-1``, ``1``, or a negative index as :func:`group_label` writes it (``g(-1)``) or bare (``-1``)."""
+    m = re.match(r"^(?:g-)?(\d+)$|^(?:g\((-\d+)\)|(-\d+))$", text.strip())
     if not m:
         raise SelectionError(f"--group expects a semantic group like g-1 (or 1), got {text!r}")
-    return int(m.group(1))
+    return int(next(g for g in m.groups() if g is not None))
 
 
 def group_label(group_index: Optional[int]) -> str:
-    return "-" if group_index is None else f"g-{group_index}"
+    """``g-3``; a negative index (the schema allows one) ``g(-1)``, never ``g--1``; ``-`` for none."""
+    if group_index is None:
+        return "-"
+    return f"g-{group_index}" if group_index >= 0 else f"g({group_index})"
 
 
 @dataclass

@@ -236,3 +236,15 @@ def test_two_bundles_with_the_same_anchor_stay_ambiguous(cli, tmp_path):
     assert code == 3
     assert err.endswith(f"{tmp_path}: ambiguous capture directory with 3 bundles (pass --step R:S or --rollout R, "
                         "or one bundle's own path); candidates: x (step 7:0); y (step 7:0); z (rollout 7)\n"), err
+
+
+def test_a_negative_group_index_is_labelled_and_selected_as_one():
+    """The schema allows a negative ``group_index``; it reads ``g(-1)`` (it once read ``g--1``) and ``--group``
+    takes what the label says, or the bare number."""
+    from replay_lib.selection import group_label, parse_group
+
+    assert [group_label(g) for g in (None, 0, 7, -1)] == ["-", "g-0", "g-7", "g(-1)"]
+    assert [parse_group(t) for t in ("g-7", "7", "g(-1)", "-1", " g-0 ")] == [7, 7, -1, -1, 0]
+    for bad in ("g--1", "g-", "g(1)", "x"):
+        with pytest.raises(SelectionError):
+            parse_group(bad)

@@ -34,6 +34,7 @@ import torch
 from ..compare import as_float64
 from ..error_model import group_stats, reward_bound
 from ..fields import FieldResult
+from ..selection import group_label
 from ..stages import StageContext
 from .base import Hypothesis, fmt_number, listing, micro_batches
 
@@ -178,7 +179,7 @@ def baseline_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hy
     if wrong and len(wrong) < len(set(groups.tolist())):
         inside = torch.isin(groups, torch.tensor(wrong, dtype=torch.int64))
         mixed = torch.where(inside, values, field.actual)
-        names = listing([f"g-{g}" for g in wrong])
+        names = listing([group_label(g) for g in wrong])
         out.append(Hypothesis(stage=STAGE, id=f"reward.baseline_{other}_in_groups", values={"reward": mixed}, detail=(
             f"the recorded rewards of {names} equal group normalization around {BASELINE_WORDS[other]} ({declared}; "
             f"the other groups as declared)")))

@@ -18,6 +18,7 @@ from ..kernels import (GroupRule, compute_approx_kl, group_moments, group_rule, 
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..schema import RecomputeConfig, StageId
+from ..selection import group_label
 from .base import StageContext, StageDef, StageInputError
 
 
@@ -64,7 +65,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
             pre.divergences.append(Divergence(
                 stage="reward.post_process", rank=ctx.rank, sample_id=s.sample_id, group_index=gi, field="group_size",
                 expected=float(n), actual=float(size), abs_error=float(abs(size - n)),
-                message=f"group g-{gi} has {size} sample(s), n_samples_per_prompt={n}",
+                message=f"group {group_label(gi)} has {size} sample(s), n_samples_per_prompt={n}",
             ))
     # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
     # them is what the bound admits); under --exact the producer's float32 kernel
@@ -272,23 +273,23 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
                 what = "its unbiased std is undefined (NaN)"
             else:
                 what = "its normalized reward is 0" if rule.baseline == "mean" else "its leave-one-out baseline is undefined (NaN)"
-            ctx.hazard(stage, "singleton_group", group_index=g, message=f"group g-{g} has a single sample: {what}")
+            ctx.hazard(stage, "singleton_group", group_index=g, message=f"group {group_label(g)} has a single sample: {what}")
             continue
         if tiny[k] and worst[k] > 0:  # (equal rewards whose every sum is exact normalize to 0)
             ctx.hazard(stage, "near_zero_std", group_index=g, message=(
-                f"group g-{g}: std {std_of[k]:.3g} of its {n} rewards is at the rounding level of their "
+                f"group {group_label(g)}: std {std_of[k]:.3g} of its {n} rewards is at the rounding level of their "
                 f"mean (max |r| {max_abs[k]:g}): a float32 producer's normalized values there are "
                 f"rounding noise, admitted up to ±{worst[k]:.3g}{skip}"))
         elif loo_first[k] >= 0:
             i = loo_first[k]
             ctx.hazard(stage, "near_zero_std", group_index=g, sample=i, message=(
-                f"group g-{g}: {ctx.sample_ids[i]}'s leave-one-out std over the other {n - 1} rewards is "
+                f"group {group_label(g)}: {ctx.sample_ids[i]}'s leave-one-out std over the other {n - 1} rewards is "
                 f"{float(sample_std[i]):.3g}, at the rounding level of E[r²] − b² (max |r| "
                 f"{max_abs[k]:g}): a float32 producer may divide by rounding noise there, admitted up "
                 f"to ±{float(bound[i]):.3g}{skip}"))
         if zero[k]:
             ctx.hazard(stage, "zero_advantage_group", group_index=g, message=(
-                f"group g-{g}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
+                f"group {group_label(g)}: every normalized reward is 0 (its {n} raw rewards are equal): the group adds no "
                 f"policy gradient"))
 
 
