@@ -56,7 +56,7 @@ class HazardsScreen(ModalScreen[Optional[int]]):
     }
     HazardsScreen #hazards-intro { color: $text-muted; height: auto; }
     HazardsScreen HazardList { height: auto; max-height: 20; }
-    HazardsScreen #hazards-detail { height: auto; max-height: 4; color: $text-muted; }
+    HazardsScreen #hazards-detail { height: auto; max-height: 8; color: $text-muted; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "close", "Close", id="hazards.close", tooltip="Close the hazard list"),

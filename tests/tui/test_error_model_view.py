@@ -357,3 +357,30 @@ async def test_hazard_lines_show_bundle_strings_escaped(tmp_path, name):
         await pilot.pause()
         assert app.debugger.sample_id == f"s{seq}1"
         assert is_clean("\n".join(screen_lines(app)))
+
+
+async def test_a_long_hazard_is_shown_whole_under_the_list_at_80x24():
+    """A coarse_payload hazard under --chain runs to ~400 characters (payloads, u, what each value admits, the
+    way out): highlighted, it is shown whole, wrapped under the list, at 80×24 too (it was cut after 4 lines)."""
+    from textual.app import App
+
+    from replay_lib.report import Hazard
+    from replay_tui.hazards import HazardRow
+
+    words = " ".join(f"w{i:03d}" for i in range(90))  # 449 characters, the last word w089
+    hazard = Hazard(stage="reward.post_process", kind="coarse_payload", message=words)
+    rows = [HazardRow(line=f"reward.post_process coarse_payload: {words}", hazard=hazard, sample=None, group=None)]
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(HazardsScreen(rows))
+
+    app = Host()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        await pilot.pause()
+        lines = [strip.text for strip in app.screen._compositor.render_strips()]
+        start = next(i for i, line in enumerate(lines) if "↳ in full:" in line)
+        shown = " ".join(line.strip("│ ╭╮╰╯─") for line in lines[start:])
+        assert shown.startswith("↳ in full: reward.post_process coarse_payload: w000")
+        assert "w088 w089" in shown, shown  # on the screen, not only in the widget's text
