@@ -241,17 +241,40 @@ def kl_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInpu
 
 
 def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInputs:
-    """The normalized reward an advantage token broadcasts (GRPO: every response token of the sample)."""
-    from .stages.advantage import grpo_rewards  # the rewards advantage.estimate consumes
+    """What an advantage token is made of, by the bundle's estimator (``stages.advantage.estimate_kind``): the
+    normalized reward broadcast over the sample's tokens (GRPO and its kin), the discounted returns of the
+    per-token rewards (REINFORCE++, the KL in the token rewards), or GAE over the recorded values — then
+    whitened where the estimator whitens. Only a broadcast names its value: a recursion's is the Diff pane's."""
+    from .stages.advantage import estimate_kind, grpo_rewards, whitens  # what advantage.estimate consumes
+    from .stages.reward import _reward_kl
 
+    cfg = ctx.config
     rewards, _ = grpo_rewards(ctx)
     reward = float(rewards[index])
     record = ctx.samples[index]
-    items = (("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t]))))
+    items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t])))]
     how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
-    formula = f"A = the sample's normalized reward, broadcast over its {int(ctx.lengths[index])} token(s) = " \
-              f"{fmt(reward)} ({how})"
-    return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset, formula=formula, items=items)
+    kind = estimate_kind(cfg)
+    if kind == "broadcast":
+        formula = f"A = the sample's normalized reward, broadcast over its {int(ctx.lengths[index])} token(s) = " \
+                  f"{fmt(reward)} ({how})"
+    else:
+        kl_term = " − kl_coef·kl_k" if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0 else ""
+        reward_k = f"r_k = mask_k·(1[k = last loss token]·reward{kl_term})"
+        if kind == "returns":
+            formula = f"A_t = Σ_k≥t γ^(k−t)·r_k, {reward_k}, γ = {cfg.gamma:g} (reward {how})"
+        else:
+            formula = (f"A_t = Σ_k≥t (γλ)^(k−t)·δ_k, δ_k = r_k + γ·V_k+1 − V_k, {reward_k}, γ = {cfg.gamma:g}, "
+                       f"λ = {cfg.lam:g} (reward {how})")
+            if ctx.has("values"):
+                items.append(("V", fmt(float(ctx.payload("values")[t]))))
+        if kl_term:
+            items += [("kl", fmt(float(_reward_kl(ctx).kl[t]))), ("kl_coef", f"{cfg.kl_coef:g}")]
+    if whitens(cfg):
+        formula += "; then whitened over the loss tokens" + (
+            " with the recorded stats" if cfg.advantage_whiten_stats is not None else "")
+    return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset, formula=formula,
+                         items=tuple(items))
 
 
 def _loss_token(ctx: StageContext, t: int) -> dict[str, float]:

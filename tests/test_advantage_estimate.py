@@ -160,10 +160,14 @@ def test_a_float32_producer_of_each_estimator_replays_clean(tmp_path, name):
     assert report.passed, report_to_text(report)
     estimate_stage = report.stage("advantage.estimate")
     per_token = name != "grpo_sequence_kl"  # (a broadcast: every token compared, as V1)
-    assert estimate_stage.reason.endswith(" loss token(s) compared (" if per_token else " token(s) compared") \
-        or "loss token(s) compared (" in estimate_stage.reason
-    if CASES[name]["estimator"] == "gae":  # the returns payload is compared too
+    gae = CASES[name]["estimator"] == "gae"
+    said = " loss token(s) compared and their returns (" if gae else \
+        " loss token(s) compared (" if per_token else " token(s) compared"
+    assert said in estimate_stage.reason, estimate_stage.reason
+    if CASES[name]["estimator"] == "gae":  # the returns payload is compared too, and not counted as tokens
         assert any(f.name == "returns" for f in report_fields(tmp_path / "b"))
+        assert estimate_stage.reason.startswith(
+            f"{estimate_stage.compared // 2} loss token(s) compared and their returns ("), estimate_stage.reason
 
 
 def report_fields(path):
@@ -328,3 +332,34 @@ def test_estimators_that_pass_the_score_through_need_no_groups(tmp_path):
     grpo = replay(producer.write(tmp_path / "grpo", advantages=np.repeat(rewards, inp["lengths"]), **common))
     assert grpo.stage("reward.post_process").reason == (
         "sample has no group_index; its semantic group is unknown (never inferred from a batch)")
+
+
+@pytest.mark.parametrize("name,formula", [
+    ("grpo_sequence_kl", "A = the sample's normalized reward, broadcast over its"),
+    ("reinforce_plus_plus", "A_t = Σ_k≥t γ^(k−t)·r_k, r_k = mask_k·(1[k = last loss token]·reward), γ = 0.95 "
+                            "(reward recorded); then whitened over the loss tokens"),
+    ("grpo_token_returns", "A_t = Σ_k≥t γ^(k−t)·r_k, r_k = mask_k·(1[k = last loss token]·reward − kl_coef·kl_k), "
+                           "γ = 1 (reward recorded)"),
+    ("gae_kl_whitened", "A_t = Σ_k≥t (γλ)^(k−t)·δ_k, δ_k = r_k + γ·V_k+1 − V_k, r_k = mask_k·(1[k = last loss "
+                        "token]·reward − kl_coef·kl_k), γ = 1, λ = 0.9 (reward recorded); then whitened over the "
+                        "loss tokens"),
+])
+def test_the_why_line_of_an_advantage_token_follows_the_estimator(tmp_path, name, formula):
+    """The inputs of an advantage token (the TUI's why strip) by the bundle's estimator: it once said "the
+    sample's normalized reward, broadcast" for GAE and the discounted returns too, beside a different value."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.inputs import element_inputs
+    from replay_lib.stages import StageContext
+
+    inp = make_inputs()
+    reader = open_bundle(case_bundle(tmp_path, "b", CASES[name], inp)).shards[0]
+    ctx = StageContext(reader=reader, indices=list(range(len(reader.index.samples))), partial=False)
+    why = element_inputs(ctx, "advantage", 0, 1)
+    assert why.formula.startswith(formula), why.formula
+    names = [k for k, _ in why.items]
+    assert names[:3] == ["reward", "group", "mask"]
+    if "kl_coef·kl_k" in formula:  # the token's KL (the recorded payload) and the coefficient
+        assert names[-2:] == ["kl", "kl_coef"] and dict(why.items)["kl_coef"] == f"{CASES[name]['kl_coef']:g}"
+        assert float(dict(why.items)["kl"]) == pytest.approx(float(inp["kl"][1]), rel=1e-6)
+    if CASES[name]["estimator"] == "gae":
+        assert float(dict(why.items)["V"]) == pytest.approx(float(inp["values"][1]), rel=1e-6)

@@ -161,7 +161,7 @@ def test_bf16_copies_of_values_and_kl_replay_clean_on_the_rollout_side(tmp_path,
         named = "old_log_probs, ref_log_probs" if chain and payload == "kl" else payload
         assert found[stage].startswith(f"{named} (bfloat16, u = 2^-8) stored coarser"), found
         # a KL this small (policy near the reference) is below its log-probs' bf16 rounding: said, with the way out
-        unresolved = "a KL penalty this coarse is not resolved: the replay without --chain compares against the recorded kl"
+        unresolved = "a KL penalty this small is not resolved; the replay without --chain compares against the recorded kl"
         assert (unresolved in found[stage]) == (chain and payload == "kl"), found[stage]
 @pytest.mark.parametrize("flags,fields", [
     (("--loss-agg", "token_mean", "--token-mean-denominator-bug"), {"loss_weight"}),

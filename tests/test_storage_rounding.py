@@ -126,8 +126,8 @@ def test_ppo_kl_admits_the_storage_rounding_and_not_more(tmp_path, cli):
     hazard = [h for h in report["hazards"] if h["kind"] == "coarse_payload"]
     assert [h["message"] for h in hazard] == [
         "log_probs, old_log_probs (bfloat16, u = 2^-8) stored coarser than the declared float32 compute: every loss field "
-        "admits their rounding; it exceeds the value in ppo_kl ±0.023 (value 0), which cannot tell a change that "
-        "size: record the per-sample loss terms (loss_terms=, pg_losses=) to locate it"]
+        "admits their rounding; it exceeds the value in ppo_kl ±0.023 (value 0), where a change that size goes "
+        "unseen: record the per-sample loss terms (loss_terms=, pg_losses=) to locate it"]
 
     outside = _bundle(tmp_path / "out", dtype=torch.bfloat16, compute="float32", ppo_kl=PPO_KL_STORE + 1e-4)
     code, report = _replay(cli, outside)

@@ -39,7 +39,7 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             cols = _kl_columns(ctx, old, ref, expected.dtype)
             kl, bound = cols.column("actual"), cols.column("bound")
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
-                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|), as the producer's r was that far "
+                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
                 "from the recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
@@ -167,10 +167,17 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
             per_sample.scatter_reduce_(0, ctx.seg, bound, reduce="amax", include_self=True)
         ctx.outputs["advantage_bound"] = per_sample
     what = _estimate_text(cfg)
-    return ctx.report(
-        StageId.ADVANTAGE_ESTIMATE, fields,
-        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
-        pass_reason=lambda total, per: f"{total.compared} loss token(s) compared ({what})")
+
+    def fail_reason(total, per) -> str:  # the advantages and the returns counted apart: tokens, not both
+        parts = [f"{name} mismatch in {c.mismatches} token(s) of {c.bad_samples} sample(s)"
+                 for name, c in per.items() if c.mismatches]
+        return "; ".join(parts) or f"advantage mismatch in {total.mismatches} token(s)"
+
+    def pass_reason(total, per) -> str:
+        returns = " and their returns" if "returns" in per else ""
+        return f"{per['advantage'].compared} loss token(s) compared{returns} ({what})"
+
+    return ctx.report(StageId.ADVANTAGE_ESTIMATE, fields, fail_reason=fail_reason, pass_reason=pass_reason)
 
 
 def _whiten_hazard(ctx: StageContext, est: "_TokenEstimate", stats: tuple[float, float]) -> None:

@@ -46,6 +46,10 @@ class StageContext:
     fields: dict[str, list[FieldResult]] = field(default_factory=dict)
     # Places where a legitimate producer's result is rounding-dominated or undefined (never failures).
     hazards: list[Hazard] = field(default_factory=list)
+    # The recorded outputs stored coarser than the compute, by stage, and the stage's coarse_payload message
+    # before they were added to it (None: the hazard is theirs alone) — :meth:`_coarse_output`.
+    _coarse_outputs: dict[str, dict] = field(default_factory=dict)
+    _coarse_inputs: dict[str, Optional[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples
@@ -256,16 +260,25 @@ class StageContext:
     def _coarse_output(self, stage: str, name: str, expected: torch.Tensor) -> None:
         """A recorded output stored coarser than the compute (a bf16 copy of float32 advantages): its own
         rounding is in the field's bound (each stage's ``u_store·|T|``), so a change smaller than that is not
-        seen there. Said in the stage's ``coarse_payload`` hazard, or one of its own."""
-        coarse = coarse_payloads(self.precision.compute, {name: expected})
-        tail = f"the recorded {coarse} is compared within its own rounding (about u·|value|)"
+        seen there. Said once per stage, every such output in one clause: in the stage's ``coarse_payload``
+        hazard, or one of its own."""
+        outputs = self._coarse_outputs.setdefault(stage, {})
+        outputs[name] = expected
+        coarse = coarse_payloads(self.precision.compute, outputs)
+        many = len(outputs) > 1
+        own = f"compared within {'their' if many else 'its'} own rounding (about u·|value|)"
         for k, h in enumerate(self.hazards):
             if h.stage == stage and h.kind == "coarse_payload":
-                self.hazards[k] = msgspec.structs.replace(h, message=f"{h.message}; {tail}")
+                base = self._coarse_inputs.setdefault(stage, h.message)
+                message = (f"{coarse} stored coarser than the declared {self.precision.compute} compute: {own}: a "
+                           "change smaller than that is not seen there") if base is None else \
+                    f"{base}; the recorded {coarse} {'are' if many else 'is'} {own}"
+                self.hazards[k] = msgspec.structs.replace(h, message=message)
                 return
+        self._coarse_inputs[stage] = None  # the hazard is the outputs' own
         self.hazard(stage, "coarse_payload", message=(
-            f"{coarse} stored coarser than the declared {self.precision.compute} compute: compared within its "
-            "own rounding (about u·|value|): a change smaller than that is not seen there"))
+            f"{coarse} stored coarser than the declared {self.precision.compute} compute: {own}: a change "
+            "smaller than that is not seen there"))
 
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:

@@ -80,7 +80,7 @@ def _storage_hazard(ctx: StageContext, li: LossInputs, bound: dict[str, float], 
     parts = ["every loss field admits their rounding"]
     if over:
         located = recorded_terms(ctx) is not None or ctx.has(TOKEN_TERMS_PAYLOAD)
-        parts.append(f"it exceeds the value in {', '.join(over)}, which cannot tell a change that size: "
+        parts.append(f"it exceeds the value in {', '.join(over)}, where a change that size goes unseen: "
                      + ("the per-sample terms locate it" if located else
                         "record the per-sample loss terms (loss_terms=, pg_losses=) to locate it"))
     if wide:

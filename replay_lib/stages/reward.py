@@ -210,7 +210,7 @@ def _reward_kl(ctx: StageContext) -> RewardKL:
 
 def kl_reach(ctx: StageContext, kl: torch.Tensor, error: torch.Tensor, m: torch.Tensor) -> str:
     """The hazard's tail where the KL's storage error reaches a tenth of the KL it bounds (``Σ error / Σ |kl|``
-    over a sample's loss tokens, the largest sample's): a KL penalty this coarse is not resolved; under
+    over a sample's loss tokens, the largest sample's): a KL penalty this small is not resolved; under
     ``--chain`` the replay without it compares against the recorded ``kl`` (``""`` below a tenth)."""
     total = segment_sum(kl.to(torch.float64).abs() * m, ctx.seg, ctx.n)
     allowed = segment_sum(error * m, ctx.seg, ctx.n)
@@ -218,9 +218,14 @@ def kl_reach(ctx: StageContext, kl: torch.Tensor, error: torch.Tensor, m: torch.
                         torch.where(allowed > 0, float("inf"), 0.0))
     if not ratio.numel() or float(ratio.max()) < STORAGE_HAZARD:
         return ""
-    hint = ": the replay without --chain compares against the recorded kl" if ctx.chain and ctx.has("kl") else ""
-    return (f"; it reaches {float(ratio.max()):.2g}× the KL it bounds (a sample's Σ), a KL penalty this coarse "
-            f"is not resolved{hint}")
+    hint = "; the replay without --chain compares against the recorded kl" if ctx.chain and ctx.has("kl") else ""
+    finite = ratio[torch.isfinite(ratio)]
+    parts = []
+    if finite.numel() and float(finite.max()) >= STORAGE_HAZARD:
+        parts.append(f"it reaches {float(finite.max()):.2g}× the KL it bounds (a sample's Σ)")
+    if bool(torch.isinf(ratio).any()):  # old = ref: a KL of 0, which the rounding of each still moves
+        parts.append(f"it admits {float(allowed[torch.isinf(ratio)].max()):.2g} where the KL is 0 (a sample's Σ)")
+    return f"; {', '.join(parts)}: a KL penalty this small is not resolved{hint}"
 
 
 def reward_kl_type(cfg: RecomputeConfig) -> str:
