@@ -421,14 +421,16 @@ def storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
     return max((u for u in stored if u > u_t), default=0.0)
 
 
-def coarse_payloads(compute: str, named: Mapping[str, Optional[torch.Tensor]]) -> str:
-    """``"log_probs, old_log_probs (bfloat16, u = 2^-8)"``: those of ``named`` stored coarser than ``compute`` (``""``:
-    none) — what a ``coarse_payload`` hazard names."""
+def coarse_payloads(compute: str, named: Mapping[str, "Optional[torch.Tensor | str]"]) -> str:
+    """``"log_probs, old_log_probs (bfloat16, u = 2^-8)"``: those of ``named`` (tensors, or the manifest's dtype
+    names, ``"torch.bfloat16"``) stored coarser than ``compute`` (``""``: none) — what a ``coarse_payload`` hazard
+    names, and ``--exact``'s warning."""
     u_t = UNIT_ROUNDOFF.get(compute, U32)
     by_dtype: dict[str, list[str]] = {}
     for name, t in named.items():
-        if isinstance(t, torch.Tensor) and unit_roundoff(t.dtype) > u_t:
-            by_dtype.setdefault(str(t.dtype).removeprefix("torch."), []).append(name)
+        dtype = str(t.dtype) if isinstance(t, torch.Tensor) else t if isinstance(t, str) else None
+        if dtype is not None and unit_roundoff(dtype := dtype.removeprefix("torch.")) > u_t:
+            by_dtype.setdefault(dtype, []).append(name)
     return "; ".join(f"{', '.join(names)} ({dtype}, u = {_power_of_two(unit_roundoff(dtype))})"
                      for dtype, names in by_dtype.items())
 

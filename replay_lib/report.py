@@ -222,6 +222,14 @@ def explanation_line(e: "Explanation") -> str:
     return safe(f"likely cause{where}: {e.detail} — {e.matched}/{e.of} {e.unit}")
 
 
+def tied_causes(report: "ReplayReport", stage: str) -> int:
+    """How many of ``stage``'s explanations fit as well as its best (the same ``matched/of``): two exclusive
+    causes that both reproduce every value (a mask shifted earlier or later, under a coarse payload's
+    allowance) are a tie the report says, not a ranking."""
+    mine = [(e.matched, e.of) for e in report.explanations if e.stage == stage]
+    return sum(1 for m in mine if m == mine[0]) if mine else 0
+
+
 def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
     where = h.sample_id if h.sample_id is not None else (group_label(h.group_index) if h.group_index is not None
                                                          else "")
@@ -252,6 +260,10 @@ def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False)
         for e in report.explanations:
             if e.stage == s.stage:
                 out.append(("explanation", " " * 10 + explanation_line(e)))
+        tied = tied_causes(report, s.stage)
+        if tied > 1:
+            out.append(("explanation", " " * 10 + f"({tied} causes fit these values equally well: the recorded "
+                                                  "values cannot tell them apart)"))
         if verbose and not s.downstream_of and not any(e.stage == s.stage for e in report.explanations):
             out.append(("explanation", " " * 10 + "likely cause: no known cause matches"))
     for h in report.hazards:

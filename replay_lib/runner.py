@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from .bundle import BundleReader, BundleSet, config_knob_active, open_bundle
-from .error_model import Rules, tolerance_warnings
+from .error_model import Rules, coarse_payloads, tolerance_warnings
 from .errors import BundleError, SelectionError, UnsupportedError
 from .explain import annotate
 from .gcpause import gc_paused
@@ -309,6 +309,13 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
                 w = (f"{shard.path / 'manifest.json'}: $.comparison_policy.producer_precision: --exact recomputes in "
                      f"float32; this producer declares {p.compute} compute and {p.accumulate} accumulation, so its "
                      f"values need not match bit for bit (the default mode judges them with its rounding bound)")
+                if w not in warnings:
+                    warnings.append(w)
+            coarse = coarse_payloads(p.compute, {n: spec.dtype for n, spec in shard.manifest.payloads.items()})
+            if coarse:
+                w = (f"{shard.path / 'manifest.json'}: $.payloads: --exact recomputes from the stored payloads; "
+                     f"{coarse} stored coarser than the declared {p.compute} compute hold one rounding of the "
+                     "producer's values, so no recomputation need match bit for bit (the default mode admits it)")
                 if w not in warnings:
                     warnings.append(w)
     report = ReplayReport(

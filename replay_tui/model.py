@@ -31,7 +31,8 @@ from replay_lib.fields import PER_SCALAR, PER_TOKEN, FieldResult, noise_ratio
 from replay_lib.gcpause import gc_paused
 from replay_lib.kernels.loss import LossKnobs, agg_weights, sample_term
 from replay_lib.inputs import ElementInputs, consumer_batch_labels, element_inputs, loss_scalar_inputs
-from replay_lib.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value
+from replay_lib.report import (STATUS_FAIL, STATUS_SKIPPED, ReplayReport, divergence_line, explanation_line, fmt_value,
+                               tied_causes)
 from replay_lib.runner import plan_stages
 from replay_lib.safe_text import elided_listing, safe
 from replay_lib.schema import CORE_KNOBS, StageId, config_changes
@@ -1167,7 +1168,9 @@ def explanation_text(report: ReplayReport) -> str:
     samples``); "" when no known cause matches (``replay_lib.explain``)."""
     for e in report.explanations:
         if e.stage == report.first_divergent_stage:
-            return explanation_line(e)
+            tied = tied_causes(report, e.stage)
+            return explanation_line(e) + (f" (or {tied - 1} more that fit{'s' if tied == 2 else ''} as well)"
+                                          if tied > 1 else "")
     return ""
 
 

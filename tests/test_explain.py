@@ -783,3 +783,28 @@ def test_configurations_outside_the_varied_formulas_get_no_hypotheses():
                  dict(importance_level="sequence"), dict(use_kl_loss=True, kl_loss_coef=0.1)):
         assert not loss.modelled(RecomputeConfig(**knob)), knob
     assert loss.modelled(RecomputeConfig(use_kl_loss=True, kl_loss_coef=0.0))  # effective values: no KL term
+
+
+def test_causes_that_fit_equally_well_are_said_to_be_a_tie(pr65_bundle):
+    """Two exclusive causes that both reproduce every value (a bf16 bundle's loss mask shifted one token
+    earlier or later, both 40/40 within the storage allowance) are a tie: the text report and the TUI's
+    verdict line say so instead of ranking one first."""
+    from replay_lib.report import Explanation, render_text
+    from replay_tui.model import explanation_text
+
+    report = replay(pr65_bundle)
+    stage = report.first_divergent_stage
+    earlier = Explanation(stage=stage, hypothesis="a", matched=40, of=40, detail="shifted one token earlier")
+    later = Explanation(stage=stage, hypothesis="b", matched=40, of=40, detail="shifted one token later")
+    partial = Explanation(stage=stage, hypothesis="c", matched=30, of=40, detail="something else")
+    tied = msgspec.structs.replace(report, explanations=[earlier, later, partial])
+    lines = [line.strip() for _, line in render_text(tied)]
+    at = lines.index("likely cause: shifted one token earlier — 40/40 values")
+    assert lines[at:at + 4] == [
+        "likely cause: shifted one token earlier — 40/40 values", "likely cause: shifted one token later — 40/40 values",
+        "likely cause: something else — 30/40 values",
+        "(2 causes fit these values equally well: the recorded values cannot tell them apart)"]
+    assert explanation_text(tied) == "likely cause: shifted one token earlier — 40/40 values (or 1 more that fits as well)"
+    single = msgspec.structs.replace(report, explanations=[earlier, partial])
+    assert not any("equally well" in line for _, line in render_text(single))
+    assert explanation_text(single) == "likely cause: shifted one token earlier — 40/40 values"

@@ -270,3 +270,16 @@ def test_a_recorded_output_stored_coarser_than_the_compute_is_named(tmp_path, cl
     assert [h["message"] for h in report["hazards"] if h["kind"] == "coarse_payload"] == [
         "pg_losses (bfloat16, u = 2^-8) stored coarser than the declared float32 compute: compared within its own "
         "rounding (about u·|value|): a change smaller than that is not seen there"]
+
+
+def test_exact_warns_that_coarse_payloads_cannot_match_bit_for_bit(tmp_path, cli):
+    """--exact recomputes in float32 from the stored bf16 copies: a clean bundle fails everywhere, and the
+    report says why before the user reads it as a bug."""
+    bundle = _score_bundle(tmp_path / "b", reward=SCORE)
+    _, report = _replay(cli, bundle, "--exact")
+    assert f"{bundle / 'manifest.json'}: $.payloads: --exact recomputes from the stored payloads; old_log_probs, " \
+           "ref_log_probs (bfloat16, u = 2^-8) stored coarser than the declared float32 compute hold one rounding " \
+           "of the producer's values, so no recomputation need match bit for bit (the default mode admits it)" \
+           in report["warnings"]
+    _, report = _replay(cli, _score_bundle(tmp_path / "c", reward=SCORE, dtype=torch.float32), "--exact")
+    assert not [w for w in report["warnings"] if "$.payloads" in w]
