@@ -94,6 +94,15 @@ def test_kl_in_reward_replays_clean_and_its_sign_bug_is_found_where_the_kl_enter
     # sequence: the score the group normalizes; token_returns: the per-token rewards of the returns
     want = "reward.post_process" if form == "sequence" else "advantage.estimate"
     assert report.first_divergent_stage == want, report_to_text(report)
+    if form == "sequence":  # the score's KL penalty added: explained, at every sample, and nothing else is
+        assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [("reward.kl_sign", 8, 8)]
+        assert report.explanations[0].detail == ("the recorded rewards equal the KL penalty added to the score, "
+                                                 "r + 0.05·Σ kl (config: r − 0.05·Σ kl)")
+        # an unrelated bug in the same configuration is not explained as a sign flip
+        other = captured(trainer, tmp_path / "other", "--kl-in-reward", form, "--pr65-bug", rollouts=2)
+        report = replay(other / "rollout-1")
+        assert report.first_divergent_stage == "reward.post_process", report_to_text(report)
+        assert "reward.kl_sign" not in [e.hypothesis for e in report.explanations]
 
 
 @pytest.mark.parametrize("flags,stage", [

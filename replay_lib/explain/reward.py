@@ -186,6 +186,29 @@ def baseline_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hy
     return out
 
 
+def kl_sign_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """With the KL in the score (``kl_in_reward="sequence"``): the penalty added instead of subtracted — the
+    declared rule applied to ``r + kl_coef·Σ kl`` (the stage's own KL: the recorded payload, or under ``--chain``
+    the recomputed one), judged within the field's tolerance."""
+    from ..kernels import group_rule, post_process, segment_sum
+    from ..stages.reward import _reward_kl
+
+    cfg = ctx.config
+    if cfg.kl_in_reward != "sequence" or cfg.kl_coef == 0 or not any(f.name == "reward" for f in fields):
+        return []
+    rule = group_rule(cfg)
+    gidx = ctx.group_indices
+    if rule.center and None in gidx:
+        return []
+    kl = _reward_kl(ctx).kl.to(torch.float64)
+    flipped = ctx.raw_rewards + cfg.kl_coef * segment_sum(kl * ctx.loss_mask.to(torch.float64), ctx.seg, ctx.n)
+    groups = torch.tensor([-1 - i if g is None else g for i, g in enumerate(gidx)], dtype=torch.int64)
+    values = post_process(flipped, groups, rule, dtype=torch.float64)
+    return [Hypothesis(stage=STAGE, id="reward.kl_sign", values={"reward": values}, detail=(
+        f"the recorded rewards equal the KL penalty added to the score, r + {fmt_number(cfg.kl_coef)}·Σ kl "
+        f"(config: r − {fmt_number(cfg.kl_coef)}·Σ kl)"))]
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     """Each evaluated over the bundle's whole index (a partition may span samples outside a selection; the
     selection is closed under semantic groups, so the group variants are the same either way), then read at
@@ -193,7 +216,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     samples = ctx.reader.index.samples
     cfg = ctx.config
     if not modelled(cfg) or not any(f.name == "reward" for f in fields) or any(s.group_index is None for s in samples):
-        return baseline_hypotheses(ctx, fields)
+        return baseline_hypotheses(ctx, fields) + kl_sign_hypotheses(ctx, fields)
     raw = as_float64([s.raw_reward for s in samples])
     if not bool(torch.isfinite(raw).all()):
         return []
