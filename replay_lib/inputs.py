@@ -269,7 +269,7 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
             if ctx.has("values"):
                 items.append(("V", fmt(float(ctx.payload("values")[t]))))
         if kl_term:
-            items += [("kl", fmt(float(_reward_kl(ctx).kl[t]))), ("kl_coef", f"{cfg.kl_coef:g}")]
+            items += [("kl", fmt(float(_reward_kl(ctx, slice(t, t + 1)).kl[0]))), ("kl_coef", f"{cfg.kl_coef:g}")]
     if whitens(cfg):
         formula += "; then whitened over the loss tokens" + (
             " with the recorded stats" if cfg.advantage_whiten_stats is not None else "")

@@ -190,20 +190,18 @@ def kl_sign_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hyp
     """With the KL in the score (``kl_in_reward="sequence"``): the penalty added instead of subtracted — the
     declared rule applied to ``r + kl_coef·Σ kl`` (the stage's own KL: the recorded payload, or under ``--chain``
     the recomputed one), judged within the field's tolerance."""
-    from ..kernels import group_rule, post_process, segment_sum
-    from ..stages.reward import _reward_kl
+    from ..kernels import group_rule, post_process, sequence_kl_score
+    from ..stages.reward import _reward_kl, score_groups
 
     cfg = ctx.config
     if cfg.kl_in_reward != "sequence" or cfg.kl_coef == 0 or not any(f.name == "reward" for f in fields):
         return []
     rule = group_rule(cfg)
-    gidx = ctx.group_indices
-    if rule.center and None in gidx:
+    if rule.center and None in ctx.group_indices:
         return []
-    kl = _reward_kl(ctx).kl.to(torch.float64)
-    flipped = ctx.raw_rewards + cfg.kl_coef * segment_sum(kl * ctx.loss_mask.to(torch.float64), ctx.seg, ctx.n)
-    groups = torch.tensor([-1 - i if g is None else g for i, g in enumerate(gidx)], dtype=torch.int64)
-    values = post_process(flipped, groups, rule, dtype=torch.float64)
+    flipped = sequence_kl_score(ctx.raw_rewards, _reward_kl(ctx).kl, ctx.loss_mask, ctx.lengths, -cfg.kl_coef,
+                                dtype=torch.float64)
+    values = post_process(flipped, score_groups(ctx), rule, dtype=torch.float64)
     return [Hypothesis(stage=STAGE, id="reward.kl_sign", values={"reward": values}, detail=(
         f"the recorded rewards equal the KL penalty added to the score, r + {fmt_number(cfg.kl_coef)}·Σ kl "
         f"(config: r − {fmt_number(cfg.kl_coef)}·Σ kl)"))]

@@ -16,6 +16,7 @@ from ..error_model import (C_REWARD, C_STORE, U32, advantage_bound, kl_bound, re
 from ..fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
+                       segment_sum,
                        WHITEN_EPS, token_rewards, whiten, whiten_stats)
 from ..report import StageReport
 from ..schema import RecomputeConfig, StageCapability, StageId
@@ -351,7 +352,8 @@ class _TokenEstimate:
                 if u_v:
                     bound = bound + (C_STORE * u_v) * cond
                 if kl_error is not None:
-                    bound = bound + discounted_returns(m * (abs(cfg.kl_coef) * kl_error), lengths,
+                    kl_error = kl_error * m  # on loss tokens, as the token rewards
+                    bound = bound + discounted_returns(abs(cfg.kl_coef) * kl_error, lengths,
                                                        cfg.gamma * (cfg.lam if kind == "gae" else 1.0),
                                                        dtype=torch.float64)
                 if u_v or kl_error is not None:
@@ -361,7 +363,8 @@ class _TokenEstimate:
                     ctx.coarse_payload_hazard("advantage.estimate", {
                         "values": values if u_v else None, **(kl_stored if kl_error is not None else {})},
                         f"each advantage admits their rounding, carried by the recursion ({'; '.join(carried)})"
-                        + (kl_reach(ctx, kl, kl_error, m) if kl_error is not None else ""))
+                        + (kl_reach(ctx, segment_sum(kl.to(torch.float64).abs() * m, ctx.seg, ctx.n),
+                                    segment_sum(kl_error, ctx.seg, ctx.n)) if kl_error is not None else ""))
             if inherited is not None:  # --chain: the recomputed rewards' own bound, carried like the reward
                 carried = token_rewards(inherited.to(torch.float64), self.mask, lengths, dtype=torch.float64)
                 decay = cfg.gamma * (cfg.lam if kind == "gae" else 1.0)

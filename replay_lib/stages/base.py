@@ -267,18 +267,16 @@ class StageContext:
         coarse = coarse_payloads(self.precision.compute, outputs)
         many = len(outputs) > 1
         own = f"compared within {'their' if many else 'its'} own rounding (about u·|value|)"
+        alone = (f"{coarse} stored coarser than the declared {self.precision.compute} compute: {own}: a change "
+                 "smaller than that is not seen there")
         for k, h in enumerate(self.hazards):
             if h.stage == stage and h.kind == "coarse_payload":
                 base = self._coarse_inputs.setdefault(stage, h.message)
-                message = (f"{coarse} stored coarser than the declared {self.precision.compute} compute: {own}: a "
-                           "change smaller than that is not seen there") if base is None else \
-                    f"{base}; the recorded {coarse} {'are' if many else 'is'} {own}"
+                message = alone if base is None else f"{base}; the recorded {coarse} {'are' if many else 'is'} {own}"
                 self.hazards[k] = msgspec.structs.replace(h, message=message)
                 return
         self._coarse_inputs[stage] = None  # the hazard is the outputs' own
-        self.hazard(stage, "coarse_payload", message=(
-            f"{coarse} stored coarser than the declared {self.precision.compute} compute: {own}: a change "
-            "smaller than that is not seen there"))
+        self.hazard(stage, "coarse_payload", message=alone)
 
     def report(self, stage: StageId, fields: list[FieldResult], *, fail_reason: "str | ReasonFn",
                pass_reason: "str | ReasonFn", structural: Optional[Comparison] = None) -> StageReport:

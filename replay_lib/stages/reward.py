@@ -13,7 +13,7 @@ from ..fields import PER_SAMPLE
 from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, exact_zero_std, group_stats,
                            kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
                            storage_unit)
-from ..kernels import (GroupRule, compute_approx_kl, group_moments, group_rule, post_process, segment_sum,
+from ..kernels import (GroupRule, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
                        sequence_kl_score)
 from ..report import Divergence, StageReport
 from ..bundle import BundleReader
@@ -70,8 +70,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
     # them is what the bound admits); under --exact the producer's float32 kernel
     raw = ctx.raw_rewards
-    groups = list_tensor(gidx if grouped else [-1 - i if g is None else g for i, g in enumerate(gidx)],
-                         torch.int64)
+    groups = score_groups(ctx)
     score, magnitude, score_error = _scores(ctx, raw)
     rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups, rule, dtype=ctx.dtype)
     stats = group_stats(score, groups)
@@ -149,6 +148,14 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     return f" ({', '.join(parts)})"
 
 
+def score_groups(ctx: StageContext) -> torch.Tensor:
+    """int64 per selected sample: its ``group_index``, or for a sample without one a group of its own (what
+    a rule that passes the score through needs; a rule that centers refuses such a sample first)."""
+    gidx = ctx.group_indices
+    return list_tensor(gidx if None not in gidx else [-1 - i if g is None else g for i, g in enumerate(gidx)],
+                       torch.int64)
+
+
 def _scores(ctx: StageContext, raw: torch.Tensor):
     """``(score, magnitude, score_error)``: what the group normalizes. The raw reward (``None, None``), or under
     ``kl_in_reward="sequence"`` (verl ``use_kl_in_reward``) the raw reward minus ``kl_coef·Σ_t kl_t·mask_t`` —
@@ -169,10 +176,11 @@ def _scores(ctx: StageContext, raw: torch.Tensor):
     seq32 = sequence_kl_score(raw.to(torch.float32), kl.to(torch.float32), mask, ctx.lengths, cfg.kl_coef)
     score_error = C_SEQUENTIAL * (seq32.to(torch.float64) - score).abs() + C_REWARD * U32 * abs(cfg.kl_coef) * abs_kl
     if kl_error is not None:  # the KL one storage rounding (or its log-probs') off the producer's, summed
-        score_error = score_error + abs(cfg.kl_coef) * segment_sum(kl_error * m, ctx.seg, ctx.n)
+        allowed = segment_sum(kl_error * m, ctx.seg, ctx.n)
+        score_error = score_error + abs(cfg.kl_coef) * allowed
         ctx.coarse_payload_hazard("reward.post_process", stored, (
             f"each score r − kl_coef·Σ kl admits their rounding, |kl_coef|·Σ {rounding}"
-            + kl_reach(ctx, kl, kl_error, m)))
+            + kl_reach(ctx, abs_kl, allowed)))
     return score, magnitude, score_error
 
 
@@ -187,33 +195,33 @@ class RewardKL(NamedTuple):
     rounding: str
 
 
-def _reward_kl(ctx: StageContext) -> RewardKL:
+def _reward_kl(ctx: StageContext, span: slice = slice(None)) -> RewardKL:
     """The recorded ``kl`` payload, or under ``--chain`` advantage.kl's formula on the recorded log-probs
-    (float64), each with its storage error (:class:`RewardKL`)."""
+    (float64), each with its storage error (:class:`RewardKL`); ``span``: of those tokens only (one token's
+    inputs, ``replay_lib.inputs``)."""
     cfg = ctx.config
     compute = ctx.precision.compute
     if ctx.chain and ctx.has("old_log_probs") and ctx.has("ref_log_probs"):
-        old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
+        old, ref = ctx.payload("old_log_probs")[span], ctx.payload("ref_log_probs")[span]
         kl_type = reward_kl_type(cfg)
         log_ratio = old.to(torch.float64) - ref.to(torch.float64)
-        kl = compute_approx_kl(old.to(torch.float64), ref.to(torch.float64), kl_type, dtype=torch.float64)
+        kl, exp_neg = kl_of_log_ratio(log_ratio, kl_type)  # compute_approx_kl's, sharing r with the bound
         u = storage_unit(compute, old, ref)
-        error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref)) if u else None
+        error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref), exp_neg) if u else None
         return RewardKL(kl, error, {"old_log_probs": old, "ref_log_probs": ref},
                         "2·|dKL/dr|·u·(|old| + |ref|) (the KL recomputed from them, --chain)")
     if not ctx.has("kl"):
         raise StageInputError("payload 'kl' is required when kl_in_reward is set and kl_coef != 0", field="kl")
-    kl = ctx.payload("kl")
+    kl = ctx.payload("kl")[span]
     u = storage_unit(compute, kl)
     return RewardKL(kl, (C_STORE * u) * kl.to(torch.float64).abs() if u else None, {"kl": kl}, "2·u·|kl|")
 
 
-def kl_reach(ctx: StageContext, kl: torch.Tensor, error: torch.Tensor, m: torch.Tensor) -> str:
-    """The hazard's tail where the KL's storage error reaches a tenth of the KL it bounds (``Σ error / Σ |kl|``
-    over a sample's loss tokens, the largest sample's): a KL penalty this small is not resolved; under
-    ``--chain`` the replay without it compares against the recorded ``kl`` (``""`` below a tenth)."""
-    total = segment_sum(kl.to(torch.float64).abs() * m, ctx.seg, ctx.n)
-    allowed = segment_sum(error * m, ctx.seg, ctx.n)
+def kl_reach(ctx: StageContext, total: torch.Tensor, allowed: torch.Tensor) -> str:
+    """The hazard's tail where the KL's storage error reaches a tenth of the KL it bounds (per selected sample,
+    ``allowed`` = Σ error and ``total`` = Σ |kl| over its loss tokens; the largest sample's ratio): a KL
+    penalty this small is not resolved; under ``--chain`` the replay without it compares against the recorded
+    ``kl`` (``""`` below a tenth)."""
     ratio = torch.where(total > 0, allowed / total.clamp(min=torch.finfo(torch.float64).tiny),
                         torch.where(allowed > 0, float("inf"), 0.0))
     if not ratio.numel() or float(ratio.max()) < STORAGE_HAZARD:
