@@ -5,7 +5,7 @@ all-reduce with a CUDA-like exp, bf16 payloads in both dtypes, GPU-style trees o
 float32 values) writes
 clean bundles at each size for a rotation of configs (binary / partial-credit / reward-model rewards, std
 normalization on and off, every KL type and KL off, entropy in and out of the loss); each is replayed in
-process (``replay_lib.runner.replay``, every stage) and removed. Then each bug class of
+process (``replay_lib.run.runner.replay``, every stage) and removed. Then each bug class of
 ``producers.bugs.BUGS`` is injected into clean families at each size.
 
 Prints, per producer and size, ``false/clean`` divergences with the worst ``|err| / tolerance``: the report's
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from producers import BUGS, CONFIGS, FAMILIES, Size, bug_config, family, produce  # noqa: E402
 from producers.bugs import visible  # noqa: E402
 
-from replay_lib.runner import replay  # noqa: E402
-from replay_lib.schema import Tolerance  # noqa: E402
+from replay_lib.run.runner import replay  # noqa: E402
+from replay_lib.bundle.schema import Tolerance  # noqa: E402
 
 SIZES = (Size(8, 16, group_size=4), Size(32, 512), Size(64, 2048), Size(128, 4096), Size(256, 8192),
          Size(512, 16384))

@@ -64,15 +64,15 @@ write_bundle(path, manifest, index, expected, payloads)
 RUN_CODE = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[3]))
-from replay_lib.runner import replay
+from replay_lib.run.runner import replay
 report = replay(sys.argv[1], explain=sys.argv[2] == "1")
 assert not report.passed
 """
 
 SHOW_CODE = """
 import sys
-from replay_lib.runner import replay
-from replay_lib.report import explanation_line
+from replay_lib.run.runner import replay
+from replay_lib.judge.report import explanation_line
 report = replay(sys.argv[1])
 for s in report.stages:
     print(f"  {s.stage:<20} {s.status}")

@@ -46,7 +46,7 @@ SIZE = (120, 40)
 
 def build_capture(root: Path, bundles: int, templates: int) -> Path:
     from replay_lib.demo import synthetic_parts, write_bundle
-    from replay_lib.schema import ActorStepId
+    from replay_lib.bundle.schema import ActorStepId
 
     capture = root / "capture"
     capture.mkdir()

@@ -50,7 +50,7 @@ BUILD_CODE = (
     "import sys\n"
     "from pathlib import Path\n"
     "from replay_lib.demo import write_synthetic\n"
-    "from replay_lib.schema import ActorStepId\n"
+    "from replay_lib.bundle.schema import ActorStepId\n"
     "root, n, samples, tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
     "for r in range(n):\n"
     "    path = root / f'step-{r:05d}-0'\n"

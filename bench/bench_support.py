@@ -35,8 +35,8 @@ import msgspec
 import torch
 
 from replay_lib.demo import support_parts, write_bundle
-from replay_lib.runner import replay
-from replay_lib.schema import StageId
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import StageId
 from replay_lib.stages import STAGE_ORDER
 
 SUPPORT_PAYLOADS = ("support_ids", "support_logits", "sampled_token_ids", "full_log_probs")

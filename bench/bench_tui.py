@@ -19,7 +19,7 @@ and the PR #65 demo bundle. Then, in one run:
 * **cursor move** — in the large bundle's diff viewer (the 32k sample, cursor at its first divergence),
   ``--moves`` × (``await pilot.press("down"|"up")`` + ``await pilot.pause()``), timed each; the floor is
   the same Pilot round trip for a key bound to nothing, in the same app, interleaved. The why strip (the
-  token's inputs, ``replay_lib.inputs``) and the three-line error plot are on screen and follow every move;
+  token's inputs, ``replay_lib.explain.inputs``) and the three-line error plot are on screen and follow every move;
   the ratio move / floor is printed beside the difference. Target: median
   move − median floor ≤ 20 ms (the render cost of a move). Pilot's idle detection sleeps 20 ms per
   check by default, so a bare press + pause never takes under ~60 ms whatever the app does; the bench
@@ -200,8 +200,8 @@ def worker_parts(path: Path, reps: int) -> dict[str, float]:
     """Medians (ms) of what the replay worker does, outside the app and back to back (warm caches), with the
     collector paused as the app's worker pauses it: verify, replay, build the model."""
     from replay_lib.bundle import open_bundle
-    from replay_lib.gcpause import gc_paused
-    from replay_lib.runner import replay_run
+    from replay_lib.bundle.gcpause import gc_paused
+    from replay_lib.run.runner import replay_run
     from replay_tui.model import build_model
 
     parts: dict[str, list[float]] = {"verify (open_bundle)": [], "replay (replay_run)": [], "model (build_model)": []}

@@ -38,7 +38,7 @@ from replay_lib.demo import write_support_bundle  # noqa: E402
 
 def model_row_times(path: Path, sample_id: str, moves: int) -> list[float]:
     from replay_lib.bundle import open_bundle
-    from replay_lib.runner import run_replay
+    from replay_lib.run.runner import run_replay
     from replay_tui.model import build_model
 
     bundles = open_bundle(path)

@@ -46,7 +46,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from replay_lib.kernels import POLICY_FIELDS, VALUE_FIELDS
-from replay_lib.schema import ID_MAX_CHARS, PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
+from replay_lib.bundle.schema import ID_MAX_CHARS, PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
 from .bundles import (
     DEFAULT_REDACTION,

@@ -37,7 +37,7 @@ import torch
 from replay_lib.bundle import BundleWriter
 from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
 from replay_lib.kernels import LOSS_FIELDS, POLICY_FIELDS, VALUE_FIELDS
-from replay_lib.schema import (
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     PER_SAMPLE_KEY,
     PER_SAMPLE_SUMS,

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from replay_lib.layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, STAGING_NAME
+from replay_lib.bundle.layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, STAGING_NAME
 from replay_lib.safe_text import safe
 
 from .bundles import rollout_bundle_id, step_bundle_id

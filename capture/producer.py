@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from replay_lib.schema import ProducerInfo
+from replay_lib.bundle.schema import ProducerInfo
 
 _GIT_TIMEOUT_S = 10.0
 

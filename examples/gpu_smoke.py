@@ -28,9 +28,9 @@ import torch
 from capture import CaptureConfig, Provenance, ReplayCapture
 from replay_lib.bundle import BundleReader
 from replay_lib.kernels import LOSS_FIELDS, get_grpo_returns, group_normalize, policy_loss_fields, rollout_kl
-from replay_lib.runner import replay
-from replay_lib.schema import RecomputeConfig
-from replay_lib.support import support_logprobs
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import RecomputeConfig
+from replay_lib.kernels.support import support_logprobs
 
 VOCAB, TOP_K = 32, 4
 CFG = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=4, grpo_std_normalization=True,

@@ -85,7 +85,7 @@ from replay_lib.kernels import (
 )
 from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, policy_fields_from_sums,
                                      policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 # ------------------------------------------------------------------------------------------ task
 
@@ -269,7 +269,7 @@ def support_log_probs(logits: torch.Tensor, support_ids: torch.Tensor, targets: 
 
         logp_S(y) = l_y − m − log Σ_{j∈S} exp(l_j − m),   m = max_{j∈S} l_j
 
-    in float32, differentiable, the same arithmetic as ``replay_lib.support.support_logprobs`` (which the
+    in float32, differentiable, the same arithmetic as ``replay_lib.kernels.support.support_logprobs`` (which the
     replay recomputes from the member logits). Padding slots (id −1) are excluded; a row without support
     (an appended <eos>) takes its ``full_log_probs`` value. Member logits are returned with padding slots 0,
     as recorded."""

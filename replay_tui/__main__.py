@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from replay_lib.cli import (_Parser, _print_error, add_replay_arguments, add_version_argument,
-                            print_internal_error, run_check)
-from replay_lib.demo_catalog import demo_list
+from replay_lib.cli.entry import (_Parser, _print_error, add_replay_arguments, add_version_argument,
+                                  print_internal_error, run_check)
+from replay_lib.demo.catalog import demo_list
 from replay_lib.errors import ReplayError
-from replay_lib.run.command import add_scan_arguments, main_check
+from replay_lib.cli.scan import add_scan_arguments, main_check
 
 PROG = "replay-tui"
 
@@ -109,7 +109,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 def run_view_wanted(args, parser) -> bool:
     """``BUNDLE`` is a directory of several bundles and no ``--step``/``--rollout`` picks one: the run view (or,
     with ``--check``, the scan). The scan's own flags on a single bundle are refused, not ignored."""
-    from replay_lib.bundle.resolution import holds_several_bundles
+    from replay_lib.bundle.locate import holds_several_bundles
 
     if args.step is None and args.rollout is None and holds_several_bundles(args.bundle):
         if args.forensic:

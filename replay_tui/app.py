@@ -14,19 +14,19 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from textual import work
 from textual.app import App
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.command import CommandPalette
 
 from replay_lib.bundle import open_bundle
 from replay_lib.cli import error_line as cli_error_line
-from replay_lib.crash import internal_error_line
-from replay_lib.error_model import Rules
+from replay_lib.run.crash import internal_error_line
+from replay_lib.judge.error_model import Rules
 from replay_lib.errors import EXIT_INTERNAL, EXIT_INVALID, EXIT_PASS, ReplayError
-from replay_lib.gcpause import gc_paused
-from replay_lib.report import STATUS_SKIPPED
-from replay_lib.runner import replay_run
-from replay_lib.schema import ActorStepId, StageId
-from replay_lib.selection import Selection
+from replay_lib.bundle.gcpause import gc_paused
+from replay_lib.judge.report import STATUS_SKIPPED
+from replay_lib.run.runner import replay_run
+from replay_lib.bundle.schema import ActorStepId, StageId
+from replay_lib.bundle.selection import Selection
 
 from .commands import ReplayCommands, ReplayPalette
 from .messages import ReplayFailed, ReplayFinished, ReplayProgress
@@ -35,6 +35,7 @@ from .screens.error import ErrorScreen
 from .screens.help import HelpScreen
 from .screens.main import DebuggerScreen
 from .widgets.header_line import ForensicLabel
+from .keys import APP_BINDINGS
 
 PROG = "replay-tui"
 
@@ -80,11 +81,7 @@ STARTUP_GRACE_S = 0.25
 
 class ReplayApp(App[int]):
     TITLE = "replay-tui"
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+q", "quit", "Quit", show=False, priority=True, id="app.quit",
-                tooltip="Quit (exit code: 0 pass, 1 divergence, else the error's)"),
-        Binding("ctrl+c", "help_quit", show=False, system=True, id="app.help-quit", tooltip="How to quit"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = APP_BINDINGS
     # Only the debugger's own actions: Textual's system commands (its Quit, a keys side panel that squeezes
     # the diff columns, screenshots, themes) would crowd the palette the help and README describe.
     COMMANDS = {ReplayCommands}

@@ -13,8 +13,8 @@ from rich.segment import Segment
 from rich.style import Style
 from textual.strip import Strip
 
-from replay_lib.report import fmt_ratio as report_ratio
-from replay_lib.report import fmt_value
+from replay_lib.judge.report import fmt_ratio as report_ratio
+from replay_lib.judge.report import fmt_value
 from replay_lib.safe_text import safe
 
 PASS = Style(color="green")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from replay_lib.report import Hazard, hazard_line
+from replay_lib.judge.report import Hazard, hazard_line
 
 from .model import ReplayModel
 

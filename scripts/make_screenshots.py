@@ -80,7 +80,7 @@ def png_from_svg(svg: Path, png: Path) -> None:
 
 
 async def shoot(bundle: Path, size, keys, out: Path, stem: str, judging: Optional[dict] = None) -> None:
-    from replay_lib.error_model import Rules
+    from replay_lib.judge.error_model import Rules
     from replay_tui.app import ReplayApp
 
     app = ReplayApp(bundle, rules=Rules(**(judging or {})))

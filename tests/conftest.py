@@ -21,7 +21,7 @@ SEALED_JSON = ("manifest.json", "index.json", "expected.json")
 def _default_json_caps():
     """Every test starts and ends with the default JSON size caps: ``--max-json-bytes`` of an in-process CLI
     call sets a process-wide cap that a later library call in the same process would otherwise inherit."""
-    from replay_lib.safe_open import set_max_json_bytes
+    from replay_lib.bundle.safe_open import set_max_json_bytes
 
     set_max_json_bytes(None)
     yield

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from producers import advantage as producer
-from replay_lib.error_model import Rules, recursion_bound, whiten_bound, U32
+from replay_lib.judge.error_model import Rules, recursion_bound, whiten_bound, U32
 from replay_lib.kernels import (discounted_returns, group_normalize, token_rewards,
                                 whiten)
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
 
 F64 = torch.float64
 

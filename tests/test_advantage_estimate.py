@@ -18,9 +18,9 @@ import torch
 
 from producers import advantage as producer
 from replay_lib.kernels import discounted_returns, gae_advantages, last_loss_token, token_rewards, whiten, whiten_stats
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
-from replay_lib.validate import validate
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.run.validate import validate
 from replay_lib.errors import BundleError, UnsupportedError
 
 F64 = torch.float64
@@ -173,7 +173,7 @@ def test_a_float32_producer_of_each_estimator_replays_clean(tmp_path, name):
 def report_fields(path):
     from replay_lib.bundle import open_bundle
     from replay_lib.stages import REGISTRY, StageContext
-    from replay_lib.schema import StageId
+    from replay_lib.bundle.schema import StageId
     reader = open_bundle(path).shards[0]
     ctx = StageContext(reader=reader, indices=list(range(len(reader.index.samples))), partial=False)
     REGISTRY[StageId.ADVANTAGE_ESTIMATE].run(ctx)
@@ -220,7 +220,7 @@ def test_recorded_whitening_stats_replace_the_shards_own(tmp_path):
 
 def test_a_partial_selection_whitens_with_the_shards_statistics(tmp_path):
     path = case_bundle(tmp_path, "b", CASES["grpo_whitened"])
-    from replay_lib.selection import Selection
+    from replay_lib.bundle.selection import Selection
     report = replay(path, selection=Selection(groups=("g-1",)))
     assert report.passed, report_to_text(report)
     inp = make_inputs()  # group 1 is samples 4..7: only their loss tokens are compared
@@ -348,7 +348,7 @@ def test_the_why_line_of_an_advantage_token_follows_the_estimator(tmp_path, name
     """The inputs of an advantage token (the TUI's why strip) by the bundle's estimator: it once said "the
     sample's normalized reward, broadcast" for GAE and the discounted returns too, beside a different value."""
     from replay_lib.bundle import open_bundle
-    from replay_lib.inputs import element_inputs
+    from replay_lib.explain.inputs import element_inputs
     from replay_lib.stages import StageContext
 
     inp = make_inputs()

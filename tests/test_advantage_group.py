@@ -14,9 +14,9 @@ import torch
 
 from producers import advantage as producer
 from replay_lib.kernels import GroupRule, group_normalize, group_rule, post_process, sequence_kl_score
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
-from replay_lib.schema import RecomputeConfig
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import RecomputeConfig
 
 F64 = torch.float64
 

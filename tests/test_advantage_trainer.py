@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from replay_lib.bundle import BundleReader
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "grpo_trainer.py"
@@ -163,7 +163,7 @@ def test_exact_on_a_float64_accumulating_step_names_the_precision_not_an_aggrega
     its scalars may differ in their last float32 digits; the check of the recorded scalars against the recorded
     per-sample terms is two recorded things (no kernel reproduces their summation bit for bit) and keeps its
     rounding bound, so no "aggregation mismatch" appears, and a warning says why the scalars may differ."""
-    from replay_lib.error_model import Rules
+    from replay_lib.judge.error_model import Rules
 
     step = captured(trainer, tmp_path) / "step-0-0"
     assert replay(step).passed

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, synthetic_parts, write_bundle, write_pr65
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 SEED_LINES = [
     "bundle b-00001 — first divergent stage: reward.post_process",

@@ -23,8 +23,8 @@ from replay_lib.bundle import BundleWriter, open_bundle
 from replay_lib.cli import main
 from replay_lib.demo import synthetic_parts, write_bundle
 from replay_lib.errors import BundleError
-from replay_lib.schema import BundleComplete, encode_json
-from replay_lib.validate import inspect, validate
+from replay_lib.bundle.schema import BundleComplete, encode_json
+from replay_lib.run.validate import inspect, validate
 
 CTX = mp.get_context("fork")
 JOIN_S = 60  # generous upper bound for a child to finish; never used as a delay

@@ -10,9 +10,9 @@ import pytest
 
 from replay_lib.demo import synthetic_parts, write_bundle, write_cohort
 from replay_lib.errors import BundleError, SelectionError
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
-from replay_lib.selection import Selection
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.bundle.selection import Selection
 
 BUNDLE_ID = "cohort-7-0"
 SAMPLES, TOKENS = 8, 4  # per rank; groups of 4

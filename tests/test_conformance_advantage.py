@@ -23,7 +23,7 @@ import torch
 
 from replay_lib.kernels import (discounted_returns, gae_advantages, get_grpo_returns, group_rule, post_process,
                                 sequence_kl_score, token_rewards, whiten)
-from replay_lib.schema import AdvantageWhitenStats, RecomputeConfig
+from replay_lib.bundle.schema import AdvantageWhitenStats, RecomputeConfig
 
 F64 = torch.float64
 TIGHT = dict(rel=1e-12, abs=1e-12)

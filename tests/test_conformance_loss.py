@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from replay_lib.kernels.loss import LossKnobs, policy_loss_fields, value_loss_fields
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 LENGTHS = [5, 9, 1, 7, 3, 8]
 EPS_LOW, EPS_HIGH = 0.2, 0.28

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay_lib import demo
+from replay_lib.demo import bundles as demo
 from replay_lib.cli import main
 
 TESTS = Path(__file__).resolve().parent
@@ -184,7 +184,7 @@ def _run(*argv: str) -> list:
 def _displayed(value):
     """A JSON report with every number as the text report shows it (the shortest float32 form): the float64
     recompute's last bits come from the host's exp and sqrt, its displayed digits do not."""
-    from replay_lib.report import fmt_value
+    from replay_lib.judge.report import fmt_value
 
     if isinstance(value, dict):
         return {k: _displayed(v) for k, v in value.items()}

@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from replay_lib.demo import synthetic_parts, write_bundle
-from replay_lib.report import fmt_value
+from replay_lib.judge.report import fmt_value
 from replay_lib.run.diff import diff_bundles
 
 SAMPLES, TOKENS = 8, 16  # s-k's tokens are k*16 … k*16+15 of the flat token axis

@@ -18,8 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from producers import Config  # noqa: E402
-from replay_lib.error_model import Rules  # noqa: E402
-from replay_lib.runner import replay  # noqa: E402
+from replay_lib.judge.error_model import Rules  # noqa: E402
+from replay_lib.run.runner import replay  # noqa: E402
 from test_explain import INPUTS, STEP, _parts, f32, loss_fields, normalize, write  # noqa: E402
 
 CHAIN = Rules(chain=True)

@@ -1,4 +1,4 @@
-"""The error model (``replay_lib.error_model``, SPEC §5.1): each rounding bound against hand-derived numbers, and
+"""The error model (``replay_lib.judge.error_model``, SPEC §5.1): each rounding bound against hand-derived numbers, and
 against a producer that reaches it; the flags that change how a replay judges (``--exact``,
 ``--tolerance-policy``, ``--verbose``), ``producer_precision`` and the hazards.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, STEP_STAGES, contracts, producer, write_bundle, write_pr65
-from replay_lib.error_model import (
+from replay_lib.judge.error_model import (
     U32,
     GroupStats,
     Precision,
@@ -30,9 +30,9 @@ from replay_lib.error_model import (
     sequential_sum32,
     unit_roundoff,
 )
-from replay_lib.report import fmt_value, report_to_text
-from replay_lib.runner import replay
-from replay_lib.schema import (
+from replay_lib.judge.report import fmt_value, report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,

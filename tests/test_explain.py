@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from producers import Config, Size, bug_config, produce_parts, write_parts  # noqa: E402
 from replay_lib.explain.reward import consumer_batches  # noqa: E402
-from replay_lib.report import explanation_line  # noqa: E402
-from replay_lib.runner import replay  # noqa: E402
-from replay_lib.schema import StageId, stage_contracts  # noqa: E402
-from replay_lib.selection import Selection  # noqa: E402
+from replay_lib.judge.report import explanation_line  # noqa: E402
+from replay_lib.run.runner import replay  # noqa: E402
+from replay_lib.bundle.schema import StageId, stage_contracts  # noqa: E402
+from replay_lib.bundle.selection import Selection  # noqa: E402
 from replay_lib.stages import StageContext  # noqa: E402
 from replay_lib.bundle import open_bundle  # noqa: E402
 
@@ -773,7 +773,7 @@ def test_configurations_outside_the_varied_formulas_get_no_hypotheses():
     baseline, KL in the reward, importance weights, a log-ratio clamp, sequence-level ratios) gets none, never
     one built on the wrong formula."""
     from replay_lib.explain import loss, reward
-    from replay_lib.schema import RecomputeConfig
+    from replay_lib.bundle.schema import RecomputeConfig
 
     assert reward.modelled(RecomputeConfig()) and loss.modelled(RecomputeConfig())
     for knob in (dict(group_baseline="leave_one_out"), dict(kl_in_reward="sequence"), dict(std_zero="skip"),
@@ -789,7 +789,7 @@ def test_causes_that_fit_equally_well_are_said_to_be_a_tie(pr65_bundle):
     """Two exclusive causes that both reproduce every value (a bf16 bundle's loss mask shifted one token
     earlier or later, both 40/40 within the storage allowance) are a tie: the text report and the TUI's
     verdict line say so instead of ranking one first."""
-    from replay_lib.report import Explanation, render_text
+    from replay_lib.judge.report import Explanation, render_text
     from replay_tui.model import explanation_text
 
     report = replay(pr65_bundle)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from replay_lib.explain.base import Hypothesis, _counts, _pre_pass
-from replay_lib.fields import PER_TOKEN, FieldResult
+from replay_lib.judge.fields import PER_TOKEN, FieldResult
 
 N = 400
 # three runs of divergent rows, of 10, 6 and 4 rows (20 in all: 18 must be reproduced), far apart

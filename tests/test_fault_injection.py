@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 from replay_lib.demo import synthetic_parts, write_bundle
-from replay_lib.error_model import Rules
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
+from replay_lib.judge.error_model import Rules
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
 
 # seed 0, 8 samples in 2 groups of 4, lengths [4, 3, 0, 2, 1, 2, 6, 3] (s-2 has no response tokens);
 # token offsets of the samples in the concatenated axis: [0, 4, 7, 7, 9, 10, 12, 18]

@@ -1,4 +1,4 @@
-"""One field-result shape (``replay_lib.fields``): the element rule, the sample map, the report built from the
+"""One field-result shape (``replay_lib.judge.fields``): the element rule, the sample map, the report built from the
 fields, and every stage leaving its fields on the replay's context for the views to read."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.demo import write_pr65, write_synthetic
-from replay_lib.fields import (PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, SampleRuns, compare_field, judge,
+from replay_lib.judge.fields import (PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, SampleRuns, compare_field, judge,
                                stage_report)
-from replay_lib.runner import replay_run
+from replay_lib.run.runner import replay_run
 
 NAN, INF = float("nan"), float("inf")
 
@@ -262,7 +262,7 @@ def test_the_estimate_stage_reports_the_same_with_and_without_sample_runs(tmp_pa
     # within its sample: that field is judged token by token), then one whose only fault is per sample: the
     # report — verdict, counts, divergences, JSON — is the same whether the stage judges a sample at a time.
     from replay_lib.demo import synthetic_parts, write_bundle
-    from replay_lib.report import report_to_json
+    from replay_lib.judge.report import report_to_json
     from replay_lib.stages.base import StageContext
 
     def build(name, nan_token):

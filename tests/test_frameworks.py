@@ -19,7 +19,7 @@ from replay_lib.cli import main
 from replay_lib.errors import FrameworkConfigError, UnsupportedFrameworkConfig
 from replay_lib.frameworks import from_nemo_rl, from_openrlhf, from_skyrl, from_slime, from_verl
 from replay_lib.frameworks.slime import parse_argv
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 BASE = msgspec.to_builtins(RecomputeConfig())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 
-from replay_lib.gcpause import gc_paused
+from replay_lib.bundle.gcpause import gc_paused
 
 
 def test_nested_phases_restore_the_collector_once_the_last_ends():

@@ -58,9 +58,9 @@ def test_no_replay_lib_module_imports_textual(tmp_path):
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["leaked"] == []
     assert result["control"] is True
-    assert {"replay_lib.bundle", "replay_lib.cli", "replay_lib.compare", "replay_lib.demo", "replay_lib.kernels",
-            "replay_lib.report", "replay_lib.runner", "replay_lib.schema", "replay_lib.selection",
-            "replay_lib.validate", "replay_lib.stages", "replay_lib.stages.loss"} <= set(result["imported"])
+    assert {"replay_lib.bundle", "replay_lib.cli", "replay_lib.judge.compare", "replay_lib.demo", "replay_lib.kernels",
+            "replay_lib.judge.report", "replay_lib.run.runner", "replay_lib.bundle.schema", "replay_lib.bundle.selection",
+            "replay_lib.run.validate", "replay_lib.stages", "replay_lib.stages.loss"} <= set(result["imported"])
     assert result["codes"] == {"help": 0, "validate": 0, "inspect": 0, "replay": 1, "replay --format json": 1}
 
 
@@ -83,7 +83,7 @@ def test_trajectory_replay_entry_point_never_imports_textual(tmp_path):
         assert "replay_lib.cli" in modules  # the import log really covers the CLI
         assert sorted(m for m in modules if m.split(".")[0] in FORBIDDEN) == []
         if args[0] == "replay":
-            assert "replay_lib.runner" in modules and "torch" in modules
+            assert "replay_lib.run.runner" in modules and "torch" in modules
             assert proc.stdout.startswith("bundle b-00001 — first divergent stage: reward.post_process\n")
 
 

@@ -20,8 +20,8 @@ import pytest
 
 from replay_lib.demo import synthetic_parts, write_bundle
 from replay_lib.errors import BundleError
-from replay_lib.safe_open import INDEX_JSON_CAP, read_json_file
-from replay_lib.schema import ActorStepId
+from replay_lib.bundle.safe_open import INDEX_JSON_CAP, read_json_file
+from replay_lib.bundle.schema import ActorStepId
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = 60  # seconds: a run that is not done by then is hanging (torch imports in 2-3 s)
@@ -275,7 +275,7 @@ def test_inspect_skips_a_linked_rank_shard(cli, tmp_path):
 
 
 def test_inspect_stops_at_its_depth_limit(cli, tmp_path):
-    from replay_lib.inspection import MAX_DEPTH
+    from replay_lib.bundle.inspection import MAX_DEPTH
 
     capture = tmp_path / "capture"
     deep = capture.joinpath(*["d"] * (MAX_DEPTH + 1))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from replay_lib.demo import support_parts, write_bundle, write_cohort, write_pr65, write_step_loss
-from replay_lib.json_limits import MAX_JSON_DEPTH
+from replay_lib.bundle.json_limits import MAX_JSON_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
 INT64_MAX = (1 << 63) - 1

@@ -221,13 +221,13 @@ def test_ppo_without_critic_values_keeps_advantage_estimate_inspect_only(tmp_pat
 def test_a_written_bundle_that_does_not_validate_is_removed(tmp_path, capsys, monkeypatch):
     """The import reads its bundle back as validate does; should that fail (here: a validate that refuses
     everything), the published directory is removed and the error is one line (exit 3)."""
-    import replay_lib.validate
+    import replay_lib.run.validate
     from replay_lib.errors import BundleError
 
     def refuse(path, **_):
         raise BundleError(f"{path}/index.json: refused by the test")
 
-    monkeypatch.setattr(replay_lib.validate, "validate", refuse)
+    monkeypatch.setattr(replay_lib.run.validate, "validate", refuse)
     train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
     code, err = _import_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
     assert (code, err) == (3, "trajectory-replay: error: the bundle written from the slime dump does not validate, "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import replay_lib.stages.reward as reward_stage
-from replay_lib.crash import internal_error_line
+from replay_lib.run.crash import internal_error_line
 from replay_lib.errors import EXIT_INTERNAL
 from replay_lib.safe_text import safe
 

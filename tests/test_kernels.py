@@ -318,7 +318,7 @@ def test_entropy_coef_subtracts_the_masked_entropy_mean():
 
 def _compare(expected, actual):
     """A per-token field of two samples judged with the fixed bound 1e-6 + 1e-5·|e|."""
-    from replay_lib.fields import PER_TOKEN, FieldResult, compare_field
+    from replay_lib.judge.fields import PER_TOKEN, FieldResult, compare_field
 
     f = FieldResult(stage="advantage.kl", name="kl", per=PER_TOKEN, expected=expected, actual=actual,
                     tolerance=1e-6 + 1e-5 * expected.to(torch.float64).abs(), sample_ids=["s-0", "s-1"],
@@ -345,7 +345,7 @@ def test_identical_tensors_with_inf_or_nan_still_diverge():
 
 
 def test_report_numbers_are_the_shortest_float32_form_positional_when_exact():
-    from replay_lib.report import fmt_value
+    from replay_lib.judge.report import fmt_value
 
     cases = [(-5.5, "-5.5"), (1.0, "1.0"), (10.0, "10.0"), (100.0, "100.0"), (20000.0, "20000.0"),
              (0.8974426, "0.8974426"), (4.3928623e-05, "4.3928623e-05"), (0.0001, "0.0001"),

@@ -80,7 +80,7 @@ def test_a_changed_old_log_prob_is_a_link_divergence_naming_both_bundles_the_sam
 
 
 def _fmt(x: float) -> str:
-    from replay_lib.report import fmt_value
+    from replay_lib.judge.report import fmt_value
 
     return fmt_value(x)
 

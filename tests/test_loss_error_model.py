@@ -58,7 +58,7 @@ def test_clip_boundary_hits_are_the_tokens_within_8u_of_either_bound():
     advantage, by the two comparisons written out (NaN never, ∞ always within ∞)."""
     import torch
 
-    from replay_lib.error_model import loss_clip_hits
+    from replay_lib.judge.error_model import loss_clip_hits
 
     u = 2.0 ** -24
     ratio = torch.tensor([0.8, 0.8 * (1 + 4 * u), 0.8 * (1 + 16 * u), 1.28, 1.28 * (1 - 7 * u), 1.0, float("nan"),

@@ -30,8 +30,8 @@ from replay_lib.bundle import BundleReader, BundleWriter
 from replay_lib.demo import producer
 from replay_lib.kernels import compute_approx_kl
 from replay_lib.kernels.loss import (LossKnobs, agg_weights, policy_loss_fields, value_loss_fields)
-from replay_lib.loss_knobs import KL_TYPES
-from replay_lib.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
+from replay_lib.bundle.loss_knobs import KL_TYPES
+from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
                                RecomputeConfig, SampleRecord, StageId, stage_contracts)
 
 LN2, LN4 = math.log(2.0), math.log(4.0)

@@ -28,8 +28,8 @@ import torch
 import replay_lib.stages.loss
 from replay_lib.bundle import BundleReader
 from replay_lib.demo import write_bundle, write_step_loss
-from replay_lib.fields import compare_field, stage_report
-from replay_lib.schema import PerSampleLossTerms
+from replay_lib.judge.fields import compare_field, stage_report
+from replay_lib.bundle.schema import PerSampleLossTerms
 from replay_lib.stages.base import StageContext, StageInputError
 from replay_lib.stages.loss_inputs import LossInputs
 from replay_lib.stages.loss_terms import loss_term_fields

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from replay_lib.bundle import open_bundle
-from replay_lib.error_model import Rules
-from replay_lib.runner import replay
+from replay_lib.judge.error_model import Rules
+from replay_lib.run.runner import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "grpo_trainer.py"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from replay_lib.demo import write_cohort, write_pr65
-from replay_lib.schema import RecomputeConfig, config_changes
+from replay_lib.bundle.schema import RecomputeConfig, config_changes
 
 
 def test_replay_tui_help_describes_the_debugger_exit_codes_only():

@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay_lib.demo import ALL_STAGES, contracts, producer, write_bundle
-from replay_lib.error_model import Rules
+from replay_lib.judge.error_model import Rules
 from replay_lib.kernels import KL_TYPES, LOSS_FIELDS
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
-from replay_lib.schema import (
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,

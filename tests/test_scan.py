@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from replay_lib.demo import ROLLOUT_STAGES, synthetic_parts, write_bundle, write_cohort, write_pr65, write_synthetic
-from replay_lib.report import report_to_json
+from replay_lib.judge.report import report_to_json
 from replay_lib.run.scan import ScanOptions, check_target, discover, scan, scan_exit_code
-from replay_lib.runner import replay
-from replay_lib.schema import ActorStepId
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import ActorStepId
 
 SCAN = [sys.executable, "-m", "replay_lib", "scan"]
 
@@ -287,7 +287,7 @@ def test_fail_fast_stops_at_the_first_diverged_bundle(tmp_path):
     assert [(r.target.relpath, r.status) for r in result.rows] == [("pr65", "diverged")]
     assert [t.relpath for t in result.unfinished] == ["later"]
     assert (result.exit_code, result.interrupted, result.first_bad.target.relpath) == (1, False, "pr65")
-    from replay_lib.run.command import summary_lines
+    from replay_lib.cli.scan import summary_lines
 
     assert summary_lines(result, 2)[-1] == (
         "warning", "stopped at the first diverged bundle (--fail-fast): 1 bundle(s) not scanned")

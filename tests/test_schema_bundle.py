@@ -16,8 +16,8 @@ import torch
 from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
 from replay_lib.demo import synthetic_parts, write_bundle
 from replay_lib.errors import BundleError
-from replay_lib.runner import replay
-from replay_lib.schema import (
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import (
     BUNDLE_COMPLETE_DECODER,
     INDEX_DECODER,
     decode_index,
@@ -455,7 +455,7 @@ def test_a_linked_payload_directory_is_never_read_ahead(tmp_path, monkeypatch):
 
 
 def test_stage_contracts_declares_loss_value_unsupported_only_where_not_asked_for():
-    from replay_lib.schema import StageCapability, StageId, stage_contracts
+    from replay_lib.bundle.schema import StageCapability, StageId, stage_contracts
 
     assert stage_contracts((StageId.SAMPLE,))[StageId.LOSS_VALUE].capability == StageCapability.UNSUPPORTED
     asked = stage_contracts((StageId.SAMPLE, StageId.LOSS_VALUE))

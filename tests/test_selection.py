@@ -12,9 +12,9 @@ import pytest
 
 from replay_lib.demo import ROLLOUT_STAGES, synthetic_parts, write_bundle
 from replay_lib.errors import SelectionError
-from replay_lib.runner import replay
-from replay_lib.schema import ActorStepId
-from replay_lib.selection import Selection
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import ActorStepId
+from replay_lib.bundle.selection import Selection
 
 PARTIAL = "cohort-level stage skipped under partial selection"
 
@@ -241,7 +241,7 @@ def test_two_bundles_with_the_same_anchor_stay_ambiguous(cli, tmp_path):
 def test_a_negative_group_index_is_labelled_and_selected_as_one():
     """The schema allows a negative ``group_index``; it reads ``g(-1)`` (it once read ``g--1``) and ``--group``
     takes what the label says, or the bare number."""
-    from replay_lib.selection import group_label, parse_group
+    from replay_lib.bundle.selection import group_label, parse_group
 
     assert [group_label(g) for g in (None, 0, 7, -1)] == ["-", "g-0", "g-7", "g(-1)"]
     assert [parse_group(t) for t in ("g-7", "7", "g(-1)", "-1", " g-0 ")] == [7, 7, -1, -1, 0]

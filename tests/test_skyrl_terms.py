@@ -21,7 +21,7 @@ from test_loss_knobs import LN2, LN4, LOGP, fields, write_step
 from replay_lib.errors import UnsupportedFrameworkConfig
 from replay_lib.frameworks.skyrl import from_skyrl
 from replay_lib.kernels.loss import LossKnobs, policy_loss_fields
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 E1 = math.exp(-1.0)
 REF = [LN2 - 1.0, 0.0, 0.0, LN4 - 30.0, 0.0]

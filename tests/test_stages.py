@@ -12,10 +12,10 @@ import torch
 
 from replay_lib.errors import BundleError
 from replay_lib.demo import ALL_STAGES, ROLLOUT_STAGES, STEP_STAGES, contracts, producer, write_bundle, write_pr65
-from replay_lib.error_model import Rules
-from replay_lib.report import report_to_text
-from replay_lib.runner import replay
-from replay_lib.schema import (
+from replay_lib.judge.error_model import Rules
+from replay_lib.judge.report import report_to_text
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,
@@ -459,7 +459,7 @@ def test_exact_fields_override_the_tolerance(tmp_path, name):
 def test_a_non_finite_comparison_prints_the_ieee_difference():
     """JSON has no infinity, so a non-finite comparison's abs_error is null; the text prints |a − e| as IEEE has it:
     inf against a finite value (it printed nan), nan with a NaN."""
-    from replay_lib.report import Divergence, divergence_line
+    from replay_lib.judge.report import Divergence, divergence_line
 
     inf = Divergence(stage="reward.raw", sample_id="s-3", field="raw_reward", expected=math.inf, actual=12.0)
     nan = Divergence(stage="reward.raw", sample_id="s-3", field="raw_reward", expected=0.0, actual=math.nan)

@@ -18,8 +18,8 @@ import torch
 from producers import comparison_policy
 
 from replay_lib.bundle import BundleWriter
-from replay_lib.error_model import coarse_payloads, kl_bound, kl_slope, storage_error, storage_unit
-from replay_lib.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
+from replay_lib.judge.error_model import coarse_payloads, kl_bound, kl_slope, storage_error, storage_unit
+from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
                                RecomputeConfig, SampleRecord, StageId, stage_contracts)
 
 U8 = 2.0 ** -8

@@ -1,6 +1,6 @@
 """Stage ``logprob.support``: sample-support rescoring and the support-row invariants (SPEC §7).
 
-Bundles are written by the real BundleWriter and replayed through ``replay_lib.runner.replay``; expected
+Bundles are written by the real BundleWriter and replayed through ``replay_lib.run.runner.replay``; expected
 log-probs are derived by hand from ``logp_S(y) = l_y − m − log Σ_{j∈S} exp(l_j − m)``.
 """
 
@@ -21,8 +21,8 @@ from replay_lib.cli import main
 from replay_lib.demo import contracts, producer, support_parts, write_bundle, write_support_bundle
 from replay_lib.errors import BundleError, UnsupportedError
 from replay_lib.kernels import policy_loss_fields
-from replay_lib.runner import replay
-from replay_lib.schema import (
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,
@@ -35,14 +35,14 @@ from replay_lib.schema import (
     StageContract,
     StageId,
 )
-from replay_lib.selection import Selection
-from replay_lib.support import (
+from replay_lib.bundle.selection import Selection
+from replay_lib.kernels.support import (
     check_routed_experts,
     check_support_rows,
     support_logprobs,
     unsupported_violations,
 )
-from replay_lib.validate import validate
+from replay_lib.run.validate import validate
 
 SUPPORT = StageId.LOGPROB_SUPPORT
 VOCAB = 8
@@ -521,7 +521,7 @@ def test_support_parts_are_consistent_at_scale(tmp_path):
 
 def test_row_checks_without_numpy_give_the_same_answers(monkeypatch):
     """numpy is optional (torch does not require it): the row checks fall back to torch and agree."""
-    from replay_lib.support import check_support_rows
+    from replay_lib.kernels.support import check_support_rows
 
     ids = torch.tensor([[5, 3, -1], [2, 2, 7], [-1, 4, 1], [9, 8, 6]], dtype=torch.int32)
     sampled = torch.tensor([3, 7, 4, 0])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from replay_lib.report import report_to_json, report_to_text
-from replay_lib.runner import replay
+from replay_lib.judge.report import report_to_json, report_to_text
+from replay_lib.run.runner import replay
 from replay_lib.safe_text import safe, safe_json
 
 from injection_bundles import RAW, SEQUENCES, in_name, is_clean, shown, write_hostile

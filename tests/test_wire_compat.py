@@ -25,7 +25,7 @@ from replay_lib.bundle.writer import wire_manifest
 from replay_lib.cli import main
 from replay_lib.demo import (synthetic_parts, write_bundle, write_cohort, write_pr65, write_step_loss,
                              write_support_bundle)
-from replay_lib.schema import (INDEX_DECODER, MANIFEST_DECODER, RecomputeConfig, StageCapability, StageContract,
+from replay_lib.bundle.schema import (INDEX_DECODER, MANIFEST_DECODER, RecomputeConfig, StageCapability, StageContract,
                                StageId)
 
 GROUPS = [0, 0, 1, 1]
@@ -551,7 +551,7 @@ def test_a_rank_shard_with_its_own_complete_is_still_refused_until_the_cohort_is
 def _our_rank_of(original_shard: Path, cohort: Path, rank: int, ranks=(0, 1)) -> Path:
     """Rank ``rank`` written by our writer with the data of an original shard (other sample ids)."""
     from replay_lib.bundle import BundleWriter
-    from replay_lib.schema import MANIFEST_DECODER, decode_expected, decode_index
+    from replay_lib.bundle.schema import MANIFEST_DECODER, decode_expected, decode_index
 
     manifest = MANIFEST_DECODER.decode((original_shard / "manifest.json").read_bytes())
     index, _ = decode_index((original_shard / "index.json").read_bytes())

@@ -65,7 +65,7 @@ import torch
 
 import trl
 
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 from .. import maybe_enable_for_actor
 from ..manager import _error_logged

@@ -12,10 +12,10 @@ from typing import Callable, Optional
 import msgspec
 
 from ..errors import BundleError
-from ..safe_open import json_cap, read_regular
-from ..json_limits import json_depth_error
-from ..layout import _PAYLOAD_NAME, _RANK_KEY, staging_name
-from ..schema import SUPPORTED_MAJOR
+from .safe_open import json_cap, read_regular
+from .json_limits import json_depth_error
+from .layout import _PAYLOAD_NAME, _RANK_KEY, staging_name
+from .schema import SUPPORTED_MAJOR
 
 
 HASH_CHUNK = 16 << 20  # bytes per read: a payload of a few MB is one read and one GIL-free hash call
@@ -86,7 +86,7 @@ def _read_bytes(path: Path, what: str) -> bytes:
     """A JSON file or sentinel of a bundle: read only when it is a regular file inside its directory and
     under its size cap (``--max-json-bytes``), never blocking — a link to ``/dev/zero``, a FIFO or a file
     swapped for one would otherwise hang or flood the reader before any checksum is compared. The checks
-    are :func:`replay_lib.safe_open.read_regular`'s (lstat, ``O_NOFOLLOW | O_NONBLOCK``, fstat, a bounded
+    are :func:`replay_lib.bundle.safe_open.read_regular`'s (lstat, ``O_NOFOLLOW | O_NONBLOCK``, fstat, a bounded
     read); a link to a file beside it is followed, as the writer's layout allows."""
     return read_regular(path, path.parent, what, json_cap(path.name))
 
@@ -95,7 +95,7 @@ def _decode(path: Path, data: bytes, decoder, *, bounded: Optional[Callable[[byt
     """``decoder``: a ``msgspec.json.Decoder`` or a function of the bytes (e.g. ``decode_index``).
 
     ``bounded``: a strict decode (every type concrete, unknown fields forbidden: ``decode_index_strict``) whose
-    schema bounds the nesting far below :data:`~replay_lib.json_limits.MAX_JSON_DEPTH`, returning what
+    schema bounds the nesting far below :data:`~replay_lib.bundle.json_limits.MAX_JSON_DEPTH`, returning what
     ``decoder`` would. A document it decodes cannot be too deep, so it is tried first and the byte scan is
     skipped; on any failure (a deep document has an unknown field or a value of the wrong type, or exhausts the
     decoder's recursion) the document goes the usual way — the depth scan, then ``decoder`` — and is reported

@@ -17,8 +17,8 @@ import msgspec
 import torch
 
 from ..errors import BundleError
-from ..layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
-from ..schema import (
+from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
+from .schema import (
     BUNDLE_COMPLETE_DECODER,
     EARLY_COMPLETE_WARNING,
     MANIFEST_DECODER,
@@ -401,7 +401,7 @@ class BundleReader:
         """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE."""
         path = Path(path)
         if _shard is None:
-            from .resolution import resolve_bundle  # resolution builds on the reader
+            from .locate import resolve_bundle
 
             resolved = resolve_bundle(path)
             if resolved.kind != "bundle":

@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 import msgspec
 import torch
 
-from ..layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX, staging_name
-from ..schema import (
+from .layout import _RANK_SENTINEL, PAYLOAD_DIR, PAYLOAD_SUFFIX, staging_name
+from .schema import (
     ORIGINAL_RECOMPUTED_STAGE_IDS,
     ORIGINAL_STAGE_IDS,
     RANK_COMPLETE_DECODER,

@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 
 import msgspec
 
-from ..error_model import Rules
-from ..fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
-from ..report import STATUS_FAIL, Explanation, ReplayReport
+from ..judge.error_model import Rules
+from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
+from ..judge.report import STATUS_FAIL, Explanation, ReplayReport
 from ..stages import STAGE_ORDER, StageContext
 from . import advantage, kl, loss, reward
 from .base import Hypothesis, Score, reported, score

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..error_model import advantage_bound, unit_roundoff
-from ..fields import FieldResult
+from ..judge.error_model import advantage_bound, unit_roundoff
+from ..judge.fields import FieldResult
 from ..kernels import GrpoReturns
 from ..stages import StageContext
 from ..stages.advantage import grpo_rewards

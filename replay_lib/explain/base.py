@@ -23,8 +23,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..error_model import bundle_tolerance
-from ..fields import PER_TOKEN, FieldResult
+from ..judge.error_model import bundle_tolerance
+from ..judge.fields import PER_TOKEN, FieldResult
 from ..stages import StageContext
 
 # Column of a hypothesis: a tensor over all of a field's rows, or a function of ``(lo, hi)``.

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 import msgspec
 
-from ..report import STATUS_FAIL, StageReport
-from ..schema import StageId
+from ..judge.report import STATUS_FAIL, StageReport
+from ..bundle.schema import StageId
 from ..stages import REGISTRY, StageContext, StageInputError
 
 

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from ..error_model import kl_bound, storage_error, storage_unit, unit_roundoff
-from ..fields import FieldResult
+from ..judge.error_model import kl_bound, storage_error, storage_unit, unit_roundoff
+from ..judge.fields import FieldResult
 from ..kernels import KL_TYPES, compute_approx_kl
 from ..stages import StageContext
 from .base import Hypothesis

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..fields import PER_SCALAR, FieldResult
+from ..judge.fields import PER_SCALAR, FieldResult
 from ..stages import StageContext, StageInputError
 from ..stages.loss import AGGREGATE_SUFFIX, LossInputs, loss_inputs
 from ..kernels.loss import LossKnobs, agg_weights, field_aggregation, loss_total

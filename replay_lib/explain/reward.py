@@ -31,10 +31,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..compare import as_float64
-from ..error_model import group_stats, reward_bound
-from ..fields import FieldResult
-from ..selection import group_label
+from ..judge.compare import as_float64
+from ..judge.error_model import group_stats, reward_bound
+from ..judge.fields import FieldResult
+from ..bundle.selection import group_label
 from ..stages import StageContext
 from .base import Hypothesis, fmt_number, listing, micro_batches
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from ..errors import FrameworkConfigError, UnsupportedFrameworkConfig
-from ..schema import RecomputeConfig
+from ..bundle.schema import RecomputeConfig
 
 _MISSING = object()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..schema import RecomputeConfig
+from ..bundle.schema import RecomputeConfig
 from ._base import ConfigReader
 
 FRAMEWORK = "nemo-rl"

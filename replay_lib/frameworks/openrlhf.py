@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ..schema import RecomputeConfig
+from ..bundle.schema import RecomputeConfig
 from ._base import ConfigReader
 
 FRAMEWORK = "openrlhf"

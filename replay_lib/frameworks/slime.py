@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..schema import RecomputeConfig
+from ..bundle.schema import RecomputeConfig
 from ._base import ConfigReader, to_plain, word_pattern
 
 FRAMEWORK = "slime"

@@ -1,4 +1,4 @@
-"""TRL's ``GRPOConfig`` → :class:`~replay_lib.schema.RecomputeConfig`.
+"""TRL's ``GRPOConfig`` → :class:`~replay_lib.bundle.schema.RecomputeConfig`.
 
 Read from TRL 1.16.0 (``trl/trainer/grpo_trainer.py`` and ``trl/trainer/grpo_config.py`` of the release on the
 package index; the line numbers below are of that release):
@@ -48,7 +48,7 @@ import dataclasses
 import functools
 from typing import Any, Optional
 
-from ..schema import RecomputeConfig
+from ..bundle.schema import RecomputeConfig
 from ._base import ConfigReader
 
 FRAMEWORK = "TRL"

@@ -21,8 +21,8 @@ import torch
 
 from ..bundle.writer import BundleWriter
 from ..errors import FrameworkConfigError
-from ..safe_open import read_regular
-from ..schema import (
+from ..bundle.safe_open import read_regular
+from ..bundle.schema import (
     FORMAT_VERSION,
     BundleIndex,
     ComparisonPolicy,
@@ -219,7 +219,7 @@ def _verify(path: Path, source: str) -> list[str]:
     """Read the published bundle back as ``validate`` does (checksums, schema, tensors, dependency closure);
     a bundle that fails is removed, never left behind. Returns what a replay would refuse, as notes."""
     from ..errors import ReplayError
-    from ..validate import validate
+    from ..run.validate import validate
 
     try:
         result = validate(path)

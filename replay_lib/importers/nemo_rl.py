@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from ..frameworks.nemo_rl import from_nemo_rl
-from ..schema import Identity, SampleRecord, StageId
+from ..bundle.schema import Identity, SampleRecord, StageId
 from ._common import DumpFields, ImportResult, read_dump, with_group_size, write_import
 
 TOKEN_KEYS = ("token_ids", "token_loss_mask", "advantages", "generation_logprobs", "prev_logprobs")

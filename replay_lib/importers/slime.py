@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ..frameworks.slime import from_slime
-from ..schema import Identity, SampleRecord, StageId
+from ..bundle.schema import Identity, SampleRecord, StageId
 from ._common import DumpFields, ImportResult, load_pt, with_group_size, write_import
 
 FORMAT_VERSION = 2

@@ -5,7 +5,7 @@ example trainer) import them, so "expected" and "actual" are produced by the sam
 
 Precision: every kernel takes ``dtype`` (default float32, what the capture side and the example trainer
 compute in, unchanged). The replay calls them with float64 on the recorded values (SPEC §5.1): the
-float64 result is the truth a legitimate producer approximates, and ``replay_lib.error_model`` bounds how
+float64 result is the truth a legitimate producer approximates, and ``replay_lib.judge.error_model`` bounds how
 far its rounding may take it.
 
 Token layout: per-token tensors are 1-D, every sample's response tokens concatenated in index order.

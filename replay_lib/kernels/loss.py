@@ -34,11 +34,11 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, SUM_OF_SAMPLE_MEANS,
+from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, SUM_OF_SAMPLE_MEANS,
                           LossKnobs, check_knobs)  # noqa: F401  (re-exported)
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
-# (the knobs and their allowed values live in replay_lib.loss_knobs, torch-free: the schema checks them)
+# (the knobs and their allowed values live in replay_lib.bundle.loss_knobs, torch-free: the schema checks them)
 
 def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
     return x if bound is None else x.clamp(-bound, bound)

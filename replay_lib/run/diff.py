@@ -6,7 +6,7 @@ would be all noise. Samples are matched by id (the order may differ: rank 0 vs r
 loader); tokens by their offset in the sample's response.
 
 Compared, A as expected and B as actual, each field judged with the error model's
-:func:`~replay_lib.fields.compare_field` (NaN/Inf always differ; otherwise ``|b − a| > atol + rtol·|a|``
+:func:`~replay_lib.judge.fields.compare_field` (NaN/Inf always differ; otherwise ``|b − a| > atol + rtol·|a|``
 with A's declared tolerance of the stage that produces the field, plus one rounding ``u·|a|`` of the
 coarser dtype when the two payloads' dtypes differ):
 
@@ -21,19 +21,17 @@ field differs); a field held by one bundle only is listed as skipped.
 
 from __future__ import annotations
 
-import sys
-from typing import Optional
 
 import msgspec
 import torch
 
 from ..bundle import BundleSet, open_bundle
-from ..compare import as_float64
-from ..error_model import bundle_tolerance, unit_roundoff
+from ..judge.compare import as_float64
+from ..judge.error_model import bundle_tolerance, unit_roundoff
 from ..errors import BundleError
-from ..fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, stage_report
+from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult, stage_report
 from ..kernels import segment_offsets
-from ..report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, StageReport
+from ..judge.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, StageReport
 
 # The stage whose output a payload is (its declared tolerance applies); others use the defaults.
 PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estimate", "kl": "advantage.kl",
@@ -202,20 +200,3 @@ def diff_bundles(path_a, path_b, *, max_divergences: int = 5) -> ReplayReport:
                         first_divergent_stage=first.stage if first else None,
                         first_divergence=first.divergences[0] if first and first.divergences else None,
                         stages=stages, kind=ident_a.kind, anchor=ident_a.anchor, mode="diff", warnings=warnings)
-
-
-def run_diff_command(args, stream: Optional[object] = None) -> int:
-    """``trajectory-replay diff A B [--format json]``."""
-    from ..cli import emit
-    from ..errors import UsageError
-    from ..report import render_text, report_to_json
-
-    stream = stream or sys.stdout
-    if args.max_divergences < 1:
-        raise UsageError("--max-divergences must be at least 1")
-    report = diff_bundles(args.bundle, args.other, max_divergences=args.max_divergences)
-    if args.format == "json":
-        stream.write(report_to_json(report))
-    else:
-        emit(render_text(report, max_lines=args.max_divergences), stream)
-    return report.exit_code

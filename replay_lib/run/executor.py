@@ -40,7 +40,7 @@ RunFn = Callable[[Work, object, TakeFn, threading.Event], None]
 
 def run_serial(work: Work, options, take: TakeFn, stop: threading.Event) -> None:
     """Every row in this process, one after the other (``--jobs 1``)."""
-    from .scan import check_target
+    from .check import check_target
 
     for target, partner in work:
         if stop.is_set():
@@ -141,7 +141,7 @@ def _reap(workers: Sequence[_Worker]) -> None:
 
 def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs: int) -> None:
     """The rows of ``work`` in ``jobs`` worker processes (see the module docstring)."""
-    from .scan import STATUS_ERROR, error_row
+    from .rows import STATUS_ERROR, error_row
 
     pending = list(reversed(work))
     single_thread = jobs > 1

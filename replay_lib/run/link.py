@@ -6,7 +6,7 @@ sample id. Equal means bit for bit when both payloads have the same dtype (the v
 not recomputed); when the dtypes differ (a bf16 step payload of a float32 rollout) each token may differ by
 the rounding of the coarser one, ``u·|rollout value|``. A sample id the rollout bundle does not hold, or one
 whose response length differs, is a structural divergence. The stage is judged with the error model's
-:class:`~replay_lib.fields.FieldResult` and :func:`~replay_lib.fields.stage_report`, so its report has the
+:class:`~replay_lib.judge.fields.FieldResult` and :func:`~replay_lib.judge.fields.stage_report`, so its report has the
 shape of every other stage; its reason and the row's first divergence name both bundles.
 """
 
@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleSet
-from ..compare import Comparison
-from ..error_model import unit_roundoff
-from ..fields import PER_TOKEN, FieldResult, stage_report
+from ..judge.compare import Comparison
+from ..judge.error_model import unit_roundoff
+from ..judge.fields import PER_TOKEN, FieldResult, stage_report
 from ..kernels import segment_offsets
-from ..report import Divergence, divergence_line
+from ..judge.report import Divergence, divergence_line
 from ..safe_text import safe
 
 LINK_STAGE = "link"
@@ -55,7 +55,7 @@ class _RolloutTokens:
 
 
 def link_report(step: BundleSet, rollout: BundleSet, *, step_name: str, rollout_name: str, keep: int = 5):
-    """The link :class:`~replay_lib.report.StageReport` of ``step`` against ``rollout``, or ``None`` when
+    """The link :class:`~replay_lib.judge.report.StageReport` of ``step`` against ``rollout``, or ``None`` when
     neither field is recorded on both sides (nothing to compare)."""
     source = _RolloutTokens(rollout)
     fields: list[FieldResult] = []
@@ -142,7 +142,7 @@ def check_link(target, step: BundleSet, partner, options):
     import msgspec
 
     from ..errors import ReplayError
-    from .scan import STATUS_DIVERGED, STATUS_PASS, LinkResult
+    from .rows import STATUS_DIVERGED, STATUS_PASS, LinkResult
 
     if isinstance(partner, str):
         return LinkResult(target=target, rollout=target, status="skipped", message=safe(partner),

@@ -31,7 +31,7 @@ def _ray_check(target, partner, options):
 
         torch.set_num_threads(1)
         _single_thread = True
-    from .scan import check_target
+    from .check import check_target
 
     return check_target(target, options, partner)
 
@@ -48,7 +48,7 @@ def make_ray_executor(*, jobs: int, address: Optional[str] = None):
     ray = _import_ray()
 
     def run(work, options, take, stop: threading.Event) -> None:
-        from .scan import STATUS_ERROR, error_row
+        from .rows import STATUS_ERROR, error_row
 
         started = False
         if not ray.is_initialized():

@@ -23,7 +23,7 @@ def main(argv) -> int:
     rows = Connection(int(argv[2]), readable=False)
     import torch
 
-    from .scan import check_target
+    from .check import check_target
 
     if argv[3] == "1":
         torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..schema import StageId
+from ..bundle.schema import StageId
 from .advantage import ADVANTAGE_ESTIMATE, ADVANTAGE_KL
 from .base import StageContext, StageDef, StageInputError
 from .loss import LOSS_POLICY

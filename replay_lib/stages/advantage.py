@@ -10,16 +10,16 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..compare import as_float64, list_tensor
-from ..error_model import (C_REWARD, C_STORE, U32, advantage_bound, kl_bound, recursion_bound, storage_error, storage_unit,
+from ..judge.compare import as_float64, list_tensor
+from ..judge.error_model import (C_REWARD, C_STORE, U32, advantage_bound, kl_bound, recursion_bound, storage_error, storage_unit,
                            unit_roundoff, whiten_bound)
-from ..fields import KEEP_COLUMNS, PER_TOKEN
+from ..judge.fields import KEEP_COLUMNS, PER_TOKEN
 from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
                        segment_sum,
                        WHITEN_EPS, token_rewards, whiten, whiten_stats)
-from ..report import StageReport
-from ..schema import RecomputeConfig, StageCapability, StageId
+from ..judge.report import StageReport
+from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
 from .reward import _reward_kl, kl_reach, reward_kl_type
 

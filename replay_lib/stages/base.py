@@ -9,12 +9,12 @@ import msgspec
 import torch
 
 from ..bundle import BundleReader
-from ..compare import Comparison, as_float64, list_tensor
-from ..error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
-from ..fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
+from ..judge.compare import Comparison, as_float64, list_tensor
+from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
+from ..judge.fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets, token_chunks
-from ..report import Hazard, StageReport
-from ..schema import RecomputeConfig, SampleRecord, StageId
+from ..judge.report import Hazard, StageReport
+from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
 
 
 class StageInputError(Exception):

@@ -11,17 +11,17 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import (SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
+from ..judge.error_model import (SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
                            loss_clip_hits, loss_scalar_bounds, near_value,
                            sample_exponent_condition)
-from ..fields import PER_SCALAR, PER_TOKEN
+from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation,
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms)
-from ..report import StageReport
-from ..schema import RecomputeConfig, StageCapability, StageId
+from ..judge.report import StageReport
+from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms

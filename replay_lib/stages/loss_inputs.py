@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..error_model import StorageUnits
+from ..judge.error_model import StorageUnits
 from ..kernels import GrpoReturns
 from ..kernels.loss import LossKnobs
 from .base import StageContext, StageInputError

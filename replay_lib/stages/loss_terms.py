@@ -9,7 +9,7 @@ recorded log-probs, old log-probs, advantages, entropy and mask) and returns one
 recorded term (``per="sample"``) and for ``pg_losses`` (``per="token"``).
 
 Tolerances. Each bound is what a legitimate producer's rounding can reach, computed alongside in float64 (the
-constants are those of ``replay_lib.error_model``: 8 for a per-token formula, 2 per addition). ``u_t`` is the
+constants are those of ``replay_lib.judge.error_model``: 8 for a per-token formula, 2 per addition). ``u_t`` is the
 unit roundoff of the producer's per-token arithmetic (``producer_precision.compute``), ``u_a`` that of its
 accumulation (``producer_precision.accumulate``; default float32/float32, SPEC §5.1):
 
@@ -59,12 +59,12 @@ from typing import Optional
 
 import torch
 
-from ..error_model import (C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condition, kl_slope, sample_exponent_condition,
+from ..judge.error_model import (C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condition, kl_slope, sample_exponent_condition,
                            storage_unit)
-from ..fields import PER_SAMPLE, PER_TOKEN, FieldResult
+from ..judge.fields import PER_SAMPLE, PER_TOKEN, FieldResult
 from ..kernels import LOSS_CHUNK
 from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
-from ..schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
+from ..bundle.schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
 from .loss_inputs import LossInputs
 

@@ -8,17 +8,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..compare import Comparison, list_tensor
-from ..fields import PER_SAMPLE
-from ..error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, exact_zero_std, group_stats,
+from ..judge.compare import Comparison, list_tensor
+from ..judge.fields import PER_SAMPLE
+from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, exact_zero_std, group_stats,
                            kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
                            storage_unit)
 from ..kernels import (GroupRule, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
                        sequence_kl_score)
-from ..report import Divergence, StageReport
+from ..judge.report import Divergence, StageReport
 from ..bundle import BundleReader
-from ..schema import RecomputeConfig, StageId
-from ..selection import group_label
+from ..bundle.schema import RecomputeConfig, StageId
+from ..bundle.selection import group_label
 from .base import StageContext, StageDef, StageInputError
 
 
@@ -198,7 +198,7 @@ class RewardKL(NamedTuple):
 def _reward_kl(ctx: StageContext, span: slice = slice(None)) -> RewardKL:
     """The recorded ``kl`` payload, or under ``--chain`` advantage.kl's formula on the recorded log-probs
     (float64), each with its storage error (:class:`RewardKL`); ``span``: of those tokens only (one token's
-    inputs, ``replay_lib.inputs``)."""
+    inputs, ``replay_lib.explain.inputs``)."""
     cfg = ctx.config
     compute = ctx.precision.compute
     if ctx.chain and ctx.has("old_log_probs") and ctx.has("ref_log_probs"):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..compare import Comparison
-from ..report import Divergence, StageReport
-from ..schema import StageId
+from ..judge.compare import Comparison
+from ..judge.report import Divergence, StageReport
+from ..bundle.schema import StageId
 from .base import StageContext, StageDef
 from .support import SUPPORT_TOKEN_PAYLOADS
 

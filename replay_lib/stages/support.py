@@ -34,12 +34,12 @@ import torch
 from ..bundle import BundleReader
 import msgspec
 
-from ..compare import Comparison
-from ..error_model import C_STORE, C_TOKEN, U32, storage_unit
-from ..fields import PER_TOKEN
-from ..report import STATUS_FAIL, Divergence, StageReport
-from ..schema import RecomputeConfig, StageId
-from ..support import (
+from ..judge.compare import Comparison
+from ..judge.error_model import C_STORE, C_TOKEN, U32, storage_unit
+from ..judge.fields import PER_TOKEN
+from ..judge.report import STATUS_FAIL, Divergence, StageReport
+from ..bundle.schema import RecomputeConfig, StageId
+from ..kernels.support import (
     SUPPORT_PAD,
     SupportRows,
     check_routed_experts,

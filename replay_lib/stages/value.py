@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..error_model import C_NEAR_CLIP, C_STORE, aggregated_condition, scalar_bound, storage_error, storage_unit
-from ..fields import PER_SCALAR
+from ..judge.error_model import C_NEAR_CLIP, C_STORE, aggregated_condition, scalar_bound, storage_error, storage_unit
+from ..judge.fields import PER_SCALAR
 from ..kernels.loss import VALUE_FIELDS, LossKnobs, agg_divisors, value_fields_from_sums, value_loss_fields, \
     value_token_terms
-from ..report import StageReport
-from ..schema import StageId
+from ..judge.report import StageReport
+from ..bundle.schema import StageId
 from .base import StageContext, StageDef, StageInputError
 from .loss import count_requirements
 

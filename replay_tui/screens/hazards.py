@@ -4,7 +4,7 @@ A hazard is reported, never failed: a place where a legitimate producer's result
 is mathematically undefined (a zero-std group under std normalization, a singleton group, clamps hit, …).
 Enter shows the hazard's sample (a group's: its first) in the sample tree; a line too long for the list is
 shown whole, wrapped, under it while highlighted. Every line comes from the bundle
-(ids, messages): escaped by :func:`replay_lib.report.hazard_line`, drawn as plain segments, never markup."""
+(ids, messages): escaped by :func:`replay_lib.judge.report.hazard_line`, drawn as plain segments, never markup."""
 
 from __future__ import annotations
 

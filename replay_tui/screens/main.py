@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import ClassVar, Optional
 
 from textual import events
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
 
-from replay_lib.report import STATUS_SKIPPED
+from replay_lib.judge.report import STATUS_SKIPPED
 from replay_lib.safe_text import safe
 
 from ..hazards import NO_HAZARDS, HazardMarks, hazard_marks
@@ -30,6 +30,7 @@ from ..widgets.status_bar import TitleBar, VerdictBar
 from .export import ExportScreen
 from .find import FindScreen, is_number
 from .hazards import HazardsScreen
+from ..keys import MAIN_BINDINGS
 
 PANES = ("stages", "samples", "diff", "identity")
 # The identity pane is shown by default only when the terminal is tall enough for it.
@@ -66,42 +67,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     # first divergence); below 22 the DAG scrolls, its cursor on the first divergence.
     VERTICAL_BREAKPOINTS = [(0, "-tiny"), (22, "-short"), (32, "-tall")]
 
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("tab", "focus_pane(1)", "Pane", id="main.next-pane", tooltip="Focus the next pane"),
-        Binding("shift+tab", "focus_pane(-1)", "Prev pane", show=False, id="main.prev-pane",
-                tooltip="Focus the previous pane"),
-        Binding("1", "focus_named('stages')", "Stages", show=False, id="main.focus-stages",
-                tooltip="Focus the stage DAG"),
-        Binding("2", "focus_named('samples')", "Samples", show=False, id="main.focus-samples",
-                tooltip="Focus the sample tree"),
-        Binding("3", "focus_named('diff')", "Diff", show=False, id="main.focus-diff", tooltip="Focus the diff viewer"),
-        Binding("4", "focus_named('identity')", "Identity", show=False, id="main.focus-identity",
-                tooltip="Focus the identity pane (shows it if hidden)"),
-        Binding("n", "divergence(1)", "Next div", id="main.next-divergence",
-                tooltip="Next divergence of the viewed field (continues into the next diverging sample)"),
-        Binding("N", "divergence(-1)", "Prev div", show=False, id="main.prev-divergence",
-                tooltip="Previous divergence of the viewed field"),
-        Binding("f", "cycle_field(1)", "Field", id="main.next-field",
-                tooltip="View the next field (raw_reward, reward, kl, advantage, loss)"),
-        Binding("F", "cycle_field(-1)", "Prev field", show=False, id="main.prev-field",
-                tooltip="View the previous field"),
-        Binding("e", "first_divergence", "First div", show=False, id="main.first-divergence",
-                tooltip="Go to the report's first divergence"),
-        Binding("slash", "jump", "Jump", id="main.jump",
-                tooltip="Jump to a sample by id; in the diff, @17 to token offset (row) 17, a number to the next row "
-                        "whose expected or actual value matches it to the digits typed"),
-        Binding("z", "hazards", "Hazards", id="main.hazards",
-                tooltip="List the report's hazards (reported, never failed; ⏎ shows a hazard's sample)"),
-        Binding("i", "toggle_identity", "Identity", show=False, id="main.toggle-identity",
-                tooltip="Show or hide the identity pane"),
-        Binding("r", "rerun", "Re-run", show=False, id="main.rerun", tooltip="Verify and replay the bundle again"),
-        Binding("m", "zoom", "Zoom", show=False, id="main.zoom",
-                tooltip="Maximize the focused pane to the whole screen, or restore the layout (toggle)"),
-        Binding("question_mark", "app.help", "Help", id="main.help", tooltip="Show the help screen (keys and panes)"),
-        Binding("f1", "app.help", "Help", show=False, id="main.help-f1",
-                tooltip="Show the help screen (keys and panes)"),
-        Binding("q", "app.quit", "Quit", id="main.quit", tooltip="Quit (exit code: 0 pass, 1 divergence, else the error's)"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = MAIN_BINDINGS
 
     def __init__(self, name: str) -> None:
         super().__init__()

@@ -22,9 +22,9 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Static
 
-from replay_lib.crash import internal_error_line
+from replay_lib.run.crash import internal_error_line
 from replay_lib.errors import EXIT_INTERNAL, ReplayError
-from replay_lib.run.command import kind_anchor
+from replay_lib.cli.scan import kind_anchor
 from replay_lib.safe_text import safe
 
 from ..app import EXIT_NO_VERDICT, PROG, ReplayApp, error_line, release_frozen
@@ -144,7 +144,7 @@ class RunScreen(Screen, inherit_bindings=False):
         if self.failure is not None:
             return self.failure[1]
         if self.result is not None:
-            from replay_lib.run.command import result_exit_code
+            from replay_lib.cli.scan import result_exit_code
 
             return result_exit_code(self.result)
         return EXIT_NO_VERDICT
@@ -223,7 +223,7 @@ class RunScreen(Screen, inherit_bindings=False):
             text.append(f"q exits {self.failure[1]} · ", style="dim")
             text.append(safe(self.failure[0]), style="bold red")
         elif self.result is not None:
-            from replay_lib.run.command import summary_lines
+            from replay_lib.cli.scan import summary_lines
 
             code = self.exit_code
             verdict = "-pass" if code == 0 else "-fail"
@@ -420,7 +420,7 @@ def app_from_args(args) -> RunApp:
     """The run view from parsed ``replay-tui DIR`` arguments; raises UsageError (exit 2) like the CLI."""
     from replay_lib.cli import replay_options
     from replay_lib.errors import UsageError
-    from replay_lib.run.command import default_jobs, options_from_args
+    from replay_lib.cli.scan import default_jobs, options_from_args
 
     jobs = args.jobs if getattr(args, "jobs", None) is not None else default_jobs()
     if jobs < 1:

@@ -17,6 +17,8 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from ..keys import navigation_bindings
+
 
 class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
     """Rows with a cursor. Posts :class:`Highlighted` when the cursor moves and :class:`Activated` on
@@ -80,24 +82,8 @@ class CursorLines(ScrollView, can_focus=True, inherit_bindings=False):
 
     @classmethod
     def navigation_bindings(cls, pane: str, noun: str, open_tooltip: str) -> list[Binding]:
-        """Arrow/page keys with vim aliases (hidden from the key bar), each with an id and a tooltip."""
-        return [
-            Binding("up", "cursor(-1)", "Up", show=False, id=f"{pane}.up", tooltip=f"Previous {noun}"),
-            Binding("down", "cursor(1)", "Down", show=False, id=f"{pane}.down", tooltip=f"Next {noun}"),
-            Binding("k", "cursor(-1)", "Up", show=False, id=f"{pane}.up-vim", tooltip=f"Previous {noun} (vim)"),
-            Binding("j", "cursor(1)", "Down", show=False, id=f"{pane}.down-vim", tooltip=f"Next {noun} (vim)"),
-            Binding("pageup", "page(-1)", "Page up", show=False, id=f"{pane}.page-up", tooltip="One screen up"),
-            Binding("pagedown", "page(1)", "Page down", show=False, id=f"{pane}.page-down",
-                    tooltip="One screen down"),
-            # no ctrl+b (vim's page up): it is tmux's prefix key, which a debugger over SSH must leave alone
-            Binding("ctrl+f", "page(1)", "Page down", show=False, id=f"{pane}.page-down-vim",
-                    tooltip="One screen down (vim)"),
-            Binding("home", "edge(0)", "First", show=False, id=f"{pane}.first", tooltip=f"First {noun}"),
-            Binding("end", "edge(1)", "Last", show=False, id=f"{pane}.last", tooltip=f"Last {noun}"),
-            Binding("g", "edge(0)", "First", show=False, id=f"{pane}.first-vim", tooltip=f"First {noun} (vim)"),
-            Binding("G", "edge(1)", "Last", show=False, id=f"{pane}.last-vim", tooltip=f"Last {noun} (vim)"),
-            Binding("enter", "activate", "Open", id=f"{pane}.open", tooltip=open_tooltip),
-        ]
+        """Arrow/page keys with vim aliases (see :func:`replay_tui.keys.navigation_bindings`)."""
+        return navigation_bindings(pane, noun, open_tooltip)
 
     # -- rows -------------------------------------------------------------------------------------
     @property

@@ -15,14 +15,14 @@ import torch
 
 from rich.style import Style
 from rich.text import Text
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Vertical
 from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-from replay_lib.report import fmt_value
+from replay_lib.judge.report import fmt_value
 from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, FAIL_SOFT, PASS, SPARK, WARN, fit, fit_number, fit_ratio, fmt_tolerance, strip_of
@@ -32,6 +32,7 @@ from .error_plot import ErrorStrip
 from .header_line import HeaderLine
 from .support_strip import SupportStrip
 from .why_strip import WhyStrip
+from ..keys import DIFF_BINDINGS
 
 __all__ = ["DiffPanel", "DiffView", "ErrorStrip", "WhyStrip"]
 
@@ -123,30 +124,7 @@ class DiffView(CursorLines):
     DiffView { overflow-y: scroll; }
     """
     PANE = "diff"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
-        "diff", "row", "Open the sample's per-token diff (from a per-sample table; from the loss table, each "
-                       "sample's term)") + [
-        # s, w, x in the key bar while the diff has the focus (the bar keeps ? and q when it is short)
-        Binding("s", "toggle_sort", "Sort", id="diff.sort",
-                tooltip="Sort the rows by |err|, largest first (toggle; n/N still follow the offsets)"),
-        Binding("D", "toggle_divergent", "Divergent", show=False, id="diff.divergent-only",
-                tooltip="Show only the divergent rows (toggle)"),
-        Binding("w", "worst", "Max |err|", id="diff.worst", tooltip="Go to the row with the largest |err|"),
-        Binding("right", "scroll_columns(1)", "Columns →", show=False, id="diff.columns-right",
-                tooltip="Scroll the columns right (shows the ones a narrow pane leaves out)"),
-        Binding("left", "scroll_columns(-1)", "Columns ←", show=False, id="diff.columns-left",
-                tooltip="Scroll the columns back left"),
-        Binding("L", "toggle_log", "Log |err|", show=False, id="diff.log-scale",
-                tooltip="Error plot on a log scale (toggle)"),
-        Binding("x", "export(False)", "Export", id="diff.export",
-                tooltip="Export the viewed rows (expected, actual, abs err, tolerance) to CSV or JSON"),
-        Binding("X", "export(True)", "Export stage", show=False, id="diff.export-stage",
-                tooltip="Export the field over every sample of the stage (to CSV or JSON)"),
-        Binding("y", "copy(False)", "Copy", show=False, id="diff.copy-value",
-                tooltip="Copy the cursor row's recomputed value to the clipboard (in full; OSC 52, works over SSH)"),
-        Binding("Y", "copy(True)", "Copy row", show=False, id="diff.copy-row",
-                tooltip="Copy the cursor row (key, expected, actual, abs err, tolerance) to the clipboard (OSC 52)"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = DIFF_BINDINGS
 
     class Export(Message):
         def __init__(self, whole_stage: bool) -> None:

@@ -10,16 +10,15 @@ non-finite element (NaN/Inf on either side) is drawn full height. Click a bin to
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
 from ..cells import DIM, FAIL_SOFT, PASS, SPARK, fit, fmt_tolerance, strip_of
+from .followed import FollowedView
 
-if TYPE_CHECKING:
-    from .diff_view import DiffView
 
 CURSOR_MARK = Style(color="bright_yellow", bold=True)
 LABEL_W = 9  # "  4.5e-3 ┤": a 7-cell value, a space and the axis
@@ -48,7 +47,7 @@ class ErrorStrip(Widget):
     ErrorStrip { height: 3; }
     """
 
-    def __init__(self, view: "DiffView", *, id: str | None = None) -> None:
+    def __init__(self, view: FollowedView, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.view = view
         self._cache_key: tuple = ()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import ClassVar, Optional, Sequence
 
 from rich.style import Style
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Vertical
 from textual.message import Message
 from textual.reactive import reactive
@@ -20,6 +20,7 @@ from ..hazards import HAZARD_MARK, NO_HAZARDS, HazardMarks
 from ..model import TREE_GROUP, TREE_SAMPLE, ReplayModel
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
+from ..keys import SAMPLES_BINDINGS
 
 GROUP, SAMPLE = TREE_GROUP, TREE_SAMPLE
 CB_W = 5  # "~cb-0": the consumer batch column's least width
@@ -32,16 +33,7 @@ class SampleTree(CursorLines):
     """
     PANE = "samples"
     ROW_NOUN = "row"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
-        "samples", "row", "Open the sample in the diff viewer, or fold/unfold the group") + [
-        Binding("d", "toggle_filter", "Diverging", id="samples.filter",
-                tooltip="Show only samples with a mismatch (toggle)"),
-        Binding("space", "toggle_group", "Fold", id="samples.fold", tooltip="Fold or unfold the group under the cursor"),
-        Binding("left", "fold(True)", "Fold", show=False, id="samples.collapse", tooltip="Fold the group"),
-        Binding("right", "fold(False)", "Unfold", show=False, id="samples.expand", tooltip="Unfold the group"),
-        Binding("h", "fold(True)", "Fold", show=False, id="samples.collapse-vim", tooltip="Fold the group (vim)"),
-        Binding("l", "fold(False)", "Unfold", show=False, id="samples.expand-vim", tooltip="Unfold the group (vim)"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = SAMPLES_BINDINGS
 
     diverging_only: reactive[bool] = reactive(False, init=False)
 

@@ -14,12 +14,13 @@ from textual.containers import Vertical
 from textual.strip import Strip
 from textual.widgets import Static
 
-from replay_lib.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, ReplayReport, StageReport
+from replay_lib.judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, ReplayReport, StageReport
 from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, FIRST, PASS, SKIP, fit, fit_number, fit_ratio, strip_of
 from .cursor_lines import CursorLines
 from .header_line import HeaderLine
+from ..keys import STAGES_BINDINGS
 
 # Stages after which the DAG forks: the loss stages hang off the last advantage-side stage.
 LEAVES = ("loss.policy", "loss.value")
@@ -65,8 +66,7 @@ def dag_gutters(stages: list[str]) -> list[str]:
 
 class StageList(CursorLines):
     PANE = "stages"
-    BINDINGS: ClassVar[list[BindingType]] = CursorLines.navigation_bindings(
-        "stages", "stage", "Open the stage: view its field at its first divergence")
+    BINDINGS: ClassVar[list[BindingType]] = STAGES_BINDINGS
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)

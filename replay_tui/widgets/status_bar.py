@@ -8,7 +8,7 @@ from rich.cells import cell_len, chop_cells, set_cell_size
 from rich.text import Text
 from textual.widgets import Static
 
-from replay_lib.report import STATUS_PASS, ReplayReport
+from replay_lib.judge.report import STATUS_PASS, ReplayReport
 from replay_lib.safe_text import safe
 
 from ..model import explanation_text, first_divergence_text

@@ -19,6 +19,7 @@ from textual.widget import Widget
 from replay_lib.safe_text import safe
 
 from ..cells import DIM, FAIL, WARN, strip_of
+from .followed import FollowedView
 from ..model import KIND_TOKEN, ReplayModel, SupportRow
 
 SAMPLED = Style(color="black", bgcolor="bright_yellow", bold=True)
@@ -131,7 +132,7 @@ class SupportStrip(Widget):
     SupportStrip { height: 2; background: $boost; display: none; }
     """
 
-    def __init__(self, view, *, id: str | None = None) -> None:
+    def __init__(self, view: FollowedView, *, id: str | None = None) -> None:
         """``view``: the DiffView whose cursor this strip follows."""
         super().__init__(id=id)
         self.view = view

@@ -1,6 +1,6 @@
 """The "why" strip under the diff rows: the inputs of the element under the cursor.
 
-What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.inputs``): for a reward its group's raw
+What it prints is :meth:`ReplayModel.element_inputs` (``replay_lib.explain.inputs``): for a reward its group's raw
 rewards, mean, std, eps and each member's micro-batch and consumer batch; for a KL token ``r`` and the
 formula; for a loss token the ratio, its clip region, the mask, the advantage and the token's contribution
 to its sample's term. Line 1 is the formula with its values, line 2 the inputs, line 3 (tall terminals) a
@@ -10,21 +10,20 @@ move, the lines cached until the element changes, the rows until the strip's siz
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
-from replay_lib.inputs import STREAM_MARK, ElementInputs
+from replay_lib.explain.inputs import STREAM_MARK, ElementInputs
 from replay_lib.safe_text import safe
 from replay_lib.stages import StageInputError
 
 from ..cells import BOLD, DIM, fit_rows, strip_of
+from .followed import FollowedView
 from ..model import ReplayModel
 
-if TYPE_CHECKING:
-    from .diff_view import DiffView
 
 LINES = 3
 
@@ -61,7 +60,7 @@ class WhyStrip(Widget):
     WhyStrip { height: 3; border-top: none; }
     """
 
-    def __init__(self, view: "DiffView", *, id: str | None = None) -> None:
+    def __init__(self, view: FollowedView, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.view = view
         self.model: Optional[ReplayModel] = None

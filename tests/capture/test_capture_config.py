@@ -16,7 +16,7 @@ from capture import (
     maybe_enable_for_actor,
 )
 from capture_helpers import ROOT, subprocess_env
-from replay_lib.schema import RecomputeConfig
+from replay_lib.bundle.schema import RecomputeConfig
 
 CFG = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2)
 

@@ -15,8 +15,8 @@ from capture.producer import _producer_info as producer_info_cache
 from capture_helpers import ROOT, stick_writer_on_disk
 from replay_lib.bundle import BundleReader, open_bundle
 from replay_lib.errors import BundleError
-from replay_lib.runner import replay
-from replay_lib.schema import INDEX_DECODER, ActorStepId, RecomputeConfig, encode_json
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import INDEX_DECODER, ActorStepId, RecomputeConfig, encode_json
 
 DEADLOCK_GUARD_S = 60.0
 
@@ -266,7 +266,7 @@ def test_index_written_by_capture_decodes_with_the_real_decoder(tmp_path):
 def test_an_id_the_reader_would_refuse_is_refused_where_it_comes_from(tmp_path):
     """A sample id over the schema's ID_MAX_CHARS: capture_rollout raises at once (the job's own call, its own
     stack), rather than writing a bundle that every reader refuses."""
-    from replay_lib.schema import ID_MAX_CHARS
+    from replay_lib.bundle.schema import ID_MAX_CHARS
 
     cap = _capture(tmp_path)
     try:

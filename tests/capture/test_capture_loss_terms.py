@@ -19,7 +19,7 @@ import replay_lib.stages.loss
 from capture import CaptureConfig, ReplayCapture, config_from_env
 from capture_helpers import TINY, capture_env
 from replay_lib.bundle import BundleReader
-from replay_lib.schema import PER_SAMPLE_TERMS, PerSampleLossTerms, RecomputeConfig
+from replay_lib.bundle.schema import PER_SAMPLE_TERMS, PerSampleLossTerms, RecomputeConfig
 
 DEADLOCK_GUARD_S = 60.0
 CFG = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, grpo_std_normalization=False,
@@ -301,8 +301,8 @@ def test_trainer_terms_match_the_replay_recompute_in_float64_and_bit_for_bit_und
     # The trainer's per-token float32 surrogate and float64 sums are what the --exact recompute does (float32
     # kernels' formula, float64 sums in token order): equal to the bit. The float64 recompute is within the
     # bounds. One ulp more in one recorded sum is then a divergence under --exact only.
-    error_model = pytest.importorskip("replay_lib.error_model")
-    from replay_lib.fields import compare_field
+    error_model = pytest.importorskip("replay_lib.judge.error_model")
+    from replay_lib.judge.fields import compare_field
 
     directory = tmp_path / "bundles"
     trainer.run(TINY, env=capture_env(directory, RELAX_REPLAY_CAPTURE_TOKEN_TERMS="1"))

@@ -20,8 +20,8 @@ from capture import CaptureConfig, CaptureDirectoryError, ReplayCapture, config_
 from capture.directory import earlier_bundles, process_start_time
 from capture_helpers import ROOT, TINY, TRAINER_PATH, all_files, bundle_dirs, capture_env, subprocess_env
 from replay_lib.bundle import BundleReader
-from replay_lib.runner import replay
-from replay_lib.schema import RecomputeConfig
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import RecomputeConfig
 
 GUARD_S = 60.0  # only ever reached when the code under test is broken
 RUN_TIMEOUT_S = 300

@@ -25,8 +25,8 @@ import torch
 
 from capture import SUPPORT_CHANNELS, CaptureConfig, ReplayCapture
 from replay_lib.bundle import BundleReader
-from replay_lib.runner import replay
-from replay_lib.schema import RecomputeConfig, StageCapability
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import RecomputeConfig, StageCapability
 
 DEADLOCK_GUARD_S = 60.0
 L3 = math.log(3.0)

@@ -32,7 +32,7 @@ from capture_helpers import (
 )
 from replay_lib import cli
 from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
-from replay_lib.runner import replay
+from replay_lib.run.runner import replay
 
 pytestmark = pytest.mark.slow
 

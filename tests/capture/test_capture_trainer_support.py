@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from capture_helpers import TINY, bundle_dirs, capture_env
 from replay_lib import cli
 from replay_lib.bundle import BundleReader
-from replay_lib.runner import replay
-from replay_lib.schema import StageCapability
-from replay_lib.support import support_logprobs
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import StageCapability
+from replay_lib.kernels.support import support_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from msgspec.structs import replace
 
 from capture import CaptureConfig, ReplayCapture
 from replay_lib.bundle import BundleReader
-from replay_lib.runner import replay
-from replay_lib.schema import RecomputeConfig
+from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import RecomputeConfig
 
 # Two samples of one group, n = 2; lengths 2 and 3, every token in the loss.
 LENGTHS = [2, 3]

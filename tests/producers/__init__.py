@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from replay_lib.bundle import BundleWriter
-from replay_lib.schema import (
+from replay_lib.bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from replay_lib.bundle import BundleWriter
-from replay_lib.schema import (FORMAT_VERSION, AdvantageWhitenStats, BundleIndex, ComparisonPolicy, Identity,
+from replay_lib.bundle.schema import (FORMAT_VERSION, AdvantageWhitenStats, BundleIndex, ComparisonPolicy, Identity,
                                Manifest, ProducerInfo, RecomputeConfig, SampleRecord, StageId, stage_contracts)
 
 F32 = np.float32

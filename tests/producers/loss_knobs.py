@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from replay_lib.bundle import BundleWriter
-from replay_lib.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
+from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
                                RecomputeConfig, SampleRecord, StageId, stage_contracts)
 
 from . import comparison_policy

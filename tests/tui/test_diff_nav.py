@@ -10,7 +10,7 @@ from decimal import Decimal
 
 import pytest
 
-from replay_lib.report import fmt_value
+from replay_lib.judge.report import fmt_value
 from replay_tui.cells import fmt_tolerance
 from replay_tui.widgets.diff_view import DiffPanel
 from replay_tui.widgets.error_plot import LABEL_W, ErrorStrip, bar_levels

@@ -12,9 +12,9 @@ import pytest
 import torch
 from rich.style import Style
 
-from replay_lib.error_model import Rules
-from replay_lib.report import hazard_line
-from replay_lib.runner import replay
+from replay_lib.judge.error_model import Rules
+from replay_lib.judge.report import hazard_line
+from replay_lib.run.runner import replay
 from replay_tui.cells import fmt_ratio, fmt_tolerance
 from replay_tui.commands import ReplayCommands
 from replay_tui.keys import key_actions
@@ -263,7 +263,7 @@ async def test_a_hazard_is_counted_marked_and_listed_and_the_bundle_still_passes
 
 async def test_a_cohort_s_group_hazard_marks_that_rank_s_group_only(tmp_path):
     """Each rank normalizes its own groups: a hazard on group 9 of rank 1 marks rank 1's g-9, not rank 0's."""
-    from replay_lib import demo
+    from replay_lib.demo import bundles as demo
     from replay_tui.app import ReplayApp
 
     cohort = demo.write_cohort(tmp_path / "cohort", samples=20, tokens=4, group_size=2)
@@ -319,7 +319,7 @@ async def test_a_narrow_verdict_keeps_the_stage_and_moves_the_hazard_count(make_
 def write_hostile_hazard(path, seq: str):
     """Sample ids carrying ``seq``; token 3 of the second sample has a reference log-prob 15 nats below its old
     one, so its k3 is beyond low_var_kl's ±10 clamp: a ``kl_clamp`` hazard naming that sample."""
-    from replay_lib import demo
+    from replay_lib.demo import bundles as demo
 
     manifest, index, expected, payloads = demo.synthetic_parts(samples=4, tokens=8, seed=4, bundle_id="hostile-hz",
                                                                sample_prefix=f"s{seq}")
@@ -364,7 +364,7 @@ async def test_a_long_hazard_is_shown_whole_under_the_list_at_80x24():
     way out): highlighted, it is shown whole, wrapped under the list, at 80×24 too (it was cut after 4 lines)."""
     from textual.app import App
 
-    from replay_lib.report import Hazard
+    from replay_lib.judge.report import Hazard
     from replay_tui.hazards import HazardRow
 
     words = " ".join(f"w{i:03d}" for i in range(90))  # 449 characters, the last word w089

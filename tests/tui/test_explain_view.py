@@ -3,7 +3,7 @@ because of an upstream one as downstream (``↓ down`` in the stage pane, said i
 
 from __future__ import annotations
 
-from replay_lib.error_model import Rules
+from replay_lib.judge.error_model import Rules
 from replay_tui.widgets.stage_pane import StageList, StagesPanel
 from replay_tui.widgets.status_bar import VerdictBar
 

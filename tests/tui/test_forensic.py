@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from replay_lib import demo
+from replay_lib.demo import bundles as demo
 from replay_lib.bundle import open_bundle
 from replay_lib.errors import BundleError
 

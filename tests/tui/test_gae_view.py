@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from replay_lib.bundle import BundleReader, open_bundle
-from replay_lib.runner import replay_run
+from replay_lib.run.runner import replay_run
 from replay_tui.model import build_model
 
 from test_advantage_estimate import CASES, case_bundle

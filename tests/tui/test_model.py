@@ -9,10 +9,10 @@ import torch
 from rich.style import Style
 
 from replay_lib.bundle import open_bundle
-from replay_lib.error_model import Rules
-from replay_lib.runner import replay_run, run_replay
+from replay_lib.judge.error_model import Rules
+from replay_lib.run.runner import replay_run, run_replay
 from replay_lib.stages import REGISTRY
-from replay_lib.selection import Selection
+from replay_lib.bundle.selection import Selection
 from replay_tui.model import (
     KIND_COHORT,
     KIND_SAMPLE,

@@ -62,7 +62,7 @@ def test_the_loss_table_says_how_its_mode_aggregates(tmp_path):
     """verl-dapo records a token mean: the loss table must not call its values sums of per-sample means."""
     from replay_lib.bundle import open_bundle
     from replay_lib.demo import write_demos
-    from replay_lib.runner import replay_run
+    from replay_lib.run.runner import replay_run
     from replay_tui.model import build_model
 
     path = write_demos(tmp_path)["verl-dapo"]
@@ -78,7 +78,7 @@ def test_the_loss_table_says_how_its_mode_aggregates(tmp_path):
 def _dapo_model(tmp_path):
     from replay_lib.bundle import open_bundle
     from replay_lib.demo import write_demo
-    from replay_lib.runner import replay_run
+    from replay_lib.run.runner import replay_run
     from replay_tui.model import build_model
 
     bundles = open_bundle(write_demo("verl-dapo", tmp_path / "verl-dapo"))
@@ -141,8 +141,8 @@ def test_the_pg_loss_terms_follow_the_loss_mode(tmp_path):
 def test_the_default_mode_s_terms_read_as_before(make_app, bundles):
     """sum_of_sample_means, loss_scale 1: a term is pg_sum / max(Σmask, 1), worded as it always was."""
     from replay_lib.bundle import open_bundle
-    from replay_lib.inputs import pg_term
-    from replay_lib.runner import replay_run
+    from replay_lib.explain.inputs import pg_term
+    from replay_lib.run.runner import replay_run
 
     bundle = open_bundle(bundles / "loss-bug")
     _, contexts = replay_run(bundle)
@@ -183,8 +183,8 @@ def test_a_loss_row_s_why_adds_its_terms_up(bundles):
     −0.2210408 − 0.0422964 = −0.2633372, the value the table's row shows; under --exact the stage keeps no
     per-sample sums, and the row says what its field compares instead."""
     from replay_lib.bundle import open_bundle
-    from replay_lib.error_model import Rules
-    from replay_lib.runner import replay_run
+    from replay_lib.judge.error_model import Rules
+    from replay_lib.run.runner import replay_run
     from replay_tui.model import build_model
 
     bundle = open_bundle(bundles / "loss-bug")
@@ -203,7 +203,7 @@ def test_a_loss_row_s_why_adds_its_terms_up(bundles):
 def test_a_per_sample_sum_s_why_is_that_sum(tmp_path):
     """verl-dapo's s-0: each per-sample field's strip says what that field sums (not pg_loss's term for all)."""
     model, ctx = _dapo_model(tmp_path)
-    from replay_lib.inputs import element_inputs
+    from replay_lib.explain.inputs import element_inputs
 
     assert element_inputs(ctx, "pg_sum", 0).formula == "pg_sum = Σ_t pg·mask = 9.851029; its pg_loss term 0.04782053"
     assert element_inputs(ctx, "mask_count", 0).formula == "mask_count = Σ_t mask = 17"

@@ -24,9 +24,9 @@ import pytest
 
 import torch
 
-from replay_lib import demo
-from replay_lib.report import fmt_value
-from replay_lib.schema import ActorStepId
+from replay_lib.demo import bundles as demo
+from replay_lib.judge.report import fmt_value
+from replay_lib.bundle.schema import ActorStepId
 
 SIZE = (120, 40)
 ORDER = ["e-clean", "b-kl", "a-clean", "d-broken", "c-clean"]

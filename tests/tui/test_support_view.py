@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replay_lib.bundle import open_bundle
-from replay_lib.runner import run_replay
+from replay_lib.run.runner import run_replay
 from replay_tui.model import KIND_TOKEN, SupportRow, build_model, field_for_divergence
 from replay_tui.widgets.diff_view import DiffView
 from replay_tui.widgets.support_strip import SupportStrip, fmt_prob, members_parts, status_parts

@@ -1,4 +1,4 @@
-"""The why strip (the inputs of the element under the cursor, ``replay_lib.inputs``) and the loss-term fields:
+"""The why strip (the inputs of the element under the cursor, ``replay_lib.explain.inputs``) and the loss-term fields:
 a loss divergence located to its sample and token, and the table of each sample's term of pg_loss.
 
 The loss bundle is the PR #65 step (``demo.write_step_loss``: lengths [3, 2, 4, 3], every token in the mask,
@@ -18,8 +18,8 @@ import torch
 
 from replay_lib.bundle import open_bundle
 from replay_lib.demo import PR65_RAW, write_pr65, write_step_loss
-from replay_lib.inputs import consumer_batch_labels, element_inputs
-from replay_lib.report import fmt_value
+from replay_lib.explain.inputs import consumer_batch_labels, element_inputs
+from replay_lib.judge.report import fmt_value
 from replay_lib.stages import StageContext
 from replay_tui.app import ReplayApp
 from replay_tui.widgets.why_strip import WhyStrip

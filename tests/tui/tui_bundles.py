@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replay_lib import demo
+from replay_lib.demo import bundles as demo
 # the screenshot demos live in the library (``replay-tui --demo kl-bug``); their numbers, for the tests
 from replay_lib.demo import (KL_BUG_DELTA, KL_BUG_TOKENS, LOOSE_KL_ATOL, LOOSE_KL_DELTAS,  # noqa: F401
                              LOOSE_KL_TOKENS, LOSS_BUG_DELTA, write_hazard_clean, write_kl_bug, write_loose_kl,
                              write_loss_bug)
-from replay_lib.schema import ProducerInfo
+from replay_lib.bundle.schema import ProducerInfo
 
 BRACKET_PREFIX = "[red]s-"
 
@@ -70,7 +70,7 @@ def write_support_hand(path: Path) -> Path:
     import torch
 
     from replay_lib.bundle import BundleWriter
-    from replay_lib.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
+    from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
                                    RecomputeConfig, SampleRecord, StageId)
 
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=0, response_length=n, total_length=n + 4,
@@ -98,7 +98,7 @@ def write_support_invariants(path: Path) -> Path:
     no support although it is not the trajectory's last token (whose appended EOS has none either)."""
     import msgspec
 
-    from replay_lib.schema import StageId
+    from replay_lib.bundle.schema import StageId
 
     manifest, index, expected, payloads = demo.support_parts(
         samples=4, tokens=8, k=4, vocab_size=64, seed=9, bundle_id="support-invariants",

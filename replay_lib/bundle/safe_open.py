@@ -32,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
-from .errors import BundleError
+from ..errors import BundleError
 
 INDEX_JSON_CAP = 2 << 30
 JSON_CAP = 64 << 20

@@ -118,7 +118,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-from .schema import ComparisonPolicy, Manifest, Tolerance
+from ..bundle.schema import ComparisonPolicy, Manifest, Tolerance
 
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 U32 = UNIT_ROUNDOFF["float32"]
@@ -547,7 +547,7 @@ def sample_exponent_condition(log_probs: torch.Tensor, old_log_probs: torch.Tens
     """float64 ``[samples]``: the condition of a per-sample exponent (module doc) — ``√n_i`` times the sample's
     mean ``|logp − old|`` (GSPO's ratio) plus its ``Σ_t |old − rollout|·m_t`` (÷ n_i for ``geometric``; a
     sequence or geometric importance weight); ``None`` when no knob exponentiates a per-sample sum."""
-    from .kernels import segment_ids
+    from ..kernels import segment_ids
 
     if not knobs.needs_sample_pass:
         return None
@@ -600,7 +600,7 @@ class StorageUnits:
         """float64 ``([samples], [samples])``: the storage error of a per-sample exponent — GSPO's mean
         log-ratio, ``u·Σ_t (|logp| + |old|)·m / n_i``, and a sequence (geometric: ÷ n_i) importance weight's log,
         ``u·Σ_t (|old| + |rollout|)·m``; zeros where no knob has the exponent."""
-        from .kernels import segment_ids
+        from ..kernels import segment_ids
 
         n_samples = int(lengths.numel())
         ratio = torch.zeros(n_samples, dtype=torch.float64)
@@ -641,7 +641,7 @@ def loss_storage_bounds(sums: Mapping[str, torch.Tensor], names, *, entropy_coef
     ``store_kl_loss``: ``e_r·max|dKL/dr|``), weighted as the field aggregates them; ``{}`` when no payload is."""
     if "store_pg" not in sums:
         return {}
-    from .kernels.loss import agg_weights, field_aggregation
+    from ..kernels.loss import agg_weights, field_aggregation
 
     def weighted(row: str, field: str) -> float:
         mode, scale = field_aggregation(field, knobs)
@@ -704,7 +704,7 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
     weighted by ``w_i = 1/(inner_i·outer)`` and the loss terms by ``|loss_scale|``; the KL term's per-token
     condition is the estimator's (``kl_condition``); ``pg_clipfrac_lower`` admits the tokens whose ratio lies
     within rounding of ``c``; an IcePop mask the tokens it may keep or drop."""
-    from .kernels.loss import LossKnobs, agg_divisors
+    from ..kernels.loss import LossKnobs, agg_divisors
 
     knobs = knobs or LossKnobs(entropy_coef=entropy_coef)
     n = sums["mask"]

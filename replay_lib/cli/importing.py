@@ -45,9 +45,9 @@ def _common(p: argparse.ArgumentParser, config_help: str) -> None:
 
 
 def run_import_command(args) -> int:
-    from ..frameworks.command import load_config_file
+    from .config import load_config_file
     from ..safe_text import json_document
-    from . import import_nemo_rl, import_slime
+    from ..importers import import_nemo_rl, import_slime
 
     if args.n_samples_per_prompt is not None and args.n_samples_per_prompt < 1:
         raise UsageError("--n-samples-per-prompt must be at least 1")
@@ -69,7 +69,7 @@ def run_import_command(args) -> int:
             "stages": {s: {"capability": c, "reason": result.reasons.get(s)} for s, c in result.stages.items()},
             "notes": result.notes}))
         return 0
-    from ..cli import emit
+    from .output import emit
 
     lines = [("header-pass", f"wrote {result.path} (bundle {result.bundle_id}: {result.samples} sample(s) in "
                              f"{result.groups} group(s), {result.tokens} token(s))")]

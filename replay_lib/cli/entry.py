@@ -14,180 +14,25 @@ Everything printed that came from a bundle passes through ``safe_text.safe`` (co
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-from .demo_catalog import DEMO_NAMES
-from .errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
-from .safe_text import elided_listing, json_document, safe
-from .schema import config_changes
+from ..demo.catalog import DEMO_NAMES
+from ..errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
+from ..safe_text import elided_listing, json_document, safe
+from ..bundle.schema import config_changes
 
-TOLERANCE_POLICIES = ("bundle", "default")  # replay_lib.error_model's, without importing torch for --help
-
-REPLAY_DESCRIPTION = """Recompute every declared stage and report the first divergent one.
-
-Each stage is recomputed in float64 from its recorded inputs (teacher forcing; --chain: from the recomputed
-outputs before it). An element diverges when either side is NaN or Inf, or when
-  |actual - expected| > atol + rtol*|expected| + the producer's rounding bound
-(the bound follows from the formula's condition and comparison_policy.producer_precision; see the README,
-"Judging"). Hazards (rounding-dominated or undefined places: zero-std groups, clamps, extreme ratios) are
-listed after the stages and never fail one."""
-
-EXIT_CODES_HELP = """exit codes:
-  0  every compared stage passed (validate: bundle valid; inspect: a bundle was found, its problems listed)
-  1  a divergence was found
-  2  bad command line
-  3  bundle invalid, incomplete, unsafe or ambiguous, or a selection that cannot be exact (nothing recomputed)
-  4  unsupported topology, stage or config knob (nothing guessed)
-  5  internal error: a bug in this tool; one line names the saved traceback file (never 1)
-"""
-
-SCAN_EXIT_CODES_HELP = """exit codes (SPEC §9):
-  0  every bundle passed
-  1  a bundle diverged (a stage of its own, or stage link against its rollout bundle)
-  2  bad command line
-  3  no bundle under DIR, or a bundle invalid, incomplete or gone during the scan (and none diverged)
-  4  a bundle needs an unsupported topology, stage or knob (and none diverged or was invalid)
-  5  internal error in a row (its line names the saved traceback), or a worker that died
-  130  interrupted (Ctrl+C): the rows that finished are printed
-"""
-
-STYLES = {
-    "header-fail": "bold red",
-    "header-pass": "bold green",
-    "pass": "green",
-    "fail": "bold red",
-    "skipped": "dim",
-    "detail": "yellow",
-    "hazard": "cyan",
-    "explanation": "bold yellow",
-    "warning": "magenta",
-    "title": "bold",
-    "": "",
-}
-
-
-def use_color(stream: TextIO) -> bool:
-    return stream.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
-
-
-def emit(lines: Sequence[tuple[str, str]], stream: Optional[TextIO] = None) -> None:
-    """Rich colours on a TTY, plain text otherwise (pipes, CI logs, files). Every line is escaped here, the
-    last step before the terminal: whatever a view forgot, a bundle string never writes an escape sequence."""
-    stream = stream or sys.stdout
-    lines = [(style, safe(line)) for style, line in lines]
-    if use_color(stream):
-        from rich.console import Console
-        from rich.text import Text
-
-        console = Console(file=stream, highlight=False, soft_wrap=True)
-        for style, line in lines:
-            console.print(Text(line, style=STYLES.get(style, "")))
-    else:
-        stream.write("".join(line + "\n" for _, line in lines))
-    stream.flush()
-
-
-# ------------------------------------------------------------------------------------- arguments
-
-
-def add_selection_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("selection (repeatable, combinable; expands to whole semantic groups)")
-    g.add_argument("--sample", action="append", default=[], metavar="ID", help="sample id, e.g. s-0")
-    g.add_argument("--group", action="append", default=[], metavar="G", help="semantic group, e.g. g-1")
-    g.add_argument("--batch", action="append", default=[], metavar="MB", help="micro-batch id, e.g. mb-0007")
-    a = p.add_argument_group("anchor (mutually exclusive; also picks a bundle in a capture directory)")
-    a.add_argument("--step", metavar="R:S", help="require actor_step_id == (R, S) exactly")
-    a.add_argument("--rollout", metavar="R", help="require a rollout-level bundle with rollout_id R")
-
-
-def _size(text: str) -> int:
-    from .safe_open import parse_size
-
-    try:
-        size = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if size < 1:  # no file fits a cap of 0: a usage error, not every bundle refused (exit 3)
-        raise argparse.ArgumentTypeError(f"expected a positive size in bytes such as 67108864, 64M or 2G, got {text!r}")
-    return size
-
-
-def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-json-bytes", type=_size, default=None, metavar="N",
-                   help="size cap of every JSON file and sentinel read (bytes, or 64M, 4G; "
-                        "default: index.json 2G, the others 64M)")
-
-
-def apply_limits(args) -> None:
-    """The file size caps of this command (``--max-json-bytes``, else the defaults)."""
-    from .safe_open import set_max_json_bytes
-
-    set_max_json_bytes(getattr(args, "max_json_bytes", None))
-
-
-def add_replay_arguments(p: argparse.ArgumentParser, selection: bool = True) -> None:
-    p.add_argument("--stage", action="append", default=[], metavar="NAME",
-                   help="stage to replay (repeatable, or 'all'); what it needs runs too")
-    if selection:
-        add_selection_arguments(p)
-    p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default text)")
-    p.add_argument("--max-divergences", type=int, default=5, metavar="N",
-                   help="divergences kept per stage (default 5)")
-    j = p.add_argument_group("judging (SPEC §4 teacher forcing, §5.1 error model)")
-    j.add_argument("--chain", action="store_true",
-                   help="recompute end to end: each stage consumes the recomputed outputs before it (would the "
-                        "correct pipeline have produced the recorded loss?). Default: teacher forcing, each stage "
-                        "judged on its recorded inputs, so the first divergence is the stage that is wrong")
-    j.add_argument("--exact", action="store_true",
-                   help="compare bitwise with a float32 recompute (same kernels, same hardware) instead of the "
-                        "float64 recompute within the error model's tolerance")
-    j.add_argument("--tolerance-policy", choices=TOLERANCE_POLICIES, default="bundle",
-                   help="bundle (default): the bundle's atol/rtol are used as declared, and each one looser than "
-                        "the defaults (atol 1e-6, rtol 1e-5) is reported as a warning; default: a bundle may only "
-                        "tighten them, a looser value is capped at the default (and reported)")
-    j.add_argument("--verbose", "-v", action="store_true",
-                   help="text report: each divergence's tolerance and noise ratio |a - e| / tolerance, and each "
-                        "stage's largest noise ratio")
-    add_limit_arguments(p)
-
-
-def anchor_from_args(args) -> tuple:
-    from .selection import parse_rollout, parse_step
-
-    if args.step is not None and args.rollout is not None:
-        raise UsageError("--step and --rollout are mutually exclusive")
-    step = parse_step(args.step) if args.step is not None else None
-    rollout = parse_rollout(args.rollout) if args.rollout is not None else None
-    return step, rollout
-
-
-def replay_options(args) -> dict:
-    """``replay()`` keyword arguments from parsed replay flags (shared with ``replay-tui``); UsageError → 2."""
-    from .error_model import Rules
-    from .runner import parse_stage_names
-    from .selection import Selection
-
-    try:
-        stages = parse_stage_names(args.stage)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.max_divergences < 1:
-        raise UsageError("--max-divergences must be at least 1")
-    step, rollout = anchor_from_args(args)
-    apply_limits(args)
-    selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
-    rules = Rules(chain=args.chain, exact=args.exact, tolerance_policy=args.tolerance_policy)
-    return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences,
-                rules=rules)
+from .options import (EXIT_CODES_HELP, REPLAY_DESCRIPTION, SCAN_EXIT_CODES_HELP, TOLERANCE_POLICIES,
+                      add_limit_arguments, add_replay_arguments, add_selection_arguments, anchor_from_args,
+                      apply_limits, replay_options)
+from .output import STYLES, emit, use_color
 
 
 def run_check(args, stream: Optional[TextIO] = None) -> int:
     """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``."""
-    from .report import render_text, report_to_json
-    from .runner import replay
+    from ..judge.report import render_text, report_to_json
+    from ..run.runner import replay
 
     stream = stream or sys.stdout
     report = replay(args.bundle, **replay_options(args))
@@ -278,7 +123,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_version_argument(parser: argparse.ArgumentParser) -> None:
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
@@ -317,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bundle against its rollout bundle (stage link), and name the first bad step.",
                        epilog=SCAN_EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="DIR")
-    from .run.command import add_scan_arguments
+    from .scan import add_scan_arguments
 
     add_scan_arguments(p)
     add_replay_arguments(p, selection=False)
@@ -331,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_arguments(p)
     p = sub.add_parser("import", help="write a bundle from slime's or NeMo-RL's debug dump (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .importers.command import add_import_arguments
+    from .importing import add_import_arguments
 
     add_import_arguments(p, _Parser)
     p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .frameworks.command import add_config_arguments
+    from .config import add_config_arguments
 
     add_config_arguments(p)
     p = sub.add_parser("demo", help="write demo or synthetic bundles")
@@ -376,7 +221,7 @@ def _print_error(err: str, prog: str = "trajectory-replay") -> None:
 
 def print_internal_error(exc: BaseException, prog: str = "trajectory-replay") -> int:
     """An exception nobody expected: save its traceback, print the one line naming the file; exit 5."""
-    from .crash import internal_error_line
+    from ..run.crash import internal_error_line
 
     try:
         sys.stdout.flush()
@@ -417,23 +262,23 @@ def _dispatch(args) -> int:
     if args.command == "replay":
         return run_check(args)
     if args.command == "scan":
-        from .run.command import run_scan_command
+        from .scan import run_scan_command
 
         return run_scan_command(args)
     if args.command == "diff":
-        from .run.diff import run_diff_command
+        from .diff import run_diff_command
 
         return run_diff_command(args)
     if args.command == "import":
-        from .importers.command import run_import_command
+        from .importing import run_import_command
 
         return run_import_command(args)
     if args.command == "config":
-        from .frameworks.command import run_config_command
+        from .config import run_config_command
 
         return run_config_command(args)
     if args.command == "validate":
-        from .validate import validate
+        from ..run.validate import validate
 
         step, rollout = anchor_from_args(args)
         result = validate(args.bundle, step=step, rollout=rollout)
@@ -443,7 +288,7 @@ def _dispatch(args) -> int:
             emit(_validate_lines(result))
         return 0
     if args.command == "inspect":
-        from .inspection import inspect
+        from ..bundle.inspection import inspect
 
         result = inspect(args.bundle)
         if args.format == "json":
@@ -462,7 +307,7 @@ def _dispatch(args) -> int:
 
 
 def _demo(args) -> int:
-    from . import demo
+    from .. import demo
 
     if args.demo_command == "write-all":
         if args.dir.exists() and not args.dir.is_dir():

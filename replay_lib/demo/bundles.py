@@ -28,11 +28,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .bundle import BundleWriter
-from .demo_catalog import DEMO_NAMES
-from .kernels import (LOSS_CHUNK, STD_EPS, batch_normalize, get_grpo_returns, group_normalize, rollout_kl, segment_ids,
+from ..bundle import BundleWriter
+from .catalog import DEMO_NAMES
+from ..kernels import (LOSS_CHUNK, STD_EPS, batch_normalize, get_grpo_returns, group_normalize, rollout_kl, segment_ids,
                       segment_sum)
-from .schema import (
+from ..bundle.schema import (
     FORMAT_VERSION,
     ActorStepId,
     BundleIndex,
@@ -554,7 +554,7 @@ def write_verl_dapo(path: str | Path) -> Path:
     trainer's — each micro-batch's ``Σ pg·mask`` over its own token count, × dp. Everything is computed in
     float64 and rounded once to float32 (host-independent). loss.policy fails at the aggregation: the recorded
     per-sample terms are right, their weights are not."""
-    from .kernels.loss import LossKnobs, aggregate, policy_fields_from_sums, policy_token_terms
+    from ..kernels.loss import LossKnobs, aggregate, policy_fields_from_sums, policy_token_terms
 
     n, width, parts, dp = (VERL_DAPO[k] for k in ("samples", "tokens", "micro_batches", "dp"))
     g = torch.Generator().manual_seed(VERL_DAPO["seed"])
@@ -650,7 +650,7 @@ def materialize_demo(name: str = "pr65-buggy") -> Path:
 def _cp_shard_of_tokens(lengths: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Load-balanced context-parallel layout: each trajectory is cut into 2·cp chunks and CP rank r holds
     chunks r and 2·cp − 1 − r. Returns the CP rank of every response token, ``[Σ T]`` int32."""
-    from .kernels import segment_ids, segment_offsets
+    from ..kernels import segment_ids, segment_offsets
 
     lengths = lengths.to(torch.int64)
     seg = segment_ids(lengths)
@@ -743,7 +743,7 @@ def support_parts(
     """
     import msgspec
 
-    from .support import check_support_rows
+    from ..kernels.support import check_support_rows
 
     if vocab_size < k + 1:
         raise ValueError("vocab_size must exceed k (one id is kept for the appended EOS)")

@@ -1,5 +1,5 @@
 """Comparison helpers: counts of a comparison, float64 conversion. The element rule and the
-per-element tolerances live in ``replay_lib.fields`` and ``replay_lib.error_model``; NaN/Inf on either side
+per-element tolerances live in ``replay_lib.judge.fields`` and ``replay_lib.judge.error_model``; NaN/Inf on either side
 always diverges."""
 
 from __future__ import annotations

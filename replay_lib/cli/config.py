@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import FrameworkConfigError, UnsupportedError, UsageError
-from ..safe_open import read_regular
+from ..bundle.safe_open import read_regular
 
 MAX_CONFIG_BYTES = 64 << 20
 
@@ -46,7 +46,7 @@ def load_config_file(path: Path) -> Any:
 
 def map_config(framework: str, cfg: Any, where: Optional[str] = None):
     """``RecomputeConfig`` of ``cfg`` through the framework's ``from_*`` (``where`` names the file)."""
-    from . import FRAMEWORKS, mapping
+    from ..frameworks import FRAMEWORKS, mapping
 
     if framework not in FRAMEWORKS:
         raise UsageError(f"unknown framework {framework!r} (expected one of: {', '.join(FRAMEWORKS)})")
@@ -60,7 +60,7 @@ def map_config(framework: str, cfg: Any, where: Optional[str] = None):
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    from . import FRAMEWORKS
+    from ..frameworks import FRAMEWORKS
 
     p.add_argument("framework", choices=tuple(FRAMEWORKS), metavar="FRAMEWORK",
                    help="one of: " + ", ".join(FRAMEWORKS))

@@ -28,7 +28,7 @@ IS_MODES = ("truncate", "mask")
 
 @dataclass(frozen=True)
 class LossKnobs:
-    """The loss-side knobs of SPEC §4.2, resolved from a :class:`~replay_lib.schema.RecomputeConfig`
+    """The loss-side knobs of SPEC §4.2, resolved from a :class:`~replay_lib.bundle.schema.RecomputeConfig`
     (:meth:`of`): effective values only — a KL term with coefficient 0 is off, slime's ``use_tis`` is
     ``is_level="token", is_mode="truncate"`` with its clip bounds."""
 

@@ -18,8 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .errors import EXIT_INTERNAL
-from .safe_text import safe
+from ..errors import EXIT_INTERNAL
+from ..safe_text import safe
 
 CRASH_DIR_NAME = "trajectory-replay"
 MESSAGE_LIMIT = 200  # characters of the exception's message on the one line (the file has it whole)
@@ -45,7 +45,7 @@ def crash_dirs() -> list[Path]:
 
 def traceback_text(exc: BaseException, prog: str) -> str:
     """The file's text: what ran, then the traceback (frames and source lines, no locals), escaped."""
-    from . import __version__
+    from .. import __version__
 
     head = [f"{prog} {__version__} internal error (a bug in this tool)",
             f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",

@@ -33,7 +33,7 @@ def default_jobs() -> int:
 
 def add_scan_arguments(p: argparse.ArgumentParser) -> None:
     """The scan-only flags (``--jobs``, ``--executor``, ``--ray-address``, ``--fail-fast``)."""
-    from .executor import EXECUTORS
+    from ..run.executor import EXECUTORS
 
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                    help="worker processes (default: the CPU count)")
@@ -46,7 +46,7 @@ def add_scan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args):
-    from .scan import ScanOptions
+    from ..run.scan import ScanOptions
 
     return ScanOptions(stages=tuple(getattr(args, "stage", None) or ()) or None, chain=getattr(args, "chain", False),
                        exact=getattr(args, "exact", False),
@@ -71,7 +71,7 @@ def kind_anchor(target) -> str:
 
 def row_line(row, verbose: bool = False) -> str:
     """``[   diverged] step 23:0      b-00023 — reward.post_process: reward s-0: expected=… actual=…``"""
-    from ..report import fmt_ratio
+    from ..judge.report import fmt_ratio
 
     t = row.target
     line = f"[{row.status:>11}] {kind_anchor(t):<14} {safe(row.bundle_id or t.relpath)}"
@@ -170,8 +170,8 @@ class _Progress:
 
 def run_scan_command(args, stream: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """``trajectory-replay scan DIR``: discover, scan, print; the exit code of SPEC §9 (130: interrupted)."""
-    from ..cli import emit
-    from .scan import discover, scan, split_stages
+    from .output import emit
+    from ..run.scan import discover, scan, split_stages
 
     stream = stream or sys.stdout
     err = err or sys.stderr

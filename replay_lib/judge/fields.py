@@ -1,13 +1,13 @@
 """One shape for what a stage compared: a :class:`FieldResult` per field, and the stage's report built from them.
 
 Every stage leaves its compared fields on the context (``ctx.fields[stage] = [FieldResult, …]``) and builds its
-:class:`~replay_lib.report.StageReport` from them with :func:`stage_report`; the text report, ``--format json``
+:class:`~replay_lib.judge.report.StageReport` from them with :func:`stage_report`; the text report, ``--format json``
 and the debugger's panes all read the same objects, so no view re-derives a stage's expected or actual values
 (and none needs to know what a stage computes).
 
 A field is three equal-length float64 columns — ``expected`` (what the bundle recorded), ``actual`` (what the
 replay recomputed) and ``tolerance`` (the effective per-element bound: the bundle's ``atol + rtol·|e|`` plus
-the producer's rounding bound, see ``replay_lib.error_model``) — and the map from elements to samples:
+the producer's rounding bound, see ``replay_lib.judge.error_model``) — and the map from elements to samples:
 
 * ``per="token"``: element ``t`` is a response token; ``offsets``/``lengths`` place it in its sample;
 * ``per="sample"``: element ``i`` is sample ``sample_ids[i]``;

@@ -21,13 +21,13 @@ from typing import Optional
 
 import torch
 
-from .kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
-from .kernels.loss import sample_term
-from .kernels.reward import group_moments, group_rule, post_process
-from .loss_knobs import LossKnobs
-from .report import fmt_value
-from .selection import group_label
-from .stages.base import StageContext, StageInputError
+from ..kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
+from ..kernels.loss import sample_term
+from ..kernels.reward import group_moments, group_rule, post_process
+from ..bundle.loss_knobs import LossKnobs
+from ..judge.report import fmt_value
+from ..bundle.selection import group_label
+from ..stages.base import StageContext, StageInputError
 
 REWARD_FIELDS = ("raw_reward", "reward")
 LOSS_TOKEN_FIELDS = ("pg_losses",)
@@ -92,7 +92,7 @@ def consumer_batch_labels(ctx: StageContext) -> "BatchLabels":
     Computed once per context."""
     cached = ctx.records.get("consumer_batches")
     if cached is None:
-        from .explain.reward import consumer_batches
+        from .reward import consumer_batches
 
         samples = ctx.reader.index.samples
         placed = consumer_batches(ctx)
@@ -245,8 +245,8 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
     normalized reward broadcast over the sample's tokens (GRPO and its kin), the discounted returns of the
     per-token rewards (REINFORCE++, the KL in the token rewards), or GAE over the recorded values — then
     whitened where the estimator whitens. Only a broadcast names its value: a recursion's is the Diff pane's."""
-    from .stages.advantage import estimate_kind, grpo_rewards, whitens  # what advantage.estimate consumes
-    from .stages.reward import _reward_kl
+    from ..stages.advantage import estimate_kind, grpo_rewards, whitens  # what advantage.estimate consumes
+    from ..stages.reward import _reward_kl
 
     cfg = ctx.config
     rewards, _ = grpo_rewards(ctx)
@@ -279,7 +279,7 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
 
 def _loss_token(ctx: StageContext, t: int) -> dict[str, float]:
     """One token of loss.policy's inputs, the surrogate and its clip decision, in float64."""
-    from .stages.loss import loss_inputs  # the inputs the loss stage consumes (recorded or --chain's)
+    from ..stages.loss import loss_inputs  # the inputs the loss stage consumes (recorded or --chain's)
 
     li = loss_inputs(ctx)
     cfg = ctx.config
@@ -365,7 +365,7 @@ def loss_sample_inputs(ctx: StageContext, field: str, index: int) -> ElementInpu
     """A per-sample loss term: how many loss tokens, how many clipped, and the term's share of pg_loss
     (``loss_scale · w_i · pg_sum``, :func:`pg_term`). The sums are the stage's own recomputation when it compared
     them (every loss knob included), else the plain clipped surrogate's."""
-    from .stages.loss import loss_inputs
+    from ..stages.loss import loss_inputs
 
     li = loss_inputs(ctx)
     cfg = ctx.config
@@ -407,8 +407,8 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
     mode and the value — over the stage's own recompute (its per-sample sums, every loss knob included), or for
     a ``…_from_terms`` row over the recorded per-sample terms. ``None`` where the stage left no sums (``--exact``)
     or the row is none of these."""
-    from .kernels.loss import agg_weights, field_aggregation, loss_total
-    from .stages.loss import AGGREGATE_SUFFIX, ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD
+    from ..kernels.loss import agg_weights, field_aggregation, loss_total
+    from ..stages.loss import AGGREGATE_SUFFIX, ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD
 
     recorded = label.endswith(AGGREGATE_SUFFIX)
     name = label.removesuffix(AGGREGATE_SUFFIX)

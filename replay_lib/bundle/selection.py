@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import SelectionError, UsageError
+from ..errors import SelectionError, UsageError
 from .schema import ActorStepId, BundleIndex
 
 

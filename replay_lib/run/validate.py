@@ -1,5 +1,5 @@
 """``validate``: format, integrity, safety, dependency closure — never recomputes numbers. (``inspect``, the
-tolerant look that works on incomplete bundles, is :mod:`replay_lib.inspection`, re-exported here.)"""
+tolerant look that works on incomplete bundles, is :mod:`replay_lib.bundle.inspection`, re-exported here.)"""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from typing import Optional
 
 import msgspec
 
-from .bundle import BundleSet, open_bundle
-from .error_model import tolerance_warnings
-from .errors import BundleError, UnsupportedError
-from .layout import PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..bundle import BundleSet, open_bundle
+from ..judge.error_model import tolerance_warnings
+from ..errors import BundleError, UnsupportedError
+from ..bundle.layout import PAYLOAD_DIR, PAYLOAD_SUFFIX
 from .runner import check_closure, check_topology
-from .schema import ActorStepId, StageCapability, StageId
-from .inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
-from .stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
-from .stages.loss import KNOB_TOKEN_PAYLOADS
-from .stages.sample import TOKEN_PAYLOADS
+from ..bundle.schema import ActorStepId, StageCapability, StageId
+from ..bundle.inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
+from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
+from ..stages.loss import KNOB_TOKEN_PAYLOADS
+from ..stages.sample import TOKEN_PAYLOADS
 
 
 class ValidationResult(msgspec.Struct, kw_only=True):

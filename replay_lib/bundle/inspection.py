@@ -19,7 +19,7 @@ from typing import Optional
 import msgspec
 
 from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_file
-from .errors import BundleError
+from ..errors import BundleError
 from .json_limits import json_depth_error
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
@@ -101,7 +101,7 @@ def _read_regular(file: Path, root: Path) -> bytes:
 def _problem(name: str, exc: Exception) -> str:
     """A file's decode error worded as ``validate`` words it (``$.samples[3].loss_mask: expected `array`, …``)."""
     if isinstance(exc, msgspec.ValidationError):
-        from .bundle.files import _validation_message
+        from .files import _validation_message
 
         return f"{name}: {_validation_message(exc)}"
     return f"{name}: {exc}"

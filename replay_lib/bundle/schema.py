@@ -1,0 +1,667 @@
+"""msgspec schema of a replay bundle (format 1.x).
+
+The names follow the original design document (``ActorStepId``, ``BundleIndex`` …). Every field a reader
+needs is written explicitly: msgspec encodes defaults too, so a bundle never relies on a reader's default.
+Fields added by this implementation are optional with defaults, so bundles written by the original
+format 1.0.0 writer decode here, and ours decode there.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import math
+from typing import Annotated, Any, Literal, Optional, Union
+
+import msgspec
+from msgspec.structs import force_setattr
+
+FORMAT_VERSION = "1.1.0"
+SUPPORTED_MAJOR = 1
+
+# Every integer a bundle holds is bounded (SPEC §11): an int64, as the tensors and kernels that consume it
+# are. A value outside is a one-line schema error naming its field, not an OverflowError in a stage.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+Int = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # a size, a dimension, a rank number
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]  # a parallel axis has at least one rank
+
+# An identifier (a sample, micro-batch, bundle or partition id, a commit): at most this many characters. Every view
+# shows ids whole, and one of megabytes made the debugger unusable; real ids are a few dozen characters.
+ID_MAX_CHARS = 1024
+Id = Annotated[str, msgspec.Meta(max_length=ID_MAX_CHARS)]
+# A sample is named in every view and selected by name (--sample): never the empty string.
+SampleId = Annotated[str, msgspec.Meta(min_length=1, max_length=ID_MAX_CHARS)]
+Scalar = Union[Int, Id]
+
+
+class StageId(str, enum.Enum):
+    SAMPLE = "sample"
+    REWARD_RAW = "reward.raw"
+    REWARD_POST_PROCESS = "reward.post_process"
+    ADVANTAGE_KL = "advantage.kl"
+    ADVANTAGE_ESTIMATE = "advantage.estimate"
+    LOGPROB_SUPPORT = "logprob.support"
+    LOSS_POLICY = "loss.policy"
+    LOSS_VALUE = "loss.value"
+
+    def __str__(self) -> str:  # "reward.raw", not "StageId.REWARD_RAW"
+        return self.value
+
+
+# The stage ids of the original tool's format 1.0.0. Its reader parses every key of
+# ``manifest.stage_contracts`` as this enum and refuses any other, so a contract for one of our extension
+# stages is written to ``extension_stage_contracts`` instead, a field it ignores (see ``Manifest``).
+ORIGINAL_STAGE_IDS = frozenset({"sample", "reward.raw", "reward.post_process", "advantage.kl",
+                                "advantage.estimate", "loss.policy", "loss.value"})
+# The ones among them its engine recomputes (it declares ``loss.value`` unsupported, always).
+ORIGINAL_RECOMPUTED_STAGE_IDS = ORIGINAL_STAGE_IDS - {"loss.value"}
+
+
+class StageCapability(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    RECORDED_ONLY = "recorded-only"
+    INSPECT_ONLY = "inspect-only"
+    UNSUPPORTED = "unsupported"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class ActorStepId(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """The train_one_step coordinate: (rollout_id, step_id). A flat step number is never persisted."""
+
+    rollout_id: Int
+    step_id: Int
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}:{self.step_id}"
+
+
+class WeightLineage(_Struct, kw_only=True, forbid_unknown_fields=True):
+    rollout_weight: Optional[Scalar] = None
+    actor_weight: Optional[Scalar] = None
+
+
+RANK_AXES = ("dp", "tp", "pp", "cp")
+
+
+class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """Logical identity (sample, semantic group, cohort, actor step) and physical provenance."""
+
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[Int] = None
+    rollout_partition_ids: list[Scalar] = []
+    consumer_batch_ids: list[Scalar] = []
+    micro_batch_ids: list[Scalar] = []
+    semantic_group_ids: list[Scalar] = []
+    normalization_cohort_ids: list[Scalar] = []
+    weight_lineage: WeightLineage = WeightLineage()
+    # World sizes per parallel axis. Accepts a partial mapping (``{"cp": 1}``) and writes all four axes.
+    rank: dict[str, WorldSize] = {}
+
+    def __post_init__(self) -> None:
+        full = {axis: 1 for axis in RANK_AXES}
+        full.update(self.rank)
+        force_setattr(self, "rank", full)
+
+    @property
+    def kind(self) -> str:
+        """``step`` for a bundle anchored by an actor step, ``rollout`` for a rollout-level bundle."""
+        return "step" if self.actor_step_id is not None else "rollout"
+
+    @property
+    def anchor(self) -> str:
+        if self.actor_step_id is not None:
+            return f"actor_step_id={self.actor_step_id}"
+        return f"rollout_id={self.rollout_id}"
+
+
+# gc=False: a step holds thousands of records, and a record (strings, numbers, a list of ints) can never be
+# part of a reference cycle, so the collector need not track or walk them. The fields are declared in the order
+# the wire writes the keys (sorted, SPEC §2.1): the decoder then finds each key's field at its first guess
+# (≈ 6 % of decoding a 4,096-sample index). Keyword-only: the order means nothing else.
+class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    group_index: Optional[Int] = None
+    # Redacted text fields (label, prompt, response, tool_output) are written only as the manifest's redaction
+    # policy says; ``None`` = dropped.
+    label: Optional[str] = None
+    label_hash: Optional[str] = None
+    loss_mask: list[Int]
+    micro_batch_id: Optional[Id] = None
+    prompt: Optional[str] = None
+    raw_reward: Optional[float] = None
+    response: Optional[str] = None
+    response_length: Int
+    reward: Optional[float] = None
+    sample_id: SampleId
+    tool_output: Optional[str] = None
+    total_length: Int
+
+
+class AdvantageWhitenStats(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """The producer's global whitening statistics over its whole batch (a bundle may hold one shard)."""
+
+    mean: float
+    std: float
+
+
+class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every knob that changes the math, including the ones V1 cannot recompute (so they can be refused)."""
+
+    advantage_estimator: str = "grpo"
+    n_samples_per_prompt: Int = 1
+    grpo_std_normalization: bool = False
+    kl_loss_type: str = "k1"
+    kl_coef: float = 0.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    entropy_coef: float = 0.0
+    # Knobs V1 does not implement; a replay refuses them by name when set.
+    rewards_normalization: bool = True
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    calculate_per_token_loss: bool = False
+    normalize_advantages: bool = False
+    eps_clip_c: Optional[float] = None
+    use_rollout_logprobs: bool = False
+    # SPEC §4.2, loss side (loss.policy, loss.value). Defaults are V1's semantics.
+    # loss_agg_mode: sum_of_sample_means | seq_mean_token_mean | token_mean | seq_mean_token_sum |
+    # seq_mean_token_sum_norm; the recorded all-reduced counts T, N, L and the producer's multiplier.
+    loss_agg_mode: str = "sum_of_sample_means"
+    metric_agg_mode: Optional[str] = None  # None = loss_agg_mode
+    # The KL-loss and entropy terms' own modes (SkyRL averages them per sequence / per token, its policy term
+    # per mini-batch token): None = loss_agg_mode.
+    kl_loss_agg_mode: Optional[str] = None
+    entropy_agg_mode: Optional[str] = None
+    loss_token_count: Optional[Count] = None
+    loss_seq_count: Optional[Count] = None
+    loss_horizon: Optional[Count] = None
+    loss_scale: float = 1.0
+    log_ratio_clamp: Optional[float] = None
+    importance_level: str = "token"  # token | sequence (GSPO)
+    kl_loss_input_clamp: Optional[float] = None
+    kl_loss_output_clamp: Optional[float] = None
+    # train/rollout importance correction: is_level None = off | token | sequence | geometric
+    is_level: Optional[str] = None
+    is_mode: str = "truncate"  # truncate | mask (IcePop)
+    is_low: Optional[float] = None
+    is_high: Optional[float] = None
+    is_log_clamp: Optional[float] = None
+    value_clip: Optional[float] = None
+    # SPEC §4.2, advantage side (reward.post_process, advantage.estimate).
+    grpo_std_eps: float = 1e-6
+    grpo_std_unbiased: bool = True
+    group_baseline: str = "mean"  # mean | leave_one_out
+    std_zero: str = "eps"  # eps | skip
+    singleton_group: Optional[str] = None  # None = the arithmetic (NaN under std) | nan | zero | raw
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: Optional[str] = None  # None | sequence | token_returns
+    kl_penalty_type: Optional[str] = None  # advantage.kl's estimator when it differs from kl_loss_type (verl)
+    advantage_whiten_stats: Optional[AdvantageWhitenStats] = None
+    # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
+    # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
+    # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).
+    vocab_size: Optional[Int] = None
+    num_experts: Optional[Int] = None
+    support_scored: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
+        # error naming the field (exit 3), never a refusal or a crash in a stage.
+        from .loss_knobs import LossKnobs, check_knobs
+
+        errors = check_knobs(LossKnobs.of(self))
+        if errors:
+            raise ValueError(errors[0])
+
+
+# The knobs every config summary shows; the others only when set away from their default.
+CORE_KNOBS = ("advantage_estimator", "n_samples_per_prompt", "grpo_std_normalization", "kl_loss_type", "kl_coef",
+              "eps_clip", "eps_clip_high", "entropy_coef")
+
+
+def config_changes(config) -> dict:
+    """``{knob: value}`` of the knobs a summary shows: :data:`CORE_KNOBS`, then every other knob whose value
+    differs from :class:`RecomputeConfig`'s default (``config``: a RecomputeConfig or its dict form)."""
+    raw = msgspec.to_builtins(config) if isinstance(config, RecomputeConfig) else dict(config)
+    defaults = msgspec.to_builtins(RecomputeConfig())
+    return {k: v for k, v in raw.items() if k in CORE_KNOBS or k not in defaults or v != defaults[k]}
+
+
+class BundleIndex(_Struct, kw_only=True, forbid_unknown_fields=True):
+    bundle_id: Id
+    identity: Identity
+    samples: list[SampleRecord]
+    config: RecomputeConfig
+
+
+class ProducerInfo(_Struct, kw_only=True):
+    commit: Id = ""
+    dirty_patch_digest: Optional[Id] = None
+    torch_version: Id = ""
+
+    def __post_init__(self) -> None:
+        # ``torch.__version__`` is a str subclass that JSON encoders refuse; store the plain string.
+        if type(self.torch_version) is not str:
+            force_setattr(self, "torch_version", str(self.torch_version))
+
+
+class StageContract(_Struct, kw_only=True):
+    stage: StageId
+    version: str = "v1"
+    capability: StageCapability
+    implementation: Literal["reuse", "reimplemented"] = "reuse"
+    # Informational only (the original writes them empty): the engine knows what each stage consumes.
+    inputs: list[str] = []
+    expected_outputs: list[str] = []
+
+
+def stage_contracts(
+    stages,
+    *,
+    capabilities: Optional[dict[StageId, StageCapability]] = None,
+    implementations: Optional[dict[StageId, str]] = None,
+    declare_value: bool = True,
+) -> dict[StageId, StageContract]:
+    """Version-1 contracts for ``stages`` (``recompute`` unless ``capabilities`` says otherwise, ``reuse``
+    unless ``implementations`` does), plus ``loss.value`` declared unsupported, as V1 producers write, where
+    ``stages`` does not ask for it."""
+    capabilities = capabilities or {}
+    implementations = implementations or {}
+    out = {
+        s: StageContract(stage=s, version="v1", capability=capabilities.get(s, StageCapability.RECOMPUTE),
+                         implementation=implementations.get(s, "reuse"))
+        for s in stages
+    }
+    if declare_value and StageId.LOSS_VALUE not in out:
+        out[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, version="v1",
+                                                capability=StageCapability.UNSUPPORTED)
+    return out
+
+
+class PayloadSpec(_Struct, kw_only=True):
+    name: str
+    dtype: str
+    shape: list[Count]
+    bytes: Count
+    sha256: str
+
+
+# A tolerance is a finite, non-negative number: a negative, NaN or infinite one is a schema error (exit 3).
+Bound = Annotated[float, msgspec.Meta(ge=0.0, le=1.7976931348623157e308)]
+
+
+class Tolerance(_Struct, kw_only=True):
+    atol: Bound = 1e-6
+    rtol: Bound = 1e-5
+
+
+class ProducerPrecision(_Struct, kw_only=True):
+    """What the producer computed its expected values in (SPEC §5.1): ``compute``, the precision of its
+    per-token outputs (a bf16 forward's KL); ``accumulate``, the precision of its reductions. The replay's
+    rounding bound for each element is derived from them (``replay_lib.judge.error_model``)."""
+
+    compute: Literal["float32", "bfloat16", "float16"] = "float32"
+    accumulate: Literal["float32", "float64"] = "float32"
+
+
+class ComparisonPolicy(_Struct, kw_only=True):
+    exact_fields: list[str] = []
+    tolerances: dict[str, Tolerance] = {}
+    producer_precision: ProducerPrecision = ProducerPrecision()
+
+    def tolerance(self, stage: str) -> Tolerance:
+        return self.tolerances.get(str(stage), Tolerance())
+
+
+REDACTED_FIELDS = ("prompt", "response", "label", "tool_output", "paths", "endpoints")
+
+
+class Manifest(_Struct, kw_only=True):
+    format_version: Id
+    bundle_id: Id
+    producer: ProducerInfo
+    stage_contracts: dict[StageId, StageContract]
+    payloads: dict[str, PayloadSpec]
+    comparison_policy: ComparisonPolicy = ComparisonPolicy()
+    # {<field>: "hash" | "truncate:N" | "drop"}; a text field without a rule is never written.
+    redaction: dict[str, str] = {}
+    # Contracts a format-1.0.0 reader cannot take (see ORIGINAL_STAGE_IDS), written here by the writer. On
+    # reading they join ``stage_contracts`` (and override a 1.0.0 reader's view of the same stage there), so
+    # every reader of ours sees one map whichever placement a bundle uses (our earlier versions wrote
+    # ``logprob.support`` into ``stage_contracts``); this field is then left empty.
+    extension_stage_contracts: dict[StageId, StageContract] = {}
+
+    def __post_init__(self) -> None:
+        if self.extension_stage_contracts:
+            merged = {**self.stage_contracts, **self.extension_stage_contracts}
+            force_setattr(self, "stage_contracts", dict(sorted(merged.items(), key=lambda kv: kv[0].value)))
+            force_setattr(self, "extension_stage_contracts", {})
+
+
+# An object is read only where the format has one (``$.loss.policy.per_sample``, see
+# ``_check_expected_objects``); anywhere else it is refused as before.
+ExpectedValue = Union[float, None, list[Optional[float]], dict[str, Any]]
+Expected = dict[str, dict[str, ExpectedValue]]
+
+# Per-sample loss terms (SPEC §4; written by our capture): ``expected.json $.loss.policy.per_sample`` holds,
+# one float64 per sample in index order, Σ_t x·mask of the surrogate, the entropy and the log-ratio
+# (``ppo_kl``), and Σ_t of the clip indicator and of the mask. With them a loss divergence is located to its
+# sample, and the clip fraction becomes a ratio of whole numbers that float rounding cannot blur.
+PER_SAMPLE_KEY = "per_sample"
+PER_SAMPLE_SUMS = ("pg_sum", "entropy_sum", "kl_sum", "kl_loss_sum")
+PER_SAMPLE_COUNTS = ("clip_count", "mask_count")
+# SPEC §4.2: the weight each sample's sums entered the loss terms with (loss_scale·w_i of loss_agg_mode).
+PER_SAMPLE_WEIGHTS = ("loss_weight",)
+PER_SAMPLE_TERMS = PER_SAMPLE_SUMS + PER_SAMPLE_COUNTS + PER_SAMPLE_WEIGHTS
+
+
+class PerSampleLossTerms(_Struct, kw_only=True, omit_defaults=True):
+    """``$.loss.policy.per_sample``: the terms a producer recorded (an absent or null one is not compared;
+    one this reader does not know is ignored, as a later minor version may add terms). A NaN in a sum is
+    read, and so is a null (msgspec writes a NaN as null): either diverges where it is compared; a count must
+    be a whole number ≥ 0."""
+
+    pg_sum: Optional[list[Optional[float]]] = None
+    entropy_sum: Optional[list[Optional[float]]] = None
+    kl_sum: Optional[list[Optional[float]]] = None
+    kl_loss_sum: Optional[list[Optional[float]]] = None  # Σ_t kl·mask of the KL term in the loss (SPEC §4.2)
+    clip_count: Optional[list[float]] = None
+    mask_count: Optional[list[float]] = None
+    loss_weight: Optional[list[Optional[float]]] = None  # loss_scale·w_i the producer applied (SPEC §4.2)
+
+    def recorded(self) -> dict[str, list[Optional[float]]]:
+        """``{term: values}`` of the terms present, in ``PER_SAMPLE_TERMS`` order."""
+        return {k: v for k in PER_SAMPLE_TERMS if (v := getattr(self, k)) is not None}
+
+
+def loss_terms_length_error(expected: Expected, n_samples: int) -> Optional[str]:
+    """The first per-sample term whose length is not the bundle's sample count, as the message after the
+    file name (``"$.loss.policy.per_sample.pg_sum: 3 value(s) for 4 sample(s)"``), else ``None``."""
+    terms = expected.get("loss.policy", {}).get(PER_SAMPLE_KEY)
+    if not isinstance(terms, PerSampleLossTerms):
+        return None
+    for key, values in terms.recorded().items():
+        if len(values) != n_samples:
+            return (f"$.loss.policy.{PER_SAMPLE_KEY}.{key}: {len(values)} value(s) for {n_samples} sample(s) "
+                    "(expected one per sample of index.json $.samples)")
+    return None
+
+
+class RankComplete(_Struct, kw_only=True):
+    """``COMPLETE.<rank>``: the rank's identity anchor, payload and metadata checksums."""
+
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[Int] = None
+    payloads: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    expected_ranks: Optional[list[Count]] = None
+    relpath: Optional[str] = None
+    bundle_id: Optional[Id] = None
+
+    def anchor(self) -> tuple:
+        """What the shards of one cohort agree on. Not ``bundle_id``: the original's shards do not record it
+        (the finalizer compares the ones that do)."""
+        return (self.actor_step_id, self.rollout_id, tuple(self.expected_ranks or ()))
+
+
+class BundleComplete(_Struct, kw_only=True):
+    """``COMPLETE``: single producer → ranks + metadata checksums; cohort → ranks + every shard."""
+
+    ranks: list[Count]
+    metadata: Optional[dict[str, str]] = None
+    shards: Optional[dict[str, RankComplete]] = None
+
+    @property
+    def early_writer(self) -> bool:
+        """A bundle directory's COMPLETE as the original's early writer (93902db) published it: ``ranks``
+        only, without the JSON files' checksums (neither ``metadata`` nor a cohort's ``shards``)."""
+        return self.metadata is None and self.shards is None
+
+
+# What the reader and ``inspect`` say of such a COMPLETE (after its path) when no rank sentinel has the
+# checksums either.
+EARLY_COMPLETE_WARNING = ("$.metadata: absent (written by an early 1.0.0 writer): the JSON files' checksums "
+                          "were not verified")
+
+
+class RedactionPolicy:
+    """Applies ``{field: rule}`` rules: ``hash`` (sha256 hex), ``truncate:N``, ``drop``."""
+
+    def __init__(self, rules: dict[str, str]):
+        for field, rule in rules.items():
+            parse_redaction_rule(field, rule)
+        self.rules = dict(rules)
+
+    def apply(self, field: str, value: Optional[str]) -> Optional[str]:
+        import hashlib
+
+        if value is None:
+            return None
+        rule = self.rules.get(field, "drop")
+        kind, n = parse_redaction_rule(field, rule)
+        if kind == "hash":
+            return hashlib.sha256(value.encode("utf-8")).hexdigest()
+        if kind == "truncate":
+            return value[:n]
+        return None
+
+
+def parse_redaction_rule(field: str, rule: str) -> tuple[str, int]:
+    if rule in ("hash", "drop"):
+        return rule, 0
+    if rule.startswith("truncate:"):
+        tail = rule.split(":", 1)[1]
+        if tail.isascii() and tail.isdigit():
+            return "truncate", int(tail)
+    raise ValueError(f"redaction rule for {field!r} must be 'hash', 'drop' or 'truncate:N', got {rule!r}")
+
+
+def lenient_mirror(typ, _memo: dict | None = None):
+    """The same type tree with unknown fields allowed on every Struct (the index-tree types forbid
+    them, so that the usual document is decoded and proved free of unknown fields in one pass)."""
+    import typing
+
+    memo = {} if _memo is None else _memo
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        if typ not in memo:
+            hints = typing.get_type_hints(typ, include_extras=True)  # keeps the int64 bounds
+            fields = []
+            for f in msgspec.structs.fields(typ):
+                if f.default is not msgspec.NODEFAULT:
+                    default = msgspec.field(default=f.default, name=f.encode_name)
+                elif f.default_factory is not msgspec.NODEFAULT:
+                    default = msgspec.field(default_factory=f.default_factory, name=f.encode_name)
+                else:
+                    default = msgspec.field(name=f.encode_name)
+                fields.append((f.name, lenient_mirror(hints[f.name], memo), default))
+            memo[typ] = msgspec.defstruct(f"Lenient{typ.__name__}", fields, kw_only=True, forbid_unknown_fields=False)
+        return memo[typ]
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin in (list, tuple, dict, set, frozenset) and args:
+        return origin[tuple(lenient_mirror(a, memo) for a in args)]
+    if origin is Union:
+        return Union[tuple(lenient_mirror(a, memo) for a in args)]
+    return typ
+
+
+# One encoder / decoder per type, reused.
+JSON_ENCODER = msgspec.json.Encoder(order="sorted")
+MANIFEST_DECODER = msgspec.json.Decoder(Manifest)
+INDEX_DECODER = msgspec.json.Decoder(BundleIndex)  # forbids unknown fields: see decode_index
+LENIENT_INDEX_DECODER = msgspec.json.Decoder(lenient_mirror(BundleIndex))
+EXPECTED_DECODER = msgspec.json.Decoder(Expected)
+RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
+BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
+
+
+def decode_index_strict(blob: bytes) -> tuple[BundleIndex, bool]:
+    """:func:`decode_index` of a document without unknown fields; raises for any other. Its schema has only
+    concrete types, so what it decodes nests a few levels deep at most (``bundle.files._decode``)."""
+    return INDEX_DECODER.decode(blob), False
+
+
+def decode_index(blob: bytes) -> tuple[BundleIndex, bool]:
+    """``(index, whether it has fields this reader does not know)``. The usual document takes one strict
+    decode (which proves it has none); one with unknown fields is decoded leniently (raising its real
+    problem, if it has another) and rebuilt without them. Raises ``msgspec.DecodeError`` /
+    ``ValidationError``."""
+    try:
+        return INDEX_DECODER.decode(blob), False
+    except msgspec.ValidationError:
+        lenient = LENIENT_INDEX_DECODER.decode(blob)
+        return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+
+
+def decode_expected(blob: bytes) -> Expected:
+    """expected.json. The original writes it with Python's ``json``, which spells a non-finite float as the
+    bare literal ``NaN``, ``Infinity`` or ``-Infinity``; msgspec (strict JSON) refuses those. So a document
+    msgspec finds malformed and that holds one is read by the stdlib parser (which takes them as floats:
+    a NaN still diverges wherever it is compared) and then validated as usual; a document malformed
+    otherwise too is reported where the stdlib parser stopped (msgspec stopped at the literal). The usual
+    document takes the one fast decode. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    try:
+        return _check_expected_objects(EXPECTED_DECODER.decode(blob))
+    except msgspec.DecodeError as exc:
+        if b"NaN" not in blob and b"Infinity" not in blob:
+            raise _keyed(exc, blob) from None
+        try:
+            text = blob.decode("utf-8")
+            doc = json.loads(text)
+        except json.JSONDecodeError as bad:
+            at = len(text[:bad.pos].encode("utf-8"))
+            raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
+        except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
+            raise exc from None
+        return _check_expected_objects(msgspec.convert(doc, Expected))
+
+
+_EXPECTED_KEYS_DECODER = msgspec.json.Decoder(dict[str, dict[str, msgspec.Raw]])
+_VALUE_DECODER = msgspec.json.Decoder(ExpectedValue)
+
+
+def _keyed(exc: Exception, blob: bytes) -> Exception:
+    """``exc`` with msgspec's ``$[...][...]`` (it does not name dict keys) replaced by the stage and key of the value
+    that failed — found by decoding each value on its own, only once a decode has failed; ``exc`` as it is when
+    the document's shape does not even get that far."""
+    if "`$[...][...]" not in str(exc):
+        return exc
+    try:
+        stages = _EXPECTED_KEYS_DECODER.decode(blob)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return exc
+    for stage, values in stages.items():
+        for key, raw in values.items():
+            try:
+                _VALUE_DECODER.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as bad:
+                message = str(bad).replace("`$", f"`$.{stage}.{key}", 1)
+                return type(exc)(message)
+    return exc
+
+
+def _check_expected_objects(doc: Expected) -> Expected:
+    """``$.loss.policy.per_sample`` decoded as :class:`PerSampleLossTerms`; an object anywhere else, or a
+    per_sample that is not one, is a ``ValidationError`` naming its path (``$.<stage>.<key>…``: msgspec
+    itself would say ``$[...][...]``). A handful of keys: nothing here walks a list."""
+    for stage, values in doc.items():
+        for key, value in values.items():
+            where = f"$.{stage}.{key}"
+            if stage == "loss.policy" and key == PER_SAMPLE_KEY:
+                if value is not None:  # null: not recorded, like an absent key
+                    values[key] = _loss_terms(value, where)
+            elif isinstance(value, dict):
+                raise msgspec.ValidationError(f"Expected `float | array | null`, got `object` - at `{where}`")
+    return doc
+
+
+def _loss_terms(raw, where: str) -> PerSampleLossTerms:
+    if not isinstance(raw, dict):
+        kind = "array" if isinstance(raw, list) else "float"
+        raise msgspec.ValidationError(f"Expected `object` (the per-sample loss terms), got `{kind}` - at `{where}`")
+    try:
+        terms = msgspec.convert(raw, PerSampleLossTerms)
+    except msgspec.ValidationError as exc:  # "… - at `$.pg_sum[1]`": rooted at the object itself
+        raise msgspec.ValidationError(str(exc).replace("- at `$", f"- at `{where}", 1)) from None
+    for key in PER_SAMPLE_COUNTS:
+        for i, value in enumerate(getattr(terms, key) or ()):
+            if not (math.isfinite(value) and value >= 0 and value.is_integer()):
+                raise msgspec.ValidationError(
+                    f"Expected a whole number >= 0 (a token count), got {value!r} - at `{where}.{key}[{i}]`")
+    return terms
+
+
+def encode_json(obj) -> bytes:
+    """The wire form of the original tool: 2-space indent, sorted keys, UTF-8, one trailing newline."""
+    return msgspec.json.format(JSON_ENCODER.encode(obj), indent=2) + b"\n"
+
+
+def unknown_fields(raw, typ, path: str = "$") -> list[str]:
+    """Paths of keys present in decoded JSON ``raw`` that ``typ`` (a Struct tree) does not know."""
+    return _unknown(raw, _type_info(typ), path)
+
+
+@functools.lru_cache(maxsize=None)
+def _type_info(typ):
+    return msgspec.inspect.type_info(typ)  # ~1 ms for the manifest's tree: once per type, not per open
+
+
+def _unknown(raw, info, path: str) -> list[str]:
+    mi = msgspec.inspect
+    out: list[str] = []
+    if isinstance(info, mi.StructType) and isinstance(raw, dict):
+        fields = {f.encode_name: f for f in info.fields}
+        for key, value in raw.items():
+            if key not in fields:
+                out.append(f"{path}.{key}")
+            elif _may_nest(fields[key].type):
+                out += _unknown(value, fields[key].type, f"{path}.{key}")
+    elif isinstance(info, mi.UnionType):
+        for member in info.types:
+            if isinstance(member, (mi.StructType, mi.ListType, mi.DictType)):
+                out += _unknown(raw, member, path)
+    elif isinstance(info, mi.ListType) and isinstance(raw, list):
+        item_type = info.item_type
+        if isinstance(item_type, mi.StructType):
+            # A list of records (thousands of samples): a set difference per item, recursion only into
+            # the fields that can hold keys themselves.
+            known = {f.encode_name for f in item_type.fields}
+            nested = [f for f in item_type.fields if _may_nest(f.type)]
+            for i, item in enumerate(raw):
+                if not isinstance(item, dict):
+                    continue
+                for key in sorted(item.keys() - known):
+                    out.append(f"{path}[{i}].{key}")
+                for f in nested:
+                    if f.encode_name in item:
+                        out += _unknown(item[f.encode_name], f.type, f"{path}[{i}].{f.encode_name}")
+        elif _may_nest(item_type):  # a list of scalars (a loss mask: millions of ints) has no keys
+            for i, item in enumerate(raw):
+                out += _unknown(item, item_type, f"{path}[{i}]")
+    elif isinstance(info, mi.DictType) and isinstance(raw, dict):
+        if _may_nest(info.value_type):
+            for key, value in raw.items():
+                out += _unknown(value, info.value_type, f"{path}.{key}")
+    return out
+
+
+def _may_nest(info) -> bool:
+    """Whether a value of this type can hold object keys (a Struct, somewhere below)."""
+    mi = msgspec.inspect
+    if isinstance(info, mi.UnionType):
+        return any(_may_nest(member) for member in info.types)
+    if isinstance(info, mi.ListType):
+        return _may_nest(info.item_type)
+    if isinstance(info, mi.DictType):
+        return _may_nest(info.value_type)
+    return isinstance(info, mi.StructType)
