@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${1:-HEAD~1}; B=${2:-}
-WORK=$(mktemp -d); trap 'git worktree remove --force "$WORK/a" >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
+WORK=$(mktemp -d)
+trap 'for t in a b; do git worktree remove --force "$WORK/$t" >/dev/null 2>&1 || true; done; rm -rf "$WORK"; git worktree prune' EXIT
 git worktree add -q --detach "$WORK/a" "$A"
 if [ -n "$B" ]; then git worktree add -q --detach "$WORK/b" "$B"; TREE_B="$WORK/b"; else TREE_B="$PWD"; fi
 snapshot() {  # snapshot TREE OUT
