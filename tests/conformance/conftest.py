@@ -75,15 +75,17 @@ def import_verl():
     import pytest
 
     if importlib.util.find_spec("verl") is None:
-        pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 and the [conformance] extra")
+        pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 and the [conformance] extra",
+                    allow_module_level=True)
     install_stubs(VERL_HEAVY)
     try:
         import verl
         from verl.trainer.ppo import core_algos
         from verl.utils import metric
     except ImportError as exc:
-        pytest.skip(f"verl is not importable here ({exc}): the [conformance] extra installs its pure-Python needs")
+        pytest.skip(f"verl is not importable here ({exc}): the [conformance] extra installs its pure-Python needs",
+                    allow_module_level=True)
     version = getattr(verl, "__version__", None)
     if version != "0.9.1":
-        pytest.skip(f"verl {version} installed; these tests read verl 0.9.1")
+        pytest.skip(f"verl {version} installed; these tests read verl 0.9.1", allow_module_level=True)
     return core_algos, metric
