@@ -37,8 +37,9 @@ def test_verl_grpo_defaults():
     cfg = from_verl({"algorithm": {"adv_estimator": "grpo"}})
     assert changed(cfg) == {
         "grpo_std_normalization": True, "eps_clip_c": 3.0, "loss_agg_mode": "token_mean",
-        "metric_agg_mode": "token_mean", "log_ratio_clamp": 20.0, "kl_loss_type": "k3", "kl_loss_coef": 0.001,
-        "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw"}
+        "metric_agg_mode": "micro_batch_token_mean", "log_ratio_clamp": 20.0, "kl_loss_type": "k3", "kl_loss_coef": 0.001,
+        "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw",
+        "masked_token_value": "zero"}
     assert cfg.use_kl_loss is False  # the KL term is off: its coefficient and type are inert
 
 
@@ -61,8 +62,32 @@ def test_verl_fully_async_dapo_recipe():
     })
     assert changed(cfg) == {
         "n_samples_per_prompt": 16, "grpo_std_normalization": True, "eps_clip_high": 0.28, "eps_clip_c": 10.0,
-        "loss_agg_mode": "token_mean", "metric_agg_mode": "token_mean", "log_ratio_clamp": 20.0,
-        "kl_loss_type": "k3", "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw"}
+        "loss_agg_mode": "token_mean", "metric_agg_mode": "micro_batch_token_mean", "log_ratio_clamp": 20.0,
+        "kl_loss_type": "k3", "kl_loss_input_clamp": 20.0, "kl_loss_output_clamp": 10.0, "singleton_group": "raw",
+        "masked_token_value": "zero"}
+
+
+def test_verl_0_9_1_semantics():
+    """verl 0.9.1 (installed): GAE ends in masked_whiten (core_algos.py:264); GSPO aggregates with the configured
+    loss_agg_mode (core_algos.py:1601-1605); rloo(_vectorized), reinforce_plus_plus(_baseline), token-sum
+    (core_algos.py:1175-1179) and the abs KL are mapped; an unknown version is refused naming the known ones."""
+    actor = "actor_rollout_ref"
+    assert from_verl({}).normalize_advantages is True  # gae, verl's default estimator
+    assert from_verl({"algorithm": {"adv_estimator": "grpo"}}).normalize_advantages is False
+    gspo = from_verl({"algorithm": {"adv_estimator": "grpo"}, actor: {"actor": {
+        "policy_loss": {"loss_mode": "gspo"}, "loss_agg_mode": "token-mean", "entropy_coeff": 0.01}}},
+        version="0.9.1")
+    assert (gspo.importance_level, gspo.loss_agg_mode, gspo.entropy_coef) == ("sequence", "token_mean", 0.01)
+    for name, ours in (("rloo", "rloo"), ("rloo_vectorized", "rloo"), ("reinforce_plus_plus", "reinforce_plus_plus"),
+                       ("reinforce_plus_plus_baseline", "reinforce_plus_plus_baseline")):
+        assert from_verl({"algorithm": {"adv_estimator": name}}).advantage_estimator == ours
+    summed = from_verl({actor: {"actor": {"loss_agg_mode": "token-sum", "use_kl_loss": True, "kl_loss_type": "abs"}}})
+    assert (summed.loss_agg_mode, summed.loss_seq_count, summed.kl_loss_type, summed.kl_loss_input_clamp) == (
+        "token_sum", None, "abs", None)
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_verl({}, version="0.4.0")
+    assert str(err.value) == ("verl config: framework_version='0.4.0': not a version this mapping knows "
+                              "(known: 0.9.1)")
 
 
 def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
@@ -93,8 +118,10 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
 
 
 @pytest.mark.parametrize("cfg, key, why", [
-    ({"algorithm": {"adv_estimator": "remax"}}, "algorithm.adv_estimator", "not mapped"),
-    ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "token-sum"}}}, "actor_rollout_ref.actor.loss_agg_mode",
+    ({"algorithm": {"adv_estimator": "remax"}}, "algorithm.adv_estimator", "a bundle would need each sample's "
+                                                                           "reward_baselines"),
+    ({"algorithm": {"adv_estimator": "my_estimator"}}, "algorithm.adv_estimator", "not mapped"),
+    ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "token-max"}}}, "actor_rollout_ref.actor.loss_agg_mode",
      "not one of"),
     ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
      "rejection sampling"),
@@ -102,7 +129,7 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
      "adaptive"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
      "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
-    ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "abs"}}},
+    ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
      "actor_rollout_ref.actor.kl_loss_type", "not mapped"),
     ({"algorithm": {"my_adv_scale": 2.0}}, "algorithm.my_adv_scale", "a key the verl mapping does not know"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"new_clip_bound": 0.1}}}},

@@ -9,10 +9,15 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 # kernels.kl.KL_TYPES (a test keeps the two equal; that module imports torch)
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 SUM_OF_SAMPLE_MEANS = "sum_of_sample_means"
-AGG_MODES = (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+# The mean over the step's micro-batches of each one's masked token mean (verl reports pg_clipfrac, ppo_kl and
+# pg_clipfrac_lower so: verl/workers/utils/losses.py:120 AggregationType.MEAN over its micro-batches): needs
+# each sample's ``micro_batch_id`` (index.json), not a count.
+MICRO_BATCH_TOKEN_MEAN = "micro_batch_token_mean"
+AGG_MODES = (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+             "token_sum", MICRO_BATCH_TOKEN_MEAN)
 # The recorded counts each mode needs (RecomputeConfig field names).
 AGG_COUNTS = {
     SUM_OF_SAMPLE_MEANS: (),
@@ -20,6 +25,8 @@ AGG_COUNTS = {
     "token_mean": ("loss_token_count",),
     "seq_mean_token_sum": ("loss_seq_count",),
     "seq_mean_token_sum_norm": ("loss_seq_count", "loss_horizon"),
+    "token_sum": (),
+    MICRO_BATCH_TOKEN_MEAN: (),
 }
 IMPORTANCE_LEVELS = ("token", "sequence")
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -56,9 +63,12 @@ class LossKnobs:
     loss_horizon: Optional[int] = None
     loss_scale: float = 1.0
     value_clip: Optional[float] = None
+    # each sample's micro-batch (an index into the step's micro-batches, in order of first appearance), from
+    # the samples' ``micro_batch_id``; None when a sample records none (micro_batch_token_mean then refuses)
+    micro_batch: Optional[tuple[int, ...]] = None
 
     @classmethod
-    def of(cls, cfg) -> "LossKnobs":
+    def of(cls, cfg, samples=None) -> "LossKnobs":
         use_kl = bool(getattr(cfg, "use_kl_loss", False)) and float(getattr(cfg, "kl_loss_coef", 0.0)) != 0.0
         is_level, is_mode = cfg.is_level, cfg.is_mode
         is_low, is_high = cfg.is_low, cfg.is_high
@@ -75,7 +85,8 @@ class LossKnobs:
                    kl_loss_agg_mode=getattr(cfg, "kl_loss_agg_mode", None),
                    entropy_agg_mode=getattr(cfg, "entropy_agg_mode", None),
                    loss_token_count=cfg.loss_token_count, loss_seq_count=cfg.loss_seq_count,
-                   loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip)
+                   loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip,
+                   micro_batch=micro_batch_partition(samples))
 
     @property
     def kl_mode(self) -> str:
@@ -115,6 +126,26 @@ class LossKnobs:
 
     def with_clips(self, eps_clip: float, eps_clip_high: float) -> "LossKnobs":
         return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
+
+
+def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:
+    """Each sample's micro-batch as an index (in order of first appearance), ``None`` without samples or when
+    one records no ``micro_batch_id``."""
+    if not samples:
+        return None
+    ids = [s.micro_batch_id for s in samples]
+    if any(i is None for i in ids):
+        return None
+    first: dict = {}
+    return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def uses_micro_batches(cfg) -> Optional[str]:
+    """The first aggregation knob of ``cfg`` set to ``micro_batch_token_mean`` (it needs the partition), or None."""
+    for knob in ("loss_agg_mode", "metric_agg_mode", "kl_loss_agg_mode", "entropy_agg_mode"):
+        if getattr(cfg, knob, None) == MICRO_BATCH_TOKEN_MEAN:
+            return knob
+    return None
 
 
 def check_knobs(knobs: LossKnobs) -> list[str]:

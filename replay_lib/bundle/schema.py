@@ -207,6 +207,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     lam: float = 1.0
     kl_in_reward: Optional[str] = None  # None | sequence | token_returns
     kl_penalty_type: Optional[str] = None  # advantage.kl's estimator when it differs from kl_loss_type (verl)
+    # What the producer writes at a response's loss-mask-0 tokens (interior tool/observation spans) of the
+    # broadcast advantages and the in-reward KL: computed (the value, as on any token; NeMo-RL) | zero (verl and
+    # SkyRL multiply by the response mask).
+    masked_token_value: str = "computed"
     advantage_whiten_stats: Optional[AdvantageWhitenStats] = None
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the

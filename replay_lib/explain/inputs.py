@@ -415,7 +415,7 @@ def loss_scalar_inputs(ctx: StageContext, label: str) -> Optional[ElementInputs]
     sums = ctx.outputs.get(SUMS_OUTPUT)
     if sums is None:
         return None
-    knobs = LossKnobs.of(ctx.config)
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
     terms = {f.name: f.expected for f in ctx.fields.get("loss.policy", ()) if f.per == "sample"} if recorded else {}
     counts = terms.get("mask_count", sums["mask"])
 

@@ -262,7 +262,7 @@ def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     check."""
     from ..stages.loss import ROW_OF_FIELD, SUMS_OUTPUT, TERM_OF_FIELD, _loss_sums
 
-    knobs = LossKnobs.of(ctx.config)
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
     # (the recompute's row, the field) of each loss term and metric, with its mode and scale
     terms = [(ROW_OF_FIELD[name], name, *field_aggregation(name, knobs))
              for name in ("pg_loss", "entropy_loss", *(("kl_loss",) if knobs.kl_loss else ()))]

@@ -308,3 +308,17 @@ def kl_clamps(kl_type: str, input_clamp: Optional[float], output_clamp: Optional
     if kl_type != "k3":
         return {"kl_loss_input_clamp": None, "kl_loss_output_clamp": None}
     return {"kl_loss_input_clamp": input_clamp, "kl_loss_output_clamp": output_clamp}
+
+
+def framework_version(framework: str, version: Optional[str], known: Iterable[str],
+                      where: Optional[str] = None) -> str:
+    """``version`` (the bundle's ``producer.framework_version``; ``None``: the newest of ``known``) when a mapping
+    knows its semantics, else a one-line refusal naming the versions it knows (exit 4)."""
+    known = tuple(known)
+    if version is None:
+        return known[-1]
+    if str(version) not in known:
+        label = f"{where}: {framework} config" if where else f"{framework} config"
+        raise UnsupportedFrameworkConfig(f"{label}: framework_version={str(version)!r}: not a version this mapping "
+                                         f"knows (known: {', '.join(known)})")
+    return str(version)

@@ -13,8 +13,20 @@ Not encoded (per-step values a capture records): the all-reduced token count of 
 (``batch_num_tokens``) and the ``dp_size`` multiplier (``core_algos.py:1140-1207``), so ``loss_token_count``
 stays unset and ``loss_scale`` 1. The ``seq-mean-*`` modes divide by a constant of the config, the nominal
 ``ppo_mini_batch_size · rollout.n``: that is ``loss_seq_count``.
-verl's metrics (``pg_clipfrac``, ``ppo_kl``) are masked token means whatever the loss mode
-(``core_algos.py:1341,1354``): ``metric_agg_mode="token_mean"``.
+
+Version semantics (``VERSIONS``; the bundle's ``producer.framework_version``, an unknown one refused by name), read
+in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/utils/losses.py``):
+
+* metrics: ``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` are each micro-batch's masked token mean
+  (core_algos.py:1340,1356,1362), reported as the mean over the micro-batches (losses.py:120
+  ``AggregationType.MEAN``): ``metric_agg_mode="micro_batch_token_mean"`` from the samples' ``micro_batch_id``.
+  The loss terms are divided by the all-reduced ``batch_num_tokens`` and summed over the micro-batches
+  (losses.py:62-79 ``AggregationType.SUM``): one token mean over the mini-batch, ``loss_token_count`` and
+  ``loss_scale = dp_size`` recorded by the capture;
+* GRPO, Dr.GRPO and RLOO advantages are ``score · response_mask`` (core_algos.py:330,636) and the in-reward KL
+  ``kld · response_mask``: ``masked_token_value="zero"``;
+* GAE always ends in ``masked_whiten`` (core_algos.py:264): ``normalize_advantages=True``;
+* GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605).
 """
 
 from __future__ import annotations
@@ -22,19 +34,41 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..bundle.schema import RecomputeConfig
-from ._base import ConfigReader, kl_clamps
+from ._base import ConfigReader, framework_version, kl_clamps
 
 FRAMEWORK = "verl"
 ACTOR = "actor_rollout_ref.actor"
 ALGO = "algorithm"
 RC = "algorithm.rollout_correction"
 
-# verl's names → ours (core_algos.py:1170-1207: agg_loss).
+# The verl versions whose semantics this mapping encodes (oldest first; the last is the default).
+VERSIONS = ("0.9.1",)
+# verl's names → ours (core_algos.py:1140-1205 in 0.9.1: agg_loss).
 LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean",
-            "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
+            "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+            "token-sum": "token_sum"}
+# verl's estimators → ours (core_algos.py:215-870 in 0.9.1); their GRPO-family outputs are × response_mask.
+ESTIMATORS = {"grpo": "grpo", "grpo_vectorized": "grpo", "gae": "gae", "rloo": "rloo", "rloo_vectorized": "rloo",
+              "reinforce_plus_plus": "reinforce_plus_plus",
+              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline"}
+# Estimators refused, with what a bundle would need to record for a replay to recompute them.
+REFUSED_ESTIMATORS = {
+    "remax": "ReMax subtracts the greedy rollout's reward (core_algos.py:735-768): a bundle would need each "
+             "sample's reward_baselines",
+    "opo": "OPO's baseline weights each group's rewards by response length (core_algos.py:640-690): not recomputed",
+    "gpg": "GPG rescales by the group's non-zero-reward fraction (core_algos.py:771-830): not recomputed",
+    "grpo_passk": "pass@k GRPO gives the advantage to the group's best sample only (core_algos.py:472-530): not "
+                  "recomputed",
+    "gdpo": "GDPO normalizes each reward component apart (core_algos.py:362-468): a bundle would need the "
+            "per-component rewards",
+    "optimal_token_baseline": "the optimal token baseline weights by the policy's sum of squared probabilities "
+                              "(core_algos.py:872-988): a bundle would need sum_pi_squared per token",
+    "tir_optimal_token_baseline": "the multi-turn optimal token baseline (core_algos.py:991-1122): a bundle would "
+                                  "need sum_pi_squared per token",
+}
 # kl_penalty_forward (core_algos.py:2215-2250); a trailing '+' is a straight-through gradient trick with the
 # same forward value (core_algos.py:2199-2203). k3 and low_var_kl are one formula, clamped at ±20 then ±10.
-KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
 # Sections of the actor config that configure the engine, not the loss.
 ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "veomni", "torchtitan", "automodel", "checkpoint", "profiler",
                  "_target_", "strategy",
@@ -54,16 +88,17 @@ POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_c
 ALGO_NEUTRAL = ("_target_", "filter_groups", "kl_ctrl._target_", "kl_ctrl.horizon", "kl_ctrl.target_kl")
 
 
-def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
-    """The ``RecomputeConfig`` verl's config ``cfg`` (dict or OmegaConf, the full trainer config) encodes."""
+def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] = None) -> RecomputeConfig:
+    """The ``RecomputeConfig`` verl's config ``cfg`` (dict or OmegaConf, the full trainer config) encodes under
+    verl ``version`` (the bundle's ``producer.framework_version``; ``None``: the newest of :data:`VERSIONS`)."""
+    framework_version(FRAMEWORK, version, VERSIONS, where)
     r = ConfigReader(FRAMEWORK, cfg, where)
     est = r.text(f"{ALGO}.adv_estimator", "gae")  # yaml:864
-    if est in ("grpo", "grpo_vectorized"):
-        estimator = "grpo"
-    elif est == "gae":
-        estimator = "gae"
-    else:
-        r.refuse(f"{ALGO}.adv_estimator", est, "not mapped (grpo, grpo_vectorized and gae are)")
+    if est in REFUSED_ESTIMATORS:
+        r.refuse(f"{ALGO}.adv_estimator", est, REFUSED_ESTIMATORS[est])
+    if est not in ESTIMATORS:
+        r.refuse(f"{ALGO}.adv_estimator", est, f"not mapped (one of {', '.join(ESTIMATORS)})")
+    estimator = ESTIMATORS[est]
     mode = r.text(f"{ACTOR}.policy_loss.loss_mode", "vanilla")  # yaml:92
     if mode not in ("vanilla", "gspo"):
         r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla and gspo are)")
@@ -102,25 +137,26 @@ def from_verl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         kl_loss_type=kl_loss_type,
         **kl_clamps(kl_loss_type, 20.0, 10.0),  # core_algos.py:2238-2244
         loss_agg_mode=loss_agg_mode,
-        metric_agg_mode="token_mean",  # core_algos.py:1341,1354: verl_F.masked_mean
+        # each micro-batch's verl_F.masked_mean (core_algos.py:1340,1356), averaged over the micro-batches
+        # (verl/workers/utils/losses.py:120: Metric.from_dict(pg_metrics, AggregationType.MEAN))
+        metric_agg_mode="micro_batch_token_mean",
         loss_horizon=scale_factor if loss_agg_mode == "seq_mean_token_sum_norm" else None,
+        # GRPO/RLOO: scores.unsqueeze(-1) * response_mask (core_algos.py:330,636); apply_kl_penalty: kld * mask
+        masked_token_value="zero",
+        # compute_gae_advantage_return ends in verl_F.masked_whiten (core_algos.py:264)
+        normalize_advantages=estimator == "gae",
     )
     if mode == "vanilla":
         if clip_c is None or clip_c <= 1.0:  # core_algos.py:1333-1336 asserts c > 1
             r.refuse(f"{ACTOR}.clip_ratio_c", clip_c, "verl requires a dual-clip constant > 1")
         fields["eps_clip_c"] = clip_c
     else:
-        # GSPO (core_algos.py:1545-1618): one ratio per sample, its log clamped at max 10 (one-sided; ours is
+        # GSPO (0.9.1 core_algos.py:1545-1619): one ratio per sample, its log clamped at max 10 (one-sided; ours is
         # symmetric: the two differ only where a sample's mean log-ratio is below −10), no dual-clip, and the
-        # policy term always aggregated seq-mean-token-mean (core_algos.py:1604-1606).
-        fields.update(importance_level="sequence", log_ratio_clamp=10.0, eps_clip_c=None,
-                      loss_agg_mode="seq_mean_token_mean")
+        # policy term aggregated with the configured loss_agg_mode (core_algos.py:1601-1605).
+        fields.update(importance_level="sequence", log_ratio_clamp=10.0, eps_clip_c=None)
         r.neutral(f"{ACTOR}.clip_ratio_c")
-        if loss_agg_mode != "seq_mean_token_mean" and (entropy_coef != 0 or (use_kl_loss and kl_loss_coef != 0)):
-            r.refuse(f"{ACTOR}.loss_agg_mode", agg, "under gspo verl aggregates the policy term seq-mean-token-mean "
-                                                    "but the entropy and KL terms with this mode; one loss cannot "
-                                                    "mix two modes here")
-    if fields["loss_agg_mode"] != "token_mean":
+    if fields["loss_agg_mode"] not in ("token_mean", "token_sum"):
         # the seq-mean modes divide by the nominal global batch size, ppo_mini_batch_size · rollout.n
         # (verl/trainer/ppo/ray_trainer.py:1352-1353,1362; core_algos.py:1181-1203), not by the valid samples
         mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79

@@ -371,7 +371,7 @@ def near_zero_std(stats: GroupStats) -> torch.Tensor:
 def kl_condition(log_ratio: torch.Tensor, kl_type: str, exp_neg: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``Σ|terms|`` of the KL estimate at ``r = log_ratio`` (float64); ``exp_neg``: ``exp(−r)`` when the caller
     has it already (``kernels.kl.kl_of_log_ratio``)."""
-    if kl_type == "k1":
+    if kl_type in ("k1", "abs"):
         return log_ratio.abs()
     if kl_type == "k2":
         return log_ratio * log_ratio
@@ -384,7 +384,7 @@ def kl_slope(log_ratio: torch.Tensor, kl_type: str, reach: torch.Tensor,
     ``|r| + reach`` (k2), ``|1 − exp(−r ∓ reach)|`` at the farther end (k3, whose slope grows away from 0 on
     either side; low_var_kl's clamp is 1-Lipschitz) — how far an error of up to ``reach`` in ``r`` moves the
     estimate (at ``r = 0`` the slope is 0, the move is not)."""
-    if kl_type == "k1":
+    if kl_type in ("k1", "abs"):
         return torch.ones_like(log_ratio)
     if kl_type == "k2":
         return log_ratio.abs() + reach

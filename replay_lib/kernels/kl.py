@@ -1,4 +1,4 @@
-"""advantage.kl kernels: the per-token KL estimators k1, k2, k3, low_var_kl."""
+"""advantage.kl kernels: the per-token KL estimators k1, k2, k3, low_var_kl, abs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 
 # low_var_kl's clamp of the k3 value
@@ -18,7 +18,8 @@ def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-token KL estimate with ``r = log_probs − log_probs_base``, in ``dtype``.
 
-    k1 = r; k2 = r²/2; k3 = exp(−r) − 1 + r; low_var_kl = k3 clamped to [−10, 10].
+    k1 = r; k2 = r²/2; k3 = exp(−r) − 1 + r; low_var_kl = k3 clamped to [−10, 10]; abs = |r| (verl
+    ``kl_penalty_forward``'s ``abs``).
     """
     if kl_loss_type not in KL_TYPES:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r} (expected one of {', '.join(KL_TYPES)})")
@@ -27,9 +28,11 @@ def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_
 
 def kl_of_log_ratio(log_ratio: torch.Tensor, kl_loss_type: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(estimate, exp(−r))`` of :func:`compute_approx_kl` at ``r = log_ratio`` (in its dtype); the exponential
-    is ``None`` for k1 and k2, which have none (the error model's bound of k3 reads the same one)."""
+    is ``None`` for k1, k2 and abs, which have none (the error model's bound of k3 reads the same one)."""
     if kl_loss_type == "k1":
         return log_ratio, None
+    if kl_loss_type == "abs":
+        return log_ratio.abs(), None
     if kl_loss_type == "k2":
         return log_ratio * log_ratio / 2.0, None
     neg = -log_ratio

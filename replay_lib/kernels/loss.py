@@ -19,7 +19,9 @@ One formula per token, in the dtype of its inputs (float32 for a producer, float
 
 Aggregation (:func:`aggregate`): a field is ``loss_scale · Σ_i w_i Σ_t x·mask`` with ``w_i`` from the mode,
 ``n_i = Σ_t mask``: ``1/max(n_i,1)`` (sum_of_sample_means) · ``1/(N·max(n_i,1))`` (seq_mean_token_mean) ·
-``1/T`` (token_mean) · ``1/N`` (seq_mean_token_sum) · ``1/(N·L)`` (seq_mean_token_sum_norm), evaluated as
+``1/T`` (token_mean) · ``1/N`` (seq_mean_token_sum) · ``1/(N·L)`` (seq_mean_token_sum_norm) · ``1`` (token_sum) ·
+``1/(K·T_b)`` (micro_batch_token_mean: ``T_b`` the loss tokens of the sample's micro-batch, ``K`` the micro-batches
+— the mean of per-micro-batch token means, ``LossKnobs.micro_batch``), evaluated as
 ``(Σ_i S_i / inner_i) / outer`` — the per-sample division of slime, the global division of verl. ``T``, ``N``,
 ``L`` are the producer's recorded counts. The loss terms (pg_loss, entropy_loss, kl_loss, vf_loss) use
 ``loss_agg_mode`` (the KL and entropy terms ``kl_loss_agg_mode`` / ``entropy_agg_mode`` when set) and carry
@@ -34,8 +36,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, SUM_OF_SAMPLE_MEANS,
-                          LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
+                          SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
 # (the knobs and their allowed values live in replay_lib.bundle.loss_knobs, torch-free: the schema checks them)
@@ -214,9 +216,16 @@ def agg_divisors(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> tupl
     for count in AGG_COUNTS[mode]:
         if getattr(knobs, count) is None:
             raise ValueError(f"loss_agg_mode {mode!r} needs the recorded {count}")
+    if mode == MICRO_BATCH_TOKEN_MEAN:  # (1/K)·Σ_b Σ_{i∈b} S_i / max(T_b, 1), T_b the micro-batch's loss tokens
+        if knobs.micro_batch is None or len(knobs.micro_batch) != mask_counts.numel():
+            raise ValueError(f"loss aggregation {mode!r} needs each sample's micro_batch_id")
+        mb = torch.tensor(knobs.micro_batch, dtype=torch.int64)
+        k = int(mb.max()) + 1 if mb.numel() else 1
+        tokens = torch.zeros(k, dtype=mask_counts.dtype).index_add_(0, mb, mask_counts)
+        return torch.clamp_min(tokens, 1.0)[mb], float(k)
     per_sample = mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean")
     inner = torch.clamp_min(mask_counts, 1.0) if per_sample else torch.ones_like(mask_counts)
-    if mode == SUM_OF_SAMPLE_MEANS:
+    if mode in (SUM_OF_SAMPLE_MEANS, "token_sum"):
         outer = 1.0
     elif mode == "token_mean":
         outer = float(max(knobs.loss_token_count, 1))
@@ -239,8 +248,8 @@ def sample_term(mode: str, mask_count: float, knobs: LossKnobs) -> tuple[str, fl
     ``loss_token_count``, ``max(Σmask, 1)·loss_seq_count``, …"""
     inner, outer = agg_divisors(mode, torch.tensor([float(mask_count)], dtype=torch.float64), knobs)
     names = (["max(Σmask, 1)"] if mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean") else []) + \
-        list(AGG_COUNTS[mode])
-    return "·".join(names), float(inner[0]) * outer
+        list(AGG_COUNTS[mode]) + (["micro-batch tokens·micro-batches"] if mode == MICRO_BATCH_TOKEN_MEAN else [])
+    return "·".join(names) or "1", float(inner[0]) * outer
 
 
 def aggregate(per_sample: torch.Tensor, mask_counts: torch.Tensor, mode: str, knobs: LossKnobs,

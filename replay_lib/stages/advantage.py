@@ -36,9 +36,13 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
         if ctx.dtype != torch.float64:  # --exact: the producer's float32 kernel, compared bitwise
             kl = rollout_kl(old, ref, cfg.kl_coef, reward_kl_type(cfg), dtype=ctx.dtype)
+            if zeroed(cfg):
+                kl = kl * ctx.loss_mask.to(kl.dtype)
         else:
             cols = _kl_columns(ctx, old, ref, expected.dtype)
             kl, bound = cols.column("actual"), cols.column("bound")
+            if zeroed(cfg):
+                kl, bound = _masked(ctx, kl), _masked(ctx, bound)
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
                 "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
                 "from the recorded one"))
@@ -198,6 +202,24 @@ def _whiten_hazard(ctx: StageContext, est: "_TokenEstimate", stats: tuple[float,
             f"sqrt(var + 1e-8)"))
 
 
+MASKED_TOKEN_VALUES = ("computed", "zero")
+
+
+def zeroed(cfg: RecomputeConfig) -> bool:
+    """Whether the producer writes 0 at loss-mask-0 tokens of the broadcast advantages and the in-reward KL
+    (``masked_token_value="zero"``: verl's ``scores.unsqueeze(-1) * response_mask``, core_algos.py:330, and
+    ``kld * response_mask``, ray_trainer.py ``apply_kl_penalty``)."""
+    return cfg.masked_token_value == "zero"
+
+
+def _masked(ctx: StageContext, column):
+    """A per-token column (a tensor or a chunk reader ``(lo, hi) → tensor``) times the loss mask."""
+    mask = ctx.loss_mask
+    if isinstance(column, torch.Tensor):
+        return column * mask.to(column.dtype)
+    return lambda lo, hi: (lambda v: v * mask[lo:hi].to(v.dtype))(column(lo, hi))
+
+
 def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     """GRPO returns (and dr_grpo, rloo, REINFORCE++-baseline's before their whitening): each sample's reward
     broadcast over its tokens, compared on every token, as V1."""
@@ -205,7 +227,7 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
     bound = None
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 broadcast, compared bitwise
         advantages = get_grpo_returns(rewards, ctx.lengths, dtype=ctx.dtype)
-        actual = advantages
+        actual = _masked(ctx, advantages) if zeroed(ctx.config) else advantages
     else:
         advantages = GrpoReturns(rewards, ctx.lengths, dtype=torch.float64)
         per_sample = advantage_bound(advantages.rewards, unit_roundoff(expected.dtype))
@@ -234,10 +256,13 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
 
             cols = Chunked(chunk)
             actual, bound = cols.column("actual"), cols.column("bound")
+        if zeroed(ctx.config):  # 0 at the response's mask-0 tokens, compared there too (bound 0)
+            actual, bound = _masked(ctx, actual), _masked(ctx, bound)
     ctx.outputs["advantages"] = advantages
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
                       compared=_rule_nan(ctx, None, expected),
-                      per_sample=(advantages.rewards, per_sample) if bound is not None else None)
+                      per_sample=(advantages.rewards, per_sample) if bound is not None and not zeroed(ctx.config)
+                      else None)
     return ctx.report(
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
@@ -450,6 +475,8 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
          "null or one of " + ", ".join(KL_IN_REWARD_FORMS)),
         ("kl_penalty_type", cfg.kl_penalty_type is None or cfg.kl_penalty_type in KL_TYPES,
          "null or one of " + ", ".join(KL_TYPES)),
+        ("masked_token_value", cfg.masked_token_value in MASKED_TOKEN_VALUES,
+         "one of " + ", ".join(MASKED_TOKEN_VALUES)),
         ("gamma", math.isfinite(cfg.gamma) and 0.0 <= cfg.gamma <= 1.0, "a number in [0, 1]"),
         ("lam", math.isfinite(cfg.lam) and 0.0 <= cfg.lam <= 1.0, "a number in [0, 1]"),
         ("grpo_std_eps", math.isfinite(cfg.grpo_std_eps) and cfg.grpo_std_eps >= 0, "a finite number >= 0"),

@@ -21,6 +21,7 @@ from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, f
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms)
 from ..judge.report import StageReport
+from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, loss_inputs
@@ -400,6 +401,15 @@ def count_requirements(cfg: RecomputeConfig) -> list[str]:
             for count, modes in users.items()]
 
 
+def partition_requirements(reader: BundleReader) -> list[str]:
+    """A ``micro_batch_token_mean`` aggregation needs every sample's ``micro_batch_id`` (the partition)."""
+    knob = uses_micro_batches(reader.index.config)
+    if knob is None or micro_batch_partition(reader.index.samples) is not None:
+        return []
+    return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "
+            "the producer's micro-batches)"]
+
+
 def _loss_requirements(reader: BundleReader) -> list[str]:
     cfg = reader.index.config
     missing = [f"payloads/{n}.pt" for n in ("log_probs", "old_log_probs") if not reader.has_payload(n)]
@@ -412,6 +422,7 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
         if not reader.has_payload(payload):
             missing.append(f"payloads/{payload}.pt (for {knob})")
     missing += count_requirements(cfg)
+    missing += partition_requirements(reader)
     if not any(f in reader.expected.get("loss.policy", {}) for f in POLICY_FIELDS):
         missing.append("expected.json $.loss.policy.loss")
     return missing

@@ -49,7 +49,7 @@ class LossInputs:
 
 def loss_inputs(ctx: StageContext) -> LossInputs:
     cfg = ctx.config
-    knobs = LossKnobs.of(cfg)
+    knobs = LossKnobs.of(cfg, ctx.samples)
     recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
     bound = per_sample = None
     if recomputed is None:

@@ -31,7 +31,7 @@ from ..kernels.loss import VALUE_FIELDS, LossKnobs, agg_divisors, value_fields_f
 from ..judge.report import StageReport
 from ..bundle.schema import StageId
 from .base import StageContext, StageDef, StageInputError
-from .loss import count_requirements
+from .loss import count_requirements, partition_requirements
 
 STAGE = StageId.LOSS_VALUE.value
 VALUE_PAYLOADS = ("values", "old_values", "returns")
@@ -101,7 +101,7 @@ def value_bounds(sums: dict[str, torch.Tensor], fields: dict[str, torch.Tensor],
 
 
 def run_loss_value(ctx: StageContext) -> StageReport:
-    knobs = LossKnobs.of(ctx.config)
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
     expected = _recorded(ctx)
     values, old_values, returns = (ctx.payload(p) for p in VALUE_PAYLOADS)
     mask = ctx.loss_mask
@@ -128,7 +128,7 @@ def run_loss_value(ctx: StageContext) -> StageReport:
 
 def _value_requirements(reader: BundleReader) -> list[str]:
     missing = [f"payloads/{p}.pt" for p in VALUE_PAYLOADS if not reader.has_payload(p)]
-    missing += count_requirements(reader.index.config)
+    missing += count_requirements(reader.index.config) + partition_requirements(reader)
     if not any(f in reader.expected.get(STAGE, {}) for f in VALUE_FIELDS):
         missing.append(f"expected.json $.{STAGE}.vf_loss")
     return missing
