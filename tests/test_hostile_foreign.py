@@ -1,0 +1,133 @@
+"""Hostile foreign input outside a bundle (SPEC §11): framework configs (``config``, ``import --config``) and
+framework dumps (``import slime|nemo-rl``) are held to the same limits as a bundle's JSON — nesting depth,
+integer digits, string length; YAML aliases bounded by what they expand to; compressed ``torch.save`` records
+bounded before they are inflated. Each refusal is one stderr line naming the file and where, exit 3.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from replay_lib.bundle.json_limits import MAX_STRING_CHARS, check_limits, JSONLimitError
+from replay_lib.cli import main
+from replay_lib.frameworks._base import MAX_YAML_ALIAS_NODES, load_yaml, to_plain
+from replay_lib.errors import FrameworkConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def billion_laughs() -> str:
+    """782 bytes: ten keys of ten aliases of … eight levels deep (10**9 leaves when copied as a tree)."""
+    lines = ["l0: &l0 {a: 1, b: 2, c: 3, d: 4, e: 5, f: 6, g: 7, h: 8, i: 9, j: 10}"]
+    for k in range(1, 9):
+        alias = f"*l{k - 1}"
+        lines.append(f"l{k}: &l{k} {{" + ", ".join(f"{c}: {alias}" for c in "abcdefghij") + "}")
+    return "\n".join(lines) + "\n"
+
+
+def _config_error(capsys, tmp_path: Path, name: str, content: str, framework: str = "verl") -> tuple[int, str]:
+    path = tmp_path / name
+    path.write_text(content)
+    code = main(["config", framework, str(path)])
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return code, captured.err
+
+
+CONFIG_CASES = [
+    ("rec-map.yaml", "a: &a {b: *a}\n", "line 1: alias *a inside the node it names (a recursive structure)"),
+    ("rec-list.yaml", "a: &a [*a]\n", "line 1: alias *a inside the node it names (a recursive structure)"),
+    ("flow.yaml", "a: " + "[" * 20000 + "]" * 20000 + "\n",
+     "line 1: nested deeper than 64 levels (the limit for a config)"),
+    ("block.yaml", "".join("  " * i + f"k{i}:\n" for i in range(3000)) + "  " * 3000 + "v: 1\n",
+     "line 64: nested deeper than 64 levels (the limit for a config)"),
+    ("laughs.yaml", billion_laughs(), f"line 5: aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes"),
+    ("int.yaml", "a: " + "7" * 5000 + "\n", "line 1: an integer of more than 4300 digits, over the 20-digit limit"),
+    ("int30.yaml", "a:\n  b: " + "7" * 30 + "\n", "$.a.b: an integer of 30 digits, over the 20-digit limit"),
+    ("lists.json", "[" * 100_000 + "]" * 100_000, "$[0][0][0][0]: nested deeper than 64 levels (the limit for a config)"),
+    ("objects.json", '{"a":' * 5000 + "1" + "}" * 5000,
+     "$.a.a.a.a: nested deeper than 64 levels (the limit for a config)"),
+    ("int.json", '{"a": ' + "7" * 5000 + "}", "$: an integer of more than 4300 digits, over the 20-digit limit"),
+    ("int30.json", '{"a": {"b": [1, ' + "7" * 30 + "]}}", "$.a.b[1]: an integer of 30 digits, over the 20-digit limit"),
+    ("string.json", '{"a": "' + "x" * (MAX_STRING_CHARS + 1) + '"}',
+     f"$.a: a string of {MAX_STRING_CHARS + 1} characters, over the {MAX_STRING_CHARS}-character limit"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_hostile_config_is_one_line_exit_3(tmp_path, capsys, name, content, message):
+    code, err = _config_error(capsys, tmp_path, name, content)
+    assert (code, err) == (3, f"trajectory-replay: error: {tmp_path / name}: {message}\n")
+
+
+def test_hostile_config_of_import_is_refused_before_the_dump_is_read(tmp_path, capsys):
+    """``import --config`` reads the config through the same loader: refused before the (absent) dump."""
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text("a: &a {b: *a}\n")
+    code = main(["import", "nemo-rl", str(tmp_path / "absent.jsonl"), "--config", str(cfg), "-o", str(tmp_path / "o")])
+    assert (code, capsys.readouterr().err) == (
+        3, f"trajectory-replay: error: {cfg}: line 1: alias *a inside the node it names (a recursive structure)\n")
+
+
+def test_billion_laughs_finishes_quickly_in_bounded_memory(tmp_path):
+    """The 782-byte document, in a real process: refused (exit 3, one line) in well under its 10 s timeout, with
+    the peak RSS of a process that imports the CLI (the unbounded walk grew past gigabytes and never ended)."""
+    path = tmp_path / "laughs.yaml"
+    path.write_text(billion_laughs())
+    assert path.stat().st_size == 782
+    script = textwrap.dedent(f"""
+        import resource, sys
+        from replay_lib.cli import main
+        code = main(["config", "verl", {str(path)!r}])
+        print(code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10, cwd=REPO)
+    error, tail = proc.stderr.splitlines()
+    code, rss_kib = map(int, tail.split())
+    assert code == 3 and proc.stdout == ""
+    assert error == f"trajectory-replay: error: {path}: line 5: aliases expand to more than 100000 nodes"
+    assert rss_kib < 600 * 1024  # importing the CLI (torch included) is ~300 MB; 10**9 copied nodes: tens of GB
+
+
+def test_aliases_within_the_bound_still_map(tmp_path, capsys):
+    """Shared defaults and merge keys (a few aliases) read as before."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("defaults: &d {clip_ratio_high: 0.28}\nactor_rollout_ref:\n  actor:\n    <<: *d\n"
+                    "algorithm: {adv_estimator: grpo}\n")
+    assert main(["config", "verl", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["eps_clip_high"] == 0.28
+
+
+def test_alias_expansion_is_counted_as_the_expanded_tree():
+    """A node counts once, keys included: l0 is 1 mapping + 10 keys + 10 values = 21 nodes, l1 = 11 + 10 × 21 =
+    221, l2 = 2,221, l3 = 22,221, l4 = 222,221. The aliases of l1…l3 add 210 + 2,210 + 22,210 = 24,630 nodes;
+    l4's (line 5) pass 100,000 at its fourth alias. A document whose aliases add exactly up to the bound loads."""
+    unit = "u: &u {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}\n"  # 1 + 9 + 9 = 19 nodes
+    n = MAX_YAML_ALIAS_NODES // 19  # 5,263 aliases: 99,997 nodes
+    assert len(load_yaml(unit + "v: [" + ", ".join(["*u"] * n) + "]\n")["v"]) == n
+    with pytest.raises(JSONLimitError, match=f"^line 2: aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes$"):
+        load_yaml(unit + "v: [" + ", ".join(["*u"] * (n + 1)) + "]\n")
+
+
+def test_to_plain_refuses_a_recursive_object_by_name():
+    """A config passed in by a library caller may be recursive too: one line, exit 3, not a RecursionError."""
+    cfg: dict = {"a": {}}
+    cfg["a"]["b"] = cfg
+    with pytest.raises(FrameworkConfigError) as err:
+        to_plain(cfg)
+    assert str(err.value) == "config nested deeper than 64 levels (or a recursive structure)"
+    assert err.value.exit_code == 3
+    plain = {"a": [1, 2], "b": {"c": "d"}}
+    assert to_plain(plain) is plain and to_plain({1: (2,)}) == {"1": [2]}
+
+
+def test_check_limits_names_keys_too():
+    with pytest.raises(JSONLimitError, match=r"^\$: a string of 1048577 characters"):
+        check_limits({"k" * (MAX_STRING_CHARS + 1): 1})
