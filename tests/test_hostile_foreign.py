@@ -131,3 +131,85 @@ def test_to_plain_refuses_a_recursive_object_by_name():
 def test_check_limits_names_keys_too():
     with pytest.raises(JSONLimitError, match=r"^\$: a string of 1048577 characters"):
         check_limits({"k" * (MAX_STRING_CHARS + 1): 1})
+
+
+# ------------------------------------------------------------------------------------------------- dumps
+
+import io  # noqa: E402
+import zipfile  # noqa: E402
+import zlib  # noqa: E402
+
+import torch  # noqa: E402
+
+from replay_lib.importers._common import INFLATE_FLOOR  # noqa: E402
+from test_import_nemo_rl import PROMPT_OF, RESPONSES, REWARDS, write_jsonl  # noqa: E402
+from test_import_slime import GROUPS_2230, RAW_2230, write_dumps  # noqa: E402
+
+
+def _slime_error(capsys, *args) -> tuple[int, str]:
+    code = main(["import", "slime", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def _rezip(path: Path, record_suffix: str, inflated: int) -> tuple[str, int]:
+    """Rewrite the torch.save archive at ``path`` with its first record ending in ``record_suffix`` replaced
+    by ``inflated`` zero bytes, ZIP_DEFLATED (written in chunks: a few MB of memory whatever ``inflated``).
+    Returns the record's name and its original (stored, uncompressed) size."""
+    src = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
+    target = next(i for i in src.infolist() if i.filename.endswith(record_suffix))
+    with zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            if info.filename != target.filename:
+                out.writestr(info, src.read(info))
+                continue
+            zinfo = zipfile.ZipInfo(target.filename)
+            zinfo.compress_type = zipfile.ZIP_DEFLATED
+            with out.open(zinfo, "w", force_zip64=True) as w:
+                chunk = bytes(1 << 20)
+                left = inflated
+                while left:
+                    w.write(chunk[: min(left, len(chunk))])
+                    left -= min(left, len(chunk))
+    return target.filename, target.file_size
+
+
+def test_zip_bomb_record_is_refused_before_inflating(tmp_path, capsys):
+    """A record deflated from 256 MiB of zeros (a few hundred KB on disk): over max(64 MiB, 4 × the file) in
+    all, refused from the central directory, naming the record."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    record, _ = _rezip(train, "/data/0", 256 << 20)
+    size = train.stat().st_size
+    assert size < 1 << 20
+    infos = zipfile.ZipFile(train).infolist()
+    upto = next(k for k, i in enumerate(infos) if i.filename == record)
+    before = sum(i.file_size for i in infos[: upto + 1])  # the records up to data/0, in the directory's order
+    code, err = _slime_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
+    assert (code, err) == (3, f"trajectory-replay: error: {train}: slime train dump record {record} inflates to "
+                              f"{256 << 20} bytes; the archive's records would reach {before}, over its bound of "
+                              f"{INFLATE_FLOOR} bytes (max({INFLATE_FLOOR}, 4 × the file's {size})); refused before "
+                              "inflating\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_compressed_record_larger_than_its_storage_is_refused(tmp_path, capsys):
+    """1 MiB of zeros is within the archive's bound but larger than the storage the pickle declares for the
+    record (its original stored size: numel × element size)."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    record, need = _rezip(train, "/data/0", 1 << 20)
+    code, err = _slime_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
+    assert (code, err) == (3, f"trajectory-replay: error: {train}: slime train dump record {record} inflates to "
+                              f"{1 << 20} bytes, more than its tensor storage needs ({need} bytes); refused before "
+                              "inflating\n")
+    assert 0 < need < 1 << 20
+
+
+def test_compressed_records_within_their_storage_still_load(tmp_path, capsys):
+    """An archive re-zipped with every record deflated (same bytes) imports as the stored one does."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    src = zipfile.ZipFile(io.BytesIO(train.read_bytes()))
+    with zipfile.ZipFile(train, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info))
+    assert all(i.compress_type == zipfile.ZIP_DEFLATED for i in zipfile.ZipFile(train).infolist())
+    assert main(["import", "slime", str(train), "--rollout-dump", str(rollout), "-o", str(tmp_path / "out")]) == 0
