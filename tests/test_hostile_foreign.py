@@ -213,3 +213,98 @@ def test_compressed_records_within_their_storage_still_load(tmp_path, capsys):
             out.writestr(info.filename, src.read(info))
     assert all(i.compress_type == zipfile.ZIP_DEFLATED for i in zipfile.ZipFile(train).infolist())
     assert main(["import", "slime", str(train), "--rollout-dump", str(rollout), "-o", str(tmp_path / "out")]) == 0
+
+
+def _rewrite(path: Path, change) -> None:
+    obj = torch.load(path, weights_only=True)
+    change(obj)
+    torch.save(obj, path)
+
+
+def test_tensor_format_version_is_one_line_exit_3(tmp_path, capsys):
+    """A 10**6-element tensor compared with 2 was an ambiguous tensor truth value (exit 5)."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    _rewrite(train, lambda d: d.update(format_version=torch.zeros(10 ** 6)))
+    code, err = _slime_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
+    assert (code, err) == (3, f"trajectory-replay: error: {train}: slime train dump format_version: got a tensor of "
+                              "shape [1000000], expected 2 (--save-debug-train-data of slime/observability/"
+                              "train_data_utils.py:181-188)\n")
+    _rewrite(train, lambda d: d.update(format_version=torch.tensor(2)))  # a one-element integer tensor is its value
+    assert main(["import", "slime", str(train), "--rollout-dump", str(rollout), "-o", str(tmp_path / "out")]) == 0
+
+
+def test_a_20_mb_value_is_cut_in_the_error_line(tmp_path, capsys):
+    """L2: the 20 MB format_version is quoted, cut to 512 characters with an ellipsis and the full length."""
+    train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    _rewrite(train, lambda d: d.update(format_version="v" * (20 << 20)))
+    code, err = _slime_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
+    head = f"{train}: slime train dump format_version: '" + "v" * 600
+    full = len(f"{train}: slime train dump format_version: ") + (20 << 20) + 2 + len(
+        ", expected 2 (--save-debug-train-data of slime/observability/train_data_utils.py:181-188)")
+    assert (code, err) == (3, f"trajectory-replay: error: {head[:512]}… ({full} characters)\n")
+
+
+def test_one_line_cuts_escapes_and_collapses():
+    from replay_lib.safe_text import one_line
+
+    assert one_line("a \n b\x1b[2J") == "a \\n b\\x1b[2J"
+    assert one_line("x" * 512) == "x" * 512
+    assert one_line("x" * 513) == "x" * 512 + "… (513 characters)"
+    assert one_line("\x1b" * 300, limit=10) == "\\x1b\\x1b\\x"[:10] + "… (300 characters)"
+
+
+def test_raw_pickle_is_one_line_without_torch_warnings(tmp_path):
+    """L3: a plain pickle (not torch.save's zip) in a real process: the error line only, no UserWarning."""
+    import pickle
+
+    train = tmp_path / "train.pt"
+    train.write_bytes(pickle.dumps({"format_version": 2, "rollout_id": 7}))
+    proc = subprocess.run([sys.executable, "-m", "replay_lib", "import", "slime", str(train), "-o",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 3 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"trajectory-replay: error: {train}: slime train dump ")
+
+
+@pytest.mark.parametrize("sample, key, message", [
+    (0, "rewards", "is a NaN or an infinity"),
+    (3, "local_raw_reward", "is a NaN or an infinity"),
+])
+def test_non_finite_scalar_is_refused_like_a_non_finite_tensor(tmp_path, capsys, sample, key, message):
+    """L1: a NaN reward was written to the bundle as null with exit 0; one rule for numbers and vectors."""
+    train, _ = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
+    _rewrite(train, lambda d: d["samples"][sample].update({key: float("nan")}))
+    code, err = _slime_error(capsys, train, "-o", tmp_path / "out")
+    assert (code, err) == (3, f"trajectory-replay: error: {train}: slime train dump samples[{sample}].{key}: "
+                              f"{message}\n")
+    assert not (tmp_path / "out").exists()
+
+
+def _nemo_with_line(tmp_path: Path, line: str) -> Path:
+    data = tmp_path / "train_data_step1.jsonl"
+    write_jsonl(data, PROMPT_OF, REWARDS, RESPONSES)
+    lines = data.read_text().splitlines()
+    lines[1] = line
+    data.write_text("\n".join(lines) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[" * 100_000 + "]" * 100_000, "$[0][0][0][0]: nested deeper than 64 levels (the limit for a NeMo-RL row)"),
+    ('{"a":' * 5000 + "1" + "}" * 5000, "$.a.a.a.a: nested deeper than 64 levels (the limit for a NeMo-RL row)"),
+    ('{"idx": ' + "9" * 5000 + "}", "$: an integer of more than 4300 digits, over the 20-digit limit"),
+    ('{"idx": 1, "content": [' + "9" * 30 + "]}", "$.content[0]: an integer of 30 digits, over the 20-digit limit"),
+])
+def test_hostile_nemo_row_is_one_line_exit_3(tmp_path, capsys, line, message):
+    data = _nemo_with_line(tmp_path, line)
+    assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "out")]) == 3
+    assert capsys.readouterr().err == f"trajectory-replay: error: {data}: NeMo-RL train data line 2: {message}\n"
+
+
+def test_nan_reward_in_a_nemo_row_is_refused(tmp_path, capsys):
+    """L1 for NeMo-RL: Python's json writes NaN; it was imported as a null raw reward with exit 0."""
+    data = tmp_path / "train_data_step1.jsonl"
+    write_jsonl(data, PROMPT_OF, [float("nan")] + REWARDS[1:], RESPONSES)
+    assert main(["import", "nemo-rl", str(data), "-o", str(tmp_path / "out")]) == 3
+    assert capsys.readouterr().err == (f"trajectory-replay: error: {data}: NeMo-RL train data line 1.rewards: is a "
+                                       "NaN or an infinity\n")
