@@ -62,6 +62,23 @@ def safe(text: object) -> str:
     return _CANDIDATE.sub(_visible, text)
 
 
+MAX_LINE_CHARS = 512  # an error line's message: a long path, a key path and what was expected (ours are < 450)
+
+
+def one_line(text: object, limit: int = MAX_LINE_CHARS) -> str:
+    """``text`` as one line of an error: escaped (:func:`safe`), runs of whitespace collapsed, and cut to
+    ``limit`` characters with an ellipsis and the full length (``… (20000047 characters)``) when longer, so that
+    a value quoted from foreign input (a 20 MB field) never floods the terminal. Only the head of a long text
+    is escaped and split."""
+    if not isinstance(text, str):
+        text = str(text)
+    head = text[: 4 * limit] if len(text) > 4 * limit else text
+    line = " ".join(safe(head).split())
+    if len(line) <= limit and head is text:
+        return line
+    return f"{line[:limit]}… ({len(text)} characters)"
+
+
 def _json_escape(match: re.Match) -> str:
     char = match.group()
     if not hidden(char):

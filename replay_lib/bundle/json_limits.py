@@ -108,3 +108,84 @@ def _step(level: list) -> str:
     except msgspec.MsgspecError:
         name = key.decode("utf-8", "replace")
     return f".{name}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Foreign JSON outside a bundle (SPEC §11): framework configs (``config``, ``import --config``) and dump rows
+# (NeMo-RL's jsonl). The same three limits for every reader: nesting depth (:data:`MAX_JSON_DEPTH`), integer
+# size (:data:`MAX_INT_DIGITS` decimal digits: any int64 or uint64 fits, Python's own 4,300-digit limit is never
+# reached) and string length (:data:`MAX_STRING_CHARS`). YAML configs are held to the same limits by
+# ``frameworks._base.load_yaml`` (plus a bound on what aliases expand to).
+
+MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
+MAX_STRING_CHARS = 1 << 20  # 1 Mi characters: a chat template or a path is far shorter
+_INT_BOUND = 10 ** MAX_INT_DIGITS
+
+
+class JSONLimitError(ValueError):
+    """A foreign document over one of the limits; ``str(err)`` is the part after the file name:
+    ``"$.a.b: an integer of 5000 digits, over the 20-digit limit"``."""
+
+
+def loads_limited(data: bytes, what: str = "foreign JSON") -> object:
+    """``data`` decoded within the limits above. ``json.JSONDecodeError`` (with the standard library's message,
+    which callers quote) for malformed JSON; :class:`JSONLimitError` naming the path for a limit.
+
+    msgspec decodes the bytes in place (no text copy); a document it refuses (``NaN``/``Infinity`` literals,
+    which Python's json writes, or a malformed one) is decoded again by the json module for its values or
+    its message."""
+    import json
+
+    deep = json_depth_error(data)
+    if deep is not None:
+        raise JSONLimitError(deep.replace("a bundle's JSON", what))
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        try:
+            value = json.loads(data)
+        except ValueError as exc:
+            if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+                raise
+            # int() over Python's digit limit (the json module's only other ValueError)
+            raise JSONLimitError(f"$: an integer of more than 4300 digits, over the {MAX_INT_DIGITS}-digit "
+                                 "limit") from None
+    check_limits(value)
+    return value
+
+
+def check_limits(value: object, path: str = "$") -> None:
+    """:class:`JSONLimitError` for the first integer over :data:`MAX_INT_DIGITS` digits or string over
+    :data:`MAX_STRING_CHARS` characters in a decoded document (keys included). Recursive: callers bound the
+    depth first (:func:`json_depth_error`, or the YAML composer's own bound)."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return
+    if isinstance(value, int):
+        if not -_INT_BOUND < value < _INT_BOUND:
+            digits = _digits(value)
+            raise JSONLimitError(f"{path}: an integer of {digits} digits, over the {MAX_INT_DIGITS}-digit limit")
+    elif isinstance(value, str):
+        if len(value) > MAX_STRING_CHARS:
+            raise JSONLimitError(f"{path}: a string of {len(value)} characters, over the {MAX_STRING_CHARS}-"
+                                 "character limit")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_limits(key, path)
+            check_limits(item, f"{path}.{_short(key)}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_limits(item, f"{path}[{i}]")
+
+
+def _digits(value: int) -> str:
+    """The decimal digits of ``value`` as said in a message: ``"30"``, or ``"more than 4300"`` for one past
+    Python's own limit on converting an int to text."""
+    try:
+        return str(len(str(abs(value))))
+    except ValueError:
+        return "more than 4300"
+
+
+def _short(key: object) -> str:
+    text = str(key)
+    return text if len(text) <= 40 else text[:40] + "…"

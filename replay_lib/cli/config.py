@@ -21,25 +21,38 @@ MAX_CONFIG_BYTES = 64 << 20
 
 
 def load_config_file(path: Path) -> Any:
-    """The parsed content of a framework config file (JSON, or YAML through PyYAML when installed)."""
+    """The parsed content of a framework config file (JSON, or YAML through PyYAML when installed), within
+    SPEC §11's limits for foreign input (nesting depth, integer digits, string length; YAML aliases bounded by
+    what they expand to): a file over one is a one-line error naming where (exit 3)."""
+    from ..bundle.json_limits import JSONLimitError, loads_limited
+
     path = Path(path)
     data = read_regular(path, path.parent if str(path.parent) else Path("."), "framework config", MAX_CONFIG_BYTES)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        del data
         try:
             import yaml  # optional: only to read YAML configs
         except ImportError:
             raise UnsupportedError(f"{path}: reading YAML needs PyYAML, which is not installed; give the config "
                                    "as JSON (or pip install pyyaml)") from None
+        from ..frameworks._base import load_yaml
+
         try:
-            return yaml.safe_load(text)
+            return load_yaml(text)
+        except JSONLimitError as exc:
+            raise FrameworkConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise FrameworkConfigError(f"{path}: not YAML: {' '.join(str(exc).split())[:200]}") from None
     try:
-        return json.loads(text)
+        return loads_limited(data, "a config")
+    except UnicodeDecodeError as exc:
+        raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except JSONLimitError as exc:
+        raise FrameworkConfigError(f"{path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise FrameworkConfigError(f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
 

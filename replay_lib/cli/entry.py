@@ -20,7 +20,7 @@ from typing import Optional, Sequence, TextIO
 
 from ..demo.catalog import DEMO_NAMES
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
-from ..safe_text import elided_listing, json_document, safe
+from ..safe_text import elided_listing, json_document, one_line, safe
 from ..bundle.schema import config_changes
 
 from .options import (EXIT_CODES_HELP, REPLAY_DESCRIPTION, SCAN_EXIT_CODES_HELP, TOLERANCE_POLICIES,
@@ -210,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def error_line(err: str, prog: str = "trajectory-replay") -> str:
     """The one stderr line of an error. Its message embeds paths, ids and keys from the bundle: it is
-    escaped whole (a newline in it shows as ``\\n``), then runs of spaces are collapsed."""
-    return f"{prog}: error: {' '.join(safe(err).split())}"
+    escaped whole (a newline in it shows as ``\\n``), runs of spaces are collapsed, and a message longer than
+    :data:`~replay_lib.safe_text.MAX_LINE_CHARS` is cut with its length said (:func:`~replay_lib.safe_text.one_line`)."""
+    return f"{prog}: error: {one_line(err)}"
 
 
 def _print_error(err: str, prog: str = "trajectory-replay") -> None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from ..errors import FrameworkConfigError, UnsupportedFrameworkConfig
+from ..bundle.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH, JSONLimitError, check_limits
 from ..bundle.schema import RecomputeConfig
 
 _MISSING = object()
@@ -56,28 +57,127 @@ def is_active(value: Any) -> bool:
     return True
 
 
-def to_plain(cfg: Any) -> Any:
+# What YAML aliases may add to a config: the nodes the anchored subtrees they name hold, summed over every
+# alias (nested aliases counted expanded). A config shares a few small defaults blocks; a "billion laughs"
+# document (ten aliases of ten aliases of …) is refused when its expansion passes this, long before it is built.
+MAX_YAML_ALIAS_NODES = 100_000
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document read with PyYAML's safe loader within SPEC §11's limits: nesting at most
+    :data:`~replay_lib.bundle.json_limits.MAX_JSON_DEPTH` levels, at most :data:`MAX_YAML_ALIAS_NODES` nodes
+    added by aliases, no alias inside the node it names (a recursive structure), integers and strings within
+    :func:`~replay_lib.bundle.json_limits.check_limits`. A limit raises ``JSONLimitError`` naming the line;
+    malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise)."""
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        def __init__(self, stream: str):
+            super().__init__(stream)
+            self._depth = 0
+            self._expanded = 0  # nodes of the document so far, aliases counted as what they name
+            self._from_aliases = 0
+            self._sizes: dict[str, int] = {}  # anchor → the expanded size of its node
+            self._open: set[str] = set()  # anchors whose node is being composed
+
+        def _refuse(self, event: Any, message: str) -> None:
+            raise JSONLimitError(f"line {event.start_mark.line + 1}: {message}")
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                if event.anchor in self._open:
+                    self._refuse(event, f"alias *{event.anchor} inside the node it names (a recursive structure)")
+                size = self._sizes.get(event.anchor, 0)
+                self._expanded += size
+                self._from_aliases += size
+                if self._from_aliases > MAX_YAML_ALIAS_NODES:
+                    self._refuse(event, f"aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes")
+                return super().compose_node(parent, index)
+            if self._depth >= MAX_JSON_DEPTH:
+                self._refuse(event, f"nested deeper than {MAX_JSON_DEPTH} levels (the limit for a config)")
+            anchor = event.anchor
+            before = self._expanded
+            self._expanded += 1
+            self._depth += 1
+            if anchor is not None:
+                self._open.add(anchor)
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+                self._open.discard(anchor)
+            if anchor is not None:
+                self._sizes[anchor] = self._expanded - before
+            return node
+
+        def construct_yaml_int(self, node: Any) -> int:
+            try:
+                return super().construct_yaml_int(node)
+            except ValueError:  # int() over Python's digit limit
+                raise JSONLimitError(f"line {node.start_mark.line + 1}: an integer of more than 4300 digits, over "
+                                     f"the {MAX_INT_DIGITS}-digit limit") from None
+
+    BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    loader = BoundedLoader(text)
+    try:
+        value = loader.get_single_data()
+    finally:
+        loader.dispose()
+    check_limits(value)
+    return value
+
+
+def to_plain(cfg: Any, _depth: int = 0) -> Any:
     """A framework's config object as plain Python: mappings, OmegaConf (resolved), argparse namespaces,
-    dataclasses, pydantic models and plain objects become dicts; lists stay lists."""
+    dataclasses, pydantic models and plain objects become dicts; lists stay lists. A plain list, and a dict
+    whose keys are strings and whose values are already plain, are returned as they are (a config read
+    from a file is not copied). Nesting deeper than :data:`MAX_JSON_DEPTH` (or a recursive structure) is a
+    one-line error (exit 3)."""
+    if _depth > MAX_JSON_DEPTH:
+        raise FrameworkConfigError(f"config nested deeper than {MAX_JSON_DEPTH} levels (or a recursive structure)")
+    d = _depth + 1
     module = type(cfg).__module__ or ""
     if module.startswith("omegaconf"):
         from omegaconf import OmegaConf  # only when an OmegaConf object was passed in
 
-        return to_plain(OmegaConf.to_container(cfg, resolve=True))
+        return to_plain(OmegaConf.to_container(cfg, resolve=True), d)
+    if type(cfg) is dict:
+        out = None
+        for k, v in cfg.items():
+            p = to_plain(v, d)
+            if out is None and (p is not v or type(k) is not str):
+                out = {}  # a copy from the first item that changes
+                for kk, vv in cfg.items():
+                    if kk is k:
+                        break
+                    out[str(kk)] = vv
+            if out is not None:
+                out[str(k)] = p
+        return cfg if out is None else out
     if isinstance(cfg, Mapping):
-        return {str(k): to_plain(v) for k, v in cfg.items()}
+        return {str(k): to_plain(v, d) for k, v in cfg.items()}
     if isinstance(cfg, argparse.Namespace):
-        return {k: to_plain(v) for k, v in vars(cfg).items()}
+        return {k: to_plain(v, d) for k, v in vars(cfg).items()}
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: to_plain(getattr(cfg, f.name), d) for f in dataclasses.fields(cfg)}
     if callable(getattr(cfg, "model_dump", None)):  # pydantic
-        return to_plain(cfg.model_dump())
+        return to_plain(cfg.model_dump(), d)
+    if type(cfg) is list:
+        out_list = None
+        for i, v in enumerate(cfg):
+            p = to_plain(v, d)
+            if p is not v and out_list is None:
+                out_list = list(cfg[:i])
+            if out_list is not None:
+                out_list.append(p)
+        return cfg if out_list is None else out_list
     if isinstance(cfg, (list, tuple)):
-        return [to_plain(v) for v in cfg]
+        return [to_plain(v, d) for v in cfg]
     if isinstance(cfg, (str, int, float, bool)) or cfg is None:
         return cfg
     if hasattr(cfg, "__dict__"):
-        return {k: to_plain(v) for k, v in vars(cfg).items() if not k.startswith("_")}
+        return {k: to_plain(v, d) for k, v in vars(cfg).items() if not k.startswith("_")}
     return cfg
 
 

@@ -8,9 +8,13 @@ says what the dump lacks (the engine never reads that list), and the importer pr
 from __future__ import annotations
 
 import io
+import math
 import pickle
+import pickletools
 import re
 import shutil
+import warnings
+import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,12 @@ from ..bundle.schema import (
 
 # A dump is read whole into memory (torch.load does as much); the cap only stops a runaway file.
 MAX_DUMP_BYTES = 64 << 30
+# A torch.save archive's records inflate to at most this many times the archive's bytes in all (or
+# INFLATE_FLOOR, for a small one), and a tensor's record to at most what its storage needs (SPEC §11).
+# torch.save stores every record uncompressed; a compressed one is foreign, and checked before it is inflated.
+INFLATE_RATIO = 4
+INFLATE_FLOOR = 64 << 20
+_INT64 = 1 << 63
 STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
           StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY, StageId.LOSS_VALUE)
 
@@ -66,10 +76,15 @@ def read_dump(path: Path, what: str) -> bytes:
 
 def load_pt(path: Path, what: str) -> Any:
     """A ``torch.save`` dump loaded with ``weights_only=True`` (tensors, dicts, lists and plain values only); a
-    dump that needs arbitrary objects unpickled is refused with one line saying how to convert it."""
+    dump that needs arbitrary objects unpickled is refused with one line saying how to convert it. The zip
+    archive's records are checked before anything is inflated (:func:`check_records`); torch's own warnings
+    (a legacy or raw pickle) are not printed: the error, if any, is the one line."""
     data = read_dump(path, what)
+    check_records(data, path, what)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         detail = _unpickler_detail(str(exc))
         found = re.search(r"GLOBAL (\S+)", detail)
@@ -82,6 +97,131 @@ def load_pt(path: Path, what: str) -> Any:
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise FrameworkConfigError(f"{path}: {what} is not a readable torch.save file: "
                                    f"{' '.join(str(exc).split())[:200]}") from None
+
+
+def check_records(data: bytes, path: Path, what: str) -> None:
+    """Refuse (exit 3, naming the record) a ``torch.save`` zip archive whose records would inflate past
+    ``max(INFLATE_FLOOR, INFLATE_RATIO × the archive's size)`` in all, or a tensor record (``data/<key>``)
+    larger than its storage as the pickle declares it (``numel × element size``): read from the zip central
+    directory and, when a record is compressed, from the pickle's opcodes (never executed), before any
+    record is inflated. A file that is not a zip archive is left to ``torch.load``."""
+    buffer = io.BytesIO(data)
+    if not zipfile.is_zipfile(buffer):
+        return
+    try:
+        with zipfile.ZipFile(buffer) as archive:
+            infos = archive.infolist()
+            bound = max(INFLATE_FLOOR, INFLATE_RATIO * len(data))
+            total = 0
+            for info in infos:
+                total += info.file_size
+                if total > bound:
+                    raise FrameworkConfigError(
+                        f"{path}: {what} record {info.filename} inflates to {info.file_size} bytes; the archive's "
+                        f"records would reach {total}, over its bound of {bound} bytes (max({INFLATE_FLOOR}, "
+                        f"{INFLATE_RATIO} × the file's {len(data)})); refused before inflating")
+            if all(info.compress_type == zipfile.ZIP_STORED for info in infos):
+                return  # each record is its bytes in the file: nothing inflates
+            pickles = [i for i in infos if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                return  # not torch's layout: torch.load says so
+            prefix = pickles[0].filename[: -len("data.pkl")]
+            declared = _declared_storages(archive.read(pickles[0]))
+    except zipfile.BadZipFile:
+        return  # torch.load names the damage
+    for info in infos:
+        if not info.filename.startswith(prefix + "data/"):
+            continue
+        key = info.filename[len(prefix) + len("data/"):]
+        need = declared.get(key)
+        if need is None:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise FrameworkConfigError(f"{path}: {what} record {info.filename} is compressed and no tensor "
+                                           "storage of the pickle declares it; refused before inflating")
+        elif info.file_size > need:
+            raise FrameworkConfigError(f"{path}: {what} record {info.filename} inflates to {info.file_size} bytes, "
+                                       f"more than its tensor storage needs ({need} bytes); refused before "
+                                       "inflating")
+
+
+_STORAGE_CLASS = re.compile(r"\Atorch ([A-Za-z0-9]*Storage)\Z")
+
+
+def _declared_storages(pkl: bytes) -> dict[str, int]:
+    """``{record key: bytes}`` of the tensor storages a ``torch.save`` pickle declares: its persistent ids
+    ``("storage", torch.<X>Storage, key, location, numel)``, found by following the pickle's stack over its
+    opcodes (nothing is unpickled). An unreadable pickle declares nothing (``torch.load`` then names it)."""
+    opaque = object()
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    out: dict[str, int] = {}
+    literal = {"BINUNICODE", "SHORT_BINUNICODE", "UNICODE", "BINUNICODE8", "BININT", "BININT1", "BININT2",
+               "LONG1", "LONG4", "INT", "LONG", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+    try:
+        for op, arg, _ in pickletools.genops(pkl):
+            name = op.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in literal:
+                stack.append(arg)
+            elif name == "GLOBAL":
+                stack.append(("global", arg))
+            elif name == "STACK_GLOBAL":
+                attr, module = stack.pop(), stack.pop()
+                stack.append(("global", f"{module} {attr}"))
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET"):
+                stack.append(memo.get(arg, opaque))
+            elif name == "TUPLE":
+                k = marks.pop()
+                items = tuple(stack[k:])
+                del stack[k:]
+                stack.append(items)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = tuple(stack[-n:])
+                del stack[-n:]
+                stack.append(items)
+            elif name == "BINPERSID":
+                _declare(stack.pop(), out)
+                stack.append(opaque)
+            else:  # any other opcode: its arity from pickletools, its results opaque
+                before = op.stack_before
+                if pickletools.markobject in before:
+                    k = marks.pop()
+                    del stack[k:]
+                    n = before.index(pickletools.markobject)
+                else:
+                    n = len(before)
+                if n:
+                    del stack[-n:]
+                stack.extend(opaque for _ in op.stack_after)
+    except Exception:  # a malformed pickle: torch.load refuses it with its own words
+        return out
+    return out
+
+
+def _declare(pid: Any, out: dict[str, int]) -> None:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        return
+    _, cls, key, _, numel = pid
+    found = _STORAGE_CLASS.match(cls[1]) if isinstance(cls, tuple) and len(cls) == 2 and isinstance(cls[1], str) \
+        else None
+    if found is None or not isinstance(key, str) or isinstance(numel, bool) or not isinstance(numel, int):
+        return
+    with warnings.catch_warnings():  # the typed storage classes are deprecated; their dtype is what is read
+        warnings.simplefilter("ignore")
+        storage = getattr(torch, found.group(1), None)
+        dtype = getattr(storage, "dtype", torch.uint8) if storage is not None else torch.uint8
+    try:
+        size = torch.empty(0, dtype=dtype).element_size()
+    except (TypeError, RuntimeError):
+        size = 1
+    out[key] = max(0, numel) * size
 
 
 def _unpickler_detail(message: str) -> str:
@@ -113,14 +253,24 @@ class DumpFields:
             value = int(value.item())
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(key, f"expected an integer, got {_kind(value)}")
+        if not -_INT64 <= value < _INT64:
+            self.fail(key, "an integer outside int64")
         return value
 
-    def number(self, value: Any, key: str) -> float:
+    def number(self, value: Any, key: str, finite: bool = True) -> float:
+        """A float from a number or a one-element tensor; like :meth:`vector`, a NaN or an infinity is refused
+        unless ``finite`` is false (one rule for scalars and tensors)."""
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(key, f"expected a number, got {_kind(value)}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            self.fail(key, "an integer beyond the float range")
+        if finite and not math.isfinite(number):
+            self.fail(key, "is a NaN or an infinity")
+        return number
 
     def vector(self, value: Any, key: str, length: Optional[int], dtype: torch.dtype = torch.float32,
                finite: bool = True) -> torch.Tensor:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
+from ..bundle.json_limits import JSONLimitError, loads_limited
 from ..frameworks.nemo_rl import from_nemo_rl
 from ..bundle.schema import Identity, SampleRecord, StageId
 from ._common import DumpFields, ImportResult, read_dump, with_group_size, write_import
@@ -49,15 +50,16 @@ def import_nemo_rl(jsonl: Path, out: Path, *, config: Any = None, config_where: 
     (see :func:`~replay_lib.frameworks.from_nemo_rl`), default NeMo-RL's defaults."""
     jsonl = Path(jsonl)
     dump = DumpFields(jsonl, "NeMo-RL train data")
-    text = read_dump(jsonl, "NeMo-RL train data")
+    data = read_dump(jsonl, "NeMo-RL train data")
     try:
-        lines = [line for line in text.decode("utf-8").splitlines() if line.strip()]
+        data.decode("utf-8")  # checked whole first; the rows are then decoded one at a time from the bytes
     except UnicodeDecodeError as exc:
         dump.fail("", f"not UTF-8 text ({exc.reason} at byte {exc.start})")
-    if not lines:
+    if not any(True for _ in _lines(data)):
         dump.fail("", "no records (expected one JSON object per line)")
     cfg = from_nemo_rl(config if config is not None else {}, where=config_where)
-    rows = [_row(dump, line, i + 1) for i, line in enumerate(lines)]
+    rows = [_row(dump, line, i + 1) for i, line in enumerate(_lines(data))]
+    del data
     seen: dict[int, int] = {}
     for lineno, r in enumerate(rows, 1):
         if r["idx"] in seen:
@@ -101,12 +103,27 @@ def _one(dump: DumpFields, record: dict, key: str, where: str, per_token: bool) 
     return value
 
 
-def _row(dump: DumpFields, line: str, lineno: int) -> dict:
+def _lines(data: bytes) -> Iterator[bytes]:
+    """The records of a jsonl file, one line's bytes at a time (blank lines skipped), never the whole text
+    as one string or one list of lines."""
+    start, end = 0, len(data)
+    while start < end:
+        stop = data.find(b"\n", start)
+        stop = end if stop < 0 else stop
+        line = data[start:stop]
+        start = stop + 1
+        if line.strip():
+            yield line
+
+
+def _row(dump: DumpFields, line: bytes, lineno: int) -> dict:
     where = f"line {lineno}"
     try:
-        record = json.loads(line)
+        record = loads_limited(line, "a NeMo-RL row")
     except json.JSONDecodeError as exc:
         dump.fail(where, f"not JSON ({exc.msg} at column {exc.colno})")
+    except JSONLimitError as exc:
+        dump.fail(where, str(exc))
     if not isinstance(record, dict):
         dump.fail(where, f"expected a JSON object, got {type(record).__name__}")
     idx = dump.integer(record.get("idx", lineno - 1), f"{where}.idx")
@@ -139,6 +156,6 @@ def _row(dump: DumpFields, line: str, lineno: int) -> dict:
     dump.finite(arrays["advantages"][:1], f"{where}.advantages[0]")
     mask = (token_mask[p:] * int(sample_mask != 0)).tolist()
     return {"idx": idx, "T": T, "R": T - p, "prompt": tuple(arrays["token_ids"][:p].tolist()), "raw": raw,
-            "reward": float(arrays["advantages"][0]), "mask": mask,
-            "advantages": arrays["advantages"][p:T], "old_log_probs": arrays["prev_logprobs"][p:],
-            "rollout_log_probs": arrays["generation_logprobs"][p:]}
+            "reward": float(arrays["advantages"][0]), "mask": mask,  # the response only (clones: no padding kept)
+            "advantages": arrays["advantages"][p:T].clone(), "old_log_probs": arrays["prev_logprobs"][p:].clone(),
+            "rollout_log_probs": arrays["generation_logprobs"][p:].clone()}

@@ -36,7 +36,7 @@ import torch
 
 from ..frameworks.slime import from_slime
 from ..bundle.schema import Identity, SampleRecord, StageId
-from ._common import DumpFields, ImportResult, load_pt, with_group_size, write_import
+from ._common import DumpFields, ImportResult, _kind, load_pt, with_group_size, write_import
 
 FORMAT_VERSION = 2
 SAMPLE_KEYS = ("rollout_position", "tokens", "response_lengths", "total_lengths", "rewards", "loss_masks",
@@ -55,8 +55,12 @@ def import_slime(train_dump: Path, out: Path, *, rollout_dump: Optional[Path] = 
     dump = DumpFields(train_dump, "slime train dump")
     obj = load_pt(train_dump, "slime train dump")
     version = dump.require(obj, "format_version", "")
-    if version != FORMAT_VERSION:
-        dump.fail("format_version", f"{version!r}, expected {FORMAT_VERSION} (--save-debug-train-data of "
+    if isinstance(version, torch.Tensor) and version.numel() == 1 and not version.is_floating_point():
+        version = int(version.item())
+    if type(version) is not int or version != FORMAT_VERSION:
+        small = isinstance(version, (float, str)) or (isinstance(version, int) and abs(version) < 1 << 63)
+        shown = repr(version) if small else f"got {_kind(version)}"  # a tensor's values are never printed
+        dump.fail("format_version", f"{shown}, expected {FORMAT_VERSION} (--save-debug-train-data of "
                                     "slime/observability/train_data_utils.py:181-188)")
     rollout_id = dump.integer(dump.require(obj, "rollout_id", ""), "rollout_id")
     raw_samples = dump.require(obj, "samples", "")

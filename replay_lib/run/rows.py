@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import EXIT_DIVERGENCE, EXIT_INTERNAL, EXIT_INVALID, EXIT_PASS, EXIT_UNSUPPORTED, ReplayError
-from ..safe_text import safe
+from ..safe_text import one_line, safe
 
 STATUS_PASS = "pass"
 STATUS_DIVERGED = "diverged"
@@ -186,7 +186,7 @@ def row_of_report(target: ScanTarget, report, seconds: float, link: Optional[Lin
 def error_row(target: ScanTarget, status: str, message: str, seconds: float = 0.0) -> ScanRow:
     """A row for a target nothing was recomputed for (``message``: one line, escaped here)."""
     return ScanRow(target=target, status=status, exit_code=_EXIT_OF_STATUS[status],
-                   message=" ".join(safe(message).split()), seconds=seconds)
+                   message=one_line(message), seconds=seconds)
 
 
 def scan_exit_code(rows: Sequence[ScanRow]) -> int:
