@@ -308,3 +308,17 @@ def kl_clamps(kl_type: str, input_clamp: Optional[float], output_clamp: Optional
     if kl_type != "k3":
         return {"kl_loss_input_clamp": None, "kl_loss_output_clamp": None}
     return {"kl_loss_input_clamp": input_clamp, "kl_loss_output_clamp": output_clamp}
+
+
+def known_version(framework: str, version: Optional[str], known: Iterable[str], where: Optional[str] = None) -> str:
+    """The framework version a mapping follows: ``version`` (a bundle's ``producer.framework_version``), or the
+    newest of ``known`` (listed oldest first) when None; any other is refused in one line naming the known ones
+    (exit 4)."""
+    versions = tuple(known)
+    if version is None:
+        return versions[-1]
+    if version not in versions:
+        label = f"{where}: {framework} config" if where else f"{framework} config"
+        raise UnsupportedFrameworkConfig(f"{label}: framework version {version!r} is not one the mapping knows "
+                                         f"({', '.join(versions)})")
+    return version
