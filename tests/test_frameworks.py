@@ -317,7 +317,7 @@ def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
      "mapped (record the step's coefficient as algo.kl.init_coef)"),
     ({"algo.advantage.estimator": "rloo", "algo.advantage.is_correction_level": "seq"},
      "openrlhf config: algo.advantage.is_correction_level='seq': the sequence mask keeps each surviving token's "
-     "own weight (loss.py:229-232), which is not recomputed"),
+     "own weight (loss.py:237-239), which is not recomputed"),
     ({"algo.advantage.estimator": "rloo", "actor.loss_agg_mode": "seq-mean-token-sum"},
      "openrlhf config: actor.loss_agg_mode='seq-mean-token-sum': not one of token-mean, seq-mean-token-mean"),
 ])

@@ -11,18 +11,18 @@ dict, or a flat dict of the dotted flag names (``{"algo.kl.init_coef": 0.01}``, 
 What OpenRLHF computes, and how it maps:
 
 * Advantages are always the cumulative returns of per-token rewards ``r_t = mask_t·(1[t = last]·g_i −
-  β·kl_t)`` (``utils.py:133-160`` ``compute_reward``, ``exp.py:283-317``, ``get_cumulative_returns``
+  β·kl_t)`` (``utils.py:131-160`` ``compute_reward``, ``exp.py:283-317``, ``get_cumulative_returns``
   ``exp.py:390-421``): ``kl_in_reward="token_returns"`` whatever β (0 when the KL is off or in the loss), so a
   masked tail and a fully masked sample get 0, as OpenRLHF writes them.
 * ``g_i``: the group-normalized reward (``exp.py:268-278``), clamped to ``reward.clip_range`` (default ±10,
-  ``cli.py:437``; ``utils.py:140-141``) → ``reward_clip_low/high``.
+  ``cli.py:474``; ``utils.py:141-142``) → ``reward_clip_low/high``.
 * The in-reward KL (``init_coef > 0`` and not ``use_loss``, ``exp.py:205-214``): ``compute_approx_kl``'s k1/k2/k3
-  value clamped at ±10 (``utils.py:66-130``) → ``kl_penalty_type`` + ``kl_penalty_clamp=10`` (k3's input clamp
+  value clamped at ±10 (``utils.py:69-130``, ``:113``) → ``kl_penalty_type`` + ``kl_penalty_clamp=10`` (k3's input clamp
   at −10 cannot change a value the ±10 output clamp keeps).
-* The loss (``loss.py:109-260`` ``PolicyLoss``, built at ``actor.py:76-86``): ``actor.loss_agg_mode``
-  token-mean / seq-mean-token-mean (GSPO is always per sample, ``loss.py:146-148``); the KL and entropy terms
+* The loss (``loss.py:116-259`` ``PolicyLoss``, built at ``actor.py:76-86``): ``actor.loss_agg_mode``
+  token-mean / seq-mean-token-mean (GSPO is always per sample, ``loss.py:151-152``); the KL and entropy terms
   are always token means (``aggregate_loss``'s default, ``actor.py:331,347``); ``ppo_kl`` and ``clip_ratio``
-  are each micro-batch's token mean (``loss.py:257-258``) weighted by its tokens (``actor.py:200-219``): the
+  are each micro-batch's token mean (``loss.py:257-258``) weighted by its tokens (``actor.py:197-219``): the
   step's token mean, whatever the loss's mode.
 """
 
@@ -39,7 +39,7 @@ VERSIONS = ("0.11.2",)  # oldest first
 ESTIMATORS = {"group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
 WHITENED = ("gae", "reinforce", "reinforce_baseline")
 AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean"}  # cli.py:440-447
-KL_CLAMP = 10.0  # utils.py:112
+KL_CLAMP = 10.0  # utils.py:113
 # Sections outside the recomputed math: engines, models, data, checkpoints, logging, optimizers.
 SECTIONS = ("actor", "algo", "reward")
 NEUTRAL = ("actor.model_name_or_path", "actor.optim", "actor.muon", "actor.adam", "actor.lr_scheduler",
@@ -57,10 +57,10 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
     known_version(FRAMEWORK, version, VERSIONS, where)
     r = ConfigReader(FRAMEWORK, args, where)
     est = r.text("algo.advantage.estimator", "gae")  # cli.py:514-522
-    n = r.integer("rollout.n_samples_per_prompt", 1)  # cli.py:408-410
-    if r.flag("reward.normalize_enable", False):  # cli.py:396-398
+    n = r.integer("rollout.n_samples_per_prompt", 1)  # cli.py:432-434
+    if r.flag("reward.normalize_enable", False):  # cli.py:414-416
         r.refuse("reward.normalize_enable", True, "running reward normalization is not recomputed")
-    for key in ("reward.overlong_buffer_len", "reward.stop_properly_penalty_coef"):  # cli.py:592-605: None
+    for key in ("reward.overlong_buffer_len", "reward.stop_properly_penalty_coef"):  # cli.py:532-541: None
         value = r.raw(key, None)
         if value is not None:
             r.refuse(key, value, "length penalties on the reward are not recomputed; record the penalized "
@@ -71,8 +71,8 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
     agg = r.text("actor.loss_agg_mode", "token-mean")  # cli.py:440-447
     if agg not in AGG_MODES:
         r.refuse("actor.loss_agg_mode", agg, f"not one of {', '.join(AGG_MODES)}")
-    eps = r.number("actor.eps_clip", 0.2)  # cli.py:385
-    low_high = r.raw("actor.eps_clip_low_high", None)  # cli.py:386; None → (eps, eps) (cli.py:633-634)
+    eps = r.number("actor.eps_clip", 0.2)  # cli.py:406
+    low_high = r.raw("actor.eps_clip_low_high", None)  # cli.py:407; None → (eps, eps) (cli.py:633-634)
     if low_high is None:
         eps_low, eps_high = eps, eps
     elif isinstance(low_high, (list, tuple)) and len(low_high) == 2:
@@ -80,10 +80,10 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
         eps_high = r.number("actor.eps_clip_low_high.1", low_high[1])
     else:
         r.bad("actor.eps_clip_low_high", low_high, "two numbers [low, high]")
-    entropy = r.number("actor.entropy_coef", None)  # cli.py:466-471: None = not computed
-    gamma = r.number("algo.advantage.gamma", 1.0)  # cli.py:391; forced to 1 for these estimators (exp.py:308-310)
-    r.number("algo.advantage.lambd", 1.0)  # cli.py:390: GAE only
-    r.flag("algo.advantage.no_std_norm", False)  # cli.py:585-590: the whitened estimators only
+    entropy = r.number("actor.entropy_coef", None)  # cli.py:468-473: None = not computed
+    gamma = r.number("algo.advantage.gamma", 1.0)  # cli.py:411; forced to 1 for these estimators (exp.py:308-310)
+    r.number("algo.advantage.lambd", 1.0)  # cli.py:410: GAE only
+    r.flag("algo.advantage.no_std_norm", False)  # cli.py:526-531: the whitened estimators only
     if est in WHITENED:
         r.refuse("algo.advantage.estimator", est, "OpenRLHF whitens these advantages with the biased variance "
                  "over the step's tokens (experience_maker.py:325-338), which the replay does not recompute")
@@ -100,15 +100,15 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
         gamma=1.0,  # whatever algo.advantage.gamma says
         eps_clip=eps_low,
         eps_clip_high=eps_high,
-        eps_clip_c=r.number("actor.dual_clip", None),  # cli.py:387; loss.py:185-199
+        eps_clip_c=r.number("actor.dual_clip", None),  # cli.py:408; loss.py:203-214
         entropy_coef=0.0 if entropy is None else entropy,
         entropy_agg_mode="token_mean",  # actor.py:346-351: aggregate_loss's token mean
         loss_agg_mode=AGG_MODES[agg],  # actor.py:80; loss.py:11-39
         metric_agg_mode="token_mean",  # loss.py:257-258, actor.py:200-219 (whatever the loss's mode)
     )
     if loss_type == "ppo":
-        fields["log_ratio_clamp"] = 20.0  # loss.py:166
-    else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:146-148,168-175)
+        fields["log_ratio_clamp"] = 20.0  # loss.py:187
+    else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:151-152,188-197)
         fields.update(importance_level="sequence", log_ratio_clamp=None, loss_agg_mode="seq_mean_token_mean")
     _kl(r, fields)
     _is_correction(r, fields, loss_type)
@@ -119,13 +119,13 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
 
 
 def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
-    use_loss = r.flag("algo.kl.use_loss", False)  # cli.py:584
-    coef = r.number("algo.kl.init_coef", 0.01)  # cli.py:437
+    use_loss = r.flag("algo.kl.use_loss", False)  # cli.py:523-525
+    coef = r.number("algo.kl.init_coef", 0.01)  # cli.py:438
     kind = r.text("algo.kl.estimator", "k1")  # cli.py:448-456
-    target = r.raw("algo.kl.target", None)  # cli.py:435: None = fixed coefficient
-    # only the KL loss's gradient (actor.py:319-327; utils.py:114-130): its value is the estimator's
+    target = r.raw("algo.kl.target", None)  # cli.py:436: None = fixed coefficient
+    # only the KL loss's gradient (actor.py:319-327; utils.py:115-128): its value is the estimator's
     r.flag("algo.kl.unbiased_gradient", False)
-    if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:137-138); the KL loss term is 0 (actor.py:328-330)
+    if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:138-139); the KL loss term is 0 (actor.py:328-330)
         return
     if target is not None:
         r.refuse("algo.kl.target", target, "an adaptive KL coefficient changes every step; only a fixed one is "
@@ -140,24 +140,24 @@ def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
 
 
 def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> None:
-    """vLLM IS correction (loss.py:201-240): ``w = exp(old − rollout)``, no log clamp; at token level ``clip``
+    """vLLM IS correction (loss.py:216-250): ``w = exp(old − rollout)``, no log clamp; at token level ``clip``
     clamps ``w`` to [low, high] (TIS) and ``mask`` zeroes it outside (IcePop)."""
     level = r.text("algo.advantage.is_correction_level", "off")  # cli.py:260-267
     mode = r.text("algo.advantage.is_correction_mode", "mask")  # cli.py:268-275
     gating = r.text("algo.advantage.is_correction_gating", "ratio")  # cli.py:276-283
-    bounds = r.raw("algo.advantage.is_correction_threshold", [0.5, 5.0])  # cli.py:284-290, 636-639
+    bounds = r.raw("algo.advantage.is_correction_threshold", [0.5, 5.0])  # cli.py:284-289, 639-642
     if level == "off":
         return
     if loss_type == "gspo":
         r.refuse("algo.advantage.is_correction_level", level, "under gspo OpenRLHF takes the ratio against the "
-                                                              "rollout log-probs instead (loss.py:169-172)")
+                                                              "rollout log-probs instead (loss.py:191-192)")
     if gating != "ratio":
         r.refuse("algo.advantage.is_correction_gating", gating, "a gate on the binary KL or TV between rollout "
                                                                 "and train policy is not recomputed")
     if level != "token":
         r.refuse("algo.advantage.is_correction_level", level, "the sequence mask keeps each surviving token's own "
-                                                              "weight (loss.py:229-232), which is not recomputed")
-    if isinstance(bounds, (list, tuple)) and len(bounds) == 1:  # a single HIGH (cli.py:636-638)
+                                                              "weight (loss.py:237-239), which is not recomputed")
+    if isinstance(bounds, (list, tuple)) and len(bounds) == 1:  # a single HIGH (cli.py:640-641)
         bounds = [0.0, bounds[0]]
     if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
         r.bad("algo.advantage.is_correction_threshold", bounds, "[high] or [low, high]")
@@ -172,8 +172,8 @@ def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> N
 
 
 def _reward_clip(r: ConfigReader, fields: dict[str, Any]) -> None:
-    """``reward.clip_range`` clamps each sample's (normalized) reward before the returns (utils.py:140-141)."""
-    clip = r.raw("reward.clip_range", [-10.0, 10.0])  # cli.py:472
+    """``reward.clip_range`` clamps each sample's (normalized) reward before the returns (utils.py:141-142)."""
+    clip = r.raw("reward.clip_range", [-10.0, 10.0])  # cli.py:474
     if clip is None or (isinstance(clip, (list, tuple)) and len(clip) == 0):
         return
     if not (isinstance(clip, (list, tuple)) and len(clip) == 2):

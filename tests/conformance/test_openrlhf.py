@@ -78,7 +78,12 @@ class OpenRLHF:
 
 
 @pytest.fixture(scope="module")
-def openrlhf() -> OpenRLHF:
+def openrlhf():
+    yield from load()
+
+
+def load():
+    """OpenRLHF's functions, loaded under the stubs (a generator: the stubs leave ``sys.modules`` after it)."""
     import openrlhf as root
 
     base = Path(root.__file__).parent
@@ -210,6 +215,9 @@ def _batch(seed: int, precision: str) -> dict:
     ref = lp(0.8, old)
     ref[2, 0] = old[2, 0] - 12.0  # k1 beyond the ±10 clamp
     ref[3, 1] = old[3, 1] + 13.0  # k3 beyond it
+    # k1 within float32 rounding of the clamp edge (r = old − ref ≈ ±10 in float32 and in float64 differently)
+    ref[2, 1] = (old[2, 1].double() - 10.0 - 2e-7).to(dtype)
+    ref[8, 0] = (old[8, 0].double() + 10.0 + 2e-7).to(dtype)
     raw = torch.randint(0, 2, (b,), generator=g).float() + torch.rand(b, generator=g) * 0.2
     raw[4:8] = raw[4]  # one group of equal rewards
     entropy = (torch.rand(b, width, generator=g) * 2).to(dtype)
@@ -249,6 +257,12 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
     reward = advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
     if bug == "advantage_sign":
         adv = -adv
+    if bug == "kl_sign":  # the recorded in-reward KL negated
+        kl = -kl
+    if bug == "reward_unclipped":  # the recorded reward taken before reward.clip_range
+        clip, args.reward.clip_range = args.reward.clip_range, None
+        reward = advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
+        args.reward.clip_range = clip
     if bug == "mask_shift":  # the returns of a mask shifted one token right
         shifted = torch.zeros_like(mask)
         shifted[:, 1:] = mask[:, :-1]
@@ -344,3 +358,73 @@ def test_clean_bundle_replays_clean(openrlhf, tmp_path, name, precision):
     report = _run(openrlhf, tmp_path, name, precision, seed=sorted(COMMANDS).index(name))
     failing = [(st.stage, st.reason) for st in report.stages if st.status == "fail"]
     assert failing == [] and report.exit_code == 0
+
+
+# An injected bug, named at its stage: (config, bug, the stage that fails first, the reason's start).
+BUGS = [
+    ("grpo-default", "advantage_sign", "advantage.estimate", "advantage mismatch"),
+    ("rloo", "mask_shift", "advantage.estimate", "advantage mismatch"),
+    ("grpo-k2", "kl_sign", "advantage.kl", "kl mismatch"),
+    ("dr_grpo-clip1", "reward_unclipped", "reward.post_process", "normalized reward mismatch"),
+]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name, bug, stage, reason", BUGS)
+def test_injected_bug_is_named_at_its_stage(openrlhf, tmp_path, name, bug, stage, reason, precision):
+    report = _run(openrlhf, tmp_path, name, precision, seed=sorted(COMMANDS).index(name), bug=bug)
+    failing = [st for st in report.stages if st.status == "fail"]
+    assert report.exit_code == 1
+    assert failing[0].stage == stage and failing[0].reason.startswith(reason)
+
+
+def test_gspo_ppo_kl_is_a_token_mean(openrlhf, tmp_path):
+    """OpenRLHF's GSPO loss is a per-sample mean, its ppo_kl and clip_ratio token means (loss.py:257-258): judged
+    as the loss's per-sample mean (the mapping's old metric mode), the recorded ppo_kl diverges."""
+    import msgspec
+
+    args = openrlhf.parse(COMMANDS["gspo"])
+    cfg = from_openrlhf(args, version=VERSION)
+    assert (cfg.loss_agg_mode, cfg.metric_agg_mode) == ("seq_mean_token_mean", "token_mean")
+    s = _batch(5, "float32")
+    out = _produce(openrlhf, args, s)
+    clean = replay(_write(tmp_path / "token", cfg, s, out, "float32"))
+    assert clean.exit_code == 0
+    per_sample = msgspec.structs.replace(cfg, metric_agg_mode="seq_mean_token_mean")
+    wrong = replay(_write(tmp_path / "seq", per_sample, s, out, "float32"))
+    loss = next(st for st in wrong.stages if st.stage == "loss.policy")
+    assert (wrong.exit_code, loss.status) == (1, "fail")
+    assert {d.field for d in loss.divergences} >= {"ppo_kl"}
+
+
+def test_the_configs_openrlhf_registers_are_mapped_or_refused_by_name(openrlhf):
+    """Every command line of the sweep parses with OpenRLHF's own parser and maps; the defaults (GAE) and the
+    estimators OpenRLHF whitens are refused by name."""
+    for name, command in COMMANDS.items():
+        from_openrlhf(openrlhf.parse(command), version=VERSION)
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf(openrlhf.parse(BASE + " --rollout.n_samples_per_prompt 2"), version=VERSION)
+    assert str(err.value).startswith("openrlhf config: algo.advantage.estimator='gae': OpenRLHF whitens")
+
+
+def test_without_the_kl_clamp_the_clamped_tokens_diverge(openrlhf, tmp_path):
+    """The k1 estimates beyond ±10 (and those within rounding of the edge) pass only with kl_penalty_clamp."""
+    import msgspec
+
+    args = openrlhf.parse(COMMANDS["grpo-default"])
+    cfg = from_openrlhf(args, version=VERSION)
+    s = _batch(3, "float32")
+    out = _produce(openrlhf, args, s)
+    unclamped = replay(_write(tmp_path / "b", msgspec.structs.replace(cfg, kl_penalty_clamp=None), s, out, "float32"))
+    kl = next(st for st in unclamped.stages if st.stage == "advantage.kl")
+    assert (kl.status, kl.mismatches) == ("fail", 2)
+
+
+def test_clamp_knobs_out_of_range_are_schema_errors():
+    from replay_lib.bundle.schema import RecomputeConfig
+
+    with pytest.raises(ValueError, match=r"^kl_penalty_clamp: expected null or a finite value > 0, got 0.0$"):
+        RecomputeConfig(kl_penalty_clamp=0.0)
+    with pytest.raises(ValueError, match=r"^reward_clip_low, reward_clip_high: expected both null or finite low <= "
+                                         r"high, got \[1.0, -1.0\]$"):
+        RecomputeConfig(reward_clip_low=1.0, reward_clip_high=-1.0)
