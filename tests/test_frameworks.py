@@ -2,7 +2,7 @@
 
 The expected knobs are read from the frameworks' code and recipes (cited per test), at the snapshots of
 SPEC §8: verl-project/verl @ 1dda039b9c63, THUDM/slime @ 624b824a898a, NovaSky-AI/SkyRL @ a9564572eb8e,
-NVIDIA-NeMo/RL @ 7ea279abfbeb, OpenRLHF/OpenRLHF @ 3c3be6234e0c. Each test lists the fields that differ from
+NVIDIA-NeMo/RL @ 7ea279abfbeb, OpenRLHF 0.11.2 (PyPI). Each test lists the fields that differ from
 ``RecomputeConfig()``, so a default the mapping forgot to encode (or encodes silently) fails it.
 """
 
@@ -300,40 +300,66 @@ def test_yaml_interpolations_resolve_as_omegaconf_would():
 
 
 def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
-    """examples/scripts/train_dapo_ray_hybrid_engine.sh:12-46: group_norm (std + 1e-9, experience_maker.py:270),
-    n=8, k3 KL loss at 1e-3 (output clamped ±10, models/utils.py:95), clip 0.2/0.27, IS correction tis [0.5, 5]
-    (train_ppo_ray.py:257-270); the default reward clip ±10 cannot bind a z-score of 8 values (|z| ≤ 7/√8 =
-    2.47). OpenRLHF's default KL is k1 in the reward (init_coef 0.01), clamped ±10: refused by name."""
+    """OpenRLHF 0.11.2 (openrlhf/cli/train_ppo_ray.py): the DAPO recipe — group_norm (std + 1e-9,
+    experience_maker.py:274), n=8, k3 KL loss at 1e-3 (a token mean, clamped ±10, models/utils.py:112), clip
+    0.2/0.27, token TIS [0.5, 5] (is_correction_level token, mode clip); every loss config carries
+    actor.loss_agg_mode. The default KL is k1 in the reward (init_coef 0.01) clamped ±10, and the default
+    reward.clip_range ±10: both mapped, never refused."""
     cfg = from_openrlhf({"algo.kl.init_coef": 1e-3, "algo.advantage.gamma": 1.0, "algo.kl.use_loss": True,
                          "algo.kl.estimator": "k3", "algo.advantage.estimator": "group_norm",
                          "algo.dynamic_filtering_enable": True, "algo.dynamic_filtering_range": [0, 1],
                          "actor.eps_clip_low_high": [0.2, 0.27], "actor.model_name_or_path": "m",
-                         "rollout.n_samples_per_prompt": 8, "actor.adam.lr": 5e-7,
-                         "algo.advantage.is_correction_enable": True})
+                         "rollout.n_samples_per_prompt": 8, "actor.adam.lr": 5e-7, "actor.loss_agg_mode": "token-mean",
+                         "algo.advantage.is_correction_level": "token", "algo.advantage.is_correction_mode": "clip",
+                         "algo.advantage.is_correction_threshold": [0.5, 5.0]})
     assert changed(cfg) == {
         "n_samples_per_prompt": 8, "grpo_std_normalization": True, "kl_loss_type": "k3", "eps_clip_high": 0.27,
-        "use_kl_loss": True, "kl_loss_coef": 0.001, "loss_agg_mode": "token_mean", "log_ratio_clamp": 20.0,
-        "kl_loss_output_clamp": 10.0, "is_level": "token", "is_low": 0.5, "is_high": 5.0, "grpo_std_eps": 1e-9}
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_openrlhf({"algo": {"advantage": {"estimator": "group_norm"}}, "rollout": {"n_samples_per_prompt": 8}})
-    assert str(err.value).startswith("openrlhf config: algo.kl.estimator='k1': OpenRLHF clamps the in-reward KL")
-    k3 = from_openrlhf({"algo": {"advantage": {"estimator": "group_norm"}, "kl": {"estimator": "k3"}},
-                        "rollout": {"n_samples_per_prompt": 8}})
-    assert (k3.kl_in_reward, k3.kl_coef, k3.kl_penalty_type) == ("token_returns", 0.01, "low_var_kl")
-    # (n − 1)/√n > 10 from n = 102: the clip may bind
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"reward.clip_range=\[-10.0, 10.0\]: the reward clip"):
-        from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 102,
-                       "algo.kl.init_coef": 0})
-    assert from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 101,
-                          "algo.kl.init_coef": 0}).n_samples_per_prompt == 101
-    # GSPO: a per-sample ratio and per-sample aggregation (models/loss.py:142-144,170-177), no log-ratio clamp
+        "use_kl_loss": True, "kl_loss_coef": 0.001, "loss_agg_mode": "token_mean", "metric_agg_mode": "token_mean",
+        "kl_loss_agg_mode": "token_mean", "entropy_agg_mode": "token_mean", "log_ratio_clamp": 20.0,
+        "kl_loss_output_clamp": 10.0, "is_level": "token", "is_low": 0.5, "is_high": 5.0, "grpo_std_eps": 1e-9,
+        "kl_in_reward": "token_returns", "reward_clip_low": -10.0, "reward_clip_high": 10.0}
+    default = from_openrlhf({"algo": {"advantage": {"estimator": "group_norm"}}, "rollout": {"n_samples_per_prompt": 8},
+                             "actor": {"loss_agg_mode": "seq-mean-token-mean"}})
+    assert (default.kl_in_reward, default.kl_coef, default.kl_penalty_type, default.kl_penalty_clamp,
+            default.loss_agg_mode) == ("token_returns", 0.01, "k1", 10.0, "seq_mean_token_mean")
+    for est, baseline in (("dr_grpo", "mean"), ("rloo", "leave_one_out")):
+        mapped = from_openrlhf({"algo.advantage.estimator": est, "rollout.n_samples_per_prompt": 102})
+        assert (mapped.advantage_estimator, mapped.group_baseline, mapped.reward_clip_low,
+                mapped.reward_clip_high) == (est, baseline, -10.0, 10.0)
+    # GSPO: a per-sample ratio and per-sample aggregation (models/loss.py:146-148,168-175), no log-ratio clamp;
+    # its ppo_kl and clip_ratio are token means (loss.py:257-258), the KL and entropy terms too
     gspo = from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 8,
-                          "algo.kl.init_coef": 0, "actor.policy_loss_type": "gspo"})
-    assert (gspo.importance_level, gspo.loss_agg_mode, gspo.log_ratio_clamp) == ("sequence", "seq_mean_token_mean",
-                                                                                None)
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"actor.entropy_coef=0.01: under gspo"):
-        from_openrlhf({"algo.advantage.estimator": "group_norm", "rollout.n_samples_per_prompt": 8,
-                       "algo.kl.init_coef": 0, "actor.policy_loss_type": "gspo", "actor.entropy_coef": 0.01})
+                          "algo.kl.init_coef": 0, "actor.policy_loss_type": "gspo", "actor.entropy_coef": 0.01})
+    assert (gspo.importance_level, gspo.loss_agg_mode, gspo.metric_agg_mode, gspo.entropy_agg_mode,
+            gspo.log_ratio_clamp) == ("sequence", "seq_mean_token_mean", "token_mean", "token_mean", None)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({}, "openrlhf config: algo.advantage.estimator='gae': OpenRLHF whitens these advantages with the biased "
+         "variance over the step's tokens (experience_maker.py:325-338), which the replay does not recompute"),
+    ({"algo.advantage.estimator": "flash_reinforce"},
+     "openrlhf config: algo.advantage.estimator='flash_reinforce': not mapped (group_norm, dr_grpo, rloo are)"),
+    ({"algo.advantage.estimator": "rloo", "algo.kl.target": 0.1},
+     "openrlhf config: algo.kl.target=0.1: an adaptive KL coefficient changes every step; only a fixed one is "
+     "mapped (record the step's coefficient as algo.kl.init_coef)"),
+    ({"algo.advantage.estimator": "rloo", "algo.advantage.is_correction_level": "seq"},
+     "openrlhf config: algo.advantage.is_correction_level='seq': the sequence mask keeps each surviving token's "
+     "own weight (loss.py:237-239), which is not recomputed"),
+    ({"algo.advantage.estimator": "rloo", "actor.loss_agg_mode": "seq-mean-token-sum"},
+     "openrlhf config: actor.loss_agg_mode='seq-mean-token-sum': not one of token-mean, seq-mean-token-mean"),
+])
+def test_openrlhf_refusals_name_the_key(cfg, message):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf(cfg)
+    assert str(err.value) == message
+
+
+def test_openrlhf_unknown_version_is_one_line_naming_the_known():
+    assert from_openrlhf({"algo.advantage.estimator": "rloo"}, version="0.11.2").advantage_estimator == "rloo"
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf({"algo.advantage.estimator": "rloo"}, version="0.9.0")
+    assert str(err.value) == ("openrlhf config: framework_version='0.9.0': not a version this mapping knows "
+                              "(known: 0.11.2)")
 
 
 @pytest.mark.parametrize("fn, cfg, message", [

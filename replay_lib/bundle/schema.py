@@ -211,6 +211,11 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # broadcast advantages and the in-reward KL: computed (the value, as on any token; NeMo-RL) | zero (verl and
     # SkyRL multiply by the response mask).
     masked_token_value: str = "computed"
+    # OpenRLHF (openrlhf/models/utils.py compute_approx_kl, compute_reward): the in-reward KL estimate clamped to
+    # ±kl_penalty_clamp; each sample's (normalized) reward clamped to [reward_clip_low, reward_clip_high].
+    kl_penalty_clamp: Optional[float] = None
+    reward_clip_low: Optional[float] = None
+    reward_clip_high: Optional[float] = None
     advantage_whiten_stats: Optional[AdvantageWhitenStats] = None
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
@@ -227,6 +232,14 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
         errors = check_knobs(LossKnobs.of(self))
         if errors:
             raise ValueError(errors[0])
+        clamp = self.kl_penalty_clamp
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")
+        low, high = self.reward_clip_low, self.reward_clip_high
+        if (low is None) != (high is None) or (low is not None and not (math.isfinite(low) and math.isfinite(high)
+                                                                         and low <= high)):
+            raise ValueError(f"reward_clip_low, reward_clip_high: expected both null or finite low <= high, "
+                             f"got [{low!r}, {high!r}]")
 
 
 # The knobs every config summary shows; the others only when set away from their default.

@@ -1,59 +1,78 @@
 """OpenRLHF's ``train_ppo_ray`` arguments → ``RecomputeConfig``.
 
-Source read: OpenRLHF/OpenRLHF @ 3c3be6234e0c (2026-08-13). ``cli.py`` below is ``openrlhf/cli/train_ppo_ray.py``,
+Version followed: OpenRLHF 0.11.2 (the PyPI release). ``cli.py`` below is ``openrlhf/cli/train_ppo_ray.py``,
 ``exp.py`` is ``openrlhf/trainer/ppo_utils/experience_maker.py``, ``loss.py`` is ``openrlhf/models/loss.py``,
-``utils.py`` is ``openrlhf/models/utils.py``.
+``utils.py`` is ``openrlhf/models/utils.py``, ``actor.py`` is ``openrlhf/trainer/ray/ppo_actor.py`` (line numbers
+of 0.11.2).
 
-``args`` is the hierarchized namespace (``args.algo.kl.init_coef``), a nested dict, or a flat dict of the
-dotted flag names (``{"algo.kl.init_coef": 0.01}``, as argparse stores them before ``hierarchize``).
+``args`` is the hierarchized namespace (``args.algo.kl.init_coef``, what ``cli.py:627-630`` builds), a nested
+dict, or a flat dict of the dotted flag names (``{"algo.kl.init_coef": 0.01}``, as argparse stores them).
 
-OpenRLHF's default run puts a k1 KL penalty into the per-token reward (``init_coef=0.01``, ``use_loss`` off,
-``exp.py:205-214``; ``utils.py:98-126``) and clamps that estimate at ±10 (``utils.py:95``): mapped as
-``kl_in_reward="token_returns"`` for k3 (whose ±10 clamp is ``low_var_kl``'s); k1 and k2 refuse, because the
-replay's in-reward estimators have no clamp. The reward at the last token is clipped to ``reward.clip_range``
-(``utils.py:108-109``, default ±10, ``cli.py:437``): accepted where it provably cannot bind (``group_norm``:
-a z-score of n samples is at most (n − 1)/√n in magnitude), refused by name otherwise.
+What OpenRLHF computes, and how it maps:
+
+* Advantages are always the cumulative returns of per-token rewards ``r_t = mask_t·(1[t = last]·g_i −
+  β·kl_t)`` (``utils.py:131-160`` ``compute_reward``, ``exp.py:283-317``, ``get_cumulative_returns``
+  ``exp.py:390-421``): ``kl_in_reward="token_returns"`` whatever β (0 when the KL is off or in the loss), so a
+  masked tail and a fully masked sample get 0, as OpenRLHF writes them.
+* ``g_i``: the group-normalized reward (``exp.py:268-278``), clamped to ``reward.clip_range`` (default ±10,
+  ``cli.py:474``; ``utils.py:141-142``) → ``reward_clip_low/high``.
+* The in-reward KL (``init_coef > 0`` and not ``use_loss``, ``exp.py:205-214``): ``compute_approx_kl``'s k1/k2/k3
+  value clamped at ±10 (``utils.py:69-130``, ``:113``) → ``kl_penalty_type`` + ``kl_penalty_clamp=10`` (k3's input clamp
+  at −10 cannot change a value the ±10 output clamp keeps).
+* The loss (``loss.py:116-259`` ``PolicyLoss``, built at ``actor.py:76-86``): ``actor.loss_agg_mode``
+  token-mean / seq-mean-token-mean (GSPO is always per sample, ``loss.py:151-152``); the KL and entropy terms
+  are always token means (``aggregate_loss``'s default, ``actor.py:331,347``); ``ppo_kl`` and ``clip_ratio``
+  are each micro-batch's token mean (``loss.py:257-258``) weighted by its tokens (``actor.py:197-219``): the
+  step's token mean, whatever the loss's mode.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from ..bundle.schema import RecomputeConfig
-from ._base import ConfigReader
+from ._base import ConfigReader, framework_version
 
 FRAMEWORK = "openrlhf"
-ESTIMATORS = {"group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae"}  # exp.py:264-270
+VERSIONS = ("0.11.2",)  # oldest first
+# exp.py:268-278; the estimators whose returns OpenRLHF whitens (exp.py:325-338) are refused below.
+ESTIMATORS = {"group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
+WHITENED = ("gae", "reinforce", "reinforce_baseline")
+AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean"}  # cli.py:440-447
+KL_CLAMP = 10.0  # utils.py:113
 # Sections outside the recomputed math: engines, models, data, checkpoints, logging, optimizers.
 SECTIONS = ("actor", "algo", "reward")
 NEUTRAL = ("actor.model_name_or_path", "actor.optim", "actor.muon", "actor.adam", "actor.lr_scheduler",
            "actor.lr_warmup_ratio", "actor.min_lr_ratio", "actor.max_norm", "actor.aux_loss_coef",
-           "actor.num_nodes", "actor.num_gpus_per_node", "actor.gradient_checkpointing_enable", "actor.freezing_steps",
+           "actor.num_nodes", "actor.num_gpus_per_node", "actor.gradient_checkpointing_enable",
+           "actor.gradient_checkpointing_reentrant", "actor.freezing_steps", "actor.freeze_visual_encoder",
            "reward.num_nodes", "reward.num_gpus_per_node", "reward.model_name_or_path", "reward.remote_url",
-           "reward.offload", "reward.normalize_enable", "reward.overlong_penalty_factor", "algo.kl.horizon",
-           "algo.advantage.no_std_norm",
+           "reward.offload", "reward.overlong_penalty_factor", "algo.kl.horizon",
            "algo.dynamic_filtering_enable", "algo.dynamic_filtering_range")
 
 
-def from_openrlhf(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
-    """The ``RecomputeConfig`` OpenRLHF's arguments ``args`` encode (see the module docstring)."""
+def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[str] = None) -> RecomputeConfig:
+    """The ``RecomputeConfig`` OpenRLHF's arguments ``args`` encode (see the module docstring); ``version``:
+    the OpenRLHF version the bundle records (None: the newest known)."""
+    framework_version(FRAMEWORK, version, VERSIONS, where)
     r = ConfigReader(FRAMEWORK, args, where)
-    est = r.text("algo.advantage.estimator", "gae")  # cli.py:477-483
-    if est not in ESTIMATORS:
-        r.refuse("algo.advantage.estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
-    n = r.integer("rollout.n_samples_per_prompt", 1)  # cli.py:413-415
-    if r.flag("reward.normalize_enable", False):  # cli.py:395-397
+    est = r.text("algo.advantage.estimator", "gae")  # cli.py:514-522
+    n = r.integer("rollout.n_samples_per_prompt", 1)  # cli.py:432-434
+    if r.flag("reward.normalize_enable", False):  # cli.py:414-416
         r.refuse("reward.normalize_enable", True, "running reward normalization is not recomputed")
-    for key in ("reward.overlong_buffer_len", "reward.stop_properly_penalty_coef"):  # cli.py:493-500: None
+    for key in ("reward.overlong_buffer_len", "reward.stop_properly_penalty_coef"):  # cli.py:532-541: None
         value = r.raw(key, None)
         if value is not None:
-            r.refuse(key, value, "length penalties on the reward are not recomputed")
-    loss_type = r.text("actor.policy_loss_type", "ppo")  # cli.py:420
+            r.refuse(key, value, "length penalties on the reward are not recomputed; record the penalized "
+                                 "reward as the raw reward instead")
+    loss_type = r.text("actor.policy_loss_type", "ppo")  # cli.py:439
     if loss_type not in ("ppo", "gspo"):
         r.refuse("actor.policy_loss_type", loss_type, "not one of ppo, gspo")
-    eps = r.number("actor.eps_clip", 0.2)  # cli.py:387
-    low_high = r.raw("actor.eps_clip_low_high", None)  # cli.py:388; None → (eps, eps) (cli.py:594-595)
+    agg = r.text("actor.loss_agg_mode", "token-mean")  # cli.py:440-447
+    if agg not in AGG_MODES:
+        r.refuse("actor.loss_agg_mode", agg, f"not one of {', '.join(AGG_MODES)}")
+    eps = r.number("actor.eps_clip", 0.2)  # cli.py:406
+    low_high = r.raw("actor.eps_clip_low_high", None)  # cli.py:407; None → (eps, eps) (cli.py:633-634)
     if low_high is None:
         eps_low, eps_high = eps, eps
     elif isinstance(low_high, (list, tuple)) and len(low_high) == 2:
@@ -61,99 +80,106 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         eps_high = r.number("actor.eps_clip_low_high.1", low_high[1])
     else:
         r.bad("actor.eps_clip_low_high", low_high, "two numbers [low, high]")
-    entropy = r.number("actor.entropy_coef", None)  # cli.py:431-436: None = not computed
+    entropy = r.number("actor.entropy_coef", None)  # cli.py:468-473: None = not computed
+    r.number("algo.advantage.gamma", 1.0)  # cli.py:411; forced to 1 for these estimators (exp.py:308-310)
+    r.number("algo.advantage.lambd", 1.0)  # cli.py:410: GAE only
+    r.flag("algo.advantage.no_std_norm", False)  # cli.py:526-531: the whitened estimators only
+    if est in WHITENED:
+        r.refuse("algo.advantage.estimator", est, "OpenRLHF whitens these advantages with the biased variance "
+                 "over the step's tokens (experience_maker.py:325-338), which the replay does not recompute")
+    if est not in ESTIMATORS:
+        r.refuse("algo.advantage.estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     fields: dict[str, Any] = dict(
         advantage_estimator=ESTIMATORS[est],
         n_samples_per_prompt=n,
         grpo_std_normalization=est == "group_norm",
-        grpo_std_eps=1e-9,  # exp.py:270
-        grpo_std_unbiased=True,  # exp.py:270: torch.std
-        group_baseline="leave_one_out" if est == "rloo" else "mean",  # exp.py:264-268
+        grpo_std_eps=1e-9,  # exp.py:274
+        grpo_std_unbiased=True,  # exp.py:274: torch.std
+        group_baseline="leave_one_out" if est == "rloo" else "mean",  # exp.py:268-272
+        kl_in_reward="token_returns",  # exp.py:283-317: cumulative returns of compute_reward's token rewards
+        gamma=1.0,  # whatever algo.advantage.gamma says
         eps_clip=eps_low,
         eps_clip_high=eps_high,
-        eps_clip_c=r.number("actor.dual_clip", None),  # cli.py:389; loss.py:184-193
+        eps_clip_c=r.number("actor.dual_clip", None),  # cli.py:408; loss.py:203-214
         entropy_coef=0.0 if entropy is None else entropy,
-        gamma=r.number("algo.advantage.gamma", 1.0),  # cli.py:392 (set to 1 for the group estimators, exp.py:293-300)
-        lam=r.number("algo.advantage.lambd", 1.0),  # cli.py:391
-        loss_agg_mode="token_mean",  # loss.py:29-32 (token_level_loss=True, loss.py:126)
+        entropy_agg_mode="token_mean",  # actor.py:346-351: aggregate_loss's token mean
+        loss_agg_mode=AGG_MODES[agg],  # actor.py:80; loss.py:11-39
+        metric_agg_mode="token_mean",  # loss.py:257-258, actor.py:200-219 (whatever the loss's mode)
     )
     if loss_type == "ppo":
-        fields["log_ratio_clamp"] = 20.0  # loss.py:168
-    else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:142-144,170-177)
+        fields["log_ratio_clamp"] = 20.0  # loss.py:187
+    else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:151-152,188-197)
         fields.update(importance_level="sequence", log_ratio_clamp=None, loss_agg_mode="seq_mean_token_mean")
-        if entropy:  # the entropy term keeps the token mean (ppo_actor.py:345-352)
-            r.refuse("actor.entropy_coef", entropy, "under gspo the policy term is a per-sample mean but the "
-                                                    "entropy term a token mean; one loss cannot mix two modes here")
-    if est == "gae":  # whitened over the step's tokens (exp.py:315-328), critic value clip (cli.py:390)
-        if r.flag("algo.advantage.no_std_norm", False):
-            r.refuse("algo.advantage.no_std_norm", True, "mean-only whitening is not recomputed")
-        fields.update(normalize_advantages=True, value_clip=r.number("critic.value_clip", 0.5))
-    _kl(r, fields, est, loss_type)
+    _kl(r, fields)
     _is_correction(r, fields, loss_type)
-    _reward_clip(r, est, n, fields)
+    _reward_clip(r, fields)
     r.neutral(*NEUTRAL)
     r.check_unknown(SECTIONS)
     return r.build(fields)
 
 
-def _kl(r: ConfigReader, fields: dict[str, Any], est: str, loss_type: str) -> None:
-    use_loss = r.flag("algo.kl.use_loss", False)  # cli.py:484-486
-    coef = r.number("algo.kl.init_coef", 0.01)  # cli.py:419
-    kind = r.text("algo.kl.estimator", "k1")  # cli.py:421-429
-    target = r.raw("algo.kl.target", None)  # cli.py:417: None = fixed coefficient
-    if coef <= 0:  # no reference model (cli.py:93-103); compute_reward treats β ≤ 0 as 0 (utils.py:105-106)
+def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
+    use_loss = r.flag("algo.kl.use_loss", False)  # cli.py:523-525
+    coef = r.number("algo.kl.init_coef", 0.01)  # cli.py:438
+    kind = r.text("algo.kl.estimator", "k1")  # cli.py:448-456
+    target = r.raw("algo.kl.target", None)  # cli.py:436: None = fixed coefficient
+    # only the KL loss's gradient (actor.py:319-327; utils.py:115-128): its value is the estimator's
+    r.flag("algo.kl.unbiased_gradient", False)
+    if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:138-139); the KL loss term is 0 (actor.py:328-330)
         return
     if target is not None:
-        r.refuse("algo.kl.target", target, "an adaptive KL coefficient changes every step; only fixed is mapped")
+        r.refuse("algo.kl.target", target, "an adaptive KL coefficient changes every step; only a fixed one is "
+                                           "mapped (record the step's coefficient as algo.kl.init_coef)")
     if kind not in ("k1", "k2", "k3"):
         r.refuse("algo.kl.estimator", kind, "not one of k1, k2, k3")
-    if use_loss:  # ppo_actor.py:319-337: aggregated like the policy term, output clamped ±10 (utils.py:95)
-        if loss_type == "gspo":
-            r.refuse("algo.kl.use_loss", True, "under gspo the policy term is a per-sample mean but the KL term a "
-                                               "token mean; one loss cannot mix two modes here")
+    if use_loss:  # actor.py:318-338: a token mean whatever loss_agg_mode (aggregate_loss's default), ±10 clamp
         fields.update(use_kl_loss=True, kl_loss_coef=coef, kl_loss_type=kind, kl_loss_input_clamp=None,
-                      kl_loss_output_clamp=10.0)
+                      kl_loss_output_clamp=KL_CLAMP, kl_loss_agg_mode="token_mean")
         return
-    if kind != "k3":
-        r.refuse("algo.kl.estimator", kind, "OpenRLHF clamps the in-reward KL estimate at ±10 (openrlhf/models/"
-                                            "utils.py:95); only k3, whose clamp is low_var_kl's, maps")
-    if est == "gae":
-        r.refuse("algo.kl.init_coef", coef, "KL-shaped token rewards under GAE are not mapped")
-    fields.update(kl_in_reward="token_returns", kl_coef=coef, kl_penalty_type="low_var_kl")
+    fields.update(kl_coef=coef, kl_penalty_type=kind, kl_penalty_clamp=KL_CLAMP)  # exp.py:205-214, 284-290
 
 
 def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> None:
-    """vLLM IS correction (loss.py:195-218): ``w = exp(old − rollout)``, no log clamp; ``tis`` clamps to
-    [low, high], ``icepop`` zeroes outside them."""
-    on = r.flag("algo.advantage.is_correction_enable", False)  # cli.py:257
-    bounds = r.raw("algo.advantage.is_correction_threshold", [0.5, 5.0])  # cli.py:258-263
-    kind = r.text("algo.advantage.is_correction_type", "tis")  # cli.py:264-270
-    if not on:
+    """vLLM IS correction (loss.py:216-250): ``w = exp(old − rollout)``, no log clamp; at token level ``clip``
+    clamps ``w`` to [low, high] (TIS) and ``mask`` zeroes it outside (IcePop)."""
+    level = r.text("algo.advantage.is_correction_level", "off")  # cli.py:260-267
+    mode = r.text("algo.advantage.is_correction_mode", "mask")  # cli.py:268-275
+    gating = r.text("algo.advantage.is_correction_gating", "ratio")  # cli.py:276-283
+    bounds = r.raw("algo.advantage.is_correction_threshold", [0.5, 5.0])  # cli.py:284-289, 639-642
+    if level == "off":
         return
     if loss_type == "gspo":
-        r.refuse("algo.advantage.is_correction_enable", True, "under gspo OpenRLHF takes the ratio against the "
-                                                              "rollout log-probs instead (loss.py:172-173)")
+        r.refuse("algo.advantage.is_correction_level", level, "under gspo OpenRLHF takes the ratio against the "
+                                                              "rollout log-probs instead (loss.py:191-192)")
+    if gating != "ratio":
+        r.refuse("algo.advantage.is_correction_gating", gating, "a gate on the binary KL or TV between rollout "
+                                                                "and train policy is not recomputed")
+    if level != "token":
+        r.refuse("algo.advantage.is_correction_level", level, "the sequence mask keeps each surviving token's own "
+                                                              "weight (loss.py:237-239), which is not recomputed")
+    if isinstance(bounds, (list, tuple)) and len(bounds) == 1:  # a single HIGH (cli.py:640-641)
+        bounds = [0.0, bounds[0]]
     if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
-        r.bad("algo.advantage.is_correction_threshold", bounds, "two numbers [low, high]")
+        r.bad("algo.advantage.is_correction_threshold", bounds, "[high] or [low, high]")
     low = r.number("algo.advantage.is_correction_threshold.0", bounds[0])
     high = r.number("algo.advantage.is_correction_threshold.1", bounds[1])
-    if kind == "tis":
+    if mode == "clip":
         fields.update(is_level="token", is_mode="truncate", is_low=low, is_high=high)
-    elif kind == "icepop":
+    elif mode == "mask":
         fields.update(is_level="token", is_mode="mask", is_low=low, is_high=high)
     else:
-        r.refuse("algo.advantage.is_correction_type", kind, "not mapped (tis and icepop are)")
+        r.refuse("algo.advantage.is_correction_mode", mode, "not one of mask, clip")
 
 
-def _reward_clip(r: ConfigReader, est: str, n: int, fields: dict[str, Any]) -> None:
-    """``reward.clip_range`` clamps each sample's (normalized) reward before the returns (utils.py:108-109)."""
-    clip = r.raw("reward.clip_range", [-10.0, 10.0])  # cli.py:437
+def _reward_clip(r: ConfigReader, fields: dict[str, Any]) -> None:
+    """``reward.clip_range`` clamps each sample's (normalized) reward before the returns (utils.py:141-142)."""
+    clip = r.raw("reward.clip_range", [-10.0, 10.0])  # cli.py:474
     if clip is None or (isinstance(clip, (list, tuple)) and len(clip) == 0):
         return
     if not (isinstance(clip, (list, tuple)) and len(clip) == 2):
         r.bad("reward.clip_range", clip, "two numbers [low, high]")
     lo = r.number("reward.clip_range.0", clip[0])
     hi = r.number("reward.clip_range.1", clip[1])
-    if est == "group_norm" and n > 1 and min(-lo, hi) >= (n - 1) / math.sqrt(n):
-        return  # |z| ≤ (n − 1)/√n for an unbiased z-score of n values: the clip never binds
-    r.refuse("reward.clip_range", [lo, hi], f"the reward clip of {est} with n={n} may bind and is not recomputed")
+    if lo > hi:
+        r.bad("reward.clip_range", [lo, hi], "low <= high")
+    fields.update(reward_clip_low=lo, reward_clip_high=hi)

@@ -32,7 +32,8 @@ class GroupRule:
     ``unbiased`` (Bessel) or not; ``std_zero``: ``eps`` (always divide) or ``skip`` (leave the centred value
     where the std is 0, NeMo-RL); ``singleton``: what a one-sample group gets — ``None`` the arithmetic (NaN
     under an unbiased std), ``nan``, ``zero`` or ``raw`` (verl's mean 0 and std 1: ``r/(1 + eps)`` under std,
-    ``r`` without)."""
+    ``r`` without); ``clip``: ``(low, high)`` the value is clamped to last (OpenRLHF's ``reward.clip_range``,
+    ``compute_reward``), or None."""
 
     center: bool = True
     baseline: str = "mean"
@@ -41,13 +42,15 @@ class GroupRule:
     eps: float = STD_EPS
     std_zero: str = "eps"
     singleton: Optional[str] = None
+    clip: Optional[tuple[float, float]] = None
 
 
 def group_rule(cfg) -> GroupRule:
     """The :class:`GroupRule` of a ``RecomputeConfig`` (SPEC §4.2): ``grpo`` as configured; ``dr_grpo`` without
     the std; ``rloo`` the leave-one-out baseline without the std; ``reinforce_plus_plus_baseline`` the baseline
     without the std (whitened later, in advantage.estimate); ``reinforce_plus_plus`` and ``gae`` the score
-    itself (no group). ``rewards_normalization=False`` passes the score through for every estimator."""
+    itself (no group). ``rewards_normalization=False`` passes the score through for every estimator. Either way the
+    value is clamped to ``[reward_clip_low, reward_clip_high]`` when the config sets them."""
     est = cfg.advantage_estimator
     center = bool(cfg.rewards_normalization) and est in GROUP_ESTIMATORS
     return GroupRule(
@@ -58,6 +61,7 @@ def group_rule(cfg) -> GroupRule:
         eps=float(cfg.grpo_std_eps),
         std_zero=cfg.std_zero,
         singleton=cfg.singleton_group,
+        clip=None if cfg.reward_clip_low is None else (float(cfg.reward_clip_low), float(cfg.reward_clip_high)),
     )
 
 
@@ -151,11 +155,14 @@ def _others_equal(shifted: torch.Tensor, inverse: torch.Tensor, n_groups: int) -
 
 def post_process(raw_rewards: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """reward.post_process under ``rule``: the group-normalized score, or the score itself (``dtype``)."""
+    """reward.post_process under ``rule``: the group-normalized score, or the score itself (``dtype``), clamped
+    to ``rule.clip`` when set."""
     if not rule.center:
-        return raw_rewards.to(dtype).clone()
-    return group_normalize(raw_rewards, group_index, rule.std, rule.eps, dtype=dtype, unbiased=rule.unbiased,
-                           baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton)
+        out = raw_rewards.to(dtype).clone()
+    else:
+        out = group_normalize(raw_rewards, group_index, rule.std, rule.eps, dtype=dtype, unbiased=rule.unbiased,
+                              baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton)
+    return out if rule.clip is None else torch.clamp(out, min=rule.clip[0], max=rule.clip[1])
 
 
 def sequence_kl_score(raw_rewards: torch.Tensor, kl: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,

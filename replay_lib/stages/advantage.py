@@ -35,7 +35,8 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")
         old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
         if ctx.dtype != torch.float64:  # --exact: the producer's float32 kernel, compared bitwise
-            kl = rollout_kl(old, ref, cfg.kl_coef, reward_kl_type(cfg), dtype=ctx.dtype)
+            kl = rollout_kl(old, ref, cfg.kl_coef, reward_kl_type(cfg), dtype=ctx.dtype,
+                            clamp=cfg.kl_penalty_clamp)
             if zeroed(cfg):
                 kl = kl * ctx.loss_mask.to(kl.dtype)
         else:
@@ -66,7 +67,7 @@ def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored:
         # ref promoted to float64 inside the difference: the same bits as converting it first, one copy fewer
         log_ratio = torch.sub(old[lo:hi].to(torch.float64), ref[lo:hi])
         # the estimate and its bound share r and exp(−r) (k3, low_var_kl)
-        truth, exp_neg = kl_of_log_ratio(log_ratio, kl_type)
+        truth, exp_neg = kl_of_log_ratio(log_ratio, kl_type, ctx.config.kl_penalty_clamp)
         e_r = storage_error(u_input, old[lo:hi], ref[lo:hi]) if u_input else None
         return {"actual": truth, "bound": kl_bound(log_ratio, truth, kl_type, u_token, u_store, exp_neg, e_r)}
 

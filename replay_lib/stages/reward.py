@@ -4,6 +4,7 @@ the baseline, the std constants, the zero-std and singleton rules, KL in the sco
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -72,7 +73,10 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     raw = ctx.raw_rewards
     groups = score_groups(ctx)
     score, magnitude, score_error = _scores(ctx, raw)
-    rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups, rule, dtype=ctx.dtype)
+    # the bound is taken of the value before the clip: a clamp is 1-Lipschitz, so a producer's value within the
+    # bound of a clamp edge, clamped or not, stays within it of the recomputed one
+    rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups,
+                           replace(rule, clip=None), dtype=ctx.dtype)
     stats = group_stats(score, groups)
     truth = rewards.to(torch.float64)
     one = stats.size[stats.inverse] == 1
@@ -98,6 +102,8 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
         bound = C_ADVANTAGE * U32 * (raw.abs() if magnitude is None else magnitude)
         if score_error is not None:
             bound = bound + score_error
+    if rule.clip is not None:  # OpenRLHF's reward.clip_range (compute_reward)
+        rewards = torch.clamp(rewards, min=rule.clip[0], max=rule.clip[1])
     if pre.mismatches:  # a sample without a group has no defined normalized reward
         no_group = torch.tensor([s.group_index is None for s in ctx.samples])
         rewards = torch.where(no_group, torch.full_like(rewards, float("nan")), rewards)
@@ -125,7 +131,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
 
 # The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).
 POST_PROCESS_KNOBS = ("advantage_estimator", "rewards_normalization", "grpo_std_eps", "grpo_std_unbiased",
-                      "group_baseline", "std_zero", "singleton_group", "kl_in_reward")
+                      "group_baseline", "std_zero", "singleton_group", "kl_in_reward", "reward_clip_low")
 
 
 def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
@@ -145,6 +151,8 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
             parts.append(f"singleton → {rule.singleton}")
     else:
         parts.append("score passed through")
+    if rule.clip is not None:
+        parts.append(f"clipped to [{rule.clip[0]:g}, {rule.clip[1]:g}]")
     return f" ({', '.join(parts)})"
 
 
@@ -205,7 +213,7 @@ def _reward_kl(ctx: StageContext, span: slice = slice(None)) -> RewardKL:
         old, ref = ctx.payload("old_log_probs")[span], ctx.payload("ref_log_probs")[span]
         kl_type = reward_kl_type(cfg)
         log_ratio = old.to(torch.float64) - ref.to(torch.float64)
-        kl, exp_neg = kl_of_log_ratio(log_ratio, kl_type)  # compute_approx_kl's, sharing r with the bound
+        kl, exp_neg = kl_of_log_ratio(log_ratio, kl_type, cfg.kl_penalty_clamp)  # sharing r with the bound
         u = storage_unit(compute, old, ref)
         error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref), exp_neg) if u else None
         return RewardKL(kl, error, {"old_log_probs": old, "ref_log_probs": ref},

@@ -13,6 +13,8 @@ import importlib.util
 import sys
 import types
 
+import pytest
+
 # verl 0.9.1's package imports these at module level; none is called on the path the tests use
 # (core_algos' estimators, policy losses, agg_loss, kl_penalty; utils.metric; utils.torch_functional).
 VERL_HEAVY = ("ray", "tensordict", "codetiming", "transformers", "flash_attn", "datasets", "orjson", "PIL",
@@ -72,8 +74,6 @@ def install_stubs(heavy) -> None:
 
 def import_verl():
     """verl 0.9.1's ``core_algos``, ``utils.metric`` and ``utils.torch_functional``, or a skip naming why."""
-    import pytest
-
     if importlib.util.find_spec("verl") is None:
         pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 and the [conformance] extra",
                     allow_module_level=True)
@@ -89,3 +89,25 @@ def import_verl():
     if version != "0.9.1":
         pytest.skip(f"verl {version} installed; these tests read verl 0.9.1", allow_module_level=True)
     return core_algos, metric
+
+
+# OpenRLHF's modules skip through their names (verl's through import_verl above).
+# test module prefix → (the framework's top-level package, the version its tests are written against)
+FRAMEWORKS = {"test_openrlhf": ("openrlhf", "0.11.2")}
+
+
+def _missing(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        for prefix, (package, version) in FRAMEWORKS.items():
+            if name.startswith(prefix) and _missing(package):
+                item.add_marker(pytest.mark.skip(reason=(
+                    f"{package} is not installed: pip install --no-deps {package}=={version} and "
+                    f"pip install -e '.[conformance]' (see .ci/run)")))
