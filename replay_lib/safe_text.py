@@ -62,7 +62,7 @@ def safe(text: object) -> str:
     return _CANDIDATE.sub(_visible, text)
 
 
-MAX_LINE_CHARS = 512  # an error line's message: a long path, a key path and what was expected (ours are < 450)
+MAX_LINE_CHARS = 1024  # an error line's message; our longest (a directory's elided listing of 5 entries) is ≈ 650
 
 
 def one_line(text: object, limit: int = MAX_LINE_CHARS) -> str:

@@ -234,22 +234,22 @@ def test_tensor_format_version_is_one_line_exit_3(tmp_path, capsys):
 
 
 def test_a_20_mb_value_is_cut_in_the_error_line(tmp_path, capsys):
-    """L2: the 20 MB format_version is quoted, cut to 512 characters with an ellipsis and the full length."""
+    """L2: the 20 MB format_version is quoted, cut to 1,024 characters with an ellipsis and the full length."""
     train, rollout = write_dumps(tmp_path, RAW_2230, GROUPS_2230)
     _rewrite(train, lambda d: d.update(format_version="v" * (20 << 20)))
     code, err = _slime_error(capsys, train, "--rollout-dump", rollout, "-o", tmp_path / "out")
-    head = f"{train}: slime train dump format_version: '" + "v" * 600
+    head = f"{train}: slime train dump format_version: '" + "v" * 1100
     full = len(f"{train}: slime train dump format_version: ") + (20 << 20) + 2 + len(
         ", expected 2 (--save-debug-train-data of slime/observability/train_data_utils.py:181-188)")
-    assert (code, err) == (3, f"trajectory-replay: error: {head[:512]}… ({full} characters)\n")
+    assert (code, err) == (3, f"trajectory-replay: error: {head[:1024]}… ({full} characters)\n")
 
 
 def test_one_line_cuts_escapes_and_collapses():
     from replay_lib.safe_text import one_line
 
     assert one_line("a \n b\x1b[2J") == "a \\n b\\x1b[2J"
-    assert one_line("x" * 512) == "x" * 512
-    assert one_line("x" * 513) == "x" * 512 + "… (513 characters)"
+    assert one_line("x" * 1024) == "x" * 1024
+    assert one_line("x" * 1025) == "x" * 1024 + "… (1025 characters)"
     assert one_line("\x1b" * 300, limit=10) == "\\x1b\\x1b\\x"[:10] + "… (300 characters)"
 
 

@@ -71,9 +71,13 @@ def ref_kl(old: list[float], ref: list[float], kl_type: str, kl_coef: float) -> 
             out.append(r)
         elif kl_type == "k2":
             out.append(r * r / 2)
-        else:
+        elif kl_type == "abs":  # verl's kl_penalty_forward 'abs'
+            out.append(abs(r))
+        elif kl_type in ("k3", "low_var_kl"):
             k3 = math.exp(-r) - 1 + r
             out.append(min(max(k3, -10.0), 10.0) if kl_type == "low_var_kl" else k3)
+        else:
+            raise ValueError(f"the property test's reference has no KL {kl_type!r}: add it here")
     return out
 
 
