@@ -14,7 +14,8 @@ The API the CLI and the run view share:
 Row statuses: ``pass``; ``diverged`` (a stage of the bundle, or the cross-bundle ``link`` stage, diverged:
 exit 1); ``invalid`` (the bundle is invalid, incomplete, unsafe: exit 3); ``unsupported`` (exit 4);
 ``vanished`` (the bundle was listed but was gone when its turn came: exit 3); ``error`` (a bug in this
-tool or a worker that died: exit 5, the message names the saved traceback or the signal).
+tool, a worker that died, or a bundle still replaying after ``ScanOptions.timeout`` seconds — its worker is
+killed and replaced: exit 5, the message names the saved traceback, the signal or the time limit).
 
 Exit code of a scan (SPEC §9): 1 if any bundle diverged, else 3 if any is invalid or vanished, else 4 if
 any is unsupported, else 5 if any row is an error, else 0 (an empty scan is refused before, exit 3).
