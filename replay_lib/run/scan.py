@@ -66,8 +66,10 @@ def discover(directory: Path) -> list[ScanTarget]:
     target), sorted by (rollout_id, step_id, path). Hidden entries and symbolic links are skipped as
     :func:`~replay_lib.bundle.resolve_capture` skips them; a candidate is a real subdirectory holding a
     ``manifest.json`` or rank shards. Never raises on a bad entry; a directory that is not there or not a
-    directory raises :class:`~replay_lib.errors.BundleError` (the scan has nothing to look at)."""
-    from ..bundle.locate import _is_hidden, _looks_like_cohort, _real_dir
+    directory raises :class:`~replay_lib.errors.BundleError` (the scan has nothing to look at). A real
+    subdirectory that cannot be looked into (EACCES …) is a target too, of kind ``unknown``: its row says it
+    cannot be read (exit 3); it is never left out."""
+    from ..bundle.locate import _is_hidden, _looks_like_cohort, _real_dir, holds_a_bundle
     from ..errors import BundleError
 
     directory = Path(directory)
@@ -85,9 +87,9 @@ def discover(directory: Path) -> list[ScanTarget]:
         if _is_hidden(entry) or not _real_dir(entry):
             continue
         try:
-            is_candidate = os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry)
-        except OSError:
-            continue
+            is_candidate = holds_a_bundle(entry)
+        except OSError:  # cannot be looked into (EACCES …): a target whose row says why, never left out
+            is_candidate = True
         if is_candidate:
             targets.append(_candidate(directory, entry))
     return sorted(targets, key=lambda t: t.sort_key)
