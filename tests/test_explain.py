@@ -808,3 +808,164 @@ def test_causes_that_fit_equally_well_are_said_to_be_a_tie(pr65_bundle):
     single = msgspec.structs.replace(report, explanations=[earlier, partial])
     assert not any("equally well" in line for _, line in render_text(single))
     assert explanation_text(single) == "likely cause: shifted one token earlier — 40/40 values"
+
+
+# ------------------------------------------------------------------------------ the partitions' cost (H1)
+
+
+def _whole_batch_bundle(tmp_path: Path, n: int, consumer_batch_ids: Optional[list[str]] = None,
+                        own_batches: Optional[list[str]] = None) -> Path:
+    """``n`` samples in groups of 4 whose recorded rewards are normalized over the whole batch; ``own_batches``:
+    each sample's recorded ``consumer_batch_id`` (and the rewards normalized over those batches instead)."""
+    parts = produce_parts(FAMILY, SEED, Size(n, 4, 4), Config(kl_coef=0.0), bundle_id=f"w{n}")
+    labels = np.zeros(n)
+    if own_batches is not None:
+        samples = [msgspec.structs.replace(s, consumer_batch_id=b) for s, b in zip(parts.index.samples, own_batches)]
+        parts.index = msgspec.structs.replace(parts.index, samples=samples)
+        labels = np.array([int(b.removeprefix("cb-")) for b in own_batches])
+    rewards = normalize(parts.inputs.raw_rewards, labels, std=True)
+    return write(tmp_path, parts, ROLLOUT, rewards=rewards, consumer_batch_ids=consumer_batch_ids)
+
+
+def _reward_work(path: Path, monkeypatch) -> tuple[list[str], int]:
+    """The ids of the partitions tried and the number of ``torch.unique`` calls (a sort each) that
+    ``explain.reward.hypotheses`` makes on a bundle whose reward.post_process failed."""
+    from replay_lib.explain import reward
+    from replay_lib.run.runner import replay_run
+
+    report, contexts = replay_run(open_bundle(path), explain=False)
+    assert report.first_divergent_stage == "reward.post_process"
+    ctx = contexts[0]
+    fields = ctx.fields["reward.post_process"]
+    calls = []
+    real = torch.unique
+
+    def counted(*args, **kw):
+        calls.append(args[0].numel())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "unique", counted)
+    hyps = reward.hypotheses(ctx, fields)
+    monkeypatch.setattr(torch, "unique", real)
+    tried = [h.id for h in hyps if h.id.startswith(("reward.consumer", "reward.micro", "reward.whole", "reward.chunks"))]
+    return tried, sum(1 for n in calls if n == len(ctx.reader.index.samples))
+
+
+def test_the_partitions_take_no_sort_each(tmp_path, monkeypatch):
+    """The reward explanations of a 4,096-sample bundle try 16 partitions (the micro-batches of 8, the whole
+    batch, chunks of 2, 6, 12 … 32 and the powers of two up to 2,048; chunks of 4 and 8 are the groups and the
+    micro-batches), those of a 64-sample one 10, and both sort the samples twice (the semantic groups' numbering
+    and statistics), whatever the number of partitions: each partition is made in its canonical numbering, told
+    apart from the others and normalized by linear passes. (Before: every pair of partitions was compared by
+    sorting both — 156 sorts of the samples for 64 samples, 328 for 4,096, 628 for 160,000.)"""
+    small, small_sorts = _reward_work(_whole_batch_bundle(tmp_path / "s", 64), monkeypatch)
+    big, big_sorts = _reward_work(_whole_batch_bundle(tmp_path / "b", 4096), monkeypatch)
+    chunks = [f"reward.chunks_of_{c}" for c in (2, 6, 12, 16, 20, 24, 28, 32)]
+    assert small == ["reward.micro_batches", "reward.whole_batch"] + chunks
+    assert big == small + [f"reward.chunks_of_{1 << p}" for p in range(6, 12)]
+    assert (small_sorts, big_sorts) == (2, 2)
+
+
+def _fake_ctx(n: int, consumer_batch_ids=(), own=None, group_size: int = 4):
+    from types import SimpleNamespace
+
+    samples = [SimpleNamespace(micro_batch_id=None, consumer_batch_id=own[i] if own is not None else None)
+               for i in range(n)]
+    index = SimpleNamespace(samples=samples, identity=SimpleNamespace(consumer_batch_ids=list(consumer_batch_ids)))
+    return SimpleNamespace(reader=SimpleNamespace(index=index),
+                           config=SimpleNamespace(n_samples_per_prompt=group_size))
+
+
+def test_the_partitions_tried_are_bounded():
+    """Two consumer batch ids over 1,000 samples fit 499 batch sizes (500 … 998): the first 16 are tried; groups
+    of 60 different sizes add 60 chunk sizes: 48 partitions are tried in all, in the order listed."""
+    from replay_lib.explain import reward
+
+    layouts = reward.consumer_batch_layouts(_fake_ctx(1000, ["cb-0", "cb-1"]))
+    assert [size for _, _, size in layouts] == list(range(500, 516))
+    assert reward.MAX_LAYOUTS == 16 and reward.MAX_PARTITIONS == 48
+    sizes = range(1, 61)  # 1,830 samples
+    groups = torch.repeat_interleave(torch.arange(60), torch.tensor(sizes))
+    tried = [pid for pid, _, _ in reward.partitions(_fake_ctx(int(groups.numel()), ["cb-0", "cb-1"]), groups)]
+    assert len(tried) == 48
+    assert tried[:18] == (["reward.consumer_batches"] + [f"reward.consumer_batches_of_{c}" for c in range(916, 931)]
+                          + ["reward.whole_batch", "reward.chunks_of_2"])
+
+
+class _CountedId(str):
+    """A batch id that counts how often it is compared."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        _CountedId.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_per_sample_consumer_batches_are_placed_in_linear_work():
+    """5,000 samples, each its own recorded consumer batch: each id is compared a bounded number of times
+    (a hash look-up), not with every id before it (``list.index``: 12.5 million comparisons)."""
+    from replay_lib.explain import reward
+
+    n = 5000
+    own = [_CountedId(f"cb-{i}") for i in range(n)]
+    _CountedId.compared = 0
+    [(ids, labels, size)] = reward.consumer_batch_layouts(_fake_ctx(n, own=own))
+    assert _CountedId.compared <= n
+    assert ids == [f"cb-{i}" for i in range(n)] and labels.tolist() == list(range(n)) and size is None
+
+
+def test_recorded_consumer_batches_of_each_sample(tmp_path):
+    """SPEC §3: a sample's own ``consumer_batch_id`` is part of the schema (no "unknown field" warning), the
+    explanation names those batches in order of first appearance, and the views' column shows them as recorded
+    (no ``~``: not a layout guessed from the identity)."""
+    from replay_lib.explain.inputs import consumer_batch_labels
+    from replay_lib.run.runner import replay_run
+
+    own = [f"cb-{2 - (i // 4) % 3}" for i in range(48)]  # whole groups; cb-2 first, then cb-1, cb-0
+    path = _whole_batch_bundle(tmp_path, 48, own_batches=own)
+    assert json.loads((path / "index.json").read_bytes())["samples"][5]["consumer_batch_id"] == "cb-1"
+    bundles = open_bundle(path)
+    assert bundles.warnings == []
+    report, contexts = replay_run(bundles)
+    assert [(e.hypothesis, e.matched, e.of) for e in report.explanations] == [("reward.consumer_batches", 48, 48)]
+    assert report.explanations[0].detail == ("the recorded rewards equal group normalization over consumer batches "
+                                             "cb-2, cb-1, cb-0 (not semantic groups)")
+    labels = consumer_batch_labels(contexts[0])
+    assert (labels.names, labels[0:13]) == (["cb-2", "cb-1", "cb-0"], ["cb-2"] * 4 + ["cb-1"] * 4 + ["cb-0"] * 4
+                                            + ["cb-2"])
+
+
+def test_a_bundle_without_them_is_written_as_before(tmp_path):
+    """A record that does not carry ``consumer_batch_id`` is written without the key (not ``null``): bundles
+    written before the field existed and after are the same bytes."""
+    path = _whole_batch_bundle(tmp_path, 8)
+    assert all("consumer_batch_id" not in s for s in json.loads((path / "index.json").read_bytes())["samples"])
+
+
+def test_a_160k_shaped_bundle_replays_in_a_real_process(tmp_path):
+    """The shape of the 160,000-sample report at 4,000 samples: one token each, each sample its own consumer
+    batch (recorded per sample and in the identity), one normalized reward off by 1. The replay completes, names
+    the divergence, and warns of nothing (the per-sample ids are no unknown field)."""
+    from conftest import reseal_bundle
+
+    path = tmp_path / "b4k"
+    subprocess.run(["trajectory-replay", "demo", "write", "--samples", "4000", "--tokens", "1", str(path)],
+                   check=True, capture_output=True, timeout=120)
+    index = json.loads((path / "index.json").read_bytes())
+    index["identity"]["consumer_batch_ids"] = [f"cb-{i}" for i in range(4000)]
+    for i, s in enumerate(index["samples"]):
+        s["consumer_batch_id"] = f"cb-{i}"
+    (path / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    expected = json.loads((path / "expected.json").read_bytes())
+    expected["reward.post_process"]["rewards"][0] += 1.0
+    (path / "expected.json").write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n")
+    reseal_bundle(path)
+    out = subprocess.run(["trajectory-replay", "replay", str(path)], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == (1, "")
+    lines = out.stdout.splitlines()
+    assert lines[0] == "bundle b4k — first divergent stage: reward.post_process"
+    assert lines[3] == "[   fail] reward.post_process — normalized reward mismatch in 1 sample(s)"
+    assert [line for line in lines if line.startswith("warning")] == []

@@ -371,3 +371,109 @@ def test_an_unreadable_bundle_is_an_invalid_row_not_an_internal_error(tmp_path, 
     [target] = discover(tmp_path)
     row = check_target(target, ScanOptions())
     assert (row.status, row.exit_code, row.message) == ("invalid", 3, f"{index}: cannot read: Permission denied")
+
+
+# A worker whose replay of a bundle named "stuck…" says so (its pid in $REPLAY_TEST_MARK) inside run_replay — after
+# the bundle was opened and verified, while the stages run — and then does not return.
+STUCK_WORKER = """
+import os, sys, time
+import replay_lib.run.runner as runner
+real = runner.run_replay
+def run_replay(bundles, **kw):
+    if bundles.path.name.startswith("stuck"):
+        mark = os.environ["REPLAY_TEST_MARK"]
+        with open(mark + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(mark + ".tmp", mark)
+        time.sleep(3600)
+    return real(bundles, **kw)
+runner.run_replay = run_replay
+from replay_lib.run import worker
+sys.exit(worker.main(sys.argv))
+"""
+
+
+def _stuck_workers(monkeypatch, tmp_path: Path) -> Path:
+    from replay_lib.run import executor
+
+    mark = tmp_path / "replaying.pid"  # a file: never a scan candidate
+    monkeypatch.setenv("REPLAY_TEST_MARK", str(mark))
+    monkeypatch.setattr(executor, "worker_command",
+                        lambda *args: [sys.executable, "-c", STUCK_WORKER, *map(str, args[:2]), "1" if args[2] else "0"])
+    return mark
+
+
+def _wait_for_mark(mark: Path, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if mark.exists():
+            return int(mark.read_text())
+        time.sleep(0.02)
+    raise AssertionError(f"no worker started replaying the stuck bundle within {timeout} s")
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return False  # killed but never reaped
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_worker_killed_while_it_replays_is_an_error_row_and_a_new_one_scans_on(tmp_path, monkeypatch):
+    """The worker is killed in the middle of the replay (the bundle opened and verified, the stages running), not
+    while idle or reading: the bundle is an error row naming the signal, the worker is reaped, and a new worker
+    replays the bundles after it."""
+    mark = _stuck_workers(monkeypatch, tmp_path)
+    _step(tmp_path / "stuck", 1, 0)
+    _step(tmp_path / "after", 2, 0)
+    write_pr65(tmp_path / "pr65", buggy=True)  # rollout 120
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=scan(discover(tmp_path), jobs=1)))
+    thread.start()
+    pid = _wait_for_mark(mark)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(120)
+    assert not thread.is_alive()
+    result = out["result"]
+    assert [(r.target.relpath, r.status, r.exit_code) for r in result.rows] == [
+        ("stuck", "error", 5), ("after", "pass", 0), ("pr65", "diverged", 1)]
+    assert result.rows[0].message == (f"{tmp_path / 'stuck'}: the worker replaying it died (killed by SIGKILL); "
+                                      f"the other bundles were scanned on")
+    assert result.exit_code == 1 and _gone(pid)
+
+
+def test_a_bundle_over_the_time_limit_is_an_error_row_its_worker_killed_and_replaced(tmp_path, monkeypatch):
+    """--timeout: a replay that does not end within the limit is an error row naming it, its worker process is
+    killed (and reaped) and replaced, and the bundles after it are scanned."""
+    mark = _stuck_workers(monkeypatch, tmp_path)
+    _step(tmp_path / "stuck", 1, 0)
+    _step(tmp_path / "after", 2, 0)
+    result = scan(discover(tmp_path), jobs=1, options=ScanOptions(timeout=3.0))
+    assert [(r.target.relpath, r.status, r.exit_code) for r in result.rows] == [("stuck", "error", 5),
+                                                                              ("after", "pass", 0)]
+    assert result.rows[0].message == (f"{tmp_path / 'stuck'}: not replayed within the time limit of 3 s (--timeout); "
+                                      f"its worker process was killed and replaced; the other bundles were scanned on")
+    assert result.rows[0].seconds >= 3.0
+    assert result.exit_code == 5 and _gone(_wait_for_mark(mark))
+
+
+def test_the_time_limit_in_a_real_process(tmp_path):
+    """``scan --timeout``: the row and the exit code in the CLI (a 1 GiB payload to hash takes longer than a
+    millisecond), a negative limit is a usage error, and the help names the default."""
+    _slow(tmp_path / "slow", 1)
+    proc = _run(tmp_path, "--jobs", "1", "--timeout", "0.001")
+    assert (proc.returncode, proc.stderr) == (5, "")
+    assert proc.stdout.splitlines() == [
+        f"[      error] step 1:0       slow — {tmp_path / 'slow'}: not replayed within the time limit of 0.001 s "
+        f"(--timeout); its worker process was killed and replaced; the other bundles were scanned on",
+        "1 bundle(s) scanned: 1 error", "first bad step: none"]
+    bad = _run(tmp_path, "--timeout", "-5")
+    assert (bad.returncode, bad.stdout, bad.stderr) == (
+        2, "", "trajectory-replay: error: --timeout must be a number of seconds, 0 for no limit (got -5)\n")
+    assert "(default: 600; 0: no limit)" in " ".join(_run("--help").stdout.split())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -21,6 +22,61 @@ from replay_lib.demo import write_pr65
 from replay_lib.run.scan import discover, scan
 
 pytestmark = pytest.mark.ray
+
+
+# Imported by every Ray worker of the test below (PYTHONPATH in the runtime env): the replay of a bundle named
+# "stuck…" records its worker's pid and does not return.
+STUCK_HOOK = """
+import os
+if os.environ.get("REPLAY_TEST_MARK"):
+    import time
+    import replay_lib.run.runner as runner
+    real = runner.run_replay
+    def run_replay(bundles, **kw):
+        if bundles.path.name.startswith("stuck"):
+            mark = os.environ["REPLAY_TEST_MARK"]
+            with open(mark + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(mark + ".tmp", mark)
+            time.sleep(3600)
+        return real(bundles, **kw)
+    runner.run_replay = run_replay
+"""
+
+
+def test_a_ray_task_over_the_time_limit_is_an_error_row_its_worker_killed(tmp_path):
+    """--timeout under --executor ray: the task still running 10 s after its submission is cancelled with force
+    (its worker process is killed), its bundle is an error row naming the limit, and the next bundle is scanned
+    on a new worker. (First in this file: it starts its own Ray, with the hook in its workers' environment.)"""
+    from replay_lib.run.rows import ScanOptions
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STUCK_HOOK)
+    mark = tmp_path / "stuck.pid"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+           "REPLAY_TEST_MARK": str(mark)}
+    bundles = tmp_path / "run"
+    _step(bundles / "stuck", 1, 0)
+    _step(bundles / "after", 2, 0)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"env_vars": env})
+    try:
+        result = scan(discover(bundles), jobs=1, executor="ray", options=ScanOptions(timeout=10.0))
+        pid = int(mark.read_text())
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # killed, not left sleeping
+            time.sleep(0.1)
+        worker_left = os.path.exists(f"/proc/{pid}")
+    finally:
+        ray.shutdown()
+    assert not worker_left, "the stuck task's worker process was still there after the scan (before Ray's shutdown)"
+    assert [(r.target.relpath, r.status, r.exit_code) for r in result.rows] == [("stuck", "error", 5),
+                                                                              ("after", "pass", 0)]
+    assert result.rows[0].message == (
+        f"{bundles / 'stuck'}: not replayed within the time limit of 10 s (--timeout); its Ray task was cancelled "
+        f"and its worker process killed; the other bundles were scanned on")
+    assert result.exit_code == 5
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,35 @@ def _cohort_complete(cohort: Path) -> BundleComplete:
     return complete
 
 
+def unreadable(path: Path, exc: OSError) -> BundleError:
+    """The one line of a directory that could not be looked into (EACCES, EIO …) — the failing call was a
+    ``stat`` or listing of it or of a name in it, which only the directory's own permissions deny — and why."""
+    return BundleError(f"{path}: cannot read: {exc.strerror or exc}")
+
+
+def holds_a_bundle(entry: Path) -> bool:
+    """Whether the real directory ``entry`` holds a bundle (``manifest.json``) or a cohort (rank shards).
+    Raises ``OSError`` when that cannot be told — the directory cannot be searched or listed (EACCES …) —
+    rather than answer "no": an unreadable bundle is never silently left out of a capture directory."""
+    try:
+        os.lstat(entry / "manifest.json")
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    with os.scandir(entry) as it:
+        return any(_RANK_DIR.match(e.name) or _RANK_SENTINEL.match(e.name) for e in it)
+
+
 def resolve_bundle(path: Path) -> Resolved:
-    """Classify ``path`` without selecting among several bundles (see :func:`resolve_capture`)."""
+    """Classify ``path`` without selecting among several bundles (see :func:`resolve_capture`). A path that
+    cannot be looked into (EACCES …) is a :class:`BundleError` naming it (exit 3)."""
+    try:
+        return _resolve_bundle(path)
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+
+
+def _resolve_bundle(path: Path) -> Resolved:
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
     if not path.is_dir():
@@ -163,7 +190,11 @@ def holds_several_bundles(path: Path) -> bool:
         for entry in path.iterdir():
             if _is_hidden(entry) or not _real_dir(entry):
                 continue
-            if os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry):
+            try:
+                candidate = holds_a_bundle(entry)
+            except OSError:  # unreadable: a candidate the run view shows as an error row
+                candidate = True
+            if candidate:
                 found += 1
                 if found > 1:
                     return True
@@ -180,15 +211,23 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
     if resolved.kind != "capture":
         return resolved
     candidates, links = [], []
-    for entry in sorted(path.iterdir()):
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    for entry in entries:
         if _is_hidden(entry):
             continue
         if not _real_dir(entry):
             if entry.is_symlink():
                 links.append(entry.name)
             continue
-        if os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry):
-            candidates.append((entry, _anchor_of(path, entry)))
+        try:  # an entry that cannot be looked into may be the bundle asked for: never choose without it
+            if holds_a_bundle(entry):
+                candidates.append((entry, _anchor_of(path, entry)))
+        except OSError as exc:
+            raise BundleError(f"{unreadable(entry, exc)} (a subdirectory of the capture directory {path}, which "
+                              f"may hold a bundle; pass one bundle's own path)") from None
     if not candidates:
         more = f", and {len(links) - 5} more" if len(links) > 5 else ""
         skipped = f"; symbolic links are not followed: {', '.join(links[:5])}{more}" if links else ""

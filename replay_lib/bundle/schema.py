@@ -127,6 +127,9 @@ class Identity(_Struct, kw_only=True, forbid_unknown_fields=True):
 # the wire writes the keys (sorted, SPEC §2.1): the decoder then finds each key's field at its first guess
 # (≈ 6 % of decoding a 4,096-sample index). Keyword-only: the order means nothing else.
 class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
+    # SPEC §3: the consumer (transfer) batch that delivered the sample, when the producer records it; left out of
+    # the JSON when not recorded (UNSET), so a bundle without it is written byte for byte as before.
+    consumer_batch_id: Union[Id, None, msgspec.UnsetType] = msgspec.UNSET
     group_index: Optional[Int] = None
     # Redacted text fields (label, prompt, response, tool_output) are written only as the manifest's redaction
     # policy says; ``None`` = dropped.

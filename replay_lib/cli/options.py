@@ -33,7 +33,7 @@ SCAN_EXIT_CODES_HELP = """exit codes (SPEC §9):
   2  bad command line
   3  no bundle under DIR, or a bundle invalid, incomplete or gone during the scan (and none diverged)
   4  a bundle needs an unsupported topology, stage or knob (and none diverged or was invalid)
-  5  internal error in a row (its line names the saved traceback), or a worker that died
+  5  internal error in a row (its line names the saved traceback), a worker that died, or a bundle over --timeout
   130  interrupted (Ctrl+C): the rows that finished are printed
 """
 

@@ -32,8 +32,9 @@ def default_jobs() -> int:
 
 
 def add_scan_arguments(p: argparse.ArgumentParser) -> None:
-    """The scan-only flags (``--jobs``, ``--executor``, ``--ray-address``, ``--fail-fast``)."""
+    """The scan-only flags (``--jobs``, ``--executor``, ``--ray-address``, ``--fail-fast``, ``--timeout``)."""
     from ..run.executor import EXECUTORS
+    from ..run.rows import DEFAULT_TIMEOUT
 
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                    help="worker processes (default: the CPU count)")
@@ -43,16 +44,22 @@ def add_scan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="the Ray cluster to use with --executor ray (default: RAY_ADDRESS, else a local one)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first diverged bundle")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"time limit per bundle: one still replaying after it is an error row naming the limit, its "
+                        f"worker process is killed and replaced and the scan goes on (default: {DEFAULT_TIMEOUT:g}; "
+                        f"0: no limit)")
 
 
 def options_from_args(args):
+    from ..run.rows import DEFAULT_TIMEOUT
     from ..run.scan import ScanOptions
 
     return ScanOptions(stages=tuple(getattr(args, "stage", None) or ()) or None, chain=getattr(args, "chain", False),
                        exact=getattr(args, "exact", False),
                        tolerance_policy=getattr(args, "tolerance_policy", "bundle"),
                        max_divergences=getattr(args, "max_divergences", 5),
-                       max_json_bytes=getattr(args, "max_json_bytes", None))
+                       max_json_bytes=getattr(args, "max_json_bytes", None),
+                       timeout=getattr(args, "timeout", DEFAULT_TIMEOUT) or None)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -181,6 +188,9 @@ def run_scan_command(args, stream: Optional[TextIO] = None, err: Optional[TextIO
         raise UsageError("--jobs must be at least 1")
     if getattr(args, "max_divergences", 5) < 1:
         raise UsageError("--max-divergences must be at least 1")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout >= 0:  # negative or NaN
+        raise UsageError(f"--timeout must be a number of seconds, 0 for no limit (got {timeout:g})")
     options = options_from_args(args)
     try:
         split_stages(options.stages)

@@ -92,7 +92,7 @@ def consumer_batch_labels(ctx: StageContext) -> "BatchLabels":
     Computed once per context."""
     cached = ctx.records.get("consumer_batches")
     if cached is None:
-        from .reward import consumer_batches
+        from .reward import consumer_batches, recorded_consumer_batch
 
         samples = ctx.reader.index.samples
         placed = consumer_batches(ctx)
@@ -100,7 +100,7 @@ def consumer_batch_labels(ctx: StageContext) -> "BatchLabels":
             cached = BatchLabels([NOT_RECORDED], [0] * len(ctx.indices))
         else:
             ids, label = placed
-            recorded = all(getattr(r, "consumer_batch_id", None) is not None for r in samples)
+            recorded = all(recorded_consumer_batch(r) is not None for r in samples)
             mark = "" if recorded else STREAM_MARK
             which = label.tolist()
             cached = BatchLabels([mark + str(i) for i in ids], [which[i] for i in ctx.indices] if ctx.partial else which)

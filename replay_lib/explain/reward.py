@@ -12,7 +12,10 @@ Partitions (PR #65 and its cousins), each normalized as the config says (std on 
   config's ``n_samples_per_prompt``, each group size found, 1.5 and 2…8 times ``n``, and the powers of two.
 
 A partition equal to another one earlier in this list is tried once, and one equal to the semantic groups not
-at all. Then, on the semantic groups: std normalization switched (on ↔ off), the biased (ddof = 0) std, another
+at all; at most :data:`MAX_PARTITIONS` are tried (of :data:`MAX_LAYOUTS` consumer-batch placements and
+:data:`MAX_CHUNK_SIZES` chunk sizes listed). Each is made with its sets numbered in order of first appearance, so
+telling two apart, and normalizing over one, takes linear passes over the samples and no sort: the work is linear
+in the samples per partition, and the sorts are the semantic groups' own (two, whatever the number of partitions). Then, on the semantic groups: std normalization switched (on ↔ off), the biased (ddof = 0) std, another
 eps (1e-4 TRL, 1e-5 AReaL, 1e-8, 1e-9 OpenRLHF, 0), and the raw rewards passed through unnormalized. Positions
 are those of the bundle's whole index and every hypothesis is evaluated over all of it, so a partial selection
 keeps each sample's batch and each batch's statistics.
@@ -26,13 +29,14 @@ baseline, the rest of the rule as declared, over every group and over the diverg
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Iterator, Optional
 
 import torch
 
 from ..judge.compare import as_float64
-from ..judge.error_model import group_stats, reward_bound
+from ..judge.error_model import GroupStats, group_stats, reward_bound
 from ..judge.fields import FieldResult
 from ..bundle.selection import group_label
 from ..stages import StageContext
@@ -40,15 +44,22 @@ from .base import Hypothesis, fmt_number, listing, micro_batches
 
 STAGE = "reward.post_process"
 OTHER_EPS = (1e-6, 1e-4, 1e-5, 1e-8, 1e-9, 0.0)
-MAX_CHUNK_SIZES = 64
+MAX_CHUNK_SIZES = 64  # chunk sizes listed
+MAX_LAYOUTS = 16  # placements of the identity's consumer batch ids (batch sizes) listed
+MAX_PARTITIONS = 48  # distinct partitions tried, in the order listed (module doc)
 
 
-def normalize(raw: torch.Tensor, labels: torch.Tensor, std: bool, eps: float, unbiased: bool = True) -> torch.Tensor:
+def normalize(raw: torch.Tensor, labels: torch.Tensor, std: bool, eps: float, unbiased: bool = True,
+              stats: Optional[GroupStats] = None) -> torch.Tensor:
     """float64 group normalization of ``raw`` over the sets ``labels``: ``r − mean``, divided by ``std + eps``
-    (unbiased or population std) when ``std``."""
-    _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
-    k = counts.numel()
-    size = counts.to(torch.float64)
+    (unbiased or population std) when ``std``. ``stats``: ``group_stats(raw, labels)`` when the caller has it
+    (its sets are then not found a second time)."""
+    if stats is None:
+        _, inverse, counts = torch.unique(labels, return_inverse=True, return_counts=True)
+        size = counts.to(torch.float64)
+    else:
+        inverse, size = stats.inverse, stats.size
+    k = size.numel()
     mean = torch.zeros(k, dtype=torch.float64).index_add_(0, inverse, raw) / size
     centered = raw - mean[inverse]
     if not std:
@@ -57,15 +68,39 @@ def normalize(raw: torch.Tensor, labels: torch.Tensor, std: bool, eps: float, un
     return centered / (var.sqrt()[inverse] + eps)
 
 
-def _canonical(labels: torch.Tensor) -> torch.Tensor:
-    return torch.unique(labels, return_inverse=True)[1]
+def first_seen(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` renumbered ``0, 1, …`` in the order each set first appears: the canonical form of a
+    partition (two labelings of the same samples put them into the same sets exactly when their canonical
+    forms are equal). One sort of the labels."""
+    n = labels.numel()
+    if n == 0:
+        return labels.to(torch.int64)
+    _, inverse = torch.unique(labels, return_inverse=True)
+    k = int(inverse.max()) + 1
+    first = torch.full((k,), n, dtype=torch.int64).scatter_reduce_(0, inverse, torch.arange(n), reduce="amin")
+    rank = torch.empty(k, dtype=torch.int64)
+    rank[torch.argsort(first)] = torch.arange(k)
+    return rank[inverse]
+
+
+def is_first_seen(labels: torch.Tensor) -> bool:
+    """Whether ``labels`` are already in :func:`first_seen` form (each label at most one more than every label
+    before it, the first 0): one linear pass, no sort."""
+    if labels.numel() == 0:
+        return True
+    before = torch.cummax(labels, 0).values[:-1] + 1
+    return int(labels[0]) == 0 and bool((labels[1:] <= before).all())
 
 
 def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two labelings of the same samples put them into the same sets."""
-    a, b = _canonical(a), _canonical(b)
-    ka, kb = int(a.max()) + 1 if a.numel() else 0, int(b.max()) + 1 if b.numel() else 0
-    return ka == kb and int(torch.unique(a * kb + b).numel()) == ka
+    return bool(torch.equal(first_seen(a), first_seen(b)))
+
+
+def recorded_consumer_batch(sample) -> Optional[str]:
+    """A sample record's own ``consumer_batch_id`` (SPEC §3), ``None`` when it records none."""
+    b = getattr(sample, "consumer_batch_id", None)
+    return b if isinstance(b, str) else None
 
 
 def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tensor]]:
@@ -77,14 +112,17 @@ def consumer_batches(ctx: StageContext) -> Optional[tuple[list[str], torch.Tenso
 def consumer_batch_layouts(ctx: StageContext, first_only: bool = False
                            ) -> list[tuple[list[str], torch.Tensor, Optional[int]]]:
     """Every placement of the samples in the recorded consumer batches: ``(batch ids, the batch of every sample,
-    batch size)`` — the samples' own ``consumer_batch_id`` (size ``None``), else the identity's k batch ids over
-    consecutive batches of each size ``c`` that makes k of them, the last one shorter (12 samples in 3 batches:
-    4 + 4 + 4, or 5 + 5 + 2), the even split first (``first_only``: that one alone)."""
+    batch size)`` — the samples' own ``consumer_batch_id`` (size ``None``; the ids in order of first appearance),
+    else the identity's k batch ids over consecutive batches of each size ``c`` that makes k of them, the last one
+    shorter (12 samples in 3 batches: 4 + 4 + 4, or 5 + 5 + 2), the even split first, at most
+    :data:`MAX_LAYOUTS` of them (``first_only``: that one alone). Every label is numbered in order of first
+    appearance (:func:`first_seen`'s canonical form); linear in the samples."""
     samples = ctx.reader.index.samples
-    own = [getattr(s, "consumer_batch_id", None) for s in samples]
+    own = [recorded_consumer_batch(s) for s in samples]
     if samples and None not in own:
-        ids = list(dict.fromkeys(own))
-        return [(ids, torch.tensor([ids.index(b) for b in own], dtype=torch.int64), None)]
+        where: dict[str, int] = {}
+        labels = [where.setdefault(b, len(where)) for b in own]
+        return [(list(where), torch.tensor(labels, dtype=torch.int64), None)]
     ids = [str(b) for b in ctx.reader.index.identity.consumer_batch_ids]
     n, k = len(samples), len(ids)
     if k < 2 or k > n:
@@ -93,14 +131,21 @@ def consumer_batch_layouts(ctx: StageContext, first_only: bool = False
     if math.ceil(n / first) != k:  # no size makes k batches (each larger one makes fewer)
         return []
     # (the views' consumer-batch column reads the even split alone: no other size is made for it)
-    sizes = [first] if first_only else [c for c in range(first, n) if math.ceil(n / c) == k][:MAX_CHUNK_SIZES]
+    if first_only:
+        sizes = [first]
+    else:  # the sizes c with ⌈n / c⌉ = k: from ⌈n / k⌉ up to the last c with (k − 1)·c < n
+        last = (n - 1) // (k - 1)
+        sizes = list(range(first, min(last, first + MAX_LAYOUTS - 1) + 1))
     return [(ids, torch.arange(n, dtype=torch.int64) // c, c) for c in sizes]
 
 
 def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[int]:
+    """The chunk sizes tried (module doc), smallest first, at most :data:`MAX_CHUNK_SIZES`; ``groups`` in
+    :func:`first_seen` form."""
     n = max(int(ctx.config.n_samples_per_prompt), 1)
     sizes = {n, n + n // 2, *(k * n for k in range(2, 9))}
-    sizes |= set(torch.unique(groups, return_counts=True)[1].tolist())
+    if groups.numel():
+        sizes |= set(torch.bincount(groups).unique().tolist())
     p = 2
     while p < n_total:
         sizes.add(p)
@@ -110,29 +155,50 @@ def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[
 
 def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``(id, what the sets are, labels)`` of each partition of the whole index worth trying, each distinct one
-    once (``groups``: the semantic group of every sample of the index)."""
+    once and none equal to the semantic groups, at most :data:`MAX_PARTITIONS` (``groups``: the semantic group
+    of every sample of the index). Each labeling is in :func:`first_seen` form, so two are the same partition
+    exactly when they are equal: a candidate is compared (``torch.equal``, linear) only with those of the same
+    digest — the work is linear in the samples per candidate, whatever the number already found."""
     n_total = len(ctx.reader.index.samples)
     positions = torch.arange(n_total)
-    found: list[torch.Tensor] = [groups]
-    listed: list[tuple[str, str, torch.Tensor]] = []
-    for i, (ids, labels, size) in enumerate(consumer_batch_layouts(ctx)):
-        if i == 0:
-            listed.append(("reward.consumer_batches", f"consumer batches {listing(ids)}", labels))
-        else:  # a batch size that does not divide the samples
-            last = n_total - size * (len(ids) - 1)
-            listed.append((f"reward.consumer_batches_of_{size}", f"consumer batches {listing(ids)} of {size} samples "
-                           f"(the last of {last})", labels))
-    mb = micro_batches(ctx.reader.index.samples)
-    if mb is not None:
-        listed.append(("reward.micro_batches", f"micro-batches {listing(mb[0])}", mb[1]))
-    listed.append(("reward.whole_batch", f"the whole batch of {n_total} samples", torch.zeros_like(positions)))
-    for c in _chunk_sizes(ctx, n_total, groups):
-        listed.append((f"reward.chunks_of_{c}", f"consecutive chunks of {c} samples", positions // c))
-    for pid, what, labels in listed:
-        if any(same_partition(labels, seen) for seen in found):
-            continue
-        found.append(labels)
-        yield pid, what, labels
+    found: dict[bytes, list[torch.Tensor]] = {}
+
+    def new(labels: torch.Tensor) -> Optional[torch.Tensor]:
+        """``labels`` in :func:`first_seen` form when no partition found so far has the same sets, else ``None``."""
+        if not is_first_seen(labels):  # each listed below is made in that form: a sort only if one is not
+            labels = first_seen(labels)
+        key = hashlib.blake2b(labels.contiguous().numpy().tobytes(), digest_size=16).digest()
+        same = found.setdefault(key, [])
+        if any(torch.equal(labels, seen) for seen in same):
+            return None
+        same.append(labels)
+        return labels
+
+    semantic = new(groups)
+
+    def listed() -> Iterator[tuple[str, str, torch.Tensor]]:  # each made when its turn comes
+        for i, (ids, labels, size) in enumerate(consumer_batch_layouts(ctx)):
+            if i == 0:
+                yield "reward.consumer_batches", f"consumer batches {listing(ids)}", labels
+            else:  # a batch size that does not divide the samples
+                last = n_total - size * (len(ids) - 1)
+                yield (f"reward.consumer_batches_of_{size}", f"consumer batches {listing(ids)} of {size} samples "
+                       f"(the last of {last})", labels)
+        mb = micro_batches(ctx.reader.index.samples)  # numbered in order of first appearance
+        if mb is not None:
+            yield "reward.micro_batches", f"micro-batches {listing(mb[0])}", mb[1]
+        yield "reward.whole_batch", f"the whole batch of {n_total} samples", torch.zeros_like(positions)
+        for c in _chunk_sizes(ctx, n_total, semantic):
+            yield f"reward.chunks_of_{c}", f"consecutive chunks of {c} samples", positions // c
+
+    tried = 0
+    for pid, what, labels in listed():
+        if tried == MAX_PARTITIONS:
+            return
+        labels = new(labels)
+        if labels is not None:
+            tried += 1
+            yield pid, what, labels
 
 
 def modelled(cfg) -> bool:
@@ -224,9 +290,12 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     unbiased = bool(cfg.grpo_std_unbiased)
     out: list[Hypothesis] = []
 
+    semantic = group_stats(raw, groups)  # the sets of a partition are found once (one sort), not per hypothesis
+
     def add(hid: str, detail: str, labels: torch.Tensor, h_std: bool, h_eps: float, h_unbiased: bool) -> None:
-        values = normalize(raw, labels, h_std, h_eps, h_unbiased)
-        bound = reward_bound(raw, group_stats(raw, labels), values, h_std, h_eps)
+        stats = semantic if labels is groups else group_stats(raw, labels, dense=True)  # partitions() numbers them
+        values = normalize(raw, labels, h_std, h_eps, h_unbiased, stats=stats)
+        bound = reward_bound(raw, stats, values, h_std, h_eps)
         if pick is not None:
             values, bound = values[pick], bound[pick]
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"reward": values}, bounds={"reward": bound}))

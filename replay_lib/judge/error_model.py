@@ -248,9 +248,14 @@ class GroupStats:
     std: torch.Tensor  # float64 [groups], unbiased (NaN for a singleton)
 
 
-def group_stats(raw: torch.Tensor, groups: torch.Tensor) -> GroupStats:
+def group_stats(raw: torch.Tensor, groups: torch.Tensor, dense: bool = False) -> GroupStats:
+    """``dense``: ``groups`` are already numbered ``0 … k − 1``, each number used (no sort to find the groups)."""
     r = raw.to(torch.float64)
-    _, inverse, counts = torch.unique(groups.to(torch.int64), return_inverse=True, return_counts=True)
+    if dense:
+        inverse = groups.to(torch.int64)
+        counts = torch.bincount(inverse)
+    else:
+        _, inverse, counts = torch.unique(groups.to(torch.int64), return_inverse=True, return_counts=True)
     k = counts.numel()
     size = counts.to(torch.float64)
     max_abs = torch.zeros(k, dtype=torch.float64).scatter_reduce(0, inverse, r.abs(), reduce="amax", include_self=True)

@@ -7,7 +7,9 @@ at a time — its memory stays that of one bundle — and gets the next when it 
 never holds up the others. torch runs single-threaded in each worker when there are several (they already
 use the CPUs). Workers run in their own session: Ctrl+C reaches the scan only, which stops them.
 
-A worker that dies (killed, out of memory, a crash in native code) turns the bundle it was replaying into
+A bundle whose replay runs past ``options.timeout`` seconds (``scan --timeout``) is an ``error`` row naming the
+limit: its worker is killed (SIGKILL) and a new one takes its place; the scan goes on. A worker that dies
+(killed, out of memory, a crash in native code) turns the bundle it was replaying into
 an ``error`` row naming the exit signal or status (and the last line the worker wrote on stderr), and a new
 worker takes its place; the scan goes on. Workers that die before they are ready, three in a row, end the
 scan with an ``error`` row for each bundle left (where no worker can start, none is respawned forever).
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -87,11 +90,20 @@ class _Worker:
         self.tasks = Connection(tasks_w, readable=False)
         self.conn = Connection(rows_r, writable=False)
         self.task: Optional[tuple] = None  # (target, partner) being replayed
+        self.started = 0.0  # time.monotonic() when it was sent its task
         self.ready = False
 
     def send(self, item, options) -> None:
         self.task = item
+        self.started = time.monotonic()
         self.tasks.send((item[0], item[1], options))
+
+    def kill(self) -> None:
+        """SIGKILL, at once (a worker over its time limit is not asked to stop: it may be stuck)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the group holds it alone
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def death(self) -> str:
         """How it ended: the signal or exit status, and the last line it wrote on stderr."""
@@ -143,8 +155,11 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
     """The rows of ``work`` in ``jobs`` worker processes (see the module docstring)."""
     from .rows import STATUS_ERROR, error_row
 
+    from .rows import timeout_row
+
     pending = list(reversed(work))
     single_thread = jobs > 1
+    limit = getattr(options, "timeout", None) or None
     workers: list[_Worker] = []
     for _ in range(min(jobs, len(pending))):
         workers.append(_Worker(single_thread))
@@ -160,6 +175,19 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                         w.task = None
                         pending.append(item)
             ready = wait([w.conn for w in workers], POLL_SECONDS)
+            if limit is not None:  # a worker past the limit: killed and replaced, its bundle an error row
+                now = time.monotonic()
+                for w in [w for w in workers if w.task is not None and now - w.started > limit]:
+                    w.kill()
+                    take(timeout_row(w.task[0], limit, now - w.started,
+                                     "its worker process was killed and replaced"))
+                    w.task = None
+                    workers.remove(w)
+                    w.stop()
+                    w.close()
+                    if pending and not stop.is_set():
+                        workers.append(_Worker(single_thread))
+                ready = [c for c in ready if any(c is w.conn for w in workers)]
             if not ready:
                 continue
             for w in list(workers):

@@ -7,13 +7,16 @@ else a local Ray instance is started for the scan and shut down after it. At mos
 flight (each asks for one CPU). The bundles are read by path: every node must see the capture directory
 at the same path (a shared file system) and have this package installed.
 
-A task whose worker dies (killed, out of memory) becomes an ``error`` row; ``stop`` cancels the tasks in
+A task whose worker dies (killed, out of memory) becomes an ``error`` row; so does one still running
+``options.timeout`` seconds after it was submitted (``scan --timeout``; at most ``--jobs`` are in flight, one CPU
+each): it is cancelled with ``force=True``, which kills its worker process, and Ray starts another; ``stop`` cancels the tasks in
 flight (``ray.cancel(force=True)``) and keeps the rows already finished.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 from ..errors import UnsupportedError, UsageError
@@ -48,7 +51,7 @@ def make_ray_executor(*, jobs: int, address: Optional[str] = None):
     ray = _import_ray()
 
     def run(work, options, take, stop: threading.Event) -> None:
-        from .rows import STATUS_ERROR, error_row
+        from .rows import STATUS_ERROR, error_row, timeout_row
 
         started = False
         if not ray.is_initialized():
@@ -63,14 +66,34 @@ def make_ray_executor(*, jobs: int, address: Optional[str] = None):
         check = ray.remote(num_cpus=1, max_retries=0)(_ray_check)
         pending = list(reversed(work))
         flight: dict = {}
+        sent: dict = {}  # when each task in flight was submitted (time.monotonic())
+        limit = getattr(options, "timeout", None) or None
         try:
             while (pending or flight) and not stop.is_set():
                 while pending and len(flight) < jobs:
                     target, partner = pending.pop()
-                    flight[check.remote(target, partner, options)] = target
+                    ref = check.remote(target, partner, options)
+                    flight[ref], sent[ref] = target, time.monotonic()
                 done, _ = ray.wait(list(flight), num_returns=1, timeout=POLL_SECONDS)
+                if limit is not None:  # a task past the limit: its worker process is killed (Ray starts another)
+                    now = time.monotonic()
+                    for ref in [r for r in flight if r not in done and now - sent[r] > limit]:
+                        target = flight.pop(ref)
+                        try:
+                            ray.cancel(ref, force=True)
+                        except Exception:  # finished meanwhile, or its worker is gone: nothing to cancel
+                            pass
+                        take(timeout_row(target, limit, now - sent.pop(ref),
+                                         "its Ray task was cancelled and its worker process killed"))
+                        if stop.is_set():
+                            break
+                    if stop.is_set():
+                        break
                 for ref in done:
+                    if ref not in flight:
+                        continue
                     target = flight.pop(ref)
+                    sent.pop(ref, None)
                     try:
                         row = ray.get(ref)
                     except ray.exceptions.RayError as exc:

@@ -137,10 +137,13 @@ class ScanResult:
         return out
 
 
+DEFAULT_TIMEOUT = 600.0  # seconds per bundle, ``scan --timeout``'s default
+
+
 @dataclass(frozen=True)
 class ScanOptions:
     """What every row is replayed with (picklable: it travels to the workers). ``stages``: stage names
-    (``None``: all); the judging rules of ``replay``."""
+    (``None``: all); the judging rules of ``replay``; ``timeout``: the executors' limit per bundle."""
 
     stages: Optional[tuple[str, ...]] = None
     chain: bool = False
@@ -149,6 +152,9 @@ class ScanOptions:
     max_divergences: int = 5
     max_json_bytes: Optional[int] = None
     link: bool = True
+    # seconds one bundle may take (``--timeout``; ``None`` or 0: no limit): past it, the bundle's worker is killed
+    # and replaced, and the bundle is an ``error`` row naming the limit
+    timeout: Optional[float] = DEFAULT_TIMEOUT
 
 
 def _status_of(exc: ReplayError) -> str:
@@ -187,6 +193,13 @@ def error_row(target: ScanTarget, status: str, message: str, seconds: float = 0.
     """A row for a target nothing was recomputed for (``message``: one line, escaped here)."""
     return ScanRow(target=target, status=status, exit_code=_EXIT_OF_STATUS[status],
                    message=one_line(message), seconds=seconds)
+
+
+def timeout_row(target: ScanTarget, timeout: float, seconds: float, how: str) -> ScanRow:
+    """The ``error`` row of a bundle whose replay ran past ``timeout`` seconds (``how``: what became of the
+    process that was replaying it)."""
+    return error_row(target, STATUS_ERROR, f"{target.path}: not replayed within the time limit of {timeout:g} s "
+                                           f"(--timeout); {how}; the other bundles were scanned on", seconds)
 
 
 def scan_exit_code(rows: Sequence[ScanRow]) -> int:

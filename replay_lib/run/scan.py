@@ -14,7 +14,8 @@ The API the CLI and the run view share:
 Row statuses: ``pass``; ``diverged`` (a stage of the bundle, or the cross-bundle ``link`` stage, diverged:
 exit 1); ``invalid`` (the bundle is invalid, incomplete, unsafe: exit 3); ``unsupported`` (exit 4);
 ``vanished`` (the bundle was listed but was gone when its turn came: exit 3); ``error`` (a bug in this
-tool or a worker that died: exit 5, the message names the saved traceback or the signal).
+tool, a worker that died, or a bundle still replaying after ``ScanOptions.timeout`` seconds — its worker is
+killed and replaced: exit 5, the message names the saved traceback, the signal or the time limit).
 
 Exit code of a scan (SPEC §9): 1 if any bundle diverged, else 3 if any is invalid or vanished, else 4 if
 any is unsupported, else 5 if any row is an error, else 0 (an empty scan is refused before, exit 3).
@@ -65,8 +66,10 @@ def discover(directory: Path) -> list[ScanTarget]:
     target), sorted by (rollout_id, step_id, path). Hidden entries and symbolic links are skipped as
     :func:`~replay_lib.bundle.resolve_capture` skips them; a candidate is a real subdirectory holding a
     ``manifest.json`` or rank shards. Never raises on a bad entry; a directory that is not there or not a
-    directory raises :class:`~replay_lib.errors.BundleError` (the scan has nothing to look at)."""
-    from ..bundle.locate import _is_hidden, _looks_like_cohort, _real_dir
+    directory raises :class:`~replay_lib.errors.BundleError` (the scan has nothing to look at). A real
+    subdirectory that cannot be looked into (EACCES …) is a target too, of kind ``unknown``: its row says it
+    cannot be read (exit 3); it is never left out."""
+    from ..bundle.locate import _is_hidden, _looks_like_cohort, _real_dir, holds_a_bundle
     from ..errors import BundleError
 
     directory = Path(directory)
@@ -84,9 +87,9 @@ def discover(directory: Path) -> list[ScanTarget]:
         if _is_hidden(entry) or not _real_dir(entry):
             continue
         try:
-            is_candidate = os.path.lexists(entry / "manifest.json") or _looks_like_cohort(entry)
-        except OSError:
-            continue
+            is_candidate = holds_a_bundle(entry)
+        except OSError:  # cannot be looked into (EACCES …): a target whose row says why, never left out
+            is_candidate = True
         if is_candidate:
             targets.append(_candidate(directory, entry))
     return sorted(targets, key=lambda t: t.sort_key)
