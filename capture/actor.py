@@ -584,6 +584,10 @@ class ReplayCapture:
     def _release(self) -> None:
         """Nothing is written any more: the directory lock and the SIGTERM clean-up go."""
         terminate.unregister(self)
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        """Drop the capture directory's lock (``capture.lock``); only once nothing is written any more."""
         if self._lock is not None:
             self._lock.release()
 

@@ -5,8 +5,8 @@ the process dies at once, and a bundle the writer thread was staging stays behin
 ``.<name>.tmp-<pid>-<hex>`` directory (the next capture into that directory removes it, SPEC §6). Where a
 handler can be installed, :func:`register` installs one that, for every open capture, tells its writer to
 stop at the next step of the publication in progress (its ``BundleWriter`` removes the staging as it stops),
-waits for that at most :data:`SIGTERM_WAIT_S` seconds, restores the default disposition and sends the signal
-again: the process still dies by SIGTERM (exit status −15 / 143), atexit handlers still do not run.
+waits for that at most :data:`SIGTERM_WAIT_S` seconds (then removes a staging directory still being filled
+under the writer), drops the directory lock, restores the default disposition and sends the signal again: the process still dies by SIGTERM (exit status −15 / 143), atexit handlers still do not run.
 
 A handler is installed only where that changes nothing else:
 
@@ -82,7 +82,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         if capture is None:
             continue
         try:
-            if not capture.sink.terminate(deadline):
+            if capture.sink.terminate(deadline):
+                capture.release_lock()  # nothing of it is staged: the next job need not find a stale lock file
+            else:
                 logger.warning("replay capture: SIGTERM: a bundle being published under %s was left to its "
                                "writer", safe(capture.config.directory))
         except Exception:  # the process dies next whatever happened here
