@@ -2,7 +2,8 @@
 
 Usage: python capture_job.py MODE [ROLLOUTS]   (capture configured by the RELAX_REPLAY_CAPTURE* variables)
 
-``job``      waits for the file ``$GO_FILE`` if set (two jobs then enable at the same instant), enables with
+``job``      prints ``ready`` and waits for the file ``$GO_FILE`` if set (two jobs then enable at the same
+             instant), enables with
              ``maybe_enable_for_actor``, prints ``enabled`` or ``disabled``, waits for a line on stdin if
              ``$HOLD`` is set, captures rollouts 0 … ROLLOUTS-1, closes and prints
              ``written=<n> errors=<n> dropped=<n>``; exit 0 (the capture never ends the job).
@@ -39,6 +40,8 @@ def rollout(cap, rollout_id: int) -> bool:
 
 def job(rollouts: int) -> int:
     go = os.environ.get("GO_FILE")
+    if go:
+        print("ready", flush=True)
     while go and not Path(go).exists():
         time.sleep(0.001)
     cap = maybe_enable_for_actor(CFG)

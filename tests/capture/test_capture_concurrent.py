@@ -19,7 +19,7 @@ import pytest
 
 import capture.terminate
 from capture import DisabledCapture
-from capture_helpers import bundle_dirs, capture_env, subprocess_env
+from capture_helpers import capture_env, subprocess_env
 from replay_lib.run.runner import replay
 from test_capture_restart import GUARD_S, _enable, _rollout
 
@@ -90,10 +90,13 @@ def test_a_second_job_trains_on_without_capture_and_the_first_loses_nothing(tmp_
 def test_two_jobs_started_at_the_same_instant_one_captures_everything(tmp_path):
     directory = tmp_path / "bundles"
     go = tmp_path / "go"
-    jobs = [_start(directory, "job", "3", GO_FILE=str(go)) for _ in range(2)]
+    jobs = [_start(directory, "job", "3", GO_FILE=str(go), HOLD="1") for _ in range(2)]
     try:
+        assert [job.stdout.readline() for job in jobs] == ["ready\n", "ready\n"]  # torch imported
         go.touch()
-        results = [_finish(job) for job in jobs]
+        decided = sorted(job.stdout.readline() for job in jobs)  # both enabled at once, neither has closed
+        assert decided == ["disabled\n", "enabled\n"]
+        results = [_finish(job, "\n") for job in jobs]
     finally:
         for job in jobs:
             if job.poll() is None:
@@ -101,9 +104,9 @@ def test_two_jobs_started_at_the_same_instant_one_captures_everything(tmp_path):
                 job.wait(GUARD_S)
     assert [job.returncode for job in jobs] == [0, 0]
     outs = sorted(out for out, _ in results)
-    assert outs == ["disabled\nwritten=0 errors=0 dropped=0\n", "enabled\nwritten=3 errors=0 dropped=0\n"]
-    [(winner, _)] = [(job, err) for job, (out, err) in zip(jobs, results) if out.startswith("enabled")]
-    [err] = [err for out, err in results if out.startswith("disabled")]
+    assert outs == ["written=0 errors=0 dropped=0\n", "written=3 errors=0 dropped=0\n"]
+    [winner] = [job for job, (out, _) in zip(jobs, results) if out.startswith("written=3")]
+    [err] = [err for out, err in results if out.startswith("written=0")]
     assert err.startswith(f"replay capture off for this job: RELAX_REPLAY_CAPTURE_DIR={str(directory)!r} is being "
                           f"written by another job (pid {winner.pid} on {HOST} since ")
     assert err.count("\n") == 1
