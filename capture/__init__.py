@@ -27,13 +27,14 @@ from .config import (
     parse_steps,
 )
 from .directory import CaptureDirectoryError, check_fresh_directory, remove_stale_staging
+from .lock import CaptureDirectoryBusy
 from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
 
 __all__ = [
     "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS", "ENV_TOKEN_TERMS",
     "NULL_STEP",
-    "CaptureConfig", "CaptureDirectoryError", "CaptureDisabledWarning", "CaptureItem", "CaptureManager",
+    "CaptureConfig", "CaptureDirectoryBusy", "CaptureDirectoryError", "CaptureDisabledWarning", "CaptureItem", "CaptureManager",
     "CaptureStats", "DisabledCapture", "Provenance", "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE",
     "StepCapture", "check_fresh_directory", "config_from_env", "maybe_enable_for_actor", "micro_batch_id",
     "parse_rollouts", "parse_run_id", "parse_steps", "producer_info", "remove_stale_staging",

@@ -39,8 +39,11 @@ synchronisation); the casts and device→host copies happen on the writer thread
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import os
+import weakref
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -65,10 +68,14 @@ from .bundles import (
     rollout_bundle_id,
     step_bundle_id,
 )
+from . import terminate
 from .config import CaptureConfig, config_from_env
 from .directory import check_fresh_directory, remove_stale_staging
+from .lock import CaptureDirectoryBusy, CaptureLock, acquire_capture_lock
 from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
+
+logger = logging.getLogger("capture")
 
 TensorLike = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[float], Sequence[Sequence[float]]]
 
@@ -396,9 +403,11 @@ class StepCapture:
 
 
 class ReplayCapture:
-    """Capture for one producer rank. Build it with :func:`maybe_enable_for_actor` (which also refuses a
-    directory holding a previous run's bundles). Its writer thread first removes the staging that killed
-    writers left in the directory (``capture.directory``)."""
+    """Capture for one producer rank. Build it with :func:`maybe_enable_for_actor` (which also locks the
+    directory against a second job, ``capture.lock``, and refuses one holding a previous run's bundles). Its
+    writer thread first removes the staging that killed writers left in the directory
+    (``capture.directory``); on the main thread it also stops the writer and removes its staging on
+    SIGTERM (``capture.terminate``). ``lock``: the directory lock, released when ``close()`` has flushed."""
 
     enabled = True
 
@@ -416,6 +425,7 @@ class ReplayCapture:
         source_dir: Optional[str | os.PathLike] = None,
         register_atexit: bool = True,
         compute_precision: str = "float32",
+        lock: Optional[CaptureLock] = None,
     ):
         """``compute_precision``: the format the trainer computes its per-token values in (``float32``,
         ``bfloat16``, ``float16``), declared as ``producer_precision.compute`` (see the module docstring)."""
@@ -440,9 +450,13 @@ class ReplayCapture:
         self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
         directories = [config.root, config.directory]
+        self._lock = lock
+        if register_atexit and lock is not None:  # runs after the manager's own close at exit (LIFO)
+            atexit.register(_release_at_exit, weakref.ref(self))
         self.manager = CaptureManager(self.sink.handle, max_queue=max_queue, close_timeout=close_timeout,
                                       register_atexit=register_atexit,
                                       on_start=lambda: remove_stale_staging(directories))
+        terminate.register(self)
 
     # -- filters -----------------------------------------------------------------------------------
     @property
@@ -564,7 +578,24 @@ class ReplayCapture:
         flushed = self.manager.close(timeout)
         if flushed:
             self.sink.abandon_pending("capture closed before the step finished")
+            self._release()
         return flushed
+
+    def _release(self) -> None:
+        """Nothing is written any more: the directory lock and the SIGTERM clean-up go."""
+        terminate.unregister(self)
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        """Drop the capture directory's lock (``capture.lock``); only once nothing is written any more."""
+        if self._lock is not None:
+            self._lock.release()
+
+
+def _release_at_exit(ref: "weakref.ref[ReplayCapture]") -> None:
+    capture = ref()
+    if capture is not None and capture.manager.closed and capture.manager.flush(0):
+        capture._release()
 
 
 class DisabledCapture:
@@ -626,6 +657,10 @@ def maybe_enable_for_actor(
     other rank gets a :class:`DisabledCapture`. A malformed filter raises ``ValueError`` here, and so does
     (as :class:`~capture.directory.CaptureDirectoryError`) a directory that already holds bundles this
     producer would write — a restarted job; call this once per process, before the rank captures anything.
+
+    A directory another job is writing into (it holds ``.capture.lock``, see ``capture.lock``) is not an
+    error: this job trains on without capture, after one warning on the ``capture`` logger naming the
+    holder, and gets a :class:`DisabledCapture` whose ``reason`` is that line.
     """
     for name, rank, size in (("pp", pp_rank, pp_size), ("dp", dp_rank, dp_size), ("tp", tp_rank, tp_size),
                              ("cp", cp_rank, cp_size)):
@@ -639,9 +674,20 @@ def maybe_enable_for_actor(
         return DisabledCapture(f"tensor-parallel rank {tp_rank} duplicates tp_rank 0")
     world = dp_size * cp_size
     rank = dp_rank * cp_size + cp_rank
-    check_fresh_directory(config, rank if world > 1 else None)
-    return ReplayCapture(
-        config, recompute_config,
-        rank_sizes={"dp": dp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size},
-        producer_rank=rank if world > 1 else None, producer_world=world, **kwargs,
-    )
+    producer_rank = rank if world > 1 else None
+    try:
+        lock = acquire_capture_lock(config, producer_rank, world, os.environ if env is None else env)
+    except CaptureDirectoryBusy as busy:
+        logger.warning("%s", busy)
+        return DisabledCapture(str(busy))
+    try:
+        check_fresh_directory(config, producer_rank)
+        return ReplayCapture(
+            config, recompute_config,
+            rank_sizes={"dp": dp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size},
+            producer_rank=producer_rank, producer_world=world, lock=lock, **kwargs,
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise

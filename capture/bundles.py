@@ -20,6 +20,11 @@ or ``inspect-only`` (ids only).
 
 One producer writes ``<DIR>/<bundle_id>/``; several write ``<DIR>/<bundle_id>/rank-<r>/`` + ``COMPLETE.<r>``
 and try to finalize the cohort (SPEC §2).
+
+A publication (staging → payloads → rename → cohort sentinel) holds the sink's publishing lock, and looks
+between its steps whether the process is terminating (:meth:`BundleSink.terminate`, called by the SIGTERM
+handler of ``capture.terminate``): it then stops, and ``BundleWriter`` removes its staging, before the
+process dies.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -222,6 +230,10 @@ def _tree_bytes(path: Path) -> int:
     return total
 
 
+class CaptureTerminated(RuntimeError):
+    """A publication stopped because the process is terminating (SIGTERM)."""
+
+
 class BundleSink:
     """The writer-thread handler: ``handle(item)`` writes a bundle or stashes a micro-batch."""
 
@@ -236,6 +248,34 @@ class BundleSink:
         self._producer: Optional[ProducerInfo] = None
         self._note_abandoned = note_abandoned
         self._pending: dict[int, list[tuple[StepPartMeta, dict[str, torch.Tensor]]]] = {}
+        self._publishing = threading.Lock()  # held by the writer thread while a bundle is published
+        self._terminating = threading.Event()
+        self._staging: Optional[Path] = None  # the staging of the publication in progress (or last aborted)
+        self._finalizing = False
+
+    # -- termination (SIGTERM) ---------------------------------------------------------------------
+    def terminate(self, deadline: float) -> bool:
+        """Stop publishing and make sure no staging of this sink is left: called on the main thread by
+        the SIGTERM handler, just before the process dies. Waits (until ``deadline``, ``time.monotonic``)
+        for the publication in progress to stop at its next step and remove its staging; past the deadline
+        a staging directory still being filled is removed under the writer (one being renamed into place is
+        left to it). Returns whether nothing of this sink is left staged."""
+        self._terminating.set()
+        if self._publishing.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            staging = self._staging  # kept: nothing publishes after this
+        elif self._finalizing:
+            return False
+        else:
+            staging = self._staging
+        for _attempt in range(3):  # a writer still filling it may add a file between listing and rmdir
+            if staging is None or not os.path.lexists(staging):
+                return True
+            shutil.rmtree(staging, ignore_errors=True)
+        return not os.path.lexists(staging)
+
+    def _check_running(self, bundle_id: str) -> None:
+        if self._terminating.is_set():
+            raise CaptureTerminated(f"{bundle_id}: not published, the process is terminating (SIGTERM)")
 
     # -- dispatch ----------------------------------------------------------------------------------
     def handle(self, item: CaptureItem) -> Optional[int]:
@@ -334,13 +374,21 @@ class BundleSink:
         ctx = self.context
         manifest = self._manifest(bundle_id, stages, capabilities, accumulate)
         root = ctx.directory / bundle_id
-        with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
-            for name, tensor in payloads.items():
-                writer.write_payload(name, _cpu(tensor))
-            if ctx.producer_rank is None:
-                path = writer.finalize(ranks=[0])
-            else:
-                path = writer.finalize(ranks=list(range(ctx.producer_world)))
+        with self._publishing:
+            self._check_running(bundle_id)
+            try:
+                with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
+                    self._staging = writer.staging
+                    for name, tensor in payloads.items():
+                        self._check_running(bundle_id)
+                        writer.write_payload(name, _cpu(tensor))
+                    self._finalizing = True  # before the last look: terminate() never removes it after
+                    self._check_running(bundle_id)
+                    path = writer.finalize(ranks=[0] if ctx.producer_rank is None
+                                           else list(range(ctx.producer_world)))
+                self._staging = None  # renamed into place
+            finally:
+                self._finalizing = False
         written = _tree_bytes(path)
         if ctx.producer_rank is not None:
             sentinel = root / f"COMPLETE.{ctx.producer_rank}"

@@ -269,8 +269,10 @@ def test_staging_of_killed_writers_is_removed_and_a_live_writers_is_kept(tmp_pat
             f"replay capture: removed 4 stale staging item(s) left by killed writers under {root}"]
         assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == sorted(
             [live_staging.name, dead_top[1].name])
-        assert list((root / "rollout-1").iterdir()) == [] and list((root / "r-2").iterdir()) == []
+        assert list((root / "rollout-1").iterdir()) == []
+        assert sorted(p.name for p in (root / "r-2").iterdir()) == [".capture.lock", ".capture.lock.guard"]
         assert _rollout(cap, 0) and cap.close(timeout=GUARD_S) and cap.stats.written == 1
+        assert [p.name for p in (root / "r-2").iterdir()] == ["rollout-0"]  # the lock went with the capture
 
         out, _ = live.communicate("\n", timeout=RUN_TIMEOUT_S)  # the live writer publishes what it staged
         assert live.returncode == 0, out
