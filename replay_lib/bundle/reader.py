@@ -17,6 +17,7 @@ import msgspec
 import torch
 
 from ..errors import BundleError
+from .dtypes import upcast_stored
 from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
@@ -660,7 +661,8 @@ class BundleReader:
                     f"{file}: shape {list(tensor.shape)}, manifest $.payloads.{key}.shape says {list(spec.shape)}"
                 )
             _check_form(file, key, tensor)
-            self._tensors[key] = tensor
+            # a float8 payload: its float32 copy (exact), which torch computes with and which keeps the stored dtype
+            self._tensors[key] = upcast_stored(tensor)
         try:
             entries = sorted(payload_dir.iterdir()) if payload_dir.is_dir() else []
         except OSError as exc:  # searchable, not listable: every listed payload was read all the same
