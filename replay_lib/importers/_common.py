@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 import torch
 
+from ..bundle.reader import require_safe_unpickler
 from ..bundle.writer import BundleWriter
 from ..errors import FrameworkConfigError
 from ..bundle.safe_open import read_regular
@@ -67,6 +68,7 @@ def read_dump(path: Path, what: str) -> bytes:
 def load_pt(path: Path, what: str) -> Any:
     """A ``torch.save`` dump loaded with ``weights_only=True`` (tensors, dicts, lists and plain values only); a
     dump that needs arbitrary objects unpickled is refused with one line saying how to convert it."""
+    require_safe_unpickler(path)
     data = read_dump(path, what)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
