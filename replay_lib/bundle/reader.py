@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 import threading
 import warnings
@@ -17,6 +18,7 @@ import msgspec
 import torch
 
 from ..errors import BundleError
+from .dtypes import upcast_stored
 from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
@@ -256,8 +258,31 @@ def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
         os.close(fd)
 
 
+# The first torch whose weights_only unpickler has no published escape: CVE-2025-32434 (a weights_only bypass with
+# code execution, fixed in 2.6.0) and CVE-2026-24747 (memory corruption in that unpickler, fixed in 2.10).
+SAFE_UNPICKLER_TORCH = (2, 10)
+
+
+def torch_version() -> tuple[int, ...]:
+    """The running torch's ``MAJOR.MINOR.PATCH`` as numbers (``"2.9.1+cu121"`` → ``(2, 9, 1)``)."""
+    numbers = re.match(r"\s*(\d+(?:\.\d+)*)", str(torch.__version__))
+    return tuple(int(n) for n in numbers.group(1).split(".")) if numbers else ()
+
+
+def require_safe_unpickler(path: "Path | str") -> None:
+    """Refuse (exit 3) to unpickle the foreign ``.pt`` file ``path`` on a torch whose weights_only unpickler has
+    known escapes (before :data:`SAFE_UNPICKLER_TORCH`), naming the advisories."""
+    if torch_version() >= SAFE_UNPICKLER_TORCH:
+        return
+    advisories = "CVE-2025-32434, code execution; CVE-2026-24747, memory corruption" \
+        if torch_version() < (2, 6) else "CVE-2026-24747, memory corruption"
+    raise BundleError(f"{path}: not loaded: torch {torch.__version__}'s weights_only unpickler has known "
+                      f"escapes ({advisories}); install torch>=2.10 to read .pt payloads")
+
+
 def _load_opened(path: Path, source: str, spec: PayloadSpec) -> torch.Tensor:
     """:func:`_load_tensor` of the file opened as ``source`` (messages name ``path``)."""
+    require_safe_unpickler(path)
     mmap = not _compressed_archive(path, spec, source)
     try:
         # torch may warn while it rebuilds a tensor (a quantized one is deprecated): the checks below
@@ -660,7 +685,8 @@ class BundleReader:
                     f"{file}: shape {list(tensor.shape)}, manifest $.payloads.{key}.shape says {list(spec.shape)}"
                 )
             _check_form(file, key, tensor)
-            self._tensors[key] = tensor
+            # a float8 payload: its float32 copy (exact), which torch computes with and which keeps the stored dtype
+            self._tensors[key] = upcast_stored(tensor)
         try:
             entries = sorted(payload_dir.iterdir()) if payload_dir.is_dir() else []
         except OSError as exc:  # searchable, not listable: every listed payload was read all the same

@@ -113,7 +113,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     if not grpo or not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
         return []  # only GRPO's broadcast rewards are varied here
     recorded = ctx.payload("advantages")
-    u = unit_roundoff(recorded.dtype)
+    u = unit_roundoff(recorded)
     rewards, _ = grpo_rewards(ctx)
     rewards = rewards.to(torch.float64)
     out: list[Hypothesis] = []

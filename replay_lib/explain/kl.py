@@ -52,7 +52,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     if not (ctx.has("old_log_probs") and ctx.has("ref_log_probs")):
         return []
     old, ref = ctx.payload("old_log_probs"), ctx.payload("ref_log_probs")
-    u_token, u_store = ctx.precision.token, unit_roundoff(ctx.reader.payload("kl").dtype)
+    u_token, u_store = ctx.precision.token, unit_roundoff(ctx.reader.payload("kl"))
     out: list[Hypothesis] = []
 
     def add(hid: str, detail: str, a: torch.Tensor, b: torch.Tensor, kl_type: str, scale: float = 1.0) -> None:

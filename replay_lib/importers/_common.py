@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 import torch
 
+from ..bundle.reader import require_safe_unpickler
 from ..bundle.writer import BundleWriter
 from ..errors import FrameworkConfigError
 from ..bundle.safe_open import read_regular
@@ -79,6 +80,7 @@ def load_pt(path: Path, what: str) -> Any:
     dump that needs arbitrary objects unpickled is refused with one line saying how to convert it. The zip
     archive's records are checked before anything is inflated (:func:`check_records`); torch's own warnings
     (a legacy or raw pickle) are not printed: the error, if any, is the one line."""
+    require_safe_unpickler(path)
     data = read_dump(path, what)
     check_records(data, path, what)
     try:

@@ -118,10 +118,19 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
+from ..bundle.dtypes import stored_dtype
 from ..bundle.schema import ComparisonPolicy, Manifest, Tolerance
 
-UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
+                 # float8 payloads (storage only): u = 2^-p, p = stored mantissa bits + 1, as bfloat16's 2^-8
+                 "float8_e4m3fn": 2.0 ** -4, "float8_e4m3fnuz": 2.0 ** -4,
+                 "float8_e5m2": 2.0 ** -3, "float8_e5m2fnuz": 2.0 ** -3}
 U32 = UNIT_ROUNDOFF["float32"]
+# The smallest normal magnitude of the float8 formats, by their unit roundoff (the larger of fn and fnuz: 2^-6 for
+# e4m3fn against e4m3fnuz's 2^-7, 2^-14 for e5m2 against 2^-15). Below it a float8 value is subnormal (or 0), its
+# rounding absolute — at most u·normal_min, half the subnormal spacing — not u·|x|: a log-prob of −0.001 stored
+# as e4m3fn is −2^-9 (0.00095 off). The other formats' normal ranges reach below any value a bundle holds.
+FLOAT8_NORMAL_MIN = {2.0 ** -4: 2.0 ** -6, 2.0 ** -3: 2.0 ** -14}
 
 C_REWARD = 8.0
 C_TOKEN = 8.0
@@ -142,7 +151,10 @@ DEFAULT_TOLERANCE = Tolerance()
 
 
 def unit_roundoff(dtype) -> float:
-    """u of a precision name (``"bfloat16"``) or a torch dtype (a payload's)."""
+    """u of a precision name (``"bfloat16"``), a torch dtype or a payload (the dtype it was stored in:
+    ``bundle.dtypes.stored_dtype``, float8 for the float32 copy of a float8 payload)."""
+    if isinstance(dtype, torch.Tensor):
+        dtype = stored_dtype(dtype)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     return UNIT_ROUNDOFF.get(dtype, U32)
@@ -401,7 +413,8 @@ def kl_bound(log_ratio: torch.Tensor, truth: torch.Tensor, kl_type: str, u_token
              exp_neg: Optional[torch.Tensor] = None, input_error: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``8·u_t·cond + u_s·|T|``, plus ``2·e_r·max|dKL/dr|`` over ``r ± e_r`` where the log-probs are stored coarser
     than the compute format (``input_error``: ``e_r``, :func:`storage_error` of the two log-probs)."""
-    bound = C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * truth.abs()
+    bound = C_TOKEN * u_token * kl_condition(log_ratio, kl_type, exp_neg) + u_store * stored_magnitude(
+        truth, FLOAT8_NORMAL_MIN.get(u_store))
     if input_error is not None:
         bound += kl_storage_error(log_ratio, kl_type, input_error, exp_neg)
     return bound
@@ -422,7 +435,7 @@ def storage_unit(compute: str, *tensors: Optional[torch.Tensor]) -> float:
     from the producer's own (:func:`storage_error`). A payload as fine as the compute format holds the values
     themselves (a bf16 forward's log-probs, upcast to compute a float32 loss)."""
     u_t = UNIT_ROUNDOFF.get(compute, U32)
-    stored = [unit_roundoff(t.dtype) for t in tensors if isinstance(t, torch.Tensor)]
+    stored = [unit_roundoff(t) for t in tensors if isinstance(t, torch.Tensor)]
     return max((u for u in stored if u > u_t), default=0.0)
 
 
@@ -433,7 +446,7 @@ def coarse_payloads(compute: str, named: Mapping[str, "Optional[torch.Tensor | s
     u_t = UNIT_ROUNDOFF.get(compute, U32)
     by_dtype: dict[str, list[str]] = {}
     for name, t in named.items():
-        dtype = str(t.dtype) if isinstance(t, torch.Tensor) else t if isinstance(t, str) else None
+        dtype = str(stored_dtype(t)) if isinstance(t, torch.Tensor) else t if isinstance(t, str) else None
         if dtype is not None and unit_roundoff(dtype := dtype.removeprefix("torch.")) > u_t:
             by_dtype.setdefault(dtype, []).append(name)
     return "; ".join(f"{', '.join(names)} ({dtype}, u = {_power_of_two(unit_roundoff(dtype))})"
@@ -447,15 +460,23 @@ def _power_of_two(u: float) -> str:
 
 def storage_error(u_s: float, *values: torch.Tensor) -> torch.Tensor:
     """float64 per token: ``u_s·Σ|x|`` — how far a difference (or sum) of the stored ``values`` can be from the
-    same of the values they round (each within ``u_s·|x|``)."""
-    out = values[0].to(torch.float64).abs()
+    same of the values they round (each within ``u_s·|x|``); a float8 ``u_s`` takes ``max(|x|, normal_min)``
+    (:data:`FLOAT8_NORMAL_MIN`): a subnormal or zero value is within ``u_s·normal_min`` of what it rounds."""
+    floor = FLOAT8_NORMAL_MIN.get(u_s)
+    out = stored_magnitude(values[0], floor)
     for v in values[1:]:
-        out += v.abs()
+        out += stored_magnitude(v, floor)
     return out.mul_(u_s)
 
 
+def stored_magnitude(values: torch.Tensor, floor: Optional[float]) -> torch.Tensor:
+    """float64 ``|x|``, at least ``floor`` where one is given."""
+    out = values.to(torch.float64).abs()
+    return out.clamp_min_(floor) if floor else out
+
+
 def advantage_bound(truth: torch.Tensor, u_store: float) -> torch.Tensor:
-    return C_ADVANTAGE * max(u_store, U32) * truth.abs()
+    return C_ADVANTAGE * max(u_store, U32) * stored_magnitude(truth, FLOAT8_NORMAL_MIN.get(u_store))
 
 
 def singleton_bound(truth: torch.Tensor, rule: Optional[str]) -> Optional[torch.Tensor]:

@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from ..bundle import BundleSet, open_bundle
+from ..bundle.dtypes import keep_stored, stored_dtype
 from ..judge.compare import as_float64
 from ..judge.error_model import bundle_tolerance, unit_roundoff
 from ..errors import BundleError
@@ -55,8 +56,9 @@ class _Side:
         self.payload_names = set.intersection(*names) if names else set()
 
     def payload(self, name: str) -> torch.Tensor:
-        parts = [shard.payload(name).reshape(-1) for shard in self.bundles.shards]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [shard.payload(name) for shard in self.bundles.shards]
+        return keep_stored(parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts]),
+                           parts[0])
 
     def expected(self) -> dict:
         """expected.json of every shard, lists concatenated in shard order (scalars: the first shard's)."""
@@ -156,7 +158,7 @@ class _Differ:
             pa, pb = a.payload(name), b.payload(name)
             if not (pa.is_floating_point() or pb.is_floating_point()) and pa.dtype == torch.bool:
                 pa, pb = pa.to(torch.int64), pb.to(torch.int64)
-            coarse = max(unit_roundoff(pa.dtype), unit_roundoff(pb.dtype)) if pa.dtype != pb.dtype else 0.0
+            coarse = max(unit_roundoff(pa), unit_roundoff(pb)) if stored_dtype(pa) != stored_dtype(pb) else 0.0
             per = PER_TOKEN if pa.numel() == a.total and pb.numel() == b.total and a.total else PER_SCALAR
             out.append(self.field(name, PAYLOAD_STAGE.get(name, ""), per, pa, self.aligned(pb, per), coarse))
         ea, eb = a.expected(), b.expected()

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleSet
+from ..bundle.dtypes import keep_stored, stored_dtype
 from ..judge.compare import Comparison
 from ..judge.error_model import unit_roundoff
 from ..judge.fields import PER_TOKEN, FieldResult, stage_report
@@ -36,7 +37,8 @@ def _token_rows(shard) -> tuple[torch.Tensor, torch.Tensor]:
 def _flat_payload(shard, name: str) -> Optional[torch.Tensor]:
     if not shard.has_payload(name):
         return None
-    return shard.payload(name).reshape(-1)
+    t = shard.payload(name)
+    return keep_stored(t.reshape(-1), t)
 
 
 class _RolloutTokens:
@@ -104,8 +106,8 @@ def link_report(step: BundleSet, rollout: BundleSet, *, step_name: str, rollout_
                 lo = int(offsets[i])
                 expected[lo:lo + n] = src[off:off + n].to(torch.float64)
                 compared[lo:lo + n] = True
-                if src.dtype != actual.dtype:
-                    coarse = max(coarse, unit_roundoff(src.dtype), unit_roundoff(actual.dtype))
+                if stored_dtype(src) != stored_dtype(actual):
+                    coarse = max(coarse, unit_roundoff(src), unit_roundoff(actual))
             tolerance = expected.abs() * coarse if coarse else torch.zeros(total, dtype=torch.float64)
             tolerance = torch.nan_to_num(tolerance, nan=0.0)
             fields.append(FieldResult(stage=LINK_STAGE, name=name, per=PER_TOKEN, expected=expected,

@@ -40,7 +40,7 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             if zeroed(cfg):
                 kl = kl * ctx.loss_mask.to(kl.dtype)
         else:
-            cols = _kl_columns(ctx, old, ref, expected.dtype)
+            cols = _kl_columns(ctx, old, ref, expected)
             kl, bound = cols.column("actual"), cols.column("bound")
             if zeroed(cfg):
                 kl, bound = _masked(ctx, kl), _masked(ctx, bound)
@@ -56,8 +56,9 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         pass_reason=lambda total, per: f"{total.compared} token(s) compared ({reward_kl_type(cfg)}, kl_coef={cfg.kl_coef})")
 
 
-def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> Chunked:
-    """The float64 KL of rows ``[lo, hi)`` and its rounding bound, from the recorded log-probs upcast."""
+def _kl_columns(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor, stored: torch.Tensor) -> Chunked:
+    """The float64 KL of rows ``[lo, hi)`` and its rounding bound, from the recorded log-probs upcast (``stored``:
+    the recorded kl payload, whose storage rounding the bound adds)."""
     kl_type = reward_kl_type(ctx.config)
     u_token, u_store = ctx.precision.token, unit_roundoff(stored)
     # log-probs stored coarser than the declared compute: the producer's r was that far from the recorded one
@@ -154,7 +155,7 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
         full = StageContext(reader=ctx.reader, indices=list(range(len(ctx.reader.index.samples))), partial=False,
                             rules=ctx.rules)
         stats = _token_estimate(full).stats_of()
-    actual, bound = est.finish(stats, unit_roundoff(expected.dtype))
+    actual, bound = est.finish(stats, unit_roundoff(expected))
     if whitens(cfg) and not est.exact:
         _whiten_hazard(ctx, est, stats if stats is not None else est.stats_of())
     compared = est.mask != 0
@@ -163,7 +164,7 @@ def run_advantage_estimate(ctx: StageContext) -> StageReport:
     if est.returns is not None and ctx.has("returns"):
         recorded = ctx.payload("returns")
         ret_bound = None if est.returns_bound is None else \
-            est.returns_bound + advantage_bound(est.returns.to(torch.float64), unit_roundoff(recorded.dtype))
+            est.returns_bound + advantage_bound(est.returns.to(torch.float64), unit_roundoff(recorded))
         fields.append(ctx.field("advantage.estimate", "returns", PER_TOKEN, recorded, est.returns, bound=ret_bound,
                                 compared=compared))
     ctx.outputs["advantages"] = actual
@@ -231,7 +232,7 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
         actual = _masked(ctx, advantages) if zeroed(ctx.config) else advantages
     else:
         advantages = GrpoReturns(rewards, ctx.lengths, dtype=torch.float64)
-        per_sample = advantage_bound(advantages.rewards, unit_roundoff(expected.dtype))
+        per_sample = advantage_bound(advantages.rewards, unit_roundoff(expected))
         if inherited is not None:
             per_sample = per_sample + inherited.to(torch.float64)
         ctx.outputs["advantage_bound"] = per_sample

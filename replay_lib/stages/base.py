@@ -9,6 +9,7 @@ import msgspec
 import torch
 
 from ..bundle import BundleReader
+from ..bundle.dtypes import keep_stored
 from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
 from ..judge.fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
@@ -163,7 +164,7 @@ class StageContext:
                 field="length", expected=float(self.full_total), actual=float(rows),
             )
         if self.token_index is not None:
-            return t.index_select(0, self.token_index)
+            return keep_stored(t.index_select(0, self.token_index), t)
         return t
 
     def expected_list(self, stage: str, key: str) -> list:
