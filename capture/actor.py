@@ -416,6 +416,7 @@ class ReplayCapture:
         source_dir: Optional[str | os.PathLike] = None,
         register_atexit: bool = True,
         compute_precision: str = "float32",
+        framework: Optional[tuple[str, str]] = None,
     ):
         """``compute_precision``: the format the trainer computes its per-token values in (``float32``,
         ``bfloat16``, ``float16``), declared as ``producer_precision.compute`` (see the module docstring)."""
@@ -437,7 +438,7 @@ class ReplayCapture:
             producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
             compute_precision=compute_precision,
         )
-        self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
+        self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir, framework),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
         directories = [config.root, config.directory]
         self.manager = CaptureManager(self.sink.handle, max_queue=max_queue, close_timeout=close_timeout,
