@@ -426,6 +426,7 @@ class ReplayCapture:
         register_atexit: bool = True,
         compute_precision: str = "float32",
         lock: Optional[CaptureLock] = None,
+        framework: Optional[tuple[str, str]] = None,
     ):
         """``compute_precision``: the format the trainer computes its per-token values in (``float32``,
         ``bfloat16``, ``float16``), declared as ``producer_precision.compute`` (see the module docstring)."""
@@ -447,7 +448,7 @@ class ReplayCapture:
             producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
             compute_precision=compute_precision,
         )
-        self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir),
+        self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir, framework),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
         directories = [config.root, config.directory]
         self._lock = lock

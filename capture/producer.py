@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+import msgspec
 import torch
 
 from replay_lib.bundle.schema import ProducerInfo
@@ -30,12 +31,19 @@ def _git(args: list[str], cwd: Path) -> Optional[bytes]:
     return done.stdout if done.returncode == 0 else None
 
 
-def producer_info(source_dir: Optional[str | os.PathLike] = None) -> ProducerInfo:
+def producer_info(source_dir: Optional[str | os.PathLike] = None,
+                  framework: Optional[tuple[str, str]] = None) -> ProducerInfo:
     """``commit``: ``git rev-parse HEAD`` of ``source_dir`` (default: the working directory), ``""`` when
-    unknown; ``dirty_patch_digest``: sha256 of ``git diff HEAD`` when the checkout has local changes.
+    unknown; ``dirty_patch_digest``: sha256 of ``git diff HEAD`` when the checkout has local changes;
+    ``framework``: ``(name, version)`` of the training framework (an integration passes its own), recorded as
+    ``framework`` / ``framework_version``.
 
     Looked up once per process and directory: the code a process runs does not change while it runs."""
-    return _producer_info(Path(source_dir).resolve() if source_dir is not None else Path.cwd().resolve())
+    info = _producer_info(Path(source_dir).resolve() if source_dir is not None else Path.cwd().resolve())
+    if framework is None:
+        return info
+    name, version = framework
+    return msgspec.structs.replace(info, framework=str(name), framework_version=str(version))
 
 
 @functools.lru_cache(maxsize=8)

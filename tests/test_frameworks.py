@@ -247,15 +247,20 @@ def test_skyrl_default_maps_its_kl_term_and_maps_without_it():
     assert from_skyrl({}).kl_loss_agg_mode == "seq_mean_token_mean"
     cfg = from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False}}})
     assert changed(cfg) == {"n_samples_per_prompt": 5, "grpo_std_normalization": True, "loss_agg_mode": "token_mean",
-                            "log_ratio_clamp": 20.0, "singleton_group": "raw"}
+                            "log_ratio_clamp": 20.0, "singleton_group": "raw",
+                            "metric_agg_mode": "micro_batch_token_mean"}
     dual = from_skyrl({"trainer": {"algorithm": {"kl_loss_coef": 0.0, "policy_loss_type": "dual_clip",
                                                  "off_policy_correction": {"tis_ratio_type": "token"}}},
                        "generator": {"n_samples_per_prompt": 8}})
     assert (dual.eps_clip_c, dual.n_samples_per_prompt) == (3.0, 8)
     assert (dual.is_level, dual.is_mode, dual.is_low, dual.is_high, dual.is_log_clamp) == ("token", "truncate", None,
                                                                                           2.0, 20.0)
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"loss_reduction='prompt_mean': not mapped"):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
+    assert str(err.value) == (
+        "skyrl config: trainer.algorithm.loss_reduction='prompt_mean': the mean over the mini-batch's prompts of each "
+        "prompt's token mean (ppo_utils.py:1209-1216) is not an aggregation the replay recomputes (the bundle's "
+        "group_index already records the prompts)")
 
 
 def test_nemo_rl_grpo_math_defaults_and_tis():
@@ -411,3 +416,35 @@ def test_config_command_errors(tmp_path, capsys, monkeypatch):
                                                "pyyaml)")
     assert main(["config", "nemo-rl", str(tmp_path / "absent.json")]) == 3
     assert "absent.json" in capsys.readouterr().err
+
+
+def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
+    """NovaSky-AI/SkyRL @ a9564572 (skyrl/backends/skyrl_train/utils/ppo_utils.py, workers/worker.py): clip_ratio is
+    each micro-batch's masked token mean (ppo_utils.py:571) averaged over the micro-batches (worker.py:898,
+    worker_utils.py:61-90) whatever loss_reduction is; rloo gives a group of one 0 (ppo_utils.py:1303-1306);
+    reinforce++ is ours; token_mean_legacy is the mean of per-micro-batch token means (ppo_utils.py:1184-1196);
+    the advantages are × response_mask, the response indicator (preprocess.py:131-137), so interior
+    loss-mask-0 tokens keep their computed value."""
+    algo = "trainer"
+    for reduction, mode in (("token_mean", "token_mean"), ("sequence_mean", "seq_mean_token_mean"),
+                            ("token_mean_legacy", "micro_batch_token_mean")):
+        cfg = from_skyrl({algo: {"algorithm": {"loss_reduction": reduction}}})
+        assert (cfg.loss_agg_mode, cfg.metric_agg_mode) == (mode, "micro_batch_token_mean")
+    norm = from_skyrl({algo: {"algorithm": {"loss_reduction": "seq_mean_token_sum_norm", "max_seq_len": 512}}})
+    assert (norm.loss_agg_mode, norm.loss_horizon, norm.metric_agg_mode) == (
+        "seq_mean_token_sum_norm", 512, "micro_batch_token_mean")
+    rloo = from_skyrl({algo: {"algorithm": {"advantage_estimator": "rloo"}}})
+    assert (rloo.advantage_estimator, rloo.singleton_group, rloo.masked_token_value) == ("rloo", "zero", "computed")
+    grpo = from_skyrl({})
+    assert (grpo.advantage_estimator, grpo.singleton_group, grpo.masked_token_value) == ("grpo", "raw", "computed")
+    rpp = from_skyrl({algo: {"algorithm": {"advantage_estimator": "reinforce++", "gamma": 0.9}}})
+    assert (rpp.advantage_estimator, rpp.gamma, rpp.singleton_group) == ("reinforce_plus_plus", 0.9, None)
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({algo: {"algorithm": {"advantage_estimator": "maxrl"}}})
+    assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='maxrl': MaxRL divides the centred "
+                              "reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): not "
+                              "recomputed")
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({algo: {"algorithm": {"advantage_estimator": "my_estimator"}}})
+    assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='my_estimator': not mapped "
+                              "(grpo, rloo, reinforce++, gae are)")

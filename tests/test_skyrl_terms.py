@@ -10,6 +10,7 @@ reference ``ref = logp − r``, ``r = [1, 0 | 0, 30]``, the clamped k3 KL per to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -120,7 +121,7 @@ def test_an_unknown_term_mode_is_a_one_line_schema_error(tmp_path, cli, bundle_t
         assert (code, out) == (3, ""), err
         assert err.count("\n") == 1 and "Traceback" not in err and str(path / "index.json") in err
         assert (f"{key}: expected null or one of sum_of_sample_means, seq_mean_token_mean, token_mean, "
-                f"seq_mean_token_sum, seq_mean_token_sum_norm, got 'seq-mean'") in err, err
+                f"seq_mean_token_sum, seq_mean_token_sum_norm, token_sum, micro_batch_token_mean, got 'seq-mean'") in err, err
 
 
 def test_the_term_modes_round_trip_and_default_to_the_loss_mode():
@@ -154,8 +155,11 @@ def test_skyrl_default_and_use_entropy_loss_map_to_the_term_modes():
                                                "loss_reduction": "sequence_mean"}}})
     assert (k2.kl_loss_type, k2.kl_loss_coef, k2.kl_loss_input_clamp, k2.loss_agg_mode, k2.kl_loss_agg_mode) == (
         "k2", 0.02, None, "seq_mean_token_mean", "seq_mean_token_mean")
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"kl_estimator_type='abs': not mapped"):
-        from_skyrl({"trainer": {"algorithm": {"kl_estimator_type": "abs"}}})
+    # abs = |logp − ref| (ppo_utils.py:106-107), unclamped
+    absolute = from_skyrl({"trainer": {"algorithm": {"kl_estimator_type": "abs"}}})
+    assert (absolute.kl_loss_type, absolute.kl_loss_input_clamp, absolute.kl_loss_output_clamp) == ("abs", None, None)
+    with pytest.raises(UnsupportedFrameworkConfig, match=r"kl_estimator_type='k4': not mapped \(k1, abs, k2, k3 are\)"):
+        from_skyrl({"trainer": {"algorithm": {"kl_estimator_type": "k4"}}})
 
 
 def _skyrl_reference(logp, old, ref, adv, ent, mask, *, eps_low, eps_high, kl_coef, ent_coef) -> dict[str, float]:
@@ -210,15 +214,16 @@ def test_the_skyrl_mapping_matches_skyrls_own_loss_formula():
     def flat(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[i, :int(n)] for i, n in enumerate(lengths)])
 
+    one_micro_batch = dataclasses.replace(LossKnobs.of(cfg), micro_batch=(0, 0, 0))  # clip_ratio's partition
     out = policy_loss_fields(flat(logp), flat(old), flat(adv), flat(ent), flat(mask).to(torch.float32), lengths,
                              eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef,
-                             dtype=torch.float64, knobs=LossKnobs.of(cfg), ref_log_probs=flat(ref))
+                             dtype=torch.float64, knobs=one_micro_batch, ref_log_probs=flat(ref))
     assert {k: float(out[k]) for k in expected} == pytest.approx(expected, rel=1e-12, abs=1e-15)
     # the clamped KL token dominates: its sequence mean is ≥ 10/4, so SkyRL's kl_loss is ≥ 2.5/3
     assert expected["kl_loss"] > 2.5 / 3
     # one mode for every term (the old refusal's reason) is measurably wrong here
     single = policy_loss_fields(flat(logp), flat(old), flat(adv), flat(ent), flat(mask).to(torch.float32), lengths,
                                 eps_clip=0.2, eps_clip_high=0.2, entropy_coef=0.01, dtype=torch.float64,
-                                knobs=LossKnobs.of(msgspec.structs.replace(cfg, kl_loss_agg_mode=None)),
+                                knobs=dataclasses.replace(one_micro_batch, kl_loss_agg_mode=None),
                                 ref_log_probs=flat(ref))
     assert abs(float(single["kl_loss"]) - expected["kl_loss"]) > 0.1

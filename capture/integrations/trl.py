@@ -488,7 +488,8 @@ def enable_replay_capture(trainer: GRPOTrainer, *, env: Optional[Mapping[str, st
         raise UnsupportedFrameworkConfig("TRL trainer: the model's router auxiliary loss is added to the loss TRL "
                                          "reports and is not recomputed (router_aux_loss_coef=0 turns it off)")
     capture = maybe_enable_for_actor(config, dp_rank=int(trainer.accelerator.process_index), dp_size=processes,
-                                     env=env, compute_precision=_compute_precision(trainer), **capture_kwargs)
+                                     env=env, compute_precision=_compute_precision(trainer),
+                                     framework=("trl", trl.__version__), **capture_kwargs)
     if not capture.enabled:
         return None
     hooks = TRLCapture(trainer, capture, config)

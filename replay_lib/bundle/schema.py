@@ -269,6 +269,11 @@ class ProducerInfo(_Struct, kw_only=True):
     commit: Id = ""
     dirty_patch_digest: Optional[Id] = None
     torch_version: Id = ""
+    # The training framework and its version (e.g. "trl", "1.16.0"): the version whose semantics a framework
+    # mapping reads (frameworks/*.py VERSIONS). Optional (a minor addition): absent, they read as msgspec.UNSET
+    # (falsy) and are not written, so a bundle without them is byte-identical to one written before them.
+    framework: Union[Id, None, msgspec.UnsetType] = msgspec.UNSET
+    framework_version: Union[Id, None, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # ``torch.__version__`` is a str subclass that JSON encoders refuse; store the plain string.

@@ -85,7 +85,10 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
                 if ident.get(key):
                     lines.append(("", f"  {key:<26}{elided_listing(ident[key], limit=8)}"))
         if b.producer:
-            lines.append(("", f"  producer  commit={b.producer.get('commit')} torch={b.producer.get('torch_version')}"))
+            framework = (f" framework={b.producer.get('framework')} {b.producer.get('framework_version')}"
+                         if b.producer.get("framework") or b.producer.get("framework_version") else "")
+            lines.append(("", f"  producer  commit={b.producer.get('commit')} torch={b.producer.get('torch_version')}"
+                              f"{framework}"))
         if b.samples is not None:
             lines.append(("", f"  samples   {b.samples} in {b.groups} group(s), {b.tokens} token(s)"))
         if b.config:

@@ -21,6 +21,30 @@ the value clamped to ±10 (``ppo_utils.py`` ``compute_approx_kl``).
 Not encoded: SkyRL pre-divides the advantages by the mini-batch's token count for ``token_mean``
 (``ppo_utils.py:1180-1181``): a bundle holding the *raw* advantages (as SkyRL's dump does) replays them with
 ``loss_agg_mode="token_mean"`` and that count recorded.
+
+Metrics: ``clip_ratio`` (our ``pg_clipfrac``) is each micro-batch's masked token mean whatever ``loss_reduction``
+is (``ppo_utils.py:571``: ``masked_mean((-surr2 > -surr1).float(), loss_mask)``), averaged over the micro-batches
+(``worker.py:876-898``, ``reduce_metrics``: a plain mean for a key not ending in ``_loss``,
+``workers/worker_utils.py:61-90``): ``metric_agg_mode="micro_batch_token_mean"`` from the samples'
+``micro_batch_id`` (one micro-batch: the mini-batch's token mean).
+
+Masked tokens: SkyRL's ``response_mask`` is the response indicator (1 on every response token, tool and
+observation spans included, 0 on padding only: ``skyrl/train/dataset/preprocess.py:131-137,202``), its
+``loss_mask`` the trainable tokens. The GRPO, RLOO and REINFORCE++ advantages are ``× response_mask``
+(``ppo_utils.py:1254,1307,1391``), so a loss-mask-0 token *inside* a response holds the computed value:
+``masked_token_value="computed"`` (verl's response mask is its loss mask, hence its ``zero``).
+
+Estimators: ``grpo`` (a group of one: mean 0, std 1, ``ppo_utils.py:1378-1380``), ``rloo`` (``(r − mean)·n/(n−1)``,
+a group of one gets 0: ``ppo_utils.py:1293-1307``), ``reinforce++`` (discounted returns reset after the response,
+``masked_whiten`` over ``response_mask``: ``ppo_utils.py:1244-1254``) and ``gae`` (``ppo_utils.py:1313-1341``).
+REINFORCE++ whitens over every response token, tool spans included, and puts the outcome reward on the
+response's last token: a bundle whose loss mask has an interior or trailing 0 span must record SkyRL's whitening
+statistics (``advantage_whiten_stats``) and end each response on a loss token.
+
+Loss reductions (``ppo_utils.py:1176-1220``): ``token_mean``, ``sequence_mean``, ``seq_mean_token_sum_norm``, and
+``token_mean_legacy`` (each micro-batch of ``micro_train_batch_size_per_gpu`` consecutive samples divided by its
+own token count, then by the micro-batch count: ``micro_batch_token_mean`` from the samples' ``micro_batch_id``;
+exact when the mini-batch is a multiple of the micro-batch size, ``ppo_utils.py:1187``). ``prompt_mean`` is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +56,22 @@ from ._base import ConfigReader, kl_clamps
 
 FRAMEWORK = "skyrl"
 LOSS_REDUCTION = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mean",
-                  "seq_mean_token_sum_norm": "seq_mean_token_sum_norm"}  # ppo_utils.py:1180-1216
+                  "seq_mean_token_sum_norm": "seq_mean_token_sum_norm",
+                  "token_mean_legacy": "micro_batch_token_mean"}  # ppo_utils.py:1176-1207
+# Reductions refused, with what a replay would need.
+REFUSED_REDUCTIONS = {
+    "prompt_mean": "the mean over the mini-batch's prompts of each prompt's token mean (ppo_utils.py:1209-1216) is "
+                   "not an aggregation the replay recomputes (the bundle's group_index already records the prompts)",
+}
+# SkyRL's estimators → ours (ppo_utils.py:405-441); each one's group-of-one rule.
+ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus", "gae": "gae"}
+SINGLETON = {"grpo": "raw",  # ppo_utils.py:1378-1380: mean 0, std 1
+             "rloo": "zero"}  # ppo_utils.py:1303-1306: "set the advantage to 0"
+REFUSED_ESTIMATORS = {
+    "maxrl": "MaxRL divides the centred reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): "
+             "not recomputed",
+}
+KL_TYPES = ("k1", "abs", "k2", "k3")  # ppo_utils.py:88-126 compute_approx_kl
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
 NEUTRAL = ("sapo", "clip_cov", "kl_cov", "cispo", "dppo", "dynamic_sampling", "value_head_prefix", "temperature",
            "zero_variance_filter", "zero_variance_filter_tol", "kl_ctrl", "tis_imp_ratio_cap")
@@ -44,19 +83,23 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     a = "trainer.algorithm" if r.has("trainer.algorithm") or not r.has("advantage_estimator") else ""
     p = f"{a}." if a else ""
     est = r.text(f"{p}advantage_estimator", "grpo")  # config.py:823
-    if est not in ("grpo", "gae"):
-        r.refuse(f"{p}advantage_estimator", est, "not mapped (grpo and gae are)")
+    if est in REFUSED_ESTIMATORS:
+        r.refuse(f"{p}advantage_estimator", est, REFUSED_ESTIMATORS[est])
+    if est not in ESTIMATORS:
+        r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
     if loss_type not in ("regular", "dual_clip"):
         r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular and dual_clip are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
+    if reduction in REFUSED_REDUCTIONS:
+        r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
     if reduction not in LOSS_REDUCTION:
         r.refuse(f"{p}loss_reduction", reduction, f"not mapped ({', '.join(LOSS_REDUCTION)} are)")
     use_kl_loss = r.flag(f"{p}use_kl_loss", True)  # config.py:833
     kl_loss_coef = r.number(f"{p}kl_loss_coef", 0.001)  # config.py:836
     kl_type = r.text(f"{p}kl_estimator_type", "k3")  # config.py:828
-    if use_kl_loss and kl_loss_coef != 0 and kl_type not in ("k1", "k2", "k3"):
-        r.refuse(f"{p}kl_estimator_type", kl_type, "not mapped (k1, k2 and k3 are)")  # ppo_utils.py compute_approx_kl
+    if use_kl_loss and kl_loss_coef != 0 and kl_type not in KL_TYPES:
+        r.refuse(f"{p}kl_estimator_type", kl_type, f"not mapped ({', '.join(KL_TYPES)} are)")
     if r.flag(f"{p}use_kl_in_reward", False):  # config.py:830
         r.refuse(f"{p}use_kl_in_reward", True, "SkyRL's per-token KL reward is not mapped")
     use_entropy = r.flag(f"{p}use_entropy_loss", False)  # config.py:838
@@ -64,14 +107,14 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if r.flag(f"{p}use_tis", False):  # config.py:914 (deprecated)
         r.refuse(f"{p}use_tis", True, "deprecated in SkyRL; set off_policy_correction.tis_ratio_type instead")
     fields: dict[str, Any] = dict(
-        advantage_estimator=est,
+        advantage_estimator=ESTIMATORS[est],
         n_samples_per_prompt=r.integer("generator.n_samples_per_prompt", 5) if a else 1,  # config.py:1225
         grpo_std_normalization=r.flag(f"{p}grpo_norm_by_std", True),  # config.py:892
         grpo_std_eps=1e-6,  # ppo_utils.py:1348
         grpo_std_unbiased=True,  # ppo_utils.py:1383: torch.std
         group_baseline="mean",
         std_zero="eps",
-        singleton_group="raw",  # ppo_utils.py:1378-1380: mean 0, std 1
+        singleton_group=SINGLETON.get(est),
         gamma=r.number(f"{p}gamma", 1.0),  # config.py:904
         lam=r.number(f"{p}lambd", 1.0),  # config.py:902
         eps_clip=r.number(f"{p}eps_clip_low", 0.2),  # config.py:906
@@ -82,6 +125,12 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         kl_loss_coef=0.0,
         normalize_advantages=r.flag(f"{p}advantage_batch_normalize", False),  # config.py:849
         loss_agg_mode=LOSS_REDUCTION[reduction],
+        # clip_ratio: each micro-batch's masked token mean (ppo_utils.py:571), averaged over the micro-batches
+        # (worker.py:898, worker_utils.py:61-90), whatever loss_reduction is
+        metric_agg_mode="micro_batch_token_mean",
+        # × response_mask (ppo_utils.py:1254,1307,1391), the response indicator (preprocess.py:131-137): a
+        # loss-mask-0 token inside a response keeps its computed value
+        masked_token_value="computed",
     )
     if use_kl_loss and kl_loss_coef != 0:  # worker.py:1068-1078: coef · mean_i(masked_mean_t(kl_i))
         fields.update(use_kl_loss=True, kl_loss_coef=kl_loss_coef, kl_loss_type=kl_type,

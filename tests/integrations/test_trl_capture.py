@@ -189,6 +189,21 @@ def test_every_bundle_replays_clean(runs, name, bundles):
         assert all(link["status"] == "pass" for link in report["links"])
 
 
+def test_bundles_record_trl_and_its_version(runs):
+    """The producer record names the framework and the installed TRL version (a mapping reads that version's
+    semantics); inspect shows them."""
+    import trl
+
+    root = runs[0]
+    reader = BundleReader(root / "clean" / "step-0-0")
+    assert (reader.manifest.producer.framework, reader.manifest.producer.framework_version) == ("trl", trl.__version__)
+    done = subprocess.run([sys.executable, "-m", "replay_lib", "inspect", str(root / "clean" / "step-0-0")],
+                          capture_output=True, text=True, check=False, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if line.startswith("  producer")][0].endswith(
+        f" framework=trl {trl.__version__}")
+
+
 def _tensor(reader: BundleReader, name: str) -> torch.Tensor:
     return reader.payload(name).to(torch.float64)
 

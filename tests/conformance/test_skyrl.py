@@ -1,0 +1,278 @@
+"""SkyRL's semantics as the producer, from a reference written from its code (SkyRL cannot be pip-installed
+here): NovaSky-AI/SkyRL @ a9564572, ``skyrl/backends/skyrl_train/utils/ppo_utils.py`` (below ``ppo_utils.py``),
+``skyrl/backends/skyrl_train/workers/worker.py`` (``worker.py``), ``workers/worker_utils.py`` and
+``skyrl/train/dataset/preprocess.py``. Each function below is that code's formula in float64 torch, cited by line;
+none calls ``replay_lib.kernels``.
+
+Random GRPO / RLOO / REINFORCE++ steps with trailing padding, interior masked spans (tool tokens inside a response:
+loss mask 0, response mask 1), a fully masked sample and several micro-batches below the mini-batch, with float32
+and bf16 inputs; each bundle is mapped by ``from_skyrl`` and must replay with 0 divergences; an injected bug must be
+named at its stage."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+from replay_lib.bundle import BundleWriter
+from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, AdvantageWhitenStats, BundleIndex,
+                                      ComparisonPolicy, Identity, Manifest, SampleRecord, StageId, stage_contracts)
+from replay_lib.demo import producer
+from replay_lib.frameworks import from_skyrl
+
+F64 = torch.float64
+N, GROUPS = 4, 2
+B = N * GROUPS
+WIDTH = 24
+STAGES = [StageId.SAMPLE, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY]
+
+# name → (trainer.algorithm, micro_train_batch_size_per_gpu)
+CONFIGS = {
+    "grpo-token-mean-k3": ({}, 3),
+    "grpo-dual-clip-sequence-mean": ({"policy_loss_type": "dual_clip", "loss_reduction": "sequence_mean",
+                                      "eps_clip_high": 0.28}, 3),
+    "grpo-seq-sum-norm-abs": ({"loss_reduction": "seq_mean_token_sum_norm", "max_seq_len": WIDTH,
+                               "kl_estimator_type": "abs", "kl_loss_coef": 0.01}, 3),
+    "drgrpo-sequence-mean-k2": ({"grpo_norm_by_std": False, "loss_reduction": "sequence_mean",
+                                 "kl_estimator_type": "k2"}, 3),
+    "rloo-token-mean-legacy": ({"advantage_estimator": "rloo", "loss_reduction": "token_mean_legacy",
+                                "use_kl_loss": False}, 4),
+    "reinforce++-token-mean-k1": ({"advantage_estimator": "reinforce++", "kl_estimator_type": "k1"}, 3),
+}
+
+
+def skyrl_config(name: str) -> dict:
+    algo, micro = CONFIGS[name]
+    return {"trainer": {"algorithm": algo, "micro_train_batch_size_per_gpu": micro,
+                        "policy_mini_batch_size": GROUPS},
+            "generator": {"n_samples_per_prompt": N}}
+
+
+# ------------------------------------------------------------------------- the reference, from SkyRL's code
+
+
+def masked_mean(x, mask, dim=None):
+    """torch_utils.py:180-184: ``(x·mask).sum(dim) / mask.sum(dim).clamp(min=1)``."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def grpo(scores, response_mask, index, norm_by_std=True, eps=1e-6):
+    """ppo_utils.py:1344-1394 compute_grpo_outcome_advantage: per uid, (s − mean)/(std + eps) (torch.std,
+    unbiased), a group of one: mean 0, std 1; ``scores.unsqueeze(-1) * response_mask`` (:1391)."""
+    out = scores.clone()
+    for g in set(index):
+        rows = [i for i in range(len(index)) if index[i] == g]
+        s = scores[rows]
+        mean, std = (s.mean(), s.std()) if len(rows) > 1 else (torch.tensor(0.0, dtype=F64), torch.tensor(1.0, dtype=F64))
+        out[rows] = (s - mean) / (std + eps) if norm_by_std else s - mean
+    return out.unsqueeze(-1) * response_mask, out
+
+
+def rloo(scores, response_mask, index):
+    """ppo_utils.py:1260-1310 compute_rloo_outcome_advantage: (s − mean)·n/(n − 1); a group of one gets 0."""
+    out = scores.clone()
+    for g in set(index):
+        rows = [i for i in range(len(index)) if index[i] == g]
+        n = len(rows)
+        out[rows] = (scores[rows] - scores[rows].mean()) * n / (n - 1) if n > 1 else 0.0
+    return out.unsqueeze(-1) * response_mask, out
+
+
+def masked_whiten(values, mask):
+    """ppo_utils.py:129-153 masked_var (unbiased) and masked_whiten: (v − mean)·rsqrt(var + 1e-8)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask) * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8), (float(mean), float(torch.sqrt(var + 1e-8)))
+
+
+def reinforce_pp(token_rewards, response_mask, gamma=1.0):
+    """ppo_utils.py:1225-1257: returns G_t = r_t + γ·G_{t+1}, reset after the response (× response_mask[:, t]),
+    whitened over the response mask, × response_mask."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=F64)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * response_mask[:, t]
+    adv, stats = masked_whiten(returns, response_mask)
+    return adv * response_mask, stats
+
+
+def approx_kl(logp, base, loss_mask, kind):
+    """ppo_utils.py:88-126 compute_approx_kl: k1 logp − base, abs |·|, k2 ½(·)², k3 exp(c) − c − 1 with
+    c = clamp(base − logp, ±20), clamped ±10; masked positions → 0."""
+    if kind == "k1":
+        kld = logp - base
+    elif kind == "abs":
+        kld = (logp - base).abs()
+    elif kind == "k2":
+        kld = 0.5 * (logp - base).square()
+    else:
+        c = torch.clamp(base - logp, -20, 20)
+        kld = torch.clamp(torch.exp(c) - c - 1, -10, 10)
+    return torch.where(loss_mask.bool(), kld * loss_mask, 0.0)
+
+
+def loss_reduction(adv, loss_mask, reduction, micro, max_seq_len):
+    """ppo_utils.py:1152-1222 apply_loss_reduction_to_advantages_minibatch (one mini-batch)."""
+    b = adv.shape[0]
+    if reduction == "token_mean":
+        return adv / loss_mask.sum().clamp(min=1)
+    if reduction == "token_mean_legacy":
+        out = torch.zeros_like(adv)
+        k = b // micro
+        for i in range(k):
+            sl = slice(i * micro, (i + 1) * micro)
+            out[sl] = adv[sl] / loss_mask[sl].sum().clamp(min=1) / k
+        return out
+    if reduction == "sequence_mean":
+        return adv / (b * loss_mask.sum(dim=-1, keepdim=True).clamp(min=1))
+    if reduction == "seq_mean_token_sum_norm":
+        return adv / (b * max_seq_len)
+    raise ValueError(reduction)
+
+
+def ppo_policy_loss(logp, old, adv, loss_mask, algo):
+    """ppo_utils.py:557-588: ratio exp(clamp(Δ, ±20)) (safe_exp_delta, torch_utils.py:187-192), the clipped
+    surrogate, clip_ratio = masked_mean(−surr2 > −surr1) over the micro-batch, dual-clip where A < 0,
+    reduce_loss Σ loss·mask (:1145-1149)."""
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - algo.get("eps_clip_low", 0.2), 1 + algo.get("eps_clip_high", 0.2)) * adv
+    loss = -torch.min(surr1, surr2)
+    clip_ratio = masked_mean((-surr2 > -surr1).to(F64), loss_mask)
+    if algo.get("policy_loss_type") == "dual_clip":
+        loss = torch.where(adv < 0, torch.min(-adv * algo.get("clip_ratio_c", 3.0), loss), loss)
+    return (loss * loss_mask).sum(), float(clip_ratio)
+
+
+def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask):
+    """worker.py:876-898 forward_backward over micro-batches of ``micro`` samples (drop_last False), each
+    worker.py:913-1110 _forward_backward_micro on one DP rank: loss = policy + kl_coef·kl·(len(mb)/len(batch))
+    with kl = masked_mean(kl, mask, dim=-1).mean() (:1068-1089); reduce_metrics (worker_utils.py:61-90) sums the
+    ``*_loss`` keys and averages the others (clip_ratio) over the micro-batches."""
+    use_kl = algo.get("use_kl_loss", True)
+    coef = algo.get("kl_loss_coef", 0.001)
+    pg = kl_term = 0.0
+    clips = []
+    for start in range(0, B, micro):
+        sl = slice(start, min(start + micro, B))
+        weight = (sl.stop - sl.start) / B
+        policy, clip = ppo_policy_loss(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo)
+        pg += float(policy)
+        clips.append(clip)
+        if use_kl:
+            kl = approx_kl(logp[sl], ref[sl], loss_mask[sl], algo.get("kl_estimator_type", "k3"))
+            kl_term += float(masked_mean(kl, loss_mask[sl], dim=-1).mean()) * weight
+    out = {"pg_loss": pg, "pg_clipfrac": sum(clips) / len(clips), "loss": pg + (coef * kl_term if use_kl else 0.0)}
+    if use_kl:
+        out["kl_loss"] = kl_term  # the KL term as it enters the loss: Σ_b w_b·kl_b
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the step
+
+
+def _step(seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, WIDTH, (B,), generator=g)
+    response_mask = (torch.arange(WIDTH)[None, :] < lengths[:, None]).to(F64)  # preprocess.py:131-137,202
+    loss_mask = response_mask.clone()
+    for i in range(B):  # an interior tool span in every other response (the last token stays a model token)
+        if i % 2 == 0 and int(lengths[i]) > 8:
+            start = int(torch.randint(1, int(lengths[i]) - 5, (1,), generator=g))
+            loss_mask[i, start:start + 3] = 0
+    loss_mask[5] = 0  # a fully masked sample (its score still counts in its group)
+
+    def stored(x):  # the inputs as the bundle stores them (bf16: rounded), then read in float64
+        return x.to(dtype).to(F64)
+
+    old = stored(-torch.rand(B, WIDTH, generator=g) * 2)
+    logp = stored(old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.3)
+    logp[1, 2] = stored(old[1, 2] + 1.6)  # past the clip bounds on either sign
+    ref = stored(logp + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.2)
+    scores = torch.randint(0, 3, (B,), generator=g).to(F64)
+    return lengths, response_mask, loss_mask, old, logp, ref, scores
+
+
+def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str = "") -> str:
+    algo, micro = CONFIGS[name]
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(seed, dtype)
+    index = [i // N for i in range(B)]
+    est = algo.get("advantage_estimator", "grpo")
+    stats = None
+    if est == "grpo":
+        adv, normalized = grpo(scores, response_mask, index, algo.get("grpo_norm_by_std", True))
+    elif est == "rloo":
+        adv, normalized = rloo(scores, response_mask, index)
+    else:  # the score on the response's last token (the generator's token-level rewards)
+        token_rewards = torch.zeros(B, WIDTH, dtype=F64)
+        token_rewards[torch.arange(B), lengths - 1] = scores
+        adv, stats = reinforce_pp(token_rewards, response_mask)
+        normalized = scores
+    if bug == "zeroed-span":  # advantages × loss mask, as verl writes them: not SkyRL
+        adv = adv * loss_mask
+    scaled = loss_reduction(-adv if bug == "loss-sign" else adv, loss_mask, algo.get("loss_reduction", "token_mean"),
+                            micro, algo.get("max_seq_len"))
+    policy = train_step(algo, micro, logp, old, ref, scaled, loss_mask)
+
+    cfg = from_skyrl(skyrl_config(name))
+    counts = dict(loss_token_count=int(loss_mask.sum()), loss_seq_count=B)
+    if stats is not None:  # SkyRL whitens over every response token: the bundle records its statistics
+        counts["advantage_whiten_stats"] = AdvantageWhitenStats(mean=stats[0], std=stats[1])
+    cfg = msgspec.structs.replace(cfg, **counts)
+    mb_of = {i: f"mb-{i // micro}" for i in range(B)}  # worker.py:869-872, sample-based micro-batches
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=index[i], response_length=int(lengths[i]),
+                            total_length=int(lengths[i]) + 7, loss_mask=[int(v) for v in loss_mask[i, :lengths[i]]],
+                            raw_reward=float(scores[i]), micro_batch_id=mb_of[i]) for i in range(B)]
+    bundle_index = BundleIndex(bundle_id=f"skyrl-{name}", samples=samples, config=cfg, identity=Identity(
+        actor_step_id=ActorStepId(rollout_id=1, step_id=0), micro_batch_ids=sorted(set(mb_of.values()))))
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=f"skyrl-{name}", producer=producer(),
+                        stage_contracts=stage_contracts(STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
+                        redaction={})
+    expected = {"reward.post_process": {"rewards": [float(v) for v in normalized]}, "loss.policy": policy}
+    writer = BundleWriter(path, manifest, bundle_index, expected)
+    valid = response_mask.bool()
+    payloads = {"log_probs": logp, "old_log_probs": old, "advantages": adv}
+    if cfg.use_kl_loss:
+        payloads["ref_log_probs"] = ref
+    for pname, values in payloads.items():
+        writer.write_payload(pname, values[valid].to(dtype))
+    return writer.finalize(ranks=[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_skyrl_step_replays_clean(tmp_path, cli, name, dtype):
+    bundle = write_skyrl_bundle(tmp_path / "b", name, seed=7, dtype=dtype)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    report = json.loads(out)
+    assert (code, err, report["first_divergent_stage"]) == (0, "", None), out
+    ran = {s["stage"]: s["status"] for s in report["stages"]}
+    assert ran["advantage.estimate"] == ran["loss.policy"] == "pass", ran
+
+
+def test_the_micro_batches_and_the_interior_spans_are_exercised():
+    """The sweep is not vacuous: clip_ratio's mean of per-micro-batch token means differs from the mini-batch's
+    token mean, and the advantages at interior loss-mask-0 tokens are not 0."""
+    algo, micro = CONFIGS["grpo-token-mean-k3"]
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    adv, _ = grpo(scores, response_mask, [i // N for i in range(B)])
+    policy = train_step(algo, micro, logp, old, ref, loss_reduction(adv, loss_mask, "token_mean", micro, None),
+                        loss_mask)
+    _, token_clip = ppo_policy_loss(logp, old, adv, loss_mask, algo)
+    assert abs(policy["pg_clipfrac"] - token_clip) > 1e-3
+    interior = (response_mask == 1) & (loss_mask == 0)
+    assert int(interior.sum()) > 3 and bool((adv[interior] != 0).any())
+
+
+@pytest.mark.parametrize("bug, stage", [("loss-sign", "loss.policy"), ("zeroed-span", "advantage.estimate")])
+def test_skyrl_injected_bug_is_named_at_its_stage(tmp_path, cli, bug, stage):
+    bundle = write_skyrl_bundle(tmp_path / "b", "grpo-token-mean-k3", seed=7, dtype=torch.float32, bug=bug)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    assert (code, json.loads(out)["first_divergent_stage"]) == (1, stage), out + err
