@@ -945,12 +945,10 @@ def test_a_bundle_without_them_is_written_as_before(tmp_path):
     assert all("consumer_batch_id" not in s for s in json.loads((path / "index.json").read_bytes())["samples"])
 
 
-def test_a_160k_shaped_bundle_replays_in_a_real_process(tmp_path):
+def test_a_160k_shaped_bundle_replays_in_a_real_process(tmp_path, bundle_tools):
     """The shape of the 160,000-sample report at 4,000 samples: one token each, each sample its own consumer
     batch (recorded per sample and in the identity), one normalized reward off by 1. The replay completes, names
     the divergence, and warns of nothing (the per-sample ids are no unknown field)."""
-    from conftest import reseal_bundle
-
     path = tmp_path / "b4k"
     subprocess.run(["trajectory-replay", "demo", "write", "--samples", "4000", "--tokens", "1", str(path)],
                    check=True, capture_output=True, timeout=120)
@@ -962,7 +960,7 @@ def test_a_160k_shaped_bundle_replays_in_a_real_process(tmp_path):
     expected = json.loads((path / "expected.json").read_bytes())
     expected["reward.post_process"]["rewards"][0] += 1.0
     (path / "expected.json").write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n")
-    reseal_bundle(path)
+    bundle_tools.reseal(path)
     out = subprocess.run(["trajectory-replay", "replay", str(path)], capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stderr) == (1, "")
     lines = out.stdout.splitlines()
