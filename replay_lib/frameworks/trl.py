@@ -10,9 +10,12 @@ package index; the line numbers below are of that release):
 * the surrogate (``_compute_loss``): ``coef_1 = exp(logp − old)`` per token, or per sequence as
   ``exp(Σ_t (logp − old)·m / max(Σ_t m, 1))`` under ``importance_sampling_level="sequence"`` (``:3087``);
   ``coef_2 = clamp(coef_1, 1 − epsilon, 1 + epsilon_high)`` (``:3113``, ``epsilon_high`` defaults to
-  ``epsilon``, ``:945-946``), ``per_token_loss = −min(coef_1·A, coef_2·A)`` (``:3120``); vLLM's importance
-  ratio multiplies it (``:3147``), then ``beta · k3`` with ``k3 = exp(ref − logp) − (ref − logp) − 1`` on the
-  *current* log-probs is added (``:3101,3150``; times ``coef_1`` when ``use_bias_correction_kl``, ``:3105``).
+  ``epsilon``, ``:945-946``), ``delta`` caps ``coef_1`` at ``delta`` (``:3115-3116``, two-sided clipping: the
+  replay's dual-clip with ``eps_clip_c = delta`` when ``delta ≥ 1 + epsilon_high``), ``per_token_loss =
+  −min(coef_1·A, coef_2·A)`` (``:3120``); vLLM's importance ratio multiplies it (``:3147``), then ``beta · k3``
+  with ``k3 = exp(ref − logp) − (ref − logp) − 1`` on the *current* log-probs is added (``:3101,3150``), times
+  the unclipped ``coef_1`` when ``use_bias_correction_kl`` (TRL's default, ``:3104-3105``:
+  ``kl_loss_ratio_weighted``).
 * the aggregation of one micro-batch (``:3153-3173``), summed over an optimizer step's
   ``gradient_accumulation_steps`` (GAS) micro-batches of ``per_device_train_batch_size`` (B) sequences:
 
@@ -23,7 +26,8 @@ package index; the line numbers below are of that release):
                                                                      (recorded per step), loss_scale = P·SPG/GAS
   ``grpo``     mean over B of per-sequence means / GAS               ``seq_mean_token_mean``, N = B·GAS
   ``bnpo``     Σ x·m / max(Σ m, 1) over the micro-batch / GAS        ``token_mean`` over the local batch:
-                                                                     T = its tokens (GAS must be 1)
+                                                                     T = its tokens (GAS 1), else
+                                                                     ``micro_batch_token_mean``
   ``dr_grpo``  Σ x·m / (B · max_completion_length) / GAS             ``seq_mean_token_sum_norm``, N = B·GAS,
                                                                      L = max_completion_length
   ============ =================================================== ===========================================
@@ -33,13 +37,18 @@ package index; the line numbers below are of that release):
   configuration: ``from_trl`` leaves ``loss_token_count`` unset and the live capture
   (``capture.integrations.trl``) records it in every step bundle.
 
+The entropy bonus (``entropy_coef``, ``:3196-3211``) is ``− entropy_coef · Σ_b (Σ H·m / max(Σ m, 1))_b / GAS``
+whatever the loss type: ``entropy_agg_mode="micro_batch_token_mean"``, unscaled (so refused with a ``dapo`` loss
+whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; another ``framework_version`` is
+refused by name).
+
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"``,
-``multi_objective_aggregation="normalize_then_sum"``, ``delta`` (two-sided clipping), ``top_entropy_quantile
-< 1``, ``off_policy_mask_threshold``, an entropy bonus (``entropy_coef``, ``use_adaptive_entropy``: TRL divides
-it by the micro-batch's own token count whatever the loss type), ``use_bias_correction_kl`` with ``beta != 0``,
-``bnpo`` with GAS > 1 and a step that straddles two generation batches. Any other key whose name looks like a
-knob of the math and whose value is on refuses too (``ConfigReader.check_unknown``).
+another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` (the batch std),
+``multi_objective_aggregation="normalize_then_sum"``, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
+(the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
+step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
+other key whose name looks like a knob of the math and whose value is on refuses too
+(``ConfigReader.check_unknown``).
 """
 
 from __future__ import annotations
@@ -142,8 +151,9 @@ def _rewards(cfg: ConfigReader) -> dict[str, Any]:
     scale = cfg.raw("scale_rewards", "group")
     scale = {True: "group", False: "none"}.get(scale, scale)  # grpo_config.py:1078
     if scale == "batch":
-        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole batch is not "
-                                          "recomputed (group and none are)")
+        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole generation batch, "
+                                          "gathered over every process (:2774-2778), is not recomputed (group and "
+                                          "none are); a bundle would need that batch std recorded")
     if scale not in ("group", "none"):
         cfg.refuse("scale_rewards", scale, "expected group, batch or none")
     aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
@@ -234,7 +244,10 @@ def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
 def _refuse_rest(cfg: ConfigReader) -> None:
     quantile = cfg.number("top_entropy_quantile", 1.0)
     if quantile < 1.0:
-        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask is not recorded or recomputed")
+        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask (entropy ≥ the quantile of the "
+                                                     "micro-batch's loss-token entropies gathered over every "
+                                                     "process, :1380-1415) is not recomputed; a bundle would need "
+                                                     "the mask the loss applied recorded per token")
     threshold = cfg.number("off_policy_mask_threshold", None)
     if threshold is not None:
         cfg.refuse("off_policy_mask_threshold", threshold, "the off-policy sequence mask is not recomputed")
