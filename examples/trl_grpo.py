@@ -125,6 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iterations", type=int, default=2, help="passes over each generation batch (num_iterations)")
     p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when != 0)")
+    p.add_argument("--bias-correction-kl", action="store_true",
+                   help="use_bias_correction_kl (TRL's default; off here unless given): the KL × the ratio")
+    p.add_argument("--delta", type=float, default=None, help="two-sided clipping: cap the unclipped ratio at delta")
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
     p.add_argument("--scale-rewards", default="group", choices=("group", "none"))
     p.add_argument("--gradient-accumulation", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -155,7 +159,8 @@ def train(argv=None) -> dict:
             save_strategy="no", logging_steps=1, max_steps=args.steps, learning_rate=0.05,
             per_device_train_batch_size=4, gradient_accumulation_steps=args.gradient_accumulation,
             num_generations=4, max_completion_length=6, num_iterations=args.iterations,
-            loss_type=args.loss_type, beta=args.beta, use_bias_correction_kl=False,
+            loss_type=args.loss_type, beta=args.beta, use_bias_correction_kl=args.bias_correction_kl,
+            delta=args.delta, entropy_coef=args.entropy_coef,
             scale_rewards=args.scale_rewards, epsilon=0.2, epsilon_high=0.28, reward_weights=[1.0, 0.5],
             dataloader_num_workers=0,
         )

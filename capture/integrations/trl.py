@@ -410,6 +410,8 @@ class TRLCapture:
             if len(self._step_items) == 1:
                 return msgspec.structs.replace(cfg, loss_token_count=max(next(iter(self._step_items)), 1))
             why = f"num_items_in_batch differs between its micro-batches: {sorted(self._step_items)}"
+        elif self.loss_type == "bnpo" and cfg.loss_agg_mode == "micro_batch_token_mean":
+            return cfg  # each sample's micro_batch_id is the partition TRL averaged its token means over
         elif self.loss_type == "bnpo":
             return msgspec.structs.replace(cfg, loss_token_count=max(self._step_tokens, 1))
         elif self._step_samples == cfg.loss_seq_count:

@@ -49,6 +49,7 @@ class LossKnobs:
     kl_loss_type: str = "k1"
     kl_loss_input_clamp: Optional[float] = None
     kl_loss_output_clamp: Optional[float] = None
+    kl_loss_ratio_weighted: bool = False  # the KL term × the policy ratio (TRL use_bias_correction_kl)
     is_level: Optional[str] = None
     is_mode: str = "truncate"
     is_low: Optional[float] = None
@@ -79,6 +80,7 @@ class LossKnobs:
                    log_ratio_clamp=cfg.log_ratio_clamp, importance_level=cfg.importance_level,
                    kl_loss_coef=float(cfg.kl_loss_coef) if use_kl else 0.0, kl_loss_type=cfg.kl_loss_type,
                    kl_loss_input_clamp=cfg.kl_loss_input_clamp, kl_loss_output_clamp=cfg.kl_loss_output_clamp,
+                   kl_loss_ratio_weighted=bool(getattr(cfg, "kl_loss_ratio_weighted", False)),
                    is_level=is_level, is_mode=is_mode, is_low=is_low, is_high=is_high,
                    is_log_clamp=cfg.is_log_clamp, loss_agg_mode=cfg.loss_agg_mode,
                    metric_agg_mode=cfg.metric_agg_mode or cfg.loss_agg_mode,

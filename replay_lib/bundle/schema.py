@@ -193,6 +193,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     importance_level: str = "token"  # token | sequence (GSPO)
     kl_loss_input_clamp: Optional[float] = None
     kl_loss_output_clamp: Optional[float] = None
+    # The KL term of the loss multiplied by the (unclipped) policy ratio, per token or the sample's under
+    # importance_level="sequence" (TRL use_bias_correction_kl, grpo_trainer.py:3104-3105). Unset (falsy) is
+    # not written, so a bundle without it is byte-identical to one written before it.
+    kl_loss_ratio_weighted: Union[bool, msgspec.UnsetType] = msgspec.UNSET
     # train/rollout importance correction: is_level None = off | token | sequence | geometric
     is_level: Optional[str] = None
     is_mode: str = "truncate"  # truncate | mask (IcePop)

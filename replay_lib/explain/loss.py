@@ -367,7 +367,8 @@ def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     for other in AGG_MODES:
         if other == cfg.loss_agg_mode and (cfg.metric_agg_mode or other) == other:
             continue
-        knobs = LossKnobs.of(msgspec.structs.replace(cfg, loss_agg_mode=other, metric_agg_mode=None, **counts))
+        knobs = LossKnobs.of(msgspec.structs.replace(cfg, loss_agg_mode=other, metric_agg_mode=None, **counts),
+                              ctx.samples)
         by = {"loss": policy_fields_from_sums(sums, has_entropy, knobs.entropy_coef, knobs),
               AGGREGATE_FIELD: policy_fields_from_sums(recorded, has_entropy, knobs.entropy_coef, knobs)}
         values: dict = {}

@@ -10,9 +10,12 @@ package index; the line numbers below are of that release):
 * the surrogate (``_compute_loss``): ``coef_1 = exp(logp − old)`` per token, or per sequence as
   ``exp(Σ_t (logp − old)·m / max(Σ_t m, 1))`` under ``importance_sampling_level="sequence"`` (``:3087``);
   ``coef_2 = clamp(coef_1, 1 − epsilon, 1 + epsilon_high)`` (``:3113``, ``epsilon_high`` defaults to
-  ``epsilon``, ``:945-946``), ``per_token_loss = −min(coef_1·A, coef_2·A)`` (``:3120``); vLLM's importance
-  ratio multiplies it (``:3147``), then ``beta · k3`` with ``k3 = exp(ref − logp) − (ref − logp) − 1`` on the
-  *current* log-probs is added (``:3101,3150``; times ``coef_1`` when ``use_bias_correction_kl``, ``:3105``).
+  ``epsilon``, ``:945-946``), ``delta`` caps ``coef_1`` at ``delta`` (``:3115-3116``, two-sided clipping: the
+  replay's dual-clip with ``eps_clip_c = delta`` when ``delta ≥ 1 + epsilon_high``), ``per_token_loss =
+  −min(coef_1·A, coef_2·A)`` (``:3120``); vLLM's importance ratio multiplies it (``:3147``), then ``beta · k3``
+  with ``k3 = exp(ref − logp) − (ref − logp) − 1`` on the *current* log-probs is added (``:3101,3150``), times
+  the unclipped ``coef_1`` when ``use_bias_correction_kl`` (TRL's default, ``:3104-3105``:
+  ``kl_loss_ratio_weighted``).
 * the aggregation of one micro-batch (``:3153-3173``), summed over an optimizer step's
   ``gradient_accumulation_steps`` (GAS) micro-batches of ``per_device_train_batch_size`` (B) sequences:
 
@@ -23,7 +26,8 @@ package index; the line numbers below are of that release):
                                                                      (recorded per step), loss_scale = P·SPG/GAS
   ``grpo``     mean over B of per-sequence means / GAS               ``seq_mean_token_mean``, N = B·GAS
   ``bnpo``     Σ x·m / max(Σ m, 1) over the micro-batch / GAS        ``token_mean`` over the local batch:
-                                                                     T = its tokens (GAS must be 1)
+                                                                     T = its tokens (GAS 1), else
+                                                                     ``micro_batch_token_mean``
   ``dr_grpo``  Σ x·m / (B · max_completion_length) / GAS             ``seq_mean_token_sum_norm``, N = B·GAS,
                                                                      L = max_completion_length
   ============ =================================================== ===========================================
@@ -33,13 +37,18 @@ package index; the line numbers below are of that release):
   configuration: ``from_trl`` leaves ``loss_token_count`` unset and the live capture
   (``capture.integrations.trl``) records it in every step bundle.
 
+The entropy bonus (``entropy_coef``, ``:3196-3211``) is ``− entropy_coef · Σ_b (Σ H·m / max(Σ m, 1))_b / GAS``
+whatever the loss type: ``entropy_agg_mode="micro_batch_token_mean"``, unscaled (so refused with a ``dapo`` loss
+whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; another ``framework_version`` is
+refused by name).
+
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"``,
-``multi_objective_aggregation="normalize_then_sum"``, ``delta`` (two-sided clipping), ``top_entropy_quantile
-< 1``, ``off_policy_mask_threshold``, an entropy bonus (``entropy_coef``, ``use_adaptive_entropy``: TRL divides
-it by the micro-batch's own token count whatever the loss type), ``use_bias_correction_kl`` with ``beta != 0``,
-``bnpo`` with GAS > 1 and a step that straddles two generation batches. Any other key whose name looks like a
-knob of the math and whose value is on refuses too (``ConfigReader.check_unknown``).
+another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` (the batch std),
+``multi_objective_aggregation="normalize_then_sum"``, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
+(the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
+step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
+other key whose name looks like a knob of the math and whose value is on refuses too
+(``ConfigReader.check_unknown``).
 """
 
 from __future__ import annotations
@@ -49,9 +58,10 @@ import functools
 from typing import Any, Optional
 
 from ..bundle.schema import RecomputeConfig
-from ._base import ConfigReader
+from ._base import ConfigReader, framework_version
 
 FRAMEWORK = "TRL"
+VERSIONS = ("1.16.0",)  # the release read (oldest first); capture.integrations.trl refuses another
 # TRL's std epsilon (grpo_trainer.py:2787) and its one KL estimator (k3, :3101).
 TRL_STD_EPS = 1e-4
 LOSS_MODES = {"dapo": "token_mean", "grpo": "seq_mean_token_mean", "bnpo": "token_mean",
@@ -94,13 +104,15 @@ def _training_argument_keys() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(TrainingArguments)) + TRAINING_ARGUMENTS_MATH_NAMED
 
 
-def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None) -> RecomputeConfig:
+def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None,
+             version: Optional[str] = None) -> RecomputeConfig:
     """The :class:`RecomputeConfig` of a TRL ``GRPOConfig`` (or its ``to_dict()``), for a run on
     ``num_processes`` processes (the data-parallel world TRL's ``dapo`` denominator divides by).
 
     The per-step counts (``loss_token_count`` for ``dapo`` and ``bnpo``) are left unset: they are recorded by
     the capture. Raises ``UnsupportedFrameworkConfig`` (exit 4) naming the first key it cannot recompute and
     ``FrameworkConfigError`` (exit 3) for a value of the wrong type."""
+    framework_version(FRAMEWORK, version, VERSIONS, where)
     cfg = ConfigReader(FRAMEWORK, config, where)
     cfg.neutral(*NEUTRAL_KEYS, *_training_argument_keys())
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
@@ -139,8 +151,9 @@ def _rewards(cfg: ConfigReader) -> dict[str, Any]:
     scale = cfg.raw("scale_rewards", "group")
     scale = {True: "group", False: "none"}.get(scale, scale)  # grpo_config.py:1078
     if scale == "batch":
-        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole batch is not "
-                                          "recomputed (group and none are)")
+        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole generation batch, "
+                                          "gathered over every process (:2774-2778), is not recomputed (group and "
+                                          "none are); a bundle would need that batch std recorded")
     if scale not in ("group", "none"):
         cfg.refuse("scale_rewards", scale, "expected group, batch or none")
     aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
@@ -159,9 +172,8 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     if loss_type == "dapo":
         out["loss_scale"] = num_processes * spg / gas
     elif loss_type == "bnpo":
-        if gas != 1:
-            cfg.refuse("loss_type", loss_type, f"with gradient_accumulation_steps={gas} each micro-batch is a token "
-                                              "mean over its own tokens: a step is no single token mean")
+        if gas != 1:  # Σ_b (Σ x·m / max(Σ m, 1))_b / GAS over the step's GAS micro-batches (:3158-3162)
+            out["loss_agg_mode"] = "micro_batch_token_mean"
     else:  # grpo, dr_grpo: every micro-batch holds B sequences
         out["loss_seq_count"] = batch * gas
         if loss_type == "dr_grpo":
@@ -172,11 +184,29 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     out["eps_clip_high"] = eps if high is None else high
     delta = cfg.number("delta", None)
     if delta is not None:
-        cfg.refuse("delta", delta, "the upper bound on the unclipped ratio (two-sided clipping) is not recomputed")
+        # coef_1 = clamp(coef_1, max=delta) before −min(coef_1·A, coef_2·A) (:3115-3120). With delta ≥ 1 + ε_high
+        # this is dual-clip with c = delta: for A < 0, |A|·max(min(r, δ), clip(r)) = |A|·min(max(r, clip(r)), δ);
+        # for A ≥ 0, min(r, δ, clip(r)) = min(r, clip(r)) since clip(r) ≤ 1 + ε_high ≤ δ.
+        if delta < 1 + out["eps_clip_high"]:
+            cfg.refuse("delta", delta, f"below 1 + epsilon_high = {1 + out['eps_clip_high']:g} the cap also clips "
+                                       "positive advantages, which the replay's dual-clip does not (TRL recommends "
+                                       "delta > 1 + epsilon)")
+        out["eps_clip_c"] = delta
     level = cfg.text("importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         cfg.refuse("importance_sampling_level", level, "expected token or sequence")
     out["importance_level"] = level
+    coef = cfg.number("entropy_coef", 0.0)
+    if coef != 0:
+        # loss −= entropy_coef · Σ_b (Σ H·m / max(Σ m, 1))_b / GAS, whatever the loss type (:3196-3211): the mean
+        # over the step's micro-batches of each one's token mean of the entropy, never scaled like the policy term
+        if out.get("loss_scale", 1.0) != 1.0:
+            cfg.refuse("entropy_coef", coef, f"with loss_type=dapo on {num_processes} process(es), "
+                                             f"steps_per_generation={spg} and gradient_accumulation_steps={gas} the "
+                                             f"policy term is scaled by {out['loss_scale']:g} and the entropy bonus "
+                                             "is not; the replay scales every loss term alike (it maps when "
+                                             "processes × steps_per_generation = gradient_accumulation_steps)")
+        out.update(entropy_coef=coef, entropy_agg_mode="micro_batch_token_mean")
     return out
 
 
@@ -185,11 +215,11 @@ def _kl(cfg: ConfigReader) -> dict[str, Any]:
     correction = cfg.flag("use_bias_correction_kl", True)
     if beta == 0:
         return {"use_kl_loss": False, "kl_loss_coef": 0.0}
-    if correction:
-        cfg.refuse("use_bias_correction_kl", correction,
-                   f"with beta={beta} TRL multiplies the KL by the importance ratio, which is not recomputed "
-                   "(set use_bias_correction_kl=False)")
-    return {"use_kl_loss": True, "kl_loss_coef": beta, "kl_loss_input_clamp": None, "kl_loss_output_clamp": None}
+    # k3 on the current log-probs, no clamp (:3099-3102); use_bias_correction_kl (TRL's default) multiplies it
+    # by coef_1, the unclipped importance ratio (per token, or the sequence's under importance_sampling_level=
+    # "sequence"), before delta caps coef_1 (:3104-3105, 3115)
+    return {"use_kl_loss": True, "kl_loss_coef": beta, "kl_loss_input_clamp": None, "kl_loss_output_clamp": None,
+            **({"kl_loss_ratio_weighted": True} if correction else {})}
 
 
 def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
@@ -214,17 +244,18 @@ def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
 def _refuse_rest(cfg: ConfigReader) -> None:
     quantile = cfg.number("top_entropy_quantile", 1.0)
     if quantile < 1.0:
-        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask is not recorded or recomputed")
+        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask (entropy ≥ the quantile of the "
+                                                     "micro-batch's loss-token entropies gathered over every "
+                                                     "process, :1380-1415) is not recomputed; a bundle would need "
+                                                     "the mask the loss applied recorded per token")
     threshold = cfg.number("off_policy_mask_threshold", None)
     if threshold is not None:
         cfg.refuse("off_policy_mask_threshold", threshold, "the off-policy sequence mask is not recomputed")
-    coef = cfg.number("entropy_coef", 0.0)
-    if coef != 0:
-        cfg.refuse("entropy_coef", coef, "TRL's entropy bonus is a token mean over each micro-batch whatever the "
-                                        "loss type; it is not recomputed")
     adaptive = cfg.flag("use_adaptive_entropy", False)
     if adaptive:
-        cfg.refuse("use_adaptive_entropy", adaptive, "the adaptive entropy coefficient is not recomputed")
+        cfg.refuse("use_adaptive_entropy", adaptive, "the coefficient TRL applies changes from step to step with "
+                                                     "the entropy of the previous window; a bundle would need the "
+                                                     "coefficient its step applied")
     aux = cfg.number("router_aux_loss_coef", None)
     if aux:
         cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

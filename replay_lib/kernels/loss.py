@@ -15,7 +15,8 @@ One formula per token, in the dtype of its inputs (float32 for a producer, float
   ``±is_log_clamp`` when set; ``w = exp(·)``; ``truncate``: ``clamp(w, is_low, is_high)``; ``mask``
   (IcePop): ``w·1[is_low ≤ w ≤ is_high]`` (a missing bound is no bound); ``pg ← w·pg``;
 * the KL term of the loss on the current log-probs: ``r = logp − ref`` (clamped to ``±kl_loss_input_clamp``),
-  the estimator ``kl_loss_type`` (``kl.compute_approx_kl``), clamped to ``±kl_loss_output_clamp``.
+  the estimator ``kl_loss_type`` (``kl.compute_approx_kl``), clamped to ``±kl_loss_output_clamp``, and with
+  ``kl_loss_ratio_weighted`` multiplied by the unclipped ratio (the token's, or the sample's under GSPO).
 
 Aggregation (:func:`aggregate`): a field is ``loss_scale · Σ_i w_i Σ_t x·mask`` with ``w_i`` from the mode,
 ``n_i = Σ_t mask``: ``1/max(n_i,1)`` (sum_of_sample_means) · ``1/(N·max(n_i,1))`` (seq_mean_token_mean) ·
@@ -188,6 +189,9 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
         logp = log_probs.to(dtype)
         out["kl_r"] = logp - ref_log_probs.to(dtype)
         out["kl_loss"] = kl_loss_values(logp, ref_log_probs, knobs, dtype=dtype)
+        if knobs.kl_loss_ratio_weighted:  # × the unclipped ratio (TRL use_bias_correction_kl)
+            out["kl_loss_unweighted"] = out["kl_loss"]
+            out["kl_loss"] = out["kl_loss"] * ratio
     return out
 
 

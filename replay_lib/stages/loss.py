@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..judge.error_model import (SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
+from ..judge.error_model import (PG_KL_COND, SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
                            loss_clip_hits, loss_scalar_bounds, near_value,
                            sample_exponent_condition)
 from ..judge.fields import PER_SCALAR, PER_TOKEN
@@ -186,6 +186,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
                 t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
             torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
+            if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
+                buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
         torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
         e_ratio = e_weight = None
         if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
@@ -198,6 +200,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
             if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
                 torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
+                if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
+                    buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
         if signed_entropy:
             torch.abs(buf[2], out=buf[row["abs_ent"]])
         if with_ratio:
@@ -225,7 +229,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             if kl_loss and knobs.kl_loss_input_clamp is not None:
                 hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
             if kl_loss and knobs.kl_loss_output_clamp is not None:
-                hit |= t["kl_loss"].abs() >= knobs.kl_loss_output_clamp
+                hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
             hits.append(hit)
         for k, hit in enumerate(hits):
             if bool(hit.any()):  # Σ hit·m of each sample

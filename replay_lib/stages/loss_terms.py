@@ -192,6 +192,11 @@ class _Tokens:
             out["kl_loss_bound"] = cond.mul_(r.abs() * self.u_t + self.u_t).mul_(TOKEN_SLACK)
             if store:
                 out["kl_loss_bound"] += kl_slope(r, self.knobs.kl_loss_type, store["kl"]).mul_(store["kl"]).mul_(C_STORE)
+            if self.knobs.kl_loss_ratio_weighted:  # kl·w: w·(kl's bound) + |kl·w|·(the ratio's rounding)
+                out["kl_loss_bound"].mul_(ratio).add_(out["kl_loss"].abs() * (e_delta * 2.0 + 3.0 * self.u_t)
+                                                     * TOKEN_SLACK)
+                if store:
+                    out["kl_loss_bound"] += out["kl_loss"].abs() * store["ratio"] * C_STORE
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
             out["entropy_bound"] = out["entropy"].abs().mul_(C_STORE * self.store.entropy)

@@ -36,6 +36,11 @@ VARIANTS = {
     "dr_grpo": (["--loss-type", "dr_grpo", "--steps", "2"], {}),
     "bnpo": (["--loss-type", "bnpo", "--gradient-accumulation", "1", "--steps", "2"], {}),
     "beta": (["--beta", "0.1", "--steps", "2"], {}),
+    # TRL's defaults and knobs refused before 1.16's mapping, in one run: bnpo with 2 micro-batches per step, the
+    # KL × the ratio (use_bias_correction_kl), two-sided clipping at delta 1.3 (≥ 1 + epsilon_high 0.28) and an
+    # entropy bonus
+    "knobs": (["--loss-type", "bnpo", "--beta", "0.1", "--bias-correction-kl", "--delta", "1.3",
+               "--entropy-coef", "0.05", "--steps", "2"], {}),
     "filtered": ([], {"RELAX_REPLAY_CAPTURE_STEPS": "1:1", "RELAX_REPLAY_CAPTURE_ROLLOUTS": "0"}),
     "batch-normalized-rewards": (["--bug", "batch-normalized-rewards", "--steps", "2"], {}),
     "shuffled-advantages": (["--bug", "shuffled-advantages", "--steps", "2"], {}),
@@ -174,6 +179,7 @@ def test_capture_changes_nothing_in_training(runs):
     # GAS 1, SPG 1, 2 iterations: one micro-batch of 4 per step, a generation of one prompt per 2 steps
     ("bnpo", ["rollout-0", "step-0-0", "step-0-1"]),
     ("beta", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("knobs", ["rollout-0", "step-0-0", "step-0-1"]),
     ("filtered", ["rollout-0", "step-1-1"]),
 ])
 def test_every_bundle_replays_clean(runs, name, bundles):
@@ -378,3 +384,92 @@ def test_an_unrecomputable_config_is_refused_before_training(runs):
     assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: loss_type='sapo': only dapo, grpo, "
                                  "bnpo, dr_grpo aggregate the clipped surrogate the replay recomputes"]
     assert not (root / "refused").exists()
+
+
+# What the "knobs" run gave GRPOConfig (examples/trl_grpo.py): bnpo, GAS 2, beta 0.1 with
+# use_bias_correction_kl, epsilon 0.2 / epsilon_high 0.28, delta 1.3, entropy_coef 0.05.
+KNOBS_RUN = {"gas": 2, "beta": 0.1, "epsilon": 0.2, "epsilon_high": 0.28, "delta": 1.3, "entropy_coef": 0.05}
+
+
+def _trl_bnpo_loss(reader: BundleReader, args: dict) -> float:
+    """TRL 1.16's loss of a bnpo step with the knobs of ``args`` (the GRPOConfig values, not the bundle's mapped
+    config), written from ``_compute_loss`` in float64 on the bundle's recorded inputs: coef_1 = exp(logp − old)
+    (:3083-3094); per_token_kl = (exp(ref − logp) − (ref − logp) − 1) · coef_1 (use_bias_correction_kl,
+    :3099-3105); coef_2 = clamp(coef_1, 1 − ε, 1 + ε_high), then coef_1 = clamp(coef_1, max=delta) (:3113-3116);
+    per_token_loss = −min(coef_1·A, coef_2·A) + beta·per_token_kl (:3118-3150); each micro-batch's
+    Σ x·m / max(Σ m, 1) / GAS (:3158-3162) minus entropy_coef · Σ H·m / max(Σ m, 1) / GAS (:3196-3211), summed
+    over the step's micro-batches."""
+    logp, old, adv = _tensor(reader, "log_probs"), _tensor(reader, "old_log_probs"), _tensor(reader, "advantages")
+    ref, entropy = _tensor(reader, "ref_log_probs"), _tensor(reader, "entropy")
+    coef_1 = torch.exp(logp - old)
+    kl = (torch.exp(ref - logp) - (ref - logp) - 1) * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - args["epsilon"], 1 + args["epsilon_high"])
+    capped = torch.clamp(coef_1, max=args["delta"])
+    per_token = -torch.minimum(capped * adv, coef_2 * adv) + args["beta"] * kl
+    batches: dict = {}
+    start = 0
+    for s in reader.index.samples:
+        m = torch.tensor(s.loss_mask, dtype=torch.float64)
+        span = slice(start, start + s.response_length)
+        acc = batches.setdefault(s.micro_batch_id, [0.0, 0.0, 0.0])
+        acc[0] += float((per_token[span] * m).sum())
+        acc[1] += float((entropy[span] * m).sum())
+        acc[2] += float(m.sum())
+        start += s.response_length
+    assert len(batches) == args["gas"]
+    return sum(x / max(n, 1.0) / args["gas"] - args["entropy_coef"] * h / max(n, 1.0) / args["gas"]
+               for x, h, n in batches.values())
+
+
+def test_knobs_run_records_trls_loss_and_reaches_every_knob(runs):
+    """The recorded loss of each step is TRL's formula with the run's GRPOConfig values; the second pass (ratio
+    ≠ 1) has tokens capped at delta (ratio > 1.3 with a negative advantage), so every knob is exercised."""
+    root = runs[0]
+    for name in ("step-0-0", "step-0-1"):
+        reader = BundleReader(root / "knobs" / name)
+        cfg = reader.index.config
+        assert (cfg.loss_agg_mode, cfg.entropy_agg_mode, cfg.entropy_coef) == \
+            ("micro_batch_token_mean", "micro_batch_token_mean", 0.05)
+        assert (cfg.kl_loss_coef, cfg.kl_loss_ratio_weighted, cfg.eps_clip_c) == (0.1, True, 1.3)
+        assert [s.micro_batch_id for s in reader.index.samples] == ["mb-0000"] * 4 + ["mb-0001"] * 4
+        recorded = reader.expected["loss.policy"]["loss"]
+        assert math.isclose(_trl_bnpo_loss(reader, KNOBS_RUN), recorded, rel_tol=1e-5, abs_tol=1e-6), \
+            (name, recorded)
+    reader = BundleReader(root / "knobs" / "step-0-1")
+    ratio = torch.exp(_tensor(reader, "log_probs") - _tensor(reader, "old_log_probs"))
+    mask = torch.tensor([m for s in reader.index.samples for m in s.loss_mask], dtype=torch.bool)
+    capped = (ratio > KNOBS_RUN["delta"]) & (_tensor(reader, "advantages") < 0) & mask
+    assert int(capped.sum()) > 0
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("kl_loss_ratio_weighted", False),  # the KL not multiplied by the ratio (use_bias_correction_kl=False)
+    ("eps_clip_c", None),  # delta ignored
+    ("entropy_coef", 0.0),  # the entropy bonus left out
+])
+def test_a_knob_mapped_wrong_fails_loss_policy(runs, tmp_path, bundle_tools, knob, value):
+    """Control: the knobs run's second step with one mapped knob undone: loss.policy (the only stage the
+    knob enters) is the first divergence, and the explanations (which re-aggregate under each other mode, the
+    samples' micro-batch partition included) do not crash; the bundle as captured passes
+    (test_every_bundle_replays_clean)."""
+    import contextlib
+    import io
+    import shutil
+
+    from replay_lib.cli import main
+
+    path = tmp_path / "step"
+    shutil.copytree(runs[0] / "knobs" / "step-0-1", path)
+
+    def edit(doc):
+        if value is None:
+            doc["config"].pop(knob, None)
+        else:
+            doc["config"][knob] = value
+
+    bundle_tools.edit_json(path, "index.json", edit)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["replay", str(path), "--format", "json"])
+    report = json.loads(out.getvalue())
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy")

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace as msgspec_replace
 
 from replay_lib.errors import EXIT_INVALID, EXIT_UNSUPPORTED, FrameworkConfigError, UnsupportedFrameworkConfig
 from replay_lib.frameworks.trl import from_trl
@@ -63,24 +64,66 @@ def test_sequence_modes_record_b_times_gas(loss_type, mode, n, horizon):
     assert (cfg.loss_agg_mode, cfg.loss_seq_count, cfg.loss_horizon, cfg.loss_scale) == (mode, n, horizon, 1.0)
 
 
-def test_bnpo_is_a_local_token_mean_only_without_accumulation():
-    # bnpo: Σ x·m / max(Σ m, 1) over the micro-batch / GAS (grpo_trainer.py:3158-3162): one token mean per step
-    # only when GAS = 1; with GAS 2 the step is a mean of two micro-batch token means and is refused by name.
+def test_bnpo_is_a_local_token_mean_or_a_mean_of_micro_batch_token_means():
+    # bnpo: Σ x·m / max(Σ m, 1) over the micro-batch / GAS (grpo_trainer.py:3158-3162): one token mean when
+    # GAS = 1; with GAS 2 the step is the mean of its two micro-batches' token means (their micro_batch_id).
     assert from_trl(_base(loss_type="bnpo")).loss_agg_mode == "token_mean"
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"^TRL config: loss_type='bnpo': with gradient_acc"):
-        from_trl(_base(loss_type="bnpo", gradient_accumulation_steps=2))
+    cfg = from_trl(_base(loss_type="bnpo", gradient_accumulation_steps=2))
+    assert (cfg.loss_agg_mode, cfg.loss_token_count, cfg.loss_scale) == ("micro_batch_token_mean", None, 1.0)
 
 
 def test_beta_maps_to_k3_in_the_loss_without_clamps():
     # per_token_loss += beta · (exp(ref − logp) − (ref − logp) − 1) on the current log-probs (:3101, :3150),
-    # no clamp; with use_bias_correction_kl (TRL's default True) the KL is multiplied by the ratio (:3105).
+    # no clamp; with use_bias_correction_kl (TRL's default True) the KL is multiplied by coef_1 (:3104-3105).
     cfg = from_trl(_base(beta=0.04, use_bias_correction_kl=False))
     assert (cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_type) == (True, 0.04, "k3")
     assert (cfg.kl_loss_input_clamp, cfg.kl_loss_output_clamp, cfg.kl_coef) == (None, None, 0.0)
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"use_bias_correction_kl=True: with beta=0.04"):
-        from_trl(_base(beta=0.04))
+    assert not cfg.kl_loss_ratio_weighted
+    default = from_trl(_base(beta=0.04))
+    assert default.kl_loss_ratio_weighted is True
+    assert msgspec_replace(default, kl_loss_ratio_weighted=False) == msgspec_replace(cfg, kl_loss_ratio_weighted=False)
     # beta 0: the correction flag is neutral (no KL term at all)
     assert from_trl(_base(beta=0.0, use_bias_correction_kl=True)).use_kl_loss is False
+    assert not from_trl(_base(beta=0.0, use_bias_correction_kl=True)).kl_loss_ratio_weighted
+
+
+@pytest.mark.parametrize("delta, eps_high", [(1.5, None), (1.28, 0.28), (4.0, 0.28)])
+def test_delta_is_dual_clip_at_delta(delta, eps_high):
+    # coef_1 = clamp(coef_1, max=delta) before −min(coef_1·A, coef_2·A) (:3115-3120): with delta ≥ 1 + ε_high
+    # it caps only negative advantages' loss at −delta·A, verl's dual-clip with c = delta
+    cfg = from_trl(_base(delta=delta, epsilon_high=eps_high))
+    assert cfg.eps_clip_c == delta
+
+
+def test_delta_below_one_plus_eps_high_is_refused():
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_trl(_base(delta=1.25, epsilon_high=0.28))
+    assert str(err.value) == ("TRL config: delta=1.25: below 1 + epsilon_high = 1.28 the cap also clips positive "
+                              "advantages, which the replay's dual-clip does not (TRL recommends delta > 1 + epsilon)")
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_entropy_coef_is_a_mean_of_micro_batch_token_means(loss_type):
+    # loss −= entropy_coef · Σ_b (Σ H·m / max(Σ m, 1))_b / GAS whatever the loss type (:3196-3211)
+    cfg = from_trl(_base(loss_type=loss_type, entropy_coef=0.01, gradient_accumulation_steps=2))
+    assert (cfg.entropy_coef, cfg.entropy_agg_mode) == (0.01, "micro_batch_token_mean")
+
+
+def test_entropy_coef_with_a_scaled_dapo_loss_is_refused():
+    # dapo on 2 processes: the policy term is × P·SPG/GAS = 2, the entropy bonus is not
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_trl(_base(entropy_coef=0.01), num_processes=2)
+    assert str(err.value).startswith("TRL config: entropy_coef=0.01: with loss_type=dapo on 2 process(es), "
+                                     "steps_per_generation=1 and gradient_accumulation_steps=1 the policy term is "
+                                     "scaled by 2 and the entropy bonus is not")
+
+
+def test_version_other_than_the_read_release_is_refused():
+    assert from_trl(_base(), version="1.16.0") == from_trl(_base())
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_trl(_base(), version="1.17.0")
+    assert str(err.value) == ("TRL config: framework_version='1.17.0': not a version this mapping knows "
+                              "(known: 1.16.0)")
 
 
 def test_scale_rewards_and_sequence_level_and_clip_high():
@@ -104,12 +147,11 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 @pytest.mark.parametrize("key, value, message", [
     ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
-    ("scale_rewards", "batch", "scale_rewards='batch': the group mean divided by the std of the whole batch"),
+    ("scale_rewards", "batch", "scale_rewards='batch': the group mean divided by the std of the whole generation batch"),
     ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
-    ("delta", 1.5, "delta=1.5: the upper bound"),
-    ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2"),
+    ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
     ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5"),
-    ("entropy_coef", 0.01, "entropy_coef=0.01"),
+    ("use_adaptive_entropy", True, "use_adaptive_entropy=True: the coefficient TRL applies changes"),
     ("some_new_reward_scale", 2.0, "some_new_reward_scale=2.0: a key the TRL mapping does not know"),
 ])
 def test_refusals_name_the_key(key, value, message):
