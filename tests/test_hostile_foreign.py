@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from replay_lib.bundle.json_limits import MAX_STRING_CHARS, check_limits, JSONLimitError
+from replay_lib.bundle.json_limits import MAX_CONFIG_NODES, MAX_STRING_CHARS, check_limits, JSONLimitError
 from replay_lib.cli import main
 from replay_lib.frameworks._base import MAX_YAML_ALIAS_NODES, load_yaml, to_plain
 from replay_lib.errors import FrameworkConfigError
@@ -108,12 +108,20 @@ def test_aliases_within_the_bound_still_map(tmp_path, capsys):
 def test_alias_expansion_is_counted_as_the_expanded_tree():
     """A node counts once, keys included: l0 is 1 mapping + 10 keys + 10 values = 21 nodes, l1 = 11 + 10 × 21 =
     221, l2 = 2,221, l3 = 22,221, l4 = 222,221. The aliases of l1…l3 add 210 + 2,210 + 22,210 = 24,630 nodes;
-    l4's (line 5) pass 100,000 at its fourth alias. A document whose aliases add exactly up to the bound loads."""
-    unit = "u: &u {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}\n"  # 1 + 9 + 9 = 19 nodes
-    n = MAX_YAML_ALIAS_NODES // 19  # 5,263 aliases: 99,997 nodes
-    assert len(load_yaml(unit + "v: [" + ", ".join(["*u"] * n) + "]\n")["v"]) == n
-    with pytest.raises(JSONLimitError, match=f"^line 2: aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes$"):
-        load_yaml(unit + "v: [" + ", ".join(["*u"] * (n + 1)) + "]\n")
+    l4's (line 5) pass 100,000 at its fourth alias. Every node of the document counts too, aliases expanded
+    (at most MAX_CONFIG_NODES): u is 1 + 9 + 9 = 19 nodes; the root, its two keys, u and the list v are 23; each
+    alias of u adds 19 — 5,261 aliases and 18 scalars make exactly 100,000 nodes, which load; one more scalar is
+    refused."""
+    assert MAX_YAML_ALIAS_NODES == MAX_CONFIG_NODES == 100_000
+    unit = "u: &u {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}\n"
+    n = (MAX_CONFIG_NODES - 23) // 19
+    pad = MAX_CONFIG_NODES - 23 - 19 * n
+    assert (n, pad) == (5261, 18)
+    loaded = load_yaml(unit + "v: [" + ", ".join(["*u"] * n + ["0"] * pad) + "]\n")
+    assert len(loaded["v"]) == n + pad and loaded["v"][0] == {f"k{i}": i for i in range(9)}
+    with pytest.raises(JSONLimitError) as err:
+        load_yaml(unit + "v: [" + ", ".join(["*u"] * n + ["0"] * (pad + 1)) + "]\n")
+    assert str(err.value) == f"line 2: more than {MAX_CONFIG_NODES} keys and values (the limit for a config)"
 
 
 def test_to_plain_refuses_a_recursive_object_by_name():

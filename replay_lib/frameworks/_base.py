@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from ..errors import FrameworkConfigError, UnsupportedFrameworkConfig
-from ..bundle.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH, JSONLimitError, check_limits
+from ..bundle.json_limits import MAX_CONFIG_NODES, MAX_INT_DIGITS, MAX_JSON_DEPTH, JSONLimitError, check_limits
 from ..bundle.schema import RecomputeConfig
 
 _MISSING = object()
@@ -66,7 +66,9 @@ MAX_YAML_ALIAS_NODES = 100_000
 def load_yaml(text: str) -> Any:
     """A YAML document read with PyYAML's safe loader within SPEC §11's limits: nesting at most
     :data:`~replay_lib.bundle.json_limits.MAX_JSON_DEPTH` levels, at most :data:`MAX_YAML_ALIAS_NODES` nodes
-    added by aliases, no alias inside the node it names (a recursive structure), integers and strings within
+    added by aliases, at most :data:`~replay_lib.bundle.json_limits.MAX_CONFIG_NODES` nodes in all (keys and
+    values, aliases counted as what they name: refused while composing, so the node graph PyYAML builds stays
+    within it), no alias inside the node it names (a recursive structure), integers and strings within
     :func:`~replay_lib.bundle.json_limits.check_limits`. A limit raises ``JSONLimitError`` naming the line;
     malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise)."""
     import yaml
@@ -83,6 +85,10 @@ def load_yaml(text: str) -> Any:
         def _refuse(self, event: Any, message: str) -> None:
             raise JSONLimitError(f"line {event.start_mark.line + 1}: {message}")
 
+        def _check_count(self, event: Any) -> None:
+            if self._expanded > MAX_CONFIG_NODES:
+                self._refuse(event, f"more than {MAX_CONFIG_NODES} keys and values (the limit for a config)")
+
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
             if isinstance(event, yaml.AliasEvent):
@@ -93,12 +99,14 @@ def load_yaml(text: str) -> Any:
                 self._from_aliases += size
                 if self._from_aliases > MAX_YAML_ALIAS_NODES:
                     self._refuse(event, f"aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes")
+                self._check_count(event)
                 return super().compose_node(parent, index)
             if self._depth >= MAX_JSON_DEPTH:
                 self._refuse(event, f"nested deeper than {MAX_JSON_DEPTH} levels (the limit for a config)")
             anchor = event.anchor
             before = self._expanded
             self._expanded += 1
+            self._check_count(event)
             self._depth += 1
             if anchor is not None:
                 self._open.add(anchor)
