@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import math
 import re
 from collections.abc import Mapping
@@ -191,24 +193,38 @@ def to_plain(cfg: Any, _depth: int = 0) -> Any:
 
 def nest_dotted(tree: Any) -> Any:
     """``{"a.b": 1}`` → ``{"a": {"b": 1}}`` at every level (argparse stores OpenRLHF's ``--algo.kl.init_coef``
-    under a dotted name); a dotted key and a nested one for the same path are merged."""
+    under a dotted name); a dotted key and a nested one for the same path are merged. A dict with no dotted key
+    at any level is returned as it is (not copied); one that changes is new, and ``tree`` is never modified."""
     if not isinstance(tree, dict):
         return tree
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        value = nest_dotted(value)
+    out: Optional[dict[str, Any]] = None
+    made: set[int] = set()  # ids of the dicts made here (the others belong to ``tree``: copied before a change)
+
+    def own(node: dict, key: str) -> dict:
+        child = node[key]
+        if id(child) not in made:
+            child = node[key] = dict(child)
+            made.add(id(child))
+        return child
+
+    for i, (key, value) in enumerate(tree.items()):
+        nested = nest_dotted(value)
+        if out is None:
+            if nested is value and "." not in key:
+                continue
+            out = dict(itertools.islice(tree.items(), i))  # the keys before: plain, their values unchanged
         *parents, leaf = key.split(".") if key else [key]
         node = out
         for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            node[leaf].update(value)
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+                made.add(id(node[part]))
+            node = own(node, part)
+        if isinstance(nested, dict) and isinstance(node.get(leaf), dict):
+            own(node, leaf).update(nested)
         else:
-            node[leaf] = value
-    return out
+            node[leaf] = nested
+    return tree if out is None else out
 
 
 _INTERPOLATION = re.compile(r"\A\$\{([^{}]+)\}\Z")
@@ -217,7 +233,8 @@ _INTERPOLATION = re.compile(r"\A\$\{([^{}]+)\}\Z")
 def resolve_interpolations(tree: dict) -> dict:
     """A YAML read without OmegaConf keeps its interpolations as strings: ``${a.b}`` (absolute), ``${.b}``
     (a sibling) and ``${oc.select:a.b,default}`` are resolved against the same tree, as OmegaConf would; any
-    other resolver stays a string (a typed read then names it)."""
+    other resolver stays a string (a typed read then names it). Only the dicts on the way to a resolved value
+    are new; ``tree`` is never modified."""
 
     def lookup(path: str, parent: list[str]) -> Any:
         if path.startswith("."):
@@ -247,12 +264,17 @@ def resolve_interpolations(tree: dict) -> dict:
             return value if default is _MISSING else default
         return value_of(found, parent, depth + 1)
 
-    def walk(node: Any, parent: list[str]) -> Any:
-        if isinstance(node, dict):
-            return {k: walk(v, parent + [k]) if isinstance(v, dict) else value_of(v, parent) for k, v in node.items()}
-        return node
+    def walk(node: dict, parent: list[str]) -> dict:
+        out = None  # a copy from the first value that changes: a dict without interpolations is kept as it is
+        for i, (k, v) in enumerate(node.items()):
+            new = walk(v, parent + [k]) if isinstance(v, dict) else value_of(v, parent)
+            if new is not v and out is None:
+                out = dict(itertools.islice(node.items(), i))
+            if out is not None:
+                out[k] = new
+        return node if out is None else out
 
-    return walk(tree, [])
+    return walk(tree, []) if isinstance(tree, dict) else tree
 
 
 def _literal(text: str) -> Any:
@@ -294,9 +316,13 @@ class ConfigReader:
         if not isinstance(tree, dict):
             raise FrameworkConfigError(f"{self._label()}: expected a mapping of settings, got {type(cfg).__name__}")
         self.tree = resolve_interpolations(tree)
-        self.flat = flatten(self.tree)
         self.read: set[str] = set()
         self.neutral_prefixes: list[str] = []
+
+    @functools.cached_property
+    def flat(self) -> dict[str, Any]:
+        """``{"a.b": leaf}`` of the tree, made on first use (:meth:`check_unknown` walks the tree instead)."""
+        return flatten(self.tree)
 
     def _label(self) -> str:
         return f"{self.where}: {self.framework} config" if self.where else f"{self.framework} config"
@@ -389,16 +415,29 @@ class ConfigReader:
         """Refuse (exit 4) the first key under ``sections`` (every key when ``None``) that this mapping does
         not know, whose last name component matches ``pattern`` (default: :data:`MATH_WORDS`) and whose value
         is on."""
-        scopes = None if sections is None else tuple(sections)
         pattern = pattern or _MATH_KEY
-        for path, value in sorted(self.flat.items()):
-            if scopes is not None and not any(path == s or path.startswith(s + ".") for s in scopes):
-                continue
-            name = path.rsplit(".", 1)[-1].lower()
-            if self._known(path) or not pattern.search(name) or not is_active(value):
+        candidates = dict(self._leaves(sections, pattern))  # only keys named like a knob: a few
+        for path, value in sorted(candidates.items()):
+            if self._known(path) or not is_active(value):
                 continue
             self.refuse(path, value, f"a key the {self.framework} mapping does not know; it could change the "
                                      "math, so it is refused rather than guessed")
+
+    def _leaves(self, sections: Optional[Iterable[str]], pattern: re.Pattern) -> Iterable[tuple[str, Any]]:
+        """The leaves of :meth:`flat` under ``sections`` (all when ``None``) whose last name matches ``pattern``,
+        walked in the tree: no path is made for another key."""
+
+        def walk(node: dict, prefix: str) -> Iterable[tuple[str, Any]]:
+            for key, value in node.items():
+                if isinstance(value, dict) and value:
+                    yield from walk(value, f"{prefix}.{key}" if prefix else key)
+                elif pattern.search(key.lower()):
+                    yield (f"{prefix}.{key}" if prefix else key), value
+
+        scopes = None if sections is None else tuple(sections)
+        for path, value in walk(self.tree, ""):
+            if scopes is None or any(path == s or path.startswith(s + ".") for s in scopes):
+                yield path, value
 
     # ------------------------------------------------------------------------------------- result
 
