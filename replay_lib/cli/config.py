@@ -32,10 +32,9 @@ def load_config_file(path: Path) -> Any:
     data = read_regular(path, path.parent if str(path.parent) else Path("."), "framework config", MAX_CONFIG_BYTES)
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
-            text = data.decode("utf-8")
+            data.decode("utf-8")  # checked here for the message; PyYAML reads the bytes as a stream
         except UnicodeDecodeError as exc:
             raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        del data
         try:
             import yaml  # optional: only to read YAML configs
         except ImportError:
@@ -44,7 +43,7 @@ def load_config_file(path: Path) -> Any:
         from ..frameworks._base import load_yaml
 
         try:
-            return load_yaml(text)
+            return load_yaml(data)
         except JSONLimitError as exc:
             raise FrameworkConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:

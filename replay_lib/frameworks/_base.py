@@ -65,15 +65,29 @@ def is_active(value: Any) -> bool:
 MAX_YAML_ALIAS_NODES = 100_000
 
 
-def load_yaml(text: str) -> Any:
+def load_yaml(text: "str | bytes") -> Any:
     """A YAML document read with PyYAML's safe loader within SPEC §11's limits: nesting at most
     :data:`~replay_lib.bundle.json_limits.MAX_JSON_DEPTH` levels, at most :data:`MAX_YAML_ALIAS_NODES` nodes
     added by aliases, at most :data:`~replay_lib.bundle.json_limits.MAX_CONFIG_NODES` nodes in all (keys and
     values, aliases counted as what they name: refused while composing, so the node graph PyYAML builds stays
     within it), no alias inside the node it names (a recursive structure), integers and strings within
     :func:`~replay_lib.bundle.json_limits.check_limits`. A limit raises ``JSONLimitError`` naming the line;
-    malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise)."""
+    malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise).
+
+    ``bytes`` (UTF-8) are read as a stream, 64 KiB at a time, so no copy of the whole text is made beside
+    them; the positions of the nodes PyYAML composes are kept in small slotted marks (no source line)."""
+    import io
+
     import yaml
+
+    class SlimMark:  # yaml.Mark's interface, a third of its size: the node graph is ~10 objects a node
+        __slots__ = ("name", "index", "line", "column", "buffer", "pointer")
+        get_snippet = yaml.Mark.get_snippet
+        __str__ = yaml.Mark.__str__
+
+        def __init__(self, name: str, index: int, line: int, column: int, buffer: Any, pointer: Any):
+            self.name, self.index, self.line, self.column, self.buffer, self.pointer = (
+                name, index, line, column, buffer, pointer)
 
     class BoundedLoader(yaml.SafeLoader):
         def __init__(self, stream: str):
@@ -83,6 +97,10 @@ def load_yaml(text: str) -> Any:
             self._from_aliases = 0
             self._sizes: dict[str, int] = {}  # anchor → the expanded size of its node
             self._open: set[str] = set()  # anchors whose node is being composed
+
+        def get_mark(self) -> Any:
+            mark = super().get_mark()
+            return SlimMark(mark.name, mark.index, mark.line, mark.column, mark.buffer, mark.pointer)
 
         def _refuse(self, event: Any, message: str) -> None:
             raise JSONLimitError(f"line {event.start_mark.line + 1}: {message}")
@@ -129,7 +147,7 @@ def load_yaml(text: str) -> Any:
                                      f"the {MAX_INT_DIGITS}-digit limit") from None
 
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
-    loader = BoundedLoader(text)
+    loader = BoundedLoader(io.BytesIO(text) if isinstance(text, bytes) else text)
     try:
         value = loader.get_single_data()
     finally:
