@@ -139,7 +139,8 @@ def _step(level: list) -> str:
 # Foreign JSON outside a bundle (SPEC §11): framework configs (``config``, ``import --config``) and dump rows
 # (NeMo-RL's jsonl). The same three limits for every reader: nesting depth (:data:`MAX_JSON_DEPTH`), integer
 # size (:data:`MAX_INT_DIGITS` decimal digits: any int64 or uint64 fits, Python's own 4,300-digit limit is never
-# reached) and string length (:data:`MAX_STRING_CHARS`). YAML configs are held to the same limits by
+# reached) and string length (:data:`MAX_STRING_CHARS`); a config also holds at most :data:`MAX_CONFIG_NODES`
+# keys and values (``loads_limited(..., max_nodes=)``). YAML configs are held to the same limits by
 # ``frameworks._base.load_yaml`` (plus a bound on what aliases expand to).
 
 MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
