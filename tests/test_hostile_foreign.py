@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from replay_lib.bundle.json_limits import MAX_STRING_CHARS, check_limits, JSONLimitError
+from replay_lib.bundle.json_limits import (MAX_CONFIG_NODES, MAX_STRING_CHARS, JSONLimitError, check_limits,
+                                           json_node_count)
 from replay_lib.cli import main
 from replay_lib.frameworks._base import MAX_YAML_ALIAS_NODES, load_yaml, to_plain
 from replay_lib.errors import FrameworkConfigError
@@ -108,12 +109,104 @@ def test_aliases_within_the_bound_still_map(tmp_path, capsys):
 def test_alias_expansion_is_counted_as_the_expanded_tree():
     """A node counts once, keys included: l0 is 1 mapping + 10 keys + 10 values = 21 nodes, l1 = 11 + 10 × 21 =
     221, l2 = 2,221, l3 = 22,221, l4 = 222,221. The aliases of l1…l3 add 210 + 2,210 + 22,210 = 24,630 nodes;
-    l4's (line 5) pass 100,000 at its fourth alias. A document whose aliases add exactly up to the bound loads."""
-    unit = "u: &u {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}\n"  # 1 + 9 + 9 = 19 nodes
-    n = MAX_YAML_ALIAS_NODES // 19  # 5,263 aliases: 99,997 nodes
-    assert len(load_yaml(unit + "v: [" + ", ".join(["*u"] * n) + "]\n")["v"]) == n
-    with pytest.raises(JSONLimitError, match=f"^line 2: aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes$"):
-        load_yaml(unit + "v: [" + ", ".join(["*u"] * (n + 1)) + "]\n")
+    l4's (line 5) pass 100,000 at its fourth alias. Every node of the document counts too, aliases expanded
+    (at most MAX_CONFIG_NODES): u is 1 + 9 + 9 = 19 nodes; the root, its two keys, u and the list v are 23; each
+    alias of u adds 19 — 5,261 aliases and 18 scalars make exactly 100,000 nodes, which load; one more scalar is
+    refused."""
+    assert MAX_YAML_ALIAS_NODES == MAX_CONFIG_NODES == 100_000
+    unit = "u: &u {" + ", ".join(f"k{i}: {i}" for i in range(9)) + "}\n"
+    n = (MAX_CONFIG_NODES - 23) // 19
+    pad = MAX_CONFIG_NODES - 23 - 19 * n
+    assert (n, pad) == (5261, 18)
+    loaded = load_yaml(unit + "v: [" + ", ".join(["*u"] * n + ["0"] * pad) + "]\n")
+    assert len(loaded["v"]) == n + pad and loaded["v"][0] == {f"k{i}": i for i in range(9)}
+    with pytest.raises(JSONLimitError) as err:
+        load_yaml(unit + "v: [" + ", ".join(["*u"] * n + ["0"] * (pad + 1)) + "]\n")
+    assert str(err.value) == f"line 2: more than {MAX_CONFIG_NODES} keys and values (the limit for a config)"
+
+
+def _nodes(value) -> int:
+    """Keys and values of a decoded document, counted as SPEC §11 counts them."""
+    if isinstance(value, dict):
+        return 1 + sum(1 + _nodes(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_nodes(v) for v in value)
+    return 1
+
+
+@pytest.mark.parametrize("text, count", [
+    ("1", 1), (' "a" ', 1), ("[]", 1), ("{ }", 1), ("[1]", 2), ("[ 1 ]", 2), ('{"a": 1}', 3), ("[1, 2, 3]", 4),
+    ('{"a": [], "b": {}}', 5), ('{"a,b": "c:[d]", "e": ["f\\"", "\\\\", ","]}', 8),
+    ('[[], [[]], {"": {}}]', 7), ('{"k": [null, true, -1.5e-3, NaN]}', 7),
+])
+def test_json_node_count_is_exact(text, count):
+    assert json_node_count(text.encode()) == count == (_nodes(json.loads(text)) if "NaN" not in text else count)
+
+
+def test_json_node_count_across_pieces():
+    """Strings that hold marks, escapes and whitespace, over many 256 KiB pieces, count as the decoded document."""
+    doc = {f"k{i}, [x]": [f'v "{i}" : {{', i, [], {}, {"a b": None, "c\\": [1.5]}] for i in range(40_000)}
+    data = json.dumps(doc, indent=1).encode()
+    assert len(data) > 8 * (1 << 18)
+    assert json_node_count(data) == _nodes(doc) == 1 + 40_000 * 12  # a key, its list of 5, 2 pairs, 1.5
+
+
+def _keys_config(pairs: int, x: str) -> str:
+    """A verl config: 15 keys and values of header and ``trainer.bulk``, ``pairs`` short keys under
+    ``trainer.bulk`` (2 each), and ``trainer.x`` = ``x``."""
+    bulk = ", ".join(f'"key_{i:08d}": "v{i % 1000}"' for i in range(pairs))
+    return ('{"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28}}, '
+            '"trainer": {"bulk": {' + bulk + '}, "x": ' + x + "}}")
+
+
+def test_config_at_the_node_bound_maps_and_one_more_is_refused(tmp_path, capsys):
+    """15 + 2 × 49,991 pairs + 3 (``"x": [1]``) = 100,000 keys and values: mapped. One list item more is refused
+    before decoding, the count and the limit named, nothing on stdout."""
+    pairs = 49_991
+    at = tmp_path / "at.json"
+    at.write_text(_keys_config(pairs, "[1]"))
+    assert json_node_count(at.read_bytes()) == _nodes(json.loads(at.read_bytes())) == MAX_CONFIG_NODES
+    assert main(["config", "verl", str(at)]) == 0
+    assert json.loads(capsys.readouterr().out)["eps_clip_high"] == 0.28
+    code, err = _config_error(capsys, tmp_path, "over.json", _keys_config(pairs, "[1, 2]"))
+    assert (code, err) == (3, f"trajectory-replay: error: {tmp_path / 'over.json'}: $: 100001 keys and values, "
+                              "more than 100000 (the limit for a config)\n")
+
+
+def test_yaml_config_over_the_node_bound_is_refused(tmp_path, capsys):
+    """A YAML config's nodes are counted while it is composed: the 100,001st is refused at its line."""
+    bulk = "".join(f"    k{i}: {i}\n" for i in range(50_000))  # 9 + 100,000 nodes: the 100,001st is k49995's value
+    content = "algorithm:\n  adv_estimator: grpo\ntrainer:\n  bulk:\n" + bulk
+    code, err = _config_error(capsys, tmp_path, "big.yaml", content)
+    assert (code, err) == (3, f"trajectory-replay: error: {tmp_path / 'big.yaml'}: line 50000: more than 100000 "
+                              "keys and values (the limit for a config)\n")
+
+
+def test_config_of_a_million_keys_is_refused_fast_in_bounded_memory(tmp_path):
+    """17 MB of short keys (1.4 M keys and values): refused (exit 3, one line) from its bytes, in a real process,
+    well within 3× the file above what the process held before (decoding it took ~15×: ~250 MB)."""
+    path = tmp_path / "keys.json"
+    path.write_text(_keys_config(700_000, "1"))
+    size = path.stat().st_size
+    assert size > 16_000_000
+    script = textwrap.dedent(f"""
+        import resource, sys, time
+        from replay_lib.cli import main
+        import replay_lib.frameworks.verl, replay_lib.bundle.json_limits, msgspec
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.monotonic()
+        code = main(["config", "verl", {str(path)!r}])
+        took = time.monotonic() - t
+        print(code, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, took, file=sys.stderr)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    error, tail = proc.stderr.splitlines()
+    code, before, after, took = tail.split()
+    assert int(code) == 3 and proc.stdout == ""
+    assert error == (f"trajectory-replay: error: {path}: $: {15 + 2 * 700_000 + 2} keys and values, more than "
+                     "100000 (the limit for a config)")
+    assert (int(after) - int(before)) * 1024 < 3 * size
+    assert float(took) < 10  # ~0.5 s: byte scans, no decode
 
 
 def test_to_plain_refuses_a_recursive_object_by_name():

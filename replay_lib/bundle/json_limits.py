@@ -14,7 +14,7 @@ Torch-free: ``inspect`` reads the same files.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import msgspec
 
@@ -40,19 +40,44 @@ def json_depth_error(data: bytes, limit: int = MAX_JSON_DEPTH) -> Optional[str]:
     return f"{path}: nested deeper than {limit} levels (the limit for a bundle's JSON)"
 
 
+def _outside_strings(data: bytes, drop: bytes, table: Optional[bytes] = None) -> bytes:
+    """The bytes of ``data`` outside its strings, less those in ``drop`` (which holds every byte but the
+    quote and the marks kept), translated by ``table``. Exact for valid JSON."""
+    s = _without_escapes(data).translate(table, drop)  # an escaped quote must not end or start a string
+    if b'"' in s:
+        # Strings without marks are now "" pairs: dropping adjacent pairs is a fast bytes replace. If no quote
+        # is left, no mark was inside a string (a mark run inside one sits between an even- and an
+        # odd-numbered quote, so the quote run before it has odd length and leaves a quote); else the regex.
+        pairs_dropped = s.replace(b'""', b"")
+        s = pairs_dropped if b'"' not in pairs_dropped else b"".join(_STRING.sub(b"", p) for p in _pieces(s))
+    return s
+
+
+def _without_escapes(data: bytes) -> bytes:
+    """``data`` less its escaped backslashes and quotes: then every quote opens or closes a string."""
+    if b"\\" not in data:
+        return data
+    return data.replace(b"\\\\", b"").replace(b'\\"', b"")
+
+
+def _pieces(s: bytes, size: int = 1 << 18) -> Iterator[bytes]:
+    """``s`` (without escapes) in pieces of about ``size`` bytes, each ending outside a string (after an even
+    number of quotes), so that a regex finds whole strings in it and its list of fragments stays that of one
+    piece (a regex over a whole 30 MB document of short strings holds ~100 bytes per string)."""
+    start, n = 0, len(s)
+    while start < n:
+        end = min(start + size, n)
+        if end < n and s.count(b'"', start, end) % 2:
+            close = s.find(b'"', end)  # the string open at `end` closes there
+            end = n if close < 0 else close + 1
+        yield s[start:end]
+        start = end
+
+
 def _looks_deeper(data: bytes, limit: int) -> bool:
     """Whether the brackets outside strings nest deeper than ``limit``, from the bytes alone. Exact for valid
     JSON; malformed JSON may look deep, which :func:`_deep_path` then settles."""
-    s = data
-    if b"\\" in s:  # an escaped backslash or quote must not end or start a string
-        s = s.replace(b"\\\\", b"").replace(b'\\"', b"")
-    s = s.translate(_FOLD, _DROP)
-    if b'"' in s:
-        # Strings without brackets are now "" pairs: dropping adjacent pairs is a fast bytes replace. If no quote
-        # is left, no bracket was inside a string (a bracket run inside one sits between an even- and an
-        # odd-numbered quote, so the quote run before it has odd length and leaves a quote); else the regex.
-        pairs_dropped = s.replace(b'""', b"")
-        s = pairs_dropped if b'"' not in pairs_dropped else _STRING.sub(b"", s)
+    s = _outside_strings(data, _DROP, _FOLD)
     # Peel the innermost level while that shrinks the text a lot (a list of many small objects), then
     # follow the depth run by run (a deep chain is a few long runs).
     peeled = 0
@@ -114,10 +139,16 @@ def _step(level: list) -> str:
 # Foreign JSON outside a bundle (SPEC §11): framework configs (``config``, ``import --config``) and dump rows
 # (NeMo-RL's jsonl). The same three limits for every reader: nesting depth (:data:`MAX_JSON_DEPTH`), integer
 # size (:data:`MAX_INT_DIGITS` decimal digits: any int64 or uint64 fits, Python's own 4,300-digit limit is never
-# reached) and string length (:data:`MAX_STRING_CHARS`). YAML configs are held to the same limits by
+# reached) and string length (:data:`MAX_STRING_CHARS`); a config also holds at most :data:`MAX_CONFIG_NODES`
+# keys and values (``loads_limited(..., max_nodes=)``). YAML configs are held to the same limits by
 # ``frameworks._base.load_yaml`` (plus a bound on what aliases expand to).
 
 MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
+# Keys and values a config may hold (each key, each value, each list item, each list or object, the document
+# itself: YAML's nodes, aliases counted as what they name). A trainer config holds a few thousand; decoded,
+# a key and its value cost Python ~150 bytes, so the bound caps what a config's structure can cost (~15 MB)
+# whatever the size of the file.
+MAX_CONFIG_NODES = 100_000
 MAX_STRING_CHARS = 1 << 20  # 1 Mi characters: a chat template or a path is far shorter
 _INT_BOUND = 10 ** MAX_INT_DIGITS
 
@@ -127,18 +158,59 @@ class JSONLimitError(ValueError):
     ``"$.a.b: an integer of 5000 digits, over the 20-digit limit"``."""
 
 
-def loads_limited(data: bytes, what: str = "foreign JSON") -> object:
+_NODE_MARKS = b"[]{},:"
+_NODE_QUOTE_DROP = bytes(c for c in range(256) if c not in _NODE_MARKS + b'"')
+_WHITESPACE = b" \t\r\n"
+_OTHER = bytes(c for c in range(256) if c not in _NODE_MARKS + _WHITESPACE)
+_SCALAR = bytes.maketrans(_OTHER, b"0" * len(_OTHER))  # every byte of a scalar (a string's too) → "0"
+
+
+def json_node_count(data: bytes) -> int:
+    """The keys and values of the JSON document ``data`` (see :data:`MAX_CONFIG_NODES`), from the bytes alone,
+    before any decoder builds them: its lists and objects, and its scalars (keys included) — the runs of bytes
+    between the marks ``[]{},:``, whitespace left out. Exact for valid JSON (malformed JSON: its decoder says
+    so). C-speed scans of 256 KiB at a time; a piece whose strings hold marks has its strings emptied first
+    (a regex). Memory: one copy of the document at most (when it holds escapes), and one piece."""
+    nodes, last = 0, b","  # a scalar at the very start opens a run like one after a comma
+    for piece in _pieces_for_counting(_without_escapes(data)):
+        t = piece.translate(_SCALAR, _WHITESPACE)
+        if not t:
+            continue
+        nodes += t.count(b"[") + t.count(b"{")
+        nodes += t.count(b"[0") + t.count(b"{0") + t.count(b",0") + t.count(b":0")
+        nodes += last in b"[{,:" and t[0] == 0x30
+        last = t[-1:]
+    return nodes
+
+
+def _pieces_for_counting(s: bytes) -> Iterator[bytes]:
+    """``s`` (without escapes) in pieces where no string holds a mark: a piece whose marks outside its
+    strings are fewer than all its marks has its strings emptied (``""``) by a regex."""
+    for piece in _pieces(s):
+        if b'"' in piece:
+            marks = piece.translate(None, _NODE_QUOTE_DROP)
+            if b'"' in marks.replace(b'""', b""):  # a quote run of odd length: a mark inside a string
+                piece = _STRING.sub(b'""', piece)
+        yield piece
+
+
+def loads_limited(data: bytes, what: str = "foreign JSON", max_nodes: Optional[int] = None) -> object:
     """``data`` decoded within the limits above. ``json.JSONDecodeError`` (with the standard library's message,
     which callers quote) for malformed JSON; :class:`JSONLimitError` naming the path for a limit.
 
     msgspec decodes the bytes in place (no text copy); a document it refuses (``NaN``/``Infinity`` literals,
     which Python's json writes, or a malformed one) is decoded again by the json module for its values or
-    its message."""
+    its message. With ``max_nodes``, a document of more keys and values (:func:`json_node_count`) is refused
+    before it is decoded."""
     import json
 
     deep = json_depth_error(data)
     if deep is not None:
         raise JSONLimitError(deep.replace("a bundle's JSON", what))
+    if max_nodes is not None:
+        nodes = json_node_count(data)
+        if nodes > max_nodes:
+            raise JSONLimitError(f"$: {nodes} keys and values, more than {max_nodes} (the limit for {what})")
     try:
         value = msgspec.json.decode(data)
     except msgspec.DecodeError:

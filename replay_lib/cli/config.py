@@ -22,18 +22,19 @@ MAX_CONFIG_BYTES = 64 << 20
 
 def load_config_file(path: Path) -> Any:
     """The parsed content of a framework config file (JSON, or YAML through PyYAML when installed), within
-    SPEC §11's limits for foreign input (nesting depth, integer digits, string length; YAML aliases bounded by
-    what they expand to): a file over one is a one-line error naming where (exit 3)."""
-    from ..bundle.json_limits import JSONLimitError, loads_limited
+    SPEC §11's limits for foreign input (nesting depth, integer digits, string length, at most
+    :data:`~replay_lib.bundle.json_limits.MAX_CONFIG_NODES` keys and values, YAML aliases counted as what they
+    expand to): a file over one is a one-line error naming where (exit 3). The keys and values of a JSON file are
+    counted on its bytes, before it is decoded; a YAML file's while it is composed."""
+    from ..bundle.json_limits import MAX_CONFIG_NODES, JSONLimitError, loads_limited
 
     path = Path(path)
     data = read_regular(path, path.parent if str(path.parent) else Path("."), "framework config", MAX_CONFIG_BYTES)
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
-            text = data.decode("utf-8")
+            data.decode("utf-8")  # checked here for the message; PyYAML reads the bytes as a stream
         except UnicodeDecodeError as exc:
             raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        del data
         try:
             import yaml  # optional: only to read YAML configs
         except ImportError:
@@ -42,13 +43,13 @@ def load_config_file(path: Path) -> Any:
         from ..frameworks._base import load_yaml
 
         try:
-            return load_yaml(text)
+            return load_yaml(data)
         except JSONLimitError as exc:
             raise FrameworkConfigError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise FrameworkConfigError(f"{path}: not YAML: {' '.join(str(exc).split())[:200]}") from None
     try:
-        return loads_limited(data, "a config")
+        return loads_limited(data, "a config", max_nodes=MAX_CONFIG_NODES)
     except UnicodeDecodeError as exc:
         raise FrameworkConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except JSONLimitError as exc:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import math
 import re
 from collections.abc import Mapping
@@ -21,7 +23,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from ..errors import FrameworkConfigError, UnsupportedFrameworkConfig
-from ..bundle.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH, JSONLimitError, check_limits
+from ..bundle.json_limits import MAX_CONFIG_NODES, MAX_INT_DIGITS, MAX_JSON_DEPTH, JSONLimitError, check_limits
 from ..bundle.schema import RecomputeConfig
 
 _MISSING = object()
@@ -63,13 +65,29 @@ def is_active(value: Any) -> bool:
 MAX_YAML_ALIAS_NODES = 100_000
 
 
-def load_yaml(text: str) -> Any:
+def load_yaml(text: "str | bytes") -> Any:
     """A YAML document read with PyYAML's safe loader within SPEC §11's limits: nesting at most
     :data:`~replay_lib.bundle.json_limits.MAX_JSON_DEPTH` levels, at most :data:`MAX_YAML_ALIAS_NODES` nodes
-    added by aliases, no alias inside the node it names (a recursive structure), integers and strings within
+    added by aliases, at most :data:`~replay_lib.bundle.json_limits.MAX_CONFIG_NODES` nodes in all (keys and
+    values, aliases counted as what they name: refused while composing, so the node graph PyYAML builds stays
+    within it), no alias inside the node it names (a recursive structure), integers and strings within
     :func:`~replay_lib.bundle.json_limits.check_limits`. A limit raises ``JSONLimitError`` naming the line;
-    malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise)."""
+    malformed YAML raises ``yaml.YAMLError``. Needs PyYAML (``ImportError`` otherwise).
+
+    ``bytes`` (UTF-8) are read as a stream, 64 KiB at a time, so no copy of the whole text is made beside
+    them; the positions of the nodes PyYAML composes are kept in small slotted marks (no source line)."""
+    import io
+
     import yaml
+
+    class SlimMark:  # yaml.Mark's interface, a third of its size: the node graph is ~10 objects a node
+        __slots__ = ("name", "index", "line", "column", "buffer", "pointer")
+        get_snippet = yaml.Mark.get_snippet
+        __str__ = yaml.Mark.__str__
+
+        def __init__(self, name: str, index: int, line: int, column: int, buffer: Any, pointer: Any):
+            self.name, self.index, self.line, self.column, self.buffer, self.pointer = (
+                name, index, line, column, buffer, pointer)
 
     class BoundedLoader(yaml.SafeLoader):
         def __init__(self, stream: str):
@@ -80,8 +98,16 @@ def load_yaml(text: str) -> Any:
             self._sizes: dict[str, int] = {}  # anchor → the expanded size of its node
             self._open: set[str] = set()  # anchors whose node is being composed
 
+        def get_mark(self) -> Any:
+            mark = super().get_mark()
+            return SlimMark(mark.name, mark.index, mark.line, mark.column, mark.buffer, mark.pointer)
+
         def _refuse(self, event: Any, message: str) -> None:
             raise JSONLimitError(f"line {event.start_mark.line + 1}: {message}")
+
+        def _check_count(self, event: Any) -> None:
+            if self._expanded > MAX_CONFIG_NODES:
+                self._refuse(event, f"more than {MAX_CONFIG_NODES} keys and values (the limit for a config)")
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
@@ -93,12 +119,14 @@ def load_yaml(text: str) -> Any:
                 self._from_aliases += size
                 if self._from_aliases > MAX_YAML_ALIAS_NODES:
                     self._refuse(event, f"aliases expand to more than {MAX_YAML_ALIAS_NODES} nodes")
+                self._check_count(event)
                 return super().compose_node(parent, index)
             if self._depth >= MAX_JSON_DEPTH:
                 self._refuse(event, f"nested deeper than {MAX_JSON_DEPTH} levels (the limit for a config)")
             anchor = event.anchor
             before = self._expanded
             self._expanded += 1
+            self._check_count(event)
             self._depth += 1
             if anchor is not None:
                 self._open.add(anchor)
@@ -119,7 +147,7 @@ def load_yaml(text: str) -> Any:
                                      f"the {MAX_INT_DIGITS}-digit limit") from None
 
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
-    loader = BoundedLoader(text)
+    loader = BoundedLoader(io.BytesIO(text) if isinstance(text, bytes) else text)
     try:
         value = loader.get_single_data()
     finally:
@@ -183,24 +211,38 @@ def to_plain(cfg: Any, _depth: int = 0) -> Any:
 
 def nest_dotted(tree: Any) -> Any:
     """``{"a.b": 1}`` → ``{"a": {"b": 1}}`` at every level (argparse stores OpenRLHF's ``--algo.kl.init_coef``
-    under a dotted name); a dotted key and a nested one for the same path are merged."""
+    under a dotted name); a dotted key and a nested one for the same path are merged. A dict with no dotted key
+    at any level is returned as it is (not copied); one that changes is new, and ``tree`` is never modified."""
     if not isinstance(tree, dict):
         return tree
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        value = nest_dotted(value)
+    out: Optional[dict[str, Any]] = None
+    made: set[int] = set()  # ids of the dicts made here (the others belong to ``tree``: copied before a change)
+
+    def own(node: dict, key: str) -> dict:
+        child = node[key]
+        if id(child) not in made:
+            child = node[key] = dict(child)
+            made.add(id(child))
+        return child
+
+    for i, (key, value) in enumerate(tree.items()):
+        nested = nest_dotted(value)
+        if out is None:
+            if nested is value and "." not in key:
+                continue
+            out = dict(itertools.islice(tree.items(), i))  # the keys before: plain, their values unchanged
         *parents, leaf = key.split(".") if key else [key]
         node = out
         for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            node[leaf].update(value)
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+                made.add(id(node[part]))
+            node = own(node, part)
+        if isinstance(nested, dict) and isinstance(node.get(leaf), dict):
+            own(node, leaf).update(nested)
         else:
-            node[leaf] = value
-    return out
+            node[leaf] = nested
+    return tree if out is None else out
 
 
 _INTERPOLATION = re.compile(r"\A\$\{([^{}]+)\}\Z")
@@ -209,7 +251,8 @@ _INTERPOLATION = re.compile(r"\A\$\{([^{}]+)\}\Z")
 def resolve_interpolations(tree: dict) -> dict:
     """A YAML read without OmegaConf keeps its interpolations as strings: ``${a.b}`` (absolute), ``${.b}``
     (a sibling) and ``${oc.select:a.b,default}`` are resolved against the same tree, as OmegaConf would; any
-    other resolver stays a string (a typed read then names it)."""
+    other resolver stays a string (a typed read then names it). Only the dicts on the way to a resolved value
+    are new; ``tree`` is never modified."""
 
     def lookup(path: str, parent: list[str]) -> Any:
         if path.startswith("."):
@@ -239,12 +282,17 @@ def resolve_interpolations(tree: dict) -> dict:
             return value if default is _MISSING else default
         return value_of(found, parent, depth + 1)
 
-    def walk(node: Any, parent: list[str]) -> Any:
-        if isinstance(node, dict):
-            return {k: walk(v, parent + [k]) if isinstance(v, dict) else value_of(v, parent) for k, v in node.items()}
-        return node
+    def walk(node: dict, parent: list[str]) -> dict:
+        out = None  # a copy from the first value that changes: a dict without interpolations is kept as it is
+        for i, (k, v) in enumerate(node.items()):
+            new = walk(v, parent + [k]) if isinstance(v, dict) else value_of(v, parent)
+            if new is not v and out is None:
+                out = dict(itertools.islice(node.items(), i))
+            if out is not None:
+                out[k] = new
+        return node if out is None else out
 
-    return walk(tree, [])
+    return walk(tree, []) if isinstance(tree, dict) else tree
 
 
 def _literal(text: str) -> Any:
@@ -286,9 +334,13 @@ class ConfigReader:
         if not isinstance(tree, dict):
             raise FrameworkConfigError(f"{self._label()}: expected a mapping of settings, got {type(cfg).__name__}")
         self.tree = resolve_interpolations(tree)
-        self.flat = flatten(self.tree)
         self.read: set[str] = set()
         self.neutral_prefixes: list[str] = []
+
+    @functools.cached_property
+    def flat(self) -> dict[str, Any]:
+        """``{"a.b": leaf}`` of the tree, made on first use (:meth:`check_unknown` walks the tree instead)."""
+        return flatten(self.tree)
 
     def _label(self) -> str:
         return f"{self.where}: {self.framework} config" if self.where else f"{self.framework} config"
@@ -381,16 +433,29 @@ class ConfigReader:
         """Refuse (exit 4) the first key under ``sections`` (every key when ``None``) that this mapping does
         not know, whose last name component matches ``pattern`` (default: :data:`MATH_WORDS`) and whose value
         is on."""
-        scopes = None if sections is None else tuple(sections)
         pattern = pattern or _MATH_KEY
-        for path, value in sorted(self.flat.items()):
-            if scopes is not None and not any(path == s or path.startswith(s + ".") for s in scopes):
-                continue
-            name = path.rsplit(".", 1)[-1].lower()
-            if self._known(path) or not pattern.search(name) or not is_active(value):
+        candidates = dict(self._leaves(sections, pattern))  # only keys named like a knob: a few
+        for path, value in sorted(candidates.items()):
+            if self._known(path) or not is_active(value):
                 continue
             self.refuse(path, value, f"a key the {self.framework} mapping does not know; it could change the "
                                      "math, so it is refused rather than guessed")
+
+    def _leaves(self, sections: Optional[Iterable[str]], pattern: re.Pattern) -> Iterable[tuple[str, Any]]:
+        """The leaves of :meth:`flat` under ``sections`` (all when ``None``) whose last name matches ``pattern``,
+        walked in the tree: no path is made for another key."""
+
+        def walk(node: dict, prefix: str) -> Iterable[tuple[str, Any]]:
+            for key, value in node.items():
+                if isinstance(value, dict) and value:
+                    yield from walk(value, f"{prefix}.{key}" if prefix else key)
+                elif pattern.search(key.lower()):
+                    yield (f"{prefix}.{key}" if prefix else key), value
+
+        scopes = None if sections is None else tuple(sections)
+        for path, value in walk(self.tree, ""):
+            if scopes is None or any(path == s or path.startswith(s + ".") for s in scopes):
+                yield path, value
 
     # ------------------------------------------------------------------------------------- result
 
