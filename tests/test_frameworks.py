@@ -448,3 +448,29 @@ def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
         from_skyrl({algo: {"algorithm": {"advantage_estimator": "my_estimator"}}})
     assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='my_estimator': not mapped "
                               "(grpo, rloo, reinforce++, gae are)")
+
+
+def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
+    """stdout stays the mapped JSON; stderr lists the keys the mapping read, from the file or at the defaults, and
+    an empty file (``verl {}``) is said to give every default (it silently gave verl's default estimator, gae)."""
+    path = tmp_path / "verl.json"
+    path.write_text(json.dumps({"algorithm": {"adv_estimator": "grpo"},
+                                "actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28}}}))
+    assert main(["config", "verl", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["eps_clip_high"] == 0.28
+    lines = err.splitlines()
+    assert lines[0] == f"verl keys read from {path}: 2 set by the file, 26 at verl's defaults"
+    assert [ln.split()[:2] for ln in lines[1:3]] == [["file", "algorithm.adv_estimator"],
+                                                     ["file", "actor_rollout_ref.actor.clip_ratio_high"]]
+    assert lines[1].endswith("= 'grpo'") and lines[2].endswith("= 0.28")
+    assert all(ln.split()[0] == "default" for ln in lines[3:]) and len(lines) == 3 + 26
+    assert any(ln.split()[1] == "actor_rollout_ref.actor.clip_ratio_c" and ln.endswith("= 3.0") for ln in lines)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    assert main(["config", "verl", str(empty)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["advantage_estimator"] == "gae"
+    assert err.splitlines()[1] == (f"none of the keys the verl mapping reads is in {empty}: every knob above is "
+                                   f"verl's default (check the file's nesting, e.g. algorithm.adv_estimator)")
+    assert "default  algorithm.adv_estimator" in err and "= 'gae'" in err

@@ -82,10 +82,39 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_config_command(args) -> int:
+    """The mapped RecomputeConfig as JSON on stdout (what a bundle's ``config`` holds); on stderr, which keys of the
+    file the mapping read and which it took at the framework's defaults, so a default is never mistaken for a
+    setting of the run."""
     import sys
 
+    from ..frameworks._base import recording
     from ..safe_text import json_document
 
-    cfg = map_config(args.framework, load_config_file(args.file), where=str(args.file))
+    with recording() as readers:
+        cfg = map_config(args.framework, load_config_file(args.file), where=str(args.file))
     sys.stdout.write(json_document(cfg))
+    sys.stdout.flush()
+    from .output import emit
+
+    emit(source_lines(args.framework, str(args.file), readers), sys.stderr)
     return 0
+
+
+def source_lines(framework: str, file: str, readers) -> list[tuple[str, str]]:
+    """Where each key the mapping read came from: ``from the file`` (its value) or ``default`` (the value the
+    mapping used for it, the framework's own default at the version it follows)."""
+    reads: dict[str, tuple] = {}
+    for reader in readers:
+        for path, (value, from_file) in reader.reads.items():
+            reads.setdefault(path, (value, from_file))
+    from_file = [(k, v) for k, (v, f) in reads.items() if f]
+    defaults = [(k, v) for k, (v, f) in reads.items() if not f]
+    lines = [("title", f"{framework} keys read from {file}: {len(from_file)} set by the file, {len(defaults)} at "
+                       f"{framework}'s defaults")]
+    if not from_file:
+        lines.append(("warning", f"none of the keys the {framework} mapping reads is in {file}: every knob above is "
+                                 f"{framework}'s default (check the file's nesting, e.g. algorithm.adv_estimator)"))
+    width = max((len(k) for k in reads), default=0)
+    lines += [("", f"  file     {k:<{width}} = {v!r}") for k, v in from_file]
+    lines += [("skipped", f"  default  {k:<{width}} = {v!r}") for k, v in defaults]
+    return lines

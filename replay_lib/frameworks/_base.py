@@ -12,6 +12,8 @@ math-bearing sections whose name looks like a knob of the reward → advantage �
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -324,12 +326,33 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The readers made while a ``recording()`` is open (``trajectory-replay config`` says which keys came from the file).
+_RECORDING: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("config_readers", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """``with recording() as readers:`` — every :class:`ConfigReader` made inside is appended to ``readers``, so a
+    caller can list each key a mapping read, with its value and whether the file set it."""
+    readers: list = []
+    token = _RECORDING.set(readers)
+    try:
+        yield readers
+    finally:
+        _RECORDING.reset(token)
+
+
 class ConfigReader:
-    """Typed, recorded reads of one framework config. ``where`` (a file name) prefixes every message."""
+    """Typed, recorded reads of one framework config. ``where`` (a file name) prefixes every message.
+    ``reads``: every key read, in order, as ``(value used, whether the file set it)``."""
 
     def __init__(self, framework: str, cfg: Any, where: Optional[str] = None):
         self.framework = framework
         self.where = where
+        self.reads: dict[str, tuple[Any, bool]] = {}
+        readers = _RECORDING.get()
+        if readers is not None:
+            readers.append(self)
         tree = nest_dotted(to_plain(cfg))
         if not isinstance(tree, dict):
             raise FrameworkConfigError(f"{self._label()}: expected a mapping of settings, got {type(cfg).__name__}")
@@ -364,7 +387,10 @@ class ConfigReader:
         value = self._lookup(path)
         if isinstance(value, dict):  # a section read whole: every leaf under it is known
             self.neutral_prefixes.append(path)
-        return default if value is _MISSING else value
+        used = default if value is _MISSING else value
+        if not isinstance(value, dict):
+            self.reads.setdefault(path, (used, value is not _MISSING))
+        return used
 
     def number(self, path: str, default: Any) -> Optional[float]:
         """A float (``None`` stays ``None``); a bool or a non-number names the key (exit 3)."""
