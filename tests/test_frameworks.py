@@ -340,10 +340,11 @@ def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({}, "openrlhf config: algo.advantage.estimator='gae': OpenRLHF whitens these advantages with the biased "
-         "variance over the step's tokens (experience_maker.py:325-338), which the replay does not recompute"),
     ({"algo.advantage.estimator": "flash_reinforce"},
-     "openrlhf config: algo.advantage.estimator='flash_reinforce': not mapped (group_norm, dr_grpo, rloo are)"),
+     "openrlhf config: algo.advantage.estimator='flash_reinforce': its baseline is the mean reward of the whole "
+     "rollout batch (experience_maker.py:273-276), which a bundle of one optimizer step does not hold; record the "
+     "centred reward as each sample's normalized reward, or every sample of the rollout batch in one bundle under "
+     "one group_index, and map it as dr_grpo"),
     ({"algo.advantage.estimator": "rloo", "algo.kl.target": 0.1},
      "openrlhf config: algo.kl.target=0.1: an adaptive KL coefficient changes every step; only a fixed one is "
      "mapped (record the step's coefficient as algo.kl.init_coef)"),

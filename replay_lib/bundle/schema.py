@@ -224,6 +224,17 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     reward_clip_low: Optional[float] = None
     reward_clip_high: Optional[float] = None
     advantage_whiten_stats: Optional[AdvantageWhitenStats] = None
+    # How advantages are whitened (when they are) and how GAE treats loss-mask-0 tokens. Optional (a minor
+    # addition): unset, they read as msgspec.UNSET and mean the first value named, and are not written, so a
+    # bundle without them is byte-identical to one written before them.
+    # whiten_variance: unbiased (verl masked_whiten, Bessel) | biased (OpenRLHF, over N) | none (centred only,
+    # OpenRLHF no_std_norm). whiten_eps_mode: add (verl: the mean over Σmask + 1e-8, the divisor sqrt(var + 1e-8))
+    # | clamp (OpenRLHF: the mean over Σmask, the divisor sqrt(max(var, 1e-8))).
+    whiten_variance: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    whiten_eps_mode: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    # gae_masked_tokens: skip (verl: a mask-0 token carries the next value and advantage through unchanged) |
+    # zeroed (OpenRLHF: values and rewards × mask, the recursion runs over every token).
+    gae_masked_tokens: Union[str, msgspec.UnsetType] = msgspec.UNSET
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
     # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).

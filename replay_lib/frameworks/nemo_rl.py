@@ -59,10 +59,14 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                      ("sequence_level_importance_ratios", "sequence-level ratios"),  # loss.py:119
                      ("use_kl_in_reward", "KL in the reward"),  # loss.py:135
                      ("use_on_policy_kl_approximation", "the importance-weighted KL"),  # loss.py:153
-                     ("force_on_policy_ratio", "a forced ratio of 1"),  # loss.py:158
                      ("use_cispo", "CISPO")):  # loss.py:160
         if r.flag(f"{L}.{key}", False):
             r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
+    if r.flag(f"{L}.force_on_policy_ratio", False):  # loss.py:158
+        r.refuse(f"{L}.force_on_policy_ratio", True, "NeMo-RL takes the ratio as 1 (prev_logprobs := the current "
+                 "log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
+                 "(grpo.py:3238-3249); record the current log-probs as old_log_probs and map the config with "
+                 "force_on_policy_ratio false")
     nll = r.number(f"{L}.positive_example_nll_weight", 0.0)  # loss.py:164
     if nll != 0:
         r.refuse(f"{L}.positive_example_nll_weight", nll, "the VAPO NLL term is not recomputed")
@@ -91,6 +95,8 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         kl_loss_input_clamp=r.number(f"{L}.kl_input_clamp_value", 20.0),  # loss.py:132; yaml:84
         kl_loss_output_clamp=r.number(f"{L}.kl_output_clamp_value", 10.0),  # loss.py:133; yaml:85
         loss_agg_mode="token_mean" if token_level else "seq_mean_token_mean",  # loss.py:506-515, 678-692
+        # adv.py:98: advantages.expand(mask.shape), never × the mask: a tool span holds the sample's value
+        masked_token_value="computed",
         entropy_coef=0.0,  # NeMo-RL's entropy is a metric only
     )
     _importance(r, fields)

@@ -10,10 +10,17 @@ dict, or a flat dict of the dotted flag names (``{"algo.kl.init_coef": 0.01}``, 
 
 What OpenRLHF computes, and how it maps:
 
-* Advantages are always the cumulative returns of per-token rewards ``r_t = mask_t·(1[t = last]·g_i −
-  β·kl_t)`` (``utils.py:131-160`` ``compute_reward``, ``exp.py:283-317``, ``get_cumulative_returns``
-  ``exp.py:390-421``): ``kl_in_reward="token_returns"`` whatever β (0 when the KL is off or in the loss), so a
-  masked tail and a fully masked sample get 0, as OpenRLHF writes them.
+* Advantages are built from per-token rewards ``r_t = mask_t·(1[t = last]·g_i − β·kl_t)`` (``utils.py:131-160``
+  ``compute_reward``, ``exp.py:283-290``): ``kl_in_reward="token_returns"`` whatever β (0 when the KL is off or in
+  the loss). ``gae`` (the default) runs GAE over them with the critic's values (``exp.py:292-299``,
+  ``get_advantages_and_returns`` ``exp.py:343-388``): values and rewards × the action mask, the recursion over
+  every token (``gae_masked_tokens="zeroed"``), γ and λ as configured. Every other estimator takes their
+  cumulative returns (``exp.py:300-317``, ``get_cumulative_returns`` ``exp.py:390-421``), γ forced to 1 except
+  for ``reinforce``, so a masked tail and a fully masked sample get 0, as OpenRLHF writes them.
+* ``gae``, ``reinforce`` and ``reinforce_baseline`` are then whitened over the step's loss tokens
+  (``exp.py:324-338``): the plain masked mean, the biased variance floored at 1e-8 (``var.clamp(min=1e-8)
+  .rsqrt()``) → ``normalize_advantages``, ``whiten_variance="biased"``, ``whiten_eps_mode="clamp"``; with
+  ``algo.advantage.no_std_norm`` only the mean is taken out (``whiten_variance="none"``).
 * ``g_i``: the group-normalized reward (``exp.py:268-278``), clamped to ``reward.clip_range`` (default ±10,
   ``cli.py:474``; ``utils.py:141-142``) → ``reward_clip_low/high``.
 * The in-reward KL (``init_coef > 0`` and not ``use_loss``, ``exp.py:205-214``): ``compute_approx_kl``'s k1/k2/k3
@@ -35,9 +42,10 @@ from ._base import ConfigReader, framework_version
 
 FRAMEWORK = "openrlhf"
 VERSIONS = ("0.11.2",)  # oldest first
-# exp.py:268-278; the estimators whose returns OpenRLHF whitens (exp.py:325-338) are refused below.
-ESTIMATORS = {"group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo"}
-WHITENED = ("gae", "reinforce", "reinforce_baseline")
+# exp.py:262-278 (the baselines), 292-317 (GAE or the cumulative returns)
+ESTIMATORS = {"group_norm": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
+              "reinforce": "reinforce_plus_plus", "reinforce_baseline": "reinforce_plus_plus_baseline"}
+WHITENED = ("gae", "reinforce", "reinforce_baseline")  # exp.py:324-338
 AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_mean"}  # cli.py:440-447
 KL_CLAMP = 10.0  # utils.py:113
 # Sections outside the recomputed math: engines, models, data, checkpoints, logging, optimizers.
@@ -81,12 +89,14 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
     else:
         r.bad("actor.eps_clip_low_high", low_high, "two numbers [low, high]")
     entropy = r.number("actor.entropy_coef", None)  # cli.py:468-473: None = not computed
-    r.number("algo.advantage.gamma", 1.0)  # cli.py:411; forced to 1 for these estimators (exp.py:308-310)
-    r.number("algo.advantage.lambd", 1.0)  # cli.py:410: GAE only
-    r.flag("algo.advantage.no_std_norm", False)  # cli.py:526-531: the whitened estimators only
-    if est in WHITENED:
-        r.refuse("algo.advantage.estimator", est, "OpenRLHF whitens these advantages with the biased variance "
-                 "over the step's tokens (experience_maker.py:325-338), which the replay does not recompute")
+    gamma = r.number("algo.advantage.gamma", 1.0)  # cli.py:411; forced to 1 but for gae, reinforce (exp.py:308-310)
+    lam = r.number("algo.advantage.lambd", 1.0)  # cli.py:410: GAE only
+    no_std = r.flag("algo.advantage.no_std_norm", False)  # cli.py:526-531: the whitened estimators only
+    if est == "flash_reinforce":
+        r.refuse("algo.advantage.estimator", est, "its baseline is the mean reward of the whole rollout batch "
+                 "(experience_maker.py:273-276), which a bundle of one optimizer step does not hold; record "
+                 "the centred reward as each sample's normalized reward, or every sample of the rollout batch "
+                 "in one bundle under one group_index, and map it as dr_grpo")
     if est not in ESTIMATORS:
         r.refuse("algo.advantage.estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     fields: dict[str, Any] = dict(
@@ -96,8 +106,8 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
         grpo_std_eps=1e-9,  # exp.py:274
         grpo_std_unbiased=True,  # exp.py:274: torch.std
         group_baseline="leave_one_out" if est == "rloo" else "mean",  # exp.py:268-272
-        kl_in_reward="token_returns",  # exp.py:283-317: cumulative returns of compute_reward's token rewards
-        gamma=1.0,  # whatever algo.advantage.gamma says
+        kl_in_reward="token_returns",  # exp.py:283-317: GAE or cumulative returns of compute_reward's rewards
+        gamma=gamma if est in ("gae", "reinforce") else 1.0,  # exp.py:308-310
         eps_clip=eps_low,
         eps_clip_high=eps_high,
         eps_clip_c=r.number("actor.dual_clip", None),  # cli.py:408; loss.py:203-214
@@ -106,6 +116,11 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
         loss_agg_mode=AGG_MODES[agg],  # actor.py:80; loss.py:11-39
         metric_agg_mode="token_mean",  # loss.py:257-258, actor.py:200-219 (whatever the loss's mode)
     )
+    if est == "gae":  # exp.py:292-299, 343-388
+        fields.update(lam=lam, gae_masked_tokens="zeroed")
+    if est in WHITENED:  # exp.py:324-338
+        fields.update(normalize_advantages=True, whiten_variance="none" if no_std else "biased",
+                      whiten_eps_mode="clamp")
     if loss_type == "ppo":
         fields["log_ratio_clamp"] = 20.0  # loss.py:187
     else:  # GSPO: per-sample ratio exp(mean Δ), unclamped, per-sample aggregation (loss.py:151-152,188-197)

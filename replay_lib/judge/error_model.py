@@ -501,13 +501,16 @@ def recursion_bound(truth: torch.Tensor, truth32: torch.Tensor, condition: torch
 
 
 def whiten_bound(values: torch.Tensor, bound: torch.Tensor, mask: torch.Tensor, whitened: torch.Tensor,
-                 mean: float, divisor: float, recorded: bool, u_reduce: float = U32) -> torch.Tensor:
+                 mean: float, divisor: float, recorded: bool, u_reduce: float = U32,
+                 divides: bool = True) -> torch.Tensor:
     """float64 per token: the bound of whitened advantages ``A' = (A − μ)/σ`` over ``N`` loss tokens, given the
     bound ``ρ`` of the advantages ``A`` before it (a producer's own ``A`` is that far from ``T``):
     ``(ρ_t + Δμ)/σ + |A'_t|·(Δσ/σ + 2u)``, with ``Δμ = 2·u_a·√N·mean|A| + mean ρ`` and
     ``Δσ/σ = u_a·√N + Σ|A − μ|·ρ/((N − 1)·σ²)`` (a sum of ``N`` terms rounds by about ``√N·u`` of its
     magnitude, as the group sums above; the variance's terms are positive). With recorded statistics
-    (``advantage_whiten_stats``) ``μ`` and ``σ`` are the producer's own: ``Δμ = Δσ = 0``."""
+    (``advantage_whiten_stats``) ``μ`` and ``σ`` are the producer's own: ``Δμ = Δσ = 0``. A centring without
+    the division (``divides=False``, ``σ = 1``): ``Δσ = 0``. The ``N − 1`` covers a biased variance (over ``N``)
+    too, and a variance floored at ε (``clamp``) moves its divisor less than the variance moves."""
     m = mask.to(torch.float64)
     a = values.to(torch.float64)
     rho = bound.to(torch.float64)
@@ -516,7 +519,8 @@ def whiten_bound(values: torch.Tensor, bound: torch.Tensor, mask: torch.Tensor, 
         d_mean, d_rel = 0.0, 0.0
     else:
         d_mean = C_REDUCE * u_reduce * math.sqrt(n) * float((a.abs() * m).sum()) / n + float((rho * m).sum()) / n
-        d_rel = u_reduce * math.sqrt(n) + float(((a - mean).abs() * rho * m).sum()) / ((n - 1) * divisor * divisor)
+        d_rel = (u_reduce * math.sqrt(n) + float(((a - mean).abs() * rho * m).sum()) / ((n - 1) * divisor * divisor)
+                 if divides else 0.0)
     w = whitened.to(torch.float64).abs()
     return (rho + d_mean) / divisor + w * (d_rel + 2 * U32)
 

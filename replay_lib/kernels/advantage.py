@@ -109,48 +109,83 @@ def discounted_returns(rewards: torch.Tensor, lengths: torch.Tensor, gamma: floa
     return out[valid]
 
 
+GAE_MASKED_TOKENS = ("skip", "zeroed")
+
+
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-                   gamma: float, lam: float, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (verl ``compute_gae_advantage_return``, before its whitening): ``δ_t = r_t + γ·V_next − V_t``,
-    ``A_t = δ_t + γλ·A_next``, returns ``A + V``; a token off the loss mask is skipped (its δ is dropped and the
-    next value and advantage are carried through it, verl's observation tokens). ``(advantages, returns)``
-    in ``dtype``, one token at a time backwards as the frameworks do."""
+                   gamma: float, lam: float, dtype: torch.dtype = torch.float32,
+                   masked: str = "skip") -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (before any whitening): ``δ_t = r_t + γ·V_next − V_t``, ``A_t = δ_t + γλ·A_next``, returns ``A + V``,
+    one token at a time backwards as the frameworks do; ``(advantages, returns)`` in ``dtype``. ``masked`` is
+    what a token off the loss mask does:
+
+    * ``skip`` (verl ``compute_gae_advantage_return``, observation tokens): its δ is dropped and the next value
+      and advantage are carried through it unchanged;
+    * ``zeroed`` (OpenRLHF ``get_advantages_and_returns``): its value and reward are multiplied by the mask (0)
+      and the recursion runs over it like any token (``δ_t = γ·V_next`` there, and the loss token before it
+      sees a next value of 0); the returns are ``A + V·mask``."""
+    if masked not in GAE_MASKED_TOKENS:
+        raise ValueError(f"masked: expected one of {', '.join(GAE_MASKED_TOKENS)}, got {masked!r}")
     r, valid = _padded(rewards, lengths, dtype)
     v, _ = _padded(values, lengths, dtype)
     m, _ = _padded(loss_mask, lengths, dtype)
+    if masked == "zeroed":
+        v, r = v * m, r * m
     adv = torch.zeros_like(r)
     next_value = torch.zeros(r.shape[0], dtype=dtype)
     last = torch.zeros(r.shape[0], dtype=dtype)
     for t in range(r.shape[1] - 1, -1, -1):
         delta = r[:, t] + gamma * next_value - v[:, t]
         candidate = delta + gamma * lam * last
-        next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
-        last = candidate * m[:, t] + (1 - m[:, t]) * last
+        if masked == "zeroed":
+            next_value, last = v[:, t], candidate
+        else:
+            next_value = v[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+            last = candidate * m[:, t] + (1 - m[:, t]) * last
         adv[:, t] = last
     advantages = adv[valid]
-    return advantages, advantages + values.to(dtype)
+    return advantages, advantages + (v[valid] if masked == "zeroed" else values.to(dtype))
+
+
+WHITEN_VARIANCES = ("unbiased", "biased", "none")
+WHITEN_EPS_MODES = ("add", "clamp")
 
 
 def whiten_stats(values: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 eps: float = WHITEN_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mean, divisor)`` of verl's ``masked_whiten`` over the loss tokens: the masked mean and
-    ``sqrt(var + eps)``, ``var`` the Bessel-corrected masked variance (verl's masked means divide by
-    ``Σ mask + 1e-8``, kept here)."""
+                 eps: float = WHITEN_EPS, variance: str = "unbiased",
+                 eps_mode: str = "add") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, divisor)`` of a whitening over the loss tokens.
+
+    ``variance``: ``unbiased`` the Bessel-corrected masked variance (verl ``masked_whiten``), ``biased`` the
+    masked variance over ``N`` (OpenRLHF ``compute_advantages_and_returns``), ``none`` no division (divisor 1,
+    OpenRLHF ``no_std_norm``). ``eps_mode``: ``add`` (verl: the masked means divide by ``Σ mask + 1e-8``, the
+    divisor is ``sqrt(var + eps)``) or ``clamp`` (OpenRLHF: the means divide by ``Σ mask``, the divisor is
+    ``sqrt(max(var, eps))``, its ``var.clamp(min=1e-8).rsqrt()``)."""
+    if variance not in WHITEN_VARIANCES or eps_mode not in WHITEN_EPS_MODES:
+        raise ValueError(f"whitening: expected variance in {WHITEN_VARIANCES} and eps_mode in {WHITEN_EPS_MODES}, "
+                         f"got {variance!r}, {eps_mode!r}")
     m = loss_mask.to(dtype)
     v = values.to(dtype)
     count = m.sum()
-    mean = (v * m).sum() / (count + eps)
-    var = (((v - mean) ** 2) * m).sum() / (count + eps) * (count / (count - 1))
-    return mean, torch.sqrt(var + eps)
+    denominator = count + eps if eps_mode == "add" else count
+    mean = (v * m).sum() / denominator
+    if variance == "none":
+        return mean, torch.ones((), dtype=dtype)
+    var = (((v - mean) ** 2) * m).sum() / denominator
+    if variance == "unbiased":
+        var = var * (count / (count - 1))
+    divisor = torch.sqrt(var + eps) if eps_mode == "add" else torch.sqrt(torch.clamp(var, min=eps))
+    return mean, divisor
 
 
 def whiten(values: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32,
-           stats: Optional[tuple[float, float]] = None) -> torch.Tensor:
-    """``normalize_advantages``: ``(A − mean)/divisor`` over the step's loss tokens (:func:`whiten_stats`), or
-    with the producer's recorded global ``stats = (mean, divisor)`` (``advantage_whiten_stats``) when the
-    bundle is one shard of a larger batch."""
+           stats: Optional[tuple[float, float]] = None, variance: str = "unbiased",
+           eps_mode: str = "add") -> torch.Tensor:
+    """``normalize_advantages``: ``(A − mean)/divisor`` over the step's loss tokens (:func:`whiten_stats` with
+    ``variance`` and ``eps_mode``), or with the producer's recorded global ``stats = (mean, divisor)``
+    (``advantage_whiten_stats``) when the bundle is one shard of a larger batch."""
     if stats is None:
-        mean, divisor = whiten_stats(values, loss_mask, dtype)
+        mean, divisor = whiten_stats(values, loss_mask, dtype, variance=variance, eps_mode=eps_mode)
     else:
         mean, divisor = torch.tensor(stats[0], dtype=dtype), torch.tensor(stats[1], dtype=dtype)
     return (values.to(dtype) - mean) / divisor

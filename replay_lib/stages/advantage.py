@@ -18,6 +18,7 @@ from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
                        segment_sum,
                        WHITEN_EPS, token_rewards, whiten, whiten_stats)
+from ..kernels.advantage import GAE_MASKED_TOKENS, WHITEN_EPS_MODES, WHITEN_VARIANCES
 from ..judge.report import StageReport
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
@@ -192,16 +193,18 @@ def _whiten_hazard(ctx: StageContext, est: "_TokenEstimate", stats: tuple[float,
     to rounding): the whitened values a float32 producer writes are its rounding over ``sqrt(1e-8)``."""
     m = est.mask.to(torch.float64)
     n = float(m.sum())
-    if n < 2 or est.whiten_stats is not None:
+    variance, eps_mode = whiten_modes(est.cfg)
+    if n < 2 or est.whiten_stats is not None or variance == "none":
         return
     mean_abs = float((est.pre.to(torch.float64).abs() * m).sum()) / n
-    var = max(stats[1] ** 2 - WHITEN_EPS, 0.0)
+    # the divisor is sqrt(var + eps) (add) or sqrt(max(var, eps)) (clamp: at the floor, var is below it)
+    var = max(stats[1] ** 2 - (WHITEN_EPS if eps_mode == "add" else 0.0), 0.0)
     level = C_REWARD * U32 * math.sqrt(n) * mean_abs
     if math.sqrt(var) <= level:
         ctx.hazard("advantage.estimate", "whiten_zero_std", message=(
             f"whitening over {int(n)} loss token(s) whose advantages are equal up to rounding (std "
             f"{math.sqrt(var):.3g}, mean |A| {mean_abs:.3g}): the whitened values are rounding noise over "
-            f"sqrt(var + 1e-8)"))
+            + ("sqrt(var + 1e-8)" if eps_mode == "add" else "sqrt(max(var, 1e-8))")))
 
 
 MASKED_TOKEN_VALUES = ("computed", "zero")
@@ -302,17 +305,36 @@ def whitens(cfg: RecomputeConfig) -> bool:
                                                                           "reinforce_plus_plus_baseline")
 
 
+def whiten_modes(cfg: RecomputeConfig) -> tuple[str, str]:
+    """``(whiten_variance, whiten_eps_mode)`` of a config, unset read as verl's ``masked_whiten``
+    (``unbiased``, ``add``)."""
+    variance = cfg.whiten_variance if isinstance(cfg.whiten_variance, str) else "unbiased"
+    eps_mode = cfg.whiten_eps_mode if isinstance(cfg.whiten_eps_mode, str) else "add"
+    return variance, eps_mode
+
+
+def gae_masked(cfg: RecomputeConfig) -> str:
+    """``gae_masked_tokens`` of a config, unset read as ``skip`` (verl)."""
+    return cfg.gae_masked_tokens if isinstance(cfg.gae_masked_tokens, str) else "skip"
+
+
 def _estimate_text(cfg: RecomputeConfig) -> str:
     kind = estimate_kind(cfg)
     parts = [cfg.advantage_estimator]
     if kind == "returns":
         parts.append(f"discounted returns, γ={cfg.gamma:g}")
     elif kind == "gae":
-        parts.append(f"GAE, γ={cfg.gamma:g}, λ={cfg.lam:g}")
+        parts.append(f"GAE, γ={cfg.gamma:g}, λ={cfg.lam:g}"
+                     + (", masked tokens zeroed" if gae_masked(cfg) == "zeroed" else ""))
     if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
         parts.append(f"− {cfg.kl_coef:g}·kl per token")
     if whitens(cfg):
-        parts.append("whitened" + (" with the recorded stats" if cfg.advantage_whiten_stats is not None else ""))
+        variance, eps_mode = whiten_modes(cfg)
+        how = {"unbiased": "", "biased": " (biased variance)", "none": " (centred only)"}[variance]
+        if variance != "none" and eps_mode == "clamp":
+            how = how[:-1] + ", floored at 1e-8)" if how else " (variance floored at 1e-8)"
+        parts.append("whitened" + how
+                     + (" with the recorded stats" if cfg.advantage_whiten_stats is not None else ""))
     return ", ".join(parts)
 
 
@@ -347,11 +369,13 @@ class _TokenEstimate:
                 raise StageInputError("payload 'values' is required for advantage_estimator='gae'", field="values")
             values = ctx.payload("values")
             per_token = token_rewards(rewards, self.mask, lengths, kl, cfg.kl_coef, dtype=dtype)
-            pre, self.returns = gae_advantages(per_token, values, self.mask, lengths, cfg.gamma, cfg.lam, dtype=dtype)
+            masked = gae_masked(cfg)
+            pre, self.returns = gae_advantages(per_token, values, self.mask, lengths, cfg.gamma, cfg.lam, dtype=dtype,
+                                               masked=masked)
             pre32 = None
             if not self.exact:
                 per_token32 = token_rewards(rewards.to(torch.float32), self.mask, lengths, kl, cfg.kl_coef)
-                pre32, _ = gae_advantages(per_token32, values, self.mask, lengths, cfg.gamma, cfg.lam)
+                pre32, _ = gae_advantages(per_token32, values, self.mask, lengths, cfg.gamma, cfg.lam, masked=masked)
         self.pre = pre
         self.bound = None
         if not self.exact:
@@ -367,8 +391,10 @@ class _TokenEstimate:
                     v_max = torch.zeros(ctx.n, dtype=torch.float64)
                     if v.numel():
                         v_max.scatter_reduce_(0, ctx.seg, v, reduce="amax", include_self=True)
-                    cond = discounted_returns(terms + m * (v + cfg.gamma * v_max[ctx.seg]), lengths,
-                                              cfg.gamma * cfg.lam, dtype=torch.float64)
+                    # skip: the values enter at loss tokens only; zeroed: a mask-0 token's δ is γ·V_next
+                    v_terms = (m * v + cfg.gamma * v_max[ctx.seg] if gae_masked(cfg) == "zeroed"
+                               else m * (v + cfg.gamma * v_max[ctx.seg]))
+                    cond = discounted_returns(terms + v_terms, lengths, cfg.gamma * cfg.lam, dtype=torch.float64)
                 else:
                     cond = discounted_returns(terms, lengths, cfg.gamma, dtype=torch.float64)
                 bound = recursion_bound(pre, pre32, cond, U32)
@@ -410,7 +436,8 @@ class _TokenEstimate:
         """``(mean, divisor)`` of these advantages over their loss tokens (verl ``masked_whiten``)."""
         if self.whiten_stats is not None:
             return self.whiten_stats
-        mean, divisor = whiten_stats(self.pre, self.mask, dtype=self.pre.dtype)
+        variance, eps_mode = whiten_modes(self.cfg)
+        mean, divisor = whiten_stats(self.pre, self.mask, dtype=self.pre.dtype, variance=variance, eps_mode=eps_mode)
         return float(mean), float(divisor)
 
     def finish(self, stats: Optional[tuple[float, float]], u_store: float):
@@ -426,7 +453,7 @@ class _TokenEstimate:
         if self.bound is None:
             return out, None
         bound = whiten_bound(self.pre, self.bound, self.mask, out, stats[0], stats[1],
-                             recorded=self.whiten_stats is not None)
+                             recorded=self.whiten_stats is not None, divides=whiten_modes(self.cfg)[0] != "none")
         return out, bound + advantage_bound(out.to(torch.float64), u_store)
 
 
@@ -479,6 +506,9 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
          "null or one of " + ", ".join(KL_TYPES)),
         ("masked_token_value", cfg.masked_token_value in MASKED_TOKEN_VALUES,
          "one of " + ", ".join(MASKED_TOKEN_VALUES)),
+        ("whiten_variance", whiten_modes(cfg)[0] in WHITEN_VARIANCES, "one of " + ", ".join(WHITEN_VARIANCES)),
+        ("whiten_eps_mode", whiten_modes(cfg)[1] in WHITEN_EPS_MODES, "one of " + ", ".join(WHITEN_EPS_MODES)),
+        ("gae_masked_tokens", gae_masked(cfg) in GAE_MASKED_TOKENS, "one of " + ", ".join(GAE_MASKED_TOKENS)),
         ("gamma", math.isfinite(cfg.gamma) and 0.0 <= cfg.gamma <= 1.0, "a number in [0, 1]"),
         ("lam", math.isfinite(cfg.lam) and 0.0 <= cfg.lam <= 1.0, "a number in [0, 1]"),
         ("grpo_std_eps", math.isfinite(cfg.grpo_std_eps) and cfg.grpo_std_eps >= 0, "a finite number >= 0"),

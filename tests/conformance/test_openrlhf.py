@@ -7,7 +7,9 @@ Called (OpenRLHF 0.11.2, the PyPI release, ``pip install --no-deps openrlhf==0.1
   validation, run on a list of command lines; the run stops at ``train(args)``'s first call (``ray.is_initialized``).
 * ``openrlhf/models/utils.py`` ``compute_approx_kl`` (the in-reward KL and the KL loss).
 * ``openrlhf/trainer/ppo_utils/experience_maker.py`` ``RemoteExperienceMaker.compute_advantages_and_returns``
-  (lines 237-340: the group baselines, ``compute_reward`` with ``reward.clip_range``, the cumulative returns).
+  (lines 237-340: the group baselines, ``compute_reward`` with ``reward.clip_range``, GAE over the critic's
+  values (``get_advantages_and_returns``, lines 343-388) or the cumulative returns, and the whitening of
+  ``gae`` / ``reinforce`` / ``reinforce_baseline`` over the step's tokens, lines 324-338).
 * ``openrlhf/utils/loss_utils.py`` ``iter_grad_accum_global_norm`` (the step's normalizers per micro-batch).
 * ``openrlhf/models/loss.py`` ``PolicyLoss`` and ``aggregate_loss`` (the loss, ``clip_ratio``, ``ppo_kl``), built
   as ``openrlhf/trainer/ray/ppo_actor.py:76-86`` builds it; the step's values merged as ``ppo_train`` merges them
@@ -71,6 +73,7 @@ def _package(name: str, path: Path) -> types.ModuleType:
 class OpenRLHF:
     parse: Any
     compute_approx_kl: Any
+    compute_reward: Any
     aggregate_loss: Any
     PolicyLoss: Any
     maker: Any
@@ -109,7 +112,7 @@ def load():
     try:
         sys.modules.update(stubs)
         from openrlhf.models.loss import PolicyLoss, aggregate_loss
-        from openrlhf.models.utils import compute_approx_kl
+        from openrlhf.models.utils import compute_approx_kl, compute_reward
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
         from openrlhf.utils import config as config_module
         from openrlhf.utils.loss_utils import iter_grad_accum_global_norm
@@ -144,7 +147,8 @@ def load():
             assert captured, "train_ppo_ray.py did not reach train(args)"
             return captured[-1]
 
-        yield OpenRLHF(parse=parse, compute_approx_kl=compute_approx_kl, aggregate_loss=aggregate_loss,
+        yield OpenRLHF(parse=parse, compute_approx_kl=compute_approx_kl, compute_reward=compute_reward,
+                       aggregate_loss=aggregate_loss,
                        PolicyLoss=PolicyLoss, maker=RemoteExperienceMaker,
                        iter_grad_accum_global_norm=iter_grad_accum_global_norm)
     finally:
@@ -158,7 +162,8 @@ def load():
 
 
 BASE = "--actor.model_name_or_path m --reward.remote_url http://rm --rollout.batch_size 4 --train.batch_size 16"
-GRPO = BASE + " --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 4"
+N4 = BASE + " --rollout.n_samples_per_prompt 4"
+GRPO = N4 + " --algo.advantage.estimator group_norm"
 # The configs the framework registers: its defaults on the group estimators, the KL in the reward with each
 # estimator, the KL as a loss, the aggregation modes, GSPO, dual-clip, asymmetric clips, entropy, IS correction.
 COMMANDS = {
@@ -183,7 +188,19 @@ COMMANDS = {
     "gspo": GRPO + " --actor.policy_loss_type gspo --algo.kl.init_coef 0",
     "gspo-kl-loss-entropy": GRPO + " --actor.policy_loss_type gspo --algo.kl.use_loss --algo.kl.estimator k3 "
                                    "--actor.entropy_coef 0",
+    # OpenRLHF's default estimator (GAE over the critic's values) and the whitened ones (exp.py:324-338)
+    "gae-default": N4,
+    "gae-gamma-lambd": N4 + " --algo.advantage.gamma 0.99 --algo.advantage.lambd 0.95 --algo.kl.estimator k3",
+    "gae-no-std-norm": N4 + " --algo.advantage.no_std_norm --algo.kl.init_coef 0 --algo.advantage.lambd 0.9",
+    "gae-kl-loss": N4 + " --algo.kl.use_loss --algo.kl.estimator k3 --algo.kl.init_coef 0.001 "
+                        "--algo.advantage.lambd 0.95",
+    "reinforce": N4 + " --algo.advantage.estimator reinforce --algo.advantage.gamma 0.98",
+    "reinforce-no-std-norm": N4 + " --algo.advantage.estimator reinforce --algo.advantage.no_std_norm",
+    "reinforce_baseline": N4 + " --algo.advantage.estimator reinforce_baseline",
+    "reinforce_baseline-k2-clip": N4 + " --algo.advantage.estimator reinforce_baseline --algo.kl.estimator k2 "
+                                       "--reward.clip_range -0.25 0.25",
 }
+WHITENED = ("gae", "reinforce", "reinforce_baseline")
 PRECISIONS = ("float32", "bfloat16")
 GROUPS, N = 3, 4
 MICRO = 3  # micro-batches of the one optimizer step (below the mini-batch)
@@ -221,8 +238,9 @@ def _batch(seed: int, precision: str) -> dict:
     raw = torch.randint(0, 2, (b,), generator=g).float() + torch.rand(b, generator=g) * 0.2
     raw[4:8] = raw[4]  # one group of equal rewards
     entropy = (torch.rand(b, width, generator=g) * 2).to(dtype)
+    values = (torch.randn(b, width, generator=g) * 0.5 + 0.3).to(dtype)  # the critic's, for GAE
     return dict(lengths=lengths, valid=valid, mask=mask.float(), old=old, logp=logp, rollout=rollout, ref=ref,
-                raw=raw, entropy=entropy, width=width)
+                raw=raw, entropy=entropy, values=values, width=width)
 
 
 def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
@@ -237,9 +255,12 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
         kl = torch.zeros(b, s["width"])
     micro = [list(range(i, b, MICRO)) for i in range(MICRO)]  # experiences in a shuffled prompt order
 
+    estimator = args.algo.advantage.estimator
+
     def advantages(action_mask: torch.Tensor, kl_values: torch.Tensor, raw: torch.Tensor):
         exps = [types.SimpleNamespace(rewards=raw[ix].clone(), index=ix, kl=kl_values[ix], action_mask=action_mask[ix],
-                                      values=None, info={}, response_length=None) for ix in micro]
+                                      values=s["values"][ix, :action_mask.shape[1]] if estimator == "gae" else None,
+                                      info={}, response_length=None) for ix in micro]
         maker = types.SimpleNamespace(strategy=types.SimpleNamespace(args=args),
                                       kl_ctl=types.SimpleNamespace(value=coef),
                                       advantage_estimator=args.algo.advantage.estimator)
@@ -251,17 +272,32 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
             out[ix] = e.advantages.float()
         return out
 
+    def normalized(raw: torch.Tensor) -> torch.Tensor:
+        """The reward each sample's returns start from (normalized, clipped): the same code on one unmasked
+        token; for the whitened estimators (whose one-token advantages are whitened) their baseline's branch
+        (reinforce_baseline's is dr_grpo's, exp.py:269-270; gae and reinforce have none) and then
+        ``compute_reward``'s clamp on its own."""
+        if estimator not in WHITENED:
+            return advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
+        if estimator == "reinforce_baseline":
+            args.algo.advantage.estimator = "dr_grpo"
+            try:
+                return advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
+            finally:
+                args.algo.advantage.estimator = estimator
+        return fw.compute_reward(raw.clone(), 0.0, torch.zeros(b, 1), action_mask=torch.ones(b, 1),
+                                 reward_clip_range=args.reward.clip_range)[:, 0]
+
     raw = s["raw"]
     adv = advantages(mask, kl, raw)
-    # the reward each sample's returns start from (normalized, clipped): the same code on one unmasked token
-    reward = advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
+    reward = normalized(raw)
     if bug == "advantage_sign":
         adv = -adv
     if bug == "kl_sign":  # the recorded in-reward KL negated
         kl = -kl
     if bug == "reward_unclipped":  # the recorded reward taken before reward.clip_range
         clip, args.reward.clip_range = args.reward.clip_range, None
-        reward = advantages(torch.ones(b, 1), torch.zeros(b, 1), raw)[:, 0]
+        reward = normalized(raw)
         args.reward.clip_range = clip
     if bug == "mask_shift":  # the returns of a mask shifted one token right
         shifted = torch.zeros_like(mask)
@@ -340,6 +376,8 @@ def _write(path: Path, cfg, s: dict, out: dict, precision: str) -> Path:
         writer.write_payload(name, flat(s[key]))
     writer.write_payload("kl", flat(out["kl"]).float())
     writer.write_payload("advantages", flat(out["adv"]).float())
+    if cfg.advantage_estimator == "gae":
+        writer.write_payload("values", flat(s["values"]))
     return writer.finalize(ranks=[0])
 
 
@@ -366,6 +404,9 @@ BUGS = [
     ("rloo", "mask_shift", "advantage.estimate", "advantage mismatch"),
     ("grpo-k2", "kl_sign", "advantage.kl", "kl mismatch"),
     ("dr_grpo-clip1", "reward_unclipped", "reward.post_process", "normalized reward mismatch"),
+    ("gae-default", "advantage_sign", "advantage.estimate", "advantage mismatch"),
+    ("gae-gamma-lambd", "mask_shift", "advantage.estimate", "advantage mismatch"),
+    ("reinforce_baseline-k2-clip", "reward_unclipped", "reward.post_process", "normalized reward mismatch"),
 ]
 
 
@@ -398,13 +439,45 @@ def test_gspo_ppo_kl_is_a_token_mean(openrlhf, tmp_path):
 
 
 def test_the_configs_openrlhf_registers_are_mapped_or_refused_by_name(openrlhf):
-    """Every command line of the sweep parses with OpenRLHF's own parser and maps; the defaults (GAE) and the
-    estimators OpenRLHF whitens are refused by name."""
+    """Every command line of the sweep parses with OpenRLHF's own parser and maps (the default, GAE, included);
+    flash_reinforce, whose baseline is the whole rollout batch's mean, is refused by name."""
     for name, command in COMMANDS.items():
         from_openrlhf(openrlhf.parse(command), version=VERSION)
+    default = from_openrlhf(openrlhf.parse(BASE + " --rollout.n_samples_per_prompt 2"), version=VERSION)
+    assert (default.advantage_estimator, default.gae_masked_tokens, default.normalize_advantages,
+            default.whiten_variance, default.whiten_eps_mode, default.gamma, default.lam) == (
+        "gae", "zeroed", True, "biased", "clamp", 1.0, 1.0)
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_openrlhf(openrlhf.parse(BASE + " --rollout.n_samples_per_prompt 2"), version=VERSION)
-    assert str(err.value).startswith("openrlhf config: algo.advantage.estimator='gae': OpenRLHF whitens")
+        from_openrlhf(openrlhf.parse(N4 + " --algo.advantage.estimator flash_reinforce"), version=VERSION)
+    assert str(err.value).startswith("openrlhf config: algo.advantage.estimator='flash_reinforce': its baseline "
+                                     "is the mean reward of the whole rollout batch")
+
+
+# The replay's earlier semantics, each refuted by OpenRLHF's own output on a clean bundle: verl's GAE, which
+# carries the value and advantage through a mask-0 token (the batch's interior spans: samples 1 and 5; the
+# whitening then moves every loss token), and verl's Bessel-corrected whitening with ε added. Every sample with
+# a loss token (11 of 12: sample 6 is fully masked) fails.
+@pytest.mark.parametrize("name, knobs, reason", [
+    # (with γ = λ = 1 both GAEs telescope to Σr − V_t: the sweep's γ = 0.99, λ = 0.95 tells them apart)
+    ("gae-gamma-lambd", {"gae_masked_tokens": "skip"}, "advantage mismatch in 85 token(s) of 11 sample(s)"),
+    # (84: at one loss token of gae-default the two whitenings differ by less than its bound)
+    ("gae-default", {"whiten_variance": "unbiased", "whiten_eps_mode": "add"},
+     "advantage mismatch in 84 token(s) of 11 sample(s)"),
+    ("reinforce", {"whiten_variance": "unbiased", "whiten_eps_mode": "add"},
+     "advantage mismatch in 85 token(s) of 11 sample(s)"),
+    ("reinforce-no-std-norm", {"whiten_variance": "biased"}, "advantage mismatch in 85 token(s) of 11 sample(s)"),
+])
+def test_the_replays_former_gae_and_whitening_diverge_on_openrlhf_output(openrlhf, tmp_path, name, knobs, reason):
+    import msgspec
+
+    args = openrlhf.parse(COMMANDS[name])
+    cfg = from_openrlhf(args, version=VERSION)
+    s = _batch(11, "float32")
+    out = _produce(openrlhf, args, s)
+    assert replay(_write(tmp_path / "clean", cfg, s, out, "float32")).exit_code == 0
+    wrong = replay(_write(tmp_path / "wrong", msgspec.structs.replace(cfg, **knobs), s, out, "float32"))
+    stage = next(st for st in wrong.stages if st.stage == "advantage.estimate")
+    assert (wrong.exit_code, stage.status, stage.reason) == (1, "fail", reason)
 
 
 def test_without_the_kl_clamp_the_clamped_tokens_diverge(openrlhf, tmp_path):
@@ -428,3 +501,21 @@ def test_clamp_knobs_out_of_range_are_schema_errors():
     with pytest.raises(ValueError, match=r"^reward_clip_low, reward_clip_high: expected both null or finite low <= "
                                          r"high, got \[1.0, -1.0\]$"):
         RecomputeConfig(reward_clip_low=1.0, reward_clip_high=-1.0)
+
+
+@pytest.mark.parametrize("knob, value, expected", [
+    ("whiten_variance", "population", "one of unbiased, biased, none"),
+    ("whiten_eps_mode", "max", "one of add, clamp"),
+    ("gae_masked_tokens", "carry", "one of skip, zeroed"),
+])
+def test_an_unknown_whitening_or_gae_mode_is_one_line_exit_3(openrlhf, tmp_path, cli, knob, value, expected):
+    import msgspec
+
+    args = openrlhf.parse(COMMANDS["gae-default"])
+    cfg = msgspec.structs.replace(from_openrlhf(args, version=VERSION), **{knob: value})
+    s = _batch(2, "float32")
+    path = _write(tmp_path / "b", cfg, s, _produce(openrlhf, args, s), "float32")
+    for command in ("validate", "replay"):
+        code, out, err = cli(command, path)
+        assert (code, out) == (3, ""), (command, out, err)
+        assert err == f"trajectory-replay: error: {path / 'index.json'}: $.config.{knob}={value!r}: expected {expected}\n"

@@ -1,0 +1,319 @@
+"""NeMo-RL's semantics as the producer, from a reference written from its code (NeMo-RL cannot be installed here):
+NVIDIA-NeMo/RL @ 7ea279abfbeb, ``nemo_rl/algorithms/advantage_estimator.py`` (below ``adv.py``),
+``nemo_rl/algorithms/utils.py`` (``utils.py``), ``nemo_rl/algorithms/loss/loss_functions.py`` (``loss.py``) and
+``nemo_rl/algorithms/grpo.py``. Each function below is that code's formula in torch, cited by line, evaluated in
+float32 as NeMo-RL evaluates it; none calls ``replay_lib.kernels``.
+
+Random GRPO steps (three prompts of four generations) with trailing padding, interior masked spans (tool output
+inside a response: token mask 0), a fully masked sample and three micro-batches whose losses sum to the step's
+(``masked_mean`` over ``global_valid_toks``), with float32 and bf16 log-probs; each bundle is mapped by
+``from_nemo_rl`` from a NeMo-RL config and must replay with 0 divergences; an injected bug is named at its stage.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+import pytest
+import torch
+
+from replay_lib.bundle import BundleWriter
+from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
+                                      SampleRecord, StageId, stage_contracts)
+from replay_lib.errors import UnsupportedFrameworkConfig
+from replay_lib.frameworks import from_nemo_rl
+from replay_lib.run.runner import replay
+
+from producers import comparison_policy
+
+GROUPS, N = 3, 4
+B = GROUPS * N
+MICRO = 3
+STAGES = (StageId.SAMPLE, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY)
+PRECISIONS = ("float32", "bfloat16")
+
+# The configs: grpo_math_1B.yaml's defaults (LOO baseline + LOO std, k3 KL loss at 0.01 clamped 20/10, clip
+# 0.2/0.2, token-level), its common variations (no std, the plain mean baseline, no KL, DAPO's 0.28, dual-clip,
+# sequence-level loss, k1/k2 KL, TIS and IcePop importance correction).
+CONFIGS = {
+    "default": {},
+    "no-std": {"grpo": {"normalize_rewards": False}},
+    "mean-baseline": {"grpo": {"use_leave_one_out_baseline": False}},
+    "no-kl-clip-high": {"loss_fn": {"reference_policy_kl_penalty": 0.0, "ratio_clip_max": 0.28}},
+    "dual-clip-k2": {"loss_fn": {"ratio_clip_c": 3.0, "reference_policy_kl_type": "k2"}},
+    "seq-level-k1": {"loss_fn": {"token_level_loss": False, "reference_policy_kl_type": "k1"}},
+    "tis": {"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+                        "truncated_importance_sampling_ratio": 2.0}},
+    "icepop": {"loss_fn": {"use_importance_sampling_correction": True,
+                           "truncated_importance_sampling_type": "icepop",
+                           "truncated_importance_sampling_ratio": 2.0,
+                           "truncated_importance_sampling_ratio_min": 0.5}},
+    "is-untruncated": {"loss_fn": {"use_importance_sampling_correction": True}},
+}
+
+
+def _config(name: str) -> dict:
+    """``CONFIGS[name]`` with the step's four generations per prompt (``grpo.num_generations_per_prompt``)."""
+    cfg = {section: dict(values) for section, values in CONFIGS[name].items()}
+    cfg.setdefault("grpo", {})["num_generations_per_prompt"] = N
+    return cfg
+
+
+def _knobs(cfg: dict) -> dict:
+    """The values NeMo-RL's ClippedPGLossConfig / grpo_math_1B.yaml default (loss.py:113-164; yaml:8-9,80-102)."""
+    g, lf = cfg.get("grpo", {}), cfg.get("loss_fn", {})
+    return dict(
+        normalize=g.get("normalize_rewards", True), loo=g.get("use_leave_one_out_baseline", True),
+        beta=lf.get("reference_policy_kl_penalty", 0.01), kl_type=lf.get("reference_policy_kl_type", "k3"),
+        clip_min=lf.get("ratio_clip_min", 0.2), clip_max=lf.get("ratio_clip_max", 0.2),
+        clip_c=lf.get("ratio_clip_c"), token_level=lf.get("token_level_loss", True),
+        is_on=lf.get("use_importance_sampling_correction", False),
+        tis_type=lf.get("truncated_importance_sampling_type"),
+        tis_max=lf.get("truncated_importance_sampling_ratio"),
+        tis_min=lf.get("truncated_importance_sampling_ratio_min"),
+        force=lf.get("force_on_policy_ratio", False))
+
+
+# ------------------------------------------------------------------------------------ NeMo-RL's formulas
+
+
+def baseline_and_std(prompts: torch.Tensor, rewards: torch.Tensor, loo: bool):
+    """utils.py:104-198 ``calculate_baseline_and_std_per_prompt`` (every sample valid): per prompt a matrix of
+    ones (minus the identity under leave-one-out) times the rewards over ``num_valid`` (:163-171), the std from
+    the mean of squares minus the squared mean, × ``num_valid/(num_valid − 1)``, sqrt, NaN → 0 (:188-196); a
+    prompt with one valid sample gets baseline = reward (:156-159)."""
+    baseline = torch.zeros_like(rewards)
+    std = torch.zeros_like(rewards)
+    for p in torch.unique(prompts):
+        idx = torch.nonzero(prompts == p).reshape(-1)
+        n = len(idx)
+        if n <= 1:
+            baseline[idx] = rewards[idx]
+            continue
+        matrix = 1 - torch.eye(n, dtype=rewards.dtype) if loo else torch.ones(n, n, dtype=rewards.dtype)
+        num_valid = float(n - int(loo))
+        base = matrix @ rewards[idx] / num_valid
+        square = matrix @ rewards[idx].pow(2) / num_valid
+        baseline[idx] = base
+        std[idx] = ((square - base.square()) * (num_valid / (num_valid - 1))).sqrt().nan_to_num(0)
+    return baseline, std
+
+
+def grpo_advantages(prompts: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, normalize: bool, loo: bool):
+    """adv.py:72-99 ``GRPOAdvantageEstimator.compute_advantage``: ``rewards − baseline`` (:88), divided by
+    ``std + 1e-6`` only where ``std > 0`` (:90-96), then ``expand(mask.shape)`` (:98): every token of the row holds
+    the value, the mask-0 ones (tool spans, padding) included — no multiplication by the mask."""
+    baseline, std = baseline_and_std(prompts, rewards, loo)
+    adv = (rewards - baseline).unsqueeze(-1)
+    if normalize:
+        nz = std > 0
+        adv[nz] = adv[nz] / (std.unsqueeze(-1)[nz] + 1e-6)
+    return adv.expand(mask.shape)
+
+
+def calculate_kl(logprobs, reference, kl_type, input_clamp=20.0, output_clamp=10.0):
+    """utils.py:42-101: ``logr = ref − logp`` clamped to ±input_clamp (:74-82); k1 ``−logr``, k2 ``logr²/2``, k3
+    ``exp(logr) − 1 − logr`` (:84-94); the value clamped to ±output_clamp (:99-100)."""
+    logr = (reference - logprobs).clamp(-input_clamp, input_clamp)
+    kl = {"k1": -logr, "k2": logr.square() / 2, "k3": logr.exp() - 1 - logr}[kl_type]
+    return kl.clamp(-output_clamp, output_clamp)
+
+
+def masked_mean(x, mask, dim=None, global_normalization_factor=None):
+    """utils.py ``masked_mean``: ``Σ x·mask / (Σ mask)`` (or over ``global_normalization_factor``)."""
+    total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    if global_normalization_factor is not None:
+        return total / global_normalization_factor
+    return total / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1e-8)
+
+
+def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask, global_toks, global_seqs):
+    """loss.py:374-720 ``ClippedPGLossFn.__call__`` on one micro-batch: ``mask = token_mask · sample_mask``
+    (:396); the KL term a masked mean over the global tokens (token level) or the mean of per-sample means over
+    the global sequences (:505-515); with ``force_on_policy_ratio`` prev := curr (:399-402) and the ratio 1
+    (:520-525), else ``exp(curr − prev)`` clamped to [1 − min, 1 + max] (:527-541); ``max(−A·r, −A·r_c)``
+    (:548-553), dual-clip under ``A < 0`` (:555-563); the actor IS weights ``exp(prev − gen)`` truncated (tis,
+    :612-631) or kept inside [min, max] (icepop, :632-650), used only with the correction on (:683-686); the actor
+    loss a masked mean like the KL (:688-702). Returns ``(actor_loss, kl)``."""
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    if k["force"]:
+        prev = curr
+    if k["beta"] != 0:
+        kl = calculate_kl(curr, ref, k["kl_type"])
+        kl = (masked_mean(kl, mask, global_normalization_factor=global_toks) if k["token_level"] else
+              masked_mean(masked_mean(kl, token_mask, dim=-1), sample_mask, global_normalization_factor=global_seqs))
+    else:
+        kl = torch.tensor(0.0)
+    if k["force"]:
+        ratios = (curr - curr).exp()
+        clamped = ratios
+    else:
+        ratios = (curr - prev).exp()
+        clamped = ratios.clamp(1.0 - k["clip_min"], 1.0 + k["clip_max"])
+    clip_loss = torch.max(-adv * ratios, -adv * clamped)
+    if k["clip_c"] is not None:
+        clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * k["clip_c"]), clip_loss)
+    weights = (prev - gen).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    if k["tis_max"] is not None:
+        if k["tis_type"] == "tis":
+            weights = weights.clamp(min=0.0 if k["tis_min"] is None else k["tis_min"], max=k["tis_max"])
+        elif k["tis_type"] == "icepop":
+            keep = (weights >= k["tis_min"]) & (weights <= k["tis_max"])
+            weights = torch.where(keep, weights, torch.zeros_like(weights))
+    used = weights if k["is_on"] else torch.ones_like(prev)
+    if k["token_level"]:
+        actor = masked_mean(used * clip_loss, mask, global_normalization_factor=global_toks)
+    else:
+        actor = masked_mean(masked_mean(used * clip_loss, token_mask, dim=-1), sample_mask,
+                            global_normalization_factor=global_seqs)
+    return actor, kl
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def _batch(seed: int, precision: str) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (B,), generator=g)
+    width = int(lengths.max())
+    valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    mask = valid.clone()
+    mask[1, 1:3] = False  # an interior tool span
+    mask[5, 0] = False
+    mask[9, 2] = False
+    mask[6] = False  # a fully masked sample
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    old = (-torch.rand(B, width, generator=g) * 3).to(dtype)
+
+    def near(scale: float) -> torch.Tensor:
+        return (old.float() + torch.randn(B, width, generator=g) * scale).to(dtype)
+
+    curr, gen, ref = near(0.3), near(0.4), near(0.8)
+    ref[3, 1] = old[3, 1] + 13.0  # k3 beyond the ±10 output clamp
+    raw = torch.randint(0, 2, (B,), generator=g).float() + torch.rand(B, generator=g) * 0.2
+    raw[4:8] = raw[4]  # one prompt of equal rewards: std 0, not divided
+    return dict(lengths=lengths, valid=valid, mask=mask.float(), old=old, curr=curr, gen=gen, ref=ref, raw=raw,
+                prompts=torch.arange(B) // N, width=width)
+
+
+def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
+    k = _knobs(cfg)
+    mask = s["mask"]
+    adv = grpo_advantages(s["prompts"], s["raw"], mask, k["normalize"], k["loo"]).float()
+    if bug == "advantage_masked":  # the verl convention: × the mask (0 at the tool spans)
+        adv = adv * mask
+    if bug == "advantage_sign":
+        adv = -adv
+    curr, old, gen, ref = (s[n].float() for n in ("curr", "old", "gen", "ref"))
+    sample_mask = torch.ones(B)
+    global_toks = mask.sum()
+    global_seqs = sample_mask.sum()  # grpo.py: every sample of the step (a fully masked one too)
+    actor = kl = torch.zeros(())
+    for m in range(MICRO):  # micro-batches: each a masked mean over the global counts, summed
+        ix = list(range(m, B, MICRO))
+        a, k_ = clipped_pg_loss(k, curr[ix], old[ix], gen[ix], ref[ix], adv[ix], mask[ix], sample_mask[ix],
+                                global_toks, global_seqs)
+        actor, kl = actor + a, kl + k_
+    reward = grpo_advantages(s["prompts"], s["raw"], torch.ones(B, 1), k["normalize"], k["loo"])[:, 0]
+    loss = {"pg_loss": float(actor)}
+    if k["beta"] != 0:
+        loss["kl_loss"] = float(kl)
+    return dict(adv=adv, reward=reward, loss=loss)
+
+
+def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
+    valid, mask = s["valid"], s["mask"]
+    lengths = s["lengths"].tolist()
+    micro_of = {i: m for m in range(MICRO) for i in range(m, B, MICRO)}
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=int(s["prompts"][i]), response_length=n,
+                            total_length=n + 16, loss_mask=[int(v) for v in mask[i, :n].tolist()],
+                            raw_reward=float(s["raw"][i]), reward=float(out["reward"][i]),
+                            micro_batch_id=f"mb-{micro_of[i]}") for i, n in enumerate(lengths)]
+    config = msgspec.structs.replace(rc, loss_token_count=int(mask.sum()), loss_seq_count=B)
+    index = BundleIndex(bundle_id=path.name, identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0),
+                                                               micro_batch_ids=[f"mb-{m}" for m in range(MICRO)]),
+                        samples=samples, config=config)
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=path.name,
+                        producer=ProducerInfo(commit="nemo-rl@7ea279abfbeb", torch_version=torch.__version__),
+                        stage_contracts=stage_contracts(STAGES), payloads={},
+                        comparison_policy=comparison_policy({"compute": precision, "accumulate": "float32"}),
+                        redaction={})
+    expected = {"reward.post_process": {"rewards": out["reward"].tolist()}, "loss.policy": out["loss"]}
+    writer = BundleWriter(path, manifest, index, expected)
+    for name, key in (("old_log_probs", old_key), ("log_probs", "curr"), ("ref_log_probs", "ref"),
+                      ("rollout_log_probs", "gen")):
+        writer.write_payload(name, s[key][valid].contiguous())
+    writer.write_payload("advantages", out["adv"][valid].contiguous())
+    return writer.finalize(ranks=[0])
+
+
+def _run(tmp_path, name: str, precision: str, seed: int, bug: Optional[str] = None, **knobs):
+    cfg = _config(name)
+    rc = msgspec.structs.replace(from_nemo_rl(cfg), **knobs)
+    s = _batch(seed, precision)
+    return replay(_write(tmp_path / f"{name}-{precision}-{seed}-{bug}", rc, s, _produce(cfg, s, bug), precision))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_clean_bundle_replays_clean(tmp_path, name, precision):
+    report = _run(tmp_path, name, precision, seed=sorted(CONFIGS).index(name))
+    failing = [(st.stage, st.reason) for st in report.stages if st.status == "fail"]
+    assert failing == [] and report.exit_code == 0
+
+
+BUGS = [
+    ("default", "advantage_sign", "advantage.estimate", "advantage mismatch"),
+    # the tool spans of samples 1 (two tokens) and 9 (one); samples 5 and 6 are in the prompt of equal rewards,
+    # whose advantages are 0 either way
+    ("tis", "advantage_masked", "advantage.estimate", "advantage mismatch in 3 token(s) of 2 sample(s)"),
+]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name, bug, stage, reason", BUGS)
+def test_injected_bug_is_named_at_its_stage(tmp_path, name, bug, stage, reason, precision):
+    report = _run(tmp_path, name, precision, seed=1, bug=bug)
+    failing = [st for st in report.stages if st.status == "fail"]
+    assert report.exit_code == 1
+    assert failing[0].stage == stage and failing[0].reason.startswith(reason)
+
+
+def test_nemo_rl_broadcasts_without_masking(tmp_path):
+    """NeMo-RL's advantages hold the sample's value at its mask-0 tokens (adv.py:98): the mapping says
+    ``masked_token_value="computed"``; read as verl's ``zero``, the clean bundle's mask-0 tokens with a nonzero
+    advantage diverge: the tool spans of samples 1 (two tokens) and 9 (one) — samples 5 (a span) and 6 (fully
+    masked) are in the prompt of equal rewards, whose advantage is 0 either way."""
+    assert from_nemo_rl({}).masked_token_value == "computed"
+    s = _batch(1, "float32")
+    cfg = _config("default")
+    zero = replay(_write(tmp_path / "zero", msgspec.structs.replace(from_nemo_rl(cfg), masked_token_value="zero"),
+                         s, _produce(cfg, s), "float32"))
+    stage = next(st for st in zero.stages if st.stage == "advantage.estimate")
+    assert (zero.exit_code, stage.status, stage.reason) == (1, "fail", "advantage mismatch in 3 token(s) of 2 sample(s)")
+
+
+def test_force_on_policy_ratio_is_refused_naming_what_a_bundle_needs(tmp_path):
+    """With ``force_on_policy_ratio`` NeMo-RL's ratio is 1 (prev := curr, loss.py:399-402, 520-525) and the
+    step's ``prev_logprobs`` are zeros (grpo.py:3238-3249): the mapping refuses, naming the record that makes it
+    the regular loss — the current log-probs as ``old_log_probs`` — and a bundle that records them replays clean
+    under the mapping without the flag (the IS weights are exp(curr − gen) on both sides)."""
+    forced = {"grpo": {"num_generations_per_prompt": N},
+              "loss_fn": {"force_on_policy_ratio": True, "use_importance_sampling_correction": True}}
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_nemo_rl(forced)
+    assert str(err.value) == (
+        "nemo-rl config: loss_fn.force_on_policy_ratio=True: NeMo-RL takes the ratio as 1 (prev_logprobs := the "
+        "current log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
+        "(grpo.py:3238-3249); record the current log-probs as old_log_probs and map the config with "
+        "force_on_policy_ratio false")
+    s = _batch(4, "float32")
+    out = _produce(forced, s)
+    rc = from_nemo_rl({"grpo": {"num_generations_per_prompt": N}, "loss_fn": {"use_importance_sampling_correction": True}})
+    assert replay(_write(tmp_path / "curr", rc, s, out, "float32", old_key="curr")).exit_code == 0
+    # the zeros NeMo-RL leaves in prev_logprobs, recorded as old_log_probs: the loss diverges
+    s["zeros"] = torch.zeros_like(s["old"])
+    wrong = replay(_write(tmp_path / "zeros", rc, s, out, "float32", old_key="zeros"))
+    loss = next(st for st in wrong.stages if st.stage == "loss.policy")
+    assert (wrong.exit_code, loss.status) == (1, "fail")
