@@ -541,7 +541,7 @@ class _IndexOfRawSamples(_Struct, kw_only=True, forbid_unknown_fields=True):
 
 _INDEX_RAW_SAMPLES_DECODER = msgspec.json.Decoder(_IndexOfRawSamples)
 _SAMPLES_DECODER = msgspec.json.Decoder(list[SampleRecord])
-_SAMPLES_PER_CHUNK = 4096
+_SAMPLES_PER_CHUNK = 1024
 # Shared by the records: values many samples repeat (a micro-batch's or a group's ids, lengths, scores, a short
 # loss mask) are kept once. A float table stops growing at this many distinct values (a score per sample would
 # otherwise cost a table entry each and share nothing); a loss mask longer than this many tokens is not shared
