@@ -35,8 +35,8 @@ from .schema import (
     RecomputeConfig,
     RedactionPolicy,
     decode_expected,
-    decode_index,
     decode_index_strict,
+    decode_index_whole,
     loss_terms_length_error,
     unknown_fields,
 )
@@ -79,18 +79,22 @@ class _Digests:
         self._stop = threading.Event()
         # The largest blob first: the thread is inside the hash (GIL released) before the reader
         # starts a decode, which holds the GIL from start to end.
-        order = sorted(blobs, key=lambda name: -len(blobs[name]))
-        self._thread = threading.Thread(target=self._run, args=([(name, blobs[name]) for name in order], files),
-                                        name="bundle-sha256", daemon=True)
+        # The thread lets go of each blob once hashed: the reader drops a blob once decoded (its memory, not
+        # just the reader's reference to it, is then freed).
+        self._blobs = [(name, blobs[name]) for name in sorted(blobs, key=lambda name: -len(blobs[name]))]
+        self._thread = threading.Thread(target=self._run, args=(files,), name="bundle-sha256", daemon=True)
         self._thread.start()
 
-    def _run(self, blobs: list[tuple[str, bytes]], files: list[Path]) -> None:
+    def _run(self, files: list[Path]) -> None:
         try:
-            for name, blob in blobs:
+            while self._blobs:
+                name, blob = self._blobs.pop(0)
                 self._meta[name] = sha256_bytes(blob)
+                del blob
         except Exception:
             pass  # the reader hashes what is missing
         finally:
+            self._blobs = []
             self._meta_done.set()
         try:
             for file in files:
@@ -473,10 +477,16 @@ class BundleReader:
         root = self.path
         # Decoded while the thread hashes; a decode error is raised where it always was (after the
         # checksum checks), so a bundle altered on disk still reports its sha256 mismatch first.
-        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index,
+        # Each JSON file's bytes are let go once it is decoded and hashed (index.json's kept for the rare scan of
+        # its unknown fields): the records of a large index never share the memory with its text and
+        # expected.json's values both.
+        index_attempt = _attempt(lambda: _decode(root / "index.json", blobs["index.json"], decode_index_whole,
                                                      bounded=decode_index_strict))
-        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], decode_expected))
         actual_meta = digests.metadata(blobs)
+        if not (index_attempt[0] is not None and index_attempt[0][1]):
+            del blobs["index.json"]
+        expected_attempt = _attempt(lambda: _decode(root / "expected.json", blobs["expected.json"], decode_expected))
+        del blobs["expected.json"]
         if shard is None:
             complete_path = root / "COMPLETE"
             if not complete_path.exists():

@@ -545,17 +545,111 @@ RANK_COMPLETE_DECODER = msgspec.json.Decoder(RankComplete)
 BUNDLE_COMPLETE_DECODER = msgspec.json.Decoder(BundleComplete)
 
 
+class _IndexOfRawSamples(_Struct, kw_only=True, forbid_unknown_fields=True):
+    """:class:`BundleIndex` with each sample left as its JSON text (a zero-copy slice of the document)."""
+
+    bundle_id: Id
+    identity: Identity
+    samples: list[msgspec.Raw]
+    config: RecomputeConfig
+
+
+_INDEX_RAW_SAMPLES_DECODER = msgspec.json.Decoder(_IndexOfRawSamples)
+_SAMPLES_DECODER = msgspec.json.Decoder(list[SampleRecord])
+_SAMPLES_PER_CHUNK = 1024
+# Shared by the records: values many samples repeat (a micro-batch's or a group's ids, lengths, scores, a short
+# loss mask) are kept once. A float table stops growing at this many distinct values (a score per sample would
+# otherwise cost a table entry each and share nothing); a loss mask longer than this many tokens is not shared
+# (its values, not its object, are its cost, and two such masks are rarely equal).
+_SHARED_FLOATS_MAX = 4096
+_SHARED_MASK_TOKENS = 64
+_SHARED_TEXT = ("label", "label_hash", "prompt")
+
+
+def _shared_samples(raws: list) -> list[SampleRecord]:
+    """The records of ``raws`` (a list of :class:`msgspec.Raw`, emptied as it is read), decoded a chunk at a time;
+    each chunk's repeated values are replaced by the first equal one decoded, so duplicates never pile up. Equal
+    here means the same type and value: an int and a float, or 0.0 and -0.0, are never merged."""
+    strs: dict = {}
+    ints: dict = {}
+    floats: dict = {}
+    masks: dict = {}
+    share, text, ints_kept, floats_kept, masks_kept = force_setattr, strs.setdefault, ints.setdefault, floats.get, \
+        masks.setdefault
+    out: list[SampleRecord] = []
+    for start in range(0, len(raws), _SAMPLES_PER_CHUNK):
+        stop = start + _SAMPLES_PER_CHUNK
+        chunk = _SAMPLES_DECODER.decode(b"[" + b",".join(raws[start:stop]) + b"]")
+        raws[start:stop] = [None] * len(chunk)  # each sample's text is let go once decoded
+        for rec in chunk:  # unrolled: a loop over field names takes twice as long
+            value = rec.micro_batch_id
+            if value is not None and (kept := text(value, value)) is not value:
+                share(rec, "micro_batch_id", kept)
+            value = rec.consumer_batch_id
+            if type(value) is str and (kept := text(value, value)) is not value:
+                share(rec, "consumer_batch_id", kept)
+            value = rec.group_index
+            if value is not None and (kept := ints_kept(value, value)) is not value:
+                share(rec, "group_index", kept)
+            value = rec.response_length
+            if (kept := ints_kept(value, value)) is not value:
+                share(rec, "response_length", kept)
+            value = rec.total_length
+            if (kept := ints_kept(value, value)) is not value:
+                share(rec, "total_length", kept)
+            value = rec.raw_reward
+            if value:  # not None, not ±0.0 (equal as keys, not as values)
+                if (kept := floats_kept(value)) is None:
+                    if len(floats) < _SHARED_FLOATS_MAX:
+                        floats[value] = value
+                elif kept is not value:
+                    share(rec, "raw_reward", kept)
+            value = rec.reward
+            if value:
+                if (kept := floats_kept(value)) is None:
+                    if len(floats) < _SHARED_FLOATS_MAX:
+                        floats[value] = value
+                elif kept is not value:
+                    share(rec, "reward", kept)
+            value = rec.loss_mask
+            if len(value) <= _SHARED_MASK_TOKENS and (kept := masks_kept(tuple(value), value)) is not value:
+                share(rec, "loss_mask", kept)
+            if rec.prompt is not None or rec.label is not None or rec.label_hash is not None:
+                for name in _SHARED_TEXT:  # rarely present (redacted by default): a group's prompt, label
+                    value = getattr(rec, name)
+                    if value is not None and (kept := text(value, value)) is not value:
+                        share(rec, name, kept)
+        out += chunk
+    return out
+
+
 def decode_index_strict(blob: bytes) -> tuple[BundleIndex, bool]:
     """:func:`decode_index` of a document without unknown fields; raises for any other. Its schema has only
-    concrete types, so what it decodes nests a few levels deep at most (``bundle.files._decode``)."""
-    return INDEX_DECODER.decode(blob), False
+    concrete types, so what it decodes nests a few levels deep at most (``bundle.files._decode``).
+
+    The samples are decoded from their JSON slices a chunk at a time, their repeated values shared
+    (:func:`_shared_samples`): the records of a large index take about half the memory of a decode in one piece.
+    What it accepts is what :data:`INDEX_DECODER` accepts, and it returns an equal index; its errors are worded
+    for the slices (``$[3].loss_mask``), so a caller that reports one decodes the document in one piece instead
+    (:func:`decode_index` does)."""
+    head = _INDEX_RAW_SAMPLES_DECODER.decode(blob)
+    samples = _shared_samples(head.samples)
+    return BundleIndex(bundle_id=head.bundle_id, identity=head.identity, samples=samples, config=head.config), False
 
 
 def decode_index(blob: bytes) -> tuple[BundleIndex, bool]:
-    """``(index, whether it has fields this reader does not know)``. The usual document takes one strict
-    decode (which proves it has none); one with unknown fields is decoded leniently (raising its real
-    problem, if it has another) and rebuilt without them. Raises ``msgspec.DecodeError`` /
-    ``ValidationError``."""
+    """``(index, whether it has fields this reader does not know)``: :func:`decode_index_strict`, or, when that
+    fails, :func:`decode_index_whole` (which words the error, or reads the unknown fields)."""
+    try:
+        return decode_index_strict(blob)
+    except Exception:  # worded, or read leniently, by the one-piece decode
+        return decode_index_whole(blob)
+
+
+def decode_index_whole(blob: bytes) -> tuple[BundleIndex, bool]:
+    """:func:`decode_index` in one piece. The usual document takes one strict decode (which proves it has no
+    unknown fields); one with unknown fields is decoded leniently (raising its real problem, if it has another)
+    and rebuilt without them. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
     try:
         return INDEX_DECODER.decode(blob), False
     except msgspec.ValidationError:
