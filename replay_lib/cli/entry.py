@@ -21,7 +21,7 @@ from typing import Optional, Sequence, TextIO
 from ..demo.catalog import DEMO_NAMES
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, ReplayError, UsageError
 from ..safe_text import elided_listing, json_document, one_line, safe
-from ..bundle.schema import config_changes
+from ..bundle.schema import RecomputeConfig, config_changes
 
 from .options import (EXIT_CODES_HELP, REPLAY_DESCRIPTION, SCAN_EXIT_CODES_HELP, TOLERANCE_POLICIES,
                       add_limit_arguments, add_replay_arguments, add_selection_arguments, anchor_from_args,
@@ -94,7 +94,9 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
         if b.config:
             changed = config_changes(b.config)
             knobs = ", ".join(f"{k}={v}" for k, v in changed.items())
-            rest = len(b.config) - len(changed)
+            # every knob not listed is at its default: the ones the bundle writes and those it leaves out (a knob
+            # newer than the bundle, or an optional one written only when set)
+            rest = sum(1 for name in RecomputeConfig.__struct_fields__ if name not in changed)
             lines.append(("", f"  config    {knobs}" + (f" (+{rest} knobs at their defaults)" if rest else "")))
         if b.redaction:
             lines.append(("", "  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
