@@ -419,6 +419,21 @@ def test_config_command_errors(tmp_path, capsys, monkeypatch):
     assert "absent.json" in capsys.readouterr().err
 
 
+def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
+    """SkyRL @ a9564572 gspo_policy_loss (ppo_utils.py:663-729): exp of the sample's masked mean log-ratio clamped
+    at max 10, no dual-clip, the configured loss_reduction — verl's GSPO; the loss families still refuse by name."""
+    algo = "trainer.algorithm"
+    cfg = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "gspo", "loss_reduction": "sequence_mean",
+                                                "use_kl_loss": False}}})
+    assert (cfg.importance_level, cfg.log_ratio_clamp, cfg.eps_clip_c, cfg.loss_agg_mode, cfg.metric_agg_mode) == (
+        "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
+    assert from_skyrl({}).importance_level == "token"
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip and "
+                              "gspo are)")
+
+
 def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
     """NovaSky-AI/SkyRL @ a9564572 (skyrl/backends/skyrl_train/utils/ppo_utils.py, workers/worker.py): clip_ratio is
     each micro-batch's masked token mean (ppo_utils.py:571) averaged over the micro-batches (worker.py:898,

@@ -88,8 +88,8 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type not in ("regular", "dual_clip"):
-        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular and dual_clip are)")
+    if loss_type not in ("regular", "dual_clip", "gspo"):
+        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip and gspo are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -140,6 +140,12 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     clip_c = r.number(f"{p}clip_ratio_c", 3.0)  # config.py:910
     if loss_type == "dual_clip":  # ppo_utils.py:574-578
         fields["eps_clip_c"] = clip_c
+    elif loss_type == "gspo":
+        # gspo_policy_loss (ppo_utils.py:663-729): one ratio per sample, exp of the masked mean log-ratio over the
+        # loss mask (torch_utils.py:180-184, the count floored at 1), clamped at max 10 (one-sided; ours is
+        # symmetric: they differ only where a sample's mean log-ratio is below −10), no dual-clip, the configured
+        # loss_reduction and off-policy correction, clip_ratio a token mean (:715) — verl's GSPO in 0.9.1
+        fields.update(importance_level="sequence", log_ratio_clamp=10.0)
     if reduction == "seq_mean_token_sum_norm":
         fields["loss_horizon"] = r.integer(f"{p}max_seq_len", None)  # config.py:933
     else:

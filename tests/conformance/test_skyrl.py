@@ -41,6 +41,8 @@ CONFIGS = {
     "rloo-token-mean-legacy": ({"advantage_estimator": "rloo", "loss_reduction": "token_mean_legacy",
                                 "use_kl_loss": False}, 4),
     "reinforce++-token-mean-k1": ({"advantage_estimator": "reinforce++", "kl_estimator_type": "k1"}, 3),
+    "grpo-gspo-sequence-mean": ({"policy_loss_type": "gspo", "loss_reduction": "sequence_mean",
+                                 "eps_clip_low": 0.03, "eps_clip_high": 0.04}, 3),
 }
 
 
@@ -151,6 +153,18 @@ def ppo_policy_loss(logp, old, adv, loss_mask, algo):
     return (loss * loss_mask).sum(), float(clip_ratio)
 
 
+def gspo_policy_loss(logp, old, adv, loss_mask, algo):
+    """ppo_utils.py:663-729: log s_i = masked_mean(Δ, loss_mask, dim=−1) (torch_utils.py:180-184), the token's
+    log-weight sg[log s_i] + logp − sg[logp] (= log s_i forward) clamped at max 10, the clipped surrogate (no
+    dual-clip), clip_ratio = masked_mean(−surr2 > −surr1) over the micro-batch, reduce_loss Σ loss·mask."""
+    log_s = ((logp - old) * loss_mask).sum(-1, keepdim=True) / loss_mask.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(torch.clamp(log_s.expand_as(logp), max=10.0))
+    surr1 = ratio * adv
+    surr2 = ratio.clamp(1 - algo.get("eps_clip_low", 0.2), 1 + algo.get("eps_clip_high", 0.2)) * adv
+    loss = -torch.min(surr1, surr2)
+    return (loss * loss_mask).sum(), float(masked_mean((-surr2 > -surr1).to(F64), loss_mask))
+
+
 def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask):
     """worker.py:876-898 forward_backward over micro-batches of ``micro`` samples (drop_last False), each
     worker.py:913-1110 _forward_backward_micro on one DP rank: loss = policy + kl_coef·kl·(len(mb)/len(batch))
@@ -163,7 +177,8 @@ def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask):
     for start in range(0, B, micro):
         sl = slice(start, min(start + micro, B))
         weight = (sl.stop - sl.start) / B
-        policy, clip = ppo_policy_loss(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo)
+        loss_fn = gspo_policy_loss if algo.get("policy_loss_type") == "gspo" else ppo_policy_loss
+        policy, clip = loss_fn(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo)
         pg += float(policy)
         clips.append(clip)
         if use_kl:
