@@ -302,6 +302,10 @@ def test_nemo_rl_reinforce_plus_plus_gspo_and_kl_in_reward():
     assert (raw.advantage_estimator, raw.rewards_normalization) == ("reinforce_plus_plus_baseline", False)
     kl = from_nemo_rl({"loss_fn": {"use_kl_in_reward": True}})
     assert (kl.use_kl_loss, kl.kl_loss_coef, kl.kl_in_reward, kl.advantage_estimator) == (False, 0.0, None, "grpo")
+    # the on-policy KL weighting is inert where no KL term is computed (loss_functions.py:469)
+    for lf in ({"reference_policy_kl_penalty": 0}, {"use_kl_in_reward": True}):
+        inert = from_nemo_rl({"loss_fn": {"use_on_policy_kl_approximation": True, **lf}})
+        assert (inert.use_kl_loss, inert.kl_loss_coef) == (False, 0.0)
     gspo = from_nemo_rl({"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False,
                                      "use_importance_sampling_correction": True}})
     assert (gspo.importance_level, gspo.loss_agg_mode, gspo.log_ratio_clamp, gspo.is_level) == (

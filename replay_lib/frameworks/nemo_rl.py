@@ -68,7 +68,6 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         if r.flag(f"{G}.{key}", False):
             r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
     for key, why in (("disable_ppo_ratio", "the REINFORCE surrogate"),  # loss.py:113
-                     ("use_on_policy_kl_approximation", "the importance-weighted KL"),  # loss.py:153
                      ("use_cispo", "CISPO")):  # loss.py:160
         if r.flag(f"{L}.{key}", False):
             r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
@@ -92,6 +91,11 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                      "would need a per-token in-reward KL mode (no returns), or the KL-shaped advantages recorded "
                      "with reference_policy_kl_penalty 0")
         kl_coef = 0.0
+    if r.flag(f"{L}.use_on_policy_kl_approximation", False) and kl_coef != 0:  # loss.py:153, 469
+        r.refuse(f"{L}.use_on_policy_kl_approximation", True, "NeMo-RL multiplies each token's KL by "
+                 "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed "
+                 "(kl_loss_ratio_weighted weighs by exp(curr − prev)): a bundle would need a KL weight against "
+                 "rollout_log_probs")
     kl_type = r.text(f"{L}.reference_policy_kl_type", "k3")  # loss.py:131; yaml:83
     if kl_type not in ("k1", "k2", "k3") and kl_coef != 0:
         r.refuse(f"{L}.reference_policy_kl_type", kl_type, "not one of k1, k2, k3")

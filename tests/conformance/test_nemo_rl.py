@@ -407,6 +407,10 @@ REFUSED = [
      "untruncated weight exp(prev − gen) and zeroes the whole sample where the geometric mean of its weights is "
      "outside [ratio_min, ratio] (loss_functions.py:637-660); not recomputed: a bundle would need an IS mode that "
      "masks by the geometric-level weight and multiplies by the token-level one"),
+    ({"loss_fn": {"use_on_policy_kl_approximation": True}},
+     "nemo-rl config: loss_fn.use_on_policy_kl_approximation=True: NeMo-RL multiplies each token's KL by "
+     "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed (kl_loss_ratio_weighted weighs "
+     "by exp(curr − prev)): a bundle would need a KL weight against rollout_log_probs"),
     ({"grpo": {"adv_estimator": {"name": "gdpo"}}},
      "nemo-rl config: grpo.adv_estimator.name='gdpo': NeMo-RL's GDPO normalizes each reward component per prompt, "
      "sums them (reward_weights) and standardizes the sum over the batch (advantage_estimator.py:116-190); not "
