@@ -287,6 +287,31 @@ def test_nemo_rl_grpo_math_defaults_and_tis():
                                   "truncated_importance_sampling_type": "seq-mask-tis"}})
 
 
+def test_nemo_rl_reinforce_plus_plus_gspo_and_kl_in_reward():
+    """Reinforce++ (advantage_estimator.py:233-265): the prompt's mean (no std, no leave-one-out) or, without
+    minus_baseline, the raw reward, whitened with the biased variance floored at 1e-8; use_kl_in_reward zeroes the
+    loss's KL coefficient (loss_functions.py:240-242) and the GRPO estimator never reads the KL; GSPO
+    (sequence_level_importance_ratios with token_level_loss false) takes the sample's ratio and IS weight."""
+    base = msgspec.to_builtins(from_nemo_rl({}))
+    rpp = from_nemo_rl({"grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}}})
+    assert {k: v for k, v in msgspec.to_builtins(rpp).items() if base.get(k) != v} == {
+        "advantage_estimator": "reinforce_plus_plus_baseline", "grpo_std_normalization": False,
+        "group_baseline": "mean", "whiten_variance": "biased", "whiten_eps_mode": "clamp"}
+    assert (rpp.grpo_std_normalization, rpp.group_baseline, rpp.rewards_normalization) == (False, "mean", True)
+    raw = from_nemo_rl({"grpo": {"adv_estimator": {"name": "reinforce_plus_plus", "minus_baseline": False}}})
+    assert (raw.advantage_estimator, raw.rewards_normalization) == ("reinforce_plus_plus_baseline", False)
+    kl = from_nemo_rl({"loss_fn": {"use_kl_in_reward": True}})
+    assert (kl.use_kl_loss, kl.kl_loss_coef, kl.kl_in_reward, kl.advantage_estimator) == (False, 0.0, None, "grpo")
+    # the on-policy KL weighting is inert where no KL term is computed (loss_functions.py:469)
+    for lf in ({"reference_policy_kl_penalty": 0}, {"use_kl_in_reward": True}):
+        inert = from_nemo_rl({"loss_fn": {"use_on_policy_kl_approximation": True, **lf}})
+        assert (inert.use_kl_loss, inert.kl_loss_coef) == (False, 0.0)
+    gspo = from_nemo_rl({"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False,
+                                     "use_importance_sampling_correction": True}})
+    assert (gspo.importance_level, gspo.loss_agg_mode, gspo.log_ratio_clamp, gspo.is_level) == (
+        "sequence", "seq_mean_token_mean", None, "sequence")
+
+
 def test_yaml_interpolations_resolve_as_omegaconf_would():
     """A YAML read without OmegaConf keeps ``${grpo.normalize_rewards}`` (grpo_math_1B.yaml:41-42) and verl's
     ``${oc.select:path,default}`` / ``${.sibling}`` as strings: they are resolved against the same config."""

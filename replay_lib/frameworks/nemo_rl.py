@@ -25,6 +25,15 @@ G = "grpo"
 L = "loss_fn"
 # grpo.* keys outside the recomputed math: schedule, validation, rollout turns, dynamic sampling (chooses the
 # groups a step trains on), overlong filtering and the logprob-error mask (both change masks the bundle holds).
+# the estimators refused, with what a bundle would need
+ESTIMATOR_NEEDS = {
+    "gdpo": "NeMo-RL's GDPO normalizes each reward component per prompt, sums them (reward_weights) and "
+            "standardizes the sum over the batch (advantage_estimator.py:116-190); not recomputed: a bundle would "
+            "need each sample's reward components (reward/<name>) and a GDPO estimator",
+    "opd": "NeMo-RL's on-policy distillation takes log π_teacher − log π_student per token as the advantage "
+           "(advantage_estimator.py:551-600); not recomputed: a bundle would need the teacher log-probs per token "
+           "and an OPD estimator",
+}
 GRPO_NEUTRAL = ("num_prompts_per_step", "max_rollout_turns", "max_num_epochs", "max_num_steps", "val_period",
                 "val_start_at", "val_at_start", "val_at_end", "max_val_samples", "val_num_generations_per_prompt",
                 "stop_at_validation_metric", "stop_at_validation_threshold", "val_batch_size", "seed",
@@ -40,8 +49,11 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     """The ``RecomputeConfig`` NeMo-RL's master config ``cfg`` (with ``grpo`` and ``loss_fn``) encodes."""
     r = ConfigReader(FRAMEWORK, cfg, where)
     name = r.text(f"{G}.adv_estimator.name", "grpo")  # yaml:40; adv.py:47
-    if name != "grpo":
-        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo is)")
+    if name in ("gdpo", "opd"):
+        r.refuse(f"{G}.adv_estimator.name", name, ESTIMATOR_NEEDS[name])
+    elif name not in ("grpo", "reinforce_plus_plus"):
+        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo and reinforce_plus_plus are)")
+    kl_in_reward = r.flag(f"{L}.use_kl_in_reward", False)  # loss.py:135
     normalize = r.flag(f"{G}.normalize_rewards", True)  # yaml:8
     loo = r.flag(f"{G}.use_leave_one_out_baseline", True)  # yaml:9
     # the estimator's own copies interpolate the two above (yaml:41-42; adv.py:49-50)
@@ -56,9 +68,6 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         if r.flag(f"{G}.{key}", False):
             r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
     for key, why in (("disable_ppo_ratio", "the REINFORCE surrogate"),  # loss.py:113
-                     ("sequence_level_importance_ratios", "sequence-level ratios"),  # loss.py:119
-                     ("use_kl_in_reward", "KL in the reward"),  # loss.py:135
-                     ("use_on_policy_kl_approximation", "the importance-weighted KL"),  # loss.py:153
                      ("use_cispo", "CISPO")):  # loss.py:160
         if r.flag(f"{L}.{key}", False):
             r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
@@ -69,17 +78,40 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                  "force_on_policy_ratio false")
     nll = r.number(f"{L}.positive_example_nll_weight", 0.0)  # loss.py:164
     if nll != 0:
-        r.refuse(f"{L}.positive_example_nll_weight", nll, "the VAPO NLL term is not recomputed")
+        r.refuse(f"{L}.positive_example_nll_weight", nll, "the VAPO NLL term on positive-reward samples "
+                 "is not recomputed: a bundle would need an NLL loss knob and the term recorded in loss.policy")
     kl_coef = r.number(f"{L}.reference_policy_kl_penalty", 0.01)  # loss.py:128; yaml:80
+    if kl_in_reward:
+        # the loss's KL coefficient is 0 (loss.py:240-242); the GRPO estimator never reads the KL (adv.py:69-98),
+        # REINFORCE++ subtracts β·kl at each token of the broadcast advantage before whitening (adv.py:248-259)
+        if name == "reinforce_plus_plus" and kl_coef != 0:
+            r.refuse(f"{L}.use_kl_in_reward", True, "NeMo-RL's REINFORCE++ subtracts reference_policy_kl_penalty × "
+                     "calculate_kl(prev_logprobs, reference) at each token of the broadcast advantage, without "
+                     "a discounted sum, before whitening (advantage_estimator.py:248-265); not recomputed: a bundle "
+                     "would need a per-token in-reward KL mode (no returns), or the KL-shaped advantages recorded "
+                     "with reference_policy_kl_penalty 0")
+        kl_coef = 0.0
+    if r.flag(f"{L}.use_on_policy_kl_approximation", False) and kl_coef != 0:  # loss.py:153, 469
+        r.refuse(f"{L}.use_on_policy_kl_approximation", True, "NeMo-RL multiplies each token's KL by "
+                 "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed "
+                 "(kl_loss_ratio_weighted weighs by exp(curr − prev)): a bundle would need a KL weight against "
+                 "rollout_log_probs")
     kl_type = r.text(f"{L}.reference_policy_kl_type", "k3")  # loss.py:131; yaml:83
     if kl_type not in ("k1", "k2", "k3") and kl_coef != 0:
         r.refuse(f"{L}.reference_policy_kl_type", kl_type, "not one of k1, k2, k3")
     token_level = r.flag(f"{L}.token_level_loss", True)  # loss.py:114; yaml:102
+    # GSPO: exp of the masked mean log-ratio of the sample, unclamped, then clipped like the token ratio
+    # (loss.py:526-541); the IS weight becomes exp(Σ_t (prev − gen)·mask) of the sample (loss.py:568-576)
+    sequence_ratio = r.flag(f"{L}.sequence_level_importance_ratios", False)  # loss.py:119
+    if sequence_ratio and token_level:
+        r.refuse(f"{L}.sequence_level_importance_ratios", True, "NeMo-RL itself rejects sequence-level ratios "
+                 "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)")
     fields: dict[str, Any] = dict(
         advantage_estimator="grpo",
         n_samples_per_prompt=r.integer(f"{G}.num_generations_per_prompt", 16),  # yaml:4
         grpo_std_normalization=normalize,
         group_baseline="leave_one_out" if loo else "mean",  # adv.py:82-88
+        importance_level="sequence" if sequence_ratio else "token",
         grpo_std_eps=1e-6,  # adv.py:92
         grpo_std_unbiased=True,  # utils.py:189-196: × num_valid / (num_valid − 1)
         std_zero="skip",  # adv.py:93-96: divide only where std > 0
@@ -99,13 +131,20 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         masked_token_value="computed",
         entropy_coef=0.0,  # NeMo-RL's entropy is a metric only
     )
-    _importance(r, fields)
+    if name == "reinforce_plus_plus":
+        # adv.py:233-265: r − the prompt's mean (minus_baseline, no std, no leave-one-out; one sample: 0) or r,
+        # broadcast (never × the mask), whitened over the mask's tokens: mean over Σmask, the biased variance,
+        # rsqrt(max(var, 1e-8))
+        fields.update(advantage_estimator="reinforce_plus_plus_baseline", grpo_std_normalization=False,
+                      group_baseline="mean", whiten_variance="biased", whiten_eps_mode="clamp",
+                      rewards_normalization=r.flag(f"{G}.adv_estimator.minus_baseline", True))  # adv.py:54
+    _importance(r, fields, sequence_ratio)
     r.neutral(*(f"{G}.{k}" for k in GRPO_NEUTRAL))
     r.check_unknown([G, L])
     return r.build(fields)
 
 
-def _importance(r: ConfigReader, fields: dict[str, Any]) -> None:
+def _importance(r: ConfigReader, fields: dict[str, Any], sequence_ratio: bool) -> None:
     """``use_importance_sampling_correction``: ``w = exp(prev − gen)`` per token, untruncated, or ``tis``
     (clamp to [min (default 0), max]) / ``icepop`` (zero outside [min, max]) (loss.py:137-149, 564-676)."""
     on = r.flag(f"{L}.use_importance_sampling_correction", False)  # loss.py:140; yaml:93
@@ -114,11 +153,17 @@ def _importance(r: ConfigReader, fields: dict[str, Any]) -> None:
     low = r.number(f"{L}.truncated_importance_sampling_ratio_min", None)  # loss.py:149; yaml:100
     if not on:
         return
+    level = "sequence" if sequence_ratio else "token"
     if kind is None:
-        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None)
+        fields.update(is_level=level, is_mode="truncate", is_low=None, is_high=None)
     elif kind == "tis":
-        fields.update(is_level="token", is_mode="truncate", is_low=0.0 if low is None else low, is_high=high)
+        fields.update(is_level=level, is_mode="truncate", is_low=0.0 if low is None else low, is_high=high)
     elif kind == "icepop":
-        fields.update(is_level="token", is_mode="mask", is_low=low, is_high=high)
+        fields.update(is_level=level, is_mode="mask", is_low=low, is_high=high)
+    elif kind == "seq-mask-tis":
+        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "NeMo-RL keeps each token's own untruncated "
+                 "weight exp(prev − gen) and zeroes the whole sample where the geometric mean of its weights is "
+                 "outside [ratio_min, ratio] (loss_functions.py:637-660); not recomputed: a bundle would need an "
+                 "IS mode that masks by the geometric-level weight and multiplies by the token-level one")
     else:
         r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis and icepop are)")

@@ -50,6 +50,19 @@ CONFIGS = {
                            "truncated_importance_sampling_ratio": 2.0,
                            "truncated_importance_sampling_ratio_min": 0.5}},
     "is-untruncated": {"loss_fn": {"use_importance_sampling_correction": True}},
+    # Reinforce++ (advantage_estimator.py:193-267): the prompt's mean baseline, or the raw reward, whitened
+    "reinforce-pp": {"grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}}},
+    "reinforce-pp-no-baseline-k1": {"grpo": {"adv_estimator": {"name": "reinforce_plus_plus", "minus_baseline": False}},
+                                    "loss_fn": {"reference_policy_kl_type": "k1"}},
+    "reinforce-pp-kl-in-reward": {"grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}},
+                                  "loss_fn": {"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.0}},
+    # use_kl_in_reward under GRPO: the loss's KL coefficient is 0 (loss.py:240-242), the estimator never reads it
+    "grpo-kl-in-reward": {"loss_fn": {"use_kl_in_reward": True}},
+    # GSPO: sequence-level ratios with the per-sequence loss (loss.py:265-268, 526-541), plain and with TIS
+    "gspo": {"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False}},
+    "gspo-tis": {"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False,
+                             "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+                             "truncated_importance_sampling_ratio": 2.0}},
 }
 
 
@@ -63,9 +76,16 @@ def _config(name: str) -> dict:
 def _knobs(cfg: dict) -> dict:
     """The values NeMo-RL's ClippedPGLossConfig / grpo_math_1B.yaml default (loss.py:113-164; yaml:8-9,80-102)."""
     g, lf = cfg.get("grpo", {}), cfg.get("loss_fn", {})
+    est = g.get("adv_estimator", {})
+    kl_in_reward = lf.get("use_kl_in_reward", False)
+    beta = lf.get("reference_policy_kl_penalty", 0.01)
     return dict(
         normalize=g.get("normalize_rewards", True), loo=g.get("use_leave_one_out_baseline", True),
-        beta=lf.get("reference_policy_kl_penalty", 0.01), kl_type=lf.get("reference_policy_kl_type", "k3"),
+        estimator=est.get("name", "grpo"), minus_baseline=est.get("minus_baseline", True),
+        kl_in_reward=kl_in_reward, reward_beta=beta,
+        beta=0 if kl_in_reward else beta,  # loss.py:240-242
+        seq_ratio=lf.get("sequence_level_importance_ratios", False),
+        kl_type=lf.get("reference_policy_kl_type", "k3"),
         clip_min=lf.get("ratio_clip_min", 0.2), clip_max=lf.get("ratio_clip_max", 0.2),
         clip_c=lf.get("ratio_clip_c"), token_level=lf.get("token_level_loss", True),
         is_on=lf.get("use_importance_sampling_correction", False),
@@ -112,6 +132,25 @@ def grpo_advantages(prompts: torch.Tensor, rewards: torch.Tensor, mask: torch.Te
     return adv.expand(mask.shape)
 
 
+def reinforce_pp_advantages(k: dict, prompts, rewards, mask, prev=None, ref=None):
+    """adv.py:233-267 ``ReinforcePlusPlusAdvantageEstimator.compute_advantage``: ``r −`` the prompt's mean
+    (``calculate_baseline_and_std_per_prompt`` without leave-one-out, :234-241) or ``r`` (``minus_baseline``
+    false), ``expand(mask.shape)`` (:245-246), minus ``β·calculate_kl(prev, ref)`` per token under
+    ``use_kl_in_reward`` (:249-259), then whitened over the mask: ``Σ adv·mask/Σ mask``, the variance likewise,
+    ``var.clamp(min=1e-8).rsqrt()`` (:262-265) — never × the mask."""
+    if k["minus_baseline"]:
+        mean, _ = baseline_and_std(prompts, rewards, loo=False)
+        adv = rewards - mean
+    else:
+        adv = rewards
+    adv = adv.unsqueeze(-1).expand(mask.shape)
+    if k["kl_in_reward"]:
+        adv = adv - k["reward_beta"] * calculate_kl(prev, ref, k["kl_type"])
+    adv_mean = (adv * mask).sum() / mask.sum()
+    adv_var = ((adv - adv_mean).pow(2) * mask).sum() / mask.sum()
+    return (adv - adv_mean) * adv_var.clamp(min=1e-8).rsqrt()
+
+
 def calculate_kl(logprobs, reference, kl_type, input_clamp=20.0, output_clamp=10.0):
     """utils.py:42-101: ``logr = ref − logp`` clamped to ±input_clamp (:74-82); k1 ``−logr``, k2 ``logr²/2``, k3
     ``exp(logr) − 1 − logr`` (:84-94); the value clamped to ±output_clamp (:99-100)."""
@@ -125,7 +164,7 @@ def masked_mean(x, mask, dim=None, global_normalization_factor=None):
     total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
     if global_normalization_factor is not None:
         return total / global_normalization_factor
-    return total / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1e-8)
+    return total / ((mask.sum() if dim is None else mask.sum(dim)) + 1e-8)
 
 
 def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask, global_toks, global_seqs):
@@ -148,13 +187,19 @@ def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask,
     if k["force"]:
         ratios = (curr - curr).exp()
         clamped = ratios
+    elif k["seq_ratio"]:  # :528-535: exp of the sample's masked mean log-ratio, repeated over its tokens
+        ratios = masked_mean(curr - prev, token_mask, dim=-1).unsqueeze(-1).exp().repeat(1, adv.shape[1])
+        clamped = ratios.clamp(1.0 - k["clip_min"], 1.0 + k["clip_max"])
     else:
         ratios = (curr - prev).exp()
         clamped = ratios.clamp(1.0 - k["clip_min"], 1.0 + k["clip_max"])
     clip_loss = torch.max(-adv * ratios, -adv * clamped)
     if k["clip_c"] is not None:
         clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * k["clip_c"]), clip_loss)
-    weights = (prev - gen).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    if k["seq_ratio"]:  # :568-576: exp(Σ_t (prev − gen)·mask) of the sample
+        weights = ((prev - gen) * mask).sum(dim=-1).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).unsqueeze(-1)
+    else:
+        weights = (prev - gen).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     if k["tis_max"] is not None:
         if k["tis_type"] == "tis":
             weights = weights.clamp(min=0.0 if k["tis_min"] is None else k["tis_min"], max=k["tis_max"])
@@ -200,12 +245,18 @@ def _batch(seed: int, precision: str) -> dict:
 def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
     k = _knobs(cfg)
     mask = s["mask"]
-    adv = grpo_advantages(s["prompts"], s["raw"], mask, k["normalize"], k["loo"]).float()
+    curr, old, gen, ref = (s[n].float() for n in ("curr", "old", "gen", "ref"))
+    if k["estimator"] == "reinforce_plus_plus":  # grpo.py:3290: the prev log-probs as logprobs_policy
+        adv = reinforce_pp_advantages(k, s["prompts"], s["raw"], mask, old, ref).float()
+        base = baseline_and_std(s["prompts"], s["raw"], loo=False)[0] if k["minus_baseline"] else 0.0
+        reward = s["raw"] - base  # the broadcast value before the whitening (reward.post_process)
+    else:
+        adv = grpo_advantages(s["prompts"], s["raw"], mask, k["normalize"], k["loo"]).float()
+        reward = grpo_advantages(s["prompts"], s["raw"], torch.ones(B, 1), k["normalize"], k["loo"])[:, 0]
     if bug == "advantage_masked":  # the verl convention: × the mask (0 at the tool spans)
         adv = adv * mask
     if bug == "advantage_sign":
         adv = -adv
-    curr, old, gen, ref = (s[n].float() for n in ("curr", "old", "gen", "ref"))
     sample_mask = torch.ones(B)
     global_toks = mask.sum()
     global_seqs = sample_mask.sum()  # grpo.py: every sample of the step (a fully masked one too)
@@ -215,7 +266,6 @@ def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
         a, k_ = clipped_pg_loss(k, curr[ix], old[ix], gen[ix], ref[ix], adv[ix], mask[ix], sample_mask[ix],
                                 global_toks, global_seqs)
         actor, kl = actor + a, kl + k_
-    reward = grpo_advantages(s["prompts"], s["raw"], torch.ones(B, 1), k["normalize"], k["loo"])[:, 0]
     loss = {"pg_loss": float(actor)}
     if k["beta"] != 0:
         loss["kl_loss"] = float(kl)
@@ -268,6 +318,8 @@ BUGS = [
     # the tool spans of samples 1 (two tokens) and 9 (one); samples 5 and 6 are in the prompt of equal rewards,
     # whose advantages are 0 either way
     ("tis", "advantage_masked", "advantage.estimate", "advantage mismatch in 3 token(s) of 2 sample(s)"),
+    ("reinforce-pp", "advantage_sign", "advantage.estimate", "advantage mismatch in 69 token(s) of 11 sample(s)"),
+    ("gspo", "advantage_sign", "advantage.estimate", "advantage mismatch in 51 token(s) of 8 sample(s)"),
 ]
 
 
@@ -317,3 +369,61 @@ def test_force_on_policy_ratio_is_refused_naming_what_a_bundle_needs(tmp_path):
     wrong = replay(_write(tmp_path / "zeros", rc, s, out, "float32", old_key="zeros"))
     loss = next(st for st in wrong.stages if st.stage == "loss.policy")
     assert (wrong.exit_code, loss.status) == (1, "fail")
+
+
+# a knob of the mapping replaced by the value it had before (or the other framework's): the clean bundle diverges
+# at the stage that knob decides — NeMo-RL's REINFORCE++ whitens with the biased variance (adv.py:263) and
+# keeps the raw reward without minus_baseline (adv.py:242-243); its GSPO ratio is the sample's (loss.py:528-535),
+# and so is its IS weight under sequence-level ratios (loss.py:568-576)
+WRONG_KNOBS = [
+    ("reinforce-pp", {"whiten_variance": "unbiased"}, "advantage.estimate",
+     "advantage mismatch in 69 token(s) of 11 sample(s)"),
+    ("reinforce-pp-no-baseline-k1", {"rewards_normalization": True}, "reward.post_process",
+     "normalized reward mismatch in 12 sample(s)"),
+    ("gspo", {"importance_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
+    ("gspo-tis", {"is_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
+]
+
+
+@pytest.mark.parametrize("name, knobs, stage, reason", WRONG_KNOBS)
+def test_each_mapped_knob_decides_its_stage(tmp_path, name, knobs, stage, reason):
+    report = _run(tmp_path, name, "float32", seed=1, **knobs)
+    failing = [(st.stage, st.reason) for st in report.stages if st.status == "fail"]
+    assert report.exit_code == 1 and failing[0] == (stage, reason)
+
+
+REFUSED = [
+    ({"grpo": {"adv_estimator": {"name": "reinforce_plus_plus"}}, "loss_fn": {"use_kl_in_reward": True}},
+     "nemo-rl config: loss_fn.use_kl_in_reward=True: NeMo-RL's REINFORCE++ subtracts reference_policy_kl_penalty × "
+     "calculate_kl(prev_logprobs, reference) at each token of the broadcast advantage, without a discounted sum, "
+     "before whitening (advantage_estimator.py:248-265); not recomputed: a bundle would need a per-token in-reward "
+     "KL mode (no returns), or the KL-shaped advantages recorded with reference_policy_kl_penalty 0"),
+    ({"loss_fn": {"sequence_level_importance_ratios": True}},
+     "nemo-rl config: loss_fn.sequence_level_importance_ratios=True: NeMo-RL itself rejects sequence-level ratios "
+     "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)"),
+    ({"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+                  "truncated_importance_sampling_ratio": 2.0}},
+     "nemo-rl config: loss_fn.truncated_importance_sampling_type='seq-mask-tis': NeMo-RL keeps each token's own "
+     "untruncated weight exp(prev − gen) and zeroes the whole sample where the geometric mean of its weights is "
+     "outside [ratio_min, ratio] (loss_functions.py:637-660); not recomputed: a bundle would need an IS mode that "
+     "masks by the geometric-level weight and multiplies by the token-level one"),
+    ({"loss_fn": {"use_on_policy_kl_approximation": True}},
+     "nemo-rl config: loss_fn.use_on_policy_kl_approximation=True: NeMo-RL multiplies each token's KL by "
+     "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed (kl_loss_ratio_weighted weighs "
+     "by exp(curr − prev)): a bundle would need a KL weight against rollout_log_probs"),
+    ({"grpo": {"adv_estimator": {"name": "gdpo"}}},
+     "nemo-rl config: grpo.adv_estimator.name='gdpo': NeMo-RL's GDPO normalizes each reward component per prompt, "
+     "sums them (reward_weights) and standardizes the sum over the batch (advantage_estimator.py:116-190); not "
+     "recomputed: a bundle would need each sample's reward components (reward/<name>) and a GDPO estimator"),
+    ({"grpo": {"adv_estimator": {"name": "opd"}}},
+     "nemo-rl config: grpo.adv_estimator.name='opd': NeMo-RL's on-policy distillation takes log π_teacher − "
+     "log π_student per token as the advantage (advantage_estimator.py:551-600); not recomputed: a bundle would "
+     "need the teacher log-probs per token and an OPD estimator"),
+]
+
+
+@pytest.mark.parametrize("cfg, message", REFUSED)
+def test_refused_configs_name_what_a_bundle_would_need(cfg, message):
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_nemo_rl(cfg)
+    assert str(err.value) == message
