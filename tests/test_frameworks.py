@@ -112,6 +112,14 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
         "sequence", None, 10.0, "seq_mean_token_mean")
     # seq-mean modes divide by the nominal ppo_mini_batch_size · n = 32 · 8 (ray_trainer.py:1352-1362)
     assert (gspo.loss_seq_count, gspo.loss_token_count) == (256, None)
+    # bypass_mode: vanilla PPO-clip against the rollout log-probs (the bundle's old_log_probs), no IS weight
+    # (core_algos.py:2528-2538), whether set as the loss mode or as rollout_correction.bypass_mode
+    vanilla = from_verl({"algorithm": {"adv_estimator": "grpo"}})
+    for bypass in ({"algorithm": {"adv_estimator": "grpo", "rollout_correction": {
+                        "bypass_mode": True, "rollout_is": "token", "rollout_is_threshold": 2.0}}},
+                   {"algorithm": {"adv_estimator": "grpo"},
+                    "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "bypass_mode"}}}}):
+        assert from_verl(bypass) == vanilla
     norm = from_verl({"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm",
                                                       "loss_scale_factor": 4096}}})
     assert (norm.loss_agg_mode, norm.loss_seq_count, norm.loss_horizon) == ("seq_mean_token_sum_norm", 256, 4096)
@@ -126,7 +134,9 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
      "rejection sampling"),
     ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}}}, "algorithm.kl_ctrl.type",
-     "adaptive"),
+     "record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with kl_ctrl.type=fixed"),
+    ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
+     "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
      "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
     ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
