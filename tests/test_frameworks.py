@@ -112,6 +112,14 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
         "sequence", None, 10.0, "seq_mean_token_mean")
     # seq-mean modes divide by the nominal ppo_mini_batch_size · n = 32 · 8 (ray_trainer.py:1352-1362)
     assert (gspo.loss_seq_count, gspo.loss_token_count) == (256, None)
+    # bypass_mode: vanilla PPO-clip against the rollout log-probs (the bundle's old_log_probs), no IS weight
+    # (core_algos.py:2528-2538), whether set as the loss mode or as rollout_correction.bypass_mode
+    vanilla = from_verl({"algorithm": {"adv_estimator": "grpo"}})
+    for bypass in ({"algorithm": {"adv_estimator": "grpo", "rollout_correction": {
+                        "bypass_mode": True, "rollout_is": "token", "rollout_is_threshold": 2.0}}},
+                   {"algorithm": {"adv_estimator": "grpo"},
+                    "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "bypass_mode"}}}}):
+        assert from_verl(bypass) == vanilla
     norm = from_verl({"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm",
                                                       "loss_scale_factor": 4096}}})
     assert (norm.loss_agg_mode, norm.loss_seq_count, norm.loss_horizon) == ("seq_mean_token_sum_norm", 256, 4096)
@@ -126,7 +134,9 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
      "rejection sampling"),
     ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}}}, "algorithm.kl_ctrl.type",
-     "adaptive"),
+     "record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with kl_ctrl.type=fixed"),
+    ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
+     "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
      "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
     ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
@@ -459,6 +469,38 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
                               "gspo are)")
 
 
+@pytest.mark.parametrize("ctrl", ["fixed", "adaptive"])
+def test_skyrl_kl_in_reward_refusal_names_what_a_bundle_would_need(ctrl):
+    """use_kl_in_reward (trainer.py:1409-1436): the in-reward KL is × loss_mask (ppo_utils.py:122-125), the
+    advantages × response_mask; under the adaptive controller the coefficient changes every step."""
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({"trainer": {"algorithm": {"use_kl_in_reward": True, "use_kl_loss": False,
+                                              "kl_ctrl": {"type": ctrl}}}})
+    want = ("skyrl config: trainer.algorithm.use_kl_in_reward=True: SkyRL subtracts kl_loss_coef·kl from the token "
+            "rewards (trainer.py:1409-1436) with the KL 0 at a loss-mask-0 token (ppo_utils.py:122-125) but the "
+            "advantages there computed (× response_mask): the replay's masked_token_value is one rule for both, so "
+            "a bundle would need a rule for the in-reward KL apart")
+    if ctrl == "adaptive":
+        want += ("; under kl_ctrl.type=adaptive also the step's coefficient (reward_kl_controller.value, "
+                 "trainer.py:1430-1434) recorded as kl_loss_coef, mapped with kl_ctrl.type=fixed")
+    assert (str(err.value), err.value.exit_code) == (want, 4)
+
+
+@pytest.mark.parametrize("key, value", [("sequence_mask_metric", "geometric"), ("sequence_mask_metric", "product"),
+                                        ("token_mask_is_threshold_high", 5.0),
+                                        ("outlier_token_is_threshold_low", 1e-4)])
+def test_skyrl_is_masks_refusal_names_what_a_bundle_would_need(key, value):
+    """off_policy_correction masks multiply the loss mask itself (opc.py:319,327,345), not the IcePop weight."""
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {key: value}}}})
+    assert str(err.value) == (
+        f"skyrl config: trainer.algorithm.off_policy_correction.{key}={value!r}: SkyRL's IS masks multiply the loss "
+        "mask itself by 0/1 (opc.py:319,327,345: the masked tokens leave the reduction's count and keep no weight), "
+        "which is not the replay's is_mode=mask (the weight × 1[in bounds] on the recorded mask); a bundle would "
+        "need the loss mask the masks leave recorded as each sample's loss_mask")
+    assert err.value.exit_code == 4
+
+
 def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
     """NovaSky-AI/SkyRL @ a9564572 (skyrl/backends/skyrl_train/utils/ppo_utils.py, workers/worker.py): clip_ratio is
     each micro-batch's masked token mean (ppo_utils.py:571) averaged over the micro-batches (worker.py:898,
@@ -483,8 +525,9 @@ def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({algo: {"algorithm": {"advantage_estimator": "maxrl"}}})
     assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='maxrl': MaxRL divides the centred "
-                              "reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): not "
-                              "recomputed")
+                              "reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): no group "
+                              "rule of the replay divides by the mean (grpo_std_normalization divides by the std); "
+                              "not recomputed")
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({algo: {"algorithm": {"advantage_estimator": "my_estimator"}}})
     assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='my_estimator': not mapped "

@@ -69,9 +69,26 @@ SINGLETON = {"grpo": "raw",  # ppo_utils.py:1378-1380: mean 0, std 1
              "rloo": "zero"}  # ppo_utils.py:1303-1306: "set the advantage to 0"
 REFUSED_ESTIMATORS = {
     "maxrl": "MaxRL divides the centred reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): "
-             "not recomputed",
+             "no group rule of the replay divides by the mean (grpo_std_normalization divides by the std); not "
+             "recomputed",
 }
 KL_TYPES = ("k1", "abs", "k2", "k3")  # ppo_utils.py:88-126 compute_approx_kl
+# use_kl_in_reward (trainer.py:1409-1450): the token rewards minus kl_loss_coef·kl, the KL × loss_mask
+# (ppo_utils.py:122-125) while the advantages are × response_mask: kl_in_reward="sequence" (GRPO, RLOO sum the
+# token rewards, ppo_utils.py:1284,1367) holds, but masked_token_value is one rule for both.
+KL_IN_REWARD_REFUSAL = (
+    "SkyRL subtracts kl_loss_coef·kl from the token rewards (trainer.py:1409-1436) with the KL 0 at a loss-mask-0 "
+    "token (ppo_utils.py:122-125) but the advantages there computed (× response_mask): the replay's "
+    "masked_token_value is one rule for both, so a bundle would need a rule for the in-reward KL apart")
+ADAPTIVE_KL = ("; under kl_ctrl.type=adaptive also the step's coefficient (reward_kl_controller.value, "
+               "trainer.py:1430-1434) recorded as kl_loss_coef, mapped with kl_ctrl.type=fixed")
+# off_policy_correction masks (opc.py:75-255): 0/1 factors of the loss mask itself (opc.py:319,327,345), so the
+# reduction's token count shrinks and no weight is kept: not the IS knobs' is_mode="mask" (the weight × 1[in bounds]
+# on an unchanged mask).
+IS_MASK_REFUSAL = ("SkyRL's IS masks multiply the loss mask itself by 0/1 (opc.py:319,327,345: the masked tokens "
+                   "leave the reduction's count and keep no weight), which is not the replay's is_mode=mask (the "
+                   "weight × 1[in bounds] on the recorded mask); a bundle would need the loss mask the masks leave "
+                   "recorded as each sample's loss_mask")
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
 NEUTRAL = ("sapo", "clip_cov", "kl_cov", "cispo", "dppo", "dynamic_sampling", "value_head_prefix", "temperature",
            "zero_variance_filter", "zero_variance_filter_tol", "kl_ctrl", "tis_imp_ratio_cap")
@@ -101,7 +118,8 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if use_kl_loss and kl_loss_coef != 0 and kl_type not in KL_TYPES:
         r.refuse(f"{p}kl_estimator_type", kl_type, f"not mapped ({', '.join(KL_TYPES)} are)")
     if r.flag(f"{p}use_kl_in_reward", False):  # config.py:830
-        r.refuse(f"{p}use_kl_in_reward", True, "SkyRL's per-token KL reward is not mapped")
+        r.refuse(f"{p}use_kl_in_reward", True, KL_IN_REWARD_REFUSAL
+                 + (ADAPTIVE_KL if r.text(f"{p}kl_ctrl.type", "fixed") != "fixed" else ""))
     use_entropy = r.flag(f"{p}use_entropy_loss", False)  # config.py:838
     entropy_coef = r.number(f"{p}entropy_loss_coef", 0.01)  # config.py:841, used only with use_entropy_loss
     if r.flag(f"{p}use_tis", False):  # config.py:914 (deprecated)
@@ -162,7 +180,7 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
 
 def _off_policy(r: ConfigReader, opc: str, fields: dict[str, Any]) -> None:
     """``off_policy_correction`` (config.py:793-818; opc.py:24-70): ``exp(clamp(Δ, ±20))`` per token or summed per
-    sequence, capped above (no lower bound); every mask option refuses."""
+    sequence, capped above (no lower bound); every mask option refuses (``IS_MASK_REFUSAL``)."""
     kind = r.raw(f"{opc}.tis_ratio_type", None)  # config.py:794
     token_cap = r.number(f"{opc}.token_tis_ratio_clip_high", 2.0)  # config.py:797
     seq_cap = r.number(f"{opc}.sequence_tis_ratio_clip_high", 5.0)  # config.py:799
@@ -170,7 +188,7 @@ def _off_policy(r: ConfigReader, opc: str, fields: dict[str, Any]) -> None:
                 "token_mask_is_threshold_low", "token_mask_is_threshold_high"):  # config.py:801-818: None
         value = r.raw(f"{opc}.{key}", None)
         if value is not None:
-            r.refuse(f"{opc}.{key}", value, "SkyRL's IS masks are not mapped")
+            r.refuse(f"{opc}.{key}", value, IS_MASK_REFUSAL)
     r.neutral(*(f"{opc}.{k}" for k in ("geo_mask_high", "geo_mask_low", "product_mask_high", "product_mask_low")))
     if kind is None:
         return

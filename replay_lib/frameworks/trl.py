@@ -250,7 +250,13 @@ def _refuse_rest(cfg: ConfigReader) -> None:
                                                      "the mask the loss applied recorded per token")
     threshold = cfg.number("off_policy_mask_threshold", None)
     if threshold is not None:
-        cfg.refuse("off_policy_mask_threshold", threshold, "the off-policy sequence mask is not recomputed")
+        # get_off_policy_mask (:2945-2967), applied to the per-token loss (:3140-3141): not the IS knobs (a
+        # weight of old/rollout log-probs), as it reads the current policy's log-probs and the advantage's sign
+        cfg.refuse("off_policy_mask_threshold", threshold,
+                   "the off-policy sequence mask (a completion kept when its advantage is ≥ 0 or the mean of "
+                   "sampling − current log-probs over its tokens is ≤ the threshold, :2945-2967, the loss × the mask "
+                   ":3140-3141) reads the current policy and the advantage's sign, which the IS knobs (old/rollout "
+                   "weights) do not; a bundle would need each completion's kept flag recorded")
     adaptive = cfg.flag("use_adaptive_entropy", False)
     if adaptive:
         cfg.refuse("use_adaptive_entropy", adaptive, "the coefficient TRL applies changes from step to step with "

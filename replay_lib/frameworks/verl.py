@@ -26,7 +26,9 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
 * GRPO, Dr.GRPO and RLOO advantages are ``score · response_mask`` (core_algos.py:330,636) and the in-reward KL
   ``kld · response_mask``: ``masked_token_value="zero"``;
 * GAE always ends in ``masked_whiten`` (core_algos.py:264): ``normalize_advantages=True``;
-* GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605).
+* GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605);
+* ``bypass_mode`` (``loss_type=ppo_clip``) is the vanilla loss against the rollout log-probs, the bundle's
+  ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight.
 """
 
 from __future__ import annotations
@@ -100,8 +102,10 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         r.refuse(f"{ALGO}.adv_estimator", est, f"not mapped (one of {', '.join(ESTIMATORS)})")
     estimator = ESTIMATORS[est]
     mode = r.text(f"{ACTOR}.policy_loss.loss_mode", "vanilla")  # yaml:92
-    if mode not in ("vanilla", "gspo"):
-        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla and gspo are)")
+    if r.flag(f"{RC}.bypass_mode", False):  # yaml:858; apply_bypass_mode sets the loss mode (rollout_corr.py:1141-1144)
+        mode = "bypass_mode"
+    if mode not in ("vanilla", "gspo", "bypass_mode"):
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla, gspo and bypass_mode are)")
     agg = r.text(f"{ACTOR}.loss_agg_mode", "token-mean")  # yaml:100
     if agg not in LOSS_AGG:
         r.refuse(f"{ACTOR}.loss_agg_mode", agg, f"not one of {', '.join(LOSS_AGG)}")
@@ -146,7 +150,10 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         # compute_gae_advantage_return ends in verl_F.masked_whiten (core_algos.py:264)
         normalize_advantages=estimator == "gae",
     )
-    if mode == "vanilla":
+    if mode in ("vanilla", "bypass_mode"):
+        # bypass_mode with loss_type=ppo_clip is compute_policy_loss_vanilla on old_log_prob := the rollout
+        # log-probs (core_algos.py:2528-2538; ray_trainer.py:1575-1579 overwrites old_log_probs with them, so the
+        # bundle's old_log_probs are the rollout ones) and no importance weight (rollout_is_weights=None)
         if clip_c is None or clip_c <= 1.0:  # core_algos.py:1333-1336 asserts c > 1
             r.refuse(f"{ACTOR}.clip_ratio_c", clip_c, "verl requires a dual-clip constant > 1")
         fields["eps_clip_c"] = clip_c
@@ -162,7 +169,7 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79
         fields["loss_seq_count"] = mini * fields["n_samples_per_prompt"]
     _kl_in_reward(r, fields)
-    _rollout_correction(r, fields)
+    _rollout_correction(r, fields, bypass=mode == "bypass_mode")
     if r.flag(f"{ALGO}.use_pf_ppo", False):  # yaml:880
         r.refuse(f"{ALGO}.use_pf_ppo", True, "PF-PPO's sample reweighting is not recomputed")
     r.neutral(f"{ALGO}.pf_ppo")
@@ -193,28 +200,29 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     if not on:
         return
     if ctrl != "fixed":
-        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step; only fixed is mapped")
+        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step (core_algos.py:153 "
+                 "AdaptiveKLController); record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with "
+                 "kl_ctrl.type=fixed")
     kl_type = _kl_type(r, f"{ALGO}.kl_penalty", name, coef != 0)
     fields.update(kl_in_reward="sequence", kl_coef=coef, kl_penalty_type=kl_type)
 
 
-def _rollout_correction(r: ConfigReader, fields: dict[str, Any]) -> None:
+def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool = False) -> None:
     """``algorithm.rollout_correction`` (rollout_corr.py:522-657): token or sequence weights
     ``exp(clamp(Δ, ±20))`` (SAFETY_BOUND, rollout_corr.py:75), TIS ``min(w, C)`` for a number, IcePop
-    ``w·1[lo ≤ w ≤ hi]`` for a ``"lo_hi"`` string (rollout_corr.py:93-129)."""
+    ``w·1[lo ≤ w ≤ hi]`` for a ``"lo_hi"`` string (rollout_corr.py:93-129). In bypass mode the PPO-clip loss
+    takes no weight (core_algos.py:2530-2538: ``rollout_is_weights=None``): ``rollout_is`` is read, not applied."""
     level = r.raw(f"{RC}.rollout_is", None)  # yaml:854
     threshold = r.raw(f"{RC}.rollout_is_threshold", 2.0)  # yaml:855
     rs = r.raw(f"{RC}.rollout_rs", None)  # yaml:856
     r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
     if rs:
         r.refuse(f"{RC}.rollout_rs", rs, "rejection sampling by divergence statistics is not recomputed")
-    if r.flag(f"{RC}.bypass_mode", False):  # yaml:858
-        r.refuse(f"{RC}.bypass_mode", True, "bypass mode takes the rollout log-probs as the PPO anchor")
     loss_type = r.text(f"{RC}.loss_type", "ppo_clip")  # yaml:859
     if loss_type != "ppo_clip":
         r.refuse(f"{RC}.loss_type", loss_type, "only ppo_clip is mapped")
     batch_norm = r.flag(f"{RC}.rollout_is_batch_normalize", False)  # yaml:860
-    if level is None:
+    if level is None or bypass:
         return
     if level not in ("token", "sequence"):
         r.refuse(f"{RC}.rollout_is", level, "not one of token, sequence")

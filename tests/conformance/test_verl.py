@@ -43,6 +43,9 @@ CONFIGS = {
     "rloo-vectorized": ({"adv_estimator": "rloo_vectorized"}, {"loss_agg_mode": "token-mean"}),
     "gspo-token-mean": ({"adv_estimator": "grpo"}, {"loss_agg_mode": "token-mean",
                                                     "policy_loss": {"loss_mode": "gspo"}}),
+    # PPO-clip against the rollout log-probs (the bundle's old_log_probs: ray_trainer.py:1575-1579 overwrites them)
+    "bypass-token-mean": ({"adv_estimator": "grpo"}, {"loss_agg_mode": "token-mean", "clip_ratio_high": 0.28,
+                                                      "policy_loss": {"loss_mode": "bypass_mode"}}),
 }
 
 
@@ -96,6 +99,8 @@ def _loss(actor: dict, old, logp, adv, mask, bug: bool):
                        clip_ratio_c=actor.get("clip_ratio_c", 3.0))
     cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
                                     loss_scale_factor=actor.get("loss_scale_factor"))
+    if mode == "bypass_mode":  # what apply_bypass_mode hands the actor (rollout_corr.py:1141-1144)
+        cfg["policy_loss"] = {"rollout_correction": {"loss_type": "ppo_clip", "rollout_is": None}}  # bypass_ppo_clip()
     fn = core_algos.get_policy_loss_fn(mode)
     if mode == "gspo":  # compute_policy_loss_gspo asserts an ActorConfig; its reads are the same attributes
         fn = getattr(fn, "__wrapped__", fn)
@@ -111,7 +116,7 @@ def _loss(actor: dict, old, logp, adv, mask, bug: bool):
             metrics.setdefault(key, metric.Metric(aggregation=metric.AggregationType.MEAN)).extend(m)
     out = {"loss": pg.aggregate(), "pg_loss": pg.aggregate(), "pg_clipfrac": metrics["actor/pg_clipfrac"].aggregate(),
            "ppo_kl": metrics["actor/ppo_kl"].aggregate()}
-    if mode == "vanilla":
+    if mode in ("vanilla", "bypass_mode"):
         out["pg_clipfrac_lower"] = metrics["actor/pg_clipfrac_lower"].aggregate()
     return {k: float(v) for k, v in out.items()}
 
@@ -152,8 +157,10 @@ def test_verl_step_replays_clean(tmp_path, cli, name, dtype):
     assert (code, err, report["first_divergent_stage"]) == (0, "", None), out
 
 
-@pytest.mark.parametrize("bug, stage", [("loss-sign", "loss.policy"), ("advantage-shift", "advantage.estimate")])
-def test_verl_injected_bug_is_named_at_its_stage(tmp_path, cli, bug, stage):
-    bundle = write_verl_bundle(tmp_path / "b", "grpo-token-mean", seed=7, dtype=torch.float32, bug=bug)
+@pytest.mark.parametrize("name, bug, stage", [("grpo-token-mean", "loss-sign", "loss.policy"),
+                                             ("grpo-token-mean", "advantage-shift", "advantage.estimate"),
+                                             ("bypass-token-mean", "loss-sign", "loss.policy")])
+def test_verl_injected_bug_is_named_at_its_stage(tmp_path, cli, name, bug, stage):
+    bundle = write_verl_bundle(tmp_path / "b", name, seed=7, dtype=torch.float32, bug=bug)
     code, out, err = cli("replay", bundle, "--format", "json")
     assert (code, json.loads(out)["first_divergent_stage"]) == (1, stage), out + err

@@ -150,7 +150,9 @@ def test_vllm_importance_correction(mode, level, is_mode):
     ("scale_rewards", "batch", "scale_rewards='batch': the group mean divided by the std of the whole generation batch"),
     ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
     ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
-    ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5"),
+    ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5: the off-policy sequence mask (a completion kept "
+                                       "when its advantage is ≥ 0"),
+    ("off_policy_mask_threshold", 0.5, "a bundle would need each completion's kept flag recorded"),
     ("use_adaptive_entropy", True, "use_adaptive_entropy=True: the coefficient TRL applies changes"),
     ("some_new_reward_scale", 2.0, "some_new_reward_scale=2.0: a key the TRL mapping does not know"),
 ])
