@@ -1,6 +1,7 @@
 """The verl slice's modes in the default suite, each worked by hand (the conformance tests that read verl's own
 code skip without verl): ``micro_batch_token_mean`` (the mean of per-micro-batch token means), ``token_sum``, the
-``abs`` KL, ``masked_token_value="zero"`` at an interior masked span, and the refusal of
+``abs`` KL, ``masked_token_value="zero"`` at an interior masked span, TRL's ratio-weighted KL
+(``kl_loss_ratio_weighted``), and the refusal of
 ``micro_batch_token_mean`` without the samples' ``micro_batch_id``. Real writer, reader, runner and CLI.
 
 The loss step (three samples, one per micro-batch, micro-batches of 1, 2 and 3 loss tokens; eps_clip 0.2 /
@@ -231,3 +232,41 @@ def test_a_non_zero_value_in_the_span_is_a_divergence(tmp_path, adv, kl, stage, 
     for token in (1, 2):
         assert f"{field} s-0@{token}: expected={expected} actual=0.0 abs_err={expected}" in text, text
     assert f"{field} s-0@0:" not in text and f"{field} s-0@3:" not in text
+
+
+# --------------------------------------------------------------------- kl_loss_ratio_weighted (TRL's β-KL)
+
+
+# TRL 1.16 use_bias_correction_kl: the k3 KL times the unclipped ratio ρ = exp(logp − old) (grpo_trainer.py
+# :3104-3105). r = logp − ref = ln 2 where ρ = 2 (tokens 0 and 3), else 0: k3 = e^(−r) − 1 + r = ln 2 − 0.5 there,
+# 0 elsewhere. Unweighted Σ = 2(ln 2 − 0.5); weighted Σ = 2·2(ln 2 − 0.5); token means over T = 6.
+R_W = [LN2, 0.0, 0.0, LN2, 0.0, 0.0]
+REF_W = [lp - r for lp, r in zip(LOGP, R_W)]
+K3 = LN2 - 0.5
+WEIGHTED = dict(loss_agg_mode="token_mean", metric_agg_mode="token_mean", loss_token_count=6, use_kl_loss=True,
+                kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_ratio_weighted=True)
+
+
+def test_kl_loss_ratio_weighted_by_hand():
+    out = _kernel(ref=REF_W, **WEIGHTED)
+    assert out["kl_loss"] == pytest.approx(4 * K3 / 6, rel=1e-12)  # 0.128768…
+    assert out["loss"] == pytest.approx(TOKEN_PG + 0.1 * 4 * K3 / 6, rel=1e-12)
+    plain = _kernel(ref=REF_W, **dict(WEIGHTED, kl_loss_ratio_weighted=False))
+    assert plain["kl_loss"] == pytest.approx(2 * K3 / 6, rel=1e-12)  # half: the weight is 2 where the KL is not 0
+
+
+def test_kl_loss_ratio_weighted_replays_clean_and_the_unweighted_kl_diverges(tmp_path, cli):
+    good = {"loss": TOKEN_PG + 0.1 * 4 * K3 / 6, "pg_loss": TOKEN_PG, "kl_loss": 4 * K3 / 6,
+            "pg_clipfrac": TOKEN_CLIP, "ppo_kl": TOKEN_PPO_KL}
+    path = write_step(tmp_path / "good", config=WEIGHTED, policy=good, payloads={"ref_log_probs": REF_W})
+    code, report = _replay(cli, path)
+    assert code == 0, report
+    # a producer that forgot the weight: kl_loss 2(ln 2 − 0.5)/6
+    bad = dict(good, kl_loss=2 * K3 / 6, loss=TOKEN_PG + 0.1 * 2 * K3 / 6)
+    code, report = _replay(cli, write_step(tmp_path / "bad", config=WEIGHTED, policy=bad,
+                                           payloads={"ref_log_probs": REF_W}))
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy")
+    fields = [d["field"] for d in next(s for s in report["stages"] if s["stage"] == "loss.policy")["divergences"]]
+    assert set(fields) == {"loss", "kl_loss"}, fields
+    # the knob is written only when set: a bundle without it reads as unweighted
+    assert "kl_loss_ratio_weighted" in json.loads((path / "index.json").read_text())["config"]
