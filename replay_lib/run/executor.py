@@ -144,6 +144,16 @@ class _Worker:
         self.log.close()
 
 
+def _retire(w: "_Worker", workers: list, *, replace: bool, single_thread: bool) -> None:
+    """A worker that died or was killed leaves the pool (its pipes closed); a new one takes its place while
+    bundles are left to scan."""
+    workers.remove(w)
+    w.stop()
+    w.close()
+    if replace:
+        workers.append(_Worker(single_thread))
+
+
 def _reap(workers: Sequence[_Worker]) -> None:
     for w in workers:
         w.stop()
@@ -182,11 +192,7 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                     take(timeout_row(w.task[0], limit, now - w.started,
                                      "its worker process was killed and replaced"))
                     w.task = None
-                    workers.remove(w)
-                    w.stop()
-                    w.close()
-                    if pending and not stop.is_set():
-                        workers.append(_Worker(single_thread))
+                    _retire(w, workers, replace=bool(pending) and not stop.is_set(), single_thread=single_thread)
                 ready = [c for c in ready if any(c is w.conn for w in workers)]
             if not ready:
                 continue
@@ -220,11 +226,7 @@ def run_local(work: Work, options, take: TakeFn, stop: threading.Event, *, jobs:
                         take(error_row(target, STATUS_ERROR, f"{target.path}: the worker replaying it died ({how}); "
                                                              f"the other bundles were scanned on"))
                         w.task = None
-                    workers.remove(w)
-                    w.stop()
-                    w.close()
-                    if pending and not stop.is_set():
-                        workers.append(_Worker(single_thread))
+                    _retire(w, workers, replace=bool(pending) and not stop.is_set(), single_thread=single_thread)
     finally:
         _reap(workers)
 
