@@ -34,6 +34,10 @@ observation spans included, 0 on padding only: ``skyrl/train/dataset/preprocess.
 (``ppo_utils.py:1254,1307,1391``), so a loss-mask-0 token *inside* a response holds the computed value:
 ``masked_token_value="computed"`` (verl's response mask is its loss mask, hence its ``zero``).
 
+KL in the reward (``use_kl_in_reward``, fixed ``kl_ctrl``, ``grpo`` / ``rloo``): ``kl_in_reward="sequence"`` with
+the in-reward KL's own rule ``kl_masked_token_value="zero"`` (see ``KL_IN_REWARD_TYPES`` below); the adaptive
+controller refuses (the step's coefficient would have to be recorded as ``kl_loss_coef``).
+
 Estimators: ``grpo`` (a group of one: mean 0, std 1, ``ppo_utils.py:1378-1380``), ``rloo`` (``(r − mean)·n/(n−1)``,
 a group of one gets 0: ``ppo_utils.py:1293-1307``), ``reinforce++`` (discounted returns reset after the response,
 ``masked_whiten`` over ``response_mask``: ``ppo_utils.py:1244-1254``) and ``gae`` (``ppo_utils.py:1313-1341``).
