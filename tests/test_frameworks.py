@@ -469,21 +469,36 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
                               "gspo are)")
 
 
-@pytest.mark.parametrize("ctrl", ["fixed", "adaptive"])
-def test_skyrl_kl_in_reward_refusal_names_what_a_bundle_would_need(ctrl):
-    """use_kl_in_reward (trainer.py:1409-1436): the in-reward KL is × loss_mask (ppo_utils.py:122-125), the
-    advantages × response_mask; under the adaptive controller the coefficient changes every step."""
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"use_kl_in_reward": True, "use_kl_loss": False,
-                                              "kl_ctrl": {"type": ctrl}}}})
-    want = ("skyrl config: trainer.algorithm.use_kl_in_reward=True: SkyRL subtracts kl_loss_coef·kl from the token "
-            "rewards (trainer.py:1409-1436) with the KL 0 at a loss-mask-0 token (ppo_utils.py:122-125) but the "
-            "advantages there computed (× response_mask): the replay's masked_token_value is one rule for both, so "
-            "a bundle would need a rule for the in-reward KL apart")
-    if ctrl == "adaptive":
-        want += ("; under kl_ctrl.type=adaptive also the step's coefficient (reward_kl_controller.value, "
-                 "trainer.py:1430-1434) recorded as kl_loss_coef, mapped with kl_ctrl.type=fixed")
-    assert (str(err.value), err.value.exit_code) == (want, 4)
+def test_skyrl_kl_in_reward_fixed_maps_and_adaptive_names_what_a_bundle_would_need():
+    """use_kl_in_reward (trainer.py:1409-1436): rewards − max(0, kl_loss_coef)·kl, the KL × loss_mask
+    (ppo_utils.py:122-125) and the advantages × response_mask; GRPO and RLOO sum the token rewards
+    (ppo_utils.py:1284,1367). Under the adaptive controller the coefficient changes every step."""
+    algo = {"use_kl_in_reward": True, "use_kl_loss": False}
+    cfg = from_skyrl({"trainer": {"algorithm": algo}})
+    assert (cfg.kl_in_reward, cfg.kl_coef, cfg.kl_penalty_type, cfg.masked_token_value, cfg.kl_masked_token_value,
+            cfg.use_kl_loss) == ("sequence", 0.001, "low_var_kl", "computed", "zero", False)
+    rloo = from_skyrl({"trainer": {"algorithm": {**algo, "advantage_estimator": "rloo", "kl_estimator_type": "k2",
+                                                 "kl_loss_coef": -0.5}}})
+    assert (rloo.kl_in_reward, rloo.kl_coef, rloo.kl_penalty_type) == ("sequence", 0.0, "k2")
+    refusals = {
+        "kl_ctrl": ({"kl_ctrl": {"type": "adaptive"}},
+                    "trainer.algorithm.kl_ctrl.type='adaptive': under kl_ctrl.type=adaptive the coefficient changes "
+                    "every step (reward_kl_controller.value, trainer.py:1430-1434, updated at :1443-1444) and the "
+                    "config holds only its start: a bundle would need the step's coefficient recorded as "
+                    "kl_loss_coef, then mapped with kl_ctrl.type=fixed"),
+        "kl_loss": ({"use_kl_loss": True},
+                    "trainer.algorithm.use_kl_loss=True: SkyRL rejects use_kl_in_reward with use_kl_loss "
+                    "(skyrl/train/utils/utils.py:312-314: \"mutually exclusive\"); set use_kl_loss=false"),
+        "reinforce++": ({"advantage_estimator": "reinforce++"},
+                        "trainer.algorithm.use_kl_in_reward=True: the token rewards minus kl_loss_coef·kl "
+                        "(trainer.py:1409-1436) enter reinforce++'s per-token recursion (ppo_utils.py:1225-1257), "
+                        "which no reference sweep of this mapping checks against SkyRL's code; not mapped (grpo and "
+                        "rloo, which sum them, are)"),
+    }
+    for name, (extra, want) in refusals.items():
+        with pytest.raises(UnsupportedFrameworkConfig) as err:
+            from_skyrl({"trainer": {"algorithm": {**algo, **extra}}})
+        assert (str(err.value), err.value.exit_code) == ("skyrl config: " + want, 4), name
 
 
 @pytest.mark.parametrize("key, value", [("sequence_mask_metric", "geometric"), ("sequence_mask_metric", "product"),

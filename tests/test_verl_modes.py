@@ -234,6 +234,44 @@ def test_a_non_zero_value_in_the_span_is_a_divergence(tmp_path, adv, kl, stage, 
     assert f"{field} s-0@0:" not in text and f"{field} s-0@3:" not in text
 
 
+# --------------------------------------------------- kl_masked_token_value=zero (SkyRL's use_kl_in_reward)
+
+
+# SkyRL: the advantages × response_mask (computed at s-0's tool span), the in-reward KL × loss_mask (0 there).
+# The same step as MASKED: advantages [0.5, 0.5, 0.5, 0.5 | −0.5, −0.5], kl [0.1, 0, 0, 0.1 | 0.1, 0.1].
+
+
+def test_kl_zero_with_advantages_computed_at_an_interior_span_replays_clean(tmp_path):
+    report = replay(advantage_producer.write(tmp_path / "skyrl", advantages=BROADCAST_ADV, kl=ZERO_KL,
+                                             masked_token_value="computed", kl_masked_token_value="zero", **MASKED))
+    assert report.passed, report_to_text(report)
+    assert report.stage("advantage.kl").reason == "6 token(s) compared (k1, kl_coef=0.1)"
+    # one rule for both (kl_masked_token_value unset): either the advantages or the KL diverge in the span
+    for rule, stage in (("computed", "advantage.kl"), ("zero", "advantage.estimate")):
+        one = replay(advantage_producer.write(tmp_path / rule, advantages=BROADCAST_ADV, kl=ZERO_KL,
+                                              masked_token_value=rule, **MASKED))
+        assert one.first_divergent_stage == stage, report_to_text(one)
+
+
+def test_kl_masked_token_value_computed_with_advantages_zero_compares_the_kl_in_the_span(tmp_path):
+    report = replay(advantage_producer.write(tmp_path / "b", advantages=ZERO_ADV, kl=ZERO_KL,
+                                             masked_token_value="zero", kl_masked_token_value="computed", **MASKED))
+    assert report.first_divergent_stage == "advantage.kl", report_to_text(report)
+    text = report_to_text(report)
+    for token in (1, 2):
+        assert f"kl s-0@{token}: expected=0.0 actual=0.1" in text, text
+
+
+def test_kl_masked_token_value_unset_is_not_written_and_a_bad_one_exits_3(tmp_path, cli):
+    import msgspec
+    assert b"kl_masked_token_value" not in msgspec.json.encode(RecomputeConfig())
+    bundle = advantage_producer.write(tmp_path / "b", advantages=BROADCAST_ADV, kl=ZERO_KL,
+                                      kl_masked_token_value="sometimes", **MASKED)
+    code, out, err = cli("validate", str(bundle))
+    assert code == 3, out + err
+    assert "$.config.kl_masked_token_value='sometimes': expected one of computed, zero" in out + err
+
+
 # --------------------------------------------------------------------- kl_loss_ratio_weighted (TRL's β-KL)
 
 

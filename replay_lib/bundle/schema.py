@@ -218,6 +218,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # broadcast advantages and the in-reward KL: computed (the value, as on any token; NeMo-RL) | zero (verl and
     # SkyRL multiply by the response mask).
     masked_token_value: str = "computed"
+    # What the in-reward KL (the ``kl`` payload) holds at those tokens when it differs from the advantages'
+    # rule (SkyRL: the KL × loss_mask, the advantages × response_mask): computed | zero. Unset (msgspec.UNSET)
+    # means masked_token_value and is not written, so a bundle without it is byte-identical to one before it.
+    kl_masked_token_value: Union[str, msgspec.UnsetType] = msgspec.UNSET
     # OpenRLHF (openrlhf/models/utils.py compute_approx_kl, compute_reward): the in-reward KL estimate clamped to
     # ±kl_penalty_clamp; each sample's (normalized) reward clamped to [reward_clip_low, reward_clip_high].
     kl_penalty_clamp: Optional[float] = None

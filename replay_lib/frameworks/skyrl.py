@@ -34,6 +34,10 @@ observation spans included, 0 on padding only: ``skyrl/train/dataset/preprocess.
 (``ppo_utils.py:1254,1307,1391``), so a loss-mask-0 token *inside* a response holds the computed value:
 ``masked_token_value="computed"`` (verl's response mask is its loss mask, hence its ``zero``).
 
+KL in the reward (``use_kl_in_reward``, fixed ``kl_ctrl``, ``grpo`` / ``rloo``): ``kl_in_reward="sequence"`` with
+the in-reward KL's own rule ``kl_masked_token_value="zero"`` (see ``KL_IN_REWARD_TYPES`` below); the adaptive
+controller refuses (the step's coefficient would have to be recorded as ``kl_loss_coef``).
+
 Estimators: ``grpo`` (a group of one: mean 0, std 1, ``ppo_utils.py:1378-1380``), ``rloo`` (``(r − mean)·n/(n−1)``,
 a group of one gets 0: ``ppo_utils.py:1293-1307``), ``reinforce++`` (discounted returns reset after the response,
 ``masked_whiten`` over ``response_mask``: ``ppo_utils.py:1244-1254``) and ``gae`` (``ppo_utils.py:1313-1341``).
@@ -73,15 +77,24 @@ REFUSED_ESTIMATORS = {
              "recomputed",
 }
 KL_TYPES = ("k1", "abs", "k2", "k3")  # ppo_utils.py:88-126 compute_approx_kl
-# use_kl_in_reward (trainer.py:1409-1450): the token rewards minus kl_loss_coef·kl, the KL × loss_mask
-# (ppo_utils.py:122-125) while the advantages are × response_mask: kl_in_reward="sequence" (GRPO, RLOO sum the
-# token rewards, ppo_utils.py:1284,1367) holds, but masked_token_value is one rule for both.
-KL_IN_REWARD_REFUSAL = (
-    "SkyRL subtracts kl_loss_coef·kl from the token rewards (trainer.py:1409-1436) with the KL 0 at a loss-mask-0 "
-    "token (ppo_utils.py:122-125) but the advantages there computed (× response_mask): the replay's "
-    "masked_token_value is one rule for both, so a bundle would need a rule for the in-reward KL apart")
-ADAPTIVE_KL = ("; under kl_ctrl.type=adaptive also the step's coefficient (reward_kl_controller.value, "
-               "trainer.py:1430-1434) recorded as kl_loss_coef, mapped with kl_ctrl.type=fixed")
+# use_kl_in_reward (trainer.py:1409-1436): the token rewards minus max(0, kl_loss_coef)·kl, the KL from
+# compute_approx_kl(action_log_probs, base_action_log_probs, loss_mask, kl_estimator_type) — the rollout's
+# log-probs against the reference's, 0 at a loss-mask-0 token (ppo_utils.py:122-125) — which GRPO and RLOO sum
+# (ppo_utils.py:1284,1367): kl_in_reward="sequence", the KL's own rule kl_masked_token_value="zero" while the
+# advantages keep masked_token_value="computed" (× response_mask). k3 is clamped at ±20 in, ±10 out
+# (ppo_utils.py:113-118): past |c| = 20 both sides are above 10, so the input clamp never shows: low_var_kl.
+KL_IN_REWARD_ESTIMATORS = ("grpo", "rloo")
+KL_IN_REWARD_TYPES = {"k1": "k1", "abs": "abs", "k2": "k2", "k3": "low_var_kl"}
+KL_IN_REWARD_TOKEN = (
+    "the token rewards minus kl_loss_coef·kl (trainer.py:1409-1436) enter {est}'s per-token recursion "
+    "(ppo_utils.py:{lines}), which no reference sweep of this mapping checks against SkyRL's code; not mapped "
+    "(grpo and rloo, which sum them, are)")
+KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
+KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
+                         "\"mutually exclusive\"); set use_kl_loss=false")
+ADAPTIVE_KL = ("under kl_ctrl.type=adaptive the coefficient changes every step (reward_kl_controller.value, "
+               "trainer.py:1430-1434, updated at :1443-1444) and the config holds only its start: a bundle would "
+               "need the step's coefficient recorded as kl_loss_coef, then mapped with kl_ctrl.type=fixed")
 # off_policy_correction masks (opc.py:75-255): 0/1 factors of the loss mask itself (opc.py:319,327,345), so the
 # reduction's token count shrinks and no weight is kept: not the IS knobs' is_mode="mask" (the weight × 1[in bounds]
 # on an unchanged mask).
@@ -117,9 +130,16 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     kl_type = r.text(f"{p}kl_estimator_type", "k3")  # config.py:828
     if use_kl_loss and kl_loss_coef != 0 and kl_type not in KL_TYPES:
         r.refuse(f"{p}kl_estimator_type", kl_type, f"not mapped ({', '.join(KL_TYPES)} are)")
-    if r.flag(f"{p}use_kl_in_reward", False):  # config.py:830
-        r.refuse(f"{p}use_kl_in_reward", True, KL_IN_REWARD_REFUSAL
-                 + (ADAPTIVE_KL if r.text(f"{p}kl_ctrl.type", "fixed") != "fixed" else ""))
+    kl_in_reward = r.flag(f"{p}use_kl_in_reward", False)  # config.py:830
+    if kl_in_reward:
+        if r.text(f"{p}kl_ctrl.type", "fixed") != "fixed":  # config.py:693, ppo_utils.py:74-76
+            r.refuse(f"{p}kl_ctrl.type", r.text(f"{p}kl_ctrl.type", "fixed"), ADAPTIVE_KL)
+        if use_kl_loss:
+            r.refuse(f"{p}use_kl_loss", True, KL_IN_REWARD_AND_LOSS)
+        if est not in KL_IN_REWARD_ESTIMATORS:
+            r.refuse(f"{p}use_kl_in_reward", True, KL_IN_REWARD_TOKEN.format(est=est, lines=KL_IN_REWARD_TOKEN_LINES[est]))
+        if kl_type not in KL_IN_REWARD_TYPES:
+            r.refuse(f"{p}kl_estimator_type", kl_type, f"not mapped ({', '.join(KL_IN_REWARD_TYPES)} are)")
     use_entropy = r.flag(f"{p}use_entropy_loss", False)  # config.py:838
     entropy_coef = r.number(f"{p}entropy_loss_coef", 0.01)  # config.py:841, used only with use_entropy_loss
     if r.flag(f"{p}use_tis", False):  # config.py:914 (deprecated)
@@ -153,6 +173,9 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if use_kl_loss and kl_loss_coef != 0:  # worker.py:1068-1078: coef · mean_i(masked_mean_t(kl_i))
         fields.update(use_kl_loss=True, kl_loss_coef=kl_loss_coef, kl_loss_type=kl_type,
                       kl_loss_agg_mode="seq_mean_token_mean", **kl_clamps(kl_type, 20.0, 10.0))
+    if kl_in_reward:  # trainer.py:1426-1436: rewards − kl·max(0, kl_loss_coef)
+        fields.update(kl_in_reward="sequence", kl_coef=max(0.0, kl_loss_coef),
+                      kl_penalty_type=KL_IN_REWARD_TYPES[kl_type], kl_masked_token_value="zero")
     if use_entropy and entropy_coef != 0:  # worker.py:1058-1066: loss −= coef · masked_mean(entropy, mask)
         fields.update(entropy_coef=entropy_coef, entropy_agg_mode="token_mean")
     clip_c = r.number(f"{p}clip_ratio_c", 3.0)  # config.py:910

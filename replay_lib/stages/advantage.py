@@ -38,12 +38,12 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
         if ctx.dtype != torch.float64:  # --exact: the producer's float32 kernel, compared bitwise
             kl = rollout_kl(old, ref, cfg.kl_coef, reward_kl_type(cfg), dtype=ctx.dtype,
                             clamp=cfg.kl_penalty_clamp)
-            if zeroed(cfg):
+            if kl_zeroed(cfg):
                 kl = kl * ctx.loss_mask.to(kl.dtype)
         else:
             cols = _kl_columns(ctx, old, ref, expected)
             kl, bound = cols.column("actual"), cols.column("bound")
-            if zeroed(cfg):
+            if kl_zeroed(cfg):
                 kl, bound = _masked(ctx, kl), _masked(ctx, bound)
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
                 "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
@@ -215,6 +215,19 @@ def zeroed(cfg: RecomputeConfig) -> bool:
     (``masked_token_value="zero"``: verl's ``scores.unsqueeze(-1) * response_mask``, core_algos.py:330, and
     ``kld * response_mask``, ray_trainer.py ``apply_kl_penalty``)."""
     return cfg.masked_token_value == "zero"
+
+
+def kl_masked_value(cfg: RecomputeConfig) -> str:
+    """The rule of the in-reward ``kl`` at loss-mask-0 tokens: ``kl_masked_token_value``, unset read as
+    ``masked_token_value`` (SkyRL zeroes its KL there, ``compute_approx_kl`` ppo_utils.py:122-125, while its
+    advantages keep their value)."""
+    rule = cfg.kl_masked_token_value
+    return rule if isinstance(rule, str) else cfg.masked_token_value
+
+
+def kl_zeroed(cfg: RecomputeConfig) -> bool:
+    """Whether the producer writes 0 at loss-mask-0 tokens of the in-reward KL (advantage.kl)."""
+    return kl_masked_value(cfg) == "zero"
 
 
 def _masked(ctx: StageContext, column):
@@ -505,6 +518,8 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
         ("kl_penalty_type", cfg.kl_penalty_type is None or cfg.kl_penalty_type in KL_TYPES,
          "null or one of " + ", ".join(KL_TYPES)),
         ("masked_token_value", cfg.masked_token_value in MASKED_TOKEN_VALUES,
+         "one of " + ", ".join(MASKED_TOKEN_VALUES)),
+        ("kl_masked_token_value", kl_masked_value(cfg) in MASKED_TOKEN_VALUES,
          "one of " + ", ".join(MASKED_TOKEN_VALUES)),
         ("whiten_variance", whiten_modes(cfg)[0] in WHITEN_VARIANCES, "one of " + ", ".join(WHITEN_VARIANCES)),
         ("whiten_eps_mode", whiten_modes(cfg)[1] in WHITEN_EPS_MODES, "one of " + ", ".join(WHITEN_EPS_MODES)),

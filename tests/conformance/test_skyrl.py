@@ -43,6 +43,10 @@ CONFIGS = {
     "reinforce++-token-mean-k1": ({"advantage_estimator": "reinforce++", "kl_estimator_type": "k1"}, 3),
     "grpo-gspo-sequence-mean": ({"policy_loss_type": "gspo", "loss_reduction": "sequence_mean",
                                  "eps_clip_low": 0.03, "eps_clip_high": 0.04}, 3),
+    # use_kl_in_reward excludes use_kl_loss (skyrl/train/utils/utils.py:312-314)
+    "grpo-kl-in-reward-k3": ({"use_kl_in_reward": True, "use_kl_loss": False, "kl_loss_coef": 0.05}, 3),
+    "rloo-kl-in-reward-k1": ({"advantage_estimator": "rloo", "use_kl_in_reward": True, "use_kl_loss": False,
+                              "kl_estimator_type": "k1", "kl_loss_coef": 0.1}, 4),
 }
 
 
@@ -118,6 +122,14 @@ def approx_kl(logp, base, loss_mask, kind):
         c = torch.clamp(base - logp, -20, 20)
         kld = torch.clamp(torch.exp(c) - c - 1, -10, 10)
     return torch.where(loss_mask.bool(), kld * loss_mask, 0.0)
+
+
+def reward_kl_penalty(token_rewards, old, ref, loss_mask, algo):
+    """skyrl/train/trainer.py:1409-1436 apply_reward_kl_penalty (kl_ctrl fixed: FixedKLController.value is
+    kl_loss_coef, ppo_utils.py:62-70): kl = compute_approx_kl(action_log_probs, base_action_log_probs, loss_mask,
+    kl_estimator_type) — 0 at loss-mask-0 tokens — and rewards − kl·max(0, kl_loss_coef)."""
+    kl = approx_kl(old, ref, loss_mask, algo.get("kl_estimator_type", "k3"))
+    return token_rewards - kl * max(0.0, algo.get("kl_loss_coef", 0.001)), kl
 
 
 def loss_reduction(adv, loss_mask, reduction, micro, max_seq_len):
@@ -218,9 +230,18 @@ def _step(seed: int, dtype: torch.dtype):
 def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str = "") -> str:
     algo, micro = CONFIGS[name]
     lengths, response_mask, loss_mask, old, logp, ref, scores = _step(seed, dtype)
+    raw = scores  # the reward function's score, what the bundle records as raw_reward
     index = [i // N for i in range(B)]
     est = algo.get("advantage_estimator", "grpo")
-    stats = None
+    stats = kl = None
+    if algo.get("use_kl_in_reward"):  # the score on the last token (token-level rewards), then the KL penalty
+        token_rewards = torch.zeros(B, WIDTH, dtype=F64)
+        token_rewards[torch.arange(B), lengths - 1] = scores
+        token_rewards, kl = reward_kl_penalty(token_rewards, old, ref, loss_mask, algo)
+        if bug == "kl-unmasked":  # the KL kept at loss-mask-0 tokens: not SkyRL
+            kl = torch.where(response_mask.bool(), approx_kl(old, ref, response_mask,
+                                                             algo.get("kl_estimator_type", "k3")), 0.0)
+        scores = token_rewards.sum(dim=-1)  # ppo_utils.py:1284 (rloo), 1367 (grpo)
     if est == "grpo":
         adv, normalized = grpo(scores, response_mask, index, algo.get("grpo_norm_by_std", True))
     elif est == "rloo":
@@ -240,22 +261,27 @@ def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str 
     counts = dict(loss_token_count=int(loss_mask.sum()), loss_seq_count=B)
     if stats is not None:  # SkyRL whitens over every response token: the bundle records its statistics
         counts["advantage_whiten_stats"] = AdvantageWhitenStats(mean=stats[0], std=stats[1])
+    if bug == "one-rule":  # the mapping without the in-reward KL's own rule: masked_token_value for both
+        counts["kl_masked_token_value"] = msgspec.UNSET
     cfg = msgspec.structs.replace(cfg, **counts)
     mb_of = {i: f"mb-{i // micro}" for i in range(B)}  # worker.py:869-872, sample-based micro-batches
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=index[i], response_length=int(lengths[i]),
                             total_length=int(lengths[i]) + 7, loss_mask=[int(v) for v in loss_mask[i, :lengths[i]]],
-                            raw_reward=float(scores[i]), micro_batch_id=mb_of[i]) for i in range(B)]
+                            raw_reward=float(raw[i]), micro_batch_id=mb_of[i]) for i in range(B)]
     bundle_index = BundleIndex(bundle_id=f"skyrl-{name}", samples=samples, config=cfg, identity=Identity(
         actor_step_id=ActorStepId(rollout_id=1, step_id=0), micro_batch_ids=sorted(set(mb_of.values()))))
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=f"skyrl-{name}", producer=producer(),
-                        stage_contracts=stage_contracts(STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
+                        stage_contracts=stage_contracts(STAGES + ([StageId.ADVANTAGE_KL] if kl is not None
+                                                                  else [])), payloads={}, comparison_policy=ComparisonPolicy(),
                         redaction={})
     expected = {"reward.post_process": {"rewards": [float(v) for v in normalized]}, "loss.policy": policy}
     writer = BundleWriter(path, manifest, bundle_index, expected)
     valid = response_mask.bool()
     payloads = {"log_probs": logp, "old_log_probs": old, "advantages": adv}
-    if cfg.use_kl_loss:
+    if cfg.use_kl_loss or kl is not None:
         payloads["ref_log_probs"] = ref
+    if kl is not None:
+        payloads["kl"] = kl
     for pname, values in payloads.items():
         writer.write_payload(pname, values[valid].to(dtype))
     return writer.finalize(ranks=[0])
@@ -286,8 +312,25 @@ def test_the_micro_batches_and_the_interior_spans_are_exercised():
     assert int(interior.sum()) > 3 and bool((adv[interior] != 0).any())
 
 
-@pytest.mark.parametrize("bug, stage", [("loss-sign", "loss.policy"), ("zeroed-span", "advantage.estimate")])
-def test_skyrl_injected_bug_is_named_at_its_stage(tmp_path, cli, bug, stage):
-    bundle = write_skyrl_bundle(tmp_path / "b", "grpo-token-mean-k3", seed=7, dtype=torch.float32, bug=bug)
+@pytest.mark.parametrize("bug, stage, name", [("loss-sign", "loss.policy", "grpo-token-mean-k3"),
+                                             ("zeroed-span", "advantage.estimate", "grpo-token-mean-k3"),
+                                             ("kl-unmasked", "advantage.kl", "grpo-kl-in-reward-k3")])
+def test_skyrl_injected_bug_is_named_at_its_stage(tmp_path, cli, bug, stage, name):
+    bundle = write_skyrl_bundle(tmp_path / "b", name, seed=7, dtype=torch.float32, bug=bug)
     code, out, err = cli("replay", bundle, "--format", "json")
     assert (code, json.loads(out)["first_divergent_stage"]) == (1, stage), out + err
+
+
+def test_kl_in_reward_needs_its_own_masked_token_rule(tmp_path, cli):
+    """The in-reward KL is 0 at the interior spans while the advantages there are not: mapped with one rule for
+    both (kl_masked_token_value unset), the clean values diverge at advantage.kl at exactly those tokens."""
+    bundle = write_skyrl_bundle(tmp_path / "b", "grpo-kl-in-reward-k3", seed=7, dtype=torch.float32, bug="one-rule")
+    lengths, _, loss_mask, *_ = _step(7, torch.float32)
+    inside = torch.arange(WIDTH)[None, :] < lengths[:, None]
+    masked = (inside & (loss_mask == 0)).sum(-1)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "advantage.kl"), out + err
+    kl = next(s for s in report["stages"] if s["stage"] == "advantage.kl")
+    assert kl["reason"] == (f"kl mismatch in {int(masked.sum())} token(s) of {int((masked > 0).sum())} sample(s)")
+    assert int(masked.sum()) > 3
