@@ -93,3 +93,12 @@ def test_an_unknown_scope_is_invalid_input(tmp_path):
                          text=True, timeout=120)
     assert cli.returncode == 3
     assert "$.config.grpo_std_scope='world': expected one of group, batch" in cli.stderr + cli.stdout
+
+
+def test_the_group_std_hypotheses_are_not_offered_under_a_batch_std(tmp_path):
+    # explain's reward hypotheses vary the group-std formula; under grpo_std_scope=batch they would be built on
+    # the wrong formula, so none is offered (the divergence is still named at reward.post_process)
+    from replay_lib.explain.reward import modelled
+    from replay_lib.bundle.schema import RecomputeConfig
+    assert modelled(RecomputeConfig(grpo_std_normalization=True)) is True
+    assert modelled(RecomputeConfig(**CONFIG)) is False
