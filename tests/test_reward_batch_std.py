@@ -102,3 +102,23 @@ def test_the_group_std_hypotheses_are_not_offered_under_a_batch_std(tmp_path):
     from replay_lib.bundle.schema import RecomputeConfig
     assert modelled(RecomputeConfig(grpo_std_normalization=True)) is True
     assert modelled(RecomputeConfig(**CONFIG)) is False
+
+
+@pytest.mark.parametrize("selection", [dict(groups=("0",)), dict(samples=("s-3",))])
+def test_a_partial_selection_divides_by_the_whole_batch_std(tmp_path, selection):
+    # --group 0 / --sample s-3: the selected rewards are still divided by the std of all four (√(14/3)), not of the
+    # selection's
+    from replay_lib.bundle.selection import Selection
+    report = replay(bundle(tmp_path, "b", trl_batch_scaled(RAW)), selection=Selection(**selection),
+                    stages=None)
+    post = report.stage("reward.post_process")
+    assert (report.passed, post.mismatches) == (True, 0), report_to_text(report)
+
+
+@pytest.mark.parametrize("selection", [dict(), dict(groups=("1",))])
+def test_exact_mode_recomputes_trls_float32_values(tmp_path, selection):
+    from replay_lib.bundle.selection import Selection
+    from replay_lib.judge.error_model import Rules
+    report = replay(bundle(tmp_path, "b", trl_batch_scaled(RAW)), selection=Selection(**selection),
+                    stages=None, rules=Rules(exact=True))
+    assert report.stage("reward.post_process").status == "pass", report_to_text(report)

@@ -77,7 +77,7 @@ def group_rule(cfg) -> GroupRule:
 def group_normalize(
     raw_rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float = STD_EPS,
     dtype: torch.dtype = torch.float32, *, unbiased: bool = True, baseline: str = "mean", std_zero: str = "eps",
-    singleton: Optional[str] = None, std_scope: str = "group",
+    singleton: Optional[str] = None, std_scope: str = "group", scope_std: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """GRPO reward post-processing by *semantic group* (``group_index``), never by physical batch, in ``dtype``.
 
@@ -93,7 +93,8 @@ def group_normalize(
     if r.numel() == 0:
         return r.clone()
     inverse, counts, centered, std = group_moments(r, group_index, dtype, unbiased=unbiased, baseline=baseline,
-                                                   with_std=std_normalization, std_scope=std_scope)
+                                                   with_std=std_normalization, std_scope=std_scope,
+                                                   scope_std=scope_std)
     if std_normalization:
         divided = centered / (std + eps)
         centered = torch.where(std > 0, divided, centered) if std_zero == "skip" else divided
@@ -111,8 +112,8 @@ def group_normalize(
 
 
 def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype, *, unbiased: bool = True,
-                  baseline: str = "mean", with_std: bool = True, std_scope: str = "group"
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                  baseline: str = "mean", with_std: bool = True, std_scope: str = "group",
+                  scope_std: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(group of each sample, group sizes, centred value r − b, std per sample or None)`` in ``dtype`` (see
     :func:`group_normalize`; the error model reads the float64 std of each sample from here)."""
     r = r.to(dtype)
@@ -131,8 +132,9 @@ def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype
         centered = shifted - total / n
     if not with_std:
         return inverse, counts, centered, None
-    if std_scope == "batch":
-        return inverse, counts, centered, batch_std(r, unbiased=unbiased).expand_as(r)
+    if std_scope == "batch":  # scope_std: the whole batch's, where r is a selection of it
+        std = batch_std(r, unbiased=unbiased) if scope_std is None else scope_std.to(dtype)
+        return inverse, counts, centered, std.expand_as(r)
     dev = shifted - total / n
     ss = segment_sum(dev * dev, inverse, n_groups)[inverse]
     if baseline == "leave_one_out":
@@ -179,15 +181,16 @@ def _others_equal(shifted: torch.Tensor, inverse: torch.Tensor, n_groups: int) -
 
 
 def post_process(raw_rewards: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, scope_std: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reward.post_process under ``rule``: the group-normalized score, or the score itself (``dtype``), clamped
-    to ``rule.clip`` when set."""
+    to ``rule.clip`` when set; ``scope_std``: under ``std_scope="batch"`` the whole batch's std where
+    ``raw_rewards`` are a selection of it (else taken of them)."""
     if not rule.center:
         out = raw_rewards.to(dtype).clone()
     else:
         out = group_normalize(raw_rewards, group_index, rule.std, rule.eps, dtype=dtype, unbiased=rule.unbiased,
                               baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton,
-                              std_scope=rule.std_scope)
+                              std_scope=rule.std_scope, scope_std=scope_std)
     return out if rule.clip is None else torch.clamp(out, min=rule.clip[0], max=rule.clip[1])
 
 
