@@ -122,3 +122,14 @@ def test_exact_mode_recomputes_trls_float32_values(tmp_path, selection):
     report = replay(bundle(tmp_path, "b", trl_batch_scaled(RAW)), selection=Selection(**selection),
                     stages=None, rules=Rules(exact=True))
     assert report.stage("reward.post_process").status == "pass", report_to_text(report)
+
+
+def test_the_why_line_of_a_reward_names_the_batch_std(tmp_path):
+    from replay_lib.bundle import open_bundle
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.stages import StageContext
+    reader = open_bundle(bundle(tmp_path, "b", trl_batch_scaled(RAW))).shards[0]
+    ctx = StageContext(reader=reader, indices=[2, 3], partial=True)  # --group 1: s-2, s-3
+    why = element_inputs(ctx, "reward", 1)
+    assert why.formula == ("(r − mean) / (std + eps) = (6.0 − 4.0) / (2.1602469 + 0.0001) = 0.92577724 "
+                           "(the whole batch's std)"), why.formula
