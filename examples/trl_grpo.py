@@ -129,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="use_bias_correction_kl (TRL's default; off here unless given): the KL × the ratio")
     p.add_argument("--delta", type=float, default=None, help="two-sided clipping: cap the unclipped ratio at delta")
     p.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
-    p.add_argument("--scale-rewards", default="group", choices=("group", "none"))
+    p.add_argument("--scale-rewards", default="group", choices=("group", "batch", "none"))
     p.add_argument("--gradient-accumulation", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bug", choices=BUGS, default=None)

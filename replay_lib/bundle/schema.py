@@ -239,6 +239,9 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # gae_masked_tokens: skip (verl: a mask-0 token carries the next value and advantage through unchanged) |
     # zeroed (OpenRLHF: values and rewards × mask, the recursion runs over every token).
     gae_masked_tokens: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    # grpo_std_scope: group (each group's own std) | batch (TRL scale_rewards="batch": the group mean, the std of
+    # every sample of the step, which must then hold the whole generation batch: one data-parallel rank).
+    grpo_std_scope: Union[str, msgspec.UnsetType] = msgspec.UNSET
     # Sample-support replay (stage logprob.support): the vocabulary size for the support id range check, the
     # expert count for routed-expert rows, and which recorded log-prob payloads the trainer scored over the
     # support (None = every recorded one of log_probs, old_log_probs, ref_log_probs).

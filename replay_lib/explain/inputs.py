@@ -23,7 +23,7 @@ import torch
 
 from ..kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
 from ..kernels.loss import sample_term
-from ..kernels.reward import group_moments, group_rule, post_process
+from ..kernels.reward import batch_std, group_moments, group_rule, post_process
 from ..bundle.loss_knobs import LossKnobs
 from ..judge.report import fmt_value
 from ..bundle.selection import group_label
@@ -176,8 +176,13 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     # the stage's own kernels on this group: the value under the configured rule, and the baseline and std it
     # used (a leave-one-out std is the std of the other rewards, not the group's)
     one_group = torch.zeros(r.numel(), dtype=torch.int64)
-    value = float(post_process(r, one_group, rule, dtype=torch.float64)[me])
-    _, _, centered, stds = group_moments(r, one_group, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline)
+    whole = None  # grpo_std_scope=batch: the std of every raw reward of the bundle, not the group's
+    if rule.std_scope == "batch":
+        whole = batch_std(torch.tensor([float("nan") if s.raw_reward is None else float(s.raw_reward)
+                                        for s in ctx.reader.index.samples], dtype=torch.float64), unbiased=rule.unbiased)
+    value = float(post_process(r, one_group, rule, dtype=torch.float64, scope_std=whole)[me])
+    _, _, centered, stds = group_moments(r, one_group, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline,
+                                         std_scope=rule.std_scope, scope_std=whole)
     mean = float(r.mean())
     std = float(stds[me]) if r.numel() > 1 else float("nan")
     mine = float(record.raw_reward)
@@ -190,8 +195,8 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
         base = mine - float(centered[me])  # r − (r − b)
         if std_on:
             formula = f"(r − {b}) / (std + eps) = ({fmt(mine)} − {fmt(base)}) / ({fmt(std)} + {rule.eps:g}) = {fmt(value)}"
-            notes = ([] if rule.unbiased else ["biased std"]) + (["divided only where std > 0"]
-                                                                if rule.std_zero == "skip" else [])
+            notes = ([] if rule.unbiased else ["biased std"]) + (["the whole batch's std"] if whole is not None else []) \
+                + (["divided only where std > 0"] if rule.std_zero == "skip" else [])
             formula += f" ({', '.join(notes)})" if notes else ""
         else:
             formula = f"r − {b} = {fmt(mine)} − {fmt(base)} = {fmt(value)} (std normalization off)"

@@ -38,6 +38,7 @@ import torch
 from ..judge.compare import as_float64
 from ..judge.error_model import GroupStats, group_stats, reward_bound
 from ..judge.fields import FieldResult
+from ..kernels import grpo_std_scope
 from ..bundle.selection import group_label
 from ..stages import StageContext
 from .base import Hypothesis, fmt_number, listing, micro_batches
@@ -203,10 +204,11 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
 
 def modelled(cfg) -> bool:
     """Whether the declared normalization is the one these hypotheses vary: GRPO's group mean (and std + eps),
-    no leave-one-out baseline, zero-std or singleton rule, nor KL in the reward (those configurations get no
+    no leave-one-out baseline, zero-std or singleton rule, batch std, nor KL in the reward (those configurations get no
     reward hypotheses rather than ones built on the wrong formula)."""
     return (cfg.advantage_estimator == "grpo" and cfg.rewards_normalization and cfg.group_baseline == "mean"
-            and cfg.std_zero == "eps" and cfg.singleton_group is None and cfg.kl_in_reward is None)
+            and cfg.std_zero == "eps" and cfg.singleton_group is None and cfg.kl_in_reward is None
+            and grpo_std_scope(cfg) == "group")
 
 
 BASELINE_WORDS = {"mean": "the group mean", "leave_one_out": "the leave-one-out mean of the other samples"}

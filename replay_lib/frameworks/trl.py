@@ -6,7 +6,9 @@ package index; the line numbers below are of that release):
 * group normalization (``_generate_and_score_completions``): the weighted sum of the reward functions
   (``:2763``), the group mean over ``view(-1, num_generations)`` (``:2765``), the Bessel-corrected ``nanstd``
   (``:2770``; ``trl/trainer/utils.py:1037-1044``), ``(r − mean) / (std + 1e-4)`` unless ``scale_rewards="none"``
-  (``:2787``); ``scale_rewards="batch"`` takes the std over the whole batch (``:2774-2778``).
+  (``:2787``); ``scale_rewards="batch"`` takes the std over the whole generation batch (``:2774-2778``):
+  ``grpo_std_scope="batch"``, exact where a step bundle holds that whole batch (one process and
+  ``steps_per_generation = gradient_accumulation_steps``).
 * the surrogate (``_compute_loss``): ``coef_1 = exp(logp − old)`` per token, or per sequence as
   ``exp(Σ_t (logp − old)·m / max(Σ_t m, 1))`` under ``importance_sampling_level="sequence"`` (``:3087``);
   ``coef_2 = clamp(coef_1, 1 − epsilon, 1 + epsilon_high)`` (``:3113``, ``epsilon_high`` defaults to
@@ -43,7 +45,8 @@ whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; anot
 refused by name).
 
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` (the batch std),
+another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` over several processes
+or generation batches that span several steps (the batch std),
 ``multi_objective_aggregation="normalize_then_sum"``, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
 (the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
 step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
@@ -138,7 +141,8 @@ def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None
     fields: dict[str, Any] = {"advantage_estimator": "grpo", "n_samples_per_prompt": n,
                               "grpo_std_eps": TRL_STD_EPS, "grpo_std_unbiased": True, "kl_coef": 0.0,
                               "kl_loss_type": "k3"}
-    fields.update(_rewards(cfg))
+    fields.update(_rewards(cfg, whole_batch=num_processes == 1 and spg == gas, num_processes=num_processes,
+                           spg=spg, gas=gas))
     fields.update(_loss(cfg, batch=batch, gas=gas, spg=spg, num_processes=num_processes))
     fields.update(_kl(cfg))
     fields.update(_vllm_importance(cfg))
@@ -147,20 +151,25 @@ def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None
     return cfg.build(fields)
 
 
-def _rewards(cfg: ConfigReader) -> dict[str, Any]:
+def _rewards(cfg: ConfigReader, *, whole_batch: bool, num_processes: int, spg: int, gas: int) -> dict[str, Any]:
     scale = cfg.raw("scale_rewards", "group")
     scale = {True: "group", False: "none"}.get(scale, scale)  # grpo_config.py:1078
-    if scale == "batch":
-        cfg.refuse("scale_rewards", scale, "the group mean divided by the std of the whole generation batch, "
-                                          "gathered over every process (:2774-2778), is not recomputed (group and "
-                                          "none are); a bundle would need that batch std recorded")
-    if scale not in ("group", "none"):
+    if scale == "batch" and not whole_batch:
+        cfg.refuse("scale_rewards", scale, f"the group mean divided by the std of the whole generation batch, "
+                                          f"gathered over every process (:2774-2778), is recomputed only when a step "
+                                          f"holds that whole batch (one process, steps_per_generation = "
+                                          f"gradient_accumulation_steps; here {num_processes} process(es), "
+                                          f"{spg} and {gas}); a bundle would need that batch std recorded")
+    if scale not in ("group", "none", "batch"):
         cfg.refuse("scale_rewards", scale, "expected group, batch or none")
     aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
     if aggregation != "sum_then_normalize":
         cfg.refuse("multi_objective_aggregation", aggregation,
                    "each reward function normalized on its own, then whitened over the batch, is not recomputed")
-    return {"grpo_std_normalization": scale == "group"}
+    out: dict[str, Any] = {"grpo_std_normalization": scale != "none"}
+    if scale == "batch":  # nanstd(rewards) over the step's (= the generation batch's) samples, Bessel, + 1e-4
+        out["grpo_std_scope"] = "batch"
+    return out
 
 
 def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: int) -> dict[str, Any]:

@@ -376,6 +376,13 @@ def exact_zero_std(raw: torch.Tensor, stats: GroupStats, sample_std: torch.Tenso
     return out
 
 
+def batch_std_bound(truth: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 ``[n]``: a batch std's (TRL ``scale_rewards="batch"``) relative rounding carried into each
+    normalized value ``T``, as :func:`reward_bound` bounds a group std's, over the batch's ``n`` samples:
+    ``C_REWARD·u·√n·|T|``."""
+    return C_REWARD * U32 * math.sqrt(max(n, 1)) * truth.to(torch.float64).abs()
+
+
 def near_zero_std(stats: GroupStats) -> torch.Tensor:
     """bool per group: a std at the rounding level of the group's mean (a float32 producer's normalized
     values there are rounding noise)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .segments import segment_ids, segment_offsets, segment_sum, LOSS_CHUNK, token_chunks, masked_sample_sums
 from .reward import (STD_EPS, group_normalize, batch_normalize, GROUP_BASELINES, STD_ZERO_RULES, SINGLETON_RULES,
                      ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, GroupRule, group_rule, group_moments, post_process,
-                     sequence_kl_score)
+                     sequence_kl_score, STD_SCOPES, batch_std, grpo_std_scope)
 from .kl import KL_TYPES, KL_CLAMP, compute_approx_kl, kl_of_log_ratio, rollout_kl
 from .advantage import (get_grpo_returns, GrpoReturns, WHITEN_EPS, last_loss_token, token_rewards, discounted_returns,
                         gae_advantages, whiten_stats, whiten)
@@ -37,6 +37,9 @@ __all__ = [
     "GROUP_BASELINES",
     "STD_ZERO_RULES",
     "SINGLETON_RULES",
+    "STD_SCOPES",
+    "batch_std",
+    "grpo_std_scope",
     "ADVANTAGE_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "GroupRule",

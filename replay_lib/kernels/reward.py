@@ -16,6 +16,7 @@ STD_EPS = 1e-6
 
 GROUP_BASELINES = ("mean", "leave_one_out")
 STD_ZERO_RULES = ("eps", "skip")
+STD_SCOPES = ("group", "batch")
 SINGLETON_RULES = ("nan", "zero", "raw")
 # The estimators whose reward.post_process centres each group (the others pass the score through) and the ones
 # of those that may divide by the group std.
@@ -33,7 +34,8 @@ class GroupRule:
     where the std is 0, NeMo-RL); ``singleton``: what a one-sample group gets — ``None`` the arithmetic (NaN
     under an unbiased std), ``nan``, ``zero`` or ``raw`` (verl's mean 0 and std 1: ``r/(1 + eps)`` under std,
     ``r`` without); ``clip``: ``(low, high)`` the value is clamped to last (OpenRLHF's ``reward.clip_range``,
-    ``compute_reward``), or None."""
+    ``compute_reward``), or None; ``std_scope``: ``group`` (each group's std) or ``batch`` (the std of every sample
+    given, TRL's ``scale_rewards="batch"``; the centring stays per group)."""
 
     center: bool = True
     baseline: str = "mean"
@@ -43,6 +45,12 @@ class GroupRule:
     std_zero: str = "eps"
     singleton: Optional[str] = None
     clip: Optional[tuple[float, float]] = None
+    std_scope: str = "group"
+
+
+def grpo_std_scope(cfg) -> str:
+    """``grpo_std_scope`` of a ``RecomputeConfig``, unset read as ``group``."""
+    return cfg.grpo_std_scope if isinstance(cfg.grpo_std_scope, str) else "group"
 
 
 def group_rule(cfg) -> GroupRule:
@@ -62,13 +70,14 @@ def group_rule(cfg) -> GroupRule:
         std_zero=cfg.std_zero,
         singleton=cfg.singleton_group,
         clip=None if cfg.reward_clip_low is None else (float(cfg.reward_clip_low), float(cfg.reward_clip_high)),
+        std_scope=grpo_std_scope(cfg),
     )
 
 
 def group_normalize(
     raw_rewards: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float = STD_EPS,
     dtype: torch.dtype = torch.float32, *, unbiased: bool = True, baseline: str = "mean", std_zero: str = "eps",
-    singleton: Optional[str] = None,
+    singleton: Optional[str] = None, std_scope: str = "group", scope_std: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """GRPO reward post-processing by *semantic group* (``group_index``), never by physical batch, in ``dtype``.
 
@@ -84,7 +93,8 @@ def group_normalize(
     if r.numel() == 0:
         return r.clone()
     inverse, counts, centered, std = group_moments(r, group_index, dtype, unbiased=unbiased, baseline=baseline,
-                                                   with_std=std_normalization)
+                                                   with_std=std_normalization, std_scope=std_scope,
+                                                   scope_std=scope_std)
     if std_normalization:
         divided = centered / (std + eps)
         centered = torch.where(std > 0, divided, centered) if std_zero == "skip" else divided
@@ -102,8 +112,8 @@ def group_normalize(
 
 
 def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype, *, unbiased: bool = True,
-                  baseline: str = "mean", with_std: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                  baseline: str = "mean", with_std: bool = True, std_scope: str = "group",
+                  scope_std: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(group of each sample, group sizes, centred value r − b, std per sample or None)`` in ``dtype`` (see
     :func:`group_normalize`; the error model reads the float64 std of each sample from here)."""
     r = r.to(dtype)
@@ -122,6 +132,9 @@ def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype
         centered = shifted - total / n
     if not with_std:
         return inverse, counts, centered, None
+    if std_scope == "batch":  # scope_std: the whole batch's, where r is a selection of it
+        std = batch_std(r, unbiased=unbiased) if scope_std is None else scope_std.to(dtype)
+        return inverse, counts, centered, std.expand_as(r)
     dev = shifted - total / n
     ss = segment_sum(dev * dev, inverse, n_groups)[inverse]
     if baseline == "leave_one_out":
@@ -135,6 +148,20 @@ def group_moments(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype
     else:
         var = ss / (n - 1 if unbiased else n)
     return inverse, counts, centered, torch.sqrt(var)
+
+
+def batch_std(r: torch.Tensor, *, unbiased: bool = True) -> torch.Tensor:
+    """The std of every sample of ``r`` (a 0-d tensor in its dtype), as TRL's ``nanstd(rewards)`` takes it for
+    ``scale_rewards="batch"`` (``grpo_trainer.py:2774-2778``, ``trl/trainer/utils.py:1037-1044``): the mean of
+    the squared deviations from the mean, times ``n/(n − 1)`` when ``unbiased``; one sample or none: 0."""
+    n = r.numel()
+    if n <= 1:
+        return torch.zeros((), dtype=r.dtype)
+    mean = r.mean()
+    var = ((r - mean) ** 2).mean()
+    if unbiased:
+        var = var * (n / (n - 1))
+    return torch.sqrt(var)
 
 
 def _others_equal(shifted: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -154,14 +181,16 @@ def _others_equal(shifted: torch.Tensor, inverse: torch.Tensor, n_groups: int) -
 
 
 def post_process(raw_rewards: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, scope_std: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reward.post_process under ``rule``: the group-normalized score, or the score itself (``dtype``), clamped
-    to ``rule.clip`` when set."""
+    to ``rule.clip`` when set; ``scope_std``: under ``std_scope="batch"`` the whole batch's std where
+    ``raw_rewards`` are a selection of it (else taken of them)."""
     if not rule.center:
         out = raw_rewards.to(dtype).clone()
     else:
         out = group_normalize(raw_rewards, group_index, rule.std, rule.eps, dtype=dtype, unbiased=rule.unbiased,
-                              baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton)
+                              baseline=rule.baseline, std_zero=rule.std_zero, singleton=rule.singleton,
+                              std_scope=rule.std_scope, scope_std=scope_std)
     return out if rule.clip is None else torch.clamp(out, min=rule.clip[0], max=rule.clip[1])
 
 

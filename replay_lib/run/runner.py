@@ -23,6 +23,7 @@ from ..safe_text import elided_listing, safe
 from ..bundle.schema import ActorStepId, StageCapability, StageId
 from ..bundle.selection import Selection, resolve_selection, selection_keys
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
+from ..kernels import grpo_std_scope
 from ..stages.advantage import advantage_config_error, estimator_refusal
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
@@ -135,6 +136,11 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "
                                f"(at any CP size only the stages that read whole trajectories run: "
                                f"{', '.join(s.value for s in STAGE_ORDER if s in REGISTRY and REGISTRY[s].any_cp)})")
+    dp = reader.index.identity.rank.get("dp", 1)
+    if dp != 1 and grpo_std_scope(cfg) == "batch" and StageId.REWARD_POST_PROCESS in stages:
+        raise UnsupportedError(f"{where}: $.config.grpo_std_scope='batch' with $.identity.rank.dp={dp}: the std of "
+                               f"the whole generation batch spans every data-parallel rank; a bundle would need that "
+                               f"batch std recorded (reward.post_process recomputes it from one rank's samples only)")
     for stage in stages:
         for knob, why in REGISTRY[stage].refuse(cfg):
             raise UnsupportedError(f"{where}: $.config.{knob}={why} (stage {stage.value})")

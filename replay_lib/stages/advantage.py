@@ -14,7 +14,8 @@ from ..judge.compare import as_float64, list_tensor
 from ..judge.error_model import (C_REWARD, C_STORE, U32, advantage_bound, kl_bound, recursion_bound, storage_error, storage_unit,
                            unit_roundoff, whiten_bound)
 from ..judge.fields import KEEP_COLUMNS, PER_TOKEN
-from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_ZERO_RULES,
+from ..kernels import (ADVANTAGE_ESTIMATORS, GROUP_BASELINES, KL_CLAMP, KL_TYPES, SINGLETON_RULES, STD_SCOPES, STD_ZERO_RULES,
+                       grpo_std_scope,
                        GrpoReturns, discounted_returns, gae_advantages, get_grpo_returns, kl_of_log_ratio, rollout_kl,
                        segment_sum,
                        WHITEN_EPS, token_rewards, whiten, whiten_stats)
@@ -524,6 +525,7 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
         ("whiten_variance", whiten_modes(cfg)[0] in WHITEN_VARIANCES, "one of " + ", ".join(WHITEN_VARIANCES)),
         ("whiten_eps_mode", whiten_modes(cfg)[1] in WHITEN_EPS_MODES, "one of " + ", ".join(WHITEN_EPS_MODES)),
         ("gae_masked_tokens", gae_masked(cfg) in GAE_MASKED_TOKENS, "one of " + ", ".join(GAE_MASKED_TOKENS)),
+        ("grpo_std_scope", grpo_std_scope(cfg) in STD_SCOPES, "one of " + ", ".join(STD_SCOPES)),
         ("gamma", math.isfinite(cfg.gamma) and 0.0 <= cfg.gamma <= 1.0, "a number in [0, 1]"),
         ("lam", math.isfinite(cfg.lam) and 0.0 <= cfg.lam <= 1.0, "a number in [0, 1]"),
         ("grpo_std_eps", math.isfinite(cfg.grpo_std_eps) and cfg.grpo_std_eps >= 0, "a finite number >= 0"),

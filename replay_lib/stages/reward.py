@@ -9,12 +9,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..judge.compare import Comparison, list_tensor
+from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.fields import PER_SAMPLE
-from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, exact_zero_std, group_stats,
+from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, batch_std_bound,
+                           exact_zero_std, group_stats,
                            kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
                            storage_unit)
-from ..kernels import (GroupRule, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
+from ..kernels import (GroupRule, batch_std, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
                        sequence_kl_score)
 from ..judge.report import Divergence, StageReport
 from ..bundle import BundleReader
@@ -75,17 +76,23 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
     score, magnitude, score_error = _scores(ctx, raw)
     # the bound is taken of the value before the clip: a clamp is 1-Lipschitz, so a producer's value within the
     # bound of a clamp edge, clamped or not, stays within it of the recomputed one
+    whole = _whole_batch_std(ctx, rule)
     rewards = post_process(score if ctx.dtype == torch.float64 else score.to(ctx.dtype), groups,
-                           replace(rule, clip=None), dtype=ctx.dtype)
+                           replace(rule, clip=None), dtype=ctx.dtype,
+                           scope_std=None if whole is None else whole[ctx.dtype != torch.float64])
     stats = group_stats(score, groups)
     truth = rewards.to(torch.float64)
     one = stats.size[stats.inverse] == 1
     if rule.center:
-        sample_std = group_moments(score, groups, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline)[3] \
-            if rule.std else None
+        sample_std = group_moments(score, groups, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline,
+                                   std_scope=rule.std_scope, scope_std=None if whole is None else whole[0]
+                                   )[3] if rule.std else None
         loo = rule.baseline == "leave_one_out"
         bound = reward_bound(score, stats, truth, rule.std, rule.eps, leave_one_out=loo, sample_std=sample_std,
                              magnitude=magnitude, score_error=score_error, std_zero=rule.std_zero)
+        if rule.std and rule.std_scope == "batch":
+            # the batch std's rounding as the group std's (reward_bound), over the whole batch's N samples
+            bound = bound + batch_std_bound(truth, len(ctx.reader.index.samples))
         if loo and rule.std and magnitude is None:
             # a std over equal others whose every float32 sum is exact: any producer computes exactly 0, and the
             # value is the centred one (skip) or the centred one over eps: the bound without the std's
@@ -131,7 +138,8 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
 
 # The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).
 POST_PROCESS_KNOBS = ("advantage_estimator", "rewards_normalization", "grpo_std_eps", "grpo_std_unbiased",
-                      "group_baseline", "std_zero", "singleton_group", "kl_in_reward", "reward_clip_low")
+                      "group_baseline", "std_zero", "singleton_group", "kl_in_reward", "reward_clip_low",
+                      "grpo_std_scope")
 
 
 def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
@@ -145,7 +153,8 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     if rule.center:
         parts.append(f"{rule.baseline} baseline")
         if rule.std:
-            parts.append(f"{'unbiased' if rule.unbiased else 'biased'} std + {rule.eps:g}"
+            parts.append(f"{'unbiased' if rule.unbiased else 'biased'}{' batch' if rule.std_scope == 'batch' else ''}"
+                         f" std + {rule.eps:g}"
                          + (", skipped where 0" if rule.std_zero == "skip" else ""))
         if rule.singleton is not None:
             parts.append(f"singleton → {rule.singleton}")
@@ -154,6 +163,18 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     if rule.clip is not None:
         parts.append(f"clipped to [{rule.clip[0]:g}, {rule.clip[1]:g}]")
     return f" ({', '.join(parts)})"
+
+
+def _whole_batch_std(ctx: StageContext, rule: GroupRule) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Under ``grpo_std_scope="batch"`` and a partial selection: the std of every sample's raw reward of the
+    bundle, ``(float64, float32)`` (the selection is divided by the batch's std, not its own); else None."""
+    if not (rule.center and rule.std and rule.std_scope == "batch" and ctx.partial):
+        return None
+    if ctx.config.kl_in_reward == "sequence" and ctx.config.kl_coef != 0:
+        raise StageInputError("grpo_std_scope=batch with kl_in_reward=sequence needs every sample's score: "
+                              "replay the whole bundle (no --sample/--group selection)", field="grpo_std_scope")
+    full = as_float64([s.raw_reward for s in ctx.reader.index.samples])
+    return batch_std(full, unbiased=rule.unbiased), batch_std(full.to(torch.float32), unbiased=rule.unbiased)
 
 
 def score_groups(ctx: StageContext) -> torch.Tensor:
@@ -265,7 +286,12 @@ def _group_hazards(ctx: StageContext, stats, rewards: torch.Tensor, bound: torch
         0, stats.inverse, torch.arange(len(ctx.samples)), reduce="amin", include_self=True).tolist()
     zero = torch.zeros(stats.size.numel(), dtype=torch.int64).index_add_(
         0, stats.inverse, (rewards != 0).to(torch.int64)) == 0
-    tiny = near_zero_std(stats) if std else torch.zeros_like(zero)
+    if std and rule.std_scope == "batch":  # one std for the whole batch: tiny there, tiny for every group
+        r = score.to(torch.float64)
+        level = C_REWARD * U32 * r.numel() ** 0.5 * float(r.abs().max()) if r.numel() else 0.0
+        tiny = torch.full_like(zero, bool(sample_std is not None and r.numel() > 1 and float(sample_std[0]) <= level))
+    else:
+        tiny = near_zero_std(stats) if std else torch.zeros_like(zero)
     loo_first = torch.full((stats.size.numel(),), -1, dtype=torch.int64)  # a sample whose others' std is tiny
     if std and rule.baseline == "leave_one_out" and sample_std is not None:
         level = C_REWARD * U32 * 2 * stats.max_abs[stats.inverse] ** 2

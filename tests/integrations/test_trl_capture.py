@@ -36,6 +36,8 @@ VARIANTS = {
     "dr_grpo": (["--loss-type", "dr_grpo", "--steps", "2"], {}),
     "bnpo": (["--loss-type", "bnpo", "--gradient-accumulation", "1", "--steps", "2"], {}),
     "beta": (["--beta", "0.1", "--steps", "2"], {}),
+    # scale_rewards="batch": the group mean over the std of the whole generation batch (SPG = GAS, one process)
+    "batch-std": (["--scale-rewards", "batch", "--steps", "2"], {}),
     # TRL's defaults and knobs refused before 1.16's mapping, in one run: bnpo with 2 micro-batches per step, the
     # KL × the ratio (use_bias_correction_kl), two-sided clipping at delta 1.3 (≥ 1 + epsilon_high 0.28) and an
     # entropy bonus
@@ -179,6 +181,7 @@ def test_capture_changes_nothing_in_training(runs):
     # GAS 1, SPG 1, 2 iterations: one micro-batch of 4 per step, a generation of one prompt per 2 steps
     ("bnpo", ["rollout-0", "step-0-0", "step-0-1"]),
     ("beta", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("batch-std", ["rollout-0", "step-0-0", "step-0-1"]),
     ("knobs", ["rollout-0", "step-0-0", "step-0-1"]),
     ("filtered", ["rollout-0", "step-1-1"]),
 ])
@@ -300,6 +303,22 @@ def test_rollout_records_trls_rewards_groups_and_normalization(runs, name):
                   [a] * s.response_length]
         assert adv == pytest.approx(spread, abs=0.0)
         assert reader.payload("kl").abs().sum().item() == 0.0
+
+
+def test_batch_scaled_rewards_are_trls_group_mean_over_the_batch_std(runs):
+    # scale_rewards="batch" (:2774-2787): (r − mean_group) / (Bessel std of all 8 rewards + 1e-4), in float64 here
+    root = runs[0]
+    reader = BundleReader(root / "batch-std" / "rollout-0")
+    assert reader.index.config.grpo_std_scope == "batch"
+    raw = torch.tensor([s.raw_reward for s in reader.index.samples], dtype=torch.float64)
+    assert [s.group_index for s in reader.index.samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+    mean = raw.view(2, 4).mean(dim=1).repeat_interleave(4)
+    want = (raw - mean) / (raw.std(unbiased=True) + 1e-4)
+    got = torch.tensor(reader.expected["reward.post_process"]["rewards"], dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the group std would give other values here (the groups' stds differ from the batch's)
+    group = (raw - mean) / (raw.view(2, 4).std(dim=1, unbiased=True).repeat_interleave(4) + 1e-4)
+    assert not torch.allclose(got, group, rtol=1e-3, atol=1e-3)
 
 
 def test_old_log_probs_without_trls_recompute_are_the_first_forward(runs):

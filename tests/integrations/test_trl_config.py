@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import msgspec
 import pytest
 from msgspec.structs import replace as msgspec_replace
 
@@ -134,6 +135,26 @@ def test_scale_rewards_and_sequence_level_and_clip_high():
     assert from_trl(_base(scale_rewards=False)).grpo_std_normalization is False
 
 
+def test_scale_rewards_batch_maps_where_a_step_holds_the_generation_batch():
+    # one process, SPG = GAS: the step's samples are the whole generation batch whose nanstd TRL divides by
+    cfg = from_trl(_base(scale_rewards="batch", gradient_accumulation_steps=2))
+    assert (cfg.grpo_std_normalization, cfg.grpo_std_scope, cfg.grpo_std_unbiased, cfg.grpo_std_eps) == (
+        True, "batch", True, 1e-4)
+    # scale_rewards="group" leaves the knob unset (not written: a bundle byte-identical to one without it)
+    assert "grpo_std_scope" not in msgspec.json.decode(msgspec.json.encode(from_trl(_base())))
+    for kw, where in (({"num_processes": 2}, "here 2 process(es), 1 and 1"),
+                      ({"steps_per_generation": 4}, "here 1 process(es), 4 and 1")):
+        extra = {k: v for k, v in kw.items() if k != "num_processes"}
+        with pytest.raises(UnsupportedFrameworkConfig) as err:
+            from_trl(_base(scale_rewards="batch", **extra), num_processes=kw.get("num_processes", 1))
+        assert str(err.value) == (
+            "TRL config: scale_rewards='batch': the group mean divided by the std of the whole generation batch, "
+            "gathered over every process (:2774-2778), is recomputed only when a step holds that whole batch (one "
+            "process, steps_per_generation = gradient_accumulation_steps; " + where + "); a bundle would need that "
+            "batch std recorded")
+        assert err.value.exit_code == EXIT_UNSUPPORTED
+
+
 @pytest.mark.parametrize("mode, level, is_mode", [("sequence_mask", "sequence", "mask"),
                                                  ("token_truncate", "token", "truncate")])
 def test_vllm_importance_correction(mode, level, is_mode):
@@ -147,7 +168,6 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 @pytest.mark.parametrize("key, value, message", [
     ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
-    ("scale_rewards", "batch", "scale_rewards='batch': the group mean divided by the std of the whole generation batch"),
     ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
     ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
     ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5: the off-policy sequence mask (a completion kept "
