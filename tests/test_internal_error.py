@@ -26,7 +26,7 @@ LINE = re.compile(r"^(?P<prog>[\w-]+): internal error \(a bug in this tool\): (?
 SENTINEL = "LOCAL" + "-SENTINEL"  # never spelled whole in a source line the traceback quotes
 
 
-def crashing_group_normalize(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None):
+def crashing_group_normalize(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None, **kwargs):
     """A kernel with a bug: its locals hold a tensor (``1332.`` among its values) and a string that a
     traceback printing locals would show."""
     secret = "".join(("LOCAL", "-SENTINEL"))
@@ -121,7 +121,7 @@ def test_without_a_writable_cache_the_traceback_goes_to_the_temp_dir(pr65_bundle
 
 def test_the_message_on_the_line_and_in_the_file_is_escaped(pr65_bundle, cli, cache_dir, monkeypatch):
     """A bug whose message carries a bundle string (here a sample id with a screen-clearing sequence)."""
-    def crashing(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None):
+    def crashing(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None, **kwargs):
         raise LookupError(f"no slot for s\x1b[2J0\u202e")
 
     monkeypatch.setattr(reward_stage, "post_process", crashing)
@@ -167,7 +167,7 @@ def test_an_expected_error_is_not_an_internal_error(tmp_path, cli, cache_dir):
 BUG = textwrap.dedent("""
     import runpy, sys
     import replay_lib.stages.reward as reward_stage
-    def crashing_group_normalize(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None):
+    def crashing_group_normalize(raw_rewards, group_index, std_normalization, eps=1e-6, dtype=None, **kwargs):
         secret = "".join(("LOCAL", "-SENTINEL"))
         scaled = raw_rewards * 111.0
         return float(scaled.sum()) / (len(secret) - len(secret))
