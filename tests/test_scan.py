@@ -375,8 +375,8 @@ def test_an_unreadable_bundle_is_an_invalid_row_not_an_internal_error(tmp_path, 
 
 # A worker whose replay of a bundle named "stuck…" says so (its pid in $REPLAY_TEST_MARK) inside run_replay — after
 # the bundle was opened and verified, while the stages run — and then does not return.
-STUCK_WORKER = """
-import os, sys, time
+STUCK_REPLAY = """
+import os, time
 import replay_lib.run.runner as runner
 real = runner.run_replay
 def run_replay(bundles, **kw):
@@ -388,6 +388,9 @@ def run_replay(bundles, **kw):
         time.sleep(3600)
     return real(bundles, **kw)
 runner.run_replay = run_replay
+"""
+STUCK_WORKER = STUCK_REPLAY + """
+import sys
 from replay_lib.run import worker
 sys.exit(worker.main(sys.argv))
 """

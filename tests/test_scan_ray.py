@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 import threading
 import time
 
@@ -16,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the optional extra [ray]")
 
 from test_link import _pair
-from test_scan import _slow, _step, _wait_for_holder
+from test_scan import STUCK_REPLAY, _slow, _step, _wait_for_holder
 
 from replay_lib.demo import write_pr65
 from replay_lib.run.scan import discover, scan
@@ -26,22 +27,7 @@ pytestmark = pytest.mark.ray
 
 # Imported by every Ray worker of the test below (PYTHONPATH in the runtime env): the replay of a bundle named
 # "stuck…" records its worker's pid and does not return.
-STUCK_HOOK = """
-import os
-if os.environ.get("REPLAY_TEST_MARK"):
-    import time
-    import replay_lib.run.runner as runner
-    real = runner.run_replay
-    def run_replay(bundles, **kw):
-        if bundles.path.name.startswith("stuck"):
-            mark = os.environ["REPLAY_TEST_MARK"]
-            with open(mark + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(mark + ".tmp", mark)
-            time.sleep(3600)
-        return real(bundles, **kw)
-    runner.run_replay = run_replay
-"""
+STUCK_HOOK = 'import os\nif os.environ.get("REPLAY_TEST_MARK"):\n' + textwrap.indent(STUCK_REPLAY, "    ")
 
 
 def test_a_ray_task_over_the_time_limit_is_an_error_row_its_worker_killed(tmp_path):
