@@ -207,10 +207,11 @@ def actor_config(cfg: dict) -> FSDPActorConfig:
                            optim=FSDPOptimizerConfig(lr=0.05), **{k: a[k] for k in keys})
 
 
-def make_model(seed: int) -> GPT2LMHeadModel:
+def make_model(seed: int, hidden: int = 32) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=13, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=EOS,
-                        eos_token_id=EOS, pad_token_id=PAD)
+    # no dropout (the actor's forward in train mode scores as the old log-probs' forward did, as Qwen's configs do)
+    config = GPT2Config(vocab_size=13, n_positions=32, n_embd=hidden, n_layer=2, n_head=2, bos_token_id=EOS,
+                        eos_token_id=EOS, pad_token_id=PAD, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
 
 
@@ -378,6 +379,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kl-loss-coef", type=float, default=0.0, help="use_kl_loss with this coefficient when > 0")
     p.add_argument("--single-turn", dest="multi_turn", action="store_false",
                    help="no tool spans in the responses (multi-turn is on by default)")
+    p.add_argument("--hidden", type=int, default=32, help="the model's width (bench/bench_verl_capture.py widens it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bug", choices=BUGS, default=None)
     return p.parse_args(argv)
@@ -397,7 +399,7 @@ def train(argv=None, env=None) -> dict:
     """Train once; returns the seconds, the weights' digest and the capture's counts (``None`` when it is off)."""
     args = parse_args(argv)
     cfg = trainer_config(args)
-    model = make_model(args.seed)
+    model = make_model(args.seed, args.hidden)
     ref_model = copy.deepcopy(model).eval() if args.kl_loss_coef > 0 else None
     actor = actor_config(cfg)
     worker = Worker(CPUEngine(model, lr=0.05, grad_clip=actor.grad_clip, micro_batch=args.micro_batch), actor)
@@ -416,6 +418,7 @@ def train(argv=None, env=None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     mini = args.mini_batch * args.n  # ray_trainer.py:1352-1353
     started = time.perf_counter()
+    trainer_seconds = 0.0  # compute_advantage and the actor's update: where the hooks run
     try:
         for step in range(args.steps):
             model.eval()
@@ -430,6 +433,7 @@ def train(argv=None, env=None) -> dict:
                 if ref_model is not None:
                     data.batch["ref_log_prob"] = response_part(ref_model, data.batch)[0]
             data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # use_kl_in_reward=False
+            began = time.perf_counter()
             data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=args.n,
                                                  norm_adv_by_std_in_grpo=True, config=cfg["algorithm"])
             # _update_actor → train_mini_batch: the mini-batches in order (shuffle=False, ppo_epochs=1)
@@ -438,13 +442,15 @@ def train(argv=None, env=None) -> dict:
             count = len(batch["responses"])
             for start in range(0, count, mini):
                 worker.engine.train_batch(batch.take(slice(start, start + mini)), loss_function=worker.loss_fn)
+            trainer_seconds += time.perf_counter() - began
     finally:
         core_algos.compute_grpo_outcome_advantage = saved_estimator
         if hooks is not None:
             hooks.uninstall()
             hooks.close()
     took = time.perf_counter() - started
-    out = {"steps": args.steps, "seconds": took, "weights_sha256": weights_digest(model), "capture": None}
+    out = {"steps": args.steps, "seconds": took, "trainer_seconds": trainer_seconds,
+           "weights_sha256": weights_digest(model), "capture": None}
     if hooks is not None:
         stats = hooks.capture.stats
         out["capture"] = {"directory": str(hooks.capture.config.directory), "written": stats.written,

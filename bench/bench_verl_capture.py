@@ -1,0 +1,78 @@
+"""Cost of the verl capture (``capture.integrations.verl``) on verl's step: ``examples/verl_grpo.py`` with capture
+on vs off, in one process (verl and torch imported once).
+
+Rounds alternate the order (off→on, on→off, …) so drift on a shared host hits both sides; every run is the same
+seeded training (identical work). Measured per run: the trainer's time in the hooked code — verl's
+``compute_advantage`` and the actor's update (every optimizer step: micro-batch forward, ``ppo_loss``, backward,
+clip, AdamW) — the hooks and the capture's submits included; the rollout (sampling on the CPU) is not, as in a real
+job it runs on the rollout engine. The writer thread's work is in the same process and competes for the cores.
+
+PASS when the median over rounds of (time on / time off) is ≤ 1.05.
+
+    python bench/bench_verl_capture.py [--rounds 8] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 1.05
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256, help="the model's width")
+    p.add_argument("--steps", type=int, default=2, help="rollouts per run")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import verl_grpo
+
+    argv_run = ["--hidden", str(args.hidden), "--steps", str(args.steps)]
+    work = Path(tempfile.mkdtemp(prefix="bench-verl-"))
+    runs = iter(range(10**6))
+
+    def run(on: bool) -> float:
+        env = {}
+        if on:
+            env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(work / f"run-{next(runs)}")}
+        done = verl_grpo.train(argv_run, env=env)
+        if on:
+            assert done["capture"]["errors"] == 0 and done["capture"]["dropped"] == 0, done["capture"]
+        return done["trainer_seconds"]
+
+    try:
+        run(False), run(True)  # warm-up
+        ratios, off_all, on_all = [], [], []
+        for r in range(args.rounds):
+            if r % 2 == 0:
+                off, on = run(False), run(True)
+            else:
+                on, off = run(True), run(False)
+            ratios.append(on / off)
+            off_all.append(off)
+            on_all.append(on)
+        size = sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) / (args.rounds + 1)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = statistics.median(ratios)
+    print(f"verl capture, hidden {args.hidden}, {args.steps} rollout(s) × 2 optimizer steps per run, "
+          f"{args.rounds} rounds ({os.cpu_count()} cores)")
+    print(f"  trainer time per run: off median {statistics.median(off_all) * 1e3:.1f} ms, "
+          f"on median {statistics.median(on_all) * 1e3:.1f} ms")
+    print(f"  on/off: median {ratio:.3f}, fastest runs {min(on_all) / min(off_all):.3f}; "
+          f"{size / 1024:.0f} KiB written per run")
+    ok = ratio <= LIMIT
+    print(f"{'PASS' if ok else 'FAIL'}: capture costs ≤ {(LIMIT - 1) * 100:.0f}% of the step")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
