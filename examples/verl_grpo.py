@@ -419,6 +419,7 @@ def train(argv=None, env=None) -> dict:
     mini = args.mini_batch * args.n  # ray_trainer.py:1352-1353
     started = time.perf_counter()
     trainer_seconds = 0.0  # compute_advantage and the actor's update: where the hooks run
+    trainer_cpu = 0.0  # the same, in this thread's CPU time (not the writer thread's, not a neighbour's)
     try:
         for step in range(args.steps):
             model.eval()
@@ -433,7 +434,7 @@ def train(argv=None, env=None) -> dict:
                 if ref_model is not None:
                     data.batch["ref_log_prob"] = response_part(ref_model, data.batch)[0]
             data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # use_kl_in_reward=False
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=args.n,
                                                  norm_adv_by_std_in_grpo=True, config=cfg["algorithm"])
             # _update_actor → train_mini_batch: the mini-batches in order (shuffle=False, ppo_epochs=1)
@@ -443,6 +444,7 @@ def train(argv=None, env=None) -> dict:
             for start in range(0, count, mini):
                 worker.engine.train_batch(batch.take(slice(start, start + mini)), loss_function=worker.loss_fn)
             trainer_seconds += time.perf_counter() - began
+            trainer_cpu += time.thread_time() - began_cpu
     finally:
         core_algos.compute_grpo_outcome_advantage = saved_estimator
         if hooks is not None:
@@ -450,6 +452,7 @@ def train(argv=None, env=None) -> dict:
             hooks.close()
     took = time.perf_counter() - started
     out = {"steps": args.steps, "seconds": took, "trainer_seconds": trainer_seconds,
+           "trainer_cpu_seconds": trainer_cpu,
            "weights_sha256": weights_digest(model), "capture": None}
     if hooks is not None:
         stats = hooks.capture.stats

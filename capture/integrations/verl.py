@@ -23,7 +23,7 @@ Where it hooks (instance or module attributes wrapping verl's own functions; ver
   never reads it.
 * the actor's loss function (``worker.loss_fn``, ``verl.workers.utils.losses.ppo_loss`` bound to the actor config,
   called by the engine once per micro-batch, ``engine/fsdp/transformer_impl.py:1578``): the micro-batch's current
-  log-probs and entropy (``model_output``, cut to the response with verl's own ``no_padding_2_padding``), its
+  log-probs and entropy (``model_output``, cut to the response as verl's ``no_padding_2_padding`` cuts it), its
   old/ref/rollout log-probs, advantages and ``response_mask``, the global counts the loss divided by
   (``batch_num_tokens``, ``dp_size``, ``global_batch_size``, ``losses.py:64-67``), the loss it returned and the
   metrics (``verl.utils.metric.Metric``) it reported;
@@ -144,21 +144,30 @@ def unpack_key(key: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     return (k >> (2 * _FIELD_BITS)).tolist(), ((k >> _FIELD_BITS) & _FIELD_MASK).tolist(), (k & _FIELD_MASK).tolist()
 
 
-def _response_lengths(data: Any) -> torch.Tensor:
-    """Each sample's valid response tokens: the offsets of a nested ``responses`` (verl's no-padding layout) or the
-    response part of ``attention_mask`` (``no_padding_2_padding``, padding.py:115-125)."""
-    responses = data["responses"]
-    if getattr(responses, "is_nested", False):
-        return responses.offsets().diff().to("cpu", torch.int64)
-    width = data["prompts"].shape[1]
-    return data["attention_mask"][:, width:].sum(1).to("cpu", torch.int64)
-
-
-def _prompt_lengths(data: Any) -> torch.Tensor:
-    prompts = data["prompts"]
+def _lengths(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's valid prompt and response tokens: the offsets of nested ``prompts`` / ``responses`` (verl's
+    no-padding layout) or the two parts of ``attention_mask`` (as ``no_padding_2_padding`` reads them,
+    padding.py:115-125)."""
+    prompts, responses = data["prompts"], data["responses"]
     if getattr(prompts, "is_nested", False):
-        return prompts.offsets().diff().to("cpu", torch.int64)
-    return data["attention_mask"][:, : prompts.shape[1]].sum(1).to("cpu", torch.int64)
+        return prompts.offsets().diff().to(torch.int64), responses.offsets().diff().to(torch.int64)
+    width = prompts.shape[1]
+    mask = data["attention_mask"]
+    return mask[:, :width].sum(1).to(torch.int64), mask[:, width:].sum(1).to(torch.int64)
+
+
+def _response_tokens(output: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The response tokens of a model output in verl's no-padding layout (nested ``[b, j]`` or ``(total_nnz,)``),
+    concatenated: token t of sample i is at ``offset_i + prompt_i − 1 + t`` (the output scores the next token),
+    what ``no_padding_2_padding`` slices row by row (padding.py:127-141), gathered here in one index."""
+    values = output.values() if output.is_nested else output
+    values = values.detach()
+    lengths = lengths.to(values.device)
+    ends = (prompt_lengths.to(values.device) + lengths).cumsum(0)
+    width = int(lengths.max()) if lengths.numel() else 0
+    steps = torch.arange(width, device=values.device)
+    index = (ends - lengths - 1).unsqueeze(1) + steps.unsqueeze(0)
+    return values[index[steps.unsqueeze(0) < lengths.unsqueeze(1)]]
 
 
 class VerlCapture:
@@ -312,8 +321,6 @@ class VerlCapture:
         self._losses, self._metrics, self._counts = [], {}, set()
 
     def _on_micro_batch(self, model_output: Mapping[str, Any], data: Any, out: Any) -> None:
-        from verl.workers.utils.padding import no_padding_2_padding
-
         loss, metrics = out
         if SAMPLE_KEY not in data.keys():
             raise ValueError(f"the micro-batch has no {SAMPLE_KEY} column (was compute_advantage wrapped?)")
@@ -339,10 +346,8 @@ class VerlCapture:
         fields = ["response_mask", "old_log_probs", "advantages"]
         fields += [f for f in ("ref_log_prob", "rollout_log_probs") if f in data.keys()]
         padded = data.select(*fields).to_padded_tensor()
-        log_probs = no_padding_2_padding(model_output["log_probs"], data).detach()
+        prompt_lengths, lengths = _lengths(data)
         entropy = model_output.get("entropy", None)
-        entropy = None if entropy is None else no_padding_2_padding(entropy, data).detach()
-        lengths = _response_lengths(data)
         ref = padded["ref_log_prob"] if self.config.use_kl_loss and "ref_log_prob" in fields else None
         sampling = padded["rollout_log_probs"] if self.config.is_level is not None and \
             "rollout_log_probs" in fields else None
@@ -350,12 +355,12 @@ class VerlCapture:
             sample_ids=[f"s-{p}" for p in positions],
             group_index=groups,
             response_lengths=lengths.tolist(),
-            total_lengths=(lengths + _prompt_lengths(data)).tolist(),
+            total_lengths=(lengths + prompt_lengths).tolist(),
             loss_mask=_tokens(padded["response_mask"], lengths),
-            log_probs=_tokens(log_probs, lengths),
+            log_probs=_response_tokens(model_output["log_probs"], prompt_lengths, lengths),
             old_log_probs=_tokens(padded["old_log_probs"], lengths),
             advantages=_tokens(padded["advantages"], lengths),
-            entropy=None if entropy is None else _tokens(entropy, lengths),
+            entropy=None if entropy is None else _response_tokens(entropy, prompt_lengths, lengths),
             ref_log_probs=None if ref is None else _tokens(ref, lengths),
             rollout_log_probs=None if sampling is None else _tokens(sampling, lengths),
         )

@@ -83,6 +83,28 @@ DRIVER = textwrap.dedent("""
         except Exception as exc:
             checks[key] = [type(exc).__name__, str(exc)]
     checks["refused_left_nothing"] = not os.path.exists(sys.argv[3])
+    # the capture's cut of a no-padding model output = verl's own no_padding_2_padding, padded and nested layouts
+    import torch
+    from verl.workers.utils.padding import no_padding_2_padding
+    from capture.integrations import verl as hooks
+    gen = torch.Generator().manual_seed(5)
+    prompt_lengths, lengths = torch.tensor([2, 3, 1]), torch.tensor([4, 1, 3])
+    width_p, width_r = 3, 4
+    attention = torch.zeros(3, width_p + width_r, dtype=torch.int64)
+    for i in range(3):
+        attention[i, width_p - prompt_lengths[i]:width_p + lengths[i]] = 1
+    values = torch.randn(int(attention.sum()), generator=gen)
+    padded = {"prompts": torch.zeros(3, width_p), "responses": torch.zeros(3, width_r), "attention_mask": attention}
+    verl_cut = hooks._tokens(no_padding_2_padding(values, padded), lengths)
+    nested = {"prompts": torch.nested.as_nested_tensor([torch.zeros(int(n)) for n in prompt_lengths],
+                                                         layout=torch.jagged),
+              "responses": torch.nested.as_nested_tensor([torch.zeros(int(n)) for n in lengths], layout=torch.jagged)}
+    nested_values = torch.nested.nested_tensor_from_jagged(values, torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                             (prompt_lengths + lengths).cumsum(0)]))
+    checks["cut"] = [torch.equal(hooks._response_tokens(values, *hooks._lengths(padded)), verl_cut),
+                     torch.equal(hooks._response_tokens(nested_values, *hooks._lengths(nested)), verl_cut),
+                     torch.equal(hooks._tokens(no_padding_2_padding(nested_values, nested), lengths), verl_cut),
+                     len(verl_cut)]
     print(json.dumps({"checks": checks}), flush=True)
 """)
 
@@ -210,6 +232,12 @@ def test_step_records_verls_counts_and_token_mean_loss(runs):
         loss = float((pg * mask).sum() / mask.sum())
         assert reader.expected["loss.policy"]["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
         assert reader.expected["loss.policy"]["pg_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+
+
+def test_the_response_cut_is_verls_no_padding_2_padding(runs):
+    """Both of verl's layouts (a padded attention mask, nested prompts/responses): the tokens the capture records
+    are those verl's ``no_padding_2_padding`` gives the loss (8 response tokens of 3 samples)."""
+    assert runs[3]["cut"] == [True, True, True, 8]
 
 
 def test_untested_verl_version_is_refused_in_one_line(runs):
