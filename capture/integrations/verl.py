@@ -336,8 +336,9 @@ class VerlCapture:
         elif self._step_rollout != rollout_id:
             raise ValueError(f"an optimizer step takes micro-batches of rollout-{self._step_rollout} and "
                              f"rollout-{rollout_id}")
-        self._counts.add((_plain(data.get("batch_num_tokens", None)), _plain(data.get("dp_size", 1)),
-                          _plain(data.get("global_batch_size", None))))
+        keys = set(data.keys())
+        self._counts.add(tuple(_plain(data[k]) if k in keys else d for k, d in
+                               (("batch_num_tokens", None), ("dp_size", 1), ("global_batch_size", None))))
         self._losses.append(loss.detach())
         for name, value in metrics.items():
             self._metrics.setdefault(name, []).append(value)
