@@ -14,7 +14,7 @@ job it runs on the rollout engine. Two clocks:
 
 PASS when the median over rounds of (training-thread CPU on / off) is ≤ 1.05.
 
-    python bench/bench_verl_capture.py [--rounds 8] [--hidden 256]
+    python bench/bench_verl_capture.py [--rounds 8] [--hidden 512] [--response-length 24]
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ LIMIT = 1.05
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256, help="the model's width")
+    p.add_argument("--hidden", type=int, default=512, help="the model's width")
+    p.add_argument("--response-length", type=int, default=24, help="the responses' token limit")
     p.add_argument("--steps", type=int, default=2, help="rollouts per run")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "examples"))
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
 
-    argv_run = ["--hidden", str(args.hidden), "--steps", str(args.steps)]
+    argv_run = ["--hidden", str(args.hidden), "--steps", str(args.steps), "--response-length",
+                str(args.response_length)]
     work = Path(tempfile.mkdtemp(prefix="bench-verl-"))
     runs = iter(range(10**6))
 
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratio = statistics.median(ratios)
-    print(f"verl capture, hidden {args.hidden}, {args.steps} rollout(s) × 2 optimizer steps per run, "
+    print(f"verl capture, hidden {args.hidden}, responses ≤ {args.response_length} tokens, "
+          f"{args.steps} rollout(s) × 2 optimizer steps per run, "
           f"{args.rounds} rounds ({os.cpu_count()} cores)")
     for what, i in (("training-thread CPU", 0), ("wall", 1)):
         off = statistics.median(x[i] for x in off_all) * 1e3

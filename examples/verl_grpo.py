@@ -9,8 +9,9 @@ What runs as verl's own code:
 * ``verl.trainer.ppo.ray_trainer.compute_advantage`` (``adv_estimator=grpo``), called once per rollout by the
   driver after the rewards and the old log-probs, as ``RayPPOTrainer.fit`` does; it calls
   ``core_algos.compute_grpo_outcome_advantage`` with the batch's ``uid`` index;
-* ``verl.utils.seqlen_balancing.get_seqlen_balanced_partitions``: the batch reordered by sequence-length
-  workload before the old log-probs, as ``RayPPOTrainer._balance_batch`` does (two partitions);
+* ``verl.utils.seqlen_balancing.calculate_workload`` and ``get_seqlen_balanced_partitions``: the batch reordered
+  by sequence-length workload before the old log-probs, as ``RayPPOTrainer._balance_batch`` does (one dp rank:
+  one partition, sorted by workload and laid out small-large-small);
 * ``verl.workers.utils.losses.ppo_loss`` bound to a real ``verl.workers.config.FSDPActorConfig`` (the actor's loss
   function, ``ActorRolloutRefWorker.set_loss_fn``): ``no_padding_2_padding``, ``compute_policy_loss_vanilla``,
   ``agg_loss`` over the global token count, the entropy and KL terms, and the ``Metric`` objects;
@@ -146,7 +147,7 @@ stub_missing()
 
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402
-from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions  # noqa: E402
+from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
 from verl.workers.config.optimizer import FSDPOptimizerConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
@@ -425,10 +426,14 @@ def train(argv=None, env=None) -> dict:
             model.eval()
             data = rollout(model, gen, args, step)
             stale["uid"] = data.non_tensor_batch["uid"].copy()
-            # _balance_batch: the samples reordered by sequence-length workload (ray_trainer.py:1182-1240)
-            seqlens = data.batch["attention_mask"].sum(-1).tolist()
-            parts = get_seqlen_balanced_partitions(seqlens, k_partitions=2, equal_size=True)
-            data.reorder(torch.tensor([i for part in parts for i in sorted(part)]))
+            # _balance_batch (ray_trainer.py:1182-1246): partitions of equal workload over the dp ranks (1 here),
+            # each sorted by workload and laid out small-large-small, the batch reordered by them
+            workload = calculate_workload(data.batch["attention_mask"].sum(-1))
+            parts = get_seqlen_balanced_partitions(workload, k_partitions=1, equal_size=True)
+            for i, part in enumerate(parts):
+                part.sort(key=lambda x: (workload[x], x))
+                parts[i] = part[::2] + part[1::2][::-1]
+            data.reorder(torch.tensor([j for part in parts for j in part]))
             with torch.no_grad():  # compute_log_prob / compute_ref_log_prob
                 data.batch["old_log_probs"] = response_part(model, data.batch)[0]
                 if ref_model is not None:
