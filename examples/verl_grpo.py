@@ -15,6 +15,8 @@ What runs as verl's own code:
 * ``verl.workers.utils.losses.ppo_loss`` bound to a real ``verl.workers.config.FSDPActorConfig`` (the actor's loss
   function, ``ActorRolloutRefWorker.set_loss_fn``): ``no_padding_2_padding``, ``compute_policy_loss_vanilla``,
   ``agg_loss`` over the global token count, the entropy and KL terms, and the ``Metric`` objects;
+* ``verl.trainer.ppo.ray_trainer.apply_kl_penalty`` under ``--kl-in-reward`` (``use_kl_in_reward``, a fixed
+  coefficient): the scores minus β·KL(old ‖ ref) per token, the estimator's input;
 * ``verl.utils.metric.Metric``: how the step's metrics are aggregated over its micro-batches.
 
 What cannot run on a CPU here, and is driven in verl's order instead (``CPUEngine`` below, a few lines each):
@@ -186,7 +188,9 @@ class Proto:
 def trainer_config(args) -> dict:
     """verl's trainer config (the keys that differ from ``_generated_ppo_trainer.yaml``'s defaults)."""
     return {
-        "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False},
+        "algorithm": {"adv_estimator": "grpo", "norm_adv_by_std_in_grpo": True,
+                      "use_kl_in_reward": args.kl_in_reward > 0, "kl_penalty": "kl",
+                      "kl_ctrl": {"type": "fixed", "kl_coef": args.kl_in_reward}},
         "actor_rollout_ref": {
             "rollout": {"n": args.n},
             "actor": {"ppo_mini_batch_size": args.mini_batch, "ppo_micro_batch_size_per_gpu": args.micro_batch,
@@ -378,6 +382,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum"))
     p.add_argument("--entropy-coeff", type=float, default=0.0)
     p.add_argument("--kl-loss-coef", type=float, default=0.0, help="use_kl_loss with this coefficient when > 0")
+    p.add_argument("--kl-in-reward", type=float, default=0.0,
+                   help="use_kl_in_reward with this fixed coefficient when > 0 (verl's apply_kl_penalty)")
     p.add_argument("--single-turn", dest="multi_turn", action="store_false",
                    help="no tool spans in the responses (multi-turn is on by default)")
     p.add_argument("--hidden", type=int, default=32, help="the model's width (bench/bench_verl_capture.py widens it)")
@@ -401,7 +407,7 @@ def train(argv=None, env=None) -> dict:
     args = parse_args(argv)
     cfg = trainer_config(args)
     model = make_model(args.seed, args.hidden)
-    ref_model = copy.deepcopy(model).eval() if args.kl_loss_coef > 0 else None
+    ref_model = copy.deepcopy(model).eval() if args.kl_loss_coef > 0 or args.kl_in_reward > 0 else None
     actor = actor_config(cfg)
     worker = Worker(CPUEngine(model, lr=0.05, grad_clip=actor.grad_clip, micro_batch=args.micro_batch), actor)
     loss_fn = functools.partial(ppo_loss, config=actor)
@@ -438,7 +444,11 @@ def train(argv=None, env=None) -> dict:
                 data.batch["old_log_probs"] = response_part(model, data.batch)[0]
                 if ref_model is not None:
                     data.batch["ref_log_prob"] = response_part(ref_model, data.batch)[0]
-            data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # use_kl_in_reward=False
+            if args.kl_in_reward > 0:  # ray_trainer.fit: the scores minus β·KL(old ‖ ref) per token
+                data, _ = ray_trainer.apply_kl_penalty(data, kl_ctrl=core_algos.FixedKLController(args.kl_in_reward),
+                                                       kl_penalty="kl")
+            else:
+                data.batch["token_level_rewards"] = data.batch["token_level_scores"]
             began, began_cpu = time.perf_counter(), time.thread_time()
             data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=args.n,
                                                  norm_adv_by_std_in_grpo=True, config=cfg["algorithm"])

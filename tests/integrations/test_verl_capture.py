@@ -38,6 +38,7 @@ VARIANTS = {
     "knobs": (["--kl-loss-coef", "0.1", "--entropy-coeff", "0.01", "--loss-agg-mode", "token-sum", "--steps", "1"],
               {}),
     "filtered": ([], {"RELAX_REPLAY_CAPTURE_STEPS": "1:1", "RELAX_REPLAY_CAPTURE_ROLLOUTS": "0"}),
+    "kl-in-reward": (["--kl-in-reward", "0.5", "--single-turn"], {}),
     "stale-group-index": (["--bug", "stale-group-index"], {}),
     "double-scaled-loss": (["--bug", "double-scaled-loss", "--steps", "1"], {}),
 }
@@ -155,6 +156,7 @@ def test_capture_changes_nothing_in_training(runs):
     ("seq-mean", ["rollout-0", "step-0-0", "step-0-1"]),
     ("knobs", ["rollout-0", "step-0-0", "step-0-1"]),
     ("filtered", ["rollout-0", "step-1-1"]),
+    ("kl-in-reward", STEPS),
 ])
 def test_every_bundle_replays_clean(runs, name, bundles):
     root, results, scans, _ = runs
@@ -238,6 +240,30 @@ def test_the_response_cut_is_verls_no_padding_2_padding(runs):
     """Both of verl's layouts (a padded attention mask, nested prompts/responses): the tokens the capture records
     are those verl's ``no_padding_2_padding`` gives the loss (8 response tokens of 3 samples)."""
     assert runs[3]["cut"] == [True, True, True, 8]
+
+
+def test_in_reward_kl_is_verls_kl_penalty_and_enters_the_normalization(runs):
+    """Rollout 0: the reference is the initial policy, so the KL is 0; rollout 1 (after 2 updates): the recorded
+    ``kl`` is old − ref at each loss token (verl's ``kl``, core_algos.py kl_penalty_forward), and the normalized
+    rewards are GRPO's of ``score − 0.5·Σ kl`` (apply_kl_penalty, ray_trainer.py:78-112), not of the scores."""
+    root = runs[0]
+    first = BundleReader(root / "kl-in-reward" / "rollout-0")
+    assert float(_tensor(first, "kl").abs().max()) == 0.0
+    reader = BundleReader(root / "kl-in-reward" / "rollout-1")
+    samples = reader.index.samples
+    kl, old, ref = (_tensor(reader, n) for n in ("kl", "old_log_probs", "ref_log_probs"))
+    assert float(kl.abs().max()) > 0
+    assert torch.allclose(kl, old - ref, rtol=0, atol=1e-6)
+    assert reader.index.config.kl_in_reward == "sequence" and reader.index.config.kl_coef == 0.5
+    sums, at = [], 0
+    for s in samples:
+        sums.append(float(kl[at:at + s.response_length].sum()))
+        at += s.response_length
+    groups = [s.group_index for s in samples]
+    shaped = [s.raw_reward - 0.5 * k for s, k in zip(samples, sums)]
+    assert [s.reward for s in samples] == pytest.approx(_groups_normalized(shaped, groups), rel=1e-4, abs=1e-5)
+    assert [s.reward for s in samples] != pytest.approx(_groups_normalized([s.raw_reward for s in samples], groups),
+                                                        rel=1e-4, abs=1e-5)
 
 
 def test_untested_verl_version_is_refused_in_one_line(runs):
