@@ -32,9 +32,9 @@ What cannot run on a CPU here, and is driven in verl's order instead (``CPUEngin
   the sum of its micro-batches' losses and its metrics are ``Metric``-aggregated (``_postprocess_output``);
 * the rollout (vLLM/SGLang server) and the reward manager: a random 2-layer GPT-2 samples the responses on the CPU
   (no downloads) and a Python reward function scores them; the score sits at each response's last token
-  (``token_level_scores``) as verl's reward loop places it. Multi-turn (on by default; ``--single-turn`` turns it off) makes every
-  response that goes on past its first token a two-turn exchange: its 2nd and 3rd tokens are a tool's output (the
-  digit 0), ``response_mask`` 0 there, as verl's agent loop writes them;
+  (``token_level_scores``) as verl's reward loop places it. Multi-turn (on by default; ``--single-turn`` turns it
+  off) makes every response that goes on past its first token a two-turn exchange: its 2nd and 3rd tokens are a
+  tool's output (the digit 0), ``response_mask`` 0 there, as verl's agent loop writes them;
 * the batch itself: ``DataProto`` / ``TensorDict`` (``tensordict``) are stood in for by ``Batch`` (a dict with
   the ``select`` / ``to_padded_tensor`` that the loss calls) and ``Proto`` (``batch``, ``non_tensor_batch``).
   verl's heavy imports that the called functions never use (ray's cluster, tensordict, vLLM, ...) are stubbed
@@ -50,8 +50,8 @@ Bugs (``--bug``), each a real verl bug class:
   of every rollout bundle — the normalized rewards are not those of the samples' own groups; the actor's steps
   replay clean on the advantages they consumed.
 * ``double-scaled-loss``: the actor's loss function divides each micro-batch's loss by the number of micro-batches
-  (the loss that is backpropagated and reported), on top of ``agg_loss``'s division by the mini-batch's global token count (a loss scale divided twice under
-  gradient accumulation). First divergence: ``loss.policy`` of every step bundle (``loss``); ``pg_loss`` as verl
+  (the loss that is backpropagated and reported), on top of ``agg_loss``'s division by the mini-batch's global
+  token count (a loss scale divided twice under gradient accumulation). First divergence: ``loss.policy`` of every step bundle (``loss``); ``pg_loss`` as verl
   reports it is right.
 
     RELAX_REPLAY_CAPTURE=1 RELAX_REPLAY_CAPTURE_DIR=/tmp/verl-bundles python examples/verl_grpo.py

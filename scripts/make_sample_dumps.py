@@ -42,7 +42,8 @@ RAW = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.5]  # the reward function's scores
 
 
 def slime_grpo(raw: list[float]) -> list[float]:
-    """slime/ray/rollout.py:612-631 (GRPO, std normalization on): rewards reshaped to [-1, n], centred, / (std + 1e-6)."""
+    """slime/ray/rollout.py:612-631 (GRPO, std normalization on): the rewards reshaped to [-1, n], centred, then
+    divided by (std + 1e-6)."""
     r = torch.tensor(raw, dtype=torch.float32).reshape(-1, N)
     r = r - r.mean(dim=-1, keepdim=True)
     r = r / (r.std(dim=-1, keepdim=True) + 1e-6)
