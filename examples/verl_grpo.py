@@ -51,8 +51,8 @@ Bugs (``--bug``), each a real verl bug class:
   replay clean on the advantages they consumed.
 * ``double-scaled-loss``: the actor's loss function divides each micro-batch's loss by the number of micro-batches
   (the loss that is backpropagated and reported), on top of ``agg_loss``'s division by the mini-batch's global
-  token count (a loss scale divided twice under gradient accumulation). First divergence: ``loss.policy`` of every step bundle (``loss``); ``pg_loss`` as verl
-  reports it is right.
+  token count (a loss scale divided twice under gradient accumulation). First divergence: ``loss.policy`` of
+  every step bundle (``loss``); ``pg_loss`` as verl reports it is right.
 
     RELAX_REPLAY_CAPTURE=1 RELAX_REPLAY_CAPTURE_DIR=/tmp/verl-bundles python examples/verl_grpo.py
     trajectory-replay scan /tmp/verl-bundles
