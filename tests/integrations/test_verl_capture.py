@@ -273,9 +273,11 @@ def test_untested_verl_version_is_refused_in_one_line(runs):
                                   "install the tested version (pip install -e '.[verl]')")
 
 
-def test_the_extra_pins_the_tested_version():
-    text = (REPO / "pyproject.toml").read_text()
-    assert 'verl = ["verl==0.9.1"' in text
+def test_the_extra_pins_the_tested_version(runs):
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["verl"]
+    assert extra == [f"verl=={runs[3]['tested']['verl']}"] == ["verl==0.9.1"]
 
 
 def test_unrecomputable_configs_are_refused_before_training(runs):
