@@ -39,6 +39,7 @@ VARIANTS = {
               {}),
     "filtered": ([], {"RELAX_REPLAY_CAPTURE_STEPS": "1:1", "RELAX_REPLAY_CAPTURE_ROLLOUTS": "0"}),
     "kl-in-reward": (["--kl-in-reward", "0.5", "--single-turn"], {}),
+    "hook-fails": ([], {}),  # the micro-batch hook raises: logged, the step not written, training unchanged
     "stale-group-index": (["--bug", "stale-group-index"], {}),
     "double-scaled-loss": (["--bug", "double-scaled-loss", "--steps", "1"], {}),
 }
@@ -50,13 +51,22 @@ DRIVER = textwrap.dedent("""
     from capture.integrations.verl import (TESTED_VERSIONS, UntestedVerlVersion, enable_replay_capture,
                                            require_tested_verl)
     from replay_lib.cli import main
+    import capture.integrations.verl as hooks_module
 
     plan = json.loads(sys.argv[2])
     for name, argv, env in plan:
         for key in [k for k in os.environ if k.startswith("RELAX_REPLAY_CAPTURE")]:
             del os.environ[key]
         os.environ.update(env)
-        print(json.dumps({"name": name, **verl_grpo.train(argv)}), flush=True)
+        saved = hooks_module.VerlCapture._on_micro_batch
+        if name == "hook-fails":
+            def fail(self, *args, **kwargs):
+                raise RuntimeError("a hook failed")
+            hooks_module.VerlCapture._on_micro_batch = fail
+        try:
+            print(json.dumps({"name": name, **verl_grpo.train(argv)}), flush=True)
+        finally:
+            hooks_module.VerlCapture._on_micro_batch = saved
     for name, argv, env in plan:
         if not env:
             continue
@@ -148,6 +158,16 @@ def test_capture_changes_nothing_in_training(runs):
     _, results, _, _ = runs
     assert results["off"]["capture"] is None
     assert results["clean"]["weights_sha256"] == results["off"]["weights_sha256"]
+
+
+def test_a_failing_hook_never_reaches_training(runs):
+    """Every micro-batch hook raising: each step is abandoned (one hook error per step, the rest of its
+    micro-batches not even tried), the rollouts are still written, and the weights are those of capture off."""
+    root, results, scans, _ = runs
+    assert results["hook-fails"]["weights_sha256"] == results["off"]["weights_sha256"]
+    assert results["hook-fails"]["capture"] == {"directory": str(root / "hook-fails"), "written": 2, "dropped": 0,
+                                                "errors": 4}
+    assert statuses(scans["hook-fails"][1]) == {"rollout-0": "pass", "rollout-1": "pass"}
 
 
 @pytest.mark.parametrize("name, bundles", [
