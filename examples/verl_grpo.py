@@ -335,7 +335,8 @@ class CPUEngine:
 
 
 class Worker:
-    """The part of ``ActorRolloutRefWorker`` the capture hooks: ``loss_fn`` and ``engine``."""
+    """The part of verl's ``TrainingWorker`` (``ActorRolloutRefWorker.actor``) the capture hooks: ``loss_fn`` and
+    ``engine``."""
 
     def __init__(self, engine: CPUEngine, config: FSDPActorConfig):
         self.engine = engine

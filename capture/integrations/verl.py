@@ -5,7 +5,7 @@ bundle and every optimizer step of the actor a step bundle, written by the ordin
     from capture.integrations.verl import enable_replay_capture
     hooks = enable_replay_capture(config)        # config: verl's trainer config (OmegaConf or dict); None when off
     hooks.install_driver()                       # in the driver: wraps ray_trainer.compute_advantage
-    hooks.install_worker(actor_worker)           # in the actor: wraps worker.loss_fn and worker.engine.train_batch
+    hooks.install_worker(worker.actor)           # in the actor (its TrainingWorker): wraps loss_fn, engine.train_batch
 
 Tested with verl 0.9.1 only (``pip install -e '.[verl]'`` pins it); another version is refused in one line before
 anything of verl is imported. File and line numbers below are of that release.
@@ -187,6 +187,7 @@ class VerlCapture:
         self._metrics: dict[str, list[Any]] = {}
         self._counts: set[tuple] = set()
         self._step_broken: Optional[str] = None
+        self._training = False  # inside the engine's train_batch
         self._installed: list[tuple[Any, str, Any]] = []
 
     # ------------------------------------------------------------------------------------------ errors
@@ -205,7 +206,8 @@ class VerlCapture:
         self._replace(module, "compute_advantage", self.wrap_compute_advantage(module.compute_advantage))
 
     def install_worker(self, worker: Any) -> None:
-        """Wrap the actor worker's ``loss_fn`` and its engine's ``train_batch`` (call after ``set_loss_fn``)."""
+        """Wrap the actor's ``TrainingWorker`` (``ActorRolloutRefWorker.actor``, engine_workers.py:644-646): its
+        ``loss_fn`` and its engine's ``train_batch`` (call after ``set_loss_fn``)."""
         if getattr(worker, "loss_fn", None) is None:
             raise ValueError("install_worker: the worker has no loss_fn yet (call it after worker.set_loss_fn)")
         self._replace(worker, "loss_fn", self.wrap_loss_fn(worker.loss_fn))
@@ -246,8 +248,8 @@ class VerlCapture:
         @functools.wraps(inner)
         def loss_fn(*args, **kwargs):
             out = inner(*args, **kwargs)
-            if self.closed or self._step_broken is not None:
-                return out
+            if self.closed or not self._training or self._step_broken is not None:
+                return out  # infer_batch's forward-only calls (engine_workers.py:419) are not a step
             try:
                 self._on_micro_batch(kwargs.get("model_output", args[0] if args else None),
                                      kwargs.get("data", args[1] if len(args) > 1 else None), out)
@@ -262,11 +264,14 @@ class VerlCapture:
         @functools.wraps(inner)
         def train_batch(data, *args, **kwargs):
             self._begin_step()
+            self._training = True
             try:
                 out = inner(data, *args, **kwargs)
             except BaseException:
                 self._reset_step()
                 raise
+            finally:
+                self._training = False
             self.end_step()
             return out
 

@@ -94,6 +94,11 @@ DRIVER = textwrap.dedent("""
         except Exception as exc:
             checks[key] = [type(exc).__name__, str(exc)]
     checks["refused_left_nothing"] = not os.path.exists(sys.argv[3])
+    # the loss function called outside the engine's train_batch (infer_batch's forward-only calls) records nothing
+    import torch
+    idle = hooks_module.VerlCapture(None, None, cfg)
+    loss, _ = idle.wrap_loss_fn(lambda **k: (torch.tensor(2.0), {}))(model_output={}, data={}, dp_group=None)
+    checks["outside_train_batch"] = [float(loss), idle.errors, idle._step is None]
     # the capture's cut of a no-padding model output = verl's own no_padding_2_padding, padded and nested layouts
     import torch
     from verl.workers.utils.padding import no_padding_2_padding
@@ -254,6 +259,10 @@ def test_step_records_verls_counts_and_token_mean_loss(runs):
         loss = float((pg * mask).sum() / mask.sum())
         assert reader.expected["loss.policy"]["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
         assert reader.expected["loss.policy"]["pg_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+
+
+def test_the_loss_function_outside_train_batch_is_not_a_step(runs):
+    assert runs[3]["outside_train_batch"] == [2.0, 0, True]
 
 
 def test_the_response_cut_is_verls_no_padding_2_padding(runs):
