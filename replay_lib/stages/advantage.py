@@ -307,7 +307,7 @@ def estimate_kind(cfg: RecomputeConfig) -> str:
     sums: REINFORCE++, or any estimator with ``kl_in_reward="token_returns"``) or ``gae``."""
     if cfg.advantage_estimator == "gae":
         return "gae"
-    if cfg.advantage_estimator == "reinforce_plus_plus" or cfg.kl_in_reward == "token_returns":
+    if cfg.advantage_estimator in ("reinforce_plus_plus", "remax") or cfg.kl_in_reward == "token_returns":
         return "returns"
     return "broadcast"
 
@@ -494,11 +494,8 @@ UNSUPPORTED_ESTIMATORS = {
     "ppo": "slime's name for GAE: write advantage_estimator='gae' (with the values payload) to recompute it",
     "dppo": "prime-rl's DPPO is a loss family outside the clipped surrogate",
     "decoupled_ppo": "AReaL's decoupled loss (a proximal policy between behaviour and current) is not recomputed",
-    "grpo_passk": "verl's pass@k GRPO is not recomputed",
-    "opo": "verl's OPO (length-weighted baseline) is not recomputed",
-    "remax": "verl's ReMax (greedy baseline) is not recomputed",
-    "gpg": "verl's GPG is not recomputed",
-    "optimal_token_baseline": "verl's optimal token baseline is not recomputed",
+    "optimal_token_baseline": "verl's optimal token baseline is not recomputed: it weights each token by "
+                              "1 − 2·π(token) + Σ π² over the vocabulary, which a bundle does not record",
 }
 KL_IN_REWARD_FORMS = ("sequence", "token_returns")
 
@@ -537,9 +534,45 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
     if stats is not None and not (math.isfinite(stats.mean) and math.isfinite(stats.std) and stats.std > 0):
         return (f"$.config.advantage_whiten_stats={{mean: {stats.mean!r}, std: {stats.std!r}}}: expected a finite "
                 "mean and a finite std > 0 (the divisor the producer whitened by)")
+    est_inputs = estimator_input_error(reader)
+    if est_inputs is not None:
+        return est_inputs
     if cfg.advantage_estimator == "gae" and StageId.ADVANTAGE_ESTIMATE in stages and not reader.has_payload("values"):
         return ("$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is "
                 "missing")
+    return None
+
+
+def estimator_input_error(reader: BundleReader) -> Optional[str]:
+    """The per-sample inputs an estimator needs beyond the score (SPEC §4.2), checked before any stage runs:
+    remax each sample's finite ``reward_baseline``; gdpo each sample's ``reward_components``, one count K ≥ 1 for
+    every sample, finite, and ``reward_component_weights`` (when set) K finite numbers."""
+    cfg = reader.index.config
+    samples = reader.index.samples
+    if cfg.advantage_estimator == "remax":
+        for i, s in enumerate(samples):
+            b = s.reward_baseline
+            if not isinstance(b, (int, float)) or not math.isfinite(b):
+                shown = "missing" if not isinstance(b, (int, float)) else repr(float(b))
+                return (f"$.samples[{i}].reward_baseline ({shown}): expected a finite number (the greedy "
+                        "rollout's reward that advantage_estimator='remax' subtracts)")
+    if cfg.advantage_estimator == "gdpo":
+        k = None
+        for i, s in enumerate(samples):
+            c = s.reward_components
+            if not isinstance(c, list) or not c:
+                return (f"$.samples[{i}].reward_components: expected a non-empty list of numbers (each reward "
+                        "component advantage_estimator='gdpo' normalizes apart)")
+            if k is None:
+                k = len(c)
+            if len(c) != k:
+                return f"$.samples[{i}].reward_components: expected {k} components (as samples[0]), got {len(c)}"
+            if not all(math.isfinite(v) for v in c):
+                return f"$.samples[{i}].reward_components: expected finite numbers"
+        w = cfg.reward_component_weights
+        if isinstance(w, list) and k is not None and (len(w) != k or not all(math.isfinite(v) for v in w)):
+            return (f"$.config.reward_component_weights: expected {k} finite numbers (one per reward component), "
+                    f"got {len(w)}")
     return None
 
 
