@@ -169,7 +169,9 @@ def verl_configs() -> list[Config]:
 
     kl_types = _string_constants(core.kl_penalty_forward, "kl_penalty")  # core_algos.py:2216-2251
     out = [cfg({})]
-    out += [cfg({f"{A}.adv_estimator": e}) for e in core.ADV_ESTIMATOR_REGISTRY]
+    # GDPO runs only with its reward components named (verl asserts gdpo_reward_keys, core_algos.py:413-417)
+    gdpo_keys = {f"{A}.gdpo_reward_keys": ["accuracy_reward", "format_reward"]}
+    out += [cfg({f"{A}.adv_estimator": e, **(gdpo_keys if e == "gdpo" else {})}) for e in core.ADV_ESTIMATOR_REGISTRY]
     out += [cfg({f"{ACT}.policy_loss.loss_mode": m}, family=m not in VERL_PPO_CLIP)
             for m in core.POLICY_LOSS_REGISTRY]
     out += [cfg({f"{ACT}.loss_agg_mode": m}) for m in _string_constants(core.agg_loss, "loss_agg_mode")]

@@ -142,9 +142,9 @@ def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
     r.flag("algo.kl.unbiased_gradient", False)
     if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:138-139); the KL loss term is 0 (actor.py:328-330)
         return
-    if target is not None:
-        r.refuse("algo.kl.target", target, "an adaptive KL coefficient changes every step; only a fixed one is "
-                                           "mapped (record the step's coefficient as algo.kl.init_coef)")
+    # target set: the adaptive controller (ppo_utils/kl_controller.py AdaptiveKLController) moves the coefficient
+    # between steps; the step applies its value, which the bundle records as algo.kl.init_coef (the capture writes
+    # it there) and the replay applies as a fixed coefficient
     if kind not in ("k1", "k2", "k3"):
         r.refuse("algo.kl.estimator", kind, "not one of k1, k2, k3")
     if use_loss:  # actor.py:318-338: a token mean whatever loss_agg_mode (aggregate_loss's default), ±10 clamp

@@ -266,11 +266,10 @@ def _refuse_rest(cfg: ConfigReader) -> None:
                    "sampling − current log-probs over its tokens is ≤ the threshold, :2945-2967, the loss × the mask "
                    ":3140-3141) reads the current policy and the advantage's sign, which the IS knobs (old/rollout "
                    "weights) do not; a bundle would need each completion's kept flag recorded")
-    adaptive = cfg.flag("use_adaptive_entropy", False)
-    if adaptive:
-        cfg.refuse("use_adaptive_entropy", adaptive, "the coefficient TRL applies changes from step to step with "
-                                                     "the entropy of the previous window; a bundle would need the "
-                                                     "coefficient its step applied")
+    # use_adaptive_entropy: the step applies entropy_coef, or 0 where the previous window's entropy is above
+    # entropy_target (apply_coef, grpo_trainer.py:3206-3209), and moves it after the step (:3216-3240); the bundle
+    # records the coefficient its step applied as entropy_coef (the capture writes it there), mapped as above
+    cfg.flag("use_adaptive_entropy", False)
     aux = cfg.number("router_aux_loss_coef", None)
     if aux:
         cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

@@ -83,8 +83,8 @@ ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "veomni", "torchtitan", "au
 POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                            "dro_beta", "_target_")
 # algorithm.* keys that do not change the recomputed math (dynamic sampling chooses which groups a step
-# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon act only under
-# kl_ctrl.type=adaptive, which refuses).
+# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon only move the
+# coefficient between steps, and the bundle records the step's coefficient as kl_ctrl.kl_coef).
 ALGO_NEUTRAL = ("_target_", "filter_groups", "kl_ctrl._target_", "kl_ctrl.horizon", "kl_ctrl.target_kl")
 
 
@@ -189,12 +189,13 @@ def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None
       default ``norm_adv_by_std_in_grpo=True`` (compute_advantage passes none, ray_trainer.py:250-263), summed with
       ``gdpo_reward_weights`` (all 1 when unset) and ``masked_whiten``-ed over the response tokens
       (core_algos.py:447-468); verl asserts the keys are set (core_algos.py:413-417)."""
-    keys = r.raw(f"{ALGO}.gdpo_reward_keys", None)  # algorithm.py:672
-    weights = r.raw(f"{ALGO}.gdpo_reward_weights", None)  # algorithm.py:673
     if est == "remax":
         fields["gamma"] = 1.0
-    if est != "gdpo":
+    if est != "gdpo":  # read only by GDPO
+        r.neutral(f"{ALGO}.gdpo_reward_keys", f"{ALGO}.gdpo_reward_weights")
         return
+    keys = r.raw(f"{ALGO}.gdpo_reward_keys", None)  # algorithm.py:672
+    weights = r.raw(f"{ALGO}.gdpo_reward_weights", None)  # algorithm.py:673
     if not isinstance(keys, (list, tuple)) or not keys or not all(isinstance(k, str) for k in keys):
         r.bad(f"{ALGO}.gdpo_reward_keys", keys, "a non-empty list of reward component names (verl asserts it)")
     fields["grpo_std_normalization"] = True
@@ -225,10 +226,12 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     coef = r.number(f"{ALGO}.kl_ctrl.kl_coef", 0.001)  # yaml:877
     if not on:
         return
-    if ctrl != "fixed":
-        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step (core_algos.py:153 "
-                 "AdaptiveKLController); record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with "
-                 "kl_ctrl.type=fixed")
+    if ctrl not in ("fixed", "adaptive"):  # get_kl_controller raises NotImplementedError (core_algos.py:193-212)
+        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+    # adaptive (core_algos.py:153-174 AdaptiveKLController): the coefficient a step applies is the controller's
+    # value at that step (apply_kl_penalty's beta, ray_trainer.py:78-112, logged as actor/reward_kl_penalty_coeff),
+    # updated after it; the config holds only its start. The bundle records the step's value at
+    # algorithm.kl_ctrl.kl_coef (the capture writes it there), which the replay applies as a fixed coefficient.
     kl_type = _kl_type(r, f"{ALGO}.kl_penalty", name, coef != 0)
     est = fields["advantage_estimator"]
     if est == "gdpo":  # GDPO reads the components, not token_level_rewards (core_algos.py:408-430): no KL
