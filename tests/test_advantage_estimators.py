@@ -140,3 +140,40 @@ def test_an_unset_estimator_input_is_not_written():
     s = SampleRecord(sample_id="s", response_length=1, total_length=1, loss_mask=[1])
     assert b"reward_baseline" not in msgspec.json.encode(s) and b"reward_components" not in msgspec.json.encode(s)
     assert b"reward_component" not in msgspec.json.encode(RecomputeConfig())
+
+
+def _shaped_bundle(tmp_path, truncated, **knobs):
+    cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, grpo_std_normalization=False, **knobs)
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=0, response_length=4, total_length=5, loss_mask=m,
+                            raw_reward=1.0, **({} if t is None else {"truncated": t}))
+               for i, (m, t) in enumerate(zip([[1, 1, 1, 1], [0, 1, 1, 0]], truncated))]
+    return cfg, samples
+
+
+def test_length_shaping_by_hand(tmp_path, cli):
+    # overlong: max 4 tokens, buffer 3 → expected 1; sample 0 spans 4 loss tokens (exceed min(3, 3) = 3: −3/3·0.5),
+    # sample 1 spans 2 (exceed 1: −1/3·0.5); then the truncated sample 1 replaced by −1: rewards 0.5 and −1, mean −0.25
+    cfg, samples = _shaped_bundle(tmp_path, [False, True], overlong_buffer_len=3.0, overlong_penalty_factor=0.5,
+                                  overlong_max_tokens=4, truncated_reward_coef=-1.0)
+    bundle = _bundle(tmp_path / "b", cfg, samples, [0.75, -0.75], [0.75] * 4 + [-0.75] * 4)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    assert (code, json.loads(out)["first_divergent_stage"]) == (0, None), out
+    # as a factor (0.5): 0.5 and (1 − 1/6)·0.5, centred
+    cfg = msgspec.structs.replace(cfg, truncated_reward_coef=0.5)
+    b, c = 0.5, (1 - 1 / 6) * 0.5
+    bundle = _bundle(tmp_path / "c", cfg, samples, [(b - c) / 2, (c - b) / 2], [(b - c) / 2] * 4 + [(c - b) / 2] * 4)
+    code, out, err = cli("replay", bundle, "--format", "json")
+    assert (code, json.loads(out)["first_divergent_stage"]) == (0, None), out
+
+
+def test_length_shaping_needs_each_samples_truncated_flag(tmp_path, cli):
+    cfg, samples = _shaped_bundle(tmp_path, [False, None], truncated_reward_coef=0.5)
+    bundle = _bundle(tmp_path / "b", cfg, samples, [0.0, 0.0], [0.0] * 8)
+    code, out, err = cli("validate", bundle)
+    assert code == 3 and ("$.samples[1].truncated: expected true or false (whether the generation stopped at the "
+                          "token limit; truncated_reward_coef is set)") in out + err, (out, err)
+    cfg, samples = _shaped_bundle(tmp_path, [None, None], overlong_buffer_len=8.0, overlong_max_tokens=4)
+    bundle = _bundle(tmp_path / "c", cfg, samples, [0.0, 0.0], [0.0] * 8)
+    code, out, err = cli("validate", bundle)
+    assert code == 3 and ("$.config.overlong_buffer_len=8.0: expected a finite number > 0 with overlong_max_tokens an "
+                          "integer >= it (got 4)") in out + err, (out, err)

@@ -314,3 +314,39 @@ def gdpo_rewards(components: torch.Tensor, group_index: torch.Tensor, rule: Grou
         centred = total - total.mean()
         total = centred / std if float(std) > 0 else centred
     return total
+
+
+def loss_span(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n]``: the span from each sample's first to its last loss token, both included (0 without one):
+    OpenRLHF's ``response_length`` (samples_generator.py:272-273, ``ones[-1] − ones[0] + 1`` of the action mask)."""
+    lengths = lengths.to(torch.int64)
+    n = lengths.numel()
+    if not n:
+        return torch.zeros(0, dtype=torch.float64)
+    seg = torch.repeat_interleave(torch.arange(n), lengths)
+    pos = torch.arange(seg.numel(), dtype=torch.int64)
+    on = loss_mask.reshape(-1) != 0
+    big = torch.iinfo(torch.int64).max
+    first = torch.full((n,), big, dtype=torch.int64).scatter_reduce(
+        0, seg, torch.where(on, pos, torch.full_like(pos, big)), reduce="amin", include_self=True)
+    last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce(
+        0, seg, torch.where(on, pos, torch.full_like(pos, -1)), reduce="amax", include_self=True)
+    return torch.where(last >= 0, (last - first + 1).to(torch.float64), torch.zeros(n, dtype=torch.float64))
+
+
+def shape_rewards(raw: torch.Tensor, span: torch.Tensor, truncated: Optional[torch.Tensor], *,
+                  buffer: Optional[float] = None, factor: float = 1.0, max_tokens: Optional[int] = None,
+                  coef: Optional[float] = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The raw reward after the length penalties (OpenRLHF ``apply_length_penalties``, length_penalty.py:16-145):
+    the overlong penalty ``− min(L − (max_tokens − buffer), buffer)/buffer · factor`` where positive, ``L`` the
+    sample's loss span (:func:`loss_span`); then each ``truncated`` sample's reward times ``coef`` (``coef ≥ 0``)
+    or replaced by it (``coef < 0``)."""
+    r = raw.to(dtype).clone()
+    if buffer is not None:
+        exceed = torch.clamp(span.to(torch.float64) - (max_tokens - buffer), max=buffer)
+        penalty = torch.where(exceed > 0, -exceed / buffer * factor, torch.zeros_like(exceed))
+        r = torch.where(exceed > 0, r + penalty.to(dtype), r)
+    if coef is not None and truncated is not None:
+        hit = truncated.to(torch.bool)
+        r = torch.where(hit, torch.full_like(r, coef) if coef < 0 else r * coef, r)
+    return r

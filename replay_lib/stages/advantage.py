@@ -544,11 +544,27 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
 
 
 def estimator_input_error(reader: BundleReader) -> Optional[str]:
-    """The per-sample inputs an estimator needs beyond the score (SPEC §4.2), checked before any stage runs:
-    remax each sample's finite ``reward_baseline``; gdpo each sample's ``reward_components``, one count K ≥ 1 for
+    """The per-sample inputs an estimator or the length shaping needs beyond the score (SPEC §4.2), checked before
+    any stage runs: the shaping's knobs and each sample's ``truncated`` flag; remax each sample's finite ``reward_baseline``; gdpo each sample's ``reward_components``, one count K ≥ 1 for
     every sample, finite, and ``reward_component_weights`` (when set) K finite numbers."""
     cfg = reader.index.config
     samples = reader.index.samples
+    buffer, coef = cfg.overlong_buffer_len, cfg.truncated_reward_coef
+    if isinstance(buffer, float):
+        top = cfg.overlong_max_tokens
+        if not (math.isfinite(buffer) and buffer > 0) or not isinstance(top, int) or top < buffer:
+            return (f"$.config.overlong_buffer_len={buffer!r}: expected a finite number > 0 with overlong_max_tokens an "
+                    f"integer >= it (got {top!r})")
+        factor = cfg.overlong_penalty_factor
+        if isinstance(factor, float) and not math.isfinite(factor):
+            return f"$.config.overlong_penalty_factor={factor!r}: expected a finite number"
+    if isinstance(coef, float):
+        if not math.isfinite(coef) or coef > 1:
+            return f"$.config.truncated_reward_coef={coef!r}: expected a number <= 1 (in [0, 1] a factor, < 0 a value)"
+        for i, s in enumerate(samples):
+            if not isinstance(s.truncated, bool):
+                return (f"$.samples[{i}].truncated: expected true or false (whether the generation stopped at the "
+                        "token limit; truncated_reward_coef is set)")
     if cfg.advantage_estimator == "remax":
         for i, s in enumerate(samples):
             b = s.reward_baseline

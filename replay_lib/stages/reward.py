@@ -19,7 +19,7 @@ from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, S
                            storage_unit)
 from ..kernels import (GroupRule, batch_std, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
                        sequence_kl_score)
-from ..kernels.reward import (OWN_RULE_ESTIMATORS, gdpo_rewards, gpg_alpha, gpg_rewards, maxrl_rewards, opo_rewards,
+from ..kernels.reward import (OWN_RULE_ESTIMATORS, gdpo_rewards, loss_span, shape_rewards, gpg_alpha, gpg_rewards, maxrl_rewards, opo_rewards,
                               passk_rewards)
 from ..judge.report import Divergence, StageReport
 from ..bundle import BundleReader
@@ -77,7 +77,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
             ))
     # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
     # them is what the bound admits); under --exact the producer's float32 kernel
-    raw = ctx.raw_rewards
+    raw = shaped_raw(ctx)
     groups = score_groups(ctx)
     score, magnitude, score_error = _scores(ctx, raw)
     # the bound is taken of the value before the clip: a clamp is 1-Lipschitz, so a producer's value within the
@@ -192,7 +192,8 @@ def own_rule_rewards(ctx: StageContext, score: torch.Tensor, magnitude, score_er
         bound = centred_bound + C_REWARD * U32 * stats.size[stats.inverse] * stats.max_abs[stats.inverse]
     elif est == "gpg":
         if ctx.partial:
-            whole = as_float64([s.raw_reward for s in _whole_step(ctx, "gpg")])
+            _whole_step(ctx, "gpg")
+            whole = shaped_raw(_whole_context(ctx))
             alpha = gpg_alpha(whole)
         else:
             alpha = gpg_alpha(score)
@@ -280,7 +281,7 @@ def _gdpo_bound(comps: torch.Tensor, groups: torch.Tensor, rule: GroupRule, w: O
 # The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).
 POST_PROCESS_KNOBS = ("advantage_estimator", "rewards_normalization", "grpo_std_eps", "grpo_std_unbiased",
                       "group_baseline", "std_zero", "singleton_group", "kl_in_reward", "reward_clip_low",
-                      "grpo_std_scope")
+                      "grpo_std_scope", "overlong_buffer_len", "truncated_reward_coef")
 
 
 def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
@@ -305,6 +306,8 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
         parts.append("score passed through")
     if rule.clip is not None:
         parts.append(f"clipped to [{rule.clip[0]:g}, {rule.clip[1]:g}]")
+    if shaping_active(cfg):
+        parts.append("length-shaped raw reward")
     return f" ({', '.join(parts)})"
 
 
@@ -316,8 +319,37 @@ def _whole_batch_std(ctx: StageContext, rule: GroupRule) -> Optional[tuple[torch
     if ctx.config.kl_in_reward == "sequence" and ctx.config.kl_coef != 0:
         raise StageInputError("grpo_std_scope=batch with kl_in_reward=sequence needs every sample's score: "
                               "replay the whole bundle (no --sample/--group selection)", field="grpo_std_scope")
-    full = as_float64([s.raw_reward for s in ctx.reader.index.samples])
+    full = shaped_raw(_whole_context(ctx))
     return batch_std(full, unbiased=rule.unbiased), batch_std(full.to(torch.float32), unbiased=rule.unbiased)
+
+
+def shaping_active(cfg: RecomputeConfig) -> bool:
+    """Whether the config shapes the raw reward by length before reward.post_process (SPEC §4.2)."""
+    return isinstance(cfg.overlong_buffer_len, float) or isinstance(cfg.truncated_reward_coef, float)
+
+
+def shaped_raw(ctx: StageContext) -> torch.Tensor:
+    """float64 per selected sample: the recorded raw reward after the length penalties the config names
+    (:func:`replay_lib.kernels.reward.shape_rewards`), or the raw reward itself."""
+    cfg = ctx.config
+    raw = ctx.raw_rewards
+    if not shaping_active(cfg):
+        return raw
+    buffer = cfg.overlong_buffer_len if isinstance(cfg.overlong_buffer_len, float) else None
+    coef = cfg.truncated_reward_coef if isinstance(cfg.truncated_reward_coef, float) else None
+    factor = cfg.overlong_penalty_factor if isinstance(cfg.overlong_penalty_factor, float) else 1.0
+    span = loss_span(ctx.loss_mask, ctx.lengths) if buffer is not None else torch.zeros(ctx.n, dtype=torch.float64)
+    truncated = torch.tensor([s.truncated is True for s in ctx.samples]) if coef is not None else None
+    return shape_rewards(raw, span, truncated, buffer=buffer, factor=factor,
+                         max_tokens=cfg.overlong_max_tokens if buffer is not None else None, coef=coef)
+
+
+def _whole_context(ctx: StageContext) -> StageContext:
+    """The context of every sample of the bundle (a rule over the whole step, read at a selection)."""
+    if not ctx.partial:
+        return ctx
+    return StageContext(reader=ctx.reader, indices=list(range(len(ctx.reader.index.samples))), partial=False,
+                        rules=ctx.rules)
 
 
 def score_groups(ctx: StageContext) -> torch.Tensor:
