@@ -68,6 +68,7 @@ class Config:
     build: Callable[[], Any]  # the config object the mapping reads
     family: bool = False  # a policy-loss family (the next issue)
     kind: str = "axis"  # "axis" (one factor at a time) or "combination"
+    rejected: str = ""  # why the framework's own code rejects it (from source: it is not run here)
 
 
 @dataclasses.dataclass
@@ -472,6 +473,10 @@ def nemo_rl_configs() -> list[Config]:
         {"grpo.normalize_rewards": False, "grpo.use_leave_one_out_baseline": False},
     ]
     out += [cfg(c, kind="combination") for c in combos]
+    for c in out:  # ClippedPGLossFn.__init__ asserts it (loss/loss_functions.py:265-268)
+        if c.label == "loss_fn.sequence_level_importance_ratios=True":
+            c.rejected = ("NeMo-RL asserts sequence-level importance ratios are exclusive with the token-level loss "
+                          "(token_level_loss defaults true; loss/loss_functions.py:265-268)")
     return out
 
 
@@ -494,6 +499,9 @@ def classify(framework: str, configs: list[Config]) -> list[Result]:
         if c.kind == "unimplemented":
             results.append(Result(framework, c.label, "axis", FRAMEWORK_ERROR,
                                   f"{NAMES[framework]} raises NotImplementedError for it"))
+            continue
+        if c.rejected:
+            results.append(Result(framework, c.label, c.kind, FRAMEWORK_ERROR, c.rejected))
             continue
         try:
             obj = c.build()

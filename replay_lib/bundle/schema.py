@@ -262,6 +262,9 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # (A − mean)/std, the unbiased std, centred only where it is 0) before advantage.estimate. Unset: not written.
     reward_component_weights: Union[list[float], msgspec.UnsetType] = msgspec.UNSET
     reward_components_standardize: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # That standardization's divisor: unset, the std (the centred sum where it is 0: NeMo-RL); a number, std + it
+    # (TRL's normalize_then_sum, 1e-4).
+    reward_components_standardize_eps: Union[float, msgspec.UnsetType] = msgspec.UNSET
     # Length shaping of the raw reward before reward.post_process normalizes it (OpenRLHF
     # trainer/ppo_utils/length_penalty.py): the overlong penalty r − min(L − (max_tokens − buffer), buffer)/buffer ·
     # factor where positive, L the span from the sample's first to its last loss token; then, for a sample recorded

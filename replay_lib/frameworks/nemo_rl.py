@@ -101,8 +101,8 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     # (loss.py:526-541); the IS weight becomes exp(Σ_t (prev − gen)·mask) of the sample (loss.py:568-576)
     sequence_ratio = r.flag(f"{L}.sequence_level_importance_ratios", False)  # loss.py:119
     if sequence_ratio and token_level:
-        r.refuse(f"{L}.sequence_level_importance_ratios", True, "NeMo-RL itself rejects sequence-level ratios "
-                 "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)")
+        r.bad(f"{L}.sequence_level_importance_ratios", True, "token_level_loss false with it (NeMo-RL asserts "
+              "sequence-level ratios are exclusive with the token-level loss, loss/loss_functions.py:265-268)")
     fields: dict[str, Any] = dict(
         advantage_estimator="grpo",
         n_samples_per_prompt=r.integer(f"{G}.num_generations_per_prompt", 16),  # yaml:4

@@ -298,11 +298,12 @@ def maxrl_rewards(r: torch.Tensor, group_index: torch.Tensor, eps: float = STD_E
 
 def gdpo_rewards(components: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
                  weights: Optional[torch.Tensor] = None, standardize: bool = False,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, standardize_eps: Optional[float] = None) -> torch.Tensor:
     """GDPO: each reward component (``components[:, k]``) normalized by the group rule alone, ``Σ_k w_k·A_k``
     (verl ``compute_gdpo_outcome_advantage``, NeMo-RL ``GDPOAdvantageEstimator``); ``standardize``: that sum
     then standardized over the samples given (NeMo-RL: ``(A − mean)/std``, the unbiased std, centred only where
-    it is 0). verl whitens over the tokens instead, in advantage.estimate (``normalize_advantages``)."""
+    it is 0; ``standardize_eps``: over ``std + standardize_eps`` always, TRL's ``normalize_then_sum``). verl
+    whitens over the tokens instead, in advantage.estimate (``normalize_advantages``)."""
     c = components.to(dtype)
     n, k = c.shape if c.dim() == 2 else (c.numel(), 0)
     w = torch.ones(k, dtype=dtype) if weights is None else weights.to(dtype)
@@ -312,7 +313,10 @@ def gdpo_rewards(components: torch.Tensor, group_index: torch.Tensor, rule: Grou
     if standardize and n:
         std = batch_std(total, unbiased=True)
         centred = total - total.mean()
-        total = centred / std if float(std) > 0 else centred
+        if standardize_eps is not None:
+            total = centred / (std + standardize_eps)
+        else:
+            total = centred / std if float(std) > 0 else centred
     return total
 
 

@@ -226,25 +226,27 @@ def own_rule_rewards(ctx: StageContext, score: torch.Tensor, magnitude, score_er
         weights = cfg.reward_component_weights
         w = None if not isinstance(weights, list) else torch.tensor(weights, dtype=torch.float64)
         standardize = cfg.reward_components_standardize is True
+        s_eps = cfg.reward_components_standardize_eps
+        s_eps = s_eps if isinstance(s_eps, float) else None
         comp_rule = replace(rule, clip=None)
         if standardize and ctx.partial:  # the whole step's standardization, read at the selection
             all_samples = _whole_step(ctx, "gdpo")
             everything = torch.tensor([list(s.reward_components) for s in all_samples], dtype=torch.float64)
             all_groups = list_tensor([s.group_index for s in all_samples], torch.int64)
             whole = gdpo_rewards(everything if dtype == torch.float64 else everything.to(dtype), all_groups,
-                                 comp_rule, w, True, dtype=dtype)
+                                 comp_rule, w, True, dtype=dtype, standardize_eps=s_eps)
             out = whole[torch.tensor(ctx.indices, dtype=torch.int64)]
         else:
             out = gdpo_rewards(comps if dtype == torch.float64 else comps.to(dtype), groups, comp_rule, w,
-                               standardize, dtype=dtype)
-        bound = _gdpo_bound(comps, groups, comp_rule, w, out.to(torch.float64), standardize)
+                               standardize, dtype=dtype, standardize_eps=s_eps)
+        bound = _gdpo_bound(comps, groups, comp_rule, w, out.to(torch.float64), standardize, s_eps)
     if dtype != torch.float64:
         return out, bound
     return out, bound
 
 
 def _gdpo_bound(comps: torch.Tensor, groups: torch.Tensor, rule: GroupRule, w: Optional[torch.Tensor],
-                out: torch.Tensor, standardize: bool) -> torch.Tensor:
+                out: torch.Tensor, standardize: bool, standardize_eps: Optional[float] = None) -> torch.Tensor:
     """Σ_k |w_k|·(each component's group-rule bound), the sum's K roundings, and under ``standardize`` the
     standardization's: the sum's error over its std, plus ``C·u·√N·|value|``."""
     n, k = comps.shape
@@ -267,7 +269,7 @@ def _gdpo_bound(comps: torch.Tensor, groups: torch.Tensor, rule: GroupRule, w: O
         for j in range(k):
             wj = 1.0 if w is None else float(w[j])
             total = total + wj * post_process(comps[:, j], groups, rule, dtype=torch.float64)
-        std = float(batch_std(total, unbiased=True))
+        std = float(batch_std(total, unbiased=True)) + (standardize_eps or 0.0)
         worst = float(bound.max())
         spread = C_REWARD * U32 * math.sqrt(n) * float(total.abs().max())
         if std > 0:

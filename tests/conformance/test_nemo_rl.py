@@ -435,9 +435,6 @@ REFUSED = [
      "calculate_kl(prev_logprobs, reference) at each token of the broadcast advantage, without a discounted sum, "
      "before whitening (advantage_estimator.py:248-265); not recomputed: a bundle would need a per-token in-reward "
      "KL mode (no returns), or the KL-shaped advantages recorded with reference_policy_kl_penalty 0"),
-    ({"loss_fn": {"sequence_level_importance_ratios": True}},
-     "nemo-rl config: loss_fn.sequence_level_importance_ratios=True: NeMo-RL itself rejects sequence-level ratios "
-     "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)"),
     ({"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
                   "truncated_importance_sampling_ratio": 2.0}},
      "nemo-rl config: loss_fn.truncated_importance_sampling_type='seq-mask-tis': NeMo-RL keeps each token's own "
@@ -460,3 +457,17 @@ def test_refused_configs_name_what_a_bundle_would_need(cfg, message):
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_nemo_rl(cfg)
     assert str(err.value) == message
+
+
+def test_sequence_ratios_with_the_token_level_loss_are_an_invalid_config():
+    """NeMo-RL asserts the two are exclusive (ClippedPGLossFn.__init__, loss/loss_functions.py:265-268): a config it
+    rejects is invalid input (exit 3), not a refusal."""
+    from replay_lib.errors import FrameworkConfigError
+
+    with pytest.raises(FrameworkConfigError) as err:
+        from_nemo_rl({"loss_fn": {"sequence_level_importance_ratios": True}})
+    assert str(err.value) == (
+        "nemo-rl config: loss_fn.sequence_level_importance_ratios=True: expected token_level_loss false with it "
+        "(NeMo-RL asserts sequence-level ratios are exclusive with the token-level loss, "
+        "loss/loss_functions.py:265-268)")
+    assert err.value.exit_code == 3

@@ -168,7 +168,6 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 @pytest.mark.parametrize("key, value, message", [
     ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
-    ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
     ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
     ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5: the off-policy sequence mask (a completion kept "
                                        "when its advantage is ≥ 0"),
