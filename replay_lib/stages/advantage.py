@@ -47,7 +47,7 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             if kl_zeroed(cfg):
                 kl, bound = _masked(ctx, kl), _masked(ctx, bound)
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
-                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
+                "each kl admits their rounding, 2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋): the producer's r may be that far "
                 "from the recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
@@ -442,7 +442,7 @@ class _TokenEstimate:
                 self.returns_bound = bound
                 u_v = storage_unit(ctx.precision.compute, values)
                 if u_v:  # and the stored V's own rounding, which the sum carries as it is
-                    self.returns_bound = bound + (C_STORE * u_v) * values.to(torch.float64).abs()
+                    self.returns_bound = bound + C_STORE * storage_error(u_v, values)
         recorded = cfg.advantage_whiten_stats
         self.whiten_stats = None if recorded is None else (float(recorded.mean), float(recorded.std))
 

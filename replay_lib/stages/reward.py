@@ -415,12 +415,12 @@ def _reward_kl(ctx: StageContext, span: slice = slice(None)) -> RewardKL:
         u = storage_unit(compute, old, ref)
         error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref), exp_neg) if u else None
         return RewardKL(kl, error, {"old_log_probs": old, "ref_log_probs": ref},
-                        "2·|dKL/dr|·u·(|old| + |ref|) (the KL recomputed from them, --chain)")
+                        "2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋) (the KL recomputed from them, --chain)")
     if not ctx.has("kl"):
         raise StageInputError("payload 'kl' is required when kl_in_reward is set and kl_coef != 0", field="kl")
     kl = ctx.payload("kl")[span]
     u = storage_unit(compute, kl)
-    return RewardKL(kl, (C_STORE * u) * kl.to(torch.float64).abs() if u else None, {"kl": kl}, "2·u·|kl|")
+    return RewardKL(kl, C_STORE * storage_error(u, kl) if u else None, {"kl": kl}, "2·u·2^⌊log2|kl|⌋")
 
 
 def kl_reach(ctx: StageContext, total: torch.Tensor, allowed: torch.Tensor) -> str:
