@@ -236,8 +236,9 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     est = fields["advantage_estimator"]
     if est == "gdpo":  # GDPO reads the components, not token_level_rewards (core_algos.py:408-430): no KL
         return
-    # ReMax takes the reverse cumulative sum of the per-token rewards (core_algos.py:764): the KL per token
-    form = "token_returns" if est == "remax" else "sequence"
+    # ReMax and REINFORCE++ take the reverse (discounted) sums of the per-token rewards (core_algos.py:715-727,
+    # 764): the KL per token, not summed into the score
+    form = "token_returns" if est in ("remax", "reinforce_plus_plus") else "sequence"
     fields.update(kl_in_reward=form, kl_coef=coef, kl_penalty_type=kl_type)
 
 

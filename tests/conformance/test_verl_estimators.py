@@ -40,6 +40,11 @@ CONFIGS = {
     "remax": {"adv_estimator": "remax"},
     "gdpo": {"adv_estimator": "gdpo", "gdpo_reward_keys": KEYS},
     "gdpo-weighted": {"adv_estimator": "gdpo", "gdpo_reward_keys": KEYS, "gdpo_reward_weights": [1.0, 0.5]},
+    # the KL in the reward (apply_kl_penalty: token_level_rewards = scores − β·kld·mask, ray_trainer.py:78-112)
+    "remax-kl-in-reward": {"adv_estimator": "remax", "use_kl_in_reward": True, "kl_penalty": "kl",
+                           "kl_ctrl": {"kl_coef": 0.05}},
+    "reinforce_plus_plus-kl-in-reward": {"adv_estimator": "reinforce_plus_plus", "use_kl_in_reward": True,
+                                         "kl_penalty": "kl", "kl_ctrl": {"kl_coef": 0.05}},
 }
 
 
@@ -68,18 +73,21 @@ def _step(seed: int):
     scores[:N] = torch.tensor([2.0, 0.0, 1.0, 1.0])  # a unique best
     scores[N:2 * N] = torch.tensor([2.0, 0.0, 2.0, 1.0])  # a tie at the top: pass@k gives 0 to all
     baselines = torch.randint(0, 3, (B,), generator=g).float() * 0.5
+    kld = (torch.randn(B, WIDTH, generator=g) * 0.3).abs() * valid  # a k1 estimate per token
     comps = torch.stack([torch.randint(0, 3, (B,), generator=g).float(),
                          torch.randint(0, 2, (B,), generator=g).float() * 0.25], dim=1)
-    return lengths, valid, mask.float(), scores, baselines, comps
+    return lengths, valid, mask.float(), scores, baselines, comps, kld
 
 
-def _call(algo: dict, lengths, scores, baselines, comps, mask):
+def _call(algo: dict, lengths, scores, baselines, comps, mask, kld=None):
     token_scores = torch.zeros(B, WIDTH)
     token_scores[torch.arange(B), lengths - 1] = scores  # the score on the last response token
+    if algo.get("use_kl_in_reward"):  # apply_kl_penalty: scores − β·(kld · response_mask)
+        token_scores = token_scores - algo["kl_ctrl"]["kl_coef"] * (kld * mask)
     index = [f"uid-{i // N}" for i in range(B)]
     est = algo["adv_estimator"]
     fn = core_algos.get_adv_estimator_fn(est)
-    config = _Algo(algo)
+    config = _Algo(algo, gamma=1.0)
     kwargs = dict(token_level_rewards=token_scores, response_mask=mask, index=index, config=config)
     if est == "remax":
         kwargs["reward_baselines"] = baselines
@@ -95,6 +103,8 @@ def _call(algo: dict, lengths, scores, baselines, comps, mask):
 def _normalized(algo: dict, lengths, scores, baselines, comps, mask, adv) -> list[float]:
     """Each sample's value before the broadcast, read off verl's output (module doc)."""
     est = algo["adv_estimator"]
+    if algo.get("use_kl_in_reward"):  # the KL stays per token: what post_process passes on is the score (− b)
+        return [float(scores[i]) - (float(baselines[i]) if est == "remax" else 0.0) for i in range(B)]
     if est == "gdpo":  # the weighted sum of the per-component GRPO values, before masked_whiten
         seen = {}
         whiten = core_algos.verl_F.masked_whiten
@@ -117,8 +127,8 @@ def _normalized(algo: dict, lengths, scores, baselines, comps, mask, adv) -> lis
 
 def write_bundle(path, name: str, seed: int, dtype: torch.dtype = torch.float32, bug: str = "") -> str:
     algo = CONFIGS[name]
-    lengths, valid, mask, scores, baselines, comps = _step(seed)
-    adv = _call(algo, lengths, scores, baselines, comps, mask)
+    lengths, valid, mask, scores, baselines, comps, kld = _step(seed)
+    adv = _call(algo, lengths, scores, baselines, comps, mask, kld)
     normalized = _normalized(algo, lengths, scores, baselines, comps, mask, adv)
     if bug == "advantage-shift":  # the advantages one token late
         adv = torch.roll(adv, 1, dims=1)
@@ -144,6 +154,8 @@ def write_bundle(path, name: str, seed: int, dtype: torch.dtype = torch.float32,
     expected = {"reward.post_process": {"rewards": normalized}}
     writer = BundleWriter(path, manifest, index, expected)
     writer.write_payload("advantages", adv[valid].to(dtype) if dtype != torch.float32 else adv[valid])
+    if algo.get("use_kl_in_reward"):  # the in-reward KL as verl stores it: kld · response_mask
+        writer.write_payload("kl", (kld * mask)[valid])
     return writer.finalize(ranks=[0])
 
 
