@@ -177,3 +177,17 @@ def test_length_shaping_needs_each_samples_truncated_flag(tmp_path, cli):
     code, out, err = cli("validate", bundle)
     assert code == 3 and ("$.config.overlong_buffer_len=8.0: expected a finite number > 0 with overlong_max_tokens an "
                           "integer >= it (got 4)") in out + err, (out, err)
+
+
+def test_the_why_line_of_an_own_rule_reward_names_its_rule(tmp_path):
+    """The inputs of a normalized reward (the TUI's why strip) under remax: its own rule and the stage's value, not
+    "the score passes through unchanged" beside the raw reward."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.stages import REGISTRY, StageContext
+
+    bundle = _bundle(tmp_path / "b", REMAX, _remax_samples([0.5, 1.5]), [1.5, -0.5], [1.5, 2.0, 1.5] + [-0.5] * 3)
+    reader = open_bundle(bundle).shards[0]
+    ctx = StageContext(reader=reader, indices=[0, 1], partial=False)
+    REGISTRY[StageId.REWARD_POST_PROCESS].run(ctx)
+    assert element_inputs(ctx, "reward", 1).formula == "remax: r − the recorded greedy reward_baseline = -0.5"

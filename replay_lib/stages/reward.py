@@ -144,7 +144,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
                       pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared{_rule_text(cfg, rule)}")
 
 
-def _own_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
+def own_rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     """The own rule of an estimator of :data:`OWN_RULE_ESTIMATORS`, in a few words."""
     est = cfg.advantage_estimator
     if est == "opo":
@@ -295,7 +295,7 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     if cfg.kl_in_reward == "sequence" and cfg.kl_coef != 0:
         parts.append(f"score − {cfg.kl_coef:g}·Σkl")
     if cfg.advantage_estimator in OWN_RULE_ESTIMATORS:
-        parts.append(_own_text(cfg, group_rule(msgspec.structs.replace(cfg, advantage_estimator="grpo"))))
+        parts.append(own_rule_text(cfg, group_rule(msgspec.structs.replace(cfg, advantage_estimator="grpo"))))
     elif rule.center:
         parts.append(f"{rule.baseline} baseline")
         if rule.std:
