@@ -575,3 +575,17 @@ def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
     assert err.splitlines()[1] == (f"none of the keys the verl mapping reads is in {empty}: every knob above is "
                                    f"verl's default (check the file's nesting, e.g. algorithm.adv_estimator)")
     assert "default  algorithm.adv_estimator" in err and "= 'gae'" in err
+
+
+def test_config_command_says_an_adaptive_coefficient_must_be_the_steps(tmp_path, capsys):
+    """An adaptive KL controller maps, the file's coefficient read as the step's: the config command says the
+    bundle must hold the step's value (the file's is the controller's start)."""
+    path = tmp_path / "verl.json"
+    path.write_text(json.dumps({"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True,
+                                              "kl_ctrl": {"type": "adaptive", "kl_coef": 0.002}}}))
+    assert main(["config", "verl", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["kl_coef"] == 0.002
+    assert err.splitlines()[-1] == (
+        "algorithm.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's value, "
+        "logged as actor/reward_kl_penalty_coeff); 0.002 from the file is its start, right at the first step only")

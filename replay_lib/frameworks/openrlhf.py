@@ -164,6 +164,9 @@ def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
     r.flag("algo.kl.unbiased_gradient", False)
     if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:138-139); the KL loss term is 0 (actor.py:328-330)
         return
+    if target is not None:
+        r.note(f"algo.kl.target={target!r} (adaptive): a bundle's kl_coef must be its step's coefficient; "
+               f"algo.kl.init_coef={coef!r} from the file is its start, right at the first step only")
     # target set: the adaptive controller (ppo_utils/kl_controller.py AdaptiveKLController) moves the coefficient
     # between steps; the step applies its value, which the bundle records as algo.kl.init_coef (the capture writes
     # it there) and the replay applies as a fixed coefficient

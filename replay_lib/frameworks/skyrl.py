@@ -130,6 +130,9 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         ctrl = r.text(f"{p}kl_ctrl.type", "fixed")  # config.py:693, ppo_utils.py:68-80
         if ctrl not in ("fixed", "adaptive"):
             r.refuse(f"{p}kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+        if ctrl == "adaptive":
+            r.note(f"{p}kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient "
+                   "(reward_kl_controller.value); kl_loss_coef from the file is its start, right at the first step only")
         # adaptive: the step applies reward_kl_controller.value (trainer.py:1430-1434), updated after it
         # (:1443-1444); the config holds only its start: the bundle records the step's value as kl_loss_coef (the
         # capture writes it there), which the replay applies as a fixed coefficient

@@ -287,7 +287,9 @@ def _refuse_rest(cfg: ConfigReader) -> None:
     # use_adaptive_entropy: the step applies entropy_coef, or 0 where the previous window's entropy is above
     # entropy_target (apply_coef, grpo_trainer.py:3206-3209), and moves it after the step (:3216-3240); the bundle
     # records the coefficient its step applied as entropy_coef (the capture writes it there), mapped as above
-    cfg.flag("use_adaptive_entropy", False)
+    if cfg.flag("use_adaptive_entropy", False):
+        cfg.note("use_adaptive_entropy=True: a bundle's entropy_coef must be the coefficient its step applied (0 while "
+                 "the previous window's entropy is above entropy_target); the file's entropy_coef is the start")
     aux = cfg.number("router_aux_loss_coef", None)
     if aux:
         cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

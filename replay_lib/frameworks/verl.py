@@ -228,6 +228,10 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
         return
     if ctrl not in ("fixed", "adaptive"):  # get_kl_controller raises NotImplementedError (core_algos.py:193-212)
         r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+    if ctrl == "adaptive":
+        r.note(f"{ALGO}.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's "
+               f"value, logged as actor/reward_kl_penalty_coeff); {coef!r} from the file is its start, right at the "
+               "first step only")
     # adaptive (core_algos.py:153-174 AdaptiveKLController): the coefficient a step applies is the controller's
     # value at that step (apply_kl_penalty's beta, ray_trainer.py:78-112, logged as actor/reward_kl_penalty_coeff),
     # updated after it; the config holds only its start. The bundle records the step's value at
