@@ -145,6 +145,15 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     sample_id: SampleId
     tool_output: Optional[str] = None
     total_length: Int
+    # SPEC §4.2, estimators with per-sample inputs beyond the score (optional, a minor addition: unset, they are not
+    # written, so a bundle without them is byte-identical to one written before them). reward_baseline: the
+    # reward of the prompt's greedy rollout that ReMax subtracts (verl ``reward_baselines``); reward_components:
+    # the sample's reward components in one order for every sample (GDPO normalizes each apart).
+    reward_baseline: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    reward_components: Union[list[float], msgspec.UnsetType] = msgspec.UNSET
+    # Whether the generation stopped at the token limit (finish_reason "length"), for the stop-properly penalty
+    # (RecomputeConfig.truncated_reward_coef). Unset: not written.
+    truncated: Union[bool, msgspec.UnsetType] = msgspec.UNSET
 
 
 class AdvantageWhitenStats(_Struct, kw_only=True, forbid_unknown_fields=True):
@@ -248,6 +257,22 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Optional[Int] = None
     num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
+    # GDPO (advantage_estimator="gdpo"): the weight of each reward component in the sum of their normalized
+    # values (unset: 1 each), and whether that sum is then standardized over the step's samples (NeMo-RL:
+    # (A − mean)/std, the unbiased std, centred only where it is 0) before advantage.estimate. Unset: not written.
+    reward_component_weights: Union[list[float], msgspec.UnsetType] = msgspec.UNSET
+    reward_components_standardize: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # That standardization's divisor: unset, the std (the centred sum where it is 0: NeMo-RL); a number, std + it
+    # (TRL's normalize_then_sum, 1e-4).
+    reward_components_standardize_eps: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # Length shaping of the raw reward before reward.post_process normalizes it (OpenRLHF
+    # trainer/ppo_utils/length_penalty.py): the overlong penalty r − min(L − (max_tokens − buffer), buffer)/buffer ·
+    # factor where positive, L the span from the sample's first to its last loss token; then, for a sample recorded
+    # truncated, r · coef (coef in [0, 1]) or r := coef (coef < 0). Unset: no shaping, not written.
+    overlong_buffer_len: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    overlong_penalty_factor: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    overlong_max_tokens: Union[Int, msgspec.UnsetType] = msgspec.UNSET
+    truncated_reward_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema

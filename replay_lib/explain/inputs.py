@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Optional
 
+import msgspec
 import torch
 
 from ..kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
 from ..kernels.loss import sample_term
-from ..kernels.reward import batch_std, group_moments, group_rule, post_process
+from ..kernels.reward import OWN_RULE_ESTIMATORS, batch_std, group_moments, group_rule, post_process
 from ..bundle.loss_knobs import LossKnobs
 from ..judge.report import fmt_value
 from ..bundle.selection import group_label
@@ -187,7 +188,15 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     std = float(stds[me]) if r.numel() > 1 else float("nan")
     mine = float(record.raw_reward)
     std_on = rule.std
-    if not rule.center:
+    if ctx.config.advantage_estimator in OWN_RULE_ESTIMATORS:  # the estimator's own rule (stages.reward)
+        from ..stages.reward import own_rule_text
+
+        own = ctx.outputs.get("rewards")
+        shown = fmt(float(own[index])) if own is not None and index < own.numel() else "(not recomputed)"
+        formula = (f"{ctx.config.advantage_estimator}: "
+                   f"{own_rule_text(ctx.config, group_rule(msgspec.structs.replace(ctx.config, advantage_estimator='grpo')))}"
+                   f" = {shown}")
+    elif not rule.center:
         formula = f"{ctx.config.advantage_estimator}: the score passes through unchanged = {fmt(value)}"
     else:
         loo = rule.baseline == "leave_one_out"

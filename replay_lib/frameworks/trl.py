@@ -47,7 +47,7 @@ refused by name).
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
 another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` over several processes
 or generation batches that span several steps (the batch std),
-``multi_objective_aggregation="normalize_then_sum"``, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
+``multi_objective_aggregation="normalize_then_sum"`` over several processes, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
 (the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
 step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
 other key whose name looks like a knob of the math and whose value is on refuses too
@@ -163,10 +163,28 @@ def _rewards(cfg: ConfigReader, *, whole_batch: bool, num_processes: int, spg: i
     if scale not in ("group", "none", "batch"):
         cfg.refuse("scale_rewards", scale, "expected group, batch or none")
     aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
-    if aggregation != "sum_then_normalize":
-        cfg.refuse("multi_objective_aggregation", aggregation,
-                   "each reward function normalized on its own, then whitened over the batch, is not recomputed")
+    if aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        cfg.refuse("multi_objective_aggregation", aggregation, "expected sum_then_normalize or normalize_then_sum")
     out: dict[str, Any] = {"grpo_std_normalization": scale != "none"}
+    if aggregation == "normalize_then_sum":
+        # :2790-2799: each reward function's output (the samples' reward_components, in reward_funcs order)
+        # (r − group mean)/(nanstd + 1e-4) whatever scale_rewards, Σ w·A (reward_weights, all 1 when unset), then
+        # (A − mean)/(nanstd + 1e-4) over the whole generation batch, gathered over every process
+        if not whole_batch:
+            cfg.refuse("multi_objective_aggregation", aggregation,
+                       f"the weighted sum standardized over the whole generation batch, gathered over every process "
+                       f"(:2790-2799), is recomputed only when a step holds that whole batch (one process, "
+                       f"steps_per_generation = gradient_accumulation_steps; here {num_processes} process(es), {spg} "
+                       f"and {gas}); a bundle would need that batch's mean and std recorded")
+        weights = cfg.raw("reward_weights", None)  # grpo_config.py: None = 1 each
+        out.update(advantage_estimator="gdpo", grpo_std_normalization=True, reward_components_standardize=True,
+                   reward_components_standardize_eps=TRL_STD_EPS)
+        if weights is not None:
+            if not isinstance(weights, (list, tuple)) or not all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+                cfg.bad("reward_weights", weights, "a list of numbers, one per reward function")
+            out["reward_component_weights"] = [float(w) for w in weights]
+        return out
     if scale == "batch":  # nanstd(rewards) over the step's (= the generation batch's) samples, Bessel, + 1e-4
         out["grpo_std_scope"] = "batch"
     return out
@@ -266,11 +284,12 @@ def _refuse_rest(cfg: ConfigReader) -> None:
                    "sampling − current log-probs over its tokens is ≤ the threshold, :2945-2967, the loss × the mask "
                    ":3140-3141) reads the current policy and the advantage's sign, which the IS knobs (old/rollout "
                    "weights) do not; a bundle would need each completion's kept flag recorded")
-    adaptive = cfg.flag("use_adaptive_entropy", False)
-    if adaptive:
-        cfg.refuse("use_adaptive_entropy", adaptive, "the coefficient TRL applies changes from step to step with "
-                                                     "the entropy of the previous window; a bundle would need the "
-                                                     "coefficient its step applied")
+    # use_adaptive_entropy: the step applies entropy_coef, or 0 where the previous window's entropy is above
+    # entropy_target (apply_coef, grpo_trainer.py:3206-3209), and moves it after the step (:3216-3240); the bundle
+    # records the coefficient its step applied as entropy_coef (the capture writes it there), mapped as above
+    if cfg.flag("use_adaptive_entropy", False):
+        cfg.note("use_adaptive_entropy=True: a bundle's entropy_coef must be the coefficient its step applied (0 while "
+                 "the previous window's entropy is above entropy_target); the file's entropy_coef is the start")
     aux = cfg.number("router_aux_loss_coef", None)
     if aux:
         cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

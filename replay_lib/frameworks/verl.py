@@ -52,17 +52,15 @@ LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_m
 # verl's estimators → ours (core_algos.py:215-870 in 0.9.1); their GRPO-family outputs are × response_mask.
 ESTIMATORS = {"grpo": "grpo", "grpo_vectorized": "grpo", "gae": "gae", "rloo": "rloo", "rloo_vectorized": "rloo",
               "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline"}
+              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+              # their own reward.post_process rules (SPEC §4.2): OPO's length-weighted baseline
+              # (core_algos.py:640-690), GPG's α·(r − mean) (core_algos.py:771-830), pass@k's best-only gap
+              # (core_algos.py:472-530), ReMax's recorded greedy baseline (core_algos.py:735-768; the samples'
+              # reward_baseline), GDPO's per-component GRPO sum (core_algos.py:362-468; the samples'
+              # reward_components), then masked_whiten (normalize_advantages)
+              "opo": "opo", "gpg": "gpg", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo"}
 # Estimators refused, with what a bundle would need to record for a replay to recompute them.
 REFUSED_ESTIMATORS = {
-    "remax": "ReMax subtracts the greedy rollout's reward (core_algos.py:735-768): a bundle would need each "
-             "sample's reward_baselines",
-    "opo": "OPO's baseline weights each group's rewards by response length (core_algos.py:640-690): not recomputed",
-    "gpg": "GPG rescales by the group's non-zero-reward fraction (core_algos.py:771-830): not recomputed",
-    "grpo_passk": "pass@k GRPO gives the advantage to the group's best sample only (core_algos.py:472-530): not "
-                  "recomputed",
-    "gdpo": "GDPO normalizes each reward component apart (core_algos.py:362-468): a bundle would need the "
-            "per-component rewards",
     "optimal_token_baseline": "the optimal token baseline weights by the policy's sum of squared probabilities "
                               "(core_algos.py:872-988): a bundle would need sum_pi_squared per token",
     "tir_optimal_token_baseline": "the multi-turn optimal token baseline (core_algos.py:991-1122): a bundle would "
@@ -85,8 +83,8 @@ ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "veomni", "torchtitan", "au
 POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                            "dro_beta", "_target_")
 # algorithm.* keys that do not change the recomputed math (dynamic sampling chooses which groups a step
-# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon act only under
-# kl_ctrl.type=adaptive, which refuses).
+# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon only move the
+# coefficient between steps, and the bundle records the step's coefficient as kl_ctrl.kl_coef).
 ALGO_NEUTRAL = ("_target_", "filter_groups", "kl_ctrl._target_", "kl_ctrl.horizon", "kl_ctrl.target_kl")
 
 
@@ -148,8 +146,9 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         # GRPO/RLOO: scores.unsqueeze(-1) * response_mask (core_algos.py:330,636); apply_kl_penalty: kld * mask
         masked_token_value="zero",
         # compute_gae_advantage_return ends in verl_F.masked_whiten (core_algos.py:264)
-        normalize_advantages=estimator == "gae",
+        normalize_advantages=estimator in ("gae", "gdpo"),
     )
+    _estimator_inputs(r, est, fields)
     if mode in ("vanilla", "bypass_mode"):
         # bypass_mode with loss_type=ppo_clip is compute_policy_loss_vanilla on old_log_prob := the rollout
         # log-probs (core_algos.py:2528-2538; ray_trainer.py:1575-1579 overwrites old_log_probs with them, so the
@@ -181,6 +180,34 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
     return r.build(fields)
 
 
+def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None:
+    """The knobs of the estimators with their own reward.post_process rule (SPEC §4.2).
+
+    * ``grpo_passk`` reads ``norm_adv_by_std_in_grpo`` from the config (core_algos.py:497);
+    * ``remax``: ``returns − reward_baselines·mask`` with no discount (core_algos.py:764-766): γ = 1;
+    * ``gdpo``: each ``gdpo_reward_keys`` component normalized by ``compute_grpo_outcome_advantage`` at its
+      default ``norm_adv_by_std_in_grpo=True`` (compute_advantage passes none, ray_trainer.py:250-263), summed with
+      ``gdpo_reward_weights`` (all 1 when unset) and ``masked_whiten``-ed over the response tokens
+      (core_algos.py:447-468); verl asserts the keys are set (core_algos.py:413-417)."""
+    if est == "remax":
+        fields["gamma"] = 1.0
+    if est != "gdpo":  # read only by GDPO
+        r.neutral(f"{ALGO}.gdpo_reward_keys", f"{ALGO}.gdpo_reward_weights")
+        return
+    keys = r.raw(f"{ALGO}.gdpo_reward_keys", None)  # algorithm.py:672
+    weights = r.raw(f"{ALGO}.gdpo_reward_weights", None)  # algorithm.py:673
+    if not isinstance(keys, (list, tuple)) or not keys or not all(isinstance(k, str) for k in keys):
+        r.bad(f"{ALGO}.gdpo_reward_keys", keys, "a non-empty list of reward component names (verl asserts it)")
+    fields["grpo_std_normalization"] = True
+    if weights is not None:
+        if not isinstance(weights, (list, tuple)) or len(weights) != len(keys):
+            r.bad(f"{ALGO}.gdpo_reward_weights", weights, f"{len(keys)} numbers, one per gdpo_reward_keys entry")
+        try:
+            fields["reward_component_weights"] = [float(w) for w in weights]
+        except (TypeError, ValueError):
+            r.bad(f"{ALGO}.gdpo_reward_weights", weights, "numbers")
+
+
 def _kl_type(r: ConfigReader, path: str, name: str, active: bool) -> str:
     base = name[:-1] if name.endswith("+") else name
     if base in KL_TYPES:
@@ -199,12 +226,24 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     coef = r.number(f"{ALGO}.kl_ctrl.kl_coef", 0.001)  # yaml:877
     if not on:
         return
-    if ctrl != "fixed":
-        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step (core_algos.py:153 "
-                 "AdaptiveKLController); record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with "
-                 "kl_ctrl.type=fixed")
+    if ctrl not in ("fixed", "adaptive"):  # get_kl_controller raises NotImplementedError (core_algos.py:193-212)
+        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+    if ctrl == "adaptive":
+        r.note(f"{ALGO}.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's "
+               f"value, logged as actor/reward_kl_penalty_coeff); {coef!r} from the file is its start, right at the "
+               "first step only")
+    # adaptive (core_algos.py:153-174 AdaptiveKLController): the coefficient a step applies is the controller's
+    # value at that step (apply_kl_penalty's beta, ray_trainer.py:78-112, logged as actor/reward_kl_penalty_coeff),
+    # updated after it; the config holds only its start. The bundle records the step's value at
+    # algorithm.kl_ctrl.kl_coef (the capture writes it there), which the replay applies as a fixed coefficient.
     kl_type = _kl_type(r, f"{ALGO}.kl_penalty", name, coef != 0)
-    fields.update(kl_in_reward="sequence", kl_coef=coef, kl_penalty_type=kl_type)
+    est = fields["advantage_estimator"]
+    if est == "gdpo":  # GDPO reads the components, not token_level_rewards (core_algos.py:408-430): no KL
+        return
+    # ReMax and REINFORCE++ take the reverse (discounted) sums of the per-token rewards (core_algos.py:715-727,
+    # 764): the KL per token, not summed into the score
+    form = "token_returns" if est in ("remax", "reinforce_plus_plus") else "sequence"
+    fields.update(kl_in_reward=form, kl_coef=coef, kl_penalty_type=kl_type)
 
 
 def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool = False) -> None:

@@ -47,7 +47,7 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             if kl_zeroed(cfg):
                 kl, bound = _masked(ctx, kl), _masked(ctx, bound)
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
-                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
+                "each kl admits their rounding, 2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋): the producer's r may be that far "
                 "from the recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
@@ -307,7 +307,7 @@ def estimate_kind(cfg: RecomputeConfig) -> str:
     sums: REINFORCE++, or any estimator with ``kl_in_reward="token_returns"``) or ``gae``."""
     if cfg.advantage_estimator == "gae":
         return "gae"
-    if cfg.advantage_estimator == "reinforce_plus_plus" or cfg.kl_in_reward == "token_returns":
+    if cfg.advantage_estimator in ("reinforce_plus_plus", "remax") or cfg.kl_in_reward == "token_returns":
         return "returns"
     return "broadcast"
 
@@ -442,7 +442,7 @@ class _TokenEstimate:
                 self.returns_bound = bound
                 u_v = storage_unit(ctx.precision.compute, values)
                 if u_v:  # and the stored V's own rounding, which the sum carries as it is
-                    self.returns_bound = bound + (C_STORE * u_v) * values.to(torch.float64).abs()
+                    self.returns_bound = bound + C_STORE * storage_error(u_v, values)
         recorded = cfg.advantage_whiten_stats
         self.whiten_stats = None if recorded is None else (float(recorded.mean), float(recorded.std))
 
@@ -494,11 +494,8 @@ UNSUPPORTED_ESTIMATORS = {
     "ppo": "slime's name for GAE: write advantage_estimator='gae' (with the values payload) to recompute it",
     "dppo": "prime-rl's DPPO is a loss family outside the clipped surrogate",
     "decoupled_ppo": "AReaL's decoupled loss (a proximal policy between behaviour and current) is not recomputed",
-    "grpo_passk": "verl's pass@k GRPO is not recomputed",
-    "opo": "verl's OPO (length-weighted baseline) is not recomputed",
-    "remax": "verl's ReMax (greedy baseline) is not recomputed",
-    "gpg": "verl's GPG is not recomputed",
-    "optimal_token_baseline": "verl's optimal token baseline is not recomputed",
+    "optimal_token_baseline": "verl's optimal token baseline is not recomputed: it weights each token by "
+                              "1 − 2·π(token) + Σ π² over the vocabulary, which a bundle does not record",
 }
 KL_IN_REWARD_FORMS = ("sequence", "token_returns")
 
@@ -537,9 +534,61 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
     if stats is not None and not (math.isfinite(stats.mean) and math.isfinite(stats.std) and stats.std > 0):
         return (f"$.config.advantage_whiten_stats={{mean: {stats.mean!r}, std: {stats.std!r}}}: expected a finite "
                 "mean and a finite std > 0 (the divisor the producer whitened by)")
+    est_inputs = estimator_input_error(reader)
+    if est_inputs is not None:
+        return est_inputs
     if cfg.advantage_estimator == "gae" and StageId.ADVANTAGE_ESTIMATE in stages and not reader.has_payload("values"):
         return ("$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is "
                 "missing")
+    return None
+
+
+def estimator_input_error(reader: BundleReader) -> Optional[str]:
+    """The per-sample inputs an estimator or the length shaping needs beyond the score (SPEC §4.2), checked before
+    any stage runs: the shaping's knobs and each sample's ``truncated`` flag; remax each sample's finite ``reward_baseline``; gdpo each sample's ``reward_components``, one count K ≥ 1 for
+    every sample, finite, and ``reward_component_weights`` (when set) K finite numbers."""
+    cfg = reader.index.config
+    samples = reader.index.samples
+    buffer, coef = cfg.overlong_buffer_len, cfg.truncated_reward_coef
+    if isinstance(buffer, float):
+        top = cfg.overlong_max_tokens
+        if not (math.isfinite(buffer) and buffer > 0) or not isinstance(top, int) or top < buffer:
+            return (f"$.config.overlong_buffer_len={buffer!r}: expected a finite number > 0 with overlong_max_tokens an "
+                    f"integer >= it (got {top!r})")
+        factor = cfg.overlong_penalty_factor
+        if isinstance(factor, float) and not math.isfinite(factor):
+            return f"$.config.overlong_penalty_factor={factor!r}: expected a finite number"
+    if isinstance(coef, float):
+        if not math.isfinite(coef) or coef > 1:
+            return f"$.config.truncated_reward_coef={coef!r}: expected a number <= 1 (in [0, 1] a factor, < 0 a value)"
+        for i, s in enumerate(samples):
+            if not isinstance(s.truncated, bool):
+                return (f"$.samples[{i}].truncated: expected true or false (whether the generation stopped at the "
+                        "token limit; truncated_reward_coef is set)")
+    if cfg.advantage_estimator == "remax":
+        for i, s in enumerate(samples):
+            b = s.reward_baseline
+            if not isinstance(b, (int, float)) or not math.isfinite(b):
+                shown = "missing" if not isinstance(b, (int, float)) else repr(float(b))
+                return (f"$.samples[{i}].reward_baseline ({shown}): expected a finite number (the greedy "
+                        "rollout's reward that advantage_estimator='remax' subtracts)")
+    if cfg.advantage_estimator == "gdpo":
+        k = None
+        for i, s in enumerate(samples):
+            c = s.reward_components
+            if not isinstance(c, list) or not c:
+                return (f"$.samples[{i}].reward_components: expected a non-empty list of numbers (each reward "
+                        "component advantage_estimator='gdpo' normalizes apart)")
+            if k is None:
+                k = len(c)
+            if len(c) != k:
+                return f"$.samples[{i}].reward_components: expected {k} components (as samples[0]), got {len(c)}"
+            if not all(math.isfinite(v) for v in c):
+                return f"$.samples[{i}].reward_components: expected finite numbers"
+        w = cfg.reward_component_weights
+        if isinstance(w, list) and k is not None and (len(w) != k or not all(math.isfinite(v) for v in w)):
+            return (f"$.config.reward_component_weights: expected {k} finite numbers (one per reward component), "
+                    f"got {len(w)}")
     return None
 
 
