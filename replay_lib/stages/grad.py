@@ -40,6 +40,7 @@ GRAD_PAYLOAD = "grad_log_probs"
 GRAD_VALUES_PAYLOAD = "grad_values"
 # ctx.outputs / ctx.records keys: the recompute (kernels.grad.Gradient) the explanations and the why strip read
 GRADIENT_RECORD = "loss_grad"
+BOUND_RECORD = "loss_grad_bound"
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
@@ -212,6 +213,7 @@ def run_loss_grad(ctx: StageContext) -> StageReport:
     fields = []
     # judged with its rounding bound under --exact too: no float32 kernel reproduces a backward pass bit for bit
     bound, hits = gradient_bound(ctx, gi, knobs, g)
+    ctx.records[BOUND_RECORD] = bound
     _edge_hazards(ctx, gi, hits)
     fields.append(ctx.field(STAGE, GRAD_PAYLOAD, PER_TOKEN, recorded, g.grad, bound=bound, exact=False,
                             note=f"∂L/∂log_probs of the {grad_family(knobs)} loss (policy term {knobs.loss_agg_mode}"
