@@ -254,6 +254,9 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # accumulated micro-batches divides its loss by k before backward while the step reports their sum, the
     # unscaled value of a mixed-precision loss scaler. Unset (1.0) is not written.
     grad_scale: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # The value loss's weight in the loss backpropagated (loss + vf_coef·vf_loss, PPO): grad_values is
+    # grad_scale·vf_coef·∂vf_loss/∂values. Unset (1.0) is not written.
+    vf_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
@@ -265,6 +268,8 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(errors[0])
         if self.grad_scale is not msgspec.UNSET and not (math.isfinite(self.grad_scale) and self.grad_scale != 0):
             raise ValueError(f"grad_scale: expected a finite, non-zero multiplier, got {self.grad_scale!r}")
+        if self.vf_coef is not msgspec.UNSET and not math.isfinite(self.vf_coef):
+            raise ValueError(f"vf_coef: expected a finite weight, got {self.vf_coef!r}")
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

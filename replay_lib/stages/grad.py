@@ -181,7 +181,7 @@ def _edge_hazards(ctx: StageContext, gi: GradInputs, hits: dict[str, torch.Tenso
 
 
 def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·loss_scale·W_i·m·∂vf/∂v`` with ``vf = ½·max(d1², d2²)``
+    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·vf_coef·loss_scale·W_i·m·∂vf/∂v`` with ``vf = ½·max(d1², d2²)``
     (``∂vf/∂v = d1`` unclipped, ``d2·[v inside the clip range]`` clipped)."""
     v, old, r = (_f64(ctx.payload(p)) for p in ("values", "old_values", "returns"))
     m = ctx.loss_mask.to(torch.float64)
@@ -199,7 +199,10 @@ def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, 
         slope = torch.where(clip, d2 * inside, d1)
         near = ((d1 * d1 - d2 * d2).abs() <= C_NEAR_CLIP * ctx.precision.token * (d1 * d1 + d2 * d2)) & (d1 != d2)
     counts = segment_sum(m, seg, ctx.n)
-    weight = (agg_weights(knobs.loss_agg_mode, counts, knobs) * (knobs.loss_scale * grad_scale_of(ctx.config)))[seg]
+    vf_coef = getattr(ctx.config, "vf_coef", 1.0)
+    vf_coef = float(vf_coef) if isinstance(vf_coef, (int, float)) and not isinstance(vf_coef, bool) else 1.0
+    weight = (agg_weights(knobs.loss_agg_mode, counts, knobs)
+              * (knobs.loss_scale * grad_scale_of(ctx.config) * vf_coef))[seg]
     grad = slope * m * weight
     cond = C_TOKEN * (v.abs() + r.abs() + old.abs()) / torch.clamp_min(slope.abs(), 1e-300) + C_TOKEN
     bound = ctx.precision.token * grad.abs() * cond.clamp(max=1e6) + \
