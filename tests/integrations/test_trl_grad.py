@@ -21,6 +21,7 @@ STEPS = ("step-0-0", "step-0-1", "step-1-0")
 
 def run(tmp_path: Path, *flags: str) -> Path:
     directory = tmp_path / "bundles"
+    tmp_path.mkdir(parents=True)
     env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(directory),
            "RELAX_REPLAY_CAPTURE_GRAD": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
