@@ -390,10 +390,12 @@ class StepCapture:
             self._terms_layout = layout
             return
         if layout != self._terms_layout:
+            any_grads = bool(layout[3] or self._terms_layout[3])
+
             def show(lay):
                 terms, token, fields, grads = lay
                 return (f"loss terms {sorted(terms)}, pg_losses {'given' if token else 'not given'}, "
-                        f"loss fields {sorted(fields)}, gradients {sorted(grads)}")
+                        f"loss fields {sorted(fields)}" + (f", gradients {sorted(grads)}" if any_grads else ""))
             raise ValueError(f"{where}: {show(layout)} differ from the step's first micro-batch "
                              f"({show(self._terms_layout)})")
 

@@ -183,3 +183,39 @@ def test_a_bad_grad_scale_is_one_line_exit_3(tmp_path, cli):
     assert code == 3
     assert len(err.strip().splitlines()) == 1 and "grad_scale" in err, err
 
+
+
+def test_why_strip_derives_the_tokens_coefficient(tmp_path):
+    """``explain.inputs`` for a gradient token: its clip branch, ratio, advantage, detached IS weight, W_pg, W_kl
+    and the KL share, the parts adding up to the analytic value; a pg_losses token shows its gradient beside."""
+    from replay_lib.bundle import BundleReader
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.kernels.grad import BRANCHES
+    from replay_lib.stages import StageContext
+    from replay_lib.stages.grad import recompute_gradient
+
+    path = produce_grad_bundle(tmp_path / "b", 0, Size(4, 16, 2), GradConfig())
+    ctx = StageContext(reader=BundleReader(path), indices=list(range(4)), partial=False)
+    _, _, g = recompute_gradient(ctx)
+    t = int(ctx.offsets[1]) + 2
+    inputs = element_inputs(ctx, "grad_log_probs", 1, 2)
+    labels = [k for k, _ in inputs.items]
+    assert labels == ["branch", "ratio r", "A", "mask", "IS weight (detached)", "W_pg", "W_kl", "KL share"]
+    assert dict(inputs.items)["branch"] == BRANCHES[int(g.terms.branch[t])]
+    share = abs(float(g.kl[t])) / (abs(float(g.pg[t])) + abs(float(g.kl[t])))
+    assert dict(inputs.items)["KL share"] == f"{100 * share:.1f}%"
+    assert float(g.pg[t]) + float(g.kl[t]) == pytest.approx(float(g.grad[t]), rel=1e-15)
+    assert "W = loss_scale 2 × grad_scale 1 × the token_mean weight of s-1" == inputs.note
+    beside = dict(element_inputs(ctx, "pg_losses", 1, 2).items)["∂L/∂logp"]
+    assert beside.endswith(" analytic") and " recorded, " in beside
+
+
+def test_the_tui_token_diff_shows_the_gradient_field(tmp_path):
+    from replay_lib.bundle import open_bundle
+    from replay_tui.model.token_diff import token_diff
+
+    path = produce_grad_bundle(tmp_path / "b", 3, Size(4, 16, 2), GradConfig(), bug="kl_no_grad")
+    diff = token_diff(open_bundle(path), "s-0", "grad_log_probs")
+    first = json.loads((path / "index.json").read_text())["samples"][0]
+    assert (diff.stage, len(diff)) == ("loss.grad", first["response_length"])
+    assert diff.mismatches > 0
