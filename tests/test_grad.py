@@ -219,3 +219,20 @@ def test_the_tui_token_diff_shows_the_gradient_field(tmp_path):
     first = json.loads((path / "index.json").read_text())["samples"][0]
     assert (diff.stage, len(diff)) == ("loss.grad", first["response_length"])
     assert diff.mismatches > 0
+
+
+def test_a_grad_payload_of_the_wrong_length_is_named_by_validate_and_replay(tmp_path, cli, monkeypatch):
+    import producers.grad as producer
+
+    real = producer.grad_step
+    monkeypatch.setattr(producer, "grad_step", lambda *a, **k: (lambda f, g: (f, g[:-3]))(*real(*a, **k)))
+    path = producer.produce_grad_bundle(tmp_path / "b", 0, SIZE, GradConfig())
+    code, out, err = cli("validate", path)
+    assert code == 3 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "grad_log_probs" in lines[0] and "has none from its token" in lines[0], err
+    code, out, err = cli("replay", path)  # replay: the stage fails with the fact (as the sample stage reports it)
+    assert (code, err) == (1, "")
+    tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
+    assert f"[   fail] loss.grad — payload 'grad_log_probs' has {tokens - 3} row(s), Σ response_length is {tokens}" \
+        in out, out
