@@ -236,3 +236,24 @@ def test_a_grad_payload_of_the_wrong_length_is_named_by_validate_and_replay(tmp_
     tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
     assert f"[   fail] loss.grad — payload 'grad_log_probs' has {tokens - 3} row(s), Σ response_length is {tokens}" \
         in out, out
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=str)
+def test_runs_of_whole_samples_give_the_one_pass_gradient(tmp_path, monkeypatch, config):
+    """``stages.grad`` computes a run of whole samples at a time (GRAD_CHUNK tokens): with runs of ~40 tokens the
+    gradient and its bound are the one-run values bit for bit (the aggregation weights are the whole step's)."""
+    import replay_lib.stages.grad as stage
+    from replay_lib.bundle import BundleReader
+    from replay_lib.stages import StageContext
+
+    path = produce_grad_bundle(tmp_path / "b", 2, SIZE, config)
+
+    def run():
+        ctx = StageContext(reader=BundleReader(path), indices=list(range(SIZE.samples)), partial=False)
+        _, _, g = stage.recompute_gradient(ctx)
+        return g.grad, ctx.records[stage.BOUND_RECORD]
+
+    whole = run()
+    monkeypatch.setattr(stage, "GRAD_CHUNK", 40)
+    runs = run()
+    assert torch.equal(whole[0], runs[0]) and torch.equal(whole[1], runs[1])

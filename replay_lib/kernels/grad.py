@@ -236,20 +236,51 @@ def grad_scale_of(cfg) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
 
-def grad_log_probs(gi: GradInputs, knobs: LossKnobs, grad_scale: float = 1.0) -> Gradient:
-    """``g_u = ∂L/∂logp_u`` (module doc), in the dtype of ``gi``'s tensors."""
+def sample_weights(mask_counts: torch.Tensor, knobs: LossKnobs, grad_scale: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W^pg, W^kl)`` float64 per sample: ``grad_scale·loss_scale·w_i`` of the policy term's mode and
+    ``× kl_loss_coef`` of the KL term's (``kernels.loss.agg_weights``; ``mask_counts`` every sample's Σ_t mask,
+    the whole step's: micro_batch_token_mean's partition counts a micro-batch's tokens)."""
+    scale = grad_scale * knobs.loss_scale
+    pg = agg_weights(knobs.loss_agg_mode, mask_counts, knobs) * scale
+    kl = agg_weights(knobs.kl_mode, mask_counts, knobs) * (scale * knobs.kl_loss_coef) if knobs.kl_loss \
+        else torch.zeros_like(pg)
+    return pg, kl
+
+
+def sample_chunks(lengths: torch.Tensor, tokens: int) -> list[tuple[int, int, int, int]]:
+    """``[(first sample, end sample, first token, end token)]``: runs of whole samples of about ``tokens`` tokens
+    (a longer sample alone) — the gradient of a sample (GSPO's) needs all of its tokens at once."""
+    out = []
+    ends = torch.cumsum(lengths, 0).tolist()
+    s0 = t0 = 0
+    n = len(ends)
+    while s0 < n:
+        s1 = s0 + 1
+        while s1 < n and ends[s1] - t0 <= tokens:
+            s1 += 1
+        out.append((s0, s1, t0, ends[s1 - 1]))
+        s0, t0 = s1, ends[s1 - 1]
+    return out
+
+
+def grad_log_probs(gi: GradInputs, knobs: LossKnobs, grad_scale: float = 1.0,
+                   weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Gradient:
+    """``g_u = ∂L/∂logp_u`` (module doc), in the dtype of ``gi``'s tensors. ``weights``: :func:`sample_weights` of
+    ``gi``'s samples when ``gi`` is a run of the step's samples (the aggregation weights are the whole step's);
+    else they are taken of ``gi``'s own counts."""
     family = grad_family(knobs)
     fn = GRAD_FAMILIES.get(family)
     if fn is None:
         raise ValueError(f"no analytic gradient is registered for loss family {family!r}")
     terms = fn(gi, knobs)
     seg = gi.seg
-    counts = segment_sum(gi.mask, seg, gi.lengths.numel())
-    scale = grad_scale * knobs.loss_scale
-    pg_weight = (agg_weights(knobs.loss_agg_mode, counts, knobs).to(gi.mask.dtype) * scale)[seg]
+    if weights is None:
+        weights = sample_weights(segment_sum(gi.mask, seg, gi.lengths.numel()), knobs, grad_scale)
+    pg_weight = weights[0].to(gi.mask.dtype)[seg]
     pg = terms.pg * pg_weight
     if knobs.kl_loss:
-        kl_weight = (agg_weights(knobs.kl_mode, counts, knobs).to(gi.mask.dtype) * (scale * knobs.kl_loss_coef))[seg]
+        kl_weight = weights[1].to(gi.mask.dtype)[seg]
         kl = kl_grad(gi, knobs, terms) * kl_weight
     else:
         kl_weight = torch.zeros_like(pg)

@@ -27,8 +27,8 @@ from ..judge.error_model import C_NEAR_CLIP, C_STORE, C_TOKEN, loss_clip_hits, n
 from ..judge.fields import PER_TOKEN
 from ..judge.report import StageReport
 from ..kernels import GrpoReturns
-from ..kernels.grad import (GRAD_FAMILIES, GradInputs, Gradient, grad_family, grad_log_probs, grad_scale_of,
-                            kl_value_and_slope)
+from ..kernels.grad import (GRAD_FAMILIES, GradInputs, Gradient, GradTerms, grad_family, grad_log_probs,
+                            grad_scale_of, kl_value_and_slope, sample_chunks, sample_weights)
 from ..kernels.loss import LossKnobs, agg_weights
 from ..kernels.segments import segment_sum
 from .base import StageContext, StageDef, StageInputError
@@ -41,6 +41,7 @@ GRAD_VALUES_PAYLOAD = "grad_values"
 # ctx.outputs / ctx.records keys: the recompute (kernels.grad.Gradient) the explanations and the why strip read
 GRADIENT_RECORD = "loss_grad"
 BOUND_RECORD = "loss_grad_bound"
+HITS_RECORD = "loss_grad_edges"
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
@@ -58,26 +59,65 @@ def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
     return gi, li.knobs
 
 
+# Whole samples of about this many tokens at a time: a dozen float64 temporaries per token stay small.
+GRAD_CHUNK = 1 << 16
+
+
 def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradient]:
-    """The analytic gradient of this context, computed once (the explanations and the why strip reuse it)."""
+    """The analytic gradient of this context and its rounding bound (``ctx.records[BOUND_RECORD]``, with the edge
+    hits per sample), computed once, a run of whole samples at a time (the explanations and the why strip reuse
+    it)."""
     cached = ctx.records.get(GRADIENT_RECORD)
-    if cached is None:
-        gi, knobs = gradient_inputs(ctx)
-        cached = (gi, knobs, grad_log_probs(gi, knobs, grad_scale_of(ctx.config)))
-        ctx.records[GRADIENT_RECORD] = cached
+    if cached is not None:
+        return cached
+    gi, knobs = gradient_inputs(ctx)
+    scale = grad_scale_of(ctx.config)
+    n = gi.lengths.numel()
+    weights = sample_weights(segment_sum(gi.mask, ctx.seg, n), knobs, scale)
+    total = gi.mask.numel()
+    f64 = dict(dtype=torch.float64)
+    grad, pg, kl, pg_w, kl_w, ratio, bound = (torch.zeros(total, **f64) for _ in range(7))
+    weight = torch.zeros(total, **f64) if knobs.is_level is not None else None
+    seq = torch.zeros(total, **f64) if knobs.sequence_ratio else None
+    branch = torch.zeros(total, dtype=torch.int8)
+    u = ctx.precision.token
+    u_s = storage_unit(ctx.precision.compute, ctx.reader.payload("log_probs"), ctx.reader.payload("old_log_probs"))
+    u_out = storage_unit(ctx.precision.compute, ctx.reader.payload(GRAD_PAYLOAD)) if ctx.has(GRAD_PAYLOAD) else 0.0
+    hits: dict[str, torch.Tensor] = {}
+    for s0, s1, t0, t1 in sample_chunks(gi.lengths, GRAD_CHUNK):
+        part = GradInputs(**{k: (v[t0:t1] if k != "lengths" else v[s0:s1]) if v is not None else None
+                             for k, v in vars(gi).items()})
+        g = grad_log_probs(part, knobs, scale, weights=(weights[0][s0:s1], weights[1][s0:s1]))
+        for out, value in ((grad, g.grad), (pg, g.pg), (kl, g.kl), (pg_w, g.pg_weight), (kl_w, g.kl_weight),
+                           (ratio, g.terms.ratio), (weight, g.terms.weight), (seq, g.terms.seq),
+                           (branch, g.terms.branch)):
+            if out is not None and value is not None:
+                out[t0:t1] = value
+        b, chunk_hits = gradient_bound(u, u_s, u_out, part, knobs, g)
+        bound[t0:t1] = b
+        part_seg = part.seg
+        for kind, hit in chunk_hits.items():
+            hit = hit & (part.mask > 0)
+            if bool(hit.any()):
+                counts = hits.setdefault(kind, torch.zeros(n, **f64))
+                counts[s0:s1] += segment_sum(hit.to(torch.float64), part_seg, s1 - s0)
+    terms = GradTerms(pg=pg / torch.where(pg_w != 0, pg_w, torch.ones_like(pg_w)), branch=branch, ratio=ratio,
+                      seq=seq, weight=weight)
+    cached = (gi, knobs, Gradient(grad=grad, pg=pg, kl=kl, pg_weight=pg_w, kl_weight=kl_w, terms=terms))
+    ctx.records[GRADIENT_RECORD] = cached
+    ctx.records[BOUND_RECORD] = bound
+    ctx.records[HITS_RECORD] = hits
     return cached
 
 
-def gradient_bound(ctx: StageContext, gi: GradInputs, knobs: LossKnobs, g: Gradient
+def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: LossKnobs, g: Gradient
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(bound [tokens], edge hits by kind [tokens] bool)``: the producer's rounding bound per token (module doc)
-    and the tokens at a decision's edge, whose tolerance admits either branch."""
-    u = ctx.precision.token
+    """``(bound [tokens], edge hits by kind [tokens] bool)``: the producer's rounding bound per token (module doc;
+    ``u`` its token unit roundoff, ``u_s`` the log-probs' storage unit when coarser, ``u_out`` the gradient
+    payload's) and the tokens at a decision's edge, whose tolerance admits either branch."""
     m = gi.mask
     t = g.terms
     d = gi.log_probs - gi.old_log_probs
-    u_s = storage_unit(ctx.precision.compute, *(x for x in (ctx.reader.payload("log_probs"),
-                                                            ctx.reader.payload("old_log_probs"))))
     e_store = u_s * (gi.log_probs.abs() + gi.old_log_probs.abs()) if u_s else None
     lr_cond = d.abs()
     log_w = None
@@ -144,7 +184,6 @@ def gradient_bound(ctx: StageContext, gi: GradInputs, knobs: LossKnobs, g: Gradi
             hits["kl_clamp_hit"] = kl_edge
             reach = dk.abs().clamp_min(1.0) * (ratio if knobs.kl_loss_ratio_weighted else 1.0)
             bound = bound + torch.where(kl_edge, reach * g.kl_weight.abs(), torch.zeros_like(bound))
-    u_out = storage_unit(ctx.precision.compute, ctx.reader.payload(GRAD_PAYLOAD))
     if u_out:
         bound = bound + u_out * g.grad.abs()
     return bound, hits
@@ -167,13 +206,9 @@ HAZARD_TEXT = {
 }
 
 
-def _edge_hazards(ctx: StageContext, gi: GradInputs, hits: dict[str, torch.Tensor]) -> None:
-    seg = gi.seg
-    for kind, hit in hits.items():
-        hit = hit & (gi.mask > 0)
-        if not bool(hit.any()):
-            continue
-        counts = segment_sum(hit.to(torch.float64), seg, gi.lengths.numel())
+def _edge_hazards(ctx: StageContext, hits: dict[str, torch.Tensor]) -> None:
+    """One hazard per sample and kind of edge (``hits``: the loss tokens at it, per sample)."""
+    for kind, counts in hits.items():
         for i in torch.nonzero(counts).reshape(-1).tolist():
             ctx.hazard(STAGE, kind, sample=i, message=(
                 f"{ctx.sample_ids[i]}: {int(counts[i])} loss token(s) with {HAZARD_TEXT[kind]}: a legitimate "
@@ -215,9 +250,8 @@ def run_loss_grad(ctx: StageContext) -> StageReport:
     recorded = ctx.payload(GRAD_PAYLOAD)
     fields = []
     # judged with its rounding bound under --exact too: no float32 kernel reproduces a backward pass bit for bit
-    bound, hits = gradient_bound(ctx, gi, knobs, g)
-    ctx.records[BOUND_RECORD] = bound
-    _edge_hazards(ctx, gi, hits)
+    bound = ctx.records[BOUND_RECORD]
+    _edge_hazards(ctx, ctx.records[HITS_RECORD])
     fields.append(ctx.field(STAGE, GRAD_PAYLOAD, PER_TOKEN, recorded, g.grad, bound=bound, exact=False,
                             note=f"∂L/∂log_probs of the {grad_family(knobs)} loss (policy term {knobs.loss_agg_mode}"
                                  + (f", KL term {knobs.kl_mode} × {knobs.kl_loss_coef:g}" if knobs.kl_loss else "")
