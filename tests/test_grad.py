@@ -257,3 +257,34 @@ def test_runs_of_whole_samples_give_the_one_pass_gradient(tmp_path, monkeypatch,
     monkeypatch.setattr(stage, "GRAD_CHUNK", 40)
     runs = run()
     assert torch.equal(whole[0], runs[0]) and torch.equal(whole[1], runs[1])
+
+
+@pytest.mark.parametrize("branch", ["as_produced", "clipped", "unclipped"])
+def test_a_clip_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli, monkeypatch, branch):
+    """The first loss token's ratio is 1 + eps_clip_high to float32 rounding (A > 0, no IS weight, no KL slope):
+    a legitimate producer may clip it (gradient 0) or not (−A·r·loss_scale/T): both pass, and the sample is named
+    in a clip_boundary hazard of loss.grad."""
+    import numpy as np
+
+    import producers.grad as producer
+
+    config = GradConfig(edge=True)
+    logp, old, adv, *_ = producer.grad_inputs(0, SIZE, config)
+    t = int(np.flatnonzero(producer.make_inputs(0, SIZE, "rm").mask)[0])
+    tokens = int(producer.make_inputs(0, SIZE, "rm").mask.sum())
+    unclipped = -float(adv[t]) * math.exp(float(logp[t]) - float(old[t])) * config.dp / tokens
+    real = producer.grad_step
+
+    def step(*a, **k):
+        fields, grad = real(*a, **k)
+        if branch != "as_produced":
+            grad[t] = 0.0 if branch == "clipped" else unclipped
+        return fields, grad
+
+    monkeypatch.setattr(producer, "grad_step", step)
+    path = producer.produce_grad_bundle(tmp_path / "b", 0, SIZE, config)
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    assert code == 0, _stages(report)["loss.grad"]
+    hazards = [h for h in report["hazards"] if h["stage"] == "loss.grad" and h["kind"] == "clip_boundary"]
+    assert [h["sample_id"] for h in hazards][:1] == ["s-0"], report["hazards"]

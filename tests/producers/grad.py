@@ -57,6 +57,7 @@ class GradConfig:
     accumulate: bool = False
     on_policy: bool = False  # old_log_probs == log_probs (a first mini-batch)
     spread: float = 0.25  # the std of logp − old off-policy
+    edge: bool = False  # the first loss token: ratio 1 + eps_clip_high in float32 (a clip decision at its edge)
 
     def __str__(self) -> str:
         return (f"{self.agg}-c{self.eps_clip_c}-kl{self.kl_loss_type}{'w' if self.kl_ratio_weighted else ''}-"
@@ -215,6 +216,11 @@ def grad_inputs(seed: int, size: Size, cfg: GradConfig, bug: Optional[str] = Non
     rollout = (old + rng.normal(0, 0.3, total)).astype(np.float32)
     ref = (logp + rng.normal(0, 0.3, total)).astype(np.float32)
     adv = np.repeat(rng.normal(0, 1, size.samples), inputs.lengths).astype(np.float32)
+    if cfg.edge:  # A > 0, ratio at the upper clip bound; no IS weight (rollout = old), no KL slope (ref = logp)
+        t = int(np.flatnonzero(inputs.mask)[0])
+        old[t] = np.float32(logp[t] - np.float32(np.log1p(np.float32(cfg.eps_clip_high))))
+        rollout[t], ref[t] = old[t], logp[t]
+        adv[:int(inputs.lengths[0])] = abs(adv[0]) + 0.5
     if bug == "zero_coef_nan":  # one loss token whose reference is e^100 times likelier: exp(ref − logp) overflows
         t = int(np.flatnonzero(inputs.mask)[0])
         logp[t] = old[t] = rollout[t] = -110.0
