@@ -23,7 +23,8 @@ import torch
 
 from ..bundle import BundleReader
 from ..bundle.schema import StageId
-from ..judge.error_model import C_NEAR_CLIP, C_STORE, C_TOKEN, loss_clip_hits, near_value, storage_unit
+from ..judge.error_model import (C_NEAR_CLIP, C_STORE, C_TOKEN, loss_clip_hits, near_value,
+                                 sample_exponent_condition, storage_unit)
 from ..judge.fields import PER_TOKEN
 from ..judge.report import StageReport
 from ..kernels import GrpoReturns
@@ -124,6 +125,9 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
     if t.weight is not None:
         log_w = (gi.old_log_probs - gi.rollout_log_probs).abs() if knobs.is_level == "token" else None
     cond = C_TOKEN + lr_cond + (log_w if log_w is not None else 0.0)
+    if knobs.needs_sample_pass:  # GSPO's sample ratio, a sequence or geometric weight: the sample's exponent
+        cond = cond + sample_exponent_condition(gi.log_probs, gi.old_log_probs, gi.rollout_log_probs, gi.mask,
+                                                gi.lengths, knobs)[gi.seg]
     if e_store is not None:
         cond = cond + C_STORE * e_store / u
     bound = u * g.pg.abs() * cond
