@@ -101,6 +101,18 @@ def test_hand_derived_aggregation_weights_and_scales():
     assert g.grad.tolist() == pytest.approx([-1 / 4, -1 / 8, -1 / 8], rel=1e-12)
 
 
+@pytest.mark.parametrize("mode,expected", [
+    ("sum_of_sample_means", [-1, -1 / 2, -1 / 2]), ("seq_mean_token_mean", [-1 / 4, -1 / 8, -1 / 8]),
+    ("token_mean", [-1 / 6] * 3), ("seq_mean_token_sum", [-1 / 4] * 3), ("seq_mean_token_sum_norm", [-1 / 20] * 3),
+    ("token_sum", [-1.0] * 3), ("micro_batch_token_mean", [-1 / 2, -1 / 4, -1 / 4])])
+def test_hand_derived_weight_of_every_aggregation_mode(mode, expected):
+    """r = 1, A = 1 (∂pg/∂logp = −1) on samples of 1 and 2 loss tokens: g = −W_i with the recorded N = 4, T = 6,
+    L = 5 and the partition {s0}, {s1}."""
+    knobs = LossKnobs(loss_agg_mode=mode, loss_seq_count=4, loss_token_count=6, loss_horizon=5, micro_batch=(0, 1))
+    g = grad_log_probs(_inputs([0.0] * 3, [1.0] * 3, lengths=[1, 2]), knobs)
+    assert g.grad.tolist() == pytest.approx(expected, rel=1e-15)
+
+
 def test_a_family_adds_its_gradient_with_one_function():
     """``register_grad``: a family's ∂S^pg/∂logp is one function; the KL term, weights and scales stay shared."""
     @register_grad("test_reinforce")
