@@ -168,6 +168,31 @@ def test_each_gradient_bug_is_named_at_loss_grad_with_the_loss_passing(tmp_path,
     assert hyps == [EXPLAINED[bug]], report["explanations"]
 
 
+# the bugs under the other knobs: GSPO with a sequence weight and a ratio-weighted KL term over micro-batch token
+# means, IcePop with a ratio-weighted k2 over per-sequence means, a k1 term over a token mean (on-policy: the
+# weight's value is right)
+KNOBBED = {"gspo": GradConfig(importance_level="sequence", eps_clip_c=None, is_level="sequence", is_high=4.0,
+                              kl_ratio_weighted=True, agg="micro_batch_token_mean", micro_batches=3),
+           "icepop": GradConfig(is_mode="mask", is_low=0.5, is_high=1.5, kl_loss_type="k2", kl_ratio_weighted=True,
+                                agg="seq_mean_token_mean"),
+           "k1": GradConfig(kl_loss_type="k1")}
+
+
+@pytest.mark.parametrize("bug", [b for b in GRAD_BUGS if b != "zero_coef_nan"])
+@pytest.mark.parametrize("knobs", list(KNOBBED))
+def test_each_gradient_bug_is_explained_under_the_other_knobs(tmp_path, bug, knobs):
+    from dataclasses import replace
+
+    from replay_lib.run.runner import replay
+
+    config = replace(KNOBBED[knobs], on_policy=True, accumulate=bug == "scale_twice")
+    report = replay(produce_grad_bundle(tmp_path / "b", 5, SIZE, config, bug=bug))
+    status = {s.stage: s.status for s in report.stages}
+    assert (status["loss.policy"], status["loss.grad"]) == ("pass", "fail")
+    assert [e.hypothesis for e in report.explanations] == [EXPLAINED[bug]]
+    assert report.explanations[0].matched == report.explanations[0].of
+
+
 def test_a_divergence_names_sample_token_expected_and_actual(tmp_path, cli):
     path = produce_grad_bundle(tmp_path / "b", 3, SIZE, GradConfig(), bug="kl_no_grad")
     code, out, err = cli("replay", path)

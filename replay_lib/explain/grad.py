@@ -24,7 +24,8 @@ from dataclasses import replace
 import torch
 
 from ..judge.fields import FieldResult
-from ..kernels.grad import grad_scale_of
+from ..judge.error_model import C_TOKEN
+from ..kernels.grad import grad_scale_of, kl_value_and_slope
 from ..kernels.loss import policy_token_terms, sample_log_terms
 from ..kernels.segments import segment_sum
 from ..stages import StageContext, StageInputError
@@ -102,17 +103,28 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
                               nonfinite_matches=nonfinite))
 
     if knobs.kl_loss:
+        # the KL estimator's own slope (W_kl·m·∂k/∂x, × the ratio when ratio-weighted): what a KL term computed under
+        # no_grad loses; a detached ratio leaves it alone (the ratio-weighted term's k·∂r goes with the ratio)
+        _, dk = kl_value_and_slope(gi.log_probs - gi.ref_log_probs, knobs)
+        own = g.kl_weight * gi.mask * dk * (g.terms.ratio if knobs.kl_loss_ratio_weighted else 1.0)
         add("grad.kl_no_gradient", "the KL term contributes no gradient (computed under no_grad or detached): the "
-            "recorded gradient is the policy term's alone", g.pg)
+            "recorded gradient is " + ("the policy term's and the ratio's in k·r" if knobs.kl_loss_ratio_weighted
+                                       else "the policy term's alone"), g.grad - own)
         add("grad.ratio_detached", "the ratio is detached (policy term has no gradient): the recorded gradient is "
-            "the KL term's alone", g.kl)
+            "the KL estimator's alone", own)
     else:
         add("grad.ratio_detached", "the ratio is detached (policy term has no gradient): the recorded gradient is "
             "0", torch.zeros_like(g.grad))
     if g.terms.weight is not None:
+        extra = _weight_gradient(ctx)
+        # its own rounding: the weight's gradient is a product of the same factors, summed over the sample's tokens
+        # for a sequence or geometric weight (n_i·u of it)
+        n = segment_sum(gi.mask, gi.seg, gi.lengths.numel())[gi.seg] if knobs.is_level != "token" else 0.0
+        own_bound = None if bound is None else \
+            bound + ctx.precision.token * (C_TOKEN + n + (gi.log_probs - gi.old_log_probs).abs()) * extra.abs()
         add("grad.is_weight_not_detached", f"the importance weights are not detached ({knobs.is_level}-level "
             "w taken from the current log-probs keeps a gradient of its own: + W·pg·∂w/∂logp)",
-            g.grad + _weight_gradient(ctx))
+            g.grad + extra, own_bound)
     recorded = field.expected.to(torch.float64)
     nonfinite = ~torch.isfinite(recorded)
     if bool(nonfinite.any()):
