@@ -7,14 +7,16 @@ against the value loss's analytic gradient.
 
 Rounding bound per token (the loss's, per element — ``error_model``'s rules): the producer's token precision
 ``u`` times the gradient's condition: ``|g_pg|·(C_TOKEN + |lr| + |log w|)`` for the policy part (the exponent's
-condition, the weight's, a few roundings of the products and of the aggregation weight), under GSPO the sample's
-float32 sum of the slopes adds ``n_i·u`` of its magnitude; for the KL part the slope's own rounding
-``|W^kl|·C_TOKEN·u·(|k'| + |k''|·(1 + |x|))`` (``k''`` the estimator's curvature: 0, 1, ``exp(−x)``) and, ratio
--weighted, the product's. Decisions at an edge are hazards, not failures: a token whose ratio lies within rounding of a clip
-bound (``error_model.loss_clip_hits``), of dual-clip's ``c`` or of an IcePop bound (``near_value``), or whose
-log-ratio or KL input lies at its clamp, may take either branch in a legitimate producer: its tolerance admits the
-unclipped gradient's magnitude (under GSPO the sample's), and each such sample is named in a hazard. Payloads
-stored coarser than the declared compute add their rounding (``storage_unit``) to the exponent's condition.
+condition, the weight's, a few roundings of the products and of the aggregation weight; a per-sample exponent's
+``error_model.sample_exponent_condition`` under GSPO or a sequence weight), under GSPO the sample's float32 sum
+of the slopes adds ``n_i·u`` of its magnitude; for the KL part the slope's own rounding
+``|W^kl|·C_TOKEN·u·(|k'| + |k''|·(1 + |x|))`` (``k''`` the estimator's curvature: 0, 1, ``exp(−x)``) and,
+ratio-weighted, the product's. Decisions at an edge are hazards, not failures: a token whose ratio lies within
+rounding of a clip bound (``error_model.loss_clip_hits``), of dual-clip's ``c`` or of an IcePop bound
+(``near_value``), or whose log-ratio or KL input lies at its clamp, may take either branch in a legitimate
+producer: its tolerance admits the unclipped gradient's magnitude (under GSPO the sample's), and each such sample
+is named in a hazard. Payloads stored coarser than the declared compute add their rounding (``storage_unit``) to
+the exponent's condition.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..kernels.grad import (GRAD_FAMILIES, GradInputs, Gradient, GradTerms, grad
                             grad_scale_of, kl_value_and_slope, sample_chunks, sample_weights)
 from ..kernels.loss import LossKnobs, agg_weights
 from ..kernels.segments import segment_sum
-from .base import StageContext, StageDef, StageInputError
+from .base import StageContext, StageDef
 from .loss import _loss_refuse, _loss_requirements
 from .loss_inputs import loss_inputs
 
@@ -220,7 +222,8 @@ def _edge_hazards(ctx: StageContext, hits: dict[str, torch.Tensor]) -> None:
 
 
 def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·vf_coef·loss_scale·W_i·m·∂vf/∂v`` with ``vf = ½·max(d1², d2²)``
+    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·vf_coef·loss_scale·W_i·m·∂vf/∂v`` with
+    ``vf = ½·max(d1², d2²)``
     (``∂vf/∂v = d1`` unclipped, ``d2·[v inside the clip range]`` clipped)."""
     v, old, r = (_f64(ctx.payload(p)) for p in ("values", "old_values", "returns"))
     m = ctx.loss_mask.to(torch.float64)
