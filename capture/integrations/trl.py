@@ -270,8 +270,11 @@ class TRLCapture:
             out = inner(*args, **kwargs)
             if self._in_loss and kwargs.get("compute_entropy"):
                 self._forward = (out[0], out[1])
-                if getattr(self.capture.config, "grad", False) and out[0].requires_grad:
-                    self._tap = GradTap(out[0])
+                if getattr(getattr(self.capture, "config", None), "grad", False) and out[0].requires_grad:
+                    try:
+                        self._tap = GradTap(out[0])
+                    except Exception as exc:  # never into TRL's forward: the micro-batch goes without it
+                        self._failed("a gradient hook", exc)
             return out
 
         return per_token_logps
@@ -460,7 +463,8 @@ class TRLCapture:
             if step is not None and step.captured:
                 config = self._step_config(step.label) if self._step_broken is None else None
                 scaler = getattr(self.trainer.accelerator, "scaler", None)
-                if config is not None and scaler is not None and getattr(self.capture.config, "grad", False):
+                if config is not None and scaler is not None and \
+                        getattr(getattr(self.capture, "config", None), "grad", False):
                     config = msgspec.structs.replace(config, grad_scale=float(scaler.get_scale()))
                 if self._step_broken is not None:
                     logger.warning("replay capture (TRL): %s not written: %s", step.label, self._step_broken)
