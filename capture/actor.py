@@ -21,6 +21,10 @@ the replay compares before the scalars, so a wrong loss is located to its sample
 also give its reported ``loss_fields``; ``finish()`` without fields then reports their sum over the
 micro-batches, taken in float64 on the writer thread.
 
+Gradients (SPEC §4.3, ``RELAX_REPLAY_CAPTURE_GRAD=1``): ``step.grad_tap(log_probs)`` hooks the micro-batch's
+log-prob tensor before backward; ``add_micro_batch(grad_log_probs=tap.gradient())`` after it records the payload
+``grad_log_probs`` (``grad_values`` alike) and the step bundle declares ``loss.grad``.
+
 Precision (``comparison_policy.producer_precision``, SPEC §5.1): ``compute`` is what the trainer computed its
 per-token values in (``compute_precision``, default float32); ``accumulate`` is read off what it handed over:
 ``float64`` when every reported sum (the loss fields and the per-sample sums; Python numbers count as float64)

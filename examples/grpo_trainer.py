@@ -36,7 +36,9 @@ sampler's own log-probs with ``--icepop LOW`` masking, ``--gspo``, ``--ppo`` wit
 value loss, returns = advantages + values): the step's config records the counts and scale, the step bundle
 the rollout and reference log-probs, PPO's values and returns; one bug flag per family (:data:`LOSS_BUG_FLAGS`:
 ``--token-mean-denominator-bug``, ``--dual-clip-bug``, ``--kl-loss-bug``, ``--tis-bug``, ``--gspo-bug``,
-``--value-loss-bug``).
+``--value-loss-bug``). Gradient replay (stage ``loss.grad``, ``RELAX_REPLAY_CAPTURE_GRAD=1``): a hook on each
+micro-batch's log-probs (and values) records the gradient backward gives them; ``--grad-bug CLASS``
+(:data:`GRAD_BUGS`) changes the gradient and leaves every loss value as it was.
 
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
