@@ -325,3 +325,25 @@ def test_a_clip_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli, monke
     assert code == 0, _stages(report)["loss.grad"]
     hazards = [h for h in report["hazards"] if h["stage"] == "loss.grad" and h["kind"] == "clip_boundary"]
     assert [h["sample_id"] for h in hazards][:1] == ["s-0"], report["hazards"]
+
+
+def test_the_diff_viewer_draws_a_loss_tokens_gradient_beside_it():
+    """A ``pg_losses`` token diff that carries the tokens' recorded ∂L/∂logp draws it as the last column (the
+    first one a narrow pane drops)."""
+    from rich.style import Style
+
+    from replay_tui.model.token_diff import FieldDiff
+    from replay_tui.widgets.diff_view import DiffView
+
+    diff = FieldDiff(field="pg_losses", stage="loss.policy", kind="token", expected=[0.5, -0.25],
+                     actual=[0.5, -0.25], abs_error=[0.0, 0.0], bad=[False, False], mask=[1, 0],
+                     grad=torch.tensor([-0.0125, 0.0], dtype=torch.float64))
+    view = DiffView()
+    view.diff = diff
+    view._rows = len(diff)
+    view._label_width = 6
+    assert view.render_header(80, Style()).text.split() == ["offset", "expected", "actual", "abs", "err", "mask",
+                                                            "∂L/∂logp"]
+    assert view.render_row(0, 80, Style()).text.split() == ["0", "0.5", "0.5", "0.0", "1", "-0.0125"]
+    assert view.render_row(0, 80, Style()).cell_length == 80
+    assert "∂L/∂logp" not in view.render_header(50, Style()).text

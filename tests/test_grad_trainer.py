@@ -27,6 +27,7 @@ def train(tmp_path: Path, *flags: str, grad: bool = True) -> Path:
            "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     if grad:
         env["RELAX_REPLAY_CAPTURE_GRAD"] = "1"
+        env["RELAX_REPLAY_CAPTURE_TOKEN_TERMS"] = "1"  # pg_losses too: the diff viewer shows the gradient beside
     proc = subprocess.run([sys.executable, str(TRAINER), *SMALL, *flags], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,6 +47,17 @@ def test_every_knob_with_ppo_records_and_replays_its_gradients(tmp_path):
         assert (directory / name / "payloads" / "grad_values.pt").exists()
         status, _ = statuses(directory / name)
         assert (status["loss.policy"], status["loss.value"], status["loss.grad"]) == ("pass", "pass", "pass"), name
+    # the TUI's token diff of a loss term carries the token's recorded gradient (its ∂L/∂logp column)
+    import torch
+
+    from replay_lib.bundle import BundleReader, open_bundle
+    from replay_tui.model.token_diff import token_diff
+
+    reader = BundleReader(directory / "step-0-0")
+    first = reader.index.samples[0]
+    diff = token_diff(open_bundle(directory / "step-0-0"), first.sample_id, "pg_losses")
+    grad = reader.payload("grad_log_probs")[:first.response_length].to(torch.float64)
+    assert diff.grad is not None and torch.equal(diff.grad, grad)
 
 
 def test_gspo_icepop_replays_clean_and_capture_off_writes_no_gradient(tmp_path):
