@@ -21,6 +21,10 @@ the replay compares before the scalars, so a wrong loss is located to its sample
 also give its reported ``loss_fields``; ``finish()`` without fields then reports their sum over the
 micro-batches, taken in float64 on the writer thread.
 
+Gradients (SPEC §4.3, ``RELAX_REPLAY_CAPTURE_GRAD=1``): ``step.grad_tap(log_probs)`` hooks the micro-batch's
+log-prob tensor before backward; ``add_micro_batch(grad_log_probs=tap.gradient())`` after it records the payload
+``grad_log_probs`` (``grad_values`` alike) and the step bundle declares ``loss.grad``.
+
 Precision (``comparison_policy.producer_precision``, SPEC §5.1): ``compute`` is what the trainer computed its
 per-token values in (``compute_precision``, default float32); ``accumulate`` is read off what it handed over:
 ``float64`` when every reported sum (the loss fields and the per-sample sums; Python numbers count as float64)
@@ -51,6 +55,7 @@ import torch
 from replay_lib.kernels import POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.bundle.schema import ID_MAX_CHARS, PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
+from .grad import GradTap
 from .bundles import (
     DEFAULT_REDACTION,
     SUPPORT_CHANNELS,
@@ -192,6 +197,15 @@ def _pg_losses(label: str, value: TensorLike, tokens: int) -> torch.Tensor:
     return t
 
 
+def _per_token(label: str, name: str, value: TensorLike, tokens: int) -> torch.Tensor:
+    t = _flat(value)
+    if t.numel() != tokens:
+        raise ValueError(f"{label}: {name} has {t.numel()} value(s) for Σ response_length {tokens}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{label}: {name} must be floating point, got {t.dtype}")
+    return t
+
+
 def _scalar(value) -> torch.Tensor:
     """A reported loss field as a 0-d tensor: a tensor as given (it stays on its device), a Python number as
     float64 (what it is)."""
@@ -244,6 +258,9 @@ class _NullStep:
 
     def add_micro_batch(self, **_kwargs) -> bool:
         return False
+
+    def grad_tap(self, _tensor) -> None:
+        return None
 
     def finish(self, _fields: Optional[Mapping[str, torch.Tensor]] = None, **_kwargs) -> bool:
         return False
@@ -304,6 +321,8 @@ class StepCapture:
         loss_terms: Optional[Mapping[str, TensorLike]] = None,
         pg_losses: Optional[TensorLike] = None,
         loss_fields: Optional[Mapping[str, torch.Tensor]] = None,
+        grad_log_probs: Optional[TensorLike] = None,
+        grad_values: Optional[TensorLike] = None,
     ) -> bool:
         """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …). ``side_channels``:
         the micro-batch's per-token support rows (see the module docstring). ``loss_terms``: its samples'
@@ -313,7 +332,10 @@ class StepCapture:
         ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
         (SPEC §4.2); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
         declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
-        micro-batch of a step gives the same side channels, terms and fields."""
+        micro-batch of a step gives the same side channels, terms and fields. ``grad_log_probs`` /
+        ``grad_values``: ∂L/∂log_probs and ∂L/∂values per token as backward gave them (``grad_tap``), of the
+        loss as backpropagated (kept only under ``RELAX_REPLAY_CAPTURE_GRAD=1``; the step then declares
+        ``loss.grad``; a trainer that scales the loss it backpropagates records ``grad_scale`` in its config)."""
         if self._finished:
             raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
         if self._broken is not None:
@@ -334,7 +356,12 @@ class StepCapture:
         if pg_losses is not None and self._capture.config.token_terms:
             token_terms = _pg_losses(where, pg_losses, tokens)
         fields = _loss_fields(where, loss_fields or {}, "loss_fields")
-        self._check_terms_layout(where, (frozenset(terms), token_terms is not None, frozenset(fields)))
+        grads = {}
+        if self._capture.config.grad:
+            grads = {name: _per_token(where, name, value, tokens) for name, value in
+                     (("grad_log_probs", grad_log_probs), ("grad_values", grad_values)) if value is not None}
+        self._check_terms_layout(where, (frozenset(terms), token_terms is not None, frozenset(fields),
+                                         frozenset(grads)))
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
             "log_probs": _flat(log_probs),
@@ -349,6 +376,7 @@ class StepCapture:
             "rewards": None if rewards is None else _flat(rewards, torch.float64),
             **channels,
             "pg_losses": token_terms,
+            **grads,
             **{TERM_PREFIX + name: t for name, t in terms.items()},
             **{FIELD_PREFIX + name: t for name, t in fields.items()},
         }
@@ -366,12 +394,21 @@ class StepCapture:
             self._terms_layout = layout
             return
         if layout != self._terms_layout:
+            any_grads = bool(layout[3] or self._terms_layout[3])
+
             def show(lay):
-                terms, token, fields = lay
+                terms, token, fields, grads = lay
                 return (f"loss terms {sorted(terms)}, pg_losses {'given' if token else 'not given'}, "
-                        f"loss fields {sorted(fields)}")
+                        f"loss fields {sorted(fields)}" + (f", gradients {sorted(grads)}" if any_grads else ""))
             raise ValueError(f"{where}: {show(layout)} differ from the step's first micro-batch "
                              f"({show(self._terms_layout)})")
+
+    def grad_tap(self, tensor: torch.Tensor) -> Optional[GradTap]:
+        """A hook on ``tensor`` (the micro-batch's log-probs, or values) that keeps the gradient backward gives
+        it (``capture.grad``), ``None`` when gradient capture (``RELAX_REPLAY_CAPTURE_GRAD``) is off."""
+        if not self._capture.config.grad or self._broken is not None:
+            return None
+        return GradTap(tensor)
 
     def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, *,
                config: Optional[RecomputeConfig] = None, **kwargs: torch.Tensor) -> bool:

@@ -91,6 +91,10 @@ _CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, 
 # The fields a step may report (loss.policy's with the SPEC §4.2 knobs', loss.value's) and PPO's payloads.
 REPORTED_FIELDS = POLICY_FIELDS + VALUE_FIELDS
 VALUE_PAYLOADS = ("values", "old_values", "returns")
+# loss.grad's payloads (SPEC §4.3), and its tolerance: per-token gradients are ~1/T of the loss, far below the
+# loss fields' atol, so their rounding bound alone (plus 1e-6 relative) judges them.
+GRAD_PAYLOADS = ("grad_log_probs", "grad_values")
+GRAD_TOLERANCE = Tolerance(atol=0.0, rtol=1e-6)
 TERM_PREFIX = "term:"
 FIELD_PREFIX = "field:"
 # The declared per-token compute formats (SPEC §5.1 ``producer_precision.compute``).
@@ -348,7 +352,8 @@ class BundleSink:
                                     declare_value=StageId.LOSS_VALUE not in stages)
         policy = _comparison_policy(
             exact_fields=["reward.raw.raw_reward"],
-            tolerances={str(stage): self.context.tolerance for stage in stages},
+            tolerances={str(stage): GRAD_TOLERANCE if stage == StageId.LOSS_GRAD else self.context.tolerance
+                        for stage in stages},
             precision={"compute": self.context.compute_precision, "accumulate": accumulate},
         )
         return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
@@ -463,7 +468,7 @@ class BundleSink:
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
         for name in ("log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "advantages",
-                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS):
+                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
@@ -500,6 +505,8 @@ class BundleSink:
                 raise ValueError(f"{bundle_id}: loss fields {sorted(value)} need the payload(s) {', '.join(missing)}")
             expected["loss.value"] = value
             step_stages = (*step_stages, StageId.LOSS_VALUE)
+        if "grad_log_probs" in payloads:  # loss.grad (SPEC §4.3): the gradient a hook on the log-probs saw
+            step_stages = (*step_stages, StageId.LOSS_GRAD)
         stages, capabilities = self._with_support(step_stages, payloads, meta.support_scored)
         return self._publish(bundle_id, stages, index, expected, payloads, capabilities, _accumulated_in(sums))
 

@@ -9,6 +9,9 @@
 ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1`` also write the per-token surrogate ``pg_losses`` into step bundles (off by
                                       default: it is one more float per token; the per-sample loss terms are
                                       always written when the trainer gives them).
+``RELAX_REPLAY_CAPTURE_GRAD=1``       also write ``grad_log_probs`` (∂L/∂log_probs, from a tensor hook: stage
+                                      ``loss.grad``) and, for PPO, ``grad_values`` into step bundles (off by
+                                      default: one more float per token each).
 
 The two filters are independent: ``STEPS`` selects step-level bundles, ``ROLLOUTS`` rollout-level ones.
 A malformed value raises ``ValueError`` naming the variable and the bad item when capture is enabled.
@@ -30,6 +33,7 @@ ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
 ENV_RUN_ID = "RELAX_REPLAY_CAPTURE_RUN_ID"
 ENV_TOKEN_TERMS = "RELAX_REPLAY_CAPTURE_TOKEN_TERMS"
+ENV_GRAD = "RELAX_REPLAY_CAPTURE_GRAD"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -59,6 +63,8 @@ class CaptureConfig:
     rollouts: Optional[frozenset[int]] = None
     run_id: Optional[str] = None
     token_terms: bool = False
+    # step bundles carry grad_log_probs (and grad_values): RELAX_REPLAY_CAPTURE_GRAD
+    grad: bool = False
 
     @property
     def root(self) -> Optional[Path]:
@@ -164,9 +170,10 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     run_id_text = env.get(ENV_RUN_ID)
     run_id = parse_run_id(run_id_text) if run_id_text and run_id_text.strip() else None
     token_terms = parse_enabled(env.get(ENV_TOKEN_TERMS), ENV_TOKEN_TERMS)
+    grad = parse_enabled(env.get(ENV_GRAD), ENV_GRAD)
     if not directory:
         _warn_no_dir()
         return DISABLED
     path = Path(directory) if run_id is None else Path(directory) / run_id
     return CaptureConfig(enabled=True, directory=path, steps=steps, rollouts=rollouts, run_id=run_id,
-                         token_terms=token_terms)
+                         token_terms=token_terms, grad=grad)

@@ -36,7 +36,9 @@ sampler's own log-probs with ``--icepop LOW`` masking, ``--gspo``, ``--ppo`` wit
 value loss, returns = advantages + values): the step's config records the counts and scale, the step bundle
 the rollout and reference log-probs, PPO's values and returns; one bug flag per family (:data:`LOSS_BUG_FLAGS`:
 ``--token-mean-denominator-bug``, ``--dual-clip-bug``, ``--kl-loss-bug``, ``--tis-bug``, ``--gspo-bug``,
-``--value-loss-bug``).
+``--value-loss-bug``). Gradient replay (stage ``loss.grad``, ``RELAX_REPLAY_CAPTURE_GRAD=1``): a hook on each
+micro-batch's log-probs (and values) records the gradient backward gives them; ``--grad-bug CLASS``
+(:data:`GRAD_BUGS`) changes the gradient and leaves every loss value as it was.
 
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
@@ -340,6 +342,17 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 # The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
 LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss")
+# The gradient bugs (stage loss.grad, SPEC §4.3): the loss value is unchanged, its gradient is not.
+GRAD_BUGS = {
+    "kl_no_grad": "(needs --kl-loss) the KL term computed under no_grad: it contributes no gradient (SkyRL#1353)",
+    "is_not_detached": "(needs --tis) the importance weight's log taken through the current log-probs, not detached "
+                       "(old + logp − logp.detach(): the same value, bit for bit; verl#4105)",
+    "ratio_detached": "the policy term evaluated on detached log-probs: the ratio has no gradient (torchforge#571)",
+    "zero_coef_nan": "(without --kl-loss) a KL term of coefficient 0 left in the graph whose backward is 0·NaN "
+                     "(slime#2258); the config records use_kl_loss with kl_loss_coef=0",
+    "scale_twice": "each micro-batch's loss, already a step-level aggregate, divided again by the micro-batch count "
+                   "before backward (the accumulation divisor applied twice)",
+}
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -347,20 +360,26 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 eps_clip_high: float, entropy_coef: float, mask_bug: bool = False,
                 knobs: Optional[LossKnobs] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                 ref_log_probs: Optional[torch.Tensor] = None, bug: Optional[str] = None,
-                value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> MicroBatchLoss:
+                value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                grad_bug: Optional[str] = None) -> MicroBatchLoss:
     """One micro-batch's loss: the per-token terms in float32 (``policy_token_terms``, the replay's kernel, with
     the SPEC §4.2 knobs: dual-clip, GSPO's sequence ratio, the importance weight, the KL term), then every
     per-sample sum ``Σ_t x·mask`` in float64 and the fields aggregated from them in float64 (``aggregate``: the
     sum of per-sample means, or a mode over the step's recorded counts; the micro-batches' fields add up to
     the step's) — float32 sums of long responses carry rounding (at ~u·n relative) that would blur a one-token
     difference. ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps
-    it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``."""
+    it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``;
+    ``grad_bug``: one of :data:`GRAD_BUGS` (the loss value unchanged, its gradient not)."""
     knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
     m32 = mask.float()
     used = knobs
     if bug == "gspo":  # the sequence ratio from the summed log-ratio (a product of ratios), not its mean
         used = replace(knobs, importance_level="token")
+    if grad_bug == "is_not_detached" and rollout_log_probs is not None:
+        # the weight's log taken from the current log-probs: old + (logp − logp.detach()) has old's value, bit for
+        # bit, and the gradient of logp (verl#4105's class, on-policy)
+        rollout_log_probs = rollout_log_probs.float() - (log_probs.float() - log_probs.float().detach())
     sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used)
     if bug == "gspo":
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
@@ -374,6 +393,14 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                                ref_log_probs.float() if bug != "kl_loss" else 2 * log_probs.float()
                                - ref_log_probs.float()))
     pg_losses = t["pg"]
+    if grad_bug == "ratio_detached":  # the policy term of detached log-probs: the same value, no gradient
+        pg_losses = policy_token_terms(log_probs.float().detach(), old_log_probs.float(), advantages.float(), used,
+                                       seg=seg, sample_terms={k: v.detach() for k, v in sample_terms.items()},
+                                       rollout_log_probs=None if rollout_log_probs is None else
+                                       rollout_log_probs.float().detach(),
+                                       ref_log_probs=None if ref_log_probs is None else ref_log_probs.float())["pg"]
+    if grad_bug == "kl_no_grad" and "kl_loss" in t:  # SkyRL#1353's class: the KL term computed under no_grad
+        t = dict(t, kl_loss=t["kl_loss"].detach())
     if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
         plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
                                    replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
@@ -398,6 +425,11 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     if bug == "token_mean_denominator":  # verl#7321's class: the micro-batch's own token count as T
         agg = replace(knobs, loss_token_count=int(m.sum()))
     fields = policy_fields_from_sums(sums, True, entropy_coef, agg)
+    if grad_bug == "zero_coef_nan":
+        # slime#2258's class: a KL term of coefficient 0 left in the graph; its |r| written sqrt(r·r) on a log-ratio
+        # centred at 0 (r − r.detach()): the value 0·0 adds nothing, backward's 0·(0/0) is NaN on every token
+        r = log_probs.float() - log_probs.float().detach()
+        fields["loss"] = fields["loss"] + 0.0 * torch.sqrt(r * r).to(torch.float64).sum()
     if agg.loss_agg_mode != "sum_of_sample_means":  # the weight each sample entered the loss terms with
         inner, outer = agg_divisors(agg.loss_agg_mode, terms["mask_count"], agg)
         terms["loss_weight"] = agg.loss_scale / (inner * outer)
@@ -610,6 +642,9 @@ def loss_knobs(args) -> dict:
         out["importance_level"] = "sequence"
     if args.ppo:
         out["value_clip"] = args.value_clip
+        out["vf_coef"] = args.vf_coef  # the value loss's weight in the loss backpropagated (grad_values)
+    if getattr(args, "grad_bug", None) == "zero_coef_nan":  # the KL term declared on, with coefficient 0
+        out.update(use_kl_loss=True, kl_loss_coef=0.0)
     return out
 
 
@@ -819,6 +854,9 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     value = None
                     if vf_returns is not None:
                         value = (score_values(model, mb_samples), old_values[tok], vf_returns[tok])
+                    # RELAX_REPLAY_CAPTURE_GRAD: hooks that keep ∂L/∂log_probs (and ∂L/∂values) of this backward
+                    tap = step.grad_tap(log_probs)
+                    value_tap = step.grad_tap(value[0]) if value is not None else None
                     mb_loss = policy_loss(
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
@@ -826,10 +864,13 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         rollout_log_probs=rollout_lp[tok] if rollout_lp is not None else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
+                        grad_bug=args.grad_bug,
                     )
                     objective = mb_loss.fields["loss"]
                     if value is not None:
                         objective = objective + args.vf_coef * mb_loss.fields["vf_loss"]
+                    if args.grad_bug == "scale_twice":
+                        objective = objective / len(range(first, first + step_size, args.micro_batch))
                     objective.backward()
                     fields = {name: value.detach() for name, value in mb_loss.fields.items()}
                     for name in LOSS_FIELDS:
@@ -849,6 +890,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=stored(args, mb_loss.pg_losses),
                         loss_fields=fields, **{k: stored(args, v) for k, v in knob_payloads(
                             knobs, tok, ref_log_probs, rollout_lp, value).items()},
+                        grad_log_probs=tap.gradient() if tap is not None else None,
+                        grad_values=value_tap.gradient() if value_tap is not None else None,
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -973,6 +1016,9 @@ def build_parser() -> argparse.ArgumentParser:
     for bug, needs, what in LOSS_BUG_FLAGS:
         loss.add_argument(f"--{bug.replace('_', '-')}-bug", dest=f"{bug}_bug", action="store_true",
                           help=f"(needs {needs}) {what}")
+    loss.add_argument("--grad-bug", choices=tuple(GRAD_BUGS), default=None, metavar="CLASS",
+                      help="a gradient bug whose loss value is unchanged (named at loss.grad under "
+                           "RELAX_REPLAY_CAPTURE_GRAD=1): " + "; ".join(f"{k}: {v}" for k, v in GRAD_BUGS.items()))
     p.add_argument("--capture-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the per-token tensors handed to capture (bfloat16: copies of the float32 values, "
                         "half the bundle; the replay admits their rounding)")
@@ -1048,6 +1094,11 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
+    grad_needs = {"kl_no_grad": (args.kl_loss is not None, "--kl-loss"), "is_not_detached": (args.tis is not None,
+                                                                                           "--tis"),
+                  "zero_coef_nan": (args.kl_loss is None, "no --kl-loss")}
+    if args.grad_bug in grad_needs and not grad_needs[args.grad_bug][0]:
+        p.error(f"--grad-bug {args.grad_bug} needs {grad_needs[args.grad_bug][1]}")
     if args.dual_clip is not None and not args.dual_clip > 1:
         p.error("--dual-clip C needs C > 1")
     if args.icepop is not None and args.tis is None:

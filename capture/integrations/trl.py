@@ -23,7 +23,13 @@ captured as TRL's call sites see it, and TRL's own code runs unchanged):
   before TRL's loss sees the inputs;
 * ``_compute_loss`` (``:3020``): the micro-batch as the loss consumed it and the loss it returned;
   ``_get_per_token_logps_and_entropies`` called from it (``:3030``): the current log-probs and entropies;
-* a ``TrainerCallback``'s ``on_step_end`` (after each optimizer step) finishes the step bundle.
+* a ``TrainerCallback``'s ``on_step_end`` (after each optimizer step) finishes the step bundle;
+* with ``RELAX_REPLAY_CAPTURE_GRAD=1``, a tensor hook (``capture.GradTap``) on the log-probs
+  ``_get_per_token_logps_and_entropies`` returned inside the loss: TRL backpropagates the loss ``_compute_loss``
+  returned as it is (``GRPOTrainer.loss_is_scaled_for_ga = True``, the accelerator's own divisor 1), so the hook
+  sees ∂loss/∂logp — times the mixed-precision scaler's scale, recorded as ``grad_scale`` when there is one. A
+  micro-batch is handed to capture once its backward has run (at the next micro-batch, or the step's end), with
+  its ``grad_log_probs``; the step declares ``loss.grad``.
 
 What each bundle holds:
 
@@ -68,6 +74,7 @@ import trl
 from replay_lib.bundle.schema import RecomputeConfig
 
 from .. import maybe_enable_for_actor
+from ..grad import GradTap
 from ..manager import _error_logged
 
 TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.24.0", "datasets": "5.2.0"}
@@ -163,6 +170,10 @@ class TRLCapture:
         self._step_items: set[int] = set()
         self._step_tokens = 0
         self._step_broken: Optional[str] = None
+        # RELAX_REPLAY_CAPTURE_GRAD: the hook on this micro-batch's log-probs, and the micro-batch waiting for its
+        # backward (its add_micro_batch arguments and hook)
+        self._tap: Optional[GradTap] = None
+        self._pending: Optional[tuple[dict, GradTap, Any]] = None
         self.closed = False
 
     # ------------------------------------------------------------------------------------------ errors
@@ -238,7 +249,8 @@ class TRLCapture:
             inputs = {k: v for k, v in inputs.items() if k != SAMPLE_KEY}  # TRL's loss never sees the column
             if not self.trainer.model.training or self.closed:
                 return inner(model, inputs)
-            self._in_loss, self._forward = True, None
+            self._in_loss, self._forward, self._tap = True, None, None
+            self._flush_pending()  # the previous micro-batch's backward has run: its gradient is in
             try:
                 loss = inner(model, inputs)
             finally:
@@ -258,6 +270,11 @@ class TRLCapture:
             out = inner(*args, **kwargs)
             if self._in_loss and kwargs.get("compute_entropy"):
                 self._forward = (out[0], out[1])
+                if getattr(getattr(self.capture, "config", None), "grad", False) and out[0].requires_grad:
+                    try:
+                        self._tap = GradTap(out[0])
+                    except Exception as exc:  # never into TRL's forward: the micro-batch goes without it
+                        self._failed("a gradient hook", exc)
             return out
 
         return per_token_logps
@@ -384,7 +401,7 @@ class TRLCapture:
         ref = inputs.get("ref_per_token_logps") if self.trainer.beta != 0.0 else None
         is_correction = self.config.is_level is not None
         sampling = inputs.get("sampling_per_token_logps") if is_correction else None
-        self._step.add_micro_batch(
+        part = dict(
             sample_ids=[rollout.sample_ids[p] for p in positions],
             group_index=[rollout.groups[p] for p in positions],
             response_lengths=lengths.tolist(),
@@ -400,6 +417,23 @@ class TRLCapture:
             rollout_log_probs=None if sampling is None else _tokens(sampling, lengths),
             loss_fields={"loss": loss.detach()},
         )
+        if self._tap is not None:  # handed over once backward has filled the hook
+            self._pending, self._tap = (part, self._tap, lengths), None
+            return
+        self._step.add_micro_batch(**part)
+
+    def _flush_pending(self) -> None:
+        """Hand the micro-batch that waited for its backward to capture, with its gradient."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._step is None or not self._step.captured:
+            return
+        part, tap, lengths = pending
+        try:
+            tap.remove()
+            self._step.add_micro_batch(**part, grad_log_probs=_tokens(tap.gradient(), lengths))
+        except Exception as exc:
+            self._step_broken = self._step_broken or f"a micro-batch was not captured ({exc})"
+            self._failed("a micro-batch's gradient", exc)
 
     def _step_config(self, label: str) -> Optional[RecomputeConfig]:
         """This step's config with the counts TRL divided by, or ``None`` (logged) when its micro-batches do not
@@ -423,10 +457,15 @@ class TRLCapture:
         return None
 
     def end_step(self) -> None:
+        self._flush_pending()
         step, self._step = self._step, None
         try:
             if step is not None and step.captured:
                 config = self._step_config(step.label) if self._step_broken is None else None
+                scaler = getattr(self.trainer.accelerator, "scaler", None)
+                if config is not None and scaler is not None and \
+                        getattr(getattr(self.capture, "config", None), "grad", False):
+                    config = msgspec.structs.replace(config, grad_scale=float(scaler.get_scale()))
                 if self._step_broken is not None:
                     logger.warning("replay capture (TRL): %s not written: %s", step.label, self._step_broken)
                 if config is not None:

@@ -45,6 +45,7 @@ class StageId(str, enum.Enum):
     LOGPROB_SUPPORT = "logprob.support"
     LOSS_POLICY = "loss.policy"
     LOSS_VALUE = "loss.value"
+    LOSS_GRAD = "loss.grad"
 
     def __str__(self) -> str:  # "reward.raw", not "StageId.REWARD_RAW"
         return self.value
@@ -274,6 +275,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     overlong_max_tokens: Union[Int, msgspec.UnsetType] = msgspec.UNSET
     truncated_reward_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
+    # Gradient replay (stage loss.grad, SPEC §4.3): the factor between the loss the step backpropagated and the
+    # recorded loss field (the payload grad_log_probs is ∂(grad_scale·loss)/∂log_probs): 1/k when each of k
+    # accumulated micro-batches divides its loss by k before backward while the step reports their sum, the
+    # unscaled value of a mixed-precision loss scaler. Unset (1.0) is not written.
+    grad_scale: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # The value loss's weight in the loss backpropagated (loss + vf_coef·vf_loss, PPO): grad_values is
+    # grad_scale·vf_coef·∂vf_loss/∂values. Unset (1.0) is not written.
+    vf_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
+
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
         # error naming the field (exit 3), never a refusal or a crash in a stage.
@@ -282,6 +292,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
         errors = check_knobs(LossKnobs.of(self))
         if errors:
             raise ValueError(errors[0])
+        if self.grad_scale is not msgspec.UNSET and not (math.isfinite(self.grad_scale) and self.grad_scale != 0):
+            raise ValueError(f"grad_scale: expected a finite, non-zero multiplier, got {self.grad_scale!r}")
+        if self.vf_coef is not msgspec.UNSET and not math.isfinite(self.vf_coef):
+            raise ValueError(f"vf_coef: expected a finite weight, got {self.vf_coef!r}")
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

@@ -32,6 +32,7 @@ from ..stages.base import StageContext, StageInputError
 
 REWARD_FIELDS = ("raw_reward", "reward")
 LOSS_TOKEN_FIELDS = ("pg_losses",)
+GRAD_TOKEN_FIELDS = ("grad_log_probs",)
 LOSS_SAMPLE_FIELDS = ("pg_sum", "entropy_sum", "kl_sum", "clip_count", "mask_count", "pg_contribution")
 NOT_RECORDED = "—"
 
@@ -151,6 +152,8 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
         return advantage_inputs(ctx, index, offset, t)
     if field in LOSS_TOKEN_FIELDS:
         return loss_token_inputs(ctx, field, index, offset, t)
+    if field in GRAD_TOKEN_FIELDS:
+        return grad_token_inputs(ctx, field, index, offset, t)
     raise KeyError(f"no input breakdown for field {field!r}")
 
 
@@ -343,7 +346,47 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     beyond = _loss_knobs_beyond_v1(ctx)
     if beyond:
         note = f"the plain clipped surrogate; this step also applies {beyond} (the stage's values include them)"
+    if ctx.has("grad_log_probs"):  # the token's gradient beside its loss term (loss.grad)
+        items += (("∂L/∂logp", f"{fmt(float(ctx.payload('grad_log_probs')[t]))} recorded, "
+                                f"{fmt(float(_gradient(ctx).grad[t]))} analytic"),)
     return ElementInputs(field=field, sample_id=sid, offset=offset, formula=formula, items=items, note=note)
+
+
+def _gradient(ctx: StageContext):
+    """loss.grad's analytic gradient of this context (``stages.grad.recompute_gradient``, computed once)."""
+    from ..stages.grad import recompute_gradient
+
+    return recompute_gradient(ctx)[2]
+
+
+def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A gradient token (loss.grad): ``g = W_pg·∂pg + W_kl·∂kl`` with the token's coefficient derived — the clip
+    branch its policy term took (``∂pg/∂r = −A`` unclipped, 0 clipped), the ratio and the detached importance
+    weight, the aggregation weight ``W_i`` (× loss_scale × grad_scale) and the KL term's share of ``g``."""
+    from ..kernels.grad import BRANCHES, grad_scale_of
+    from ..stages.grad import recompute_gradient
+
+    gi, knobs, g = recompute_gradient(ctx)
+    terms = g.terms
+    branch = BRANCHES.get(int(terms.branch[t]), "?") if terms.branch is not None else "?"
+    total, pg, kl = float(g.grad[t]), float(g.pg[t]), float(g.kl[t])
+    recorded = float(ctx.payload(field)[t])
+    formula = (f"∂L/∂logp = W_pg·∂pg/∂logp + W_kl·∂kl/∂logp = {fmt(pg)} + {fmt(kl)} = {fmt(total)} "
+               f"(recorded {fmt(recorded)})")
+    items = [("branch", branch), ("ratio r", fmt(float(terms.ratio[t]))), ("A", fmt(float(gi.advantages[t]))),
+             ("mask", fmt_count(float(gi.mask[t])))]
+    if terms.weight is not None:
+        items.append(("IS weight (detached)", fmt(float(terms.weight[t]))))
+    items.append(("W_pg", fmt(float(g.pg_weight[t]))))
+    if knobs.kl_loss:
+        share = abs(kl) / (abs(pg) + abs(kl)) if (pg or kl) else 0.0
+        items += [("W_kl", fmt(float(g.kl_weight[t]))), ("KL share", f"{100 * share:.1f}%")]
+    scale = grad_scale_of(ctx.config)
+    note = (f"W = loss_scale {knobs.loss_scale:g} × grad_scale {scale:g} × the {knobs.loss_agg_mode} weight of "
+            f"{ctx.sample_ids[index]}" + (" (GSPO: the sample's ratio, its slopes summed over its tokens)"
+                                          if knobs.sequence_ratio else ""))
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
+                         items=tuple(items), note=note)
 
 
 def pg_term(ctx: StageContext, mask_count: float) -> tuple[str, float, float]:

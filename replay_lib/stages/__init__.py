@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..bundle.schema import StageId
 from .advantage import ADVANTAGE_ESTIMATE, ADVANTAGE_KL
 from .base import StageContext, StageDef, StageInputError
+from .grad import LOSS_GRAD
 from .loss import LOSS_POLICY
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
@@ -21,11 +22,12 @@ STAGE_ORDER: tuple[StageId, ...] = (
     StageId.LOGPROB_SUPPORT,
     StageId.LOSS_POLICY,
     StageId.LOSS_VALUE,
+    StageId.LOSS_GRAD,
 )
 
 REGISTRY: dict[StageId, StageDef] = {
     d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
-                      LOSS_POLICY, LOSS_VALUE)
+                      LOSS_POLICY, LOSS_VALUE, LOSS_GRAD)
 }
 
 # Stages this engine can never recompute, whatever the manifest declares (loss.value is recomputed since SPEC

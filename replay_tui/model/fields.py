@@ -48,6 +48,11 @@ FIELDS: tuple[FieldSpec, ...] = (
               "each sample's term of pg_loss (w_i · pg_sum, the loss mode's weight)",
               sort="err"),
     *(FieldSpec(name, "loss.policy", KIND_SAMPLE, f"per-sample {name}") for name in PER_SAMPLE_TERMS),
+    # loss.grad (SPEC §4.3): the recorded gradient per token against the analytic one (the why strip derives the
+    # token's coefficient: its clip branch, the KL term's share, the aggregation weight)
+    FieldSpec("grad_log_probs", "loss.grad", KIND_TOKEN, "∂L/∂log_probs per token (recorded vs analytic)",
+              sort="err"),
+    FieldSpec("grad_values", "loss.grad", KIND_TOKEN, "∂L/∂values per token (PPO's value loss)"),
 )
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}

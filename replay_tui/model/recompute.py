@@ -199,6 +199,8 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
                 out.unavailable[name] = f"the bundle records no {name}"
         if "pg_sum" not in recorded:
             out.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
+    if "loss.grad" in out.ran and not shard.has_payload("grad_values"):
+        out.unavailable["grad_values"] = "the bundle records no grad_values"  # known without computing
     if "advantage.estimate" in out.ran and not shard.has_payload("returns"):
         out.unavailable["returns"] = "the bundle records no returns (GAE's)"  # known without computing
     for name in fields:
