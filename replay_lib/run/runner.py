@@ -24,7 +24,7 @@ from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepI
 from ..bundle.selection import Selection, resolve_selection, selection_keys
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
 from ..kernels import grpo_std_scope
-from ..stages.advantage import advantage_config_error, estimator_refusal
+from ..stages.advantage import advantage_config_error, estimator_refusal, per_token_reward_refusal
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
@@ -138,6 +138,9 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
     refused = estimator_refusal(cfg)
     if refused is not None:
         raise UnsupportedError(f"{where}: {refused}")
+    per_token = per_token_reward_refusal(reader) if StageId.ADVANTAGE_ESTIMATE in stages else None
+    if per_token is not None:
+        raise UnsupportedError(f"{where}: {per_token}")
     cp = reader.index.identity.rank.get("cp", 1)
     if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "

@@ -34,6 +34,8 @@ class FieldSpec:
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("raw_reward", "reward.raw", KIND_SAMPLE, "raw reward per sample"),
     FieldSpec("reward", "reward.post_process", KIND_SAMPLE, "normalized reward per sample"),
+    FieldSpec("token_reward", "reward.post_process", KIND_TOKEN,
+              "recorded per-token reward vs the sample's normalized reward (format 1.2)"),
     FieldSpec("kl", "advantage.kl", KIND_TOKEN, "rollout-vs-reference KL per token"),
     FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "advantage per token"),
     FieldSpec("returns", "advantage.estimate", KIND_TOKEN, "returns per token (GAE: advantages + values)"),
