@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .importing import add_import_arguments
 
     add_import_arguments(p, _Parser)
+    p = sub.add_parser("convert", help="rewrite a bundle or cohort in format 2.0.0 or 1.0.0, verified (SPEC §2.3)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .convert import add_convert_arguments
+
+    add_convert_arguments(p)
     p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .config import add_config_arguments
@@ -284,6 +289,10 @@ def _dispatch(args) -> int:
         from .importing import run_import_command
 
         return run_import_command(args)
+    if args.command == "convert":
+        from .convert import run_convert_command
+
+        return run_convert_command(args)
     if args.command == "config":
         from .config import run_config_command
 
