@@ -51,10 +51,11 @@ def check_read(manifest: Manifest, index: BundleIndex, expected: Expected, major
         if isinstance(contracts, dict) and stage in contracts:
             return ("manifest.json", f"$.stage_contracts.{stage}: not a stage of format 2.0 (its reward stages "
                                      f"were removed: the recorded reward is advantage.estimate's input)"), []
-    for i, s in enumerate(index.samples):
-        if s.reward is None:
-            return ("index.json", f"$.samples[{i}].reward: required in format 2.0 (the post-processed reward "
-                                  f"advantage.estimate consumes), got null"), []
+    if _estimates(manifest):
+        for i, s in enumerate(index.samples):
+            if s.reward is None:
+                return ("index.json", f"$.samples[{i}].reward: null, but advantage.estimate (declared recompute) "
+                                      f"consumes it: format 2.0 records no other reward"), []
     warnings = []
     with_raw = [i for i, s in enumerate(index.samples) if s.raw_reward is not None]
     if with_raw:
@@ -124,8 +125,16 @@ def wire_expected(expected: Expected) -> Expected:
     return {stage: values for stage, values in expected.items() if stage not in FORMAT_2_REMOVED_STAGES}
 
 
-def missing_reward(index: BundleIndex) -> Optional[str]:
-    """``$.samples[i].reward: …`` for the first sample without the reward format 2.0 requires, else ``None``."""
+def _estimates(manifest: Manifest) -> bool:
+    contract = manifest.stage_contracts.get(StageId.ADVANTAGE_ESTIMATE)
+    return contract is not None and contract.capability == StageCapability.RECOMPUTE
+
+
+def missing_reward(index: BundleIndex, manifest: Optional[Manifest] = None) -> Optional[str]:
+    """``$.samples[i].reward: …`` for the first sample without the reward a 2.0 advantage.estimate consumes (its
+    only reward), else ``None``; ``None`` too when ``manifest`` declares no advantage.estimate recompute."""
+    if manifest is not None and not _estimates(manifest):
+        return None
     for i, s in enumerate(index.samples):
         if s.reward is None:
             return (f"$.samples[{i}].reward: null, and format 2.0 requires each sample's post-processed reward "
@@ -137,7 +146,7 @@ def refused_in_2(manifest: Manifest, index: BundleIndex, expected: Expected) -> 
     """What a caller asked :class:`~.writer.BundleWriter` to write as 2.0 that the format cannot hold (the config's
     two removed knobs excepted: every model has them, and they are left out), each named."""
     out = [item for item in lost_in_2(manifest, index, expected) if not item.startswith("index.json $.config.")]
-    reward = missing_reward(index)
+    reward = missing_reward(index, manifest)
     return out + ([f"index.json {reward}"] if reward else [])
 
 

@@ -110,7 +110,7 @@ def _prepared(shard: BundleReader, major: int, notes: list[str]):
             _note(notes, "index.json $.samples[].reward: expected.json $.reward.post_process.rewards (the "
                          "normalized rewards advantage.estimate consumes)")
         index = msgspec.structs.replace(index, samples=samples)
-        absent = missing_reward(index)
+        absent = missing_reward(index, manifest)
         if absent is not None:
             raise UnsupportedError(f"{where}: {absent}; it has no recorded post-processed reward "
                                    f"(expected.json $.reward.post_process.rewards) either")
