@@ -1,4 +1,4 @@
-"""Format 2.0.0 (the original tool's second major) both ways (SPEC §2.3): its bundles, written field by field from
+"""Format 2.0.0 (the original tool's second major) both ways (SPEC §2.2): its bundles, written field by field from
 its documented schema (``tests/format2_original.py``), open in inspect/validate/replay/scan; per-token rewards in
 either major; our writer, the converter and capture write it; non-finite values are written as Python's json
 writes them (the original reads nothing else)."""

@@ -1,5 +1,5 @@
 """``trajectory-replay convert SRC DST --to 2.0.0|1.0.0``: a bundle or cohort rewritten in the other major of the
-original tool's format (SPEC §2.3).
+original tool's format (SPEC §2.2).
 
 SRC is opened and verified as ``validate`` opens it (exit 3 on any problem); DST is written into a hidden staging
 directory beside it, read back and validated there, and published with one rename — never half-written, never
