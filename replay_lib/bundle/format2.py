@@ -24,6 +24,9 @@ from .schema import (FORMAT_2_REMOVED_CONFIG, FORMAT_2_REMOVED_IDENTITY, FORMAT_
                      FORMAT_2_REMOVED_STAGES, FORMAT_2_STAGE_IDS, BundleIndex, Expected, Manifest,
                      StageCapability, StageId)
 
+# What ``trajectory-replay convert --to`` writes.
+CONVERT_TARGETS = ("2.0.0", "1.0.0")
+
 
 def per_token_reward_error(index: BundleIndex) -> Optional[str]:
     """``$.samples[i].reward: …`` for the first per-token reward whose length is not its sample's

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
-    from ..run.convert import TARGETS
+    from ..bundle.format2 import CONVERT_TARGETS as TARGETS
 
     p.add_argument("source", type=Path, metavar="SRC", help="a bundle or a cohort")
     p.add_argument("target", type=Path, metavar="DST", help="where to publish the converted copy (must not exist)")

@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from ..bundle import open_bundle
-from ..bundle.format2 import lost_in_2, missing_reward
+from ..bundle.format2 import CONVERT_TARGETS, lost_in_2, missing_reward
 from ..bundle.layout import PAYLOAD_DIR, PAYLOAD_SUFFIX, staging_name
 from ..bundle.reader import BundleReader
 from ..bundle.schema import (FORMAT_2_REMOVED_CONFIG, FORMAT_2_REMOVED_STAGES, FORMAT_2_STAGE_IDS,
@@ -29,7 +29,7 @@ from ..bundle.schema import (FORMAT_2_REMOVED_CONFIG, FORMAT_2_REMOVED_STAGES, F
 from ..bundle.writer import BundleWriter
 from ..errors import BundleError, UnsupportedError, UsageError
 
-TARGETS = ("2.0.0", "1.0.0")
+TARGETS = CONVERT_TARGETS
 
 
 @dataclass
