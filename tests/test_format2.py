@@ -437,3 +437,33 @@ def test_capture_writes_2_0_bundles_that_replay_clean(tmp_path, cli):
         assert not {"reward.raw", "reward.post_process"} & set(doc["expected"])
     rc, out, _ = cli("scan", tmp_path / "cap")
     assert rc == 0 and "2 bundle(s) scanned: 2 pass" in out
+
+
+def test_diff_compares_per_token_rewards_token_by_token(tmp_path, cli):
+    rewards = _token_rewards()
+    flat = [x for r in rewards for x in r]
+    a = write_v2_bundle(tmp_path / "a", rewards=rewards, advantages_from=flat)
+    changed = [list(r) for r in rewards]
+    changed[2][1] = 7.0
+    b = write_v2_bundle(tmp_path / "b", rewards=changed, advantages_from=flat)
+    rc, out, err = cli("diff", a, b)
+    assert (rc, err) == (1, "")
+    assert out.splitlines()[1:3] == ["[   fail] reward — 1 of 12 value(s) differ (max abs_err 6.38)",
+                                     "          reward s-2@1: expected=0.625 actual=7.0 abs_err=6.375"]
+
+
+def test_the_tui_shows_a_per_token_reward_and_its_token_in_the_why_strip(tmp_path):
+    from replay_lib.run.runner import replay
+    from replay_tui.model import build_model
+    from replay_tui.widgets.sample_tree import _short
+
+    rewards = _token_rewards()
+    flat = [x for r in rewards for x in r]
+    flat[6] += 1.0
+    b = write_v2_bundle(tmp_path / "v2", rewards=rewards, advantages_from=flat)
+    report = replay(b)
+    model = build_model(open_bundle(b), report)
+    row = next(r for r in model.samples if r.sample_id == "s-2")
+    assert row.reward == [0.5, 0.625, 0.75, 0.875] and _short(row.reward) == "4tok"
+    inputs = model.element_inputs("advantage", "s-2", 1)
+    assert inputs.formula == "A = the token's recorded reward = 0.625 (per-token rewards)"
