@@ -363,7 +363,7 @@ class BundleSink:
         contracts = stage_contracts(stages, capabilities=dict(capabilities or {}),
                                     declare_value=StageId.LOSS_VALUE not in stages)
         policy = _comparison_policy(
-            exact_fields=["reward.raw.raw_reward"],
+            exact_fields=[] if self.context.format_major == 2 else ["reward.raw.raw_reward"],  # 2.0: no reward.raw
             tolerances={str(stage): self.context.tolerance for stage in stages},
             precision={"compute": self.context.compute_precision, "accumulate": accumulate},
         )

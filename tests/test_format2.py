@@ -435,6 +435,8 @@ def test_capture_writes_2_0_bundles_that_replay_clean(tmp_path, cli):
     for name in ("rollout-0", "step-0-0"):
         doc = _original_2_0_reads(tmp_path / "cap" / name)
         assert not {"reward.raw", "reward.post_process"} & set(doc["expected"])
+        assert doc["manifest"]["comparison_policy"]["exact_fields"] == []
+        assert "raw_reward" not in doc["index"]["samples"][0]
     rc, out, _ = cli("scan", tmp_path / "cap")
     assert rc == 0 and "2 bundle(s) scanned: 2 pass" in out
 
