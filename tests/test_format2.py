@@ -469,3 +469,31 @@ def test_the_tui_shows_a_per_token_reward_and_its_token_in_the_why_strip(tmp_pat
     assert row.reward == [0.5, 0.625, 0.75, 0.875] and _short(row.reward) == "4tok"
     inputs = model.element_inputs("advantage", "s-2", 1)
     assert inputs.formula == "A = the token's recorded reward = 0.625 (per-token rewards)"
+
+
+def test_the_original_s_2_0_bundle_converts_to_1_0_0_its_1_x_reader_takes(tmp_path, cli):
+    from test_wire_compat import original_reads
+
+    src = write_v2_bundle(tmp_path / "v2", advantages_from=BATCH_REWARDS)
+    rc, out, err = cli("convert", src, tmp_path / "v1", "--to", "1.0.0")
+    assert (rc, err) == (0, "")
+    manifest = original_reads(tmp_path / "v1")
+    assert manifest.format_version == "1.0.0"
+    assert {s: c.capability for s, c in manifest.stage_contracts.items()} == {
+        "advantage.kl": "recompute", "advantage.estimate": "recompute", "loss.value": "unsupported",
+        "reward.raw": "recorded-only", "reward.post_process": "recorded-only"}
+    # the verdict survives the conversion: the same first divergence, at the same stage
+    rc, report, _ = _report(cli, tmp_path / "v1")
+    d = report["first_divergence"]
+    assert (rc, report["first_divergent_stage"], d["sample_id"], d["expected"], d["actual"]) == (
+        1, "advantage.estimate", "s-0", -5.5, -1.0)
+
+
+def test_the_original_s_1_0_0_bundle_converts_to_2_0_0(tmp_path, cli):
+    src = write_original_bundle(tmp_path / "v1", rewards=BATCH_REWARDS)
+    rc, out, err = cli("convert", src, tmp_path / "v2", "--to", "2.0.0")
+    assert (rc, err) == (0, "")
+    doc = _original_2_0_reads(tmp_path / "v2")
+    # 2.0 records the normalized rewards the trainer produced (its reward.post_process output) as each reward
+    assert [s["reward"] for s in doc["index"]["samples"]] == BATCH_REWARDS
+    assert doc["expected"] == {}
