@@ -497,3 +497,21 @@ def test_the_original_s_1_0_0_bundle_converts_to_2_0_0(tmp_path, cli):
     # 2.0 records the normalized rewards the trainer produced (its reward.post_process output) as each reward
     assert [s["reward"] for s in doc["index"]["samples"]] == BATCH_REWARDS
     assert doc["expected"] == {}
+
+
+def test_the_tui_lists_the_token_reward_field_only_for_a_bundle_with_per_token_rewards(tmp_path, bundle_tools):
+    from replay_lib.run.runner import replay
+    from replay_tui.model import build_model
+
+    b = write_original_bundle(tmp_path / "pt")
+    bundle_tools.edit_json(b, "index.json", lambda d: [s.__setitem__("reward", [r] * s["response_length"])
+                                                        for s, r in zip(d["samples"], FIXED_REWARDS)])
+    bundle_tools.edit_json(b, "index.json", lambda d: d["samples"][3]["reward"].__setitem__(2, 0.5))
+    model = build_model(open_bundle(b), replay(b))
+    assert "token_reward" in model.fields
+    diff = model.field_diff("token_reward", "s-3")
+    assert (diff.expected, diff.actual) == ([1.0, 1.0, 0.5], [1.0, 1.0, 1.0])
+    plain = write_original_bundle(tmp_path / "plain")
+    model = build_model(open_bundle(plain), replay(plain))
+    assert "token_reward" not in model.fields
+    assert model.unavailable["token_reward"] == "no per-token reward recorded"
