@@ -515,3 +515,20 @@ def test_the_tui_lists_the_token_reward_field_only_for_a_bundle_with_per_token_r
     model = build_model(open_bundle(plain), replay(plain))
     assert "token_reward" not in model.fields
     assert model.unavailable["token_reward"] == "no per-token reward recorded"
+
+
+def test_convert_that_cannot_publish_is_one_line_and_leaves_nothing(tmp_path, cli, monkeypatch):
+    import errno
+
+    import replay_lib.run.convert as convert_module
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    src = write_v2_bundle(tmp_path / "v2")
+    monkeypatch.setattr(convert_module.os, "rename", full)
+    rc, out, err = cli("convert", src, tmp_path / "v1", "--to", "1.0.0")
+    assert (rc, out) == (2, "")
+    assert err == (f"trajectory-replay: error: {tmp_path / 'v1'}: cannot write the converted bundle: "
+                   f"No space left on device\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2"]

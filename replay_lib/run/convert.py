@@ -76,6 +76,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> ConvertR
         if os.path.lexists(dst):
             raise UsageError(f"{dst}: already exists; refusing to overwrite")
         os.rename(stage, dst)
+    except OSError as exc:  # where DST goes cannot be written (read-only, full): the command's problem, one line
+        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(exc, FileExistsError):
+            raise UsageError(f"{dst}: already exists; refusing to overwrite") from None
+        raise UsageError(f"{dst}: cannot write the converted bundle: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
