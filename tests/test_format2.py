@@ -248,6 +248,10 @@ def test_the_writer_writes_2_0_0_that_the_original_reads(tmp_path, cli):
     b = _write(tmp_path / "w2", manifest, index, {}, format_version="2.0.0")
     doc = _original_2_0_reads(b)
     assert doc["manifest"]["format_version"] == "2.0.0"
+    # only the top-level keys its validate knows (MANIFEST_KEYS, INDEX_KEYS of its schema.py): no unknown-field flag
+    assert set(doc["manifest"]) == {"format_version", "bundle_id", "producer", "stage_contracts", "payloads",
+                                    "comparison_policy", "redaction"}
+    assert set(doc["index"]) == {"bundle_id", "identity", "samples", "config"}
     sample = doc["index"]["samples"][0]
     assert "raw_reward" not in sample and sample["reward"] == -1.0
     assert not {"n_samples_per_prompt", "grpo_std_normalization"} & set(doc["index"]["config"])

@@ -120,6 +120,8 @@ def wire_manifest_2(doc: dict) -> dict:
         for stage, contract in contracts.items():
             if stage in FORMAT_2_STAGE_IDS:
                 contract["version"] = "v2"
+    if not doc.get("extension_stage_contracts"):  # the original's 2.0 validate flags a top-level key it does not know
+        doc.pop("extension_stage_contracts", None)
     return doc
 
 
