@@ -536,3 +536,19 @@ def test_convert_that_cannot_publish_is_one_line_and_leaves_nothing(tmp_path, cl
     assert err == (f"trajectory-replay: error: {tmp_path / 'v1'}: cannot write the converted bundle: "
                    f"No space left on device\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2"]
+
+
+def test_the_why_strip_of_a_per_token_reward_names_the_token_and_its_group(tmp_path, bundle_tools):
+    from replay_lib.run.runner import replay
+    from replay_tui.model import build_model
+
+    b = write_original_bundle(tmp_path / "pt")
+    bundle_tools.edit_json(b, "index.json", lambda d: [s.__setitem__("reward", [r] * s["response_length"])
+                                                        for s, r in zip(d["samples"], FIXED_REWARDS)])
+    bundle_tools.edit_json(b, "index.json", lambda d: d["samples"][3]["reward"].__setitem__(2, 0.5))
+    model = build_model(open_bundle(b), replay(b))
+    inputs = model.element_inputs("token_reward", "s-3", 2)
+    group = model.element_inputs("reward", None, 3)  # the per-sample table's row of s-3
+    assert (inputs.field, inputs.offset, inputs.items[0]) == ("token_reward", 2, ("token", "0.5"))
+    assert inputs.items[1:] == group.items and inputs.members == group.members
+    assert inputs.formula == "each token of a per-token reward = the sample's normalized reward: " + group.formula

@@ -15,7 +15,7 @@ Headless (no Textual); cheap enough for every cursor move: O(1) per token, O(gro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 from typing import Optional
 
@@ -150,6 +150,13 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
         return advantage_inputs(ctx, index, offset, t)
     if field in LOSS_TOKEN_FIELDS:
         return loss_token_inputs(ctx, field, index, offset, t)
+    if field == "token_reward":  # a recorded per-token reward against its sample's normalized reward
+        base = reward_inputs(ctx, "reward", index)
+        recorded = ctx.samples[index].reward
+        value = recorded[offset] if type(recorded) is list else recorded
+        return replace(base, field=field, offset=offset,
+                        formula=f"each token of a per-token reward = the sample's normalized reward: {base.formula}",
+                        items=(("token", fmt(value)), *base.items))
     raise KeyError(f"no input breakdown for field {field!r}")
 
 
