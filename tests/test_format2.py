@@ -552,3 +552,16 @@ def test_the_why_strip_of_a_per_token_reward_names_the_token_and_its_group(tmp_p
     assert (inputs.field, inputs.offset, inputs.items[0]) == ("token_reward", 2, ("token", "0.5"))
     assert inputs.items[1:] == group.items and inputs.members == group.members
     assert inputs.formula == "each token of a per-token reward = the sample's normalized reward: " + group.formula
+
+
+def test_what_2_0_removed_is_ignored_with_a_warning_when_a_2_0_bundle_holds_it(tmp_path, cli, bundle_tools):
+    b = write_v2_bundle(tmp_path / "v2", expected={"reward.raw": {"raw_rewards": [1.0, 3.0, 10.0, 12.0]}})
+    bundle_tools.edit_json(b, "index.json", lambda d: [s.__setitem__("raw_reward", 9.0) for s in d["samples"]])
+    rc, out, err = cli("validate", b)
+    assert (rc, err) == (0, "")
+    assert [x for x in out.splitlines() if x.startswith("warning")] == [
+        f"warning: {b / 'index.json'}: $.samples[0].raw_reward: not a field of format 2.0 (ignored; 4 sample(s) "
+        f"hold one)",
+        f"warning: {b / 'expected.json'}: $.reward.raw: not a stage of format 2.0 (ignored)"]
+    reader = BundleReader(b)
+    assert [s.raw_reward for s in reader.index.samples] == [None] * 4 and "reward.raw" not in reader.expected

@@ -49,11 +49,12 @@ def check_read(manifest: Manifest, index: BundleIndex, expected: Expected, major
         return ("index.json", bad), []
     if major != 2:
         return None, []
-    contracts = raw_manifest.get("stage_contracts")
-    for stage in FORMAT_2_REMOVED_STAGES:
-        if isinstance(contracts, dict) and stage in contracts:
-            return ("manifest.json", f"$.stage_contracts.{stage}: not a stage of format 2.0 (its reward stages "
-                                     f"were removed: the recorded reward is advantage.estimate's input)"), []
+    for section in ("stage_contracts", "extension_stage_contracts"):
+        contracts = raw_manifest.get(section)
+        for stage in FORMAT_2_REMOVED_STAGES:
+            if isinstance(contracts, dict) and stage in contracts:
+                return ("manifest.json", f"$.{section}.{stage}: not a stage of format 2.0 (its reward stages "
+                                         f"were removed: the recorded reward is advantage.estimate's input)"), []
     if _estimates(manifest):
         for i, s in enumerate(index.samples):
             if s.reward is None:
@@ -64,6 +65,8 @@ def check_read(manifest: Manifest, index: BundleIndex, expected: Expected, major
     if with_raw:
         warnings.append(("index.json", f"$.samples[{with_raw[0]}].raw_reward: not a field of format 2.0 (ignored; "
                                        f"{len(with_raw)} sample(s) hold one)"))
+        for i in with_raw:  # ignored for real: nothing downstream (an explanation) reads it
+            index.samples[i] = msgspec.structs.replace(index.samples[i], raw_reward=None)
     for stage in FORMAT_2_REMOVED_STAGES:
         if stage in expected:
             del expected[stage]
