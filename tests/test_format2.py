@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from format2_original import BATCH_REWARDS, GROUP_REWARDS, LENGTHS, write_v2_bundle
+from format2_original import BATCH_REWARDS, LENGTHS, write_v2_bundle
 from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
 from replay_lib.bundle.schema import (BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo,
                                       RecomputeConfig, SampleRecord, StageId, stage_contracts)
