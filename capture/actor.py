@@ -483,7 +483,7 @@ class ReplayCapture:
             directory=config.directory, config=recompute_config,
             rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": 1, **dict(rank_sizes or {})},
             producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
-            compute_precision=compute_precision,
+            compute_precision=compute_precision, format_major=config.format_major,
         )
         self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir, framework),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))

@@ -46,6 +46,8 @@ from replay_lib.bundle import BundleWriter
 from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
 from replay_lib.kernels import LOSS_FIELDS, POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.bundle.schema import (
+    FORMAT_2_REMOVED_STAGES,
+    FORMAT_2_VERSION,
     FORMAT_VERSION,
     PER_SAMPLE_KEY,
     PER_SAMPLE_SUMS,
@@ -184,6 +186,20 @@ class ProducerContext:
     redaction: dict = field(default_factory=lambda: dict(DEFAULT_REDACTION))
     tolerance: Tolerance = Tolerance(atol=1e-6, rtol=1e-5)
     compute_precision: str = "float32"
+    format_major: int = 1  # 2: bundles of the original's format 2.0.0 (RELAX_REPLAY_CAPTURE_FORMAT=2)
+
+
+def _as_format_2(stages, capabilities, index: BundleIndex, expected: dict):
+    """A bundle's parts as format 2.0.0 holds them: without the reward stages (each sample's ``reward``, the
+    post-processed one, is advantage.estimate's input), raw rewards, expected reward values or normalization
+    cohort ids."""
+    stages = tuple(s for s in stages if s.value not in FORMAT_2_REMOVED_STAGES)
+    capabilities = {s: c for s, c in dict(capabilities or {}).items() if s.value not in FORMAT_2_REMOVED_STAGES}
+    samples = [msgspec.structs.replace(s, raw_reward=None) if s.raw_reward is not None else s for s in index.samples]
+    index = msgspec.structs.replace(index, samples=samples, identity=msgspec.structs.replace(
+        index.identity, normalization_cohort_ids=[]))
+    expected = {k: v for k, v in expected.items() if k not in FORMAT_2_REMOVED_STAGES}
+    return stages, capabilities, index, expected
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -351,7 +367,7 @@ class BundleSink:
         contracts = stage_contracts(stages, capabilities=dict(capabilities or {}),
                                     declare_value=StageId.LOSS_VALUE not in stages)
         policy = _comparison_policy(
-            exact_fields=["reward.raw.raw_reward"],
+            exact_fields=[] if self.context.format_major == 2 else ["reward.raw.raw_reward"],  # 2.0: no reward.raw
             tolerances={str(stage): GRAD_TOLERANCE if stage == StageId.LOSS_GRAD else self.context.tolerance
                         for stage in stages},
             precision={"compute": self.context.compute_precision, "accumulate": accumulate},
@@ -377,12 +393,15 @@ class BundleSink:
     def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict,
                  capabilities: Optional[Mapping[StageId, StageCapability]] = None, accumulate: str = "float32") -> int:
         ctx = self.context
+        if ctx.format_major == 2:
+            stages, capabilities, index, expected = _as_format_2(stages, capabilities, index, expected)
         manifest = self._manifest(bundle_id, stages, capabilities, accumulate)
         root = ctx.directory / bundle_id
         with self._publishing:
             self._check_running(bundle_id)
             try:
-                with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
+                with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank,
+                                  format_version=FORMAT_2_VERSION if ctx.format_major == 2 else None) as writer:
                     self._staging = writer.staging
                     for name, tensor in payloads.items():
                         self._check_running(bundle_id)

@@ -19,6 +19,32 @@ from msgspec.structs import force_setattr
 
 FORMAT_VERSION = "1.1.0"
 SUPPORTED_MAJOR = 1
+# Format 1.2.0 (a backward-compatible minor): a sample's ``reward`` may be a per-token list. The writer declares it
+# only for a bundle that holds one, so every other bundle is written byte for byte as before.
+PER_TOKEN_REWARD_VERSION = "1.2.0"
+# The original tool's format 2.0.0 (Relax ``relax/utils/replay/schema.py`` @ 78973a59): the reward stages, a
+# sample's ``raw_reward``, the config's ``n_samples_per_prompt`` / ``grpo_std_normalization`` and the identity's
+# ``normalization_cohort_ids`` removed; a sample's ``reward`` (the post-processed reward that advantage estimation
+# consumes, scalar or per token) required. This reader reads both majors; the writer writes either.
+FORMAT_2_VERSION = "2.0.0"
+SUPPORTED_MAJORS = (1, 2)
+# The stages of format 2.0 (its StageId enum), and the 1.x stages it removed.
+FORMAT_2_STAGE_IDS = frozenset({"sample", "advantage.kl", "advantage.estimate", "loss.policy", "loss.value"})
+FORMAT_2_REMOVED_STAGES = ("reward.raw", "reward.post_process")
+# What a 2.0 bundle does not hold, by its 1.x name (``inspect`` shows none of them as recorded).
+FORMAT_2_REMOVED_CONFIG = ("n_samples_per_prompt", "grpo_std_normalization")
+FORMAT_2_REMOVED_IDENTITY = ("normalization_cohort_ids",)
+FORMAT_2_REMOVED_SAMPLE = ("raw_reward",)
+NOT_IN_FORMAT_2 = "not in format 2.0"
+
+
+def format_major(version) -> Optional[int]:
+    """The major number of a ``MAJOR.MINOR.PATCH`` version, else ``None``."""
+    if isinstance(version, str):
+        head = version.split(".", 1)[0]
+        if head.isascii() and head.isdigit() and len(head) <= 9:
+            return int(head)
+    return None
 
 # Every integer a bundle holds is bounded (SPEC §11): an int64, as the tensors and kernels that consume it
 # are. A value outside is a one-line schema error naming its field, not an OverflowError in a stage.
@@ -142,7 +168,9 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     raw_reward: Optional[float] = None
     response: Optional[str] = None
     response_length: Int
-    reward: Optional[float] = None
+    # The post-processed reward advantage estimation consumes: one per sample, or (format 1.2 / 2.0) a list of
+    # ``response_length`` per-token values.
+    reward: Union[float, list[float], None] = None
     sample_id: SampleId
     tool_output: Optional[str] = None
     total_length: Int
@@ -651,7 +679,7 @@ def _shared_samples(raws: list) -> list[SampleRecord]:
                 elif kept is not value:
                     share(rec, "raw_reward", kept)
             value = rec.reward
-            if value:
+            if type(value) is float and value:  # a per-token list is the sample's own
                 if (kept := floats_kept(value)) is None:
                     if len(floats) < _SHARED_FLOATS_MAX:
                         floats[value] = value
@@ -697,10 +725,21 @@ def decode_index_whole(blob: bytes) -> tuple[BundleIndex, bool]:
     unknown fields); one with unknown fields is decoded leniently (raising its real problem, if it has another)
     and rebuilt without them. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
     try:
-        return INDEX_DECODER.decode(blob), False
-    except msgspec.ValidationError:
-        lenient = LENIENT_INDEX_DECODER.decode(blob)
-        return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+        try:
+            return INDEX_DECODER.decode(blob), False
+        except msgspec.ValidationError:
+            lenient = LENIENT_INDEX_DECODER.decode(blob)
+            return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            raise
+        # the original writes a non-finite reward as Python's bare NaN / Infinity literal (both majors read it so)
+        doc = _python_json(blob, exc)
+        try:
+            return msgspec.convert(doc, BundleIndex), False
+        except msgspec.ValidationError:
+            lenient = msgspec.convert(doc, LENIENT_INDEX_DECODER.type)
+            return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
 
 
 def decode_expected(blob: bytes) -> Expected:
@@ -715,15 +754,24 @@ def decode_expected(blob: bytes) -> Expected:
     except msgspec.DecodeError as exc:
         if b"NaN" not in blob and b"Infinity" not in blob:
             raise _keyed(exc, blob) from None
-        try:
-            text = blob.decode("utf-8")
-            doc = json.loads(text)
-        except json.JSONDecodeError as bad:
-            at = len(text[:bad.pos].encode("utf-8"))
-            raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
-        except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
-            raise exc from None
-        return _check_expected_objects(msgspec.convert(doc, Expected))
+        return _check_expected_objects(msgspec.convert(_python_json(blob, exc), Expected))
+
+
+def _python_json(blob: bytes, exc: Exception):
+    """``blob`` parsed by the stdlib (which reads the bare ``NaN`` / ``Infinity`` / ``-Infinity`` literals Python's
+    json writes as floats), after msgspec refused it with ``exc``: raises ``exc`` when the document holds no such
+    literal, is not UTF-8 or is nested too deep, and a ``DecodeError`` naming the byte where the stdlib stopped
+    when it is malformed otherwise too."""
+    if b"NaN" not in blob and b"Infinity" not in blob:
+        raise exc
+    try:
+        text = blob.decode("utf-8")
+        return json.loads(text)
+    except json.JSONDecodeError as bad:
+        at = len(text[:bad.pos].encode("utf-8"))
+        raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
+    except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
+        raise exc from None
 
 
 _EXPECTED_KEYS_DECODER = msgspec.json.Decoder(dict[str, dict[str, msgspec.Raw]])
@@ -784,6 +832,63 @@ def _loss_terms(raw, where: str) -> PerSampleLossTerms:
 def encode_json(obj) -> bytes:
     """The wire form of the original tool: 2-space indent, sorted keys, UTF-8, one trailing newline."""
     return msgspec.json.format(JSON_ENCODER.encode(obj), indent=2) + b"\n"
+
+
+_LITERALS = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
+
+
+def encode_json_literals(doc, paths) -> bytes:
+    """:func:`encode_json` of ``doc`` (builtins: dicts, lists, floats …) with each non-finite float at ``paths``
+    written as Python's json writes it (``NaN``, ``Infinity``, ``-Infinity``), the form both majors of the original
+    tool read (msgspec alone writes ``null``, which they cannot take as a number). ``paths(doc)`` yields
+    ``(container, key)`` pairs whose value may be a float or a list of floats; only those are looked at (the
+    loss masks of a large index are never walked). A document without a non-finite value there is encoded as
+    :func:`encode_json` does."""
+    import secrets
+
+    marks: dict[str, bytes] = {}
+    nonce = None
+
+    def mark(value: float) -> str:
+        nonlocal nonce
+        if nonce is None:
+            nonce = "\u2063nf-" + secrets.token_hex(8) + "-"
+        token = nonce + repr(value)
+        marks[token] = _LITERALS[repr(value)]
+        return token
+
+    for container, key in paths(doc):
+        value = container[key]
+        if type(value) is float and not math.isfinite(value):
+            container[key] = mark(value)
+        elif type(value) is list:
+            for i, item in enumerate(value):
+                if type(item) is float and not math.isfinite(item):
+                    value[i] = mark(item)
+    blob = encode_json(doc)
+    for token, literal in marks.items():
+        quoted = JSON_ENCODER.encode(token)
+        blob = blob.replace(quoted, literal)
+    return blob
+
+
+def index_float_paths(doc: dict):
+    """The places of index.json's (builtins) floats a producer may leave non-finite: each sample's rewards."""
+    for sample in doc.get("samples", ()):
+        for key in ("raw_reward", "reward"):
+            if sample.get(key) is not None:
+                yield sample, key
+
+
+def expected_float_paths(doc: dict):
+    """Every value of expected.json (builtins), and each per-sample loss term's list."""
+    for values in doc.values():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                for term in value:
+                    yield value, term
+            else:
+                yield values, key
 
 
 def unknown_fields(raw, typ, path: str = "$") -> list[str]:

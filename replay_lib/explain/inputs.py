@@ -15,7 +15,7 @@ Headless (no Textual); cheap enough for every cursor move: O(1) per token, O(gro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 from typing import Optional
 
@@ -154,6 +154,14 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
         return loss_token_inputs(ctx, field, index, offset, t)
     if field in GRAD_TOKEN_FIELDS:
         return grad_token_inputs(ctx, field, index, offset, t)
+
+    if field == "token_reward":  # a recorded per-token reward against its sample's normalized reward
+        base = reward_inputs(ctx, "reward", index)
+        recorded = ctx.samples[index].reward
+        value = recorded[offset] if type(recorded) is list else recorded
+        return replace(base, field=field, offset=offset,
+                        formula=f"each token of a per-token reward = the sample's normalized reward: {base.formula}",
+                        items=(("token", fmt(value)), *base.items))
     raise KeyError(f"no input breakdown for field {field!r}")
 
 
@@ -262,13 +270,22 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
     normalized reward broadcast over the sample's tokens (GRPO and its kin), the discounted returns of the
     per-token rewards (REINFORCE++, the KL in the token rewards), or GAE over the recorded values — then
     whitened where the estimator whitens. Only a broadcast names its value: a recursion's is the Diff pane's."""
-    from ..stages.advantage import estimate_kind, grpo_rewards, whitens  # what advantage.estimate consumes
+    from ..stages.advantage import (estimate_kind, grpo_rewards, recorded_token_rewards,  # what advantage.estimate
+                                    whitens)  # consumes
     from ..stages.reward import _reward_kl
 
     cfg = ctx.config
+    record = ctx.samples[index]
+    tokens = recorded_token_rewards(ctx)
+    if tokens is not None:  # per-token rewards (format 1.2 / 2.0): the token's own, recorded
+        reward = float(tokens[t])
+        items = (("reward", fmt(reward)), ("group", group_label(record.group_index)),
+                 ("mask", str(int(ctx.loss_mask[t]))))
+        return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset,
+                             formula=f"A = the token's recorded reward = {fmt(reward)} (per-token rewards)",
+                             items=items)
     rewards, _ = grpo_rewards(ctx)
     reward = float(rewards[index])
-    record = ctx.samples[index]
     items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t])))]
     how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
     kind = estimate_kind(cfg)

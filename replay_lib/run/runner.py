@@ -20,11 +20,11 @@ from ..explain import annotate
 from ..bundle.gcpause import gc_paused
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
-from ..bundle.schema import ActorStepId, StageCapability, StageId
+from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageId
 from ..bundle.selection import Selection, resolve_selection, selection_keys
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
 from ..kernels import grpo_std_scope
-from ..stages.advantage import advantage_config_error, estimator_refusal
+from ..stages.advantage import advantage_config_error, estimator_refusal, per_token_reward_refusal
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
@@ -64,6 +64,10 @@ def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], pa
     if requested is not None:
         for stage in requested:
             contract = contracts.get(stage)
+            if stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2:
+                raise UnsupportedError(f"stage {stage.value} is {NOT_IN_FORMAT_2} ({reader.path / 'manifest.json'} "
+                                       f"is format {reader.manifest.format_version}: the recorded reward is "
+                                       f"advantage.estimate's input)")
             if stage in UNSUPPORTED or stage not in REGISTRY:
                 raise UnsupportedError(f"stage {stage.value} is unsupported: {UNSUPPORTED.get(stage, 'no adapter in this engine')}")
             if contract is None:
@@ -90,9 +94,12 @@ def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], pa
         targets = set(STAGE_ORDER)
     for stage in STAGE_ORDER:
         contract = contracts.get(stage)
-        plan.capability[stage] = contract.capability.value if contract else "not declared"
+        plan.capability[stage] = contract.capability.value if contract else (
+            NOT_IN_FORMAT_2 if stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2 else "not declared")
         if stage not in targets:
             plan.skipped[stage] = "not requested (--stage)"
+        elif contract is None and stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2:
+            plan.skipped[stage] = NOT_IN_FORMAT_2
         elif contract is None:
             plan.skipped[stage] = "not declared in manifest"
         elif contract.capability != StageCapability.RECOMPUTE:
@@ -131,6 +138,9 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
     refused = estimator_refusal(cfg)
     if refused is not None:
         raise UnsupportedError(f"{where}: {refused}")
+    per_token = per_token_reward_refusal(reader) if StageId.ADVANTAGE_ESTIMATE in stages else None
+    if per_token is not None:
+        raise UnsupportedError(f"{where}: {per_token}")
     cp = reader.index.identity.rank.get("cp", 1)
     if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "

@@ -137,7 +137,70 @@ def grpo_rewards(ctx: StageContext) -> tuple[torch.Tensor, Optional[torch.Tensor
     if any(s.reward is None for s in ctx.samples):
         raise StageInputError("no normalized rewards: reward.post_process did not run and samples lack 'reward'",
                               field="reward")
+    if any(type(s.reward) is list for s in ctx.samples):
+        raise StageInputError("per-token rewards: each sample's rewards are read per token (recorded_token_rewards)",
+                              field="reward")
     return list_tensor([s.reward for s in ctx.samples], torch.float64), None
+
+
+def recorded_token_rewards(ctx: StageContext) -> Optional[torch.Tensor]:
+    """float64 ``[tokens]`` of the selected samples' recorded rewards when advantage.estimate consumes them and one
+    of them is per-token (format 1.2 / 2.0: a list of ``response_length`` values; a scalar is broadcast over its
+    sample's tokens), else ``None`` (per-sample rewards: :func:`grpo_rewards`)."""
+    if "rewards" in ctx.outputs and (ctx.chain or not _rewards_recorded(ctx)):
+        return None
+    if isinstance(ctx.reader.expected.get("reward.post_process", {}).get("rewards"), list):
+        return None
+    if not any(type(s.reward) is list for s in ctx.samples):
+        return None
+    parts = [torch.tensor(s.reward, dtype=torch.float64) if type(s.reward) is list
+             else torch.full((s.response_length,), float(s.reward), dtype=torch.float64) for s in ctx.samples]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def per_token_reward_refusal(reader: BundleReader) -> Optional[str]:
+    """Why advantage.estimate cannot replay this bundle's per-token rewards (exit 4), else ``None``: they are
+    the advantages themselves under a broadcast estimator without whitening (the original's GRPO), and nothing
+    else defines how a per-token reward enters a group baseline, a discounted return or GAE."""
+    cfg = reader.index.config
+    if estimate_kind(cfg) == "broadcast" and not whitens(cfg):
+        return None
+    for i, s in enumerate(reader.index.samples):
+        if type(s.reward) is list:
+            if estimate_kind(cfg) == "broadcast" and cfg.normalize_advantages:
+                how = "normalize_advantages=true"
+            elif cfg.kl_in_reward == "token_returns" and cfg.advantage_estimator not in ("gae", "reinforce_plus_plus"):
+                how = "kl_in_reward='token_returns'"
+            else:
+                how = f"advantage_estimator={cfg.advantage_estimator!r}"
+            return (f"$.samples[{i}].reward: a per-token reward is replayed under a broadcast estimator without "
+                    f"whitening only (grpo, as the original's format 2.0), not {how}")
+    return None
+
+
+def _token_reward_estimate(ctx: StageContext, expected: torch.Tensor, tokens: torch.Tensor) -> StageReport:
+    """advantage.estimate of per-token rewards: each token's advantage is its recorded reward (the broadcast
+    estimators' rule, token by token), compared on every token."""
+    if ctx.dtype != torch.float64:  # --exact: the producer's float32 values, compared bitwise
+        actual, bound = tokens.to(ctx.dtype), None
+    else:
+        actual = tokens
+        bound = advantage_bound(tokens, unit_roundoff(expected))
+    if zeroed(ctx.config):
+        actual = _masked(ctx, actual)
+        bound = None if bound is None else _masked(ctx, bound)
+    ctx.outputs["advantages"] = actual
+    if bound is not None:
+        per_sample = torch.zeros(ctx.n, dtype=torch.float64)
+        if bound.numel():
+            per_sample.scatter_reduce_(0, ctx.seg, bound, reduce="amax", include_self=True)
+        ctx.outputs["advantage_bound"] = per_sample
+    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
+                      compared=_rule_nan(ctx, None, expected))
+    return ctx.report(
+        StageId.ADVANTAGE_ESTIMATE, [field],
+        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared (per-token rewards)")
 
 
 def _rewards_recorded(ctx: StageContext) -> bool:
@@ -242,6 +305,9 @@ def _masked(ctx: StageContext, column):
 def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     """GRPO returns (and dr_grpo, rloo, REINFORCE++-baseline's before their whitening): each sample's reward
     broadcast over its tokens, compared on every token, as V1."""
+    tokens = recorded_token_rewards(ctx)
+    if tokens is not None:
+        return _token_reward_estimate(ctx, expected, tokens)
     rewards, inherited = grpo_rewards(ctx)
     bound = None
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 broadcast, compared bitwise

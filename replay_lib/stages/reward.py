@@ -12,7 +12,7 @@ import msgspec
 import torch
 
 from ..judge.compare import Comparison, as_float64, list_tensor
-from ..judge.fields import PER_SAMPLE
+from ..judge.fields import PER_SAMPLE, PER_TOKEN
 from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, batch_std_bound,
                            exact_zero_std, group_stats,
                            kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
@@ -131,16 +131,20 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
         recorded_nan = torch.tensor([e is None or e != e for e in expected], dtype=torch.bool)
         compared = ~(one & recorded_nan)
     field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards, bound=bound, compared=compared)
+    fields = [field] + _token_reward_fields(ctx, rewards, bound)
     if rule.center or (grouping and own):
         _group_hazards(ctx, stats, rewards, bound, rule, grouped, sample_std, score)
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         if pre.mismatches:
             return pre.divergences[0].message
+        if not per["reward"].mismatches and "token_reward" in per:
+            tokens = per["token_reward"]
+            return f"per-token reward mismatch in {tokens.mismatches} token(s) of {tokens.bad_samples} sample(s)"
         return f"normalized reward mismatch in {per['reward'].bad_samples} sample(s)"
 
     pre.divergences = pre.divergences[: ctx.keep]
-    return ctx.report(StageId.REWARD_POST_PROCESS, [field], structural=pre, fail_reason=fail_reason,
+    return ctx.report(StageId.REWARD_POST_PROCESS, fields, structural=pre, fail_reason=fail_reason,
                       pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared{_rule_text(cfg, rule)}")
 
 
@@ -278,6 +282,21 @@ def _gdpo_bound(comps: torch.Tensor, groups: torch.Tensor, rule: GroupRule, w: O
         else:
             bound = bound + worst + spread
     return bound
+
+
+def _token_reward_fields(ctx: StageContext, rewards: torch.Tensor, bound: torch.Tensor) -> list:
+    """``token_reward`` (format 1.2): each per-token ``reward`` a sample records against its recomputed normalized
+    reward on every token of the sample (what a broadcast estimator consumes token by token), within the same
+    bound; the tokens of samples whose reward is one number are not compared here. Empty without such a sample."""
+    listed = [type(s.reward) is list for s in ctx.samples]
+    if not any(listed):
+        return []
+    recorded = torch.cat([torch.tensor(s.reward, dtype=torch.float64) if type(s.reward) is list
+                          else torch.zeros(s.response_length, dtype=torch.float64) for s in ctx.samples])
+    seg = ctx.seg
+    compared = torch.tensor(listed, dtype=torch.bool)[seg]
+    return [ctx.field("reward.post_process", "token_reward", PER_TOKEN, recorded, rewards.to(torch.float64)[seg],
+                      bound=bound.to(torch.float64)[seg], compared=compared)]
 
 
 # The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).

@@ -30,10 +30,17 @@ class FieldSpec:
     kind: str
     title: str
     sort: str = ""  # the diff viewer's default row order ("err": by |err|, largest first)
+    # A field only some bundles have: ``(reader -> whether this bundle can have it, why not)``; None: every bundle
+    # whose stage runs.
+    present: Optional[tuple] = None
 
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("raw_reward", "reward.raw", KIND_SAMPLE, "raw reward per sample"),
     FieldSpec("reward", "reward.post_process", KIND_SAMPLE, "normalized reward per sample"),
+    FieldSpec("token_reward", "reward.post_process", KIND_TOKEN,
+              "recorded per-token reward vs the sample's normalized reward (format 1.2)",
+              present=(lambda reader: any(type(s.reward) is list for s in reader.index.samples),
+                       "no per-token reward recorded")),
     FieldSpec("kl", "advantage.kl", KIND_TOKEN, "rollout-vs-reference KL per token"),
     FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "advantage per token"),
     FieldSpec("returns", "advantage.estimate", KIND_TOKEN, "returns per token (GAE: advantages + values)"),
