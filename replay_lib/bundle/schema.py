@@ -248,6 +248,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Optional[Int] = None
     num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
+    # The policy-loss family (kernels/families: ppo, cispo, sapo, geo_mean, ...) and its parameters; an unknown
+    # family or parameter is refused by loss.policy naming the known ones (exit 4).
+    policy_loss: str = "ppo"
+    policy_loss_params: dict[str, Union[float, int, str, bool, None]] = {}
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
