@@ -21,6 +21,7 @@ Optional columns the replay's error model reads (``stages/loss.py``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -52,6 +53,57 @@ def family(name: str) -> PolicyFamily:
         return FAMILIES[name]
     except KeyError:
         raise KeyError(f"unknown policy_loss {name!r} (known: ppo, {', '.join(sorted(FAMILIES))})") from None
+
+
+def family_refusals(cfg) -> list[tuple[str, str]]:
+    """``(knob, why)`` for each thing of ``cfg``'s policy-loss family loss.policy cannot recompute (exit 4): an
+    unknown family, a parameter the family does not have, of the wrong type or value, or a knob it does not
+    combine with (``PolicyFamily`` checks: ``check(cfg, params) -> list[(knob, why)]`` where a module defines it)."""
+    name = getattr(cfg, "policy_loss", "ppo") or "ppo"
+    params = dict(getattr(cfg, "policy_loss_params", None) or {})
+    if name == "ppo":
+        return [("policy_loss_params", f"{sorted(params)} given but policy_loss 'ppo' takes none")] if params else []
+    if name not in FAMILIES:
+        return [("policy_loss", f"{name!r} is not a known policy-loss family (known: ppo, "
+                                f"{', '.join(sorted(FAMILIES))})")]
+    fam = FAMILIES[name]
+    out = []
+    for key, value in sorted(params.items()):
+        if key not in fam.defaults:
+            known = ", ".join(sorted(fam.defaults)) or "none"
+            out.append((f"policy_loss_params.{key}", f"not a parameter of policy_loss {name!r} (its parameters: "
+                                                      f"{known})"))
+            continue
+        default = fam.defaults[key]
+        allowed = CHOICES.get((name, key))
+        if allowed is not None:
+            if value not in allowed:
+                out.append((f"policy_loss_params.{key}", f"expected one of {', '.join(allowed)} for policy_loss "
+                                                          f"{name!r}, got {value!r}"))
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value <= 0:
+            if not (default is None and value is None):
+                out.append((f"policy_loss_params.{key}", f"expected a finite number > 0 for policy_loss {name!r}, "
+                                                          f"got {value!r}"))
+    for key, default in sorted(fam.defaults.items()):
+        if default is None and params.get(key) is None and not any(k == f"policy_loss_params.{key}" for k, _ in out):
+            out.append((f"policy_loss_params.{key}", f"policy_loss {name!r} needs it (a number > 0); none is "
+                                                      "recorded"))
+    if getattr(cfg, "eps_clip_c", None) is not None:
+        out.append(("eps_clip_c", f"dual-clip is PPO's; policy_loss {name!r} does not apply it"))
+    if getattr(cfg, "importance_level", "token") != "token":
+        out.append(("importance_level", f"the sequence ratio is GSPO's (policy_loss 'ppo'); policy_loss {name!r} "
+                                        "takes its own ratio"))
+    for knob, why in LIMITS.get(name, ()):
+        if getattr(cfg, knob, None):
+            out.append((knob, why))
+    return out
+
+
+# (family, parameter) → its allowed values, for the parameters that are words
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {}
+# family → (knob, why) for the knobs it does not combine with (refused when set)
+LIMITS: dict[str, tuple[tuple[str, str], ...]] = {}
 
 
 from . import cispo  # noqa: E402,F401

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PolicyFamily, register
+from . import CHOICES, PolicyFamily, register
 from ._common import log_ratio, relative_gap, zeros
 
 CAPS = ("relative", "absolute")
@@ -46,6 +46,7 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
             "log_ratio": lr, "cispo_weight": w, "edge_gap": gap}
 
 
+CHOICES.update({("cispo", "cap"): CAPS, ("cispo", "anchor"): ANCHORS})
 register(PolicyFamily(
     name="cispo", defaults={"cap": "relative", "anchor": "old"}, token_terms=token_terms,
     metrics=("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PolicyFamily, register
+from . import LIMITS, PolicyFamily, register
 from ..segments import masked_sample_sums
 
 
@@ -60,6 +60,11 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
             "pg_err": err}
 
 
+LIMITS["geo_mean"] = (
+    ("is_level", "GMPO weighs a sample by the geometric mean of its rollout weights (core_algos.py:1989-1996), not "
+                 "recomputed: record the loss without the rollout correction"),
+    ("log_ratio_clamp", "GMPO does not clamp its log-ratio (core_algos.py:1973)"),
+)
 register(PolicyFamily(
     name="geo_mean", defaults={}, token_terms=token_terms, sample_terms=sample_terms,
     metrics=("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"),
