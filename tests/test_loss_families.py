@@ -42,3 +42,100 @@ def test_each_family_bug_is_the_first_divergence(tmp_path, cli, config):
     assert code == 1, _loss(report)
     assert report["first_divergent_stage"] == "loss.policy"
     assert report["first_divergence"]["field"] in {"pg_loss", "loss"}, report["first_divergence"]
+
+
+# ------------------------------------------------------------------------------------ the kernels by hand
+
+def _terms(name, logp, old, adv, params=(), **knobs):
+    from replay_lib.kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
+
+    k = LossKnobs(policy_loss=name, policy_loss_params=tuple(sorted(params)), **knobs)
+    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    logp, old, adv = t(logp), t(old), t(adv)
+    lengths = torch.tensor([logp.numel()])
+    st = sample_log_terms(logp, old, None, torch.ones_like(logp), lengths, k, torch.float64, advantages=adv)
+    return policy_token_terms(logp, old, adv, k, seg=torch.zeros(logp.numel(), dtype=torch.long), sample_terms=st,
+                              dtype=torch.float64)
+
+
+LN = math.log
+
+
+def test_cispo_by_hand_relative_and_absolute_caps():
+    # r = 2, 0.5, 1.1 (ε_low 0.2, ε_high 0.28): clip(r) = 1.28, 0.8, 1.1; pg = −clip(r)·A·logp
+    logp = [LN(0.2), LN(0.05), LN(0.11)]
+    old = [LN(0.1), LN(0.1), LN(0.1)]
+    t = _terms("cispo", logp, old, [1.0, -2.0, 0.5], eps_clip=0.2, eps_clip_high=0.28)
+    assert t["pg"].tolist() == pytest.approx([-1.28 * LN(0.2), 0.8 * 2 * LN(0.05), -1.1 * 0.5 * LN(0.11)], rel=1e-12)
+    assert t["clip"].tolist() == [1.0, 1.0, 0.0]
+    # TRL's absolute cap ε_high = 1.5: min(r, 1.5) = 1.5, 0.5, 1.1; clipped only where r > 1.5 and A > 0
+    t = _terms("cispo", logp, old, [1.0, -2.0, 0.5], params=[("cap", "absolute")], eps_clip=0.2, eps_clip_high=1.5)
+    assert t["pg"].tolist() == pytest.approx([-1.5 * LN(0.2), 0.5 * 2 * LN(0.05), -1.1 * 0.5 * LN(0.11)], rel=1e-12)
+    assert t["clip"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_sapo_by_hand_tau_by_the_sign_of_a():
+    # r = 2 with A = 1 (τ_pos = 1): σ(1)·4; r = 0.5 with A = −1 (τ_neg = 2): σ(2·(−0.5))·4/2 = σ(−1)·2
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    t = _terms("sapo", [LN(0.2), LN(0.05)], [LN(0.1), LN(0.1)], [1.0, -1.0], params=[("tau_pos", 1.0),
+                                                                                       ("tau_neg", 2.0)])
+    assert t["pg"].tolist() == pytest.approx([-sig(1.0) * 4, sig(-1.0) * 2], rel=1e-12)
+    assert t["clip"].tolist() == [0.0, 0.0]
+
+
+def test_gmpo_by_hand_geometric_mean_of_sign_clipped_ratios():
+    # A = 1 on both tokens, Δ = ln 2 and ln 0.5 (ε 0.2/0.28): min(Δ, 0.28) = 0.28 and ln 0.5 (the low side unclipped
+    # where A > 0); R = exp((0.28 + ln 0.5)/2); the sample's loss −1·R, spread over its 2 tokens
+    t = _terms("geo_mean", [LN(0.2), LN(0.05)], [LN(0.1), LN(0.1)], [1.0, 1.0], eps_clip=0.2, eps_clip_high=0.28)
+    r, a = math.exp((0.28 + LN(0.5)) / (2 + 1e-8)), 2 / (2 + 1e-8)  # verl's n + 1e-8 in both means
+    assert t["pg"].tolist() == pytest.approx([-a * r / 2, -a * r / 2], rel=1e-12)
+    assert t["clip"].tolist() == [1.0, 1.0] and t["clip_lower"].tolist() == [0.0, 0.0]
+    # A = −1: max(Δ, −0.2) = ln 2 and −0.2
+    t = _terms("geo_mean", [LN(0.2), LN(0.05)], [LN(0.1), LN(0.1)], [-1.0, -1.0], eps_clip=0.2, eps_clip_high=0.28)
+    r = math.exp((LN(2.0) - 0.2) / (2 + 1e-8))
+    assert t["pg"].tolist() == pytest.approx([a * r / 2, a * r / 2], rel=1e-12)
+    assert t["clip_lower"].tolist() == [1.0, 1.0]
+
+
+def test_dppo_tv_and_kl_by_hand_masks():
+    # p − p_old = 0.1 and −0.04 (ε 0.05): A > 0 masks the first (0.1 > 0.05), A < 0 keeps the second (−0.04 ≥ −0.05)
+    t = _terms("dppo_tv", [LN(0.2), LN(0.06)], [LN(0.1), LN(0.1)], [1.0, -1.0], params=[("trunc", 1.5)],
+               eps_clip=0.05, eps_clip_high=0.05)
+    assert t["clip"].tolist() == [1.0, 0.0]
+    assert t["pg"].tolist() == pytest.approx([0.0, -(-1.0) * 0.6 * LN(0.06)], rel=1e-12)
+    # binary KL of p = 0.2 against p_old = 0.1: 0.1·ln(0.5) + 0.9·ln((0.9 + 1e-8)/(0.8 + 1e-8)) ≈ 0.0367
+    d = 0.1 * LN(0.5) + 0.9 * LN((0.9 + 1e-8) / (0.8 + 1e-8))
+    for eps, kept in ((0.03, 0.0), (0.04, 1.0)):
+        t = _terms("dppo_kl", [LN(0.2)], [LN(0.1)], [1.0], params=[("trunc", 1.5)], eps_clip=eps, eps_clip_high=eps)
+        assert d == pytest.approx(0.03669, abs=1e-5) and t["clip"].tolist() == [1.0 - kept]
+        assert t["pg"].tolist() == pytest.approx([-1.5 * LN(0.2) * kept], rel=1e-12)  # min(r = 2, c = 1.5)
+
+
+def test_dro_and_gpg_by_hand():
+    t = _terms("dro", [LN(0.2)], [LN(0.1)], [2.0], params=[("beta", 0.5)])
+    assert t["pg"].tolist() == pytest.approx([-(LN(0.2) * 2.0 - 0.25 * LN(2.0) ** 2)], rel=1e-12)
+    t = _terms("gpg", [LN(0.2)], [LN(0.1)], [2.0])
+    assert t["pg"].tolist() == pytest.approx([-2.0 * LN(0.2)], rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("policy_loss, params, message", [
+    ("luspo_typo", {}, "index.json: $.config.policy_loss='luspo_typo': not a known policy-loss family (known: ppo, cispo, dppo_kl, "
+                      "dppo_tv, dro, geo_mean, gpg, sapo"),
+    ("cispo", {"cap": "both"}, "$.config.policy_loss_params.cap='both': expected one of relative, absolute for "
+                               "policy_loss 'cispo' (stage loss.policy)"),
+    ("sapo", {"tau": 1.0}, "$.config.policy_loss_params.tau=1.0: not a parameter of policy_loss 'sapo' (its "
+                           "parameters: tau_neg, tau_pos)"),
+    ("dro", {}, "$.config.policy_loss_params.beta=None: policy_loss 'dro' needs it (a number > 0)"),
+    ("dro", {"beta": -1.0}, "$.config.policy_loss_params.beta=-1.0: expected a finite number > 0 for policy_loss 'dro'"),
+])
+def test_an_unknown_family_or_parameter_is_refused_by_name(tmp_path, cli, policy_loss, params, message):
+    from producers.loss_families import FamilyConfig
+
+    path = produce_family_bundle(tmp_path / "b", 0, Size(samples=4, tokens=8, group_size=2),
+                                 FamilyConfig("gpg", micro_batches=2), policy_loss=policy_loss, params=params)
+    code, out, err = cli("replay", path)
+    assert (code, out) == (4, ""), err
+    assert message in err and err.count("\n") == 1, err

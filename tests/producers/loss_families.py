@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import msgspec
 import numpy as np
 import torch
 
@@ -197,8 +198,10 @@ def recompute_config(cfg: FamilyConfig, tokens: int, samples: int) -> RecomputeC
 
 
 def produce_family_bundle(path: str | Path, seed: int, size: Size, cfg: FamilyConfig = FamilyConfig(), *,
-                          precision: str = "float32", bug: Optional[str] = None) -> Path:
-    """Write the bundle this producer records for one step of ``size`` drawn from ``seed``."""
+                          precision: str = "float32", bug: Optional[str] = None,
+                          policy_loss: Optional[str] = None, params: Optional[dict] = None) -> Path:
+    """Write the bundle this producer records for one step of ``size`` drawn from ``seed`` (``policy_loss`` /
+    ``params``: a different family or parameters declared than the one run, for the refusals)."""
     if bug is not None and bug != FAMILY_BUGS[cfg.loss]:
         raise ValueError(f"unknown bug {bug!r} for {cfg.loss} (its bug: {FAMILY_BUGS[cfg.loss]})")
     if size.samples % cfg.micro_batches:
@@ -222,6 +225,10 @@ def produce_family_bundle(path: str | Path, seed: int, size: Size, cfg: FamilyCo
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=3, step_id=0),
                                                                rank={"dp": cfg.dp}),
                         samples=samples, config=recompute_config(cfg, tokens, size.samples))
+    if policy_loss is not None or params is not None:
+        index = msgspec.structs.replace(index, config=msgspec.structs.replace(
+            index.config, policy_loss=policy_loss or index.config.policy_loss,
+            policy_loss_params=index.config.policy_loss_params if params is None else params))
     declared = {"compute": precision, "accumulate": "float32"} if precision == "bfloat16" else None
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.loss_families", torch_version=torch.__version__),

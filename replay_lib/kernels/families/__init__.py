@@ -62,41 +62,41 @@ def family_refusals(cfg) -> list[tuple[str, str]]:
     name = getattr(cfg, "policy_loss", "ppo") or "ppo"
     params = dict(getattr(cfg, "policy_loss_params", None) or {})
     if name == "ppo":
-        return [("policy_loss_params", f"{sorted(params)} given but policy_loss 'ppo' takes none")] if params else []
+        return [("policy_loss_params", f"{params!r}: policy_loss 'ppo' takes no parameters")] if params else []
     if name not in FAMILIES:
-        return [("policy_loss", f"{name!r} is not a known policy-loss family (known: ppo, "
+        return [("policy_loss", f"{name!r}: not a known policy-loss family (known: ppo, "
                                 f"{', '.join(sorted(FAMILIES))})")]
     fam = FAMILIES[name]
     out = []
     for key, value in sorted(params.items()):
         if key not in fam.defaults:
             known = ", ".join(sorted(fam.defaults)) or "none"
-            out.append((f"policy_loss_params.{key}", f"not a parameter of policy_loss {name!r} (its parameters: "
-                                                      f"{known})"))
+            out.append((f"policy_loss_params.{key}", f"{value!r}: not a parameter of policy_loss {name!r} (its "
+                                                      f"parameters: {known})"))
             continue
         default = fam.defaults[key]
         allowed = CHOICES.get((name, key))
         if allowed is not None:
             if value not in allowed:
-                out.append((f"policy_loss_params.{key}", f"expected one of {', '.join(allowed)} for policy_loss "
-                                                          f"{name!r}, got {value!r}"))
+                out.append((f"policy_loss_params.{key}", f"{value!r}: expected one of {', '.join(allowed)} for "
+                                                          f"policy_loss {name!r}"))
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or value <= 0:
             if not (default is None and value is None):
-                out.append((f"policy_loss_params.{key}", f"expected a finite number > 0 for policy_loss {name!r}, "
-                                                          f"got {value!r}"))
+                out.append((f"policy_loss_params.{key}", f"{value!r}: expected a finite number > 0 for "
+                                                          f"policy_loss {name!r}"))
     for key, default in sorted(fam.defaults.items()):
         if default is None and params.get(key) is None and not any(k == f"policy_loss_params.{key}" for k, _ in out):
-            out.append((f"policy_loss_params.{key}", f"policy_loss {name!r} needs it (a number > 0); none is "
-                                                      "recorded"))
+            out.append((f"policy_loss_params.{key}", f"None: policy_loss {name!r} needs it (a number > 0)"))
     if getattr(cfg, "eps_clip_c", None) is not None:
-        out.append(("eps_clip_c", f"dual-clip is PPO's; policy_loss {name!r} does not apply it"))
+        out.append(("eps_clip_c", f"{cfg.eps_clip_c!r}: dual-clip is PPO's; policy_loss {name!r} does not apply it"))
     if getattr(cfg, "importance_level", "token") != "token":
-        out.append(("importance_level", f"the sequence ratio is GSPO's (policy_loss 'ppo'); policy_loss {name!r} "
-                                        "takes its own ratio"))
+        out.append(("importance_level", f"{cfg.importance_level!r}: the sequence ratio is GSPO's (policy_loss "
+                                        f"'ppo'); policy_loss {name!r} takes its own ratio"))
     for knob, why in LIMITS.get(name, ()):
-        if getattr(cfg, knob, None):
-            out.append((knob, why))
+        value = getattr(cfg, knob, None)
+        if value:
+            out.append((knob, f"{value!r}: {why}"))
     return out
 
 
