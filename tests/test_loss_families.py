@@ -139,3 +139,40 @@ def test_an_unknown_family_or_parameter_is_refused_by_name(tmp_path, cli, policy
     code, out, err = cli("replay", path)
     assert (code, out) == (4, ""), err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_dppo_mask_decided_within_rounding_of_its_edge_is_a_hazard_not_a_divergence(tmp_path, cli):
+    """p − p_old of the first token lies within float32 rounding of ε_high = 0.05: a float32 producer keeps it
+    (0.04999999), the float64 replay drops it (0.05000000). Its whole term is admitted in pg_loss and its decision
+    in pg_clipfrac, with a hazard naming the sample."""
+    from replay_lib.bundle import BundleWriter
+    from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity,
+                                          Manifest, RecomputeConfig, SampleRecord, StageId, stage_contracts)
+    from replay_lib.demo import producer
+
+    logp = torch.tensor([math.log(0.15), math.log(0.3)], dtype=torch.float32)
+    old = torch.tensor([math.log(0.1), math.log(0.3)], dtype=torch.float32)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float32)
+    assert bool((logp.exp() - old.exp())[0] <= 0.05) and not bool((logp.double().exp() - old.double().exp())[0] <= 0.05)
+    ratio = (logp - old).exp()
+    pg = -adv * ratio.clamp(max=20.0) * logp  # both kept by the float32 producer
+    policy = {"loss": float(pg.sum() / 2), "pg_loss": float(pg.sum() / 2), "pg_clipfrac": 0.0, "ppo_kl":
+              float(-(logp - old).sum() / 2), "pg_clipfrac_lower": 0.0, "entropy_loss": 0.0}
+    cfg = RecomputeConfig(eps_clip=0.05, eps_clip_high=0.05, loss_agg_mode="token_mean", loss_token_count=2,
+                          policy_loss="dppo_tv", policy_loss_params={"trunc": 20.0}, log_ratio_clamp=20.0)
+    index = BundleIndex(bundle_id="edge", identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0)),
+                        samples=[SampleRecord(sample_id="s-0", group_index=0, response_length=2, total_length=6,
+                                              loss_mask=[1, 1], raw_reward=0.0, reward=0.0)], config=cfg)
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="edge", producer=producer(),
+                        stage_contracts=stage_contracts([StageId.SAMPLE, StageId.LOSS_POLICY]), payloads={},
+                        comparison_policy=ComparisonPolicy(), redaction={})
+    writer = BundleWriter(tmp_path / "b", manifest, index, {"loss.policy": policy})
+    for name, values in (("log_probs", logp), ("old_log_probs", old), ("advantages", adv)):
+        writer.write_payload(name, values)
+    path = writer.finalize(ranks=[0])
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    loss = _loss(report)
+    assert (code, err, loss["status"]) == (0, "", "pass"), loss
+    kinds = sorted(h["kind"] for h in report["hazards"] if h["stage"] == "loss.policy")
+    assert kinds == ["clip_boundary", "mask_boundary"], report["hazards"]
