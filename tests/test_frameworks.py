@@ -138,7 +138,17 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
      "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
-     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "a bundle would need the selected-token mask"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "kl_cov"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "top kl_cov_ratio of tokens by covariance within each "
+                                                      "micro-batch"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "my_loss"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped (vanilla, gspo, bypass_mode, cispo, sapo, geo_mean, "
+                                                      "dppo_tv, dppo_kl, dro, gpg are)"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "dro"}}}},
+     "actor_rollout_ref.actor.policy_loss.dro_beta", "DRO needs a positive beta"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}},
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "set the micro-batch size"),
     ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
      "actor_rollout_ref.actor.kl_loss_type", "not mapped"),
     ({"algorithm": {"my_adv_scale": 2.0}}, "algorithm.my_adv_scale", "a key the verl mapping does not know"),
