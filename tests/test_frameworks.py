@@ -474,9 +474,9 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip and "
-                              "gspo are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
+                              "cispo and sapo are)")
 
 
 def test_skyrl_kl_in_reward_fixed_maps_and_adaptive_names_what_a_bundle_would_need():

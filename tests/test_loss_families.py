@@ -176,3 +176,49 @@ def test_a_dppo_mask_decided_within_rounding_of_its_edge_is_a_hazard_not_a_diver
     assert (code, err, loss["status"]) == (0, "", "pass"), loss
     kinds = sorted(h["kind"] for h in report["hazards"] if h["stage"] == "loss.policy")
     assert kinds == ["clip_boundary", "mask_boundary"], report["hazards"]
+
+
+# ------------------------------------------------------------------------------------ the framework mappings
+
+
+def test_verl_loss_modes_map_to_their_families():
+    from replay_lib.frameworks import from_verl
+
+    def cfg(actor):
+        return from_verl({"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {
+            "rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 2, **actor}}})
+
+    c = cfg({"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_high": 0.28})
+    assert (c.policy_loss, c.policy_loss_params, c.eps_clip, c.eps_clip_high, c.eps_clip_c, c.log_ratio_clamp) == (
+        "cispo", {}, 0.2, 0.28, None, 20.0)
+    c = cfg({"policy_loss": {"loss_mode": "sapo"}, "tau_pos": 2.0})
+    assert (c.policy_loss, c.policy_loss_params, c.loss_agg_mode, c.entropy_agg_mode, c.loss_seq_count) == (
+        "sapo", {"tau_pos": 2.0, "tau_neg": 1.05}, "seq_mean_token_mean", "token_mean", 8)
+    c = cfg({"policy_loss": {"loss_mode": "geo_mean"}, "ppo_micro_batch_size_per_gpu": 4})
+    assert (c.policy_loss, c.loss_agg_mode, c.loss_seq_count, c.log_ratio_clamp) == (
+        "geo_mean", "seq_mean_token_sum", 4, None)
+    c = cfg({"policy_loss": {"loss_mode": "dppo_kl"}, "clip_ratio_c": 20.0})
+    assert (c.policy_loss, c.policy_loss_params, c.eps_clip_c) == ("dppo_kl", {"trunc": 20.0}, None)
+    c = cfg({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}})
+    assert (c.policy_loss, c.policy_loss_params, c.log_ratio_clamp) == ("dro", {"beta": 0.1}, None)
+    assert cfg({"policy_loss": {"loss_mode": "gpg"}}).policy_loss == "gpg"
+    assert cfg({}).policy_loss == "ppo" and cfg({}).policy_loss_params == {}
+
+
+def test_trl_and_skyrl_cispo_differ_in_the_cap_and_their_defaults():
+    from replay_lib.frameworks import from_skyrl, from_trl
+
+    trl = from_trl({"loss_type": "cispo", "epsilon_high": 5.0, "num_generations": 4,
+                    "per_device_train_batch_size": 4})
+    assert (trl.policy_loss, trl.policy_loss_params, trl.eps_clip_high, trl.loss_agg_mode, trl.eps_clip_c) == (
+        "cispo", {"cap": "absolute"}, 5.0, "token_mean", None)
+    sapo = from_trl({"loss_type": "sapo", "num_generations": 4, "per_device_train_batch_size": 4})
+    assert (sapo.policy_loss, sapo.policy_loss_params, sapo.loss_agg_mode) == (
+        "sapo", {"tau_pos": 1.0, "tau_neg": 1.05}, "seq_mean_token_mean")
+    sky = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
+    assert (sky.policy_loss, sky.policy_loss_params, sky.eps_clip, sky.eps_clip_high) == (
+        "cispo", {"anchor": "old"}, 1.0, 4.0)  # [0, 5]
+    sky = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo", "cispo": {"cispo_anchor": "rollout"}}}})
+    assert sky.policy_loss_params == {"anchor": "rollout"}
+    sky = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "sapo", "sapo": {"tau_neg": 2.0}}}})
+    assert (sky.policy_loss, sky.policy_loss_params) == ("sapo", {"tau_pos": 1.0, "tau_neg": 2.0})

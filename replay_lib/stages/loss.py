@@ -432,6 +432,8 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level" if cfg.is_level is not None else "use_tis", "rollout_log_probs"))
     if knobs.kl_loss:
         out.append(("use_kl_loss", "ref_log_probs"))
+    if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
+        out.append(("policy_loss_params.anchor", "rollout_log_probs"))
     return out
 
 
