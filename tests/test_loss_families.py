@@ -42,6 +42,9 @@ def test_each_family_bug_is_the_first_divergence(tmp_path, cli, config):
     assert code == 1, _loss(report)
     assert report["first_divergent_stage"] == "loss.policy"
     assert report["first_divergence"]["field"] in {"pg_loss", "loss"}, report["first_divergence"]
+    # explain/loss.py names the family's typical bug
+    assert report["explanations"][0]["hypothesis"] == f"loss.{bug}", report["explanations"]
+    assert report["explanations"][0]["matched"] == report["explanations"][0]["of"]
 
 
 # ------------------------------------------------------------------------------------ the kernels by hand

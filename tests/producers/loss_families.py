@@ -15,7 +15,7 @@ log-probs are bf16 values, stored as bf16 payloads.
 :data:`FAMILY_BUGS` is one real bug per family: ``cispo_cap_swapped`` (the absolute cap ``min(r, ε_high)`` where
 the relative ``clamp(r, 1 − ε_low, 1 + ε_high)`` is configured), ``sapo_tau_sign`` (τ_pos taken where A ≤ 0),
 ``gmpo_arith_mean`` (the arithmetic mean of the clipped token ratios, not the geometric one), ``dppo_mask_sign``
-(the TV test of the other sign of A), ``dppo_kl_swapped`` (the binary KL with p and p_old swapped), ``dro_beta_sign``
+(the trust-region test of the other sign of A), ``dro_beta_sign``
 (the quadratic penalty added with the wrong sign), ``gpg_old_logp`` (the old log-probs in place of the current).
 """
 
@@ -37,7 +37,7 @@ from . import comparison_policy
 from .inputs import Size, make_inputs
 
 FAMILY_BUGS = {"cispo": "cispo_cap_swapped", "cispo_trl": "cispo_cap_swapped", "sapo": "sapo_tau_sign",
-               "geo_mean": "gmpo_arith_mean", "dppo_tv": "dppo_mask_sign", "dppo_kl": "dppo_kl_swapped",
+               "geo_mean": "gmpo_arith_mean", "dppo_tv": "dppo_mask_sign", "dppo_kl": "dppo_mask_sign",
                "dro": "dro_beta_sign", "gpg": "gpg_old_logp"}
 
 
@@ -111,10 +111,9 @@ def _micro(logp, old, adv, m, cfg: FamilyConfig, bug: Optional[str]):
             neg = (p - po) >= -lo
             valid = torch.where(adv > 0, neg, pos) if bug == "dppo_mask_sign" else torch.where(adv > 0, pos, neg)
         else:
-            a, b = (p, po) if bug != "dppo_kl_swapped" else (po, p)
-            la, lb = (logp, old) if bug != "dppo_kl_swapped" else (old, logp)
-            bkl = b * (lb - la) + (1 - b) * torch.log((1.0 - b + 1e-8) / (1.0 - a + 1e-8))
-            valid = torch.where(adv > 0, (bkl <= hi) | (p <= po), (bkl <= lo) | (p >= po))
+            bkl = po * (old - logp) + (1 - po) * torch.log((1.0 - po + 1e-8) / (1.0 - p + 1e-8))
+            pos, neg = (bkl <= hi) | (p <= po), (bkl <= lo) | (p >= po)
+            valid = torch.where(adv > 0, neg, pos) if bug == "dppo_mask_sign" else torch.where(adv > 0, pos, neg)
         valid = valid.float()
         pg = -adv * tr * logp * valid
         return pg, 1.0 - valid, (ratio > c).float() * valid, ppo_kl
