@@ -225,3 +225,37 @@ def test_trl_and_skyrl_cispo_differ_in_the_cap_and_their_defaults():
     assert sky.policy_loss_params == {"anchor": "rollout"}
     sky = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "sapo", "sapo": {"tau_neg": 2.0}}}})
     assert (sky.policy_loss, sky.policy_loss_params) == ("sapo", {"tau_pos": 1.0, "tau_neg": 2.0})
+
+
+# ------------------------------------------------------------------------------------ the why strip
+
+
+@pytest.mark.parametrize("loss, column", [("sapo", "gate f(r)"), ("cispo", "sg(clip(r))"), ("dppo_tv", "valid"),
+                                          ("geo_mean", "sample loss −Ā·R")])
+def test_the_why_strip_shows_the_family_formula_and_its_token_value(tmp_path, loss, column):
+    from producers.loss_families import FamilyConfig, family_step  # noqa: F401
+    from replay_lib.bundle import open_bundle
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.kernels.families import family
+    from replay_lib.kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
+    from replay_lib.judge.report import fmt_value
+    from replay_lib.stages import StageContext
+
+    config = next(c for c in CONFIGS if c.loss == loss)
+    path = produce_family_bundle(tmp_path / "b", 0, Size(samples=4, tokens=8, group_size=2), replace(
+        config, micro_batches=2))
+    shard = open_bundle(path).shards[0]
+    ctx = StageContext(reader=shard, indices=list(range(4)), partial=False)
+    got = element_inputs(ctx, "pg_losses", 1, 2)
+    # the token's pg from the family's kernel over its sample (offset 2 of sample 1)
+    lo, n = int(ctx.offsets[1]), int(ctx.lengths[1])
+    logp, old = shard.payload("log_probs")[lo:lo + n], shard.payload("old_log_probs")[lo:lo + n]
+    adv = shard.payload("advantages")[lo:lo + n].double()
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
+    mask = torch.tensor(ctx.samples[1].loss_mask)
+    st = sample_log_terms(logp, old, None, mask, torch.tensor([n]), knobs, torch.float64, advantages=adv)
+    pg = policy_token_terms(logp, old, adv, knobs, seg=torch.zeros(n, dtype=torch.long), sample_terms=st,
+                            dtype=torch.float64)["pg"][2]
+    assert got.formula == f"{family(loss).formula}; pg = {fmt_value(float(pg))}"
+    assert column in dict(got.items) and dict(got.items)["A"] == fmt_value(float(adv[2]))
+    assert got.note.startswith(f"policy_loss {loss}: adds pg·mask = ")
