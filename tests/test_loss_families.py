@@ -259,3 +259,31 @@ def test_the_why_strip_shows_the_family_formula_and_its_token_value(tmp_path, lo
     assert got.formula == f"{family(loss).formula}; pg = {fmt_value(float(pg))}"
     assert column in dict(got.items) and dict(got.items)["A"] == fmt_value(float(adv[2]))
     assert got.note.startswith(f"policy_loss {loss}: adds pg·mask = ")
+
+
+# ------------------------------------------------------------------------------------ the example trainer
+
+# thresholds tight enough for the small policy drift of two steps on one rollout to reach them
+TRAINER_FAMILIES = [("cispo", ["--loss-param", "cap=absolute", "--eps-clip-high", "0.9"], "cispo_cap"),
+                    ("sapo", [], "sapo_tau"), ("geo_mean", [], "geo_mean"),
+                    ("dppo_tv", ["--loss-param", "trunc=1.5", "--eps-clip", "0.0005", "--eps-clip-high", "0.0005"],
+                     "dppo_mask"),
+                    ("dppo_kl", ["--eps-clip", "1e-7", "--eps-clip-high", "1e-7"], "dppo_mask"),
+                    ("dro", [], "dro_beta"), ("gpg", [], "gpg_old_logp")]
+
+
+@pytest.mark.parametrize("loss, flags, bug", TRAINER_FAMILIES, ids=[f[0] for f in TRAINER_FAMILIES])
+def test_the_example_trainer_with_each_family_replays_clean_and_its_bug_fails_loss_policy(tmp_path, loss, flags,
+                                                                                        bug):
+    from test_loss_trainer import STEPS, first_divergences, train
+
+    base = ["--loss-agg", "token_mean", "--loss", loss, *flags]
+    for run in ("clean", "bug"):
+        (tmp_path / run).mkdir()
+    clean = train(tmp_path / "clean", *base)
+    assert first_divergences(clean) == dict.fromkeys(STEPS), loss
+    bad = train(tmp_path / "bug", *base, f"--{bug.replace('_', '-')}-bug")
+    got = first_divergences(bad)
+    # the first step trains on-policy (ratio ≡ 1): a bug of the ratio's treatment shows from the second step on
+    stages = {name: d[0] for name, d in got.items() if d is not None}
+    assert set(stages.values()) == {"loss.policy"}, got

@@ -123,7 +123,7 @@ class _Tokens:
         self.u_t, self.store, self.dtype = u_t, store, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
-                                             dtype=dtype)
+                                             dtype=dtype, advantages=advantages)
         # a per-sample exponent (GSPO's ratio, a sequence/geometric IS weight): its rounding, per sample
         self.sample_cond = sample_exponent_condition(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
                                                      self.knobs)
@@ -158,6 +158,17 @@ class _Tokens:
                                         self.rollout[lo:hi] if self.rollout is not None else None,
                                         self.ref[lo:hi] if "kl_loss" in t else None) if self.store.any else None
         out["e_store"] = store["ratio"] if store else None
+        if "edge_gap" in t:  # a policy-loss family's decision edges (kernels.families): its own near-edge test
+            slack = (e_delta + self.u_t) * TOKEN_SLACK
+            if store:
+                slack = slack + store["ratio"] * C_STORE
+            out["near_edge"] = t["edge_gap"].to(torch.float64) <= slack
+            if "edge_open" in t:  # a decision that drops the term: the whole term is open at its edge
+                w = t["is_weight"].to(torch.float64) if "is_weight" in t else 1.0
+                out["pg_bound"] += out["near_edge"].to(torch.float64) * t["edge_open"].to(torch.float64) * w
+        if "pg_err" in t:  # the family's own rounding scale of its surrogate
+            w = t["is_weight"].to(torch.float64) if "is_weight" in t else 1.0
+            out["pg_bound"] += t["pg_err"].to(torch.float64) * w * (e_delta * 2.0 + 3.0 * self.u_t) * TOKEN_SLACK
         if store:
             out["pg_bound"] += pg.abs().mul_(store["ratio"] + store["weight"] + self.store.advantage).mul_(C_STORE)
             out["ppo_kl_bound"] += store["log_ratio"] * C_STORE
@@ -205,11 +216,14 @@ class _Tokens:
     def near_clip_bound(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens whose clip decision a producer's rounding may flip: the ratio within its rounding of a bound
         (and a non-zero advantage: with A = 0 both sides are 0 and nothing is clipped)."""
-        slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
-        if c["e_store"] is not None:
-            slack += c["ratio"] * c["e_store"] * C_STORE
-        near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
-        near &= c["adv"] != 0
+        if "near_edge" in c:  # a policy-loss family: its own edges
+            near = c["near_edge"].clone()
+        else:
+            slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
+            if c["e_store"] is not None:
+                slack += c["ratio"] * c["e_store"] * C_STORE
+            near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
+            near &= c["adv"] != 0
         if "rho" in c:  # an advantage within its rounding of 0: its sign, and so the decision, is open
             near |= c["adv"].abs() <= c["rho"]
         return near
