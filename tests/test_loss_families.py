@@ -287,3 +287,16 @@ def test_the_example_trainer_with_each_family_replays_clean_and_its_bug_fails_lo
     # the first step trains on-policy (ratio ≡ 1): a bug of the ratio's treatment shows from the second step on
     stages = {name: d[0] for name, d in got.items() if d is not None}
     assert set(stages.values()) == {"loss.policy"}, got
+
+
+@pytest.mark.parametrize("command", ["validate", "replay"])
+def test_a_parameter_that_is_no_scalar_is_a_schema_error_in_one_line(tmp_path, cli, bundle_tools, command):
+    from producers.loss_families import FamilyConfig
+
+    path = produce_family_bundle(tmp_path / "b", 0, Size(samples=4, tokens=8, group_size=2),
+                                 FamilyConfig("dro", micro_batches=2, params={"beta": 0.5}))
+    bundle_tools.edit_json(path, "index.json", lambda d: d["config"].update(policy_loss_params={"beta": [1, 2]}))
+    code, out, err = cli(command, path)
+    assert (code, out) == (3, ""), err
+    assert err.endswith("index.json: $.config.policy_loss_params[...]: expected `bool | int | float | str | null`, "
+                        "got `array`\n") and err.count("\n") == 1, err
