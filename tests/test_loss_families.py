@@ -300,3 +300,15 @@ def test_a_parameter_that_is_no_scalar_is_a_schema_error_in_one_line(tmp_path, c
     assert (code, out) == (3, ""), err
     assert err.endswith("index.json: $.config.policy_loss_params[...]: expected `bool | int | float | str | null`, "
                         "got `array`\n") and err.count("\n") == 1, err
+
+
+def test_nemo_rl_use_cispo_is_the_relative_cap_on_its_clip_bounds():
+    from replay_lib.errors import UnsupportedFrameworkConfig
+    from replay_lib.frameworks import from_nemo_rl
+
+    cfg = from_nemo_rl({"loss_fn": {"use_cispo": True, "ratio_clip_min": 0.2, "ratio_clip_max": 0.28}})
+    assert (cfg.policy_loss, cfg.policy_loss_params, cfg.eps_clip, cfg.eps_clip_high, cfg.log_ratio_clamp) == (
+        "cispo", {}, 0.2, 0.28, None)
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_nemo_rl({"loss_fn": {"use_cispo": True, "ratio_clip_c": 3.0}})
+    assert str(err.value).endswith("loss_fn.ratio_clip_c=3.0: NeMo-RL rejects dual-clip with use_cispo")
