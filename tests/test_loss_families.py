@@ -126,7 +126,7 @@ def test_dro_and_gpg_by_hand():
 
 @pytest.mark.parametrize("policy_loss, params, message", [
     ("luspo_typo", {}, "index.json: $.config.policy_loss='luspo_typo': not a known policy-loss family (known: ppo, cispo, dppo_kl, "
-                      "dppo_tv, dro, geo_mean, gpg, sapo"),
+                      "dppo_tv, dro, geo_mean, gpg, kl_cov, sapo)"),
     ("cispo", {"cap": "both"}, "$.config.policy_loss_params.cap='both': expected one of relative, absolute for "
                                "policy_loss 'cispo' (stage loss.policy)"),
     ("sapo", {"tau": 1.0}, "$.config.policy_loss_params.tau=1.0: not a parameter of policy_loss 'sapo' (its "
@@ -202,6 +202,9 @@ def test_verl_loss_modes_map_to_their_families():
         "geo_mean", "seq_mean_token_sum", 4, None)
     c = cfg({"policy_loss": {"loss_mode": "dppo_kl"}, "clip_ratio_c": 20.0})
     assert (c.policy_loss, c.policy_loss_params, c.eps_clip_c) == ("dppo_kl", {"trunc": 20.0}, None)
+    c = cfg({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.01}})
+    assert (c.policy_loss, c.policy_loss_params, c.log_ratio_clamp) == (
+        "kl_cov", {"kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1}, None)
     c = cfg({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}})
     assert (c.policy_loss, c.policy_loss_params, c.log_ratio_clamp) == ("dro", {"beta": 0.1}, None)
     assert cfg({"policy_loss": {"loss_mode": "gpg"}}).policy_loss == "gpg"
@@ -312,3 +315,15 @@ def test_nemo_rl_use_cispo_is_the_relative_cap_on_its_clip_bounds():
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_nemo_rl({"loss_fn": {"use_cispo": True, "ratio_clip_c": 3.0}})
     assert str(err.value).endswith("loss_fn.ratio_clip_c=3.0: NeMo-RL rejects dual-clip with use_cispo")
+
+
+def test_kl_cov_without_the_micro_batch_partition_names_what_to_record(tmp_path, cli, bundle_tools):
+    from producers.loss_families import FamilyConfig
+
+    path = produce_family_bundle(tmp_path / "b", 0, Size(samples=4, tokens=8, group_size=2),
+                                 FamilyConfig("gpg", micro_batches=2), policy_loss="kl_cov", params={})
+    bundle_tools.edit_json(path, "index.json", lambda d: [s.pop("micro_batch_id") for s in d["samples"]])
+    code, out, err = cli("replay", path)
+    assert code == 3, out + err
+    assert "index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of " \
+           "the producer's micro-batches)" in out + err, out + err

@@ -35,8 +35,9 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
   micro-batches: ``seq_mean_token_sum`` over ``ppo_micro_batch_size_per_gpu``, core_algos.py:1999), ``dppo_tv`` /
   ``dppo_kl`` (``clip_ratio_low/high`` the divergence thresholds, ``clip_ratio_c`` the ratio's truncation),
   ``dro`` (``policy_loss.dro_beta``), ``gpg``. The entropy and KL terms keep ``loss_agg_mode``.
-  ``clip_cov`` and ``kl_cov`` are refused: Clip-Cov zeroes a ``torch.randperm`` sample of tokens
-  (core_algos.py:1808-1816), KL-Cov the top-k covariance tokens of each micro-batch (core_algos.py:1893-1911).
+  ``kl_cov`` (the top-k covariance tokens of each micro-batch, core_algos.py:1893-1911: from the samples'
+  ``micro_batch_id``). ``clip_cov`` is refused: Clip-Cov zeroes a ``torch.randperm`` sample of tokens
+  (core_algos.py:1808-1816).
 """
 
 from __future__ import annotations
@@ -206,14 +207,12 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
 
 # verl's loss modes that are a policy-loss family of ours (kernels/families), mode → family
 FAMILY_LOSS_MODES = {"cispo": "cispo", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv",
-                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg"}
+                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg", "kl_cov": "kl_cov"}
 # loss modes refused, with what a bundle would need to record
 REFUSED_LOSS_MODES = {
     "clip_cov": "Clip-Cov zeroes the gradient of a random sample (torch.randperm) of the tokens whose covariance "
                 "lies in (clip_cov_lb, clip_cov_ub) (core_algos.py:1808-1816): a bundle would need the selected-token "
                 "mask, which verl does not expose",
-    "kl_cov": "KL-Cov adds ppo_kl_coef·|log r| on the top kl_cov_ratio of tokens by covariance within each "
-              "micro-batch (core_algos.py:1893-1911): not recomputed",
 }
 
 
@@ -232,7 +231,10 @@ def _family(r: ConfigReader, fields: dict[str, Any], mode: str, clip_c: Optional
         if beta is None or not beta > 0:  # core_algos.py:2030-2032 raises
             r.refuse(f"{ACTOR}.policy_loss.dro_beta", beta, "DRO needs a positive beta")
         params = {"beta": beta}
-    if mode in ("geo_mean", "dro", "gpg"):  # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731)
+    elif mode == "kl_cov":  # core_algos.py:1883-1884: the config's values, else 0.0002 and 1.0
+        params = {"kl_cov_ratio": r.number(f"{ACTOR}.policy_loss.kl_cov_ratio", 0.0002),  # yaml:97
+                  "ppo_kl_coef": r.number(f"{ACTOR}.policy_loss.ppo_kl_coef", 0.1)}  # yaml:98
+    if mode in ("geo_mean", "dro", "gpg", "kl_cov"):  # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731)
         fields["log_ratio_clamp"] = None
     if mode == "geo_mean":
         if r.flag(f"{ACTOR}.use_dynamic_bsz", False):

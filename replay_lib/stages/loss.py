@@ -455,6 +455,10 @@ def count_requirements(cfg: RecomputeConfig) -> list[str]:
 def partition_requirements(reader: BundleReader) -> list[str]:
     """A ``micro_batch_token_mean`` aggregation needs every sample's ``micro_batch_id`` (the partition)."""
     knob = uses_micro_batches(reader.index.config)
+    if getattr(reader.index.config, "policy_loss", "ppo") == "kl_cov" and \
+            micro_batch_partition(reader.index.samples) is None:
+        return ["index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of "
+                "the producer's micro-batches)"]
     if knob is None or micro_batch_partition(reader.index.samples) is not None:
         return []
     return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "

@@ -44,6 +44,9 @@ CONFIGS = {
                          "policy_loss": {"loss_mode": "dppo_kl"}}, MICRO),
     "dro": ({"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "dro", "dro_beta": 0.3}}, MICRO),
     "gpg-token-sum": ({"loss_agg_mode": "token-sum", "policy_loss": {"loss_mode": "gpg"}}, MICRO),
+    # KL-Cov: the top 10 % of each micro-batch's loss tokens by cov(A, logp)
+    "kl-cov": ({"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.1,
+                                                               "ppo_kl_coef": 0.5}}, MICRO),
 }
 
 
@@ -58,7 +61,9 @@ def _loss(actor: dict, micro, old, logp, adv, mask, bug: bool) -> dict[str, floa
     cfg = _ActorConfig(clip_ratio=0.2, clip_ratio_low=actor.get("clip_ratio_low", 0.2),
                        clip_ratio_high=actor.get("clip_ratio_high", 0.2), clip_ratio_c=actor.get("clip_ratio_c", 3.0),
                        tau_pos=actor.get("tau_pos", 1.0), tau_neg=actor.get("tau_neg", 1.05),
-                       policy_loss=_ActorConfig(dro_beta=actor["policy_loss"].get("dro_beta")))
+                       policy_loss=_ActorConfig(dro_beta=actor["policy_loss"].get("dro_beta"),
+                                                kl_cov_ratio=actor["policy_loss"].get("kl_cov_ratio"),
+                                                ppo_kl_coef=actor["policy_loss"].get("ppo_kl_coef")))
     cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
                                     loss_scale_factor=None)
     core_algos.ActorConfig = _ActorConfig  # noqa: cispo's and sapo's isinstance checks read the same attributes

@@ -93,6 +93,8 @@ def family_refusals(cfg) -> list[tuple[str, str]]:
     if getattr(cfg, "importance_level", "token") != "token":
         out.append(("importance_level", f"{cfg.importance_level!r}: the sequence ratio is GSPO's (policy_loss "
                                         f"'ppo'); policy_loss {name!r} takes its own ratio"))
+    if name == "kl_cov" and isinstance(params.get("kl_cov_ratio"), (int, float)) and params["kl_cov_ratio"] > 1:
+        out.append(("policy_loss_params.kl_cov_ratio", f"{params['kl_cov_ratio']!r}: expected a fraction ≤ 1"))
     for knob, why in LIMITS.get(name, ()):
         value = getattr(cfg, knob, None)
         if value:
@@ -113,3 +115,4 @@ from . import dppo_tv  # noqa: E402,F401
 from . import dppo_kl  # noqa: E402,F401
 from . import dro  # noqa: E402,F401
 from . import gpg  # noqa: E402,F401
+from . import kl_cov  # noqa: E402,F401
