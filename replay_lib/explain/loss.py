@@ -413,6 +413,8 @@ FAMILY_BUGS = {
                  "where the total variation (dppo_tv) is declared", lambda k: replace(k, policy_loss="dppo_kl"))],
     "dppo_kl": [("loss.dppo_divergence_swapped", lambda k: "DPPO's trust region tested on the total variation "
                  "(dppo_tv) where the binary KL (dppo_kl) is declared", lambda k: replace(k, policy_loss="dppo_tv"))],
+    "kl_cov": [("loss.kl_cov_global_topk", lambda k: "KL-Cov's top-k covariance tokens taken over the whole step "
+                "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ())))],
     "dro": [("loss.dro_beta_sign", lambda k: "DRO's quadratic penalty ½·β·(log r)² added to the objective instead "
              "of subtracted", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
 }
@@ -472,6 +474,8 @@ def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypo
                 got = fields_of(k, li.log_probs, adv)
         except (KeyError, ValueError):
             continue
+        if id_ == "loss.kl_cov_global_topk":  # the selection only: the metrics keep the recorded partition
+            got = {key: v for key, v in got.items() if key in ("loss", "pg_loss", "kl_loss", "entropy_loss")}
         if id_ == "loss.cispo_cap_swapped":
             got = dict(got)
             if knobs.param("cap") == "relative":  # verl's metric 1[r ≠ clip(r)] of the absolute cap: 1[r > ε_high]

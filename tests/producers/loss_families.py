@@ -16,7 +16,8 @@ log-probs are bf16 values, stored as bf16 payloads.
 the relative ``clamp(r, 1 − ε_low, 1 + ε_high)`` is configured), ``sapo_tau_sign`` (τ_pos taken where A ≤ 0),
 ``gmpo_arith_mean`` (the arithmetic mean of the clipped token ratios, not the geometric one), ``dppo_mask_sign``
 (the trust-region test of the other sign of A), ``dro_beta_sign``
-(the quadratic penalty added with the wrong sign), ``gpg_old_logp`` (the old log-probs in place of the current).
+(the quadratic penalty added with the wrong sign), ``gpg_old_logp`` (the old log-probs in place of the current),
+``kl_cov_global_topk`` (KL-Cov's top-k taken over the whole step instead of each micro-batch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .inputs import Size, make_inputs
 
 FAMILY_BUGS = {"cispo": "cispo_cap_swapped", "cispo_trl": "cispo_cap_swapped", "sapo": "sapo_tau_sign",
                "geo_mean": "gmpo_arith_mean", "dppo_tv": "dppo_mask_sign", "dppo_kl": "dppo_mask_sign",
-               "dro": "dro_beta_sign", "gpg": "gpg_old_logp"}
+               "dro": "dro_beta_sign", "gpg": "gpg_old_logp", "kl_cov": "kl_cov_global_topk"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / m.sum()
 
 
-def _micro(logp, old, adv, m, cfg: FamilyConfig, bug: Optional[str]):
+def _micro(logp, old, adv, m, cfg: FamilyConfig, bug: Optional[str], step=None):
     """One padded micro-batch: ``(pg_losses [B, L] or per-sequence [B], clip, lower, ppo_kl)`` in float32."""
     lo, hi = cfg.eps_clip, cfg.eps_clip_high
     name = cfg.loss
@@ -123,6 +124,22 @@ def _micro(logp, old, adv, m, cfg: FamilyConfig, bug: Optional[str]):
         return -(logp * adv - sign * 0.5 * beta * nkl.square()), zero, zero, ppo_kl
     if name == "gpg":
         return -(old if bug == "gpg_old_logp" else logp) * adv, zero, zero, ppo_kl
+    if name == "kl_cov":  # core_algos.py:1886-1911 on the micro-batch's valid tokens (the global ones under the bug)
+        ratio_k, coef = cfg.params["kl_cov_ratio"], cfg.params["ppo_kl_coef"]
+        pg = -adv * ratio
+        valid = m > 0
+        a_v, l_v = adv[valid], logp[valid]
+        pg = pg.reshape(-1).clone()
+        if step is None:
+            cov = (a_v - a_v.mean()) * (l_v - l_v.mean())
+            top = torch.topk(cov, max(1, int(len(cov) * ratio_k))).indices
+            flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0][top]
+        else:  # the bug: the step's means and k-th largest covariance
+            mean_a, mean_l, threshold = step
+            cov = (adv - mean_a) * (logp - mean_l)
+            flat = torch.nonzero((valid & (cov >= threshold)).reshape(-1), as_tuple=True)[0]
+        pg[flat] += coef * nkl.abs().reshape(-1)[flat]
+        return pg.reshape(adv.shape), zero, zero, nkl.abs()
     if name == "geo_mean":
         sgn = torch.sign(adv)
         clamped = torch.clamp(nkl, -lo, hi)
@@ -147,12 +164,18 @@ def family_step(logp, old, adv, mask, lengths: list[int], cfg: FamilyConfig, bug
     tokens = float(mask.sum())
     out = {k: torch.zeros((), dtype=torch.float32) for k in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
     k = 0
+    step = None
+    if cfg.loss == "kl_cov" and bug == "kl_cov_global_topk":  # one top-k over the step's valid tokens
+        valid = mask > 0
+        a_v, l_v = adv[valid], logp[valid]
+        cov = (a_v - a_v.mean()) * (l_v - l_v.mean())
+        step = (a_v.mean(), l_v.mean(), torch.topk(cov, max(1, int(len(cov) * cfg.params["kl_cov_ratio"]))).values.min())
     for a, b in zip(bounds[:-1], bounds[1:]):
         sl = slice(int(offsets[a]), int(offsets[b]))
         ls = lengths[a:b]
         P = [_pad(x[sl], ls) for x in (logp, old, adv, mask)]
         m = P[3]
-        pg, clip, lower, ppo_kl = _micro(*P, cfg, bug)
+        pg, clip, lower, ppo_kl = _micro(*P, cfg, bug, step)
         if cfg.loss == "geo_mean":  # torch.mean over the micro-batch's sequences, summed over micro-batches
             out["pg_loss"] += torch.mean(pg)
         elif cfg.loss == "sapo":  # seq-mean-token-mean over the global sequence count × dp
@@ -168,7 +191,7 @@ def family_step(logp, old, adv, mask, lengths: list[int], cfg: FamilyConfig, bug
               "pg_clipfrac_lower": float(out["pg_clipfrac_lower"] / k), "ppo_kl": float(out["ppo_kl"] / k)}
     fields["loss"] = fields["pg_loss"]
     fields["entropy_loss"] = 0.0
-    if cfg.loss in ("dro", "gpg"):  # verl reports only ppo_kl for DRO, nothing for GPG
+    if cfg.loss in ("dro", "gpg", "kl_cov"):  # verl reports only ppo_kl for DRO and KL-Cov, nothing for GPG
         del fields["pg_clipfrac"], fields["pg_clipfrac_lower"]
         if cfg.loss == "gpg":
             del fields["ppo_kl"]
@@ -187,7 +210,7 @@ def recompute_config(cfg: FamilyConfig, tokens: int, samples: int) -> RecomputeC
     if name == "cispo_trl":
         name, params = "cispo", {**params, "cap": "absolute"}
         base["log_ratio_clamp"] = None
-    if name in ("geo_mean", "dro", "gpg"):
+    if name in ("geo_mean", "dro", "gpg", "kl_cov"):
         base["log_ratio_clamp"] = None
     if name == "sapo":
         base.update(loss_agg_mode="seq_mean_token_mean", loss_seq_count=samples)
@@ -249,6 +272,7 @@ CONFIGS = (
     FamilyConfig("dppo_kl", eps_clip=0.01, eps_clip_high=0.01, params={"trunc": 1.2}),
     FamilyConfig("dro", params={"beta": 0.5}),
     FamilyConfig("gpg"),
+    FamilyConfig("kl_cov", params={"kl_cov_ratio": 0.2, "ppo_kl_coef": 5.0}),
 )
 
 __all__ = ["CONFIGS", "FAMILY_BUGS", "FamilyConfig", "family_step", "produce_family_bundle"]

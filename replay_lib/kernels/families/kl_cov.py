@@ -4,7 +4,7 @@ of the log-ratio), plus ``ppo_kl_coef·|log r|`` on the tokens of the top ``kl_c
 max(1, int(n·kl_cov_ratio))`` (the bundle's ``micro_batch_id`` partition). ``ppo_kl`` is the mean ``|log r|``.
 
 Per-sample terms (``sample_terms``): each sample's micro-batch's ``Ā``, ``mean logp`` and the k-th largest
-covariance (the threshold a token's must reach). A token within rounding of the threshold may be selected or not
+covariance's midpoint with the next (the threshold a token's must exceed). A token within rounding of the threshold may be selected or not
 by a legitimate producer (``edge_gap``; its ``ppo_kl_coef·|log r|`` is then open: ``edge_open``)."""
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths
         mean_a[b], mean_l[b] = a.mean(), l_.mean()
         cov = (a - mean_a[b]) * (l_ - mean_l[b])
         top = max(1, int(count * ratio))
-        threshold[b] = torch.topk(cov, min(top, count)).values.min()
+        # the midpoint between the k-th and the (k+1)-th largest covariance: the selection's edge (a token is at
+        # it only when those two lie within rounding of each other)
+        values = torch.topk(cov, min(top + 1, count)).values
+        threshold[b] = (values[top - 1] + values[top]) / 2 if count > top else float("-inf")
         # a covariance's rounding scale: its two factors' magnitudes
         scale[b] = ((a.abs() + mean_a[b].abs()) * (l_.abs() + mean_l[b].abs())).max()
     return {"klcov_mean_adv": mean_a[mb_of_sample], "klcov_mean_logp": mean_l[mb_of_sample],
@@ -57,7 +60,7 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
     ratio = lr.exp()
     cov = (adv - sample_terms["klcov_mean_adv"][seg]) * (logp - sample_terms["klcov_mean_logp"][seg])
     threshold = sample_terms["klcov_threshold"][seg]
-    selected = cov >= threshold
+    selected = cov > threshold
     coef = float(knobs.param("ppo_kl_coef"))
     penalty = coef * lr.abs()
     pg = -adv * ratio + penalty * selected.to(dtype)
