@@ -382,6 +382,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
     m32 = mask.float()
+    if knobs.policy_loss == "kl_cov":  # one call is one micro-batch: KL-Cov's top-k is taken within it
+        knobs = replace(knobs, micro_batch=(0,) * lengths.numel())
     used = family_bug_knobs(knobs, bug)
     if bug == "gpg_old_logp":  # GPG's −logp·A on the old log-probs
         log_probs = old_log_probs

@@ -109,11 +109,11 @@ class _Tokens:
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
                  lengths: torch.Tensor, u_t: float, store: StorageUnits, dtype: torch.dtype = torch.float64,
                  advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
-                 ref_log_probs: Optional[torch.Tensor] = None):
+                 ref_log_probs: Optional[torch.Tensor] = None, samples=None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.entropy, self.mask = entropy, mask
         self.rollout, self.ref = rollout_log_probs, ref_log_probs
-        knobs = LossKnobs.of(config)
+        knobs = LossKnobs.of(config, samples)  # the samples: the micro-batch partition (KL-Cov's top-k)
         # the KL term of the loss per token only where its term (kl_loss_sum) can be recomputed
         self.knobs = knobs if knobs.kl_loss and ref_log_probs is not None else replace(knobs, kl_loss_coef=0.0)
         self.low = 1.0 - float(config.eps_clip)
@@ -289,6 +289,7 @@ def loss_term_fields(ctx: StageContext, li: "LossInputs") -> list[FieldResult]:
     exact = _exact(ctx)
     config, entropy, mask = ctx.config, li.entropy, li.mask
     tokens = _Tokens(li.log_probs, li.old_log_probs, li.advantages, entropy, mask, config, lengths=ctx.lengths,
+                     samples=ctx.samples,
                      u_t=UNIT_ROUNDOFF[compute], store=li.storage(compute),
                      dtype=torch.float32 if exact else torch.float64,
                      advantage_bound=None if exact else li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
