@@ -39,6 +39,9 @@ the rollout and reference log-probs, PPO's values and returns; one bug flag per 
 ``--value-loss-bug``). Gradient replay (stage ``loss.grad``, ``RELAX_REPLAY_CAPTURE_GRAD=1``): a hook on each
 micro-batch's log-probs (and values) records the gradient backward gives them; ``--grad-bug CLASS``
 (:data:`GRAD_BUGS`) changes the gradient and leaves every loss value as it was.
+``--value-loss-bug``). ``--loss FAMILY`` (``--loss-param NAME=VALUE``) trains with a policy-loss family (cispo,
+sapo, geo_mean, dppo_tv, dppo_kl, dro, gpg; ppo by default), each with its bug flag (``--cispo-cap-bug``,
+``--sapo-tau-bug``, ``--geo-mean-bug``, ``--dppo-mask-bug``, ``--dro-beta-bug``, ``--gpg-old-logp-bug``).
 
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
@@ -85,8 +88,9 @@ from replay_lib.kernels import (
     rollout_kl,
     segment_ids,
 )
-from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, policy_fields_from_sums,
-                                     policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
+from replay_lib.kernels.families import FAMILIES
+from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, has_clip_lower,
+                                     policy_fields_for, policy_fields_from_sums, policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.bundle.schema import RecomputeConfig
 
 # ------------------------------------------------------------------------------------------ task
@@ -341,7 +345,28 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 
 # The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
-LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss")
+LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss", "cispo_cap", "sapo_tau",
+             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp")
+# --loss FAMILY (RecomputeConfig.policy_loss): the policy-loss families, and each one's bug flag
+LOSS_FAMILIES = ("ppo", *sorted(FAMILIES))
+FAMILY_OF_BUG = {"cispo_cap": ("cispo",), "sapo_tau": ("sapo",), "geo_mean": ("geo_mean",),
+                 "dppo_mask": ("dppo_tv", "dppo_kl"), "dro_beta": ("dro",), "gpg_old_logp": ("gpg",)}
+
+
+def family_bug_knobs(knobs: LossKnobs, bug: Optional[str]) -> LossKnobs:
+    """The knobs a family's buggy loss runs with (the bugs that are another setting of the family)."""
+    params = dict(knobs.policy_loss_params)
+    if bug == "cispo_cap":  # the other cap: TRL's absolute min(r, ε_high) for verl's relative clamp, or back
+        params["cap"] = "absolute" if knobs.param("cap") == "relative" else "relative"
+    elif bug == "sapo_tau":  # τ taken by the wrong sign of A
+        params.update(tau_pos=knobs.param("tau_neg"), tau_neg=knobs.param("tau_pos"))
+    elif bug == "dro_beta":  # the quadratic penalty added instead of subtracted
+        params["beta"] = -float(knobs.param("beta"))
+    elif bug == "geo_mean":  # the loss mode lost on the way: PPO's clipped surrogate runs instead
+        return replace(knobs, policy_loss="ppo", policy_loss_params=())
+    else:
+        return knobs
+    return replace(knobs, policy_loss_params=tuple(sorted(params.items())))
 # The gradient bugs (stage loss.grad, SPEC §4.3): the loss value is unchanged, its gradient is not.
 GRAD_BUGS = {
     "kl_no_grad": "(needs --kl-loss) the KL term computed under no_grad: it contributes no gradient (SkyRL#1353)",
@@ -373,14 +398,21 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
     m32 = mask.float()
-    used = knobs
+    if knobs.policy_loss == "kl_cov":  # one call is one micro-batch: KL-Cov's top-k is taken within it
+        knobs = replace(knobs, micro_batch=(0,) * lengths.numel())
+    used = family_bug_knobs(knobs, bug)
+    if bug == "gpg_old_logp":  # GPG's −logp·A on the old log-probs
+        log_probs = old_log_probs
+    if bug == "dppo_mask":  # the trust-region test of the other sign of A: −pg(−A), its mask and clip indicators
+        advantages = -advantages
     if bug == "gspo":  # the sequence ratio from the summed log-ratio (a product of ratios), not its mean
         used = replace(knobs, importance_level="token")
     if grad_bug == "is_not_detached" and rollout_log_probs is not None:
         # the weight's log taken from the current log-probs: old + (logp − logp.detach()) has old's value, bit for
         # bit, and the gradient of logp (verl#4105's class, on-policy)
         rollout_log_probs = rollout_log_probs.float() - (log_probs.float() - log_probs.float().detach())
-    sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used)
+    sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used,
+                                    advantages=advantages.float())
     if bug == "gspo":
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
         sample_terms = dict(sample_terms, seq_log_ratio=lr)
@@ -401,6 +433,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                                        ref_log_probs=None if ref_log_probs is None else ref_log_probs.float())["pg"]
     if grad_bug == "kl_no_grad" and "kl_loss" in t:  # SkyRL#1353's class: the KL term computed under no_grad
         t = dict(t, kl_loss=t["kl_loss"].detach())
+    if bug == "dppo_mask":
+        pg_losses, advantages = -pg_losses, -advantages
     if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
         plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
                                    replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
@@ -417,8 +451,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
              "clip_count": per_sample(t["clip"]), "mask_count": per_sample(m)}
     sums = {"pg": terms["pg_sum"], "ent": terms["entropy_sum"], "kl": terms["kl_sum"], "clip": terms["clip_count"],
             "mask": terms["mask_count"]}
-    if knobs.dual_clip:
-        sums["clip_lower"] = per_sample(t["clip_lower"])
+    if has_clip_lower(knobs):
+        sums["clip_lower"] = per_sample(t["clip_lower"]) if "clip_lower" in t else per_sample(t["clip"] * 0)
     if knobs.kl_loss:
         sums["kl_loss"] = terms["kl_loss_sum"] = per_sample(t["kl_loss"])
     agg = knobs
@@ -430,6 +464,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         # centred at 0 (r − r.detach()): the value 0·0 adds nothing, backward's 0·(0/0) is NaN on every token
         r = log_probs.float() - log_probs.float().detach()
         fields["loss"] = fields["loss"] + 0.0 * torch.sqrt(r * r).to(torch.float64).sum()
+    fields = {k: v for k, v in fields.items() if k in policy_fields_for(knobs)}  # what the family reports
     if agg.loss_agg_mode != "sum_of_sample_means":  # the weight each sample entered the loss terms with
         inner, outer = agg_divisors(agg.loss_agg_mode, terms["mask_count"], agg)
         terms["loss_weight"] = agg.loss_scale / (inner * outer)
@@ -645,6 +680,8 @@ def loss_knobs(args) -> dict:
         out["vf_coef"] = args.vf_coef  # the value loss's weight in the loss backpropagated (grad_values)
     if getattr(args, "grad_bug", None) == "zero_coef_nan":  # the KL term declared on, with coefficient 0
         out.update(use_kl_loss=True, kl_loss_coef=0.0)
+    if args.loss != "ppo":
+        out.update(policy_loss=args.loss, policy_loss_params=dict(args.loss_param))
     return out
 
 
@@ -874,7 +911,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     objective.backward()
                     fields = {name: value.detach() for name, value in mb_loss.fields.items()}
                     for name in LOSS_FIELDS:
-                        totals[name] += fields[name]
+                        if name in fields:  # a policy-loss family may report fewer metrics (dro, gpg)
+                            totals[name] += fields[name]
                     channels = None
                     if support is not None and step.captured:
                         channels = {"sampled_token_ids": support.targets, "support_ids": support.support_ids,
@@ -1009,6 +1047,11 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--icepop", type=float, default=None, metavar="LOW",
                       help="with --tis: mask the tokens whose weight leaves [LOW, HIGH] (IcePop) instead of truncating")
     loss.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sample")
+    loss.add_argument("--loss", default="ppo", choices=LOSS_FAMILIES, metavar="FAMILY",
+                      help=f"the policy-loss family: {', '.join(LOSS_FAMILIES)} (default ppo, the clipped surrogate)")
+    loss.add_argument("--loss-param", type=_loss_param, action="append", default=[], metavar="NAME=VALUE",
+                      help="a parameter of --loss (sapo tau_pos/tau_neg, dppo_* trunc, dro beta (0.1 by default), "
+                           "cispo cap=relative|absolute)")
     loss.add_argument("--ppo", action="store_true",
                       help="PPO: a value head with the clipped value loss (returns = advantages + values)")
     loss.add_argument("--value-clip", type=float, default=0.2, help="with --ppo: the value clip range")
@@ -1048,7 +1091,23 @@ LOSS_BUG_FLAGS = (
     ("tis", "--tis", "invert the importance weight: exp(rollout − old)"),
     ("gspo", "--gspo", "take the sequence ratio from the summed log-ratio instead of its mean"),
     ("value_loss", "--ppo", "report the value loss without its ½ (slime's (v − R)² under verl's ½·(v − R)²)"),
+    ("cispo_cap", "--loss cispo", "CISPO with the other cap (absolute min(r, ε_high) for relative, or back)"),
+    ("sapo_tau", "--loss sapo", "SAPO's τ taken by the wrong sign of A"),
+    ("geo_mean", "--loss geo_mean", "PPO's clipped surrogate where GMPO is declared (the loss mode lost)"),
+    ("dppo_mask", "--loss dppo_tv or dppo_kl", "DPPO's trust-region test by the wrong sign of A"),
+    ("dro_beta", "--loss dro", "DRO's quadratic penalty added instead of subtracted"),
+    ("gpg_old_logp", "--loss gpg", "GPG's −logp·A on the old log-probs"),
 )
+
+
+def _loss_param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, float(value)
+    except ValueError:
+        return name, value
 
 
 def _kl_loss(text: str) -> tuple[str, float]:
@@ -1090,7 +1149,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.loss_bug = bugs[0] if bugs else None
     needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
              "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
-             "value_loss": args.ppo}
+             "value_loss": args.ppo, **{bug: args.loss in fams for bug, fams in FAMILY_OF_BUG.items()}}
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
@@ -1099,6 +1158,10 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
                   "zero_coef_nan": (args.kl_loss is None, "no --kl-loss")}
     if args.grad_bug in grad_needs and not grad_needs[args.grad_bug][0]:
         p.error(f"--grad-bug {args.grad_bug} needs {grad_needs[args.grad_bug][1]}")
+    if args.loss == "dro" and not any(name == "beta" for name, _ in args.loss_param):
+        args.loss_param.append(("beta", 0.1))
+    if args.loss != "ppo" and (args.dual_clip is not None or args.gspo):
+        p.error(f"--loss {args.loss} takes neither --dual-clip nor --gspo (they are PPO's)")
     if args.dual_clip is not None and not args.dual_clip > 1:
         p.error("--dual-clip C needs C > 1")
     if args.icepop is not None and args.tis is None:

@@ -151,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     p.add_argument("--iterations", type=int, default=2, help="passes over each generation batch (num_iterations)")
-    p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo"))
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when != 0)")
     p.add_argument("--bias-correction-kl", action="store_true",
                    help="use_bias_correction_kl (TRL's default; off here unless given): the KL × the ratio")

@@ -138,7 +138,14 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
      "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
-     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "a bundle would need the selected-token mask"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "my_loss"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped (vanilla, gspo, bypass_mode, cispo, sapo, geo_mean, "
+                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov are)"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "dro"}}}},
+     "actor_rollout_ref.actor.policy_loss.dro_beta", "DRO needs a positive beta"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}},
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "set the micro-batch size"),
     ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
      "actor_rollout_ref.actor.kl_loss_type", "not mapped"),
     ({"algorithm": {"my_adv_scale": 2.0}}, "algorithm.my_adv_scale", "a key the verl mapping does not know"),
@@ -469,9 +476,9 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip and "
-                              "gspo are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
+                              "cispo and sapo are)")
 
 
 def test_skyrl_kl_in_reward_fixed_and_adaptive_map():

@@ -325,7 +325,7 @@ class TRLCapture:
         return rollout_id
 
     def _rollout_config(self, rollout: _Rollout) -> RecomputeConfig:
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):  # TRL divides both by num_items_in_batch
             return msgspec.structs.replace(self.config, loss_token_count=max(rollout.num_items, 1))
         return self.config
 
@@ -440,7 +440,7 @@ class TRLCapture:
         fit one (a last, short accumulation window)."""
         cfg = self.config
         why = None
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):  # TRL divides both by num_items_in_batch
             if len(self._step_items) == 1:
                 return msgspec.structs.replace(cfg, loss_token_count=max(next(iter(self._step_items)), 1))
             why = f"num_items_in_batch differs between its micro-batches: {sorted(self._step_items)}"

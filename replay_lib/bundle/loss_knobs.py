@@ -33,6 +33,11 @@ IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 
 
+# Each registered policy-loss family's parameter defaults (kernels.families.register fills it: the bundle room
+# does not import the kernels).
+FAMILY_DEFAULTS: dict = {}
+
+
 @dataclass(frozen=True)
 class LossKnobs:
     """The loss-side knobs of SPEC §4.2, resolved from a :class:`~replay_lib.bundle.schema.RecomputeConfig`
@@ -67,6 +72,9 @@ class LossKnobs:
     # each sample's micro-batch (an index into the step's micro-batches, in order of first appearance), from
     # the samples' ``micro_batch_id``; None when a sample records none (micro_batch_token_mean then refuses)
     micro_batch: Optional[tuple[int, ...]] = None
+    # the policy-loss family (kernels.families) and its parameters as sorted (name, value) items
+    policy_loss: str = "ppo"
+    policy_loss_params: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -88,7 +96,17 @@ class LossKnobs:
                    entropy_agg_mode=getattr(cfg, "entropy_agg_mode", None),
                    loss_token_count=cfg.loss_token_count, loss_seq_count=cfg.loss_seq_count,
                    loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip,
-                   micro_batch=micro_batch_partition(samples))
+                   micro_batch=micro_batch_partition(samples),
+                   policy_loss=str(getattr(cfg, "policy_loss", "ppo") or "ppo"),
+                   policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())))
+
+    def param(self, name: str):
+        """The family parameter ``name``: its recorded value, else the family's default (``KeyError`` when the
+        family has no such parameter)."""
+        for key, value in self.policy_loss_params:
+            if key == name:
+                return value
+        return FAMILY_DEFAULTS[self.policy_loss][name]
 
     @property
     def kl_mode(self) -> str:

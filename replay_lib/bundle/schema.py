@@ -312,6 +312,11 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # grad_scale·vf_coef·∂vf_loss/∂values. Unset (1.0) is not written.
     vf_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
+    # The policy-loss family (kernels/families: ppo, cispo, sapo, geo_mean, ...) and its parameters; an unknown
+    # family or parameter is refused by loss.policy naming the known ones (exit 4).
+    policy_loss: str = "ppo"
+    policy_loss_params: dict[str, Union[float, int, str, bool, None]] = {}
+
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
         # error naming the field (exit 3), never a refusal or a crash in a stage.

@@ -346,6 +346,8 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     """A loss token: ratio ``exp(logp − old)``, its clip region and decision, mask, advantage, the surrogate
     ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
     ``loss_scale · w_i · pg·mask`` to its term of pg_loss (``w_i`` the loss mode's weight, :func:`pg_term`)."""
+    if getattr(ctx.config, "policy_loss", "ppo") != "ppo":
+        return _family_token_inputs(ctx, field, index, offset, t)
     v = _loss_token(ctx, t)
     n_mask = _sample_mask_count(ctx, index)
     term = v["pg"] * v["mask"]
@@ -402,6 +404,43 @@ def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     note = (f"W = loss_scale {knobs.loss_scale:g} × grad_scale {scale:g} × the {knobs.loss_agg_mode} weight of "
             f"{ctx.sample_ids[index]}" + (" (GSPO: the sample's ratio, its slopes summed over its tokens)"
                                           if knobs.sequence_ratio else ""))
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
+                         items=tuple(items), note=note)
+
+
+# a policy-loss family's own per-token columns (kernels/families) the strip lists, with their labels
+FAMILY_COLUMNS = (("cispo_weight", "sg(clip(r))"), ("sapo_tau", "τ"), ("sapo_gate", "gate f(r)"),
+                  ("dppo_valid", "valid"), ("gm_sample_loss", "sample loss −Ā·R"))
+
+
+def _family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A loss token under a policy-loss family: the family's formula (``PolicyFamily.formula``) with the token's
+    ``pg``, the ratio, mask, advantage and the family's own columns, from the family's kernel over the token's
+    sample (its per-sample terms included) in float64."""
+    from ..kernels.families import family
+    from ..kernels.loss import policy_token_terms, sample_log_terms
+    from ..stages.loss import loss_inputs
+
+    li = loss_inputs(ctx)
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
+    lo, n = int(ctx.offsets[index]), int(ctx.lengths[index])
+    sl = slice(lo, lo + n)
+    adv = li.advantages[lo:lo + n].to(torch.float64)
+    rollout = li.rollout_log_probs[sl] if li.rollout_log_probs is not None else None
+    ref = li.ref_log_probs[sl] if li.ref_log_probs is not None else None
+    terms = sample_log_terms(li.log_probs[sl], li.old_log_probs[sl], rollout, li.mask[sl],
+                             torch.tensor([n]), knobs, torch.float64, advantages=adv)
+    out = policy_token_terms(li.log_probs[sl], li.old_log_probs[sl], adv, knobs, seg=torch.zeros(n, dtype=torch.long),
+                             sample_terms=terms, rollout_log_probs=rollout, ref_log_probs=ref, dtype=torch.float64)
+    k = t - lo
+    items = [("ratio r", fmt(float(out["ratio"][k]))), ("mask", fmt_count(float(li.mask[t]))),
+             ("A", fmt(float(adv[k])))]
+    items += [(label, fmt(float(out[name][k]))) for name, label in FAMILY_COLUMNS if name in out]
+    formula = f"{family(knobs.policy_loss).formula}; pg = {fmt(float(out['pg'][k]))}"
+    divisor, w, den = pg_term(ctx, _sample_mask_count(ctx, index))
+    term = float(out["pg"][k]) * float(li.mask[t])
+    note = (f"policy_loss {knobs.policy_loss}: adds pg·mask = {fmt(term)} to {ctx.sample_ids[index]}'s pg_sum, "
+            f"{fmt(term * w)} to its pg_loss term ({knobs.loss_agg_mode})")
     return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
                          items=tuple(items), note=note)
 

@@ -64,10 +64,14 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     for key in ("reward_shaping.enabled", "reward_scaling.enabled"):  # yaml:31,45: false
         if r.flag(f"{G}.{key}", False):
             r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
-    for key, why in (("disable_ppo_ratio", "the REINFORCE surrogate"),  # loss.py:113
-                     ("use_cispo", "CISPO")):  # loss.py:160
-        if r.flag(f"{L}.{key}", False):
-            r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
+    if r.flag(f"{L}.disable_ppo_ratio", False):  # loss.py:113
+        r.refuse(f"{L}.disable_ppo_ratio", True, "the REINFORCE surrogate is not recomputed")
+    # CISPO (loss_functions.py, ClippedPGLossFn ``if self.use_cispo``): −A·sg(clamp(r, 1 − ratio_clip_min,
+    # 1 + ratio_clip_max))·logp on the unclamped token ratio; NeMo-RL asserts it without dual-clip and without
+    # sequence-level ratios
+    cispo = r.flag(f"{L}.use_cispo", False)  # loss.py:160
+    if cispo and r.number(f"{L}.ratio_clip_c", None) is not None:
+        r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL rejects dual-clip with use_cispo")
     if r.flag(f"{L}.force_on_policy_ratio", False):  # loss.py:158
         r.refuse(f"{L}.force_on_policy_ratio", True, "NeMo-RL takes the ratio as 1 (prev_logprobs := the current "
                  "log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
@@ -147,6 +151,11 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                     isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
                 r.bad(f"{G}.adv_estimator.reward_weights", weights, "a list of numbers, one per reward component")
             fields["reward_component_weights"] = [float(w) for w in weights]
+    if cispo:
+        if sequence_ratio:
+            r.refuse(f"{L}.sequence_level_importance_ratios", True, "NeMo-RL rejects sequence-level ratios with "
+                                                                    "use_cispo")
+        fields.update(policy_loss="cispo", policy_loss_params={})
     _importance(r, fields, sequence_ratio)
     r.neutral(*(f"{G}.{k}" for k in GRPO_NEUTRAL))
     r.check_unknown([G, L])

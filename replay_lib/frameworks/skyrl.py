@@ -113,8 +113,8 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type not in ("regular", "dual_clip", "gspo"):
-        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip and gspo are)")
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo"):
+        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip, gspo, cispo and sapo are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -189,6 +189,23 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         # symmetric: they differ only where a sample's mean log-ratio is below −10), no dual-clip, the configured
         # loss_reduction and off-policy correction, clip_ratio a token mean (:715) — verl's GSPO in 0.9.1
         fields.update(importance_level="sequence", log_ratio_clamp=10.0)
+    elif loss_type == "cispo":
+        # compute_policy_loss_cispo: −A·sg(clamp(r, 1 − cispo_eps_clip_low, 1 + cispo_eps_clip_high))·logp, r =
+        # exp(clamp(logp − anchor, ±20)), anchor old or rollout (cispo.cispo_anchor); clip_ratio the tokens outside
+        # the bounds; the configured loss_reduction and off-policy correction
+        anchor = r.text(f"{p}cispo.cispo_anchor", "old")
+        if anchor not in ("old", "rollout"):
+            r.refuse(f"{p}cispo.cispo_anchor", anchor, "not one of old, rollout")
+        if anchor == "rollout" and r.raw(f"{p}off_policy_correction.tis_ratio_type", None) is not None:
+            r.refuse(f"{p}cispo.cispo_anchor", anchor, "SkyRL rejects TIS on top of the rollout anchor (it would "
+                                                     "double-count the correction)")
+        fields.update(eps_clip=r.number(f"{p}cispo.cispo_eps_clip_low", 1.0),
+                      eps_clip_high=r.number(f"{p}cispo.cispo_eps_clip_high", 4.0),
+                      policy_loss="cispo", policy_loss_params={"anchor": anchor})
+        r.neutral(f"{p}eps_clip_low", f"{p}eps_clip_high")
+    elif loss_type == "sapo":  # sapo_policy_loss: the gate by the sign of A, the configured loss_reduction
+        fields.update(policy_loss="sapo", policy_loss_params={"tau_pos": r.number(f"{p}sapo.tau_pos", 1.0),
+                                                              "tau_neg": r.number(f"{p}sapo.tau_neg", 1.05)})
     if reduction == "seq_mean_token_sum_norm":
         fields["loss_horizon"] = r.integer(f"{p}max_seq_len", None)  # config.py:933
     else:

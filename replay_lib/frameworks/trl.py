@@ -45,7 +45,7 @@ whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; anot
 refused by name).
 
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``cispo``, ``sapo``, ``vespo``, ``luspo``), ``scale_rewards="batch"`` over several processes
+another loss type (``vespo``, ``luspo``), ``scale_rewards="batch"`` over several processes
 or generation batches that span several steps (the batch std),
 ``multi_objective_aggregation="normalize_then_sum"`` over several processes, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
 (the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
@@ -190,11 +190,18 @@ def _rewards(cfg: ConfigReader, *, whole_batch: bool, num_processes: int, spg: i
     return out
 
 
+# TRL's loss types that are a policy-loss family of ours (kernels/families), with the loss type whose aggregation
+# each shares (:3153-3173: cispo divides like dapo, sapo like grpo)
+FAMILY_LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo")}
+
+
 def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: int) -> dict[str, Any]:
     loss_type = cfg.text("loss_type", "dapo")
+    family = None
+    if loss_type in FAMILY_LOSS_TYPES:
+        family, loss_type = FAMILY_LOSS_TYPES[loss_type]
     if loss_type not in LOSS_MODES:
-        cfg.refuse("loss_type", loss_type, f"only {', '.join(LOSS_MODES)} aggregate the clipped surrogate the "
-                                          "replay recomputes")
+        cfg.refuse("loss_type", loss_type, f"only {', '.join([*LOSS_MODES, *FAMILY_LOSS_TYPES])} are recomputed")
     out: dict[str, Any] = {"loss_agg_mode": LOSS_MODES[loss_type]}
     if loss_type == "dapo":
         out["loss_scale"] = num_processes * spg / gas
@@ -210,7 +217,9 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     out["eps_clip"] = eps
     out["eps_clip_high"] = eps if high is None else high
     delta = cfg.number("delta", None)
-    if delta is not None:
+    if family is not None:
+        _family(cfg, out, family)
+    elif delta is not None:
         # coef_1 = clamp(coef_1, max=delta) before −min(coef_1·A, coef_2·A) (:3115-3120). With delta ≥ 1 + ε_high
         # this is dual-clip with c = delta: for A < 0, |A|·max(min(r, δ), clip(r)) = |A|·min(max(r, clip(r)), δ);
         # for A ≥ 0, min(r, δ, clip(r)) = min(r, clip(r)) since clip(r) ≤ 1 + ε_high ≤ δ.
@@ -222,6 +231,9 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     level = cfg.text("importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         cfg.refuse("importance_sampling_level", level, "expected token or sequence")
+    if family is not None and level != "token":
+        cfg.refuse("importance_sampling_level", level, f"loss_type={family} on the sequence ratio is not recomputed "
+                                                       "(its token form is)")
     out["importance_level"] = level
     coef = cfg.number("entropy_coef", 0.0)
     if coef != 0:
@@ -235,6 +247,17 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
                                              "processes × steps_per_generation = gradient_accumulation_steps)")
         out.update(entropy_coef=coef, entropy_agg_mode="micro_batch_token_mean")
     return out
+
+
+def _family(cfg: ConfigReader, out: dict[str, Any], family: str) -> None:
+    """``cispo``: ``−min(coef_1, epsilon_high)·A·logp``, the cap absolute (:3109-3111); ``sapo``: the gate
+    ``σ(τ·(coef_1 − 1))·4/τ`` with ``τ = sapo_temperature_pos`` where ``A > 0``, ``_neg`` elsewhere (:3121-3124).
+    ``delta`` acts only on the clipped surrogate's branch (:3115-3116): read, not applied."""
+    if family == "cispo":
+        params: dict[str, Any] = {"cap": "absolute"}
+    else:
+        params = {"tau_pos": cfg.number("sapo_temperature_pos", 1.0), "tau_neg": cfg.number("sapo_temperature_neg", 1.05)}
+    out.update(policy_loss=family, policy_loss_params=params)
 
 
 def _kl(cfg: ConfigReader) -> dict[str, Any]:

@@ -28,7 +28,16 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
 * GAE always ends in ``masked_whiten`` (core_algos.py:264): ``normalize_advantages=True``;
 * GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605);
 * ``bypass_mode`` (``loss_type=ppo_clip``) is the vanilla loss against the rollout log-probs, the bundle's
-  ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight.
+  ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight;
+* the policy-loss families (``policy_loss.loss_mode``, ``RecomputeConfig.policy_loss``): ``cispo`` (1 ± ε,
+  core_algos.py:2047-2106), ``sapo`` (``tau_pos``/``tau_neg``, its pg term forced ``seq-mean-token-mean``:
+  core_algos.py:1675-1678), ``geo_mean`` (GMPO, ``torch.mean`` over each micro-batch's sequences summed over the
+  micro-batches: ``seq_mean_token_sum`` over ``ppo_micro_batch_size_per_gpu``, core_algos.py:1999), ``dppo_tv`` /
+  ``dppo_kl`` (``clip_ratio_low/high`` the divergence thresholds, ``clip_ratio_c`` the ratio's truncation),
+  ``dro`` (``policy_loss.dro_beta``), ``gpg``. The entropy and KL terms keep ``loss_agg_mode``.
+  ``kl_cov`` (the top-k covariance tokens of each micro-batch, core_algos.py:1893-1911: from the samples'
+  ``micro_batch_id``). ``clip_cov`` is refused: Clip-Cov zeroes a ``torch.randperm`` sample of tokens
+  (core_algos.py:1808-1816).
 """
 
 from __future__ import annotations
@@ -102,8 +111,11 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
     mode = r.text(f"{ACTOR}.policy_loss.loss_mode", "vanilla")  # yaml:92
     if r.flag(f"{RC}.bypass_mode", False):  # yaml:858; apply_bypass_mode sets the loss mode (rollout_corr.py:1141-1144)
         mode = "bypass_mode"
-    if mode not in ("vanilla", "gspo", "bypass_mode"):
-        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla, gspo and bypass_mode are)")
+    if mode in REFUSED_LOSS_MODES:
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, REFUSED_LOSS_MODES[mode])
+    if mode not in ("vanilla", "gspo", "bypass_mode", *FAMILY_LOSS_MODES):
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode,
+                 f"not mapped (vanilla, gspo, bypass_mode, {', '.join(FAMILY_LOSS_MODES)} are)")
     agg = r.text(f"{ACTOR}.loss_agg_mode", "token-mean")  # yaml:100
     if agg not in LOSS_AGG:
         r.refuse(f"{ACTOR}.loss_agg_mode", agg, f"not one of {', '.join(LOSS_AGG)}")
@@ -156,25 +168,37 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         if clip_c is None or clip_c <= 1.0:  # core_algos.py:1333-1336 asserts c > 1
             r.refuse(f"{ACTOR}.clip_ratio_c", clip_c, "verl requires a dual-clip constant > 1")
         fields["eps_clip_c"] = clip_c
+    elif mode in FAMILY_LOSS_MODES:
+        _family(r, fields, mode, clip_c)
     else:
         # GSPO (0.9.1 core_algos.py:1545-1619): one ratio per sample, its log clamped at max 10 (one-sided; ours is
         # symmetric: the two differ only where a sample's mean log-ratio is below −10), no dual-clip, and the
         # policy term aggregated with the configured loss_agg_mode (core_algos.py:1601-1605).
         fields.update(importance_level="sequence", log_ratio_clamp=10.0, eps_clip_c=None)
         r.neutral(f"{ACTOR}.clip_ratio_c")
-    if fields["loss_agg_mode"] not in ("token_mean", "token_sum"):
+    geo_micro = fields.pop("geo_micro", None)
+    if geo_micro is not None:  # GMPO: torch.mean over the micro-batch's sequences (core_algos.py:1999)
+        fields["loss_seq_count"] = geo_micro
+        if loss_agg_mode not in ("token_mean", "token_sum"):
+            r.refuse(f"{ACTOR}.loss_agg_mode", agg, "GMPO's own mean is over the micro-batch; the entropy and KL "
+                     "terms' seq-mean over the mini-batch is a second sequence count a bundle holds once")
+    elif {fields["loss_agg_mode"], fields.get("entropy_agg_mode") or fields["loss_agg_mode"]} - {"token_mean",
+                                                                                                 "token_sum"}:
         # the seq-mean modes divide by the nominal global batch size, ppo_mini_batch_size · rollout.n
         # (verl/trainer/ppo/ray_trainer.py:1352-1353,1362; core_algos.py:1181-1203), not by the valid samples
         mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79
         fields["loss_seq_count"] = mini * fields["n_samples_per_prompt"]
     _kl_in_reward(r, fields)
     _rollout_correction(r, fields, bypass=mode == "bypass_mode")
+    if mode == "geo_mean" and fields.get("is_level"):
+        r.refuse(f"{RC}.rollout_is", fields["is_level"], "GMPO weighs each sample by the geometric mean of its "
+                 "rollout weights (core_algos.py:1989-1996): not recomputed")
     if r.flag(f"{ALGO}.use_pf_ppo", False):  # yaml:880
         r.refuse(f"{ALGO}.use_pf_ppo", True, "PF-PPO's sample reweighting is not recomputed")
     r.neutral(f"{ALGO}.pf_ppo")
     r.neutral(*(f"{ALGO}.{k}" for k in ALGO_NEUTRAL), *(f"{ACTOR}.{k}" for k in ACTOR_NEUTRAL),
               *(f"{ACTOR}.policy_loss.{k}" for k in POLICY_LOSS_OTHER_MODES))
-    # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654)
+    # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654; read by _family under sapo)
     r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")
     r.check_unknown([ALGO, ACTOR])
     return r.build(fields)
@@ -206,6 +230,50 @@ def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None
             fields["reward_component_weights"] = [float(w) for w in weights]
         except (TypeError, ValueError):
             r.bad(f"{ALGO}.gdpo_reward_weights", weights, "numbers")
+
+# verl's loss modes that are a policy-loss family of ours (kernels/families), mode → family
+FAMILY_LOSS_MODES = {"cispo": "cispo", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv",
+                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg", "kl_cov": "kl_cov"}
+# loss modes refused, with what a bundle would need to record
+REFUSED_LOSS_MODES = {
+    "clip_cov": "Clip-Cov zeroes the gradient of a random sample (torch.randperm) of the tokens whose covariance "
+                "lies in (clip_cov_lb, clip_cov_ub) (core_algos.py:1808-1816): a bundle would need the selected-token "
+                "mask, which verl does not expose",
+}
+
+
+def _family(r: ConfigReader, fields: dict[str, Any], mode: str, clip_c: Optional[float]) -> None:
+    """A policy-loss family's fields (module doc): its parameters, and the aggregation the loss function forces."""
+    params: dict[str, Any] = {}
+    agg = fields["loss_agg_mode"]
+    if mode == "sapo":
+        params = {"tau_pos": r.number(f"{ACTOR}.tau_pos", 1.0), "tau_neg": r.number(f"{ACTOR}.tau_neg", 1.05)}
+        # the pg term is seq-mean-token-mean whatever loss_agg_mode says; entropy and KL keep loss_agg_mode
+        fields.update(loss_agg_mode="seq_mean_token_mean", entropy_agg_mode=agg, kl_loss_agg_mode=agg)
+    elif mode in ("dppo_tv", "dppo_kl"):
+        params = {"trunc": clip_c}  # config.get("clip_ratio_c", 20.0): the ActorConfig's 3.0 by default
+    elif mode == "dro":
+        beta = r.number(f"{ACTOR}.policy_loss.dro_beta", None)
+        if beta is None or not beta > 0:  # core_algos.py:2030-2032 raises
+            r.refuse(f"{ACTOR}.policy_loss.dro_beta", beta, "DRO needs a positive beta")
+        params = {"beta": beta}
+    elif mode == "kl_cov":  # core_algos.py:1883-1884: the config's values, else 0.0002 and 1.0
+        params = {"kl_cov_ratio": r.number(f"{ACTOR}.policy_loss.kl_cov_ratio", 0.0002),  # yaml:97
+                  "ppo_kl_coef": r.number(f"{ACTOR}.policy_loss.ppo_kl_coef", 0.1)}  # yaml:98
+    if mode in ("geo_mean", "dro", "gpg", "kl_cov"):  # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731)
+        fields["log_ratio_clamp"] = None
+    if mode == "geo_mean":
+        if r.flag(f"{ACTOR}.use_dynamic_bsz", False):
+            r.refuse(f"{ACTOR}.use_dynamic_bsz", True, "GMPO's loss is a mean over each micro-batch's sequences: "
+                     "dynamic micro-batches have no fixed size to divide by")
+        micro = r.integer(f"{ACTOR}.ppo_micro_batch_size_per_gpu", None)
+        if micro is None:
+            r.refuse(f"{ACTOR}.ppo_micro_batch_size_per_gpu", None, "GMPO's loss is a mean over each micro-batch's "
+                     "sequences: set the micro-batch size")
+        fields.update(loss_agg_mode="seq_mean_token_sum", entropy_agg_mode=agg, kl_loss_agg_mode=agg,
+                      geo_micro=micro)
+    fields.update(policy_loss=FAMILY_LOSS_MODES[mode], policy_loss_params=params, eps_clip_c=None)
+    r.neutral(f"{ACTOR}.clip_ratio_c")
 
 
 def _kl_type(r: ConfigReader, path: str, name: str, active: bool) -> str:

@@ -802,6 +802,8 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
             extra_clip = float(((rho > 0) & (a <= rho) & (n > 0)).sum())
     if "is_flip" in sums:
         extra_pg += float((sums["is_flip"] / (inner_l * outer_l)).sum()) * scale
+    if "edge_flip" in sums:  # a policy-loss family's mask decided within rounding of its edge: its term is open
+        extra_pg += float((sums["edge_flip"] / (inner_l * outer_l)).sum()) * scale
     out = {}
     stored = loss_storage_bounds(sums, names, entropy_coef=entropy_coef, knobs=knobs)
     for name in names:
@@ -811,6 +813,7 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         if name == "pg_clipfrac":
             bound += float((sums["near_clip"] / (inner_m * outer_m)).sum()) + extra_clip
         if name == "pg_clipfrac_lower":
-            bound += float((sums["near_lower"] / (inner_m * outer_m)).sum()) + extra_clip
+            # dual-clip's c; a policy-loss family's edges are all counted in near_clip
+            bound += float((sums.get("near_lower", sums["near_clip"]) / (inner_m * outer_m)).sum()) + extra_clip
         out[name] = bound
     return out

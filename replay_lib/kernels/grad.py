@@ -102,7 +102,8 @@ PPO_CLIP = "ppo_clip"
 def grad_family(knobs: LossKnobs) -> str:
     """The loss family whose gradient the knobs ask for: ``knobs.policy_loss`` when a family registry sets one,
     else the clipped surrogate (every knob of SPEC §4.2)."""
-    return getattr(knobs, "policy_loss", None) or PPO_CLIP
+    family = getattr(knobs, "policy_loss", None)
+    return PPO_CLIP if family in (None, "", "ppo") else family
 
 
 def _inside(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:

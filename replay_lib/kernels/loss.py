@@ -39,6 +39,7 @@ import torch
 
 from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
                           SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+from .families import family as policy_family
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
 # (the knobs and their allowed values live in replay_lib.bundle.loss_knobs, torch-free: the schema checks them)
@@ -111,14 +112,25 @@ def kl_loss_values(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, knobs: 
     return _clamp(kl, knobs.kl_loss_output_clamp)
 
 
+def family_sample_pass(knobs: LossKnobs) -> bool:
+    """The configured policy-loss family needs per-sample quantities before its token terms."""
+    return knobs.policy_loss != "ppo" and policy_family(knobs.policy_loss).sample_terms is not None
+
+
 def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
                      loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
-                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype = torch.float32, *,
+                     advantages: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The per-sample quantities the per-token terms need first (``[n]`` each, ``{}`` when none is):
     ``seq_log_ratio`` (GSPO, ``Σ_t (logp − old)·mask / max(n_i, 1)``, clamped) and ``is_log_weight``
-    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``)."""
+    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``), and the policy-loss family's
+    own (``families.PolicyFamily.sample_terms``, given the ``advantages``)."""
+    extra = {}
+    if family_sample_pass(knobs):
+        extra = policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask,
+                                                              lengths, knobs, dtype, advantages=advantages)
     if not knobs.needs_sample_pass:
-        return {}
+        return extra
     mask = loss_mask.to(dtype)
     want_is = knobs.is_level in ("sequence", "geometric")
     if want_is and rollout_log_probs is None:
@@ -141,7 +153,7 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
         out["seq_log_ratio"] = _clamp(sums["lr"] / n, knobs.log_ratio_clamp)
     if want_is:
         out["is_log_weight"] = sums["is"] / n if knobs.is_level == "geometric" else sums["is"]
-    return out
+    return {**extra, **out}
 
 
 def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -153,9 +165,17 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     """The per-token terms of one run of tokens, in ``dtype`` (module docstring): ``pg`` (after dual-clip and
     the importance weight), ``clip``, ``ppo_kl``, ``ratio`` (the one clipped), ``log_ratio`` (its log), and as
     the knobs ask ``clip_lower``, ``is_weight``, ``kl_loss``. ``seg``: the sample of each token (an index into
-    ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs."""
+    ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs. A policy-loss
+    family other than ``ppo`` (``knobs.policy_loss``) gives the surrogate's terms (``families``); the importance
+    weight and the KL term are then applied as for PPO."""
     old = old_log_probs.to(dtype)
     adv = advantages.to(dtype)
+    if knobs.policy_loss != "ppo":
+        out = policy_family(knobs.policy_loss).token_terms(
+            log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
+            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype)
+        return _weighted_terms(out, out["pg"], out["ratio"], log_probs, old, knobs, seg, sample_terms,
+                               rollout_log_probs, ref_log_probs, dtype)
     # the log-probs promoted to ``dtype`` inside the difference when that is where it lands (the same bits as
     # converting them first, one conversion fewer)
     promoted = torch.promote_types(log_probs.dtype, dtype) == dtype
@@ -171,6 +191,14 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     out = {"ppo_kl": ppo_kl, "ratio": ratio, "log_ratio": lr, "clip": clip}
     if knobs.dual_clip:
         pg, out["clip_lower"] = dual_clip(pg, adv, float(knobs.eps_clip_c))
+    return _weighted_terms(out, pg, ratio, log_probs, old, knobs, seg, sample_terms, rollout_log_probs,
+                           ref_log_probs, dtype)
+
+
+def _weighted_terms(out: dict, pg: torch.Tensor, ratio: torch.Tensor, log_probs: torch.Tensor, old: torch.Tensor,
+                    knobs: LossKnobs, seg, sample_terms, rollout_log_probs, ref_log_probs,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The importance weight (``pg ← w·pg``) and the KL term of the loss, after the surrogate's ``pg``."""
     if knobs.is_level is not None:
         if knobs.is_level == "token":
             if rollout_log_probs is None:
@@ -301,8 +329,26 @@ def loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef: float, knobs: LossK
     return loss + knobs.kl_loss_coef * kl_loss if knobs.kl_loss else loss
 
 
+def has_clip_lower(knobs: LossKnobs) -> bool:
+    """A ``pg_clipfrac_lower`` is computed: dual-clip, or a policy-loss family that reports one."""
+    return knobs.dual_clip or (knobs.policy_loss != "ppo"
+                               and "pg_clipfrac_lower" in policy_family(knobs.policy_loss).metrics)
+
+
+def family_metrics(knobs: LossKnobs) -> tuple[str, ...]:
+    """The metrics (of pg_clipfrac, ppo_kl, pg_clipfrac_lower) the configured policy loss reports."""
+    if knobs.policy_loss == "ppo":
+        return ("pg_clipfrac", "ppo_kl") + (("pg_clipfrac_lower",) if knobs.dual_clip else ())
+    return policy_family(knobs.policy_loss).metrics
+
+
 def policy_fields_for(knobs: LossKnobs) -> tuple[str, ...]:
     """The loss.policy fields a producer with these knobs reports."""
+    if knobs.policy_loss != "ppo":
+        metrics = family_metrics(knobs)
+        return tuple(f for f in LOSS_FIELDS if f not in METRIC_FIELDS or f in metrics) + \
+            (("pg_clipfrac_lower",) if "pg_clipfrac_lower" in metrics else ()) + \
+            (("kl_loss",) if knobs.kl_loss else ())
     return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
 
 
@@ -330,7 +376,8 @@ def policy_loss_fields(
     all tokens. ``knobs`` default to V1's (the sum of per-sample means, no dual-clip, no KL, no IS)."""
     knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
     knobs = replace(knobs, entropy_coef=entropy_coef)
-    sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype)
+    sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype,
+                                    advantages=advantages)
     columns = policy_loss_columns(log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip,
                                   eps_clip_high=eps_clip_high, dtype=dtype, knobs=knobs, sample_terms=sample_terms,
                                   rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs)
@@ -344,7 +391,7 @@ POLICY_SUMS = ("pg", "clip", "kl", "ent", "mask")
 
 
 def policy_sums(knobs: LossKnobs) -> tuple[str, ...]:
-    return POLICY_SUMS + (("clip_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
+    return POLICY_SUMS + (("clip_lower",) if has_clip_lower(knobs) else ()) + (("kl_loss",) if knobs.kl_loss else ())
 
 
 def policy_loss_columns(
@@ -368,7 +415,7 @@ def policy_loss_columns(
         if entropy is not None:
             out["ent"] = entropy[start:stop].to(dtype) * m
         out["mask"] = m
-        if knobs.dual_clip:
+        if has_clip_lower(knobs):
             out["clip_lower"] = t["clip_lower"] * m
         if knobs.kl_loss:
             out["kl_loss"] = t["kl_loss"] * m
@@ -395,7 +442,7 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
     kl_loss = loss_term("kl_loss", knobs.kl_mode) if knobs.kl_loss else None
     out = {"loss": loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef, knobs), "pg_loss": pg_loss,
            "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"), "ppo_kl": metric("kl")}
-    if knobs.dual_clip:
+    if has_clip_lower(knobs):
         out["pg_clipfrac_lower"] = metric("clip_lower")
     if kl_loss is not None:
         out["kl_loss"] = kl_loss

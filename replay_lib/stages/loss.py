@@ -17,9 +17,11 @@ from ..judge.error_model import (PG_KL_COND, SEQ32_SUMS, STORAGE_HAZARD, kl_cond
 from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
-from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation,
-                            policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
-                            sample_log_terms)
+from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, family_sample_pass, field_aggregation,
+                            has_clip_lower, policy_fields_for, policy_fields_from_sums, policy_loss_fields,
+                            policy_token_terms, sample_log_terms)
+from ..judge.error_model import C_NEAR_CLIP, C_STORE
+from ..kernels.families import family_refusals
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
@@ -36,7 +38,13 @@ def recorded_loss(ctx: StageContext) -> dict[str, float]:
     knobs = LossKnobs.of(ctx.config)
     for name, why in (("pg_clipfrac_lower", "eps_clip_c is not set"), ("kl_loss", "no KL term is in the loss")):
         if name in expected and name not in policy_fields_for(knobs):
+            if knobs.policy_loss != "ppo" and name != "kl_loss":
+                why = f"policy_loss {knobs.policy_loss!r} reports no {name}"
             raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but {why}", field=name)
+    for name in ("pg_clipfrac", "ppo_kl"):
+        if name in expected and name not in policy_fields_for(knobs):
+            raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but policy_loss "
+                                  f"{knobs.policy_loss!r} reports no {name}", field=name)
     return expected
 
 
@@ -98,10 +106,12 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
     geometric IS weight: ``kernels.sample_log_terms`` in float64) and their condition for the error model
     (``error_model.sample_exponent_condition``; ``None`` when no knob has one)."""
     knobs = li.knobs
-    if not knobs.needs_sample_pass:
+    if not knobs.needs_sample_pass and not family_sample_pass(knobs):
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
-                             dtype=torch.float64)
+                             dtype=torch.float64, advantages=li.advantages)
+    if not knobs.needs_sample_pass:  # the family's own terms carry their condition (pg_err)
+        return terms, None
     return terms, sample_exponent_condition(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask,
                                             ctx.lengths, knobs)
 
@@ -127,9 +137,13 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     signed_names = ["pg", "kl", "ent"] + (["kl_loss"] if kl_loss else [])
     # summed rows, in buffer order: the signed terms, then the magnitudes beside them
     names = signed_names + ["abs_pg", "abs_kl"] + (["abs_kl_loss", "kl_loss_tok"] if kl_loss else [])
-    names += ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else []) + ["kl_pg"]
+    names += ["clip", "mask"] + (["clip_lower"] if has_clip_lower(knobs) else []) + ["kl_pg"]
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
     names += ["is_flip"] if masked_is else []
+    # a policy-loss family's decision edges (kernels.families: edge_gap, edge_open)
+    families = knobs.policy_loss != "ppo"
+    names += ["edge_flip"] if families else []
+    clip_lower = has_clip_lower(knobs)
     # payloads stored coarser than the declared compute (error_model.storage_unit): what their rounding moves
     store = li.storage(ctx.precision.compute)
     if store.any:
@@ -179,7 +193,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         if "is_log_weight" in t:
             cond = cond + t["is_log_weight"].abs()
         torch.mul(t["clip"], m, out=buf[row["clip"]])
-        if knobs.dual_clip:
+        if clip_lower:
             torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
         if kl_loss:
             torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
@@ -188,7 +202,12 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
             if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
                 buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
-        torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
+        if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
+            w = t.get("is_weight")
+            torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
+                      out=buf[row["kl_pg"]])
+        else:
+            torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
         e_ratio = e_weight = None
         if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
             e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
@@ -217,8 +236,17 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                     flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
             # a token the mask may keep or drop: its whole weighted term w·|pg| is open
             torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
-        hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio),
-                abs_lr > EXTREME_LOG_RATIO]
+        if families:
+            near = _family_edge_hits(t, u_token, cond, e_ratio)
+            open_ = t.get("edge_open")
+            if open_ is None or not bool(near.any()):
+                buf[row["edge_flip"]].zero_()
+            else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+                w = t.get("is_weight")
+                torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
+        else:
+            near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
+        hits = [near, abs_lr > EXTREME_LOG_RATIO]
         if knobs.dual_clip:
             chosen = torch.maximum(ratio, ratio.clamp(low, high))
             hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
@@ -244,6 +272,18 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     return {**totals, **dict(zip(SEQ32_SUMS, seq32))}
 
 
+def _family_edge_hits(t: dict, u_token: float, cond: torch.Tensor, stored: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool per token: a policy-loss family's decision within rounding of its edge (``edge_gap``, relative to the
+    compared quantity's rounding scale, within ``8·u_t·(1 + cond)``, plus ``2·e`` for log-probs stored coarser)."""
+    gap = t.get("edge_gap")
+    if gap is None:
+        return torch.zeros_like(cond, dtype=torch.bool)
+    slack = (C_NEAR_CLIP * u_token) * (1.0 + cond)
+    if stored is not None:
+        slack = slack + stored * C_STORE
+    return gap <= slack
+
+
 # ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
 EXTREME_LOG_RATIO = math.log(1e3)
 
@@ -263,6 +303,11 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
             ctx.hazard(stage, "clamp_hit", sample=i, message=(
                 f"{ctx.sample_ids[i]}: {int(sums['clamped'][i])} loss token(s) at a log-ratio or KL clamp "
                 f"(log_ratio_clamp / kl_loss_input_clamp / kl_loss_output_clamp): the clamped value is compared"))
+    if "edge_flip" in sums:
+        for i in torch.nonzero(sums["edge_flip"]).reshape(-1).tolist():
+            ctx.hazard(stage, "mask_boundary", sample=i, message=(
+                f"{ctx.sample_ids[i]}: a token whose policy-loss mask decision lies within rounding of its edge: a "
+                f"legitimate producer may keep or drop its term (pg_loss admits either)"))
     if "is_flip" in sums:
         for i in torch.nonzero(sums["is_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "is_mask_boundary", sample=i, message=(
@@ -387,6 +432,8 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level" if cfg.is_level is not None else "use_tis", "rollout_log_probs"))
     if knobs.kl_loss:
         out.append(("use_kl_loss", "ref_log_probs"))
+    if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
+        out.append(("policy_loss_params.anchor", "rollout_log_probs"))
     return out
 
 
@@ -408,6 +455,10 @@ def count_requirements(cfg: RecomputeConfig) -> list[str]:
 def partition_requirements(reader: BundleReader) -> list[str]:
     """A ``micro_batch_token_mean`` aggregation needs every sample's ``micro_batch_id`` (the partition)."""
     knob = uses_micro_batches(reader.index.config)
+    if getattr(reader.index.config, "policy_loss", "ppo") == "kl_cov" and \
+            micro_batch_partition(reader.index.samples) is None:
+        return ["index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of "
+                "the producer's micro-batches)"]
     if knob is None or micro_batch_partition(reader.index.samples) is not None:
         return []
     return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "
@@ -433,7 +484,7 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
 
 
 def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
-    out = []
+    out = family_refusals(cfg)
     for knob, why in (
         ("calculate_per_token_loss", "True: per-token loss aggregation under slime's name is not mapped: record "
                                      "loss_agg_mode='token_mean' with loss_token_count instead"),

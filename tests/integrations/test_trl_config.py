@@ -167,7 +167,7 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
+    ("loss_type", "vespo", "loss_type='vespo': only dapo, grpo, bnpo, dr_grpo, cispo, sapo are recomputed"),
     ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
     ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5: the off-policy sequence mask (a completion kept "
                                        "when its advantage is ≥ 0"),
