@@ -119,11 +119,9 @@ def test_a_family_adds_its_gradient_with_one_function():
     def reinforce(gi: GradInputs, knobs) -> GradTerms:  # L = −A·logp
         return GradTerms(pg=-gi.advantages * gi.mask, ratio=torch.ones_like(gi.mask))
 
-    class Knobs(LossKnobs):
-        policy_loss = "test_reinforce"
-
     try:
-        g = grad_log_probs(_inputs([0.5, 0.5], [2.0, 2.0], lengths=[1, 1]), Knobs(loss_scale=2.0))
+        g = grad_log_probs(_inputs([0.5, 0.5], [2.0, 2.0], lengths=[1, 1]),
+                           LossKnobs(loss_scale=2.0, policy_loss="test_reinforce"))
         assert g.grad.tolist() == [-4.0, -4.0]
     finally:
         del GRAD_FAMILIES["test_reinforce"]
