@@ -43,6 +43,7 @@ class StageId(str, enum.Enum):
     ADVANTAGE_KL = "advantage.kl"
     ADVANTAGE_ESTIMATE = "advantage.estimate"
     LOGPROB_SUPPORT = "logprob.support"
+    LOGPROB_MISMATCH = "logprob.mismatch"
     LOSS_POLICY = "loss.policy"
     LOSS_VALUE = "loss.value"
 
@@ -248,6 +249,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Optional[Int] = None
     num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
+    # Train–inference mismatch (stage logprob.mismatch, SPEC §4.3). true_on_policy: the run declares rollout and
+    # trainer log-probs bitwise equal (NeMo-RL zero_train_gen_mismatch, miles --true-on-policy-mode), so every
+    # difference on a loss token is a divergence. policy_version: the trainer's policy version at the step;
+    # max_policy_lag: the configured staleness bound (verl staleness_threshold, SkyRL max_staleness_steps,
+    # NeMo-RL max_trajectory_age_steps, slime --max-policy-version-lag), read with the payload policy_versions.
+    # Unset, they are not written, so a bundle without them is byte-identical to one written before them.
+    true_on_policy: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    policy_version: Union[Int, msgspec.UnsetType] = msgspec.UNSET
+    max_policy_lag: Union[Count, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema

@@ -6,6 +6,7 @@ from ..bundle.schema import StageId
 from .advantage import ADVANTAGE_ESTIMATE, ADVANTAGE_KL
 from .base import StageContext, StageDef, StageInputError
 from .loss import LOSS_POLICY
+from .mismatch import LOGPROB_MISMATCH
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
 from .support import LOGPROB_SUPPORT
@@ -19,13 +20,14 @@ STAGE_ORDER: tuple[StageId, ...] = (
     StageId.ADVANTAGE_KL,
     StageId.ADVANTAGE_ESTIMATE,
     StageId.LOGPROB_SUPPORT,
+    StageId.LOGPROB_MISMATCH,
     StageId.LOSS_POLICY,
     StageId.LOSS_VALUE,
 )
 
 REGISTRY: dict[StageId, StageDef] = {
     d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
-                      LOSS_POLICY, LOSS_VALUE)
+                      LOGPROB_MISMATCH, LOSS_POLICY, LOSS_VALUE)
 }
 
 # Stages this engine can never recompute, whatever the manifest declares (loss.value is recomputed since SPEC

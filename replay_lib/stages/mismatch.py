@@ -1,0 +1,202 @@
+"""``logprob.mismatch`` (SPEC §4.3): the engine's log-probs of the sampled tokens (``rollout_log_probs``) against the
+trainer's (``old_log_probs``; the first minibatch's ``log_probs`` when recorded), on the loss tokens.
+
+It runs whenever a bundle holds ``rollout_log_probs`` and ``old_log_probs`` (declared or not), and always
+reports, in its reason and in the report's JSON (``stages[].mismatch``): per pair, the count of loss tokens
+whose values differ bit for bit, the max |Δ|, the max distance in ulps and the first differing (sample, token);
+and the frameworks' mismatch metrics recomputed in float64 (``kernels.mismatch.METRICS``).
+
+* Recorded metrics (``expected.json $.logprob.mismatch.<metric key>``, the frameworks' own keys) are compared
+  like any field: the bundle's ``atol + rtol·|e|`` plus the float32 rounding bound of the metric
+  (:func:`metric_bound`). A key this engine does not know is listed in the JSON, not compared. Without recorded
+  metrics the stage reports and passes. Under a partial selection (``--sample/--group/--batch``) the batch
+  metrics are not compared (they are the whole batch's).
+* The oracle: ``config.true_on_policy: true`` or ``--bitwise`` makes every loss token where
+  ``rollout_log_probs`` and ``old_log_probs`` differ a divergence (tolerance 0), the first sample and token
+  named, the count and the max ulp in the reason.
+* Async lints (hazards, never failures), where ``policy_versions`` is recorded: ``policy_lag`` — a token sampled
+  more than ``config.max_policy_lag`` versions behind ``config.policy_version``; ``stale_anchor`` — stale tokens
+  while the ratio is anchored on the trainer's recompute alone (no importance correction, no rollout log-probs
+  as the old policy: miles#1829).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import msgspec
+import torch
+
+from ..bundle import BundleReader
+from ..bundle.schema import StageId
+from ..judge.fields import PER_SCALAR, PER_TOKEN
+from ..judge.report import StageReport
+from ..kernels.mismatch import METRICS, difference_summary, metric_condition, mismatch_metrics
+from ..safe_text import safe
+from .base import StageContext, StageDef
+
+STAGE = StageId.LOGPROB_MISMATCH.value
+INPUTS = ("rollout_log_probs", "old_log_probs")
+
+
+def applies(reader: BundleReader) -> bool:
+    """The stage runs on this bundle: it holds both log-prob payloads it compares."""
+    return all(reader.has_payload(p) for p in INPUTS)
+
+
+def bitwise_requested(ctx: StageContext) -> bool:
+    return bool(getattr(ctx.rules, "bitwise", False)) or ctx.config.true_on_policy is True
+
+
+def _locate(ctx: StageContext):
+    def sample_of(token: int) -> tuple[str, int]:
+        s = int(ctx.seg[token])
+        return ctx.sample_ids[s], int(token - int(ctx.offsets[s]))
+    return sample_of
+
+
+def metric_bound(value: float, cond: float, tokens: int, longest: int, precision) -> float:
+    """The float32 producer's rounding bound of one metric: each term rounds a few times relative to ``cond``
+    (:func:`kernels.mismatch.metric_condition`), a sum over ``tokens`` accumulates ``⌈log2 tokens⌉`` roundings
+    (pairwise), and a sequence sum (chi2_seq) over up to ``longest`` tokens feeds an exp."""
+    u_t, u_a = precision.token, precision.reduce
+    depth = math.ceil(math.log2(tokens + 1)) + 1
+    size = cond + (abs(value) if math.isfinite(value) else 0.0)
+    return 8.0 * (u_t + depth * u_a) * size * (1.0 + 2.0 * u_t * longest * cond)
+
+
+def _lints(ctx: StageContext) -> None:
+    cfg = ctx.config
+    if not ctx.has("policy_versions") or cfg.policy_version is msgspec.UNSET:
+        return
+    versions = ctx.payload("policy_versions").to(torch.int64)
+    on = ctx.loss_mask > 0
+    lag = (int(cfg.policy_version) - versions).masked_fill(~on, 0)
+    stale = lag > 0
+    bound = cfg.max_policy_lag
+    if bound is not msgspec.UNSET and bool((lag > int(bound)).any()):
+        over = lag > int(bound)
+        first = int(over.nonzero()[0])
+        sample, token = _locate(ctx)(first)
+        ctx.hazard(STAGE, "policy_lag", sample=int(ctx.seg[first]), message=(
+            f"{int(over.sum())} loss token(s) sampled more than max_policy_lag={int(bound)} version(s) behind the "
+            f"trainer's policy_version={int(cfg.policy_version)} (max lag {int(lag.max())}); first at sample "
+            f"{safe(sample)} token {token}"))
+    anchored = cfg.is_level is None and not cfg.use_tis and not cfg.use_rollout_logprobs
+    if anchored and bool(stale.any()):
+        ctx.hazard(STAGE, "stale_anchor", message=(
+            f"{int(stale.sum())} loss token(s) sampled by an older policy (max lag {int(lag.max())}) while the ratio "
+            "is anchored on the trainer's recompute alone: no importance correction (is_level, use_tis) and no "
+            "rollout log-probs as the old policy (use_rollout_logprobs)"))
+
+
+def run_mismatch(ctx: StageContext) -> StageReport:
+    rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
+    mask = ctx.loss_mask
+    on = mask > 0
+    locate = _locate(ctx)
+    ro = difference_summary(rollout, old, on)
+    summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
+    oc = None
+    if ctx.has("log_probs"):
+        oc = difference_summary(old, ctx.payload("log_probs"), on)
+        summary["old_vs_current"] = oc.as_dict(locate)
+    bitwise = bitwise_requested(ctx)
+    summary["bitwise"] = bitwise
+    cfg = ctx.config
+    metrics = mismatch_metrics(rollout, old, mask, ctx.seg, ctx.n, kl_type=cfg.kl_loss_type, is_level=cfg.is_level,
+                               is_mode=cfg.is_mode, is_low=cfg.is_low, is_high=cfg.is_high)
+    summary["metrics"] = metrics
+    _lints(ctx)
+
+    fields = []
+    if bitwise:
+        fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
+                                note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
+    recorded = ctx.reader.expected.get(STAGE, {})
+    unknown = sorted(k for k in recorded if k not in METRICS)
+    if unknown:
+        summary["unknown_metrics"] = unknown
+    names = [k for k in METRICS if k in recorded]
+    if names and ctx.partial:
+        summary["metrics_compared"] = False
+        names = []
+    if names:
+        cond = metric_condition(rollout, old, mask)
+        tokens = int(on.sum())
+        longest = int(ctx.lengths.max()) if ctx.n else 0
+        bound = torch.tensor([metric_bound(metrics[k], cond, tokens, longest, ctx.precision) for k in names],
+                             dtype=torch.float64)
+        fields.append(ctx.field(STAGE, "metrics", PER_SCALAR, [recorded[k] for k in names],
+                                torch.tensor([metrics[k] for k in names], dtype=torch.float64), labels=names,
+                                bound=bound, exact=False,
+                                note="the frameworks' mismatch metrics, recomputed in float64"))
+
+    def described(d, a: str, b: str) -> str:
+        if not d.count:
+            return f"{a} = {b} on all {d.compared} loss token(s)"
+        first = summary_of(d)
+        return (f"{a} ≠ {b} on {d.count} of {d.compared} loss token(s), max |Δ| {d.max_abs:.6g}, max "
+                f"{d.max_ulp:g} ulp, first at sample {safe(first[0])} token {first[1]}")
+
+    def summary_of(d):
+        return locate(d.first)
+
+    text = described(ro, "rollout_log_probs", "old_log_probs")
+    if oc is not None:
+        text += "; " + described(oc, "old_log_probs", "log_probs")
+
+    def fail_reason(total, per) -> str:
+        parts = []
+        for f in fields:
+            if not per[f.name].mismatches:
+                continue
+            if f.name == "rollout_log_probs":
+                first = locate(ro.first)
+                parts.append(f"true on-policy: {ro.count} loss token(s) where rollout_log_probs ≠ old_log_probs "
+                             f"(tolerance 0), max {ro.max_ulp:g} ulp, max |Δ| {ro.max_abs:.6g}; first at sample "
+                             f"{safe(first[0])} token {first[1]}")
+            else:
+                bad = [k for k, b in zip(names, f.bad.tolist()) if b]
+                parts.append("mismatch metric(s) differ: " + ", ".join(bad))
+        if oc is not None:
+            parts.append(described(oc, "old_log_probs", "log_probs"))
+        return "; ".join(parts)
+
+    n_metrics = f"; {len(names)} recorded metric(s) compared" if names else ""
+    report = ctx.report(StageId.LOGPROB_MISMATCH, fields, fail_reason=fail_reason, pass_reason=text + n_metrics)
+    return msgspec.structs.replace(report, mismatch=summary)
+
+
+def merge_summaries(per_rank: list[StageReport]) -> Optional[dict]:
+    """One ``mismatch`` object for a cohort: counts summed, maxima over the ranks, the first rank's first."""
+    found = [(r, r.mismatch) for r in per_rank if isinstance(r.mismatch, dict)]
+    if not found:
+        return None
+    if len(found) == 1:
+        return found[0][1]
+    out = dict(found[0][1])
+    for key in ("rollout_vs_old", "old_vs_current"):
+        parts = [s[key] for _, s in found if key in s]
+        if not parts:
+            continue
+        merged = {"compared": sum(p["compared"] for p in parts), "count": sum(p["count"] for p in parts),
+                  "max_abs_diff": max(p["max_abs_diff"] for p in parts), "max_ulp": max(p["max_ulp"] for p in parts)}
+        first = next((p for p in parts if "first_sample" in p), None)
+        if first is not None:
+            merged.update(first_sample=first["first_sample"], first_token=first["first_token"])
+        out[key] = merged
+    out.pop("metrics", None)  # a shard's own batch metrics: per rank only
+    return out
+
+
+def _requirements(reader: BundleReader) -> list[str]:
+    return [f"payloads/{p}.pt" for p in INPUTS if not reader.has_payload(p)]
+
+
+LOGPROB_MISMATCH = StageDef(
+    id=StageId.LOGPROB_MISMATCH, run=run_mismatch, needs=(StageId.SAMPLE,), requirements=_requirements,
+    description="rollout vs trainer log-probs: counts, max |Δ| and ulp, the frameworks' mismatch metrics",
+    any_cp=True, optional=True,
+)
