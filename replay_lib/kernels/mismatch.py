@@ -138,8 +138,11 @@ def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
 
     # verl verl/trainer/ppo/rollout_corr_helper.py:904-1010 compute_offpolicy_metrics (verl_F.masked_mean: the
     # denominator + 1e-8; per sequence along the token axis, then a plain mean over every sequence)
-    denom = tokens + VERL_MASKED_MEAN_EPS
-    count = seqsum(torch.ones_like(m)) + VERL_MASKED_MEAN_EPS
+    # (verl's mask is float32: Σ m + 1e-8 rounds back to Σ m for any count ≥ 1, so the epsilon only keeps a
+    # fully masked sequence's 0/0 at 0)
+    denom = tokens if tokens else VERL_MASKED_MEAN_EPS
+    count = seqsum(torch.ones_like(m))
+    count = torch.where(count > 0, count, torch.full_like(count, VERL_MASKED_MEAN_EPS))
     mean_old = seqsum(lo) / count
     mean_roll = seqsum(lr) / count
     out["rollout_corr/training_ppl"] = float(torch.exp(-mean_old).mean())
