@@ -748,7 +748,13 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
             advantages, returns = estimate_advantages(args, rewards, kl, mask, lengths, values)
             # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
             # the returns are advantages + values: GAE is advantage.estimate's)
-            rollout_lp = rollout_log_probs_of(samples, old_log_probs) if args.tis is not None else None
+            # The sampler's own log-probs are recorded on every run (as verl's calculate_log_probs does): the
+            # bundles then run stage logprob.mismatch, the sampler's top-k tempered distribution against the
+            # trainer's full-vocabulary forward; the loss reads them only under --tis.
+            rollout_lp = rollout_log_probs_of(samples, old_log_probs)
+            # the weights version that sampled each token (the rollout worker may lag the trainer)
+            versions = torch.cat([torch.full((len(s.response),), int(s.rollout_weight), dtype=torch.int64)
+                                  for s in samples])
             old_values = None
             if args.ppo:
                 with torch.no_grad():
@@ -781,6 +787,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
                     provenance=provenance, side_channels=side_channels,
                     support_scored=("old_log_probs",) if args.sample_support else None,
+                    rollout_log_probs=stored(args, rollout_lp), policy_versions=versions,
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
             fresh = (raw, rewards, advantages)
@@ -823,7 +830,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
-                        rollout_log_probs=rollout_lp[tok] if rollout_lp is not None else None,
+                        rollout_log_probs=rollout_lp[tok] if args.tis is not None else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
                     )
@@ -847,8 +854,9 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         old_log_probs=stored(args, old_log_probs[tok]), advantages=stored(args, step_advantages[tok]),
                         entropy=stored(args, entropy), raw_rewards=step_raw[mb], rewards=step_rewards[mb],
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=stored(args, mb_loss.pg_losses),
-                        loss_fields=fields, **{k: stored(args, v) for k, v in knob_payloads(
-                            knobs, tok, ref_log_probs, rollout_lp, value).items()},
+                        loss_fields=fields, policy_versions=versions[tok], **{k: stored(args, v) for k, v in
+                                                                               knob_payloads(knobs, tok, ref_log_probs,
+                                                                                             rollout_lp, value).items()},
                     )
                 if world > 1:
                     for p in model.parameters():
