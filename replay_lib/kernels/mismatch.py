@@ -62,11 +62,11 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class DifferenceSummary:
     """``a`` vs ``b`` on the loss tokens, bit for bit."""
 
-    compared: int
-    count: int
-    max_abs: float
-    max_ulp: float
-    first: Optional[int]  # the first differing token's index on the (selected) token axis, None when none
+    compared: int = 0
+    count: int = 0
+    max_abs: float = 0.0
+    max_ulp: float = 0.0
+    first: Optional[int] = None  # the first differing token's index on the (selected) token axis, None when none
 
     def as_dict(self, sample_of) -> dict:
         out = {"compared": self.compared, "count": self.count, "max_abs_diff": self.max_abs, "max_ulp": self.max_ulp}
@@ -75,24 +75,55 @@ class DifferenceSummary:
             out.update(first_sample=sample, first_token=token)
         return out
 
+    def add(self, a: torch.Tensor, b: torch.Tensor, on: torch.Tensor, start: int,
+            absd: Optional[torch.Tensor] = None) -> None:
+        """Fold in the tokens ``[start, start + len)`` of a chunk (the chunks in token order). ``absd``: float64
+        ``|a − b|`` on the loss tokens and 0 elsewhere, when the caller has it (:meth:`MismatchScan.add`)."""
+        self.compared += int(on.sum())
+        diff = differing(a, b, on)
+        count = int(diff.sum())
+        if not count:
+            return
+        self.count += count
+        if count * 4 < diff.numel():  # few: gather them
+            idx = diff.nonzero().reshape(-1)
+            a, b = a[idx], b[idx]
+            first = int(idx[0])
+            absd = None
+        else:  # most: mask the others (a gather would copy nearly everything)
+            first = int(diff.to(torch.uint8).argmax())
+            a = torch.where(diff, a, b)
+        if absd is None:
+            absd = (a.to(torch.float64) - b.to(torch.float64)).abs()
+        top = float(absd.max())
+        self.max_abs = top if math.isnan(top) or math.isnan(self.max_abs) else max(self.max_abs, top)
+        if math.isfinite(top) and a.dtype == b.dtype == torch.float32:
+            ulp = _ulp32_max(a, b)  # both finite: the int32 keys' distance (the common case, a third of the work)
+        else:
+            ulp = float(ulp_distance(a, b).max())
+        self.max_ulp = max(self.max_ulp, ulp)
+        if self.first is None:
+            self.first = start + first
+
+
+def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max :func:`ulp_distance` of finite float32 values: ``key = bits ^ ((bits >> 31) & 0x7fffffff)`` orders the
+    floats as int32 (−0 one below +0, never compared: they are equal)."""
+    def key(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int32)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return float((key(a).to(torch.int64) - key(b).to(torch.int64)).abs_().max())
+
 
 def differing(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     """bool per token: ``on`` and ``a``, ``b`` not the same float (NaN never equals anything; ``+0 == −0``)."""
-    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
-    return on & (a.to(wide) != b.to(wide))
+    return on & (a != b)  # a float32 and a float64 side are compared in float64 (exact)
 
 
 def difference_summary(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> DifferenceSummary:
-    diff = differing(a, b, on)
-    count = int(diff.sum())
-    if not count:
-        return DifferenceSummary(compared=int(on.sum()), count=0, max_abs=0.0, max_ulp=0.0, first=None)
-    idx = diff.nonzero().reshape(-1)
-    da, db = a[idx], b[idx]
-    absd = (da.to(torch.float64) - db.to(torch.float64)).abs()
-    max_abs = float(absd.max()) if not torch.isnan(absd).any() else math.nan
-    return DifferenceSummary(compared=int(on.sum()), count=count, max_abs=max_abs,
-                             max_ulp=float(ulp_distance(da, db).max()), first=int(idx[0]))
+    out = DifferenceSummary()
+    out.add(a, b, on, 0)
+    return out
 
 
 def _kl(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Tensor:
@@ -106,111 +137,192 @@ def _kl(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Ten
     return torch.expm1(log_ratio) - log_ratio
 
 
+class MismatchScan:
+    """The metrics of :data:`METRICS` in float64, folded a chunk of tokens at a time (:meth:`add`, the chunks in
+    token order; every per-token quantity of a chunk stays in cache), then :meth:`metrics`. ``n``: samples;
+    ``kl_type``: NeMo-RL's ``reference_policy_kl_type``; ``is_*``: the bundle's importance-correction knobs (TRL's
+    ratio statistics are those of its corrected weight). ``condition``: also accumulate
+    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics)."""
+
+    def __init__(self, n: int, *, kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
+                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False) -> None:
+        f64 = torch.float64
+        self.n, self.kl_type, self.condition = n, kl_type, condition
+        self.is_level, self.is_mode, self.is_low, self.is_high = is_level, is_mode, is_low, is_high
+        self.seq = torch.zeros((4, n), dtype=f64)  # Σ_t m·old, Σ_t m·rollout, Σ_t m·(old − rollout), Σ_t m
+        self.sums: dict[str, float] = dict(tokens=0.0, pd=0.0, d=0.0, k3=0.0, rho2=0.0, tm=0.0, gen=0.0, pol=0.0,
+                                           absd=0.0, absd_n=0.0, ratio=0.0, cond=0.0)
+        self.pd_parts: list[tuple[float, float, float]] = []  # (count, mean, M2) per chunk: Chan's combination
+        self.max: dict[str, float] = dict(pd=-math.inf, absd=-math.inf, ratio=-math.inf)
+        self.min: dict[str, float] = dict(ratio=math.inf)
+
+    def _clip(self, ratio: torch.Tensor) -> torch.Tensor:
+        if self.is_mode == "mask":
+            low = -math.inf if self.is_low is None else self.is_low
+            high = math.inf if self.is_high is None else self.is_high
+            return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+        if self.is_low is not None or self.is_high is not None:
+            return ratio.clamp(min=self.is_low, max=self.is_high)
+        return ratio
+
+    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """Fold in one chunk; returns its float64 ``|old − rollout|`` on the loss tokens (0 elsewhere)."""
+        f64 = torch.float64
+        on = mask > 0
+        m = on.to(f64)
+        # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
+        lo = torch.where(on, old, 0.0).to(f64)
+        lr = torch.where(on, rollout, 0.0).to(f64)
+        cnt = float(m.sum())
+        S = self.sums
+        S["tokens"] += cnt
+        # verl debug metrics: |exp(old) − exp(rollout)| (0 off the loss tokens, never the max: |Δp| ≥ 0)
+        pd = (torch.exp(lo) - torch.exp(lr)).abs_()
+        psum = float(pd.sum())
+        S["pd"] += psum
+        self.max["pd"] = _max(self.max["pd"], float(pd.max())) if cnt else self.max["pd"]
+        if cnt:
+            mean = psum / cnt
+            self.pd_parts.append((cnt, mean, float(((pd - mean).square_() * m).sum())))
+        d = lo - lr  # old − rollout: 0 off the loss tokens
+        e = torch.exp(d)
+        S["d"] += float(d.sum())
+        k3 = e - d - 1
+        S["k3"] += float(k3.sum())
+        absd = d.abs()
+        big = float(absd.max()) if d.numel() else 0.0
+        rho = e if big <= SAFETY_BOUND else torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        S["rho2"] += float(torch.dot(rho * rho, m)) if d.numel() else 0.0
+        inv = e.reciprocal()
+        tm = torch.where(d >= 0, e, inv)  # exp(|Δ|)
+        S["tm"] += float(torch.dot(tm, m)) if d.numel() else 0.0
+        if self.kl_type == "k1":
+            gen, pol = -d, d
+        elif self.kl_type == "k2":
+            gen = pol = 0.5 * d * d
+        else:
+            gen, pol = k3, inv + d - 1
+        S["gen"] += float(gen.sum())
+        S["pol"] += float(pol.sum())
+        # TRL: |old − sampling| on the loss tokens, NaN left out
+        nan = torch.isnan(absd)
+        if bool(nan.any()):
+            S["absd"] += float(absd.nansum())
+            S["absd_n"] += float((on & ~nan).sum())
+            self.max["absd"] = _max(self.max["absd"], float(absd.nan_to_num(nan=-math.inf).max()))
+        else:
+            S["absd"] += float(absd.sum())
+            S["absd_n"] += cnt
+            self.max["absd"] = _max(self.max["absd"], big) if cnt else self.max["absd"]
+        if self.is_level != "sequence" and cnt:
+            ratio = self._clip(torch.where(nan, 1.0, e))  # TRL: the difference's NaN → 0, the ratio 1
+            S["ratio"] += float(torch.dot(ratio, m))
+            self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
+            self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
+        if self.condition and cnt:
+            size = torch.maximum(lo.abs(), lr.abs()).add_(1)
+            c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
+            S["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
+        rows = (lo, lr, torch.nan_to_num(d, nan=0.0), m)
+        samples, counts = torch.unique_consecutive(seg, return_counts=True)
+        if samples.numel() <= 8:  # a chunk holds a few long samples: one contiguous sum each
+            for k, (sample, size) in enumerate(zip(samples.tolist(), counts.tolist())):
+                a = int(counts[:k].sum())
+                for row, x in enumerate(rows):
+                    self.seq[row, sample] += float(x[a:a + size].sum())
+        else:
+            self.seq.index_add_(1, seg, torch.stack(rows))
+        return absd
+
+    def metrics(self) -> dict[str, float]:
+        S, n = self.sums, self.n
+        tokens = S["tokens"]
+        out: dict[str, float] = {}
+        # verl verl/utils/debug/metrics.py:112-121 calculate_debug_metrics: |exp(old) − exp(rollout)| on the
+        # response mask, max / mean / std (torch.std: Bessel's correction); no valid token: NaN (:103-110)
+        if tokens:
+            mean = S["pd"] / tokens
+            m2 = sum(M2 + c * (mu - mean) ** 2 for c, mu, M2 in self.pd_parts)
+            out["training/rollout_probs_diff_max"] = self.max["pd"]
+            out["training/rollout_probs_diff_mean"] = mean
+            out["training/rollout_probs_diff_std"] = math.sqrt(m2 / (tokens - 1)) if tokens > 1 else math.nan
+        else:
+            out.update({k: math.nan for k in VERL_DEBUG})
+        # verl verl/trainer/ppo/rollout_corr_helper.py:904-1010 compute_offpolicy_metrics. verl_F.masked_mean
+        # divides by Σ m + 1e-8 with a float32 mask: the epsilon rounds away for any count ≥ 1, so it only keeps
+        # a fully masked sequence's 0/0 at 0. Per sequence along the tokens, then a plain mean over sequences.
+        denom = tokens if tokens else VERL_MASKED_MEAN_EPS
+        s_old, s_roll, s_d, count = self.seq
+        count = torch.where(count > 0, count, torch.full_like(count, VERL_MASKED_MEAN_EPS))
+        mean_old, mean_roll = s_old / count, s_roll / count
+        out["rollout_corr/training_ppl"] = float(torch.exp(-mean_old).mean())
+        out["rollout_corr/training_log_ppl"] = float((-mean_old).mean())
+        out["rollout_corr/kl"] = -S["d"] / denom
+        out["rollout_corr/k3_kl"] = S["k3"] / denom
+        out["rollout_corr/rollout_ppl"] = float(torch.exp(-mean_roll).mean())
+        out["rollout_corr/rollout_log_ppl"] = float((-mean_roll).mean())
+        log_ppl_diff = mean_roll - mean_old
+        out["rollout_corr/log_ppl_diff"] = float(log_ppl_diff.mean())
+        out["rollout_corr/log_ppl_abs_diff"] = float(log_ppl_diff.abs().mean())
+        out["rollout_corr/log_ppl_diff_max"] = float(log_ppl_diff.max()) if n else math.nan
+        out["rollout_corr/log_ppl_diff_min"] = float(log_ppl_diff.min()) if n else math.nan
+        out["rollout_corr/ppl_ratio"] = float(torch.exp(log_ppl_diff).mean())
+        out["rollout_corr/chi2_token"] = S["rho2"] / denom - 1.0
+        out["rollout_corr/chi2_seq"] = float(torch.exp(2.0 * s_d.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean()) - 1.0
+        # NeMo-RL nemo_rl/algorithms/loss_functions.py ClippedPGLossFn (clipped_pg_diagnostic_metrics):
+        # token_mult_prob_error = masked_mean(exp(|gen − prev|·mask)); gen_kl_error = masked_mean(calculate_kl(gen,
+        # prev)); policy_kl_error = masked_mean(calculate_kl(prev, gen)): global token means, no epsilon
+        nan = math.nan
+        out["token_mult_prob_error"] = S["tm"] / tokens if tokens else nan
+        out["gen_kl_error"] = S["gen"] / tokens if tokens else nan
+        out["policy_kl_error"] = S["pol"] / tokens if tokens else nan
+        # TRL trl/trainer/grpo_trainer.py:2660-2705 (the corrected ratio) and :2860-2896 (its statistics): the
+        # difference (old − sampling)·mask, NaN → 0; per token, or summed per sequence; truncate = clamp, mask = 0
+        # outside [min, max]; statistics over the loss tokens (token modes) or every sequence (sequence modes);
+        # none: 0
+        out["sampling/sampling_logp_difference/mean"] = S["absd"] / S["absd_n"] if S["absd_n"] else 0.0
+        out["sampling/sampling_logp_difference/max"] = self.max["absd"] if S["absd_n"] else 0.0
+        if self.is_level == "sequence":
+            ratio = self._clip(torch.exp(s_d))
+            if n:
+                out["sampling/importance_sampling_ratio/min"] = float(ratio.min())
+                out["sampling/importance_sampling_ratio/mean"] = float(ratio.mean())
+                out["sampling/importance_sampling_ratio/max"] = float(ratio.max())
+        elif tokens:
+            out["sampling/importance_sampling_ratio/min"] = self.min["ratio"]
+            out["sampling/importance_sampling_ratio/mean"] = S["ratio"] / tokens
+            out["sampling/importance_sampling_ratio/max"] = self.max["ratio"]
+        for k in TRL[2:]:
+            out.setdefault(k, 0.0)
+        return {k: out[k] for k in METRICS}
+
+    def condition_value(self) -> float:
+        """:func:`metric_condition` of what was folded in (``condition=True``)."""
+        return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
+
+
+def _max(a: float, b: float) -> float:
+    return b if math.isnan(b) or math.isnan(a) else max(a, b)
+
+
 def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int, *,
                      kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
                      is_low: Optional[float] = None, is_high: Optional[float] = None) -> dict[str, float]:
     """Every metric of :data:`METRICS` in float64 over the loss tokens (``mask`` > 0) of ``n`` samples
-    (``seg``: each token's sample). ``kl_type``: NeMo-RL's ``reference_policy_kl_type`` (the estimator of its
-    gen/policy KL errors). ``is_*``: the bundle's importance-correction knobs (TRL's ratio statistics are
-    those of its corrected weight: ``vllm_importance_sampling_mode``, its clip bounds)."""
-    f64 = torch.float64
-    lr, lo = rollout.to(f64), old.to(f64)
-    m = (mask > 0).to(f64)
-    on = m > 0
-    tokens = float(m.sum())
-    out: dict[str, float] = {}
-
-    def tmean(x: torch.Tensor) -> float:  # a global masked mean (NeMo-RL/verl masked_mean over every token)
-        return float((x * m).sum() / tokens) if tokens else math.nan
-
-    def seqsum(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=f64).index_add_(0, seg, x * m)
-
-    # verl verl/utils/debug/metrics.py:112-121 calculate_debug_metrics: |exp(old) − exp(rollout)| on the response
-    # mask, max / mean / std (torch.std: Bessel's correction)
-    if tokens:
-        pd = (lo[on].exp() - lr[on].exp()).abs()
-        out["training/rollout_probs_diff_max"] = float(pd.max())
-        out["training/rollout_probs_diff_mean"] = float(pd.mean())
-        out["training/rollout_probs_diff_std"] = float(pd.std()) if pd.numel() > 1 else math.nan
-    else:  # metrics.py:103-110: no valid token
-        out.update({k: math.nan for k in VERL_DEBUG})
-
-    # verl verl/trainer/ppo/rollout_corr_helper.py:904-1010 compute_offpolicy_metrics (verl_F.masked_mean: the
-    # denominator + 1e-8; per sequence along the token axis, then a plain mean over every sequence)
-    # (verl's mask is float32: Σ m + 1e-8 rounds back to Σ m for any count ≥ 1, so the epsilon only keeps a
-    # fully masked sequence's 0/0 at 0)
-    denom = tokens if tokens else VERL_MASKED_MEAN_EPS
-    count = seqsum(torch.ones_like(m))
-    count = torch.where(count > 0, count, torch.full_like(count, VERL_MASKED_MEAN_EPS))
-    mean_old = seqsum(lo) / count
-    mean_roll = seqsum(lr) / count
-    out["rollout_corr/training_ppl"] = float(torch.exp(-mean_old).mean())
-    out["rollout_corr/training_log_ppl"] = float((-mean_old).mean())
-    log_ratio = lo - lr
-    out["rollout_corr/kl"] = float(((lr - lo) * m).sum() / denom)
-    out["rollout_corr/k3_kl"] = float(((torch.exp(log_ratio) - log_ratio - 1) * m).sum() / denom)
-    out["rollout_corr/rollout_ppl"] = float(torch.exp(-mean_roll).mean())
-    out["rollout_corr/rollout_log_ppl"] = float((-mean_roll).mean())
-    log_ppl_diff = mean_roll - mean_old
-    out["rollout_corr/log_ppl_diff"] = float(log_ppl_diff.mean())
-    out["rollout_corr/log_ppl_abs_diff"] = float(log_ppl_diff.abs().mean())
-    out["rollout_corr/log_ppl_diff_max"] = float(log_ppl_diff.max()) if n else math.nan
-    out["rollout_corr/log_ppl_diff_min"] = float(log_ppl_diff.min()) if n else math.nan
-    out["rollout_corr/ppl_ratio"] = float(torch.exp(log_ppl_diff).mean())
-    rho = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    out["rollout_corr/chi2_token"] = float((rho * rho * m).sum() / denom) - 1.0
-    seq = seqsum(log_ratio).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    out["rollout_corr/chi2_seq"] = float(torch.exp(2.0 * seq).mean()) - 1.0
-
-    # NeMo-RL nemo_rl/algorithms/loss_functions.py ClippedPGLossFn (clipped_pg_diagnostic_metrics):
-    # token_mult_prob_error = masked_mean(exp(|gen − prev|·mask)); gen_kl_error = masked_mean(calculate_kl(gen,
-    # prev)); policy_kl_error = masked_mean(calculate_kl(prev, gen)) — the global token mean, no epsilon
-    out["token_mult_prob_error"] = tmean(torch.exp((lr - lo).abs() * m))
-    out["gen_kl_error"] = tmean(_kl(lr, lo, kl_type))
-    out["policy_kl_error"] = tmean(_kl(lo, lr, kl_type))
-
-    # TRL trl/trainer/grpo_trainer.py:2660-2705 (the corrected ratio) and :2860-2896 (its statistics): the
-    # difference (old − sampling)·mask, NaN → 0; per token, or summed per sequence; truncate = clamp, mask = 0
-    # outside [min, max]; statistics over the masked tokens (token modes) or every sequence (sequence modes)
-    delta = (lo - lr).abs()[on]
-    delta = delta[~torch.isnan(delta)]
-    out["sampling/sampling_logp_difference/mean"] = float(delta.mean()) if delta.numel() else 0.0
-    out["sampling/sampling_logp_difference/max"] = float(delta.max()) if delta.numel() else 0.0
-    diff = torch.nan_to_num((lo - lr) * m, nan=0.0)
-    if is_level == "sequence":
-        ratio = torch.exp(torch.zeros(n, dtype=f64).index_add_(0, seg, diff))
-    else:
-        ratio = torch.exp(diff)[on]
-    if is_mode == "mask":
-        low = -math.inf if is_low is None else is_low
-        high = math.inf if is_high is None else is_high
-        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    elif is_low is not None or is_high is not None:
-        ratio = ratio.clamp(min=is_low, max=is_high)
-    if ratio.numel():
-        out["sampling/importance_sampling_ratio/min"] = float(ratio.min())
-        out["sampling/importance_sampling_ratio/mean"] = float(ratio.mean())
-        out["sampling/importance_sampling_ratio/max"] = float(ratio.max())
-    else:
-        out.update({k: 0.0 for k in TRL[2:]})
-    return out
+    (``seg``: each token's sample): :class:`MismatchScan` over the whole token axis."""
+    scan = MismatchScan(n, kl_type=kl_type, is_level=is_level, is_mode=is_mode, is_low=is_low, is_high=is_high)
+    scan.add(rollout, old, mask, seg)
+    return scan.metrics()
 
 
 def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> float:
     """A magnitude every metric's float32 rounding error is proportional to: the masked mean of
-    ``(1 + |Δ|)·exp(|Δ|)·(1 + |lp|)`` (each term is an exp, a difference or a product of those, of log-probs
-    of that size), at least 1."""
-    lr, lo = rollout.to(torch.float64), old.to(torch.float64)
-    on = mask > 0
-    if not bool(on.any()):
-        return 1.0
-    d = (lo - lr)[on].abs().clamp(max=SAFETY_BOUND)
-    size = torch.maximum(lo[on].abs(), lr[on].abs())
-    c = ((1 + d) * d.exp() * (1 + size))
-    c = c[torch.isfinite(c)]
-    return max(float(c.mean()) if c.numel() else 1.0, 1.0)
+    ``(1 + |Δ|)·exp(|Δ|)·(1 + max(|old|, |rollout|))`` (each term is an exp, a difference or a product of those, of
+    log-probs of that size; |Δ| clamped to 20), at least 1."""
+    scan = MismatchScan(1, condition=True)
+    scan.add(rollout, old, mask, torch.zeros(rollout.numel(), dtype=torch.int64))
+    return scan.condition_value()
 
 
-__all__ = ["METRICS", "DifferenceSummary", "difference_summary", "differing", "metric_condition",
+__all__ = ["METRICS", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "ulp_distance"]

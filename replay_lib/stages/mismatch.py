@@ -32,7 +32,7 @@ from ..bundle import BundleReader
 from ..bundle.schema import StageId
 from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..judge.report import StageReport
-from ..kernels.mismatch import METRICS, difference_summary, metric_condition, mismatch_metrics
+from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan
 from ..safe_text import safe
 from .base import StageContext, StageDef
 
@@ -50,8 +50,10 @@ def bitwise_requested(ctx: StageContext) -> bool:
 
 
 def _locate(ctx: StageContext):
-    def sample_of(token: int) -> tuple[str, int]:
-        s = int(ctx.seg[token])
+    ends = ctx.offsets + ctx.lengths
+
+    def sample_of(token: int) -> tuple[str, int]:  # (the token axis's sample ids are not built for this)
+        s = int(torch.searchsorted(ends, token, right=True))
         return ctx.sample_ids[s], int(token - int(ctx.offsets[s]))
     return sample_of
 
@@ -79,7 +81,7 @@ def _lints(ctx: StageContext) -> None:
         over = lag > int(bound)
         first = int(over.nonzero()[0])
         sample, token = _locate(ctx)(first)
-        ctx.hazard(STAGE, "policy_lag", sample=int(ctx.seg[first]), message=(
+        ctx.hazard(STAGE, "policy_lag", sample=ctx.sample_ids.index(sample), message=(
             f"{int(over.sum())} loss token(s) sampled more than max_policy_lag={int(bound)} version(s) behind the "
             f"trainer's policy_version={int(cfg.policy_version)} (max lag {int(lag.max())}); first at sample "
             f"{safe(sample)} token {token}"))
@@ -93,20 +95,29 @@ def _lints(ctx: StageContext) -> None:
 
 def run_mismatch(ctx: StageContext) -> StageReport:
     rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
+    current = ctx.payload("log_probs") if ctx.has("log_probs") else None
     mask = ctx.loss_mask
     on = mask > 0
     locate = _locate(ctx)
-    ro = difference_summary(rollout, old, on)
+    cfg = ctx.config
+    recorded = ctx.reader.expected.get(STAGE, {})
+    names = [k for k in METRICS if k in recorded]
+    # one pass over the tokens, a cache-sized chunk at a time: the differences and every metric's sums
+    scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=cfg.is_level, is_mode=cfg.is_mode,
+                        is_low=cfg.is_low, is_high=cfg.is_high, condition=bool(names) and not ctx.partial)
+    ro = DifferenceSummary()
+    oc = DifferenceSummary() if current is not None else None
+    for lo, hi, seg in ctx.token_chunks():
+        r, o, c_on = rollout[lo:hi], old[lo:hi], on[lo:hi]
+        ro.add(r, o, c_on, lo, absd=scan.add(r, o, mask[lo:hi], seg))
+        if oc is not None:
+            oc.add(o, current[lo:hi], c_on, lo)
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
-    oc = None
-    if ctx.has("log_probs"):
-        oc = difference_summary(old, ctx.payload("log_probs"), on)
+    if oc is not None:
         summary["old_vs_current"] = oc.as_dict(locate)
     bitwise = bitwise_requested(ctx)
     summary["bitwise"] = bitwise
-    cfg = ctx.config
-    metrics = mismatch_metrics(rollout, old, mask, ctx.seg, ctx.n, kl_type=cfg.kl_loss_type, is_level=cfg.is_level,
-                               is_mode=cfg.is_mode, is_low=cfg.is_low, is_high=cfg.is_high)
+    metrics = scan.metrics()
     summary["metrics"] = metrics
     _lints(ctx)
 
@@ -114,17 +125,15 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     if bitwise:
         fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
-    recorded = ctx.reader.expected.get(STAGE, {})
     unknown = sorted(k for k in recorded if k not in METRICS)
     if unknown:
         summary["unknown_metrics"] = unknown
-    names = [k for k in METRICS if k in recorded]
     if names and ctx.partial:
         summary["metrics_compared"] = False
         names = []
     if names:
-        cond = metric_condition(rollout, old, mask)
-        tokens = int(on.sum())
+        cond = scan.condition_value()
+        tokens = ro.compared
         longest = int(ctx.lengths.max()) if ctx.n else 0
         bound = torch.tensor([metric_bound(metrics[k], cond, tokens, longest, ctx.precision) for k in names],
                              dtype=torch.float64)
