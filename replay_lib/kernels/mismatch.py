@@ -185,6 +185,7 @@ class MismatchScan:
             mean = psum / cnt
             self.pd_parts.append((cnt, mean, float(((pd - mean).square_() * m).sum())))
         d = lo - lr  # old − rollout: 0 off the loss tokens
+        self.last_d = d  # the chunk's log importance weight per token (a caller's per-sample views read it)
         e = torch.exp(d)
         S["d"] += float(d.sum())
         k3 = e - d - 1

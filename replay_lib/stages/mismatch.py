@@ -30,7 +30,9 @@ import torch
 
 from ..bundle import BundleReader
 from ..bundle.schema import StageId
-from ..judge.fields import PER_SCALAR, PER_TOKEN
+from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN
+from ..bundle.loss_knobs import LossKnobs
+from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan
 from ..safe_text import safe
@@ -85,12 +87,59 @@ def _lints(ctx: StageContext) -> None:
             f"{int(over.sum())} loss token(s) sampled more than max_policy_lag={int(bound)} version(s) behind the "
             f"trainer's policy_version={int(cfg.policy_version)} (max lag {int(lag.max())}); first at sample "
             f"{safe(sample)} token {token}"))
-    anchored = cfg.is_level is None and not cfg.use_tis and not cfg.use_rollout_logprobs
+    anchored = LossKnobs.of(cfg).is_level is None and not cfg.use_rollout_logprobs
     if anchored and bool(stale.any()):
         ctx.hazard(STAGE, "stale_anchor", message=(
             f"{int(stale.sum())} loss token(s) sampled by an older policy (max lag {int(lag.max())}) while the ratio "
             "is anchored on the trainer's recompute alone: no importance correction (is_level, use_tis) and no "
             "rollout log-probs as the old policy (use_rollout_logprobs)"))
+
+
+class _Weights:
+    """Per sample, the train/rollout importance weight before and after the correction's clamp or mask, and the
+    share of its loss tokens the correction changed — for the views (two per-sample fields that compare nothing:
+    the loss stage judges the corrected loss). Token level: the mean over the sample's loss tokens of the raw
+    ``exp(old − rollout)`` and of the applied weight; sequence / geometric: the sample's one weight
+    (``exp`` of the sum, or of the mean, of ``old − rollout``)."""
+
+    def __init__(self, n: int, knobs: LossKnobs) -> None:
+        self.knobs = knobs
+        self.sums = torch.zeros((4, n), dtype=torch.float64)  # Σ raw·m, Σ applied·m, Σ changed·m, Σ m; or Σ d·m
+
+    def add(self, d: torch.Tensor, on: torch.Tensor, seg: torch.Tensor) -> None:
+        m = on.to(torch.float64)
+        if self.knobs.is_level == "token":
+            raw = torch.exp(d)
+            clamped = torch.exp(d.clamp(-self.knobs.is_log_clamp, self.knobs.is_log_clamp)) \
+                if self.knobs.is_log_clamp is not None else raw
+            applied = importance_weight(d, self.knobs)
+            rows = torch.stack([raw * m, applied * m, (applied != clamped).to(torch.float64) * m, m])
+        else:
+            rows = torch.stack([d * m, torch.zeros_like(m), torch.zeros_like(m), m])
+        self.sums.index_add_(1, seg, rows)
+
+    def fields(self, ctx: StageContext) -> list:
+        k = self.knobs
+        count = self.sums[3]
+        if k.is_level == "token":
+            n = count.clamp(min=1)
+            raw, applied, changed = self.sums[0] / n, self.sums[1] / n, self.sums[2] / n
+            what = "mean over the sample's loss tokens of the raw exp(old − rollout) (expected) and of the weight applied"
+        else:
+            log_w = self.sums[0] / count.clamp(min=1) if k.is_level == "geometric" else self.sums[0]
+            raw = torch.exp(log_w)
+            clamped = torch.exp(log_w.clamp(-k.is_log_clamp, k.is_log_clamp)) if k.is_log_clamp is not None else raw
+            applied = importance_weight(log_w, k)
+            changed = (applied != clamped).to(torch.float64)
+            what = f"the sample's {k.is_level} weight, raw (expected) and applied"
+        bounds = f"[{k.is_low}, {k.is_high}]"
+        none = torch.zeros(ctx.n, dtype=torch.bool)  # shown, never compared: the loss stage judges the correction
+        return [
+            ctx.field(STAGE, "is_weight", PER_SAMPLE, raw, applied, compared=none, exact=False,
+                      note=f"importance weight, {k.is_level} level, {k.is_mode} to {bounds}: {what}"),
+            ctx.field(STAGE, "is_changed_fraction", PER_SAMPLE, changed, changed, compared=none, exact=False,
+                      note=f"share of the sample's loss tokens whose weight the {k.is_mode} to {bounds} changed"),
+        ]
 
 
 def run_mismatch(ctx: StageContext) -> StageReport:
@@ -100,18 +149,22 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     on = mask > 0
     locate = _locate(ctx)
     cfg = ctx.config
+    knobs = LossKnobs.of(cfg)  # the effective correction (slime's use_tis is token TIS)
     recorded = ctx.reader.expected.get(STAGE, {})
     names = [k for k in METRICS if k in recorded]
     # one pass over the tokens, a cache-sized chunk at a time: the differences and every metric's sums
-    scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=cfg.is_level, is_mode=cfg.is_mode,
-                        is_low=cfg.is_low, is_high=cfg.is_high, condition=bool(names) and not ctx.partial)
+    scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=knobs.is_level, is_mode=knobs.is_mode,
+                        is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
+    weights = _Weights(ctx.n, knobs) if knobs.is_level is not None else None
     for lo, hi, seg in ctx.token_chunks():
         r, o, c_on = rollout[lo:hi], old[lo:hi], on[lo:hi]
         ro.add(r, o, c_on, lo, absd=scan.add(r, o, mask[lo:hi], seg))
         if oc is not None:
             oc.add(o, current[lo:hi], c_on, lo)
+        if weights is not None:
+            weights.add(scan.last_d, c_on, seg)
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
     if oc is not None:
         summary["old_vs_current"] = oc.as_dict(locate)
@@ -121,7 +174,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     summary["metrics"] = metrics
     _lints(ctx)
 
-    fields = []
+    fields = weights.fields(ctx) if weights is not None else []
     if bitwise:
         fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
