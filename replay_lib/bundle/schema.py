@@ -258,6 +258,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     true_on_policy: Union[bool, msgspec.UnsetType] = msgspec.UNSET
     policy_version: Union[Int, msgspec.UnsetType] = msgspec.UNSET
     max_policy_lag: Union[Count, msgspec.UnsetType] = msgspec.UNSET
+    # Rejection sampling of the train/rollout correction (verl rollout_rs, rollout_rs_threshold; SPEC §4.3): the
+    # loss tokens a chained divergence test rejects leave the loss mask. Unset: not written.
+    rollout_rs: Union[str, None, msgspec.UnsetType] = msgspec.UNSET
+    rollout_rs_threshold: Union[str, float, None, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
@@ -267,6 +271,11 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
         errors = check_knobs(LossKnobs.of(self))
         if errors:
             raise ValueError(errors[0])
+        if isinstance(self.rollout_rs, str):
+            from .rollout_rs import parse_rollout_rs
+
+            parse_rollout_rs(self.rollout_rs, None if self.rollout_rs_threshold is msgspec.UNSET
+                             else self.rollout_rs_threshold)
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

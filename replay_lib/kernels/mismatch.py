@@ -325,5 +325,37 @@ def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
     return scan.condition_value()
 
 
+def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                   chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
+    """verl's rejection sampling (``rollout_corr_helper.py:197-413`` ``compute_rollout_rejection_mask``): bool per
+    token, kept by every option of ``chain`` (``bundle.rollout_rs.parse_rollout_rs``). ``log_ratio`` = old −
+    rollout, clamped to ±20; per token k1 = −log_ratio, k2 = log_ratio²/2, k3 = exp(log_ratio) − 1 − log_ratio;
+    token options test each token, ``seq_sum`` / ``seq_mean`` / ``seq_max`` the sample's sum, mean (over
+    ``Σ mask``) or max (0 without a loss token) over its loss tokens; k1 keeps ``lower ≤ stat ≤ upper`` (log
+    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway)."""
+    on = mask > 0
+    lr = torch.where(on, log_ratio, 0.0).to(torch.float64).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.exp(lr) - 1.0 - lr}
+    keep = torch.ones_like(on)
+    m = on.to(torch.float64)
+    count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+    for option, lower, upper in chain:
+        stat = stats[option[-2:]]
+        if option.startswith("seq_sum") or option.startswith("seq_mean"):
+            per = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat * m)
+            if option.startswith("seq_mean"):
+                per = per / torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
+            stat = per[seg]
+        elif option.startswith("seq_max"):
+            per = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(
+                0, seg, torch.where(on, stat, -math.inf), reduce="amax")
+            stat = torch.where(per == -math.inf, 0.0, per)[seg]
+        ok = stat <= upper
+        if lower is not None:
+            ok &= stat >= lower
+        keep &= ok
+    return keep | ~on
+
+
 __all__ = ["METRICS", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
-           "mismatch_metrics", "ulp_distance"]
+           "mismatch_metrics", "rejection_keep", "ulp_distance"]
