@@ -190,3 +190,29 @@ def test_async_lints(cli, tmp_path):
                                         config=RecomputeConfig(policy_version=5, max_policy_lag=2, is_level="token"))
     code, report, stage = _replay(cli, corrected)
     assert [h["kind"] for h in report["hazards"] if h["stage"] == "logprob.mismatch"] == []
+
+
+def test_a_recorded_metric_that_is_not_a_number_is_one_line(cli, tmp_path):
+    path = produce_mismatch_bundle(tmp_path / "b", make_logprobs(2, 3, 8, "flat"),
+                                   expected={"rollout_corr/k3_kl": [0.1, 0.2]})
+    code, report, stage = _replay(cli, path)
+    assert code == 1 and stage["reason"] == ("expected.json $.logprob.mismatch.rollout_corr/k3_kl: expected a number "
+                                             "or null, got list")
+
+
+def test_bitwise_is_recorded_in_the_report_and_the_debugger_judges_alike(tmp_path):
+    from replay_lib.bundle import open_bundle
+    from replay_lib.judge.error_model import Rules
+    from replay_lib.run.runner import replay_run
+    from replay_tui.model import build_model, rules_of
+
+    path = produce_mismatch_bundle(tmp_path / "b", make_logprobs(3, 6, 32, "one_bad", bad=(2, 5), ulps=1))
+    bundles = open_bundle(path)
+    report, contexts = replay_run(bundles, rules=Rules(bitwise=True))
+    assert report.bitwise is True and rules_of(report).bitwise
+    plain, _ = replay_run(bundles)
+    assert "bitwise" not in json.loads(__import__("msgspec").json.encode(plain))  # written only when on
+    shard = build_model(bundles, report, contexts=contexts).shards[0]
+    assert shard.ensure("rollout_log_probs")
+    bad = shard.bad["rollout_log_probs"].nonzero().reshape(-1).tolist()
+    assert bad == [int(shard.ctx.offsets[2]) + 5]

@@ -101,6 +101,8 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     tolerance_policy: str = "bundle"
     hazards: list[Hazard] = []
     explanations: list[Explanation] = []
+    # --bitwise (stage logprob.mismatch's oracle); written only when on
+    bitwise: Union[bool, msgspec.UnsetType] = msgspec.UNSET
 
     @property
     def exit_code(self) -> int:

@@ -352,6 +352,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         exact=rules.exact,
         tolerance_policy=rules.tolerance_policy,
         hazards=_hazards([c for c in contexts if c is not None], keep),
+        bitwise=True if rules.bitwise else msgspec.UNSET,
     )
     return annotate(report, contexts, rules, explain=explain), contexts
 

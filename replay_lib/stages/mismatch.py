@@ -36,7 +36,7 @@ from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan
 from ..safe_text import safe
-from .base import StageContext, StageDef
+from .base import StageContext, StageDef, StageInputError
 
 STAGE = StageId.LOGPROB_MISMATCH.value
 INPUTS = ("rollout_log_probs", "old_log_probs")
@@ -152,6 +152,10 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     knobs = LossKnobs.of(cfg)  # the effective correction (slime's use_tis is token TIS)
     recorded = ctx.reader.expected.get(STAGE, {})
     names = [k for k in METRICS if k in recorded]
+    for k in names:  # a metric is one number (null: NaN, as msgspec writes it)
+        if not (recorded[k] is None or isinstance(recorded[k], (int, float))) or isinstance(recorded[k], bool):
+            raise StageInputError(f"expected.json $.{STAGE}.{k}: expected a number or null, got "
+                                  f"{type(recorded[k]).__name__}", field="metrics")
     # one pass over the tokens, a cache-sized chunk at a time: the differences and every metric's sums
     scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=knobs.is_level, is_mode=knobs.is_mode,
                         is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)

@@ -164,7 +164,8 @@ class ShardRecompute:
 
 def rules_of(report: ReplayReport) -> Rules:
     """How ``report`` was judged, for recomputing its fields the same way."""
-    return Rules(chain=report.mode == "chained", exact=report.exact, tolerance_policy=report.tolerance_policy)
+    return Rules(chain=report.mode == "chained", exact=report.exact, tolerance_policy=report.tolerance_policy,
+                 bitwise=report.bitwise is True)
 
 def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[str]:
     """Stages the report compared (pass/fail); without a report, what a full replay would run."""
