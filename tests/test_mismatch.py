@@ -216,3 +216,17 @@ def test_bitwise_is_recorded_in_the_report_and_the_debugger_judges_alike(tmp_pat
     assert shard.ensure("rollout_log_probs")
     bad = shard.bad["rollout_log_probs"].nonzero().reshape(-1).tolist()
     assert bad == [int(shard.ctx.offsets[2]) + 5]
+
+
+def test_scan_and_check_take_bitwise(cli, tmp_path):
+    from replay_tui.__main__ import main as tui_main
+
+    root = tmp_path / "run"
+    root.mkdir()
+    path = produce_mismatch_bundle(root / "step-1-0", make_logprobs(3, 6, 32, "one_bad", bad=(2, 5), ulps=1))
+    code, out, err = cli("scan", root, "--jobs", "1")
+    assert code == 0, out + err
+    code, out, err = cli("scan", root, "--jobs", "1", "--bitwise")
+    assert code == 1 and "logprob.mismatch" in out, out + err
+    assert tui_main([str(path), "--check"]) == 0
+    assert tui_main([str(path), "--check", "--bitwise"]) == 1
