@@ -224,15 +224,8 @@ class MismatchScan:
             size = torch.maximum(lo.abs(), lr.abs()).add_(1)
             c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
             S["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
-        rows = (lo, lr, torch.nan_to_num(d, nan=0.0), m)
-        samples, counts = torch.unique_consecutive(seg, return_counts=True)
-        if samples.numel() <= 8:  # a chunk holds a few long samples: one contiguous sum each
-            for k, (sample, size) in enumerate(zip(samples.tolist(), counts.tolist())):
-                a = int(counts[:k].sum())
-                for row, x in enumerate(rows):
-                    self.seq[row, sample] += float(x[a:a + size].sum())
-        else:
-            self.seq.index_add_(1, seg, torch.stack(rows))
+        self.last_e = e  # exp(old − rollout) of the chunk (1 off the loss tokens)
+        segment_add(self.seq, (lo, lr, torch.nan_to_num(d, nan=0.0), m), seg)
         return absd
 
     def metrics(self) -> dict[str, float]:
@@ -302,6 +295,20 @@ class MismatchScan:
         return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
 
 
+def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
+    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): a chunk
+    of a few long samples takes one contiguous sum per sample and row, many short ones one ``index_add_``."""
+    samples, counts = torch.unique_consecutive(seg, return_counts=True)
+    if samples.numel() <= 8:
+        a = 0
+        for sample, size in zip(samples.tolist(), counts.tolist()):
+            for r, x in enumerate(rows):
+                acc[r, sample] += float(x[a:a + size].sum())
+            a += size
+    else:
+        acc.index_add_(1, seg, torch.stack(list(rows)))
+
+
 def _max(a: float, b: float) -> float:
     return b if math.isnan(b) or math.isnan(a) else max(a, b)
 
@@ -358,4 +365,4 @@ def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tenso
 
 
 __all__ = ["METRICS", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
-           "mismatch_metrics", "rejection_keep", "ulp_distance"]
+           "mismatch_metrics", "rejection_keep", "segment_add", "ulp_distance"]

@@ -34,7 +34,7 @@ from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN
 from ..bundle.loss_knobs import LossKnobs
 from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
-from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan
+from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan, segment_add
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -95,6 +95,19 @@ def _lints(ctx: StageContext) -> None:
             "rollout log-probs as the old policy (use_rollout_logprobs)"))
 
 
+def _corrected(w: torch.Tensor, k: LossKnobs) -> torch.Tensor:
+    """The weight after the correction (``kernels.loss.importance_weight`` past its ``exp``): truncate = clamp to
+    ``[is_low, is_high]``, mask = ``w·1[is_low ≤ w ≤ is_high]``."""
+    if k.is_mode == "truncate":
+        return w.clamp(min=k.is_low, max=k.is_high) if k.is_low is not None or k.is_high is not None else w
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if k.is_low is not None:
+        keep &= w >= k.is_low
+    if k.is_high is not None:
+        keep &= w <= k.is_high
+    return w * keep.to(w.dtype)
+
+
 class _Weights:
     """Per sample, the train/rollout importance weight before and after the correction's clamp or mask, and the
     share of its loss tokens the correction changed — for the views (two per-sample fields that compare nothing:
@@ -106,17 +119,19 @@ class _Weights:
         self.knobs = knobs
         self.sums = torch.zeros((4, n), dtype=torch.float64)  # Σ raw·m, Σ applied·m, Σ changed·m, Σ m; or Σ d·m
 
-    def add(self, d: torch.Tensor, on: torch.Tensor, seg: torch.Tensor) -> None:
+    def add(self, d: torch.Tensor, e: torch.Tensor, on: torch.Tensor, seg: torch.Tensor) -> None:
+        """``d`` = old − rollout and ``e`` = exp(d) of a chunk (0 and 1 off the loss tokens)."""
         m = on.to(torch.float64)
         if self.knobs.is_level == "token":
-            raw = torch.exp(d)
-            clamped = torch.exp(d.clamp(-self.knobs.is_log_clamp, self.knobs.is_log_clamp)) \
-                if self.knobs.is_log_clamp is not None else raw
-            applied = importance_weight(d, self.knobs)
-            rows = torch.stack([raw * m, applied * m, (applied != clamped).to(torch.float64) * m, m])
+            k = self.knobs
+            clamped = e
+            if k.is_log_clamp is not None and bool((d.abs() > k.is_log_clamp).any()):
+                clamped = torch.exp(d.clamp(-k.is_log_clamp, k.is_log_clamp))
+            applied = _corrected(clamped, k)
+            rows = (e * m, applied * m, (applied != clamped).to(torch.float64) * m, m)
         else:
-            rows = torch.stack([d * m, torch.zeros_like(m), torch.zeros_like(m), m])
-        self.sums.index_add_(1, seg, rows)
+            rows = (d * m, m, m, m)
+        segment_add(self.sums, rows, seg)
 
     def fields(self, ctx: StageContext) -> list:
         k = self.knobs
@@ -168,7 +183,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
         if oc is not None:
             oc.add(o, current[lo:hi], c_on, lo)
         if weights is not None:
-            weights.add(scan.last_d, c_on, seg)
+            weights.add(scan.last_d, scan.last_e, c_on, seg)
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
     if oc is not None:
         summary["old_vs_current"] = oc.as_dict(locate)
