@@ -38,6 +38,11 @@ the rollout and reference log-probs, PPO's values and returns; one bug flag per 
 ``--token-mean-denominator-bug``, ``--dual-clip-bug``, ``--kl-loss-bug``, ``--tis-bug``, ``--gspo-bug``,
 ``--value-loss-bug``).
 
+Every bundle records the sampler's own log-probs of the sampled tokens (``rollout_log_probs``: its tempered
+top-k distribution, computed apart from the trainer's full-vocabulary forward; an appended <eos> without support
+takes the trainer's value) and the weights version that sampled each token (``policy_versions``): the bundles run
+stage ``logprob.mismatch`` (SPEC §4.3).
+
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
 micro-batch hands capture its per-sample loss terms, its per-token surrogate and its loss fields, so the step
