@@ -21,6 +21,9 @@ import torch
 
 # verl rollout_corr_helper.py SAFETY_BOUND (the clamp of a log-ratio before exp in its chi² metrics)
 SAFETY_BOUND = 20.0
+# Tokens per chunk of the stage's one pass: each per-token array of a chunk (1 MiB in float64) stays in cache
+# while a few dozen operations read it, and a million tokens take eight chunks' worth of dispatches.
+MISMATCH_CHUNK = 1 << 17
 # verl_F.masked_mean's denominator term (verl/utils/torch_functional.py masked_mean: Σ x·m / (Σ m + 1e-8))
 VERL_MASKED_MEAN_EPS = 1e-8
 
@@ -296,17 +299,17 @@ class MismatchScan:
 
 
 def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
-    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): a chunk
-    of a few long samples takes one contiguous sum per sample and row, many short ones one ``index_add_``."""
+    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
+    take one contiguous sum each (all rows at once), many short ones one ``index_add_``."""
     samples, counts = torch.unique_consecutive(seg, return_counts=True)
-    if samples.numel() <= 8:
+    stacked = torch.stack(list(rows))
+    if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
         a = 0
         for sample, size in zip(samples.tolist(), counts.tolist()):
-            for r, x in enumerate(rows):
-                acc[r, sample] += float(x[a:a + size].sum())
+            acc[:, sample] += stacked[:, a:a + size].sum(1)
             a += size
     else:
-        acc.index_add_(1, seg, torch.stack(list(rows)))
+        acc.index_add_(1, seg, stacked)
 
 
 def _max(a: float, b: float) -> float:
@@ -364,5 +367,5 @@ def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tenso
     return keep | ~on
 
 
-__all__ = ["METRICS", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_keep", "segment_add", "ulp_distance"]

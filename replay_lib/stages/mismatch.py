@@ -34,7 +34,8 @@ from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN
 from ..bundle.loss_knobs import LossKnobs
 from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
-from ..kernels.mismatch import METRICS, DifferenceSummary, MismatchScan, segment_add
+from ..kernels import token_chunks
+from ..kernels.mismatch import METRICS, MISMATCH_CHUNK, DifferenceSummary, MismatchScan, segment_add
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -157,6 +158,24 @@ class _Weights:
         ]
 
 
+# ``ctx.records`` key of a zero-argument function returning the stage's view-only FieldResults (``is_weight``,
+# ``is_changed_fraction``): they compare nothing, so a replay does not pay for them; a view that shows them
+# calls it once (replay_tui/model/recompute.py).
+VIEW_FIELDS = f"{STAGE}.view_fields"
+
+
+def _weight_fields(ctx: StageContext, knobs: LossKnobs) -> list:
+    rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
+    on = ctx.loss_mask > 0
+    weights = _Weights(ctx.n, knobs)
+    for lo, hi, seg in token_chunks(ctx.lengths, MISMATCH_CHUNK):
+        c_on = on[lo:hi]
+        d = torch.where(c_on, old[lo:hi], 0.0).to(torch.float64) - torch.where(c_on, rollout[lo:hi], 0.0).to(
+            torch.float64)
+        weights.add(d, torch.exp(d), c_on, seg)
+    return weights.fields(ctx)
+
+
 def run_mismatch(ctx: StageContext) -> StageReport:
     rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
     current = ctx.payload("log_probs") if ctx.has("log_probs") else None
@@ -176,14 +195,13 @@ def run_mismatch(ctx: StageContext) -> StageReport:
                         is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
-    weights = _Weights(ctx.n, knobs) if knobs.is_level is not None else None
-    for lo, hi, seg in ctx.token_chunks():
+    for lo, hi, seg in token_chunks(ctx.lengths, MISMATCH_CHUNK):
         r, o, c_on = rollout[lo:hi], old[lo:hi], on[lo:hi]
         ro.add(r, o, c_on, lo, absd=scan.add(r, o, mask[lo:hi], seg))
         if oc is not None:
             oc.add(o, current[lo:hi], c_on, lo)
-        if weights is not None:
-            weights.add(scan.last_d, scan.last_e, c_on, seg)
+    if knobs.is_level is not None:  # the views' per-sample weights: computed when a view asks (VIEW_FIELDS)
+        ctx.records[VIEW_FIELDS] = lambda: _weight_fields(ctx, knobs)
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
     if oc is not None:
         summary["old_vs_current"] = oc.as_dict(locate)
@@ -193,7 +211,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     summary["metrics"] = metrics
     _lints(ctx)
 
-    fields = weights.fields(ctx) if weights is not None else []
+    fields = []
     if bitwise:
         fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))

@@ -38,6 +38,7 @@ def test_token_weights_raw_and_applied_per_sample(tmp_path, mode, low, high, app
     model = build_model(bundles, report, contexts=contexts)
     assert report.passed and {"is_weight", "is_changed_fraction"} <= set(model.fields)
     shard = model.shards[0]
+    assert not shard.ensure("rollout_log_probs")  # not judged bitwise: absent, and the weights still come
     assert shard.ensure("is_weight") and shard.ensure("is_changed_fraction")
     raw, got = shard.values["is_weight"]
     assert raw.tolist() == pytest.approx([(3.0 + 1.0) / 2, (0.25 + 0.5 + 1.0) / 3], rel=1e-6)
