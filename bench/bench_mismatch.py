@@ -11,7 +11,10 @@ in process (``replay_lib.run.runner.replay``), interleaved repetitions, median w
 PASS when mismatch / base − 1 ≤ 20 % (the stage and the correction together). One torch thread by default
 (``--threads``): on a shared host two intra-op threads mostly measure the neighbours.
 
-    python bench/bench_mismatch.py [--samples 256] [--tokens 8192] [--reps 3]
+    python bench/bench_mismatch.py [--samples 256] [--tokens 8192] [--reps 3] [--cli]
+
+``--cli`` also times fresh ``trajectory-replay replay`` processes (base: ``--stage loss.policy`` on each bundle;
+mismatch: every stage), the time a user waits for.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cli", action="store_true", help="also time fresh `trajectory-replay replay` processes")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,9 +74,29 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - start)
                 if name == "mismatch":
                     assert report.stage("logprob.mismatch") is not None
+        if args.cli:  # the time a user waits for: a fresh `trajectory-replay replay` process each
+            import os
+            import subprocess
+
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or ""), PYTHONPATH=os.pathsep.join(
+                [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            cmds = {"cli base": [str(plain), "--stage", "loss.policy"],
+                    "cli correction": [str(tis), "--stage", "loss.policy"],
+                    "cli mismatch": [str(tis)]}
+            for name in cmds:
+                times[name] = []
+            for _ in range(args.reps):
+                for name, extra in cmds.items():
+                    start = time.perf_counter()
+                    subprocess.run([sys.executable, "-m", "replay_lib", "replay", *extra], env=env,
+                                   capture_output=True, check=False)
+                    times[name].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         for k, v in med.items():
-            print(f"{k:>10}: {v:7.2f}s  ({v / med['base'] - 1:+.1%} vs base)  runs {', '.join(f'{t:.2f}' for t in times[k])}")
+            ref = med["cli base"] if k.startswith("cli") else med["base"]
+            print(f"{k:>14}: {v:7.2f}s  ({v / ref - 1:+.1%} vs base)  runs {', '.join(f'{t:.2f}' for t in times[k])}")
+        if args.cli:
+            print(f"cli: stage + correction add {med['cli mismatch'] / med['cli base'] - 1:+.1%}")
         over = med["mismatch"] / med["base"] - 1
         ok = over <= LIMIT
         print(f"{'PASS' if ok else 'FAIL'}: stage + correction add {over:+.1%} (limit {LIMIT:.0%})")
