@@ -230,3 +230,18 @@ def test_scan_and_check_take_bitwise(cli, tmp_path):
     assert code == 1 and "logprob.mismatch" in out, out + err
     assert tui_main([str(path), "--check"]) == 0
     assert tui_main([str(path), "--check", "--bitwise"]) == 1
+
+
+def test_cohort_summary_sums_counts_and_keeps_the_first_ranks_first():
+    from replay_lib.judge.report import StageReport
+    from replay_lib.stages.mismatch import merge_summaries
+
+    a = {"rollout_vs_old": {"compared": 10, "count": 0, "max_abs_diff": 0.0, "max_ulp": 0.0}, "bitwise": True,
+         "metrics": {"token_mult_prob_error": 1.0}}
+    b = {"rollout_vs_old": {"compared": 7, "count": 2, "max_abs_diff": 0.5, "max_ulp": 9.0, "first_sample": "r1-s-3",
+                            "first_token": 4}, "bitwise": True, "metrics": {"token_mult_prob_error": 1.2}}
+    merged = merge_summaries([StageReport(stage="logprob.mismatch", status="pass", mismatch=a),
+                              StageReport(stage="logprob.mismatch", status="fail", mismatch=b)])
+    assert merged == {"rollout_vs_old": {"compared": 17, "count": 2, "max_abs_diff": 0.5, "max_ulp": 9.0,
+                                         "first_sample": "r1-s-3", "first_token": 4}, "bitwise": True}
+    assert merge_summaries([StageReport(stage="sample", status="pass")]) is None
