@@ -22,6 +22,7 @@ and the frameworks' mismatch metrics recomputed in float64 (``kernels.mismatch.M
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -158,7 +159,7 @@ class _Weights:
         ]
 
 
-# ``ctx.records`` key of a zero-argument function returning the stage's view-only FieldResults (``is_weight``,
+# ``ctx.records`` key of a function of the context returning the stage's view-only FieldResults (``is_weight``,
 # ``is_changed_fraction``): they compare nothing, so a replay does not pay for them; a view that shows them
 # calls it once (replay_tui/model/recompute.py).
 VIEW_FIELDS = f"{STAGE}.view_fields"
@@ -201,7 +202,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
         if oc is not None:
             oc.add(o, current[lo:hi], c_on, lo)
     if knobs.is_level is not None:  # the views' per-sample weights: computed when a view asks (VIEW_FIELDS)
-        ctx.records[VIEW_FIELDS] = lambda: _weight_fields(ctx, knobs)
+        ctx.records[VIEW_FIELDS] = functools.partial(_weight_fields, knobs=knobs)  # of ctx: no reference cycle
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
     if oc is not None:
         summary["old_vs_current"] = oc.as_dict(locate)

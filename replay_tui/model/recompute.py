@@ -93,7 +93,7 @@ class ShardRecompute:
             result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
         views = f"{stage}.view_fields"  # fields a stage computes for a view only, on the first ask
         if result is None and callable(self.ctx.records.get(views)):
-            self.ctx.fields[stage] = [*self.ctx.fields.get(stage, ()), *self.ctx.records.pop(views)()]
+            self.ctx.fields[stage] = [*self.ctx.fields.get(stage, ()), *self.ctx.records.pop(views)(self.ctx)]
             result = next((f for f in self.ctx.fields[stage] if f.name == name), None)
         if result is None:
             self.unavailable[name] = f"{stage} did not compare {name} on this bundle"
