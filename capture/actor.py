@@ -314,6 +314,7 @@ class StepCapture:
         rewards: Optional[TensorLike] = None,
         ref_log_probs: Optional[TensorLike] = None,
         rollout_log_probs: Optional[TensorLike] = None,
+        policy_versions: Optional[TensorLike] = None,
         values: Optional[TensorLike] = None,
         old_values: Optional[TensorLike] = None,
         returns: Optional[TensorLike] = None,
@@ -330,7 +331,9 @@ class StepCapture:
         surrogate (kept only under ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``, else not even copied);
         ``loss_fields``: the loss fields it reports (summed by ``finish()``). ``ref_log_probs`` /
         ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
-        (SPEC §4.2); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
+        (SPEC §4.2; with ``old_log_probs`` they declare stage ``logprob.mismatch``, SPEC §4.4);
+        ``policy_versions``: per token, the policy version that sampled it (partial / async rollouts, the
+        mismatch stage's staleness lints); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
         declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
         micro-batch of a step gives the same side channels, terms and fields. ``grad_log_probs`` /
         ``grad_values``: ∂L/∂log_probs and ∂L/∂values per token as backward gave them (``grad_tap``), of the
@@ -370,6 +373,7 @@ class StepCapture:
             "entropy": None if entropy is None else _flat(entropy),
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            "policy_versions": None if policy_versions is None else _flat(policy_versions, torch.int64),
             **{name: None if t is None else _flat(t) for name, t in (("values", values), ("old_values", old_values),
                                                                     ("returns", returns))},
             "raw_rewards": None if raw_rewards is None else _flat(raw_rewards, torch.float64),
@@ -535,8 +539,13 @@ class ReplayCapture:
         config: Optional[RecomputeConfig] = None,
         values: Optional[TensorLike] = None,
         returns: Optional[TensorLike] = None,
+        rollout_log_probs: Optional[TensorLike] = None,
+        policy_versions: Optional[TensorLike] = None,
     ) -> bool:
         """Record what ``reward.raw … advantage.estimate`` consumed and produced for one rollout.
+        ``rollout_log_probs``: per token, the inference engine's own log-probs of the sampled tokens (computed
+        apart from ``old_log_probs``; the bundle then runs stage ``logprob.mismatch``, SPEC §4.4);
+        ``policy_versions``: per token, the policy version that sampled it (partial / async rollouts).
         ``values`` / ``returns``: per token, the critic's values GAE consumed and the returns it produced
         (``advantage_estimator="gae"``, SPEC §4.2).
 
@@ -583,6 +592,8 @@ class ReplayCapture:
             "advantages": _flat(advantages),
             "values": None if values is None else _flat(values),
             "returns": None if returns is None else _flat(returns),
+            "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            "policy_versions": None if policy_versions is None else _flat(policy_versions, torch.int64),
             **channels,
         }
         item = CaptureItem(kind="rollout", label=label, meta=meta, tensors=tensors)

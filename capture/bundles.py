@@ -440,7 +440,9 @@ class BundleSink:
             payloads["ref_log_probs"] = tensors["ref_log_probs"]
         payloads["kl"] = tensors["kl"]
         payloads["advantages"] = tensors["advantages"]
-        for name in ("values", "returns"):  # GAE's critic values and returns (SPEC §4.2)
+        # GAE's critic values and returns (SPEC §4.2); the engine's log-probs and the sampling policy versions
+        # (stage logprob.mismatch, SPEC §4.4)
+        for name in ("values", "returns", "rollout_log_probs", "policy_versions"):
             if name in tensors:
                 payloads[name] = tensors[name]
         for name in SUPPORT_CHANNELS:
@@ -487,7 +489,7 @@ class BundleSink:
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
         for name in ("log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "advantages",
-                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS):
+                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS, "policy_versions"):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")

@@ -43,6 +43,11 @@ micro-batch's log-probs (and values) records the gradient backward gives them; `
 sapo, geo_mean, dppo_tv, dppo_kl, dro, gpg; ppo by default), each with its bug flag (``--cispo-cap-bug``,
 ``--sapo-tau-bug``, ``--geo-mean-bug``, ``--dppo-mask-bug``, ``--dro-beta-bug``, ``--gpg-old-logp-bug``).
 
+Every bundle records the sampler's own log-probs of the sampled tokens (``rollout_log_probs``: its tempered
+top-k distribution, computed apart from the trainer's full-vocabulary forward; an appended <eos> without support
+takes the trainer's value) and the weights version that sampled each token (``policy_versions``): the bundles run
+stage ``logprob.mismatch`` (SPEC §4.4).
+
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
 micro-batch hands capture its per-sample loss terms, its per-token surrogate and its loss fields, so the step
@@ -820,7 +825,13 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
             advantages, returns = estimate_advantages(args, rewards, kl, mask, lengths, values)
             # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
             # the returns are advantages + values: GAE is advantage.estimate's)
-            rollout_lp = rollout_log_probs_of(samples, old_log_probs) if args.tis is not None else None
+            # The sampler's own log-probs are recorded on every run (as verl's calculate_log_probs does): the
+            # bundles then run stage logprob.mismatch, the sampler's top-k tempered distribution against the
+            # trainer's full-vocabulary forward; the loss reads them only under --tis.
+            rollout_lp = rollout_log_probs_of(samples, old_log_probs)
+            # the weights version that sampled each token (the rollout worker may lag the trainer)
+            versions = torch.cat([torch.full((len(s.response),), int(s.rollout_weight), dtype=torch.int64)
+                                  for s in samples])
             old_values = None
             if args.ppo:
                 with torch.no_grad():
@@ -853,6 +864,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
                     provenance=provenance, side_channels=side_channels,
                     support_scored=("old_log_probs",) if args.sample_support else None,
+                    rollout_log_probs=stored(args, rollout_lp), policy_versions=versions,
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
             fresh = (raw, rewards, advantages)
@@ -898,7 +910,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
-                        rollout_log_probs=rollout_lp[tok] if rollout_lp is not None else None,
+                        rollout_log_probs=rollout_lp[tok] if args.tis is not None else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
                         grad_bug=args.grad_bug,
@@ -926,7 +938,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         old_log_probs=stored(args, old_log_probs[tok]), advantages=stored(args, step_advantages[tok]),
                         entropy=stored(args, entropy), raw_rewards=step_raw[mb], rewards=step_rewards[mb],
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=stored(args, mb_loss.pg_losses),
-                        loss_fields=fields, **{k: stored(args, v) for k, v in knob_payloads(
+                        loss_fields=fields, policy_versions=versions[tok], **{k: stored(args, v) for k, v in knob_payloads(
                             knobs, tok, ref_log_probs, rollout_lp, value).items()},
                         grad_log_probs=tap.gradient() if tap is not None else None,
                         grad_values=value_tap.gradient() if value_tap is not None else None,

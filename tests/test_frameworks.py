@@ -131,8 +131,6 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
     ({"algorithm": {"adv_estimator": "my_estimator"}}, "algorithm.adv_estimator", "not mapped"),
     ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "token-max"}}}, "actor_rollout_ref.actor.loss_agg_mode",
      "not one of"),
-    ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
-     "rejection sampling"),
     ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "pid"}}}, "algorithm.kl_ctrl.type",
      "not one of fixed, adaptive"),
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
@@ -596,3 +594,26 @@ def test_config_command_says_an_adaptive_coefficient_must_be_the_steps(tmp_path,
     assert err.splitlines()[-1] == (
         "algorithm.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's value, "
         "logged as actor/reward_kl_penalty_coeff); 0.002 from the file is its start, right at the first step only")
+
+
+def test_verl_rollout_rs_maps_and_a_bad_chain_is_one_line():
+    """verl's rejection sampling (rollout_corr_helper.py:197-413) maps to the recompute knobs; a chain or threshold
+    verl itself rejects (no threshold, an unknown option, a k2 bound with '_') is a malformed config (exit 3)."""
+    from replay_lib.errors import FrameworkConfigError
+
+    cfg = from_verl({"algorithm": {"rollout_correction": {"rollout_rs": "token_k1,seq_mean_k3",
+                                                          "rollout_rs_threshold": "0.5_2.0,0.01"}}})
+    assert (cfg.rollout_rs, cfg.rollout_rs_threshold) == ("token_k1,seq_mean_k3", "0.5_2.0,0.01")
+    cfg = from_verl({"algorithm": {"rollout_correction": {"rollout_rs": "seq_max_k2", "rollout_rs_threshold": 0.1}}})
+    assert (cfg.rollout_rs, cfg.rollout_rs_threshold) == ("seq_max_k2", 0.1)
+    for rc, message in (({"rollout_rs": "seq_mean_k1"},
+                         "rollout_rs_threshold=None: expected a threshold with rollout_rs (required), got None"),
+                        ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0},
+                         "rollout_rs='token_k4': expected options among token_k1, "),
+                        ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.2"},
+                         "rollout_rs_threshold='0.1_0.2': expected one positive number for token_k2, got '0.1_0.2'")):
+        with pytest.raises(FrameworkConfigError) as err:
+            from_verl({"algorithm": {"rollout_correction": rc}})
+        assert str(err.value).startswith("verl config: algorithm.rollout_correction.rollout_rs") and \
+            message in str(err.value), str(err.value)
+        assert err.value.exit_code == 3

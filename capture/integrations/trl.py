@@ -45,7 +45,8 @@ What each bundle holds:
 * ``step-<R>-<S>`` (S = optimizer step within generation R): per micro-batch the samples it trained on (their
   ids and normalized rewards), the loss mask (``completion_mask × tool_mask``, ``:3027``), current and old
   log-probs, entropy, the advantages the loss consumed, ``ref_log_probs`` when ``beta != 0``,
-  ``rollout_log_probs`` (vLLM's sampling log-probs) under its importance correction, and as ``loss`` the sum
+  ``rollout_log_probs`` (vLLM's sampling log-probs, whenever TRL holds them: with ``use_vllm``; on CPU without
+  vLLM TRL's own ``generate`` returns none, ``:1889``, and none is recorded), and as ``loss`` the sum
   over the step's micro-batches of the loss ``_compute_loss`` returned. The denominators TRL divided by are in
   the step's config: ``loss_token_count`` = ``num_items_in_batch`` (``dapo``; the micro-batch's own tokens for
   ``bnpo``), ``loss_seq_count`` = B × gradient-accumulation steps (``grpo``, ``dr_grpo``), ``loss_scale`` =
@@ -142,6 +143,9 @@ class _Rollout:
     num_items: int
     old: Optional[torch.Tensor]  # [B, C] when TRL computed them
     ref: Optional[torch.Tensor]
+    # [B, C] the sampling engine's log-probs of the sampled tokens (vLLM's, grpo_trainer.py:1775-1782, 2910-2911);
+    # None without vLLM: TRL's own generate() returns none (:1889, :1811), there is nothing to record
+    sampling: Optional[torch.Tensor] = None
     filled: dict[int, torch.Tensor] = field(default_factory=dict)  # position → old log-probs row, from the loss
     submitted: bool = False
     steps: int = 0  # optimizer steps begun on it
@@ -318,6 +322,8 @@ class TRLCapture:
             num_items=int(out["num_items_in_batch"]),
             old=None if out.get("old_per_token_logps") is None else out["old_per_token_logps"].detach().clone(),
             ref=None if out.get("ref_per_token_logps") is None else out["ref_per_token_logps"].detach().clone(),
+            sampling=None if out.get("sampling_per_token_logps") is None
+            else out["sampling_per_token_logps"].detach().clone(),
         )
         self.rollouts[rollout_id] = rollout
         if rollout.old is not None:
@@ -350,6 +356,7 @@ class TRLCapture:
             rewards=rollout.rewards,
             old_log_probs=_tokens(old, lengths),
             ref_log_probs=None if rollout.ref is None else _tokens(rollout.ref, lengths),
+            rollout_log_probs=None if rollout.sampling is None else _tokens(rollout.sampling, lengths),
             kl=torch.zeros(tokens, dtype=torch.float32),
             advantages=_broadcast(rollout.rewards, lengths),
             reward_terms={"rewards_per_func": rollout.per_func.reshape(-1).tolist(),
@@ -399,8 +406,8 @@ class TRLCapture:
         advantages = inputs["advantages"]
         advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, completion.shape[1])
         ref = inputs.get("ref_per_token_logps") if self.trainer.beta != 0.0 else None
-        is_correction = self.config.is_level is not None
-        sampling = inputs.get("sampling_per_token_logps") if is_correction else None
+        # the sampling engine's log-probs whenever TRL holds them (vLLM), corrected or not: stage logprob.mismatch
+        sampling = inputs.get("sampling_per_token_logps")
         part = dict(
             sample_ids=[rollout.sample_ids[p] for p in positions],
             group_index=[rollout.groups[p] for p in positions],

@@ -38,6 +38,8 @@ PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sampled_token_ids": ("int", (TOKENS,)),
     "routed_experts": ("int", (TOKENS, "layers", "topk")),
     "cp_shard": ("int", (TOKENS,)),
+    # the policy version that sampled each token (partial / async rollouts mix versions): logprob.mismatch's lints
+    "policy_versions": ("int", (TOKENS,)),
 }
 # A cohort COMPLETE's shard key: a rank number as ``str(rank)`` writes it (no sign, space or leading zero).
 _RANK_KEY = re.compile(r"\A(?:0|[1-9][0-9]*)\Z")

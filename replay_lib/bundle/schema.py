@@ -69,6 +69,7 @@ class StageId(str, enum.Enum):
     ADVANTAGE_KL = "advantage.kl"
     ADVANTAGE_ESTIMATE = "advantage.estimate"
     LOGPROB_SUPPORT = "logprob.support"
+    LOGPROB_MISMATCH = "logprob.mismatch"
     LOSS_POLICY = "loss.policy"
     LOSS_VALUE = "loss.value"
     LOSS_GRAD = "loss.grad"
@@ -317,6 +318,20 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     policy_loss: str = "ppo"
     policy_loss_params: dict[str, Union[float, int, str, bool, None]] = {}
 
+    # Train–inference mismatch (stage logprob.mismatch, SPEC §4.4). true_on_policy: the run declares rollout and
+    # trainer log-probs bitwise equal (NeMo-RL zero_train_gen_mismatch, miles --true-on-policy-mode), so every
+    # difference on a loss token is a divergence. policy_version: the trainer's policy version at the step;
+    # max_policy_lag: the configured staleness bound (verl staleness_threshold, SkyRL max_staleness_steps,
+    # NeMo-RL max_trajectory_age_steps, slime --max-policy-version-lag), read with the payload policy_versions.
+    # Unset, they are not written, so a bundle without them is byte-identical to one written before them.
+    true_on_policy: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    policy_version: Union[Int, msgspec.UnsetType] = msgspec.UNSET
+    max_policy_lag: Union[Count, msgspec.UnsetType] = msgspec.UNSET
+    # Rejection sampling of the train/rollout correction (verl rollout_rs, rollout_rs_threshold; SPEC §4.4): the
+    # loss tokens a chained divergence test rejects leave the loss mask. Unset: not written.
+    rollout_rs: Union[str, None, msgspec.UnsetType] = msgspec.UNSET
+    rollout_rs_threshold: Union[str, float, None, msgspec.UnsetType] = msgspec.UNSET
+
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
         # error naming the field (exit 3), never a refusal or a crash in a stage.
@@ -329,6 +344,11 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"grad_scale: expected a finite, non-zero multiplier, got {self.grad_scale!r}")
         if self.vf_coef is not msgspec.UNSET and not math.isfinite(self.vf_coef):
             raise ValueError(f"vf_coef: expected a finite weight, got {self.vf_coef!r}")
+        if isinstance(self.rollout_rs, str):
+            from .rollout_rs import parse_rollout_rs
+
+            parse_rollout_rs(self.rollout_rs, None if self.rollout_rs_threshold is msgspec.UNSET
+                             else self.rollout_rs_threshold)
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

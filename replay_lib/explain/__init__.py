@@ -26,7 +26,7 @@ from ..judge.error_model import Rules
 from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
 from ..judge.report import STATUS_FAIL, Explanation, ReplayReport
 from ..stages import STAGE_ORDER, StageContext
-from . import advantage, grad, kl, loss, reward
+from . import advantage, grad, kl, loss, mismatch, reward
 from .base import Hypothesis, Score, reported, score
 from .downstream import mark_downstream
 
@@ -55,6 +55,8 @@ def _unit(fields: Sequence[FieldResult], sampled: bool) -> str:
 def explain_stage(stage: str, contexts: Sequence[StageContext], divergences=()) -> list[Explanation]:
     """The reported hypotheses of one failing stage over its shards' contexts (whose ``fields[stage]`` hold what
     it compared, judged on its recorded inputs), best first."""
+    if stage == mismatch.STAGE:  # the oracle's differences: judged on themselves (tolerance 0), not as hypotheses
+        return mismatch.explain(contexts)
     family = FAMILIES.get(stage)
     if family is None:
         return []

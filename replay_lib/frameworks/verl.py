@@ -322,9 +322,19 @@ def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool
     level = r.raw(f"{RC}.rollout_is", None)  # yaml:854
     threshold = r.raw(f"{RC}.rollout_is_threshold", 2.0)  # yaml:855
     rs = r.raw(f"{RC}.rollout_rs", None)  # yaml:856
-    r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
-    if rs:
-        r.refuse(f"{RC}.rollout_rs", rs, "rejection sampling by divergence statistics is not recomputed")
+    rs_threshold = r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
+    if rs:  # rejection sampling (rollout_corr_helper.py:197-413): the rejected tokens leave the loss mask
+        from ..bundle.rollout_rs import parse_rollout_rs
+
+        if not isinstance(rs, str) or (rs_threshold is not None and not isinstance(rs_threshold, (str, int, float))):
+            r.bad(f"{RC}.rollout_rs", rs, "a comma-separated chain of rejection options with rollout_rs_threshold")
+        try:
+            parse_rollout_rs(rs, rs_threshold)
+        except ValueError as exc:
+            knob, _, detail = str(exc).partition(": ")
+            r.bad(f"{RC}.{knob}", rs if knob == "rollout_rs" else rs_threshold, detail.removeprefix("expected "))
+        fields.update(rollout_rs=rs, rollout_rs_threshold=rs_threshold if isinstance(rs_threshold, str)
+                      else float(rs_threshold))
     loss_type = r.text(f"{RC}.loss_type", "ppo_clip")  # yaml:859
     if loss_type != "ppo_clip":
         r.refuse(f"{RC}.loss_type", loss_type, "only ppo_clip is mapped")

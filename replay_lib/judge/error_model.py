@@ -170,6 +170,9 @@ class Rules:
     chain: bool = False
     exact: bool = False
     tolerance_policy: str = "bundle"
+    # --bitwise: rollout_log_probs and old_log_probs must agree bit for bit on every loss token (the oracle of
+    # stage logprob.mismatch; config.true_on_policy asks the same of one bundle)
+    bitwise: bool = False
 
     def __post_init__(self) -> None:
         if self.tolerance_policy not in TOLERANCE_POLICIES:

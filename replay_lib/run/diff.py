@@ -40,7 +40,8 @@ from ..judge.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, StageRepor
 PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estimate", "kl": "advantage.kl",
                  "rewards": "reward.post_process", "log_probs": "loss.policy", "old_log_probs": "loss.policy",
                  "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy",
-                 "grad_log_probs": "loss.grad", "grad_values": "loss.grad"}
+                 "grad_log_probs": "loss.grad", "grad_values": "loss.grad",
+                 "rollout_log_probs": "logprob.mismatch", "policy_versions": "logprob.mismatch"}
 INDEX_FIELDS = (("raw_reward", "reward.raw"), ("reward", "reward.post_process"))
 
 

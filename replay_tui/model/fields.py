@@ -48,6 +48,12 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("support_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded log_probs vs logp_S over the support"),
     FieldSpec("support_old_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded old_log_probs vs logp_S over the support"),
     FieldSpec("support_ref_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded ref_log_probs vs logp_S over the support"),
+    # logprob.mismatch: the oracle's per-token field (--bitwise / true_on_policy), the importance weight per sample
+    # before and after the correction's clamp or mask, and the share of loss tokens it truncated or masked
+    FieldSpec("rollout_log_probs", "logprob.mismatch", KIND_TOKEN, "rollout_log_probs vs old_log_probs, bit for bit"),
+    FieldSpec("is_weight", "logprob.mismatch", KIND_SAMPLE, "importance weight per sample: raw (pre-clamp) vs applied"),
+    FieldSpec("is_changed_fraction", "logprob.mismatch", KIND_SAMPLE,
+              "share of each sample's loss tokens truncated or masked by the correction"),
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
     # loss.policy's per-token and per-sample terms (replay_lib.stages.loss_terms), when the bundle records them
     FieldSpec("pg_losses", "loss.policy", KIND_TOKEN, "per-token clipped surrogate (loss tokens)"),

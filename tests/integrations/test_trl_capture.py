@@ -503,3 +503,12 @@ def test_a_knob_mapped_wrong_fails_loss_policy(runs, tmp_path, bundle_tools, kno
         code = main(["replay", str(path), "--format", "json"])
     report = json.loads(out.getvalue())
     assert (code, report["first_divergent_stage"]) == (1, "loss.policy")
+
+
+def test_without_vllm_no_rollout_log_probs_are_recorded(runs):
+    """On CPU without vLLM TRL's own generate() returns no sampling log-probs (grpo_trainer.py:1889): there is
+    nothing to record, and the bundles hold no ``rollout_log_probs`` (so no logprob.mismatch stage runs)."""
+    root = runs[0]
+    for name in ("rollout-0", "step-0-0"):
+        reader = BundleReader(root / "clean" / name)
+        assert not reader.has_payload("rollout_log_probs"), name
