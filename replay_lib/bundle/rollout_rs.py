@@ -1,6 +1,6 @@
 """The rejection-sampling knobs of the train/rollout correction (verl ``rollout_rs`` / ``rollout_rs_threshold``,
 ``verl/trainer/ppo/rollout_corr_helper.py:77-195``), read without torch: a comma-separated chain of options, each
-with its bounds. SPEC §4.3."""
+with its bounds. SPEC §4.4."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ MISMATCH_CHUNK = 1 << 17
 # verl_F.masked_mean's denominator term (verl/utils/torch_functional.py masked_mean: Σ x·m / (Σ m + 1e-8))
 VERL_MASKED_MEAN_EPS = 1e-8
 
-# The metric keys this engine recomputes, by framework (SPEC §4.3 lists the formula of each).
+# The metric keys this engine recomputes, by framework (SPEC §4.4 lists the formula of each).
 VERL_DEBUG = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
               "training/rollout_probs_diff_std")
 VERL_ROLLOUT_CORR = tuple(f"rollout_corr/{k}" for k in (

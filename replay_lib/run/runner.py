@@ -56,7 +56,7 @@ def parse_stage_names(names: Optional[Iterable[str]]) -> Optional[list[StageId]]
 
 def stage_contracts(reader: BundleReader) -> dict:
     """The manifest's contracts, plus ``logprob.mismatch`` declared recompute where the bundle holds its inputs
-    and declares nothing for it (SPEC §4.3: the stage runs whenever rollout log-probs are recorded)."""
+    and declares nothing for it (SPEC §4.4: the stage runs whenever rollout log-probs are recorded)."""
     contracts = reader.manifest.stage_contracts
     if StageId.LOGPROB_MISMATCH not in contracts and mismatch_applies(reader):
         contracts = {**contracts, StageId.LOGPROB_MISMATCH: StageContract(
