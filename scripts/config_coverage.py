@@ -16,9 +16,9 @@ Each config is mapped with ``replay_lib.frameworks`` and classified:
 
 * ``mapped``: the mapping returns a ``RecomputeConfig``;
 * ``refused``: ``UnsupportedFrameworkConfig`` (exit 4), with its message;
-* ``loss family``: a registered policy surrogate other than the PPO clipped one (token or sequence ratio) — CISPO,
-  SAPO, GMPO (geo_mean), DPPO, clip_cov, kl_cov, DRO, GPG, LUSPO, VESPO, REINFORCE without a ratio, … — the next
-  issue: counted apart, not in the refused fraction;
+* a registered policy surrogate other than the PPO clipped one (CISPO, SAPO, GMPO, DPPO, clip_cov, kl_cov, DRO,
+  GPG, LUSPO, VESPO, …) is a policy-loss family (``replay_lib.kernels.families``): mapped or refused like any other
+  config (until the families landed it was counted apart, as ``loss family``);
 * ``framework error``: the framework's own code rejects the config (verl's ``kl_penalty="full"`` raises
   ``NotImplementedError``; a ``GRPOConfig`` that raises): not a runnable config, counted apart.
 
@@ -511,11 +511,11 @@ def classify(framework: str, configs: list[Config]) -> list[Result]:
         try:
             fn(obj)
         except UnsupportedFrameworkConfig as exc:
-            results.append(Result(framework, c.label, c.kind, FAMILY if c.family else REFUSED, str(exc)))
+            results.append(Result(framework, c.label, c.kind, REFUSED, str(exc)))
             continue
         except FrameworkConfigError as exc:  # exit 3 on a config the framework accepts: a mapping defect
             raise RuntimeError(f"{framework} {c.label}: the mapping calls a valid config invalid: {exc}") from exc
-        results.append(Result(framework, c.label, c.kind, FAMILY if c.family else MAPPED))
+        results.append(Result(framework, c.label, c.kind, MAPPED))
     return results
 
 
@@ -583,12 +583,12 @@ def report(collected: dict[str, Any]) -> str:
         for s in total:
             total[s] += n[s]
         out.append(f"   {NAMES[fw]}: {n['registered']} configs: {n[MAPPED]} mapped, {n[REFUSED]} refused "
-                   f"({100 * n['refused_fraction']:.1f}% of mapped + refused), {n[FAMILY]} loss families (next "
-                   f"issue), {n[FRAMEWORK_ERROR]} rejected by the framework itself")
+                   f"({100 * n['refused_fraction']:.1f}% of mapped + refused, policy-loss families included), "
+                   f"{n[FRAMEWORK_ERROR]} rejected by the framework itself")
     counted = total[MAPPED] + total[REFUSED]
     frac = total[REFUSED] / counted if counted else 0.0
     out.append(f"TOTAL: {total[MAPPED]} mapped, {total[REFUSED]} refused: {100 * frac:.1f}% refused "
-               f"(loss families apart: {total[FAMILY]}; rejected by the framework: {total[FRAMEWORK_ERROR]})")
+               f"(rejected by the framework: {total[FRAMEWORK_ERROR]})")
     return "\n".join(out)
 
 
