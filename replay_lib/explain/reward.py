@@ -242,6 +242,15 @@ def baseline_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hy
     declared = f"config: {rule.baseline} baseline"
     out = [Hypothesis(stage=STAGE, id=f"reward.baseline_{other}", values={"reward": values}, detail=(
         f"the recorded rewards equal group normalization around {BASELINE_WORDS[other]} ({declared})"))]
+    if rule.baseline == "leave_one_out" and not rule.std:
+        # the leave-one-out mean with the sample itself left in the sum: r − Σ_group r / (n − 1)
+        mine = raw[pick] if ctx.partial else raw  # (a selection is closed under groups: its groups are whole)
+        _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        total = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, mine)
+        out.append(Hypothesis(stage=STAGE, id="reward.loo_self_included", values={"reward": torch.where(
+            counts[inverse] > 1, mine - total[inverse] / (counts[inverse] - 1).clamp(min=1), mine)}, detail=(
+            "the recorded rewards equal a leave-one-out baseline that divides the whole group's sum by n − 1 (the "
+            "sample itself left in the sum: r − Σ_group r / (n − 1))")))
     bad = field.bad
     wrong = sorted({int(g) for g in groups[bad].tolist()})
     if wrong and len(wrong) < len(set(groups.tolist())):
