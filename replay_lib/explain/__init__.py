@@ -26,7 +26,7 @@ from ..judge.error_model import Rules
 from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
 from ..judge.report import STATUS_FAIL, Explanation, ReplayReport
 from ..stages import STAGE_ORDER, StageContext
-from . import advantage, kl, loss, reward
+from . import advantage, kl, loss, reward, support, value
 from .base import Hypothesis, Score, reported, score
 from .downstream import mark_downstream
 
@@ -37,6 +37,8 @@ FAMILIES: dict[str, Callable[[StageContext, list[FieldResult]], list[Hypothesis]
     kl.STAGE: kl.hypotheses,
     advantage.STAGE: advantage.hypotheses,
     loss.STAGE: loss.hypotheses,
+    value.STAGE: value.hypotheses,
+    support.STAGE: support.hypotheses,
 }
 
 
