@@ -17,7 +17,8 @@ stage's own estimate with one knob changed, judged with the stage's tolerance:
 * GAE with ``λ = 1`` (Monte-Carlo returns minus the values) or ``λ = 0`` (one-step TD) where another λ is declared;
 * the advantages whitened **per consumer batch** (each batch's loss tokens its own mean and std) instead of over
   the step's loss tokens, for each placement of the recorded consumer batches (``reward.consumer_batch_layouts``);
-* whitening switched (not whitened where declared, whitened where not).
+* whitening switched (not whitened where declared, whitened where not);
+* with the KL in the token rewards (``kl_in_reward=token_returns``), the penalty added instead of subtracted.
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def token_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypot
                 what = "Monte-Carlo returns minus the values" if lam == 1.0 else "one-step TD errors"
                 add(f"advantage.gae_lambda_{lam:g}", f"the recorded advantages are GAE with λ={lam:g} ({what}): the "
                     f"declared λ={cfg.lam:g} was not applied", est.finish(None, 0.0)[0], est.returns)
+    if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
+        flipped = estimate(msgspec.structs.replace(cfg, kl_coef=-cfg.kl_coef))
+        if flipped is not None:
+            add("advantage.kl_sign", f"the recorded advantages are returns of token rewards with the KL penalty "
+                f"added, r + {cfg.kl_coef:g}·kl (config: r − {cfg.kl_coef:g}·kl)", flipped.finish(None, 0.0)[0],
+                flipped.returns)
     est = estimate(cfg)
     if est is None:
         return out
