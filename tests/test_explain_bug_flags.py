@@ -89,9 +89,8 @@ EXPECTED = {
         'the same sets as groups recovered by a fixed stride of the mean group size, 4 (not semantic groups)'),
     'support-full-vocab': (
         'rollout 0', 'logprob.support', 'support.full_vocabulary', True,
-        'the recorded old_log_probs are the full-vocabulary log-probs (full_log_probs), not renormalized over'
-        " each token's sampler support: scored over the whole vocabulary while the bundle declares support "
-        'scoring'),
+        "the recorded old_log_probs are scored over the whole vocabulary (they equal full_log_probs), not over "
+        "each token's sampler support as the bundle declares"),
     'tis': (
         '0:0', 'loss.policy', 'loss.is_weight_inverted', True,
         'the recorded loss uses the inverted importance weight exp(rollout − old) instead of exp(old − '

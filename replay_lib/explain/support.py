@@ -24,5 +24,5 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         return []
     names = ", ".join(SCORED[f.name] for f in scored if bool(f.bad.any())) or "log-probs"
     return [Hypothesis(stage=STAGE, id="support.full_vocabulary", values={f.name: full for f in scored}, detail=(
-        f"the recorded {names} are the full-vocabulary log-probs (full_log_probs), not renormalized over each "
-        f"token's sampler support: scored over the whole vocabulary while the bundle declares support scoring"))]
+        f"the recorded {names} are scored over the whole vocabulary (they equal full_log_probs), not over each "
+        f"token's sampler support as the bundle declares"))]
