@@ -160,7 +160,7 @@ def sections() -> list[tuple[str, str, list[Binding]]]:
         ("stages", "Stages pane", list(STAGES_BINDINGS)),
         ("samples", "Samples pane", list(SAMPLES_BINDINGS)),
         ("diff", "Diff pane", list(DIFF_BINDINGS)),
-        ("runs", "Run view (replay-tui DIR; ⏎ opens a bundle, esc comes back)", list(RUN_BINDINGS)),
+        ("runs", "Run view", list(RUN_BINDINGS)),
     ]
 
 
