@@ -167,12 +167,7 @@ def partitions(ctx: StageContext, groups: torch.Tensor,
     n_total = len(ctx.reader.index.samples)
     positions = torch.arange(n_total)
     found: dict[bytes, list[tuple[torch.Tensor, Optional[str]]]] = {}
-    # AReaL#1419's class, the one alias worth saying: n_samples_per_prompt, or with uneven groups (n = 0) the
-    # mean group size when it is whole
-    n_groups = int(torch.unique(groups).numel())
-    n_per = ctx.config.n_samples_per_prompt or (n_total // n_groups if n_groups and n_total % n_groups == 0 else 0)
-    per_what = "n_samples_per_prompt=" if ctx.config.n_samples_per_prompt else "the mean group size, "
-    stride = f"reward.chunks_of_{n_per}"
+    stride: Optional[str] = None  # the one alias worth saying (below)
 
     def new(labels: torch.Tensor, pid: Optional[str] = None, what: str = "") -> Optional[torch.Tensor]:
         """``labels`` in :func:`first_seen` form when no partition found so far has the same sets, else ``None``
@@ -191,6 +186,12 @@ def partitions(ctx: StageContext, groups: torch.Tensor,
         return labels
 
     semantic = new(groups)
+    # AReaL#1419's class: chunks of n_samples_per_prompt, or with uneven groups (n = 0) of the mean group size when
+    # it is whole (the groups counted on their first-seen numbering: no sort)
+    n_groups = int(semantic.max()) + 1 if semantic is not None and semantic.numel() else 0
+    n_per = ctx.config.n_samples_per_prompt or (n_total // n_groups if n_groups and n_total % n_groups == 0 else 0)
+    per_what = "n_samples_per_prompt=" if ctx.config.n_samples_per_prompt else "the mean group size, "
+    stride = f"reward.chunks_of_{n_per}"
 
     def listed() -> Iterator[tuple[str, str, torch.Tensor]]:  # each made when its turn comes
         for i, (ids, labels, size) in enumerate(consumer_batch_layouts(ctx)):
