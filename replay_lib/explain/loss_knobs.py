@@ -83,6 +83,36 @@ def _pass(ctx: StageContext, li: LossInputs, knobs: LossKnobs, *, mask: Optional
     return dict(zip(rows, sums)), token_pg
 
 
+def _without(ctx: StageContext, li: LossInputs, knobs: LossKnobs, declared: dict, dropped: torch.Tensor) -> dict:
+    """The per-sample sums of ``declared`` (the stage's) with the tokens ``dropped`` taken out of them."""
+    at = torch.nonzero(dropped).reshape(-1)
+    seg = ctx.seg[at]
+    adv = li.advantages[at].to(torch.float64)
+    t = policy_token_terms(li.log_probs[at], li.old_log_probs[at], adv, knobs, seg=seg, sample_terms={},
+                           rollout_log_probs=li.rollout_log_probs[at] if li.rollout_log_probs is not None else None,
+                           ref_log_probs=li.ref_log_probs[at] if li.ref_log_probs is not None and knobs.kl_loss
+                           else None, dtype=torch.float64)
+    m = li.mask[at].to(torch.float64)
+    ent = li.entropy[at].to(torch.float64) if li.entropy is not None else torch.zeros_like(m)
+    terms = {"pg": t["pg"], "ent": ent, "kl": t["ppo_kl"], "clip": t["clip"].to(torch.float64),
+             "mask": torch.ones_like(m)}
+    if knobs.dual_clip:
+        terms["clip_lower"] = t["clip_lower"].to(torch.float64)
+    if knobs.kl_loss:
+        terms["kl_loss"] = t["kl_loss"]
+    out = {}
+    for row, values in terms.items():
+        if row in declared:
+            out[row] = declared[row].to(torch.float64) - torch.zeros(ctx.n, dtype=torch.float64).index_add_(
+                0, seg, values * m)
+    return out
+
+
+def add_sums(add, hid: str, detail: str, sums: dict) -> None:
+    """``add`` a hypothesis of per-sample sums alone (its per-token surrogate the declared one)."""
+    add(hid, detail, sums, None)
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     try:
         li = loss_inputs(ctx)
@@ -97,7 +127,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     has_entropy = li.entropy is not None
     out: list[Hypothesis] = []
 
-    def add(hid: str, detail: str, sums: dict, token_pg: torch.Tensor) -> None:
+    def add(hid: str, detail: str, sums: dict, token_pg: Optional[torch.Tensor]) -> None:
         values: dict = {}
         scalars = {k: float(v) for k, v in policy_fields_from_sums(sums, has_entropy, knobs.entropy_coef,
                                                                     knobs).items()}
@@ -108,15 +138,25 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         for term, row in TERMS.items():
             if term in names and row in sums:
                 values[term] = sums[row]
-        if "pg_losses" in names:
+        if "pg_losses" in names and token_pg is not None:
             values["pg_losses"] = token_pg
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values=values))
 
     dropped = _last_loss_token(li.mask, ctx.lengths)
     if bool(dropped.any()):
-        mask = li.mask.to(torch.float64).masked_fill(dropped, 0.0)
-        add("loss.last_loss_token_dropped", "the recorded loss leaves each sample's last loss token out of its sums "
-            "(an off-by-one mask in the loss; the recorded loss mask keeps it)", *_pass(ctx, li, knobs, mask=mask))
+        detail = ("the recorded loss leaves each sample's last loss token out of its sums (an off-by-one mask in the "
+                  "loss; the recorded loss mask keeps it)")
+        from ..stages.loss import SUMS_OUTPUT
+
+        declared = ctx.outputs.get(SUMS_OUTPUT)
+        if declared is not None and not knobs.needs_sample_pass:
+            # the stage's own per-sample sums less the one token each sample drops (no per-sample term changes, so
+            # no other token's value does): a pass over n tokens, not over the step; the per-token surrogate is
+            # the declared one (left to the stage's own comparison)
+            add_sums(add, "loss.last_loss_token_dropped", detail, _without(ctx, li, knobs, declared, dropped))
+        else:
+            mask = li.mask.to(torch.float64).masked_fill(dropped, 0.0)
+            add("loss.last_loss_token_dropped", detail, *_pass(ctx, li, knobs, mask=mask))
     if knobs.dual_clip:
         c = float(knobs.eps_clip_c)
 
