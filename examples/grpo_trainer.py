@@ -997,8 +997,16 @@ def check_advantage_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{name.replace('_', '-')} needs {what}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is its one-line reason (and where the flags are listed), not the whole usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Asynchronous GRPO on a toy digit-reversal task (CPU), with replay capture.")
+    p = _Parser(description="Asynchronous GRPO on a toy digit-reversal task (CPU), with replay capture.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rollouts", type=int, default=4)
     p.add_argument("--prompts-per-rollout", type=int, default=4, help="prompt groups per rollout and rank")
     p.add_argument("--n-samples", type=int, default=4, help="samples per prompt (group size)")

@@ -148,7 +148,7 @@ class KLWithoutGradient(ReplayGRPOTrainer):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     p.add_argument("--iterations", type=int, default=2, help="passes over each generation batch (num_iterations)")
     p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo"))

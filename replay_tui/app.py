@@ -287,7 +287,7 @@ class ReplayApp(App[int]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(lead=getattr(self.screen, "HELP_LEAD", None)))
 
 
 def app_from_args(args) -> ReplayApp:

@@ -41,6 +41,8 @@ class ReplayCommands(Provider):
         first: dict[str, KeyAction] = {}
         keys: dict[str, list[str]] = {}
         for ka in key_actions():
+            if ka.pane == "runs":  # the run view's keys act on its table, not on the debugger the palette serves
+                continue
             title = command_title(ka)
             first.setdefault(title, ka)
             keys.setdefault(title, []).extend(k for k in ka.keys if k not in keys.get(title, ()))

@@ -137,6 +137,22 @@ DIFF_BINDINGS: list[Binding] = navigation_bindings(
 ]
 
 
+# RunScreen.BINDINGS (replay_tui/screens/run.py): the run view of ``replay-tui DIR``
+RUN_BINDINGS: list[Binding] = [
+    Binding("d", "toggle_bad", "Bad only", id="run.bad-only",
+            tooltip="Show only the bundles that did not pass (diverged, invalid, unsupported, error); d again: all"),
+    Binding("e", "first_bad", "First bad", id="run.first-bad",
+            tooltip="Go to the first bad step (the first diverged bundle in rollout/step order; the cursor starts "
+                    "there)"),
+    Binding("c", "toggle_grouped", "Collapse", id="run.group",
+            tooltip="Group identical failures (same stage, field and likely cause) into one row with a count, or "
+                    "list every bundle (toggle)"),
+    Binding("q", "app.quit", "Quit", id="run.quit",
+            tooltip="Quit (exit code: the scan's, SPEC §9; 130 while it runs)"),
+    Binding("question_mark", "app.help", "Help", id="run.help", tooltip="Show the help screen (keys and panes)"),
+]
+
+
 def sections() -> list[tuple[str, str, list[Binding]]]:
     """(pane, section title, bindings) for every pane, in the help's order."""
     return [
@@ -144,6 +160,7 @@ def sections() -> list[tuple[str, str, list[Binding]]]:
         ("stages", "Stages pane", list(STAGES_BINDINGS)),
         ("samples", "Samples pane", list(SAMPLES_BINDINGS)),
         ("diff", "Diff pane", list(DIFF_BINDINGS)),
+        ("runs", "Run view", list(RUN_BINDINGS)),
     ]
 
 

@@ -115,7 +115,8 @@ def test_cli_text_and_exit_1_and_different_samples_are_one_line_exit_3(tmp_path)
     lines = proc.stdout.splitlines()
     assert lines[0] == f"bundle b-7-0 (A {a} vs B {b}) — first divergent stage: reward"  # one id: the paths
     assert lines[2] == "[   fail] reward — 1 of 8 value(s) differ (max abs_err " + f"{abs(0.25 - reward):.3g})"
-    assert lines[3] == (f"          reward s-1: expected={fmt_value(reward)} actual=0.25 "
+    # the two sides named by capture (A, B), not a replay's expected/actual
+    assert lines[3] == (f"          reward s-1: A={fmt_value(reward)} B=0.25 "
                         f"abs_err={fmt_value(abs(0.25 - reward))}")
     proc = _cli(a, c)
     assert (proc.returncode, proc.stdout) == (3, "")

@@ -291,12 +291,13 @@ def test_tolerance_policy_bundle_uses_a_loose_value_and_warns_default_caps_it(tm
     code, out, err = cli("replay", path)
     assert (code, err) == (0, "")
     where = f"{path / 'manifest.json'}: $.comparison_policy.tolerances.reward.post_process.atol=1e+308"
-    assert out.splitlines()[-1] == (f"warning: {where} is looser than the default 1e-06: used as declared "
-                                    "(--tolerance-policy default caps it)")
+    # the warning under the header, before the stages
+    assert out.splitlines()[1] == (f"warning: {where} is looser than the default 1e-06: used as declared "
+                                   "(--tolerance-policy default caps it)")
     code, out, err = cli("replay", path, "--tolerance-policy", "default")
     assert (code, err) == (1, "")
     assert "          reward s-0: expected=-5.0 actual=-1.0 abs_err=4.0" in out.splitlines()
-    assert out.splitlines()[-1] == f"warning: {where} is looser than the default 1e-06: capped at 1e-06 (--tolerance-policy default)"
+    assert out.splitlines()[1] == f"warning: {where} is looser than the default 1e-06: capped at 1e-06 (--tolerance-policy default)"
     assert bundle_tolerance(loose, "reward.post_process", "reward", "default") == (1e-6, 0.0)
     assert bundle_tolerance(loose, "reward.post_process", "reward", "bundle") == (1e308, 0.0)
     # validate names it too, as replay words it

@@ -150,8 +150,11 @@ def test_scan_text_rows_in_order_first_bad_step_and_no_progress_bar_in_a_pipe(ru
     assert lines[1] == "[       pass] step 7:0       step-7-0"
     assert lines[2] == ("[   diverged] rollout 120    b-00001 (pr65) — reward.post_process: "
                         "reward s-0: expected=-5.5 actual=-1.0 abs_err=4.5")
-    assert lines[3] == f"[    invalid] ?              broken — {run_dir / 'broken' / 'index.json'}: missing index.json"
-    assert lines[4:] == [
+    # the row's likely cause under it (its first divergent stage's best explanation)
+    assert lines[3] == ("              likely cause: the recorded rewards equal group normalization over the whole "
+                        "batch of 4 samples (not semantic groups)")
+    assert lines[4] == f"[    invalid] ?              broken — {run_dir / 'broken' / 'index.json'}: missing index.json"
+    assert lines[5:] == [
         "4 bundle(s) scanned: 2 pass, 1 diverged, 1 invalid; link: 1 step(s) checked against their rollout "
         "bundle, 0 diverged",
         "first bad step: rollout 120 (b-00001) — reward.post_process",
@@ -165,6 +168,8 @@ def test_scan_json_is_each_bundles_replay_report_plus_the_summary(run_dir):
     rows = doc["bundles"]
     assert [(r["path"], r["status"], r["exit_code"]) for r in rows] == [
         ("rollout-7", "pass", 0), ("step-7-0", "pass", 0), ("pr65", "diverged", 1), ("broken", "invalid", 3)]
+    assert [r["cause"] for r in rows] == [None, None, "the recorded rewards equal group normalization over the "
+                                          "whole batch of 4 samples (not semantic groups)", None]
     # a row's report is `replay --format json` of its bundle; the step's has stage link appended
     assert rows[2]["report"] == json.loads(report_to_json(replay(run_dir / "pr65")))
     alone = json.loads(report_to_json(replay(run_dir / "step-7-0")))

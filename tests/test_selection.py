@@ -208,7 +208,8 @@ def test_ambiguous_capture_directory_lists_the_candidates(capture):
                           timeout=120)
     assert (proc.returncode, proc.stdout) == (3, "")
     assert proc.stderr == (f"trajectory-replay: error: {capture}: ambiguous capture directory with 3 bundles "
-                           f"(pass --step R:S or --rollout R); {CANDIDATES}\n")
+                           f"(pass --step R:S or --rollout R; or check them all: trajectory-replay scan); "
+                           f"{CANDIDATES}\n")
 
 
 @pytest.mark.parametrize("args,bundle_id", [(("--step", "7:1"), "b"), (("--step", "7:0"), "a"), (("--rollout", "7"), "c")])
@@ -235,7 +236,8 @@ def test_two_bundles_with_the_same_anchor_stay_ambiguous(cli, tmp_path):
     code, _, err = cli("replay", tmp_path)
     assert code == 3
     assert err.endswith(f"{tmp_path}: ambiguous capture directory with 3 bundles (pass --step R:S or --rollout R, "
-                        "or one bundle's own path); candidates: x (step 7:0); y (step 7:0); z (rollout 7)\n"), err
+                        "or one bundle's own path; or check them all: trajectory-replay scan); candidates: x (step "
+                        "7:0); y (step 7:0); z (rollout 7)\n"), err
 
 
 def test_a_negative_group_index_is_labelled_and_selected_as_one():

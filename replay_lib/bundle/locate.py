@@ -260,6 +260,7 @@ def resolve_capture(path: Path, step: Optional[ActorStepId] = None, rollout: Opt
         anchors = [(a.step, a.rollout) for _, a in candidates]
         hint = ("pass --step R:S or --rollout R" if len(set(anchors)) == len(anchors)
                 else "pass --step R:S or --rollout R, or one bundle's own path")
+        hint += "; or check them all: trajectory-replay scan"  # a whole run is scan's job
     else:
         hint = f"all match {want}; pass one bundle's own path"
     raise SelectionError(f"{path}: ambiguous capture directory with {len(matching)} bundles ({hint}); "

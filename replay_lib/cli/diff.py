@@ -12,7 +12,7 @@ from .output import emit
 
 def run_diff_command(args, stream: Optional[object] = None) -> int:
     """``trajectory-replay diff A B [--format json]``."""
-    from ..judge.report import render_text, report_to_json
+    from ..judge.report import DIFF_SIDES, render_text, report_to_json
     from ..run.diff import diff_bundles
 
     stream = stream or sys.stdout
@@ -22,5 +22,5 @@ def run_diff_command(args, stream: Optional[object] = None) -> int:
     if args.format == "json":
         stream.write(report_to_json(report))
     else:
-        emit(render_text(report, max_lines=args.max_divergences), stream)
+        emit(render_text(report, max_lines=args.max_divergences, sides=DIFF_SIDES), stream)
     return report.exit_code

@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import add_config_arguments
 
     add_config_arguments(p)
+    p = sub.add_parser("schema", help="print the JSON Schema of a JSON output (report), stable keys marked",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .schema import add_schema_arguments
+
+    add_schema_arguments(p)
     p = sub.add_parser("demo", help="write demo or synthetic bundles")
     dsub = p.add_subparsers(dest="demo_command", metavar="ACTION", parser_class=_Parser)
     dsub.required = True
@@ -293,6 +298,10 @@ def _dispatch(args) -> int:
         from .convert import run_convert_command
 
         return run_convert_command(args)
+    if args.command == "schema":
+        from .schema import run_schema_command
+
+        return run_schema_command(args)
     if args.command == "config":
         from .config import run_config_command
 

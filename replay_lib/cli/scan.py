@@ -121,8 +121,15 @@ def summary_lines(result, total: int) -> list[tuple[str, str]]:
     return out
 
 
+CAUSE_INDENT = " " * 14
+
+
 def result_lines(result, total: int, verbose: bool = False) -> list[tuple[str, str]]:
-    lines = [(STATUS_STYLES.get(r.status, ""), row_line(r, verbose)) for r in result.rows]
+    lines = []
+    for r in result.rows:
+        lines.append((STATUS_STYLES.get(r.status, ""), row_line(r, verbose)))
+        if r.status == "diverged" and r.cause:  # the row's likely cause, under it
+            lines.append(("explanation", f"{CAUSE_INDENT}likely cause: {r.cause}"))
     for link in result.links:
         if link.status == "skipped":
             lines.append(("skipped", safe(f"link {link.target.anchor}: skipped — {link.message}")))

@@ -26,18 +26,21 @@ from ..judge.error_model import Rules
 from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
 from ..judge.report import STATUS_FAIL, Explanation, ReplayReport
 from ..stages import STAGE_ORDER, StageContext
-from . import advantage, grad, kl, loss, mismatch, reward
+from . import advantage, grad, kl, loss, mismatch, reward, reward_raw, support, value
 from .base import Hypothesis, Score, reported, score
 from .downstream import mark_downstream
 
 MAX_PER_STAGE = 3
 
 FAMILIES: dict[str, Callable[[StageContext, list[FieldResult]], list[Hypothesis]]] = {
+    reward_raw.STAGE: reward_raw.hypotheses,
     reward.STAGE: reward.hypotheses,
     kl.STAGE: kl.hypotheses,
     advantage.STAGE: advantage.hypotheses,
     loss.STAGE: loss.hypotheses,
     grad.STAGE: grad.hypotheses,
+    value.STAGE: value.hypotheses,
+    support.STAGE: support.hypotheses,
 }
 
 

@@ -10,6 +10,15 @@
 
 The normalized rewards are the ones the stage consumed on its recorded inputs (teacher forcing:
 ``stages.advantage.grpo_rewards``). Each value's own bound is ``error_model.advantage_bound``.
+
+Under a per-token estimator (REINFORCE++, GAE, token returns) or whitening (:func:`token_hypotheses`), the
+stage's own estimate with one knob changed, judged with the stage's tolerance:
+
+* GAE with ``λ = 1`` (Monte-Carlo returns minus the values) or ``λ = 0`` (one-step TD) where another λ is declared;
+* the advantages whitened **per consumer batch** (each batch's loss tokens its own mean and std) instead of over
+  the step's loss tokens, for each placement of the recorded consumer batches (``reward.consumer_batch_layouts``);
+* whitening switched (not whitened where declared, whitened where not);
+* with the KL in the token rewards (``kl_in_reward=token_returns``), the penalty added instead of subtracted.
 """
 
 from __future__ import annotations
@@ -107,10 +116,97 @@ def _permutation(ctx: StageContext, rewards: torch.Tensor, recorded: torch.Tenso
     return full
 
 
+class _Configured:
+    """``ctx`` read with another config (every other attribute is the context's own; hazards are not recorded):
+    the stage's estimate of a hypothesized knob."""
+
+    def __init__(self, ctx: StageContext, config) -> None:
+        self._ctx = ctx
+        self.config = config
+
+    def __getattr__(self, name: str):
+        if name in ("hazard", "coarse_payload_hazard"):
+            return lambda *args, **kwargs: None
+        return getattr(self._ctx, name)
+
+
+def token_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """The per-token estimators' and whitening's hypotheses (module doc), over a whole shard (a selection's
+    whitening statistics are the shard's: not varied here)."""
+    import msgspec
+
+    from ..kernels import whiten
+    from ..stages.advantage import _TokenEstimate, estimate_kind, whiten_modes, whitens
+    from ..stages.base import StageInputError
+    from .reward import consumer_batch_layouts
+
+    cfg = ctx.config
+    if ctx.partial or not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
+        return []
+    out: list[Hypothesis] = []
+
+    def estimate(config):
+        try:
+            est = _TokenEstimate(_Configured(ctx, config))
+        except (StageInputError, ValueError):
+            return None
+        return est
+
+    def add(hid: str, detail: str, values: torch.Tensor, returns: Optional[torch.Tensor] = None) -> None:
+        columns = {"advantage": values.to(torch.float64)}
+        if returns is not None and any(f.name == "returns" for f in fields):
+            columns["returns"] = returns.to(torch.float64)
+        out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values=columns))
+
+    if estimate_kind(cfg) == "gae":
+        for lam in (1.0, 0.0):
+            if float(cfg.lam) == lam:
+                continue
+            est = estimate(msgspec.structs.replace(cfg, lam=lam))
+            if est is not None:
+                what = "Monte-Carlo returns minus the values" if lam == 1.0 else "one-step TD errors"
+                add(f"advantage.gae_lambda_{lam:g}", f"the recorded advantages are GAE with λ={lam:g} ({what}): the "
+                    f"declared λ={cfg.lam:g} was not applied", est.finish(None, 0.0)[0], est.returns)
+    if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0:
+        flipped = estimate(msgspec.structs.replace(cfg, kl_coef=-cfg.kl_coef))
+        if flipped is not None:
+            add("advantage.kl_sign", f"the recorded advantages are returns of token rewards with the KL penalty "
+                f"added, r + {cfg.kl_coef:g}·kl (config: r − {cfg.kl_coef:g}·kl)", flipped.finish(None, 0.0)[0],
+                flipped.returns)
+    est = estimate(cfg)
+    if est is None:
+        return out
+    if est.whiten_stats is None and whitens(cfg):
+        variance, eps_mode = whiten_modes(cfg)
+        pre = est.pre.to(torch.float64)
+        mask = est.mask
+        for ids, batch, size in consumer_batch_layouts(ctx):
+            if len(ids) < 2:
+                continue
+            values = pre.clone()
+            of_token = batch[ctx.seg]
+            for b in range(len(ids)):
+                at = torch.nonzero(of_token == b).reshape(-1)
+                if at.numel() and bool((mask[at] != 0).any()):
+                    values[at] = whiten(pre[at], mask[at], dtype=torch.float64, variance=variance, eps_mode=eps_mode)
+            sized = "" if size is None else f" of {size} samples"
+            add("advantage.whitened_per_consumer_batch" + ("" if size is None else f"_{size}"),
+                f"the recorded advantages are whitened per consumer batch{sized} ({listing(ids)}: each batch's loss "
+                f"tokens their own mean and std) instead of over the step's loss tokens", values)
+        add("advantage.not_whitened", "the recorded advantages are not whitened (config: whitened over the step's "
+            "loss tokens)", pre)
+    elif not whitens(cfg) and bool((est.mask != 0).sum() > 1):
+        add("advantage.whitened", "the recorded advantages are whitened over the step's loss tokens (config: not "
+            "whitened)", whiten(est.pre.to(torch.float64), est.mask, dtype=torch.float64))
+    return out
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     cfg = ctx.config
     grpo = cfg.advantage_estimator == "grpo" and not cfg.normalize_advantages and cfg.kl_in_reward is None
-    if not grpo or not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
+    if not grpo:
+        return token_hypotheses(ctx, fields)
+    if not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
         return []  # only GRPO's broadcast rewards are varied here
     if recorded_token_rewards(ctx) is not None:
         return []  # per-token rewards: no per-sample reward to vary

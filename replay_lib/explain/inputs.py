@@ -136,6 +136,8 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
     for an offset outside the sample, :class:`StageInputError` when the inputs are unusable."""
     if not 0 <= index < len(ctx.samples):
         raise IndexError(f"sample index {index} outside 0..{len(ctx.samples) - 1}")
+    if field == "raw_reward":
+        return raw_reward_inputs(ctx, index)
     if field in REWARD_FIELDS:
         return reward_inputs(ctx, field, index)
     if field in LOSS_SAMPLE_FIELDS:
@@ -166,6 +168,35 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
 
 
 # ------------------------------------------------------------------------------------------ rewards
+
+
+def raw_reward_inputs(ctx: StageContext, index: int) -> ElementInputs:
+    """What reward.raw compares for one sample: the raw reward the trainer normalized (the sample's recorded
+    ``raw_reward``, the actual column) against the reward functions' scores as returned (expected.json
+    ``reward.raw.raw_rewards``, the expected column) — two recorded values, nothing recomputed — with the
+    per-function rewards and their weights where the bundle records them."""
+    record = ctx.samples[index]
+    recorded = ctx.reader.expected.get("reward.raw", {})
+    recorded = recorded if isinstance(recorded, dict) else {}
+    returned = recorded.get("raw_rewards")
+    n = len(ctx.reader.index.samples)
+    position = ctx.indices[index] if ctx.partial else index
+    scores = returned[position] if isinstance(returned, list) and len(returned) == n else None
+    number = (int, float)
+    formula = (f"the trainer normalized raw_reward {fmt(record.raw_reward)} (samples[].raw_reward); the reward "
+               f"functions returned {fmt(scores) if isinstance(scores, number) else NOT_RECORDED} "
+               f"(expected.json reward.raw.raw_rewards) — both recorded, nothing recomputed")
+    items: list[tuple[str, str]] = []
+    per_func, weights = recorded.get("rewards_per_func"), recorded.get("reward_weights")
+    if isinstance(per_func, list) and n and len(per_func) % n == 0 and len(per_func) // n <= 64:
+        k = len(per_func) // n
+        row = per_func[position * k:(position + 1) * k]
+        if all(isinstance(x, number) for x in row):
+            items.append(("per function", "[" + ", ".join(fmt(float(x)) for x in row) + "]"))
+    if isinstance(weights, list) and len(weights) <= 64 and all(isinstance(x, number) for x in weights):
+        items.append(("weights", "[" + ", ".join(fmt(float(x)) for x in weights) + "]"))
+    return ElementInputs(field="raw_reward", sample_id=record.sample_id, offset=None, formula=formula,
+                         items=tuple(items))
 
 
 def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:

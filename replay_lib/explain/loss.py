@@ -532,8 +532,11 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     if getattr(ctx.config, "policy_loss", "ppo") != "ppo":
         return family_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
             micro_batch_hypotheses(ctx, fields)
+    from . import loss_knobs  # the knobs' bugs, under every configuration (first: the more specific wording)
+
+    knob_bugs = loss_knobs.hypotheses(ctx, fields)
     if not modelled(ctx.config):
-        return aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
+        return knob_bugs + aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
@@ -545,7 +548,7 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     mode = cfg.loss_agg_mode
     metric_mode = getattr(cfg, "metric_agg_mode", None) or mode
     recorded = _recorded_sums(names, sums[0])
-    out: list[Hypothesis] = []
+    out: list[Hypothesis] = knob_bugs
 
     def values_of(loss_fields: dict[str, float], per_sample: Optional[dict[str, torch.Tensor]],
                   token: Optional[Variant], aggregated: Optional[dict[str, float]] = None,
@@ -576,9 +579,13 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
             values[TOKEN_FIELD] = lambda lo, hi, v=token: v.token_pg(li, lo, hi)
         return values
 
+    dropped = "loss.last_loss_token_dropped"
     for v, s in zip(variants[1:], sums[1:]):
+        # a mask whose loss tokens run to each sample's end, shifted earlier, is its last loss token dropped: the
+        # shift is reported only where it explains more
+        extends = dropped if v.mask_shift == -1 and any(h.id == dropped for h in knob_bugs) else None
         out.append(Hypothesis(stage=STAGE, id=v.id, detail=v.detail, values=values_of(
-            _fields(ctx, li, s, mode, metric_mode), s, v if v.mask_shift == 0 else None)))
+            _fields(ctx, li, s, mode, metric_mode), s, v if v.mask_shift == 0 else None), extends=extends))
     for other in (*AGG_MODES, "response_length"):
         if other == mode and other == metric_mode:
             continue

@@ -154,28 +154,44 @@ def _chunk_sizes(ctx: StageContext, n_total: int, groups: torch.Tensor) -> list[
     return sorted(c for c in sizes if 2 <= c < n_total)[:MAX_CHUNK_SIZES]
 
 
-def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, str, torch.Tensor]]:
+def partitions(ctx: StageContext, groups: torch.Tensor,
+               aliases: Optional[dict[str, list[str]]] = None) -> Iterator[tuple[str, str, torch.Tensor]]:
     """``(id, what the sets are, labels)`` of each partition of the whole index worth trying, each distinct one
     once and none equal to the semantic groups, at most :data:`MAX_PARTITIONS` (``groups``: the semantic group
     of every sample of the index). Each labeling is in :func:`first_seen` form, so two are the same partition
     exactly when they are equal: a candidate is compared (``torch.equal``, linear) only with those of the same
-    digest — the work is linear in the samples per candidate, whatever the number already found."""
+    digest — the work is linear in the samples per candidate, whatever the number already found. ``aliases``:
+    when given, ``aliases[id]`` says when the partition yielded as ``id`` is also the chunks of the config's
+    ``n_samples_per_prompt`` (or of the mean group size when the groups are uneven) (groups recovered by a fixed stride, AReaL#1419's class: an inferred consumer-batch
+    layout can have the same sets, and both names are then true)."""
     n_total = len(ctx.reader.index.samples)
     positions = torch.arange(n_total)
-    found: dict[bytes, list[torch.Tensor]] = {}
+    found: dict[bytes, list[tuple[torch.Tensor, Optional[str]]]] = {}
+    stride: Optional[str] = None  # the one alias worth saying (below)
 
-    def new(labels: torch.Tensor) -> Optional[torch.Tensor]:
-        """``labels`` in :func:`first_seen` form when no partition found so far has the same sets, else ``None``."""
+    def new(labels: torch.Tensor, pid: Optional[str] = None, what: str = "") -> Optional[torch.Tensor]:
+        """``labels`` in :func:`first_seen` form when no partition found so far has the same sets, else ``None``
+        (and ``what`` noted as an alias of the earlier one)."""
         if not is_first_seen(labels):  # each listed below is made in that form: a sort only if one is not
             labels = first_seen(labels)
         key = hashlib.blake2b(labels.contiguous().numpy().tobytes(), digest_size=16).digest()
         same = found.setdefault(key, [])
-        if any(torch.equal(labels, seen) for seen in same):
-            return None
-        same.append(labels)
+        for seen, seen_pid in same:
+            if torch.equal(labels, seen):
+                if aliases is not None and seen_pid is not None and pid == stride:
+                    aliases.setdefault(seen_pid, []).append(f"groups recovered by a fixed stride of "
+                                                            f"{per_what}{n_per}")
+                return None
+        same.append((labels, pid))
         return labels
 
     semantic = new(groups)
+    # AReaL#1419's class: chunks of n_samples_per_prompt, or with uneven groups (n = 0) of the mean group size when
+    # it is whole (the groups counted on their first-seen numbering: no sort)
+    n_groups = int(semantic.max()) + 1 if semantic is not None and semantic.numel() else 0
+    n_per = ctx.config.n_samples_per_prompt or (n_total // n_groups if n_groups and n_total % n_groups == 0 else 0)
+    per_what = "n_samples_per_prompt=" if ctx.config.n_samples_per_prompt else "the mean group size, "
+    stride = f"reward.chunks_of_{n_per}"
 
     def listed() -> Iterator[tuple[str, str, torch.Tensor]]:  # each made when its turn comes
         for i, (ids, labels, size) in enumerate(consumer_batch_layouts(ctx)):
@@ -196,7 +212,7 @@ def partitions(ctx: StageContext, groups: torch.Tensor) -> Iterator[tuple[str, s
     for pid, what, labels in listed():
         if tried == MAX_PARTITIONS:
             return
-        labels = new(labels)
+        labels = new(labels, pid, what)
         if labels is not None:
             tried += 1
             yield pid, what, labels
@@ -242,6 +258,15 @@ def baseline_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hy
     declared = f"config: {rule.baseline} baseline"
     out = [Hypothesis(stage=STAGE, id=f"reward.baseline_{other}", values={"reward": values}, detail=(
         f"the recorded rewards equal group normalization around {BASELINE_WORDS[other]} ({declared})"))]
+    if rule.baseline == "leave_one_out" and not rule.std:
+        # the leave-one-out mean with the sample itself left in the sum: r − Σ_group r / (n − 1)
+        mine = raw[pick] if ctx.partial else raw  # (a selection is closed under groups: its groups are whole)
+        _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        total = torch.zeros(counts.numel(), dtype=torch.float64).index_add_(0, inverse, mine)
+        out.append(Hypothesis(stage=STAGE, id="reward.loo_self_included", values={"reward": torch.where(
+            counts[inverse] > 1, mine - total[inverse] / (counts[inverse] - 1).clamp(min=1), mine)}, detail=(
+            "the recorded rewards equal a leave-one-out baseline that divides the whole group's sum by n − 1 (the "
+            "sample itself left in the sum: r − Σ_group r / (n − 1))")))
     bad = field.bad
     wrong = sorted({int(g) for g in groups[bad].tolist()})
     if wrong and len(wrong) < len(set(groups.tolist())):
@@ -302,9 +327,14 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
             values, bound = values[pick], bound[pick]
         out.append(Hypothesis(stage=STAGE, id=hid, detail=detail, values={"reward": values}, bounds={"reward": bound}))
 
-    for pid, what, labels in partitions(ctx, groups):
+    aliases: dict[str, list[str]] = {}
+    for pid, what, labels in partitions(ctx, groups, aliases):
         add(pid, f"the recorded rewards equal group normalization over {what} (not semantic groups)", labels,
             std, eps, unbiased)
+    for h in out:  # a partition listed twice under two names (partitions() tries it once): both are said
+        if aliases.get(h.id):
+            h.detail = h.detail.removesuffix(" (not semantic groups)") + (
+                f" — the same sets as {' and as '.join(aliases[h.id])} (not semantic groups)")
     config_std = f"config: grpo_std_normalization={'true' if std else 'false'}"
     if std:
         add("reward.std_off", f"the recorded rewards equal group normalization without the std division ({config_std})",

@@ -170,27 +170,34 @@ def fmt_ratio(x: Optional[float]) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def divergence_line(d: Divergence, multi_rank: bool = False, verbose: bool = False) -> str:
-    line = _divergence_line(d, multi_rank)
+# What the two sides of a divergence are called in a line: a replay's recorded and recomputed values; diff's two
+# captures are A and B.
+SIDES = ("expected", "actual")
+DIFF_SIDES = ("A", "B")
+
+
+def divergence_line(d: Divergence, multi_rank: bool = False, verbose: bool = False, sides=SIDES) -> str:
+    line = _divergence_line(d, multi_rank, sides)
     if verbose and d.tolerance is not None:
         line += f" tol={fmt_value(d.tolerance)} ({fmt_ratio(d.noise_ratio)}× noise)"
     return safe(line)
 
 
-def _divergence_line(d: Divergence, multi_rank: bool) -> str:
-    where = d.sample_id if d.sample_id is not None else d.stage
+def _divergence_line(d: Divergence, multi_rank: bool, sides=SIDES) -> str:
+    # a sample's element is "field sample@token"; a stage's scalar (no sample: loss_from_terms, vf_loss) is named
+    # by its field alone — the stage is the line's context, never put where a sample goes
+    where = d.sample_id if d.sample_id is not None else ""
     if d.token_offset is not None:
         where = f"{where}@{d.token_offset}"
     if multi_rank and d.rank is not None:
-        where = f"{where} [rank {d.rank}]"
-    # a row named after its stage (diff's expected.loss.policy.loss) is named once
-    name = d.field if where == d.field else f"{d.field} {where}"
+        where = f"{where} [rank {d.rank}]".strip()
+    name = f"{d.field} {where}" if where and where != d.field else d.field
     if d.message:
         return f"{name}: {d.message}"
     err = d.abs_error
     if err is None and d.expected is not None and d.actual is not None:
         err = abs(d.actual - d.expected)  # not finite (JSON's null): inf against a finite value, nan with a NaN
-    return f"{name}: expected={fmt_value(d.expected)} actual={fmt_value(d.actual)} abs_err={fmt_value(err)}"
+    return f"{name}: {sides[0]}={fmt_value(d.expected)} {sides[1]}={fmt_value(d.actual)} abs_err={fmt_value(err)}"
 
 
 def header_line(report: ReplayReport) -> str:
@@ -243,19 +250,23 @@ def hazard_line(h: "Hazard", multi_rank: bool = False) -> str:
     return safe(f"hazard: {h.stage} {h.kind}{' ' + where if where else ''}: {h.message}")
 
 
-def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False) -> list[tuple[str, str]]:
+def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False,
+                sides=SIDES) -> list[tuple[str, str]]:
     """``(style, line)`` pairs; style is one of header/pass/fail/skipped/detail/explanation/hazard/warning. ``verbose``
     adds each divergence's tolerance and noise ratio and each stage's largest noise ratio; the default text
-    is the seed's (SPEC §5.2)."""
+    is the seed's (SPEC §5.2). The warnings come right after the header, before the stages they concern;
+    ``sides``: the names of a divergence's two values (``DIFF_SIDES`` for ``diff``)."""
     multi = len(report.ranks) > 1
     out: list[tuple[str, str]] = [("header-fail" if not report.passed else "header-pass", header_line(report))]
+    for w in report.warnings:
+        out.append(("warning", safe(f"warning: {w}")))
     for s in report.stages:
         out.append((s.status, stage_line(s, verbose)))
         if s.status != STATUS_FAIL:
             continue
         shown = s.divergences[:max_lines]
         for d in shown:
-            out.append(("detail", " " * 10 + divergence_line(d, multi, verbose)))
+            out.append(("detail", " " * 10 + divergence_line(d, multi, verbose, sides)))
         hidden = s.mismatches - len(shown)
         if hidden > 0:
             tail = f"... {hidden} more"
@@ -273,8 +284,6 @@ def render_text(report: ReplayReport, max_lines: int = 5, verbose: bool = False)
             out.append(("explanation", " " * 10 + "likely cause: no known cause matches"))
     for h in report.hazards:
         out.append(("hazard", hazard_line(h, multi)))
-    for w in report.warnings:
-        out.append(("warning", safe(f"warning: {w}")))
     return out
 
 

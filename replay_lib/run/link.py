@@ -132,6 +132,71 @@ def link_report(step: BundleSet, rollout: BundleSet, *, step_name: str, rollout_
                         structural=structural if structural.mismatches else None)
 
 
+# Other rollout bundles a diverged link looks through for the one whose values the step consumed (nearest first).
+MAX_STALE_CANDIDATES = 8
+
+
+def consumed_from(step: BundleSet, rollout: BundleSet, name: str = "advantages") -> Optional[int]:
+    """How many of ``step``'s samples consumed ``rollout``'s ``name`` for the same sample id — every sample the
+    rollout holds, each one's values over its loss tokens equal to the rollout's for that sample id (token for
+    token where the two responses have the same length; else the one value both broadcast over the sample, as
+    GRPO's advantages are) within the rounding of the coarser payload — or ``None`` when not every one does (or
+    none is compared)."""
+    source = _RolloutTokens(rollout)
+    matched = 0
+    for shard in step.shards:
+        actual = _flat_payload(shard, name)
+        if actual is None:
+            return None
+        offsets, lengths = _token_rows(shard)
+        if actual.numel() != int(lengths.sum()):
+            return None
+        for i, s in enumerate(shard.index.samples):
+            found = source.where.get(s.sample_id)
+            n = int(lengths[i])
+            if found is None or n == 0:
+                continue
+            k, off, m = found
+            src = source.payload(k, name)
+            if src is None or off + m > src.numel() or m == 0:
+                return None
+            lo = int(offsets[i])
+            mine = actual[lo:lo + n].to(torch.float64)
+            theirs = src[off:off + m].to(torch.float64)
+            if m != n:
+                if not (bool((mine == mine[0]).all()) and bool((theirs == theirs[0]).all())):
+                    return None
+                mine, theirs = mine[:1], theirs[:1]
+            u = max(unit_roundoff(src), unit_roundoff(actual)) if stored_dtype(src) != stored_dtype(actual) else 0.0
+            if not bool(((mine - theirs).abs() <= theirs.abs() * u).all()):
+                return None
+            matched += 1
+    return matched or None
+
+
+def stale_cause(step: BundleSet, candidates, own_rollout_id: Optional[int]) -> Optional[str]:
+    """The cause of a diverged link when the step's advantages are another rollout's (:func:`consumed_from`):
+    ``"the consumed advantages are rollout 0's (rollout bundle rollout-0): …"``, or ``None``. ``candidates``:
+    scan targets of other rollout bundles, nearest first."""
+    from ..bundle import open_bundle
+    from ..errors import ReplayError
+
+    for target in list(candidates)[:MAX_STALE_CANDIDATES]:
+        try:
+            other = open_bundle(target.path)
+        except (ReplayError, OSError):
+            continue
+        n = consumed_from(step, other)
+        if n is not None:
+            when = "an earlier" if own_rollout_id is not None and target.rollout_id is not None and \
+                target.rollout_id < own_rollout_id else "another"
+            return safe(f"the consumed advantages are rollout {target.rollout_id}'s (rollout bundle "
+                        f"{target.relpath}): each of {n} sample(s) trained on rollout {target.rollout_id}'s "
+                        f"advantages for the same sample id, not rollout {own_rollout_id}'s — a stale cache of "
+                        f"{when} rollout")
+    return None
+
+
 def link_line(d: Divergence, step_name: str, rollout_name: str) -> str:
     """The row's first-divergence line: the element, then which bundle holds which value (expected: what the
     rollout recorded; actual: what the step consumed)."""
@@ -164,8 +229,12 @@ def check_link(target, step: BundleSet, partner, options):
                           rollout_bundle_id=rollout.bundle_id,
                           message=safe(f"no {' or '.join(LINK_FIELDS)} recorded in both bundles"))
     first = report.divergences[0] if report.divergences else None
+    cause = None
+    if report.status == "fail":
+        cause = stale_cause(step, getattr(partner, "siblings", ()), target.rollout_id)
     return LinkResult(
         target=target, rollout=partner, status=STATUS_DIVERGED if report.status == "fail" else STATUS_PASS,
         first_divergence=link_line(first, step.bundle_id, rollout.bundle_id) if first is not None else None,
         noise_ratio=first.noise_ratio if first is not None else None, message=safe(report.reason),
-        stage=msgspec.to_builtins(report), step_bundle_id=step.bundle_id, rollout_bundle_id=rollout.bundle_id)
+        stage=msgspec.to_builtins(report), step_bundle_id=step.bundle_id, rollout_bundle_id=rollout.bundle_id,
+        cause=cause)

@@ -46,6 +46,9 @@ class ScanTarget:
     step_id: Optional[int]
     anchor: str
     problem: Optional[str] = None
+    # a rollout-level target handed to a step's link check: the scan's other rollout-level targets, nearest
+    # rollout first (a diverged link looks there for the rollout whose values the step consumed)
+    siblings: tuple = ()
 
     @property
     def sort_key(self) -> tuple:
@@ -79,6 +82,9 @@ class ScanRow:
     seconds: float = 0.0
     bundle_id: Optional[str] = None
     link: Optional["LinkResult"] = None
+    # the likely cause of the first divergent stage (its best explanation, or the link's), escaped; None: no
+    # known cause matches (or nothing diverged)
+    cause: Optional[str] = None
 
     @property
     def bad(self) -> bool:
@@ -90,7 +96,8 @@ class ScanRow:
                 "step_id": t.step_id, "bundle_id": self.bundle_id, "status": self.status,
                 "exit_code": self.exit_code, "first_stage": self.first_stage,
                 "first_divergence": self.first_divergence, "noise_ratio": self.noise_ratio,
-                "message": self.message, "seconds": round(self.seconds, 6), "report": self.report}
+                "message": self.message, "seconds": round(self.seconds, 6), "cause": self.cause,
+                "report": self.report}
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class LinkResult:
     stage: Optional[dict] = None
     step_bundle_id: Optional[str] = None
     rollout_bundle_id: Optional[str] = None
+    # why it diverged, when a known cause matches (the step consumed another rollout's advantages)
+    cause: Optional[str] = None
 
     @property
     def exit_code(self) -> int:
@@ -117,7 +126,8 @@ class LinkResult:
         return {"step": self.target.relpath, "rollout": self.rollout.relpath, "anchor": self.target.anchor,
                 "step_bundle_id": self.step_bundle_id, "rollout_bundle_id": self.rollout_bundle_id,
                 "status": self.status, "first_divergence": self.first_divergence,
-                "noise_ratio": self.noise_ratio, "message": self.message, "stage": self.stage}
+                "noise_ratio": self.noise_ratio, "message": self.message, "stage": self.stage,
+                "cause": self.cause}
 
 
 @dataclass(frozen=True)
@@ -185,9 +195,15 @@ def row_of_report(target: ScanTarget, report, seconds: float, link: Optional[Lin
                        first_divergence=(link.stage.get("divergences") or [None])[0])
             message = f"bundle {report.bundle_id} — first divergent stage: link ({link.message})"
     status = STATUS_DIVERGED if first_stage is not None else STATUS_PASS
+    cause = None
+    if first_stage == "link":
+        cause = link.cause
+    elif first_stage is not None:
+        cause = next((e.detail for e in report.explanations if e.stage == first_stage), None)
     return ScanRow(target=target, status=status, exit_code=_EXIT_OF_STATUS[status], first_stage=first_stage,
                    first_divergence=safe(first_line) if first_line is not None else None, noise_ratio=ratio,
-                   message=safe(message), report=doc, seconds=seconds, bundle_id=report.bundle_id, link=link)
+                   message=safe(message), report=doc, seconds=seconds, bundle_id=report.bundle_id, link=link,
+                   cause=safe(cause) if cause is not None else None)
 
 
 def error_row(target: ScanTarget, status: str, message: str, seconds: float = 0.0) -> ScanRow:

@@ -107,7 +107,9 @@ def link_partners(targets: Sequence[ScanTarget]) -> dict[Path, ScanTarget | str]
         if t.step_id is None or t.rollout_id not in rollouts:
             continue
         found = rollouts[t.rollout_id]
-        out[t.path] = found[0] if len(found) == 1 else (
+        others = sorted((r for rid, rs in rollouts.items() if rid != t.rollout_id for r in rs),
+                        key=lambda r: (abs(r.rollout_id - t.rollout_id), r.rollout_id > t.rollout_id, r.relpath))
+        out[t.path] = replace(found[0], siblings=tuple(others[:8])) if len(found) == 1 else (
             f"{len(found)} rollout-level bundles of rollout {t.rollout_id}: "
             f"{', '.join(r.relpath for r in found)}")
     return out

@@ -84,11 +84,18 @@ class HelpScreen(ModalScreen[None]):
         Binding("f1", "dismiss", "Close", show=False, id="help.close-f1", tooltip="Close the help screen"),
     ]
 
+    def __init__(self, lead: str | None = None) -> None:
+        """``lead``: the pane whose keys come first (the run view's, opened over it), before the legend."""
+        super().__init__()
+        self.lead = lead
+
     def compose(self):
         with VerticalScroll(id="help-box"):
+            if self.lead is not None:
+                yield Static(self._content(self.lead), id="help-lead")
             yield Static(legend(), id="help-legend")  # first: short, and what a new user asks about first
             yield Static(Text(INTRO, style="italic"), id="help-intro")
-            yield Static(self._content(), id="help-text")
+            yield Static(self._content(skip=self.lead), id="help-text")
         yield KeyBar()  # this screen's keys, not the pane's beneath it
 
     def on_mount(self) -> None:
@@ -97,12 +104,14 @@ class HelpScreen(ModalScreen[None]):
         box.border_subtitle = "esc / q / ? closes"
         box.focus()
 
-    def _content(self) -> Table:
+    def _content(self, only: str | None = None, skip: str | None = None) -> Table:
         grid = Table.grid(padding=(0, 2), expand=True)
         grid.add_column(no_wrap=True, style="bold", min_width=12)
         grid.add_column(ratio=1)
         section = None
         for ka in key_actions():
+            if (only is not None and ka.pane != only) or (skip is not None and ka.pane == skip):
+                continue
             if ka.section != section:
                 section = ka.section
                 grid.add_row("", "")

@@ -263,8 +263,15 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         """From a per-sample table to that sample's per-token diff (its first diverging token field)."""
         model = self.model
         token_fields = [f for f in model.fields if FIELD_BY_NAME[f].kind == KIND_TOKEN]
-        if not token_fields:
+        viewed = FIELD_BY_NAME.get(self.field) if self.field else None
+        if viewed is not None and viewed.stage == "loss.policy" and "pg_losses" not in model.fields:
+            # a loss term located to the sample: its tokens need the per-token surrogate the job did not record
+            self.say(f"{sample_id}: this bundle records no per-token loss terms (pg_losses), so a loss divergence "
+                     f"stops at the sample; capture with RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1 to see its tokens",
+                     severity="warning", timeout=8)
+        elif not token_fields:
             self.say("this bundle has no per-token field to open", severity="warning", timeout=3)
+        if not token_fields:
             return
         row = model.sample(sample_id)
         field = next((f for f in token_fields if row is not None and row.mismatches.get(f)), token_fields[0])

@@ -31,6 +31,7 @@ from ..app import EXIT_NO_VERDICT, PROG, ReplayApp, error_line, release_frozen
 from ..widgets.cursor_lines import CursorLines
 from ..widgets.header_line import HeaderLine
 from ..widgets.key_bar import KeyBar
+from ..keys import RUN_BINDINGS
 from ..widgets.run_table import MARKS, RunRows, RunTable, relative_message
 from .error import RunErrorScreen
 from .main import DebuggerScreen
@@ -77,17 +78,10 @@ class RunScreen(Screen, inherit_bindings=False):
     RunScreen #run-progress.-pass { background: $success 15%; }
     RunScreen #run-panel { height: 1fr; border: round $panel-lighten-2; }
     RunScreen #run-panel:focus-within { border: round $accent; }
-    RunScreen #run-detail { height: 2; padding: 0 1; color: $text-muted; text-overflow: ellipsis; }
+    RunScreen #run-detail { height: 3; padding: 0 1; color: $text-muted; text-overflow: ellipsis; }
     """
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("d", "toggle_bad", "Bad only", id="run.bad-only",
-                tooltip="Show only the bundles that did not pass (diverged, invalid, unsupported, error); d again: all"),
-        Binding("e", "first_bad", "First bad", id="run.first-bad",
-                tooltip="Go to the first bad step (the first diverged bundle in rollout/step order)"),
-        Binding("q", "app.quit", "Quit", id="run.quit",
-                tooltip="Quit (exit code: the scan's, SPEC §9; 130 while it runs)"),
-        Binding("question_mark", "keys", "Help", id="run.help", tooltip="The run view's keys"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = list(RUN_BINDINGS)
+    HELP_LEAD = "runs"  # ? over the run view: its keys first
 
     def __init__(self, directory: Path, *, jobs: int, executor: str = "local", ray_address: Optional[str] = None,
                  fail_fast: bool = False, options=None) -> None:
@@ -106,6 +100,9 @@ class RunScreen(Screen, inherit_bindings=False):
         self.failure: Optional[tuple[str, int]] = None
         self._pending: list = []
         self._flush_timer: Optional[Timer] = None
+        # the cursor follows the first bad step as rows finish until the user moves it (or opens a bundle)
+        self._auto_cursor = True
+        self._placed: Optional[int] = None
 
     def compose(self):
         yield Static(id="run-title")
@@ -175,6 +172,7 @@ class RunScreen(Screen, inherit_bindings=False):
         self.listed = True
         self.total = len(message.targets)
         self.data.set_targets(message.targets)
+        self._placed = 0
         self.table.refresh_rows(cursor=0)
         self.query_one("#run-header", HeaderLine).refresh()
         self._show_progress()
@@ -208,9 +206,23 @@ class RunScreen(Screen, inherit_bindings=False):
             if self.data.visible == shown:  # the same rows in the same places: repaint the finished ones only
                 self.table.rows_finished([self.data.visible_index(r.target.path) for r in rows])
             else:
-                self.table.refresh_rows(cursor=self.data.nearest_visible(selected.path if selected else None))
+                self._placed = self.data.nearest_visible(selected.path if selected else None)
+                self.table.refresh_rows(cursor=self._placed)
+            self._land_on_first_bad()
             self._show_detail()
         self._show_progress()
+
+    def _land_on_first_bad(self) -> None:
+        """Put the cursor on the first bad step found so far, until the user moves it: ⏎ then opens what failed."""
+        if not self._auto_cursor:
+            return
+        from replay_lib.run.scan import first_bad_row
+
+        first = first_bad_row(list(self.data.rows.values()))
+        index = self.data.visible_index(first.target.path) if first is not None else None
+        if index is not None and index != self.table.cursor:
+            self._placed = index
+            self.table.cursor = index
 
     # -- drawing ------------------------------------------------------------------------------------
     def _show_progress(self) -> None:
@@ -268,24 +280,29 @@ class RunScreen(Screen, inherit_bindings=False):
             text.append(f" · {safe(row.bundle_id)}")
         if row is not None and row.status != "pass" and row.message:
             text.append(f" — {safe(relative_message(row.message, target))}")
+        cause = getattr(row, "cause", None) if row is not None else None
+        if cause:
+            text.append("\nlikely cause: ", style="bold")
+            text.append(safe(cause))
+        count = self.data.grouped_with(target.path)
+        if count > 1:
+            text.append(f"\n×{count}: this row and {count - 1} later bundle(s) failed alike (same stage, field and "
+                        f"cause) — c lists each", style="bold")
         detail.update(text, layout=False)
 
     # -- events and actions -------------------------------------------------------------------------
     def on_cursor_lines_highlighted(self, event: CursorLines.Highlighted) -> None:
         if isinstance(event.view, RunTable):
+            if event.row != self._placed:
+                self._auto_cursor = False  # the user chose a row: the cursor stays where they put it
             self._show_detail()
 
     def on_cursor_lines_activated(self, event: CursorLines.Activated) -> None:
         if isinstance(event.view, RunTable):
+            self._auto_cursor = False
             target = self.data.target_at(event.row)
             if target is not None:
                 self.app.open_target(target, self.data.rows.get(target.path))
-
-    def action_keys(self) -> None:
-        self.notify("⏎ opens the bundle in the debugger (esc comes back) · d: only the bundles that did not pass · "
-                    "e: the first bad step · q quits with the scan's exit code (130 while it runs) · "
-                    "ctrl+p: commands",
-                    title="Run view", timeout=10, markup=False)
 
     def action_toggle_bad(self) -> None:
         selected = self.table.target
@@ -293,6 +310,13 @@ class RunScreen(Screen, inherit_bindings=False):
         self.table.refresh_rows(cursor=self.data.nearest_visible(selected.path if selected else None))
         self.query_one("#run-panel").border_title = "Bundles — not passing only (d: all)" if self.data.bad_only \
             else "Bundles"
+        self._show_detail()
+
+    def action_toggle_grouped(self) -> None:
+        selected = self.table.target
+        self.data.set_grouped(not self.data.grouped)
+        self.table.refresh_rows(cursor=self.data.nearest_visible(selected.path if selected else None))
+        self.notify("identical failures grouped (×N)" if self.data.grouped else "every bundle listed", timeout=2)
         self._show_detail()
 
     def action_first_bad(self) -> None:
@@ -349,10 +373,19 @@ class RunApp(ReplayApp):
     def _screen_ready(self) -> bool:
         return any(isinstance(s, DebuggerScreen) and s.ready for s in self.screen_stack)
 
-    def open_target(self, target, row=None) -> None:
+    def open_target(self, target, row=None, link_view: bool = True) -> None:
         """Open one bundle of the run in the debugger: a fresh replay of it, as ``replay-tui PATH`` would. A step
         the scan's ``link`` stage failed (a check across two bundles, which the debugger of one does not run)
-        says so as it opens: its own replay may well pass."""
+        opens in the link view (:class:`~replay_tui.screens.link.LinkScreen`: what the step consumed against
+        its rollout bundle); from there ``⏎`` replays it alone, and the debugger says why the row was ✗."""
+        if link_view and row is not None and row.first_stage == "link" and row.link is not None:
+            from .link import LinkScreen
+
+            self.push_screen(LinkScreen(target, row))
+            return
+        while not isinstance(self.screen, RunScreen) and not isinstance(self.screen, DebuggerScreen) \
+                and len(self.screen_stack) > 1:
+            self.pop_screen()  # the link view: the debugger takes its place (esc still goes back to the table)
         self.bundle = target.path
         self.display_name = target.relpath
         self.step = self.rollout = None

@@ -4,8 +4,10 @@ order, filled in as rows finish. :class:`RunRows` is the data (plain Python, tes
 screenful costs).
 
 Columns: the status mark, anchor, bundle (its path under the directory), kind, status, first divergent
-stage, ×noise (the first divergence's |err| / tolerance) and the first divergence — or, for a row
-nothing was compared for, its one-line message. Narrow terminals drop ×noise, then kind, then shorten the
+stage, ×noise (the first divergence's |err| / tolerance) and the row's likely cause (its first divergent
+stage's best explanation, or the link's), else its first divergence — or, for a row nothing was compared for,
+its one-line message. Identical failures (the same first stage, field and likely cause) are one row, the first
+in scan order, marked ``×N`` (``c`` lists every bundle again). Narrow terminals drop ×noise, then kind, then shorten the
 bundle column (dropped only below 6 cells; the line under the table names the bundle under the cursor)."""
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class RunRows:
         self.targets: list = []
         self.rows: dict[Path, object] = {}
         self.bad_only = False
+        # identical failures (failure_key) shown as one row, the first in scan order; ``group_size[path]`` of that
+        # row: how many bundles it stands for
+        self.grouped = True
+        self.group_size: dict[Path, int] = {}
         self.visible: list[int] = []
         self._position: dict[Path, int] = {}
         # the longest anchor and path (the table's column widths: measured once per target, not per row drawn)
@@ -87,11 +93,31 @@ class RunRows:
         self.bad_only = bad_only
         self._refilter()
 
+    def set_grouped(self, grouped: bool) -> None:
+        self.grouped = grouped
+        self._refilter()
+
     def _refilter(self) -> None:
         if self.bad_only:
-            self.visible = [i for i, t in enumerate(self.targets) if self.status(t) not in ("pass", PENDING)]
+            shown = [i for i, t in enumerate(self.targets) if self.status(t) not in ("pass", PENDING)]
         else:
-            self.visible = list(range(len(self.targets)))
+            shown = list(range(len(self.targets)))
+        self.group_size = {}
+        if self.grouped:
+            leaders: dict[tuple, Path] = {}
+            kept = []
+            for i in shown:
+                target = self.targets[i]
+                key = failure_key(self.rows.get(target.path))
+                if key is not None and key in leaders:
+                    self.group_size[leaders[key]] += 1
+                    continue
+                if key is not None:
+                    leaders[key] = target.path
+                    self.group_size[target.path] = 1
+                kept.append(i)
+            shown = kept
+        self.visible = shown
 
     def status(self, target) -> str:
         row = self.rows.get(target.path)
@@ -121,6 +147,10 @@ class RunRows:
             return self.visible.index(position)
         except ValueError:
             return None
+
+    def grouped_with(self, path: Optional[Path]) -> int:
+        """How many bundles the shown row of ``path`` stands for (1: itself alone)."""
+        return self.group_size.get(path, 1) if path is not None else 1
 
     def nearest_visible(self, path: Optional[Path]) -> int:
         """The shown row of ``path``, else the first shown row after it in scan order (else the last)."""
@@ -183,7 +213,7 @@ class RunTable(CursorLines):
         parts += [(fit("status", STATUS_W) + " ", None), (fit("first stage", STAGE_W) + " ", None)]
         if cols.noise:
             parts.append((fit("×noise", NOISE_W, ">") + " ", None))
-        parts.append((fit("first divergence / message", cols.detail), None))
+        parts.append((fit("likely cause / first divergence / message", cols.detail), None))
         return strip_of(parts, width, base)
 
     def render_row(self, row: int, width: int, base: Style) -> Strip:
@@ -206,10 +236,29 @@ class RunTable(CursorLines):
             parts.append((fit_ratio(ratio, NOISE_W) + " " if result is not None else " " * (NOISE_W + 1),
                           FAIL if ratio is not None and ratio > 1 else DIM))
         if result is not None:
-            detail = result.first_divergence if result.status == "diverged" and result.first_divergence \
-                else ("" if result.status == "pass" else relative_message(result.message, target))
-            parts.append((fit(safe(detail or ""), cols.detail), None if result.status == "diverged" else DIM))
+            count = self.data.grouped_with(target.path)
+            if count > 1:  # identical failures: this row stands for all of them
+                parts.append((f"×{count} ", FAIL))
+            cause = getattr(result, "cause", None)
+            detail = (cause or result.first_divergence) if result.status == "diverged" and (
+                cause or result.first_divergence) else ("" if result.status == "pass"
+                                                        else relative_message(result.message, target))
+            used = len(f"×{count} ") if count > 1 else 0
+            parts.append((fit(safe(detail or ""), max(cols.detail - used, 0)),
+                          None if result.status == "diverged" else DIM))
         return strip_of(parts, width, base)
+
+
+def failure_key(row) -> Optional[tuple]:
+    """What makes two diverged rows the same failure: ``(first stage, field, likely cause)`` (the field of the
+    first divergence); ``None`` for a row that did not diverge (or has not finished)."""
+    if row is None or row.status != "diverged":
+        return None
+    first = (row.report or {}).get("first_divergence") if isinstance(row.report, dict) else None
+    field = first.get("field") if isinstance(first, dict) else None
+    if field is None and row.first_divergence:
+        field = row.first_divergence.split(" ", 1)[0]
+    return (row.first_stage, field, getattr(row, "cause", None))
 
 
 def relative_message(message: str, target) -> str:

@@ -365,6 +365,14 @@ def test_batch_normalized_rewards_fail_first_at_reward_raw(runs):
     # zero-mean columns has mean 0 over the batch (to float32 rounding)
     assert abs(float(actual.mean())) < 1e-6
     assert [rows[p]["status"] for p in ("step-0-0", "step-0-1")] == ["pass", "pass"]
+    # explained from the recorded values: each reward function's column standardized, the recorded sum of the
+    # scores as returned an affine image of them (the scores' std × weight: 1.389, 0.2588)
+    [e] = rows["rollout-0"]["report"]["explanations"]
+    assert (e["stage"], e["hypothesis"], e["matched"], e["of"]) == ("reward.raw", "reward.raw_batch_normalized", 8, 8)
+    assert e["detail"] == (
+        "the rewards the trainer normalized are each of the 2 reward functions' scores normalized over the whole "
+        "batch of 8 samples ((s − mean)/std) before its group normalization; the recorded raw_rewards (the scores "
+        "as returned) are their affine image (weight·std 1.389, 0.2588; offset 2.437)")
 
 
 def test_shuffled_advantages_fail_first_at_advantage_estimate(runs):

@@ -209,3 +209,23 @@ def test_a_per_sample_sum_s_why_is_that_sum(tmp_path):
     assert element_inputs(ctx, "mask_count", 0).formula == "mask_count = Σ_t mask = 17"
     assert element_inputs(ctx, "clip_count", 0).formula == "clip_count = Σ_t clipped·mask = 3"
     assert element_inputs(ctx, "kl_sum", 0).formula.startswith("kl_sum = Σ_t (old − logp)·mask = ")
+
+
+async def test_opening_a_sample_of_the_loss_terms_names_the_token_terms_switch(tmp_path):
+    """verl-dapo records per-sample loss terms but no per-token pg_losses: ⏎ on a sample of its loss terms opens
+    the sample's tokens and says why the loss divergence stops at the sample, naming the capture variable."""
+    from replay_lib.demo import write_demo
+    from replay_tui.app import ReplayApp
+
+    app = ReplayApp(write_demo("verl-dapo", tmp_path / "verl-dapo"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = app.screen
+        assert "pg_losses" not in app.model.fields and "pg_contribution" in app.model.fields
+        screen.select(field="pg_contribution")
+        await pilot.pause()
+        await pilot.press("3", "enter")
+        await pilot.pause()
+        [note] = [n.message for n in app._notifications]
+        assert note.endswith(": this bundle records no per-token loss terms (pg_losses), so a loss divergence "
+                             "stops at the sample; capture with RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1 to see its tokens")

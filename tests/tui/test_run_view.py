@@ -193,7 +193,8 @@ async def test_d_shows_only_the_bundles_that_did_not_pass_and_keeps_the_cursor_s
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
         screen = app.run_screen
-        await pilot.press("down", "down", "down")  # d-broken (row 3 of 5)
+        assert screen.table.target.relpath == "b-kl"  # the cursor starts on the first bad step
+        await pilot.press("down", "down")  # d-broken (row 3 of 5)
         assert screen.table.target.relpath == "d-broken"
         await pilot.press("d")
         assert [t.relpath for t in map(screen.data.target_at, range(screen.table.row_count))] == ["b-kl", "d-broken"]
@@ -215,7 +216,8 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
     app = make_run_app(run_dir)
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await pilot.press("down", "enter")  # b-kl
+        assert app.run_screen.table.cursor == 1  # the cursor starts on the first bad step, b-kl
+        await pilot.press("enter")  # b-kl
         await scanned(pilot)
         assert isinstance(app.screen, DebuggerScreen)
         assert app.model.report.bundle_id == "b-kl" and app.model.report.exit_code == 1
@@ -237,10 +239,16 @@ async def test_enter_opens_the_bundle_in_the_debugger_and_escape_returns_with_th
                                                               "palette"]  # the key bar says it too
         await pilot.press("escape")
         assert isinstance(app.screen, RunScreen) and app.run_screen.table.cursor == 3
-        # ? lists the run view's own keys
+        # ? opens the help screen, which lists the run view's own keys
+        from replay_tui.screens.help import HelpScreen
+
         await pilot.press("question_mark")
-        assert app._notifications and list(app._notifications)[-1].message.startswith(
-            "⏎ opens the bundle in the debugger (esc comes back) · d: only the bundles that did not pass")
+        assert isinstance(app.screen, HelpScreen)
+        text = screen_text(app)
+        assert "Run view" in text
+        assert "Group identical failures" in text and "Go to the first bad step" in text
+        await pilot.press("escape")
+        assert isinstance(app.screen, RunScreen)
         await pilot.press("up", "up", "up", "enter")  # e-clean: a pass
         await scanned(pilot)
         assert app.model.report.bundle_id == "e-clean" and app.model.report.exit_code == 0
@@ -261,7 +269,7 @@ async def test_a_closed_bundle_is_freed_and_opening_bundles_one_after_another_do
     frozen = []
     async with app.run_test(size=SIZE) as pilot:
         await scanned(pilot)
-        await pilot.press("down")  # b-kl
+        assert app.run_screen.table.target.relpath == "b-kl"  # the cursor starts on the first bad step
         for _ in range(6):
             await pilot.press("enter")
             await scanned(pilot)
@@ -452,11 +460,84 @@ async def test_a_step_only_the_link_failed_says_so_as_it_opens(tmp_path):
         rows = table_lines(app)
         at = next(i for i, line in enumerate(rows) if "step-7-0" in line)
         assert "link" in rows[at] and rows[at].startswith("✗")
-        app.run_screen.table.cursor = at
+        assert app.run_screen.table.cursor == at  # the first bad step
         await pilot.press("enter")
+        # the link view: what the step consumed against its rollout bundle's values
+        from replay_tui.screens.link import LinkScreen
+
+        assert isinstance(app.screen, LinkScreen)
+        text = screen_text(app)
+        assert "link · step 7:0 (step-7-0) against rollout bundle rollout-7" in text
+        assert "advantages, old_log_probs of step bundle b-7-0 (step-7-0) differ from rollout bundle r-7 " \
+               "(rollout-7) in 1 place(s)" in text
+        assert "likely cause: no known cause matches" in text
+        [row] = [line.split() for line in text.splitlines() if "s-1@3" in line]
+        assert row[1:4] == ["old_log_probs", "s-1@3", "-1.25"]  # the rollout's value, then the step's
+        await pilot.press("enter")  # ⏎ replays the step alone
         await scanned(pilot)
         assert isinstance(app.screen, DebuggerScreen) and app.model.report.passed
         [note] = [n.message for n in app._notifications]
         assert note.startswith("the scan's link stage: this step diverges from its rollout bundle (old_log_probs "
                                "s-1@3: expected=-1.25 ")
         assert note.endswith("the debugger replays the step alone — esc goes back to the run view")
+
+
+async def test_identical_failures_are_one_row_with_a_count_and_g_lists_each(tmp_path):
+    """Three steps whose recorded kl of s-1@2 is off alike (first stage advantage.kl, field kl, no known cause)
+    and a clean one: the table shows the first of the three marked ×3, the cursor on it (the first bad step), the
+    line under the table says so; c lists every bundle, c again collapses them."""
+    saved = demo.producer
+    from tui_bundles import fixed_producer
+
+    demo.producer = fixed_producer
+    try:
+        _write(tmp_path / "a-clean", 1)
+        for rollout in (2, 3, 4):
+            _write(tmp_path / f"kl-{rollout}", rollout, kl_delta=KL_DELTA)
+    finally:
+        demo.producer = saved
+    app = make_run_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await scanned(pilot)
+        screen = app.run_screen
+        lines = table_lines(app)
+        assert [line.split()[:2] for line in lines] == [["✓", "1:0"], ["✗", "2:0"]]
+        assert "×3 kl s-1@2: expected=" in lines[1]
+        assert screen.table.target.relpath == "kl-2"
+        assert "×3: this row and 2 later bundle(s) failed alike (same stage, field and cause) — c lists each" \
+            in screen_text(app)
+        await pilot.press("c")
+        assert [line.split()[1] for line in table_lines(app)] == ["1:0", "2:0", "3:0", "4:0"]
+        assert screen.table.target.relpath == "kl-2" and "×3" not in "".join(table_lines(app))
+        await pilot.press("c")
+        assert screen.table.row_count == 2
+
+
+def test_failure_key_and_the_group_counts_without_an_app():
+    """failure_key: (first stage, field, cause) of a diverged row, None otherwise; RunRows groups by it, the
+    first row in scan order standing for the rest."""
+    from types import SimpleNamespace
+
+    from replay_tui.widgets.run_table import RunRows, failure_key
+
+    def target(name, rollout):
+        return SimpleNamespace(path=Path(name), relpath=name, anchor=f"{rollout}:0", kind="step")
+
+    def row(t, status, stage=None, field=None, cause=None):
+        report = {"first_divergence": {"field": field}} if field else None
+        return SimpleNamespace(target=t, status=status, first_stage=stage, first_divergence=f"{field} s-0: …",
+                               report=report, cause=cause)
+
+    targets = [target(f"b{i}", i) for i in range(5)]
+    rows = RunRows()
+    rows.set_targets(targets)
+    rows.add([row(targets[0], "pass"), row(targets[1], "diverged", "loss.policy", "pg_sum", "off-by-one"),
+              row(targets[2], "diverged", "loss.policy", "pg_sum", "off-by-one"),
+              row(targets[3], "diverged", "loss.policy", "pg_sum", None),
+              row(targets[4], "diverged", "loss.policy", "pg_sum", "off-by-one")])
+    assert failure_key(rows.rows[Path("b1")]) == ("loss.policy", "pg_sum", "off-by-one")
+    assert failure_key(rows.rows[Path("b0")]) is None
+    assert [targets[i].relpath for i in rows.visible] == ["b0", "b1", "b3"]
+    assert (rows.grouped_with(Path("b1")), rows.grouped_with(Path("b3")), rows.grouped_with(Path("b0"))) == (3, 1, 1)
+    rows.set_grouped(False)
+    assert len(rows.visible) == 5 and rows.grouped_with(Path("b1")) == 1

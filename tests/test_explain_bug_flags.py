@@ -1,0 +1,168 @@
+"""Every bug flag of ``examples/grpo_trainer.py`` is explained: the trainer runs once per flag in this process
+(capture on, the real bundle writer, per-token loss terms recorded), each capture directory is checked as
+``trajectory-replay scan`` checks it (every bundle replayed, each step linked to its rollout), and the first bad
+row's likely cause — its first divergent stage's best explanation, or the link's — is the hypothesis that names
+what the flag does, matching every compared value. One expensive fixture, many assertions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay_lib.run.scan import ScanOptions, check_target, discover, link_partners
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / "examples" / "grpo_trainer.py"
+SMALL = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
+         "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet"]
+
+# flag → (its flags, rollouts)
+FLAGS = {
+    "pr65": (["--pr65-bug"], 1),
+    "uneven-groups": (["--uneven-groups-bug"], 1),
+    "stride-groups": (["--stride-groups-bug"], 1),
+    "loo": (["--estimator", "rloo", "--loo-bug"], 1),
+    "kl-reward-sign": (["--kl-in-reward", "sequence", "--kl-reward-sign-bug"], 2),
+    "kl-reward-sign-returns": (["--estimator", "reinforce_plus_plus", "--kl-in-reward", "token_returns",
+                                "--kl-reward-sign-bug"], 2),
+    "gae-lambda": (["--estimator", "gae", "--gae-lambda-bug"], 1),
+    "whiten-batch": (["--whiten", "--whiten-batch-bug"], 1),
+    "support-full-vocab": (["--support-full-vocab-bug"], 1),
+    "loss-mask": (["--loss-mask-bug"], 1),
+    "token-mean-denominator": (["--loss-agg", "token_mean", "--token-mean-denominator-bug"], 1),
+    "dual-clip": (["--dual-clip", "3", "--dual-clip-bug"], 1),
+    "kl-loss": (["--kl-loss", "low_var_kl:0.1", "--kl-loss-bug"], 2),
+    "tis": (["--tis", "token:1.5", "--tis-bug"], 1),
+    "gspo": (["--gspo", "--gspo-bug"], 2),
+    "value-loss": (["--ppo", "--value-loss-bug"], 1),
+    "stale-advantages": (["--stale-advantages-bug"], 2),
+}
+
+# flag → (the first bad row's anchor, its first divergent stage, the best explanation of that stage, whether it
+# matches every compared value, the row's likely cause)
+EXPECTED = {
+    'dual-clip': (
+        '0:0', 'loss.policy', 'loss.dual_clip_every_advantage', True,
+        'the recorded loss applies the dual-clip bound c=3 to every advantage: pg = min(pg, −c·A) for '
+        'positive advantages too (it is meant for A < 0 only)'),
+    'gae-lambda': (
+        'rollout 0', 'advantage.estimate', 'advantage.gae_lambda_1', True,
+        'the recorded advantages are GAE with λ=1 (Monte-Carlo returns minus the values): the declared λ=0.95'
+        ' was not applied'),
+    'gspo': (
+        '0:1', 'loss.policy', 'loss.sequence_ratio_summed', True,
+        "the recorded loss takes GSPO's sequence ratio from the summed log-ratio exp(Σ_t (logp − old)) "
+        "instead of its mean over the sample's loss tokens"),
+    'kl-loss': (
+        '0:1', 'loss.policy', 'loss.kl_loss_arguments_swapped', True,
+        'the recorded KL term of the loss is low_var_kl of ref − logp (its arguments swapped) instead of logp'
+        ' − ref'),
+    'kl-reward-sign': (
+        'rollout 1', 'reward.post_process', 'reward.kl_sign', True,
+        'the recorded rewards equal the KL penalty added to the score, r + 0.05·Σ kl (config: r − 0.05·Σ kl)'),
+    'kl-reward-sign-returns': (
+        'rollout 1', 'advantage.estimate', 'advantage.kl_sign', True,
+        'the recorded advantages are returns of token rewards with the KL penalty added, r + 0.05·kl (config:'
+        ' r − 0.05·kl)'),
+    'loo': (
+        'rollout 0', 'reward.post_process', 'reward.loo_self_included', True,
+        "the recorded rewards equal a leave-one-out baseline that divides the whole group's sum by n − 1 (the"
+        ' sample itself left in the sum: r − Σ_group r / (n − 1))'),
+    'loss-mask': (
+        '0:0', 'loss.policy', 'loss.last_loss_token_dropped', True,
+        "the recorded loss leaves each sample's last loss token out of its sums (an off-by-one mask in the "
+        'loss; the recorded loss mask keeps it)'),
+    'pr65': (
+        'rollout 0', 'reward.post_process', 'reward.consumer_batches_of_5', True,
+        'the recorded rewards equal group normalization over consumer batches cb-0-0-0, cb-0-0-1, cb-0-0-2 of'
+        ' 5 samples (the last of 2) (not semantic groups)'),
+    'stale-advantages': (
+        '1:0', 'link', None, None,
+        "the consumed advantages are rollout 0's (rollout bundle rollout-0): each of 6 sample(s) trained on "
+        "rollout 0's advantages for the same sample id, not rollout 1's — a stale cache of an earlier rollout"),
+    'stride-groups': (
+        'rollout 0', 'reward.post_process', 'reward.consumer_batches', True,
+        'the recorded rewards equal group normalization over consumer batches cb-0-0-0, cb-0-0-1, cb-0-0-2 — '
+        'the same sets as groups recovered by a fixed stride of the mean group size, 4 (not semantic groups)'),
+    'support-full-vocab': (
+        'rollout 0', 'logprob.support', 'support.full_vocabulary', True,
+        "the recorded old_log_probs are scored over the whole vocabulary (they equal full_log_probs), not over "
+        "each token's sampler support as the bundle declares"),
+    'tis': (
+        '0:0', 'loss.policy', 'loss.is_weight_inverted', True,
+        'the recorded loss uses the inverted importance weight exp(rollout − old) instead of exp(old − '
+        'rollout) (is_level=token)'),
+    'token-mean-denominator': (
+        '0:0', 'loss.policy', 'loss.micro_batch_token_mean', True,
+        "the recorded loss equals a token mean per micro-batch (mb-0000, mb-0001): each one's Σ x·mask over "
+        'its own loss tokens, summed over the micro-batches, instead of over loss_token_count=25'),
+    'uneven-groups': (
+        'rollout 0', 'reward.post_process', 'reward.whole_batch', True,
+        'the recorded rewards equal group normalization over the whole batch of 12 samples (not semantic '
+        'groups)'),
+    'value-loss': (
+        '0:0', 'loss.value', 'value.no_half', True,
+        "the recorded vf_loss is the value loss without its ½: (v − R)² (slime's convention) where the config"
+        " declares ½·(v − R)² (verl's)"),
+    'whiten-batch': (
+        'rollout 0', 'advantage.estimate', 'advantage.whitened_per_consumer_batch_5', True,
+        'the recorded advantages are whitened per consumer batch of 5 samples (cb-0-0-0, cb-0-0-1, cb-0-0-2: '
+        "each batch's loss tokens their own mean and std) instead of over the step's loss tokens"),
+}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """flag → the scan rows of its capture directory (``check_target`` of every target, linked)."""
+    sys.path.insert(0, str(TRAINER.parent))
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(str(TRAINER.parent))
+    threads = torch.get_num_threads()
+    root = tmp_path_factory.mktemp("bug-flags")
+    out = {}
+    try:
+        for name, (flags, rollouts) in FLAGS.items():
+            directory = root / name
+            env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(directory),
+                   "RELAX_REPLAY_CAPTURE_TOKEN_TERMS": "1"}
+            result = grpo_trainer.run([*SMALL, "--rollouts", str(rollouts), *flags], env=env)
+            assert result.capture_stats.errors == 0 and result.capture_flushed, name
+            targets = discover(directory)
+            partners = link_partners(targets)
+            out[name] = [check_target(t, ScanOptions(), partners.get(t.path)) for t in targets]
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def first_bad(rows):
+    return next(r for r in rows if r.status != "pass")
+
+
+def test_every_bug_flag_gets_the_cause_that_says_what_it_does(rows):
+    got = {}
+    for name, found in rows.items():
+        row = first_bad(found)
+        explanations = (row.report or {}).get("explanations") or []
+        best = next((e for e in explanations if e["stage"] == row.first_stage), None)
+        got[name] = (row.target.anchor, row.first_stage,
+                     None if best is None else best["hypothesis"],
+                     None if best is None else best["matched"] == best["of"], row.cause)
+    assert got == EXPECTED
+
+
+def test_the_table_covers_every_bug_flag_the_trainer_ships(rows):
+    """A bug flag added to the trainer without a row here (and so without a checked explanation) fails."""
+    sys.path.insert(0, str(TRAINER.parent))
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(str(TRAINER.parent))
+    shipped = {a.option_strings[0] for a in grpo_trainer.build_parser()._actions if a.dest.endswith("_bug")}
+    used = {flag for flags, _ in FLAGS.values() for flag in flags if flag.endswith("-bug")}
+    assert shipped == used
