@@ -79,6 +79,8 @@ class ScanRow:
     seconds: float = 0.0
     bundle_id: Optional[str] = None
     link: Optional["LinkResult"] = None
+    # the bundle's rollout-vs-old log-prob mismatch (``run.mismatch_series``), when it records both
+    mismatch: Optional[dict] = None
 
     @property
     def bad(self) -> bool:
@@ -90,7 +92,8 @@ class ScanRow:
                 "step_id": t.step_id, "bundle_id": self.bundle_id, "status": self.status,
                 "exit_code": self.exit_code, "first_stage": self.first_stage,
                 "first_divergence": self.first_divergence, "noise_ratio": self.noise_ratio,
-                "message": self.message, "seconds": round(self.seconds, 6), "report": self.report}
+                "message": self.message, "seconds": round(self.seconds, 6), "report": self.report,
+                "mismatch": self.mismatch}
 
 
 @dataclass(frozen=True)
