@@ -142,7 +142,7 @@ def result_lines(result, total: int, verbose: bool = False) -> list[tuple[str, s
 
 
 def result_json(result, total: int) -> dict:
-    return {
+    doc = {
         "bundles": [r.to_json() for r in result.rows],
         "links": [l.to_json() for l in result.links],
         "summary": {
@@ -153,15 +153,14 @@ def result_json(result, total: int) -> dict:
                 "anchor": result.first_bad.target.anchor, "path": result.first_bad.target.relpath,
                 "bundle_id": result.first_bad.bundle_id, "stage": result.first_bad.first_stage,
                 "first_divergence": result.first_bad.first_divergence},
-            "mismatch_series": _series(result.rows),
         },
     }
-
-
-def _series(rows):
     from ..run.mismatch_series import run_series
 
-    return run_series(rows)
+    series = run_series(result.rows)  # only where the step bundles record rollout_log_probs
+    if series is not None:
+        doc["summary"]["mismatch_series"] = series
+    return doc
 
 
 def result_exit_code(result) -> int:

@@ -93,7 +93,7 @@ class ScanRow:
                 "exit_code": self.exit_code, "first_stage": self.first_stage,
                 "first_divergence": self.first_divergence, "noise_ratio": self.noise_ratio,
                 "message": self.message, "seconds": round(self.seconds, 6), "report": self.report,
-                "mismatch": self.mismatch}
+                **({} if self.mismatch is None else {"mismatch": self.mismatch})}
 
 
 @dataclass(frozen=True)
