@@ -230,3 +230,21 @@ def test_ring_unit_rollouts_are_kept_while_a_held_step_uses_them():
     assert ring.take(Item("rollout", "rollout-0", Meta(0), {"x": torch.zeros(2)})) == []
     assert ring.take(Item("rollout", "rollout-1", Meta(1))) == []
     assert [e.label for e in ring._entries] == ["rollout-0", "rollout-1"]  # nothing evicted without steps
+
+
+def test_the_example_trainer_persists_the_ring_on_a_gradient_norm_spike(trainer, tmp_path):
+    """The real trainer (3 rollouts × 2 steps) hands clip_grad_norm_'s norm to finish(); with a spike factor of
+    1e-9 every step from the 5th on (4 norms of history) is a "spike": the 5th persists the ring's 2 steps,
+    the 6th (the ring empty again) itself alone, with the rollouts those steps were trained on. Every persisted bundle replays clean."""
+    from capture_helpers import TINY
+
+    argv = [a if a != "2" or TINY[i - 1] != "--rollouts" else "3" for i, a in enumerate(TINY)]
+    env = capture_env(tmp_path, RELAX_REPLAY_CAPTURE_RING="2", RELAX_REPLAY_CAPTURE_TRIGGER_GRAD_SPIKE="1e-9")
+    result = trainer.run(argv, env=env)
+    assert result.steps == 6 and result.capture_flushed
+    assert (result.capture_stats.errors, result.capture_stats.dropped, result.capture_stats.abandoned) == (0, 0, 0)
+    # rollout 0 left the ring with its last step; rollout 1 stays while step 1-1 is held
+    assert bundle_dirs(tmp_path) == ["rollout-1", "rollout-2", "step-1-1", "step-2-0", "step-2-1"]
+    assert result.capture_stats.written == 5
+    for name in bundle_dirs(tmp_path):
+        assert replay(tmp_path / name).exit_code == 0, name
