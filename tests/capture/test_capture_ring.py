@@ -248,3 +248,44 @@ def test_the_example_trainer_persists_the_ring_on_a_gradient_norm_spike(trainer,
     assert result.capture_stats.written == 5
     for name in bundle_dirs(tmp_path):
         assert replay(tmp_path / name).exit_code == 0, name
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from pathlib import Path
+    from capture import CaptureConfig, ReplayCapture
+    from capture.ring import RingConfig
+    sys.path.insert(0, {tests!r})
+    from test_capture_ring import CFG, ZERO_FIELDS
+    n = 1 << 20  # tokens per step: 28 MiB held per step (int64 mask + five float32 per-token payloads)
+    cap = ReplayCapture(CaptureConfig(enabled=True, directory=Path(sys.argv[1])), CFG, register_atexit=False,
+                        ring=RingConfig(steps=100, max_bytes=64 << 20, max_dlogp=1.0))
+    mask, zeros, adv = torch.ones(n, dtype=torch.int64), torch.zeros(n), torch.ones(n)
+    cap.flush(60)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for s in range(20):
+        step = cap.begin_step(0, s)
+        step.add_micro_batch(sample_ids=["a", "b"], group_index=[0, 0], response_lengths=[n // 2, n // 2],
+                             total_lengths=[n // 2 + 1] * 2, loss_mask=mask, log_probs=zeros, old_log_probs=zeros,
+                             advantages=adv, entropy=zeros, rollout_log_probs=zeros)
+        step.finish(ZERO_FIELDS)
+        cap.flush(60)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    print(cap.ring.held_steps, cap.ring.evicted, cap.ring.held_bytes, round(grown))
+    cap.close(60)
+""")
+
+
+def test_the_memory_cap_bounds_the_process_s_memory(tmp_path):
+    # 20 steps of 28 MiB = 560 MiB without the cap; with 64 MiB the ring holds 2 steps (56 MiB). Measured: the
+    # peak RSS grows by ≈ 215 MiB with the cap (the ring, the step in flight, the trigger's float64 temporaries,
+    # the allocator) and ≈ 670 MiB with the cap lifted; the bound, 400 MiB, tells the two apart
+    script = tmp_path / "memory.py"
+    script.write_text(MEMORY_SCRIPT.format(tests=str(ROOT / "tests" / "capture")))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "capture")], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    held, evicted, held_bytes, grown_mib = (int(x) for x in proc.stdout.split())
+    assert (held, evicted, held_bytes) == (2, 18, 2 * 28 * 2**20 + 2 * 5 * 8)
+    assert grown_mib <= 400, grown_mib
+    assert not (tmp_path / "capture").exists() or bundle_dirs(tmp_path / "capture") == []
