@@ -683,6 +683,10 @@ def maybe_enable_for_actor(
         return DisabledCapture(f"tensor-parallel rank {tp_rank} duplicates tp_rank 0")
     world = dp_size * cp_size
     rank = dp_rank * cp_size + cp_rank
+    if ring.enabled and world > 1:  # each rank's trigger would fire alone: a cohort short of shards
+        raise ValueError(f"RELAX_REPLAY_CAPTURE_RING={ring.steps}: capture on trigger needs a single producer, this "
+                         f"job has {world} (dp × cp): the triggers are evaluated per rank and a cohort needs every "
+                         "rank's shard")
     producer_rank = rank if world > 1 else None
     try:
         lock = acquire_capture_lock(config, producer_rank, world, os.environ if env is None else env)

@@ -181,6 +181,15 @@ def test_the_ring_is_read_from_the_environment(tmp_path):
     assert bundle_dirs(tmp_path) == ["step-0-1", "step-0-2"]
 
 
+def test_the_ring_is_refused_for_a_cohort_of_producers(tmp_path):
+    env = capture_env(tmp_path, RELAX_REPLAY_CAPTURE_RING="4")
+    with pytest.raises(ValueError) as err:
+        maybe_enable_for_actor(CFG, dp_rank=0, dp_size=2, env=env, register_atexit=False)
+    assert str(err.value) == ("RELAX_REPLAY_CAPTURE_RING=4: capture on trigger needs a single producer, this job has "
+                              "2 (dp × cp): the triggers are evaluated per rank and a cohort needs every rank's shard")
+    assert list(tmp_path.iterdir()) == []  # refused before the directory lock
+
+
 CRASH_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, {tests!r})
