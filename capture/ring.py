@@ -24,6 +24,8 @@ Configuration (environment, read with the rest of ``RELAX_REPLAY_CAPTURE*``; the
                                             or is not finite.
 
 A non-finite reported ``loss`` always fires. A non-finite max |Δlogp| or k3 fires when its threshold is set.
+The ring needs a single producer (``maybe_enable_for_actor`` refuses it for dp × cp > 1): the triggers are
+evaluated per rank, and a cohort needs every rank's shard.
 
 Rollout records are held beside the steps: a rollout is evicted once no held step was trained on it and a
 newer rollout has arrived. Persisting goes through the same writer as plain capture: each bundle is staged and
