@@ -79,6 +79,7 @@ from .directory import check_fresh_directory, remove_stale_staging
 from .lock import CaptureDirectoryBusy, CaptureLock, acquire_capture_lock
 from .manager import CaptureItem, CaptureManager, CaptureStats
 from .producer import producer_info
+from .ring import GRAD_NORM_KEY, RING_OFF, CaptureRing, RingConfig, ring_config_from_env
 
 logger = logging.getLogger("capture")
 
@@ -415,7 +416,7 @@ class StepCapture:
         return GradTap(tensor)
 
     def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, *,
-               config: Optional[RecomputeConfig] = None, **kwargs: torch.Tensor) -> bool:
+               config: Optional[RecomputeConfig] = None, grad_norm=None, **kwargs: torch.Tensor) -> bool:
         """Submit the loss fields the trainer reports for the whole step (``loss, pg_loss, entropy_loss,
         pg_clipfrac, ppo_kl``; 0-d tensors, they stay on their device; Python numbers are float64). For a
         step of several micro-batches this is the reduction ``loss.policy`` recomputes over the whole
@@ -423,7 +424,8 @@ class StepCapture:
         Without fields, that sum is taken of the micro-batches' ``loss_fields`` (in float64, on the writer
         thread); a step gives its fields one way or the other, not both. ``config``: this step's own
         ``RecomputeConfig`` (e.g. with the recorded counts ``loss_token_count`` of SPEC §4.2) instead of the
-        capture's."""
+        capture's. ``grad_norm``: the step's gradient norm (a number or a 0-d tensor), read only by the
+        capture ring's gradient-spike trigger (``capture.ring``), never written."""
         if self._finished:
             raise RuntimeError(f"{self.label}: finish() called twice")
         self._finished = True
@@ -437,6 +439,8 @@ class StepCapture:
         if config is not None and not isinstance(config, RecomputeConfig):
             raise TypeError(f"{self.label}: finish() config must be a RecomputeConfig, got {type(config).__name__}")
         tensors = given
+        if grad_norm is not None and self._capture.ring is not None:
+            tensors = {**given, GRAD_NORM_KEY: _scalar(grad_norm)}
         meta = StepEndMeta(token=self.token, actor_step_id=self.actor_step_id, n_parts=self._parts,
                            provenance=self.provenance, broken=self._broken, support_scored=self.support_scored,
                            config=config, advantage_estimate=self.advantage_estimate)
@@ -468,8 +472,10 @@ class ReplayCapture:
         compute_precision: str = "float32",
         lock: Optional[CaptureLock] = None,
         framework: Optional[tuple[str, str]] = None,
+        ring: RingConfig = RING_OFF,
     ):
-        """``compute_precision``: the format the trainer computes its per-token values in (``float32``,
+        """``ring``: capture on trigger (``capture.ring``; off by default: every record is written).
+        ``compute_precision``: the format the trainer computes its per-token values in (``float32``,
         ``bfloat16``, ``float16``), declared as ``producer_precision.compute`` (see the module docstring)."""
         if not config.enabled or config.directory is None:
             raise ValueError("ReplayCapture needs an enabled CaptureConfig with a directory")
@@ -495,9 +501,10 @@ class ReplayCapture:
         self._lock = lock
         if register_atexit and lock is not None:  # runs after the manager's own close at exit (LIFO)
             atexit.register(_release_at_exit, weakref.ref(self))
+        self.ring = CaptureRing(ring) if ring.enabled else None
         self.manager = CaptureManager(self.sink.handle, max_queue=max_queue, close_timeout=close_timeout,
                                       register_atexit=register_atexit,
-                                      on_start=lambda: remove_stale_staging(directories))
+                                      on_start=lambda: remove_stale_staging(directories), ring=self.ring)
         terminate.register(self)
 
     # -- filters -----------------------------------------------------------------------------------
@@ -717,12 +724,17 @@ def maybe_enable_for_actor(
     config = config_from_env(env)
     if not config.enabled:
         return DisabledCapture()
+    ring = ring_config_from_env(os.environ if env is None else env)
     if pp_rank != pp_size - 1:
         return DisabledCapture(f"pipeline stage {pp_rank} of {pp_size} is not the last")
     if tp_rank != 0:
         return DisabledCapture(f"tensor-parallel rank {tp_rank} duplicates tp_rank 0")
     world = dp_size * cp_size
     rank = dp_rank * cp_size + cp_rank
+    if ring.enabled and world > 1:  # each rank's trigger would fire alone: a cohort short of shards
+        raise ValueError(f"RELAX_REPLAY_CAPTURE_RING={ring.steps}: capture on trigger needs a single producer, this "
+                         f"job has {world} (dp × cp): the triggers are evaluated per rank and a cohort needs every "
+                         "rank's shard")
     producer_rank = rank if world > 1 else None
     try:
         lock = acquire_capture_lock(config, producer_rank, world, os.environ if env is None else env)
@@ -734,7 +746,7 @@ def maybe_enable_for_actor(
         return ReplayCapture(
             config, recompute_config,
             rank_sizes={"dp": dp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size},
-            producer_rank=producer_rank, producer_world=world, lock=lock, **kwargs,
+            producer_rank=producer_rank, producer_world=world, lock=lock, **{"ring": ring, **kwargs},
         )
     except BaseException:
         if lock is not None:

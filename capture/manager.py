@@ -74,6 +74,7 @@ class CaptureManager:
         name: str = "replay-capture-writer",
         register_atexit: bool = True,
         on_start: Optional[StartHook] = None,
+        ring: Any = None,
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
@@ -84,6 +85,8 @@ class CaptureManager:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._on_start = on_start
+        # capture.ring.CaptureRing (capture on trigger): holds records, returns those to write now
+        self._ring = ring
         self._outstanding = 1 if on_start is not None else 0
         self._last_logged_error = 0
         self._counts = dict.fromkeys(CaptureStats.__dataclass_fields__, 0)
@@ -152,15 +155,28 @@ class CaptureManager:
             try:
                 if item.ready is not None:
                     item.ready.synchronize()  # waits for the device-side copies; blocks this thread only
-                published = self._handler(item)
-                if published is not None:
-                    self._count("written")
-                    self._count("bytes_written", int(published))
+                batch = [item] if self._ring is None else self._ring.take(item)
             except Exception as exc:  # never raised into training: logged (rate-limited) and counted
                 self._log_error(item, exc)
+                batch = []
+            try:
+                for record in batch:
+                    self._handle(record)
             finally:
-                item.tensors = {}
+                if self._ring is None:
+                    item.tensors = {}
                 self._done()
+
+    def _handle(self, item: CaptureItem) -> None:
+        try:
+            published = self._handler(item)
+            if published is not None:
+                self._count("written")
+                self._count("bytes_written", int(published))
+        except Exception as exc:  # never raised into training: logged (rate-limited) and counted
+            self._log_error(item, exc)
+        finally:
+            item.tensors = {}
 
     def _done(self) -> None:
         with self._idle:

@@ -947,14 +947,15 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     for p in model.parameters():
                         dist.all_reduce(p.grad)
                         p.grad.div_(world)
+                grad_norm = None
                 if args.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                 optimizer.step()
                 version += 1
                 # The reported loss of the step: the sum over micro-batches of their sums of per-sample
                 # means, which is exactly loss.policy's reduction over the whole step (capture sums the
                 # micro-batches' loss_fields in float64).
-                step.finish(config=step_cfg)
+                step.finish(config=step_cfg, grad_norm=grad_norm)  # the norm feeds the capture ring's trigger
                 result.step_times.append(time.perf_counter() - t0)
                 result.step_cpu_times.append(time.thread_time() - c0)
                 result.steps += 1

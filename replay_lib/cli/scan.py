@@ -92,7 +92,14 @@ def row_line(row, verbose: bool = False) -> str:
                 line += f" ({fmt_ratio(row.noise_ratio)}× noise)"
     elif row.status != "pass":
         line += f" — {row.message}"
+    if getattr(row, "mismatch", None) is not None:
+        line += "  " + mismatch_cell(row.mismatch)
     return line
+
+
+def mismatch_cell(m: dict) -> str:
+    """``rollout≠old 3/42 max|Δ| 0.125 k3 7.87e-03``: a row's rollout-vs-old log-prob mismatch."""
+    return f"rollout≠old {m['count']}/{m['tokens']} max|Δ| {m['max_abs']:.3g} k3 {m['k3']:.3g}"
 
 
 def first_bad_line(result) -> str:
@@ -133,11 +140,16 @@ def result_lines(result, total: int, verbose: bool = False) -> list[tuple[str, s
     for link in result.links:
         if link.status == "skipped":
             lines.append(("skipped", safe(f"link {link.target.anchor}: skipped — {link.message}")))
+    from ..run.mismatch_series import run_series, series_line
+
+    series = run_series(result.rows)
+    if series is not None:
+        lines.append(("", series_line(series)))
     return lines + summary_lines(result, total)
 
 
 def result_json(result, total: int) -> dict:
-    return {
+    doc = {
         "bundles": [r.to_json() for r in result.rows],
         "links": [l.to_json() for l in result.links],
         "summary": {
@@ -150,6 +162,12 @@ def result_json(result, total: int) -> dict:
                 "first_divergence": result.first_bad.first_divergence},
         },
     }
+    from ..run.mismatch_series import run_series
+
+    series = run_series(result.rows)  # only where the step bundles record rollout_log_probs
+    if series is not None:
+        doc["summary"]["mismatch_series"] = series
+    return doc
 
 
 def result_exit_code(result) -> int:

@@ -64,7 +64,8 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
             from .link import check_link
 
             link = check_link(target, bundles, partner, options)
-        return row_of_report(target, report, elapsed(), link)
+        row = row_of_report(target, report, elapsed(), link)
+        return _with_mismatch(row, bundles)
     except ReplayError as exc:
         if not os.path.lexists(target.path):
             return error_row(target, STATUS_VANISHED, f"{target.path}: vanished during the scan ({exc})", elapsed())
@@ -79,3 +80,13 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
 
         line = internal_error_line(exc).removeprefix("trajectory-replay: ")
         return error_row(target, STATUS_ERROR, f"{target.path}: {line}", elapsed())
+
+
+def _with_mismatch(row: ScanRow, bundles) -> ScanRow:
+    """The row with its bundle's rollout-vs-old mismatch (``run.mismatch_series``) when it records both."""
+    from dataclasses import replace
+
+    from .mismatch_series import bundle_mismatch
+
+    found = bundle_mismatch(bundles)
+    return row if found is None else replace(row, mismatch=found.to_json())

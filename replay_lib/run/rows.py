@@ -85,6 +85,8 @@ class ScanRow:
     # the likely cause of the first divergent stage (its best explanation, or the link's), escaped; None: no
     # known cause matches (or nothing diverged)
     cause: Optional[str] = None
+    # the bundle's rollout-vs-old log-prob mismatch (``run.mismatch_series``), when it records both
+    mismatch: Optional[dict] = None
 
     @property
     def bad(self) -> bool:
@@ -97,7 +99,7 @@ class ScanRow:
                 "exit_code": self.exit_code, "first_stage": self.first_stage,
                 "first_divergence": self.first_divergence, "noise_ratio": self.noise_ratio,
                 "message": self.message, "seconds": round(self.seconds, 6), "cause": self.cause,
-                "report": self.report}
+                "report": self.report, **({} if self.mismatch is None else {"mismatch": self.mismatch})}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from ..widgets.header_line import HeaderLine
 from ..widgets.key_bar import KeyBar
 from ..keys import RUN_BINDINGS
 from ..widgets.run_table import MARKS, RunRows, RunTable, relative_message
+from ..widgets.mismatch_plot import MismatchPlot
 from .error import RunErrorScreen
 from .main import DebuggerScreen
 
@@ -111,6 +112,7 @@ class RunScreen(Screen, inherit_bindings=False):
         with Vertical(id="run-panel"):
             yield HeaderLine(table, id="run-header")
             yield table
+        yield MismatchPlot(id="run-mismatch")
         yield Static(id="run-detail")
         yield KeyBar()
 
@@ -203,6 +205,7 @@ class RunScreen(Screen, inherit_bindings=False):
             selected = self.table.target
             shown = list(self.data.visible)
             self.data.add(rows)
+            self.query_one(MismatchPlot).show_rows(self.data.rows.values())
             if self.data.visible == shown:  # the same rows in the same places: repaint the finished ones only
                 self.table.rows_finished([self.data.visible_index(r.target.path) for r in rows])
             else:
@@ -280,6 +283,10 @@ class RunScreen(Screen, inherit_bindings=False):
             text.append(f" · {safe(row.bundle_id)}")
         if row is not None and row.status != "pass" and row.message:
             text.append(f" — {safe(relative_message(row.message, target))}")
+        if row is not None and getattr(row, "mismatch", None) is not None:
+            from replay_lib.cli.scan import mismatch_cell
+
+            text.append(f" · {mismatch_cell(row.mismatch)}")
         cause = getattr(row, "cause", None) if row is not None else None
         if cause:
             text.append("\nlikely cause: ", style="bold")
