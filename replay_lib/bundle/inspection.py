@@ -21,7 +21,8 @@ import msgspec
 from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_file
 from ..errors import BundleError
 from .json_limits import json_depth_error
-from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR
+from .packed import payload_suffix
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
 
@@ -139,16 +140,17 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
         info.producer = msgspec.to_builtins(manifest.producer)
         info.stages = _pipeline_order(manifest.stage_contracts)
         info.redaction = dict(manifest.redaction)
+        suffix = payload_suffix(manifest.format_version)  # .safetensors from format 1.2
         for key, spec in sorted(manifest.payloads.items()):
-            file = path / PAYLOAD_DIR / f"{key}{PAYLOAD_SUFFIX}"
+            file = path / PAYLOAD_DIR / f"{key}{suffix}"
             present = "/" not in key and ".." not in key and file.is_file()
             size_ok = present and file.stat().st_size == spec.bytes
             info.payloads.append(PayloadRow(name=key, dtype=spec.dtype, shape=list(spec.shape), bytes=spec.bytes,
                                             present=present, size_ok=size_ok))
             if not present:
-                info.problems.append(f"missing payloads/{key}{PAYLOAD_SUFFIX}")
+                info.problems.append(f"missing payloads/{key}{suffix}")
             elif not size_ok:
-                info.problems.append(f"payloads/{key}{PAYLOAD_SUFFIX}: size differs from manifest")
+                info.problems.append(f"payloads/{key}{suffix}: size differs from manifest")
     if index is not None:
         info.bundle_id = info.bundle_id or index.bundle_id
         info.kind = index.identity.kind

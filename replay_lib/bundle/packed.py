@@ -1,0 +1,63 @@
+"""Format 1.2 (SPEC §2.4): per-token masks packed into a payload, payloads stored as safetensors.
+
+Format 1.0.0 and 1.1.0 write every sample's ``loss_mask`` as a JSON list in ``index.json`` and each payload as a
+``torch.save`` archive (``.pt``); at 134M tokens that index is larger than any payload and decoding it dominates
+``inspect`` and a one-sample replay. From 1.2.0 the writer stores the masks as the payload ``loss_mask`` — one byte
+per token (``uint8``; ``int64`` if a producer records a value outside 0..255), on the flat token axis, a sample's
+tokens at the offset its ``response_length`` values give — and ``index.json`` holds per-sample metadata only. The
+reader reads both forms: a 1.2 bundle may also keep the masks in ``index.json`` (every sample, and then no
+``loss_mask`` payload). Which form and which payload files a bundle has is chosen by its ``format_version``
+(the writer's manifest picks): 1.0.0 and 1.1.0 bundles are written exactly as before.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+PACKED_FORMAT_VERSION = "1.2.0"
+PACKED_MINOR = 2  # the first 1.x minor with packed masks and safetensors payloads
+MASK_PAYLOAD = "loss_mask"
+
+
+def format_minor(version) -> Optional[tuple[int, int]]:
+    """``(major, minor)`` of a ``MAJOR.MINOR.PATCH`` string, ``None`` for anything else (its reader reports it)."""
+    m = re.match(r"\A([0-9]{1,9})\.([0-9]{1,9})\.[0-9]{1,9}\Z", version) if isinstance(version, str) else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def is_packed(version) -> bool:
+    """Whether a bundle of ``format_version`` packs its masks and stores safetensors payloads (1.x, x ≥ 2)."""
+    parsed = format_minor(version)
+    return parsed is not None and parsed[0] == 1 and parsed[1] >= PACKED_MINOR
+
+
+def payload_suffix(version) -> str:
+    """The payload file suffix of a bundle of ``format_version``: ``.safetensors`` from 1.2, ``.pt`` before."""
+    return ".safetensors" if is_packed(version) else ".pt"
+
+
+def pack_masks(masks: list) -> "torch.Tensor":
+    """The samples' ``loss_mask`` lists as one flat tensor: ``uint8`` when every value is in 0..255, else
+    ``int64`` (a mask value is an int64, SPEC §11)."""
+    import torch
+
+    try:
+        flat = bytearray().join(map(bytearray, masks))
+    except (ValueError, TypeError):  # a value outside 0..255
+        return torch.tensor([m for mask in masks for m in mask], dtype=torch.int64)
+    if not flat:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(flat, dtype=torch.uint8).clone()
+
+
+def unpack_masks(mask: "torch.Tensor", lengths: list[int]) -> list[list[int]]:
+    """Each sample's mask as a list (the ``SampleRecord.loss_mask`` form), a sample ``lengths[i]`` tokens long;
+    the caller has checked that ``mask`` holds ``sum(lengths)`` tokens."""
+    values = mask.tolist()
+    out = []
+    offset = 0
+    for n in lengths:
+        out.append(values[offset:offset + n])
+        offset += n
+    return out
