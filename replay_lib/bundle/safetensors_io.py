@@ -69,7 +69,10 @@ def parse_header(path: Path, fh, size: int) -> tuple[torch.dtype, list[int], int
     try:
         header = _HEADER_DECODER.decode(blob)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise _fail(path, f"not a JSON object ({str(exc).splitlines()[0]})") from None
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if reason[:2].istitle():  # "Expected …" → "expected …"; "JSON …" stays
+            reason = reason[:1].lower() + reason[1:]
+        raise _fail(path, f"not a JSON object ({reason})") from None
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict)
                                      and all(isinstance(v, str) for v in metadata.values())):
