@@ -288,3 +288,23 @@ def test_a_12_bundle_with_inline_masks_reads(tmp_path, bundle_tools):
                            lambda d: [s.update(loss_mask=m) for s, m in zip(d["samples"], masks)])
     bundle_tools.edit_json(bundle, "manifest.json", drop)
     assert [s.loss_mask for s in BundleReader(bundle).index.samples] == masks
+
+
+def test_each_payload_is_read_by_what_its_file_is(tmp_path, bundle_tools):
+    """A newer minor's bundle relabelled (or a 1.1.0 one with a safetensors file): each payload is found under
+    either suffix, the version's first, and read by its own kind; masks in index.json read under any minor."""
+    old = write_synthetic(tmp_path / "old", samples=4, tokens=4)
+    reference = BundleReader(old)
+    bundle_tools.edit_json(old, "manifest.json", lambda m: m.update(format_version="1.7.2"))
+    relabelled = BundleReader(old)
+    assert relabelled.warnings == []
+    assert [s.loss_mask for s in relabelled.index.samples] == [s.loss_mask for s in reference.index.samples]
+
+    from replay_lib.bundle import safetensors_io
+
+    bundle_tools.edit_json(old, "manifest.json", lambda m: m.update(format_version="1.1.0"))
+    (old / "payloads" / "kl.pt").unlink()
+    safetensors_io.write(old / "payloads" / "kl.safetensors", reference.payload("kl"))
+    bundle_tools.reseal(old)
+    mixed = BundleReader(old)
+    assert torch.equal(mixed.payload("kl"), reference.payload("kl")) and mixed.warnings == []

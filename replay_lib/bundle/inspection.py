@@ -22,7 +22,7 @@ from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_
 from ..errors import BundleError
 from .json_limits import json_depth_error
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR
-from .packed import payload_suffix
+from .packed import payload_file
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
 
@@ -140,9 +140,9 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
         info.producer = msgspec.to_builtins(manifest.producer)
         info.stages = _pipeline_order(manifest.stage_contracts)
         info.redaction = dict(manifest.redaction)
-        suffix = payload_suffix(manifest.format_version)  # .safetensors from format 1.2
         for key, spec in sorted(manifest.payloads.items()):
-            file = path / PAYLOAD_DIR / f"{key}{suffix}"
+            file = payload_file(path / PAYLOAD_DIR, key, manifest.format_version)  # .safetensors from format 1.2
+            suffix = file.suffix
             present = "/" not in key and ".." not in key and file.is_file()
             size_ok = present and file.stat().st_size == spec.bytes
             info.payloads.append(PayloadRow(name=key, dtype=spec.dtype, shape=list(spec.shape), bytes=spec.bytes,

@@ -37,6 +37,34 @@ def payload_suffix(version) -> str:
     return ".safetensors" if is_packed(version) else ".pt"
 
 
+SUFFIXES = (".safetensors", ".pt")
+
+
+def payload_file(payload_dir, name: str, version):
+    """The file of payload ``name``: ``<name>`` + the suffix of ``version`` (:func:`payload_suffix`) when that entry
+    exists, else the other suffix's when that one does (a bundle relabelled to a minor of the other layout, a newer
+    minor this reader does not know: each payload is read by what its file is, safetensors or a weights-only
+    ``.pt``), else the version's (its absence is reported under that name)."""
+    import os
+
+    preferred = payload_dir / f"{name}{payload_suffix(version)}"
+    if os.path.lexists(preferred):
+        return preferred
+    for suffix in SUFFIXES:
+        other = payload_dir / f"{name}{suffix}"
+        if other != preferred and os.path.lexists(other):
+            return other
+    return preferred
+
+
+def payload_stem(filename: str):
+    """The payload name of a file in ``payloads/`` (either suffix), ``None`` for any other file."""
+    for suffix in SUFFIXES:
+        if filename.endswith(suffix):
+            return filename[: -len(suffix)]
+    return None
+
+
 def pack_masks(masks: list) -> "torch.Tensor":
     """The samples' ``loss_mask`` lists as one flat tensor: ``uint8`` when every value is in 0..255, else
     ``int64`` (a mask value is an int64, SPEC §11)."""

@@ -139,7 +139,7 @@ class _Digests:
         the manifest as decoded (unchecked, ``None`` when it does not decode); anything odd is left to the
         reader's checks."""
         names = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
-        suffix = packed.payload_suffix(raw_manifest.get("format_version") if isinstance(raw_manifest, dict) else None)
+        version = raw_manifest.get("format_version") if isinstance(raw_manifest, dict) else None
         payload_dir = root / PAYLOAD_DIR
         try:  # a linked payload directory is refused by the reader: nothing in it is read ahead
             if not stat.S_ISDIR(os.lstat(payload_dir).st_mode):
@@ -150,7 +150,7 @@ class _Digests:
         for name in names if isinstance(names, dict) else ():
             if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
                 continue
-            file = payload_dir / f"{name}{suffix}"
+            file = packed.payload_file(payload_dir, name, version)
             try:
                 if stat.S_ISREG(os.lstat(file).st_mode):
                     files.append(file)
@@ -421,9 +421,8 @@ def _preload(manifest_blob: bytes, sizes: dict[Path, int]) -> dict[Path, tuple]:
     except Exception:
         return {}
     out: dict[Path, tuple] = {}
-    suffix = packed.payload_suffix(manifest.format_version)
     for file, size in sizes.items():
-        key = file.name[: -len(suffix)]
+        key = packed.payload_stem(file.name)
         spec = manifest.payloads.get(key)
         if spec is None or spec.name != key or size != spec.bytes:
             continue
@@ -667,7 +666,6 @@ class BundleReader:
         root = self.path
         real_root = os.path.realpath(root)
         payload_dir = root / PAYLOAD_DIR
-        suffix = packed.payload_suffix(self.manifest.format_version)
         if payload_dir.is_symlink():
             raise BundleError(f"{payload_dir}: payload directory must not be a symlink")
         for name in shard.payloads:
@@ -680,7 +678,7 @@ class BundleReader:
             check_payload_name(spec.name, f"{where}.name")
             if spec.name != key:
                 raise BundleError(f"{where}.name: {spec.name!r} does not match its key")
-            file = payload_dir / f"{key}{suffix}"
+            file = packed.payload_file(payload_dir, key, self.manifest.format_version)
             size = _payload_size(file, key, real_root)
             if size != spec.bytes:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
@@ -719,8 +717,9 @@ class BundleReader:
             self.warnings.append(f"{payload_dir}: cannot list the directory ({exc.strerror or exc}): files not listed "
                                  f"in manifest.json were not looked for")
         for entry in entries:
-            stem = entry.name[: -len(suffix)] if entry.name.endswith(suffix) else None
-            if stem not in self.manifest.payloads:
+            stem = packed.payload_stem(entry.name)
+            if stem not in self.manifest.payloads or entry != packed.payload_file(
+                    payload_dir, stem, self.manifest.format_version):
                 self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
 
     def _read_masks(self) -> None:
@@ -737,7 +736,7 @@ class BundleReader:
                          else f"required in format {self.manifest.format_version}")
                 raise BundleError(f"{root / 'index.json'}: $.samples[{i}].loss_mask: missing ({where})")
             return
-        file = root / PAYLOAD_DIR / f"{packed.MASK_PAYLOAD}{safetensors_io.SUFFIX}"
+        file = packed.payload_file(root / PAYLOAD_DIR, packed.MASK_PAYLOAD, self.manifest.format_version)
         if inline:
             raise BundleError(f"{root / 'index.json'}: $.samples[{inline[0]}].loss_mask: the masks are in the "
                               f"payload {file.name}; index.json must not hold them too")
