@@ -44,6 +44,8 @@ def test_round_trip_both_forms(tmp_path):
     assert sorted(p.name for p in (new / "payloads").iterdir()) == [
         "advantages.safetensors", "entropy.safetensors", "kl.safetensors", "log_probs.safetensors",
         "loss_mask.safetensors", "old_log_probs.safetensors", "ref_log_probs.safetensors"]
+    # a payload file gets the mode any file of the bundle gets (the umask's), not the library's own 0600
+    assert {(p.stat().st_mode & 0o777) for p in (new / "payloads").iterdir()} == {(new / "index.json").stat().st_mode & 0o777}
     new_index = json.loads((new / "index.json").read_bytes())
     assert all("loss_mask" not in s for s in new_index["samples"])
     assert all("loss_mask" in s for s in json.loads((old / "index.json").read_bytes())["samples"])

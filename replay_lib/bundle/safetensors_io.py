@@ -48,7 +48,11 @@ def write(path: Path, tensor: torch.Tensor) -> None:
                          f"(expected one of {', '.join(str(d) for d in DTYPES.values())})")
     from safetensors.torch import save_file
 
+    with open(path, "wb"):  # the mode any file written here gets (the umask's); the library creates its own 0600
+        pass
+    mode = os.stat(path).st_mode & 0o777
     save_file({TENSOR_KEY: tensor.contiguous()}, str(path))
+    os.chmod(path, mode)
 
 
 def _fail(path: Path, what: str) -> BundleError:
