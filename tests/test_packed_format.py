@@ -310,3 +310,33 @@ def test_each_payload_is_read_by_what_its_file_is(tmp_path, bundle_tools):
     bundle_tools.reseal(old)
     mixed = BundleReader(old)
     assert torch.equal(mixed.payload("kl"), reference.payload("kl")) and mixed.warnings == []
+
+
+def test_sample_replay_reads_only_its_rows_once_verified(tmp_path):
+    """After verification, ``--sample`` touches only the selected sample's rows of a safetensors payload: rows of
+    another sample overwritten on disk after the bundle was verified change nothing, the same bytes in the
+    selected sample's rows make it diverge (the map shows the file as it is now: the check can fail)."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.bundle.selection import Selection
+    from replay_lib.run.runner import run_replay
+
+    bundle = write_synthetic(tmp_path / "b", format_version=PACKED_FORMAT_VERSION, samples=8, tokens=1024,
+                             kl_coef=0.0, settle=True)
+    bundles = open_bundle(bundle)  # verified: every checksum checked
+    lengths = [s.response_length for s in bundles.shards[0].index.samples]
+    file = bundle / "payloads" / "kl.safetensors"  # compared by advantage.kl, per token
+    data_start = 8 + struct.unpack("<Q", file.read_bytes()[:8])[0]
+
+    def corrupt(sample: int) -> None:
+        offset = sum(lengths[:sample])
+        with open(file, "r+b") as fh:
+            fh.seek(data_start + 4 * offset)
+            fh.write(torch.full((lengths[sample],), 5.0, dtype=torch.float32).numpy().tobytes())
+
+    corrupt(5)
+    report = run_replay(bundles, selection=Selection(samples=("s-3",)))
+    # the group of s-3 (group size 4) is replayed with it; s-5 is in the other group
+    assert report.selected_samples == ["s-0", "s-1", "s-2", "s-3"] and report.passed, report.first_divergence
+    corrupt(3)
+    report = run_replay(bundles, selection=Selection(samples=("s-3",)))
+    assert not report.passed
