@@ -340,3 +340,19 @@ def test_sample_replay_reads_only_its_rows_once_verified(tmp_path):
     corrupt(3)
     report = run_replay(bundles, selection=Selection(samples=("s-3",)))
     assert not report.passed
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int32, torch.int8])
+def test_every_stored_dtype_round_trips_as_safetensors(tmp_path, dtype):
+    manifest, index, expected, payloads = synthetic_parts(samples=4, tokens=4)
+    manifest = msgspec.structs.replace(manifest, format_version="1.2.0")
+    extra = (torch.arange(16 * 3) - 20).reshape(16, 3).to(dtype)
+    w = BundleWriter(tmp_path / "b", manifest, index, expected)
+    for name, t in payloads.items():
+        w.write_payload(name, t)
+    w.write_payload("extra", extra)
+    w.finalize()
+    reader = BundleReader(tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "manifest.json").read_bytes())["payloads"]["extra"]["dtype"] == str(dtype)
+    assert torch.equal(reader.payload("extra").to(torch.float64), extra.to(torch.float64))
