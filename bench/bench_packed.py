@@ -30,13 +30,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="256x8192", help="SAMPLESxTOKENS, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--keep", type=Path)
+    ap.add_argument("--versions", default="1.1.0,1.2.0", help="formats to compare (1.2.0 is checked)")
     args = ap.parse_args(argv)
     checks = []
     with workdir(args.keep, "bench-packed-") as root:
         for size in args.sizes.split(","):
             samples, tokens = (int(x) for x in size.lower().split("x"))
             cmds = {}
-            for version in ("1.1.0", "1.2.0"):
+            versions = args.versions.split(",")
+            for version in versions:
                 path = root / f"b{samples}x{tokens}-{version}"
                 if not path.exists():
                     t0 = time.perf_counter()
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
                 cmds[f"{version} replay --sample"] = [*cli_cmd("replay"), str(path), "--sample", "s-3"]
             print(f"== {samples}×{tokens}")
             wall, _, _ = measure(cmds, args.reps)
-            for version in ("1.1.0", "1.2.0"):
+            for version in versions:
                 ratio = wall[f"{version} replay --sample"] / wall[f"{version} replay"]
                 print(f"  {version}: replay {wall[f'{version} replay'] / wall[f'{version} floor']:.2f}× floor, "
                       f"--sample {ratio:.3f}× replay, inspect {wall[f'{version} inspect']:.2f} s")
