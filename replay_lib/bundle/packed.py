@@ -82,10 +82,9 @@ def pack_masks(masks: list) -> "torch.Tensor":
 def unpack_masks(mask: "torch.Tensor", lengths: list[int]) -> list[list[int]]:
     """Each sample's mask as a list (the ``SampleRecord.loss_mask`` form), a sample ``lengths[i]`` tokens long;
     the caller has checked that ``mask`` holds ``sum(lengths)`` tokens."""
-    values = mask.tolist()
     out = []
     offset = 0
-    for n in lengths:
-        out.append(values[offset:offset + n])
+    for n in lengths:  # each sample's slice listed on its own: never a list of the whole mask beside them
+        out.append(mask[offset:offset + n].tolist())
         offset += n
     return out
