@@ -130,6 +130,10 @@ def test_writer_refuses_a_mask_of_the_wrong_length_and_a_loss_mask_payload(tmp_p
     with pytest.raises(ValueError, match=r"^\$\.samples\[0\]\.loss_mask: 1 values, response_length is 4$"):
         w.finalize()
     assert not (tmp_path / "b").exists()
+    for version in ("1.1.0", "1.2.0"):
+        unset = msgspec.structs.replace(index, samples=[msgspec.structs.replace(index.samples[0], loss_mask=msgspec.UNSET)])
+        with pytest.raises(ValueError, match=r"^\$\.samples\[0\]\.loss_mask: missing \(every sample needs one\)$"):
+            BundleWriter(tmp_path / version, msgspec.structs.replace(manifest, format_version=version), unset, expected)
 
 
 def test_original_bundles_still_read(tmp_path):

@@ -79,8 +79,9 @@ class BundleWriter:
         self.payloads: dict[str, PayloadSpec] = {}
         # format 1.2 (packed.py): the masks go to the payload ``loss_mask``, every payload to a safetensors file
         self.packed = packed.is_packed(manifest.format_version)
-        if self.packed and any(s.loss_mask is msgspec.UNSET for s in index.samples):
-            raise ValueError("every sample needs a loss_mask (format 1.2 packs them into a payload)")
+        for i, sample in enumerate(index.samples):
+            if sample.loss_mask is msgspec.UNSET:  # the record leaves it unset only in 1.2's index.json
+                raise ValueError(f"$.samples[{i}].loss_mask: missing (every sample needs one)")
         parent = self.final_path.parent
         parent.mkdir(parents=True, exist_ok=True)
         self.staging = parent / staging_name(self.final_path.name)
