@@ -268,6 +268,9 @@ def test_masks_in_both_places_or_in_neither(tmp_path, bundle_tools):
     with pytest.raises(BundleError) as info:
         BundleReader(old)
     assert str(info.value) == f"{old / 'index.json'}: $.samples[1].loss_mask: missing (required in format 1.1.0)"
+    from replay_lib.bundle.inspection import inspect
+
+    assert inspect(old).bundles[0].problems == ["index.json: $.samples[1].loss_mask: missing"]
 
     def drop(m):
         del m["payloads"]["loss_mask"]

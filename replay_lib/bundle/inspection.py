@@ -22,7 +22,7 @@ from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_
 from ..errors import BundleError
 from .json_limits import json_depth_error
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR
-from .packed import payload_file
+from .packed import is_packed, payload_file
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
 
@@ -151,6 +151,11 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
                 info.problems.append(f"missing payloads/{key}{suffix}")
             elif not size_ok:
                 info.problems.append(f"payloads/{key}{suffix}: size differs from manifest")
+    if index is not None and not (manifest is not None and is_packed(manifest.format_version)):
+        # before format 1.2 every record holds its mask (1.2 packs them into a payload: never decoded here)
+        missing = next((i for i, s in enumerate(index.samples) if s.loss_mask is msgspec.UNSET), None)
+        if missing is not None:
+            info.problems.append(f"index.json: $.samples[{missing}].loss_mask: missing")
     if index is not None:
         info.bundle_id = info.bundle_id or index.bundle_id
         info.kind = index.identity.kind
