@@ -363,3 +363,23 @@ def test_every_stored_dtype_round_trips_as_safetensors(tmp_path, dtype):
     reader = BundleReader(tmp_path / "b")
     assert json.loads((tmp_path / "b" / "manifest.json").read_bytes())["payloads"]["extra"]["dtype"] == str(dtype)
     assert torch.equal(reader.payload("extra").to(torch.float64), extra.to(torch.float64))
+
+
+def test_a_12_cohort_replays_like_a_11_one(tmp_path):
+    from replay_lib.demo.bundles import write_bundle
+    from replay_lib.run.runner import replay
+
+    reports = []
+    for version in ("1.1.0", "1.2.0"):
+        cohort = tmp_path / version
+        for r in range(2):
+            manifest, *rest = synthetic_parts(bundle_id="c", seed=100 + r, sample_prefix=f"r{r}-s-", batch_offset=r,
+                                              rank_sizes={"dp": 2, "tp": 1, "pp": 1, "cp": 1}, vary_lengths=True,
+                                              kl_coef=0.0)
+            write_bundle(cohort, msgspec.structs.replace(manifest, format_version=version), *rest, rank=r,
+                         ranks=range(2))
+        assert (cohort / "rank-1" / "payloads" / ("loss_mask.safetensors" if version == "1.2.0" else "kl.pt")).is_file()
+        report = replay(cohort)
+        assert report.passed and report.ranks == [0, 1]
+        reports.append(msgspec.json.encode(report.stages))
+    assert reports[0] == reports[1]
