@@ -383,3 +383,29 @@ def test_a_12_cohort_replays_like_a_11_one(tmp_path):
         assert report.passed and report.ranks == [0, 1]
         reports.append(msgspec.json.encode(report.stages))
     assert reports[0] == reports[1]
+
+
+def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
+    """``inspect`` summarizes a 1.1.0 bundle without decoding its masks (they stay undecoded JSON text) and says
+    exactly what the full decode would."""
+    from replay_lib.bundle.inspection import inspect
+    from replay_lib.bundle.packed import decode_index_lean
+    from replay_lib.bundle.schema import decode_index
+
+    old = write_synthetic(tmp_path / "old", **KW)
+    blob = (old / "index.json").read_bytes()
+    lean, (full, _) = decode_index_lean(blob), decode_index(blob)
+    assert all(type(s.loss_mask) is msgspec.Raw for s in lean.samples)
+    assert [json.loads(bytes(s.loss_mask)) for s in lean.samples] == [s.loss_mask for s in full.samples]
+    assert (lean.identity, lean.config, [s.response_length for s in lean.samples]) == \
+        (full.identity, full.config, [s.response_length for s in full.samples])
+    info = inspect(old).bundles[0]
+    assert (info.samples, info.groups, info.tokens, info.problems) == (8, 2, sum(s.response_length for s in
+                                                                                full.samples), [])
+    # a document the lean decode does not take as it is goes the usual way, which words the problem
+    doc = json.loads(blob)
+    doc["samples"][2]["response_length"] = "x"
+    (old / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(msgspec.ValidationError):
+        decode_index_lean((old / "index.json").read_bytes())
+    assert inspect(old).bundles[0].problems == ["index.json: $.samples[2].response_length: expected `int`, got `str`"]

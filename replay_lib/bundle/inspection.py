@@ -22,7 +22,7 @@ from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_
 from ..errors import BundleError
 from .json_limits import json_depth_error
 from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR
-from .packed import is_packed, payload_file
+from .packed import decode_index_lean, is_packed, payload_file
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
 
@@ -123,7 +123,12 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(_problem("manifest.json", exc))
     try:
-        index, _ = decode_index(_read_regular(path / "index.json", path))
+        blob = _read_regular(path / "index.json", path)
+        try:  # the summary needs no per-token data: masks in index.json (before format 1.2) are skipped
+            index = decode_index_lean(blob)
+        except Exception:  # worded by the usual decode
+            index, _ = decode_index(blob)
+        del blob
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:

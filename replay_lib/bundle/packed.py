@@ -88,3 +88,42 @@ def unpack_masks(mask: "torch.Tensor", lengths: list[int]) -> list[list[int]]:
         out.append(mask[offset:offset + n].tolist())
         offset += n
     return out
+
+
+def _lean_index_decoder():
+    """A strict decoder of index.json that checks every field as :class:`~.schema.BundleIndex` does but leaves each
+    sample's ``loss_mask`` as its undecoded JSON text (``msgspec.Raw``: skipped, not parsed into ints)."""
+    import msgspec
+
+    from .schema import BundleIndex, SampleRecord
+
+    def spec(f, type_=None):
+        kind = f.type if type_ is None else type_
+        if f.default is not msgspec.NODEFAULT:
+            return (f.name, kind, f.default)
+        if f.default_factory is not msgspec.NODEFAULT:
+            return (f.name, kind, msgspec.field(default_factory=f.default_factory))
+        return (f.name, kind)
+
+    sample = msgspec.defstruct(
+        "LeanSampleRecord",
+        [spec(f, msgspec.Raw | msgspec.UnsetType if f.name == "loss_mask" else None)
+         for f in msgspec.structs.fields(SampleRecord)],
+        kw_only=True, forbid_unknown_fields=True, frozen=True)
+    index = msgspec.defstruct(
+        "LeanBundleIndex",
+        [spec(f, list[sample] if f.name == "samples" else None) for f in msgspec.structs.fields(BundleIndex)],
+        kw_only=True, forbid_unknown_fields=True, frozen=True)
+    return msgspec.json.Decoder(index)
+
+
+_LEAN = []
+
+
+def decode_index_lean(blob: bytes):
+    """index.json for ``inspect``, whose summary needs no per-token data: the masks of a 1.0/1.1 index are skipped,
+    not decoded. Raises for any document the strict decode would not take as it is (an unknown field, a wrong
+    type): the caller then decodes it the usual way, which words the problem."""
+    if not _LEAN:
+        _LEAN.append(_lean_index_decoder())
+    return _LEAN[0].decode(blob)
