@@ -13,7 +13,10 @@ reader reads both forms: a 1.2 bundle may also keep the masks in ``index.json`` 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # torch is imported where a mask is packed or unpacked: ``inspect`` never loads it
+    import torch
 
 PACKED_FORMAT_VERSION = "1.2.0"
 PACKED_MINOR = 2  # the first 1.x minor with packed masks and safetensors payloads
