@@ -409,3 +409,7 @@ def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
     with pytest.raises(msgspec.ValidationError):
         decode_index_lean((old / "index.json").read_bytes())
     assert inspect(old).bundles[0].problems == ["index.json: $.samples[2].response_length: expected `int`, got `str`"]
+    doc["samples"][2]["response_length"] = 4
+    doc["samples"][1]["loss_mask"] = "oops"  # no array at all: still worded (its items are not read)
+    (old / "index.json").write_text(json.dumps(doc))
+    assert inspect(old).bundles[0].problems == ["index.json: $.samples[1].loss_mask: expected `array`, got `str`"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Optional
 
+import msgspec
+
 if TYPE_CHECKING:  # torch is imported where a mask is packed or unpacked: ``inspect`` never loads it
     import torch
 
@@ -96,7 +98,6 @@ def unpack_masks(mask: "torch.Tensor", lengths: list[int]) -> list[list[int]]:
 def _lean_index_decoder():
     """A strict decoder of index.json that checks every field as :class:`~.schema.BundleIndex` does but leaves each
     sample's ``loss_mask`` as its undecoded JSON text (``msgspec.Raw``: skipped, not parsed into ints)."""
-    import msgspec
 
     from .schema import BundleIndex, SampleRecord
 
@@ -129,4 +130,9 @@ def decode_index_lean(blob: bytes):
     type): the caller then decodes it the usual way, which words the problem."""
     if not _LEAN:
         _LEAN.append(_lean_index_decoder())
-    return _LEAN[0].decode(blob)
+    index = _LEAN[0].decode(blob)
+    for sample in index.samples:  # a mask that is no array at all is worded by the usual decode; its items are not read
+        mask = sample.loss_mask
+        if type(mask) is msgspec.Raw and memoryview(mask)[:1] != b"[":
+            raise ValueError("loss_mask: not an array")
+    return index
