@@ -52,6 +52,8 @@ def reseal_bundle(bundle: Path) -> None:
     if isinstance(manifest, dict) and isinstance(manifest.get("payloads"), dict):
         for name, spec in manifest["payloads"].items():
             file = bundle / "payloads" / f"{name}.pt"
+            if not file.is_file():  # format 1.3: safetensors payloads
+                file = file.with_suffix(".safetensors")
             if isinstance(spec, dict) and file.is_file():
                 data = file.read_bytes()
                 spec["bytes"], spec["sha256"] = len(data), _sha256(data)

@@ -80,7 +80,7 @@ CONTENT_DIGESTS = {
     "tui/support-fullvocab": "8b3d6309076f3807f5fdac3b53d39ff53ab9dded01928f5c23714ba7b993bf3b",
     "tui/support-hand": "3127aa43ab69d49f2c43b0f7ebd91de4c611e55a04e337a37934660281c33462",
     "tui/support-invariants": "6695bfbde9c0bf2fd81123e368e2f380976f59a254d7ca69b5a7ab2e152fc4a0",
-    "write/synthetic": "1f02fb4f5e51ba4da3e591a36012067ca078ee151709da2bb8c13870659c14a4",
+    "write/synthetic": "7fe507f9f85ab10685156061a55a8ed8bb1a1d84570301dd2690a5b905674f74",
 }
 # sha256 over the raw bytes of every file (payload containers, COMPLETE sentinels included), under PINNED_TORCH.
 FILE_DIGESTS = {
@@ -109,7 +109,7 @@ FILE_DIGESTS = {
     "tui/support-fullvocab": "377ed788d48be5cab6730da7d901b70c78df477f644e1d28e5357b8a3a95b5fa",
     "tui/support-hand": "3657b04bfa0dd8f361825d1ec5ce65e42a8c657775f06c2a762e592806a0953e",
     "tui/support-invariants": "6b69cba38e6e388b1fc272a0d22509b89c4e66c1258500081cff4e68ebd11b88",
-    "write/synthetic": "5a68ba2fa269a07c9305e9930fd3b968672b18754c81db40da667aa52db5106b",
+    "write/synthetic": "e96df61f768b56467bf9a1e5049138a91680422b94da52503aa6afa32a51d964",
 }
 
 

@@ -8,7 +8,8 @@
   cohort or a capture directory; ``files`` — the checked reads they share.
 * ``selection`` — which samples of a bundle a ``--sample/--group/--batch`` selection names; ``inspection`` —
   what ``inspect`` reads without verifying; ``gcpause`` — the collector paused around large decodes;
-  ``dtypes`` — float8 payloads, upcast for the stages with the dtype they were stored in.
+  ``dtypes`` — float8 payloads, upcast for the stages with the dtype they were stored in; ``packed`` — format 1.3's
+  packed masks and which payload file a version uses; ``safetensors_io`` — safetensors payloads (headers validated).
 
 The lowest room: it imports no other room of ``replay_lib`` (only the leaves ``errors`` and ``safe_text``).
 The names below are loaded on first use, so ``bundle.schema`` can be imported without torch (``--help`` and

@@ -21,7 +21,8 @@ import msgspec
 from .safe_open import MissingFile, NotRegular, TooLarge, UnsafeFile, read_json_file
 from ..errors import BundleError
 from .json_limits import json_depth_error
-from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX
+from .layout import _RANK_DIR, _RANK_SENTINEL, METADATA_FILES, PAYLOAD_DIR
+from .packed import decode_index_lean, is_packed, payload_file
 from .schema import (BUNDLE_COMPLETE_DECODER, EARLY_COMPLETE_WARNING, MANIFEST_DECODER, RANK_COMPLETE_DECODER,
                      StageId, decode_expected, decode_index)
 
@@ -122,7 +123,12 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
         info.problems.append(_problem("manifest.json", exc))
     try:
-        index, _ = decode_index(_read_regular(path / "index.json", path))
+        blob = _read_regular(path / "index.json", path)
+        try:  # the summary needs no per-token data: masks in index.json (before format 1.3) are skipped
+            index = decode_index_lean(blob)
+        except Exception:  # worded by the usual decode
+            index, _ = decode_index(blob)
+        del blob
     except FileNotFoundError:
         pass
     except (msgspec.MsgspecError, UnicodeDecodeError, OSError) as exc:
@@ -146,19 +152,25 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
             info.stages = dict(sorted(listed.items(), key=lambda kv: order[kv[0]]))
         info.redaction = dict(manifest.redaction)
         for key, spec in sorted(manifest.payloads.items()):
-            file = path / PAYLOAD_DIR / f"{key}{PAYLOAD_SUFFIX}"
+            file = payload_file(path / PAYLOAD_DIR, key, manifest.format_version)  # .safetensors from format 1.3
+            suffix = file.suffix
             present = "/" not in key and ".." not in key and file.is_file()
             size_ok = present and file.stat().st_size == spec.bytes
             info.payloads.append(PayloadRow(name=key, dtype=spec.dtype, shape=list(spec.shape), bytes=spec.bytes,
                                             present=present, size_ok=size_ok))
             if not present:
-                info.problems.append(f"missing payloads/{key}{PAYLOAD_SUFFIX}")
+                info.problems.append(f"missing payloads/{key}{suffix}")
             elif not size_ok:
-                info.problems.append(f"payloads/{key}{PAYLOAD_SUFFIX}: size differs from manifest")
+                info.problems.append(f"payloads/{key}{suffix}: size differs from manifest")
     unknown_major = manifest is not None and _unknown_major(manifest.format_version)
     if unknown_major:
         info.problems.append(unknown_major)
         info.stages = {}
+    if index is not None and not (manifest is not None and is_packed(manifest.format_version)):
+        # before format 1.3 every record holds its mask (1.3 packs them into a payload: never decoded here)
+        missing = next((i for i, s in enumerate(index.samples) if s.loss_mask is msgspec.UNSET), None)
+        if missing is not None:
+            info.problems.append(f"index.json: $.samples[{missing}].loss_mask: missing")
     if index is not None:
         info.bundle_id = info.bundle_id or index.bundle_id
         info.kind = index.identity.kind

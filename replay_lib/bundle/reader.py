@@ -19,7 +19,9 @@ import torch
 
 from ..errors import BundleError
 from .dtypes import upcast_stored
-from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, PAYLOAD_SUFFIX
+from msgspec.structs import force_setattr
+
+from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, TOKENS
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
     EARLY_COMPLETE_WARNING,
@@ -40,6 +42,7 @@ from .schema import (
     loss_terms_length_error,
     unknown_fields,
 )
+from . import packed, safetensors_io
 from .files import (
     _decode,
     _read_bytes,
@@ -136,6 +139,7 @@ class _Digests:
         the manifest as decoded (unchecked, ``None`` when it does not decode); anything odd is left to the
         reader's checks."""
         names = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
+        version = raw_manifest.get("format_version") if isinstance(raw_manifest, dict) else None
         payload_dir = root / PAYLOAD_DIR
         try:  # a linked payload directory is refused by the reader: nothing in it is read ahead
             if not stat.S_ISDIR(os.lstat(payload_dir).st_mode):
@@ -146,7 +150,7 @@ class _Digests:
         for name in names if isinstance(names, dict) else ():
             if not isinstance(name, str) or not _PAYLOAD_NAME.match(name) or ".." in name:
                 continue
-            file = payload_dir / f"{name}{PAYLOAD_SUFFIX}"
+            file = packed.payload_file(payload_dir, name, version)
             try:
                 if stat.S_ISREG(os.lstat(file).st_mode):
                     files.append(file)
@@ -257,6 +261,8 @@ def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
     archive stores the records as they are; read through a descriptor :func:`open_payload` checked."""
     fd = open_payload(path)
     try:
+        if path.name.endswith(safetensors_io.SUFFIX):  # format 1.3: no unpickler
+            return _checked_tensor(path, safetensors_io.load(path, fd))
         return _load_opened(path, _descriptor_path(fd, path), spec)
     finally:
         os.close(fd)
@@ -301,6 +307,11 @@ def _load_opened(path: Path, source: str, spec: PayloadSpec) -> torch.Tensor:
                 obj = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError for objects, RuntimeError for corrupt archives
         raise BundleError(f"{path}: not a loadable weights-only tensor file ({_load_failure(exc)})") from None
+    return _checked_tensor(path, obj)
+
+
+def _checked_tensor(path: Path, obj) -> torch.Tensor:
+    """``obj`` if it is a plain dense CPU tensor of real numbers (SPEC §2, §11); a one-line refusal otherwise."""
     if type(obj) is not torch.Tensor:
         raise BundleError(f"{path}: payload must be a plain torch.Tensor, got {type(obj).__module__}.{type(obj).__qualname__}")
     if obj.is_quantized:
@@ -411,7 +422,7 @@ def _preload(manifest_blob: bytes, sizes: dict[Path, int]) -> dict[Path, tuple]:
         return {}
     out: dict[Path, tuple] = {}
     for file, size in sizes.items():
-        key = file.name[: -len(PAYLOAD_SUFFIX)]
+        key = packed.payload_stem(file.name)
         spec = manifest.payloads.get(key)
         if spec is None or spec.name != key or size != spec.bytes:
             continue
@@ -526,6 +537,7 @@ class BundleReader:
         if not isinstance(raw_manifest, dict):
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
         self.format_major = parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))[0]
+        self.packed = packed.is_packed(raw_manifest.get("format_version"))
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index, has_unknown = _settle(index_attempt)
         self.expected = _settle(expected_attempt)
@@ -594,6 +606,7 @@ class BundleReader:
             except ValueError as exc:
                 raise BundleError(f"{root / 'manifest.json'}: $.redaction.{rule_field}: {exc}") from None
         self._verify_payloads(shard, sentinel_name, digests)
+        self._read_masks()
 
     @staticmethod
     def _raw(path: Path, blob: bytes):
@@ -672,7 +685,7 @@ class BundleReader:
             check_payload_name(spec.name, f"{where}.name")
             if spec.name != key:
                 raise BundleError(f"{where}.name: {spec.name!r} does not match its key")
-            file = payload_dir / f"{key}{PAYLOAD_SUFFIX}"
+            file = packed.payload_file(payload_dir, key, self.manifest.format_version)
             size = _payload_size(file, key, real_root)
             if size != spec.bytes:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
@@ -711,9 +724,37 @@ class BundleReader:
             self.warnings.append(f"{payload_dir}: cannot list the directory ({exc.strerror or exc}): files not listed "
                                  f"in manifest.json were not looked for")
         for entry in entries:
-            stem = entry.name[: -len(PAYLOAD_SUFFIX)] if entry.name.endswith(PAYLOAD_SUFFIX) else None
-            if stem not in self.manifest.payloads:
+            stem = packed.payload_stem(entry.name)
+            if stem not in self.manifest.payloads or entry != packed.payload_file(
+                    payload_dir, stem, self.manifest.format_version):
                 self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
+
+    def _read_masks(self) -> None:
+        """The samples' masks (packed.py): from the verified payload ``loss_mask`` of a 1.3 bundle that has one,
+        else from index.json, where every sample must then have one."""
+        root = self.path
+        samples = self.index.samples
+        mask = self._tensors.pop(packed.MASK_PAYLOAD, None) if self.packed else None
+        inline = [i for i, s in enumerate(samples) if s.loss_mask is not msgspec.UNSET]
+        if mask is None:
+            if len(inline) != len(samples):
+                i = next(i for i, s in enumerate(samples) if s.loss_mask is msgspec.UNSET)
+                where = (f"neither in index.json nor in the payload {packed.MASK_PAYLOAD!r}" if self.packed
+                         else f"required in format {self.manifest.format_version}")
+                raise BundleError(f"{root / 'index.json'}: $.samples[{i}].loss_mask: missing ({where})")
+            return
+        file = packed.payload_file(root / PAYLOAD_DIR, packed.MASK_PAYLOAD, self.manifest.format_version)
+        if inline:
+            raise BundleError(f"{root / 'index.json'}: $.samples[{inline[0]}].loss_mask: the masks are in the "
+                              f"payload {file.name}; index.json must not hold them too")
+        if mask.dim() != 1 or not _is_integer(mask.dtype):
+            raise BundleError(f"{file}: manifest $.payloads.{packed.MASK_PAYLOAD}: {mask.dtype} "
+                              f"{list(mask.shape)}, expected a 1-D integer tensor [{TOKENS}]")
+        lengths = [s.response_length for s in samples]
+        if any(n < 0 for n in lengths) or sum(lengths) != mask.shape[0]:
+            raise BundleError(f"{file}: {mask.shape[0]} tokens, Σ response_length in index.json is {sum(lengths)}")
+        for sample, values in zip(samples, packed.unpack_masks(mask, lengths)):
+            force_setattr(sample, "loss_mask", values)
 
     # -- access ------------------------------------------------------------------------------------
     @property

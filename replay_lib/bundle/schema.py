@@ -163,7 +163,9 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     # policy says; ``None`` = dropped.
     label: Optional[str] = None
     label_hash: Optional[str] = None
-    loss_mask: list[Int]
+    # Format 1.3 (SPEC §2.3) packs the masks into the payload ``loss_mask``: unset here, not written. Before 1.3
+    # every sample has it (the reader refuses a record without it).
+    loss_mask: Union[list[Int], msgspec.UnsetType] = msgspec.UNSET
     micro_batch_id: Optional[Id] = None
     prompt: Optional[str] = None
     raw_reward: Optional[float] = None
@@ -711,7 +713,7 @@ def _shared_samples(raws: list) -> list[SampleRecord]:
                 elif kept is not value:
                     share(rec, "reward", kept)
             value = rec.loss_mask
-            if len(value) <= _SHARED_MASK_TOKENS and (kept := masks_kept(tuple(value), value)) is not value:
+            if value is not msgspec.UNSET and len(value) <= _SHARED_MASK_TOKENS and (kept := masks_kept(tuple(value), value)) is not value:
                 share(rec, "loss_mask", kept)
             if rec.prompt is not None or rec.label is not None or rec.label_hash is not None:
                 for name in _SHARED_TEXT:  # rarely present (redacted by default): a group's prompt, label

@@ -40,6 +40,7 @@ from .schema import (
     FORMAT_2_VERSION,
     PER_TOKEN_REWARD_VERSION,
 )
+from . import packed, safetensors_io
 from .files import _atomic_write, _fsync_dir, check_payload_name, sha256_bytes, sha256_file
 
 
@@ -103,6 +104,11 @@ class BundleWriter:
         self.index = self._redact(index)
         self.expected = expected
         self.payloads: dict[str, PayloadSpec] = {}
+        # format 1.3 (packed.py): the masks go to the payload ``loss_mask``, every payload to a safetensors file
+        self.packed = packed.is_packed(manifest.format_version)
+        for i, sample in enumerate(index.samples):
+            if sample.loss_mask is msgspec.UNSET:  # the record leaves it unset only in 1.3's index.json
+                raise ValueError(f"$.samples[{i}].loss_mask: missing (every sample needs one)")
         parent = self.final_path.parent
         parent.mkdir(parents=True, exist_ok=True)
         self.staging = parent / staging_name(self.final_path.name)
@@ -122,6 +128,12 @@ class BundleWriter:
             raise TypeError(f"payload {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if name in self.payloads:
             raise ValueError(f"payload {name!r} written twice")
+        if self.packed and name == packed.MASK_PAYLOAD:
+            raise ValueError(f"payload {name!r}: format {self.manifest.format_version} writes the samples' "
+                             f"loss_mask there itself")
+        return self._write(name, tensor)
+
+    def _write(self, name: str, tensor: torch.Tensor) -> PayloadSpec:
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.to("cpu")
@@ -131,8 +143,12 @@ class BundleWriter:
         # torch.save stores the whole storage: a view of a bigger tensor must not leak the rest of it.
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
             t = t.clone()
-        target = self.staging / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
-        torch.save(t, target)
+        if self.packed:
+            target = self.staging / PAYLOAD_DIR / f"{name}{safetensors_io.SUFFIX}"
+            safetensors_io.write(target, t)
+        else:
+            target = self.staging / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+            torch.save(t, target)
         spec = PayloadSpec(
             name=name,
             dtype=str(t.dtype),
@@ -148,6 +164,8 @@ class BundleWriter:
         if self._finalized:
             raise RuntimeError("finalize() called twice")
         try:
+            if self.packed:
+                self._pack_masks()
             manifest = msgspec.structs.replace(self.manifest, payloads=dict(sorted(self.payloads.items())))
             blobs = wire_documents(manifest, self.index, self.expected, self.major)
             for fname, blob in blobs.items():
@@ -192,6 +210,17 @@ class BundleWriter:
             _atomic_write(self.root / f"COMPLETE.{self.rank}", encode_json(shard))
             try_finalize_cohort(self.root)
         return self.final_path
+
+    def _pack_masks(self) -> None:
+        """Format 1.3: the samples' masks as the payload ``loss_mask`` (flat token axis), index.json without them."""
+        samples = self.index.samples
+        for i, sample in enumerate(samples):
+            if len(sample.loss_mask) != sample.response_length:
+                raise ValueError(f"$.samples[{i}].loss_mask: {len(sample.loss_mask)} values, response_length is "
+                                 f"{sample.response_length}")
+        self._write(packed.MASK_PAYLOAD, packed.pack_masks([s.loss_mask for s in samples]))
+        self.index = msgspec.structs.replace(
+            self.index, samples=[msgspec.structs.replace(s, loss_mask=msgspec.UNSET) for s in samples])
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

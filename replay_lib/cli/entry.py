@@ -337,6 +337,7 @@ def _dispatch(args) -> int:
 
 def _demo(args) -> int:
     from .. import demo
+    from ..bundle.packed import PACKED_FORMAT_VERSION
 
     if args.demo_command == "write-all":
         if args.dir.exists() and not args.dir.is_dir():
@@ -357,7 +358,8 @@ def _demo(args) -> int:
         raise UsageError("--samples must be a positive multiple of --group-size; --tokens must be >= 0")
     path = demo.write_synthetic(args.dir, samples=args.samples, tokens=args.tokens, seed=args.seed,
                                 group_size=args.group_size, vary_lengths=args.vary_lengths,
-                                kl_coef=args.kl_coef, bundle_id=args.dir.name, settle=True)
+                                kl_coef=args.kl_coef, bundle_id=args.dir.name, settle=True,
+                                format_version=PACKED_FORMAT_VERSION)
     emit([("", f"wrote {path}")])
     return 0
 

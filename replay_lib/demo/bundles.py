@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
+import msgspec
 import torch
 
 from ..bundle import BundleWriter
@@ -422,8 +423,13 @@ def write_bundle(path: str | Path, manifest, index, expected, payloads, *, rank=
     return writer.finalize(ranks=list(ranks))
 
 
-def write_synthetic(path: str | Path, **kwargs) -> Path:
-    return write_bundle(path, *synthetic_parts(**kwargs))
+def write_synthetic(path: str | Path, *, format_version: Optional[str] = None, **kwargs) -> Path:
+    """:func:`synthetic_parts` published at ``path``; ``format_version`` (e.g. ``"1.3.0"``) overrides the
+    manifest's, which picks the layout the writer uses."""
+    manifest, *rest = synthetic_parts(**kwargs)
+    if format_version is not None:
+        manifest = msgspec.structs.replace(manifest, format_version=format_version)
+    return write_bundle(path, manifest, *rest)
 
 
 def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7-0", **kwargs) -> Path:

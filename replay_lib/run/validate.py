@@ -11,7 +11,8 @@ import msgspec
 from ..bundle import BundleSet, open_bundle
 from ..judge.error_model import tolerance_warnings
 from ..errors import BundleError, UnsupportedError
-from ..bundle.layout import PAYLOAD_DIR, PAYLOAD_SUFFIX
+from ..bundle.layout import PAYLOAD_DIR
+from ..bundle.packed import payload_file
 from .runner import check_closure, check_topology
 from ..bundle.schema import ActorStepId, StageCapability, StageId
 from ..bundle.inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
@@ -62,7 +63,7 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
         for name in shard.payload_names:
             t = shard.payload(name)
             if t.dim() == 0:
-                raise BundleError(f"{shard.path / PAYLOAD_DIR / (name + PAYLOAD_SUFFIX)}: per-token payload must have a token dimension")
+                raise BundleError(f"{payload_file(shard.path / PAYLOAD_DIR, name, shard.manifest.format_version)}: per-token payload must have a token dimension")
         check_token_counts(shard)
         runnable = [s for s in STAGE_ORDER if s in REGISTRY and s not in UNSUPPORTED
                     and (c := shard.manifest.stage_contracts.get(s)) is not None and c.capability == StageCapability.RECOMPUTE]
@@ -116,7 +117,7 @@ def check_token_counts(shard) -> None:
             while start + lengths[i] <= rows:
                 start, i = start + lengths[i], i + 1
             where = f"sample {samples[i].sample_id!r} ($.samples[{i}]) has none from its token {rows - start} on"
-        raise BundleError(f"{shard.path / PAYLOAD_DIR / (name + PAYLOAD_SUFFIX)}: {rows} row(s), "
+        raise BundleError(f"{payload_file(shard.path / PAYLOAD_DIR, name, shard.manifest.format_version)}: {rows} row(s), "
                           f"index.json Σ $.samples[*].response_length is {total} ({where})")
 
 
