@@ -455,7 +455,7 @@ def test_diff_compares_per_token_rewards_token_by_token(tmp_path, cli):
     rc, out, err = cli("diff", a, b)
     assert (rc, err) == (1, "")
     assert out.splitlines()[1:3] == ["[   fail] reward — 1 of 12 value(s) differ (max abs_err 6.38)",
-                                     "          reward s-2@1: expected=0.625 actual=7.0 abs_err=6.375"]
+                                     "          reward s-2@1: A=0.625 B=7.0 abs_err=6.375"]
 
 
 def test_the_tui_shows_a_per_token_reward_and_its_token_in_the_why_strip(tmp_path):
