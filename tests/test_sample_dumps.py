@@ -42,10 +42,12 @@ def readme_imports() -> list[str]:
 EXPECTED = {
     "slime": ("slime-7", "wrote slime-7 (bundle slime-7: 8 sample(s) in 2 group(s), 28 token(s))",
               {"sample": "pass", "reward.raw": "pass", "reward.post_process": "pass", "advantage.kl": "pass",
-               "advantage.estimate": "pass", "loss.policy": "skipped", "loss.value": "skipped"}),
+               "advantage.estimate": "pass", "logprob.mismatch": "pass", "loss.policy": "skipped",
+               "loss.value": "skipped"}),
     "nemo-rl": ("nemo-3", "wrote nemo-3 (bundle nemo-3: 8 sample(s) in 2 group(s), 28 token(s))",
                 {"sample": "pass", "reward.raw": "pass", "reward.post_process": "pass", "advantage.kl": "skipped",
-                 "advantage.estimate": "pass", "loss.policy": "skipped", "loss.value": "skipped"}),
+                 "advantage.estimate": "pass", "logprob.mismatch": "pass", "loss.policy": "skipped",
+               "loss.value": "skipped"}),
 }
 
 
