@@ -18,6 +18,7 @@ from ..judge.error_model import Rules, coarse_payloads, tolerance_warnings
 from ..errors import BundleError, SelectionError, UnsupportedError
 from ..explain import annotate
 from ..bundle.gcpause import gc_paused
+from .threads import replay_threads
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
 from ..bundle.schema import ActorStepId, StageCapability, StageId
@@ -217,8 +218,9 @@ def replay_run(
 
     The stages run under ``torch.inference_mode`` (no autograd bookkeeping on the replay's thousands of torch
     calls): the tensors the contexts hold are inference tensors, read freely anywhere, never modified in place
-    outside that mode (copy one first)."""
-    with gc_paused(), torch.inference_mode():
+    outside that mode (copy one first). They run on one intra-op thread (``run.threads``: thousands of small
+    chunked ops, none worth a parallel region); the caller's thread count is restored afterwards."""
+    with gc_paused(), replay_threads(), torch.inference_mode():
         return _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain)
 
 
@@ -375,6 +377,7 @@ def replay(
     explain: bool = True,
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory."""
-    bundles = open_bundle(path, step=step, rollout=rollout)
-    return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress,
-                      rules=rules, explain=explain)
+    with replay_threads():  # the payloads' loads and upcasts too (run.threads)
+        bundles = open_bundle(path, step=step, rollout=rollout)
+        return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
+                          progress=progress, rules=rules, explain=explain)
