@@ -35,7 +35,12 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
     from ..run.runner import replay
 
     stream = stream or sys.stdout
-    report = replay(args.bundle, **replay_options(args))
+    shard_runner = None
+    if getattr(args, "executor", "local") == "ray":  # replay --executor ray: a task per rank shard
+        from ..run.ray_replay import ray_shard_runner
+
+        shard_runner = ray_shard_runner(getattr(args, "ray_address", None))
+    report = replay(args.bundle, **replay_options(args), shard_runner=shard_runner)
     if args.format == "json":
         stream.write(report_to_json(report))  # terminal-safe: hidden characters as \u escapes
     else:
@@ -167,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bundle", type=Path, metavar="BUNDLE")
     add_replay_arguments(p)
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="replay the rank shards of a cohort here, one after the other (default), or in parallel as "
+                        "Ray tasks merged into the same report (pip install 'trajectory-replay[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to use with --executor ray (default: RAY_ADDRESS, else a local one)")
     p = sub.add_parser("scan", help="replay every bundle and cohort of a capture directory in parallel (SPEC §9)",
                        description="Replay every bundle and cohort under DIR in worker processes, check each step "
                                    "bundle against its rollout bundle (stage link), and name the first bad step.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import msgspec
 import torch
@@ -19,6 +19,7 @@ from ..judge.error_model import Rules, coarse_payloads, tolerance_warnings
 from ..errors import BundleError, SelectionError, UnsupportedError
 from ..explain import annotate
 from ..bundle.gcpause import gc_paused
+from .threads import replay_threads
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
 from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageContract, StageId
@@ -29,6 +30,10 @@ from ..stages.advantage import advantage_config_error, estimator_refusal, per_to
 from ..stages.mismatch import applies as mismatch_applies, merge_summaries
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
+# Replays the shards elsewhere (``run.ray_replay``): given ``[(k, shard, resolution, plan)]`` (the k-th shard of the
+# set, what it selects, its plan), the keep count and the rules, yields per shard, in that order, the stage
+# reports of ``_run_shard``, the shard's hazards and its selected sample ids.
+ShardRunner = Callable[[list, int, Rules], Iterator[tuple[list, list, list]]]
 
 
 @dataclass
@@ -216,10 +221,11 @@ def run_replay(
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
     explain: bool = True,
+    shard_runner: Optional[ShardRunner] = None,
 ) -> ReplayReport:
     """Replay every rank shard of a verified :class:`BundleSet`."""
     return replay_run(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
-                      progress=progress, rules=rules, explain=explain)[0]
+                      progress=progress, rules=rules, explain=explain, shard_runner=shard_runner)[0]
 
 
 def replay_run(
@@ -231,6 +237,7 @@ def replay_run(
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
     explain: bool = True,
+    shard_runner: Optional[ShardRunner] = None,
 ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
     left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
@@ -240,8 +247,19 @@ def replay_run(
 
     The stages run under ``torch.inference_mode`` (no autograd bookkeeping on the replay's thousands of torch
     calls): the tensors the contexts hold are inference tensors, read freely anywhere, never modified in place
-    outside that mode (copy one first)."""
-    with gc_paused(), torch.inference_mode():
+    outside that mode (copy one first). They run on one intra-op thread (``run.threads``: thousands of small
+    chunked ops, none worth a parallel region); the caller's thread count is restored afterwards.
+
+    ``shard_runner`` (``replay --executor ray``): the shards are replayed by it, in parallel, and merged here into
+    the report the local loop makes; no context is kept (each is ``None``). A failing report is made again by the
+    local loop when its stages are to be explained or marked (``explain``, ``--chain``): the hypotheses read
+    every shard's recomputed values, which stay where they were computed."""
+    with gc_paused(), replay_threads(), torch.inference_mode():
+        if shard_runner is not None:
+            report, contexts = _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain,
+                                           shard_runner)
+            if report.passed or not (explain or rules.chain):
+                return report, contexts
         return _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain)
 
 
@@ -259,7 +277,8 @@ def _did_you_mean(bundles: BundleSet, kind: str, value: str, limit: int = 4) -> 
 
 def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selection: Selection,
                 max_divergences: int, progress: Optional[ProgressFn],
-                rules: Rules, explain: bool = True) -> tuple[ReplayReport, list[Optional[StageContext]]]:
+                rules: Rules, explain: bool = True, shard_runner: Optional[ShardRunner] = None,
+                ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     keep = max(int(max_divergences), 1)
     resolutions = []
     matched: set[str] = set()
@@ -281,37 +300,29 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
     done = 0
     selected: list[str] = []
     contexts: list[Optional[StageContext]] = []
+    hazards: list[Hazard] = []
+    jobs = [(k, shard, res, plan) for k, (shard, res, plan) in enumerate(zip(bundles.shards, resolutions, plans))
+            if selection.empty or res.indices]
+    remote = shard_runner(jobs, keep, rules) if shard_runner is not None else None
     for shard, res, plan in zip(bundles.shards, resolutions, plans):
         if not selection.empty and not res.indices:
             contexts.append(None)
             continue
-        ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules)
-        contexts.append(ctx)
+        if remote is not None:  # a shard replayed elsewhere: its reports, hazards and sample ids
+            stage_reports, shard_hazards, sample_ids = next(remote)
+            contexts.append(None)
+            done += len(plan.run)
+        else:
+            ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules)
+            contexts.append(ctx)
+            stage_reports = _run_shard(ctx, shard, plan, progress, done, total)
+            shard_hazards, sample_ids = ctx.hazards, ctx.sample_ids
+            done += len(plan.run)
+        hazards += shard_hazards
         if res.partial:
-            selected += ctx.sample_ids
-        for stage in STAGE_ORDER:
-            if stage in REGISTRY and REGISTRY[stage].optional and stage not in stage_contracts(shard):
-                continue  # an optional stage a bundle doesn't declare is not worth a report line
-            if stage not in plan.run:
-                reason = plan.skipped.get(stage, "")
-                per_stage[stage].append(StageReport(stage=stage.value, status=STATUS_SKIPPED, reason=reason))
-                continue
-            if progress is not None:
-                progress(stage.value, shard.rank, done, total)
-            try:
-                result = REGISTRY[stage].run(ctx)
-                ctx.completed.add(stage.value)
-            except StageInputError as exc:
-                result = StageReport(
-                    stage=stage.value, status=STATUS_FAIL, reason=str(exc), mismatches=1,
-                    divergences=[Divergence(stage=stage.value, rank=shard.rank, field=exc.field,
-                                            expected=exc.expected, actual=exc.actual,
-                                            abs_error=abs(exc.expected - exc.actual)
-                                            if exc.expected is not None and exc.actual is not None else None,
-                                            message=str(exc))],
-                )
+            selected += sample_ids
+        for stage, result in stage_reports:
             per_stage[stage].append(result)
-            done += 1
     if progress is not None:
         progress("done", None, total, total)
 
@@ -361,17 +372,48 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         mode=rules.mode,
         exact=rules.exact,
         tolerance_policy=rules.tolerance_policy,
-        hazards=_hazards([c for c in contexts if c is not None], keep),
+        hazards=_hazards(hazards, keep),
         bitwise=True if rules.bitwise else msgspec.UNSET,
     )
     return annotate(report, contexts, rules, explain=explain), contexts
 
 
-def _hazards(contexts: Sequence[StageContext], keep: int) -> list[Hazard]:
+def _run_shard(ctx: StageContext, shard: BundleReader, plan: StagePlan, progress: Optional[ProgressFn] = None,
+               done: int = 0, total: int = 0) -> list[tuple[StageId, StageReport]]:
+    """Every stage of one shard in pipeline order: ``(stage, its report)``, a skipped stage's too (with its
+    reason); an optional stage the shard does not declare is left out."""
+    out: list[tuple[StageId, StageReport]] = []
+    for stage in STAGE_ORDER:
+        if stage in REGISTRY and REGISTRY[stage].optional and stage not in stage_contracts(shard):
+            continue  # an optional stage a bundle doesn't declare is not worth a report line
+        if stage not in plan.run:
+            reason = plan.skipped.get(stage, "")
+            out.append((stage, StageReport(stage=stage.value, status=STATUS_SKIPPED, reason=reason)))
+            continue
+        if progress is not None:
+            progress(stage.value, shard.rank, done, total)
+        try:
+            result = REGISTRY[stage].run(ctx)
+            ctx.completed.add(stage.value)
+        except StageInputError as exc:
+            result = StageReport(
+                stage=stage.value, status=STATUS_FAIL, reason=str(exc), mismatches=1,
+                divergences=[Divergence(stage=stage.value, rank=shard.rank, field=exc.field,
+                                        expected=exc.expected, actual=exc.actual,
+                                        abs_error=abs(exc.expected - exc.actual)
+                                        if exc.expected is not None and exc.actual is not None else None,
+                                        message=str(exc))],
+            )
+        out.append((stage, result))
+        done += 1
+    return out
+
+
+def _hazards(found: Sequence[Hazard], keep: int) -> list[Hazard]:
     """Every shard's hazards in pipeline order, at most ``keep`` of each (stage, kind), then one line saying
     how many more there are."""
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
-    found = sorted((h for c in contexts for h in c.hazards), key=lambda h: order.get(h.stage, len(order)))
+    found = sorted(found, key=lambda h: order.get(h.stage, len(order)))
     out: list[Hazard] = []
     counts: dict[tuple[str, str], int] = {}
     for h in found:
@@ -397,8 +439,10 @@ def replay(
     progress: Optional[ProgressFn] = None,
     rules: Rules = Rules(),
     explain: bool = True,
+    shard_runner: Optional[ShardRunner] = None,
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory."""
-    bundles = open_bundle(path, step=step, rollout=rollout)
-    return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences, progress=progress,
-                      rules=rules, explain=explain)
+    with replay_threads():  # the payloads' loads and upcasts too (run.threads)
+        bundles = open_bundle(path, step=step, rollout=rollout)
+        return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
+                          progress=progress, rules=rules, explain=explain, shard_runner=shard_runner)

@@ -1,0 +1,94 @@
+"""``trajectory-replay replay`` at several torch thread settings, against one thread and the I/O floor.
+
+Builds ``write_synthetic(samples=256, tokens=8192, kl_coef=0.0)`` (``--samples``/``--tokens``), then measures in
+one run, interleaved, each as a fresh process, ``--reps`` times (median):
+
+* floor        — ``import torch`` + read and sha256 every payload file (bench/harness.py);
+* replay t=1   — ``OMP_NUM_THREADS=1 trajectory-replay replay BUNDLE``;
+* replay t=N   — the same with ``OMP_NUM_THREADS=N`` for each N of ``--threads`` (default 2, 4);
+* replay t=default — ``OMP_NUM_THREADS`` unset (torch's default: one thread per core).
+
+Target (issue 40, point 1): more threads are never slower than one — every ``t=N`` and ``t=default`` within
+``--margin`` (default 1.15, the spread of single runs on a shared host) of ``t=1``, in CPU time (user + sys of
+the process: what spin-waiting threads burn) and, while the host is not oversubscribed (1-minute load average
+below its CPU count, before and after the run), in wall time too; on a host loaded beyond its cores the wall
+ratio is printed but not judged (it then measures the neighbours: single runs of one command spread over 2–3×).
+The floor ratio of each is printed beside it.
+
+    python bench/bench_threads.py [--samples 256] [--tokens 8192] [--reps 3] [--threads 2,4] [--keep DIR]
+
+Exit status 0 when every target passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import BUILD_CODE, FLOOR_CODE, cli_cmd, measure, report, workdir  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", default="2,4", help="comma-separated OMP_NUM_THREADS values besides 1 and unset")
+    ap.add_argument("--margin", type=float, default=1.15)
+    ap.add_argument("--keep", type=Path, help="write the bundle here and keep it (default: a temp dir)")
+    ap.add_argument("--compare-src", type=Path, metavar="DIR",
+                    help="also replay with another source tree (PYTHONPATH=DIR, e.g. a `git archive` of an older "
+                         "commit) at t=1 and t=default, interleaved in the same run (printed, not judged)")
+    args = ap.parse_args(argv)
+    with workdir(args.keep, "bench-threads-") as root:
+        bundle = root / f"b{args.samples}x{args.tokens}"
+        if not bundle.exists():
+            subprocess.run([sys.executable, "-c", BUILD_CODE, str(bundle), str(args.samples), str(args.tokens),
+                            bundle.name], check=True)
+        payloads = sorted(str(p) for p in (bundle / "payloads").iterdir())
+        payload_bytes = sum(Path(p).stat().st_size for p in payloads)
+        print(f"bundle: {args.samples} samples × {args.tokens} tokens = {args.samples * args.tokens:,} tokens, "
+              f"{payload_bytes / 2**20:.1f} MiB of payloads")
+        replay = cli_cmd("replay") + [str(bundle)]
+        cmds = {"floor": ["env", "-u", "OMP_NUM_THREADS", sys.executable, "-c", FLOOR_CODE, *payloads],
+                "replay t=1": ["env", "OMP_NUM_THREADS=1", *replay]}
+        for n in (int(x) for x in args.threads.split(",") if x.strip()):
+            cmds[f"replay t={n}"] = ["env", f"OMP_NUM_THREADS={n}", *replay]
+        cmds["replay t=default"] = ["env", "-u", "OMP_NUM_THREADS", *replay]
+        if args.compare_src:
+            src = f"PYTHONPATH={args.compare_src.resolve()}"
+            cmds["compare t=1"] = ["env", src, "OMP_NUM_THREADS=1", *replay]
+            cmds["compare t=default"] = ["env", "-u", "OMP_NUM_THREADS", src, *replay]
+        load_before = os.getloadavg()[0]
+        med, med_cpu, peak = measure(cmds, args.reps)
+        load = max(load_before, os.getloadavg()[0])
+        cores = os.cpu_count() or 1
+        judge_wall = load < cores
+        print(f"host: {cores} CPUs, 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after: "
+              + ("wall and CPU judged" if judge_wall else "oversubscribed, CPU judged (wall printed)"))
+        one, one_cpu = med["replay t=1"], med_cpu["replay t=1"]
+        print(f"replay t=1 / floor = {one / med['floor']:.2f} wall ({one_cpu / med_cpu['floor']:.2f} cpu); peak RSS "
+              f"{peak['replay t=1'] / 2**20:.0f} MiB = {peak['replay t=1'] / payload_bytes:.2f}× the payloads")
+        checks = []
+        for name in cmds:
+            if name in ("floor", "replay t=1") or name.startswith("compare"):
+                continue
+            w, c = med[name] / one, med_cpu[name] / one_cpu
+            judged = "wall and cpu" if judge_wall else "cpu"
+            checks.append((f"{name} / t=1 = {w:.2f} wall, {c:.2f} cpu (floor ratio {med[name] / med['floor']:.2f}; "
+                           f"target ≤ {args.margin}, {judged})", c <= args.margin and (w <= args.margin or not judge_wall)))
+        if args.compare_src:
+            c1, cd = "compare t=1", "compare t=default"
+            print(f"compare ({args.compare_src}): t=1 / floor = {med[c1] / med['floor']:.2f} wall "
+                  f"({med_cpu[c1] / med_cpu['floor']:.2f} cpu); t=default / t=1 = {med[cd] / med[c1]:.2f} wall, "
+                  f"{med_cpu[cd] / med_cpu[c1]:.2f} cpu; peak RSS {peak[c1] / 2**20:.0f} MiB")
+        return report(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
