@@ -94,7 +94,7 @@ class DifferenceSummary:
             first = int(idx[0])
             absd = None
         else:  # most: mask the others (a gather would copy nearly everything)
-            first = int(diff.to(torch.uint8).argmax())
+            first = int(diff.to(torch.uint8).argmax()) if self.first is None else 0
             a = torch.where(diff, a, b)
         if absd is None:
             absd = (a.to(torch.float64) - b.to(torch.float64)).abs()
@@ -110,12 +110,19 @@ class DifferenceSummary:
 
 
 def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max :func:`ulp_distance` of finite float32 values: ``key = bits ^ ((bits >> 31) & 0x7fffffff)`` orders the
-    floats as int32 (−0 one below +0, never compared: they are equal)."""
-    def key(x: torch.Tensor) -> torch.Tensor:
-        bits = x.view(torch.int32)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return float((key(a).to(torch.int64) - key(b).to(torch.int64)).abs_().max())
+    """max :func:`ulp_distance` of finite float32 values: between two of one sign, the difference of their bit
+    patterns as int32; between a positive and a negative one, the sum of their magnitudes' bit patterns (the steps
+    down to ±0 on each side; +0 and −0 are one key, as in :func:`ulp_distance`)."""
+    ba, bb = a.view(torch.int32), b.view(torch.int32)
+    step = ba - bb  # one sign per pair: the distance is the bits' difference (no int32 overflow)
+    top = 0
+    cross = (ba ^ bb) < 0
+    if bool(cross.any()):  # opposite signs (rare: log-probs are ≤ 0): the two magnitudes' sum, in int64
+        idx = cross.nonzero().reshape(-1)
+        top = int(((ba[idx] & 0x7FFFFFFF).to(torch.int64) + (bb[idx] & 0x7FFFFFFF).to(torch.int64)).max())
+        step.masked_fill_(cross, 0)
+    low, high = torch.aminmax(step)
+    return float(max(top, int(high), -int(low)))
 
 
 def differing(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
@@ -174,9 +181,105 @@ class MismatchScan:
         on = mask > 0
         m = on.to(f64)
         # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
-        lo = torch.where(on, old, 0.0).to(f64)
-        lr = torch.where(on, rollout, 0.0).to(f64)
+        if bool(on.all()):
+            lo, lr = old.to(f64), rollout.to(f64)  # never written in place
+        else:
+            lo = torch.where(on, old, 0.0).to(f64)
+            lr = torch.where(on, rollout, 0.0).to(f64)
         cnt = float(m.sum())
+        fast = self._add_finite(lo, lr, m, on, cnt, seg)
+        if fast is not None:
+            return fast
+        return self._add_general(lo, lr, m, on, cnt, seg)
+
+    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
+                    seg: torch.Tensor) -> Optional[torch.Tensor]:
+        """:meth:`add` for a chunk whose ``d = old − rollout`` and ``exp(±d)`` are all finite (else ``None``, nothing
+        folded in): every metric from a handful of float64 sums over the chunk (one exp, no per-metric temporary).
+        Off the loss tokens d = 0 and exp(d) = 1 exactly, so a sum over the whole chunk less ``off`` (their count) is
+        the sum over the loss tokens: Σ k3 = Σ e − Σ d − numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The
+        cancellations lose at most a few float64 ulps of the chunk's size, far below the float32 rounding bound of
+        the metrics (:func:`metric_condition`)."""
+        d = lo - lr
+        numel = d.numel()
+        if not numel:
+            return d
+        e = torch.exp(d)
+        s_d, s_e = float(d.sum()), float(e.sum())
+        if not (math.isfinite(s_d) and math.isfinite(s_e)):  # NaN, ±inf or an exp overflow
+            return None
+        inv = e.reciprocal()
+        s_inv = float(inv.sum())
+        if not math.isfinite(s_inv):
+            return None
+        off = numel - cnt
+        absd = d.abs()
+        big = float(absd.max())
+        S = self.sums
+        S["tokens"] += cnt
+        # verl debug metrics: |exp(old) − exp(rollout)| = exp(rollout)·|exp(d) − 1| (0 off the loss tokens)
+        pd = torch.exp(lr).mul_((e - 1.0).abs_())
+        psum = float(pd.sum())
+        S["pd"] += psum
+        if cnt:
+            self.max["pd"] = _max(self.max["pd"], float(pd.max()))
+            mean = psum / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
+            self.pd_parts.append((cnt, mean, max(float(torch.dot(pd, pd)) - cnt * mean * mean, 0.0)))
+        S["d"] += s_d
+        k3 = s_e - s_d - numel
+        S["k3"] += k3
+        if big <= SAFETY_BOUND:
+            S["rho2"] += float(torch.dot(e, e)) - off
+        else:
+            rho = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            S["rho2"] += float(torch.dot(rho, rho)) - off
+        tm = torch.maximum(e, inv)  # exp(|Δ|)
+        S["tm"] += float(tm.sum()) - off
+        if self.kl_type == "k1":
+            S["gen"] -= s_d
+            S["pol"] += s_d
+        elif self.kl_type == "k2":
+            S["gen"] += 0.5 * float(torch.dot(d, d))
+            S["pol"] += 0.5 * float(torch.dot(d, d))
+        else:
+            S["gen"] += k3
+            S["pol"] += s_inv + s_d - numel
+        # TRL: |old − sampling| on the loss tokens
+        S["absd"] += float(absd.sum())
+        S["absd_n"] += cnt
+        if cnt:
+            self.max["absd"] = _max(self.max["absd"], big)
+        if self.is_level != "sequence" and cnt:
+            if self.is_mode == "mask":
+                ratio = self._clip(e)
+                S["ratio"] += float(torch.dot(ratio, m))
+                self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
+                self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
+            else:  # the clamp is monotone: the extremes of the clamped ratio are the clamped extremes of e
+                low, high = self.is_low, self.is_high
+                clipped = self._clip(e)
+                one = float(self._clip(torch.ones(1, dtype=torch.float64)))
+                S["ratio"] += float(clipped.sum()) - off * one
+                e_min, e_max = (float(v) for v in torch.aminmax(e))
+                if off and not (e_max > 1.0 and e_min < 1.0):  # a 1 of an off token may be an extreme: look closer
+                    e_max = float(torch.where(on, e, -math.inf).max())
+                    e_min = float(torch.where(on, e, math.inf).min())
+                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
+                self.max["ratio"] = max(self.max["ratio"], clamp(e_max))
+                self.min["ratio"] = min(self.min["ratio"], clamp(e_min))
+        if self.condition and cnt:
+            self._fold_condition(lo, lr, absd, tm, m)
+        segment_add(self.seq, (lo, lr, d, m), seg)
+        return absd
+
+    def _fold_condition(self, lo, lr, absd, tm, m) -> None:
+        size = torch.maximum(lo.abs(), lr.abs()).add_(1)
+        c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
+        self.sums["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
+
+    def _add_general(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
+                     seg: torch.Tensor) -> torch.Tensor:
+        """:meth:`add` for any chunk (NaN, infinities): one array per term."""
         S = self.sums
         S["tokens"] += cnt
         # verl debug metrics: |exp(old) − exp(rollout)| (0 off the loss tokens, never the max: |Δp| ≥ 0)
@@ -188,7 +291,6 @@ class MismatchScan:
             mean = psum / cnt
             self.pd_parts.append((cnt, mean, float(((pd - mean).square_() * m).sum())))
         d = lo - lr  # old − rollout: 0 off the loss tokens
-        self.last_d = d  # the chunk's log importance weight per token (a caller's per-sample views read it)
         e = torch.exp(d)
         S["d"] += float(d.sum())
         k3 = e - d - 1
@@ -224,10 +326,7 @@ class MismatchScan:
             self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
             self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
         if self.condition and cnt:
-            size = torch.maximum(lo.abs(), lr.abs()).add_(1)
-            c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
-            S["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
-        self.last_e = e  # exp(old − rollout) of the chunk (1 off the loss tokens)
+            self._fold_condition(lo, lr, absd, tm, m)
         segment_add(self.seq, (lo, lr, torch.nan_to_num(d, nan=0.0), m), seg)
         return absd
 
