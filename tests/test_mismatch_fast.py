@@ -84,3 +84,14 @@ def test_max_ulp_across_zero_matches_ulp_distance():
     few.add(torch.cat([a[:1], torch.full((20,), -1.0)]), torch.cat([b[:1], torch.full((20,), -1.0)]),
             torch.ones(21, dtype=torch.bool), 0)
     assert (few.count, few.max_ulp) == (1, 2.0)
+
+
+def test_max_ulp_with_most_pairs_across_zero():
+    """Most pairs of opposite signs (the masked path): the same distances as ``ulp_distance``."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(64, generator=g).abs()
+    b = -torch.randn(64, generator=g).abs()
+    b[:8] = a[:8] * 0.5  # a few of one sign, whose bit distance is large
+    s = DifferenceSummary()
+    s.add(a, b, torch.ones(64, dtype=torch.bool), 0)
+    assert s.max_ulp == float(ulp_distance(a, b).max())

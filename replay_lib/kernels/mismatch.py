@@ -117,9 +117,14 @@ def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
     step = ba - bb  # one sign per pair: the distance is the bits' difference (no int32 overflow)
     top = 0
     cross = (ba ^ bb) < 0
-    if bool(cross.any()):  # opposite signs (rare: log-probs are ≤ 0): the two magnitudes' sum, in int64
-        idx = cross.nonzero().reshape(-1)
-        top = int(((ba[idx] & 0x7FFFFFFF).to(torch.int64) + (bb[idx] & 0x7FFFFFFF).to(torch.int64)).max())
+    crossing = int(cross.sum())
+    if crossing:  # opposite signs (rare: log-probs are ≤ 0): the two magnitudes' sum, in int64
+        ca, cb = ba, bb
+        if crossing * 4 < cross.numel():  # few: gather them
+            idx = cross.nonzero().reshape(-1)
+            ca, cb = ba[idx], bb[idx]
+        apart = (ca & 0x7FFFFFFF).to(torch.int64) + (cb & 0x7FFFFFFF).to(torch.int64)
+        top = int((apart if ca is not ba else apart.masked_fill_(~cross, 0)).max())
         step.masked_fill_(cross, 0)
     low, high = torch.aminmax(step)
     return float(max(top, int(high), -int(low)))
@@ -399,16 +404,15 @@ class MismatchScan:
 
 def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
     """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
-    take one contiguous sum each (all rows at once), many short ones one ``index_add_``."""
+    take one contiguous sum each, many short ones one ``index_add_`` per row."""
     samples, counts = torch.unique_consecutive(seg, return_counts=True)
-    stacked = torch.stack(list(rows))
     if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
-        a = 0
-        for sample, size in zip(samples.tolist(), counts.tolist()):
-            acc[:, sample] += stacked[:, a:a + size].sum(1)
-            a += size
+        sizes = counts.tolist()
+        for r, row in enumerate(rows):  # row by row: no stacked copy of the chunk
+            acc[r].index_add_(0, samples, torch.stack([part.sum() for part in row.split(sizes)]))
     else:
-        acc.index_add_(1, seg, stacked)
+        for r, row in enumerate(rows):
+            acc[r].index_add_(0, seg, row)
 
 
 def _max(a: float, b: float) -> float:
