@@ -440,35 +440,64 @@ def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
 
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
                    chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
+    """:func:`rejection_decisions`' keep mask alone."""
+    return rejection_decisions(log_ratio, mask, seg, n, chain)[0]
+
+
+def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                        chain: list[tuple[str, Optional[float], float]], unit: float = 2.0 ** -24
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's rejection sampling (``rollout_corr_helper.py:197-413`` ``compute_rollout_rejection_mask``): bool per
     token, kept by every option of ``chain`` (``bundle.rollout_rs.parse_rollout_rs``). ``log_ratio`` = old −
     rollout, clamped to ±20; per token k1 = −log_ratio, k2 = log_ratio²/2, k3 = exp(log_ratio) − 1 − log_ratio;
     token options test each token, ``seq_sum`` / ``seq_mean`` / ``seq_max`` the sample's sum, mean (over
     ``Σ mask``) or max (0 without a loss token) over its loss tokens; k1 keeps ``lower ≤ stat ≤ upper`` (log
-    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway)."""
+    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway).
+
+    Also (second result) the loss tokens whose decision lies within the float32 producer's rounding of a bound
+    (``unit``: its unit roundoff), which a legitimate producer may take either way: per token the statistic's
+    rounding error is at most ``4u·(1 + |lr| + lr² + exp(lr))`` (the difference ``old − rollout``, a square, an
+    exp and two subtractions); a sequence sum adds its terms' errors and ``(⌈log2 count⌉ + 1)·u·Σ|stat|``, a mean
+    divides that by the count, a max takes its largest term's. A sequence option's near decision is its every
+    loss token's."""
     on = mask > 0
     lr = torch.where(on, log_ratio, 0.0).to(torch.float64).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     stats = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.exp(lr) - 1.0 - lr}
+    err = 4.0 * unit * (1.0 + lr.abs() + lr * lr + torch.exp(lr))
     keep = torch.ones_like(on)
+    near = torch.zeros_like(on)
+    firm = torch.zeros_like(on)  # rejected by an option far from its bounds: no rounding keeps it
     m = on.to(torch.float64)
     count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+    depth = torch.ceil(torch.log2(count + 1.0)) + 1.0
     for option, lower, upper in chain:
         stat = stats[option[-2:]]
+        margin = err
         if option.startswith("seq_sum") or option.startswith("seq_mean"):
             per = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat * m)
+            slack = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, err * m)
+            slack += depth * unit * torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat.abs() * m)
             if option.startswith("seq_mean"):
-                per = per / torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
-            stat = per[seg]
+                denom = torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
+                per = per / denom
+                slack = slack / denom + unit * per.abs()
+            stat, margin = per[seg], slack[seg]
         elif option.startswith("seq_max"):
             per = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(
                 0, seg, torch.where(on, stat, -math.inf), reduce="amax")
-            stat = torch.where(per == -math.inf, 0.0, per)[seg]
+            slack = torch.zeros(n, dtype=torch.float64).scatter_reduce_(
+                0, seg, torch.where(on, err, 0.0), reduce="amax")
+            stat, margin = torch.where(per == -math.inf, 0.0, per)[seg], slack[seg]
         ok = stat <= upper
+        close = (stat - upper).abs() <= margin
         if lower is not None:
             ok &= stat >= lower
+            close |= (stat - lower).abs() <= margin
         keep &= ok
-    return keep | ~on
+        near |= close
+        firm |= ~ok & ~close
+    return keep | ~on, near & on & ~firm
 
 
 __all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
-           "mismatch_metrics", "rejection_keep", "segment_add", "ulp_distance"]
+           "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]
