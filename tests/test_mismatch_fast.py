@@ -95,3 +95,13 @@ def test_max_ulp_with_most_pairs_across_zero():
     s = DifferenceSummary()
     s.add(a, b, torch.ones(64, dtype=torch.bool), 0)
     assert s.max_ulp == float(ulp_distance(a, b).max())
+
+
+def test_max_ulp_of_large_values_across_zero_and_signed_zeros():
+    """Opposite signs of sizes ≥ 2 (the bit patterns' sum passes 2^31: counted in int64), and ±0 pairs among
+    many differing ones on a fully compared chunk (equal: 0 ulp)."""
+    a = torch.tensor([3.0, 0.0, -1.0, -1.0, -1.0], dtype=torch.float32)
+    b = torch.tensor([-5.0, -0.0, -1.5, -1.25, -2.0], dtype=torch.float32)
+    s = DifferenceSummary()
+    s.add(a, b, torch.ones(5, dtype=torch.bool), 0)
+    assert s.count == 4 and s.max_ulp == float(ulp_distance(a, b).max()) == float(ulp_distance(a[:1], b[:1]))

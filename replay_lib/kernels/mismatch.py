@@ -82,7 +82,8 @@ class DifferenceSummary:
             absd: Optional[torch.Tensor] = None) -> None:
         """Fold in the tokens ``[start, start + len)`` of a chunk (the chunks in token order). ``absd``: float64
         ``|a − b|`` on the loss tokens and 0 elsewhere, when the caller has it (:meth:`MismatchScan.add`)."""
-        self.compared += int(on.sum())
+        compared = int(on.sum())
+        self.compared += compared
         diff = differing(a, b, on)
         count = int(diff.sum())
         if not count:
@@ -95,7 +96,8 @@ class DifferenceSummary:
             absd = None
         else:  # most: mask the others (a gather would copy nearly everything)
             first = int(diff.to(torch.uint8).argmax()) if self.first is None else 0
-            a = torch.where(diff, a, b)
+            if compared < on.numel():  # equal pairs are 0 ulp apart; the off tokens' are not compared
+                a = torch.where(diff, a, b)
         if absd is None:
             absd = (a.to(torch.float64) - b.to(torch.float64)).abs()
         top = float(absd.max())
@@ -123,8 +125,14 @@ def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
         if crossing * 4 < cross.numel():  # few: gather them
             idx = cross.nonzero().reshape(-1)
             ca, cb = ba[idx], bb[idx]
-        apart = (ca & 0x7FFFFFFF).to(torch.int64) + (cb & 0x7FFFFFFF).to(torch.int64)
-        top = int((apart if ca is not ba else apart.masked_fill_(~cross, 0)).max())
+        apart = (ca & 0x7FFFFFFF).add_(cb & 0x7FFFFFFF)  # in int32 first: below 2^31 unless both are ≥ 2 in size
+        if ca is ba:
+            apart.masked_fill_(~cross, 0)
+        low_a, high_a = torch.aminmax(apart)
+        if int(low_a) < 0:  # it wrapped: again in int64
+            apart = (ca & 0x7FFFFFFF).to(torch.int64) + (cb & 0x7FFFFFFF).to(torch.int64)
+            high_a = (apart if ca is not ba else apart.masked_fill_(~cross, 0)).max()
+        top = int(high_a)
         step.masked_fill_(cross, 0)
     low, high = torch.aminmax(step)
     return float(max(top, int(high), -int(low)))
