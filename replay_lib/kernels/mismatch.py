@@ -282,7 +282,15 @@ class MismatchScan:
                 self.min["ratio"] = min(self.min["ratio"], clamp(e_min))
         if self.condition and cnt:
             self._fold_condition(lo, lr, absd, tm, m)
-        segment_add(self.seq, (lo, lr, d, m), seg)
+        if numel:  # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
+            first, last = int(seg[0]), int(seg[-1])
+            part = torch.zeros((3, last - first + 1), dtype=torch.float64)
+            segment_add(part, (lo, lr, m), seg - first)
+            seq = self.seq[:, first:last + 1]
+            seq[0] += part[0]
+            seq[1] += part[1]
+            seq[2] += part[0] - part[1]
+            seq[3] += part[2]
         return absd
 
     def _fold_condition(self, lo, lr, absd, tm, m) -> None:
