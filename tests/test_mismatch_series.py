@@ -117,3 +117,37 @@ def test_a_run_without_rollout_log_probs_has_no_series(tmp_path):
 
     t = ScanTarget(tmp_path, "step-0-0", "step", 0, 0, "0:0")
     assert run_series([ScanRow(target=t, status="pass", exit_code=0)]) is None
+
+
+def test_scan_rows_take_the_stage_values_where_the_replay_ran_it(tmp_path, monkeypatch):
+    """A row's mismatch is the replay's ``logprob.mismatch`` summary (no second pass over the payloads); where the
+    stage did not run (``--stage loss.policy``) the row recomputes it: the same JSON keys and values either way."""
+    from replay_lib.run import check, mismatch_series
+    from replay_lib.run.rows import ScanOptions, ScanTarget
+
+    _write_run(tmp_path, [0.5])
+    bundle = next(p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("step"))
+    target = ScanTarget(bundle, bundle.name, "step", 0, 0, "0:0")
+    recompute = mismatch_series.bundle_mismatch
+    calls = []
+    monkeypatch.setattr(mismatch_series, "bundle_mismatch", lambda b: calls.append(b) or recompute(b))
+    row = check.check_target(target, ScanOptions())
+    assert row.status == "pass" and calls == []
+    expected = {"max_abs": 0.5, "count": 2, "tokens": 4}
+    assert {k: row.mismatch[k] for k in expected} == expected
+    assert row.mismatch["k3"] == pytest.approx(2 * (math.exp(0.5) - 1.5) / 4, rel=1e-14)
+    only_loss = check.check_target(target, ScanOptions(stages=["loss.policy"]))
+    assert len(calls) == 1 and set(only_loss.mismatch) == set(row.mismatch)
+    assert {k: only_loss.mismatch[k] for k in expected} == expected
+    assert only_loss.mismatch["k3"] == pytest.approx(row.mismatch["k3"], rel=1e-14)
+
+
+def test_validate_lists_the_planned_mismatch_stage(tmp_path):
+    from replay_lib.run.validate import validate
+
+    _write_run(tmp_path, [0.5])
+    bundle = next(p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("step"))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert "logprob.mismatch" not in manifest["stage_contracts"]  # planned by replay, not declared
+    assert validate(bundle).stages == {"sample": "recompute", "logprob.mismatch": "recompute",
+                                       "loss.policy": "recompute", "loss.value": "unsupported"}

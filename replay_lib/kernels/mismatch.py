@@ -82,7 +82,8 @@ class DifferenceSummary:
             absd: Optional[torch.Tensor] = None) -> None:
         """Fold in the tokens ``[start, start + len)`` of a chunk (the chunks in token order). ``absd``: float64
         ``|a − b|`` on the loss tokens and 0 elsewhere, when the caller has it (:meth:`MismatchScan.add`)."""
-        self.compared += int(on.sum())
+        compared = int(on.sum())
+        self.compared += compared
         diff = differing(a, b, on)
         count = int(diff.sum())
         if not count:
@@ -94,8 +95,9 @@ class DifferenceSummary:
             first = int(idx[0])
             absd = None
         else:  # most: mask the others (a gather would copy nearly everything)
-            first = int(diff.to(torch.uint8).argmax())
-            a = torch.where(diff, a, b)
+            first = int(diff.to(torch.uint8).argmax()) if self.first is None else 0
+            if compared < on.numel():  # equal pairs are 0 ulp apart; the off tokens' are not compared
+                a = torch.where(diff, a, b)
         if absd is None:
             absd = (a.to(torch.float64) - b.to(torch.float64)).abs()
         top = float(absd.max())
@@ -110,12 +112,30 @@ class DifferenceSummary:
 
 
 def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max :func:`ulp_distance` of finite float32 values: ``key = bits ^ ((bits >> 31) & 0x7fffffff)`` orders the
-    floats as int32 (−0 one below +0, never compared: they are equal)."""
-    def key(x: torch.Tensor) -> torch.Tensor:
-        bits = x.view(torch.int32)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return float((key(a).to(torch.int64) - key(b).to(torch.int64)).abs_().max())
+    """max :func:`ulp_distance` of finite float32 values: between two of one sign, the difference of their bit
+    patterns as int32; between a positive and a negative one, the sum of their magnitudes' bit patterns (the steps
+    down to ±0 on each side; +0 and −0 are one key, as in :func:`ulp_distance`)."""
+    ba, bb = a.view(torch.int32), b.view(torch.int32)
+    step = ba - bb  # one sign per pair: the distance is the bits' difference (no int32 overflow)
+    top = 0
+    cross = (ba ^ bb) < 0
+    crossing = int(cross.sum())
+    if crossing:  # opposite signs (rare: log-probs are ≤ 0): the two magnitudes' sum, in int64
+        ca, cb = ba, bb
+        if crossing * 4 < cross.numel():  # few: gather them
+            idx = cross.nonzero().reshape(-1)
+            ca, cb = ba[idx], bb[idx]
+        apart = (ca & 0x7FFFFFFF).add_(cb & 0x7FFFFFFF)  # in int32 first: below 2^31 unless both are ≥ 2 in size
+        if ca is ba:
+            apart.masked_fill_(~cross, 0)
+        low_a, high_a = torch.aminmax(apart)
+        if int(low_a) < 0:  # it wrapped: again in int64
+            apart = (ca & 0x7FFFFFFF).to(torch.int64) + (cb & 0x7FFFFFFF).to(torch.int64)
+            high_a = (apart if ca is not ba else apart.masked_fill_(~cross, 0)).max()
+        top = int(high_a)
+        step.masked_fill_(cross, 0)
+    low, high = torch.aminmax(step)
+    return float(max(top, int(high), -int(low)))
 
 
 def differing(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
@@ -174,9 +194,113 @@ class MismatchScan:
         on = mask > 0
         m = on.to(f64)
         # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
-        lo = torch.where(on, old, 0.0).to(f64)
-        lr = torch.where(on, rollout, 0.0).to(f64)
+        if bool(on.all()):
+            lo, lr = old.to(f64), rollout.to(f64)  # never written in place
+        else:
+            lo = torch.where(on, old, 0.0).to(f64)
+            lr = torch.where(on, rollout, 0.0).to(f64)
         cnt = float(m.sum())
+        fast = self._add_finite(lo, lr, m, on, cnt, seg)
+        if fast is not None:
+            return fast
+        return self._add_general(lo, lr, m, on, cnt, seg)
+
+    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
+                    seg: torch.Tensor) -> Optional[torch.Tensor]:
+        """:meth:`add` for a chunk whose ``d = old − rollout`` and ``exp(±d)`` are all finite (else ``None``, nothing
+        folded in): every metric from a handful of float64 sums over the chunk (one exp, no per-metric temporary).
+        Off the loss tokens d = 0 and exp(d) = 1 exactly, so a sum over the whole chunk less ``off`` (their count) is
+        the sum over the loss tokens: Σ k3 = Σ e − Σ d − numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The
+        cancellations lose at most a few float64 ulps of the chunk's size, far below the float32 rounding bound of
+        the metrics (:func:`metric_condition`)."""
+        d = lo - lr
+        numel = d.numel()
+        if not numel:
+            return d
+        e = torch.exp(d)
+        s_d, s_e = float(d.sum()), float(e.sum())
+        if not (math.isfinite(s_d) and math.isfinite(s_e)):  # NaN, ±inf or an exp overflow
+            return None
+        inv = e.reciprocal()
+        s_inv = float(inv.sum())
+        if not math.isfinite(s_inv):
+            return None
+        off = numel - cnt
+        absd = d.abs()
+        big = float(absd.max())
+        S = self.sums
+        S["tokens"] += cnt
+        # verl debug metrics: |exp(old) − exp(rollout)| = exp(rollout)·|exp(d) − 1| (0 off the loss tokens)
+        pd = torch.exp(lr).mul_((e - 1.0).abs_())
+        psum = float(pd.sum())
+        S["pd"] += psum
+        if cnt:
+            self.max["pd"] = _max(self.max["pd"], float(pd.max()))
+            mean = psum / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
+            self.pd_parts.append((cnt, mean, max(float(torch.dot(pd, pd)) - cnt * mean * mean, 0.0)))
+        S["d"] += s_d
+        k3 = s_e - s_d - numel
+        S["k3"] += k3
+        if big <= SAFETY_BOUND:
+            S["rho2"] += float(torch.dot(e, e)) - off
+        else:
+            rho = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            S["rho2"] += float(torch.dot(rho, rho)) - off
+        tm = torch.maximum(e, inv)  # exp(|Δ|)
+        S["tm"] += float(tm.sum()) - off
+        if self.kl_type == "k1":
+            S["gen"] -= s_d
+            S["pol"] += s_d
+        elif self.kl_type == "k2":
+            S["gen"] += 0.5 * float(torch.dot(d, d))
+            S["pol"] += 0.5 * float(torch.dot(d, d))
+        else:
+            S["gen"] += k3
+            S["pol"] += s_inv + s_d - numel
+        # TRL: |old − sampling| on the loss tokens
+        S["absd"] += float(absd.sum())
+        S["absd_n"] += cnt
+        if cnt:
+            self.max["absd"] = _max(self.max["absd"], big)
+        if self.is_level != "sequence" and cnt:
+            if self.is_mode == "mask":
+                ratio = self._clip(e)
+                S["ratio"] += float(torch.dot(ratio, m))
+                self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
+                self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
+            else:  # the clamp is monotone: the extremes of the clamped ratio are the clamped extremes of e
+                low, high = self.is_low, self.is_high
+                clipped = self._clip(e)
+                one = float(self._clip(torch.ones(1, dtype=torch.float64)))
+                S["ratio"] += float(clipped.sum()) - off * one
+                e_min, e_max = (float(v) for v in torch.aminmax(e))
+                if off and not (e_max > 1.0 and e_min < 1.0):  # a 1 of an off token may be an extreme: look closer
+                    e_max = float(torch.where(on, e, -math.inf).max())
+                    e_min = float(torch.where(on, e, math.inf).min())
+                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
+                self.max["ratio"] = max(self.max["ratio"], clamp(e_max))
+                self.min["ratio"] = min(self.min["ratio"], clamp(e_min))
+        if self.condition and cnt:
+            self._fold_condition(lo, lr, absd, tm, m)
+        if numel:  # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
+            first, last = int(seg[0]), int(seg[-1])
+            part = torch.zeros((3, last - first + 1), dtype=torch.float64)
+            segment_add(part, (lo, lr, m), seg - first)
+            seq = self.seq[:, first:last + 1]
+            seq[0] += part[0]
+            seq[1] += part[1]
+            seq[2] += part[0] - part[1]
+            seq[3] += part[2]
+        return absd
+
+    def _fold_condition(self, lo, lr, absd, tm, m) -> None:
+        size = torch.maximum(lo.abs(), lr.abs()).add_(1)
+        c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
+        self.sums["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
+
+    def _add_general(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
+                     seg: torch.Tensor) -> torch.Tensor:
+        """:meth:`add` for any chunk (NaN, infinities): one array per term."""
         S = self.sums
         S["tokens"] += cnt
         # verl debug metrics: |exp(old) − exp(rollout)| (0 off the loss tokens, never the max: |Δp| ≥ 0)
@@ -188,7 +312,6 @@ class MismatchScan:
             mean = psum / cnt
             self.pd_parts.append((cnt, mean, float(((pd - mean).square_() * m).sum())))
         d = lo - lr  # old − rollout: 0 off the loss tokens
-        self.last_d = d  # the chunk's log importance weight per token (a caller's per-sample views read it)
         e = torch.exp(d)
         S["d"] += float(d.sum())
         k3 = e - d - 1
@@ -224,10 +347,7 @@ class MismatchScan:
             self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
             self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
         if self.condition and cnt:
-            size = torch.maximum(lo.abs(), lr.abs()).add_(1)
-            c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
-            S["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
-        self.last_e = e  # exp(old − rollout) of the chunk (1 off the loss tokens)
+            self._fold_condition(lo, lr, absd, tm, m)
         segment_add(self.seq, (lo, lr, torch.nan_to_num(d, nan=0.0), m), seg)
         return absd
 
@@ -300,16 +420,15 @@ class MismatchScan:
 
 def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
     """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
-    take one contiguous sum each (all rows at once), many short ones one ``index_add_``."""
+    take one contiguous sum each, many short ones one ``index_add_`` per row."""
     samples, counts = torch.unique_consecutive(seg, return_counts=True)
-    stacked = torch.stack(list(rows))
     if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
-        a = 0
-        for sample, size in zip(samples.tolist(), counts.tolist()):
-            acc[:, sample] += stacked[:, a:a + size].sum(1)
-            a += size
+        sizes = counts.tolist()
+        for r, row in enumerate(rows):  # row by row: no stacked copy of the chunk
+            acc[r].index_add_(0, samples, torch.stack([part.sum() for part in row.split(sizes)]))
     else:
-        acc.index_add_(1, seg, stacked)
+        for r, row in enumerate(rows):
+            acc[r].index_add_(0, seg, row)
 
 
 def _max(a: float, b: float) -> float:
@@ -337,35 +456,64 @@ def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
 
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
                    chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
+    """:func:`rejection_decisions`' keep mask alone."""
+    return rejection_decisions(log_ratio, mask, seg, n, chain)[0]
+
+
+def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                        chain: list[tuple[str, Optional[float], float]], unit: float = 2.0 ** -24
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's rejection sampling (``rollout_corr_helper.py:197-413`` ``compute_rollout_rejection_mask``): bool per
     token, kept by every option of ``chain`` (``bundle.rollout_rs.parse_rollout_rs``). ``log_ratio`` = old −
     rollout, clamped to ±20; per token k1 = −log_ratio, k2 = log_ratio²/2, k3 = exp(log_ratio) − 1 − log_ratio;
     token options test each token, ``seq_sum`` / ``seq_mean`` / ``seq_max`` the sample's sum, mean (over
     ``Σ mask``) or max (0 without a loss token) over its loss tokens; k1 keeps ``lower ≤ stat ≤ upper`` (log
-    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway)."""
+    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway).
+
+    Also (second result) the loss tokens whose decision lies within the float32 producer's rounding of a bound
+    (``unit``: its unit roundoff), which a legitimate producer may take either way: per token the statistic's
+    rounding error is at most ``4u·(1 + |lr| + lr² + exp(lr))`` (the difference ``old − rollout``, a square, an
+    exp and two subtractions); a sequence sum adds its terms' errors and ``(⌈log2 count⌉ + 1)·u·Σ|stat|``, a mean
+    divides that by the count, a max takes its largest term's. A sequence option's near decision is its every
+    loss token's."""
     on = mask > 0
     lr = torch.where(on, log_ratio, 0.0).to(torch.float64).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     stats = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.exp(lr) - 1.0 - lr}
+    err = 4.0 * unit * (1.0 + lr.abs() + lr * lr + torch.exp(lr))
     keep = torch.ones_like(on)
+    near = torch.zeros_like(on)
+    firm = torch.zeros_like(on)  # rejected by an option far from its bounds: no rounding keeps it
     m = on.to(torch.float64)
     count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+    depth = torch.ceil(torch.log2(count + 1.0)) + 1.0
     for option, lower, upper in chain:
         stat = stats[option[-2:]]
+        margin = err
         if option.startswith("seq_sum") or option.startswith("seq_mean"):
             per = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat * m)
+            slack = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, err * m)
+            slack += depth * unit * torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat.abs() * m)
             if option.startswith("seq_mean"):
-                per = per / torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
-            stat = per[seg]
+                denom = torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
+                per = per / denom
+                slack = slack / denom + unit * per.abs()
+            stat, margin = per[seg], slack[seg]
         elif option.startswith("seq_max"):
             per = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(
                 0, seg, torch.where(on, stat, -math.inf), reduce="amax")
-            stat = torch.where(per == -math.inf, 0.0, per)[seg]
+            slack = torch.zeros(n, dtype=torch.float64).scatter_reduce_(
+                0, seg, torch.where(on, err, 0.0), reduce="amax")
+            stat, margin = torch.where(per == -math.inf, 0.0, per)[seg], slack[seg]
         ok = stat <= upper
+        close = (stat - upper).abs() <= margin
         if lower is not None:
             ok &= stat >= lower
+            close |= (stat - lower).abs() <= margin
         keep &= ok
-    return keep | ~on
+        near |= close
+        firm |= ~ok & ~close
+    return keep | ~on, near & on & ~firm
 
 
 __all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
-           "mismatch_metrics", "rejection_keep", "segment_add", "ulp_distance"]
+           "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

@@ -65,7 +65,7 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
 
             link = check_link(target, bundles, partner, options)
         row = row_of_report(target, report, elapsed(), link)
-        return _with_mismatch(row, bundles)
+        return _with_mismatch(row, bundles, report)
     except ReplayError as exc:
         if not os.path.lexists(target.path):
             return error_row(target, STATUS_VANISHED, f"{target.path}: vanished during the scan ({exc})", elapsed())
@@ -82,11 +82,14 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
         return error_row(target, STATUS_ERROR, f"{target.path}: {line}", elapsed())
 
 
-def _with_mismatch(row: ScanRow, bundles) -> ScanRow:
-    """The row with its bundle's rollout-vs-old mismatch (``run.mismatch_series``) when it records both."""
+def _with_mismatch(row: ScanRow, bundles, report=None) -> ScanRow:
+    """The row with its bundle's rollout-vs-old mismatch (``run.mismatch_series``) when it records both: the
+    values the replay's ``logprob.mismatch`` stage measured where it ran on the whole bundle, else recomputed."""
     from dataclasses import replace
 
-    from .mismatch_series import bundle_mismatch
+    from .mismatch_series import bundle_mismatch, stage_mismatch
 
-    found = bundle_mismatch(bundles)
+    found = stage_mismatch(report)
+    if found is None:
+        found = bundle_mismatch(bundles)
     return row if found is None else replace(row, mismatch=found.to_json())

@@ -64,6 +64,24 @@ def mismatch_of(old, rollout, mask) -> StepMismatch:
                         int(d.numel()))
 
 
+def stage_mismatch(report) -> Optional[StepMismatch]:
+    """The mismatch the replay's own ``logprob.mismatch`` stage measured (``report``: a
+    :class:`~replay_lib.judge.report.ReplayReport`), ``None`` where it did not run on the whole bundle (not
+    planned or not selected, an error, a cohort of several ranks — whose merged summary keeps no batch metric —,
+    or a partial selection). Its ``rollout_vs_old`` gives ``max_abs``, ``count`` and ``tokens``, and verl's
+    ``rollout_corr/k3_kl`` (Σ k3 over the loss tokens / their count) is :func:`mismatch_of`'s ``k3``."""
+    stage = report.stage("logprob.mismatch") if report is not None else None
+    summary = getattr(stage, "mismatch", None)
+    if not isinstance(summary, dict) or getattr(report, "partial", False):
+        return None
+    ro, metrics = summary.get("rollout_vs_old"), summary.get("metrics")
+    if not isinstance(ro, dict) or not isinstance(metrics, dict) or "rollout_corr/k3_kl" not in metrics:
+        return None
+    tokens = int(ro["compared"])
+    return StepMismatch(float(ro["max_abs_diff"]) if tokens else 0.0,
+                        float(metrics["rollout_corr/k3_kl"]) if tokens else 0.0, int(ro["count"]), tokens)
+
+
 def bundle_mismatch(bundles) -> Optional[StepMismatch]:
     """The mismatch of an opened bundle (a :class:`~replay_lib.bundle.BundleSet`, every rank shard; or one
     reader), ``None`` when it does not record both ``rollout_log_probs`` and ``old_log_probs``."""

@@ -13,7 +13,7 @@ from ..judge.error_model import tolerance_warnings
 from ..errors import BundleError, UnsupportedError
 from ..bundle.layout import PAYLOAD_DIR
 from ..bundle.packed import payload_file
-from .runner import check_closure, check_topology
+from .runner import check_closure, check_topology, stage_contracts
 from ..bundle.schema import ActorStepId, StageCapability, StageId
 from ..bundle.inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
@@ -82,7 +82,7 @@ def check_dependency_closure(bundles: BundleSet) -> ValidationResult:
         ranks=[s.rank if s.rank is not None else 0 for s in bundles.shards],
         samples=sum(len(s.index.samples) for s in bundles.shards),
         tokens=sum(sum(max(x.response_length, 0) for x in s.index.samples) for s in bundles.shards),
-        stages=_pipeline_order(first.manifest.stage_contracts),
+        stages=_pipeline_order(stage_contracts(first)),  # with the stages replay plans on its own (logprob.mismatch)
         # the bundle's own looser tolerances, worded as replay words them (under its default policy)
         warnings=list(dict.fromkeys([*bundles.warnings, *(w for shard in bundles.shards for w in tolerance_warnings(
             shard.manifest, str(shard.path / "manifest.json")))])),

@@ -25,6 +25,7 @@ from ..kernels.families import family_refusals
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
+from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
@@ -72,7 +73,43 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
     if "store_pg" in sums:
         _storage_hazard(ctx, li, bound, actual)
     _loss_hazards(ctx, sums)
+    if li.rs_alternative is not None:
+        actual = _rejection_boundary(ctx, li, expected, actual, bound)
     return expected, {f: actual[f] for f in expected}, bound
+
+
+def _rejection_boundary(ctx: StageContext, li: LossInputs, expected: dict, actual: dict, bound: dict) -> dict:
+    """Rejection sampling decided within rounding of a bound (``kernels.mismatch.rejection_decisions``): a
+    ``rs_boundary`` hazard per sample, and the loss fields recomputed with those decisions taken the other way;
+    the recorded loss is judged against whichever of the two is nearer (the largest error over the fields, in
+    units of each field's bound): a legitimate producer may keep or drop those tokens, while a decision far from
+    its bound taken the other way still diverges. (All the near decisions flip together: two or more of them
+    taken different ways are not tried.)"""
+    import dataclasses
+
+    knobs = li.knobs
+    alt_sums = _loss_sums(ctx, dataclasses.replace(li, mask=li.rs_alternative))
+    other = policy_fields_from_sums(alt_sums, li.entropy is not None, knobs.entropy_coef, knobs)
+
+    def error(values: dict) -> float:
+        worst = 0.0
+        for name, want in expected.items():
+            gap = abs(float(want) - float(values[name])) / (bound.get(name, 0.0) + 1e-300)
+            worst = max(worst, gap if math.isfinite(gap) else math.inf)
+        return worst
+
+    chosen = actual
+    if error(other) < error(actual):
+        chosen = other
+        ctx.outputs[SUMS_OUTPUT] = alt_sums
+    per_sample = torch.zeros(ctx.n, dtype=torch.int64).index_add_(0, ctx.seg, li.rs_near.to(torch.int64))
+    for i in torch.nonzero(per_sample).reshape(-1).tolist():
+        ctx.hazard(StageId.LOSS_POLICY.value, "rs_boundary", sample=i, message=(
+            f"{safe(ctx.sample_ids[i])}: {int(per_sample[i])} loss token(s) whose rejection-sampling decision "
+            f"(rollout_rs) lies within rounding of its threshold: a legitimate producer may keep or drop them "
+            f"(the loss admits either: {'the other decision' if chosen is other else 'this decision'} fits the "
+            f"recorded loss)"))
+    return chosen
 
 
 def _storage_hazard(ctx: StageContext, li: LossInputs, bound: dict[str, float], actual: dict) -> None:

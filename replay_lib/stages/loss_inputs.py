@@ -33,6 +33,10 @@ class LossInputs:
     rollout_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     knobs: LossKnobs = LossKnobs()
+    # rejection sampling (rollout_rs): the loss tokens whose decision lies within the producer's rounding of a
+    # bound, and the mask with those decisions taken the other way (None when there is none)
+    rs_near: Optional[torch.Tensor] = None
+    rs_alternative: Optional[torch.Tensor] = None
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -74,16 +78,20 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
         ref = ctx.payload("ref_log_probs")
     mask = ctx.loss_mask
     old = ctx.payload("old_log_probs")
+    rs_near = rs_alternative = None
     if isinstance(cfg.rollout_rs, str):  # rejection sampling (SPEC §4.4): the rejected tokens leave the mask
         if not ctx.has("rollout_log_probs"):
             raise StageInputError("payload 'rollout_log_probs' is required for rollout_rs", field="rollout_log_probs")
         from ..bundle.rollout_rs import parse_rollout_rs
-        from ..kernels.mismatch import rejection_keep
+        from ..kernels.mismatch import rejection_decisions
 
         chain = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold)
-        keep = rejection_keep(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64), mask,
-                              ctx.seg, ctx.n, chain)
+        keep, near = rejection_decisions(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
+                                         mask, ctx.seg, ctx.n, chain, unit=ctx.precision.token)
+        if bool(near.any()):
+            rs_near, rs_alternative = near, mask * (keep ^ near).to(mask.dtype)
         mask = mask * keep.to(mask.dtype)
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
-                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
+                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
+                      rs_near=rs_near, rs_alternative=rs_alternative)

@@ -1,0 +1,107 @@
+"""The mismatch scan's one-pass path (finite chunks: every metric from a few float64 sums) against its general
+path (one array per term, also used for NaN and infinities), and the max-ulp fast path against ``ulp_distance``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replay_lib.kernels import token_chunks
+from replay_lib.kernels.mismatch import METRICS, DifferenceSummary, MismatchScan, ulp_distance
+
+
+def _data(seed: int, n: int = 6, length: int = 700):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length, (n,), generator=g)
+    total = int(lengths.sum())
+    old = -torch.rand(total, generator=g) * 6
+    rollout = old + torch.randn(total, generator=g) * 0.3
+    mask = (torch.rand(total, generator=g) > 0.25).to(torch.float32)
+    return lengths, rollout, old, mask
+
+
+def _metrics(lengths, rollout, old, mask, general: bool, **knobs) -> dict:
+    scan = MismatchScan(len(lengths), **knobs)
+    if general:
+        scan._add_finite = lambda *a: None  # every chunk through the general path
+    for lo, hi, seg in token_chunks(lengths, 257):
+        scan.add(rollout[lo:hi], old[lo:hi], mask[lo:hi], seg)
+    return scan.metrics()
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(kl_type="k3", is_level="token", is_mode="truncate", is_high=1.2),
+    dict(kl_type="k1", is_level="token", is_mode="truncate", is_low=0.9, is_high=1.1),
+    dict(kl_type="k2", is_level="token", is_mode="mask", is_low=0.8, is_high=1.25),
+    dict(kl_type="k3", is_level="sequence", is_mode="mask", is_high=3.0),
+    dict(kl_type="k3", is_level=None),
+])
+def test_one_pass_path_equals_the_general_path(knobs):
+    for seed in range(3):
+        data = _data(seed)
+        fast, general = _metrics(*data, False, **knobs), _metrics(*data, True, **knobs)
+        assert list(fast) == list(METRICS)
+        for k in METRICS:
+            a, b = fast[k], general[k]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), k
+
+
+def test_ratio_extremes_ignore_the_off_tokens():
+    """Every loss token's ratio below 1 while the off tokens' is 1: the max is the loss tokens' (not 1)."""
+    old = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    rollout = torch.tensor([-0.5, -2.0, -2.75, -3.0])  # d = −0.5, (off), −0.25, −1
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    m = _metrics(torch.tensor([4]), rollout, old, mask, False, is_level="token")
+    assert m["sampling/importance_sampling_ratio/max"] == math.exp(-0.25)
+    assert m["sampling/importance_sampling_ratio/min"] == math.exp(-1.0)
+    assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(
+        (math.exp(-0.5) + math.exp(-0.25) + math.exp(-1.0)) / 3, rel=1e-15)
+
+
+def test_a_nan_chunk_takes_the_general_path():
+    lengths, rollout, old, mask = _data(7)
+    rollout[3] = math.nan
+    mask[3] = 1.0
+    fast, general = _metrics(lengths, rollout, old, mask, False), _metrics(lengths, rollout, old, mask, True)
+    for k in METRICS:
+        a, b = fast[k], general[k]
+        assert (math.isnan(a) and math.isnan(b)) or a == b, k
+
+
+def test_max_ulp_across_zero_matches_ulp_distance():
+    """Opposite signs: the steps down to 0 on both sides (+0 and −0 one key), as ``ulp_distance`` counts them."""
+    tiny = torch.tensor([1e-45], dtype=torch.float32)  # the smallest subnormal: bit pattern 1
+    a = torch.tensor([tiny.item(), -2.0, 0.0], dtype=torch.float32)
+    b = torch.tensor([-tiny.item(), -2.0000002, -tiny.item()], dtype=torch.float32)
+    on = torch.ones(3, dtype=torch.bool)
+    s = DifferenceSummary()
+    s.add(a, b, on, 0)
+    assert ulp_distance(a, b).tolist() == [2.0, 1.0, 1.0]
+    assert (s.count, s.max_ulp, s.first) == (3, 2.0, 0)
+    few = DifferenceSummary()  # the gather path (few differing tokens) agrees
+    few.add(torch.cat([a[:1], torch.full((20,), -1.0)]), torch.cat([b[:1], torch.full((20,), -1.0)]),
+            torch.ones(21, dtype=torch.bool), 0)
+    assert (few.count, few.max_ulp) == (1, 2.0)
+
+
+def test_max_ulp_with_most_pairs_across_zero():
+    """Most pairs of opposite signs (the masked path): the same distances as ``ulp_distance``."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(64, generator=g).abs()
+    b = -torch.randn(64, generator=g).abs()
+    b[:8] = a[:8] * 0.5  # a few of one sign, whose bit distance is large
+    s = DifferenceSummary()
+    s.add(a, b, torch.ones(64, dtype=torch.bool), 0)
+    assert s.max_ulp == float(ulp_distance(a, b).max())
+
+
+def test_max_ulp_of_large_values_across_zero_and_signed_zeros():
+    """Opposite signs of sizes ≥ 2 (the bit patterns' sum passes 2^31: counted in int64), and ±0 pairs among
+    many differing ones on a fully compared chunk (equal: 0 ulp)."""
+    a = torch.tensor([3.0, 0.0, -1.0, -1.0, -1.0], dtype=torch.float32)
+    b = torch.tensor([-5.0, -0.0, -1.5, -1.25, -2.0], dtype=torch.float32)
+    s = DifferenceSummary()
+    s.add(a, b, torch.ones(5, dtype=torch.bool), 0)
+    assert s.count == 4 and s.max_ulp == float(ulp_distance(a, b).max()) == float(ulp_distance(a[:1], b[:1]))
