@@ -33,6 +33,7 @@ class LossInputs:
     rollout_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     knobs: LossKnobs = LossKnobs()
+    teacher_log_probs: Optional[torch.Tensor] = None  # on-policy distillation as a loss term (opd_placement)
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -61,8 +62,16 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
+    if entropy is None and knobs.entropy_mask:
+        raise StageInputError("payload 'entropy' is required for top_entropy_quantile < 1", field="entropy")
+    teacher = None
+    if knobs.opd_loss:
+        if not ctx.has("teacher_log_probs"):
+            raise StageInputError("payload 'teacher_log_probs' is required for opd_placement='loss'",
+                                  field="teacher_log_probs")
+        teacher = ctx.payload("teacher_log_probs")
     rollout = ref = None
-    if knobs.is_level is not None:
+    if knobs.is_level is not None or (knobs.opsm and knobs.opsm_anchor == "rollout"):
         if not ctx.has("rollout_log_probs"):
             raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
                                   field="rollout_log_probs")
@@ -74,4 +83,5 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
         ref = ctx.payload("ref_log_probs")
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
                       advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
-                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
+                      advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
+                      teacher_log_probs=teacher)
