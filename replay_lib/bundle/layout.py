@@ -29,7 +29,8 @@ def staging_name(name: str) -> str:
 # name (an extension no stage reads) is a real float or integer tensor of any rank.
 TOKENS = "Σ response_length"
 _PER_TOKEN_FLOAT = ("old_log_probs", "log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "kl",
-                    "advantages", "pg_losses", "values", "old_values", "returns", "full_log_probs")
+                    "advantages", "pg_losses", "values", "old_values", "returns", "full_log_probs",
+                    "teacher_log_probs")
 PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{name: ("float", (TOKENS,)) for name in _PER_TOKEN_FLOAT},
     "support_ids": ("int", (TOKENS, "K")),

@@ -37,7 +37,8 @@ from ..judge.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, StageRepor
 # The stage whose output a payload is (its declared tolerance applies); others use the defaults.
 PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estimate", "kl": "advantage.kl",
                  "rewards": "reward.post_process", "log_probs": "loss.policy", "old_log_probs": "loss.policy",
-                 "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy"}
+                 "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy",
+                 "teacher_log_probs": "loss.policy"}
 INDEX_FIELDS = (("raw_reward", "reward.raw"), ("reward", "reward.post_process"))
 
 
