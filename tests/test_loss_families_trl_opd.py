@@ -343,3 +343,64 @@ def test_opd_loss_without_the_teacher_payload_names_it(tmp_path, cli):
     (path / "payloads" / "teacher_log_probs.pt").unlink()
     code, out, err = cli("validate", path)
     assert code == 3 and "teacher_log_probs" in out + err, (out, err)
+
+
+# -------------------------------------------------------------- distillation in the advantages (slime)
+
+
+REWARDS = [0.5, -0.25]
+
+
+def write_advantage_step(path, *, config: dict, advantages, stages=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE)):
+    samples = [SampleRecord(sample_id=f"s-{i}", group_index=i, response_length=n, total_length=n + 4,
+                            loss_mask=[1] * n, raw_reward=REWARDS[i], reward=REWARDS[i])
+               for i, n in enumerate(LENGTHS)]
+    index = BundleIndex(bundle_id="opd", identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0)),
+                        samples=samples, config=RecomputeConfig(**config))
+    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="opd", producer=producer(),
+                        stage_contracts=stage_contracts(list(stages)), payloads={},
+                        comparison_policy=ComparisonPolicy(), redaction={})
+    writer = BundleWriter(path, manifest, index, {})
+    for name, values in {"log_probs": LOGP, "old_log_probs": OLD, "advantages": advantages,
+                         "teacher_log_probs": TEACHER}.items():
+        writer.write_payload(name, torch.tensor(values, dtype=torch.float32))
+    return writer.finalize(ranks=[0])
+
+
+def _slime_opd_advantages(coef: float, student=OLD) -> list[float]:
+    """slime ``apply_opd_kl_to_advantages`` (backends/megatron_utils/loss.py:694-697), in float32: each sample's
+    broadcast return minus ``opd_kl_coef·(student − teacher)``, the student the trainer's old log-probs."""
+    out, k = [], 0
+    for i, n in enumerate(LENGTHS):
+        adv = torch.full((n,), REWARDS[i], dtype=torch.float32)
+        reverse_kl = torch.tensor(student[k:k + n], dtype=torch.float32) - torch.tensor(TEACHER[k:k + n],
+                                                                                        dtype=torch.float32)
+        out += (adv - coef * reverse_kl).tolist()
+        k += n
+    return out
+
+
+OPD_ADV = dict(opd_placement="advantage", opd_kl_type="k1", opd_coef=0.5)
+
+
+def test_opd_in_the_advantages_replays_clean_and_the_student_swapped_diverges(tmp_path, cli):
+    code, out, err = cli("replay", write_advantage_step(tmp_path / "good", config=OPD_ADV,
+                                                        advantages=_slime_opd_advantages(0.5)), "--format", "json")
+    assert (code, err) == (0, ""), out
+    # the bug: the current log-probs as the student where slime takes the old ones (sample 0: 0.5·0.1 apart)
+    code, out, err = cli("replay", write_advantage_step(tmp_path / "bad", config=OPD_ADV,
+                                                        advantages=_slime_opd_advantages(0.5, student=LOGP)),
+                         "--format", "json")
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "advantage.estimate"), report
+    # without the term (coef 0 in the producer) the step diverges too: the replay applies it
+    code, out, err = cli("replay", write_advantage_step(tmp_path / "off", config=OPD_ADV,
+                                                        advantages=_slime_opd_advantages(0.0)), "--format", "json")
+    assert code == 1, out
+
+
+def test_opd_in_whitened_advantages_is_refused_naming_the_knob(tmp_path, cli):
+    path = write_advantage_step(tmp_path / "b", config=dict(OPD_ADV, advantage_estimator="reinforce_plus_plus"),
+                                advantages=_slime_opd_advantages(0.5))
+    code, out, err = cli("replay", path)
+    assert code == 4 and "opd_placement" in out + err, (out, err)
