@@ -323,19 +323,19 @@ def test_opd_direction_swapped_diverges(tmp_path, cli):
 
 
 @pytest.mark.parametrize("config, message", [
-    (dict(policy_loss="nope"), "policy_loss: 'nope' is not a known family (known: ppo, "),
+    (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known family (known: ppo, vespo"),
     (dict(policy_loss="vespo", policy_loss_params={"k": 1.0}),
-     "policy_loss_params.k: not a parameter of the vespo family (its parameters: k_neg, k_pos, lambda_neg, "
-     "lambda_pos)"),
+     "$.config.policy_loss_params.k=1.0: not a parameter of the vespo family (its parameters: k_neg, k_pos, "
+     "lambda_neg, lambda_pos) (stage loss.policy)"),
     (dict(policy_loss="vespo", policy_loss_params={"k_pos": "two"}),
-     "policy_loss_params.k_pos: the vespo family expects a float, got 'two'"),
+     "$.config.policy_loss_params.k_pos='two': the vespo family expects a float (stage loss.policy)"),
 ])
 def test_an_unknown_family_or_parameter_is_refused_in_one_line(tmp_path, cli, config, message):
     path = write_step(tmp_path / "b", config=config, policy={"loss": 0.0})
     code, out, err = cli("replay", path)
     assert code == 4, (out, err)
     lines = (out + err).strip().splitlines()
-    assert any(message in line for line in lines), lines
+    assert len(lines) == 1 and message in lines[0], lines
 
 
 def test_opd_loss_without_the_teacher_payload_names_it(tmp_path, cli):

@@ -506,7 +506,7 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     knobs = LossKnobs.of(cfg)
     wrong = check_params(knobs.policy_loss, knobs.policy_loss_params)
     if wrong is not None:
-        out.append(("policy_loss", wrong))
+        out.append(wrong)
     elif knobs.policy_loss == "vespo" and knobs.is_level is not None:
         out.append(("is_level", f"{knobs.is_level!r} with policy_loss='vespo': TRL folds the importance ratio into "
                                 "VESPO's sequence weight (grpo_trainer.py:2993-2997) instead of multiplying the loss; "

@@ -51,26 +51,26 @@ def family(name: str) -> PolicyFamily:
         raise KeyError(f"unknown policy_loss {name!r} (known: ppo, {', '.join(sorted(FAMILIES))})") from None
 
 
-def check_params(name: str, params) -> Optional[str]:
-    """What is wrong with a family and its recorded parameters (one line), or None: an unknown family (naming the
-    known ones), an unknown parameter (naming the family's), a value whose type differs from the default's."""
+def check_params(name: str, params) -> Optional[tuple[str, str]]:
+    """``(knob, why)`` for what is wrong with a family and its recorded parameters, or None: an unknown family
+    (naming the known ones), an unknown parameter (naming the family's), a value whose type differs from its
+    default's. ``why`` starts with the value, as a refusal's ``$.config.<knob>=<why>`` line reads."""
     if name == "ppo":
-        return None if not params else f"policy_loss_params: the ppo family has no parameters, got " \
-                                       f"{', '.join(k for k, _ in params)}"
+        return None if not params else (f"policy_loss_params.{params[0][0]}",
+                                        f"{params[0][1]!r}: the ppo family has no parameters")
     if name not in FAMILIES:
-        return f"policy_loss: {name!r} is not a known family (known: ppo, {', '.join(sorted(FAMILIES))})"
+        return "policy_loss", f"{name!r}: not a known family (known: ppo, {', '.join(sorted(FAMILIES))})"
     defaults = FAMILIES[name].defaults
     for key, value in params:
         if key not in defaults:
-            return (f"policy_loss_params.{key}: not a parameter of the {name} family "
-                    f"(its parameters: {', '.join(sorted(defaults)) or 'none'})")
+            return (f"policy_loss_params.{key}", f"{value!r}: not a parameter of the {name} family "
+                                                 f"(its parameters: {', '.join(sorted(defaults)) or 'none'})")
         want = defaults[key]
         numeric = isinstance(want, (int, float)) and not isinstance(want, bool)
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if numeric else \
             (want is None or type(value) is type(want))
         if not ok:
-            return (f"policy_loss_params.{key}: the {name} family expects a {type(want).__name__}, "
-                    f"got {value!r}")
+            return f"policy_loss_params.{key}", f"{value!r}: the {name} family expects a {type(want).__name__}"
     return None
 
 
