@@ -236,8 +236,6 @@ def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
     ({"custom_reward_post_process_path": "m.py:f"}, "custom_reward_post_process_path", "custom function"),
     ({"use_tis": True, "custom_tis_function_path": "mis.py:compute_mis_weights_with_cp"},
      "custom_tis_function_path", "custom TIS"),
-    ({"use_opd": True}, "use_opd", "distillation"),
-    (["--use-opsm", "--opsm-delta", "0.001"], "use_opsm", "off-policy sequence masking"),
     ({"use_kl_loss": True, "kl_loss_coef": 0.01, "use_unbiased_kl": True}, "use_unbiased_kl", "importance"),
     ({"--grpo-reward-clip": 5.0}, "grpo_reward_clip", "a key the slime mapping does not know"),
 ])
@@ -573,3 +571,14 @@ def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
     assert err.splitlines()[1] == (f"none of the keys the verl mapping reads is in {empty}: every knob above is "
                                    f"verl's default (check the file's nesting, e.g. algorithm.adv_estimator)")
     assert "default  algorithm.adv_estimator" in err and "= 'gae'" in err
+
+
+def test_slime_opsm_and_opd_map_to_their_knobs():
+    # OPSM (utils/ppo_utils.py:54-92, loss.py:1010-1046): old − current, opsm_delta default 1e-4 (arguments.py:1110)
+    cfg = from_slime(["--use-opsm", "--opsm-delta", "0.001"])
+    assert (cfg.opsm_delta, cfg.opsm_anchor) == (0.001, "old")
+    assert from_slime(["--use-opsm"]).opsm_delta == 1e-4
+    # OPD (backends/megatron_utils/loss.py:663-701): A − opd_kl_coef·(old − teacher), in the advantages
+    cfg = from_slime({"use_opd": True, "opd_type": "sglang", "opd_kl_coef": 0.5})
+    assert (cfg.opd_placement, cfg.opd_kl_type, cfg.opd_coef) == ("advantage", "k1", 0.5)
+    assert from_slime({"use_opd": True, "opd_type": "sglang"}).opd_coef == 1.0
