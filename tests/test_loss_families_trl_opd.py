@@ -323,7 +323,7 @@ def test_opd_direction_swapped_diverges(tmp_path, cli):
 
 
 @pytest.mark.parametrize("config, message", [
-    (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known family (known: ppo, vespo"),
+    (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known family (known: ppo, cross_entropy, importance_sampling, ipo, "),
     (dict(policy_loss="vespo", policy_loss_params={"k": 1.0}),
      "$.config.policy_loss_params.k=1.0: not a parameter of the vespo family (its parameters: k_neg, k_pos, "
      "lambda_neg, lambda_pos) (stage loss.policy)"),
@@ -404,3 +404,102 @@ def test_opd_in_whitened_advantages_is_refused_naming_the_knob(tmp_path, cli):
                                 advantages=_slime_opd_advantages(0.5))
     code, out, err = cli("replay", path)
     assert code == 4 and "opd_placement" in out + err, (out, err)
+
+
+# ------------------------------------------------------------ SkyRL cross_entropy, importance_sampling, rollout_is
+
+
+def _terms(cfg: RecomputeConfig, lengths=LENGTHS, logp=LOGP, old=OLD, adv=ADV, rollout=ROLLOUT):
+    knobs = LossKnobs.of(cfg)
+    terms = sample_log_terms(_t(logp), _t(old), _t(rollout), torch.ones(len(logp)), torch.tensor(lengths), knobs,
+                             torch.float64)
+    return policy_token_terms(_t(logp), _t(old), _t(adv), knobs, seg=_seg(lengths), sample_terms=terms,
+                              dtype=torch.float64, rollout_log_probs=_t(rollout))
+
+
+def test_skyrl_cross_entropy_and_importance_sampling_by_hand():
+    # cross_entropy: −logp, whatever A and old (ppo_utils.py:1057-1092)
+    assert _terms(RecomputeConfig(policy_loss="cross_entropy"))["pg"].tolist() == [0.1, 0.0, 0.5, 0.2, 1.0]
+    # importance_sampling: −exp(logp − old)·A (ppo_utils.py:1095-1142): Δ = [−0.1, 0, −0.1, 0.1, 0.5]
+    want = [-math.exp(-0.1), -1.0, 0.5 * math.exp(-0.1), 0.5 * math.exp(0.1), 0.5 * math.exp(0.5)]
+    assert _terms(RecomputeConfig(policy_loss="importance_sampling"))["pg"].tolist() == pytest.approx(want, rel=1e-15)
+    # summed over the loss tokens (reduce_loss, :1145-1149): the token_sum aggregation
+    out = _fields(RecomputeConfig(policy_loss="importance_sampling", loss_agg_mode="token_sum"))
+    assert out["pg_loss"] == pytest.approx(sum(want), rel=1e-14)
+
+
+def _skyrl_rollout_is(logp, rollout, adv, eps_low, eps_high):
+    """SkyRL ``rollout_is_policy_loss`` (ppo_utils.py:846-854), per token: ``ratio = exp(clamp(logp − rollout, ±20))``
+    in float32 then back (``safe_exp_delta``, torch_utils.py:187-192), ``in_range = (1 − εl < r < 1 + εh)``, the
+    loss ``−(where(in_range, r, 0)·A·logp)``."""
+    ratio = torch.clamp((logp - rollout).to(torch.float32), -20.0, 20.0).exp().to(logp.dtype)
+    in_range = (ratio > 1 - eps_low) & (ratio < 1 + eps_high)
+    return -(torch.where(in_range, ratio, torch.zeros_like(ratio)) * adv * logp), (~in_range).to(logp.dtype)
+
+
+def test_skyrl_rollout_is_matches_a_reference_from_its_code():
+    lengths = [4, 2, 6, 3]
+    logp, _, rollout, adv, _, _ = _random_step(11, lengths)
+    rollout = rollout + torch.linspace(-0.3, 0.3, len(logp), dtype=torch.float64)  # some ratios out of range
+    want, clip = _skyrl_rollout_is(logp.float(), rollout.float(), adv.float(), 0.2, 0.28)
+    knobs = LossKnobs.of(RecomputeConfig(policy_loss="rollout_is", eps_clip=0.2, eps_clip_high=0.28))
+    got = policy_token_terms(logp.float(), logp.float(), adv.float(), knobs, seg=_seg(lengths), sample_terms={},
+                             dtype=torch.float32, rollout_log_probs=rollout.float())
+    assert torch.equal(got["pg"], want) and torch.equal(got["clip"], clip) and 0 < int(clip.sum()) < len(logp)
+
+
+# ------------------------------------------------------------------------------------------ prime-rl IPO
+
+
+def _prime_ipo(logp, rollout, adv, ipo_threshold=0.1, adv_tau=1.0, kl_tau=1e-3):
+    """prime-rl ``ipo_loss_fn`` (src/prime_rl/trainer/rl/loss.py:164-196 @ 559b44772e47), per token:
+    ``log r = logp − inf``, ``r = exp(log r)`` (:100-106), ``is_masked = |exp(logp) − exp(inf)| > threshold``,
+    ``−keep·adv_tau·A·r + kl_tau·(log r)²``."""
+    lr = logp - rollout
+    keep = ~((logp.exp() - rollout.exp()).abs() > ipo_threshold)
+    return -(keep * (adv_tau * adv) * lr.exp()) + kl_tau * lr ** 2
+
+
+def test_prime_rl_ipo_by_hand_and_against_a_reference_from_its_code():
+    # token 4: |e^−1 − e^−1.2| = 0.0667 ≤ 0.1 kept; with ipo_threshold 0.05 it is masked, its (log r)² term stays
+    lr = -1.0 + 1.2
+    kept = -(-0.5 * math.exp(lr)) + 1e-3 * lr * lr
+    assert _terms(RecomputeConfig(policy_loss="ipo"))["pg"][4].item() == pytest.approx(kept, rel=1e-14)
+    masked = _terms(RecomputeConfig(policy_loss="ipo", policy_loss_params={"ipo_threshold": 0.05}))["pg"][4].item()
+    assert masked == pytest.approx(1e-3 * lr * lr, rel=1e-12)
+    lengths = [4, 2, 6, 3]
+    logp, _, rollout, adv, _, _ = _random_step(5, lengths)
+    rollout = rollout + torch.linspace(-0.6, 0.6, len(logp), dtype=torch.float64)
+    for params in ({}, {"ipo_threshold": 0.05, "adv_tau": 0.5, "kl_tau": 0.01}):
+        knobs = LossKnobs.of(RecomputeConfig(policy_loss="ipo", policy_loss_params=params))
+        got = policy_token_terms(logp, logp, adv, knobs, seg=_seg(lengths), sample_terms={}, dtype=torch.float64,
+                                 rollout_log_probs=rollout)["pg"]
+        assert torch.allclose(got, _prime_ipo(logp, rollout, adv, **params), rtol=1e-14, atol=0), params
+
+
+SKY_CASES = {
+    "cross_entropy": dict(policy_loss="cross_entropy", loss_agg_mode="token_sum"),
+    "importance_sampling": dict(policy_loss="importance_sampling", loss_agg_mode="token_sum"),
+    "rollout_is": dict(policy_loss="rollout_is", loss_agg_mode="token_sum"),
+    "ipo": dict(policy_loss="ipo", loss_agg_mode="token_sum"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SKY_CASES))
+def test_skyrl_and_prime_rl_families_replay_clean_from_a_float32_producer(tmp_path, cli, case):
+    policy = _produced(SKY_CASES[case])
+    code, out, err = cli("replay", write_step(tmp_path / case, config=SKY_CASES[case], policy=policy),
+                         "--format", "json")
+    assert (code, err) == (0, ""), out
+
+
+def test_ipo_with_the_old_policy_as_its_anchor_diverges(tmp_path, cli):
+    # the typical bug: the ratio against the trainer's old log-probs where prime-rl has no old policy
+    config = SKY_CASES["ipo"]
+    cfg = RecomputeConfig(**config)
+    buggy = policy_loss_fields(torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(ADV), None, torch.ones(5),
+                               torch.tensor(LENGTHS), eps_clip=0.2, eps_clip_high=0.2, entropy_coef=0.0,
+                               dtype=torch.float32, knobs=LossKnobs.of(cfg), rollout_log_probs=torch.tensor(OLD))
+    code, out, err = cli("replay", write_step(tmp_path / "b", config=config,
+                                              policy={k: float(v) for k, v in buggy.items()}), "--format", "json")
+    assert (code, json.loads(out)["first_divergent_stage"]) == (1, "loss.policy"), out

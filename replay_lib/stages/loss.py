@@ -24,7 +24,7 @@ from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
-from .loss_inputs import LossInputs, loss_inputs
+from .loss_inputs import LossInputs, family_payloads, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -129,7 +129,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     kl_loss = knobs.kl_loss
     opd = knobs.opd_loss
     # a mask decided per token or sample by a comparison (OPSM, the entropy mask): its edges are hazards
-    masks = knobs.opsm or knobs.entropy_mask
+    masks = knobs.opsm or knobs.entropy_mask or knobs.family
     masked_is = knobs.is_level is not None and knobs.is_mode == "mask"
     clamps = (knobs.log_ratio_clamp is not None or (kl_loss and (knobs.kl_loss_input_clamp is not None
                                                                  or knobs.kl_loss_output_clamp is not None)))
@@ -281,15 +281,22 @@ def _mask_flips(knobs: LossKnobs, t: dict, seg: torch.Tensor, sample_terms: dict
     """``|pg before the mask|·m`` (× the importance weight) at each token a mask may keep or drop within rounding:
     OPSM's sequence KL within its reach of ``opsm_delta`` (A < 0), an entropy within rounding of its micro-batch's
     threshold."""
+    out.zero_()
     flip = torch.zeros_like(m, dtype=torch.bool)
     if knobs.opsm:  # only a token with A < 0 is ever dropped
         reach = (C_NEAR_CLIP * u_token) * (1.0 + sample_terms["opsm_reach"][seg])
         flip |= ((t["opsm_seq_kl"] - knobs.opsm_delta).abs() <= reach) & t["opsm_negative"]
     if knobs.entropy_mask:
         flip |= near_value(t["entropy"], t["entropy_threshold"], u_token, 1.0)
+    if "gate" in t:  # a family's own keep/drop decision (families.__init__): its term opens where it may flip
+        gate = torch.zeros_like(flip)
+        for edge in t["gate_edges"]:
+            gate |= near_value(t["gate"], float(edge), u_token, 1.0 + t["log_ratio"].abs())
+        out.add_(t["gate_open"] * m * gate.to(torch.float64))
     weight = t.get("is_weight")
-    mag = t["pg_unmasked"].abs() * m * flip.to(torch.float64)
-    torch.mul(mag, weight, out=out) if weight is not None else out.copy_(mag)
+    if knobs.opsm or knobs.entropy_mask:
+        mag = t["pg_unmasked"].abs() * m * flip.to(torch.float64)
+        out.add_(mag * weight if weight is not None else mag)
 
 
 # ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
@@ -314,9 +321,9 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
     if "mask_flip" in sums:
         for i in torch.nonzero(sums["mask_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "mask_boundary", sample=i, message=(
-                f"{ctx.sample_ids[i]}: loss token(s) whose OPSM sequence KL (opsm_delta) or entropy (the "
-                f"top_entropy_quantile threshold) lies within rounding of the edge: a legitimate producer may keep "
-                f"or drop them (pg_loss admits either)"))
+                f"{ctx.sample_ids[i]}: loss token(s) whose OPSM sequence KL (opsm_delta), entropy (the "
+                f"top_entropy_quantile threshold) or {ctx.config.policy_loss} gate lies within rounding of its edge: "
+                f"a legitimate producer may keep or drop them (pg_loss admits either)"))
     if "is_flip" in sums:
         for i in torch.nonzero(sums["is_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "is_mask_boundary", sample=i, message=(
@@ -447,6 +454,9 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("top_entropy_quantile", "entropy"))
     if knobs.opd_loss:
         out.append(("opd_placement", "teacher_log_probs"))
+    out += [("policy_loss", name) for name in family_payloads(knobs)
+            if not (name == "rollout_log_probs" and (knobs.is_level is not None or knobs.opsm_anchor == "rollout"
+                                                      and knobs.opsm))]
     return out
 
 

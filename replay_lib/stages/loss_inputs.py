@@ -48,6 +48,16 @@ class LossInputs:
         return StorageUnits.of(compute, **self.payloads())
 
 
+def family_payloads(knobs: LossKnobs) -> tuple[str, ...]:
+    """The payloads the knobs' policy-loss family reads beyond the PPO ones (``()`` for an unknown family: it is
+    refused by name before a stage runs)."""
+    if not knobs.family:
+        return ()
+    from ..kernels.families import FAMILIES
+    f = FAMILIES.get(knobs.policy_loss)
+    return f.payloads if f is not None else ()
+
+
 def loss_inputs(ctx: StageContext) -> LossInputs:
     cfg = ctx.config
     knobs = LossKnobs.of(cfg, ctx.samples)
@@ -71,9 +81,14 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                                   field="teacher_log_probs")
         teacher = ctx.payload("teacher_log_probs")
     rollout = ref = None
-    if knobs.is_level is not None or (knobs.opsm and knobs.opsm_anchor == "rollout"):
+    if knobs.is_level is not None or (knobs.opsm and knobs.opsm_anchor == "rollout") or \
+            "rollout_log_probs" in family_payloads(knobs):
         if not ctx.has("rollout_log_probs"):
-            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
+            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}"
+                                  if knobs.is_level is not None else
+                                  f"payload 'rollout_log_probs' is required for policy_loss={knobs.policy_loss!r}"
+                                  if knobs.family else "payload 'rollout_log_probs' is required for opsm_anchor="
+                                                       "'rollout'",
                                   field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:

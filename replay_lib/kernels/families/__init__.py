@@ -10,8 +10,9 @@ signature and return of ``kernels.loss.sample_log_terms`` and is merged into its
 ref_log_probs, dtype) -> dict`` returns the keys of the PPO terms (``pg``, ``clip``, ``ppo_kl``, ``ratio``,
 ``log_ratio``, optional ``clip_lower``) and the family's own per-token columns (the why strip shows them);
 optionally ``cond``, the condition of ``pg`` in the log-ratios (the error model's exponent condition, replacing
-``|log_ratio|``), and ``flip``, the magnitude of ``pg`` at tokens whose mask decision lies within rounding of an
-edge (a hazard, admitted in the bound).
+``|log_ratio|``), and a gate — ``gate`` (the per-token value a keep/drop decision compares), ``gate_edges`` (the
+values it is compared with) and ``gate_open`` (the magnitude of ``pg`` the decision keeps or drops): a token whose
+gate lies within rounding of an edge is a hazard, its term admitted in the bound.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class PolicyFamily:
     formula: str = ""
     # the frameworks (and where) this family's math was read from, for a report and the README's table
     source: str = field(default="", compare=False)
+    # the payloads its terms read beyond log_probs, old_log_probs and advantages (e.g. rollout_log_probs)
+    payloads: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, PolicyFamily] = {}
@@ -74,4 +77,4 @@ def check_params(name: str, params) -> Optional[tuple[str, str]]:
     return None
 
 
-from . import vespo  # noqa: E402,F401
+from . import cross_entropy, importance_sampling, ipo, rollout_is, vespo  # noqa: E402,F401
