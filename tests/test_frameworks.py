@@ -463,8 +463,8 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip and "
-                              "gspo are)")
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip, gspo, "
+                              "cross_entropy, importance_sampling, rollout_is are)")
 
 
 def test_skyrl_kl_in_reward_fixed_maps_and_adaptive_names_what_a_bundle_would_need():
@@ -582,3 +582,14 @@ def test_slime_opsm_and_opd_map_to_their_knobs():
     cfg = from_slime({"use_opd": True, "opd_type": "sglang", "opd_kl_coef": 0.5})
     assert (cfg.opd_placement, cfg.opd_kl_type, cfg.opd_coef) == ("advantage", "k1", 0.5)
     assert from_slime({"use_opd": True, "opd_type": "sglang"}).opd_coef == 1.0
+
+
+def test_skyrl_tinker_losses_and_rollout_is_map_to_their_families():
+    # cross_entropy sums −logp (ppo_utils.py:1057-1092, reduce_loss :1145-1149); importance_sampling and rollout_is
+    # take the configured reduction, as the clipped loss does (SkyRL folds it into the advantages)
+    algo = {"use_kl_loss": False, "loss_reduction": "sequence_mean"}
+    ce = from_skyrl({"trainer": {"algorithm": dict(algo, policy_loss_type="cross_entropy")}})
+    assert (ce.policy_loss, ce.loss_agg_mode) == ("cross_entropy", "token_sum")
+    for kind in ("importance_sampling", "rollout_is"):
+        cfg = from_skyrl({"trainer": {"algorithm": dict(algo, policy_loss_type=kind, eps_clip_low=0.1)}})
+        assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.eps_clip) == (kind, "seq_mean_token_mean", 0.1)
