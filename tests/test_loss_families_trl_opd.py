@@ -502,4 +502,35 @@ def test_ipo_with_the_old_policy_as_its_anchor_diverges(tmp_path, cli):
                                dtype=torch.float32, knobs=LossKnobs.of(cfg), rollout_log_probs=torch.tensor(OLD))
     code, out, err = cli("replay", write_step(tmp_path / "b", config=config,
                                               policy={k: float(v) for k, v in buggy.items()}), "--format", "json")
-    assert (code, json.loads(out)["first_divergent_stage"]) == (1, "loss.policy"), out
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), out
+    assert report["explanations"][0]["hypothesis"] == "loss.ipo_old_anchor", report["explanations"]
+
+
+# ------------------------------------------------------------------------------------- explanations
+
+
+@pytest.mark.parametrize("case, hypothesis", [
+    ("vespo", "loss.vespo_sign_swapped"),
+    ("opsm_rollout", "loss.opsm_anchor_old"),
+    ("entropy_mask", "loss.entropy_quantile_flipped"),
+])
+def test_the_injected_bug_is_explained_by_name(tmp_path, cli, case, hypothesis):
+    config, buggy = BUGS[case]
+    code, out, err = cli("replay", write_step(tmp_path / case, config=config, policy=_produced(buggy)),
+                         "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and report["explanations"], report
+    assert report["explanations"][0]["hypothesis"] == hypothesis, report["explanations"]
+
+
+def test_the_opd_direction_swap_is_explained(tmp_path, cli):
+    config = CASES["opd_loss"]
+    knobs = LossKnobs.of(RecomputeConfig(**config))
+    wrong = opd_estimate(torch.tensor(TEACHER), torch.tensor(LOGP), knobs, torch.float32)
+    policy = _produced(config)
+    swapped = float(wrong[:2].mean() + wrong[2:].mean())
+    policy = dict(policy, opd_loss=swapped, loss=policy["loss"] + 0.25 * (swapped - policy["opd_loss"]))
+    code, out, err = cli("replay", write_step(tmp_path / "opd", config=config, policy=policy), "--format", "json")
+    report = json.loads(out)
+    assert code == 1 and report["explanations"][0]["hypothesis"] == "loss.opd_direction_swapped", report["explanations"]

@@ -245,8 +245,10 @@ def modelled(cfg) -> bool:
     train/rollout importance weights, no log-ratio clamp, token-level ratios (other configurations get no loss
     hypotheses rather than ones built on the wrong formula)."""
     kl_loss = cfg.use_kl_loss and cfg.kl_loss_coef != 0
+    knobs = LossKnobs.of(cfg)  # another loss family, OPSM, the entropy mask, distillation: explain.families
     return not (kl_loss or cfg.use_tis or cfg.is_level is not None or cfg.log_ratio_clamp is not None
-                or cfg.importance_level != "token" or cfg.use_rollout_logprobs)
+                or cfg.importance_level != "token" or cfg.use_rollout_logprobs or knobs.family or knobs.opsm
+                or knobs.entropy_mask or knobs.opd_loss)
 
 
 def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
@@ -388,7 +390,9 @@ def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
     if not modelled(ctx.config):
-        return aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
+        from .families import hypotheses as family_hypotheses
+        return family_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
+            micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from
