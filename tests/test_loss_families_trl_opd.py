@@ -497,7 +497,7 @@ def test_ipo_with_the_old_policy_as_its_anchor_diverges(tmp_path, cli):
     # the typical bug: the ratio against the trainer's old log-probs where prime-rl has no old policy
     config = SKY_CASES["ipo"]
     cfg = RecomputeConfig(**config)
-    buggy = policy_loss_fields(torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(ADV), None, torch.ones(5),
+    buggy = policy_loss_fields(torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(ADV), torch.tensor(ENT), torch.ones(5),
                                torch.tensor(LENGTHS), eps_clip=0.2, eps_clip_high=0.2, entropy_coef=0.0,
                                dtype=torch.float32, knobs=LossKnobs.of(cfg), rollout_log_probs=torch.tensor(OLD))
     code, out, err = cli("replay", write_step(tmp_path / "b", config=config,
