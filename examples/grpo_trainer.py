@@ -366,6 +366,17 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
         sample_terms = dict(sample_terms, seq_log_ratio=lr)
         used = knobs
+    if bug == "family":  # the family's typical bug (LOSS_BUG_FLAGS)
+        if knobs.policy_loss == "vespo":
+            used = replace(knobs, policy_loss_params=(("k_neg", knobs.param("k_pos")), ("k_pos", knobs.param("k_neg")),
+                                                      ("lambda_neg", knobs.param("lambda_pos")),
+                                                      ("lambda_pos", knobs.param("lambda_neg"))))
+        elif knobs.policy_loss in ROLLOUT_FAMILIES:
+            rollout_log_probs = old_log_probs
+        elif knobs.policy_loss == "importance_sampling":
+            advantages = -advantages
+        elif knobs.policy_loss == "cross_entropy":
+            log_probs = -log_probs
     t = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(), used, seg=seg,
                            sample_terms=sample_terms, rollout_log_probs=None if rollout_log_probs is None else (
                                rollout_log_probs.float() if bug != "tis" else 2 * old_log_probs.float()
@@ -610,6 +621,8 @@ def loss_knobs(args) -> dict:
         out["importance_level"] = "sequence"
     if args.ppo:
         out["value_clip"] = args.value_clip
+    if getattr(args, "loss", "ppo") != "ppo":
+        out["policy_loss"] = args.loss
     return out
 
 
@@ -748,7 +761,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
             advantages, returns = estimate_advantages(args, rewards, kl, mask, lengths, values)
             # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
             # the returns are advantages + values: GAE is advantage.estimate's)
-            rollout_lp = rollout_log_probs_of(samples, old_log_probs) if args.tis is not None else None
+            rollout_lp = rollout_log_probs_of(samples, old_log_probs) \
+                if args.tis is not None or args.loss in ROLLOUT_FAMILIES else None
             old_values = None
             if args.ppo:
                 with torch.no_grad():
@@ -970,6 +984,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="PPO: a value head with the clipped value loss (returns = advantages + values)")
     loss.add_argument("--value-clip", type=float, default=0.2, help="with --ppo: the value clip range")
     loss.add_argument("--vf-coef", type=float, default=0.5, help="with --ppo: the value loss's weight")
+    p.add_argument("--loss", default="ppo", choices=("ppo",) + FAMILY_LOSSES)
     for bug, needs, what in LOSS_BUG_FLAGS:
         loss.add_argument(f"--{bug.replace('_', '-')}-bug", dest=f"{bug}_bug", action="store_true",
                           help=f"(needs {needs}) {what}")
@@ -1002,7 +1017,14 @@ LOSS_BUG_FLAGS = (
     ("tis", "--tis", "invert the importance weight: exp(rollout − old)"),
     ("gspo", "--gspo", "take the sequence ratio from the summed log-ratio instead of its mean"),
     ("value_loss", "--ppo", "report the value loss without its ½ (slime's (v − R)² under verl's ½·(v − R)²)"),
+    ("family", "--loss FAMILY", "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and "
+                                "rollout_is's ratio to the old log-probs instead of the rollout ones, "
+                                "importance_sampling's advantages negated, cross_entropy's sign flipped"),
 )
+# --loss values beyond the clipped surrogate (issue 34; kernels/families): their policy term, the step's
+# aggregation as configured; ipo and rollout_is read the sampler's log-probs (recorded as rollout_log_probs)
+FAMILY_LOSSES = ("vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy")
+ROLLOUT_FAMILIES = ("ipo", "rollout_is")
 
 
 def _kl_loss(text: str) -> tuple[str, float]:
@@ -1044,7 +1066,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.loss_bug = bugs[0] if bugs else None
     needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
              "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
-             "value_loss": args.ppo}
+             "value_loss": args.ppo, "family": args.loss != "ppo"}
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
