@@ -320,10 +320,15 @@ def entropy_thresholds(entropy: torch.Tensor, loss_mask: torch.Tensor, lengths: 
     keep = loss_mask.to(torch.bool)
     token_group = group[seg]
     out = torch.full((n,), math.inf, dtype=dtype)
+    q = 1.0 - knobs.top_entropy_quantile
     for b in torch.unique(group).tolist():
         values = entropy[keep & (token_group == b)].to(dtype)
-        if values.numel():
-            out[group == b] = torch.quantile(values, 1.0 - knobs.top_entropy_quantile)
+        if values.numel():  # torch.quantile's linear rule from two order statistics (a selection, not a sort)
+            pos = q * (values.numel() - 1)
+            lo = math.floor(pos)
+            low = torch.kthvalue(values, lo + 1).values
+            high = torch.kthvalue(values, min(lo + 2, values.numel())).values if pos > lo else low
+            out[group == b] = torch.lerp(low, high, pos - lo)
     return out
 
 
