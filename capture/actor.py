@@ -297,6 +297,7 @@ class StepCapture:
         rewards: Optional[TensorLike] = None,
         ref_log_probs: Optional[TensorLike] = None,
         rollout_log_probs: Optional[TensorLike] = None,
+        teacher_log_probs: Optional[TensorLike] = None,
         values: Optional[TensorLike] = None,
         old_values: Optional[TensorLike] = None,
         returns: Optional[TensorLike] = None,
@@ -311,7 +312,8 @@ class StepCapture:
         surrogate (kept only under ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``, else not even copied);
         ``loss_fields``: the loss fields it reports (summed by ``finish()``). ``ref_log_probs`` /
         ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
-        (SPEC §4.2); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
+        (SPEC §4.2); ``teacher_log_probs``: per token, an on-policy distillation teacher's (``opd_*`` knobs);
+        ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
         declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
         micro-batch of a step gives the same side channels, terms and fields."""
         if self._finished:
@@ -343,6 +345,7 @@ class StepCapture:
             "entropy": None if entropy is None else _flat(entropy),
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            "teacher_log_probs": None if teacher_log_probs is None else _flat(teacher_log_probs),
             **{name: None if t is None else _flat(t) for name, t in (("values", values), ("old_values", old_values),
                                                                     ("returns", returns))},
             "raw_rewards": None if raw_rewards is None else _flat(raw_rewards, torch.float64),
