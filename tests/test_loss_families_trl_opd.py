@@ -534,3 +534,22 @@ def test_the_opd_direction_swap_is_explained(tmp_path, cli):
     code, out, err = cli("replay", write_step(tmp_path / "opd", config=config, policy=policy), "--format", "json")
     report = json.loads(out)
     assert code == 1 and report["explanations"][0]["hypothesis"] == "loss.opd_direction_swapped", report["explanations"]
+
+
+# ----------------------------------------------------------------------------------------- why strip
+
+
+def test_the_why_strip_of_a_vespo_token_spells_its_formula_and_weight(tmp_path):
+    from replay_lib.bundle import open_bundle
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.stages import StageContext
+
+    config = CASES["vespo"]
+    reader = open_bundle(write_step(tmp_path / "b", config=config, policy=_produced(config))).shards[0]
+    ctx = StageContext(reader=reader, indices=[0, 1], partial=False)
+    why = element_inputs(ctx, "pg_losses", 1, 2)  # sample 1's last token: logp −1, A −0.5, log w 0.5
+    phi1 = math.exp(2 + 1.5 - 2 * math.exp(0.5))
+    assert why.formula.startswith("vespo: pg = −φ(w)·A·logp")
+    items = dict(why.items)
+    assert float(items["φ(w)"]) == pytest.approx(phi1, rel=1e-5) and float(items["log w"]) == pytest.approx(0.5)
+    assert float(why.formula.rsplit("= ", 1)[1]) == pytest.approx(-phi1 * -0.5 * -1.0, rel=1e-5)
