@@ -553,3 +553,22 @@ def test_the_why_strip_of_a_vespo_token_spells_its_formula_and_weight(tmp_path):
     items = dict(why.items)
     assert float(items["φ(w)"]) == pytest.approx(phi1, rel=1e-5) and float(items["log w"]) == pytest.approx(0.5)
     assert float(why.formula.rsplit("= ", 1)[1]) == pytest.approx(-phi1 * -0.5 * -1.0, rel=1e-5)
+
+
+def test_an_opsm_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli):
+    # sample 1 (A < 0): its sequence KL old − logp, from the float32 payloads, is exactly δ: a producer may keep
+    # or drop it within rounding; both replay clean, with a mask_boundary hazard on that sample
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).to(torch.float64)  # noqa: E731
+    delta = float((f32(OLD[2:]) - f32(LOGP[2:])).sum() / 3)
+    config = dict(opsm_delta=delta)
+    for name, keep in (("kept", dict(opsm_delta=delta + 1e-3)), ("dropped", dict(opsm_delta=delta - 1e-3))):
+        code, out, err = cli("replay", write_step(tmp_path / name, config=config, policy=_produced(keep)),
+                             "--format", "json")
+        report = json.loads(out)
+        assert code == 0, (name, report["stages"])
+        kinds = {(h["kind"], h.get("sample_id")) for h in report["hazards"]}
+        assert ("mask_boundary", "s-1") in kinds, (name, report["hazards"])
+    # a decision away from the edge is not admitted: δ 0.05 above the KL keeps sample 1, a producer dropping it fails
+    code, out, err = cli("replay", write_step(tmp_path / "far", config=dict(opsm_delta=delta + 0.05),
+                                              policy=_produced(dict(opsm_delta=delta - 0.05))), "--format", "json")
+    assert code == 1, out
