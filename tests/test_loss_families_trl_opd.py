@@ -572,3 +572,11 @@ def test_an_opsm_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli):
     code, out, err = cli("replay", write_step(tmp_path / "far", config=dict(opsm_delta=delta + 0.05),
                                               policy=_produced(dict(opsm_delta=delta - 0.05))), "--format", "json")
     assert code == 1, out
+
+
+def test_a_short_teacher_payload_is_one_line_exit_3(tmp_path, cli):
+    path = write_step(tmp_path / "b", config=CASES["opd_loss"], policy=_produced(CASES["opd_loss"]),
+                      payloads={"teacher_log_probs": TEACHER[:4]})
+    code, out, err = cli("validate", path)
+    lines = (out + err).strip().splitlines()
+    assert code == 3 and len(lines) == 1 and "teacher_log_probs" in lines[0] and "s-1" in lines[0], lines
