@@ -580,3 +580,27 @@ def test_a_short_teacher_payload_is_one_line_exit_3(tmp_path, cli):
     code, out, err = cli("validate", path)
     lines = (out + err).strip().splitlines()
     assert code == 3 and len(lines) == 1 and "teacher_log_probs" in lines[0] and "s-1" in lines[0], lines
+
+
+def test_luspo_as_mapped_equals_trls_loss_written_from_its_code():
+    """TRL 1.16 ``_compute_loss`` with ``loss_type="luspo"`` (grpo_trainer.py:3086-3123, 3175-3183): the sequence
+    ratio ``exp(Σ_t Δ·m / clamp(Σ m, 1))``, ``−min(coef_1·A, clamp(coef_1, 1 − ε, 1 + ε_high)·A)`` per token,
+    then ``(per_token_loss·mask).sum(-1).mean()`` — against the kernel under ``from_trl``'s mapping."""
+    from replay_lib.frameworks.trl import from_trl
+
+    lengths = [4, 2, 6, 3, 5]
+    logp, old, _, adv, adv_s, _ = _random_step(13, lengths)
+    mask = _mask(lengths)
+    lp, ol = _padded(logp.tolist(), lengths), _padded(old.tolist(), lengths)
+    log_w = (((lp - ol) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    a = adv_s.unsqueeze(1)
+    per_token = -torch.min(coef_1 * a, coef_2 * a)
+    want = float((per_token * mask).sum(-1).mean())
+    cfg = from_trl({"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon_high": 0.28,
+                    "per_device_train_batch_size": len(lengths), "num_generations": 5})
+    knobs = LossKnobs.of(cfg)
+    got = policy_loss_fields(logp, old, adv, None, torch.ones(len(logp)), torch.tensor(lengths), eps_clip=0.2,
+                             eps_clip_high=0.28, entropy_coef=0.0, dtype=torch.float64, knobs=knobs)
+    assert float(got["pg_loss"]) == pytest.approx(want, rel=1e-12)
