@@ -604,3 +604,27 @@ def test_luspo_as_mapped_equals_trls_loss_written_from_its_code():
     got = policy_loss_fields(logp, old, adv, None, torch.ones(len(logp)), torch.tensor(lengths), eps_clip=0.2,
                              eps_clip_high=0.28, entropy_coef=0.0, dtype=torch.float64, knobs=knobs)
     assert float(got["pg_loss"]) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(SKY_CASES))
+def test_recorded_per_token_and_per_sample_terms_replay_clean(tmp_path, cli, case):
+    # a producer that records its per-token surrogate (pg_losses) and per-sample sums: the loss terms compared
+    # first (stages/loss_terms.py), under every family and mask
+    config = {**CASES, **SKY_CASES}[case]
+    knobs = LossKnobs.of(RecomputeConfig(**config))
+    f32 = {k: torch.tensor(v, dtype=torch.float32) for k, v in
+           (("logp", LOGP), ("old", OLD), ("adv", ADV), ("rollout", ROLLOUT), ("ent", ENT), ("teacher", TEACHER))}
+    terms = sample_log_terms(f32["logp"], f32["old"], f32["rollout"], torch.ones(5), torch.tensor(LENGTHS), knobs,
+                             torch.float32, entropy=f32["ent"])
+    t = policy_token_terms(f32["logp"], f32["old"], f32["adv"], knobs, seg=_seg(LENGTHS), sample_terms=terms,
+                           dtype=torch.float32, rollout_log_probs=f32["rollout"], entropy=f32["ent"],
+                           teacher_log_probs=f32["teacher"])
+    pg = t["pg"]
+    policy = dict(_produced(config), per_sample={"pg_sum": [float(pg[:2].sum()), float(pg[2:].sum())],
+                                                 "mask_count": [2.0, 3.0]})
+    path = write_step(tmp_path / case, config=config, policy=policy, payloads={"pg_losses": pg.tolist()})
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
+    assert (code, err, loss["status"]) == (0, "", "pass"), loss
+    assert "loss term" in loss["reason"] or "term" in loss["reason"], loss["reason"]

@@ -357,8 +357,9 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
         return None
     recorded = terms.recorded()
     names = [f for f in expected if TERM_OF_FIELD.get(f) in recorded]
+    # (the per-sample terms hold no distillation term: with one, loss is not their aggregation)
     if "loss" in expected and "pg_sum" in recorded and (not knobs.kl_loss or "kl_loss_sum" in recorded) and (
-            knobs.entropy_coef == 0 or "entropy_sum" in recorded):
+            knobs.entropy_coef == 0 or "entropy_sum" in recorded) and not knobs.opd_loss:
         names.insert(0, "loss")
     if not names:
         return None
