@@ -383,7 +383,9 @@ class TRLCapture:
         advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, completion.shape[1])
         ref = inputs.get("ref_per_token_logps") if self.trainer.beta != 0.0 else None
         is_correction = self.config.is_level is not None
-        sampling = inputs.get("sampling_per_token_logps") if is_correction else None
+        # vLLM's sampling log-probs: for its importance correction, and OPSM's anchor (off_policy_mask_threshold)
+        opsm_rollout = getattr(self.config, "opsm_anchor", None) == "rollout"
+        sampling = inputs.get("sampling_per_token_logps") if is_correction or opsm_rollout else None
         self._step.add_micro_batch(
             sample_ids=[rollout.sample_ids[p] for p in positions],
             group_index=[rollout.groups[p] for p in positions],
