@@ -557,11 +557,13 @@ def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["eps_clip_high"] == 0.28
     lines = err.splitlines()
-    assert lines[0] == f"verl keys read from {path}: 2 set by the file, 26 at verl's defaults"
+    # 27 at the defaults: distillation.enabled (on-policy distillation, off) among them
+    assert lines[0] == f"verl keys read from {path}: 2 set by the file, 27 at verl's defaults"
     assert [ln.split()[:2] for ln in lines[1:3]] == [["file", "algorithm.adv_estimator"],
                                                      ["file", "actor_rollout_ref.actor.clip_ratio_high"]]
     assert lines[1].endswith("= 'grpo'") and lines[2].endswith("= 0.28")
-    assert all(ln.split()[0] == "default" for ln in lines[3:]) and len(lines) == 3 + 26
+    assert all(ln.split()[0] == "default" for ln in lines[3:]) and len(lines) == 3 + 27
+    assert any(ln.split()[1] == "distillation.enabled" and ln.endswith("= False") for ln in lines)
     assert any(ln.split()[1] == "actor_rollout_ref.actor.clip_ratio_c" and ln.endswith("= 3.0") for ln in lines)
     empty = tmp_path / "empty.json"
     empty.write_text("{}")

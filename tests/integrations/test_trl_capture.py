@@ -401,7 +401,7 @@ def test_only_a_grpo_trainer_is_instrumented(runs):
 def test_an_unrecomputable_config_is_refused_before_training(runs):
     root, _, _, checks = runs
     assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: loss_type='sapo': only dapo, grpo, "
-                                 "bnpo, dr_grpo aggregate the clipped surrogate the replay recomputes"]
+                                 "bnpo, dr_grpo, vespo, luspo aggregate the clipped surrogate the replay recomputes"]
     assert not (root / "refused").exists()
 
 
