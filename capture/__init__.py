@@ -15,6 +15,7 @@ from .bundles import (
 from .config import (
     ENV_DIR,
     ENV_ENABLE,
+    ENV_GRAD,
     ENV_ROLLOUTS,
     ENV_RUN_ID,
     ENV_STEPS,
@@ -26,6 +27,7 @@ from .config import (
     parse_run_id,
     parse_steps,
 )
+from .grad import GradTap
 from .directory import CaptureDirectoryError, check_fresh_directory, remove_stale_staging
 from .lock import CaptureDirectoryBusy
 from .manager import CaptureItem, CaptureManager, CaptureStats
@@ -33,7 +35,7 @@ from .producer import producer_info
 
 __all__ = [
     "DEFAULT_REDACTION", "ENV_DIR", "ENV_ENABLE", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS", "ENV_TOKEN_TERMS",
-    "NULL_STEP",
+    "ENV_GRAD", "GradTap", "NULL_STEP",
     "CaptureConfig", "CaptureDirectoryBusy", "CaptureDirectoryError", "CaptureDisabledWarning", "CaptureItem", "CaptureManager",
     "CaptureStats", "DisabledCapture", "Provenance", "ReplayCapture", "SUPPORT_CHANNELS", "SUPPORT_SCORABLE",
     "StepCapture", "check_fresh_directory", "config_from_env", "maybe_enable_for_actor", "micro_batch_id",

@@ -21,6 +21,10 @@ the replay compares before the scalars, so a wrong loss is located to its sample
 also give its reported ``loss_fields``; ``finish()`` without fields then reports their sum over the
 micro-batches, taken in float64 on the writer thread.
 
+Gradients (SPEC §4.3, ``RELAX_REPLAY_CAPTURE_GRAD=1``): ``step.grad_tap(log_probs)`` hooks the micro-batch's
+log-prob tensor before backward; ``add_micro_batch(grad_log_probs=tap.gradient())`` after it records the payload
+``grad_log_probs`` (``grad_values`` alike) and the step bundle declares ``loss.grad``.
+
 Precision (``comparison_policy.producer_precision``, SPEC §5.1): ``compute`` is what the trainer computed its
 per-token values in (``compute_precision``, default float32); ``accumulate`` is read off what it handed over:
 ``float64`` when every reported sum (the loss fields and the per-sample sums; Python numbers count as float64)
@@ -51,6 +55,7 @@ import torch
 from replay_lib.kernels import POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.bundle.schema import ID_MAX_CHARS, PER_SAMPLE_TERMS, ActorStepId, RecomputeConfig, RedactionPolicy
 
+from .grad import GradTap
 from .bundles import (
     DEFAULT_REDACTION,
     SUPPORT_CHANNELS,
@@ -192,6 +197,15 @@ def _pg_losses(label: str, value: TensorLike, tokens: int) -> torch.Tensor:
     return t
 
 
+def _per_token(label: str, name: str, value: TensorLike, tokens: int) -> torch.Tensor:
+    t = _flat(value)
+    if t.numel() != tokens:
+        raise ValueError(f"{label}: {name} has {t.numel()} value(s) for Σ response_length {tokens}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{label}: {name} must be floating point, got {t.dtype}")
+    return t
+
+
 def _scalar(value) -> torch.Tensor:
     """A reported loss field as a 0-d tensor: a tensor as given (it stays on its device), a Python number as
     float64 (what it is)."""
@@ -244,6 +258,9 @@ class _NullStep:
 
     def add_micro_batch(self, **_kwargs) -> bool:
         return False
+
+    def grad_tap(self, _tensor) -> None:
+        return None
 
     def finish(self, _fields: Optional[Mapping[str, torch.Tensor]] = None, **_kwargs) -> bool:
         return False
@@ -298,6 +315,7 @@ class StepCapture:
         ref_log_probs: Optional[TensorLike] = None,
         rollout_log_probs: Optional[TensorLike] = None,
         teacher_log_probs: Optional[TensorLike] = None,
+        policy_versions: Optional[TensorLike] = None,
         values: Optional[TensorLike] = None,
         old_values: Optional[TensorLike] = None,
         returns: Optional[TensorLike] = None,
@@ -305,6 +323,8 @@ class StepCapture:
         loss_terms: Optional[Mapping[str, TensorLike]] = None,
         pg_losses: Optional[TensorLike] = None,
         loss_fields: Optional[Mapping[str, torch.Tensor]] = None,
+        grad_log_probs: Optional[TensorLike] = None,
+        grad_values: Optional[TensorLike] = None,
     ) -> bool:
         """Record one micro-batch (in data-iterator order: ``mb-0000``, ``mb-0001``, …). ``side_channels``:
         the micro-batch's per-token support rows (see the module docstring). ``loss_terms``: its samples'
@@ -312,10 +332,15 @@ class StepCapture:
         surrogate (kept only under ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1``, else not even copied);
         ``loss_fields``: the loss fields it reports (summed by ``finish()``). ``ref_log_probs`` /
         ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
-        (SPEC §4.2); ``teacher_log_probs``: per token, an on-policy distillation teacher's (``opd_*`` knobs);
-        ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
+        (SPEC §4.2; with ``old_log_probs`` they declare stage ``logprob.mismatch``, SPEC §4.4);
+        ``policy_versions``: per token, the policy version that sampled it (partial / async rollouts, the
+        mismatch stage's staleness lints); ``teacher_log_probs``: per token, an on-policy distillation teacher's
+        (``opd_*`` knobs); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
         declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
-        micro-batch of a step gives the same side channels, terms and fields."""
+        micro-batch of a step gives the same side channels, terms and fields. ``grad_log_probs`` /
+        ``grad_values``: ∂L/∂log_probs and ∂L/∂values per token as backward gave them (``grad_tap``), of the
+        loss as backpropagated (kept only under ``RELAX_REPLAY_CAPTURE_GRAD=1``; the step then declares
+        ``loss.grad``; a trainer that scales the loss it backpropagates records ``grad_scale`` in its config)."""
         if self._finished:
             raise RuntimeError(f"{self.label}: add_micro_batch() after finish()")
         if self._broken is not None:
@@ -336,7 +361,12 @@ class StepCapture:
         if pg_losses is not None and self._capture.config.token_terms:
             token_terms = _pg_losses(where, pg_losses, tokens)
         fields = _loss_fields(where, loss_fields or {}, "loss_fields")
-        self._check_terms_layout(where, (frozenset(terms), token_terms is not None, frozenset(fields)))
+        grads = {}
+        if self._capture.config.grad:
+            grads = {name: _per_token(where, name, value, tokens) for name, value in
+                     (("grad_log_probs", grad_log_probs), ("grad_values", grad_values)) if value is not None}
+        self._check_terms_layout(where, (frozenset(terms), token_terms is not None, frozenset(fields),
+                                         frozenset(grads)))
         tensors = {
             "loss_mask": _flat(loss_mask, torch.int64),
             "log_probs": _flat(log_probs),
@@ -346,12 +376,14 @@ class StepCapture:
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
             "teacher_log_probs": None if teacher_log_probs is None else _flat(teacher_log_probs),
+            "policy_versions": None if policy_versions is None else _flat(policy_versions, torch.int64),
             **{name: None if t is None else _flat(t) for name, t in (("values", values), ("old_values", old_values),
                                                                     ("returns", returns))},
             "raw_rewards": None if raw_rewards is None else _flat(raw_rewards, torch.float64),
             "rewards": None if rewards is None else _flat(rewards, torch.float64),
             **channels,
             "pg_losses": token_terms,
+            **grads,
             **{TERM_PREFIX + name: t for name, t in terms.items()},
             **{FIELD_PREFIX + name: t for name, t in fields.items()},
         }
@@ -369,12 +401,21 @@ class StepCapture:
             self._terms_layout = layout
             return
         if layout != self._terms_layout:
+            any_grads = bool(layout[3] or self._terms_layout[3])
+
             def show(lay):
-                terms, token, fields = lay
+                terms, token, fields, grads = lay
                 return (f"loss terms {sorted(terms)}, pg_losses {'given' if token else 'not given'}, "
-                        f"loss fields {sorted(fields)}")
+                        f"loss fields {sorted(fields)}" + (f", gradients {sorted(grads)}" if any_grads else ""))
             raise ValueError(f"{where}: {show(layout)} differ from the step's first micro-batch "
                              f"({show(self._terms_layout)})")
+
+    def grad_tap(self, tensor: torch.Tensor) -> Optional[GradTap]:
+        """A hook on ``tensor`` (the micro-batch's log-probs, or values) that keeps the gradient backward gives
+        it (``capture.grad``), ``None`` when gradient capture (``RELAX_REPLAY_CAPTURE_GRAD``) is off."""
+        if not self._capture.config.grad or self._broken is not None:
+            return None
+        return GradTap(tensor)
 
     def finish(self, fields: Optional[Mapping[str, torch.Tensor]] = None, *,
                config: Optional[RecomputeConfig] = None, **kwargs: torch.Tensor) -> bool:
@@ -449,7 +490,7 @@ class ReplayCapture:
             directory=config.directory, config=recompute_config,
             rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": 1, **dict(rank_sizes or {})},
             producer_rank=producer_rank, producer_world=producer_world, redaction=rules,
-            compute_precision=compute_precision,
+            compute_precision=compute_precision, format_major=config.format_major,
         )
         self.sink = BundleSink(self.context, producer=lambda: producer_info(source_dir, framework),
                                note_abandoned=lambda label, why: self.manager.note_abandoned(label, why))
@@ -501,8 +542,13 @@ class ReplayCapture:
         config: Optional[RecomputeConfig] = None,
         values: Optional[TensorLike] = None,
         returns: Optional[TensorLike] = None,
+        rollout_log_probs: Optional[TensorLike] = None,
+        policy_versions: Optional[TensorLike] = None,
     ) -> bool:
         """Record what ``reward.raw … advantage.estimate`` consumed and produced for one rollout.
+        ``rollout_log_probs``: per token, the inference engine's own log-probs of the sampled tokens (computed
+        apart from ``old_log_probs``; the bundle then runs stage ``logprob.mismatch``, SPEC §4.4);
+        ``policy_versions``: per token, the policy version that sampled it (partial / async rollouts).
         ``values`` / ``returns``: per token, the critic's values GAE consumed and the returns it produced
         (``advantage_estimator="gae"``, SPEC §4.2).
 
@@ -549,6 +595,8 @@ class ReplayCapture:
             "advantages": _flat(advantages),
             "values": None if values is None else _flat(values),
             "returns": None if returns is None else _flat(returns),
+            "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            "policy_versions": None if policy_versions is None else _flat(policy_versions, torch.int64),
             **channels,
         }
         item = CaptureItem(kind="rollout", label=label, meta=meta, tensors=tensors)

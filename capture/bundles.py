@@ -46,6 +46,8 @@ from replay_lib.bundle import BundleWriter
 from replay_lib.stages.support import SCORED_FIELDS, SUPPORT_TOKEN_PAYLOADS
 from replay_lib.kernels import LOSS_FIELDS, POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.bundle.schema import (
+    FORMAT_2_REMOVED_STAGES,
+    FORMAT_2_VERSION,
     FORMAT_VERSION,
     PER_SAMPLE_KEY,
     PER_SAMPLE_SUMS,
@@ -91,6 +93,10 @@ _CHANNEL_DTYPES = {"support_ids": torch.int32, "support_logits": torch.float32, 
 # The fields a step may report (loss.policy's with the SPEC §4.2 knobs', loss.value's) and PPO's payloads.
 REPORTED_FIELDS = POLICY_FIELDS + VALUE_FIELDS
 VALUE_PAYLOADS = ("values", "old_values", "returns")
+# loss.grad's payloads (SPEC §4.3), and its tolerance: per-token gradients are ~1/T of the loss, far below the
+# loss fields' atol, so their rounding bound alone (plus 1e-6 relative) judges them.
+GRAD_PAYLOADS = ("grad_log_probs", "grad_values")
+GRAD_TOLERANCE = Tolerance(atol=0.0, rtol=1e-6)
 TERM_PREFIX = "term:"
 FIELD_PREFIX = "field:"
 # The declared per-token compute formats (SPEC §5.1 ``producer_precision.compute``).
@@ -180,6 +186,20 @@ class ProducerContext:
     redaction: dict = field(default_factory=lambda: dict(DEFAULT_REDACTION))
     tolerance: Tolerance = Tolerance(atol=1e-6, rtol=1e-5)
     compute_precision: str = "float32"
+    format_major: int = 1  # 2: bundles of the original's format 2.0.0 (RELAX_REPLAY_CAPTURE_FORMAT=2)
+
+
+def _as_format_2(stages, capabilities, index: BundleIndex, expected: dict):
+    """A bundle's parts as format 2.0.0 holds them: without the reward stages (each sample's ``reward``, the
+    post-processed one, is advantage.estimate's input), raw rewards, expected reward values or normalization
+    cohort ids."""
+    stages = tuple(s for s in stages if s.value not in FORMAT_2_REMOVED_STAGES)
+    capabilities = {s: c for s, c in dict(capabilities or {}).items() if s.value not in FORMAT_2_REMOVED_STAGES}
+    samples = [msgspec.structs.replace(s, raw_reward=None) if s.raw_reward is not None else s for s in index.samples]
+    index = msgspec.structs.replace(index, samples=samples, identity=msgspec.structs.replace(
+        index.identity, normalization_cohort_ids=[]))
+    expected = {k: v for k, v in expected.items() if k not in FORMAT_2_REMOVED_STAGES}
+    return stages, capabilities, index, expected
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -347,8 +367,9 @@ class BundleSink:
         contracts = stage_contracts(stages, capabilities=dict(capabilities or {}),
                                     declare_value=StageId.LOSS_VALUE not in stages)
         policy = _comparison_policy(
-            exact_fields=["reward.raw.raw_reward"],
-            tolerances={str(stage): self.context.tolerance for stage in stages},
+            exact_fields=[] if self.context.format_major == 2 else ["reward.raw.raw_reward"],  # 2.0: no reward.raw
+            tolerances={str(stage): GRAD_TOLERANCE if stage == StageId.LOSS_GRAD else self.context.tolerance
+                        for stage in stages},
             precision={"compute": self.context.compute_precision, "accumulate": accumulate},
         )
         return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
@@ -372,12 +393,15 @@ class BundleSink:
     def _publish(self, bundle_id: str, stages, index: BundleIndex, expected: dict, payloads: dict,
                  capabilities: Optional[Mapping[StageId, StageCapability]] = None, accumulate: str = "float32") -> int:
         ctx = self.context
+        if ctx.format_major == 2:
+            stages, capabilities, index, expected = _as_format_2(stages, capabilities, index, expected)
         manifest = self._manifest(bundle_id, stages, capabilities, accumulate)
         root = ctx.directory / bundle_id
         with self._publishing:
             self._check_running(bundle_id)
             try:
-                with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank) as writer:
+                with BundleWriter(root, manifest, index, expected, rank=ctx.producer_rank,
+                                  format_version=FORMAT_2_VERSION if ctx.format_major == 2 else None) as writer:
                     self._staging = writer.staging
                     for name, tensor in payloads.items():
                         self._check_running(bundle_id)
@@ -416,7 +440,9 @@ class BundleSink:
             payloads["ref_log_probs"] = tensors["ref_log_probs"]
         payloads["kl"] = tensors["kl"]
         payloads["advantages"] = tensors["advantages"]
-        for name in ("values", "returns"):  # GAE's critic values and returns (SPEC §4.2)
+        # GAE's critic values and returns (SPEC §4.2); the engine's log-probs and the sampling policy versions
+        # (stage logprob.mismatch, SPEC §4.4)
+        for name in ("values", "returns", "rollout_log_probs", "policy_versions"):
             if name in tensors:
                 payloads[name] = tensors[name]
         for name in SUPPORT_CHANNELS:
@@ -463,7 +489,8 @@ class BundleSink:
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
         for name in ("log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "advantages",
-                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, "teacher_log_probs"):
+                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS, "policy_versions",
+                     "teacher_log_probs"):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")
@@ -500,6 +527,8 @@ class BundleSink:
                 raise ValueError(f"{bundle_id}: loss fields {sorted(value)} need the payload(s) {', '.join(missing)}")
             expected["loss.value"] = value
             step_stages = (*step_stages, StageId.LOSS_VALUE)
+        if "grad_log_probs" in payloads:  # loss.grad (SPEC §4.3): the gradient a hook on the log-probs saw
+            step_stages = (*step_stages, StageId.LOSS_GRAD)
         stages, capabilities = self._with_support(step_stages, payloads, meta.support_scored)
         return self._publish(bundle_id, stages, index, expected, payloads, capabilities, _accumulated_in(sums))
 

@@ -6,9 +6,14 @@
 ``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout);
 ``RELAX_REPLAY_CAPTURE_RUN_ID=ID``    write under ``<DIR>/<ID>/`` instead of ``<DIR>/`` (a restarted job that
                                       keeps its directory: see ``capture.directory``);
+``RELAX_REPLAY_CAPTURE_FORMAT=1|2``  the bundle format's major: 1 (default, ours, 1.x) or 2 (the original tool's 2.0.0:
+                                      no reward stages, each sample's post-processed reward its ``reward``);
 ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1`` also write the per-token surrogate ``pg_losses`` into step bundles (off by
                                       default: it is one more float per token; the per-sample loss terms are
                                       always written when the trainer gives them).
+``RELAX_REPLAY_CAPTURE_GRAD=1``       also write ``grad_log_probs`` (∂L/∂log_probs, from a tensor hook: stage
+                                      ``loss.grad``) and, for PPO, ``grad_values`` into step bundles (off by
+                                      default: one more float per token each).
 
 The two filters are independent: ``STEPS`` selects step-level bundles, ``ROLLOUTS`` rollout-level ones.
 A malformed value raises ``ValueError`` naming the variable and the bad item when capture is enabled.
@@ -30,6 +35,8 @@ ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
 ENV_RUN_ID = "RELAX_REPLAY_CAPTURE_RUN_ID"
 ENV_TOKEN_TERMS = "RELAX_REPLAY_CAPTURE_TOKEN_TERMS"
+ENV_GRAD = "RELAX_REPLAY_CAPTURE_GRAD"
+ENV_FORMAT = "RELAX_REPLAY_CAPTURE_FORMAT"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -59,6 +66,9 @@ class CaptureConfig:
     rollouts: Optional[frozenset[int]] = None
     run_id: Optional[str] = None
     token_terms: bool = False
+    # step bundles carry grad_log_probs (and grad_values): RELAX_REPLAY_CAPTURE_GRAD
+    grad: bool = False
+    format_major: int = 1  # RELAX_REPLAY_CAPTURE_FORMAT: 1 (format 1.x) or 2 (the original's 2.0.0)
 
     @property
     def root(self) -> Optional[Path]:
@@ -136,6 +146,18 @@ def parse_enabled(value: Optional[str], variable: str = ENV_ENABLE) -> bool:
     raise ValueError(f"{variable}={value!r}: expected 1 (on) or 0 (off)")
 
 
+def parse_format(value: Optional[str], variable: str = ENV_FORMAT) -> int:
+    """The bundle format's major: unset or blank → 1; ``1`` or ``2`` (``1.0.0`` / ``2.0.0`` too)."""
+    text = (value or "").strip()
+    if not text:
+        return 1
+    if text in ("1", "1.0.0"):
+        return 1
+    if text in ("2", "2.0.0"):
+        return 2
+    raise ValueError(f"{variable}={value!r}: expected 1 (format 1.x) or 2 (format 2.0.0)")
+
+
 def _warn_no_dir() -> None:
     global _warned_no_dir
     with _warn_lock:
@@ -164,9 +186,11 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     run_id_text = env.get(ENV_RUN_ID)
     run_id = parse_run_id(run_id_text) if run_id_text and run_id_text.strip() else None
     token_terms = parse_enabled(env.get(ENV_TOKEN_TERMS), ENV_TOKEN_TERMS)
+    grad = parse_enabled(env.get(ENV_GRAD), ENV_GRAD)
+    format_major = parse_format(env.get(ENV_FORMAT))
     if not directory:
         _warn_no_dir()
         return DISABLED
     path = Path(directory) if run_id is None else Path(directory) / run_id
     return CaptureConfig(enabled=True, directory=path, steps=steps, rollouts=rollouts, run_id=run_id,
-                         token_terms=token_terms)
+                         token_terms=token_terms, grad=grad, format_major=format_major)

@@ -36,7 +36,17 @@ sampler's own log-probs with ``--icepop LOW`` masking, ``--gspo``, ``--ppo`` wit
 value loss, returns = advantages + values): the step's config records the counts and scale, the step bundle
 the rollout and reference log-probs, PPO's values and returns; one bug flag per family (:data:`LOSS_BUG_FLAGS`:
 ``--token-mean-denominator-bug``, ``--dual-clip-bug``, ``--kl-loss-bug``, ``--tis-bug``, ``--gspo-bug``,
-``--value-loss-bug``).
+``--value-loss-bug``). Gradient replay (stage ``loss.grad``, ``RELAX_REPLAY_CAPTURE_GRAD=1``): a hook on each
+micro-batch's log-probs (and values) records the gradient backward gives them; ``--grad-bug CLASS``
+(:data:`GRAD_BUGS`) changes the gradient and leaves every loss value as it was.
+``--value-loss-bug``). ``--loss FAMILY`` (``--loss-param NAME=VALUE``) trains with a policy-loss family (cispo,
+sapo, geo_mean, dppo_tv, dppo_kl, dro, gpg; ppo by default), each with its bug flag (``--cispo-cap-bug``,
+``--sapo-tau-bug``, ``--geo-mean-bug``, ``--dppo-mask-bug``, ``--dro-beta-bug``, ``--gpg-old-logp-bug``).
+
+Every bundle records the sampler's own log-probs of the sampled tokens (``rollout_log_probs``: its tempered
+top-k distribution, computed apart from the trainer's full-vocabulary forward; an appended <eos> without support
+takes the trainer's value) and the weights version that sampled each token (``policy_versions``): the bundles run
+stage ``logprob.mismatch`` (SPEC §4.4).
 
 Rewards, KL, advantages and the per-token loss come from ``replay_lib.kernels`` — the same code the replay
 uses. The loss is aggregated in float64 (``policy_loss``: per-sample sums and their masked means), and each
@@ -83,8 +93,9 @@ from replay_lib.kernels import (
     rollout_kl,
     segment_ids,
 )
-from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, policy_fields_from_sums,
-                                     policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
+from replay_lib.kernels.families import FAMILIES
+from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, has_clip_lower,
+                                     policy_fields_for, policy_fields_from_sums, policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.bundle.schema import RecomputeConfig
 
 # ------------------------------------------------------------------------------------------ task
@@ -339,7 +350,39 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 
 # The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
-LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss")
+LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss", "cispo_cap", "sapo_tau",
+             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp", "family")
+# --loss FAMILY (RecomputeConfig.policy_loss): the policy-loss families, and each one's bug flag
+LOSS_FAMILIES = ("ppo", *sorted(FAMILIES))
+FAMILY_OF_BUG = {"cispo_cap": ("cispo",), "sapo_tau": ("sapo",), "geo_mean": ("geo_mean",),
+                 "dppo_mask": ("dppo_tv", "dppo_kl"), "dro_beta": ("dro",), "gpg_old_logp": ("gpg",)}
+
+
+def family_bug_knobs(knobs: LossKnobs, bug: Optional[str]) -> LossKnobs:
+    """The knobs a family's buggy loss runs with (the bugs that are another setting of the family)."""
+    params = dict(knobs.policy_loss_params)
+    if bug == "cispo_cap":  # the other cap: TRL's absolute min(r, ε_high) for verl's relative clamp, or back
+        params["cap"] = "absolute" if knobs.param("cap") == "relative" else "relative"
+    elif bug == "sapo_tau":  # τ taken by the wrong sign of A
+        params.update(tau_pos=knobs.param("tau_neg"), tau_neg=knobs.param("tau_pos"))
+    elif bug == "dro_beta":  # the quadratic penalty added instead of subtracted
+        params["beta"] = -float(knobs.param("beta"))
+    elif bug == "geo_mean":  # the loss mode lost on the way: PPO's clipped surrogate runs instead
+        return replace(knobs, policy_loss="ppo", policy_loss_params=())
+    else:
+        return knobs
+    return replace(knobs, policy_loss_params=tuple(sorted(params.items())))
+# The gradient bugs (stage loss.grad, SPEC §4.3): the loss value is unchanged, its gradient is not.
+GRAD_BUGS = {
+    "kl_no_grad": "(needs --kl-loss) the KL term computed under no_grad: it contributes no gradient (SkyRL#1353)",
+    "is_not_detached": "(needs --tis) the importance weight's log taken through the current log-probs, not detached "
+                       "(old + logp − logp.detach(): the same value, bit for bit; verl#4105)",
+    "ratio_detached": "the policy term evaluated on detached log-probs: the ratio has no gradient (torchforge#571)",
+    "zero_coef_nan": "(without --kl-loss) a KL term of coefficient 0 left in the graph whose backward is 0·NaN "
+                     "(slime#2258); the config records use_kl_loss with kl_loss_coef=0",
+    "scale_twice": "each micro-batch's loss, already a step-level aggregate, divided again by the micro-batch count "
+                   "before backward (the accumulation divisor applied twice)",
+}
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -347,21 +390,34 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 eps_clip_high: float, entropy_coef: float, mask_bug: bool = False,
                 knobs: Optional[LossKnobs] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                 ref_log_probs: Optional[torch.Tensor] = None, bug: Optional[str] = None,
-                value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> MicroBatchLoss:
+                value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                grad_bug: Optional[str] = None) -> MicroBatchLoss:
     """One micro-batch's loss: the per-token terms in float32 (``policy_token_terms``, the replay's kernel, with
     the SPEC §4.2 knobs: dual-clip, GSPO's sequence ratio, the importance weight, the KL term), then every
     per-sample sum ``Σ_t x·mask`` in float64 and the fields aggregated from them in float64 (``aggregate``: the
     sum of per-sample means, or a mode over the step's recorded counts; the micro-batches' fields add up to
     the step's) — float32 sums of long responses carry rounding (at ~u·n relative) that would blur a one-token
     difference. ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps
-    it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``."""
+    it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``;
+    ``grad_bug``: one of :data:`GRAD_BUGS` (the loss value unchanged, its gradient not)."""
     knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
     m32 = mask.float()
-    used = knobs
+    if knobs.policy_loss == "kl_cov":  # one call is one micro-batch: KL-Cov's top-k is taken within it
+        knobs = replace(knobs, micro_batch=(0,) * lengths.numel())
+    used = family_bug_knobs(knobs, bug)
+    if bug == "gpg_old_logp":  # GPG's −logp·A on the old log-probs
+        log_probs = old_log_probs
+    if bug == "dppo_mask":  # the trust-region test of the other sign of A: −pg(−A), its mask and clip indicators
+        advantages = -advantages
     if bug == "gspo":  # the sequence ratio from the summed log-ratio (a product of ratios), not its mean
         used = replace(knobs, importance_level="token")
-    sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used)
+    if grad_bug == "is_not_detached" and rollout_log_probs is not None:
+        # the weight's log taken from the current log-probs: old + (logp − logp.detach()) has old's value, bit for
+        # bit, and the gradient of logp (verl#4105's class, on-policy)
+        rollout_log_probs = rollout_log_probs.float() - (log_probs.float() - log_probs.float().detach())
+    sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used,
+                                    advantages=advantages.float())
     if bug == "gspo":
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
         sample_terms = dict(sample_terms, seq_log_ratio=lr)
@@ -385,6 +441,16 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                                ref_log_probs.float() if bug != "kl_loss" else 2 * log_probs.float()
                                - ref_log_probs.float()))
     pg_losses = t["pg"]
+    if grad_bug == "ratio_detached":  # the policy term of detached log-probs: the same value, no gradient
+        pg_losses = policy_token_terms(log_probs.float().detach(), old_log_probs.float(), advantages.float(), used,
+                                       seg=seg, sample_terms={k: v.detach() for k, v in sample_terms.items()},
+                                       rollout_log_probs=None if rollout_log_probs is None else
+                                       rollout_log_probs.float().detach(),
+                                       ref_log_probs=None if ref_log_probs is None else ref_log_probs.float())["pg"]
+    if grad_bug == "kl_no_grad" and "kl_loss" in t:  # SkyRL#1353's class: the KL term computed under no_grad
+        t = dict(t, kl_loss=t["kl_loss"].detach())
+    if bug == "dppo_mask":
+        pg_losses, advantages = -pg_losses, -advantages
     if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
         plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
                                    replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
@@ -401,14 +467,20 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
              "clip_count": per_sample(t["clip"]), "mask_count": per_sample(m)}
     sums = {"pg": terms["pg_sum"], "ent": terms["entropy_sum"], "kl": terms["kl_sum"], "clip": terms["clip_count"],
             "mask": terms["mask_count"]}
-    if knobs.dual_clip:
-        sums["clip_lower"] = per_sample(t["clip_lower"])
+    if has_clip_lower(knobs):
+        sums["clip_lower"] = per_sample(t["clip_lower"]) if "clip_lower" in t else per_sample(t["clip"] * 0)
     if knobs.kl_loss:
         sums["kl_loss"] = terms["kl_loss_sum"] = per_sample(t["kl_loss"])
     agg = knobs
     if bug == "token_mean_denominator":  # verl#7321's class: the micro-batch's own token count as T
         agg = replace(knobs, loss_token_count=int(m.sum()))
     fields = policy_fields_from_sums(sums, True, entropy_coef, agg)
+    if grad_bug == "zero_coef_nan":
+        # slime#2258's class: a KL term of coefficient 0 left in the graph; its |r| written sqrt(r·r) on a log-ratio
+        # centred at 0 (r − r.detach()): the value 0·0 adds nothing, backward's 0·(0/0) is NaN on every token
+        r = log_probs.float() - log_probs.float().detach()
+        fields["loss"] = fields["loss"] + 0.0 * torch.sqrt(r * r).to(torch.float64).sum()
+    fields = {k: v for k, v in fields.items() if k in policy_fields_for(knobs)}  # what the family reports
     if agg.loss_agg_mode != "sum_of_sample_means":  # the weight each sample entered the loss terms with
         inner, outer = agg_divisors(agg.loss_agg_mode, terms["mask_count"], agg)
         terms["loss_weight"] = agg.loss_scale / (inner * outer)
@@ -621,8 +693,11 @@ def loss_knobs(args) -> dict:
         out["importance_level"] = "sequence"
     if args.ppo:
         out["value_clip"] = args.value_clip
-    if getattr(args, "loss", "ppo") != "ppo":
-        out["policy_loss"] = args.loss
+        out["vf_coef"] = args.vf_coef  # the value loss's weight in the loss backpropagated (grad_values)
+    if getattr(args, "grad_bug", None) == "zero_coef_nan":  # the KL term declared on, with coefficient 0
+        out.update(use_kl_loss=True, kl_loss_coef=0.0)
+    if args.loss != "ppo":
+        out.update(policy_loss=args.loss, policy_loss_params=dict(args.loss_param))
     return out
 
 
@@ -761,8 +836,13 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
             advantages, returns = estimate_advantages(args, rewards, kl, mask, lengths, values)
             # SPEC §4.2 inputs: the sampler's own log-probs (importance correction), the critic's values (PPO;
             # the returns are advantages + values: GAE is advantage.estimate's)
-            rollout_lp = rollout_log_probs_of(samples, old_log_probs) \
-                if args.tis is not None or args.loss in ROLLOUT_FAMILIES else None
+            # The sampler's own log-probs are recorded on every run (as verl's calculate_log_probs does): the
+            # bundles then run stage logprob.mismatch, the sampler's top-k tempered distribution against the
+            # trainer's full-vocabulary forward; the loss reads them only under --tis.
+            rollout_lp = rollout_log_probs_of(samples, old_log_probs)
+            # the weights version that sampled each token (the rollout worker may lag the trainer)
+            versions = torch.cat([torch.full((len(s.response),), int(s.rollout_weight), dtype=torch.int64)
+                                  for s in samples])
             old_values = None
             if args.ppo:
                 with torch.no_grad():
@@ -795,6 +875,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     labels=[" ".join(map(str, reversed(s.digits))) for s in samples],
                     provenance=provenance, side_channels=side_channels,
                     support_scored=("old_log_probs",) if args.sample_support else None,
+                    rollout_log_probs=stored(args, rollout_lp), policy_versions=versions,
                 )
             offsets = torch.cumsum(lengths, 0) - lengths
             fresh = (raw, rewards, advantages)
@@ -833,21 +914,29 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                     value = None
                     if vf_returns is not None:
                         value = (score_values(model, mb_samples), old_values[tok], vf_returns[tok])
+                    # RELAX_REPLAY_CAPTURE_GRAD: hooks that keep ∂L/∂log_probs (and ∂L/∂values) of this backward
+                    tap = step.grad_tap(log_probs)
+                    value_tap = step.grad_tap(value[0]) if value is not None else None
                     mb_loss = policy_loss(
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
-                        rollout_log_probs=rollout_lp[tok] if rollout_lp is not None else None,
+                        rollout_log_probs=rollout_lp[tok] if args.tis is not None or args.loss in ROLLOUT_FAMILIES
+                        else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
+                        grad_bug=args.grad_bug,
                     )
                     objective = mb_loss.fields["loss"]
                     if value is not None:
                         objective = objective + args.vf_coef * mb_loss.fields["vf_loss"]
+                    if args.grad_bug == "scale_twice":
+                        objective = objective / len(range(first, first + step_size, args.micro_batch))
                     objective.backward()
                     fields = {name: value.detach() for name, value in mb_loss.fields.items()}
                     for name in LOSS_FIELDS:
-                        totals[name] += fields[name]
+                        if name in fields:  # a policy-loss family may report fewer metrics (dro, gpg)
+                            totals[name] += fields[name]
                     channels = None
                     if support is not None and step.captured:
                         channels = {"sampled_token_ids": support.targets, "support_ids": support.support_ids,
@@ -861,8 +950,10 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         old_log_probs=stored(args, old_log_probs[tok]), advantages=stored(args, step_advantages[tok]),
                         entropy=stored(args, entropy), raw_rewards=step_raw[mb], rewards=step_rewards[mb],
                         side_channels=channels, loss_terms=mb_loss.terms, pg_losses=stored(args, mb_loss.pg_losses),
-                        loss_fields=fields, **{k: stored(args, v) for k, v in knob_payloads(
+                        loss_fields=fields, policy_versions=versions[tok], **{k: stored(args, v) for k, v in knob_payloads(
                             knobs, tok, ref_log_probs, rollout_lp, value).items()},
+                        grad_log_probs=tap.gradient() if tap is not None else None,
+                        grad_values=value_tap.gradient() if value_tap is not None else None,
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -980,14 +1071,21 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--icepop", type=float, default=None, metavar="LOW",
                       help="with --tis: mask the tokens whose weight leaves [LOW, HIGH] (IcePop) instead of truncating")
     loss.add_argument("--gspo", action="store_true", help="GSPO: one importance ratio per sample")
+    loss.add_argument("--loss", default="ppo", choices=LOSS_FAMILIES, metavar="FAMILY",
+                      help=f"the policy-loss family: {', '.join(LOSS_FAMILIES)} (default ppo, the clipped surrogate)")
+    loss.add_argument("--loss-param", type=_loss_param, action="append", default=[], metavar="NAME=VALUE",
+                      help="a parameter of --loss (sapo tau_pos/tau_neg, dppo_* trunc, dro beta (0.1 by default), "
+                           "cispo cap=relative|absolute)")
     loss.add_argument("--ppo", action="store_true",
                       help="PPO: a value head with the clipped value loss (returns = advantages + values)")
     loss.add_argument("--value-clip", type=float, default=0.2, help="with --ppo: the value clip range")
     loss.add_argument("--vf-coef", type=float, default=0.5, help="with --ppo: the value loss's weight")
-    p.add_argument("--loss", default="ppo", choices=("ppo",) + FAMILY_LOSSES)
     for bug, needs, what in LOSS_BUG_FLAGS:
         loss.add_argument(f"--{bug.replace('_', '-')}-bug", dest=f"{bug}_bug", action="store_true",
                           help=f"(needs {needs}) {what}")
+    loss.add_argument("--grad-bug", choices=tuple(GRAD_BUGS), default=None, metavar="CLASS",
+                      help="a gradient bug whose loss value is unchanged (named at loss.grad under "
+                           "RELAX_REPLAY_CAPTURE_GRAD=1): " + "; ".join(f"{k}: {v}" for k, v in GRAD_BUGS.items()))
     p.add_argument("--capture-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the per-token tensors handed to capture (bfloat16: copies of the float32 values, "
                         "half the bundle; the replay admits their rounding)")
@@ -1017,14 +1115,30 @@ LOSS_BUG_FLAGS = (
     ("tis", "--tis", "invert the importance weight: exp(rollout − old)"),
     ("gspo", "--gspo", "take the sequence ratio from the summed log-ratio instead of its mean"),
     ("value_loss", "--ppo", "report the value loss without its ½ (slime's (v − R)² under verl's ½·(v − R)²)"),
-    ("family", "--loss FAMILY", "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and "
-                                "rollout_is's ratio to the old log-probs instead of the rollout ones, "
-                                "importance_sampling's advantages negated, cross_entropy's sign flipped"),
+    ("cispo_cap", "--loss cispo", "CISPO with the other cap (absolute min(r, ε_high) for relative, or back)"),
+    ("sapo_tau", "--loss sapo", "SAPO's τ taken by the wrong sign of A"),
+    ("geo_mean", "--loss geo_mean", "PPO's clipped surrogate where GMPO is declared (the loss mode lost)"),
+    ("dppo_mask", "--loss dppo_tv or dppo_kl", "DPPO's trust-region test by the wrong sign of A"),
+    ("dro_beta", "--loss dro", "DRO's quadratic penalty added instead of subtracted"),
+    ("gpg_old_logp", "--loss gpg", "GPG's −logp·A on the old log-probs"),
+    ("family", "--loss vespo, ipo, rollout_is, importance_sampling or cross_entropy",
+     "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and rollout_is's ratio to the old "
+     "log-probs instead of the rollout ones, importance_sampling's advantages negated, cross_entropy's sign flipped"),
 )
 # --loss values beyond the clipped surrogate (issue 34; kernels/families): their policy term, the step's
 # aggregation as configured; ipo and rollout_is read the sampler's log-probs (recorded as rollout_log_probs)
 FAMILY_LOSSES = ("vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy")
 ROLLOUT_FAMILIES = ("ipo", "rollout_is")
+
+
+def _loss_param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, float(value)
+    except ValueError:
+        return name, value
 
 
 def _kl_loss(text: str) -> tuple[str, float]:
@@ -1066,10 +1180,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.loss_bug = bugs[0] if bugs else None
     needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
              "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
-             "value_loss": args.ppo, "family": args.loss != "ppo"}
+             "value_loss": args.ppo, **{bug: args.loss in fams for bug, fams in FAMILY_OF_BUG.items()},
+             "family": args.loss in FAMILY_LOSSES}
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
+    grad_needs = {"kl_no_grad": (args.kl_loss is not None, "--kl-loss"), "is_not_detached": (args.tis is not None,
+                                                                                           "--tis"),
+                  "zero_coef_nan": (args.kl_loss is None, "no --kl-loss")}
+    if args.grad_bug in grad_needs and not grad_needs[args.grad_bug][0]:
+        p.error(f"--grad-bug {args.grad_bug} needs {grad_needs[args.grad_bug][1]}")
+    if args.loss == "dro" and not any(name == "beta" for name, _ in args.loss_param):
+        args.loss_param.append(("beta", 0.1))
+    if args.loss != "ppo" and (args.dual_clip is not None or args.gspo):
+        p.error(f"--loss {args.loss} takes neither --dual-clip nor --gspo (they are PPO's)")
     if args.dual_clip is not None and not args.dual_clip > 1:
         p.error("--dual-clip C needs C > 1")
     if args.icepop is not None and args.tis is None:

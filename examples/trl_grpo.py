@@ -24,6 +24,11 @@ Bugs (``--bug``), each a subclass of the capturing trainer that changes TRL's da
   (advantages handed to the wrong samples). The rollout bundles replay clean; in every step bundle the first
   divergence is ``advantage.estimate`` — the advantages the loss consumed are not the samples' normalized
   rewards — while ``loss.policy``, recomputed on what the loss consumed, passes.
+* ``kl-no-grad`` (needs ``--beta``): the KL term computed without a gradient (SkyRL#1353's class): the reference
+  log-probs TRL reads are ``ref + (logp − logp.detach())``, the same values bit for bit, so the KL term's value is
+  TRL's and its gradient 0. With ``RELAX_REPLAY_CAPTURE_GRAD=1`` the step bundles record ``grad_log_probs``: from
+  the first step whose policy has left its reference, the first divergence is ``loss.grad`` (explained as "the KL
+  term contributes no gradient") while ``loss.policy`` passes.
 
     RELAX_REPLAY_CAPTURE=1 RELAX_REPLAY_CAPTURE_DIR=/tmp/trl-bundles python examples/trl_grpo.py
     trajectory-replay scan /tmp/trl-bundles
@@ -59,7 +64,7 @@ from capture.integrations.trl import ReplayGRPOTrainer  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 DIGITS = [str(d) for d in range(10)]
-BUGS = ("batch-normalized-rewards", "shuffled-advantages")
+BUGS = ("batch-normalized-rewards", "shuffled-advantages", "kl-no-grad")
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -119,11 +124,34 @@ class ShuffledAdvantages(ReplayGRPOTrainer):
         return inputs
 
 
+class KLWithoutGradient(ReplayGRPOTrainer):
+    """Bug: the KL term of the loss has no gradient (its value unchanged): the reference log-probs the loss reads
+    are shifted by ``logp − logp.detach()`` (0), which cancels the KL term's dependence on ``logp``."""
+
+    def _compute_loss(self, model, inputs):
+        self._kl_inputs = inputs  # the dict TRL's loss reads the reference log-probs from
+        ref = inputs.get("ref_per_token_logps")
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            if ref is not None:
+                inputs["ref_per_token_logps"] = ref  # what capture records: the reference as it was
+            self._kl_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs = getattr(self, "_kl_inputs", None)
+        if inputs is not None and inputs.get("ref_per_token_logps") is not None and out[0].requires_grad:
+            logps = out[0]
+            inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] + (logps - logps.detach())
+        return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     p.add_argument("--iterations", type=int, default=2, help="passes over each generation batch (num_iterations)")
-    p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo"))
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when != 0)")
     p.add_argument("--bias-correction-kl", action="store_true",
                    help="use_bias_correction_kl (TRL's default; off here unless given): the KL × the ratio")
@@ -152,7 +180,9 @@ def train(argv=None) -> dict:
     args = parse_args(argv)
     tokenizer = make_tokenizer()
     trainer_class = {None: ReplayGRPOTrainer, "batch-normalized-rewards": BatchNormalizedRewards,
-                     "shuffled-advantages": ShuffledAdvantages}[args.bug]
+                     "shuffled-advantages": ShuffledAdvantages, "kl-no-grad": KLWithoutGradient}[args.bug]
+    if args.bug == "kl-no-grad" and args.beta == 0:
+        raise SystemExit("trl_grpo.py: --bug kl-no-grad needs --beta != 0 (a KL term in the loss)")
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as output_dir:
         config = GRPOConfig(
             output_dir=output_dir, use_cpu=True, report_to=[], seed=args.seed, disable_tqdm=True,

@@ -68,6 +68,7 @@ class Config:
     build: Callable[[], Any]  # the config object the mapping reads
     family: bool = False  # a policy-loss family (the next issue)
     kind: str = "axis"  # "axis" (one factor at a time) or "combination"
+    rejected: str = ""  # why the framework's own code rejects it (from source: it is not run here)
 
 
 @dataclasses.dataclass
@@ -169,7 +170,9 @@ def verl_configs() -> list[Config]:
 
     kl_types = _string_constants(core.kl_penalty_forward, "kl_penalty")  # core_algos.py:2216-2251
     out = [cfg({})]
-    out += [cfg({f"{A}.adv_estimator": e}) for e in core.ADV_ESTIMATOR_REGISTRY]
+    # GDPO runs only with its reward components named (verl asserts gdpo_reward_keys, core_algos.py:413-417)
+    gdpo_keys = {f"{A}.gdpo_reward_keys": ["accuracy_reward", "format_reward"]}
+    out += [cfg({f"{A}.adv_estimator": e, **(gdpo_keys if e == "gdpo" else {})}) for e in core.ADV_ESTIMATOR_REGISTRY]
     out += [cfg({f"{ACT}.policy_loss.loss_mode": m}, family=m not in VERL_PPO_CLIP)
             for m in core.POLICY_LOSS_REGISTRY]
     out += [cfg({f"{ACT}.loss_agg_mode": m}) for m in _string_constants(core.agg_loss, "loss_agg_mode")]
@@ -470,6 +473,10 @@ def nemo_rl_configs() -> list[Config]:
         {"grpo.normalize_rewards": False, "grpo.use_leave_one_out_baseline": False},
     ]
     out += [cfg(c, kind="combination") for c in combos]
+    for c in out:  # ClippedPGLossFn.__init__ asserts it (loss/loss_functions.py:265-268)
+        if c.label == "loss_fn.sequence_level_importance_ratios=True":
+            c.rejected = ("NeMo-RL asserts sequence-level importance ratios are exclusive with the token-level loss "
+                          "(token_level_loss defaults true; loss/loss_functions.py:265-268)")
     return out
 
 
@@ -492,6 +499,9 @@ def classify(framework: str, configs: list[Config]) -> list[Result]:
         if c.kind == "unimplemented":
             results.append(Result(framework, c.label, "axis", FRAMEWORK_ERROR,
                                   f"{NAMES[framework]} raises NotImplementedError for it"))
+            continue
+        if c.rejected:
+            results.append(Result(framework, c.label, c.kind, FRAMEWORK_ERROR, c.rejected))
             continue
         try:
             obj = c.build()

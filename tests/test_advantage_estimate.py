@@ -239,7 +239,7 @@ def bad_bundle(tmp_path, name="b", **config):
 
 @pytest.mark.parametrize("config,message", [
     (dict(advantage_estimator="grpo2"), "$.config.advantage_estimator='grpo2': expected one of grpo, dr_grpo, rloo, "
-                                        "reinforce_plus_plus, reinforce_plus_plus_baseline, gae"),
+                                        "reinforce_plus_plus, reinforce_plus_plus_baseline, gae, opo, gpg, grpo_passk, maxrl, remax, gdpo"),
     (dict(group_baseline="median"), "$.config.group_baseline='median': expected one of mean, leave_one_out"),
     (dict(std_zero="nan"), "$.config.std_zero='nan': expected one of eps, skip"),
     (dict(singleton_group="one"), "$.config.singleton_group='one': expected null or one of nan, zero, raw"),

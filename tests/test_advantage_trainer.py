@@ -154,7 +154,8 @@ def test_subprocess_gae_with_kl_returns_and_whitening_replays_clean_in_the_cli(t
         replayed = subprocess.run([sys.executable, "-m", "replay_lib", "replay", str(directory / "rollout-1")],
                                   env=env, capture_output=True, text=True, timeout=120)
         codes.append((replayed.returncode, replayed.stdout.splitlines()[0]))
-    assert codes == [(0, "bundle rollout-1 — no divergence (5 stage(s) compared)"),
+    # the five rollout stages and logprob.mismatch (the trainer records its sampler's own log-probs)
+    assert codes == [(0, "bundle rollout-1 — no divergence (6 stage(s) compared)"),
                      (1, "bundle rollout-1 — first divergent stage: advantage.estimate")]
 
 

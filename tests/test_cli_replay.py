@@ -282,11 +282,13 @@ def test_loss_only_knob_does_not_block_the_reward_stages(tmp_path, cli):
 
 
 def test_refusal_in_a_real_process_is_one_line_without_traceback(tmp_path):
-    path = bundle_with(tmp_path, stages=ROLLOUT_STAGES, advantage_estimator="remax")
+    path = bundle_with(tmp_path, stages=ROLLOUT_STAGES, advantage_estimator="optimal_token_baseline")
     proc = run_process("replay", path)
     assert (proc.returncode, proc.stdout) == (4, "")
     assert proc.stderr == (f"trajectory-replay: error: {path / 'index.json'}: "
-                           f"$.config.advantage_estimator='remax': verl's ReMax (greedy baseline) is not recomputed\n")
+                           f"$.config.advantage_estimator='optimal_token_baseline': verl's optimal token baseline is "
+                           f"not recomputed: it weights each token by 1 − 2·π(token) + Σ π² over the vocabulary, "
+                           f"which a bundle does not record\n")
 
 
 def test_help_documents_the_exit_codes():

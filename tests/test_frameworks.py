@@ -126,19 +126,24 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
 
 
 @pytest.mark.parametrize("cfg, key, why", [
-    ({"algorithm": {"adv_estimator": "remax"}}, "algorithm.adv_estimator", "a bundle would need each sample's "
-                                                                           "reward_baselines"),
+    ({"algorithm": {"adv_estimator": "optimal_token_baseline"}}, "algorithm.adv_estimator",
+     "a bundle would need sum_pi_squared per token"),
     ({"algorithm": {"adv_estimator": "my_estimator"}}, "algorithm.adv_estimator", "not mapped"),
     ({"actor_rollout_ref": {"actor": {"loss_agg_mode": "token-max"}}}, "actor_rollout_ref.actor.loss_agg_mode",
      "not one of"),
-    ({"algorithm": {"rollout_correction": {"rollout_rs": "seq_mean_k1"}}}, "algorithm.rollout_correction.rollout_rs",
-     "rejection sampling"),
-    ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}}}, "algorithm.kl_ctrl.type",
-     "record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with kl_ctrl.type=fixed"),
+    ({"algorithm": {"use_kl_in_reward": True, "kl_ctrl": {"type": "pid"}}}, "algorithm.kl_ctrl.type",
+     "not one of fixed, adaptive"),
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
      "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
-     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped"),
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "a bundle would need the selected-token mask"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "my_loss"}}}},
+     "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped (vanilla, gspo, bypass_mode, cispo, sapo, geo_mean, "
+                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov are)"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "dro"}}}},
+     "actor_rollout_ref.actor.policy_loss.dro_beta", "DRO needs a positive beta"),
+    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}},
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "set the micro-batch size"),
     ({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": "k9"}}},
      "actor_rollout_ref.actor.kl_loss_type", "not mapped"),
     ({"algorithm": {"my_adv_scale": 2.0}}, "algorithm.my_adv_scale", "a key the verl mapping does not know"),
@@ -372,15 +377,20 @@ def test_openrlhf_dapo_recipe_and_default_kl_in_reward():
             gspo.log_ratio_clamp) == ("sequence", "seq_mean_token_mean", "token_mean", "token_mean", None)
 
 
+def test_openrlhf_adaptive_kl_maps_the_recorded_coefficient():
+    """algo.kl.target set: the adaptive controller moves the coefficient between steps; the bundle records the
+    step's as algo.kl.init_coef, applied as a fixed one (the same config without a target maps alike)."""
+    adaptive = from_openrlhf({"algo.advantage.estimator": "rloo", "algo.kl.target": 0.1, "algo.kl.init_coef": 0.037})
+    fixed = from_openrlhf({"algo.advantage.estimator": "rloo", "algo.kl.init_coef": 0.037})
+    assert adaptive == fixed and adaptive.kl_coef == 0.037
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"algo.advantage.estimator": "flash_reinforce"},
      "openrlhf config: algo.advantage.estimator='flash_reinforce': its baseline is the mean reward of the whole "
      "rollout batch (experience_maker.py:273-276), which a bundle of one optimizer step does not hold; record the "
      "centred reward as each sample's normalized reward, or every sample of the rollout batch in one bundle under "
      "one group_index, and map it as dr_grpo"),
-    ({"algo.advantage.estimator": "rloo", "algo.kl.target": 0.1},
-     "openrlhf config: algo.kl.target=0.1: an adaptive KL coefficient changes every step; only a fixed one is "
-     "mapped (record the step's coefficient as algo.kl.init_coef)"),
     ({"algo.advantage.estimator": "rloo", "algo.advantage.is_correction_level": "seq"},
      "openrlhf config: algo.advantage.is_correction_level='seq': the sequence mask keeps each surviving token's "
      "own weight (loss.py:237-239), which is not recomputed"),
@@ -462,15 +472,16 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "cispo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='cispo': not mapped (regular, dual_clip, gspo, "
-                              "cross_entropy, importance_sampling, rollout_is are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
+                              "cispo, sapo, cross_entropy, importance_sampling, rollout_is are)")
 
 
-def test_skyrl_kl_in_reward_fixed_maps_and_adaptive_names_what_a_bundle_would_need():
+def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
     """use_kl_in_reward (trainer.py:1409-1436): rewards − max(0, kl_loss_coef)·kl, the KL × loss_mask
     (ppo_utils.py:122-125) and the advantages × response_mask; GRPO and RLOO sum the token rewards
-    (ppo_utils.py:1284,1367). Under the adaptive controller the coefficient changes every step."""
+    (ppo_utils.py:1284,1367). Under the adaptive controller the coefficient changes every step: the bundle records
+    the step's as kl_loss_coef."""
     algo = {"use_kl_in_reward": True, "use_kl_loss": False}
     cfg = from_skyrl({"trainer": {"algorithm": algo}})
     assert (cfg.kl_in_reward, cfg.kl_coef, cfg.kl_penalty_type, cfg.masked_token_value, cfg.kl_masked_token_value,
@@ -478,12 +489,12 @@ def test_skyrl_kl_in_reward_fixed_maps_and_adaptive_names_what_a_bundle_would_ne
     rloo = from_skyrl({"trainer": {"algorithm": {**algo, "advantage_estimator": "rloo", "kl_estimator_type": "k2",
                                                  "kl_loss_coef": -0.5}}})
     assert (rloo.kl_in_reward, rloo.kl_coef, rloo.kl_penalty_type) == ("sequence", 0.0, "k2")
+    # adaptive: the step's coefficient, recorded as kl_loss_coef, applied as a fixed one
+    adaptive = from_skyrl({"trainer": {"algorithm": {**algo, "kl_loss_coef": 0.0123,
+                                                     "kl_ctrl": {"type": "adaptive", "kl_target": 0.1}}}})
+    assert (adaptive.kl_in_reward, adaptive.kl_coef) == ("sequence", 0.0123)
     refusals = {
-        "kl_ctrl": ({"kl_ctrl": {"type": "adaptive"}},
-                    "trainer.algorithm.kl_ctrl.type='adaptive': under kl_ctrl.type=adaptive the coefficient changes "
-                    "every step (reward_kl_controller.value, trainer.py:1430-1434, updated at :1443-1444) and the "
-                    "config holds only its start: a bundle would need the step's coefficient recorded as "
-                    "kl_loss_coef, then mapped with kl_ctrl.type=fixed"),
+        "kl_ctrl": ({"kl_ctrl": {"type": "pid"}}, "trainer.algorithm.kl_ctrl.type='pid': not one of fixed, adaptive"),
         "kl_loss": ({"use_kl_loss": True},
                     "trainer.algorithm.use_kl_loss=True: SkyRL rejects use_kl_in_reward with use_kl_loss "
                     "(skyrl/train/utils/utils.py:312-314: \"mutually exclusive\"); set use_kl_loss=false"),
@@ -535,16 +546,12 @@ def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
     assert (grpo.advantage_estimator, grpo.singleton_group, grpo.masked_token_value) == ("grpo", "raw", "computed")
     rpp = from_skyrl({algo: {"algorithm": {"advantage_estimator": "reinforce++", "gamma": 0.9}}})
     assert (rpp.advantage_estimator, rpp.gamma, rpp.singleton_group) == ("reinforce_plus_plus", 0.9, None)
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({algo: {"algorithm": {"advantage_estimator": "maxrl"}}})
-    assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='maxrl': MaxRL divides the centred "
-                              "reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): no group "
-                              "rule of the replay divides by the mean (grpo_std_normalization divides by the std); "
-                              "not recomputed")
+    maxrl = from_skyrl({algo: {"algorithm": {"advantage_estimator": "maxrl"}}})
+    assert (maxrl.advantage_estimator, maxrl.grpo_std_eps, maxrl.masked_token_value) == ("maxrl", 1e-6, "computed")
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({algo: {"algorithm": {"advantage_estimator": "my_estimator"}}})
     assert str(err.value) == ("skyrl config: trainer.algorithm.advantage_estimator='my_estimator': not mapped "
-                              "(grpo, rloo, reinforce++, gae are)")
+                              "(grpo, rloo, reinforce++, gae, maxrl are)")
 
 
 def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
@@ -595,3 +602,40 @@ def test_skyrl_tinker_losses_and_rollout_is_map_to_their_families():
     for kind in ("importance_sampling", "rollout_is"):
         cfg = from_skyrl({"trainer": {"algorithm": dict(algo, policy_loss_type=kind, eps_clip_low=0.1)}})
         assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.eps_clip) == (kind, "seq_mean_token_mean", 0.1)
+
+
+def test_config_command_says_an_adaptive_coefficient_must_be_the_steps(tmp_path, capsys):
+    """An adaptive KL controller maps, the file's coefficient read as the step's: the config command says the
+    bundle must hold the step's value (the file's is the controller's start)."""
+    path = tmp_path / "verl.json"
+    path.write_text(json.dumps({"algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": True,
+                                              "kl_ctrl": {"type": "adaptive", "kl_coef": 0.002}}}))
+    assert main(["config", "verl", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["kl_coef"] == 0.002
+    assert err.splitlines()[-1] == (
+        "algorithm.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's value, "
+        "logged as actor/reward_kl_penalty_coeff); 0.002 from the file is its start, right at the first step only")
+
+
+def test_verl_rollout_rs_maps_and_a_bad_chain_is_one_line():
+    """verl's rejection sampling (rollout_corr_helper.py:197-413) maps to the recompute knobs; a chain or threshold
+    verl itself rejects (no threshold, an unknown option, a k2 bound with '_') is a malformed config (exit 3)."""
+    from replay_lib.errors import FrameworkConfigError
+
+    cfg = from_verl({"algorithm": {"rollout_correction": {"rollout_rs": "token_k1,seq_mean_k3",
+                                                          "rollout_rs_threshold": "0.5_2.0,0.01"}}})
+    assert (cfg.rollout_rs, cfg.rollout_rs_threshold) == ("token_k1,seq_mean_k3", "0.5_2.0,0.01")
+    cfg = from_verl({"algorithm": {"rollout_correction": {"rollout_rs": "seq_max_k2", "rollout_rs_threshold": 0.1}}})
+    assert (cfg.rollout_rs, cfg.rollout_rs_threshold) == ("seq_max_k2", 0.1)
+    for rc, message in (({"rollout_rs": "seq_mean_k1"},
+                         "rollout_rs_threshold=None: expected a threshold with rollout_rs (required), got None"),
+                        ({"rollout_rs": "token_k4", "rollout_rs_threshold": 1.0},
+                         "rollout_rs='token_k4': expected options among token_k1, "),
+                        ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.1_0.2"},
+                         "rollout_rs_threshold='0.1_0.2': expected one positive number for token_k2, got '0.1_0.2'")):
+        with pytest.raises(FrameworkConfigError) as err:
+            from_verl({"algorithm": {"rollout_correction": rc}})
+        assert str(err.value).startswith("verl config: algorithm.rollout_correction.rollout_rs") and \
+            message in str(err.value), str(err.value)
+        assert err.value.exit_code == 3

@@ -251,14 +251,15 @@ def case_expected_value_of_the_wrong_type(tmp, tools):
 
 
 def case_nan_literal_in_index(tmp, tools):
-    """Python's json writes NaN as a bare literal; only expected.json (the original tool's) is read with them."""
+    """Python's json writes NaN as a bare literal (the original writes a non-finite reward so, and both majors of
+    it read them): index.json is read with them, and a NaN where the schema wants an integer is refused there."""
     b = _pr65(tmp)
     data = (b / "index.json").read_bytes()
-    at = data.index(b'"raw_reward": ') + len(b'"raw_reward": ')
+    at = data.index(b'"response_length": ') + len(b'"response_length": ')
     end = data.index(b",", at)
     (b / "index.json").write_bytes(data[:at] + b"NaN" + data[end:])
     tools.reseal(b)
-    return b, b, [f"{b / 'index.json'}: invalid JSON:", "NaN is not JSON (only expected.json may hold NaN or Infinity)"]
+    return b, b, [f"{b / 'index.json'}: $.samples[0].response_length: expected `int`, got `float`"]
 
 
 def case_wrong_dtype(tmp, tools):
@@ -281,8 +282,9 @@ def case_bundle_id_mismatch(tmp, tools):
 
 def case_unknown_major_version(tmp, tools):
     b = _pr65(tmp)
-    tools.edit_json(b, "manifest.json", lambda doc: doc.__setitem__("format_version", "2.0.0"))
-    return b, b, [f"{b / 'manifest.json'}:", "$.format_version", "unsupported major version '2.0.0'"]
+    tools.edit_json(b, "manifest.json", lambda doc: doc.__setitem__("format_version", "3.0.0"))
+    return b, b, [f"{b / 'manifest.json'}:", "$.format_version", "unsupported major version '3.0.0'",
+                  "(this reader reads 1.x and 2.x)"]
 
 
 def case_unknown_stage_id(tmp, tools):

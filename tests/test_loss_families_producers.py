@@ -1,4 +1,4 @@
-"""The loss families of issue 34 against an independent producer (``producers.loss_families``): each replays clean
+"""The loss families of issue 34 against an independent producer (``producers.loss_families_b``): each replays clean
 from a float32 and a bf16 producer, and each family's typical bug is the first divergence, at loss.policy."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from producers.inputs import Size
-from producers.loss_families import FAMILIES, FAMILY_BUGS, produce_family_bundle
+from producers.loss_families_b import FAMILIES, FAMILY_BUGS, produce_family_bundle
 
 SIZE = Size(samples=16, tokens=256, group_size=4)
 

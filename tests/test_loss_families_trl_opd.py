@@ -18,7 +18,8 @@ from replay_lib.bundle import BundleWriter
 from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
                                       RecomputeConfig, SampleRecord, StageId, stage_contracts)
 from replay_lib.demo import producer
-from replay_lib.kernels.loss import (LossKnobs, opd_advantages, opd_estimate, policy_loss_fields, policy_token_terms,
+from replay_lib.kernels.loss import (LossKnobs, opd_advantages, opd_estimate, policy_fields_for, policy_loss_fields,
+                                     policy_token_terms,
                                      sample_log_terms)
 
 LENGTHS = [2, 3]
@@ -269,7 +270,8 @@ def _produced(config: dict, **kw) -> dict[str, float]:
     out = policy_loss_fields(torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(ADV), torch.tensor(ENT),
                              torch.ones(5), torch.tensor(LENGTHS), eps_clip=0.2, eps_clip_high=0.2, entropy_coef=0.0,
                              dtype=torch.float32, knobs=LossKnobs.of(cfg), **f32, **kw)
-    return {k: float(v) for k, v in out.items()}
+    reported = policy_fields_for(LossKnobs.of(cfg))  # a family records only the metrics its framework reports
+    return {k: float(v) for k, v in out.items() if k in reported}
 
 
 CASES = {
@@ -323,12 +325,15 @@ def test_opd_direction_swapped_diverges(tmp_path, cli):
 
 
 @pytest.mark.parametrize("config, message", [
-    (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known family (known: ppo, cross_entropy, importance_sampling, ipo, "),
+    (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known policy-loss family (known: ppo, cispo, "
+                               "cross_entropy, dppo_kl, dppo_tv, dro, geo_mean, gpg, importance_sampling, ipo, kl_cov, "
+                               "rollout_is, sapo, vespo) (stage loss.policy)"),
     (dict(policy_loss="vespo", policy_loss_params={"k": 1.0}),
-     "$.config.policy_loss_params.k=1.0: not a parameter of the vespo family (its parameters: k_neg, k_pos, "
+     "$.config.policy_loss_params.k=1.0: not a parameter of policy_loss 'vespo' (its parameters: k_neg, k_pos, "
      "lambda_neg, lambda_pos) (stage loss.policy)"),
     (dict(policy_loss="vespo", policy_loss_params={"k_pos": "two"}),
-     "$.config.policy_loss_params.k_pos='two': the vespo family expects a float (stage loss.policy)"),
+     "$.config.policy_loss_params.k_pos='two': expected a finite number > 0 for policy_loss 'vespo' (stage "
+     "loss.policy)"),
 ])
 def test_an_unknown_family_or_parameter_is_refused_in_one_line(tmp_path, cli, config, message):
     path = write_step(tmp_path / "b", config=config, policy={"loss": 0.0})
@@ -549,7 +554,7 @@ def test_the_why_strip_of_a_vespo_token_spells_its_formula_and_weight(tmp_path):
     ctx = StageContext(reader=reader, indices=[0, 1], partial=False)
     why = element_inputs(ctx, "pg_losses", 1, 2)  # sample 1's last token: logp −1, A −0.5, log w 0.5
     phi1 = math.exp(2 + 1.5 - 2 * math.exp(0.5))
-    assert why.formula.startswith("vespo: pg = −φ(w)·A·logp")
+    assert why.formula.startswith("pg = −φ(w)·A·logp")
     items = dict(why.items)
     assert float(items["φ(w)"]) == pytest.approx(phi1, rel=1e-5) and float(items["log w"]) == pytest.approx(0.5)
     assert float(why.formula.rsplit("= ", 1)[1]) == pytest.approx(-phi1 * -0.5 * -1.0, rel=1e-5)

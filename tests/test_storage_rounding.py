@@ -38,10 +38,17 @@ def test_storage_unit_is_the_coarsest_payload_below_the_compute_format():
     assert storage_unit("float64", f32) == 2.0 ** -24
 
 
-def test_storage_error_is_u_times_the_magnitudes():
+def test_storage_error_is_u_times_the_half_spacings():
+    """A stored value is the nearest of its format to what was computed: that lies within half its spacing,
+    u·2^⌊log2|x|⌋ (3.0 is within 2⁻⁸·2 of what it rounds, not 2⁻⁸·3; 0 holds only what rounds to 0)."""
     a = torch.tensor([-1.0, 2.0], dtype=torch.bfloat16)
     b = torch.tensor([-0.5, -3.0])
-    assert storage_error(U8, a, b).tolist() == [1.5 * U8, 5.0 * U8]
+    assert storage_error(U8, a, b).tolist() == [1.5 * U8, 4.0 * U8]
+    assert storage_error(U8, torch.tensor([0.0, 1.9921875, -0.75])).tolist() == [0.0, U8, 0.5 * U8]
+    # the computed values a bf16 copy rounds to each stored one lie within it (the spacing halves below 2^e)
+    x = torch.linspace(-8, 8, 100_001, dtype=torch.float32)
+    stored = x.to(torch.bfloat16)
+    assert bool(((x.double() - stored.double()).abs() <= storage_error(U8, stored)).all())
     assert storage_error(U8, a, b).dtype == torch.float64
 
 
@@ -69,8 +76,8 @@ def test_kl_bound_admits_what_a_bf16_copy_of_a_float32_log_prob_moves():
     without = kl_bound(r, torch.zeros(1, dtype=torch.float64), "k3", 2.0 ** -24, U8)
     with_inputs = kl_bound(r, torch.zeros(1, dtype=torch.float64), "k3", 2.0 ** -24, U8, input_error=e_r)
     assert recorded > float(without[0])
-    # 2·(exp(e_r) − 1)·e_r, e_r = 2⁻⁸·(2 × 0.7421875)
-    e = 2 * 0.7421875 * U8
+    # 2·(exp(e_r) − 1)·e_r, e_r = 2⁻⁸·(2 × 0.5): the half spacing of a bf16 value in [0.5, 1)
+    e = 2 * 0.5 * U8
     assert float(with_inputs[0]) == pytest.approx(8 * 2.0 ** -24 * 2 + 2 * (math.exp(e) - 1) * e, rel=1e-12)
     assert recorded < float(with_inputs[0])
 
@@ -207,7 +214,8 @@ def test_the_value_loss_admits_the_storage_rounding_and_not_more(tmp_path, cli):
 # score 1 − 0.5·1.0 = 0.5. Under --chain the KL is recomputed from the bf16 log-probs: k1's slope is 1, e_r =
 # 2⁻⁸·(|old| + |ref|) = (2.5, 4.5)·2⁻⁸, each kl admits 2·e_r, and the score |kl_coef|·Σ of them = 0.5·14·2⁻⁸.
 SCORE = 0.5
-SCORE_STORE = 7 * U8
+# |kl_coef|·Σ 2·|dKL/dr|·u·(half spacings of old and ref): 0.5·2·(1 + 1 + 2 + 2)·2⁻⁸ for (−1, −2), (−1.5, −2.5)
+SCORE_STORE = 6 * U8
 
 
 def _score_bundle(path, *, reward: float, dtype: torch.dtype = torch.bfloat16):
@@ -243,8 +251,8 @@ def test_the_chained_kl_in_the_score_admits_its_log_probs_rounding_and_not_more(
     hazard = {h["stage"]: h["message"] for h in report["hazards"] if h["kind"] == "coarse_payload"}
     assert hazard["reward.post_process"] == (
         "old_log_probs, ref_log_probs (bfloat16, u = 2^-8) stored coarser than the declared float32 compute: each "
-        "score r − kl_coef·Σ kl admits their rounding, |kl_coef|·Σ 2·|dKL/dr|·u·(|old| + |ref|) (the KL recomputed "
-        "from them, --chain)")  # 0.5·14·2⁻⁸ over a KL of 1: under a tenth, the penalty resolved
+        "score r − kl_coef·Σ kl admits their rounding, |kl_coef|·Σ 2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋) "
+        "(the KL recomputed from them, --chain)")  # 0.5·14·2⁻⁸ over a KL of 1: under a tenth, the penalty resolved
 
     code, report = _replay(cli, _score_bundle(tmp_path / "out", reward=SCORE + SCORE_STORE + 1e-4), "--chain")
     assert code == 1

@@ -23,7 +23,13 @@ captured as TRL's call sites see it, and TRL's own code runs unchanged):
   before TRL's loss sees the inputs;
 * ``_compute_loss`` (``:3020``): the micro-batch as the loss consumed it and the loss it returned;
   ``_get_per_token_logps_and_entropies`` called from it (``:3030``): the current log-probs and entropies;
-* a ``TrainerCallback``'s ``on_step_end`` (after each optimizer step) finishes the step bundle.
+* a ``TrainerCallback``'s ``on_step_end`` (after each optimizer step) finishes the step bundle;
+* with ``RELAX_REPLAY_CAPTURE_GRAD=1``, a tensor hook (``capture.GradTap``) on the log-probs
+  ``_get_per_token_logps_and_entropies`` returned inside the loss: TRL backpropagates the loss ``_compute_loss``
+  returned as it is (``GRPOTrainer.loss_is_scaled_for_ga = True``, the accelerator's own divisor 1), so the hook
+  sees ∂loss/∂logp — times the mixed-precision scaler's scale, recorded as ``grad_scale`` when there is one. A
+  micro-batch is handed to capture once its backward has run (at the next micro-batch, or the step's end), with
+  its ``grad_log_probs``; the step declares ``loss.grad``.
 
 What each bundle holds:
 
@@ -39,7 +45,8 @@ What each bundle holds:
 * ``step-<R>-<S>`` (S = optimizer step within generation R): per micro-batch the samples it trained on (their
   ids and normalized rewards), the loss mask (``completion_mask × tool_mask``, ``:3027``), current and old
   log-probs, entropy, the advantages the loss consumed, ``ref_log_probs`` when ``beta != 0``,
-  ``rollout_log_probs`` (vLLM's sampling log-probs) under its importance correction, and as ``loss`` the sum
+  ``rollout_log_probs`` (vLLM's sampling log-probs, whenever TRL holds them: with ``use_vllm``; on CPU without
+  vLLM TRL's own ``generate`` returns none, ``:1889``, and none is recorded), and as ``loss`` the sum
   over the step's micro-batches of the loss ``_compute_loss`` returned. The denominators TRL divided by are in
   the step's config: ``loss_token_count`` = ``num_items_in_batch`` (``dapo``; the micro-batch's own tokens for
   ``bnpo``), ``loss_seq_count`` = B × gradient-accumulation steps (``grpo``, ``dr_grpo``), ``loss_scale`` =
@@ -68,6 +75,7 @@ import trl
 from replay_lib.bundle.schema import RecomputeConfig
 
 from .. import maybe_enable_for_actor
+from ..grad import GradTap
 from ..manager import _error_logged
 
 TESTED_VERSIONS = {"trl": "1.16.0", "transformers": "5.24.0", "datasets": "5.2.0"}
@@ -135,6 +143,9 @@ class _Rollout:
     num_items: int
     old: Optional[torch.Tensor]  # [B, C] when TRL computed them
     ref: Optional[torch.Tensor]
+    # [B, C] the sampling engine's log-probs of the sampled tokens (vLLM's, grpo_trainer.py:1775-1782, 2910-2911);
+    # None without vLLM: TRL's own generate() returns none (:1889, :1811), there is nothing to record
+    sampling: Optional[torch.Tensor] = None
     filled: dict[int, torch.Tensor] = field(default_factory=dict)  # position → old log-probs row, from the loss
     submitted: bool = False
     steps: int = 0  # optimizer steps begun on it
@@ -163,6 +174,10 @@ class TRLCapture:
         self._step_items: set[int] = set()
         self._step_tokens = 0
         self._step_broken: Optional[str] = None
+        # RELAX_REPLAY_CAPTURE_GRAD: the hook on this micro-batch's log-probs, and the micro-batch waiting for its
+        # backward (its add_micro_batch arguments and hook)
+        self._tap: Optional[GradTap] = None
+        self._pending: Optional[tuple[dict, GradTap, Any]] = None
         self.closed = False
 
     # ------------------------------------------------------------------------------------------ errors
@@ -238,7 +253,8 @@ class TRLCapture:
             inputs = {k: v for k, v in inputs.items() if k != SAMPLE_KEY}  # TRL's loss never sees the column
             if not self.trainer.model.training or self.closed:
                 return inner(model, inputs)
-            self._in_loss, self._forward = True, None
+            self._in_loss, self._forward, self._tap = True, None, None
+            self._flush_pending()  # the previous micro-batch's backward has run: its gradient is in
             try:
                 loss = inner(model, inputs)
             finally:
@@ -258,6 +274,11 @@ class TRLCapture:
             out = inner(*args, **kwargs)
             if self._in_loss and kwargs.get("compute_entropy"):
                 self._forward = (out[0], out[1])
+                if getattr(getattr(self.capture, "config", None), "grad", False) and out[0].requires_grad:
+                    try:
+                        self._tap = GradTap(out[0])
+                    except Exception as exc:  # never into TRL's forward: the micro-batch goes without it
+                        self._failed("a gradient hook", exc)
             return out
 
         return per_token_logps
@@ -301,6 +322,8 @@ class TRLCapture:
             num_items=int(out["num_items_in_batch"]),
             old=None if out.get("old_per_token_logps") is None else out["old_per_token_logps"].detach().clone(),
             ref=None if out.get("ref_per_token_logps") is None else out["ref_per_token_logps"].detach().clone(),
+            sampling=None if out.get("sampling_per_token_logps") is None
+            else out["sampling_per_token_logps"].detach().clone(),
         )
         self.rollouts[rollout_id] = rollout
         if rollout.old is not None:
@@ -308,7 +331,7 @@ class TRLCapture:
         return rollout_id
 
     def _rollout_config(self, rollout: _Rollout) -> RecomputeConfig:
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):  # TRL divides both by num_items_in_batch
             return msgspec.structs.replace(self.config, loss_token_count=max(rollout.num_items, 1))
         return self.config
 
@@ -333,6 +356,7 @@ class TRLCapture:
             rewards=rollout.rewards,
             old_log_probs=_tokens(old, lengths),
             ref_log_probs=None if rollout.ref is None else _tokens(rollout.ref, lengths),
+            rollout_log_probs=None if rollout.sampling is None else _tokens(rollout.sampling, lengths),
             kl=torch.zeros(tokens, dtype=torch.float32),
             advantages=_broadcast(rollout.rewards, lengths),
             reward_terms={"rewards_per_func": rollout.per_func.reshape(-1).tolist(),
@@ -382,11 +406,9 @@ class TRLCapture:
         advantages = inputs["advantages"]
         advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, completion.shape[1])
         ref = inputs.get("ref_per_token_logps") if self.trainer.beta != 0.0 else None
-        is_correction = self.config.is_level is not None
-        # vLLM's sampling log-probs: for its importance correction, and OPSM's anchor (off_policy_mask_threshold)
-        opsm_rollout = getattr(self.config, "opsm_anchor", None) == "rollout"
-        sampling = inputs.get("sampling_per_token_logps") if is_correction or opsm_rollout else None
-        self._step.add_micro_batch(
+        # the sampling engine's log-probs whenever TRL holds them (vLLM), corrected or not: stage logprob.mismatch
+        sampling = inputs.get("sampling_per_token_logps")
+        part = dict(
             sample_ids=[rollout.sample_ids[p] for p in positions],
             group_index=[rollout.groups[p] for p in positions],
             response_lengths=lengths.tolist(),
@@ -402,13 +424,30 @@ class TRLCapture:
             rollout_log_probs=None if sampling is None else _tokens(sampling, lengths),
             loss_fields={"loss": loss.detach()},
         )
+        if self._tap is not None:  # handed over once backward has filled the hook
+            self._pending, self._tap = (part, self._tap, lengths), None
+            return
+        self._step.add_micro_batch(**part)
+
+    def _flush_pending(self) -> None:
+        """Hand the micro-batch that waited for its backward to capture, with its gradient."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._step is None or not self._step.captured:
+            return
+        part, tap, lengths = pending
+        try:
+            tap.remove()
+            self._step.add_micro_batch(**part, grad_log_probs=_tokens(tap.gradient(), lengths))
+        except Exception as exc:
+            self._step_broken = self._step_broken or f"a micro-batch was not captured ({exc})"
+            self._failed("a micro-batch's gradient", exc)
 
     def _step_config(self, label: str) -> Optional[RecomputeConfig]:
         """This step's config with the counts TRL divided by, or ``None`` (logged) when its micro-batches do not
         fit one (a last, short accumulation window)."""
         cfg = self.config
         why = None
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):  # TRL divides both by num_items_in_batch
             if len(self._step_items) == 1:
                 return msgspec.structs.replace(cfg, loss_token_count=max(next(iter(self._step_items)), 1))
             why = f"num_items_in_batch differs between its micro-batches: {sorted(self._step_items)}"
@@ -425,10 +464,15 @@ class TRLCapture:
         return None
 
     def end_step(self) -> None:
+        self._flush_pending()
         step, self._step = self._step, None
         try:
             if step is not None and step.captured:
                 config = self._step_config(step.label) if self._step_broken is None else None
+                scaler = getattr(self.trainer.accelerator, "scaler", None)
+                if config is not None and scaler is not None and \
+                        getattr(getattr(self.capture, "config", None), "grad", False):
+                    config = msgspec.structs.replace(config, grad_scale=float(scaler.get_scale()))
                 if self._step_broken is not None:
                     logger.warning("replay capture (TRL): %s not written: %s", step.label, self._step_broken)
                 if config is not None:

@@ -15,7 +15,7 @@ from ..errors import BundleError
 from .safe_open import json_cap, read_regular
 from .json_limits import json_depth_error
 from .layout import _PAYLOAD_NAME, _RANK_KEY, staging_name
-from .schema import SUPPORTED_MAJOR
+from .schema import SUPPORTED_MAJORS
 
 
 HASH_CHUNK = 16 << 20  # bytes per read: a payload of a few MB is one read and one GIL-free hash call
@@ -132,7 +132,7 @@ def _literal_hint(data: bytes, message: str) -> str:
     at = int(m.group(1))
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         if data[at:at + len(literal)] == literal or data[at - 1:at - 1 + len(literal)] == literal:
-            return f"; {literal.decode()} is not JSON (only expected.json may hold NaN or Infinity)"
+            return f"; {literal.decode()} is not JSON (only index.json and expected.json may hold NaN or Infinity)"
     return ""
 
 
@@ -162,9 +162,9 @@ def parse_format_version(version, where: str) -> tuple[int, int, int]:
     if not isinstance(version, str) or not re.match(r"\A[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}\Z", version):
         raise BundleError(f"{where}: $.format_version: expected 'MAJOR.MINOR.PATCH', got {version!r}")
     major, minor, patch = (int(x) for x in version.split("."))
-    if major != SUPPORTED_MAJOR:
+    if major not in SUPPORTED_MAJORS:
         raise BundleError(
             f"{where}: $.format_version: unsupported major version {version!r} "
-            f"(this reader reads {SUPPORTED_MAJOR}.x)"
+            f"(this reader reads {' and '.join(f'{m}.x' for m in SUPPORTED_MAJORS)})"
         )
     return major, minor, patch

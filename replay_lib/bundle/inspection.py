@@ -138,6 +138,12 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
         info.format_version = manifest.format_version
         info.producer = msgspec.to_builtins(manifest.producer)
         info.stages = _pipeline_order(manifest.stage_contracts)
+        from .schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, format_major
+
+        if format_major(manifest.format_version) == 2:  # the reward stages, named: replay skips them so
+            order = {stage.value: i for i, stage in enumerate(StageId)}
+            listed = {**info.stages, **{s: NOT_IN_FORMAT_2 for s in FORMAT_2_REMOVED_STAGES if s not in info.stages}}
+            info.stages = dict(sorted(listed.items(), key=lambda kv: order[kv[0]]))
         info.redaction = dict(manifest.redaction)
         for key, spec in sorted(manifest.payloads.items()):
             file = path / PAYLOAD_DIR / f"{key}{PAYLOAD_SUFFIX}"
@@ -149,12 +155,20 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
                 info.problems.append(f"missing payloads/{key}{PAYLOAD_SUFFIX}")
             elif not size_ok:
                 info.problems.append(f"payloads/{key}{PAYLOAD_SUFFIX}: size differs from manifest")
+    unknown_major = manifest is not None and _unknown_major(manifest.format_version)
+    if unknown_major:
+        info.problems.append(unknown_major)
+        info.stages = {}
     if index is not None:
         info.bundle_id = info.bundle_id or index.bundle_id
         info.kind = index.identity.kind
         info.anchor = index.identity.anchor
-        info.identity = msgspec.to_builtins(index.identity)
-        info.config = msgspec.to_builtins(index.config)
+        if not unknown_major:  # only what index.json records: a default this reader fills in is never shown
+            recorded = _recorded_keys(path)
+            info.identity = _only(msgspec.to_builtins(index.identity), recorded.identity)
+            if "rank" in info.identity:
+                info.identity["rank"] = _only(info.identity["rank"], recorded.rank)
+            info.config = _only(msgspec.to_builtins(index.config), recorded.config)
         info.samples = len(index.samples)
         info.groups = len({s.group_index for s in index.samples if s.group_index is not None})
         info.tokens = sum(max(s.response_length, 0) for s in index.samples)
@@ -163,6 +177,65 @@ def _inspect_one(path: Path, rank: Optional[int] = None, published: bool = False
     if rank is None and info.complete:
         _check_early_writer(path, info)
     return info
+
+
+class _RecordedIdentity(msgspec.Struct):
+    rank: dict[str, msgspec.Raw] = {}
+
+
+class _Recorded(msgspec.Struct):
+    """The keys index.json records (values left undecoded)."""
+
+    config: dict[str, msgspec.Raw] = {}
+    identity: dict[str, msgspec.Raw] = {}
+
+
+class _RecordedKeys(msgspec.Struct):
+    config: frozenset = frozenset()
+    identity: frozenset = frozenset()
+    rank: frozenset = frozenset()
+
+
+_RECORDED_DECODER = msgspec.json.Decoder(_Recorded)
+
+
+def _recorded_keys(path: Path) -> _RecordedKeys:
+    """Which config knobs, identity fields and rank axes index.json records (it decoded already: read again for
+    its keys only; a document with Python's NaN literals through the stdlib parser)."""
+    try:
+        blob = _read_regular(path / "index.json", path)
+        try:
+            head = _RECORDED_DECODER.decode(blob)
+            config, identity = head.config, head.identity
+        except msgspec.DecodeError as exc:
+            from .schema import _python_json
+
+            doc = _python_json(blob, exc)
+            config, identity = dict(doc.get("config") or {}), dict(doc.get("identity") or {})
+        rank = identity.get("rank")
+        if isinstance(rank, msgspec.Raw):
+            rank = msgspec.json.decode(rank)
+        return _RecordedKeys(config=frozenset(config), identity=frozenset(identity),
+                             rank=frozenset(rank) if isinstance(rank, dict) else frozenset())
+    except (msgspec.MsgspecError, OSError, UnicodeDecodeError, RecursionError, AttributeError, TypeError):
+        return _RecordedKeys()
+
+
+def _only(values: dict, keys: frozenset) -> dict:
+    return {k: v for k, v in values.items() if k in keys}
+
+
+def _unknown_major(version) -> Optional[str]:
+    """The problem line of a format version this reader does not read, else ``None``."""
+    from .schema import SUPPORTED_MAJORS, format_major
+
+    major = format_major(version)
+    if major in SUPPORTED_MAJORS:
+        return None
+    reads = " and ".join(f"{m}.x" for m in SUPPORTED_MAJORS)
+    what = f"major version {major} is unknown to this reader" if major is not None else "not 'MAJOR.MINOR.PATCH'"
+    return (f"manifest.json: $.format_version {version!r}: {what} (it reads {reads}); its stages, config and "
+            f"identity fields are not shown (what they mean is that format's)")
 
 
 def _check_early_writer(path: Path, info: BundleInfo) -> None:

@@ -30,7 +30,7 @@ def staging_name(name: str) -> str:
 TOKENS = "Σ response_length"
 _PER_TOKEN_FLOAT = ("old_log_probs", "log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "kl",
                     "advantages", "pg_losses", "values", "old_values", "returns", "full_log_probs",
-                    "teacher_log_probs")
+                    "grad_log_probs", "grad_values", "teacher_log_probs")
 PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{name: ("float", (TOKENS,)) for name in _PER_TOKEN_FLOAT},
     "support_ids": ("int", (TOKENS, "K")),
@@ -38,6 +38,8 @@ PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sampled_token_ids": ("int", (TOKENS,)),
     "routed_experts": ("int", (TOKENS, "layers", "topk")),
     "cp_shard": ("int", (TOKENS,)),
+    # the policy version that sampled each token (partial / async rollouts mix versions): logprob.mismatch's lints
+    "policy_versions": ("int", (TOKENS,)),
 }
 # A cohort COMPLETE's shard key: a rank number as ``str(rank)`` writes it (no sign, space or leading zero).
 _RANK_KEY = re.compile(r"\A(?:0|[1-9][0-9]*)\Z")

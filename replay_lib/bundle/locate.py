@@ -143,6 +143,19 @@ def _real_dir(entry: Path) -> bool:
         return False
 
 
+def _decode_anchor(blob: bytes):
+    """The anchor part of index.json; one holding Python's ``NaN`` / ``Infinity`` literals (a non-finite reward, as
+    the original writes it) is read through the stdlib parser."""
+    try:
+        return _ANCHOR_DECODER.decode(blob)
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            raise
+        from .schema import _python_json
+
+        return msgspec.convert(_python_json(blob, exc), _ANCHOR_DECODER.type)
+
+
 def _anchor_of(capture: Path, path: Path) -> _Anchor:
     """Read the identity anchor from a (possibly unverified) bundle or cohort under ``capture``, for
     selection only; nothing on the way is followed (see the module docstring)."""
@@ -153,7 +166,7 @@ def _anchor_of(capture: Path, path: Path) -> _Anchor:
             return _Anchor(None, None)
         index_path = ranks[0] / "index.json"
     try:
-        identity = _ANCHOR_DECODER.decode(read_json_file(index_path, capture)).identity
+        identity = _decode_anchor(read_json_file(index_path, capture)).identity
     except UnsafeFile as exc:
         return _Anchor(None, None, exc.reason)
     except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):  # the reader names the field if chosen

@@ -33,6 +33,11 @@ IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 
 
+# Each registered policy-loss family's parameter defaults (kernels.families.register fills it: the bundle room
+# does not import the kernels).
+FAMILY_DEFAULTS: dict = {}
+
+
 @dataclass(frozen=True)
 class LossKnobs:
     """The loss-side knobs of SPEC §4.2, resolved from a :class:`~replay_lib.bundle.schema.RecomputeConfig`
@@ -100,7 +105,7 @@ class LossKnobs:
                    loss_token_count=cfg.loss_token_count, loss_seq_count=cfg.loss_seq_count,
                    loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip,
                    micro_batch=micro_batch_partition(samples),
-                   policy_loss=getattr(cfg, "policy_loss", "ppo"),
+                   policy_loss=str(getattr(cfg, "policy_loss", "ppo") or "ppo"),
                    policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())),
                    opsm_delta=_set(cfg, "opsm_delta", None), opsm_anchor=_set(cfg, "opsm_anchor", "old"),
                    top_entropy_quantile=_set(cfg, "top_entropy_quantile", 1.0),
@@ -173,8 +178,6 @@ class LossKnobs:
         return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
 
 
-# Each registered policy-loss family's parameter defaults (kernels.families.register fills it; torch-free here).
-FAMILY_DEFAULTS: dict[str, dict] = {"ppo": {}}
 OPSM_ANCHORS = ("old", "rollout")
 OPD_PLACEMENTS = ("advantage", "loss")
 

@@ -425,6 +425,7 @@ class BundleReader:
     manifest: Manifest
     index: BundleIndex
     expected: Expected
+    format_major: int = 1  # of manifest.json $.format_version (1 or 2)
 
     def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None):
         """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE."""
@@ -524,10 +525,16 @@ class BundleReader:
         raw_manifest = _settle(manifest_attempt)
         if not isinstance(raw_manifest, dict):
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
-        parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))
+        self.format_major = parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))[0]
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index, has_unknown = _settle(index_attempt)
         self.expected = _settle(expected_attempt)
+        from .format2 import check_read  # either major: per-token rewards; 2.0: its own rules
+
+        error, notes = check_read(self.manifest, self.index, self.expected, self.format_major, raw_manifest)
+        if error is not None:
+            raise BundleError(f"{root / error[0]}: {error[1]}")
+        self.warnings += [f"{root / name}: {message}" for name, message in notes]
         for p in unknown_fields(raw_manifest, Manifest):
             self.warnings.append(f"{root / 'manifest.json'}: {p}: unknown field (ignored)")
         self.unknown_config = {}

@@ -19,6 +19,32 @@ from msgspec.structs import force_setattr
 
 FORMAT_VERSION = "1.1.0"
 SUPPORTED_MAJOR = 1
+# Format 1.2.0 (a backward-compatible minor): a sample's ``reward`` may be a per-token list. The writer declares it
+# only for a bundle that holds one, so every other bundle is written byte for byte as before.
+PER_TOKEN_REWARD_VERSION = "1.2.0"
+# The original tool's format 2.0.0 (Relax ``relax/utils/replay/schema.py`` @ 78973a59): the reward stages, a
+# sample's ``raw_reward``, the config's ``n_samples_per_prompt`` / ``grpo_std_normalization`` and the identity's
+# ``normalization_cohort_ids`` removed; a sample's ``reward`` (the post-processed reward that advantage estimation
+# consumes, scalar or per token) required. This reader reads both majors; the writer writes either.
+FORMAT_2_VERSION = "2.0.0"
+SUPPORTED_MAJORS = (1, 2)
+# The stages of format 2.0 (its StageId enum), and the 1.x stages it removed.
+FORMAT_2_STAGE_IDS = frozenset({"sample", "advantage.kl", "advantage.estimate", "loss.policy", "loss.value"})
+FORMAT_2_REMOVED_STAGES = ("reward.raw", "reward.post_process")
+# What a 2.0 bundle does not hold, by its 1.x name (``inspect`` shows none of them as recorded).
+FORMAT_2_REMOVED_CONFIG = ("n_samples_per_prompt", "grpo_std_normalization")
+FORMAT_2_REMOVED_IDENTITY = ("normalization_cohort_ids",)
+FORMAT_2_REMOVED_SAMPLE = ("raw_reward",)
+NOT_IN_FORMAT_2 = "not in format 2.0"
+
+
+def format_major(version) -> Optional[int]:
+    """The major number of a ``MAJOR.MINOR.PATCH`` version, else ``None``."""
+    if isinstance(version, str):
+        head = version.split(".", 1)[0]
+        if head.isascii() and head.isdigit() and len(head) <= 9:
+            return int(head)
+    return None
 
 # Every integer a bundle holds is bounded (SPEC §11): an int64, as the tensors and kernels that consume it
 # are. A value outside is a one-line schema error naming its field, not an OverflowError in a stage.
@@ -43,8 +69,10 @@ class StageId(str, enum.Enum):
     ADVANTAGE_KL = "advantage.kl"
     ADVANTAGE_ESTIMATE = "advantage.estimate"
     LOGPROB_SUPPORT = "logprob.support"
+    LOGPROB_MISMATCH = "logprob.mismatch"
     LOSS_POLICY = "loss.policy"
     LOSS_VALUE = "loss.value"
+    LOSS_GRAD = "loss.grad"
 
     def __str__(self) -> str:  # "reward.raw", not "StageId.REWARD_RAW"
         return self.value
@@ -141,10 +169,21 @@ class SampleRecord(_Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     raw_reward: Optional[float] = None
     response: Optional[str] = None
     response_length: Int
-    reward: Optional[float] = None
+    # The post-processed reward advantage estimation consumes: one per sample, or (format 1.2 / 2.0) a list of
+    # ``response_length`` per-token values.
+    reward: Union[float, list[float], None] = None
     sample_id: SampleId
     tool_output: Optional[str] = None
     total_length: Int
+    # SPEC §4.2, estimators with per-sample inputs beyond the score (optional, a minor addition: unset, they are not
+    # written, so a bundle without them is byte-identical to one written before them). reward_baseline: the
+    # reward of the prompt's greedy rollout that ReMax subtracts (verl ``reward_baselines``); reward_components:
+    # the sample's reward components in one order for every sample (GDPO normalizes each apart).
+    reward_baseline: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    reward_components: Union[list[float], msgspec.UnsetType] = msgspec.UNSET
+    # Whether the generation stopped at the token limit (finish_reason "length"), for the stop-properly penalty
+    # (RecomputeConfig.truncated_reward_coef). Unset: not written.
+    truncated: Union[bool, msgspec.UnsetType] = msgspec.UNSET
 
 
 class AdvantageWhitenStats(_Struct, kw_only=True, forbid_unknown_fields=True):
@@ -248,10 +287,50 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Optional[Int] = None
     num_experts: Optional[Int] = None
     support_scored: Optional[list[str]] = None
-    # The policy-loss family (SPEC §4.2: ``ppo`` is the clipped surrogate above; every other family is a module of
-    # ``kernels/families``) and its own parameters (scalars; a family's defaults fill the ones not recorded).
+    # GDPO (advantage_estimator="gdpo"): the weight of each reward component in the sum of their normalized
+    # values (unset: 1 each), and whether that sum is then standardized over the step's samples (NeMo-RL:
+    # (A − mean)/std, the unbiased std, centred only where it is 0) before advantage.estimate. Unset: not written.
+    reward_component_weights: Union[list[float], msgspec.UnsetType] = msgspec.UNSET
+    reward_components_standardize: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # That standardization's divisor: unset, the std (the centred sum where it is 0: NeMo-RL); a number, std + it
+    # (TRL's normalize_then_sum, 1e-4).
+    reward_components_standardize_eps: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # Length shaping of the raw reward before reward.post_process normalizes it (OpenRLHF
+    # trainer/ppo_utils/length_penalty.py): the overlong penalty r − min(L − (max_tokens − buffer), buffer)/buffer ·
+    # factor where positive, L the span from the sample's first to its last loss token; then, for a sample recorded
+    # truncated, r · coef (coef in [0, 1]) or r := coef (coef < 0). Unset: no shaping, not written.
+    overlong_buffer_len: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    overlong_penalty_factor: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    overlong_max_tokens: Union[Int, msgspec.UnsetType] = msgspec.UNSET
+    truncated_reward_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
+
+    # Gradient replay (stage loss.grad, SPEC §4.3): the factor between the loss the step backpropagated and the
+    # recorded loss field (the payload grad_log_probs is ∂(grad_scale·loss)/∂log_probs): 1/k when each of k
+    # accumulated micro-batches divides its loss by k before backward while the step reports their sum, the
+    # unscaled value of a mixed-precision loss scaler. Unset (1.0) is not written.
+    grad_scale: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # The value loss's weight in the loss backpropagated (loss + vf_coef·vf_loss, PPO): grad_values is
+    # grad_scale·vf_coef·∂vf_loss/∂values. Unset (1.0) is not written.
+    vf_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
+
+    # The policy-loss family (kernels/families: ppo, cispo, sapo, geo_mean, ...) and its parameters; an unknown
+    # family or parameter is refused by loss.policy naming the known ones (exit 4).
     policy_loss: str = "ppo"
     policy_loss_params: dict[str, Union[float, int, str, bool, None]] = {}
+
+    # Train–inference mismatch (stage logprob.mismatch, SPEC §4.4). true_on_policy: the run declares rollout and
+    # trainer log-probs bitwise equal (NeMo-RL zero_train_gen_mismatch, miles --true-on-policy-mode), so every
+    # difference on a loss token is a divergence. policy_version: the trainer's policy version at the step;
+    # max_policy_lag: the configured staleness bound (verl staleness_threshold, SkyRL max_staleness_steps,
+    # NeMo-RL max_trajectory_age_steps, slime --max-policy-version-lag), read with the payload policy_versions.
+    # Unset, they are not written, so a bundle without them is byte-identical to one written before them.
+    true_on_policy: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    policy_version: Union[Int, msgspec.UnsetType] = msgspec.UNSET
+    max_policy_lag: Union[Count, msgspec.UnsetType] = msgspec.UNSET
+    # Rejection sampling of the train/rollout correction (verl rollout_rs, rollout_rs_threshold; SPEC §4.4): the
+    # loss tokens a chained divergence test rejects leave the loss mask. Unset: not written.
+    rollout_rs: Union[str, None, msgspec.UnsetType] = msgspec.UNSET
+    rollout_rs_threshold: Union[str, float, None, msgspec.UnsetType] = msgspec.UNSET
     # Off-policy sequence masking (OPSM, DeepSeek-V3.2): a token is dropped when its advantage is < 0 and its
     # sample's mean of ``anchor − log_probs`` over the loss tokens exceeds ``opsm_delta`` (anchor: ``old`` as
     # slime, ``rollout`` as TRL's sampling log-probs). Unset: off, and not written.
@@ -278,6 +357,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
         errors = check_knobs(LossKnobs.of(self))
         if errors:
             raise ValueError(errors[0])
+        if self.grad_scale is not msgspec.UNSET and not (math.isfinite(self.grad_scale) and self.grad_scale != 0):
+            raise ValueError(f"grad_scale: expected a finite, non-zero multiplier, got {self.grad_scale!r}")
+        if self.vf_coef is not msgspec.UNSET and not math.isfinite(self.vf_coef):
+            raise ValueError(f"vf_coef: expected a finite weight, got {self.vf_coef!r}")
+        if isinstance(self.rollout_rs, str):
+            from .rollout_rs import parse_rollout_rs
+
+            parse_rollout_rs(self.rollout_rs, None if self.rollout_rs_threshold is msgspec.UNSET
+                             else self.rollout_rs_threshold)
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")
@@ -633,7 +721,7 @@ def _shared_samples(raws: list) -> list[SampleRecord]:
                 elif kept is not value:
                     share(rec, "raw_reward", kept)
             value = rec.reward
-            if value:
+            if type(value) is float and value:  # a per-token list is the sample's own
                 if (kept := floats_kept(value)) is None:
                     if len(floats) < _SHARED_FLOATS_MAX:
                         floats[value] = value
@@ -679,10 +767,21 @@ def decode_index_whole(blob: bytes) -> tuple[BundleIndex, bool]:
     unknown fields); one with unknown fields is decoded leniently (raising its real problem, if it has another)
     and rebuilt without them. Raises ``msgspec.DecodeError`` / ``ValidationError``."""
     try:
-        return INDEX_DECODER.decode(blob), False
-    except msgspec.ValidationError:
-        lenient = LENIENT_INDEX_DECODER.decode(blob)
-        return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+        try:
+            return INDEX_DECODER.decode(blob), False
+        except msgspec.ValidationError:
+            lenient = LENIENT_INDEX_DECODER.decode(blob)
+            return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            raise
+        # the original writes a non-finite reward as Python's bare NaN / Infinity literal (both majors read it so)
+        doc = _python_json(blob, exc)
+        try:
+            return msgspec.convert(doc, BundleIndex), False
+        except msgspec.ValidationError:
+            lenient = msgspec.convert(doc, LENIENT_INDEX_DECODER.type)
+            return msgspec.convert(msgspec.to_builtins(lenient), BundleIndex), True
 
 
 def decode_expected(blob: bytes) -> Expected:
@@ -697,15 +796,24 @@ def decode_expected(blob: bytes) -> Expected:
     except msgspec.DecodeError as exc:
         if b"NaN" not in blob and b"Infinity" not in blob:
             raise _keyed(exc, blob) from None
-        try:
-            text = blob.decode("utf-8")
-            doc = json.loads(text)
-        except json.JSONDecodeError as bad:
-            at = len(text[:bad.pos].encode("utf-8"))
-            raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
-        except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
-            raise exc from None
-        return _check_expected_objects(msgspec.convert(doc, Expected))
+        return _check_expected_objects(msgspec.convert(_python_json(blob, exc), Expected))
+
+
+def _python_json(blob: bytes, exc: Exception):
+    """``blob`` parsed by the stdlib (which reads the bare ``NaN`` / ``Infinity`` / ``-Infinity`` literals Python's
+    json writes as floats), after msgspec refused it with ``exc``: raises ``exc`` when the document holds no such
+    literal, is not UTF-8 or is nested too deep, and a ``DecodeError`` naming the byte where the stdlib stopped
+    when it is malformed otherwise too."""
+    if b"NaN" not in blob and b"Infinity" not in blob:
+        raise exc
+    try:
+        text = blob.decode("utf-8")
+        return json.loads(text)
+    except json.JSONDecodeError as bad:
+        at = len(text[:bad.pos].encode("utf-8"))
+        raise msgspec.DecodeError(f"JSON is malformed: {bad.msg[:1].lower()}{bad.msg[1:]} (byte {at})") from None
+    except (ValueError, RecursionError):  # not UTF-8 (the caller names the byte), or nested too deep
+        raise exc from None
 
 
 _EXPECTED_KEYS_DECODER = msgspec.json.Decoder(dict[str, dict[str, msgspec.Raw]])
@@ -766,6 +874,63 @@ def _loss_terms(raw, where: str) -> PerSampleLossTerms:
 def encode_json(obj) -> bytes:
     """The wire form of the original tool: 2-space indent, sorted keys, UTF-8, one trailing newline."""
     return msgspec.json.format(JSON_ENCODER.encode(obj), indent=2) + b"\n"
+
+
+_LITERALS = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}
+
+
+def encode_json_literals(doc, paths) -> bytes:
+    """:func:`encode_json` of ``doc`` (builtins: dicts, lists, floats …) with each non-finite float at ``paths``
+    written as Python's json writes it (``NaN``, ``Infinity``, ``-Infinity``), the form both majors of the original
+    tool read (msgspec alone writes ``null``, which they cannot take as a number). ``paths(doc)`` yields
+    ``(container, key)`` pairs whose value may be a float or a list of floats; only those are looked at (the
+    loss masks of a large index are never walked). A document without a non-finite value there is encoded as
+    :func:`encode_json` does."""
+    import secrets
+
+    marks: dict[str, bytes] = {}
+    nonce = None
+
+    def mark(value: float) -> str:
+        nonlocal nonce
+        if nonce is None:
+            nonce = "\u2063nf-" + secrets.token_hex(8) + "-"
+        token = nonce + repr(value)
+        marks[token] = _LITERALS[repr(value)]
+        return token
+
+    for container, key in paths(doc):
+        value = container[key]
+        if type(value) is float and not math.isfinite(value):
+            container[key] = mark(value)
+        elif type(value) is list:
+            for i, item in enumerate(value):
+                if type(item) is float and not math.isfinite(item):
+                    value[i] = mark(item)
+    blob = encode_json(doc)
+    for token, literal in marks.items():
+        quoted = JSON_ENCODER.encode(token)
+        blob = blob.replace(quoted, literal)
+    return blob
+
+
+def index_float_paths(doc: dict):
+    """The places of index.json's (builtins) floats a producer may leave non-finite: each sample's rewards."""
+    for sample in doc.get("samples", ()):
+        for key in ("raw_reward", "reward"):
+            if sample.get(key) is not None:
+                yield sample, key
+
+
+def expected_float_paths(doc: dict):
+    """Every value of expected.json (builtins), and each per-sample loss term's list."""
+    for values in doc.values():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                for term in value:
+                    yield value, term
+            else:
+                yield values, key
 
 
 def unknown_fields(raw, typ, path: str = "$") -> list[str]:

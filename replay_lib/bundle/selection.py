@@ -46,6 +46,8 @@ def group_label(group_index: Optional[int]) -> str:
     """``g-3``; a negative index (the schema allows one) ``g(-1)``, never ``g--1``; ``-`` for none."""
     if group_index is None:
         return "-"
+    if isinstance(group_index, str):  # an identity's semantic group id may be a string (format 2.0 writes them so)
+        return f"g-{group_index}"
     return f"g-{group_index}" if group_index >= 0 else f"g({group_index})"
 
 

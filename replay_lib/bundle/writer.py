@@ -33,6 +33,12 @@ from .schema import (
     StageContract,
     StageId,
     encode_json,
+    encode_json_literals,
+    expected_float_paths,
+    format_major,
+    index_float_paths,
+    FORMAT_2_VERSION,
+    PER_TOKEN_REWARD_VERSION,
 )
 from .files import _atomic_write, _fsync_dir, check_payload_name, sha256_bytes, sha256_file
 
@@ -56,7 +62,28 @@ class BundleWriter:
         expected: Expected,
         *,
         rank: Optional[int] = None,
+        format_version: Optional[str] = None,
     ):
+        """``format_version``: ``"2.0.0"`` writes the original's format 2.0 (the manifest's version otherwise; a
+        1.x bundle that holds a per-token reward is written as 1.2.0, the minor that added it). A 2.0 bundle
+        cannot hold the reward stages, raw rewards or normalization cohort ids: asked to, it raises
+        ``ValueError`` naming them (``replay_lib.bundle.convert`` drops them and says so)."""
+        from . import format2
+
+        version = format_version or manifest.format_version
+        major = format_major(version)
+        if major == 2:
+            refused = format2.refused_in_2(manifest, index, expected)
+            if refused:
+                raise ValueError("format 2.0 cannot hold: " + "; ".join(refused))
+            version = FORMAT_2_VERSION if format_version else version
+        elif major == 1 and format2.has_per_token_reward(index) and _older(version, PER_TOKEN_REWARD_VERSION):
+            version = PER_TOKEN_REWARD_VERSION
+        elif major != 1:
+            raise ValueError(f"format_version {version!r}: this writer writes 1.x and 2.0.0")
+        if version != manifest.format_version:
+            manifest = msgspec.structs.replace(manifest, format_version=version)
+        self.major = major
         self.rank = rank
         self.root = Path(path)
         self.final_path = self.root / f"rank-{rank}" if rank is not None else self.root
@@ -122,11 +149,7 @@ class BundleWriter:
             raise RuntimeError("finalize() called twice")
         try:
             manifest = msgspec.structs.replace(self.manifest, payloads=dict(sorted(self.payloads.items())))
-            blobs = {
-                "manifest.json": encode_json(wire_manifest(manifest)),
-                "index.json": encode_json(self.index),
-                "expected.json": encode_json(self.expected),
-            }
+            blobs = wire_documents(manifest, self.index, self.expected, self.major)
             for fname, blob in blobs.items():
                 (self.staging / fname).write_bytes(blob)
             metadata = {fname: sha256_bytes(blob) for fname, blob in blobs.items()}
@@ -179,6 +202,37 @@ class BundleWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None or not self._finalized:
             self.abort()
+
+
+def _older(version: str, than: str) -> bool:
+    try:
+        return tuple(int(x) for x in version.split(".")) < tuple(int(x) for x in than.split("."))
+    except ValueError:
+        return False
+
+
+def wire_documents(manifest: Manifest, index: BundleIndex, expected: Expected, major: int) -> dict[str, bytes]:
+    """The three JSON files as written, of format ``major``. A non-finite reward or expected value is written as
+    Python's json writes it (``NaN``, ``Infinity``), the form both majors of the original read."""
+    from . import format2
+
+    doc = wire_manifest(manifest)
+    if major == 2:
+        doc = format2.wire_manifest_2(doc)
+        index_doc = format2.wire_index(index)
+        expected = format2.wire_expected(expected)
+    else:
+        index_doc = None
+    if index_doc is None and not any(format2.nonfinite_reward(s) for s in index.samples):
+        index_blob = encode_json(index)  # the usual index: one encode, no walk
+    else:
+        index_blob = encode_json_literals(index_doc if index_doc is not None else msgspec.to_builtins(index),
+                                          index_float_paths)
+    return {
+        "manifest.json": encode_json(doc),
+        "index.json": index_blob,
+        "expected.json": encode_json_literals(msgspec.to_builtins(expected), expected_float_paths),
+    }
 
 
 def wire_manifest(manifest: Manifest) -> dict:

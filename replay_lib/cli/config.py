@@ -117,4 +117,5 @@ def source_lines(framework: str, file: str, readers) -> list[tuple[str, str]]:
     width = max((len(k) for k in reads), default=0)
     lines += [("", f"  file     {k:<{width}} = {v!r}") for k, v in from_file]
     lines += [("skipped", f"  default  {k:<{width}} = {v!r}") for k, v in defaults]
+    lines += [("warning", note) for reader in readers for note in getattr(reader, "notes", ())]
     return lines

@@ -78,9 +78,11 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             lines.append(("", f"  kind      {b.kind}-level, {b.anchor}"))
         if b.identity:
             ident = b.identity
-            lines.append(("", "  rank      " + " ".join(f"{k}={v}" for k, v in ident.get('rank', {}).items())))
-            wl = ident.get("weight_lineage") or {}
-            lines.append(("", f"  weights   rollout={wl.get('rollout_weight')} actor={wl.get('actor_weight')}"))
+            if ident.get("rank"):
+                lines.append(("", "  rank      " + " ".join(f"{k}={v}" for k, v in ident["rank"].items())))
+            if "weight_lineage" in ident:
+                wl = ident.get("weight_lineage") or {}
+                lines.append(("", f"  weights   rollout={wl.get('rollout_weight')} actor={wl.get('actor_weight')}"))
             for key in ("rollout_partition_ids", "consumer_batch_ids", "micro_batch_ids", "normalization_cohort_ids"):
                 if ident.get(key):
                     lines.append(("", f"  {key:<26}{elided_listing(ident[key], limit=8)}"))
@@ -96,8 +98,11 @@ def _inspect_lines(result) -> list[tuple[str, str]]:
             knobs = ", ".join(f"{k}={v}" for k, v in changed.items())
             # every knob not listed is at its default: the ones the bundle writes and those it leaves out (a knob
             # newer than the bundle, or an optional one written only when set)
-            rest = sum(1 for name in RecomputeConfig.__struct_fields__ if name not in changed)
-            lines.append(("", f"  config    {knobs}" + (f" (+{rest} knobs at their defaults)" if rest else "")))
+            rest = sum(1 for name in RecomputeConfig.__struct_fields__ if name in b.config and name not in changed)
+            absent = sum(1 for name in RecomputeConfig.__struct_fields__ if name not in b.config)
+            tail = [f"+{rest} knobs at their defaults"] if rest else []
+            tail += [f"{absent} not recorded"] if absent else []
+            lines.append(("", f"  config    {knobs}" + (f" ({'; '.join(tail)})" if tail else "")))
         if b.redaction:
             lines.append(("", "  redaction " + ", ".join(f"{k}:{v}" for k, v in b.redaction.items())))
         for stage, cap in b.stages.items():
@@ -184,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .importing import add_import_arguments
 
     add_import_arguments(p, _Parser)
+    p = sub.add_parser("convert", help="rewrite a bundle or cohort in format 2.0.0 or 1.0.0, verified (SPEC §2.2)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .convert import add_convert_arguments
+
+    add_convert_arguments(p)
     p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .config import add_config_arguments
@@ -279,6 +289,10 @@ def _dispatch(args) -> int:
         from .importing import run_import_command
 
         return run_import_command(args)
+    if args.command == "convert":
+        from .convert import run_convert_command
+
+        return run_convert_command(args)
     if args.command == "config":
         from .config import run_config_command
 

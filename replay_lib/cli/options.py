@@ -90,6 +90,10 @@ def add_replay_arguments(p: argparse.ArgumentParser, selection: bool = True) -> 
     j.add_argument("--exact", action="store_true",
                    help="compare bitwise with a float32 recompute (same kernels, same hardware) instead of the "
                         "float64 recompute within the error model's tolerance")
+    j.add_argument("--bitwise", action="store_true",
+                   help="the true-on-policy oracle for any bundle: every loss token where rollout_log_probs and "
+                        "old_log_probs differ is a divergence at logprob.mismatch (tolerance 0), as the bundle's "
+                        "config.true_on_policy asks")
     j.add_argument("--tolerance-policy", choices=TOLERANCE_POLICIES, default="bundle",
                    help="bundle (default): the bundle's atol/rtol are used as declared, and each one looser than "
                         "the defaults (atol 1e-6, rtol 1e-5) is reported as a warning; default: a bundle may only "
@@ -125,6 +129,7 @@ def replay_options(args) -> dict:
     step, rollout = anchor_from_args(args)
     apply_limits(args)
     selection = Selection(samples=tuple(args.sample), groups=tuple(args.group), batches=tuple(args.batch))
-    rules = Rules(chain=args.chain, exact=args.exact, tolerance_policy=args.tolerance_policy)
+    rules = Rules(chain=args.chain, exact=args.exact, tolerance_policy=args.tolerance_policy,
+                  bitwise=getattr(args, "bitwise", False))
     return dict(stages=stages, selection=selection, step=step, rollout=rollout, max_divergences=args.max_divergences,
                 rules=rules)

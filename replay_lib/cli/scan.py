@@ -55,7 +55,7 @@ def options_from_args(args):
     from ..run.scan import ScanOptions
 
     return ScanOptions(stages=tuple(getattr(args, "stage", None) or ()) or None, chain=getattr(args, "chain", False),
-                       exact=getattr(args, "exact", False),
+                       exact=getattr(args, "exact", False), bitwise=getattr(args, "bitwise", False),
                        tolerance_policy=getattr(args, "tolerance_policy", "bundle"),
                        max_divergences=getattr(args, "max_divergences", 5),
                        max_json_bytes=getattr(args, "max_json_bytes", None),

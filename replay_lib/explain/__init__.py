@@ -1,8 +1,8 @@
 """Explaining a divergence (SPEC §10): which known bug reproduces a failing stage's recorded values.
 
 For each failing stage, the hypotheses of its family (one module each: :mod:`.reward`, :mod:`.kl`,
-:mod:`.advantage`, :mod:`.loss`) are evaluated in float64 from the recorded inputs the stage consumed and judged
-against its recorded values with the error model's tolerance (:mod:`.base`: an element matches within its
+:mod:`.advantage`, :mod:`.loss`, :mod:`.grad`) are evaluated in float64 from the recorded inputs the stage
+consumed and judged against its recorded values with the error model's tolerance (:mod:`.base`: an element matches within its
 tolerance; a hypothesis is reported when it matches most — 90 % — of the divergent elements and of all
 compared ones; in a cohort, over the rank shards where the stage fails). The report carries them as ``explanations: [{stage, hypothesis, matched, of, detail, unit,
 rank}]``, best first, at most :data:`MAX_PER_STAGE` per stage; none is a valid answer ("no known cause
@@ -26,7 +26,7 @@ from ..judge.error_model import Rules
 from ..judge.fields import PER_SAMPLE, PER_SCALAR, PER_TOKEN, FieldResult
 from ..judge.report import STATUS_FAIL, Explanation, ReplayReport
 from ..stages import STAGE_ORDER, StageContext
-from . import advantage, kl, loss, reward
+from . import advantage, grad, kl, loss, mismatch, reward
 from .base import Hypothesis, Score, reported, score
 from .downstream import mark_downstream
 
@@ -37,6 +37,7 @@ FAMILIES: dict[str, Callable[[StageContext, list[FieldResult]], list[Hypothesis]
     kl.STAGE: kl.hypotheses,
     advantage.STAGE: advantage.hypotheses,
     loss.STAGE: loss.hypotheses,
+    grad.STAGE: grad.hypotheses,
 }
 
 
@@ -54,6 +55,8 @@ def _unit(fields: Sequence[FieldResult], sampled: bool) -> str:
 def explain_stage(stage: str, contexts: Sequence[StageContext], divergences=()) -> list[Explanation]:
     """The reported hypotheses of one failing stage over its shards' contexts (whose ``fields[stage]`` hold what
     it compared, judged on its recorded inputs), best first."""
+    if stage == mismatch.STAGE:  # the oracle's differences: judged on themselves (tolerance 0), not as hypotheses
+        return mismatch.explain(contexts)
     family = FAMILIES.get(stage)
     if family is None:
         return []

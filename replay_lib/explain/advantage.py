@@ -23,7 +23,7 @@ from ..judge.error_model import advantage_bound, unit_roundoff
 from ..judge.fields import FieldResult
 from ..kernels import GrpoReturns
 from ..stages import StageContext
-from ..stages.advantage import grpo_rewards
+from ..stages.advantage import grpo_rewards, recorded_token_rewards
 from .base import Hypothesis, listing
 
 STAGE = "advantage.estimate"
@@ -112,6 +112,8 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
     grpo = cfg.advantage_estimator == "grpo" and not cfg.normalize_advantages and cfg.kl_in_reward is None
     if not grpo or not any(f.name == "advantage" for f in fields) or not ctx.has("advantages"):
         return []  # only GRPO's broadcast rewards are varied here
+    if recorded_token_rewards(ctx) is not None:
+        return []  # per-token rewards: no per-sample reward to vary
     recorded = ctx.payload("advantages")
     u = unit_roundoff(recorded)
     rewards, _ = grpo_rewards(ctx)

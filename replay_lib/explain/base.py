@@ -51,6 +51,9 @@ class Hypothesis:
     bounds: dict[str, Values] = field(default_factory=dict)
     # the id of the simpler hypothesis this one extends: reported only when it matches more than that one
     extends: Optional[str] = None
+    # a non-finite value of the hypothesis reproduces a recorded non-finite one (NaN for NaN, an infinity of the
+    # same sign): a bug whose signature is the NaN itself (loss.grad's 0·NaN), opt-in
+    nonfinite_matches: bool = False
 
 
 @dataclass
@@ -128,6 +131,9 @@ def _matches(h: Hypothesis, f: FieldResult, w, lo: int, hi: int, atol: float, rt
     # then are the sides themselves tested
     if bool((ok & (diff == math.inf)).any()):
         ok &= torch.isfinite(value) & torch.isfinite(w.expected)
+    if h.nonfinite_matches:
+        same = (torch.isnan(value) & torch.isnan(w.expected)) | (torch.isinf(value) & (value == w.expected))
+        ok |= compared & same
     return ok, diff, tol
 
 

@@ -15,15 +15,16 @@ Headless (no Textual); cheap enough for every cursor move: O(1) per token, O(gro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 from typing import Optional
 
+import msgspec
 import torch
 
 from ..kernels import KL_CLAMP, compute_approx_kl, policy_loss_terms
 from ..kernels.loss import sample_term
-from ..kernels.reward import batch_std, group_moments, group_rule, post_process
+from ..kernels.reward import OWN_RULE_ESTIMATORS, batch_std, group_moments, group_rule, post_process
 from ..bundle.loss_knobs import LossKnobs
 from ..judge.report import fmt_value
 from ..bundle.selection import group_label
@@ -31,6 +32,7 @@ from ..stages.base import StageContext, StageInputError
 
 REWARD_FIELDS = ("raw_reward", "reward")
 LOSS_TOKEN_FIELDS = ("pg_losses",)
+GRAD_TOKEN_FIELDS = ("grad_log_probs",)
 LOSS_SAMPLE_FIELDS = ("pg_sum", "entropy_sum", "kl_sum", "clip_count", "mask_count", "pg_contribution")
 NOT_RECORDED = "—"
 
@@ -150,6 +152,16 @@ def element_inputs(ctx: StageContext, field: str, index: int, offset: Optional[i
         return advantage_inputs(ctx, index, offset, t)
     if field in LOSS_TOKEN_FIELDS:
         return loss_token_inputs(ctx, field, index, offset, t)
+    if field in GRAD_TOKEN_FIELDS:
+        return grad_token_inputs(ctx, field, index, offset, t)
+
+    if field == "token_reward":  # a recorded per-token reward against its sample's normalized reward
+        base = reward_inputs(ctx, "reward", index)
+        recorded = ctx.samples[index].reward
+        value = recorded[offset] if type(recorded) is list else recorded
+        return replace(base, field=field, offset=offset,
+                        formula=f"each token of a per-token reward = the sample's normalized reward: {base.formula}",
+                        items=(("token", fmt(value)), *base.items))
     raise KeyError(f"no input breakdown for field {field!r}")
 
 
@@ -187,7 +199,15 @@ def reward_inputs(ctx: StageContext, field: str, index: int) -> ElementInputs:
     std = float(stds[me]) if r.numel() > 1 else float("nan")
     mine = float(record.raw_reward)
     std_on = rule.std
-    if not rule.center:
+    if ctx.config.advantage_estimator in OWN_RULE_ESTIMATORS:  # the estimator's own rule (stages.reward)
+        from ..stages.reward import own_rule_text
+
+        own = ctx.outputs.get("rewards")
+        shown = fmt(float(own[index])) if own is not None and index < own.numel() else "(not recomputed)"
+        formula = (f"{ctx.config.advantage_estimator}: "
+                   f"{own_rule_text(ctx.config, group_rule(msgspec.structs.replace(ctx.config, advantage_estimator='grpo')))}"
+                   f" = {shown}")
+    elif not rule.center:
         formula = f"{ctx.config.advantage_estimator}: the score passes through unchanged = {fmt(value)}"
     else:
         loo = rule.baseline == "leave_one_out"
@@ -250,13 +270,22 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
     normalized reward broadcast over the sample's tokens (GRPO and its kin), the discounted returns of the
     per-token rewards (REINFORCE++, the KL in the token rewards), or GAE over the recorded values — then
     whitened where the estimator whitens. Only a broadcast names its value: a recursion's is the Diff pane's."""
-    from ..stages.advantage import estimate_kind, grpo_rewards, whitens  # what advantage.estimate consumes
+    from ..stages.advantage import (estimate_kind, grpo_rewards, recorded_token_rewards,  # what advantage.estimate
+                                    whitens)  # consumes
     from ..stages.reward import _reward_kl
 
     cfg = ctx.config
+    record = ctx.samples[index]
+    tokens = recorded_token_rewards(ctx)
+    if tokens is not None:  # per-token rewards (format 1.2 / 2.0): the token's own, recorded
+        reward = float(tokens[t])
+        items = (("reward", fmt(reward)), ("group", group_label(record.group_index)),
+                 ("mask", str(int(ctx.loss_mask[t]))))
+        return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset,
+                             formula=f"A = the token's recorded reward = {fmt(reward)} (per-token rewards)",
+                             items=items)
     rewards, _ = grpo_rewards(ctx)
     reward = float(rewards[index])
-    record = ctx.samples[index]
     items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t])))]
     how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
     kind = estimate_kind(cfg)
@@ -314,7 +343,9 @@ def _sample_mask_count(ctx: StageContext, index: int) -> float:
 
 
 # A loss family's (and the masks') own per-token columns, as the why strip names them (kernels.families).
-FAMILY_COLUMNS = (("phi", "φ(w)"), ("log_w", "log w"), ("rollout_ratio", "r kept"), ("prob_diff", "|p − p_inf|"),
+FAMILY_COLUMNS = (("cispo_weight", "sg(clip(r))"), ("sapo_tau", "τ"), ("sapo_gate", "gate f(r)"),
+                  ("dppo_valid", "valid"), ("gm_sample_loss", "sample loss −Ā·R"), ("phi", "φ(w)"), ("log_w", "log w"),
+                  ("rollout_ratio", "r kept"), ("prob_diff", "|p − p_inf|"),
                   ("ipo_keep", "kept"), ("opsm_seq_kl", "OPSM seq KL"), ("opsm_keep", "OPSM kept"),
                   ("entropy", "entropy"), ("entropy_threshold", "entropy threshold"), ("entropy_keep", "entropy kept"),
                   ("is_weight", "IS weight"), ("opd_loss", "distillation term"))
@@ -361,8 +392,10 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
     ``loss_scale · w_i · pg·mask`` to its term of pg_loss (``w_i`` the loss mode's weight, :func:`pg_term`)."""
     knobs = LossKnobs.of(ctx.config)
-    if knobs.family or knobs.opsm or knobs.entropy_mask or knobs.opd_loss:
+    if knobs.opsm or knobs.entropy_mask or knobs.opd_loss:  # a mask or the distillation term (any family)
         return family_token_inputs(ctx, field, index, offset, t)
+    if knobs.family:
+        return _family_token_inputs(ctx, field, index, offset, t)
     v = _loss_token(ctx, t)
     n_mask = _sample_mask_count(ctx, index)
     term = v["pg"] * v["mask"]
@@ -380,7 +413,80 @@ def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     beyond = _loss_knobs_beyond_v1(ctx)
     if beyond:
         note = f"the plain clipped surrogate; this step also applies {beyond} (the stage's values include them)"
+    if ctx.has("grad_log_probs"):  # the token's gradient beside its loss term (loss.grad)
+        items += (("∂L/∂logp", f"{fmt(float(ctx.payload('grad_log_probs')[t]))} recorded, "
+                                f"{fmt(float(_gradient(ctx).grad[t]))} analytic"),)
     return ElementInputs(field=field, sample_id=sid, offset=offset, formula=formula, items=items, note=note)
+
+
+def _gradient(ctx: StageContext):
+    """loss.grad's analytic gradient of this context (``stages.grad.recompute_gradient``, computed once)."""
+    from ..stages.grad import recompute_gradient
+
+    return recompute_gradient(ctx)[2]
+
+
+def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A gradient token (loss.grad): ``g = W_pg·∂pg + W_kl·∂kl`` with the token's coefficient derived — the clip
+    branch its policy term took (``∂pg/∂r = −A`` unclipped, 0 clipped), the ratio and the detached importance
+    weight, the aggregation weight ``W_i`` (× loss_scale × grad_scale) and the KL term's share of ``g``."""
+    from ..kernels.grad import BRANCHES, grad_scale_of
+    from ..stages.grad import recompute_gradient
+
+    gi, knobs, g = recompute_gradient(ctx)
+    terms = g.terms
+    branch = BRANCHES.get(int(terms.branch[t]), "?") if terms.branch is not None else "?"
+    total, pg, kl = float(g.grad[t]), float(g.pg[t]), float(g.kl[t])
+    recorded = float(ctx.payload(field)[t])
+    formula = (f"∂L/∂logp = W_pg·∂pg/∂logp + W_kl·∂kl/∂logp = {fmt(pg)} + {fmt(kl)} = {fmt(total)} "
+               f"(recorded {fmt(recorded)})")
+    items = [("branch", branch), ("ratio r", fmt(float(terms.ratio[t]))), ("A", fmt(float(gi.advantages[t]))),
+             ("mask", fmt_count(float(gi.mask[t])))]
+    if terms.weight is not None:
+        items.append(("IS weight (detached)", fmt(float(terms.weight[t]))))
+    items.append(("W_pg", fmt(float(g.pg_weight[t]))))
+    if knobs.kl_loss:
+        share = abs(kl) / (abs(pg) + abs(kl)) if (pg or kl) else 0.0
+        items += [("W_kl", fmt(float(g.kl_weight[t]))), ("KL share", f"{100 * share:.1f}%")]
+    scale = grad_scale_of(ctx.config)
+    note = (f"W = loss_scale {knobs.loss_scale:g} × grad_scale {scale:g} × the {knobs.loss_agg_mode} weight of "
+            f"{ctx.sample_ids[index]}" + (" (GSPO: the sample's ratio, its slopes summed over its tokens)"
+                                          if knobs.sequence_ratio else ""))
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
+                         items=tuple(items), note=note)
+
+
+# a policy-loss family's own per-token columns (kernels/families) the strip lists, with their labels
+def _family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A loss token under a policy-loss family: the family's formula (``PolicyFamily.formula``) with the token's
+    ``pg``, the ratio, mask, advantage and the family's own columns, from the family's kernel over the token's
+    sample (its per-sample terms included) in float64."""
+    from ..kernels.families import family
+    from ..kernels.loss import policy_token_terms, sample_log_terms
+    from ..stages.loss import loss_inputs
+
+    li = loss_inputs(ctx)
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
+    lo, n = int(ctx.offsets[index]), int(ctx.lengths[index])
+    sl = slice(lo, lo + n)
+    adv = li.advantages[lo:lo + n].to(torch.float64)
+    rollout = li.rollout_log_probs[sl] if li.rollout_log_probs is not None else None
+    ref = li.ref_log_probs[sl] if li.ref_log_probs is not None else None
+    terms = sample_log_terms(li.log_probs[sl], li.old_log_probs[sl], rollout, li.mask[sl],
+                             torch.tensor([n]), knobs, torch.float64, advantages=adv)
+    out = policy_token_terms(li.log_probs[sl], li.old_log_probs[sl], adv, knobs, seg=torch.zeros(n, dtype=torch.long),
+                             sample_terms=terms, rollout_log_probs=rollout, ref_log_probs=ref, dtype=torch.float64)
+    k = t - lo
+    items = [("ratio r", fmt(float(out["ratio"][k]))), ("mask", fmt_count(float(li.mask[t]))),
+             ("A", fmt(float(adv[k])))]
+    items += [(label, fmt(float(out[name][k]))) for name, label in FAMILY_COLUMNS if name in out]
+    formula = f"{family(knobs.policy_loss).formula}; pg = {fmt(float(out['pg'][k]))}"
+    divisor, w, den = pg_term(ctx, _sample_mask_count(ctx, index))
+    term = float(out["pg"][k]) * float(li.mask[t])
+    note = (f"policy_loss {knobs.policy_loss}: adds pg·mask = {fmt(term)} to {ctx.sample_ids[index]}'s pg_sum, "
+            f"{fmt(term * w)} to its pg_loss term ({knobs.loss_agg_mode})")
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
+                         items=tuple(items), note=note)
 
 
 def pg_term(ctx: StageContext, mask_count: float) -> tuple[str, float, float]:

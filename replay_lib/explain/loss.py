@@ -27,7 +27,7 @@ per-token ``pg_losses``; its elements are judged with the stage's own tolerance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -388,10 +388,155 @@ def aggregation_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list
     return out
 
 
+def _swap_params(knobs: LossKnobs, a: str, b: str) -> LossKnobs:
+    pa, pb = knobs.param(a), knobs.param(b)
+    params = dict(knobs.policy_loss_params)
+    params.update({a: pb, b: pa})
+    return replace(knobs, policy_loss_params=tuple(sorted(params.items())))
+
+
+def _with_param(knobs: LossKnobs, name: str, value) -> LossKnobs:
+    params = dict(knobs.policy_loss_params)
+    params[name] = value
+    return replace(knobs, policy_loss_params=tuple(sorted(params.items())))
+
+
+# Each policy-loss family's typical bugs: (id, what the report says, the knobs the buggy producer ran).
+FAMILY_BUGS = {
+    "cispo": [("loss.cispo_cap_swapped", lambda k: (
+        "CISPO's cap swapped: the absolute cap min(r, ε_high) (TRL's) where the relative clamp(r, 1 − ε_low, "
+        "1 + ε_high) (verl's, SkyRL's) is declared" if k.param("cap") == "relative" else
+        "CISPO's cap swapped: the relative clamp(r, 1 − ε_low, 1 + ε_high) (verl's) where TRL's absolute cap "
+        "min(r, ε_high) is declared"),
+        lambda k: _with_param(k, "cap", "absolute" if k.param("cap") == "relative" else "relative"))],
+    "sapo": [("loss.sapo_tau_sign", lambda k: "SAPO's temperature taken by the wrong sign of A: τ_neg where A > 0 "
+              "and τ_pos elsewhere", lambda k: _swap_params(k, "tau_pos", "tau_neg"))],
+    "dppo_tv": [("loss.dppo_divergence_swapped", lambda k: "DPPO's trust region tested on the binary KL (dppo_kl) "
+                 "where the total variation (dppo_tv) is declared", lambda k: replace(k, policy_loss="dppo_kl"))],
+    "dppo_kl": [("loss.dppo_divergence_swapped", lambda k: "DPPO's trust region tested on the total variation "
+                 "(dppo_tv) where the binary KL (dppo_kl) is declared", lambda k: replace(k, policy_loss="dppo_tv"))],
+    "kl_cov": [("loss.kl_cov_global_topk", lambda k: "KL-Cov's top-k covariance tokens taken over the whole step "
+                "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ())))],
+    "dro": [("loss.dro_beta_sign", lambda k: "DRO's quadratic penalty ½·β·(log r)² added to the objective instead "
+             "of subtracted", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
+}
+
+
+def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    """A policy-loss family's typical bugs (:data:`FAMILY_BUGS`) and, for every family, PPO's clipped surrogate
+    run in its place (a mapping that lost ``policy_loss``): each recomputed in float64 with the buggy producer's
+    knobs, judged on the recorded scalars."""
+    from ..kernels.loss import policy_loss_fields
+
+    knobs = LossKnobs.of(ctx.config, ctx.samples)
+    try:
+        li = loss_inputs(ctx)
+    except StageInputError:
+        return []
+    scalars = [f for f in fields if f.per == PER_SCALAR and f.name == "loss" and f.labels]
+    if not scalars:
+        return []
+    variants = [(id_, detail(knobs), make(knobs)) for id_, detail, make in FAMILY_BUGS.get(knobs.policy_loss, ())]
+    variants.append(("loss.family_ignored", f"PPO's clipped surrogate where policy_loss {knobs.policy_loss!r} is "
+                                            "declared (a mapping or trainer that ignored the loss mode)",
+                     replace(knobs, policy_loss="ppo", policy_loss_params=())))
+    out = []
+    from ..kernels import GrpoReturns
+
+    adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
+    # bugs of a family's inputs rather than its knobs: (id, detail, log-probs, advantage sign)
+    if knobs.policy_loss in ("dppo_tv", "dppo_kl"):  # the test of the other sign: −pg(−A), its mask and metrics
+        variants.insert(0, ("loss.dppo_mask_sign", "DPPO's trust-region test taken by the wrong sign of A (the "
+                                                   "upper bound where A ≤ 0, the lower where A > 0)", knobs))
+    if knobs.policy_loss == "geo_mean":
+        variants.insert(0, ("loss.gmpo_arith_mean", "GMPO's sequence ratio taken as the arithmetic mean of the "
+                                                    "clipped token ratios instead of their geometric mean", knobs))
+    if knobs.policy_loss == "gpg":
+        variants.insert(0, ("loss.gpg_old_logp", "GPG's −logp·A taken on the old log-probs instead of the current",
+                            knobs))
+
+    def fields_of(k: LossKnobs, logp: torch.Tensor, a: torch.Tensor) -> dict:
+        return policy_loss_fields(logp, li.old_log_probs, a, li.entropy, li.mask, ctx.lengths, eps_clip=k.eps_clip,
+                                  eps_clip_high=k.eps_clip_high, entropy_coef=k.entropy_coef, dtype=torch.float64,
+                                  knobs=k, rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
+
+    for id_, detail, k in variants:
+        try:
+            if id_ == "loss.dppo_mask_sign":
+                base, flipped = fields_of(k, li.log_probs, adv), fields_of(k, li.log_probs, -adv)
+                got = {**flipped, "pg_loss": -flipped["pg_loss"], "ppo_kl": base["ppo_kl"],
+                       "loss": base["loss"] - base["pg_loss"] - flipped["pg_loss"]}
+            elif id_ == "loss.gmpo_arith_mean":
+                base = fields_of(k, li.log_probs, adv)
+                pg = _gmpo_arith_pg_loss(ctx, li, k, adv)
+                got = {**base, "pg_loss": pg, "loss": base["loss"] - base["pg_loss"] + pg}
+            elif id_ == "loss.gpg_old_logp":
+                got = fields_of(k, li.old_log_probs, adv)
+            else:
+                got = fields_of(k, li.log_probs, adv)
+        except (KeyError, ValueError):
+            continue
+        if id_ == "loss.kl_cov_global_topk":  # the selection only: the metrics keep the recorded partition
+            got = {key: v for key, v in got.items() if key in ("loss", "pg_loss", "kl_loss", "entropy_loss")}
+        if id_ == "loss.cispo_cap_swapped":
+            got = dict(got)
+            if knobs.param("cap") == "relative":  # verl's metric 1[r ≠ clip(r)] of the absolute cap: 1[r > ε_high]
+                got["pg_clipfrac"] = _fraction_above(ctx, li, k, k.eps_clip_high)
+            else:  # TRL's metric 1[r > ε_high ∧ A > 0] does not read the cap the loss took
+                got.pop("pg_clipfrac", None)
+        values = {f.name: torch.tensor([float(got[label]) if label in got else float(f.actual[i])
+                                        for i, label in enumerate(f.labels)], dtype=torch.float64) for f in scalars}
+        out.append(Hypothesis(stage=STAGE, id=id_, detail=detail, values=values))
+    return out
+
+
+def _gmpo_arith_pg_loss(ctx: StageContext, li: LossInputs, knobs: LossKnobs, adv: torch.Tensor) -> float:
+    """GMPO's pg_loss with each sample's ratio the arithmetic mean ``Σ exp(Δ')·m / (n + 1e-8)`` of its sign-clipped
+    token ratios (``kernels.families.geo_mean``), aggregated as declared."""
+    from ..kernels.families.geo_mean import _clipped
+    from ..kernels.loss import aggregate
+    from ..kernels.segments import masked_sample_sums
+
+    mask = li.mask.to(torch.float64)
+
+    def columns(lo: int, hi: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        lr = li.log_probs[lo:hi].to(torch.float64) - li.old_log_probs[lo:hi].to(torch.float64)
+        a = adv[lo:hi].to(torch.float64)
+        m = mask[lo:hi]
+        clipped, _ = _clipped(lr, a, knobs)
+        return {"r": clipped.exp() * m, "a": a * m, "mask": m}
+
+    sums = masked_sample_sums(ctx.lengths, li.mask, columns, dict.fromkeys(("r", "a", "mask"), torch.float64))
+    denom = sums["mask"] + 1e-8
+    per_sample = -(sums["a"] / denom) * (sums["r"] / denom)
+    return float(aggregate(per_sample, sums["mask"], knobs.loss_agg_mode, knobs, knobs.loss_scale))
+
+
+def _fraction_above(ctx: StageContext, li: LossInputs, knobs: LossKnobs, cap: float) -> float:
+    """The metric-aggregated fraction of loss tokens whose ratio ``exp(clamp(logp − old))`` exceeds ``cap``."""
+    from ..kernels.loss import aggregate
+    from ..kernels.segments import masked_sample_sums
+
+    mask = li.mask.to(torch.float64)
+
+    def columns(lo: int, hi: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        lr = li.log_probs[lo:hi].to(torch.float64) - li.old_log_probs[lo:hi].to(torch.float64)
+        if knobs.log_ratio_clamp is not None:
+            lr = lr.clamp(-knobs.log_ratio_clamp, knobs.log_ratio_clamp)
+        m = mask[lo:hi]
+        return {"above": (lr.exp() > cap).to(torch.float64) * m, "mask": m}
+
+    sums = masked_sample_sums(ctx.lengths, li.mask, columns, {"above": torch.float64, "mask": torch.float64})
+    return float(aggregate(sums["above"], sums["mask"], knobs.metric_agg_mode, knobs))
+
+
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
-    if not modelled(ctx.config):
-        from .families import hypotheses as family_hypotheses
-        return family_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
+    if getattr(ctx.config, "policy_loss", "ppo") != "ppo" or not modelled(ctx.config):
+        # a family's own bugs (FAMILY_BUGS), and those of explain.families (VESPO, rollout_is/IPO, OPSM, the
+        # entropy mask, distillation)
+        from .families import hypotheses as mask_hypotheses
+        own = family_hypotheses(ctx, fields) if getattr(ctx.config, "policy_loss", "ppo") != "ppo" else []
+        return own + mask_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
             micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)

@@ -359,6 +359,12 @@ class ConfigReader:
         self.tree = resolve_interpolations(tree)
         self.read: set[str] = set()
         self.neutral_prefixes: list[str] = []
+        # what the config command says beside the keys: a value the bundle must hold for its own step
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        """A line the ``config`` command prints on stderr (a value the file cannot hold for every step)."""
+        self.notes.append(text)
 
     @functools.cached_property
     def flat(self) -> dict[str, Any]:

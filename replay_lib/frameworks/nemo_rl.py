@@ -27,9 +27,6 @@ L = "loss_fn"
 # groups a step trains on), overlong filtering and the logprob-error mask (both change masks the bundle holds).
 # the estimators refused, with what a bundle would need
 ESTIMATOR_NEEDS = {
-    "gdpo": "NeMo-RL's GDPO normalizes each reward component per prompt, sums them (reward_weights) and "
-            "standardizes the sum over the batch (advantage_estimator.py:116-190); not recomputed: a bundle would "
-            "need each sample's reward components (reward/<name>) and a GDPO estimator",
     "opd": "NeMo-RL's on-policy distillation takes log π_teacher − log π_student per token as the advantage "
            "(advantage_estimator.py:551-600); not recomputed: a bundle would need the teacher log-probs per token "
            "and an OPD estimator",
@@ -49,10 +46,10 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     """The ``RecomputeConfig`` NeMo-RL's master config ``cfg`` (with ``grpo`` and ``loss_fn``) encodes."""
     r = ConfigReader(FRAMEWORK, cfg, where)
     name = r.text(f"{G}.adv_estimator.name", "grpo")  # yaml:40; adv.py:47
-    if name in ("gdpo", "opd"):
+    if name in ("opd",):
         r.refuse(f"{G}.adv_estimator.name", name, ESTIMATOR_NEEDS[name])
-    elif name not in ("grpo", "reinforce_plus_plus"):
-        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo and reinforce_plus_plus are)")
+    elif name not in ("grpo", "reinforce_plus_plus", "gdpo"):
+        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo, reinforce_plus_plus and gdpo are)")
     kl_in_reward = r.flag(f"{L}.use_kl_in_reward", False)  # loss.py:135
     normalize = r.flag(f"{G}.normalize_rewards", True)  # yaml:8
     loo = r.flag(f"{G}.use_leave_one_out_baseline", True)  # yaml:9
@@ -67,10 +64,14 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     for key in ("reward_shaping.enabled", "reward_scaling.enabled"):  # yaml:31,45: false
         if r.flag(f"{G}.{key}", False):
             r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
-    for key, why in (("disable_ppo_ratio", "the REINFORCE surrogate"),  # loss.py:113
-                     ("use_cispo", "CISPO")):  # loss.py:160
-        if r.flag(f"{L}.{key}", False):
-            r.refuse(f"{L}.{key}", True, f"{why} is not recomputed")
+    if r.flag(f"{L}.disable_ppo_ratio", False):  # loss.py:113
+        r.refuse(f"{L}.disable_ppo_ratio", True, "the REINFORCE surrogate is not recomputed")
+    # CISPO (loss_functions.py, ClippedPGLossFn ``if self.use_cispo``): −A·sg(clamp(r, 1 − ratio_clip_min,
+    # 1 + ratio_clip_max))·logp on the unclamped token ratio; NeMo-RL asserts it without dual-clip and without
+    # sequence-level ratios
+    cispo = r.flag(f"{L}.use_cispo", False)  # loss.py:160
+    if cispo and r.number(f"{L}.ratio_clip_c", None) is not None:
+        r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL rejects dual-clip with use_cispo")
     if r.flag(f"{L}.force_on_policy_ratio", False):  # loss.py:158
         r.refuse(f"{L}.force_on_policy_ratio", True, "NeMo-RL takes the ratio as 1 (prev_logprobs := the current "
                  "log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
@@ -104,8 +105,8 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     # (loss.py:526-541); the IS weight becomes exp(Σ_t (prev − gen)·mask) of the sample (loss.py:568-576)
     sequence_ratio = r.flag(f"{L}.sequence_level_importance_ratios", False)  # loss.py:119
     if sequence_ratio and token_level:
-        r.refuse(f"{L}.sequence_level_importance_ratios", True, "NeMo-RL itself rejects sequence-level ratios "
-                 "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)")
+        r.bad(f"{L}.sequence_level_importance_ratios", True, "token_level_loss false with it (NeMo-RL asserts "
+              "sequence-level ratios are exclusive with the token-level loss, loss/loss_functions.py:265-268)")
     fields: dict[str, Any] = dict(
         advantage_estimator="grpo",
         n_samples_per_prompt=r.integer(f"{G}.num_generations_per_prompt", 16),  # yaml:4
@@ -138,6 +139,23 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         fields.update(advantage_estimator="reinforce_plus_plus_baseline", grpo_std_normalization=False,
                       group_baseline="mean", whiten_variance="biased", whiten_eps_mode="clamp",
                       rewards_normalization=r.flag(f"{G}.adv_estimator.minus_baseline", True))  # adv.py:54
+    if name == "gdpo":
+        # adv.py:116-190: each reward/<name> component (sorted by name) by the GRPO rule above (its baseline and
+        # std, divided only where std > 0), Σ w·A (reward_weights, all 1 when unset), then (A − mean)/std over the
+        # step's samples (torch.std, unbiased; centred only where it is 0), broadcast unmasked; the samples'
+        # reward_components record the components in that order
+        weights = r.raw(f"{G}.adv_estimator.reward_weights", None)  # adv.py:52
+        fields.update(advantage_estimator="gdpo", reward_components_standardize=True)
+        if weights is not None:
+            if not isinstance(weights, (list, tuple)) or not all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+                r.bad(f"{G}.adv_estimator.reward_weights", weights, "a list of numbers, one per reward component")
+            fields["reward_component_weights"] = [float(w) for w in weights]
+    if cispo:
+        if sequence_ratio:
+            r.refuse(f"{L}.sequence_level_importance_ratios", True, "NeMo-RL rejects sequence-level ratios with "
+                                                                    "use_cispo")
+        fields.update(policy_loss="cispo", policy_loss_params={})
     _importance(r, fields, sequence_ratio)
     r.neutral(*(f"{G}.{k}" for k in GRPO_NEUTRAL))
     r.check_unknown([G, L])

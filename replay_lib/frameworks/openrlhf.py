@@ -66,13 +66,11 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
     r = ConfigReader(FRAMEWORK, args, where)
     est = r.text("algo.advantage.estimator", "gae")  # cli.py:514-522
     n = r.integer("rollout.n_samples_per_prompt", 1)  # cli.py:432-434
-    if r.flag("reward.normalize_enable", False):  # cli.py:414-416
-        r.refuse("reward.normalize_enable", True, "running reward normalization is not recomputed")
-    for key in ("reward.overlong_buffer_len", "reward.stop_properly_penalty_coef"):  # cli.py:532-541: None
-        value = r.raw(key, None)
-        if value is not None:
-            r.refuse(key, value, "length penalties on the reward are not recomputed; record the penalized "
-                                 "reward as the raw reward instead")
+    # the reward model's (and the critic's) own output normalization, (x − mean)/std inside their forward
+    # (models/model.py:237-238, 309-310; launcher.py:164, ppo_critic.py:196): the bundle records their outputs
+    # (raw_reward, the values payload) after it, so nothing is left to recompute
+    r.flag("reward.normalize_enable", False)  # cli.py:414-416
+    shaping = _length_penalties(r)
     loss_type = r.text("actor.policy_loss_type", "ppo")  # cli.py:439
     if loss_type not in ("ppo", "gspo"):
         r.refuse("actor.policy_loss_type", loss_type, "not one of ppo, gspo")
@@ -130,7 +128,31 @@ def from_openrlhf(args: Any, *, where: Optional[str] = None, version: Optional[s
     _reward_clip(r, fields)
     r.neutral(*NEUTRAL)
     r.check_unknown(SECTIONS)
+    fields.update(shaping)
     return r.build(fields)
+
+
+def _length_penalties(r: ConfigReader) -> dict[str, Any]:
+    """``apply_length_penalties`` (trainer/ppo_utils/length_penalty.py:109-145, called before the group baselines,
+    experience_maker.py:246-247): the DAPO overlong penalty against ``rollout.max_new_tokens`` (or
+    ``data.max_len`` when unset, :127), then the ProRL stop-properly penalty on the samples the bundle records
+    ``truncated`` (finish_reason "length"); OpenRLHF asserts ``max_new_tokens >= overlong_buffer_len`` (:37-39) and a
+    coefficient in [0, 1] or negative (:83-86)."""
+    out: dict[str, Any] = {}
+    buffer = r.number("reward.overlong_buffer_len", None)  # cli.py:532-534
+    factor = r.number("reward.overlong_penalty_factor", 1.0)  # cli.py:535
+    coef = r.number("reward.stop_properly_penalty_coef", None)  # cli.py:536-541
+    if buffer is not None:
+        top = r.integer("rollout.max_new_tokens", None) or r.integer("data.max_len", 2048)  # cli.py:398-404
+        if not buffer > 0 or top < buffer:
+            r.bad("reward.overlong_buffer_len", buffer, f"a number > 0 and <= max_new_tokens ({top})")
+        out.update(overlong_buffer_len=float(buffer), overlong_penalty_factor=float(factor),
+                   overlong_max_tokens=int(top))
+    if coef is not None:
+        if coef > 1:
+            r.bad("reward.stop_properly_penalty_coef", coef, "a number in [0, 1] or negative")
+        out["truncated_reward_coef"] = float(coef)
+    return out
 
 
 def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
@@ -143,8 +165,11 @@ def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
     if coef <= 0:  # compute_reward treats β ≤ 0 as 0 (utils.py:138-139); the KL loss term is 0 (actor.py:328-330)
         return
     if target is not None:
-        r.refuse("algo.kl.target", target, "an adaptive KL coefficient changes every step; only a fixed one is "
-                                           "mapped (record the step's coefficient as algo.kl.init_coef)")
+        r.note(f"algo.kl.target={target!r} (adaptive): a bundle's kl_coef must be its step's coefficient; "
+               f"algo.kl.init_coef={coef!r} from the file is its start, right at the first step only")
+    # target set: the adaptive controller (ppo_utils/kl_controller.py AdaptiveKLController) moves the coefficient
+    # between steps; the step applies its value, which the bundle records as algo.kl.init_coef (the capture writes
+    # it there) and the replay applies as a fixed coefficient
     if kind not in ("k1", "k2", "k3"):
         r.refuse("algo.kl.estimator", kind, "not one of k1, k2, k3")
     if use_loss:  # actor.py:318-338: a token mean whatever loss_agg_mode (aggregate_loss's default), ±10 clamp

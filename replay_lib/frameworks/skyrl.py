@@ -34,9 +34,9 @@ observation spans included, 0 on padding only: ``skyrl/train/dataset/preprocess.
 (``ppo_utils.py:1254,1307,1391``), so a loss-mask-0 token *inside* a response holds the computed value:
 ``masked_token_value="computed"`` (verl's response mask is its loss mask, hence its ``zero``).
 
-KL in the reward (``use_kl_in_reward``, fixed ``kl_ctrl``, ``grpo`` / ``rloo``): ``kl_in_reward="sequence"`` with
-the in-reward KL's own rule ``kl_masked_token_value="zero"`` (see ``KL_IN_REWARD_TYPES`` below); the adaptive
-controller refuses (the step's coefficient would have to be recorded as ``kl_loss_coef``).
+KL in the reward (``use_kl_in_reward``, ``grpo`` / ``rloo`` / ``maxrl``): ``kl_in_reward="sequence"`` with
+the in-reward KL's own rule ``kl_masked_token_value="zero"`` (see ``KL_IN_REWARD_TYPES`` below); under the adaptive
+``kl_ctrl`` the bundle records the step's coefficient as ``kl_loss_coef`` (applied as a fixed one).
 
 Estimators: ``grpo`` (a group of one: mean 0, std 1, ``ppo_utils.py:1378-1380``), ``rloo`` (``(r − mean)·n/(n−1)``,
 a group of one gets 0: ``ppo_utils.py:1293-1307``), ``reinforce++`` (discounted returns reset after the response,
@@ -68,14 +68,12 @@ REFUSED_REDUCTIONS = {
                    "not an aggregation the replay recomputes (the bundle's group_index already records the prompts)",
 }
 # SkyRL's estimators → ours (ppo_utils.py:405-441); each one's group-of-one rule.
-ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus", "gae": "gae"}
+ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus", "gae": "gae",
+              # (r − mean)/(mean + 1e-6), a group of one r itself (ppo_utils.py:1397-1428): its own rule
+              "maxrl": "maxrl"}
 SINGLETON = {"grpo": "raw",  # ppo_utils.py:1378-1380: mean 0, std 1
              "rloo": "zero"}  # ppo_utils.py:1303-1306: "set the advantage to 0"
-REFUSED_ESTIMATORS = {
-    "maxrl": "MaxRL divides the centred reward by the group mean, (r − mean)/(mean + 1e-6) (ppo_utils.py:1397-1428): "
-             "no group rule of the replay divides by the mean (grpo_std_normalization divides by the std); not "
-             "recomputed",
-}
+REFUSED_ESTIMATORS: dict[str, str] = {}
 KL_TYPES = ("k1", "abs", "k2", "k3")  # ppo_utils.py:88-126 compute_approx_kl
 # use_kl_in_reward (trainer.py:1409-1436): the token rewards minus max(0, kl_loss_coef)·kl, the KL from
 # compute_approx_kl(action_log_probs, base_action_log_probs, loss_mask, kl_estimator_type) — the rollout's
@@ -83,7 +81,7 @@ KL_TYPES = ("k1", "abs", "k2", "k3")  # ppo_utils.py:88-126 compute_approx_kl
 # (ppo_utils.py:1284,1367): kl_in_reward="sequence", the KL's own rule kl_masked_token_value="zero" while the
 # advantages keep masked_token_value="computed" (× response_mask). k3 is clamped at ±20 in, ±10 out
 # (ppo_utils.py:113-118): past |c| = 20 both sides are above 10, so the input clamp never shows: low_var_kl.
-KL_IN_REWARD_ESTIMATORS = ("grpo", "rloo")
+KL_IN_REWARD_ESTIMATORS = ("grpo", "rloo", "maxrl")  # each sums token_level_rewards (maxrl: ppo_utils.py:1406)
 KL_IN_REWARD_TYPES = {"k1": "k1", "abs": "abs", "k2": "k2", "k3": "low_var_kl"}
 KL_IN_REWARD_TOKEN = (
     "the token rewards minus kl_loss_coef·kl (trainer.py:1409-1436) enter {est}'s per-token recursion "
@@ -92,9 +90,6 @@ KL_IN_REWARD_TOKEN = (
 KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
 KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
                          "\"mutually exclusive\"); set use_kl_loss=false")
-ADAPTIVE_KL = ("under kl_ctrl.type=adaptive the coefficient changes every step (reward_kl_controller.value, "
-               "trainer.py:1430-1434, updated at :1443-1444) and the config holds only its start: a bundle would "
-               "need the step's coefficient recorded as kl_loss_coef, then mapped with kl_ctrl.type=fixed")
 # off_policy_correction masks (opc.py:75-255): 0/1 factors of the loss mask itself (opc.py:319,327,345), so the
 # reduction's token count shrinks and no weight is kept: not the IS knobs' is_mode="mask" (the weight × 1[in bounds]
 # on an unchanged mask).
@@ -124,9 +119,9 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type not in ("regular", "dual_clip", "gspo") + tuple(FAMILY_LOSSES):
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo") + tuple(FAMILY_LOSSES):
         r.refuse(f"{p}policy_loss_type", loss_type,
-                 f"not mapped (regular, dual_clip, gspo, {', '.join(FAMILY_LOSSES)} are)")
+                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, {', '.join(FAMILY_LOSSES)} are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -139,8 +134,15 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         r.refuse(f"{p}kl_estimator_type", kl_type, f"not mapped ({', '.join(KL_TYPES)} are)")
     kl_in_reward = r.flag(f"{p}use_kl_in_reward", False)  # config.py:830
     if kl_in_reward:
-        if r.text(f"{p}kl_ctrl.type", "fixed") != "fixed":  # config.py:693, ppo_utils.py:74-76
-            r.refuse(f"{p}kl_ctrl.type", r.text(f"{p}kl_ctrl.type", "fixed"), ADAPTIVE_KL)
+        ctrl = r.text(f"{p}kl_ctrl.type", "fixed")  # config.py:693, ppo_utils.py:68-80
+        if ctrl not in ("fixed", "adaptive"):
+            r.refuse(f"{p}kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+        if ctrl == "adaptive":
+            r.note(f"{p}kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient "
+                   "(reward_kl_controller.value); kl_loss_coef from the file is its start, right at the first step only")
+        # adaptive: the step applies reward_kl_controller.value (trainer.py:1430-1434), updated after it
+        # (:1443-1444); the config holds only its start: the bundle records the step's value as kl_loss_coef (the
+        # capture writes it there), which the replay applies as a fixed coefficient
         if use_kl_loss:
             r.refuse(f"{p}use_kl_loss", True, KL_IN_REWARD_AND_LOSS)
         if est not in KL_IN_REWARD_ESTIMATORS:
@@ -194,6 +196,23 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         # symmetric: they differ only where a sample's mean log-ratio is below −10), no dual-clip, the configured
         # loss_reduction and off-policy correction, clip_ratio a token mean (:715) — verl's GSPO in 0.9.1
         fields.update(importance_level="sequence", log_ratio_clamp=10.0)
+    elif loss_type == "cispo":
+        # compute_policy_loss_cispo: −A·sg(clamp(r, 1 − cispo_eps_clip_low, 1 + cispo_eps_clip_high))·logp, r =
+        # exp(clamp(logp − anchor, ±20)), anchor old or rollout (cispo.cispo_anchor); clip_ratio the tokens outside
+        # the bounds; the configured loss_reduction and off-policy correction
+        anchor = r.text(f"{p}cispo.cispo_anchor", "old")
+        if anchor not in ("old", "rollout"):
+            r.refuse(f"{p}cispo.cispo_anchor", anchor, "not one of old, rollout")
+        if anchor == "rollout" and r.raw(f"{p}off_policy_correction.tis_ratio_type", None) is not None:
+            r.refuse(f"{p}cispo.cispo_anchor", anchor, "SkyRL rejects TIS on top of the rollout anchor (it would "
+                                                     "double-count the correction)")
+        fields.update(eps_clip=r.number(f"{p}cispo.cispo_eps_clip_low", 1.0),
+                      eps_clip_high=r.number(f"{p}cispo.cispo_eps_clip_high", 4.0),
+                      policy_loss="cispo", policy_loss_params={"anchor": anchor})
+        r.neutral(f"{p}eps_clip_low", f"{p}eps_clip_high")
+    elif loss_type == "sapo":  # sapo_policy_loss: the gate by the sign of A, the configured loss_reduction
+        fields.update(policy_loss="sapo", policy_loss_params={"tau_pos": r.number(f"{p}sapo.tau_pos", 1.0),
+                                                              "tau_neg": r.number(f"{p}sapo.tau_neg", 1.05)})
     elif loss_type in FAMILY_LOSSES:
         fields["policy_loss"] = loss_type
         if loss_type == "cross_entropy":  # Σ −logp·m (reduce_loss, ppo_utils.py:1145-1149): no advantage to fold

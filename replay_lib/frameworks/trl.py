@@ -45,11 +45,11 @@ whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; anot
 refused by name).
 
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``cispo``, ``sapo``), ``scale_rewards="batch"`` over several processes
+another loss type than those mapped above, ``scale_rewards="batch"`` over several processes
 or generation batches that span several steps (the batch std),
-``multi_objective_aggregation="normalize_then_sum"``, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
-with ``entropy_coef`` (the bonus over the masked tokens), VESPO with vLLM's importance correction,
-``use_adaptive_entropy`` (a coefficient that changes per
+``multi_objective_aggregation="normalize_then_sum"`` over several processes, ``delta < 1 + epsilon_high``,
+``top_entropy_quantile < 1`` with ``entropy_coef`` (the bonus over the masked tokens), VESPO with vLLM's importance
+correction, ``use_adaptive_entropy`` (a coefficient that changes per
 step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
 other key whose name looks like a knob of the math and whose value is on refuses too
 (``ConfigReader.check_unknown``).
@@ -169,20 +169,45 @@ def _rewards(cfg: ConfigReader, *, whole_batch: bool, num_processes: int, spg: i
     if scale not in ("group", "none", "batch"):
         cfg.refuse("scale_rewards", scale, "expected group, batch or none")
     aggregation = cfg.text("multi_objective_aggregation", "sum_then_normalize")
-    if aggregation != "sum_then_normalize":
-        cfg.refuse("multi_objective_aggregation", aggregation,
-                   "each reward function normalized on its own, then whitened over the batch, is not recomputed")
+    if aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        cfg.refuse("multi_objective_aggregation", aggregation, "expected sum_then_normalize or normalize_then_sum")
     out: dict[str, Any] = {"grpo_std_normalization": scale != "none"}
+    if aggregation == "normalize_then_sum":
+        # :2790-2799: each reward function's output (the samples' reward_components, in reward_funcs order)
+        # (r − group mean)/(nanstd + 1e-4) whatever scale_rewards, Σ w·A (reward_weights, all 1 when unset), then
+        # (A − mean)/(nanstd + 1e-4) over the whole generation batch, gathered over every process
+        if not whole_batch:
+            cfg.refuse("multi_objective_aggregation", aggregation,
+                       f"the weighted sum standardized over the whole generation batch, gathered over every process "
+                       f"(:2790-2799), is recomputed only when a step holds that whole batch (one process, "
+                       f"steps_per_generation = gradient_accumulation_steps; here {num_processes} process(es), {spg} "
+                       f"and {gas}); a bundle would need that batch's mean and std recorded")
+        weights = cfg.raw("reward_weights", None)  # grpo_config.py: None = 1 each
+        out.update(advantage_estimator="gdpo", grpo_std_normalization=True, reward_components_standardize=True,
+                   reward_components_standardize_eps=TRL_STD_EPS)
+        if weights is not None:
+            if not isinstance(weights, (list, tuple)) or not all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+                cfg.bad("reward_weights", weights, "a list of numbers, one per reward function")
+            out["reward_component_weights"] = [float(w) for w in weights]
+        return out
     if scale == "batch":  # nanstd(rewards) over the step's (= the generation batch's) samples, Bessel, + 1e-4
         out["grpo_std_scope"] = "batch"
     return out
 
 
+# TRL's loss types that are a policy-loss family of ours (kernels/families), with the loss type whose aggregation
+# each shares (:3153-3173: cispo divides like dapo, sapo like grpo)
+FAMILY_LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo")}
+
+
 def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: int) -> dict[str, Any]:
     loss_type = cfg.text("loss_type", "dapo")
+    family = None
+    if loss_type in FAMILY_LOSS_TYPES:
+        family, loss_type = FAMILY_LOSS_TYPES[loss_type]
     if loss_type not in LOSS_MODES:
-        cfg.refuse("loss_type", loss_type, f"only {', '.join(LOSS_MODES)} aggregate the clipped surrogate the "
-                                          "replay recomputes")
+        cfg.refuse("loss_type", loss_type, f"only {', '.join([*LOSS_MODES, *FAMILY_LOSS_TYPES])} are recomputed")
     out: dict[str, Any] = {"loss_agg_mode": LOSS_MODES[loss_type]}
     if loss_type == "vespo":
         # −φ(w)·A·logp (:3125-3136, get_gamma_weights :2969-3018), aggregated as dapo (:3168)
@@ -210,7 +235,9 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     out["eps_clip"] = eps
     out["eps_clip_high"] = eps if high is None else high
     delta = cfg.number("delta", None)
-    if delta is not None:
+    if family is not None:
+        _family(cfg, out, family)
+    elif delta is not None:
         # coef_1 = clamp(coef_1, max=delta) before −min(coef_1·A, coef_2·A) (:3115-3120). With delta ≥ 1 + ε_high
         # this is dual-clip with c = delta: for A < 0, |A|·max(min(r, δ), clip(r)) = |A|·min(max(r, clip(r)), δ);
         # for A ≥ 0, min(r, δ, clip(r)) = min(r, clip(r)) since clip(r) ≤ 1 + ε_high ≤ δ.
@@ -222,6 +249,9 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     level = cfg.text("importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         cfg.refuse("importance_sampling_level", level, "expected token or sequence")
+    if family is not None and level != "token":
+        cfg.refuse("importance_sampling_level", level, f"loss_type={family} on the sequence ratio is not recomputed "
+                                                       "(its token form is)")
     out["importance_level"] = level
     coef = cfg.number("entropy_coef", 0.0)
     if coef != 0:
@@ -235,6 +265,17 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
                                              "processes × steps_per_generation = gradient_accumulation_steps)")
         out.update(entropy_coef=coef, entropy_agg_mode="micro_batch_token_mean")
     return out
+
+
+def _family(cfg: ConfigReader, out: dict[str, Any], family: str) -> None:
+    """``cispo``: ``−min(coef_1, epsilon_high)·A·logp``, the cap absolute (:3109-3111); ``sapo``: the gate
+    ``σ(τ·(coef_1 − 1))·4/τ`` with ``τ = sapo_temperature_pos`` where ``A > 0``, ``_neg`` elsewhere (:3121-3124).
+    ``delta`` acts only on the clipped surrogate's branch (:3115-3116): read, not applied."""
+    if family == "cispo":
+        params: dict[str, Any] = {"cap": "absolute"}
+    else:
+        params = {"tau_pos": cfg.number("sapo_temperature_pos", 1.0), "tau_neg": cfg.number("sapo_temperature_neg", 1.05)}
+    out.update(policy_loss=family, policy_loss_params=params)
 
 
 def _kl(cfg: ConfigReader) -> dict[str, Any]:
@@ -287,11 +328,12 @@ def _masks(cfg: ConfigReader) -> dict[str, Any]:
 
 
 def _refuse_rest(cfg: ConfigReader) -> None:
-    adaptive = cfg.flag("use_adaptive_entropy", False)
-    if adaptive:
-        cfg.refuse("use_adaptive_entropy", adaptive, "the coefficient TRL applies changes from step to step with "
-                                                     "the entropy of the previous window; a bundle would need the "
-                                                     "coefficient its step applied")
+    # use_adaptive_entropy: the step applies entropy_coef, or 0 where the previous window's entropy is above
+    # entropy_target (apply_coef, grpo_trainer.py:3206-3209), and moves it after the step (:3216-3240); the bundle
+    # records the coefficient its step applied as entropy_coef (the capture writes it there), mapped as above
+    if cfg.flag("use_adaptive_entropy", False):
+        cfg.note("use_adaptive_entropy=True: a bundle's entropy_coef must be the coefficient its step applied (0 while "
+                 "the previous window's entropy is above entropy_target); the file's entropy_coef is the start")
     aux = cfg.number("router_aux_loss_coef", None)
     if aux:
         cfg.refuse("router_aux_loss_coef", aux, "the router auxiliary loss TRL adds to the loss is not recomputed")

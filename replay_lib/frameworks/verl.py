@@ -28,7 +28,16 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
 * GAE always ends in ``masked_whiten`` (core_algos.py:264): ``normalize_advantages=True``;
 * GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605);
 * ``bypass_mode`` (``loss_type=ppo_clip``) is the vanilla loss against the rollout log-probs, the bundle's
-  ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight.
+  ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight;
+* the policy-loss families (``policy_loss.loss_mode``, ``RecomputeConfig.policy_loss``): ``cispo`` (1 ± ε,
+  core_algos.py:2047-2106), ``sapo`` (``tau_pos``/``tau_neg``, its pg term forced ``seq-mean-token-mean``:
+  core_algos.py:1675-1678), ``geo_mean`` (GMPO, ``torch.mean`` over each micro-batch's sequences summed over the
+  micro-batches: ``seq_mean_token_sum`` over ``ppo_micro_batch_size_per_gpu``, core_algos.py:1999), ``dppo_tv`` /
+  ``dppo_kl`` (``clip_ratio_low/high`` the divergence thresholds, ``clip_ratio_c`` the ratio's truncation),
+  ``dro`` (``policy_loss.dro_beta``), ``gpg``. The entropy and KL terms keep ``loss_agg_mode``.
+  ``kl_cov`` (the top-k covariance tokens of each micro-batch, core_algos.py:1893-1911: from the samples'
+  ``micro_batch_id``). ``clip_cov`` is refused: Clip-Cov zeroes a ``torch.randperm`` sample of tokens
+  (core_algos.py:1808-1816).
 """
 
 from __future__ import annotations
@@ -52,17 +61,15 @@ LOSS_AGG = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean_token_m
 # verl's estimators → ours (core_algos.py:215-870 in 0.9.1); their GRPO-family outputs are × response_mask.
 ESTIMATORS = {"grpo": "grpo", "grpo_vectorized": "grpo", "gae": "gae", "rloo": "rloo", "rloo_vectorized": "rloo",
               "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline"}
+              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+              # their own reward.post_process rules (SPEC §4.2): OPO's length-weighted baseline
+              # (core_algos.py:640-690), GPG's α·(r − mean) (core_algos.py:771-830), pass@k's best-only gap
+              # (core_algos.py:472-530), ReMax's recorded greedy baseline (core_algos.py:735-768; the samples'
+              # reward_baseline), GDPO's per-component GRPO sum (core_algos.py:362-468; the samples'
+              # reward_components), then masked_whiten (normalize_advantages)
+              "opo": "opo", "gpg": "gpg", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo"}
 # Estimators refused, with what a bundle would need to record for a replay to recompute them.
 REFUSED_ESTIMATORS = {
-    "remax": "ReMax subtracts the greedy rollout's reward (core_algos.py:735-768): a bundle would need each "
-             "sample's reward_baselines",
-    "opo": "OPO's baseline weights each group's rewards by response length (core_algos.py:640-690): not recomputed",
-    "gpg": "GPG rescales by the group's non-zero-reward fraction (core_algos.py:771-830): not recomputed",
-    "grpo_passk": "pass@k GRPO gives the advantage to the group's best sample only (core_algos.py:472-530): not "
-                  "recomputed",
-    "gdpo": "GDPO normalizes each reward component apart (core_algos.py:362-468): a bundle would need the "
-            "per-component rewards",
     "optimal_token_baseline": "the optimal token baseline weights by the policy's sum of squared probabilities "
                               "(core_algos.py:872-988): a bundle would need sum_pi_squared per token",
     "tir_optimal_token_baseline": "the multi-turn optimal token baseline (core_algos.py:991-1122): a bundle would "
@@ -85,8 +92,8 @@ ACTOR_NEUTRAL = ("optim", "fsdp_config", "megatron", "veomni", "torchtitan", "au
 POLICY_LOSS_OTHER_MODES = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
                            "dro_beta", "_target_")
 # algorithm.* keys that do not change the recomputed math (dynamic sampling chooses which groups a step
-# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon act only under
-# kl_ctrl.type=adaptive, which refuses).
+# trains on: the bundle holds the chosen ones; the adaptive controller's target and horizon only move the
+# coefficient between steps, and the bundle records the step's coefficient as kl_ctrl.kl_coef).
 ALGO_NEUTRAL = ("_target_", "filter_groups", "kl_ctrl._target_", "kl_ctrl.horizon", "kl_ctrl.target_kl")
 
 
@@ -104,8 +111,11 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
     mode = r.text(f"{ACTOR}.policy_loss.loss_mode", "vanilla")  # yaml:92
     if r.flag(f"{RC}.bypass_mode", False):  # yaml:858; apply_bypass_mode sets the loss mode (rollout_corr.py:1141-1144)
         mode = "bypass_mode"
-    if mode not in ("vanilla", "gspo", "bypass_mode"):
-        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, "not mapped (vanilla, gspo and bypass_mode are)")
+    if mode in REFUSED_LOSS_MODES:
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode, REFUSED_LOSS_MODES[mode])
+    if mode not in ("vanilla", "gspo", "bypass_mode", *FAMILY_LOSS_MODES):
+        r.refuse(f"{ACTOR}.policy_loss.loss_mode", mode,
+                 f"not mapped (vanilla, gspo, bypass_mode, {', '.join(FAMILY_LOSS_MODES)} are)")
     agg = r.text(f"{ACTOR}.loss_agg_mode", "token-mean")  # yaml:100
     if agg not in LOSS_AGG:
         r.refuse(f"{ACTOR}.loss_agg_mode", agg, f"not one of {', '.join(LOSS_AGG)}")
@@ -148,8 +158,9 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         # GRPO/RLOO: scores.unsqueeze(-1) * response_mask (core_algos.py:330,636); apply_kl_penalty: kld * mask
         masked_token_value="zero",
         # compute_gae_advantage_return ends in verl_F.masked_whiten (core_algos.py:264)
-        normalize_advantages=estimator == "gae",
+        normalize_advantages=estimator in ("gae", "gdpo"),
     )
+    _estimator_inputs(r, est, fields)
     if mode in ("vanilla", "bypass_mode"):
         # bypass_mode with loss_type=ppo_clip is compute_policy_loss_vanilla on old_log_prob := the rollout
         # log-probs (core_algos.py:2528-2538; ray_trainer.py:1575-1579 overwrites old_log_probs with them, so the
@@ -157,13 +168,22 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         if clip_c is None or clip_c <= 1.0:  # core_algos.py:1333-1336 asserts c > 1
             r.refuse(f"{ACTOR}.clip_ratio_c", clip_c, "verl requires a dual-clip constant > 1")
         fields["eps_clip_c"] = clip_c
+    elif mode in FAMILY_LOSS_MODES:
+        _family(r, fields, mode, clip_c)
     else:
         # GSPO (0.9.1 core_algos.py:1545-1619): one ratio per sample, its log clamped at max 10 (one-sided; ours is
         # symmetric: the two differ only where a sample's mean log-ratio is below −10), no dual-clip, and the
         # policy term aggregated with the configured loss_agg_mode (core_algos.py:1601-1605).
         fields.update(importance_level="sequence", log_ratio_clamp=10.0, eps_clip_c=None)
         r.neutral(f"{ACTOR}.clip_ratio_c")
-    if fields["loss_agg_mode"] not in ("token_mean", "token_sum"):
+    geo_micro = fields.pop("geo_micro", None)
+    if geo_micro is not None:  # GMPO: torch.mean over the micro-batch's sequences (core_algos.py:1999)
+        fields["loss_seq_count"] = geo_micro
+        if loss_agg_mode not in ("token_mean", "token_sum"):
+            r.refuse(f"{ACTOR}.loss_agg_mode", agg, "GMPO's own mean is over the micro-batch; the entropy and KL "
+                     "terms' seq-mean over the mini-batch is a second sequence count a bundle holds once")
+    elif {fields["loss_agg_mode"], fields.get("entropy_agg_mode") or fields["loss_agg_mode"]} - {"token_mean",
+                                                                                                 "token_sum"}:
         # the seq-mean modes divide by the nominal global batch size, ppo_mini_batch_size · rollout.n
         # (verl/trainer/ppo/ray_trainer.py:1352-1353,1362; core_algos.py:1181-1203), not by the valid samples
         mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79
@@ -171,12 +191,15 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
     _kl_in_reward(r, fields)
     _distillation(r, fields)
     _rollout_correction(r, fields, bypass=mode == "bypass_mode")
+    if mode == "geo_mean" and fields.get("is_level"):
+        r.refuse(f"{RC}.rollout_is", fields["is_level"], "GMPO weighs each sample by the geometric mean of its "
+                 "rollout weights (core_algos.py:1989-1996): not recomputed")
     if r.flag(f"{ALGO}.use_pf_ppo", False):  # yaml:880
         r.refuse(f"{ALGO}.use_pf_ppo", True, "PF-PPO's sample reweighting is not recomputed")
     r.neutral(f"{ALGO}.pf_ppo")
     r.neutral(*(f"{ALGO}.{k}" for k in ALGO_NEUTRAL), *(f"{ACTOR}.{k}" for k in ACTOR_NEUTRAL),
               *(f"{ACTOR}.policy_loss.{k}" for k in POLICY_LOSS_OTHER_MODES))
-    # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654)
+    # yaml:87-88: only the sapo loss reads them (core_algos.py:1653-1654; read by _family under sapo)
     r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")
     r.check_unknown([ALGO, ACTOR])
     return r.build(fields)
@@ -218,6 +241,78 @@ def _distillation(r: ConfigReader, fields: dict[str, Any]) -> None:
                   opd_coef=r.number(f"{DIST}.distillation_loss_coef", 1.0), opd_clamp=clamp)
 
 
+def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None:
+    """The knobs of the estimators with their own reward.post_process rule (SPEC §4.2).
+
+    * ``grpo_passk`` reads ``norm_adv_by_std_in_grpo`` from the config (core_algos.py:497);
+    * ``remax``: ``returns − reward_baselines·mask`` with no discount (core_algos.py:764-766): γ = 1;
+    * ``gdpo``: each ``gdpo_reward_keys`` component normalized by ``compute_grpo_outcome_advantage`` at its
+      default ``norm_adv_by_std_in_grpo=True`` (compute_advantage passes none, ray_trainer.py:250-263), summed with
+      ``gdpo_reward_weights`` (all 1 when unset) and ``masked_whiten``-ed over the response tokens
+      (core_algos.py:447-468); verl asserts the keys are set (core_algos.py:413-417)."""
+    if est == "remax":
+        fields["gamma"] = 1.0
+    if est != "gdpo":  # read only by GDPO
+        r.neutral(f"{ALGO}.gdpo_reward_keys", f"{ALGO}.gdpo_reward_weights")
+        return
+    keys = r.raw(f"{ALGO}.gdpo_reward_keys", None)  # algorithm.py:672
+    weights = r.raw(f"{ALGO}.gdpo_reward_weights", None)  # algorithm.py:673
+    if not isinstance(keys, (list, tuple)) or not keys or not all(isinstance(k, str) for k in keys):
+        r.bad(f"{ALGO}.gdpo_reward_keys", keys, "a non-empty list of reward component names (verl asserts it)")
+    fields["grpo_std_normalization"] = True
+    if weights is not None:
+        if not isinstance(weights, (list, tuple)) or len(weights) != len(keys):
+            r.bad(f"{ALGO}.gdpo_reward_weights", weights, f"{len(keys)} numbers, one per gdpo_reward_keys entry")
+        try:
+            fields["reward_component_weights"] = [float(w) for w in weights]
+        except (TypeError, ValueError):
+            r.bad(f"{ALGO}.gdpo_reward_weights", weights, "numbers")
+
+# verl's loss modes that are a policy-loss family of ours (kernels/families), mode → family
+FAMILY_LOSS_MODES = {"cispo": "cispo", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv",
+                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg", "kl_cov": "kl_cov"}
+# loss modes refused, with what a bundle would need to record
+REFUSED_LOSS_MODES = {
+    "clip_cov": "Clip-Cov zeroes the gradient of a random sample (torch.randperm) of the tokens whose covariance "
+                "lies in (clip_cov_lb, clip_cov_ub) (core_algos.py:1808-1816): a bundle would need the selected-token "
+                "mask, which verl does not expose",
+}
+
+
+def _family(r: ConfigReader, fields: dict[str, Any], mode: str, clip_c: Optional[float]) -> None:
+    """A policy-loss family's fields (module doc): its parameters, and the aggregation the loss function forces."""
+    params: dict[str, Any] = {}
+    agg = fields["loss_agg_mode"]
+    if mode == "sapo":
+        params = {"tau_pos": r.number(f"{ACTOR}.tau_pos", 1.0), "tau_neg": r.number(f"{ACTOR}.tau_neg", 1.05)}
+        # the pg term is seq-mean-token-mean whatever loss_agg_mode says; entropy and KL keep loss_agg_mode
+        fields.update(loss_agg_mode="seq_mean_token_mean", entropy_agg_mode=agg, kl_loss_agg_mode=agg)
+    elif mode in ("dppo_tv", "dppo_kl"):
+        params = {"trunc": clip_c}  # config.get("clip_ratio_c", 20.0): the ActorConfig's 3.0 by default
+    elif mode == "dro":
+        beta = r.number(f"{ACTOR}.policy_loss.dro_beta", None)
+        if beta is None or not beta > 0:  # core_algos.py:2030-2032 raises
+            r.refuse(f"{ACTOR}.policy_loss.dro_beta", beta, "DRO needs a positive beta")
+        params = {"beta": beta}
+    elif mode == "kl_cov":  # core_algos.py:1883-1884: the config's values, else 0.0002 and 1.0
+        params = {"kl_cov_ratio": r.number(f"{ACTOR}.policy_loss.kl_cov_ratio", 0.0002),  # yaml:97
+                  "ppo_kl_coef": r.number(f"{ACTOR}.policy_loss.ppo_kl_coef", 0.1)}  # yaml:98
+    if mode in ("geo_mean", "dro", "gpg", "kl_cov"):  # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731)
+        fields["log_ratio_clamp"] = None
+    if mode == "geo_mean":
+        if r.flag(f"{ACTOR}.use_dynamic_bsz", False):
+            r.refuse(f"{ACTOR}.use_dynamic_bsz", True, "GMPO's loss is a mean over each micro-batch's sequences: "
+                     "dynamic micro-batches have no fixed size to divide by")
+        micro = r.integer(f"{ACTOR}.ppo_micro_batch_size_per_gpu", None)
+        if micro is None:
+            r.refuse(f"{ACTOR}.ppo_micro_batch_size_per_gpu", None, "GMPO's loss is a mean over each micro-batch's "
+                     "sequences: set the micro-batch size")
+        fields.update(loss_agg_mode="seq_mean_token_sum", entropy_agg_mode=agg, kl_loss_agg_mode=agg,
+                      geo_micro=micro)
+    fields.update(policy_loss=FAMILY_LOSS_MODES[mode], policy_loss_params=params, eps_clip_c=None)
+    r.neutral(f"{ACTOR}.clip_ratio_c")
+
+
 def _kl_type(r: ConfigReader, path: str, name: str, active: bool) -> str:
     base = name[:-1] if name.endswith("+") else name
     if base in KL_TYPES:
@@ -236,12 +331,24 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     coef = r.number(f"{ALGO}.kl_ctrl.kl_coef", 0.001)  # yaml:877
     if not on:
         return
-    if ctrl != "fixed":
-        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "an adaptive coefficient changes every step (core_algos.py:153 "
-                 "AdaptiveKLController); record the step's coefficient as algorithm.kl_ctrl.kl_coef and map it with "
-                 "kl_ctrl.type=fixed")
+    if ctrl not in ("fixed", "adaptive"):  # get_kl_controller raises NotImplementedError (core_algos.py:193-212)
+        r.refuse(f"{ALGO}.kl_ctrl.type", ctrl, "not one of fixed, adaptive")
+    if ctrl == "adaptive":
+        r.note(f"{ALGO}.kl_ctrl.type=adaptive: a bundle's kl_coef must be its step's coefficient (the controller's "
+               f"value, logged as actor/reward_kl_penalty_coeff); {coef!r} from the file is its start, right at the "
+               "first step only")
+    # adaptive (core_algos.py:153-174 AdaptiveKLController): the coefficient a step applies is the controller's
+    # value at that step (apply_kl_penalty's beta, ray_trainer.py:78-112, logged as actor/reward_kl_penalty_coeff),
+    # updated after it; the config holds only its start. The bundle records the step's value at
+    # algorithm.kl_ctrl.kl_coef (the capture writes it there), which the replay applies as a fixed coefficient.
     kl_type = _kl_type(r, f"{ALGO}.kl_penalty", name, coef != 0)
-    fields.update(kl_in_reward="sequence", kl_coef=coef, kl_penalty_type=kl_type)
+    est = fields["advantage_estimator"]
+    if est == "gdpo":  # GDPO reads the components, not token_level_rewards (core_algos.py:408-430): no KL
+        return
+    # ReMax and REINFORCE++ take the reverse (discounted) sums of the per-token rewards (core_algos.py:715-727,
+    # 764): the KL per token, not summed into the score
+    form = "token_returns" if est in ("remax", "reinforce_plus_plus") else "sequence"
+    fields.update(kl_in_reward=form, kl_coef=coef, kl_penalty_type=kl_type)
 
 
 def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool = False) -> None:
@@ -252,9 +359,19 @@ def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool
     level = r.raw(f"{RC}.rollout_is", None)  # yaml:854
     threshold = r.raw(f"{RC}.rollout_is_threshold", 2.0)  # yaml:855
     rs = r.raw(f"{RC}.rollout_rs", None)  # yaml:856
-    r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
-    if rs:
-        r.refuse(f"{RC}.rollout_rs", rs, "rejection sampling by divergence statistics is not recomputed")
+    rs_threshold = r.raw(f"{RC}.rollout_rs_threshold", None)  # yaml:857 (only with rollout_rs)
+    if rs:  # rejection sampling (rollout_corr_helper.py:197-413): the rejected tokens leave the loss mask
+        from ..bundle.rollout_rs import parse_rollout_rs
+
+        if not isinstance(rs, str) or (rs_threshold is not None and not isinstance(rs_threshold, (str, int, float))):
+            r.bad(f"{RC}.rollout_rs", rs, "a comma-separated chain of rejection options with rollout_rs_threshold")
+        try:
+            parse_rollout_rs(rs, rs_threshold)
+        except ValueError as exc:
+            knob, _, detail = str(exc).partition(": ")
+            r.bad(f"{RC}.{knob}", rs if knob == "rollout_rs" else rs_threshold, detail.removeprefix("expected "))
+        fields.update(rollout_rs=rs, rollout_rs_threshold=rs_threshold if isinstance(rs_threshold, str)
+                      else float(rs_threshold))
     loss_type = r.text(f"{RC}.loss_type", "ppo_clip")  # yaml:859
     if loss_type != "ppo_clip":
         r.refuse(f"{RC}.loss_type", loss_type, "only ppo_clip is mapped")

@@ -45,7 +45,9 @@ The bounds, element by element (``T`` the float64 recompute; constants derived b
 * **payloads stored coarser than the declared compute** (:func:`storage_unit`, ``u_s``: a capture that keeps
   bf16 copies of float32 log-probs): every expected value was computed from values the bundle no longer has,
   each within ``u_s·|x|`` of the recorded one, so a recomputation from them admits ``2·Σ|∂F/∂x|·u_s·|x|`` — the
-  first-order propagation of one rounding per input, doubled for the exponentials' second-order term
+  first-order propagation of one rounding per input — each input's rounding taken as the half spacing of its
+  stored value, ``u_s·2^⌊log2|x|⌋`` (:func:`storage_error`: the stored value is the nearest of its format, so
+  the computed one lies within that) —, doubled for the exponentials' second-order term
   (``C_STORE``), summed without cancellation (a worst case: the roundings of a real step mostly cancel, so this
   admits far more than they do, which the ``coarse_payload`` hazard says). k1/k2/k3 take ``2·e_r·max|dKL/dr|``
   over ``r ± e_r``, ``e_r = u_s·(|old| + |ref|)`` (:func:`kl_slope`: at ``r = 0`` the slope is 0, the move is
@@ -168,6 +170,9 @@ class Rules:
     chain: bool = False
     exact: bool = False
     tolerance_policy: str = "bundle"
+    # --bitwise: rollout_log_probs and old_log_probs must agree bit for bit on every loss token (the oracle of
+    # stage logprob.mismatch; config.true_on_policy asks the same of one bundle)
+    bitwise: bool = False
 
     def __post_init__(self) -> None:
         if self.tolerance_policy not in TOLERANCE_POLICIES:
@@ -466,14 +471,26 @@ def _power_of_two(u: float) -> str:
 
 
 def storage_error(u_s: float, *values: torch.Tensor) -> torch.Tensor:
-    """float64 per token: ``u_s·Σ|x|`` — how far a difference (or sum) of the stored ``values`` can be from the
-    same of the values they round (each within ``u_s·|x|``); a float8 ``u_s`` takes ``max(|x|, normal_min)``
-    (:data:`FLOAT8_NORMAL_MIN`): a subnormal or zero value is within ``u_s·normal_min`` of what it rounds."""
+    """float64 per token: ``u_s·Σ 2^⌊log2|x|⌋`` — how far a difference (or sum) of the stored ``values`` can be
+    from the same of the values they round. A stored value ``x`` is the nearest of its format to what was computed,
+    so that lies within half the spacing around ``x``: ``u_s·2^⌊log2|x|⌋`` (the spacing below a power of two is
+    half of it above, the larger side bounds both), at most ``u_s·|x|`` and half of it just below a power of two.
+    A float8 ``u_s`` takes ``max(|x|, normal_min)`` (:data:`FLOAT8_NORMAL_MIN`): a subnormal or zero value is within
+    ``u_s·normal_min`` of what it rounds."""
     floor = FLOAT8_NORMAL_MIN.get(u_s)
-    out = stored_magnitude(values[0], floor)
+    out = stored_binade(values[0], floor)
     for v in values[1:]:
-        out += stored_magnitude(v, floor)
+        out += stored_binade(v, floor)
     return out.mul_(u_s)
+
+
+def stored_binade(values: torch.Tensor, floor: Optional[float]) -> torch.Tensor:
+    """float64 ``2^⌊log2|x|⌋`` of each stored value (of ``max(|x|, floor)`` where one is given), 0 for 0 and
+    ``|x|`` where it is not finite: the power of two whose ``u_s`` multiple is the value's half spacing."""
+    mag = stored_magnitude(values, floor)
+    mantissa, exponent = torch.frexp(mag)  # mag = mantissa · 2^exponent, mantissa in [0.5, 1)
+    binade = torch.ldexp(torch.ones_like(mag), exponent - 1)
+    return torch.where(torch.isfinite(mag) & (mag > 0), binade, mag)
 
 
 def stored_magnitude(values: torch.Tensor, floor: Optional[float]) -> torch.Tensor:
@@ -797,6 +814,8 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         extra_pg += float((sums["is_flip"] / (inner_l * outer_l)).sum()) * scale
     if "mask_flip" in sums:  # OPSM or the entropy mask may keep or drop these tokens' terms
         extra_pg += float((sums["mask_flip"] / (inner_l * outer_l)).sum()) * scale
+    if "edge_flip" in sums:  # a policy-loss family's mask decided within rounding of its edge: its term is open
+        extra_pg += float((sums["edge_flip"] / (inner_l * outer_l)).sum()) * scale
     out = {}
     stored = loss_storage_bounds(sums, names, entropy_coef=entropy_coef, knobs=knobs)
     for name in names:
@@ -806,6 +825,7 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         if name == "pg_clipfrac":
             bound += float((sums["near_clip"] / (inner_m * outer_m)).sum()) + extra_clip
         if name == "pg_clipfrac_lower":
-            bound += float((sums["near_lower"] / (inner_m * outer_m)).sum()) + extra_clip
+            # dual-clip's c; a policy-loss family's edges are all counted in near_clip
+            bound += float((sums.get("near_lower", sums["near_clip"]) / (inner_m * outer_m)).sum()) + extra_clip
         out[name] = bound
     return out

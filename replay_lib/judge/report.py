@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 
@@ -64,6 +64,9 @@ class StageReport(msgspec.Struct, frozen=True, kw_only=True):
     # Under --chain: the upstream stage this one fails only because of (it passes when judged on its recorded
     # inputs, replay_lib.explain.downstream); None for a root cause. Its status stays "fail".
     downstream_of: Optional[str] = None
+    # Stage logprob.mismatch only (SPEC §4.4): its counts, maxima, first differing token per pair and the
+    # recomputed metrics; absent (not written) for every other stage.
+    mismatch: Union[dict, msgspec.UnsetType] = msgspec.UNSET
 
 
 class Explanation(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +101,8 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     tolerance_policy: str = "bundle"
     hazards: list[Hazard] = []
     explanations: list[Explanation] = []
+    # --bitwise (stage logprob.mismatch's oracle); written only when on
+    bitwise: Union[bool, msgspec.UnsetType] = msgspec.UNSET
 
     @property
     def exit_code(self) -> int:

@@ -40,6 +40,7 @@ import torch
 
 from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
                           SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+from .families import family as policy_family
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
 # (the knobs and their allowed values live in replay_lib.bundle.loss_knobs, torch-free: the schema checks them)
@@ -112,31 +113,32 @@ def kl_loss_values(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, knobs: 
     return _clamp(kl, knobs.kl_loss_output_clamp)
 
 
+def family_sample_pass(knobs: LossKnobs) -> bool:
+    """The configured policy-loss family needs per-sample quantities before its token terms."""
+    return knobs.policy_loss != "ppo" and policy_family(knobs.policy_loss).sample_terms is not None
+
+
 def wants_sample_pass(knobs: LossKnobs) -> bool:
     """A per-sample quantity is needed before the per-token terms: the knobs' own (GSPO, a sequence IS weight),
     a family's ``sample_terms``, OPSM's sequence KL or the entropy mask's threshold."""
-    return knobs.needs_sample_pass or knobs.opsm or knobs.entropy_mask or (
-        knobs.family and _family(knobs).sample_terms is not None)
-
-
-def _family(knobs: LossKnobs):
-    from .families import family
-    return family(knobs.policy_loss)
+    return knobs.needs_sample_pass or knobs.opsm or knobs.entropy_mask or family_sample_pass(knobs)
 
 
 def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
                      loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
-                     dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None
-                     ) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None, *,
+                     advantages: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The per-sample quantities the per-token terms need first (``[n]`` each, ``{}`` when none is):
     ``seq_log_ratio`` (GSPO, ``Σ_t (logp − old)·mask / max(n_i, 1)``, clamped) and ``is_log_weight``
-    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``); a family's own
-    (``families.PolicyFamily.sample_terms``); ``opsm_kl`` (OPSM: ``Σ_t (anchor − logp)·mask / max(n_i, 1)``);
-    ``entropy_threshold`` (the entropy mask: the quantile of the sample's micro-batch, ``entropy`` needed)."""
+    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``); the policy-loss family's own
+    (``families.PolicyFamily.sample_terms``, given the ``advantages``); ``opsm_kl`` (OPSM: ``Σ_t (anchor −
+    logp)·mask / max(n_i, 1)``); ``entropy_threshold`` (the entropy mask: the quantile of the sample's
+    micro-batch, ``entropy`` needed)."""
     out = {}
-    if knobs.family and _family(knobs).sample_terms is not None:
-        out.update(_family(knobs).sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths,
-                                               knobs, dtype=dtype))
+    if family_sample_pass(knobs):
+        out.update(policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs,
+                                                                 loss_mask, lengths, knobs, dtype,
+                                                                 advantages=advantages))
     if knobs.opsm:
         out["opsm_kl"] = opsm_sequence_kl(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs,
                                           dtype)
@@ -187,9 +189,9 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     importance weight and the KL term; ``opd_loss`` (``teacher_log_probs`` needed) is the supervised
     distillation term when ``opd_placement="loss"``."""
     if knobs.family:
-        out = _family(knobs).token_terms(log_probs, old_log_probs, advantages, knobs, seg=seg,
-                                         sample_terms=sample_terms, rollout_log_probs=rollout_log_probs,
-                                         ref_log_probs=ref_log_probs, dtype=dtype)
+        out = policy_family(knobs.policy_loss).token_terms(
+            log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
+            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype)
         return _shared_terms(out, log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
                              rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
                              entropy=entropy, teacher_log_probs=teacher_log_probs)
@@ -439,8 +441,26 @@ def loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef: float, knobs: LossK
     return loss + knobs.opd_coef * opd_loss if knobs.opd_loss and opd_loss is not None else loss
 
 
+def has_clip_lower(knobs: LossKnobs) -> bool:
+    """A ``pg_clipfrac_lower`` is computed: dual-clip, or a policy-loss family that reports one."""
+    return knobs.dual_clip or (knobs.policy_loss != "ppo"
+                               and "pg_clipfrac_lower" in policy_family(knobs.policy_loss).metrics)
+
+
+def family_metrics(knobs: LossKnobs) -> tuple[str, ...]:
+    """The metrics (of pg_clipfrac, ppo_kl, pg_clipfrac_lower) the configured policy loss reports."""
+    if knobs.policy_loss == "ppo":
+        return ("pg_clipfrac", "ppo_kl") + (("pg_clipfrac_lower",) if knobs.dual_clip else ())
+    return policy_family(knobs.policy_loss).metrics
+
+
 def policy_fields_for(knobs: LossKnobs) -> tuple[str, ...]:
     """The loss.policy fields a producer with these knobs reports."""
+    if knobs.policy_loss != "ppo":
+        metrics = family_metrics(knobs)
+        return tuple(f for f in LOSS_FIELDS if f not in METRIC_FIELDS or f in metrics) + \
+            (("pg_clipfrac_lower",) if "pg_clipfrac_lower" in metrics else ()) + \
+            (("kl_loss",) if knobs.kl_loss else ()) + (("opd_loss",) if knobs.opd_loss else ())
     return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ()) \
         + (("opd_loss",) if knobs.opd_loss else ())
 
@@ -471,7 +491,7 @@ def policy_loss_fields(
     knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
     knobs = replace(knobs, entropy_coef=entropy_coef)
     sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype,
-                                    entropy=entropy)
+                                    entropy=entropy, advantages=advantages)
     columns = policy_loss_columns(log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip,
                                   eps_clip_high=eps_clip_high, dtype=dtype, knobs=knobs, sample_terms=sample_terms,
                                   rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs,
@@ -486,7 +506,7 @@ POLICY_SUMS = ("pg", "clip", "kl", "ent", "mask")
 
 
 def policy_sums(knobs: LossKnobs) -> tuple[str, ...]:
-    return POLICY_SUMS + (("clip_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ()) \
+    return POLICY_SUMS + (("clip_lower",) if has_clip_lower(knobs) else ()) + (("kl_loss",) if knobs.kl_loss else ()) \
         + (("opd_loss",) if knobs.opd_loss else ())
 
 
@@ -514,7 +534,7 @@ def policy_loss_columns(
         if entropy is not None:
             out["ent"] = entropy[start:stop].to(dtype) * m
         out["mask"] = m
-        if knobs.dual_clip:
+        if has_clip_lower(knobs):
             out["clip_lower"] = t["clip_lower"] * m
         if knobs.kl_loss:
             out["kl_loss"] = t["kl_loss"] * m
@@ -544,7 +564,7 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
     opd_loss = loss_term("opd_loss") if knobs.opd_loss else None
     out = {"loss": loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef, knobs, opd_loss), "pg_loss": pg_loss,
            "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"), "ppo_kl": metric("kl")}
-    if knobs.dual_clip:
+    if has_clip_lower(knobs):
         out["pg_clipfrac_lower"] = metric("clip_lower")
     if kl_loss is not None:
         out["kl_loss"] = kl_loss

@@ -20,8 +20,11 @@ STD_SCOPES = ("group", "batch")
 SINGLETON_RULES = ("nan", "zero", "raw")
 # The estimators whose reward.post_process centres each group (the others pass the score through) and the ones
 # of those that may divide by the group std.
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+                        "opo", "gpg", "grpo_passk", "maxrl", "remax", "gdpo")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators whose reward.post_process is a rule of its own (estimator_rewards), not the GroupRule's.
+OWN_RULE_ESTIMATORS = ("opo", "gpg", "grpo_passk", "maxrl", "remax", "gdpo")
 
 
 @dataclass(frozen=True)
@@ -208,3 +211,146 @@ def batch_normalize(raw_rewards: torch.Tensor, batch_size: int, std_normalizatio
     normalized against consecutive *physical* batches of ``batch_size`` samples instead of their group."""
     batch = torch.arange(raw_rewards.numel(), dtype=torch.int64) // max(int(batch_size), 1)
     return group_normalize(raw_rewards, batch, std_normalization, eps)
+
+
+def _group_index(r: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(group of each sample 0 … k − 1, size of each sample's group, k)``."""
+    _, inverse, counts = torch.unique(group_index.to(torch.int64), return_inverse=True, return_counts=True)
+    return inverse, counts[inverse], counts.numel()
+
+
+def group_centred(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``r − mean(group)``, and ``r`` itself for a one-sample group (verl's and SkyRL's mean 0 there)."""
+    r = r.to(dtype)
+    if r.numel() == 0:
+        return r.clone()
+    inverse, size, _ = _group_index(r, group_index)
+    _, _, centred, _ = group_moments(r, group_index, dtype, with_std=False)
+    return torch.where(size == 1, r, centred)
+
+
+def opo_rewards(r: torch.Tensor, group_index: torch.Tensor, token_counts: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """OPO (verl ``compute_opo_outcome_advantage``): ``r − Σ_j L_j·r_j / Σ_j L_j`` over the group, ``L`` each
+    sample's loss-token count; a one-sample group keeps ``r`` (baseline 0). A group whose every sample has no
+    loss token divides 0 by 0 (NaN), as verl does."""
+    r = r.to(dtype)
+    if r.numel() == 0:
+        return r.clone()
+    inverse, size, k = _group_index(r, group_index)
+    length = token_counts.to(dtype)
+    num = segment_sum(length * r, inverse, k)
+    den = segment_sum(length, inverse, k)
+    baseline = (num / den)[inverse]
+    return torch.where(size == 1, r, r - baseline)
+
+
+def gpg_alpha(r: torch.Tensor) -> float:
+    """GPG's ``α = B / max(#{r ≠ 0}, 1)`` over the ``B`` scores of the whole step (verl ``compute_gpg_outcome_advantage``)."""
+    return r.numel() / max(int(torch.count_nonzero(r)), 1)
+
+
+def gpg_rewards(r: torch.Tensor, group_index: torch.Tensor, dtype: torch.dtype = torch.float32,
+                alpha: Optional[float] = None) -> torch.Tensor:
+    """GPG: ``α·(r − mean(group))`` (``f_norm`` 1), a one-sample group ``α·r``; ``alpha``: the whole step's when
+    ``r`` is a selection of it (else :func:`gpg_alpha` of ``r``)."""
+    a = gpg_alpha(r) if alpha is None else alpha
+    return torch.tensor(a, dtype=dtype) * group_centred(r, group_index, dtype)
+
+
+def passk_rewards(r: torch.Tensor, group_index: torch.Tensor, std_normalization: bool, eps: float = STD_EPS,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pass@k GRPO (verl ``compute_grpo_passk_outcome_advantage``): the group's best sample gets
+    ``r_max − r_second`` (over the group's unbiased std + ``eps`` when ``std_normalization``), every other 0; a
+    tie at the top gives 0 to all (whichever sample holds it). A one-sample group (verl raises): NaN."""
+    r = r.to(dtype)
+    out = torch.zeros_like(r)
+    if r.numel() == 0:
+        return out
+    inverse, size, k = _group_index(r, group_index)
+    order = torch.argsort(r, descending=True, stable=True)
+    by_group = order[torch.argsort(inverse[order], stable=True)]  # each group's samples, best first
+    starts = torch.cumsum(torch.bincount(inverse, minlength=k), 0) - torch.bincount(inverse, minlength=k)
+    best = by_group[starts]
+    counts = torch.bincount(inverse, minlength=k)
+    second = by_group[torch.clamp(starts + 1, max=r.numel() - 1)]
+    gap = r[best] - r[second]
+    if std_normalization:
+        _, _, _, std = group_moments(r, group_index, dtype, unbiased=True, with_std=True)
+        std_g = torch.zeros(k, dtype=dtype).index_copy_(0, inverse, std)
+        gap = gap / (std_g + eps)
+    gap = torch.where(counts > 1, gap, torch.full_like(gap, float("nan")))
+    out[best] = gap
+    return torch.where(size == 1, torch.full_like(out, float("nan")), out)
+
+
+def maxrl_rewards(r: torch.Tensor, group_index: torch.Tensor, eps: float = STD_EPS,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MaxRL (SkyRL ``compute_maxrl_advantage``): ``(r − mean)/(mean + eps)`` over the group; a one-sample group
+    keeps ``r``."""
+    r = r.to(dtype)
+    if r.numel() == 0:
+        return r.clone()
+    inverse, size, k = _group_index(r, group_index)
+    mean = (segment_sum(r, inverse, k) / torch.bincount(inverse, minlength=k).to(dtype))[inverse]
+    return torch.where(size == 1, r, (r - mean) / (mean + eps))
+
+
+def gdpo_rewards(components: torch.Tensor, group_index: torch.Tensor, rule: GroupRule,
+                 weights: Optional[torch.Tensor] = None, standardize: bool = False,
+                 dtype: torch.dtype = torch.float32, standardize_eps: Optional[float] = None) -> torch.Tensor:
+    """GDPO: each reward component (``components[:, k]``) normalized by the group rule alone, ``Σ_k w_k·A_k``
+    (verl ``compute_gdpo_outcome_advantage``, NeMo-RL ``GDPOAdvantageEstimator``); ``standardize``: that sum
+    then standardized over the samples given (NeMo-RL: ``(A − mean)/std``, the unbiased std, centred only where
+    it is 0; ``standardize_eps``: over ``std + standardize_eps`` always, TRL's ``normalize_then_sum``). verl
+    whitens over the tokens instead, in advantage.estimate (``normalize_advantages``)."""
+    c = components.to(dtype)
+    n, k = c.shape if c.dim() == 2 else (c.numel(), 0)
+    w = torch.ones(k, dtype=dtype) if weights is None else weights.to(dtype)
+    total = torch.zeros(n, dtype=dtype)
+    for j in range(k):
+        total = total + w[j] * post_process(c[:, j], group_index, rule, dtype=dtype)
+    if standardize and n:
+        std = batch_std(total, unbiased=True)
+        centred = total - total.mean()
+        if standardize_eps is not None:
+            total = centred / (std + standardize_eps)
+        else:
+            total = centred / std if float(std) > 0 else centred
+    return total
+
+
+def loss_span(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n]``: the span from each sample's first to its last loss token, both included (0 without one):
+    OpenRLHF's ``response_length`` (samples_generator.py:272-273, ``ones[-1] − ones[0] + 1`` of the action mask)."""
+    lengths = lengths.to(torch.int64)
+    n = lengths.numel()
+    if not n:
+        return torch.zeros(0, dtype=torch.float64)
+    seg = torch.repeat_interleave(torch.arange(n), lengths)
+    pos = torch.arange(seg.numel(), dtype=torch.int64)
+    on = loss_mask.reshape(-1) != 0
+    big = torch.iinfo(torch.int64).max
+    first = torch.full((n,), big, dtype=torch.int64).scatter_reduce(
+        0, seg, torch.where(on, pos, torch.full_like(pos, big)), reduce="amin", include_self=True)
+    last = torch.full((n,), -1, dtype=torch.int64).scatter_reduce(
+        0, seg, torch.where(on, pos, torch.full_like(pos, -1)), reduce="amax", include_self=True)
+    return torch.where(last >= 0, (last - first + 1).to(torch.float64), torch.zeros(n, dtype=torch.float64))
+
+
+def shape_rewards(raw: torch.Tensor, span: torch.Tensor, truncated: Optional[torch.Tensor], *,
+                  buffer: Optional[float] = None, factor: float = 1.0, max_tokens: Optional[int] = None,
+                  coef: Optional[float] = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The raw reward after the length penalties (OpenRLHF ``apply_length_penalties``, length_penalty.py:16-145):
+    the overlong penalty ``− min(L − (max_tokens − buffer), buffer)/buffer · factor`` where positive, ``L`` the
+    sample's loss span (:func:`loss_span`); then each ``truncated`` sample's reward times ``coef`` (``coef ≥ 0``)
+    or replaced by it (``coef < 0``)."""
+    r = raw.to(dtype).clone()
+    if buffer is not None:
+        exceed = torch.clamp(span.to(torch.float64) - (max_tokens - buffer), max=buffer)
+        penalty = torch.where(exceed > 0, -exceed / buffer * factor, torch.zeros_like(exceed))
+        r = torch.where(exceed > 0, r + penalty.to(dtype), r)
+    if coef is not None and truncated is not None:
+        hit = truncated.to(torch.bool)
+        r = torch.where(hit, torch.full_like(r, coef) if coef < 0 else r * coef, r)
+    return r

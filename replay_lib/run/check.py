@@ -47,13 +47,16 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
         from ..bundle.safe_open import set_max_json_bytes
 
         set_max_json_bytes(options.max_json_bytes)
-        rules = Rules(chain=options.chain, exact=options.exact, tolerance_policy=options.tolerance_policy)
+        rules = Rules(chain=options.chain, exact=options.exact, tolerance_policy=options.tolerance_policy,
+                      bitwise=options.bitwise)
         stages, run_link = split_stages(options.stages)
         bundles = open_bundle(target.path)
         if stages is not None:  # --stage in a scan: the requested stages each bundle declares recompute
             from ..bundle.schema import StageCapability
 
-            contracts = bundles.shards[0].manifest.stage_contracts
+            from .runner import stage_contracts
+
+            contracts = stage_contracts(bundles.shards[0])
             stages = [s for s in stages if s in contracts and contracts[s].capability == StageCapability.RECOMPUTE]
         report = run_replay(bundles, stages=stages, max_divergences=options.max_divergences, rules=rules)
         link = None

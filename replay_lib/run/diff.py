@@ -21,6 +21,8 @@ field differs); a field held by one bundle only is listed as skipped.
 
 from __future__ import annotations
 
+import math
+
 
 import msgspec
 import torch
@@ -38,8 +40,21 @@ from ..judge.report import STATUS_FAIL, STATUS_SKIPPED, ReplayReport, StageRepor
 PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estimate", "kl": "advantage.kl",
                  "rewards": "reward.post_process", "log_probs": "loss.policy", "old_log_probs": "loss.policy",
                  "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy",
+                 "grad_log_probs": "loss.grad", "grad_values": "loss.grad",
+                 "rollout_log_probs": "logprob.mismatch", "policy_versions": "logprob.mismatch",
                  "teacher_log_probs": "loss.policy"}
 INDEX_FIELDS = (("raw_reward", "reward.raw"), ("reward", "reward.post_process"))
+
+
+def _token_rewards(side: "_Side") -> torch.Tensor:
+    """float64 ``[tokens]`` of a side's rewards: a per-token list as it is, a number on each of its sample's
+    tokens, ``None`` as NaN."""
+    parts = []
+    for s, n in zip(side.samples, side.lengths.tolist()):
+        r = s.reward
+        parts.append(torch.tensor(r[:n], dtype=torch.float64) if type(r) is list
+                     else torch.full((n,), math.nan if r is None else float(r), dtype=torch.float64))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
 
 
 class _Side:
@@ -141,6 +156,11 @@ class _Differ:
         a, b = self.a, self.b
         out = []
         for name, stage in INDEX_FIELDS:
+            if name == "reward" and any(type(s.reward) is list for s in (*a.samples, *b.samples)):
+                # per-token rewards (format 1.2 / 2.0) on either side: compared token by token, a number broadcast
+                ta, tb = _token_rewards(a), _token_rewards(b)
+                out.append(self.field(name, stage, PER_TOKEN, ta, self.aligned(tb, PER_TOKEN)))
+                continue
             ea = [getattr(s, name) for s in a.samples]
             eb = as_float64([getattr(s, name) for s in b.samples])
             if all(v is None for v in ea) and bool(torch.isnan(eb).all()):

@@ -149,6 +149,7 @@ class ScanOptions:
     chain: bool = False
     exact: bool = False
     tolerance_policy: str = "bundle"
+    bitwise: bool = False  # --bitwise (logprob.mismatch's oracle)
     max_divergences: int = 5
     max_json_bytes: Optional[int] = None
     link: bool = True

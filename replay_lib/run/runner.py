@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
+import msgspec
 import torch
 
 from ..bundle import BundleReader, BundleSet, config_knob_active, open_bundle
@@ -20,11 +21,12 @@ from ..explain import annotate
 from ..bundle.gcpause import gc_paused
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
-from ..bundle.schema import ActorStepId, StageCapability, StageId
+from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageContract, StageId
 from ..bundle.selection import Selection, resolve_selection, selection_keys
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED, StageContext, StageInputError
 from ..kernels import grpo_std_scope
-from ..stages.advantage import advantage_config_error, estimator_refusal
+from ..stages.advantage import advantage_config_error, estimator_refusal, per_token_reward_refusal
+from ..stages.mismatch import applies as mismatch_applies, merge_summaries
 
 ProgressFn = Callable[[str, Optional[int], int, int], None]
 
@@ -52,18 +54,32 @@ def parse_stage_names(names: Optional[Iterable[str]]) -> Optional[list[StageId]]
     return out
 
 
+def stage_contracts(reader: BundleReader) -> dict:
+    """The manifest's contracts, plus ``logprob.mismatch`` declared recompute where the bundle holds its inputs
+    and declares nothing for it (SPEC §4.4: the stage runs whenever rollout log-probs are recorded)."""
+    contracts = reader.manifest.stage_contracts
+    if StageId.LOGPROB_MISMATCH not in contracts and mismatch_applies(reader):
+        contracts = {**contracts, StageId.LOGPROB_MISMATCH: StageContract(
+            stage=StageId.LOGPROB_MISMATCH, capability=StageCapability.RECOMPUTE, implementation="reimplemented")}
+    return contracts
+
+
 def _declared_recompute(reader: BundleReader, stage: StageId) -> bool:
-    contract = reader.manifest.stage_contracts.get(stage)
+    contract = stage_contracts(reader).get(stage)
     return contract is not None and contract.capability == StageCapability.RECOMPUTE
 
 
 def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], partial: bool) -> StagePlan:
     """Which stages run, and why the others are skipped. Raises UnsupportedError (exit 4)."""
     plan = StagePlan()
-    contracts = reader.manifest.stage_contracts
+    contracts = stage_contracts(reader)
     if requested is not None:
         for stage in requested:
             contract = contracts.get(stage)
+            if stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2:
+                raise UnsupportedError(f"stage {stage.value} is {NOT_IN_FORMAT_2} ({reader.path / 'manifest.json'} "
+                                       f"is format {reader.manifest.format_version}: the recorded reward is "
+                                       f"advantage.estimate's input)")
             if stage in UNSUPPORTED or stage not in REGISTRY:
                 raise UnsupportedError(f"stage {stage.value} is unsupported: {UNSUPPORTED.get(stage, 'no adapter in this engine')}")
             if contract is None:
@@ -90,9 +106,12 @@ def plan_stages(reader: BundleReader, requested: Optional[Sequence[StageId]], pa
         targets = set(STAGE_ORDER)
     for stage in STAGE_ORDER:
         contract = contracts.get(stage)
-        plan.capability[stage] = contract.capability.value if contract else "not declared"
+        plan.capability[stage] = contract.capability.value if contract else (
+            NOT_IN_FORMAT_2 if stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2 else "not declared")
         if stage not in targets:
             plan.skipped[stage] = "not requested (--stage)"
+        elif contract is None and stage.value in FORMAT_2_REMOVED_STAGES and reader.format_major == 2:
+            plan.skipped[stage] = NOT_IN_FORMAT_2
         elif contract is None:
             plan.skipped[stage] = "not declared in manifest"
         elif contract.capability != StageCapability.RECOMPUTE:
@@ -131,6 +150,9 @@ def check_topology(reader: BundleReader, stages: Sequence[StageId]) -> None:
     refused = estimator_refusal(cfg)
     if refused is not None:
         raise UnsupportedError(f"{where}: {refused}")
+    per_token = per_token_reward_refusal(reader) if StageId.ADVANTAGE_ESTIMATE in stages else None
+    if per_token is not None:
+        raise UnsupportedError(f"{where}: {per_token}")
     cp = reader.index.identity.rank.get("cp", 1)
     if cp != 1 and not all(REGISTRY[s].any_cp for s in stages):
         raise UnsupportedError(f"{where}: $.identity.rank.cp={cp}: V1 recomputes context-parallel size 1 only "
@@ -181,6 +203,7 @@ def _merge_stage(stage: StageId, per_rank: list[StageReport], keep: int, cohort:
         capability=capability,
         compared=sum(r.compared for r in per_rank),
         max_noise_ratio=max(ratios) if ratios else None,
+        mismatch=merge_summaries(per_rank) or msgspec.UNSET,
     )
 
 
@@ -267,7 +290,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         if res.partial:
             selected += ctx.sample_ids
         for stage in STAGE_ORDER:
-            if stage in REGISTRY and REGISTRY[stage].optional and stage not in shard.manifest.stage_contracts:
+            if stage in REGISTRY and REGISTRY[stage].optional and stage not in stage_contracts(shard):
                 continue  # an optional stage a bundle doesn't declare is not worth a report line
             if stage not in plan.run:
                 reason = plan.skipped.get(stage, "")
@@ -339,6 +362,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
         exact=rules.exact,
         tolerance_policy=rules.tolerance_policy,
         hazards=_hazards([c for c in contexts if c is not None], keep),
+        bitwise=True if rules.bitwise else msgspec.UNSET,
     )
     return annotate(report, contexts, rules, explain=explain), contexts
 

@@ -17,7 +17,10 @@ from ..bundle.schema import ActorStepId, StageCapability, StageId
 from ..bundle.inspection import BundleInfo, InspectResult, PayloadRow, _pipeline_order, inspect  # noqa: F401
 from ..stages import REGISTRY, STAGE_ORDER, UNSUPPORTED
 from ..stages.loss import KNOB_TOKEN_PAYLOADS
+from ..stages.grad import GRAD_PAYLOAD, GRAD_VALUES_PAYLOAD
 from ..stages.sample import TOKEN_PAYLOADS
+
+GRAD_TOKEN_PAYLOADS = (GRAD_PAYLOAD, GRAD_VALUES_PAYLOAD)  # loss.grad's (SPEC §4.3): their rows checked alike
 
 
 class ValidationResult(msgspec.Struct, kw_only=True):
@@ -100,7 +103,7 @@ def check_token_counts(shard) -> None:
             f"$.samples[{i}].response_length is {lengths[i]} (sample {samples[i].sample_id!r})"
         )
     total = sum(lengths)  # each is a mask's length now: no sum of hostile numbers
-    for name in (*TOKEN_PAYLOADS, *KNOB_TOKEN_PAYLOADS):
+    for name in (*TOKEN_PAYLOADS, *KNOB_TOKEN_PAYLOADS, *GRAD_TOKEN_PAYLOADS):
         if not shard.has_payload(name):
             continue
         rows = int(shard.payload(name).shape[0])

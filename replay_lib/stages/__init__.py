@@ -5,7 +5,9 @@ from __future__ import annotations
 from ..bundle.schema import StageId
 from .advantage import ADVANTAGE_ESTIMATE, ADVANTAGE_KL
 from .base import StageContext, StageDef, StageInputError
+from .grad import LOSS_GRAD
 from .loss import LOSS_POLICY
+from .mismatch import LOGPROB_MISMATCH
 from .reward import REWARD_POST_PROCESS, REWARD_RAW
 from .sample import SAMPLE
 from .support import LOGPROB_SUPPORT
@@ -19,13 +21,15 @@ STAGE_ORDER: tuple[StageId, ...] = (
     StageId.ADVANTAGE_KL,
     StageId.ADVANTAGE_ESTIMATE,
     StageId.LOGPROB_SUPPORT,
+    StageId.LOGPROB_MISMATCH,
     StageId.LOSS_POLICY,
     StageId.LOSS_VALUE,
+    StageId.LOSS_GRAD,
 )
 
 REGISTRY: dict[StageId, StageDef] = {
     d.id: d for d in (SAMPLE, REWARD_RAW, REWARD_POST_PROCESS, ADVANTAGE_KL, ADVANTAGE_ESTIMATE, LOGPROB_SUPPORT,
-                      LOSS_POLICY, LOSS_VALUE)
+                      LOGPROB_MISMATCH, LOSS_POLICY, LOSS_VALUE, LOSS_GRAD)
 }
 
 # Stages this engine can never recompute, whatever the manifest declares (loss.value is recomputed since SPEC

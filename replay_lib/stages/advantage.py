@@ -50,7 +50,7 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
             if kl_zeroed(cfg):
                 kl, bound = _masked(ctx, kl), _masked(ctx, bound)
             ctx.coarse_payload_hazard("advantage.kl", {"old_log_probs": old, "ref_log_probs": ref}, (
-                "each kl admits their rounding, 2·|dKL/dr|·u·(|old| + |ref|): the producer's r may be that far "
+                "each kl admits their rounding, 2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋): the producer's r may be that far "
                 "from the recorded one"))
             if reward_kl_type(cfg) == "low_var_kl":
                 _kl_clamp_hazards(ctx, old, ref)
@@ -140,7 +140,70 @@ def grpo_rewards(ctx: StageContext) -> tuple[torch.Tensor, Optional[torch.Tensor
     if any(s.reward is None for s in ctx.samples):
         raise StageInputError("no normalized rewards: reward.post_process did not run and samples lack 'reward'",
                               field="reward")
+    if any(type(s.reward) is list for s in ctx.samples):
+        raise StageInputError("per-token rewards: each sample's rewards are read per token (recorded_token_rewards)",
+                              field="reward")
     return list_tensor([s.reward for s in ctx.samples], torch.float64), None
+
+
+def recorded_token_rewards(ctx: StageContext) -> Optional[torch.Tensor]:
+    """float64 ``[tokens]`` of the selected samples' recorded rewards when advantage.estimate consumes them and one
+    of them is per-token (format 1.2 / 2.0: a list of ``response_length`` values; a scalar is broadcast over its
+    sample's tokens), else ``None`` (per-sample rewards: :func:`grpo_rewards`)."""
+    if "rewards" in ctx.outputs and (ctx.chain or not _rewards_recorded(ctx)):
+        return None
+    if isinstance(ctx.reader.expected.get("reward.post_process", {}).get("rewards"), list):
+        return None
+    if not any(type(s.reward) is list for s in ctx.samples):
+        return None
+    parts = [torch.tensor(s.reward, dtype=torch.float64) if type(s.reward) is list
+             else torch.full((s.response_length,), float(s.reward), dtype=torch.float64) for s in ctx.samples]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def per_token_reward_refusal(reader: BundleReader) -> Optional[str]:
+    """Why advantage.estimate cannot replay this bundle's per-token rewards (exit 4), else ``None``: they are
+    the advantages themselves under a broadcast estimator without whitening (the original's GRPO), and nothing
+    else defines how a per-token reward enters a group baseline, a discounted return or GAE."""
+    cfg = reader.index.config
+    if estimate_kind(cfg) == "broadcast" and not whitens(cfg):
+        return None
+    for i, s in enumerate(reader.index.samples):
+        if type(s.reward) is list:
+            if estimate_kind(cfg) == "broadcast" and cfg.normalize_advantages:
+                how = "normalize_advantages=true"
+            elif cfg.kl_in_reward == "token_returns" and cfg.advantage_estimator not in ("gae", "reinforce_plus_plus"):
+                how = "kl_in_reward='token_returns'"
+            else:
+                how = f"advantage_estimator={cfg.advantage_estimator!r}"
+            return (f"$.samples[{i}].reward: a per-token reward is replayed under a broadcast estimator without "
+                    f"whitening only (grpo, as the original's format 2.0), not {how}")
+    return None
+
+
+def _token_reward_estimate(ctx: StageContext, expected: torch.Tensor, tokens: torch.Tensor) -> StageReport:
+    """advantage.estimate of per-token rewards: each token's advantage is its recorded reward (the broadcast
+    estimators' rule, token by token), compared on every token."""
+    if ctx.dtype != torch.float64:  # --exact: the producer's float32 values, compared bitwise
+        actual, bound = tokens.to(ctx.dtype), None
+    else:
+        actual = tokens
+        bound = advantage_bound(tokens, unit_roundoff(expected))
+    if zeroed(ctx.config):
+        actual = _masked(ctx, actual)
+        bound = None if bound is None else _masked(ctx, bound)
+    ctx.outputs["advantages"] = actual
+    if bound is not None:
+        per_sample = torch.zeros(ctx.n, dtype=torch.float64)
+        if bound.numel():
+            per_sample.scatter_reduce_(0, ctx.seg, bound, reduce="amax", include_self=True)
+        ctx.outputs["advantage_bound"] = per_sample
+    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
+                      compared=_rule_nan(ctx, None, expected))
+    return ctx.report(
+        StageId.ADVANTAGE_ESTIMATE, [field],
+        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared (per-token rewards)")
 
 
 def _rewards_recorded(ctx: StageContext) -> bool:
@@ -247,6 +310,9 @@ def _masked(ctx: StageContext, column):
 def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     """GRPO returns (and dr_grpo, rloo, REINFORCE++-baseline's before their whitening): each sample's reward
     broadcast over its tokens, compared on every token, as V1."""
+    tokens = recorded_token_rewards(ctx)
+    if tokens is not None:
+        return _token_reward_estimate(ctx, expected, tokens)
     rewards, inherited = grpo_rewards(ctx)
     bound = None
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 broadcast, compared bitwise
@@ -355,7 +421,7 @@ def estimate_kind(cfg: RecomputeConfig) -> str:
     sums: REINFORCE++, or any estimator with ``kl_in_reward="token_returns"``) or ``gae``."""
     if cfg.advantage_estimator == "gae":
         return "gae"
-    if cfg.advantage_estimator == "reinforce_plus_plus" or cfg.kl_in_reward == "token_returns":
+    if cfg.advantage_estimator in ("reinforce_plus_plus", "remax") or cfg.kl_in_reward == "token_returns":
         return "returns"
     return "broadcast"
 
@@ -490,7 +556,7 @@ class _TokenEstimate:
                 self.returns_bound = bound
                 u_v = storage_unit(ctx.precision.compute, values)
                 if u_v:  # and the stored V's own rounding, which the sum carries as it is
-                    self.returns_bound = bound + (C_STORE * u_v) * values.to(torch.float64).abs()
+                    self.returns_bound = bound + C_STORE * storage_error(u_v, values)
         recorded = cfg.advantage_whiten_stats
         self.whiten_stats = None if recorded is None else (float(recorded.mean), float(recorded.std))
 
@@ -552,11 +618,8 @@ UNSUPPORTED_ESTIMATORS = {
     "ppo": "slime's name for GAE: write advantage_estimator='gae' (with the values payload) to recompute it",
     "dppo": "prime-rl's DPPO is a loss family outside the clipped surrogate",
     "decoupled_ppo": "AReaL's decoupled loss (a proximal policy between behaviour and current) is not recomputed",
-    "grpo_passk": "verl's pass@k GRPO is not recomputed",
-    "opo": "verl's OPO (length-weighted baseline) is not recomputed",
-    "remax": "verl's ReMax (greedy baseline) is not recomputed",
-    "gpg": "verl's GPG is not recomputed",
-    "optimal_token_baseline": "verl's optimal token baseline is not recomputed",
+    "optimal_token_baseline": "verl's optimal token baseline is not recomputed: it weights each token by "
+                              "1 − 2·π(token) + Σ π² over the vocabulary, which a bundle does not record",
 }
 KL_IN_REWARD_FORMS = ("sequence", "token_returns")
 
@@ -595,9 +658,61 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
     if stats is not None and not (math.isfinite(stats.mean) and math.isfinite(stats.std) and stats.std > 0):
         return (f"$.config.advantage_whiten_stats={{mean: {stats.mean!r}, std: {stats.std!r}}}: expected a finite "
                 "mean and a finite std > 0 (the divisor the producer whitened by)")
+    est_inputs = estimator_input_error(reader)
+    if est_inputs is not None:
+        return est_inputs
     if cfg.advantage_estimator == "gae" and StageId.ADVANTAGE_ESTIMATE in stages and not reader.has_payload("values"):
         return ("$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is "
                 "missing")
+    return None
+
+
+def estimator_input_error(reader: BundleReader) -> Optional[str]:
+    """The per-sample inputs an estimator or the length shaping needs beyond the score (SPEC §4.2), checked before
+    any stage runs: the shaping's knobs and each sample's ``truncated`` flag; remax each sample's finite ``reward_baseline``; gdpo each sample's ``reward_components``, one count K ≥ 1 for
+    every sample, finite, and ``reward_component_weights`` (when set) K finite numbers."""
+    cfg = reader.index.config
+    samples = reader.index.samples
+    buffer, coef = cfg.overlong_buffer_len, cfg.truncated_reward_coef
+    if isinstance(buffer, float):
+        top = cfg.overlong_max_tokens
+        if not (math.isfinite(buffer) and buffer > 0) or not isinstance(top, int) or top < buffer:
+            return (f"$.config.overlong_buffer_len={buffer!r}: expected a finite number > 0 with overlong_max_tokens an "
+                    f"integer >= it (got {top!r})")
+        factor = cfg.overlong_penalty_factor
+        if isinstance(factor, float) and not math.isfinite(factor):
+            return f"$.config.overlong_penalty_factor={factor!r}: expected a finite number"
+    if isinstance(coef, float):
+        if not math.isfinite(coef) or coef > 1:
+            return f"$.config.truncated_reward_coef={coef!r}: expected a number <= 1 (in [0, 1] a factor, < 0 a value)"
+        for i, s in enumerate(samples):
+            if not isinstance(s.truncated, bool):
+                return (f"$.samples[{i}].truncated: expected true or false (whether the generation stopped at the "
+                        "token limit; truncated_reward_coef is set)")
+    if cfg.advantage_estimator == "remax":
+        for i, s in enumerate(samples):
+            b = s.reward_baseline
+            if not isinstance(b, (int, float)) or not math.isfinite(b):
+                shown = "missing" if not isinstance(b, (int, float)) else repr(float(b))
+                return (f"$.samples[{i}].reward_baseline ({shown}): expected a finite number (the greedy "
+                        "rollout's reward that advantage_estimator='remax' subtracts)")
+    if cfg.advantage_estimator == "gdpo":
+        k = None
+        for i, s in enumerate(samples):
+            c = s.reward_components
+            if not isinstance(c, list) or not c:
+                return (f"$.samples[{i}].reward_components: expected a non-empty list of numbers (each reward "
+                        "component advantage_estimator='gdpo' normalizes apart)")
+            if k is None:
+                k = len(c)
+            if len(c) != k:
+                return f"$.samples[{i}].reward_components: expected {k} components (as samples[0]), got {len(c)}"
+            if not all(math.isfinite(v) for v in c):
+                return f"$.samples[{i}].reward_components: expected finite numbers"
+        w = cfg.reward_component_weights
+        if isinstance(w, list) and k is not None and (len(w) != k or not all(math.isfinite(v) for v in w)):
+            return (f"$.config.reward_component_weights: expected {k} finite numbers (one per reward component), "
+                    f"got {len(w)}")
     return None
 
 

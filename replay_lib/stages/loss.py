@@ -17,9 +17,11 @@ from ..judge.error_model import (C_NEAR_CLIP, PG_KL_COND, SEQ32_SUMS, STORAGE_HA
 from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
-from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation,
+from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation, has_clip_lower,
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms, wants_sample_pass)
+from ..judge.error_model import C_NEAR_CLIP, C_STORE
+from ..kernels.families import family_refusals
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
@@ -37,7 +39,13 @@ def recorded_loss(ctx: StageContext) -> dict[str, float]:
     for name, why in (("pg_clipfrac_lower", "eps_clip_c is not set"), ("kl_loss", "no KL term is in the loss"),
                       ("opd_loss", "opd_placement is not 'loss'")):
         if name in expected and name not in policy_fields_for(knobs):
+            if knobs.policy_loss != "ppo" and name != "kl_loss":
+                why = f"policy_loss {knobs.policy_loss!r} reports no {name}"
             raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but {why}", field=name)
+    for name in ("pg_clipfrac", "ppo_kl"):
+        if name in expected and name not in policy_fields_for(knobs):
+            raise StageInputError(f"expected.json $.loss.policy.{name} is recorded but policy_loss "
+                                  f"{knobs.policy_loss!r} reports no {name}", field=name)
     return expected
 
 
@@ -103,10 +111,10 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
     if not wants_sample_pass(knobs):
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
-                             dtype=torch.float64, entropy=li.entropy)
+                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages)
     if knobs.opsm:  # the edge test's reach: √n_i · the sample's mean |anchor| + |logp| (a mean's rounding)
         terms["opsm_reach"] = _opsm_reach(ctx, li)
-    if not knobs.needs_sample_pass:
+    if not knobs.needs_sample_pass:  # the family's own terms carry their condition (pg_err)
         return terms, None
     return terms, sample_exponent_condition(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask,
                                             ctx.lengths, knobs)
@@ -128,19 +136,24 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     with_ratio = li.advantage_bound is not None
     kl_loss = knobs.kl_loss
     opd = knobs.opd_loss
-    # a mask decided per token or sample by a comparison (OPSM, the entropy mask): its edges are hazards
-    masks = knobs.opsm or knobs.entropy_mask or knobs.family
+    # a mask decided per token or sample by a comparison (OPSM, the entropy mask): its edges are hazards (a
+    # family's own decisions are its edge_gap / edge_open columns: edge_flip below)
+    masks = knobs.opsm or knobs.entropy_mask
     masked_is = knobs.is_level is not None and knobs.is_mode == "mask"
     clamps = (knobs.log_ratio_clamp is not None or (kl_loss and (knobs.kl_loss_input_clamp is not None
                                                                  or knobs.kl_loss_output_clamp is not None)))
     signed_names = ["pg", "kl", "ent"] + (["kl_loss"] if kl_loss else [])
     # summed rows, in buffer order: the signed terms, then the magnitudes beside them
     names = signed_names + ["abs_pg", "abs_kl"] + (["abs_kl_loss", "kl_loss_tok"] if kl_loss else [])
-    names += ["clip", "mask"] + (["clip_lower"] if knobs.dual_clip else []) + ["kl_pg"]
+    names += ["clip", "mask"] + (["clip_lower"] if has_clip_lower(knobs) else []) + ["kl_pg"]
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
     names += ["is_flip"] if masked_is else []
     names += ["mask_flip"] if masks else []
     names += ["opd_loss", "abs_opd_loss", "opd_loss_tok"] if opd else []
+    # a policy-loss family's decision edges (kernels.families: edge_gap, edge_open)
+    families = knobs.policy_loss != "ppo"
+    names += ["edge_flip"] if families else []
+    clip_lower = has_clip_lower(knobs)
     # payloads stored coarser than the declared compute (error_model.storage_unit): what their rounding moves
     store = li.storage(ctx.precision.compute)
     if store.any:
@@ -187,13 +200,13 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
         # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
         abs_lr = lr.abs()
-        cond = t["cond"] if "cond" in t else abs_lr  # a family's own condition of pg in the log-ratios
+        cond = abs_lr
         if sample_cond is not None:
             cond = cond + sample_cond[seg]
         if "is_log_weight" in t:
             cond = cond + t["is_log_weight"].abs()
         torch.mul(t["clip"], m, out=buf[row["clip"]])
-        if knobs.dual_clip:
+        if clip_lower:
             torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
         if kl_loss:
             torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
@@ -202,7 +215,12 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
             if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
                 buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
-        torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
+        if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
+            w = t.get("is_weight")
+            torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
+                      out=buf[row["kl_pg"]])
+        else:
+            torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
         e_ratio = e_weight = None
         if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
             e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
@@ -238,8 +256,17 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                     flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
             # a token the mask may keep or drop: its whole weighted term w·|pg| is open
             torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
-        hits = [loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio),
-                abs_lr > EXTREME_LOG_RATIO]
+        if families:
+            near = _family_edge_hits(t, u_token, cond, e_ratio)
+            open_ = t.get("edge_open")
+            if open_ is None or not bool(near.any()):
+                buf[row["edge_flip"]].zero_()
+            else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+                w = t.get("is_weight")
+                torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
+        else:
+            near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
+        hits = [near, abs_lr > EXTREME_LOG_RATIO]
         if knobs.dual_clip:
             chosen = torch.maximum(ratio, ratio.clamp(low, high))
             hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
@@ -288,15 +315,22 @@ def _mask_flips(knobs: LossKnobs, t: dict, seg: torch.Tensor, sample_terms: dict
         flip |= ((t["opsm_seq_kl"] - knobs.opsm_delta).abs() <= reach) & t["opsm_negative"]
     if knobs.entropy_mask:
         flip |= near_value(t["entropy"], t["entropy_threshold"], u_token, 1.0)
-    if "gate" in t:  # a family's own keep/drop decision (families.__init__): its term opens where it may flip
-        gate = torch.zeros_like(flip)
-        for edge in t["gate_edges"]:
-            gate |= near_value(t["gate"], float(edge), u_token, 1.0 + t["log_ratio"].abs())
-        out.add_(t["gate_open"] * m * gate.to(torch.float64))
     weight = t.get("is_weight")
     if knobs.opsm or knobs.entropy_mask:
         mag = t["pg_unmasked"].abs() * m * flip.to(torch.float64)
         out.add_(mag * weight if weight is not None else mag)
+
+
+def _family_edge_hits(t: dict, u_token: float, cond: torch.Tensor, stored: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool per token: a policy-loss family's decision within rounding of its edge (``edge_gap``, relative to the
+    compared quantity's rounding scale, within ``8·u_t·(1 + cond)``, plus ``2·e`` for log-probs stored coarser)."""
+    gap = t.get("edge_gap")
+    if gap is None:
+        return torch.zeros_like(cond, dtype=torch.bool)
+    slack = (C_NEAR_CLIP * u_token) * (1.0 + cond)
+    if stored is not None:
+        slack = slack + stored * C_STORE
+    return gap <= slack
 
 
 # ln(1e3): a ratio exp(−ppo_kl) beyond 1e3 (or below 1e-3) is a hazard.
@@ -321,9 +355,14 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
     if "mask_flip" in sums:
         for i in torch.nonzero(sums["mask_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "mask_boundary", sample=i, message=(
-                f"{ctx.sample_ids[i]}: loss token(s) whose OPSM sequence KL (opsm_delta), entropy (the "
-                f"top_entropy_quantile threshold) or {ctx.config.policy_loss} gate lies within rounding of its edge: "
-                f"a legitimate producer may keep or drop them (pg_loss admits either)"))
+                f"{ctx.sample_ids[i]}: loss token(s) whose OPSM sequence KL (opsm_delta) or entropy (the "
+                f"top_entropy_quantile threshold) lies within rounding of its edge: a legitimate producer may keep "
+                f"or drop them (pg_loss admits either)"))
+    if "edge_flip" in sums:
+        for i in torch.nonzero(sums["edge_flip"]).reshape(-1).tolist():
+            ctx.hazard(stage, "mask_boundary", sample=i, message=(
+                f"{ctx.sample_ids[i]}: a token whose policy-loss mask decision lies within rounding of its edge: a "
+                f"legitimate producer may keep or drop its term (pg_loss admits either)"))
     if "is_flip" in sums:
         for i in torch.nonzero(sums["is_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "is_mask_boundary", sample=i, message=(
@@ -458,6 +497,8 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     out += [("policy_loss", name) for name in family_payloads(knobs)
             if not (name == "rollout_log_probs" and (knobs.is_level is not None or knobs.opsm_anchor == "rollout"
                                                       and knobs.opsm))]
+    if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
+        out.append(("policy_loss_params.anchor", "rollout_log_probs"))
     return out
 
 
@@ -479,6 +520,10 @@ def count_requirements(cfg: RecomputeConfig) -> list[str]:
 def partition_requirements(reader: BundleReader) -> list[str]:
     """A ``micro_batch_token_mean`` aggregation needs every sample's ``micro_batch_id`` (the partition)."""
     knob = uses_micro_batches(reader.index.config)
+    if getattr(reader.index.config, "policy_loss", "ppo") == "kl_cov" and \
+            micro_batch_partition(reader.index.samples) is None:
+        return ["index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of "
+                "the producer's micro-batches)"]
     if knob is None or micro_batch_partition(reader.index.samples) is not None:
         return []
     return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "
@@ -504,7 +549,7 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
 
 
 def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
-    out = []
+    out = family_refusals(cfg)
     for knob, why in (
         ("calculate_per_token_loss", "True: per-token loss aggregation under slime's name is not mapped: record "
                                      "loss_agg_mode='token_mean' with loss_token_count instead"),

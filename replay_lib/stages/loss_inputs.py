@@ -96,7 +96,19 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
             raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
                                   field="ref_log_probs")
         ref = ctx.payload("ref_log_probs")
-    return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=ctx.payload("old_log_probs"),
-                      advantages=advantages, entropy=entropy, mask=ctx.loss_mask, advantage_bound=bound,
+    mask = ctx.loss_mask
+    old = ctx.payload("old_log_probs")
+    if isinstance(cfg.rollout_rs, str):  # rejection sampling (SPEC §4.4): the rejected tokens leave the mask
+        if not ctx.has("rollout_log_probs"):
+            raise StageInputError("payload 'rollout_log_probs' is required for rollout_rs", field="rollout_log_probs")
+        from ..bundle.rollout_rs import parse_rollout_rs
+        from ..kernels.mismatch import rejection_keep
+
+        chain = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold)
+        keep = rejection_keep(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64), mask,
+                              ctx.seg, ctx.n, chain)
+        mask = mask * keep.to(mask.dtype)
+    return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
+                      advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
                       teacher_log_probs=teacher)

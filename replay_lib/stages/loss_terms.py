@@ -109,12 +109,13 @@ class _Tokens:
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
                  lengths: torch.Tensor, u_t: float, store: StorageUnits, dtype: torch.dtype = torch.float64,
                  advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
-                 ref_log_probs: Optional[torch.Tensor] = None, teacher_log_probs: Optional[torch.Tensor] = None):
+                 ref_log_probs: Optional[torch.Tensor] = None, teacher_log_probs: Optional[torch.Tensor] = None,
+                 samples=None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.teacher = teacher_log_probs  # on-policy distillation's loss term (opd_placement="loss")
         self.entropy, self.mask = entropy, mask
         self.rollout, self.ref = rollout_log_probs, ref_log_probs
-        knobs = LossKnobs.of(config)
+        knobs = LossKnobs.of(config, samples)  # the samples: the micro-batch partition (KL-Cov's top-k)
         # the KL term of the loss per token only where its term (kl_loss_sum) can be recomputed
         self.knobs = knobs if knobs.kl_loss and ref_log_probs is not None else replace(knobs, kl_loss_coef=0.0)
         self.low = 1.0 - float(config.eps_clip)
@@ -124,7 +125,7 @@ class _Tokens:
         self.u_t, self.store, self.dtype = u_t, store, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
-                                             dtype=dtype, entropy=entropy)
+                                             dtype=dtype, entropy=entropy, advantages=advantages)
         if knobs.opsm:  # OPSM's sequence KL at its edge: its reach, as the stage's (stages.loss._opsm_reach)
             m = mask.to(torch.float64)
             anchor = rollout_log_probs if knobs.opsm_anchor == "rollout" else old_log_probs
@@ -141,17 +142,10 @@ class _Tokens:
                                                 self.knobs) if store.any else None
 
     def _flips(self, t: dict, seg: torch.Tensor, e_delta: torch.Tensor) -> torch.Tensor:
-        """The magnitude a mask may keep or drop within rounding at each token (a family's gate, OPSM's sequence
-        KL against opsm_delta, an entropy against its threshold), as the stage's scalars admit it."""
+        """The magnitude a mask may keep or drop within rounding at each token (OPSM's sequence KL against
+        opsm_delta, an entropy against its threshold), as the stage's scalars admit it."""
         f64 = torch.float64
-        slack = e_delta.mul(TOKEN_SLACK).add(TOKEN_SLACK * self.u_t)
         out = torch.zeros_like(e_delta)
-        if "gate" in t:
-            gate = t["gate"].to(f64)
-            near = torch.zeros_like(gate, dtype=torch.bool)
-            for edge in t["gate_edges"]:
-                near |= (gate - edge).abs() <= gate.abs() * slack + TOKEN_SLACK * self.u_t
-            out += near.to(f64) * t["gate_open"].to(f64)
         open_ = torch.zeros_like(e_delta, dtype=torch.bool)
         if self.knobs.opsm:
             reach = TOKEN_SLACK * self.u_t * (1.0 + self.opsm_reach[seg])
@@ -179,8 +173,7 @@ class _Tokens:
         adv = self.adv[lo:hi].to(self.dtype).to(torch.float64)
         clipped = t["clip"].to(torch.float64)
         lr = t["log_ratio"].to(torch.float64)
-        # a family's own condition of pg in the log-ratios (kernels.families), else the log-ratio's
-        e_delta = (t["cond"].to(torch.float64) if "cond" in t else lr.abs()).mul_(self.u_t)
+        e_delta = lr.abs().mul_(self.u_t)
         if self.sample_cond is not None:
             e_delta += self.sample_cond[seg] * self.u_t
         if "is_log_weight" in t and self.knobs.is_level == "token":
@@ -194,6 +187,17 @@ class _Tokens:
                                         self.rollout[lo:hi] if self.rollout is not None else None,
                                         self.ref[lo:hi] if "kl_loss" in t else None) if self.store.any else None
         out["e_store"] = store["ratio"] if store else None
+        if "edge_gap" in t:  # a policy-loss family's decision edges (kernels.families): its own near-edge test
+            slack = (e_delta + self.u_t) * TOKEN_SLACK
+            if store:
+                slack = slack + store["ratio"] * C_STORE
+            out["near_edge"] = t["edge_gap"].to(torch.float64) <= slack
+            if "edge_open" in t:  # a decision that drops the term: the whole term is open at its edge
+                w = t["is_weight"].to(torch.float64) if "is_weight" in t else 1.0
+                out["pg_bound"] += out["near_edge"].to(torch.float64) * t["edge_open"].to(torch.float64) * w
+        if "pg_err" in t:  # the family's own rounding scale of its surrogate
+            w = t["is_weight"].to(torch.float64) if "is_weight" in t else 1.0
+            out["pg_bound"] += t["pg_err"].to(torch.float64) * w * (e_delta * 2.0 + 3.0 * self.u_t) * TOKEN_SLACK
         if store:
             out["pg_bound"] += pg.abs().mul_(store["ratio"] + store["weight"] + self.store.advantage).mul_(C_STORE)
             out["ppo_kl_bound"] += store["log_ratio"] * C_STORE
@@ -210,7 +214,7 @@ class _Tokens:
                 if edge is not None:
                     near |= (raw - edge).abs() <= raw * slack
             out["pg_bound"] += near.to(torch.float64) * t["pg_unweighted"].to(torch.float64).abs() * raw
-        if "gate" in t or self.knobs.opsm or self.knobs.entropy_mask:  # a keep/drop decision at its edge
+        if self.knobs.opsm or self.knobs.entropy_mask:  # a keep/drop decision at its edge
             out["pg_bound"] += self._flips(t, seg, e_delta)
         if self.rho is not None:  # --chain: the advantage itself is a recomputed value, ρ off per sample
             rho = self.rho[seg]
@@ -243,11 +247,14 @@ class _Tokens:
     def near_clip_bound(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
         """Tokens whose clip decision a producer's rounding may flip: the ratio within its rounding of a bound
         (and a non-zero advantage: with A = 0 both sides are 0 and nothing is clipped)."""
-        slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
-        if c["e_store"] is not None:
-            slack += c["ratio"] * c["e_store"] * C_STORE
-        near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
-        near &= c["adv"] != 0
+        if "near_edge" in c:  # a policy-loss family: its own edges
+            near = c["near_edge"].clone()
+        else:
+            slack = c["ratio"] * (c["e_delta"] + self.u_t).mul_(TOKEN_SLACK)
+            if c["e_store"] is not None:
+                slack += c["ratio"] * c["e_store"] * C_STORE
+            near = ((c["ratio"] - self.low).abs() <= slack) | ((c["ratio"] - self.high).abs() <= slack)
+            near &= c["adv"] != 0
         if "rho" in c:  # an advantage within its rounding of 0: its sign, and so the decision, is open
             near |= c["adv"].abs() <= c["rho"]
         return near
@@ -313,6 +320,7 @@ def loss_term_fields(ctx: StageContext, li: "LossInputs") -> list[FieldResult]:
     exact = _exact(ctx)
     config, entropy, mask = ctx.config, li.entropy, li.mask
     tokens = _Tokens(li.log_probs, li.old_log_probs, li.advantages, entropy, mask, config, lengths=ctx.lengths,
+                     samples=ctx.samples,
                      u_t=UNIT_ROUNDOFF[compute], store=li.storage(compute),
                      dtype=torch.float32 if exact else torch.float64,
                      advantage_bound=None if exact else li.advantage_bound, rollout_log_probs=li.rollout_log_probs,

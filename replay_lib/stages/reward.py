@@ -3,20 +3,24 @@ the baseline, the std constants, the zero-std and singleton rules, KL in the sco
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
+import msgspec
 import torch
 
 from ..judge.compare import Comparison, as_float64, list_tensor
-from ..judge.fields import PER_SAMPLE
+from ..judge.fields import PER_SAMPLE, PER_TOKEN
 from ..judge.error_model import (C_ADVANTAGE, C_REWARD, C_SEQUENTIAL, C_STORE, STORAGE_HAZARD, U32, batch_std_bound,
                            exact_zero_std, group_stats,
                            kl_storage_error, near_zero_std, reward_bound, singleton_bound, storage_error,
                            storage_unit)
 from ..kernels import (GroupRule, batch_std, group_moments, group_rule, kl_of_log_ratio, post_process, segment_sum,
                        sequence_kl_score)
+from ..kernels.reward import (OWN_RULE_ESTIMATORS, gdpo_rewards, loss_span, shape_rewards, gpg_alpha, gpg_rewards, maxrl_rewards, opo_rewards,
+                              passk_rewards)
 from ..judge.report import Divergence, StageReport
 from ..bundle import BundleReader
 from ..bundle.schema import RecomputeConfig, StageId
@@ -40,12 +44,14 @@ def run_reward_raw(ctx: StageContext) -> StageReport:
 def run_reward_post_process(ctx: StageContext) -> StageReport:
     cfg = ctx.config
     rule = group_rule(cfg)
-    n = cfg.n_samples_per_prompt if rule.center else 0  # a score passed through needs no group
+    own = cfg.advantage_estimator in OWN_RULE_ESTIMATORS
+    grouping = rule.center or (own and cfg.advantage_estimator != "remax")  # remax: a baseline of its own
+    n = cfg.n_samples_per_prompt if grouping else 0  # a score passed through needs no group
     pre = Comparison()
     gidx = ctx.group_indices
     grouped = None not in gidx
     sizes = Counter(gidx) if grouped else Counter(g for g in gidx if g is not None)
-    if not grouped and rule.center:
+    if not grouped and grouping:
         for s in ctx.samples:
             if s.group_index is None:
                 pre.mismatches += 1
@@ -71,7 +77,7 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
             ))
     # the float64 raw rewards of the JSON, never rounded to float32 first (a float32 producer's rounding of
     # them is what the bound admits); under --exact the producer's float32 kernel
-    raw = ctx.raw_rewards
+    raw = shaped_raw(ctx)
     groups = score_groups(ctx)
     score, magnitude, score_error = _scores(ctx, raw)
     # the bound is taken of the value before the clip: a clamp is 1-Lipschitz, so a producer's value within the
@@ -109,6 +115,8 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
         bound = C_ADVANTAGE * U32 * (raw.abs() if magnitude is None else magnitude)
         if score_error is not None:
             bound = bound + score_error
+    if own:  # the estimator's own rule (SPEC §4.2): its value and bound replace the pass-through's
+        rewards, bound = own_rule_rewards(ctx, score, magnitude, score_error, groups, stats)
     if rule.clip is not None:  # OpenRLHF's reward.clip_range (compute_reward)
         rewards = torch.clamp(rewards, min=rule.clip[0], max=rule.clip[1])
     if pre.mismatches:  # a sample without a group has no defined normalized reward
@@ -123,23 +131,178 @@ def run_reward_post_process(ctx: StageContext) -> StageReport:
         recorded_nan = torch.tensor([e is None or e != e for e in expected], dtype=torch.bool)
         compared = ~(one & recorded_nan)
     field = ctx.field("reward.post_process", "reward", PER_SAMPLE, expected, rewards, bound=bound, compared=compared)
-    if rule.center:
+    fields = [field] + _token_reward_fields(ctx, rewards, bound)
+    if rule.center or (grouping and own):
         _group_hazards(ctx, stats, rewards, bound, rule, grouped, sample_std, score)
 
     def fail_reason(total: Comparison, per: dict[str, Comparison]) -> str:
         if pre.mismatches:
             return pre.divergences[0].message
+        if not per["reward"].mismatches and "token_reward" in per:
+            tokens = per["token_reward"]
+            return f"per-token reward mismatch in {tokens.mismatches} token(s) of {tokens.bad_samples} sample(s)"
         return f"normalized reward mismatch in {per['reward'].bad_samples} sample(s)"
 
     pre.divergences = pre.divergences[: ctx.keep]
-    return ctx.report(StageId.REWARD_POST_PROCESS, [field], structural=pre, fail_reason=fail_reason,
+    return ctx.report(StageId.REWARD_POST_PROCESS, fields, structural=pre, fail_reason=fail_reason,
                       pass_reason=f"{ctx.n} sample(s) in {len(sizes)} group(s) compared{_rule_text(cfg, rule)}")
+
+
+def own_rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
+    """The own rule of an estimator of :data:`OWN_RULE_ESTIMATORS`, in a few words."""
+    est = cfg.advantage_estimator
+    if est == "opo":
+        return "r − the group's length-weighted mean reward"
+    if est == "gpg":
+        return "α·(r − group mean), α = samples / non-zero scores"
+    if est == "grpo_passk":
+        return "the group's best gets r_max − r_second" + (f" over std + {rule.eps:g}" if rule.std else "")
+    if est == "maxrl":
+        return f"(r − group mean)/(group mean + {rule.eps:g})"
+    if est == "remax":
+        return "r − the recorded greedy reward_baseline"
+    return ("each reward component group-normalized, weighted and summed"
+            + (", standardized over the samples" if cfg.reward_components_standardize is True else ""))
+
+
+def _whole_step(ctx: StageContext, what: str) -> list:
+    """Every sample of the bundle where the rule needs the whole step (a selection of it: the step's values)."""
+    if ctx.config.kl_in_reward == "sequence" and ctx.config.kl_coef != 0 and ctx.partial:
+        raise StageInputError(f"{what} with kl_in_reward=sequence needs every sample's score: replay the whole "
+                              "bundle (no --sample/--group selection)", field="advantage_estimator")
+    return ctx.reader.index.samples
+
+
+def own_rule_rewards(ctx: StageContext, score: torch.Tensor, magnitude, score_error, groups: torch.Tensor,
+                     stats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rewards, bound)`` of the estimators whose reward.post_process is a rule of their own (SPEC §4.2:
+    opo, gpg, grpo_passk, maxrl, remax, gdpo), in ``ctx.dtype``; the bound (float64) is what a float32
+    producer's rounding may move each value by."""
+    cfg = ctx.config
+    est = cfg.advantage_estimator
+    rule = group_rule(msgspec.structs.replace(cfg, advantage_estimator="grpo"))  # the knobs of the group rule (gdpo, eps)
+    dtype = ctx.dtype
+    x = score if dtype == torch.float64 else score.to(dtype)
+    mag = (score.to(torch.float64).abs() if magnitude is None else magnitude.to(torch.float64))
+    err = torch.zeros_like(mag) if score_error is None else score_error.to(torch.float64)
+    # r − a group mean's rounding: C·u·(|r| + √n·max|r|), plus each score's own error and its group's worst
+    centred_bound = reward_bound(score, stats, torch.zeros_like(mag), False, rule.eps, magnitude=magnitude,
+                                 score_error=score_error)
+    one = stats.size[stats.inverse] == 1
+    if est == "opo":
+        counts = segment_sum(ctx.loss_mask.to(torch.float64), ctx.seg, ctx.n)
+        out = opo_rewards(x, groups, counts if dtype == torch.float64 else counts.to(dtype), dtype=dtype)
+        # the length-weighted mean's sums: up to n roundings of max L·|r| over Σ L, i.e. n·u·max|r|
+        bound = centred_bound + C_REWARD * U32 * stats.size[stats.inverse] * stats.max_abs[stats.inverse]
+    elif est == "gpg":
+        if ctx.partial:
+            _whole_step(ctx, "gpg")
+            whole = shaped_raw(_whole_context(ctx))
+            alpha = gpg_alpha(whole)
+        else:
+            alpha = gpg_alpha(score)
+        out = gpg_rewards(x, groups, dtype=dtype, alpha=alpha)
+        bound = alpha * centred_bound + C_ADVANTAGE * U32 * out.to(torch.float64).abs()
+    elif est == "grpo_passk":
+        out = passk_rewards(x, groups, rule.std, rule.eps, dtype=dtype)
+        truth = out.to(torch.float64)
+        if rule.std:
+            full = reward_bound(score, stats, truth, True, rule.eps, magnitude=magnitude, score_error=score_error)
+        else:
+            full = centred_bound
+        # every other sample is 0 exactly (a tie at the top: 0 whichever holds it)
+        bound = torch.where(truth != 0, full, torch.zeros_like(full))
+    elif est == "maxrl":
+        out = maxrl_rewards(x, groups, rule.eps, dtype=dtype)
+        mean = group_moments(score.to(torch.float64), groups, torch.float64, with_std=False)
+        centred = mean[2]
+        den = (score.to(torch.float64) - centred + rule.eps).abs()  # |mean + eps|
+        mean_err = C_REWARD * U32 * stats.size[stats.inverse].sqrt() * stats.max_abs[stats.inverse] + err
+        truth = out.to(torch.float64)
+        bound = (centred_bound + truth.abs() * mean_err) / den + C_ADVANTAGE * U32 * truth.abs()
+        bound = torch.where(one, C_ADVANTAGE * U32 * mag + err, bound)
+    elif est == "remax":
+        base = as_float64([s.reward_baseline for s in ctx.samples])
+        out = x - base.to(dtype)
+        bound = C_ADVANTAGE * U32 * (mag + base.abs()) + err
+    else:  # gdpo
+        comps = torch.tensor([list(s.reward_components) for s in ctx.samples], dtype=torch.float64)
+        weights = cfg.reward_component_weights
+        w = None if not isinstance(weights, list) else torch.tensor(weights, dtype=torch.float64)
+        standardize = cfg.reward_components_standardize is True
+        s_eps = cfg.reward_components_standardize_eps
+        s_eps = s_eps if isinstance(s_eps, float) else None
+        comp_rule = replace(rule, clip=None)
+        if standardize and ctx.partial:  # the whole step's standardization, read at the selection
+            all_samples = _whole_step(ctx, "gdpo")
+            everything = torch.tensor([list(s.reward_components) for s in all_samples], dtype=torch.float64)
+            all_groups = list_tensor([s.group_index for s in all_samples], torch.int64)
+            whole = gdpo_rewards(everything if dtype == torch.float64 else everything.to(dtype), all_groups,
+                                 comp_rule, w, True, dtype=dtype, standardize_eps=s_eps)
+            out = whole[torch.tensor(ctx.indices, dtype=torch.int64)]
+        else:
+            out = gdpo_rewards(comps if dtype == torch.float64 else comps.to(dtype), groups, comp_rule, w,
+                               standardize, dtype=dtype, standardize_eps=s_eps)
+        bound = _gdpo_bound(comps, groups, comp_rule, w, out.to(torch.float64), standardize, s_eps)
+    if dtype != torch.float64:
+        return out, bound
+    return out, bound
+
+
+def _gdpo_bound(comps: torch.Tensor, groups: torch.Tensor, rule: GroupRule, w: Optional[torch.Tensor],
+                out: torch.Tensor, standardize: bool, standardize_eps: Optional[float] = None) -> torch.Tensor:
+    """Σ_k |w_k|·(each component's group-rule bound), the sum's K roundings, and under ``standardize`` the
+    standardization's: the sum's error over its std, plus ``C·u·√N·|value|``."""
+    n, k = comps.shape
+    bound = torch.zeros(n, dtype=torch.float64)
+    parts = torch.zeros(n, dtype=torch.float64)
+    for j in range(k):
+        c = comps[:, j]
+        stats = group_stats(c, groups)
+        a = post_process(c, groups, rule, dtype=torch.float64)
+        sample_std = group_moments(c, groups, torch.float64, unbiased=rule.unbiased, baseline=rule.baseline
+                                   )[3] if rule.std else None
+        b = reward_bound(c, stats, a, rule.std, rule.eps, leave_one_out=rule.baseline == "leave_one_out",
+                         sample_std=sample_std, std_zero=rule.std_zero)
+        wj = 1.0 if w is None else abs(float(w[j]))
+        bound = bound + wj * torch.nan_to_num(b, nan=0.0)
+        parts = parts + wj * a.abs()
+    bound = bound + C_ADVANTAGE * U32 * k * parts
+    if standardize and n > 1:
+        total = torch.zeros(n, dtype=torch.float64)
+        for j in range(k):
+            wj = 1.0 if w is None else float(w[j])
+            total = total + wj * post_process(comps[:, j], groups, rule, dtype=torch.float64)
+        std = float(batch_std(total, unbiased=True)) + (standardize_eps or 0.0)
+        worst = float(bound.max())
+        spread = C_REWARD * U32 * math.sqrt(n) * float(total.abs().max())
+        if std > 0:
+            bound = (bound + worst + spread) / std + C_REWARD * U32 * math.sqrt(n) * out.abs() \
+                + out.abs() * (worst + spread) / std
+        else:
+            bound = bound + worst + spread
+    return bound
+
+
+def _token_reward_fields(ctx: StageContext, rewards: torch.Tensor, bound: torch.Tensor) -> list:
+    """``token_reward`` (format 1.2): each per-token ``reward`` a sample records against its recomputed normalized
+    reward on every token of the sample (what a broadcast estimator consumes token by token), within the same
+    bound; the tokens of samples whose reward is one number are not compared here. Empty without such a sample."""
+    listed = [type(s.reward) is list for s in ctx.samples]
+    if not any(listed):
+        return []
+    recorded = torch.cat([torch.tensor(s.reward, dtype=torch.float64) if type(s.reward) is list
+                          else torch.zeros(s.response_length, dtype=torch.float64) for s in ctx.samples])
+    seg = ctx.seg
+    compared = torch.tensor(listed, dtype=torch.bool)[seg]
+    return [ctx.field("reward.post_process", "token_reward", PER_TOKEN, recorded, rewards.to(torch.float64)[seg],
+                      bound=bound.to(torch.float64)[seg], compared=compared)]
 
 
 # The knobs of SPEC §4.2 that change what reward.post_process computes (V1's pass reason when all are default).
 POST_PROCESS_KNOBS = ("advantage_estimator", "rewards_normalization", "grpo_std_eps", "grpo_std_unbiased",
                       "group_baseline", "std_zero", "singleton_group", "kl_in_reward", "reward_clip_low",
-                      "grpo_std_scope")
+                      "grpo_std_scope", "overlong_buffer_len", "truncated_reward_coef")
 
 
 def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
@@ -150,7 +313,9 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
     parts = [cfg.advantage_estimator]
     if cfg.kl_in_reward == "sequence" and cfg.kl_coef != 0:
         parts.append(f"score − {cfg.kl_coef:g}·Σkl")
-    if rule.center:
+    if cfg.advantage_estimator in OWN_RULE_ESTIMATORS:
+        parts.append(own_rule_text(cfg, group_rule(msgspec.structs.replace(cfg, advantage_estimator="grpo"))))
+    elif rule.center:
         parts.append(f"{rule.baseline} baseline")
         if rule.std:
             parts.append(f"{'unbiased' if rule.unbiased else 'biased'}{' batch' if rule.std_scope == 'batch' else ''}"
@@ -162,6 +327,8 @@ def _rule_text(cfg: RecomputeConfig, rule: GroupRule) -> str:
         parts.append("score passed through")
     if rule.clip is not None:
         parts.append(f"clipped to [{rule.clip[0]:g}, {rule.clip[1]:g}]")
+    if shaping_active(cfg):
+        parts.append("length-shaped raw reward")
     return f" ({', '.join(parts)})"
 
 
@@ -173,8 +340,37 @@ def _whole_batch_std(ctx: StageContext, rule: GroupRule) -> Optional[tuple[torch
     if ctx.config.kl_in_reward == "sequence" and ctx.config.kl_coef != 0:
         raise StageInputError("grpo_std_scope=batch with kl_in_reward=sequence needs every sample's score: "
                               "replay the whole bundle (no --sample/--group selection)", field="grpo_std_scope")
-    full = as_float64([s.raw_reward for s in ctx.reader.index.samples])
+    full = shaped_raw(_whole_context(ctx))
     return batch_std(full, unbiased=rule.unbiased), batch_std(full.to(torch.float32), unbiased=rule.unbiased)
+
+
+def shaping_active(cfg: RecomputeConfig) -> bool:
+    """Whether the config shapes the raw reward by length before reward.post_process (SPEC §4.2)."""
+    return isinstance(cfg.overlong_buffer_len, float) or isinstance(cfg.truncated_reward_coef, float)
+
+
+def shaped_raw(ctx: StageContext) -> torch.Tensor:
+    """float64 per selected sample: the recorded raw reward after the length penalties the config names
+    (:func:`replay_lib.kernels.reward.shape_rewards`), or the raw reward itself."""
+    cfg = ctx.config
+    raw = ctx.raw_rewards
+    if not shaping_active(cfg):
+        return raw
+    buffer = cfg.overlong_buffer_len if isinstance(cfg.overlong_buffer_len, float) else None
+    coef = cfg.truncated_reward_coef if isinstance(cfg.truncated_reward_coef, float) else None
+    factor = cfg.overlong_penalty_factor if isinstance(cfg.overlong_penalty_factor, float) else 1.0
+    span = loss_span(ctx.loss_mask, ctx.lengths) if buffer is not None else torch.zeros(ctx.n, dtype=torch.float64)
+    truncated = torch.tensor([s.truncated is True for s in ctx.samples]) if coef is not None else None
+    return shape_rewards(raw, span, truncated, buffer=buffer, factor=factor,
+                         max_tokens=cfg.overlong_max_tokens if buffer is not None else None, coef=coef)
+
+
+def _whole_context(ctx: StageContext) -> StageContext:
+    """The context of every sample of the bundle (a rule over the whole step, read at a selection)."""
+    if not ctx.partial:
+        return ctx
+    return StageContext(reader=ctx.reader, indices=list(range(len(ctx.reader.index.samples))), partial=False,
+                        rules=ctx.rules)
 
 
 def score_groups(ctx: StageContext) -> torch.Tensor:
@@ -238,12 +434,12 @@ def _reward_kl(ctx: StageContext, span: slice = slice(None)) -> RewardKL:
         u = storage_unit(compute, old, ref)
         error = kl_storage_error(log_ratio, kl_type, storage_error(u, old, ref), exp_neg) if u else None
         return RewardKL(kl, error, {"old_log_probs": old, "ref_log_probs": ref},
-                        "2·|dKL/dr|·u·(|old| + |ref|) (the KL recomputed from them, --chain)")
+                        "2·|dKL/dr|·u·(2^⌊log2|old|⌋ + 2^⌊log2|ref|⌋) (the KL recomputed from them, --chain)")
     if not ctx.has("kl"):
         raise StageInputError("payload 'kl' is required when kl_in_reward is set and kl_coef != 0", field="kl")
     kl = ctx.payload("kl")[span]
     u = storage_unit(compute, kl)
-    return RewardKL(kl, (C_STORE * u) * kl.to(torch.float64).abs() if u else None, {"kl": kl}, "2·u·|kl|")
+    return RewardKL(kl, C_STORE * storage_error(u, kl) if u else None, {"kl": kl}, "2·u·2^⌊log2|kl|⌋")
 
 
 def kl_reach(ctx: StageContext, total: torch.Tensor, allowed: torch.Tensor) -> str:

@@ -30,10 +30,17 @@ class FieldSpec:
     kind: str
     title: str
     sort: str = ""  # the diff viewer's default row order ("err": by |err|, largest first)
+    # A field only some bundles have: ``(reader -> whether this bundle can have it, why not)``; None: every bundle
+    # whose stage runs.
+    present: Optional[tuple] = None
 
 FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("raw_reward", "reward.raw", KIND_SAMPLE, "raw reward per sample"),
     FieldSpec("reward", "reward.post_process", KIND_SAMPLE, "normalized reward per sample"),
+    FieldSpec("token_reward", "reward.post_process", KIND_TOKEN,
+              "recorded per-token reward vs the sample's normalized reward (format 1.2)",
+              present=(lambda reader: any(type(s.reward) is list for s in reader.index.samples),
+                       "no per-token reward recorded")),
     FieldSpec("kl", "advantage.kl", KIND_TOKEN, "rollout-vs-reference KL per token"),
     FieldSpec("advantage", "advantage.estimate", KIND_TOKEN, "advantage per token"),
     FieldSpec("returns", "advantage.estimate", KIND_TOKEN, "returns per token (GAE: advantages + values)"),
@@ -41,6 +48,12 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("support_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded log_probs vs logp_S over the support"),
     FieldSpec("support_old_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded old_log_probs vs logp_S over the support"),
     FieldSpec("support_ref_logprob", SUPPORT_STAGE, KIND_TOKEN, "recorded ref_log_probs vs logp_S over the support"),
+    # logprob.mismatch: the oracle's per-token field (--bitwise / true_on_policy), the importance weight per sample
+    # before and after the correction's clamp or mask, and the share of loss tokens it truncated or masked
+    FieldSpec("rollout_log_probs", "logprob.mismatch", KIND_TOKEN, "rollout_log_probs vs old_log_probs, bit for bit"),
+    FieldSpec("is_weight", "logprob.mismatch", KIND_SAMPLE, "importance weight per sample: raw (pre-clamp) vs applied"),
+    FieldSpec("is_changed_fraction", "logprob.mismatch", KIND_SAMPLE,
+              "share of each sample's loss tokens truncated or masked by the correction"),
     FieldSpec("loss", "loss.policy", KIND_COHORT, "policy loss fields (cohort scalars)"),
     # loss.policy's per-token and per-sample terms (replay_lib.stages.loss_terms), when the bundle records them
     FieldSpec("pg_losses", "loss.policy", KIND_TOKEN, "per-token clipped surrogate (loss tokens)"),
@@ -48,6 +61,11 @@ FIELDS: tuple[FieldSpec, ...] = (
               "each sample's term of pg_loss (w_i · pg_sum, the loss mode's weight)",
               sort="err"),
     *(FieldSpec(name, "loss.policy", KIND_SAMPLE, f"per-sample {name}") for name in PER_SAMPLE_TERMS),
+    # loss.grad (SPEC §4.3): the recorded gradient per token against the analytic one (the why strip derives the
+    # token's coefficient: its clip branch, the KL term's share, the aggregation weight)
+    FieldSpec("grad_log_probs", "loss.grad", KIND_TOKEN, "∂L/∂log_probs per token (recorded vs analytic)",
+              sort="err"),
+    FieldSpec("grad_values", "loss.grad", KIND_TOKEN, "∂L/∂values per token (PPO's value loss)"),
 )
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}

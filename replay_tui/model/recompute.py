@@ -91,6 +91,10 @@ class ShardRecompute:
             result = cohort_result(self.ctx.fields.get(stage, ()), name)
         else:
             result = next((f for f in self.ctx.fields.get(stage, ()) if f.name == name), None)
+        views = f"{stage}.view_fields"  # fields a stage computes for a view only, on the first ask
+        if result is None and callable(self.ctx.records.get(views)):
+            self.ctx.fields[stage] = [*self.ctx.fields.get(stage, ()), *self.ctx.records.pop(views)(self.ctx)]
+            result = next((f for f in self.ctx.fields[stage] if f.name == name), None)
         if result is None:
             self.unavailable[name] = f"{stage} did not compare {name} on this bundle"
             return
@@ -164,7 +168,8 @@ class ShardRecompute:
 
 def rules_of(report: ReplayReport) -> Rules:
     """How ``report`` was judged, for recomputing its fields the same way."""
-    return Rules(chain=report.mode == "chained", exact=report.exact, tolerance_policy=report.tolerance_policy)
+    return Rules(chain=report.mode == "chained", exact=report.exact, tolerance_policy=report.tolerance_policy,
+                 bitwise=report.bitwise is True)
 
 def stages_that_ran(report: Optional[ReplayReport], shard: BundleReader) -> set[str]:
     """Stages the report compared (pass/fail); without a report, what a full replay would run."""
@@ -199,6 +204,8 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
                 out.unavailable[name] = f"the bundle records no {name}"
         if "pg_sum" not in recorded:
             out.unavailable["pg_contribution"] = "the bundle records no per-sample pg_sum"
+    if "loss.grad" in out.ran and not shard.has_payload("grad_values"):
+        out.unavailable["grad_values"] = "the bundle records no grad_values"  # known without computing
     if "advantage.estimate" in out.ran and not shard.has_payload("returns"):
         out.unavailable["returns"] = "the bundle records no returns (GAE's)"  # known without computing
     for name in fields:

@@ -311,6 +311,9 @@ def _build_model(bundles: BundleSet, report: ReplayReport, name: Optional[str],
         if status is None or status.status == STATUS_SKIPPED:
             unavailable[spec.name] = status.reason if status else "stage not in this bundle"
             continue
+        if spec.present is not None and not any(spec.present[0](rec.reader) for rec in shards):
+            unavailable[spec.name] = spec.present[1]
+            continue
         missing = [rec.unavailable[spec.name] for rec in shards if spec.name in rec.unavailable]
         if len(missing) == len(shards):  # a failing field that could not be recomputed on any rank
             unavailable[spec.name] = missing[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
@@ -29,7 +29,7 @@ class SampleRow:
     group_index: Optional[int]
     micro_batch_id: Optional[str]
     raw_reward: Optional[float]
-    reward: Optional[float]
+    reward: Union[float, list[float], None]  # a list: per-token rewards
     response_length: int
     mismatches: dict[str, int]  # field → mismatching elements (only fields with some)
     compared: bool

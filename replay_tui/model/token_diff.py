@@ -35,7 +35,8 @@ class FieldDiff:
     def __init__(self, *, field: str, stage: str, kind: str, expected, actual, abs_error, bad,
                  mask: Optional[list[int]] = None, sample_id: Optional[str] = None,
                  labels: Optional[list[str]] = None, groups: Optional[list[str]] = None,
-                 atol: float = 0.0, rtol: float = 0.0, note: str = "", tolerance=None) -> None:
+                 atol: float = 0.0, rtol: float = 0.0, note: str = "", tolerance=None,
+                 grad: Optional[torch.Tensor] = None) -> None:
         self.field, self.stage, self.kind = field, stage, kind
         self.expected_tensor = as_float64(expected)
         self.actual_tensor = as_float64(actual)
@@ -47,6 +48,8 @@ class FieldDiff:
         self.labels = labels if labels is not None else []
         self.groups = groups if groups is not None else []
         self.atol, self.rtol = atol, rtol  # the bundle's part of the tolerance (the header shows it)
+        # a loss token's recorded ∂L/∂logp beside its loss term (``grad_log_probs``, stage loss.grad), per row
+        self.grad = grad
         # the effective bound of each row (the bundle's atol + rtol·|e| plus the producer's rounding bound)
         self.tolerance_tensor: Optional[torch.Tensor] = as_float64(tolerance) if tolerance is not None else None
         self.note = note  # what the values are, when the table does not say it (the loss fields' sums)
@@ -186,9 +189,12 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     atol, rtol = shard.tolerances[field_name]
     recorded = sample.loss_mask  # read, never written: a 32k-token sample's list is not copied
     mask = recorded if len(recorded) == n else recorded[:n] + [0] * max(0, n - len(recorded))
+    grad = None
+    if field_name == "pg_losses" and shard.reader.has_payload("grad_log_probs"):
+        grad = ctx.payload("grad_log_probs")[start:start + n].to(torch.float64)
     return FieldDiff(field=field_name, stage=FIELD_BY_NAME[field_name].stage, kind=KIND_TOKEN,
                      expected=w.expected, actual=w.actual, abs_error=err, bad=bad, mask=mask,
-                     sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=w.tolerance)
+                     sample_id=sample.sample_id, atol=atol, rtol=rtol, tolerance=w.tolerance, grad=grad)
 
 def token_diff(bundles: BundleSet, sample_id: str, field_name: str, rules: Rules = Rules()) -> FieldDiff:
     """Expected / actual / abs-error / loss-mask arrays of one sample's per-token (or per-sample) field.

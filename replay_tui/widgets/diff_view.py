@@ -40,6 +40,7 @@ __all__ = ["DiffPanel", "DiffView", "ErrorStrip", "WhyStrip"]
 # Cells of the optional columns (without the space before each); the numbers must keep NUM_READABLE cells
 # ("-0.25078", eight digits and a sign) for an optional column to be shown.
 RATIO_W, TOL_W, MASK_W, GROUP_W = 7, 7, 4, 6
+GRAD_W = 10  # a loss token's recorded ∂L/∂logp (loss.grad)
 NUM_READABLE = 9
 NUM_MIN = 7  # a number column narrower than this is not drawn (dropped, not cut)
 NUM_SCROLLED = 8  # the numbers' cells once → has scrolled the columns (a narrow pane: fewer digits)
@@ -47,8 +48,8 @@ NEAR = 0.5  # a ratio above this is within the tolerance, but no longer deep ins
 NUMBERS = ("expected", "actual", "err")
 # What a narrow pane keeps, most valuable first: the recomputed value and its error, then the recorded value
 # (the bundle's, beside them), the group, the error model, the mask.
-PRIORITY = ("actual", "err", "expected", "group", "noise", "tol", "mask")
-HEADERS = {"group": "group", "expected": "expected", "actual": "actual", "err": "abs err", "noise": "×noise",
+PRIORITY = ("actual", "err", "expected", "group", "noise", "tol", "mask", "grad")
+HEADERS = {"grad": "∂L/∂logp", "group": "group", "expected": "expected", "actual": "actual", "err": "abs err", "noise": "×noise",
            "tol": "tol", "mask": "mask"}
 SORT_NONE, SORT_ERR = "", "err"
 
@@ -266,7 +267,9 @@ class DiffView(CursorLines):
             order += ["noise", "tol"]
         if diff is not None and diff.kind == KIND_TOKEN:
             order.append("mask")
-        fixed = {"group": GROUP_W, "noise": RATIO_W, "tol": TOL_W, "mask": MASK_W}
+        if diff is not None and diff.grad is not None:  # a loss token's recorded gradient (loss.grad), beside it
+            order.append("grad")
+        fixed = {"group": GROUP_W, "noise": RATIO_W, "tol": TOL_W, "mask": MASK_W, "grad": GRAD_W}
         base = self._fitted(key, room, order, fixed)
         if self.col_offset and base.hidden:  # (wide enough: nothing to scroll)
             # a window over the display order, one column further per →. It starts at the first column the
@@ -369,6 +372,8 @@ class DiffView(CursorLines):
             elif name == "mask":
                 m = diff.mask[row]
                 parts.append((" " + fit(str(m), w, ">"), None if m else DIM))
+            elif name == "grad":
+                parts.append((" " + fit_number(float(diff.grad[row]), w), DIM))
         return strip_of(parts, width, base)
 
     # -- navigation -------------------------------------------------------------------------------

@@ -228,9 +228,11 @@ class SampleTree(CursorLines):
             super().action_activate()
 
 
-def _short(x: Optional[float]) -> str:
+def _short(x) -> str:
     if x is None:
         return "—"
+    if type(x) is list:  # a per-token reward (format 1.2 / 2.0): its token count
+        return f"{len(x)}tok"
     text = f"{x:.4g}"
     return text
 

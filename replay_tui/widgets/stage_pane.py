@@ -23,7 +23,7 @@ from .header_line import HeaderLine
 from ..keys import STAGES_BINDINGS
 
 # Stages after which the DAG forks: the loss stages hang off the last advantage-side stage.
-LEAVES = ("loss.policy", "loss.value")
+LEAVES = ("loss.policy", "loss.value", "loss.grad")
 FIRST_MARK = " ◀ first"
 SHORT_MARK = " ◀"  # the same mark where the pane is narrow (an 80-column terminal)
 STATUS_GLYPH = {STATUS_PASS: ("✓", PASS), STATUS_FAIL: ("✗", FAIL)}

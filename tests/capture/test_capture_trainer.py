@@ -81,7 +81,8 @@ def test_single_process_run_captures_every_bundle_and_each_replays_clean(single_
     assert bundle_dirs(single_run.dir) == ALL_BUNDLES
     real = _cli("replay", str(single_run.dir / "rollout-1"))
     assert real.returncode == 0, real.stderr
-    assert real.stdout.startswith("bundle rollout-1 — no divergence (5 stage(s) compared)")
+    # the five rollout stages and logprob.mismatch (the trainer records its sampler's own log-probs)
+    assert real.stdout.startswith("bundle rollout-1 — no divergence (6 stage(s) compared)")
     for name in ALL_BUNDLES:
         code, out, err = _cli_in_process(capsys, "replay", str(single_run.dir / name))
         assert code == 0, (name, out, err)

@@ -120,7 +120,7 @@ def test_sample_support_bundles_replay_clean_with_logprob_support_passing(suppor
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["passed"] is True
     assert [(s["stage"], s["status"]) for s in doc["stages"] if s["status"] != "skipped"] == [
-        ("sample", "pass"), ("logprob.support", "pass"), ("loss.policy", "pass")]
+        ("sample", "pass"), ("logprob.support", "pass"), ("logprob.mismatch", "pass"), ("loss.policy", "pass")]
 
 
 def test_without_the_flag_no_bundle_declares_logprob_support(trainer, tmp_path):

@@ -29,7 +29,7 @@ def _load():
 cov = _load()
 
 # framework → (configs enumerated, mapped, refused, loss families, rejected by the framework itself), measured
-REGISTERED = {"verl": (66, 46, 8, 9, 3), "openrlhf": (43, 35, 8, 0, 0), "trl": (38, 29, 5, 4, 0)}
+REGISTERED = {"verl": (66, 52, 2, 9, 3), "openrlhf": (43, 39, 4, 0, 0), "trl": (38, 31, 3, 4, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_every_refusal_is_one_line_naming_its_key(results, framework):
 def test_registries_read_from_the_frameworks_code(results):
     """The axes come from the installed code: verl's 14 estimators and 12 policy losses, OpenRLHF's 7 estimators
     (its parser's choices), TRL's 8 loss types (the values its trainer compares loss_type with)."""
-    verl = {r.label for r in results("verl") if "," not in r.label}  # one key set
+    # one key set (GDPO with the reward components verl asserts it names)
+    verl = {r.label for r in results("verl") if "," not in r.label or "gdpo_reward_keys" in r.label}
     assert sum(label.startswith("algorithm.adv_estimator=") for label in verl) == 14
     assert sum(label.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=") for label in verl) == 12
     assert "actor_rollout_ref.actor.loss_agg_mode=token-sum" in verl
@@ -90,11 +91,17 @@ def test_markdown_lists_every_refusal(results):
     refused = [r for rs in collected.values() for r in rs if r.status == cov.REFUSED]
     assert table[:2] == ["| framework | key=value | reason | what a bundle would need |", "|---|---|---|---|"]
     assert len(table) == 2 + len(refused)
-    assert any("| `algorithm.adv_estimator=remax` | ReMax subtracts" in row and "each sample's reward_baselines |"
-               in row for row in table)
+    assert any("| `algorithm.adv_estimator=optimal_token_baseline` | the optimal token baseline" in row
+               and "sum_pi_squared per token |" in row for row in table)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33's target (at most 5% refused per framework) is not met yet")
-@pytest.mark.parametrize("framework", list(REGISTERED))
+# the frameworks at issue 33's target; the others a strict xfail, which fails once they reach it
+AT_TARGET = ("verl",)
+
+
+@pytest.mark.parametrize("framework", [
+    pytest.param(fw, marks=() if fw in AT_TARGET else pytest.mark.xfail(
+        strict=True, reason="issue 33's target (at most 5% refused per framework) is not met yet"))
+    for fw in REGISTERED])
 def test_the_five_percent_target(results, framework):
     assert cov.counts(results(framework))["refused_fraction"] <= 0.05

@@ -58,6 +58,9 @@ CONFIGS = {
                                   "loss_fn": {"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.0}},
     # use_kl_in_reward under GRPO: the loss's KL coefficient is 0 (loss.py:240-242), the estimator never reads it
     "grpo-kl-in-reward": {"loss_fn": {"use_kl_in_reward": True}},
+    "gdpo": {"grpo": {"adv_estimator": {"name": "gdpo"}}},
+    "gdpo-weighted-mean-baseline": {"grpo": {"adv_estimator": {"name": "gdpo", "reward_weights": [1.0, 0.3]},
+                                             "use_leave_one_out_baseline": False}},
     # GSPO: sequence-level ratios with the per-sequence loss (loss.py:265-268, 526-541), plain and with TIS
     "gspo": {"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False}},
     "gspo-tis": {"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False,
@@ -82,6 +85,7 @@ def _knobs(cfg: dict) -> dict:
     return dict(
         normalize=g.get("normalize_rewards", True), loo=g.get("use_leave_one_out_baseline", True),
         estimator=est.get("name", "grpo"), minus_baseline=est.get("minus_baseline", True),
+        reward_weights=est.get("reward_weights"),
         kl_in_reward=kl_in_reward, reward_beta=beta,
         beta=0 if kl_in_reward else beta,  # loss.py:240-242
         seq_ratio=lf.get("sequence_level_importance_ratios", False),
@@ -129,6 +133,28 @@ def grpo_advantages(prompts: torch.Tensor, rewards: torch.Tensor, mask: torch.Te
     if normalize:
         nz = std > 0
         adv[nz] = adv[nz] / (std.unsqueeze(-1)[nz] + 1e-6)
+    return adv.expand(mask.shape)
+
+
+def gdpo_advantages(prompts: torch.Tensor, comps: torch.Tensor, mask: torch.Tensor, normalize: bool, loo: bool,
+                    weights=None):
+    """adv.py:116-190 ``GDPOAdvantageEstimator.compute_advantage``: each component (the sorted ``reward/<name>``
+    keys, here the columns of ``comps``) ``r − baseline`` over the prompt, divided by ``std + 1e-6`` only where
+    ``std > 0`` (:168-182), ``Σ w·A`` (weights all 1 when unset, :145-147,184-186), then ``(A − A.mean())/A.std()``
+    over the samples, or ``A − A.mean()`` where that std is 0 (:187-192), ``expand(mask.shape)`` (:194)."""
+    parts = []
+    for j in range(comps.shape[1]):
+        r = comps[:, j]
+        baseline, std = baseline_and_std(prompts, r, loo)
+        adv = (r - baseline).unsqueeze(-1)
+        if normalize:
+            nz = std > 0
+            adv[nz] = adv[nz] / (std.unsqueeze(-1)[nz] + 1e-6)
+        parts.append(adv)
+    w = weights if weights is not None else [1.0] * len(parts)
+    adv = sum(wj * a for wj, a in zip(w, parts))
+    spread = adv.std()
+    adv = (adv - adv.mean()) / spread if spread > 0 else adv - adv.mean()
     return adv.expand(mask.shape)
 
 
@@ -238,7 +264,11 @@ def _batch(seed: int, precision: str) -> dict:
     ref[3, 1] = old[3, 1] + 13.0  # k3 beyond the ±10 output clamp
     raw = torch.randint(0, 2, (B,), generator=g).float() + torch.rand(B, generator=g) * 0.2
     raw[4:8] = raw[4]  # one prompt of equal rewards: std 0, not divided
-    return dict(lengths=lengths, valid=valid, mask=mask.float(), old=old, curr=curr, gen=gen, ref=ref, raw=raw,
+    # two reward components (GDPO): a 0/1 correctness and a format score, equal in one prompt (std 0)
+    comps = torch.stack([torch.randint(0, 2, (B,), generator=g).float(),
+                         torch.randint(0, 3, (B,), generator=g).float() * 0.1], dim=1)
+    comps[0:4, 1] = 0.2
+    return dict(comps=comps, lengths=lengths, valid=valid, mask=mask.float(), old=old, curr=curr, gen=gen, ref=ref, raw=raw,
                 prompts=torch.arange(B) // N, width=width)
 
 
@@ -250,6 +280,10 @@ def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
         adv = reinforce_pp_advantages(k, s["prompts"], s["raw"], mask, old, ref).float()
         base = baseline_and_std(s["prompts"], s["raw"], loo=False)[0] if k["minus_baseline"] else 0.0
         reward = s["raw"] - base  # the broadcast value before the whitening (reward.post_process)
+    elif k["estimator"] == "gdpo":
+        adv = gdpo_advantages(s["prompts"], s["comps"], mask, k["normalize"], k["loo"], k["reward_weights"]).float()
+        reward = gdpo_advantages(s["prompts"], s["comps"], torch.ones(B, 1), k["normalize"], k["loo"],
+                                 k["reward_weights"])[:, 0]
     else:
         adv = grpo_advantages(s["prompts"], s["raw"], mask, k["normalize"], k["loo"]).float()
         reward = grpo_advantages(s["prompts"], s["raw"], torch.ones(B, 1), k["normalize"], k["loo"])[:, 0]
@@ -279,7 +313,10 @@ def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=int(s["prompts"][i]), response_length=n,
                             total_length=n + 16, loss_mask=[int(v) for v in mask[i, :n].tolist()],
                             raw_reward=float(s["raw"][i]), reward=float(out["reward"][i]),
-                            micro_batch_id=f"mb-{micro_of[i]}") for i, n in enumerate(lengths)]
+                            micro_batch_id=f"mb-{micro_of[i]}",
+                            **({"reward_components": [float(v) for v in s["comps"][i]]}
+                               if rc.advantage_estimator == "gdpo" else {}))
+               for i, n in enumerate(lengths)]
     config = msgspec.structs.replace(rc, loss_token_count=int(mask.sum()), loss_seq_count=B)
     index = BundleIndex(bundle_id=path.name, identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0),
                                                                micro_batch_ids=[f"mb-{m}" for m in range(MICRO)]),
@@ -398,9 +435,6 @@ REFUSED = [
      "calculate_kl(prev_logprobs, reference) at each token of the broadcast advantage, without a discounted sum, "
      "before whitening (advantage_estimator.py:248-265); not recomputed: a bundle would need a per-token in-reward "
      "KL mode (no returns), or the KL-shaped advantages recorded with reference_policy_kl_penalty 0"),
-    ({"loss_fn": {"sequence_level_importance_ratios": True}},
-     "nemo-rl config: loss_fn.sequence_level_importance_ratios=True: NeMo-RL itself rejects sequence-level ratios "
-     "with token_level_loss true (loss_functions.py:265-268); set token_level_loss false (GSPO)"),
     ({"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
                   "truncated_importance_sampling_ratio": 2.0}},
      "nemo-rl config: loss_fn.truncated_importance_sampling_type='seq-mask-tis': NeMo-RL keeps each token's own "
@@ -411,10 +445,6 @@ REFUSED = [
      "nemo-rl config: loss_fn.use_on_policy_kl_approximation=True: NeMo-RL multiplies each token's KL by "
      "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed (kl_loss_ratio_weighted weighs "
      "by exp(curr − prev)): a bundle would need a KL weight against rollout_log_probs"),
-    ({"grpo": {"adv_estimator": {"name": "gdpo"}}},
-     "nemo-rl config: grpo.adv_estimator.name='gdpo': NeMo-RL's GDPO normalizes each reward component per prompt, "
-     "sums them (reward_weights) and standardizes the sum over the batch (advantage_estimator.py:116-190); not "
-     "recomputed: a bundle would need each sample's reward components (reward/<name>) and a GDPO estimator"),
     ({"grpo": {"adv_estimator": {"name": "opd"}}},
      "nemo-rl config: grpo.adv_estimator.name='opd': NeMo-RL's on-policy distillation takes log π_teacher − "
      "log π_student per token as the advantage (advantage_estimator.py:551-600); not recomputed: a bundle would "
@@ -427,3 +457,17 @@ def test_refused_configs_name_what_a_bundle_would_need(cfg, message):
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_nemo_rl(cfg)
     assert str(err.value) == message
+
+
+def test_sequence_ratios_with_the_token_level_loss_are_an_invalid_config():
+    """NeMo-RL asserts the two are exclusive (ClippedPGLossFn.__init__, loss/loss_functions.py:265-268): a config it
+    rejects is invalid input (exit 3), not a refusal."""
+    from replay_lib.errors import FrameworkConfigError
+
+    with pytest.raises(FrameworkConfigError) as err:
+        from_nemo_rl({"loss_fn": {"sequence_level_importance_ratios": True}})
+    assert str(err.value) == (
+        "nemo-rl config: loss_fn.sequence_level_importance_ratios=True: expected token_level_loss false with it "
+        "(NeMo-RL asserts sequence-level ratios are exclusive with the token-level loss, "
+        "loss/loss_functions.py:265-268)")
+    assert err.value.exit_code == 3

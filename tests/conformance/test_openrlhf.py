@@ -197,6 +197,15 @@ COMMANDS = {
     "reinforce": N4 + " --algo.advantage.estimator reinforce --algo.advantage.gamma 0.98",
     "reinforce-no-std-norm": N4 + " --algo.advantage.estimator reinforce --algo.advantage.no_std_norm",
     "reinforce_baseline": N4 + " --algo.advantage.estimator reinforce_baseline",
+    # the length penalties (length_penalty.py, applied by compute_advantages_and_returns itself) and the reward
+    # model's own normalization (neutral: the bundle records its output)
+    "grpo-overlong": GRPO + " --rollout.max_new_tokens 10 --reward.overlong_buffer_len 4 "
+                            "--reward.overlong_penalty_factor 0.5",
+    "rloo-stop-properly": BASE + " --algo.advantage.estimator rloo --rollout.n_samples_per_prompt 4 "
+                                 "--reward.stop_properly_penalty_coef 0.3",
+    "grpo-overlong-stop-fixed": GRPO + " --data.max_len 9 --reward.overlong_buffer_len 3 "
+                                       "--reward.stop_properly_penalty_coef -0.5",
+    "grpo-normalize-enable": GRPO + " --reward.normalize_enable",
     "reinforce_baseline-k2-clip": N4 + " --algo.advantage.estimator reinforce_baseline --algo.kl.estimator k2 "
                                        "--reward.clip_range -0.25 0.25",
 }
@@ -239,8 +248,11 @@ def _batch(seed: int, precision: str) -> dict:
     raw[4:8] = raw[4]  # one group of equal rewards
     entropy = (torch.rand(b, width, generator=g) * 2).to(dtype)
     values = (torch.randn(b, width, generator=g) * 0.5 + 0.3).to(dtype)  # the critic's, for GAE
+    # samples_generator.py:272-273: response_length is the span of the action mask's ones; 277: truncated
+    span = torch.tensor([int(torch.nonzero(m)[-1] - torch.nonzero(m)[0] + 1) if m.any() else 0 for m in mask])
+    truncated = torch.rand(b, generator=g) < 0.4
     return dict(lengths=lengths, valid=valid, mask=mask.float(), old=old, logp=logp, rollout=rollout, ref=ref,
-                raw=raw, entropy=entropy, values=values, width=width)
+                raw=raw, entropy=entropy, values=values, width=width, span=span, truncated=truncated)
 
 
 def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
@@ -260,7 +272,8 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
     def advantages(action_mask: torch.Tensor, kl_values: torch.Tensor, raw: torch.Tensor):
         exps = [types.SimpleNamespace(rewards=raw[ix].clone(), index=ix, kl=kl_values[ix], action_mask=action_mask[ix],
                                       values=s["values"][ix, :action_mask.shape[1]] if estimator == "gae" else None,
-                                      info={}, response_length=None) for ix in micro]
+                                      info={}, response_length=s["span"][ix], truncated=s["truncated"][ix])
+                for ix in micro]
         maker = types.SimpleNamespace(strategy=types.SimpleNamespace(args=args),
                                       kl_ctl=types.SimpleNamespace(value=coef),
                                       advantage_estimator=args.algo.advantage.estimator)
@@ -353,7 +366,9 @@ def _write(path: Path, cfg, s: dict, out: dict, precision: str) -> Path:
     micro_of = {i: k for k, ix in enumerate([list(range(i, mask.shape[0], MICRO)) for i in range(MICRO)]) for i in ix}
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // N, response_length=n, total_length=n + 16,
                             loss_mask=[int(v) for v in mask[i, :n].tolist()], raw_reward=float(s["raw"][i]),
-                            reward=float(out["reward"][i]), micro_batch_id=f"mb-{micro_of[i]}")
+                            reward=float(out["reward"][i]), micro_batch_id=f"mb-{micro_of[i]}",
+                            **({"truncated": bool(s["truncated"][i])} if isinstance(cfg.truncated_reward_coef, float)
+                               else {}))
                for i, n in enumerate(lengths)]
     tokens = int(mask.sum())
     seqs = int((mask.sum(-1) > 0).sum())
@@ -519,3 +534,22 @@ def test_an_unknown_whitening_or_gae_mode_is_one_line_exit_3(openrlhf, tmp_path,
         code, out, err = cli(command, path)
         assert (code, out) == (3, ""), (command, out, err)
         assert err == f"trajectory-replay: error: {path / 'index.json'}: $.config.{knob}={value!r}: expected {expected}\n"
+
+
+@pytest.mark.parametrize("name, knob", [("grpo-overlong", "overlong_buffer_len"),
+                                        ("rloo-stop-properly", "truncated_reward_coef"),
+                                        ("grpo-overlong-stop-fixed", "truncated_reward_coef"),
+                                        ("grpo-overlong-stop-fixed", "overlong_buffer_len")])
+def test_without_a_length_penalty_the_rewards_diverge(openrlhf, tmp_path, name, knob):
+    """OpenRLHF's own length penalties change the rewards of this step: a replay without one diverges at
+    reward.post_process (the clean bundle passes above)."""
+    import msgspec
+
+    args = openrlhf.parse(COMMANDS[name])
+    cfg = from_openrlhf(args, version=VERSION)
+    s = _batch(7, "float32")
+    out = _produce(openrlhf, args, s)
+    assert replay(_write(tmp_path / "clean", cfg, s, out, "float32")).exit_code == 0
+    wrong = replay(_write(tmp_path / "wrong", msgspec.structs.replace(cfg, **{knob: msgspec.UNSET}), s, out,
+                          "float32"))
+    assert (wrong.exit_code, wrong.first_divergent_stage) == (1, "reward.post_process")

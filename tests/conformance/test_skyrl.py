@@ -45,6 +45,9 @@ CONFIGS = {
                                  "eps_clip_low": 0.03, "eps_clip_high": 0.04}, 3),
     # use_kl_in_reward excludes use_kl_loss (skyrl/train/utils/utils.py:312-314)
     "grpo-kl-in-reward-k3": ({"use_kl_in_reward": True, "use_kl_loss": False, "kl_loss_coef": 0.05}, 3),
+    "maxrl-token-mean": ({"advantage_estimator": "maxrl"}, 3),
+    "maxrl-kl-in-reward-k3": ({"advantage_estimator": "maxrl", "use_kl_in_reward": True, "use_kl_loss": False,
+                               "kl_loss_coef": 0.05}, 3),
     "rloo-kl-in-reward-k1": ({"advantage_estimator": "rloo", "use_kl_in_reward": True, "use_kl_loss": False,
                               "kl_estimator_type": "k1", "kl_loss_coef": 0.1}, 4),
 }
@@ -86,6 +89,17 @@ def rloo(scores, response_mask, index):
         rows = [i for i in range(len(index)) if index[i] == g]
         n = len(rows)
         out[rows] = (scores[rows] - scores[rows].mean()) * n / (n - 1) if n > 1 else 0.0
+    return out.unsqueeze(-1) * response_mask, out
+
+
+def maxrl(scores, response_mask, index, eps=1e-6):
+    """ppo_utils.py:1397-1428 compute_maxrl_advantage: per uid, (s − mean)/(mean + eps); a group of one keeps s
+    (mean 0); ``scores.unsqueeze(-1) * response_mask``."""
+    out = scores.clone()
+    for g in set(index):
+        rows = [i for i in range(len(index)) if index[i] == g]
+        s = scores[rows]
+        out[rows] = (s - s.mean()) / (s.mean() + eps) if len(rows) > 1 else s
     return out.unsqueeze(-1) * response_mask, out
 
 
@@ -246,6 +260,8 @@ def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str 
         adv, normalized = grpo(scores, response_mask, index, algo.get("grpo_norm_by_std", True))
     elif est == "rloo":
         adv, normalized = rloo(scores, response_mask, index)
+    elif est == "maxrl":
+        adv, normalized = maxrl(scores, response_mask, index)
     else:  # the score on the response's last token (the generator's token-level rewards)
         token_rewards = torch.zeros(B, WIDTH, dtype=F64)
         token_rewards[torch.arange(B), lengths - 1] = scores

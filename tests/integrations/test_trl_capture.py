@@ -34,6 +34,9 @@ VARIANTS = {
     "one-pass": (["--iterations", "1"], {}),
     "grpo": (["--loss-type", "grpo", "--steps", "2"], {}),
     "dr_grpo": (["--loss-type", "dr_grpo", "--steps", "2"], {}),
+    # the policy-loss families TRL has: CISPO's absolute cap (min(coef_1, epsilon_high = 0.28)) and SAPO's gate
+    "cispo": (["--loss-type", "cispo", "--steps", "2"], {}),
+    "sapo": (["--loss-type", "sapo", "--steps", "2"], {}),
     "bnpo": (["--loss-type", "bnpo", "--gradient-accumulation", "1", "--steps", "2"], {}),
     "beta": (["--beta", "0.1", "--steps", "2"], {}),
     # scale_rewards="batch": the group mean over the std of the whole generation batch (SPG = GAS, one process)
@@ -111,7 +114,7 @@ DRIVER = textwrap.dedent("""
     try:
         trl_grpo.ReplayGRPOTrainer(
             model=trl_grpo.make_model(tokenizer, 0), reward_funcs=[trl_grpo.odd_digits],
-            args=GRPOConfig(output_dir=sys.argv[4] + "-out", use_cpu=True, report_to=[], loss_type="sapo",
+            args=GRPOConfig(output_dir=sys.argv[4] + "-out", use_cpu=True, report_to=[], delta=1.1,
                             per_device_train_batch_size=4, num_generations=4),
             train_dataset=trl_grpo.make_dataset(8, 0), processing_class=tokenizer)
     except Exception as exc:
@@ -178,6 +181,8 @@ def test_capture_changes_nothing_in_training(runs):
                   "step-0-0", "step-1-0", "step-2-0", "step-3-0"]),
     ("grpo", ["rollout-0", "step-0-0", "step-0-1"]),
     ("dr_grpo", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("cispo", ["rollout-0", "step-0-0", "step-0-1"]),
+    ("sapo", ["rollout-0", "step-0-0", "step-0-1"]),
     # GAS 1, SPG 1, 2 iterations: one micro-batch of 4 per step, a generation of one prompt per 2 steps
     ("bnpo", ["rollout-0", "step-0-0", "step-0-1"]),
     ("beta", ["rollout-0", "step-0-0", "step-0-1"]),
@@ -228,6 +233,11 @@ def _trl_loss(reader: BundleReader) -> float:
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if cfg.policy_loss == "cispo":  # −min(coef_1, epsilon_high)·A·logp (:3109-3111)
+        per_token = -torch.clamp(ratio, max=cfg.eps_clip_high) * adv * logp
+    elif cfg.policy_loss == "sapo":  # −σ(τ·(coef_1 − 1))·4/τ·A, τ by the sign of A (:3121-3124)
+        tau = torch.where(adv > 0, cfg.policy_loss_params["tau_pos"], cfg.policy_loss_params["tau_neg"])
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     if cfg.use_kl_loss:
         d = _tensor(reader, "ref_log_probs") - logp
         per_token = per_token + cfg.kl_loss_coef * (torch.exp(d) - d - 1)
@@ -247,7 +257,8 @@ def _trl_loss(reader: BundleReader) -> float:
 
 @pytest.mark.parametrize("name, mode, count", [
     ("clean", "token_mean", None), ("grpo", "seq_mean_token_mean", 8), ("dr_grpo", "seq_mean_token_sum_norm", 8),
-    ("bnpo", "token_mean", None), ("beta", "token_mean", None),
+    ("bnpo", "token_mean", None), ("beta", "token_mean", None), ("cispo", "token_mean", None),
+    ("sapo", "seq_mean_token_mean", 8),
 ])
 def test_recorded_loss_is_trls_formula_on_the_recorded_inputs(runs, name, mode, count):
     root, _, scans, _ = runs
@@ -258,7 +269,7 @@ def test_recorded_loss_is_trls_formula_on_the_recorded_inputs(runs, name, mode, 
         cfg = reader.index.config
         assert cfg.loss_agg_mode == mode
         rollout = BundleReader(root / name / f"rollout-{path.name.split('-')[1]}")
-        if name in ("clean", "beta"):
+        if name in ("clean", "beta", "cispo"):
             # dapo: T = num_items_in_batch = every loss-mask token of the generation batch (1 process), and
             # P·SPG/GAS = 1·2/2 = 1
             assert cfg.loss_token_count == sum(sum(s.loss_mask) for s in rollout.index.samples)
@@ -400,8 +411,9 @@ def test_only_a_grpo_trainer_is_instrumented(runs):
 
 def test_an_unrecomputable_config_is_refused_before_training(runs):
     root, _, _, checks = runs
-    assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: loss_type='sapo': only dapo, grpo, "
-                                 "bnpo, dr_grpo, vespo, luspo aggregate the clipped surrogate the replay recomputes"]
+    assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: delta=1.1: below 1 + epsilon_high = 1.2 "
+                                 "the cap also clips positive advantages, which the replay's dual-clip does not (TRL "
+                                 "recommends delta > 1 + epsilon)"]
     assert not (root / "refused").exists()
 
 
@@ -492,3 +504,12 @@ def test_a_knob_mapped_wrong_fails_loss_policy(runs, tmp_path, bundle_tools, kno
         code = main(["replay", str(path), "--format", "json"])
     report = json.loads(out.getvalue())
     assert (code, report["first_divergent_stage"]) == (1, "loss.policy")
+
+
+def test_without_vllm_no_rollout_log_probs_are_recorded(runs):
+    """On CPU without vLLM TRL's own generate() returns no sampling log-probs (grpo_trainer.py:1889): there is
+    nothing to record, and the bundles hold no ``rollout_log_probs`` (so no logprob.mismatch stage runs)."""
+    root = runs[0]
+    for name in ("rollout-0", "step-0-0"):
+        reader = BundleReader(root / "clean" / name)
+        assert not reader.has_payload("rollout_log_probs"), name

@@ -167,9 +167,7 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("loss_type", "sapo", "loss_type='sapo': only dapo, grpo, bnpo, dr_grpo"),
-    ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation='normalize_then_sum'"),
-    ("use_adaptive_entropy", True, "use_adaptive_entropy=True: the coefficient TRL applies changes"),
+    ("loss_type", "sft", "loss_type='sft': only dapo, grpo, bnpo, dr_grpo, vespo, luspo, cispo, sapo are recomputed"),
     ("some_new_reward_scale", 2.0, "some_new_reward_scale=2.0: a key the TRL mapping does not know"),
 ])
 def test_refusals_name_the_key(key, value, message):
@@ -177,6 +175,14 @@ def test_refusals_name_the_key(key, value, message):
         from_trl(_base(**{key: value}))
     assert str(err.value).startswith("TRL config: ") and message in str(err.value)
     assert err.value.exit_code == EXIT_UNSUPPORTED
+
+
+def test_adaptive_entropy_maps_the_coefficient_the_step_applied():
+    """use_adaptive_entropy: the step applies entropy_coef (or 0 above entropy_target, grpo_trainer.py:3206-3209);
+    the bundle records that coefficient as entropy_coef, mapped like a static one."""
+    adaptive = from_trl(_base(use_adaptive_entropy=True, entropy_coef=0.02))
+    assert adaptive == from_trl(_base(entropy_coef=0.02)) and adaptive.entropy_coef == 0.02
+    assert from_trl(_base(use_adaptive_entropy=True, entropy_coef=0.0)).entropy_coef == 0.0
 
 
 def test_a_step_across_generation_batches_is_refused():

@@ -154,9 +154,18 @@ def recompute_config(cfg: LossConfig, tokens: int) -> RecomputeConfig:
                            loss_token_count=tokens, loss_scale=float(cfg.dp), **kl)
 
 
+def replace_config(config: RecomputeConfig, extra: Optional[dict]) -> RecomputeConfig:
+    import msgspec
+
+    return msgspec.structs.replace(config, **extra) if extra else config
+
+
 def produce_loss_bundle(path: str | Path, seed: int, size: Size, cfg: LossConfig = LossConfig(), *,
-                        precision: str = "float32", bug: Optional[str] = None) -> Path:
-    """Write the step bundle this producer records for one step of ``size`` drawn from ``seed``."""
+                        precision: str = "float32", bug: Optional[str] = None, reject=None,
+                        config_extra: Optional[dict] = None) -> Path:
+    """Write the step bundle this producer records for one step of ``size`` drawn from ``seed``. ``reject``:
+    ``(old, rollout, mask, lengths) -> mask`` the loss is computed with (rejection sampling: the bundle records
+    the response mask, the loss used the rejected one); ``config_extra``: more RecomputeConfig fields."""
     if bug is not None and bug not in LOSS_BUGS:
         raise ValueError(f"unknown loss bug {bug!r} (expected one of {', '.join(LOSS_BUGS)})")
     inputs = make_inputs(seed, size, "rm")
@@ -170,8 +179,9 @@ def produce_loss_bundle(path: str | Path, seed: int, size: Size, cfg: LossConfig
         logp, old, ref, rollout = (_f32(x).to(torch.bfloat16).float().numpy() for x in (logp, old, ref, rollout))
     lengths = torch.from_numpy(inputs.lengths.astype(np.int64))
     mask = torch.from_numpy(inputs.mask.astype(np.float32))
-    fields = loss_step(_f32(logp), _f32(old), _f32(adv), _f32(rollout), _f32(ref), mask, lengths, cfg, bug)
-    tokens = int(inputs.mask.sum())
+    loss_mask = mask if reject is None else reject(_f32(old), _f32(rollout), mask, lengths)
+    fields = loss_step(_f32(logp), _f32(old), _f32(adv), _f32(rollout), _f32(ref), loss_mask, lengths, cfg, bug)
+    tokens = int(loss_mask.sum())
     bundle_id = f"loss-{precision}-{size}-s{seed}" + (f"-{bug}" if bug else "")
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=int(inputs.groups[i]), response_length=int(n),
                             total_length=int(n) + 32, loss_mask=inputs.mask[o:o + n].tolist(), raw_reward=0.0,
@@ -179,7 +189,7 @@ def produce_loss_bundle(path: str | Path, seed: int, size: Size, cfg: LossConfig
                for i, (n, o) in enumerate(zip(inputs.lengths.tolist(), inputs.offsets.tolist()))]
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=3, step_id=0),
                                                                rank={"dp": cfg.dp}),
-                        samples=samples, config=recompute_config(cfg, tokens))
+                        samples=samples, config=replace_config(recompute_config(cfg, tokens), config_extra))
     declared = {"compute": precision, "accumulate": "float32"} if precision == "bfloat16" else \
         {"compute": "float32", "accumulate": "float32"} if precision == "stored_bf16" else None
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,

@@ -16,7 +16,7 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     logp = log_probs.to(dtype)
     lr = logp - old_log_probs.to(dtype)
     return {"pg": -logp, "clip": torch.zeros_like(logp), "ppo_kl": -lr, "ratio": lr.exp(), "log_ratio": lr,
-            "cond": torch.zeros_like(logp)}
+            "pg_err": torch.zeros_like(logp)}
 
 
 register(PolicyFamily(name="cross_entropy", defaults={}, token_terms=token_terms, metrics=(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import PolicyFamily, register
+from ._common import relative_gap
 
 
 def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_terms, rollout_log_probs=None,
@@ -31,8 +32,11 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     surrogate = keep * adv * ratio
     pg = -surrogate + kl_tau * (lr * lr)
     return {"pg": pg, "clip": 1.0 - keep, "ppo_kl": -(logp - old_log_probs.to(dtype)), "ratio": ratio,
-            "log_ratio": lr, "ipo_keep": keep, "prob_diff": diff, "gate": diff, "gate_edges": (threshold,),
-            "gate_open": (adv * ratio).abs()}
+            "log_ratio": lr, "ipo_keep": keep, "prob_diff": diff,
+            # the mask's decision: |p − p_inf| a difference of two exponentials, its rounding one unit of the
+            # log-ratio's condition wider than the ratio's (the gap scaled to the stage's 1 + |log r|)
+            "edge_gap": relative_gap(diff, threshold) * (1.0 + lr.abs()) / (2.0 + lr.abs()),
+            "edge_open": (adv * ratio).abs()}
 
 
 register(PolicyFamily(name="ipo", defaults={"ipo_threshold": 0.1, "adv_tau": 1.0, "kl_tau": 1e-3},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import PolicyFamily, register
+from ._common import relative_gap
 
 
 def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_terms, rollout_log_probs=None,
@@ -27,7 +28,10 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     pg = -(kept * adv * logp)
     lr = logp - old_log_probs.to(dtype)
     return {"pg": pg, "clip": (~in_range).to(dtype), "ppo_kl": -lr, "ratio": ratio, "log_ratio": d,
-            "rollout_ratio": kept, "gate": ratio, "gate_edges": (low, high), "gate_open": (ratio * adv * logp).abs()}
+            "rollout_ratio": kept,
+            # the range test's decision (the gap scaled to the stage's 1 + |log r|: the ratio's own 2 + |log r|)
+            "edge_gap": relative_gap(ratio, low, high) * (1.0 + d.abs()) / (2.0 + d.abs()),
+            "edge_open": (ratio * adv * logp).abs()}
 
 
 register(PolicyFamily(name="rollout_is", defaults={}, token_terms=token_terms, payloads=("rollout_log_probs",),

@@ -23,7 +23,7 @@ TOKEN_CLAMP = 20.0
 
 
 def sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs,
-                 dtype=torch.float32) -> dict[str, torch.Tensor]:
+                 dtype=torch.float32, *, advantages=None) -> dict[str, torch.Tensor]:
     """``vespo_log_w`` (clamped) and ``vespo_abs_lr`` (Σ_t |clamped log-ratio|·m: the condition of log w) per
     sample."""
     mask = loss_mask.to(dtype)
@@ -51,10 +51,11 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     lam = lam.clamp(min=1e-4)
     phi = (lam + k * log_w - lam * w).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     pg = -phi * adv * logp
-    # ∂ log φ / ∂ log w = k − λ·w; log w sums the sample's log-ratios: its rounding scales with Σ|lr|
+    # ∂ log φ / ∂ log w = k − λ·w; log w sums the sample's log-ratios: its rounding scales with Σ|lr|, and pg's
+    # rounding scale (pg_err, in units of the unit roundoff) is |pg| times that condition
     cond = (k.abs() + lam * w) * sample_terms["vespo_abs_lr"][seg]
     return {"pg": pg, "clip": torch.zeros_like(pg), "ppo_kl": -lr, "ratio": lr.exp(), "log_ratio": lr,
-            "phi": phi, "log_w": log_w, "cond": cond}
+            "phi": phi, "log_w": log_w, "pg_err": pg.abs() * cond}
 
 
 register(PolicyFamily(

@@ -1,0 +1,371 @@
+"""Train–inference mismatch (stage ``logprob.mismatch``, SPEC §4.4): the engine's log-probs of the sampled tokens
+(``rollout_log_probs``) against the trainer's (``old_log_probs``, and the first minibatch's ``log_probs``).
+
+* :func:`ulp_distance` — how many representable numbers lie between two log-probs, on the lattice of the
+  stored dtype (float32 unless one side is float64; bf16/fp16 values are exact float32 values and are
+  counted on the float32 lattice).
+* :func:`difference_summary` — the bitwise comparison on loss tokens: count, max |Δ|, max ulp, first (sample,
+  token).
+* :func:`mismatch_metrics` — the mismatch metrics the frameworks log, recomputed in float64 from the same
+  payloads. Each formula follows the framework's own code (the file is cited at each metric); names are the
+  frameworks' metric keys, so ``expected.json $.logprob.mismatch`` holds them as the trainer logged them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# verl rollout_corr_helper.py SAFETY_BOUND (the clamp of a log-ratio before exp in its chi² metrics)
+SAFETY_BOUND = 20.0
+# Tokens per chunk of the stage's one pass: each per-token array of a chunk (1 MiB in float64) stays in cache
+# while a few dozen operations read it, and a million tokens take eight chunks' worth of dispatches.
+MISMATCH_CHUNK = 1 << 17
+# verl_F.masked_mean's denominator term (verl/utils/torch_functional.py masked_mean: Σ x·m / (Σ m + 1e-8))
+VERL_MASKED_MEAN_EPS = 1e-8
+
+# The metric keys this engine recomputes, by framework (SPEC §4.4 lists the formula of each).
+VERL_DEBUG = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+              "training/rollout_probs_diff_std")
+VERL_ROLLOUT_CORR = tuple(f"rollout_corr/{k}" for k in (
+    "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq"))
+NEMO_RL = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error")
+TRL = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+       "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+       "sampling/importance_sampling_ratio/max")
+METRICS = VERL_DEBUG + VERL_ROLLOUT_CORR + NEMO_RL + TRL
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the floats (``+0`` and ``−0`` the same key): adjacent floats differ by 1."""
+    if x.dtype == torch.float64:
+        bits = x.view(torch.int64)
+        mag = bits & 0x7FFFFFFFFFFFFFFF
+    else:
+        bits = x.to(torch.float32).view(torch.int32).to(torch.int64)
+        mag = bits & 0x7FFFFFFF
+    return torch.where(bits < 0, -mag, mag)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 ``|key(a) − key(b)|``: the number of float steps from ``a`` to ``b`` on the float32 lattice
+    (the float64 one when either is float64); ``inf`` where either is NaN or exactly one is infinite."""
+    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    a, b = a.to(wide), b.to(wide)
+    d = (_ordered(a) - _ordered(b)).abs().to(torch.float64)
+    odd = torch.isnan(a) | torch.isnan(b) | (torch.isinf(a) != torch.isinf(b)) | (torch.isinf(a) & (a != b))
+    return d.masked_fill_(odd, math.inf)
+
+
+@dataclass
+class DifferenceSummary:
+    """``a`` vs ``b`` on the loss tokens, bit for bit."""
+
+    compared: int = 0
+    count: int = 0
+    max_abs: float = 0.0
+    max_ulp: float = 0.0
+    first: Optional[int] = None  # the first differing token's index on the (selected) token axis, None when none
+
+    def as_dict(self, sample_of) -> dict:
+        out = {"compared": self.compared, "count": self.count, "max_abs_diff": self.max_abs, "max_ulp": self.max_ulp}
+        if self.first is not None:
+            sample, token = sample_of(self.first)
+            out.update(first_sample=sample, first_token=token)
+        return out
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, on: torch.Tensor, start: int,
+            absd: Optional[torch.Tensor] = None) -> None:
+        """Fold in the tokens ``[start, start + len)`` of a chunk (the chunks in token order). ``absd``: float64
+        ``|a − b|`` on the loss tokens and 0 elsewhere, when the caller has it (:meth:`MismatchScan.add`)."""
+        self.compared += int(on.sum())
+        diff = differing(a, b, on)
+        count = int(diff.sum())
+        if not count:
+            return
+        self.count += count
+        if count * 4 < diff.numel():  # few: gather them
+            idx = diff.nonzero().reshape(-1)
+            a, b = a[idx], b[idx]
+            first = int(idx[0])
+            absd = None
+        else:  # most: mask the others (a gather would copy nearly everything)
+            first = int(diff.to(torch.uint8).argmax())
+            a = torch.where(diff, a, b)
+        if absd is None:
+            absd = (a.to(torch.float64) - b.to(torch.float64)).abs()
+        top = float(absd.max())
+        self.max_abs = top if math.isnan(top) or math.isnan(self.max_abs) else max(self.max_abs, top)
+        if math.isfinite(top) and a.dtype == b.dtype == torch.float32:
+            ulp = _ulp32_max(a, b)  # both finite: the int32 keys' distance (the common case, a third of the work)
+        else:
+            ulp = float(ulp_distance(a, b).max())
+        self.max_ulp = max(self.max_ulp, ulp)
+        if self.first is None:
+            self.first = start + first
+
+
+def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max :func:`ulp_distance` of finite float32 values: ``key = bits ^ ((bits >> 31) & 0x7fffffff)`` orders the
+    floats as int32 (−0 one below +0, never compared: they are equal)."""
+    def key(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int32)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return float((key(a).to(torch.int64) - key(b).to(torch.int64)).abs_().max())
+
+
+def differing(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """bool per token: ``on`` and ``a``, ``b`` not the same float (NaN never equals anything; ``+0 == −0``)."""
+    return on & (a != b)  # a float32 and a float64 side are compared in float64 (exact)
+
+
+def difference_summary(a: torch.Tensor, b: torch.Tensor, on: torch.Tensor) -> DifferenceSummary:
+    out = DifferenceSummary()
+    out.add(a, b, on, 0)
+    return out
+
+
+def _kl(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Tensor:
+    """NeMo-RL ``calculate_kl(logprobs, logprobs_reference, kl_type)`` (nemo_rl/algorithms/utils.py): k1
+    ``lp − ref``; k2 ``(ref − lp)²/2``; k3 ``exp(ref − lp) − (ref − lp) − 1``."""
+    if kind == "k1":
+        return logprobs - reference
+    log_ratio = reference - logprobs
+    if kind == "k2":
+        return 0.5 * log_ratio * log_ratio
+    return torch.expm1(log_ratio) - log_ratio
+
+
+class MismatchScan:
+    """The metrics of :data:`METRICS` in float64, folded a chunk of tokens at a time (:meth:`add`, the chunks in
+    token order; every per-token quantity of a chunk stays in cache), then :meth:`metrics`. ``n``: samples;
+    ``kl_type``: NeMo-RL's ``reference_policy_kl_type``; ``is_*``: the bundle's importance-correction knobs (TRL's
+    ratio statistics are those of its corrected weight). ``condition``: also accumulate
+    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics)."""
+
+    def __init__(self, n: int, *, kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
+                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False) -> None:
+        f64 = torch.float64
+        self.n, self.kl_type, self.condition = n, kl_type, condition
+        self.is_level, self.is_mode, self.is_low, self.is_high = is_level, is_mode, is_low, is_high
+        self.seq = torch.zeros((4, n), dtype=f64)  # Σ_t m·old, Σ_t m·rollout, Σ_t m·(old − rollout), Σ_t m
+        self.sums: dict[str, float] = dict(tokens=0.0, pd=0.0, d=0.0, k3=0.0, rho2=0.0, tm=0.0, gen=0.0, pol=0.0,
+                                           absd=0.0, absd_n=0.0, ratio=0.0, cond=0.0)
+        self.pd_parts: list[tuple[float, float, float]] = []  # (count, mean, M2) per chunk: Chan's combination
+        self.max: dict[str, float] = dict(pd=-math.inf, absd=-math.inf, ratio=-math.inf)
+        self.min: dict[str, float] = dict(ratio=math.inf)
+
+    def _clip(self, ratio: torch.Tensor) -> torch.Tensor:
+        if self.is_mode == "mask":
+            low = -math.inf if self.is_low is None else self.is_low
+            high = math.inf if self.is_high is None else self.is_high
+            return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+        if self.is_low is not None or self.is_high is not None:
+            return ratio.clamp(min=self.is_low, max=self.is_high)
+        return ratio
+
+    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """Fold in one chunk; returns its float64 ``|old − rollout|`` on the loss tokens (0 elsewhere)."""
+        f64 = torch.float64
+        on = mask > 0
+        m = on.to(f64)
+        # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
+        lo = torch.where(on, old, 0.0).to(f64)
+        lr = torch.where(on, rollout, 0.0).to(f64)
+        cnt = float(m.sum())
+        S = self.sums
+        S["tokens"] += cnt
+        # verl debug metrics: |exp(old) − exp(rollout)| (0 off the loss tokens, never the max: |Δp| ≥ 0)
+        pd = (torch.exp(lo) - torch.exp(lr)).abs_()
+        psum = float(pd.sum())
+        S["pd"] += psum
+        self.max["pd"] = _max(self.max["pd"], float(pd.max())) if cnt else self.max["pd"]
+        if cnt:
+            mean = psum / cnt
+            self.pd_parts.append((cnt, mean, float(((pd - mean).square_() * m).sum())))
+        d = lo - lr  # old − rollout: 0 off the loss tokens
+        self.last_d = d  # the chunk's log importance weight per token (a caller's per-sample views read it)
+        e = torch.exp(d)
+        S["d"] += float(d.sum())
+        k3 = e - d - 1
+        S["k3"] += float(k3.sum())
+        absd = d.abs()
+        big = float(absd.max()) if d.numel() else 0.0
+        rho = e if big <= SAFETY_BOUND else torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        S["rho2"] += float(torch.dot(rho * rho, m)) if d.numel() else 0.0
+        inv = e.reciprocal()
+        tm = torch.where(d >= 0, e, inv)  # exp(|Δ|)
+        S["tm"] += float(torch.dot(tm, m)) if d.numel() else 0.0
+        if self.kl_type == "k1":
+            gen, pol = -d, d
+        elif self.kl_type == "k2":
+            gen = pol = 0.5 * d * d
+        else:
+            gen, pol = k3, inv + d - 1
+        S["gen"] += float(gen.sum())
+        S["pol"] += float(pol.sum())
+        # TRL: |old − sampling| on the loss tokens, NaN left out
+        nan = torch.isnan(absd)
+        if bool(nan.any()):
+            S["absd"] += float(absd.nansum())
+            S["absd_n"] += float((on & ~nan).sum())
+            self.max["absd"] = _max(self.max["absd"], float(absd.nan_to_num(nan=-math.inf).max()))
+        else:
+            S["absd"] += float(absd.sum())
+            S["absd_n"] += cnt
+            self.max["absd"] = _max(self.max["absd"], big) if cnt else self.max["absd"]
+        if self.is_level != "sequence" and cnt:
+            ratio = self._clip(torch.where(nan, 1.0, e))  # TRL: the difference's NaN → 0, the ratio 1
+            S["ratio"] += float(torch.dot(ratio, m))
+            self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
+            self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
+        if self.condition and cnt:
+            size = torch.maximum(lo.abs(), lr.abs()).add_(1)
+            c = (1 + absd.clamp(max=SAFETY_BOUND)) * tm.clamp(max=math.exp(SAFETY_BOUND)) * size
+            S["cond"] += float(torch.dot(torch.nan_to_num(c, nan=0.0, posinf=0.0), m))
+        self.last_e = e  # exp(old − rollout) of the chunk (1 off the loss tokens)
+        segment_add(self.seq, (lo, lr, torch.nan_to_num(d, nan=0.0), m), seg)
+        return absd
+
+    def metrics(self) -> dict[str, float]:
+        S, n = self.sums, self.n
+        tokens = S["tokens"]
+        out: dict[str, float] = {}
+        # verl verl/utils/debug/metrics.py:112-121 calculate_debug_metrics: |exp(old) − exp(rollout)| on the
+        # response mask, max / mean / std (torch.std: Bessel's correction); no valid token: NaN (:103-110)
+        if tokens:
+            mean = S["pd"] / tokens
+            m2 = sum(M2 + c * (mu - mean) ** 2 for c, mu, M2 in self.pd_parts)
+            out["training/rollout_probs_diff_max"] = self.max["pd"]
+            out["training/rollout_probs_diff_mean"] = mean
+            out["training/rollout_probs_diff_std"] = math.sqrt(m2 / (tokens - 1)) if tokens > 1 else math.nan
+        else:
+            out.update({k: math.nan for k in VERL_DEBUG})
+        # verl verl/trainer/ppo/rollout_corr_helper.py:904-1010 compute_offpolicy_metrics. verl_F.masked_mean
+        # divides by Σ m + 1e-8 with a float32 mask: the epsilon rounds away for any count ≥ 1, so it only keeps
+        # a fully masked sequence's 0/0 at 0. Per sequence along the tokens, then a plain mean over sequences.
+        denom = tokens if tokens else VERL_MASKED_MEAN_EPS
+        s_old, s_roll, s_d, count = self.seq
+        count = torch.where(count > 0, count, torch.full_like(count, VERL_MASKED_MEAN_EPS))
+        mean_old, mean_roll = s_old / count, s_roll / count
+        out["rollout_corr/training_ppl"] = float(torch.exp(-mean_old).mean())
+        out["rollout_corr/training_log_ppl"] = float((-mean_old).mean())
+        out["rollout_corr/kl"] = -S["d"] / denom
+        out["rollout_corr/k3_kl"] = S["k3"] / denom
+        out["rollout_corr/rollout_ppl"] = float(torch.exp(-mean_roll).mean())
+        out["rollout_corr/rollout_log_ppl"] = float((-mean_roll).mean())
+        log_ppl_diff = mean_roll - mean_old
+        out["rollout_corr/log_ppl_diff"] = float(log_ppl_diff.mean())
+        out["rollout_corr/log_ppl_abs_diff"] = float(log_ppl_diff.abs().mean())
+        out["rollout_corr/log_ppl_diff_max"] = float(log_ppl_diff.max()) if n else math.nan
+        out["rollout_corr/log_ppl_diff_min"] = float(log_ppl_diff.min()) if n else math.nan
+        out["rollout_corr/ppl_ratio"] = float(torch.exp(log_ppl_diff).mean())
+        out["rollout_corr/chi2_token"] = S["rho2"] / denom - 1.0
+        out["rollout_corr/chi2_seq"] = float(torch.exp(2.0 * s_d.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean()) - 1.0
+        # NeMo-RL nemo_rl/algorithms/loss_functions.py ClippedPGLossFn (clipped_pg_diagnostic_metrics):
+        # token_mult_prob_error = masked_mean(exp(|gen − prev|·mask)); gen_kl_error = masked_mean(calculate_kl(gen,
+        # prev)); policy_kl_error = masked_mean(calculate_kl(prev, gen)): global token means, no epsilon
+        nan = math.nan
+        out["token_mult_prob_error"] = S["tm"] / tokens if tokens else nan
+        out["gen_kl_error"] = S["gen"] / tokens if tokens else nan
+        out["policy_kl_error"] = S["pol"] / tokens if tokens else nan
+        # TRL trl/trainer/grpo_trainer.py:2660-2705 (the corrected ratio) and :2860-2896 (its statistics): the
+        # difference (old − sampling)·mask, NaN → 0; per token, or summed per sequence; truncate = clamp, mask = 0
+        # outside [min, max]; statistics over the loss tokens (token modes) or every sequence (sequence modes);
+        # none: 0
+        out["sampling/sampling_logp_difference/mean"] = S["absd"] / S["absd_n"] if S["absd_n"] else 0.0
+        out["sampling/sampling_logp_difference/max"] = self.max["absd"] if S["absd_n"] else 0.0
+        if self.is_level == "sequence":
+            ratio = self._clip(torch.exp(s_d))
+            if n:
+                out["sampling/importance_sampling_ratio/min"] = float(ratio.min())
+                out["sampling/importance_sampling_ratio/mean"] = float(ratio.mean())
+                out["sampling/importance_sampling_ratio/max"] = float(ratio.max())
+        elif tokens:
+            out["sampling/importance_sampling_ratio/min"] = self.min["ratio"]
+            out["sampling/importance_sampling_ratio/mean"] = S["ratio"] / tokens
+            out["sampling/importance_sampling_ratio/max"] = self.max["ratio"]
+        for k in TRL[2:]:
+            out.setdefault(k, 0.0)
+        return {k: out[k] for k in METRICS}
+
+    def condition_value(self) -> float:
+        """:func:`metric_condition` of what was folded in (``condition=True``)."""
+        return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
+
+
+def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
+    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
+    take one contiguous sum each (all rows at once), many short ones one ``index_add_``."""
+    samples, counts = torch.unique_consecutive(seg, return_counts=True)
+    stacked = torch.stack(list(rows))
+    if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
+        a = 0
+        for sample, size in zip(samples.tolist(), counts.tolist()):
+            acc[:, sample] += stacked[:, a:a + size].sum(1)
+            a += size
+    else:
+        acc.index_add_(1, seg, stacked)
+
+
+def _max(a: float, b: float) -> float:
+    return b if math.isnan(b) or math.isnan(a) else max(a, b)
+
+
+def mismatch_metrics(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int, *,
+                     kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
+                     is_low: Optional[float] = None, is_high: Optional[float] = None) -> dict[str, float]:
+    """Every metric of :data:`METRICS` in float64 over the loss tokens (``mask`` > 0) of ``n`` samples
+    (``seg``: each token's sample): :class:`MismatchScan` over the whole token axis."""
+    scan = MismatchScan(n, kl_type=kl_type, is_level=is_level, is_mode=is_mode, is_low=is_low, is_high=is_high)
+    scan.add(rollout, old, mask, seg)
+    return scan.metrics()
+
+
+def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> float:
+    """A magnitude every metric's float32 rounding error is proportional to: the masked mean of
+    ``(1 + |Δ|)·exp(|Δ|)·(1 + max(|old|, |rollout|))`` (each term is an exp, a difference or a product of those, of
+    log-probs of that size; |Δ| clamped to 20), at least 1."""
+    scan = MismatchScan(1, condition=True)
+    scan.add(rollout, old, mask, torch.zeros(rollout.numel(), dtype=torch.int64))
+    return scan.condition_value()
+
+
+def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                   chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
+    """verl's rejection sampling (``rollout_corr_helper.py:197-413`` ``compute_rollout_rejection_mask``): bool per
+    token, kept by every option of ``chain`` (``bundle.rollout_rs.parse_rollout_rs``). ``log_ratio`` = old −
+    rollout, clamped to ±20; per token k1 = −log_ratio, k2 = log_ratio²/2, k3 = exp(log_ratio) − 1 − log_ratio;
+    token options test each token, ``seq_sum`` / ``seq_mean`` / ``seq_max`` the sample's sum, mean (over
+    ``Σ mask``) or max (0 without a loss token) over its loss tokens; k1 keeps ``lower ≤ stat ≤ upper`` (log
+    bounds), k2/k3 ``stat ≤ upper``. Off the loss tokens the result is True (the mask there is 0 anyway)."""
+    on = mask > 0
+    lr = torch.where(on, log_ratio, 0.0).to(torch.float64).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    stats = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.exp(lr) - 1.0 - lr}
+    keep = torch.ones_like(on)
+    m = on.to(torch.float64)
+    count = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+    for option, lower, upper in chain:
+        stat = stats[option[-2:]]
+        if option.startswith("seq_sum") or option.startswith("seq_mean"):
+            per = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, stat * m)
+            if option.startswith("seq_mean"):
+                per = per / torch.where(count > 0, count, VERL_MASKED_MEAN_EPS)  # verl's float32 Σm + 1e-8
+            stat = per[seg]
+        elif option.startswith("seq_max"):
+            per = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(
+                0, seg, torch.where(on, stat, -math.inf), reduce="amax")
+            stat = torch.where(per == -math.inf, 0.0, per)[seg]
+        ok = stat <= upper
+        if lower is not None:
+            ok &= stat >= lower
+        keep &= ok
+    return keep | ~on
+
+
+__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
+           "mismatch_metrics", "rejection_keep", "segment_add", "ulp_distance"]

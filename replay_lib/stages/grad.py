@@ -1,0 +1,307 @@
+"""``loss.grad`` (SPEC §4.3): the recorded per-token gradient ``grad_log_probs`` (∂L/∂log_probs, as a hook on the
+log-prob tensor saw it in the step's backward) against the analytic gradient recomputed in float64 from the inputs
+loss.policy consumes (``kernels.grad``): the loss's value may be right while its gradient is not (a KL term under
+``no_grad``, importance weights that are not detached, a detached ratio, 0·NaN from a zero-weight term, a scale
+applied twice), and only this stage sees it. The optional ``grad_values`` (∂L/∂values) is judged the same way
+against the value loss's analytic gradient.
+
+Rounding bound per token (the loss's, per element — ``error_model``'s rules): the producer's token precision
+``u`` times the gradient's condition: ``|g_pg|·(C_TOKEN + |lr| + |log w|)`` for the policy part (the exponent's
+condition, the weight's, a few roundings of the products and of the aggregation weight; a per-sample exponent's
+``error_model.sample_exponent_condition`` under GSPO or a sequence weight), under GSPO the sample's float32 sum
+of the slopes adds ``n_i·u`` of its magnitude; for the KL part the slope's own rounding
+``|W^kl|·C_TOKEN·u·(|k'| + |k''|·(1 + |x|))`` (``k''`` the estimator's curvature: 0, 1, ``exp(−x)``) and,
+ratio-weighted, the product's. Decisions at an edge are hazards, not failures: a token whose ratio lies within
+rounding of a clip bound (``error_model.loss_clip_hits``), of dual-clip's ``c`` or of an IcePop bound
+(``near_value``), or whose log-ratio or KL input lies at its clamp, may take either branch in a legitimate
+producer: its tolerance admits the unclipped gradient's magnitude (under GSPO the sample's), and each such sample
+is named in a hazard. Payloads stored coarser than the declared compute add their rounding (``storage_unit``) to
+the exponent's condition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..bundle import BundleReader
+from ..bundle.schema import StageId
+from ..judge.error_model import (C_NEAR_CLIP, C_STORE, C_TOKEN, loss_clip_hits, near_value,
+                                 sample_exponent_condition, storage_unit)
+from ..judge.fields import PER_TOKEN
+from ..judge.report import StageReport
+from ..kernels import GrpoReturns
+from ..kernels.grad import (GRAD_FAMILIES, GradInputs, Gradient, GradTerms, grad_family, grad_log_probs,
+                            grad_scale_of, kl_value_and_slope, sample_chunks, sample_weights)
+from ..kernels.loss import LossKnobs, agg_weights
+from ..kernels.segments import segment_sum
+from .base import StageContext, StageDef
+from .loss import _loss_refuse, _loss_requirements
+from .loss_inputs import loss_inputs
+
+STAGE = StageId.LOSS_GRAD.value
+GRAD_PAYLOAD = "grad_log_probs"
+GRAD_VALUES_PAYLOAD = "grad_values"
+# ctx.outputs / ctx.records keys: the recompute (kernels.grad.Gradient) the explanations and the why strip read
+GRADIENT_RECORD = "loss_grad"
+BOUND_RECORD = "loss_grad_bound"
+HITS_RECORD = "loss_grad_edges"
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float64)
+
+
+def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
+    """The float64 inputs of the analytic gradient: loss.policy's (``stages.loss_inputs``)."""
+    li = loss_inputs(ctx)
+    adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
+    gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
+                    mask=li.mask.to(torch.float64), lengths=ctx.lengths,
+                    rollout_log_probs=_f64(li.rollout_log_probs) if li.rollout_log_probs is not None else None,
+                    ref_log_probs=_f64(li.ref_log_probs) if li.ref_log_probs is not None else None)
+    return gi, li.knobs
+
+
+# Whole samples of about this many tokens at a time: a dozen float64 temporaries per token stay small.
+GRAD_CHUNK = 1 << 16
+
+
+def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradient]:
+    """The analytic gradient of this context and its rounding bound (``ctx.records[BOUND_RECORD]``, with the edge
+    hits per sample), computed once, a run of whole samples at a time (the explanations and the why strip reuse
+    it)."""
+    cached = ctx.records.get(GRADIENT_RECORD)
+    if cached is not None:
+        return cached
+    gi, knobs = gradient_inputs(ctx)
+    scale = grad_scale_of(ctx.config)
+    n = gi.lengths.numel()
+    weights = sample_weights(segment_sum(gi.mask, ctx.seg, n), knobs, scale)
+    total = gi.mask.numel()
+    f64 = dict(dtype=torch.float64)
+    grad, pg, kl, pg_w, kl_w, ratio, bound = (torch.zeros(total, **f64) for _ in range(7))
+    weight = torch.zeros(total, **f64) if knobs.is_level is not None else None
+    seq = torch.zeros(total, **f64) if knobs.sequence_ratio else None
+    branch = torch.zeros(total, dtype=torch.int8)
+    u = ctx.precision.token
+    u_s = storage_unit(ctx.precision.compute, ctx.reader.payload("log_probs"), ctx.reader.payload("old_log_probs"))
+    u_out = storage_unit(ctx.precision.compute, ctx.reader.payload(GRAD_PAYLOAD)) if ctx.has(GRAD_PAYLOAD) else 0.0
+    hits: dict[str, torch.Tensor] = {}
+    for s0, s1, t0, t1 in sample_chunks(gi.lengths, GRAD_CHUNK):
+        part = GradInputs(**{k: (v[t0:t1] if k != "lengths" else v[s0:s1]) if v is not None else None
+                             for k, v in vars(gi).items()})
+        g = grad_log_probs(part, knobs, scale, weights=(weights[0][s0:s1], weights[1][s0:s1]))
+        for out, value in ((grad, g.grad), (pg, g.pg), (kl, g.kl), (pg_w, g.pg_weight), (kl_w, g.kl_weight),
+                           (ratio, g.terms.ratio), (weight, g.terms.weight), (seq, g.terms.seq),
+                           (branch, g.terms.branch)):
+            if out is not None and value is not None:
+                out[t0:t1] = value
+        b, chunk_hits = gradient_bound(u, u_s, u_out, part, knobs, g)
+        bound[t0:t1] = b
+        part_seg = part.seg
+        for kind, hit in chunk_hits.items():
+            hit = hit & (part.mask > 0)
+            if bool(hit.any()):
+                counts = hits.setdefault(kind, torch.zeros(n, **f64))
+                counts[s0:s1] += segment_sum(hit.to(torch.float64), part_seg, s1 - s0)
+    terms = GradTerms(pg=pg / torch.where(pg_w != 0, pg_w, torch.ones_like(pg_w)), branch=branch, ratio=ratio,
+                      seq=seq, weight=weight)
+    cached = (gi, knobs, Gradient(grad=grad, pg=pg, kl=kl, pg_weight=pg_w, kl_weight=kl_w, terms=terms))
+    ctx.records[GRADIENT_RECORD] = cached
+    ctx.records[BOUND_RECORD] = bound
+    ctx.records[HITS_RECORD] = hits
+    return cached
+
+
+def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: LossKnobs, g: Gradient
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(bound [tokens], edge hits by kind [tokens] bool)``: the producer's rounding bound per token (module doc;
+    ``u`` its token unit roundoff, ``u_s`` the log-probs' storage unit when coarser, ``u_out`` the gradient
+    payload's) and the tokens at a decision's edge, whose tolerance admits either branch."""
+    m = gi.mask
+    t = g.terms
+    d = gi.log_probs - gi.old_log_probs
+    e_store = u_s * (gi.log_probs.abs() + gi.old_log_probs.abs()) if u_s else None
+    lr_cond = d.abs()
+    log_w = None
+    if t.weight is not None:
+        log_w = (gi.old_log_probs - gi.rollout_log_probs).abs() if knobs.is_level == "token" else None
+    cond = C_TOKEN + lr_cond + (log_w if log_w is not None else 0.0)
+    if knobs.needs_sample_pass:  # GSPO's sample ratio, a sequence or geometric weight: the sample's exponent
+        cond = cond + sample_exponent_condition(gi.log_probs, gi.old_log_probs, gi.rollout_log_probs, gi.mask,
+                                                gi.lengths, knobs)[gi.seg]
+    if e_store is not None:
+        cond = cond + C_STORE * e_store / u
+    bound = u * g.pg.abs() * cond
+    seg = gi.seg
+    n_samples = gi.lengths.numel()
+    ratio = t.ratio
+    w = t.weight if t.weight is not None else torch.ones_like(m)
+    unclipped = (gi.advantages * w).abs() * m  # |∂pg/∂r| on the unclipped branch
+    hits: dict[str, torch.Tensor] = {}
+    near = loss_clip_hits(ratio, gi.advantages, u, knobs.eps_clip, knobs.eps_clip_high, e_store)
+    hits["clip_boundary"] = near
+    if knobs.dual_clip:
+        chosen = torch.maximum(ratio, ratio.clamp(1 - knobs.eps_clip, 1 + knobs.eps_clip_high))
+        hits["dual_clip_boundary"] = near_value(chosen, float(knobs.eps_clip_c), u, lr_cond, e_store) & \
+            (gi.advantages < 0)
+    if knobs.log_ratio_clamp is not None:
+        x = segment_sum(d * m, seg, n_samples)[seg] / torch.clamp_min(segment_sum(m, seg, n_samples), 1.0)[seg] \
+            if knobs.sequence_ratio else d
+        hits["clamp_hit"] = (x.abs() - knobs.log_ratio_clamp).abs() <= C_NEAR_CLIP * u * (1 + x.abs() + lr_cond)
+    if t.weight is not None and knobs.is_mode == "mask":
+        raw = importance_weight_unmasked(gi, knobs)
+        flip = torch.zeros_like(m, dtype=torch.bool)
+        for edge in (knobs.is_low, knobs.is_high):
+            if edge is not None:
+                flip |= near_value(raw, float(edge), u, lr_cond + (log_w if log_w is not None else 0.0), e_store)
+        hits["is_mask_boundary"] = flip
+        unclipped = torch.maximum(unclipped, (gi.advantages * raw).abs() * m)
+    edge = torch.zeros_like(m, dtype=torch.bool)
+    for hit in hits.values():
+        edge |= hit
+    edge &= m > 0
+    if knobs.sequence_ratio:
+        # the sample's float32 sum of slopes (n_i·u of its magnitude), and an edge token's slope in every token's
+        n = segment_sum(m, seg, n_samples)
+        mag = segment_sum(unclipped, seg, n_samples)
+        at_edge = segment_sum(unclipped * edge, seg, n_samples)
+        spread = (ratio * t.seq * g.pg_weight).abs() if t.seq is not None else torch.zeros_like(m)
+        bound = bound + spread * (u * (n * mag)[seg] + at_edge[seg])
+    else:
+        bound = bound + torch.where(edge, (unclipped * ratio * g.pg_weight).abs(), torch.zeros_like(bound))
+    if knobs.kl_loss:
+        x = gi.log_probs - gi.ref_log_probs
+        k, dk = kl_value_and_slope(x, knobs)
+        curvature = {"k1": 0.0, "abs": 0.0, "k2": 1.0}.get(knobs.kl_loss_type)
+        curv = torch.full_like(x, curvature) if curvature is not None else (-x).exp()
+        slope_err = C_TOKEN * u * (dk.abs() + curv * (1 + x.abs()))
+        if e_store is not None:
+            slope_err = slope_err + C_STORE * curv * u_s * (gi.log_probs.abs() + gi.ref_log_probs.abs())
+        if knobs.kl_loss_ratio_weighted:
+            slope_err = slope_err * ratio + u * cond * (k.abs() + dk.abs()) * ratio
+        bound = bound + slope_err * g.kl_weight.abs() * m + u * C_TOKEN * g.kl.abs()
+        kl_edge = torch.zeros_like(edge)
+        for clamp, value in ((knobs.kl_loss_input_clamp, x), (knobs.kl_loss_output_clamp, k)):
+            if clamp is not None:
+                kl_edge |= (value.abs() - clamp).abs() <= C_NEAR_CLIP * u * (1 + value.abs())
+        kl_edge &= m > 0
+        if bool(kl_edge.any()):
+            hits["kl_clamp_hit"] = kl_edge
+            reach = dk.abs().clamp_min(1.0) * (ratio if knobs.kl_loss_ratio_weighted else 1.0)
+            bound = bound + torch.where(kl_edge, reach * g.kl_weight.abs(), torch.zeros_like(bound))
+    if u_out:
+        bound = bound + u_out * g.grad.abs()
+    return bound, hits
+
+
+def importance_weight_unmasked(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor:
+    """The importance weight before IcePop's mask (``exp`` of its clamped log): what the bounds compare."""
+    from dataclasses import replace
+
+    from ..kernels.grad import importance_weights
+    return importance_weights(gi, replace(knobs, is_mode="truncate", is_low=None, is_high=None))
+
+
+HAZARD_TEXT = {
+    "clip_boundary": "a ratio within rounding of a clip bound",
+    "dual_clip_boundary": "a ratio within rounding of dual-clip's bound c",
+    "clamp_hit": "a log-ratio at log_ratio_clamp",
+    "is_mask_boundary": "an importance weight within rounding of an IcePop bound",
+    "kl_clamp_hit": "a KL input or value at its clamp",
+}
+
+
+def _edge_hazards(ctx: StageContext, hits: dict[str, torch.Tensor]) -> None:
+    """One hazard per sample and kind of edge (``hits``: the loss tokens at it, per sample)."""
+    for kind, counts in hits.items():
+        for i in torch.nonzero(counts).reshape(-1).tolist():
+            ctx.hazard(STAGE, kind, sample=i, message=(
+                f"{ctx.sample_ids[i]}: {int(counts[i])} loss token(s) with {HAZARD_TEXT[kind]}: a legitimate "
+                f"producer's gradient may take either branch there (grad_log_probs admits both)"))
+
+
+def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·vf_coef·loss_scale·W_i·m·∂vf/∂v`` with
+    ``vf = ½·max(d1², d2²)``
+    (``∂vf/∂v = d1`` unclipped, ``d2·[v inside the clip range]`` clipped)."""
+    v, old, r = (_f64(ctx.payload(p)) for p in ("values", "old_values", "returns"))
+    m = ctx.loss_mask.to(torch.float64)
+    seg = ctx.seg
+    d1 = v - r
+    if knobs.value_clip is None:
+        slope = d1
+        near = torch.zeros_like(m, dtype=torch.bool)
+    else:
+        eps = float(knobs.value_clip)
+        vc = torch.minimum(torch.maximum(v, old - eps), old + eps)
+        d2 = vc - r
+        inside = ((v >= old - eps) & (v <= old + eps)).to(torch.float64)
+        clip = d2 * d2 > d1 * d1
+        slope = torch.where(clip, d2 * inside, d1)
+        near = ((d1 * d1 - d2 * d2).abs() <= C_NEAR_CLIP * ctx.precision.token * (d1 * d1 + d2 * d2)) & (d1 != d2)
+    counts = segment_sum(m, seg, ctx.n)
+    vf_coef = getattr(ctx.config, "vf_coef", 1.0)
+    vf_coef = float(vf_coef) if isinstance(vf_coef, (int, float)) and not isinstance(vf_coef, bool) else 1.0
+    weight = (agg_weights(knobs.loss_agg_mode, counts, knobs)
+              * (knobs.loss_scale * grad_scale_of(ctx.config) * vf_coef))[seg]
+    grad = slope * m * weight
+    cond = C_TOKEN * (v.abs() + r.abs() + old.abs()) / torch.clamp_min(slope.abs(), 1e-300) + C_TOKEN
+    bound = ctx.precision.token * grad.abs() * cond.clamp(max=1e6) + \
+        torch.where(near, (d1.abs() + slope.abs()) * weight * m, torch.zeros_like(grad))
+    return grad, bound
+
+
+def run_loss_grad(ctx: StageContext) -> StageReport:
+    gi, knobs, g = recompute_gradient(ctx)
+    recorded = ctx.payload(GRAD_PAYLOAD)
+    fields = []
+    # judged with its rounding bound under --exact too: no float32 kernel reproduces a backward pass bit for bit
+    bound = ctx.records[BOUND_RECORD]
+    _edge_hazards(ctx, ctx.records[HITS_RECORD])
+    fields.append(ctx.field(STAGE, GRAD_PAYLOAD, PER_TOKEN, recorded, g.grad, bound=bound, exact=False,
+                            note=f"∂L/∂log_probs of the {grad_family(knobs)} loss (policy term {knobs.loss_agg_mode}"
+                                 + (f", KL term {knobs.kl_mode} × {knobs.kl_loss_coef:g}" if knobs.kl_loss else "")
+                                 + f"; × loss_scale {knobs.loss_scale:g} × grad_scale {grad_scale_of(ctx.config):g})"))
+    if ctx.has(GRAD_VALUES_PAYLOAD):
+        grad_v, bound_v = _value_gradient(ctx, knobs)
+        fields.append(ctx.field(STAGE, GRAD_VALUES_PAYLOAD, PER_TOKEN, ctx.payload(GRAD_VALUES_PAYLOAD), grad_v,
+                                bound=bound_v, exact=False,
+                                note=f"∂L/∂values of the value loss ({knobs.loss_agg_mode}, value_clip "
+                                     f"{knobs.value_clip})"))
+
+    def fail_reason(total, per) -> str:
+        return "gradient mismatch: " + ", ".join(
+            f"{f.name} in {per[f.name].mismatches} token(s) of {per[f.name].bad_samples} sample(s)"
+            for f in fields if per[f.name].mismatches)
+
+    return ctx.report(StageId.LOSS_GRAD, fields, fail_reason=fail_reason,
+                      pass_reason=f"{len(fields)} gradient payload(s) over {ctx.n} sample(s) compared")
+
+
+def _grad_requirements(reader: BundleReader) -> list[str]:
+    missing = [m for m in _loss_requirements(reader) if not m.startswith("expected.json")]
+    if not reader.has_payload(GRAD_PAYLOAD):
+        missing.append(f"payloads/{GRAD_PAYLOAD}.pt")
+    if reader.has_payload(GRAD_VALUES_PAYLOAD):
+        missing += [f"payloads/{p}.pt (for {GRAD_VALUES_PAYLOAD})" for p in ("values", "old_values", "returns")
+                    if not reader.has_payload(p)]
+    return missing
+
+
+def _grad_refuse(cfg) -> list[tuple[str, str]]:
+    out = list(_loss_refuse(cfg))
+    family = grad_family(LossKnobs.of(cfg))
+    if family not in GRAD_FAMILIES:
+        out.append(("policy_loss", f"{family!r}: no analytic gradient is registered for this loss family"))
+    return out
+
+
+LOSS_GRAD = StageDef(
+    id=StageId.LOSS_GRAD, run=run_loss_grad, needs=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE), cohort_level=True,
+    refuse=_grad_refuse, requirements=_grad_requirements, optional=True,
+    description="per-token gradient of the loss w.r.t. the log-probs (grad_log_probs), analytic in float64",
+)
+
+__all__ = ["GRAD_PAYLOAD", "GRAD_VALUES_PAYLOAD", "LOSS_GRAD", "STAGE", "gradient_bound", "recompute_gradient"]
+
