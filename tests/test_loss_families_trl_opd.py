@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import types
 
 import pytest
+
 import torch
 
 from replay_lib.bundle import BundleWriter
@@ -71,6 +73,16 @@ def test_vespo_by_hand():
 
 
 def _trl():
+    # a conformance test's stubs of the heavy modules not installed (tests/conformance/conftest.py) read as installed
+    # packages (version 'N/A') to transformers' availability checks, cached when verl imported transformers: the
+    # stubs out of the way, and transformers imported afresh, before TRL is imported in the same process
+    stubs = [f for f in sys.meta_path if type(f).__name__ == "_StubFinder"]
+    if stubs and "trl.trainer.grpo_trainer" not in sys.modules:
+        roots = set().union(*(f.roots for f in stubs)) | {"transformers", "trl"}
+        for finder in stubs:
+            sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in roots]:
+            del sys.modules[name]
     return pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL 1.16 (the conformance producer) is not "
                                                                    "installed").GRPOTrainer
 
