@@ -315,6 +315,7 @@ class StepCapture:
         rewards: Optional[TensorLike] = None,
         ref_log_probs: Optional[TensorLike] = None,
         rollout_log_probs: Optional[TensorLike] = None,
+        teacher_log_probs: Optional[TensorLike] = None,
         policy_versions: Optional[TensorLike] = None,
         values: Optional[TensorLike] = None,
         old_values: Optional[TensorLike] = None,
@@ -334,7 +335,8 @@ class StepCapture:
         ``rollout_log_probs``: per token, for a KL term in the loss and the train/rollout importance correction
         (SPEC §4.2; with ``old_log_probs`` they declare stage ``logprob.mismatch``, SPEC §4.4);
         ``policy_versions``: per token, the policy version that sampled it (partial / async rollouts, the
-        mismatch stage's staleness lints); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
+        mismatch stage's staleness lints); ``teacher_log_probs``: per token, an on-policy distillation teacher's
+        (``opd_*`` knobs); ``values`` / ``old_values`` / ``returns``: per token, PPO's critic (the step bundle then
         declares ``loss.value``, whose fields ``vf_loss`` / ``vf_clipfrac`` come in ``loss_fields``). Every
         micro-batch of a step gives the same side channels, terms and fields. ``grad_log_probs`` /
         ``grad_values``: ∂L/∂log_probs and ∂L/∂values per token as backward gave them (``grad_tap``), of the
@@ -374,6 +376,7 @@ class StepCapture:
             "entropy": None if entropy is None else _flat(entropy),
             "ref_log_probs": None if ref_log_probs is None else _flat(ref_log_probs),
             "rollout_log_probs": None if rollout_log_probs is None else _flat(rollout_log_probs),
+            "teacher_log_probs": None if teacher_log_probs is None else _flat(teacher_log_probs),
             "policy_versions": None if policy_versions is None else _flat(policy_versions, torch.int64),
             **{name: None if t is None else _flat(t) for name, t in (("values", values), ("old_values", old_values),
                                                                     ("returns", returns))},

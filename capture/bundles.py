@@ -489,7 +489,8 @@ class BundleSink:
                 columns.setdefault(name, []).append(tensor.reshape(-1) if tensor.dim() <= 1 else tensor)
         payloads = {}
         for name in ("log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "advantages",
-                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS, "policy_versions"):
+                     "pg_losses", *VALUE_PAYLOADS, *SUPPORT_CHANNELS, *GRAD_PAYLOADS, "policy_versions",
+                     "teacher_log_probs"):
             if name in columns:
                 if len(columns[name]) != len(parts):
                     raise ValueError(f"{bundle_id}: payload {name!r} given for only some micro-batches")

@@ -351,7 +351,7 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 # The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
 LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss", "cispo_cap", "sapo_tau",
-             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp")
+             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp", "family")
 # --loss FAMILY (RecomputeConfig.policy_loss): the policy-loss families, and each one's bug flag
 LOSS_FAMILIES = ("ppo", *sorted(FAMILIES))
 FAMILY_OF_BUG = {"cispo_cap": ("cispo",), "sapo_tau": ("sapo",), "geo_mean": ("geo_mean",),
@@ -422,6 +422,17 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
         sample_terms = dict(sample_terms, seq_log_ratio=lr)
         used = knobs
+    if bug == "family":  # the family's typical bug (LOSS_BUG_FLAGS)
+        if knobs.policy_loss == "vespo":
+            used = replace(knobs, policy_loss_params=(("k_neg", knobs.param("k_pos")), ("k_pos", knobs.param("k_neg")),
+                                                      ("lambda_neg", knobs.param("lambda_pos")),
+                                                      ("lambda_pos", knobs.param("lambda_neg"))))
+        elif knobs.policy_loss in ROLLOUT_FAMILIES:
+            rollout_log_probs = old_log_probs
+        elif knobs.policy_loss == "importance_sampling":
+            advantages = -advantages
+        elif knobs.policy_loss == "cross_entropy":
+            log_probs = -log_probs
     t = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(), used, seg=seg,
                            sample_terms=sample_terms, rollout_log_probs=None if rollout_log_probs is None else (
                                rollout_log_probs.float() if bug != "tis" else 2 * old_log_probs.float()
@@ -910,7 +921,8 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, old_log_probs[tok], step_advantages[tok], entropy, mask[tok], lengths[mb],
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
-                        rollout_log_probs=rollout_lp[tok] if args.tis is not None else None,
+                        rollout_log_probs=rollout_lp[tok] if args.tis is not None or args.loss in ROLLOUT_FAMILIES
+                        else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
                         grad_bug=args.grad_bug,
@@ -1118,7 +1130,14 @@ LOSS_BUG_FLAGS = (
     ("dppo_mask", "--loss dppo_tv or dppo_kl", "DPPO's trust-region test by the wrong sign of A"),
     ("dro_beta", "--loss dro", "DRO's quadratic penalty added instead of subtracted"),
     ("gpg_old_logp", "--loss gpg", "GPG's −logp·A on the old log-probs"),
+    ("family", "--loss vespo, ipo, rollout_is, importance_sampling or cross_entropy",
+     "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and rollout_is's ratio to the old "
+     "log-probs instead of the rollout ones, importance_sampling's advantages negated, cross_entropy's sign flipped"),
 )
+# --loss values beyond the clipped surrogate (issue 34; kernels/families): their policy term, the step's
+# aggregation as configured; ipo and rollout_is read the sampler's log-probs (recorded as rollout_log_probs)
+FAMILY_LOSSES = ("vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy")
+ROLLOUT_FAMILIES = ("ipo", "rollout_is")
 
 
 def _loss_param(text: str) -> tuple[str, object]:
@@ -1170,7 +1189,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.loss_bug = bugs[0] if bugs else None
     needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
              "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
-             "value_loss": args.ppo, **{bug: args.loss in fams for bug, fams in FAMILY_OF_BUG.items()}}
+             "value_loss": args.ppo, **{bug: args.loss in fams for bug, fams in FAMILY_OF_BUG.items()},
+             "family": args.loss in FAMILY_LOSSES}
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")

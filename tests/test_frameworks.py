@@ -241,8 +241,6 @@ def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
     ({"custom_reward_post_process_path": "m.py:f"}, "custom_reward_post_process_path", "custom function"),
     ({"use_tis": True, "custom_tis_function_path": "mis.py:compute_mis_weights_with_cp"},
      "custom_tis_function_path", "custom TIS"),
-    ({"use_opd": True}, "use_opd", "distillation"),
-    (["--use-opsm", "--opsm-delta", "0.001"], "use_opsm", "off-policy sequence masking"),
     ({"use_kl_loss": True, "kl_loss_coef": 0.01, "use_unbiased_kl": True}, "use_unbiased_kl", "importance"),
     ({"--grpo-reward-clip": 5.0}, "grpo_reward_clip", "a key the slime mapping does not know"),
 ])
@@ -476,7 +474,7 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
     with pytest.raises(UnsupportedFrameworkConfig) as err:
         from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
     assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
-                              "cispo and sapo are)")
+                              "cispo, sapo, cross_entropy, importance_sampling, rollout_is are)")
 
 
 def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
@@ -566,11 +564,13 @@ def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["eps_clip_high"] == 0.28
     lines = err.splitlines()
-    assert lines[0] == f"verl keys read from {path}: 2 set by the file, 26 at verl's defaults"
+    # 27 at the defaults: distillation.enabled (on-policy distillation, off) among them
+    assert lines[0] == f"verl keys read from {path}: 2 set by the file, 27 at verl's defaults"
     assert [ln.split()[:2] for ln in lines[1:3]] == [["file", "algorithm.adv_estimator"],
                                                      ["file", "actor_rollout_ref.actor.clip_ratio_high"]]
     assert lines[1].endswith("= 'grpo'") and lines[2].endswith("= 0.28")
-    assert all(ln.split()[0] == "default" for ln in lines[3:]) and len(lines) == 3 + 26
+    assert all(ln.split()[0] == "default" for ln in lines[3:]) and len(lines) == 3 + 27
+    assert any(ln.split()[1] == "distillation.enabled" and ln.endswith("= False") for ln in lines)
     assert any(ln.split()[1] == "actor_rollout_ref.actor.clip_ratio_c" and ln.endswith("= 3.0") for ln in lines)
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
@@ -580,6 +580,28 @@ def test_config_command_says_which_keys_came_from_the_file(tmp_path, capsys):
     assert err.splitlines()[1] == (f"none of the keys the verl mapping reads is in {empty}: every knob above is "
                                    f"verl's default (check the file's nesting, e.g. algorithm.adv_estimator)")
     assert "default  algorithm.adv_estimator" in err and "= 'gae'" in err
+
+
+def test_slime_opsm_and_opd_map_to_their_knobs():
+    # OPSM (utils/ppo_utils.py:54-92, loss.py:1010-1046): old − current, opsm_delta default 1e-4 (arguments.py:1110)
+    cfg = from_slime(["--use-opsm", "--opsm-delta", "0.001"])
+    assert (cfg.opsm_delta, cfg.opsm_anchor) == (0.001, "old")
+    assert from_slime(["--use-opsm"]).opsm_delta == 1e-4
+    # OPD (backends/megatron_utils/loss.py:663-701): A − opd_kl_coef·(old − teacher), in the advantages
+    cfg = from_slime({"use_opd": True, "opd_type": "sglang", "opd_kl_coef": 0.5})
+    assert (cfg.opd_placement, cfg.opd_kl_type, cfg.opd_coef) == ("advantage", "k1", 0.5)
+    assert from_slime({"use_opd": True, "opd_type": "sglang"}).opd_coef == 1.0
+
+
+def test_skyrl_tinker_losses_and_rollout_is_map_to_their_families():
+    # cross_entropy sums −logp (ppo_utils.py:1057-1092, reduce_loss :1145-1149); importance_sampling and rollout_is
+    # take the configured reduction, as the clipped loss does (SkyRL folds it into the advantages)
+    algo = {"use_kl_loss": False, "loss_reduction": "sequence_mean"}
+    ce = from_skyrl({"trainer": {"algorithm": dict(algo, policy_loss_type="cross_entropy")}})
+    assert (ce.policy_loss, ce.loss_agg_mode) == ("cross_entropy", "token_sum")
+    for kind in ("importance_sampling", "rollout_is"):
+        cfg = from_skyrl({"trainer": {"algorithm": dict(algo, policy_loss_type=kind, eps_clip_low=0.1)}})
+        assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.eps_clip) == (kind, "seq_mean_token_mean", 0.1)
 
 
 def test_config_command_says_an_adaptive_coefficient_must_be_the_steps(tmp_path, capsys):

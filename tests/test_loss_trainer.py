@@ -209,3 +209,20 @@ def test_the_trainers_token_mean_denominator_bug_is_explained(tmp_path, flags):
         assert e.matched == e.of, (name, e)
         explained.append(e.hypothesis)
     assert len(explained) >= 2 and "loss.micro_batch_token_mean_with_metrics" in explained, explained
+
+
+# ------------------------------------------------------------------------ issue 34: --loss FAMILY
+
+
+@pytest.mark.parametrize("family", ["vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy"])
+def test_each_loss_family_replays_clean_and_its_bug_is_the_first_divergence(tmp_path, family):
+    flags = ("--loss", family, "--loss-agg", "token_mean")
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "bug").mkdir()
+    directory = train(tmp_path / "clean", *flags)
+    assert first_divergences(directory) == dict.fromkeys(STEPS)
+    cfg = open_bundle(directory / "step-0-0").shards[0].index.config
+    assert cfg.policy_loss == family
+    found = first_divergences(train(tmp_path / "bug", *flags, "--family-bug"))
+    hits = [d for d in found.values() if d is not None]
+    assert hits and all(stage == "loss.policy" for stage, _, _ in hits), found

@@ -30,7 +30,7 @@ def staging_name(name: str) -> str:
 TOKENS = "Σ response_length"
 _PER_TOKEN_FLOAT = ("old_log_probs", "log_probs", "ref_log_probs", "rollout_log_probs", "entropy", "kl",
                     "advantages", "pg_losses", "values", "old_values", "returns", "full_log_probs",
-                    "grad_log_probs", "grad_values")
+                    "grad_log_probs", "grad_values", "teacher_log_probs")
 PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{name: ("float", (TOKENS,)) for name in _PER_TOKEN_FLOAT},
     "support_ids": ("int", (TOKENS, "K")),

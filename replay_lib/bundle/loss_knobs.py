@@ -72,9 +72,17 @@ class LossKnobs:
     # each sample's micro-batch (an index into the step's micro-batches, in order of first appearance), from
     # the samples' ``micro_batch_id``; None when a sample records none (micro_batch_token_mean then refuses)
     micro_batch: Optional[tuple[int, ...]] = None
-    # the policy-loss family (kernels.families) and its parameters as sorted (name, value) items
+    # the policy-loss family (kernels.families) and its recorded parameters, sorted by name (:meth:`param`)
     policy_loss: str = "ppo"
     policy_loss_params: tuple[tuple[str, object], ...] = ()
+    # OPSM (None: off), TRL's entropy mask (1.0: off) and on-policy distillation (None: off): RecomputeConfig
+    opsm_delta: Optional[float] = None
+    opsm_anchor: str = "old"
+    top_entropy_quantile: float = 1.0
+    opd_placement: Optional[str] = None
+    opd_kl_type: str = "k1"
+    opd_coef: float = 1.0
+    opd_clamp: Optional[float] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -98,15 +106,37 @@ class LossKnobs:
                    loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip,
                    micro_batch=micro_batch_partition(samples),
                    policy_loss=str(getattr(cfg, "policy_loss", "ppo") or "ppo"),
-                   policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())))
+                   policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())),
+                   opsm_delta=_set(cfg, "opsm_delta", None), opsm_anchor=_set(cfg, "opsm_anchor", "old"),
+                   top_entropy_quantile=_set(cfg, "top_entropy_quantile", 1.0),
+                   opd_placement=_set(cfg, "opd_placement", None), opd_kl_type=_set(cfg, "opd_kl_type", "k1"),
+                   opd_coef=_set(cfg, "opd_coef", 1.0), opd_clamp=_set(cfg, "opd_clamp", None))
 
     def param(self, name: str):
-        """The family parameter ``name``: its recorded value, else the family's default (``KeyError`` when the
-        family has no such parameter)."""
+        """The family's parameter ``name``: the recorded value, else the family's default
+        (:data:`FAMILY_DEFAULTS`, filled as each family registers); ``KeyError`` for a name it has not."""
         for key, value in self.policy_loss_params:
             if key == name:
                 return value
         return FAMILY_DEFAULTS[self.policy_loss][name]
+
+    @property
+    def family(self) -> bool:
+        """A policy-loss family other than the clipped surrogate (``ppo``)."""
+        return self.policy_loss != "ppo"
+
+    @property
+    def opsm(self) -> bool:
+        return self.opsm_delta is not None
+
+    @property
+    def entropy_mask(self) -> bool:
+        return self.top_entropy_quantile < 1.0
+
+    @property
+    def opd_loss(self) -> bool:
+        """On-policy distillation as a supervised loss term (the field ``opd_loss``)."""
+        return self.opd_placement == "loss"
 
     @property
     def kl_mode(self) -> str:
@@ -146,6 +176,16 @@ class LossKnobs:
 
     def with_clips(self, eps_clip: float, eps_clip_high: float) -> "LossKnobs":
         return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
+
+
+OPSM_ANCHORS = ("old", "rollout")
+OPD_PLACEMENTS = ("advantage", "loss")
+
+
+def _set(cfg, name: str, default):
+    """``cfg.name`` unless unset (msgspec.UNSET, or absent from a stand-in config): then ``default``."""
+    value = getattr(cfg, name, default)
+    return default if type(value).__name__ == "UnsetType" else value
 
 
 def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:
@@ -192,6 +232,24 @@ def check_knobs(knobs: LossKnobs) -> list[str]:
             errors.append(f"{name}: expected null or a value > 0, got {value!r}")
     if knobs.is_low is not None and knobs.is_high is not None and knobs.is_low > knobs.is_high:
         errors.append(f"is_low: {knobs.is_low!r} is above is_high {knobs.is_high!r}")
+    for name, value in knobs.policy_loss_params:
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"policy_loss_params.{name}: expected a finite value, got {value!r}")
+    if knobs.opsm_delta is not None and not math.isfinite(knobs.opsm_delta):
+        errors.append(f"opsm_delta: expected a finite threshold, got {knobs.opsm_delta!r}")
+    if knobs.opsm_anchor not in OPSM_ANCHORS:
+        errors.append(f"opsm_anchor: expected one of {', '.join(OPSM_ANCHORS)}, got {knobs.opsm_anchor!r}")
+    if not 0.0 < knobs.top_entropy_quantile <= 1.0:
+        errors.append(f"top_entropy_quantile: expected a value in (0, 1], got {knobs.top_entropy_quantile!r}")
+    if knobs.opd_placement is not None and knobs.opd_placement not in OPD_PLACEMENTS:
+        errors.append(f"opd_placement: expected null or one of {', '.join(OPD_PLACEMENTS)}, "
+                      f"got {knobs.opd_placement!r}")
+    if knobs.opd_kl_type not in KL_TYPES:
+        errors.append(f"opd_kl_type: expected one of {', '.join(KL_TYPES)}, got {knobs.opd_kl_type!r}")
+    if not math.isfinite(knobs.opd_coef):
+        errors.append(f"opd_coef: expected a finite coefficient, got {knobs.opd_coef!r}")
+    if knobs.opd_clamp is not None and not (math.isfinite(knobs.opd_clamp) and knobs.opd_clamp > 0):
+        errors.append(f"opd_clamp: expected null or a finite value > 0, got {knobs.opd_clamp!r}")
     if not math.isfinite(knobs.loss_scale):
         errors.append(f"loss_scale: expected a finite multiplier, got {knobs.loss_scale!r}")
     return errors

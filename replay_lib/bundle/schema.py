@@ -333,6 +333,23 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # loss tokens a chained divergence test rejects leave the loss mask. Unset: not written.
     rollout_rs: Union[str, None, msgspec.UnsetType] = msgspec.UNSET
     rollout_rs_threshold: Union[str, float, None, msgspec.UnsetType] = msgspec.UNSET
+    # Off-policy sequence masking (OPSM, DeepSeek-V3.2): a token is dropped when its advantage is < 0 and its
+    # sample's mean of ``anchor − log_probs`` over the loss tokens exceeds ``opsm_delta`` (anchor: ``old`` as
+    # slime, ``rollout`` as TRL's sampling log-probs). Unset: off, and not written.
+    opsm_delta: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    opsm_anchor: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    # TRL's high-entropy token mask: the policy term kept only where the entropy is >= the (1 − q) quantile of
+    # the loss-token entropies of the sample's micro-batch (``micro_batch_id``; the step when none is recorded).
+    top_entropy_quantile: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # On-policy distillation against the ``teacher_log_probs`` payload: the reverse-KL estimate
+    # ``opd_kl_type(student − teacher)`` clamped to ±opd_clamp, weighted by opd_coef, placed in the advantages
+    # (``advantage``: A − coef·estimate, the student being old_log_probs; slime, NeMo-RL, prime-rl) or as a
+    # supervised loss term (``loss``: the field opd_loss, aggregated as the policy term, coef·opd_loss added to
+    # loss; the student being log_probs; verl). Unset: off, and not written.
+    opd_placement: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    opd_kl_type: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    opd_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    opd_clamp: Union[float, None, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema

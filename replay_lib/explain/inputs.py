@@ -373,11 +373,59 @@ def _sample_mask_count(ctx: StageContext, index: int) -> float:
     return float(ctx.loss_mask[lo:lo + int(ctx.lengths[index])].sum())
 
 
+# A loss family's (and the masks') own per-token columns, as the why strip names them (kernels.families).
+FAMILY_COLUMNS = (("cispo_weight", "sg(clip(r))"), ("sapo_tau", "τ"), ("sapo_gate", "gate f(r)"),
+                  ("dppo_valid", "valid"), ("gm_sample_loss", "sample loss −Ā·R"), ("phi", "φ(w)"), ("log_w", "log w"),
+                  ("rollout_ratio", "r kept"), ("prob_diff", "|p − p_inf|"),
+                  ("ipo_keep", "kept"), ("opsm_seq_kl", "OPSM seq KL"), ("opsm_keep", "OPSM kept"),
+                  ("entropy", "entropy"), ("entropy_threshold", "entropy threshold"), ("entropy_keep", "entropy kept"),
+                  ("is_weight", "IS weight"), ("opd_loss", "distillation term"))
+
+
+def family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
+    """A loss token under a loss family or a mask (OPSM, the entropy mask, distillation): the family's formula
+    with the token's value, and its own columns (``FAMILY_COLUMNS``), from ``kernels.loss.policy_token_terms`` in
+    float64 (the per-sample quantities from the step's sample pass, as the stage takes them)."""
+    from ..kernels.families import FAMILIES
+    from ..kernels.loss import policy_token_terms, sample_log_terms
+    from ..stages.loss import loss_inputs
+
+    li = loss_inputs(ctx)
+    knobs = li.knobs
+    f64 = torch.float64
+    terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs, f64,
+                             entropy=li.entropy)
+    sl = slice(t, t + 1)
+
+    def at(x):
+        return None if x is None else x[sl]
+
+    adv = li.advantages[sl].to(f64)
+    tt = policy_token_terms(li.log_probs[sl], li.old_log_probs[sl], adv, knobs, seg=torch.tensor([index]),
+                            sample_terms=terms, rollout_log_probs=at(li.rollout_log_probs),
+                            ref_log_probs=at(li.ref_log_probs), dtype=f64, entropy=at(li.entropy),
+                            teacher_log_probs=at(li.teacher_log_probs))
+    pg = float(tt["pg"][0])
+    name = knobs.policy_loss
+    rule = FAMILIES[name].formula if knobs.family else \
+        f"max(−r·A, −clamp(r, {fmt(1 - knobs.eps_clip)}, {fmt(1 + knobs.eps_clip_high)})·A)"
+    masks = [m for m, on in (("× OPSM kept", knobs.opsm), ("× entropy kept", knobs.entropy_mask)) if on]
+    formula = f"{name}: {rule}{' ' + ' '.join(masks) if masks else ''} = {fmt(pg)}"
+    items = [("ratio r", fmt(float(tt["ratio"][0]))), ("A", fmt(float(adv[0]))), ("mask", fmt_count(float(li.mask[t])))]
+    items += [(label, fmt(float(tt[key][0]))) for key, label in FAMILY_COLUMNS if key in tt]
+    term = pg * float(li.mask[t])
+    return ElementInputs(field=field, sample_id=ctx.sample_ids[index], offset=offset, formula=formula,
+                         items=tuple(items), note=f"adds pg·mask = {fmt(term)} to {ctx.sample_ids[index]}'s pg_sum")
+
+
 def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
     """A loss token: ratio ``exp(logp − old)``, its clip region and decision, mask, advantage, the surrogate
     ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
     ``loss_scale · w_i · pg·mask`` to its term of pg_loss (``w_i`` the loss mode's weight, :func:`pg_term`)."""
-    if getattr(ctx.config, "policy_loss", "ppo") != "ppo":
+    knobs = LossKnobs.of(ctx.config)
+    if knobs.opsm or knobs.entropy_mask or knobs.opd_loss:  # a mask or the distillation term (any family)
+        return family_token_inputs(ctx, field, index, offset, t)
+    if knobs.family:
         return _family_token_inputs(ctx, field, index, offset, t)
     v = _loss_token(ctx, t)
     n_mask = _sample_mask_count(ctx, index)
@@ -440,10 +488,6 @@ def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
 
 
 # a policy-loss family's own per-token columns (kernels/families) the strip lists, with their labels
-FAMILY_COLUMNS = (("cispo_weight", "sg(clip(r))"), ("sapo_tau", "τ"), ("sapo_gate", "gate f(r)"),
-                  ("dppo_valid", "valid"), ("gm_sample_loss", "sample loss −Ā·R"))
-
-
 def _family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
     """A loss token under a policy-loss family: the family's formula (``PolicyFamily.formula``) with the token's
     ``pg``, the ratio, mask, advantage and the family's own columns, from the family's kernel over the token's

@@ -245,8 +245,10 @@ def modelled(cfg) -> bool:
     train/rollout importance weights, no log-ratio clamp, token-level ratios (other configurations get no loss
     hypotheses rather than ones built on the wrong formula)."""
     kl_loss = cfg.use_kl_loss and cfg.kl_loss_coef != 0
-    return getattr(cfg, "policy_loss", "ppo") == "ppo" and not (kl_loss or cfg.use_tis or cfg.is_level is not None or cfg.log_ratio_clamp is not None
-                or cfg.importance_level != "token" or cfg.use_rollout_logprobs)
+    knobs = LossKnobs.of(cfg)  # another loss family, OPSM, the entropy mask, distillation: explain.families
+    return not (kl_loss or cfg.use_tis or cfg.is_level is not None or cfg.log_ratio_clamp is not None
+                or cfg.importance_level != "token" or cfg.use_rollout_logprobs or knobs.family or knobs.opsm
+                or knobs.entropy_mask or knobs.opd_loss)
 
 
 def micro_batch_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
@@ -529,14 +531,18 @@ def _fraction_above(ctx: StageContext, li: LossInputs, knobs: LossKnobs, cap: fl
 
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
+    from .families import hypotheses as mask_hypotheses  # VESPO, rollout_is/IPO, OPSM, entropy mask, distillation
+
     if getattr(ctx.config, "policy_loss", "ppo") != "ppo":
-        return family_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
-            micro_batch_hypotheses(ctx, fields)
+        # a family's own bugs (FAMILY_BUGS), and those of explain.families; PPO's knob bugs do not apply
+        return family_hypotheses(ctx, fields) + mask_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) \
+            + micro_batch_hypotheses(ctx, fields)
     from . import loss_knobs  # the knobs' bugs, under every configuration (first: the more specific wording)
 
     knob_bugs = loss_knobs.hypotheses(ctx, fields)
     if not modelled(ctx.config):
-        return knob_bugs + aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
+        return knob_bugs + mask_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
+            micro_batch_hypotheses(ctx, fields)
     try:
         li = loss_inputs(ctx)
     except StageInputError:  # an input the stage itself reported as missing: nothing to hypothesize from

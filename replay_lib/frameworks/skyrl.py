@@ -102,6 +102,12 @@ NEUTRAL = ("sapo", "clip_cov", "kl_cov", "cispo", "dppo", "dynamic_sampling", "v
            "zero_variance_filter", "zero_variance_filter_tol", "kl_ctrl", "tis_imp_ratio_cap")
 
 
+# policy_loss_type values recomputed as a loss family (kernels/families): cross_entropy (ppo_utils.py:1057-1092),
+# importance_sampling (:1095-1142), rollout_is (:825-863; the ratio to the rollout log-probs, a hard zero outside
+# (1 − eps_clip_low, 1 + eps_clip_high))
+FAMILY_LOSSES = ("cross_entropy", "importance_sampling", "rollout_is")
+
+
 def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     """The ``RecomputeConfig`` SkyRL's config ``cfg`` encodes (see the module docstring)."""
     r = ConfigReader(FRAMEWORK, cfg, where)
@@ -113,8 +119,9 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo"):
-        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip, gspo, cispo and sapo are)")
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo") + tuple(FAMILY_LOSSES):
+        r.refuse(f"{p}policy_loss_type", loss_type,
+                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, {', '.join(FAMILY_LOSSES)} are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -206,6 +213,10 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     elif loss_type == "sapo":  # sapo_policy_loss: the gate by the sign of A, the configured loss_reduction
         fields.update(policy_loss="sapo", policy_loss_params={"tau_pos": r.number(f"{p}sapo.tau_pos", 1.0),
                                                               "tau_neg": r.number(f"{p}sapo.tau_neg", 1.05)})
+    elif loss_type in FAMILY_LOSSES:
+        fields["policy_loss"] = loss_type
+        if loss_type == "cross_entropy":  # Σ −logp·m (reduce_loss, ppo_utils.py:1145-1149): no advantage to fold
+            fields["loss_agg_mode"] = "token_sum"     # the reduction into (ppo_utils.py:1152-1220)
     if reduction == "seq_mean_token_sum_norm":
         fields["loss_horizon"] = r.integer(f"{p}max_seq_len", None)  # config.py:933
     else:

@@ -117,10 +117,13 @@ def from_slime(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
             r.refuse(key, value, "a custom function's math cannot be recomputed")
     if not r.flag("compute_advantages_and_returns", True):  # args.py:956-965
         r.refuse("compute_advantages_and_returns", False, "the advantages are then not slime's formula")
-    if r.flag("use_opsm", False):  # args.py:1103-1108; loss.py:1011,1046: pg_loss × the OPSM mask
-        r.refuse("use_opsm", True, "off-policy sequence masking is not recomputed")
-    if r.flag("use_opd", False):  # args.py:1123-1128
-        r.refuse("use_opd", True, "on-policy distillation's KL term in the advantages is not recomputed")
+    extra: dict[str, Any] = {}
+    if r.flag("use_opsm", False):  # args.py:1103-1114; loss.py:1010-1017, 1045-1046: pg_loss × the OPSM mask
+        # ppo_utils.py:54-92: a token dropped when A < 0 and mean(old − logp) > opsm_delta (old: the trainer's)
+        extra.update(opsm_delta=r.number("opsm_delta", 1e-4), opsm_anchor="old")
+    if r.flag("use_opd", False):  # args.py:1123-1150; loss.py:663-701, 809-816: A − opd_kl_coef·(old − teacher)
+        extra.update(opd_placement="advantage", opd_kl_type="k1", opd_coef=r.number("opd_kl_coef", 1.0),
+                     opd_clamp=None)
 
     eps_clip = r.number("eps_clip", 0.2)  # args.py:899
     eps_clip_high = r.number("eps_clip_high", None)  # args.py:900; None → eps_clip (args.py:1876-1877)
@@ -175,6 +178,7 @@ def from_slime(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         # sum of per-sample means, or a token mean under --calculate-per-token-loss
         loss_agg_mode="token_mean" if per_token else "sum_of_sample_means",
         **is_fields,
+        **extra,
     )
     if estimator == "gae":
         fields["value_clip"] = r.number("value_clip", 0.2)  # args.py:907

@@ -45,10 +45,11 @@ whose ``loss_scale`` is not 1). The mapping reads TRL 1.16.0 (``VERSIONS``; anot
 refused by name).
 
 What cannot be recomputed is refused by name (:class:`~replay_lib.errors.UnsupportedFrameworkConfig`, exit 4):
-another loss type (``vespo``, ``luspo``), ``scale_rewards="batch"`` over several processes
+another loss type than those mapped above, ``scale_rewards="batch"`` over several processes
 or generation batches that span several steps (the batch std),
-``multi_objective_aggregation="normalize_then_sum"`` over several processes, ``delta < 1 + epsilon_high``, ``top_entropy_quantile < 1``
-(the entropy mask), ``off_policy_mask_threshold``, ``use_adaptive_entropy`` (a coefficient that changes per
+``multi_objective_aggregation="normalize_then_sum"`` over several processes, ``delta < 1 + epsilon_high``,
+``top_entropy_quantile < 1`` with ``entropy_coef`` (the bonus over the masked tokens), VESPO with vLLM's importance
+correction, ``use_adaptive_entropy`` (a coefficient that changes per
 step), ``entropy_coef`` with a scaled ``dapo`` loss, and a step that straddles two generation batches. Any
 other key whose name looks like a knob of the math and whose value is on refuses too
 (``ConfigReader.check_unknown``).
@@ -68,7 +69,8 @@ VERSIONS = ("1.16.0",)  # the release read (oldest first); capture.integrations.
 # TRL's std epsilon (grpo_trainer.py:2787) and its one KL estimator (k3, :3101).
 TRL_STD_EPS = 1e-4
 LOSS_MODES = {"dapo": "token_mean", "grpo": "seq_mean_token_mean", "bnpo": "token_mean",
-              "dr_grpo": "seq_mean_token_sum_norm"}
+              "dr_grpo": "seq_mean_token_sum_norm",
+              "vespo": "token_mean", "luspo": "seq_mean_token_sum"}  # VESPO and LUSPO: issue 34
 _VLLM_IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
                   "sequence_truncate": ("sequence", "truncate"), "sequence_mask": ("sequence", "mask")}
 
@@ -146,6 +148,10 @@ def from_trl(config: Any, *, num_processes: int = 1, where: Optional[str] = None
     fields.update(_loss(cfg, batch=batch, gas=gas, spg=spg, num_processes=num_processes))
     fields.update(_kl(cfg))
     fields.update(_vllm_importance(cfg))
+    fields.update(_masks(cfg))
+    if fields.get("policy_loss") == "vespo" and fields.get("is_level") is not None:
+        cfg.refuse("loss_type", "vespo", "with vLLM's importance correction TRL folds the ratio into VESPO's "
+                                         "sequence weight (:2993-2997), which is not recomputed")
     _refuse_rest(cfg)
     cfg.check_unknown()
     return cfg.build(fields)
@@ -203,12 +209,24 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
     if loss_type not in LOSS_MODES:
         cfg.refuse("loss_type", loss_type, f"only {', '.join([*LOSS_MODES, *FAMILY_LOSS_TYPES])} are recomputed")
     out: dict[str, Any] = {"loss_agg_mode": LOSS_MODES[loss_type]}
-    if loss_type == "dapo":
+    if loss_type == "vespo":
+        # −φ(w)·A·logp (:3125-3136, get_gamma_weights :2969-3018), aggregated as dapo (:3168)
+        out["policy_loss"] = "vespo"
+        out["policy_loss_params"] = {name: cfg.number(f"vespo_{name}", default)
+                                     for name, default in (("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 3.0),
+                                                           ("lambda_neg", 2.0))}
+    else:
+        cfg.neutral("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    if loss_type == "luspo":
+        # the clipped surrogate (:3112-3123), the loss (Σ_t x·m).mean() over the micro-batch / GAS (:3175-3183):
+        # each sequence's token sum, averaged over the step's B·GAS sequences
+        out["loss_seq_count"] = batch * gas
+    if loss_type in ("dapo", "vespo"):
         out["loss_scale"] = num_processes * spg / gas
     elif loss_type == "bnpo":
         if gas != 1:  # Σ_b (Σ x·m / max(Σ m, 1))_b / GAS over the step's GAS micro-batches (:3158-3162)
             out["loss_agg_mode"] = "micro_batch_token_mean"
-    else:  # grpo, dr_grpo: every micro-batch holds B sequences
+    elif loss_type in ("grpo", "dr_grpo"):  # every micro-batch holds B sequences
         out["loss_seq_count"] = batch * gas
         if loss_type == "dr_grpo":
             out["loss_horizon"] = cfg.integer("max_completion_length", 512)
@@ -291,22 +309,25 @@ def _vllm_importance(cfg: ConfigReader) -> dict[str, Any]:
     return {"is_level": level, "is_mode": is_mode, "is_low": low, "is_high": high}
 
 
-def _refuse_rest(cfg: ConfigReader) -> None:
+def _masks(cfg: ConfigReader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     quantile = cfg.number("top_entropy_quantile", 1.0)
     if quantile < 1.0:
-        cfg.refuse("top_entropy_quantile", quantile, "the high-entropy token mask (entropy ≥ the quantile of the "
-                                                     "micro-batch's loss-token entropies gathered over every "
-                                                     "process, :1380-1415) is not recomputed; a bundle would need "
-                                                     "the mask the loss applied recorded per token")
+        # get_high_entropy_mask (:1380-1415): entropy ≥ quantile(the micro-batch's loss-token entropies gathered
+        # over the processes, 1 − q), the loss × the mask (:3143-3144); the scope is each sample's micro_batch_id
+        if cfg.number("entropy_coef", 0.0) != 0:
+            cfg.refuse("top_entropy_quantile", quantile, "with entropy_coef the bonus averages over the masked "
+                                                         "tokens only (:3193), which is not recomputed")
+        out["top_entropy_quantile"] = quantile
     threshold = cfg.number("off_policy_mask_threshold", None)
     if threshold is not None:
-        # get_off_policy_mask (:2945-2967), applied to the per-token loss (:3140-3141): not the IS knobs (a
-        # weight of old/rollout log-probs), as it reads the current policy's log-probs and the advantage's sign
-        cfg.refuse("off_policy_mask_threshold", threshold,
-                   "the off-policy sequence mask (a completion kept when its advantage is ≥ 0 or the mean of "
-                   "sampling − current log-probs over its tokens is ≤ the threshold, :2945-2967, the loss × the mask "
-                   ":3140-3141) reads the current policy and the advantage's sign, which the IS knobs (old/rollout "
-                   "weights) do not; a bundle would need each completion's kept flag recorded")
+        # get_off_policy_mask (:2945-2967), the loss × the mask (:3140-3141): kept when A ≥ 0 or the mean of
+        # sampling − current over the completion ≤ the threshold; sampling = vLLM's log-probs, else old (:3074)
+        out.update(opsm_delta=threshold, opsm_anchor="rollout" if cfg.flag("use_vllm", False) else "old")
+    return out
+
+
+def _refuse_rest(cfg: ConfigReader) -> None:
     # use_adaptive_entropy: the step applies entropy_coef, or 0 where the previous window's entropy is above
     # entropy_target (apply_coef, grpo_trainer.py:3206-3209), and moves it after the step (:3216-3240); the bundle
     # records the coefficient its step applied as entropy_coef (the capture writes it there), mapped as above

@@ -189,6 +189,7 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         mini = r.integer(f"{ACTOR}.ppo_mini_batch_size", 256)  # yaml:79
         fields["loss_seq_count"] = mini * fields["n_samples_per_prompt"]
     _kl_in_reward(r, fields)
+    _distillation(r, fields)
     _rollout_correction(r, fields, bypass=mode == "bypass_mode")
     if mode == "geo_mean" and fields.get("is_level"):
         r.refuse(f"{RC}.rollout_is", fields["is_level"], "GMPO weighs each sample by the geometric mean of its "
@@ -202,6 +203,42 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
     r.neutral(f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg")
     r.check_unknown([ALGO, ACTOR])
     return r.build(fields)
+
+
+# verl's distillation estimators (trainer/distillation/losses.py:379-405 → core_algos.py kl_penalty_forward
+# :2228-2245) → ours: its k3 / low_var_kl clamps the log-ratio at ±20 and the value at ±10, as our low_var_kl does
+# (the input clamp changes nothing: beyond |r| = 20 the value is at its ±10 clamp either way)
+DISTILLATION_KL = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "k3": "low_var_kl",
+                   "low_var_kl": "low_var_kl"}
+DIST = "distillation.distillation_loss"
+
+
+def _distillation(r: ConfigReader, fields: dict[str, Any]) -> None:
+    """On-policy distillation (``distillation.*``, config/distillation/distillation.yaml; 0.9.1
+    trainer/distillation/losses.py:196-300): the supervised form — the policy loss plus ``distillation_loss_coef ·
+    agg(clamp(estimate(student, teacher), ±loss_max_clamp))`` with the actor's ``loss_agg_mode`` — is recomputed
+    (``opd_placement="loss"``, the ``teacher_log_probs`` payload); the policy-gradient form, the top-k forward KL
+    and a run without the task rewards are refused by name."""
+    if not r.flag("distillation.enabled", False):
+        return
+    mode = r.text(f"{DIST}.loss_mode", "k3")
+    if mode == "forward_kl_topk":
+        r.refuse(f"{DIST}.loss_mode", mode, "the top-k forward KL needs the teacher's top-k token ids and "
+                                            "log-probs at every token ([Σ T, k], k = distillation_loss.topk) and "
+                                            "the student's log-probs over them; a bundle records one teacher "
+                                            "log-prob per token (teacher_log_probs)")
+    if mode not in DISTILLATION_KL:
+        r.refuse(f"{DIST}.loss_mode", mode, f"not one of {', '.join(DISTILLATION_KL)}, forward_kl_topk")
+    if r.flag(f"{DIST}.use_policy_gradient", False):
+        r.refuse(f"{DIST}.use_policy_gradient", True, "the distillation loss as a second policy loss with "
+                                                      "advantages −KL (losses.py:272-293) is not recomputed")
+    if not r.flag(f"{DIST}.use_task_rewards", True):
+        r.refuse(f"{DIST}.use_task_rewards", False, "without the task rewards the policy term is dropped "
+                                                    "(losses.py:214-219): the loss is the distillation term alone, "
+                                                    "which the replay does not separate from pg_loss")
+    clamp = r.number(f"{DIST}.loss_max_clamp", None)
+    fields.update(opd_placement="loss", opd_kl_type=DISTILLATION_KL[mode],
+                  opd_coef=r.number(f"{DIST}.distillation_loss_coef", 1.0), opd_clamp=clamp)
 
 
 def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None:

@@ -782,6 +782,8 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         terms["pg_clipfrac_lower"] = term("clip_lower", None, None, None, True)
     if "kl_loss" in sums:
         terms["kl_loss"] = term("kl_loss", "abs_kl_loss", sums["kl_loss_tok"], "kl_loss32", False, knobs.kl_mode)
+    if "opd_loss" in sums:  # on-policy distillation's supervised term (its estimator's condition, as the KL term's)
+        terms["opd_loss"] = term("opd_loss", "abs_opd_loss", sums["opd_loss_tok"], None, False)
     c = abs(entropy_coef)
     c32 = float(torch.tensor(entropy_coef, dtype=torch.float32))
     pg, ent = terms["pg_loss"], terms["entropy_loss"]
@@ -791,6 +793,11 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
         kl = terms["kl_loss"]
         loss = [loss[k] + kc * kl[k] for k in range(3)] + [loss[3] + float(torch.tensor(
             knobs.kl_loss_coef, dtype=torch.float32)) * kl[3]]
+    if "opd_loss" in terms:
+        oc = abs(float(knobs.opd_coef))
+        od = terms["opd_loss"]
+        loss = [loss[k] + oc * od[k] for k in range(3)] + [loss[3] + float(torch.tensor(
+            knobs.opd_coef, dtype=torch.float32)) * od[3]]
     terms["loss"] = tuple(loss)
     inner_l, outer_l = loss_mode
     inner_m, outer_m = metric_mode
@@ -805,6 +812,8 @@ def loss_scalar_bounds(sums: Mapping[str, torch.Tensor], fields: Mapping[str, to
             extra_clip = float(((rho > 0) & (a <= rho) & (n > 0)).sum())
     if "is_flip" in sums:
         extra_pg += float((sums["is_flip"] / (inner_l * outer_l)).sum()) * scale
+    if "mask_flip" in sums:  # OPSM or the entropy mask may keep or drop these tokens' terms
+        extra_pg += float((sums["mask_flip"] / (inner_l * outer_l)).sum()) * scale
     if "edge_flip" in sums:  # a policy-loss family's mask decided within rounding of its edge: its term is open
         extra_pg += float((sums["edge_flip"] / (inner_l * outer_l)).sum()) * scale
     out = {}

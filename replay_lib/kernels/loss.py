@@ -32,6 +32,7 @@ use ``metric_agg_mode`` and are not scaled (verl multiplies its loss by the dp s
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Mapping, Optional
 
@@ -117,20 +118,36 @@ def family_sample_pass(knobs: LossKnobs) -> bool:
     return knobs.policy_loss != "ppo" and policy_family(knobs.policy_loss).sample_terms is not None
 
 
+def wants_sample_pass(knobs: LossKnobs) -> bool:
+    """A per-sample quantity is needed before the per-token terms: the knobs' own (GSPO, a sequence IS weight),
+    a family's ``sample_terms``, OPSM's sequence KL or the entropy mask's threshold."""
+    return knobs.needs_sample_pass or knobs.opsm or knobs.entropy_mask or family_sample_pass(knobs)
+
+
 def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
                      loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
-                     dtype: torch.dtype = torch.float32, *,
+                     dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None, *,
                      advantages: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The per-sample quantities the per-token terms need first (``[n]`` each, ``{}`` when none is):
     ``seq_log_ratio`` (GSPO, ``Σ_t (logp − old)·mask / max(n_i, 1)``, clamped) and ``is_log_weight``
-    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``), and the policy-loss family's
-    own (``families.PolicyFamily.sample_terms``, given the ``advantages``)."""
-    extra = {}
+    (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``); the policy-loss family's own
+    (``families.PolicyFamily.sample_terms``, given the ``advantages``); ``opsm_kl`` (OPSM: ``Σ_t (anchor −
+    logp)·mask / max(n_i, 1)``); ``entropy_threshold`` (the entropy mask: the quantile of the sample's
+    micro-batch, ``entropy`` needed)."""
+    out = {}
     if family_sample_pass(knobs):
-        extra = policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask,
-                                                              lengths, knobs, dtype, advantages=advantages)
+        out.update(policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs,
+                                                                 loss_mask, lengths, knobs, dtype,
+                                                                 advantages=advantages))
+    if knobs.opsm:
+        out["opsm_kl"] = opsm_sequence_kl(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs,
+                                          dtype)
+    if knobs.entropy_mask:
+        if entropy is None:
+            raise ValueError("entropy is required for top_entropy_quantile < 1")
+        out["entropy_threshold"] = entropy_thresholds(entropy, loss_mask, lengths, knobs, dtype)
     if not knobs.needs_sample_pass:
-        return extra
+        return out
     mask = loss_mask.to(dtype)
     want_is = knobs.is_level in ("sequence", "geometric")
     if want_is and rollout_log_probs is None:
@@ -148,12 +165,11 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
     names = ["mask"] + (["lr"] if knobs.sequence_ratio else []) + (["is"] if want_is else [])
     sums = masked_sample_sums(lengths, loss_mask, columns, {k: dtype for k in names})
     n = torch.clamp_min(sums["mask"], 1.0)
-    out = {}
     if knobs.sequence_ratio:
         out["seq_log_ratio"] = _clamp(sums["lr"] / n, knobs.log_ratio_clamp)
     if want_is:
         out["is_log_weight"] = sums["is"] / n if knobs.is_level == "geometric" else sums["is"]
-    return {**extra, **out}
+    return out
 
 
 def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -161,21 +177,26 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
                        sample_terms: Optional[Mapping[str, torch.Tensor]] = None,
                        rollout_log_probs: Optional[torch.Tensor] = None,
                        ref_log_probs: Optional[torch.Tensor] = None,
-                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None,
+                       teacher_log_probs: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The per-token terms of one run of tokens, in ``dtype`` (module docstring): ``pg`` (after dual-clip and
     the importance weight), ``clip``, ``ppo_kl``, ``ratio`` (the one clipped), ``log_ratio`` (its log), and as
     the knobs ask ``clip_lower``, ``is_weight``, ``kl_loss``. ``seg``: the sample of each token (an index into
-    ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs. A policy-loss
-    family other than ``ppo`` (``knobs.policy_loss``) gives the surrogate's terms (``families``); the importance
-    weight and the KL term are then applied as for PPO."""
-    old = old_log_probs.to(dtype)
-    adv = advantages.to(dtype)
-    if knobs.policy_loss != "ppo":
+    ``sample_terms``' per-sample values, :func:`sample_log_terms`), needed by the per-sample knobs.
+
+    Another family (``knobs.policy_loss``) computes ``pg`` and its columns (``kernels.families``); then OPSM
+    (``opsm_keep``) and the entropy mask (``entropy_keep``, ``entropy`` needed) multiply ``pg``, before the
+    importance weight and the KL term; ``opd_loss`` (``teacher_log_probs`` needed) is the supervised
+    distillation term when ``opd_placement="loss"``."""
+    if knobs.family:
         out = policy_family(knobs.policy_loss).token_terms(
             log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
             rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype)
-        return _weighted_terms(out, out["pg"], out["ratio"], log_probs, old, knobs, seg, sample_terms,
-                               rollout_log_probs, ref_log_probs, dtype)
+        return _shared_terms(out, log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
+                             rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
+                             entropy=entropy, teacher_log_probs=teacher_log_probs)
+    old = old_log_probs.to(dtype)
+    adv = advantages.to(dtype)
     # the log-probs promoted to ``dtype`` inside the difference when that is where it lands (the same bits as
     # converting them first, one conversion fewer)
     promoted = torch.promote_types(log_probs.dtype, dtype) == dtype
@@ -191,14 +212,33 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     out = {"ppo_kl": ppo_kl, "ratio": ratio, "log_ratio": lr, "clip": clip}
     if knobs.dual_clip:
         pg, out["clip_lower"] = dual_clip(pg, adv, float(knobs.eps_clip_c))
-    return _weighted_terms(out, pg, ratio, log_probs, old, knobs, seg, sample_terms, rollout_log_probs,
-                           ref_log_probs, dtype)
+    out["pg"] = pg
+    return _shared_terms(out, log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
+                         rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
+                         entropy=entropy, teacher_log_probs=teacher_log_probs)
 
 
-def _weighted_terms(out: dict, pg: torch.Tensor, ratio: torch.Tensor, log_probs: torch.Tensor, old: torch.Tensor,
-                    knobs: LossKnobs, seg, sample_terms, rollout_log_probs, ref_log_probs,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The importance weight (``pg ← w·pg``) and the KL term of the loss, after the surrogate's ``pg``."""
+def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKnobs, *, seg, sample_terms,
+                  rollout_log_probs, ref_log_probs, dtype, entropy, teacher_log_probs) -> dict[str, torch.Tensor]:
+    """What follows any family's ``pg``: OPSM and the entropy mask, the importance weight, the KL term, the
+    supervised distillation term."""
+    pg, ratio = out["pg"], out["ratio"]
+    old = old_log_probs.to(dtype)
+    if knobs.opsm or knobs.entropy_mask:
+        out["pg_unmasked"] = pg
+    if knobs.opsm:
+        kl = sample_terms["opsm_kl"][seg]
+        out["opsm_seq_kl"] = kl
+        out["opsm_negative"] = advantages.to(dtype) < 0
+        out["opsm_keep"] = (~out["opsm_negative"] | (kl <= knobs.opsm_delta)).to(dtype)
+        pg = pg * out["opsm_keep"]
+    if knobs.entropy_mask:
+        if entropy is None:
+            raise ValueError("entropy is required for top_entropy_quantile < 1")
+        out["entropy"] = entropy.to(dtype)
+        out["entropy_threshold"] = sample_terms["entropy_threshold"][seg]
+        out["entropy_keep"] = (out["entropy"] >= out["entropy_threshold"]).to(dtype)
+        pg = pg * out["entropy_keep"]
     if knobs.is_level is not None:
         if knobs.is_level == "token":
             if rollout_log_probs is None:
@@ -220,6 +260,77 @@ def _weighted_terms(out: dict, pg: torch.Tensor, ratio: torch.Tensor, log_probs:
         if knobs.kl_loss_ratio_weighted:  # × the unclipped ratio (TRL use_bias_correction_kl)
             out["kl_loss_unweighted"] = out["kl_loss"]
             out["kl_loss"] = out["kl_loss"] * ratio
+    if knobs.opd_loss:
+        if teacher_log_probs is None:
+            raise ValueError("teacher_log_probs is required for opd_placement='loss'")
+        out["opd_r"] = log_probs.to(dtype) - teacher_log_probs.to(dtype)
+        out["opd_loss"] = opd_estimate(log_probs, teacher_log_probs, knobs, dtype)
+    return out
+
+
+def opd_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, knobs: LossKnobs,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """On-policy distillation's per-token reverse-KL estimate: ``opd_kl_type`` of ``r = student − teacher``
+    (``kl.compute_approx_kl``: k1 = r, k2 = r²/2, k3 = e^−r − 1 + r, low_var_kl = k3 clamped ±10, abs = |r|),
+    clamped to ``±opd_clamp`` when set (verl ``loss_max_clamp``, ``distillation/losses.py:256-258``)."""
+    return compute_approx_kl(student_log_probs, teacher_log_probs, knobs.opd_kl_type, dtype=dtype,
+                             clamp=knobs.opd_clamp)
+
+
+def opd_advantages(advantages: torch.Tensor, old_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                   knobs: LossKnobs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``A − opd_coef·estimate(old, teacher)``: the advantage placement of on-policy distillation (slime
+    ``apply_opd_kl_to_advantages``, ``backends/megatron_utils/loss.py:663-701``, student = the trainer's old
+    log-probs, k1; NeMo-RL's ``opd`` estimator is ``teacher − prev`` on a zero base, ``advantage_estimator.py:551-600``)."""
+    return advantages.to(dtype) - knobs.opd_coef * opd_estimate(old_log_probs, teacher_log_probs, knobs, dtype)
+
+
+def opsm_sequence_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
+                     loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """OPSM's per-sample ``Σ_t (anchor − logp)·m / max(Σ_t m, 1)``; the anchor is old_log_probs (slime
+    ``compute_opsm_mask``, ``utils/ppo_utils.py:54-92``) or rollout_log_probs (TRL ``get_off_policy_mask``,
+    ``grpo_trainer.py:2945-2967``: the sampling log-probs, a NaN difference taken as 0)."""
+    if knobs.opsm_anchor == "rollout":
+        if rollout_log_probs is None:
+            raise ValueError("rollout_log_probs is required for opsm_anchor='rollout'")
+        anchor = rollout_log_probs
+    else:
+        anchor = old_log_probs
+    mask = loss_mask.to(dtype)
+
+    def columns(start: int, stop: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = mask[start:stop]
+        d = anchor[start:stop].to(dtype) - log_probs[start:stop].to(dtype)
+        if knobs.opsm_anchor == "rollout":
+            d = d.nan_to_num(nan=0.0)
+        return {"kl": d * m, "mask": m}
+
+    sums = masked_sample_sums(lengths, loss_mask, columns, {"kl": dtype, "mask": dtype})
+    return sums["kl"] / torch.clamp_min(sums["mask"], 1.0)
+
+
+def entropy_thresholds(entropy: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The entropy mask's threshold per sample: ``quantile(H over the loss tokens of the sample's micro-batch,
+    1 − top_entropy_quantile)`` (linear interpolation, TRL ``get_high_entropy_mask``, ``grpo_trainer.py:1380-1415``;
+    the micro-batch from ``knobs.micro_batch``, the whole step without one). A micro-batch without loss tokens
+    keeps none (+inf)."""
+    n = int(lengths.numel())
+    seg = torch.repeat_interleave(torch.arange(n), lengths.to(torch.int64))
+    group = torch.tensor(knobs.micro_batch, dtype=torch.int64) if knobs.micro_batch is not None and         len(knobs.micro_batch) == n else torch.zeros(n, dtype=torch.int64)
+    keep = loss_mask.to(torch.bool)
+    token_group = group[seg]
+    out = torch.full((n,), math.inf, dtype=dtype)
+    q = 1.0 - knobs.top_entropy_quantile
+    for b in torch.unique(group).tolist():
+        values = entropy[keep & (token_group == b)].to(dtype)
+        if values.numel():  # torch.quantile's linear rule from two order statistics (a selection, not a sort)
+            pos = q * (values.numel() - 1)
+            lo = math.floor(pos)
+            low = torch.kthvalue(values, lo + 1).values
+            high = torch.kthvalue(values, min(lo + 2, values.numel())).values if pos > lo else low
+            out[group == b] = torch.lerp(low, high, pos - lo)
     return out
 
 
@@ -305,7 +416,7 @@ def sum_of_sample_mean(values: torch.Tensor, mask: torch.Tensor, seg: torch.Tens
 
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 # What the knobs add (SPEC §4.2): the dual-clip fraction and the KL term of the loss.
-POLICY_EXTRA_FIELDS = ("pg_clipfrac_lower", "kl_loss")
+POLICY_EXTRA_FIELDS = ("pg_clipfrac_lower", "kl_loss", "opd_loss")
 POLICY_FIELDS = LOSS_FIELDS + POLICY_EXTRA_FIELDS
 VALUE_FIELDS = ("vf_loss", "vf_clipfrac")
 # Which fields are loss terms (loss_agg_mode, × loss_scale); the others are metrics (metric_agg_mode).
@@ -322,11 +433,12 @@ def field_aggregation(name: str, knobs: LossKnobs) -> tuple[str, float]:
         knobs.loss_scale
 
 
-def loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef: float, knobs: LossKnobs):
-    """``loss = pg_loss − entropy_coef·entropy_loss (+ kl_loss_coef·kl_loss with a KL term)``, of floats or
-    tensors alike."""
+def loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef: float, knobs: LossKnobs, opd_loss=None):
+    """``loss = pg_loss − entropy_coef·entropy_loss (+ kl_loss_coef·kl_loss with a KL term) (+ opd_coef·opd_loss
+    with a supervised distillation term)``, of floats or tensors alike."""
     loss = pg_loss - entropy_coef * entropy_loss
-    return loss + knobs.kl_loss_coef * kl_loss if knobs.kl_loss else loss
+    loss = loss + knobs.kl_loss_coef * kl_loss if knobs.kl_loss else loss
+    return loss + knobs.opd_coef * opd_loss if knobs.opd_loss and opd_loss is not None else loss
 
 
 def has_clip_lower(knobs: LossKnobs) -> bool:
@@ -348,8 +460,9 @@ def policy_fields_for(knobs: LossKnobs) -> tuple[str, ...]:
         metrics = family_metrics(knobs)
         return tuple(f for f in LOSS_FIELDS if f not in METRIC_FIELDS or f in metrics) + \
             (("pg_clipfrac_lower",) if "pg_clipfrac_lower" in metrics else ()) + \
-            (("kl_loss",) if knobs.kl_loss else ())
-    return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ())
+            (("kl_loss",) if knobs.kl_loss else ()) + (("opd_loss",) if knobs.opd_loss else ())
+    return LOSS_FIELDS + (("pg_clipfrac_lower",) if knobs.dual_clip else ()) + (("kl_loss",) if knobs.kl_loss else ()) \
+        + (("opd_loss",) if knobs.opd_loss else ())
 
 
 def policy_loss_fields(
@@ -367,6 +480,7 @@ def policy_loss_fields(
     knobs: Optional[LossKnobs] = None,
     rollout_log_probs: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
+    teacher_log_probs: Optional[torch.Tensor] = None,
 ) -> Mapping[str, torch.Tensor]:
     """The reported loss.policy fields (0-d ``dtype``): ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl``
     and, as ``knobs`` ask, ``pg_clipfrac_lower`` and ``kl_loss``.
@@ -377,10 +491,11 @@ def policy_loss_fields(
     knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
     knobs = replace(knobs, entropy_coef=entropy_coef)
     sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype,
-                                    advantages=advantages)
+                                    entropy=entropy, advantages=advantages)
     columns = policy_loss_columns(log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip,
                                   eps_clip_high=eps_clip_high, dtype=dtype, knobs=knobs, sample_terms=sample_terms,
-                                  rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs)
+                                  rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs,
+                                  teacher_log_probs=teacher_log_probs)
     sums = masked_sample_sums(lengths, loss_mask, columns, {name: dtype for name in policy_sums(knobs)})
     return policy_fields_from_sums(sums, entropy is not None, entropy_coef, knobs)
 
@@ -391,7 +506,8 @@ POLICY_SUMS = ("pg", "clip", "kl", "ent", "mask")
 
 
 def policy_sums(knobs: LossKnobs) -> tuple[str, ...]:
-    return POLICY_SUMS + (("clip_lower",) if has_clip_lower(knobs) else ()) + (("kl_loss",) if knobs.kl_loss else ())
+    return POLICY_SUMS + (("clip_lower",) if has_clip_lower(knobs) else ()) + (("kl_loss",) if knobs.kl_loss else ()) \
+        + (("opd_loss",) if knobs.opd_loss else ())
 
 
 def policy_loss_columns(
@@ -399,6 +515,7 @@ def policy_loss_columns(
     loss_mask: torch.Tensor, *, eps_clip: float, eps_clip_high: float, dtype: torch.dtype,
     knobs: Optional[LossKnobs] = None, sample_terms: Optional[Mapping[str, torch.Tensor]] = None,
     rollout_log_probs: Optional[torch.Tensor] = None, ref_log_probs: Optional[torch.Tensor] = None,
+    teacher_log_probs: Optional[torch.Tensor] = None,
 ) -> Callable[[int, int, torch.Tensor], dict[str, torch.Tensor]]:
     """The masked per-token terms of :func:`policy_sums` for one chunk, in ``dtype``."""
     mask = loss_mask.to(dtype)
@@ -410,7 +527,9 @@ def policy_loss_columns(
             log_probs[start:stop], old_log_probs[start:stop], advantages[start:stop], knobs, seg=seg,
             sample_terms=sample_terms, dtype=dtype,
             rollout_log_probs=rollout_log_probs[start:stop] if rollout_log_probs is not None else None,
-            ref_log_probs=ref_log_probs[start:stop] if ref_log_probs is not None else None)
+            ref_log_probs=ref_log_probs[start:stop] if ref_log_probs is not None else None,
+            entropy=entropy[start:stop] if entropy is not None else None,
+            teacher_log_probs=teacher_log_probs[start:stop] if teacher_log_probs is not None else None)
         out = {"pg": t["pg"] * m, "clip": t["clip"] * m, "kl": t["ppo_kl"] * m}
         if entropy is not None:
             out["ent"] = entropy[start:stop].to(dtype) * m
@@ -419,6 +538,8 @@ def policy_loss_columns(
             out["clip_lower"] = t["clip_lower"] * m
         if knobs.kl_loss:
             out["kl_loss"] = t["kl_loss"] * m
+        if knobs.opd_loss:
+            out["opd_loss"] = t["opd_loss"] * m
         return out
 
     return columns
@@ -440,12 +561,15 @@ def policy_fields_from_sums(sums: Mapping[str, torch.Tensor], has_entropy: bool,
     pg_loss = loss_term("pg")
     entropy_loss = loss_term("ent", knobs.entropy_mode) if has_entropy else torch.zeros((), dtype=pg_loss.dtype)
     kl_loss = loss_term("kl_loss", knobs.kl_mode) if knobs.kl_loss else None
-    out = {"loss": loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef, knobs), "pg_loss": pg_loss,
+    opd_loss = loss_term("opd_loss") if knobs.opd_loss else None
+    out = {"loss": loss_total(pg_loss, entropy_loss, kl_loss, entropy_coef, knobs, opd_loss), "pg_loss": pg_loss,
            "entropy_loss": entropy_loss, "pg_clipfrac": metric("clip"), "ppo_kl": metric("kl")}
     if has_clip_lower(knobs):
         out["pg_clipfrac_lower"] = metric("clip_lower")
     if kl_loss is not None:
         out["kl_loss"] = kl_loss
+    if opd_loss is not None:
+        out["opd_loss"] = opd_loss
     return out
 
 

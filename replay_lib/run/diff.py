@@ -41,7 +41,8 @@ PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estim
                  "rewards": "reward.post_process", "log_probs": "loss.policy", "old_log_probs": "loss.policy",
                  "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy",
                  "grad_log_probs": "loss.grad", "grad_values": "loss.grad",
-                 "rollout_log_probs": "logprob.mismatch", "policy_versions": "logprob.mismatch"}
+                 "rollout_log_probs": "logprob.mismatch", "policy_versions": "logprob.mismatch",
+                 "teacher_log_probs": "loss.policy"}
 INDEX_FIELDS = (("raw_reward", "reward.raw"), ("reward", "reward.post_process"))
 
 

@@ -24,6 +24,9 @@ from ..judge.report import StageReport
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import Chunked, StageContext, StageDef, StageInputError
 from .reward import _reward_kl, kl_reach, reward_kl_type
+from ..bundle.loss_knobs import LossKnobs
+from ..judge.error_model import kl_condition
+from ..kernels.loss import opd_advantages
 
 
 def run_advantage_kl(ctx: StageContext) -> StageReport:
@@ -211,6 +214,8 @@ def _rewards_recorded(ctx: StageContext) -> bool:
 def run_advantage_estimate(ctx: StageContext) -> StageReport:
     cfg = ctx.config
     expected = ctx.payload("advantages")
+    if opd_in_advantages(cfg):
+        return _opd_estimate(ctx, expected)
     if estimate_kind(cfg) == "broadcast" and not whitens(cfg):
         return _broadcast_estimate(ctx, expected)
     est = _token_estimate(ctx)
@@ -352,6 +357,49 @@ def _broadcast_estimate(ctx: StageContext, expected: torch.Tensor) -> StageRepor
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} sample(s)",
         pass_reason=lambda total, per: f"{total.compared} token(s) compared")
+
+
+def opd_in_advantages(cfg: RecomputeConfig) -> bool:
+    """On-policy distillation placed in the advantages (``opd_placement="advantage"``)."""
+    return LossKnobs.of(cfg).opd_placement == "advantage"
+
+
+def _opd_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
+    """The broadcast GRPO returns minus on-policy distillation's term per token: ``A_t = R_i − opd_coef·
+    estimate(old_t, teacher_t)`` (``kernels.loss.opd_advantages``; slime ``apply_opd_kl_to_advantages``,
+    ``backends/megatron_utils/loss.py:663-701``, applied after the estimator and before any normalization,
+    ``:809-816``). Bound: the returns' and, per token, the estimate's rounding (its condition × ``|coef|``)
+    and the stored log-probs' units."""
+    knobs = LossKnobs.of(ctx.config)
+    rewards, inherited = grpo_rewards(ctx)
+    old, teacher = ctx.payload("old_log_probs"), ctx.payload("teacher_log_probs")
+    if ctx.dtype != torch.float64:  # --exact: the producer's float32 arithmetic, compared bitwise
+        base = get_grpo_returns(rewards, ctx.lengths, dtype=ctx.dtype)
+        actual = opd_advantages(base, old, teacher, knobs, dtype=ctx.dtype)
+        bound = None
+    else:
+        base = GrpoReturns(rewards, ctx.lengths, dtype=torch.float64).materialize()
+        actual = opd_advantages(base, old, teacher, knobs, dtype=torch.float64)
+        per_sample = advantage_bound(rewards.to(torch.float64), unit_roundoff(expected))
+        if inherited is not None:
+            per_sample = per_sample + inherited.to(torch.float64)
+        r = old.to(torch.float64) - teacher.to(torch.float64)
+        term = abs(knobs.opd_coef) * (kl_condition(r, knobs.opd_kl_type) + r.abs())
+        u = max(unit_roundoff(old), unit_roundoff(teacher), U32)
+        bound = per_sample[ctx.seg] + C_STORE * u * (term + actual.abs())
+        ctx.outputs["advantage_bound"] = per_sample + float(bound.max()) if bound.numel() else per_sample
+    if zeroed(ctx.config):
+        actual = _masked(ctx, actual)
+        bound = _masked(ctx, bound) if bound is not None else None
+    ctx.outputs["advantages"] = actual
+    field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
+                      compared=_rule_nan(ctx, None, expected))
+    what = f"GRPO returns − {knobs.opd_coef:g}·{knobs.opd_kl_type}(old − teacher)"
+    return ctx.report(
+        StageId.ADVANTAGE_ESTIMATE, [field],
+        fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} "
+                                       f"sample(s) ({what})",
+        pass_reason=lambda total, per: f"{total.compared} token(s) compared ({what})")
 
 
 def _rule_nan(ctx: StageContext, compared: Optional[torch.Tensor], expected: torch.Tensor) -> Optional[torch.Tensor]:
@@ -552,7 +600,17 @@ def _estimate_requirements(reader: BundleReader) -> list[str]:
     cfg = reader.index.config
     if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
         missing.append("payloads/kl.pt (kl_in_reward=token_returns)")
+    if opd_in_advantages(cfg):
+        missing += [f"payloads/{n}.pt (opd_placement='advantage')" for n in ("old_log_probs", "teacher_log_probs")
+                    if not reader.has_payload(n)]
     return missing
+
+
+def _estimate_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
+    if opd_in_advantages(cfg) and (estimate_kind(cfg) != "broadcast" or whitens(cfg)):
+        return [("opd_placement", "'advantage' is recomputed on GRPO-style returns broadcast over the tokens, without "
+                                  "whitening (slime's --use-opd with grpo); with this estimator or whitening it is not")]
+    return []
 
 
 # Estimators of the frameworks this engine knows by name but does not recompute (exit 4, named), and why.
@@ -672,6 +730,6 @@ ADVANTAGE_KL = StageDef(
 ADVANTAGE_ESTIMATE = StageDef(
     id=StageId.ADVANTAGE_ESTIMATE, run=run_advantage_estimate, needs=(StageId.REWARD_POST_PROCESS,),
     any_cp=True,  # whole trajectories (SPEC §4.2): rank.cp is provenance
-    requirements=_estimate_requirements,
+    requirements=_estimate_requirements, refuse=_estimate_refuse,
     description="advantages: GRPO returns, discounted returns, GAE, whitening (SPEC §4.2)",
 )

@@ -11,15 +11,15 @@ from typing import Optional
 import torch
 
 from ..bundle import BundleReader
-from ..judge.error_model import (PG_KL_COND, SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
+from ..judge.error_model import (C_NEAR_CLIP, PG_KL_COND, SEQ32_SUMS, STORAGE_HAZARD, kl_condition, kl_slope, loss_aggregate_bound,
                            loss_clip_hits, loss_scalar_bounds, near_value,
                            sample_exponent_condition)
 from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
 from ..kernels.segments import ChunkSums
-from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, family_sample_pass, field_aggregation,
-                            has_clip_lower, policy_fields_for, policy_fields_from_sums, policy_loss_fields,
-                            policy_token_terms, sample_log_terms)
+from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation, has_clip_lower,
+                            policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
+                            sample_log_terms, wants_sample_pass)
 from ..judge.error_model import C_NEAR_CLIP, C_STORE
 from ..kernels.families import family_refusals
 from ..judge.report import StageReport
@@ -27,7 +27,7 @@ from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
-from .loss_inputs import LossInputs, loss_inputs
+from .loss_inputs import LossInputs, family_payloads, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -37,7 +37,8 @@ def recorded_loss(ctx: StageContext) -> dict[str, float]:
     if not expected:
         raise StageInputError("expected.json $.loss.policy has none of " + ", ".join(POLICY_FIELDS), field="loss")
     knobs = LossKnobs.of(ctx.config)
-    for name, why in (("pg_clipfrac_lower", "eps_clip_c is not set"), ("kl_loss", "no KL term is in the loss")):
+    for name, why in (("pg_clipfrac_lower", "eps_clip_c is not set"), ("kl_loss", "no KL term is in the loss"),
+                      ("opd_loss", "opd_placement is not 'loss'")):
         if name in expected and name not in policy_fields_for(knobs):
             if knobs.policy_loss != "ppo" and name != "kl_loss":
                 why = f"policy_loss {knobs.policy_loss!r} reports no {name}"
@@ -61,7 +62,8 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
         actual = policy_loss_fields(li.log_probs, li.old_log_probs, advantages, li.entropy, li.mask, ctx.lengths,
                                     eps_clip=knobs.eps_clip, eps_clip_high=knobs.eps_clip_high,
                                     entropy_coef=knobs.entropy_coef, dtype=ctx.dtype, knobs=knobs,
-                                    rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
+                                    rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs,
+                                    teacher_log_probs=li.teacher_log_probs)
         return expected, {f: actual[f] for f in expected}, None
     sums = _loss_sums(ctx, li)
     ctx.outputs[SUMS_OUTPUT] = sums  # the explanations re-aggregate them (explain.loss.micro_batch_hypotheses)
@@ -143,10 +145,12 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
     geometric IS weight: ``kernels.sample_log_terms`` in float64) and their condition for the error model
     (``error_model.sample_exponent_condition``; ``None`` when no knob has one)."""
     knobs = li.knobs
-    if not knobs.needs_sample_pass and not family_sample_pass(knobs):
+    if not wants_sample_pass(knobs):
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
-                             dtype=torch.float64, advantages=li.advantages)
+                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages)
+    if knobs.opsm:  # the edge test's reach: √n_i · the sample's mean |anchor| + |logp| (a mean's rounding)
+        terms["opsm_reach"] = _opsm_reach(ctx, li)
     if not knobs.needs_sample_pass:  # the family's own terms carry their condition (pg_err)
         return terms, None
     return terms, sample_exponent_condition(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask,
@@ -168,6 +172,10 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     signed_entropy = entropy is not None and entropy.numel() > 0 and not bool(entropy.min() >= 0)
     with_ratio = li.advantage_bound is not None
     kl_loss = knobs.kl_loss
+    opd = knobs.opd_loss
+    # a mask decided per token or sample by a comparison (OPSM, the entropy mask): its edges are hazards (a
+    # family's own decisions are its edge_gap / edge_open columns: edge_flip below)
+    masks = knobs.opsm or knobs.entropy_mask
     masked_is = knobs.is_level is not None and knobs.is_mode == "mask"
     clamps = (knobs.log_ratio_clamp is not None or (kl_loss and (knobs.kl_loss_input_clamp is not None
                                                                  or knobs.kl_loss_output_clamp is not None)))
@@ -177,6 +185,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     names += ["clip", "mask"] + (["clip_lower"] if has_clip_lower(knobs) else []) + ["kl_pg"]
     names += (["abs_ent"] if signed_entropy else []) + (["ratio"] if with_ratio else [])
     names += ["is_flip"] if masked_is else []
+    names += ["mask_flip"] if masks else []
+    names += ["opd_loss", "abs_opd_loss", "opd_loss_tok"] if opd else []
     # a policy-loss family's decision edges (kernels.families: edge_gap, edge_open)
     families = knobs.policy_loss != "ppo"
     names += ["edge_flip"] if families else []
@@ -211,7 +221,9 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         t = policy_token_terms(
             li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-            ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64)
+            ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
+            entropy=entropy[lo:hi] if entropy is not None else None,
+            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None)
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
         signed = buf[:n_signed]
         torch.mul(pg, m, out=buf[0])
@@ -224,7 +236,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(t["kl_loss"], m, out=buf[3])
         magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
         # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
-        abs_lr = cond = lr.abs()
+        abs_lr = lr.abs()
+        cond = abs_lr
         if sample_cond is not None:
             cond = cond + sample_cond[seg]
         if "is_log_weight" in t:
@@ -258,6 +271,13 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
                 if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
                     buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
+        if masks:
+            _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
+        if opd:
+            torch.mul(t["opd_loss"], m, out=buf[row["opd_loss"]])
+            torch.abs(buf[row["opd_loss"]], out=buf[row["abs_opd_loss"]])
+            opd_r = t["opd_r"]
+            torch.mul(kl_condition(opd_r, knobs.opd_kl_type), m, out=buf[row["opd_loss_tok"]])
         if signed_entropy:
             torch.abs(buf[2], out=buf[row["abs_ent"]])
         if with_ratio:
@@ -309,6 +329,35 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     return {**totals, **dict(zip(SEQ32_SUMS, seq32))}
 
 
+def _opsm_reach(ctx: StageContext, li: LossInputs) -> torch.Tensor:
+    """Per sample: how far a legitimate producer's rounding may move OPSM's sequence KL — ``√n_i`` times the mean
+    ``|anchor| + |logp|`` over the sample's loss tokens (the edge test's condition, as GSPO's mean)."""
+    anchor = li.rollout_log_probs if li.knobs.opsm_anchor == "rollout" else li.old_log_probs
+    m = li.mask.to(torch.float64)
+    mag = (anchor.to(torch.float64).nan_to_num(nan=0.0).abs() + li.log_probs.to(torch.float64).abs()) * m
+    total = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, ctx.seg, mag)
+    count = torch.zeros(ctx.n, dtype=torch.float64).index_add_(0, ctx.seg, m).clamp_min(1.0)
+    return total / count * count.sqrt()
+
+
+def _mask_flips(knobs: LossKnobs, t: dict, seg: torch.Tensor, sample_terms: dict, u_token: float, m: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """``|pg before the mask|·m`` (× the importance weight) at each token a mask may keep or drop within rounding:
+    OPSM's sequence KL within its reach of ``opsm_delta`` (A < 0), an entropy within rounding of its micro-batch's
+    threshold."""
+    out.zero_()
+    flip = torch.zeros_like(m, dtype=torch.bool)
+    if knobs.opsm:  # only a token with A < 0 is ever dropped
+        reach = (C_NEAR_CLIP * u_token) * (1.0 + sample_terms["opsm_reach"][seg])
+        flip |= ((t["opsm_seq_kl"] - knobs.opsm_delta).abs() <= reach) & t["opsm_negative"]
+    if knobs.entropy_mask:
+        flip |= near_value(t["entropy"], t["entropy_threshold"], u_token, 1.0)
+    weight = t.get("is_weight")
+    if knobs.opsm or knobs.entropy_mask:
+        mag = t["pg_unmasked"].abs() * m * flip.to(torch.float64)
+        out.add_(mag * weight if weight is not None else mag)
+
+
 def _family_edge_hits(t: dict, u_token: float, cond: torch.Tensor, stored: Optional[torch.Tensor]) -> torch.Tensor:
     """bool per token: a policy-loss family's decision within rounding of its edge (``edge_gap``, relative to the
     compared quantity's rounding scale, within ``8·u_t·(1 + cond)``, plus ``2·e`` for log-probs stored coarser)."""
@@ -340,6 +389,12 @@ def _loss_hazards(ctx: StageContext, sums: dict[str, torch.Tensor]) -> None:
             ctx.hazard(stage, "clamp_hit", sample=i, message=(
                 f"{ctx.sample_ids[i]}: {int(sums['clamped'][i])} loss token(s) at a log-ratio or KL clamp "
                 f"(log_ratio_clamp / kl_loss_input_clamp / kl_loss_output_clamp): the clamped value is compared"))
+    if "mask_flip" in sums:
+        for i in torch.nonzero(sums["mask_flip"]).reshape(-1).tolist():
+            ctx.hazard(stage, "mask_boundary", sample=i, message=(
+                f"{ctx.sample_ids[i]}: loss token(s) whose OPSM sequence KL (opsm_delta) or entropy (the "
+                f"top_entropy_quantile threshold) lies within rounding of its edge: a legitimate producer may keep "
+                f"or drop them (pg_loss admits either)"))
     if "edge_flip" in sums:
         for i in torch.nonzero(sums["edge_flip"]).reshape(-1).tolist():
             ctx.hazard(stage, "mask_boundary", sample=i, message=(
@@ -378,8 +433,9 @@ def aggregate_field(ctx: StageContext, expected: dict[str, float], knobs: LossKn
         return None
     recorded = terms.recorded()
     names = [f for f in expected if TERM_OF_FIELD.get(f) in recorded]
+    # (the per-sample terms hold no distillation term: with one, loss is not their aggregation)
     if "loss" in expected and "pg_sum" in recorded and (not knobs.kl_loss or "kl_loss_sum" in recorded) and (
-            knobs.entropy_coef == 0 or "entropy_sum" in recorded):
+            knobs.entropy_coef == 0 or "entropy_sum" in recorded) and not knobs.opd_loss:
         names.insert(0, "loss")
     if not names:
         return None
@@ -458,7 +514,7 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
 
 
 # The per-token payloads of the loss-side knobs (SPEC §4.2): validate checks their rows like the V1 ones.
-KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns")
+KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns", "teacher_log_probs")
 
 
 def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
@@ -469,6 +525,15 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level" if cfg.is_level is not None else "use_tis", "rollout_log_probs"))
     if knobs.kl_loss:
         out.append(("use_kl_loss", "ref_log_probs"))
+    if knobs.opsm and knobs.opsm_anchor == "rollout" and knobs.is_level is None:
+        out.append(("opsm_anchor", "rollout_log_probs"))
+    if knobs.entropy_mask:
+        out.append(("top_entropy_quantile", "entropy"))
+    if knobs.opd_loss:
+        out.append(("opd_placement", "teacher_log_probs"))
+    out += [("policy_loss", name) for name in family_payloads(knobs)
+            if not (name == "rollout_log_probs" and (knobs.is_level is not None or knobs.opsm_anchor == "rollout"
+                                                      and knobs.opsm))]
     if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
         out.append(("policy_loss_params.anchor", "rollout_log_probs"))
     return out
@@ -529,6 +594,20 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     ):
         if getattr(cfg, knob):
             out.append((knob, why))
+    from ..kernels.families import check_params
+
+    knobs = LossKnobs.of(cfg)
+    wrong = check_params(knobs.policy_loss, knobs.policy_loss_params)
+    if wrong is not None:
+        out.append(wrong)
+    elif knobs.policy_loss == "vespo" and knobs.is_level is not None:
+        out.append(("is_level", f"{knobs.is_level!r} with policy_loss='vespo': TRL folds the importance ratio into "
+                                "VESPO's sequence weight (grpo_trainer.py:2993-2997) instead of multiplying the loss; "
+                                "not recomputed"))
+    if knobs.entropy_mask and knobs.entropy_coef != 0:
+        out.append(("top_entropy_quantile", f"{knobs.top_entropy_quantile!r} with entropy_coef != 0: TRL's entropy "
+                                            "bonus then averages over the masked tokens only (grpo_trainer.py:3193), "
+                                            "which the entropy term's aggregation does not recompute"))
     # Every loss-side knob of SPEC §4.2 is recomputed. (normalize_advantages is advantage.estimate's: this stage
     # consumes the advantages as recorded, or under --chain as advantage.estimate recomputed them.)
     return out

@@ -37,6 +37,7 @@ class LossInputs:
     # bound, and the mask with those decisions taken the other way (None when there is none)
     rs_near: Optional[torch.Tensor] = None
     rs_alternative: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None  # on-policy distillation as a loss term (opd_placement)
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -49,6 +50,16 @@ class LossInputs:
     def storage(self, compute: str) -> StorageUnits:
         """The storage units of the loss terms' inputs under the declared ``compute``."""
         return StorageUnits.of(compute, **self.payloads())
+
+
+def family_payloads(knobs: LossKnobs) -> tuple[str, ...]:
+    """The payloads the knobs' policy-loss family reads beyond the PPO ones (``()`` for an unknown family: it is
+    refused by name before a stage runs)."""
+    if not knobs.family:
+        return ()
+    from ..kernels.families import FAMILIES
+    f = FAMILIES.get(knobs.policy_loss)
+    return f.payloads if f is not None else ()
 
 
 def loss_inputs(ctx: StageContext) -> LossInputs:
@@ -65,10 +76,23 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     entropy = ctx.payload("entropy") if ctx.has("entropy") else None
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
+    if entropy is None and knobs.entropy_mask:
+        raise StageInputError("payload 'entropy' is required for top_entropy_quantile < 1", field="entropy")
+    teacher = None
+    if knobs.opd_loss:
+        if not ctx.has("teacher_log_probs"):
+            raise StageInputError("payload 'teacher_log_probs' is required for opd_placement='loss'",
+                                  field="teacher_log_probs")
+        teacher = ctx.payload("teacher_log_probs")
     rollout = ref = None
-    if knobs.is_level is not None:
+    if knobs.is_level is not None or (knobs.opsm and knobs.opsm_anchor == "rollout") or \
+            "rollout_log_probs" in family_payloads(knobs):
         if not ctx.has("rollout_log_probs"):
-            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
+            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}"
+                                  if knobs.is_level is not None else
+                                  f"payload 'rollout_log_probs' is required for policy_loss={knobs.policy_loss!r}"
+                                  if knobs.family else "payload 'rollout_log_probs' is required for opsm_anchor="
+                                                       "'rollout'",
                                   field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:
@@ -94,4 +118,5 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
-                      rs_near=rs_near, rs_alternative=rs_alternative)
+                      rs_near=rs_near, rs_alternative=rs_alternative,
+                      teacher_log_probs=teacher)

@@ -109,8 +109,10 @@ class _Tokens:
     def __init__(self, log_probs, old_log_probs, advantages, entropy, mask, config: RecomputeConfig, *,
                  lengths: torch.Tensor, u_t: float, store: StorageUnits, dtype: torch.dtype = torch.float64,
                  advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
-                 ref_log_probs: Optional[torch.Tensor] = None, samples=None):
+                 ref_log_probs: Optional[torch.Tensor] = None, teacher_log_probs: Optional[torch.Tensor] = None,
+                 samples=None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
+        self.teacher = teacher_log_probs  # on-policy distillation's loss term (opd_placement="loss")
         self.entropy, self.mask = entropy, mask
         self.rollout, self.ref = rollout_log_probs, ref_log_probs
         knobs = LossKnobs.of(config, samples)  # the samples: the micro-batch partition (KL-Cov's top-k)
@@ -123,13 +125,38 @@ class _Tokens:
         self.u_t, self.store, self.dtype = u_t, store, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
-                                             dtype=dtype, advantages=advantages)
+                                             dtype=dtype, entropy=entropy, advantages=advantages)
+        if knobs.opsm:  # OPSM's sequence KL at its edge: its reach, as the stage's (stages.loss._opsm_reach)
+            m = mask.to(torch.float64)
+            anchor = rollout_log_probs if knobs.opsm_anchor == "rollout" else old_log_probs
+            seg_all = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
+            count = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(0, seg_all, m).clamp_min(1.0)
+            mag = (anchor.to(torch.float64).nan_to_num(nan=0.0).abs() + log_probs.to(torch.float64).abs()) * m
+            self.opsm_reach = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(0, seg_all, mag) / count \
+                * count.sqrt()
         # a per-sample exponent (GSPO's ratio, a sequence/geometric IS weight): its rounding, per sample
         self.sample_cond = sample_exponent_condition(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
                                                      self.knobs)
         # payloads stored coarser than the declared compute: their rounding, per sample (GSPO, a sequence IS weight)
         self.sample_store = store.sample_errors(log_probs, old_log_probs, rollout_log_probs, mask, lengths,
                                                 self.knobs) if store.any else None
+
+    def _flips(self, t: dict, seg: torch.Tensor, e_delta: torch.Tensor) -> torch.Tensor:
+        """The magnitude a mask may keep or drop within rounding at each token (OPSM's sequence KL against
+        opsm_delta, an entropy against its threshold), as the stage's scalars admit it."""
+        f64 = torch.float64
+        out = torch.zeros_like(e_delta)
+        open_ = torch.zeros_like(e_delta, dtype=torch.bool)
+        if self.knobs.opsm:
+            reach = TOKEN_SLACK * self.u_t * (1.0 + self.opsm_reach[seg])
+            open_ |= ((t["opsm_seq_kl"].to(f64) - self.knobs.opsm_delta).abs() <= reach) & t["opsm_negative"]
+        if self.knobs.entropy_mask:
+            ent, thr = t["entropy"].to(f64), t["entropy_threshold"].to(f64)
+            open_ |= (ent - thr).abs() <= (ent.abs() + thr.abs()) * TOKEN_SLACK * self.u_t
+        if "pg_unmasked" in t:
+            weight = t["is_weight"].to(f64) if "is_weight" in t else 1.0
+            out += open_.to(f64) * t["pg_unmasked"].to(f64).abs() * weight
+        return out
 
     def chunk(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """float64 per-token values of tokens ``[lo, hi)`` (the formula of ``kernels.policy_token_terms``) and
@@ -139,7 +166,9 @@ class _Tokens:
         old = self.old[lo:hi].to(self.dtype)
         t = policy_token_terms(logp, old, self.adv[lo:hi], self.knobs, seg=seg, sample_terms=self.sample_terms,
                                rollout_log_probs=self.rollout[lo:hi] if self.rollout is not None else None,
-                               ref_log_probs=self.ref[lo:hi] if self.knobs.kl_loss else None, dtype=self.dtype)
+                               ref_log_probs=self.ref[lo:hi] if self.knobs.kl_loss else None, dtype=self.dtype,
+                               entropy=self.entropy[lo:hi] if self.entropy is not None else None,
+                               teacher_log_probs=self.teacher[lo:hi] if self.teacher is not None else None)
         pg, ppo_kl, ratio = (t[k].to(torch.float64) for k in ("pg", "ppo_kl", "ratio"))
         adv = self.adv[lo:hi].to(self.dtype).to(torch.float64)
         clipped = t["clip"].to(torch.float64)
@@ -185,6 +214,8 @@ class _Tokens:
                 if edge is not None:
                     near |= (raw - edge).abs() <= raw * slack
             out["pg_bound"] += near.to(torch.float64) * t["pg_unweighted"].to(torch.float64).abs() * raw
+        if self.knobs.opsm or self.knobs.entropy_mask:  # a keep/drop decision at its edge
+            out["pg_bound"] += self._flips(t, seg, e_delta)
         if self.rho is not None:  # --chain: the advantage itself is a recomputed value, ρ off per sample
             rho = self.rho[seg]
             out["rho"] = rho
@@ -293,7 +324,7 @@ def loss_term_fields(ctx: StageContext, li: "LossInputs") -> list[FieldResult]:
                      u_t=UNIT_ROUNDOFF[compute], store=li.storage(compute),
                      dtype=torch.float32 if exact else torch.float64,
                      advantage_bound=None if exact else li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
-                     ref_log_probs=li.ref_log_probs)
+                     ref_log_probs=li.ref_log_probs, teacher_log_probs=li.teacher_log_probs)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []

@@ -317,3 +317,15 @@ def test_trainer_terms_match_the_replay_recompute_in_float64_and_bit_for_bit_und
     loose = {f.name: compare_field(f, 5).mismatches for f in _loss_term_fields(bundle, error_model.Rules())}
     exact = {f.name: compare_field(f, 5).mismatches for f in _loss_term_fields(bundle, error_model.Rules(exact=True))}
     assert (loose["pg_sum"], exact["pg_sum"]) == (0, 1)
+
+
+def test_teacher_log_probs_of_two_micro_batches_become_one_payload(tmp_path):
+    # on-policy distillation (SPEC §2, §4.2): the teacher's per-token log-probs, concatenated in micro-batch order
+    cap = _capture(tmp_path)
+    step = cap.begin_step(7, 4)
+    assert _mb(step, ["s-0", "s-1"], [2, 1], [1, 1, 1], teacher_log_probs=torch.tensor([-0.5, -1.0, -2.0]))
+    assert _mb(step, ["s-2"], [2], [1, 1], teacher_log_probs=torch.tensor([-0.25, -4.0]))
+    assert step.finish(loss=torch.tensor(0.0))
+    assert cap.close(timeout=DEADLOCK_GUARD_S) and (cap.stats.written, cap.stats.errors) == (1, 0)
+    reader = BundleReader(tmp_path / "step-7-4")
+    assert reader.payload("teacher_log_probs").tolist() == [-0.5, -1.0, -2.0, -0.25, -4.0]

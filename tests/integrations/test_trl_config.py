@@ -167,11 +167,7 @@ def test_vllm_importance_correction(mode, level, is_mode):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("loss_type", "vespo", "loss_type='vespo': only dapo, grpo, bnpo, dr_grpo, cispo, sapo are recomputed"),
-    ("top_entropy_quantile", 0.2, "top_entropy_quantile=0.2: the high-entropy token mask"),
-    ("off_policy_mask_threshold", 0.5, "off_policy_mask_threshold=0.5: the off-policy sequence mask (a completion kept "
-                                       "when its advantage is ≥ 0"),
-    ("off_policy_mask_threshold", 0.5, "a bundle would need each completion's kept flag recorded"),
+    ("loss_type", "sft", "loss_type='sft': only dapo, grpo, bnpo, dr_grpo, vespo, luspo, cispo, sapo are recomputed"),
     ("some_new_reward_scale", 2.0, "some_new_reward_scale=2.0: a key the TRL mapping does not know"),
 ])
 def test_refusals_name_the_key(key, value, message):
@@ -219,3 +215,35 @@ def test_grpoconfig_object_and_its_dict_map_alike():
     assert (cfg.n_samples_per_prompt, cfg.eps_clip_high, cfg.grpo_std_eps) == (4, 0.28, 1e-4)
     assert from_trl(args.to_dict()) == cfg
 
+
+# --------------------------------------------------------------------- issue 34: VESPO, LUSPO and the masks
+
+
+def test_vespo_maps_to_its_family_with_its_parameters_and_the_dapo_aggregation():
+    # −φ(w)·A·logp (grpo_trainer.py:3125-3136), aggregated as dapo (:3168): token_mean, loss_scale = P·SPG/GAS
+    cfg = from_trl(_base(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5, gradient_accumulation_steps=2,
+                         steps_per_generation=4), num_processes=2)
+    assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.loss_scale) == ("vespo", "token_mean", 4.0)
+    assert cfg.policy_loss_params == {"k_pos": 1.5, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.5}
+    # vLLM's importance ratio is folded into VESPO's weight by TRL: refused by name
+    with pytest.raises(UnsupportedFrameworkConfig, match="loss_type='vespo': with vLLM's importance correction"):
+        from_trl(_base(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_truncate"))
+
+
+def test_luspo_is_the_clipped_surrogate_with_each_sequence_token_sum_averaged():
+    # (per_token_loss·mask).sum(-1).mean() / GAS (:3175-3183): seq_mean_token_sum over the step's B·GAS sequences
+    cfg = from_trl(_base(loss_type="luspo", importance_sampling_level="sequence", per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2, steps_per_generation=2))
+    assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.loss_seq_count, cfg.importance_level) == (
+        "ppo", "seq_mean_token_sum", 8, "sequence")
+
+
+def test_the_entropy_mask_and_the_off_policy_mask_map_to_their_knobs():
+    cfg = from_trl(_base(top_entropy_quantile=0.2))
+    assert cfg.top_entropy_quantile == 0.2
+    # sampling log-probs are vLLM's (rollout_log_probs) with vLLM, else the old ones (:3074)
+    assert (from_trl(_base(off_policy_mask_threshold=0.5)).opsm_delta,
+            from_trl(_base(off_policy_mask_threshold=0.5)).opsm_anchor) == (0.5, "old")
+    assert from_trl(_base(off_policy_mask_threshold=0.5, use_vllm=True)).opsm_anchor == "rollout"
+    with pytest.raises(UnsupportedFrameworkConfig, match="top_entropy_quantile=0.2: with entropy_coef"):
+        from_trl(_base(top_entropy_quantile=0.2, entropy_coef=0.01, loss_type="grpo"))

@@ -17,12 +17,15 @@ Optional columns the replay's error model reads (``stages/loss.py``):
   term); admitted in ``pg_loss`` for the tokens at an edge;
 * ``pg_err`` — per token, the rounding scale of ``pg`` in units of the unit roundoff where ``|pg|·|log_ratio|``
   is not it (SAPO's sigmoid gate, DRO's difference of two terms).
+
+A family names where its math was read (``source``) and the payloads its terms read beyond ``log_probs``,
+``old_log_probs`` and the advantages (``payloads``: loss.policy requires them).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from ...bundle.loss_knobs import FAMILY_DEFAULTS
@@ -36,6 +39,10 @@ class PolicyFamily:
     sample_terms: Optional[Callable] = None
     metrics: tuple[str, ...] = ("pg_clipfrac", "ppo_kl")
     formula: str = ""
+    # the frameworks (and where) this family's math was read from, for a report and the README's table
+    source: str = field(default="", compare=False)
+    # the payloads its terms read beyond log_probs, old_log_probs and advantages (e.g. rollout_log_probs)
+    payloads: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, PolicyFamily] = {}
@@ -102,6 +109,15 @@ def family_refusals(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def check_params(name: str, params) -> Optional[tuple[str, str]]:
+    """The first ``(knob, why)`` :func:`family_refusals` gives for the family ``name`` and its parameters
+    (``(key, value)`` items) alone, or None."""
+    from types import SimpleNamespace
+
+    out = family_refusals(SimpleNamespace(policy_loss=name, policy_loss_params=dict(params)))
+    return out[0] if out else None
+
+
 # (family, parameter) → its allowed values, for the parameters that are words
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {}
 # family → (knob, why) for the knobs it does not combine with (refused when set)
@@ -116,3 +132,8 @@ from . import dppo_kl  # noqa: E402,F401
 from . import dro  # noqa: E402,F401
 from . import gpg  # noqa: E402,F401
 from . import kl_cov  # noqa: E402,F401
+from . import vespo  # noqa: E402,F401
+from . import ipo  # noqa: E402,F401
+from . import rollout_is  # noqa: E402,F401
+from . import importance_sampling  # noqa: E402,F401
+from . import cross_entropy  # noqa: E402,F401
