@@ -516,15 +516,39 @@ def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
                                         ("token_mask_is_threshold_high", 5.0),
                                         ("outlier_token_is_threshold_low", 1e-4)])
 def test_skyrl_is_masks_refusal_names_what_a_bundle_would_need(key, value):
-    """off_policy_correction masks multiply the loss mask itself (opc.py:319,327,345), not the IcePop weight."""
+    """off_policy_correction masks zero the masked terms but keep the unmasked normalizer (opc.py:319,327,345;
+    ppo_utils.py:1145-1220): a 0/1 weight, not the IcePop weight nor a smaller loss mask. The token mask needs
+    both bounds to act (opc.py:17-20, 297-301)."""
+    section = {key: value, **({"token_mask_is_threshold_low": 0.2} if key.startswith("token_mask") else {})}
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {key: value}}}})
+        from_skyrl({"trainer": {"algorithm": {"off_policy_correction": section}}})
     assert str(err.value) == (
-        f"skyrl config: trainer.algorithm.off_policy_correction.{key}={value!r}: SkyRL's IS masks multiply the loss "
-        "mask itself by 0/1 (opc.py:319,327,345: the masked tokens leave the reduction's count and keep no weight), "
-        "which is not the replay's is_mode=mask (the weight × 1[in bounds] on the recorded mask); a bundle would "
-        "need the loss mask the masks leave recorded as each sample's loss_mask")
+        f"skyrl config: trainer.algorithm.off_policy_correction.{key}={value!r}: SkyRL's IS masks zero the masked "
+        "tokens' loss terms (opc.py:319,327,345; reduce_loss sums loss·mask, ppo_utils.py:1145-1149) but keep the "
+        "unmasked mask's normalizer (the advantages are divided beforehand, ppo_utils.py:1152-1220) and clip_ratio "
+        "(ppo_utils.py:571): a 0/1 weight, neither the replay's is_mode=mask (the IS ratio × 1[in bounds]) nor a "
+        "smaller loss_mask; a bundle would need the masks' keep decision per token as a loss weight")
     assert err.value.exit_code == 4
+
+
+@pytest.mark.parametrize("bound, other", [("high", "low"), ("low", "high")])
+def test_skyrl_token_mask_with_one_bound_is_inert(bound, other):
+    """SkyRL applies the per-token mask only when both thresholds are set (opc.py:17-20, 297-301): one bound alone
+    maps to the config without it, with a note saying so."""
+    from replay_lib.frameworks._base import ConfigReader
+
+    notes: list = []
+    original = ConfigReader.note
+    ConfigReader.note = lambda self, text: (notes.append(text), original(self, text))[1]
+    try:
+        got = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {
+            f"token_mask_is_threshold_{bound}": 5.0}}}})
+    finally:
+        ConfigReader.note = original
+    assert got == from_skyrl({"trainer": {"algorithm": {}}})
+    assert notes == [f"trainer.algorithm.off_policy_correction.token_mask_is_threshold_{bound}=5.0: inert without "
+                     f"token_mask_is_threshold_{other} (SkyRL masks tokens only with both bounds, opc.py:17-20, "
+                     "297-301)"]
 
 
 def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
