@@ -512,23 +512,35 @@ def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
         assert (str(err.value), err.value.exit_code) == ("skyrl config: " + want, 4), name
 
 
-@pytest.mark.parametrize("key, value", [("sequence_mask_metric", "geometric"), ("sequence_mask_metric", "product"),
-                                        ("token_mask_is_threshold_high", 5.0),
-                                        ("outlier_token_is_threshold_low", 1e-4)])
-def test_skyrl_is_masks_refusal_names_what_a_bundle_would_need(key, value):
-    """off_policy_correction masks zero the masked terms but keep the unmasked normalizer (opc.py:319,327,345;
-    ppo_utils.py:1145-1220): a 0/1 weight, not the IcePop weight nor a smaller loss mask. The token mask needs
-    both bounds to act (opc.py:17-20, 297-301)."""
-    section = {key: value, **({"token_mask_is_threshold_low": 0.2} if key.startswith("token_mask") else {})}
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
+@pytest.mark.parametrize("section, keep", [
+    ({"sequence_mask_metric": "geometric"}, {"geometric": [0.99, 1.01]}),  # config.py:803-806 defaults
+    ({"sequence_mask_metric": "product", "product_mask_low": 0.25}, {"product": [0.25, 2.0]}),  # :807-810
+    ({"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}, {"token": [0.5, 2.0]}),
+    ({"outlier_token_is_threshold_low": 1e-4}, {"outlier": [1e-4, None]}),
+    ({"outlier_token_is_threshold_high": 100.0, "sequence_mask_metric": "geometric", "geo_mask_high": 1.05,
+      "tis_ratio_type": "token"}, {"outlier": [None, 100.0], "geometric": [0.99, 1.05]}),
+])
+def test_skyrl_is_masks_map_to_is_keep(section, keep):
+    """off_policy_correction's masks (opc.py:297-345 @ a9564572) map to is_keep, the TIS knobs beside them."""
+    cfg = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": section}}})
+    assert cfg.is_keep == keep
+    assert cfg.is_level == section.get("tis_ratio_type")
+
+
+@pytest.mark.parametrize("section, message, code", [
+    ({"sequence_mask_metric": "harmonic"}, "trainer.algorithm.off_policy_correction.sequence_mask_metric='harmonic': "
+     "not one of geometric, product (opc.py:220-253)", 4),
+    ({"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0, "tis_ratio_type": "sequence"},
+     "trainer.algorithm.off_policy_correction.tis_ratio_type='sequence': a sequence TIS ratio over the loss mask "
+     "SkyRL's token mask left (opc.py:327-338) is not recomputed (the replay sums it over the recorded mask); use "
+     "token TIS or no token mask", 4),
+    ({"sequence_mask_metric": "geometric", "geo_mask_low": 1.2}, "trainer.algorithm.off_policy_correction="
+     "{'geometric': [1.2, 1.01]}: expected mask bounds 0 < low <= high (low 1.2 is above high 1.01)", 3),
+])
+def test_skyrl_is_masks_refused_or_invalid_in_one_line(section, message, code):
+    with pytest.raises((UnsupportedFrameworkConfig, FrameworkConfigError)) as err:
         from_skyrl({"trainer": {"algorithm": {"off_policy_correction": section}}})
-    assert str(err.value) == (
-        f"skyrl config: trainer.algorithm.off_policy_correction.{key}={value!r}: SkyRL's IS masks zero the masked "
-        "tokens' loss terms (opc.py:319,327,345; reduce_loss sums loss·mask, ppo_utils.py:1145-1149) but keep the "
-        "unmasked mask's normalizer (the advantages are divided beforehand, ppo_utils.py:1152-1220) and clip_ratio "
-        "(ppo_utils.py:571): a 0/1 weight, neither the replay's is_mode=mask (the IS ratio × 1[in bounds]) nor a "
-        "smaller loss_mask; a bundle would need the masks' keep decision per token as a loss weight")
-    assert err.value.exit_code == 4
+    assert (str(err.value), err.value.exit_code) == ("skyrl config: " + message, code)
 
 
 @pytest.mark.parametrize("bound, other", [("high", "low"), ("low", "high")])

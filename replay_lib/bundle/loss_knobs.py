@@ -75,6 +75,8 @@ class LossKnobs:
     # the policy-loss family (kernels.families) and its parameters as sorted (name, value) items
     policy_loss: str = "ppo"
     policy_loss_params: tuple[tuple[str, object], ...] = ()
+    # the 0/1 keep masks of an off-policy correction (bundle.is_keep.parse_is_keep), () for none
+    is_keep: tuple = ()
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -98,7 +100,8 @@ class LossKnobs:
                    loss_horizon=cfg.loss_horizon, loss_scale=float(cfg.loss_scale), value_clip=cfg.value_clip,
                    micro_batch=micro_batch_partition(samples),
                    policy_loss=str(getattr(cfg, "policy_loss", "ppo") or "ppo"),
-                   policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())))
+                   policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())),
+                   is_keep=_is_keep(cfg))
 
     def param(self, name: str):
         """The family parameter ``name``: its recorded value, else the family's default (``KeyError`` when the
@@ -142,10 +145,24 @@ class LossKnobs:
     def needs_sample_pass(self) -> bool:
         """A per-sample quantity (GSPO's ratio, a sequence or geometric IS weight) is needed before the
         per-token terms: one more pass over the tokens."""
-        return self.sequence_ratio or self.is_level in ("sequence", "geometric")
+        return self.sequence_ratio or self.is_level in ("sequence", "geometric") or self.is_keep_sample
+
+    @property
+    def is_keep_sample(self) -> bool:
+        """A keep mask decided per sample (``outlier``, ``geometric``, ``product``)."""
+        return any(kind != "token" for kind, _, _ in self.is_keep)
 
     def with_clips(self, eps_clip: float, eps_clip_high: float) -> "LossKnobs":
         return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
+
+
+def _is_keep(cfg) -> tuple:
+    value = getattr(cfg, "is_keep", None)
+    if not isinstance(value, dict):
+        return ()
+    from .is_keep import parse_is_keep
+
+    return parse_is_keep(value)
 
 
 def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:

@@ -90,16 +90,8 @@ KL_IN_REWARD_TOKEN = (
 KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
 KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
                          "\"mutually exclusive\"); set use_kl_loss=false")
-# off_policy_correction masks (opc.py:75-255): 0/1 factors of the loss mask (opc.py:319,327,345) that zero the
-# masked tokens' terms in reduce_loss's Σ loss·mask (ppo_utils.py:1145-1149), while the reduction's normalizer
-# stays the unmasked loss mask's (the advantages are divided beforehand, ppo_utils.py:1152-1220) and clip_ratio
-# keeps it too (ppo_utils.py:571, before the correction): a 0/1 weight with no IS ratio in it, not the IS knobs'
-# is_mode="mask" (the ratio × 1[in bounds]) nor a smaller loss mask.
-IS_MASK_REFUSAL = ("SkyRL's IS masks zero the masked tokens' loss terms (opc.py:319,327,345; reduce_loss sums "
-                   "loss·mask, ppo_utils.py:1145-1149) but keep the unmasked mask's normalizer (the advantages are "
-                   "divided beforehand, ppo_utils.py:1152-1220) and clip_ratio (ppo_utils.py:571): a 0/1 weight, "
-                   "neither the replay's is_mode=mask (the IS ratio × 1[in bounds]) nor a smaller loss_mask; a bundle "
-                   "would need the masks' keep decision per token as a loss weight")
+# sequence_mask_metric → (its bounds' key prefix, the defaults of its low and high: config.py:803-810)
+SEQUENCE_MASKS = {"geometric": ("geo_mask", 0.99, 1.01), "product": ("product_mask", 0.5, 2.0)}
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
 NEUTRAL = ("sapo", "clip_cov", "kl_cov", "cispo", "dppo", "dynamic_sampling", "value_head_prefix", "temperature",
            "zero_variance_filter", "zero_variance_filter_tol", "kl_ctrl", "tis_imp_ratio_cap")
@@ -225,24 +217,45 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
 
 def _off_policy(r: ConfigReader, opc: str, fields: dict[str, Any]) -> None:
     """``off_policy_correction`` (config.py:793-818; opc.py:24-70): ``exp(clamp(Δ, ±20))`` per token or summed per
-    sequence, capped above (no lower bound); every mask option refuses (``IS_MASK_REFUSAL``)."""
+    sequence, capped above (no lower bound); the outlier, token and sequence masks (opc.py:297-345) as
+    ``is_keep`` (bundle/is_keep.py): 0/1 weights of the policy-loss terms, SkyRL's normalizer kept."""
     kind = r.raw(f"{opc}.tis_ratio_type", None)  # config.py:794
     token_cap = r.number(f"{opc}.token_tis_ratio_clip_high", 2.0)  # config.py:797
     seq_cap = r.number(f"{opc}.sequence_tis_ratio_clip_high", 5.0)  # config.py:799
-    for key in ("sequence_mask_metric", "outlier_token_is_threshold_low", "outlier_token_is_threshold_high"):
-        value = r.raw(f"{opc}.{key}", None)  # config.py:801-814: None
-        if value is not None:
-            r.refuse(f"{opc}.{key}", value, IS_MASK_REFUSAL)
+    keep: dict[str, list] = {}
+    outlier = [r.raw(f"{opc}.outlier_token_is_threshold_{k}", None) for k in ("low", "high")]  # config.py:811-814
+    if any(v is not None for v in outlier):  # either bound alone acts (opc.py:293-296)
+        keep["outlier"] = outlier
     # the per-token mask acts only with both bounds set (opc.py:17-20, 297-301: "and"); one bound alone is inert
     token_bounds = {k: r.raw(f"{opc}.token_mask_is_threshold_{k}", None) for k in ("low", "high")}  # config.py:815-818
     if all(v is not None for v in token_bounds.values()):
-        r.refuse(f"{opc}.token_mask_is_threshold_high", token_bounds["high"], IS_MASK_REFUSAL)
-    for k, v in token_bounds.items():
-        if v is not None:
-            r.note(f"{opc}.token_mask_is_threshold_{k}={v!r}: inert without token_mask_is_threshold_"
-                   f"{'high' if k == 'low' else 'low'} (SkyRL masks tokens only with both bounds, opc.py:17-20, 297-301)")
-        r.neutral(f"{opc}.token_mask_is_threshold_{k}")
+        keep["token"] = [token_bounds["low"], token_bounds["high"]]
+    else:
+        for k, v in token_bounds.items():
+            if v is not None:
+                r.note(f"{opc}.token_mask_is_threshold_{k}={v!r}: inert without token_mask_is_threshold_"
+                       f"{'high' if k == 'low' else 'low'} (SkyRL masks tokens only with both bounds, opc.py:17-20, "
+                       "297-301)")
+    metric = r.raw(f"{opc}.sequence_mask_metric", None)  # config.py:801
+    if metric is not None:
+        if metric not in SEQUENCE_MASKS:
+            r.refuse(f"{opc}.sequence_mask_metric", metric, "not one of geometric, product (opc.py:220-253)")
+        prefix, low, high = SEQUENCE_MASKS[metric]
+        keep[metric] = [r.number(f"{opc}.{prefix}_low", low), r.number(f"{opc}.{prefix}_high", high)]
     r.neutral(*(f"{opc}.{k}" for k in ("geo_mask_high", "geo_mask_low", "product_mask_high", "product_mask_low")))
+    if keep:
+        from ..bundle.is_keep import parse_is_keep
+
+        try:
+            parse_is_keep(keep)
+        except ValueError as exc:
+            r.bad(opc, keep, f"mask bounds 0 < low <= high ({str(exc).split(': ', 1)[-1]})")
+        if kind == "sequence" and "token" in keep:
+            # the sequence TIS ratio sums over the mask the token mask left (opc.py:327, 334-338)
+            r.refuse(f"{opc}.tis_ratio_type", kind, "a sequence TIS ratio over the loss mask SkyRL's token mask "
+                     "left (opc.py:327-338) is not recomputed (the replay sums it over the recorded mask); use "
+                     "token TIS or no token mask")
+        fields["is_keep"] = keep
     if kind is None:
         return
     if kind not in ("token", "sequence"):

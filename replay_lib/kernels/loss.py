@@ -129,7 +129,13 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
     if family_sample_pass(knobs):
         extra = policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask,
                                                               lengths, knobs, dtype, advantages=advantages)
-    if not knobs.needs_sample_pass:
+    if knobs.is_keep_sample:  # the off-policy correction's per-sample keep masks (kernels.is_keep)
+        if rollout_log_probs is None:
+            raise ValueError("rollout_log_probs is required for is_keep")
+        from .is_keep import sample_keep
+
+        extra = {**extra, **sample_keep(old_log_probs, rollout_log_probs, loss_mask, lengths, knobs.is_keep, dtype)}
+    if not (knobs.sequence_ratio or knobs.is_level in ("sequence", "geometric")):
         return extra
     mask = loss_mask.to(dtype)
     want_is = knobs.is_level in ("sequence", "geometric")
@@ -210,6 +216,11 @@ def _weighted_terms(out: dict, pg: torch.Tensor, ratio: torch.Tensor, log_probs:
         out["is_weight"] = importance_weight(log_w, knobs)
         out["pg_unweighted"] = pg
         pg = pg * out["is_weight"]
+    if knobs.is_keep:  # the off-policy correction's 0/1 keep masks (kernels.is_keep): the term only
+        from .is_keep import keep_weight
+
+        out["is_keep"] = keep_weight(old, rollout_log_probs, knobs.is_keep, seg, sample_terms, dtype)
+        pg = pg * out["is_keep"]
     out["pg"] = pg
     if knobs.kl_loss:
         if ref_log_probs is None:

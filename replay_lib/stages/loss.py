@@ -26,7 +26,7 @@ from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from .base import StageContext, StageDef, StageInputError
-from .loss_inputs import LossInputs, loss_inputs
+from .loss_inputs import LossInputs, is_keep_hazards, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -72,6 +72,7 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
     if "store_pg" in sums:
         _storage_hazard(ctx, li, bound, actual)
     _loss_hazards(ctx, sums)
+    is_keep_hazards(ctx, li, StageId.LOSS_POLICY.value)
     return expected, {f: actual[f] for f in expected}, bound
 
 

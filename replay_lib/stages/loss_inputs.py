@@ -62,10 +62,10 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
     rollout = ref = None
-    if knobs.is_level is not None:
+    if knobs.is_level is not None or knobs.is_keep:
         if not ctx.has("rollout_log_probs"):
-            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}",
-                                  field="rollout_log_probs")
+            why = f"is_level={knobs.is_level!r}" if knobs.is_level is not None else "is_keep"
+            raise StageInputError(f"payload 'rollout_log_probs' is required for {why}", field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:
         if not ctx.has("ref_log_probs"):
@@ -87,3 +87,17 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs)
+
+
+def is_keep_hazards(ctx: StageContext, li: LossInputs, stage: str) -> None:
+    """One ``is_keep_boundary`` hazard per sample whose keep decision (``kernels.is_keep``) lies within the
+    producer's rounding of its edge: its whole policy-loss term may be kept or dropped by the producer."""
+    if not li.knobs.is_keep or li.rollout_log_probs is None:
+        return
+    from ..kernels.is_keep import edge_samples
+
+    for i, what in edge_samples(li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, li.knobs.is_keep,
+                                ctx.precision.token, ctx.seg):
+        ctx.hazard(stage, "is_keep_boundary", sample=i, message=(
+            f"{ctx.sample_ids[i]}: {what} lies within rounding of its edge: the producer may keep or drop the "
+            "sample's terms there"))
