@@ -653,3 +653,13 @@ def test_verl_rollout_rs_maps_and_a_bad_chain_is_one_line():
         assert str(err.value).startswith("verl config: algorithm.rollout_correction.rollout_rs") and \
             message in str(err.value), str(err.value)
         assert err.value.exit_code == 3
+
+
+def test_skyrl_kl_cov_refusal_says_why_it_is_not_verls():
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "kl_cov"}}})
+    assert (str(err.value), err.value.exit_code) == (
+        "skyrl config: trainer.algorithm.policy_loss_type='kl_cov': not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to "
+        "the surrogate of the advantages it pre-scaled by the loss reduction and sums (ppo_utils.py:1019-1050), so "
+        "the penalty skips the reduction's normalizer, and ranks the covariance on the pre-scaled advantages; a "
+        "family to add", 4)

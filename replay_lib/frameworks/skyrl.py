@@ -90,6 +90,10 @@ KL_IN_REWARD_TOKEN = (
 KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
 KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
                          "\"mutually exclusive\"); set use_kl_loss=false")
+# SkyRL's KL-Cov is not verl's (kernels/families/kl_cov.py): why, for the refusal
+KL_COV_REFUSAL = ("not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to the surrogate of the advantages it pre-scaled "
+                  "by the loss reduction and sums (ppo_utils.py:1019-1050), so the penalty skips the reduction's "
+                  "normalizer, and ranks the covariance on the pre-scaled advantages; a family to add")
 # sequence_mask_metric → (its bounds' key prefix, the defaults of its low and high: config.py:803-810)
 SEQUENCE_MASKS = {"geometric": ("geo_mask", 0.99, 1.01), "product": ("product_mask", 0.5, 2.0)}
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
@@ -108,6 +112,8 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
+    if loss_type == "kl_cov":
+        r.refuse(f"{p}policy_loss_type", loss_type, KL_COV_REFUSAL)
     if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo"):
         r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip, gspo, cispo and sapo are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
