@@ -114,8 +114,9 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
     if loss_type == "kl_cov":
         r.refuse(f"{p}policy_loss_type", loss_type, KL_COV_REFUSAL)
-    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo"):
-        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip, gspo, cispo and sapo are)")
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo", "dppo"):
+        r.refuse(f"{p}policy_loss_type", loss_type, "not mapped (regular, dual_clip, gspo, cispo, sapo and dppo "
+                                                    "are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -207,6 +208,17 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     elif loss_type == "sapo":  # sapo_policy_loss: the gate by the sign of A, the configured loss_reduction
         fields.update(policy_loss="sapo", policy_loss_params={"tau_pos": r.number(f"{p}sapo.tau_pos", 1.0),
                                                               "tau_neg": r.number(f"{p}sapo.tau_neg", 1.05)})
+    elif loss_type == "dppo":
+        # dppo_policy_loss (ppo_utils.py:866-935): −A·r·keep, r against the rollout's log-probs (the old ones when
+        # the run has none, :889: record those as rollout_log_probs then), keep by the TV or binary-KL divergence
+        # (config.py:778-788: dppo_type binary_tv, delta_low = delta_high = 0.2)
+        dtype = r.text(f"{p}dppo.dppo_type", "binary_tv")
+        if dtype not in ("binary_tv", "binary_kl"):
+            r.bad(f"{p}dppo.dppo_type", dtype, "binary_tv or binary_kl (config.py:786-788)")
+        fields.update(policy_loss="dppo_mu", eps_clip=r.number(f"{p}dppo.delta_low", 0.2),
+                      eps_clip_high=r.number(f"{p}dppo.delta_high", 0.2),
+                      policy_loss_params={"divergence": dtype.removeprefix("binary_"), "anchor": "rollout"})
+        r.neutral(f"{p}eps_clip_low", f"{p}eps_clip_high")
     if reduction == "seq_mean_token_sum_norm":
         fields["loss_horizon"] = r.integer(f"{p}max_seq_len", None)  # config.py:933
     else:

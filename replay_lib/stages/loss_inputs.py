@@ -62,9 +62,11 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     if entropy is None and cfg.entropy_coef != 0:
         raise StageInputError("payload 'entropy' is required when entropy_coef != 0", field="entropy")
     rollout = ref = None
-    if knobs.is_level is not None or knobs.is_keep:
+    rollout_family = knobs.policy_loss == "dppo_mu" and knobs.param("anchor") == "rollout"
+    if knobs.is_level is not None or knobs.is_keep or rollout_family:
         if not ctx.has("rollout_log_probs"):
-            why = f"is_level={knobs.is_level!r}" if knobs.is_level is not None else "is_keep"
+            why = f"is_level={knobs.is_level!r}" if knobs.is_level is not None else \
+                "is_keep" if knobs.is_keep else "policy_loss 'dppo_mu' anchored on the rollout"
             raise StageInputError(f"payload 'rollout_log_probs' is required for {why}", field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:

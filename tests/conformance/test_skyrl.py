@@ -62,6 +62,10 @@ CONFIGS = {
                              "eps_clip_high": 0.04, "off_policy_correction": {"sequence_mask_metric": "geometric",
                                                                               "geo_mask_low": 0.97,
                                                                               "geo_mask_high": 1.03}}, 3),
+    # DPPO (ppo_utils.py:866-935): anchored on the rollout, the divergence mask by the sign of A
+    "grpo-dppo-tv": ({"policy_loss_type": "dppo", "dppo": {"delta_low": 0.05, "delta_high": 0.04}}, 3),
+    "grpo-dppo-kl-sequence-mean": ({"policy_loss_type": "dppo", "loss_reduction": "sequence_mean", "dppo": {
+        "dppo_type": "binary_kl", "delta_low": 0.01, "delta_high": 0.008}}, 3),
 }
 
 
@@ -245,6 +249,34 @@ def gspo_policy_loss(logp, old, adv, loss_mask, algo, rollout=None):
     return (loss * loss_mask).sum(), clip_ratio
 
 
+def dppo_policy_loss(logp, old, adv, loss_mask, algo, rollout=None):
+    """ppo_utils.py:866-935 @ a9564572: μ = the rollout's log-probs, else the old ones (:889); r = exp(clamp(logp −
+    μ, ±20)); the mask drops A > 0 with p − p_μ > δ_high and A < 0 with −(p − p_μ) > δ_low (binary_tv, :899-902),
+    or A > 0, p > p_μ, D > δ_high and A < 0, p < p_μ, D > δ_low with D = p_μ(μ − logp) + (1 − p_μ)·log((1 − p_μ +
+    1e-8)/(1 − p + 1e-8)) (binary_kl, :904-912); loss −r·A·mask; clip_ratio = masked_mean(mask == 0) (:918); the
+    off-policy correction (:921-925); reduce_loss Σ loss·mask."""
+    cfg = algo.get("dppo", {})
+    kind, lo, hi = cfg.get("dppo_type", "binary_tv"), cfg.get("delta_low", 0.2), cfg.get("delta_high", 0.2)
+    mu = rollout if rollout is not None else old
+    ratio = torch.exp(torch.clamp(logp - mu, -20.0, 20.0))
+    p, pm = torch.exp(logp), torch.exp(mu)
+    diff = p - pm
+    mask = torch.ones_like(adv)
+    if kind == "binary_tv":
+        mask[(adv > 0) & (diff > hi)] = 0.0
+        mask[(adv < 0) & (-diff > lo)] = 0.0
+    else:
+        kl = pm * (mu - logp) + (1 - pm) * torch.log((1 - pm + 1e-8) / (1 - p + 1e-8))
+        mask[(adv > 0) & (diff > 0) & (kl > hi)] = 0.0
+        mask[(adv < 0) & (diff < 0) & (kl > lo)] = 0.0
+    loss = -(ratio * adv * mask)
+    clip_ratio = float(masked_mean((mask == 0).to(F64), loss_mask))
+    tis, loss_mask = off_policy_correction(old, rollout, loss_mask, algo.get("off_policy_correction"))
+    if tis is not None:
+        loss = loss * tis
+    return (loss * loss_mask).sum(), clip_ratio
+
+
 def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask, rollout=None):
     """worker.py:876-898 forward_backward over micro-batches of ``micro`` samples (drop_last False), each
     worker.py:913-1110 _forward_backward_micro on one DP rank: loss = policy + kl_coef·kl·(len(mb)/len(batch))
@@ -257,7 +289,8 @@ def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask, rollout=None)
     for start in range(0, B, micro):
         sl = slice(start, min(start + micro, B))
         weight = (sl.stop - sl.start) / B
-        loss_fn = gspo_policy_loss if algo.get("policy_loss_type") == "gspo" else ppo_policy_loss
+        loss_fn = {"gspo": gspo_policy_loss, "dppo": dppo_policy_loss}.get(algo.get("policy_loss_type"),
+                                                                           ppo_policy_loss)
         policy, clip = loss_fn(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo,
                                rollout[sl] if rollout is not None else None)
         pg += float(policy)
@@ -327,7 +360,7 @@ def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str 
     scaled = loss_reduction(-adv if bug == "loss-sign" else adv, loss_mask, algo.get("loss_reduction", "token_mean"),
                             micro, algo.get("max_seq_len"))
     rollout = None
-    if "off_policy_correction" in algo:  # the rollout's log-probs, near the old ones (a generator of its own)
+    if "off_policy_correction" in algo or algo.get("policy_loss_type") == "dppo":  # the rollout's log-probs, near the old ones (a generator of its own)
         g = torch.Generator().manual_seed(seed + 1000)
         rollout = (old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.12).to(dtype).to(F64)
     policy = train_step(algo, micro, logp, old, ref, scaled, loss_mask, rollout)
@@ -434,3 +467,25 @@ def test_the_off_policy_masks_drop_tokens_and_the_replay_needs_them(tmp_path, cl
     code, out, err = cli("replay", bundle, "--stage", "loss.policy", "--format", "json")
     report = json.loads(out)
     assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), out
+
+
+@pytest.mark.parametrize("name", ["grpo-dppo-tv", "grpo-dppo-kl-sequence-mean"])
+def test_dppo_masks_some_tokens_of_each_sign(name):
+    """Not vacuous: SkyRL's DPPO mask drops tokens of both advantage signs and keeps most."""
+    algo, micro = CONFIGS[name]
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    g = torch.Generator().manual_seed(7 + 1000)
+    rollout = (old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.12).to(torch.float32).to(F64)
+    index = [i // N for i in range(B)]
+    adv, _ = grpo(scores, response_mask, index)
+    cfg = algo["dppo"]
+    p, pm = torch.exp(logp), torch.exp(rollout)
+    if cfg.get("dppo_type", "binary_tv") == "binary_tv":
+        drop_pos, drop_neg = (adv > 0) & (p - pm > cfg["delta_high"]), (adv < 0) & (pm - p > cfg["delta_low"])
+    else:
+        kl = pm * (rollout - logp) + (1 - pm) * torch.log((1 - pm + 1e-8) / (1 - p + 1e-8))
+        drop_pos = (adv > 0) & (p > pm) & (kl > cfg["delta_high"])
+        drop_neg = (adv < 0) & (p < pm) & (kl > cfg["delta_low"])
+    on = loss_mask > 0
+    assert int((drop_pos & on).sum()) > 0 and int((drop_neg & on).sum()) > 0
+    assert int(((drop_pos | drop_neg) & on).sum()) < int(on.sum()) // 2

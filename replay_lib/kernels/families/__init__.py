@@ -116,3 +116,4 @@ from . import dppo_kl  # noqa: E402,F401
 from . import dro  # noqa: E402,F401
 from . import gpg  # noqa: E402,F401
 from . import kl_cov  # noqa: E402,F401
+from . import dppo_mu  # noqa: E402,F401
