@@ -16,8 +16,11 @@ SUM_OF_SAMPLE_MEANS = "sum_of_sample_means"
 # pg_clipfrac_lower so: verl/workers/utils/losses.py:120 AggregationType.MEAN over its micro-batches): needs
 # each sample's ``micro_batch_id`` (index.json), not a count.
 MICRO_BATCH_TOKEN_MEAN = "micro_batch_token_mean"
+# The mean over the step's prompts of each prompt's masked token mean (SkyRL loss_reduction=prompt_mean,
+# ppo_utils.py:1209-1218 @ a9564572): each sample's prompt from its ``group_index`` (index.json).
+PROMPT_MEAN = "prompt_mean"
 AGG_MODES = (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
-             "token_sum", MICRO_BATCH_TOKEN_MEAN)
+             "token_sum", MICRO_BATCH_TOKEN_MEAN, PROMPT_MEAN)
 # The recorded counts each mode needs (RecomputeConfig field names).
 AGG_COUNTS = {
     SUM_OF_SAMPLE_MEANS: (),
@@ -27,6 +30,7 @@ AGG_COUNTS = {
     "seq_mean_token_sum_norm": ("loss_seq_count", "loss_horizon"),
     "token_sum": (),
     MICRO_BATCH_TOKEN_MEAN: (),
+    PROMPT_MEAN: (),
 }
 IMPORTANCE_LEVELS = ("token", "sequence")
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -77,6 +81,8 @@ class LossKnobs:
     policy_loss_params: tuple[tuple[str, object], ...] = ()
     # the 0/1 keep masks of an off-policy correction (bundle.is_keep.parse_is_keep), () for none
     is_keep: tuple = ()
+    # each sample's prompt (an index, in order of first appearance) from the samples' group_index; None without
+    prompt: Optional[tuple[int, ...]] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -101,7 +107,7 @@ class LossKnobs:
                    micro_batch=micro_batch_partition(samples),
                    policy_loss=str(getattr(cfg, "policy_loss", "ppo") or "ppo"),
                    policy_loss_params=tuple(sorted((getattr(cfg, "policy_loss_params", None) or {}).items())),
-                   is_keep=_is_keep(cfg))
+                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples))
 
     def param(self, name: str):
         """The family parameter ``name``: its recorded value, else the family's default (``KeyError`` when the
@@ -175,6 +181,15 @@ def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:
         return None
     first: dict = {}
     return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def prompt_partition(samples) -> Optional[tuple[int, ...]]:
+    """Each sample's prompt as an index (in order of first appearance of its ``group_index``), ``None`` without
+    samples."""
+    if not samples:
+        return None
+    first: dict = {}
+    return tuple(first.setdefault(s.group_index, len(first)) for s in samples)
 
 
 def uses_micro_batches(cfg) -> Optional[str]:

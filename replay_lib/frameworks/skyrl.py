@@ -48,7 +48,8 @@ statistics (``advantage_whiten_stats``) and end each response on a loss token.
 Loss reductions (``ppo_utils.py:1176-1220``): ``token_mean``, ``sequence_mean``, ``seq_mean_token_sum_norm``, and
 ``token_mean_legacy`` (each micro-batch of ``micro_train_batch_size_per_gpu`` consecutive samples divided by its
 own token count, then by the micro-batch count: ``micro_batch_token_mean`` from the samples' ``micro_batch_id``;
-exact when the mini-batch is a multiple of the micro-batch size, ``ppo_utils.py:1187``). ``prompt_mean`` is refused.
+exact when the mini-batch is a multiple of the micro-batch size, ``ppo_utils.py:1187``) and ``prompt_mean``
+(each prompt's token mean, averaged over the prompts: ``prompt_mean`` over the samples' ``group_index``).
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ from ._base import ConfigReader, kl_clamps
 FRAMEWORK = "skyrl"
 LOSS_REDUCTION = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mean",
                   "seq_mean_token_sum_norm": "seq_mean_token_sum_norm",
-                  "token_mean_legacy": "micro_batch_token_mean"}  # ppo_utils.py:1176-1207
+                  "token_mean_legacy": "micro_batch_token_mean",  # ppo_utils.py:1176-1207
+                  # the mean over the mini-batch's prompts of each one's token mean (ppo_utils.py:1209-1218; the
+                  # prompts from the uids, trainer.py:954): prompt_mean over the samples' group_index
+                  "prompt_mean": "prompt_mean"}
 # Reductions refused, with what a replay would need.
-REFUSED_REDUCTIONS = {
-    "prompt_mean": "the mean over the mini-batch's prompts of each prompt's token mean (ppo_utils.py:1209-1216) is "
-                   "not an aggregation the replay recomputes (the bundle's group_index already records the prompts)",
-}
+REFUSED_REDUCTIONS: dict[str, str] = {}
 # SkyRL's estimators → ours (ppo_utils.py:405-441); each one's group-of-one rule.
 ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus", "gae": "gae",
               # (r − mean)/(mean + 1e-6), a group of one r itself (ppo_utils.py:1397-1428): its own rule

@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
-                          SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+                          PROMPT_MEAN, SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
 from .families import family as policy_family
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
@@ -266,6 +266,13 @@ def agg_divisors(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> tupl
         k = int(mb.max()) + 1 if mb.numel() else 1
         tokens = torch.zeros(k, dtype=mask_counts.dtype).index_add_(0, mb, mask_counts)
         return torch.clamp_min(tokens, 1.0)[mb], float(k)
+    if mode == PROMPT_MEAN:  # (1/P)·Σ_p Σ_{i∈p} S_i / max(T_p, 1), T_p the prompt's loss tokens
+        if knobs.prompt is None or len(knobs.prompt) != mask_counts.numel():
+            raise ValueError(f"loss aggregation {mode!r} needs each sample's group_index")
+        pr = torch.tensor(knobs.prompt, dtype=torch.int64)
+        k = int(pr.max()) + 1 if pr.numel() else 1
+        tokens = torch.zeros(k, dtype=mask_counts.dtype).index_add_(0, pr, mask_counts)
+        return torch.clamp_min(tokens, 1.0)[pr], float(k)
     per_sample = mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean")
     inner = torch.clamp_min(mask_counts, 1.0) if per_sample else torch.ones_like(mask_counts)
     if mode in (SUM_OF_SAMPLE_MEANS, "token_sum"):
@@ -291,7 +298,8 @@ def sample_term(mode: str, mask_count: float, knobs: LossKnobs) -> tuple[str, fl
     ``loss_token_count``, ``max(Σmask, 1)·loss_seq_count``, …"""
     inner, outer = agg_divisors(mode, torch.tensor([float(mask_count)], dtype=torch.float64), knobs)
     names = (["max(Σmask, 1)"] if mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean") else []) + \
-        list(AGG_COUNTS[mode]) + (["micro-batch tokens·micro-batches"] if mode == MICRO_BATCH_TOKEN_MEAN else [])
+        list(AGG_COUNTS[mode]) + (["micro-batch tokens·micro-batches"] if mode == MICRO_BATCH_TOKEN_MEAN else []) + \
+        (["prompt tokens·prompts"] if mode == PROMPT_MEAN else [])
     return "·".join(names) or "1", float(inner[0]) * outer
 
 

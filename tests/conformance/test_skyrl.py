@@ -62,6 +62,10 @@ CONFIGS = {
                              "eps_clip_high": 0.04, "off_policy_correction": {"sequence_mask_metric": "geometric",
                                                                               "geo_mask_low": 0.97,
                                                                               "geo_mask_high": 1.03}}, 3),
+    "grpo-prompt-mean": ({"loss_reduction": "prompt_mean"}, 3),
+    "rloo-prompt-mean-geometric-mask": ({"advantage_estimator": "rloo", "loss_reduction": "prompt_mean",
+                                         "off_policy_correction": {"sequence_mask_metric": "geometric",
+                                                                   "geo_mask_low": 0.97, "geo_mask_high": 1.03}}, 4),
     # DPPO (ppo_utils.py:866-935): anchored on the rollout, the divergence mask by the sign of A
     "grpo-dppo-tv": ({"policy_loss_type": "dppo", "dppo": {"delta_low": 0.05, "delta_high": 0.04}}, 3),
     "grpo-dppo-kl-sequence-mean": ({"policy_loss_type": "dppo", "loss_reduction": "sequence_mean", "dppo": {
@@ -178,6 +182,12 @@ def loss_reduction(adv, loss_mask, reduction, micro, max_seq_len):
         return adv / (b * loss_mask.sum(dim=-1, keepdim=True).clamp(min=1))
     if reduction == "seq_mean_token_sum_norm":
         return adv / (b * max_seq_len)
+    if reduction == "prompt_mean":  # :1209-1218, the prompts' boundaries from the uids (preprocess.py:286)
+        out = torch.zeros_like(adv)
+        bounds = [(g * N, (g + 1) * N) for g in range(GROUPS)]  # the N samples of each prompt, consecutive
+        for start, end in bounds:
+            out[start:end] = adv[start:end] / (len(bounds) * loss_mask[start:end].sum().clamp(min=1))
+        return out
     raise ValueError(reduction)
 
 
@@ -489,3 +499,10 @@ def test_dppo_masks_some_tokens_of_each_sign(name):
     on = loss_mask > 0
     assert int((drop_pos & on).sum()) > 0 and int((drop_neg & on).sum()) > 0
     assert int(((drop_pos | drop_neg) & on).sum()) < int(on.sum()) // 2
+
+
+def test_prompt_mean_differs_from_token_mean_here():
+    """Not vacuous: the prompts' loss-token counts differ, so prompt_mean is not token_mean on these steps."""
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    per_prompt = loss_mask.reshape(GROUPS, N, WIDTH).sum(dim=(1, 2))
+    assert float(per_prompt[0]) != float(per_prompt[1])
