@@ -270,12 +270,9 @@ def test_skyrl_default_maps_its_kl_term_and_maps_without_it():
     assert (dual.eps_clip_c, dual.n_samples_per_prompt) == (3.0, 8)
     assert (dual.is_level, dual.is_mode, dual.is_low, dual.is_high, dual.is_log_clamp) == ("token", "truncate", None,
                                                                                           2.0, 20.0)
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
-    assert str(err.value) == (
-        "skyrl config: trainer.algorithm.loss_reduction='prompt_mean': the mean over the mini-batch's prompts of each "
-        "prompt's token mean (ppo_utils.py:1209-1216) is not an aggregation the replay recomputes (the bundle's "
-        "group_index already records the prompts)")
+    # prompt_mean: each prompt's token mean over the samples' group_index (ppo_utils.py:1209-1218)
+    prompt = from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
+    assert (prompt.loss_agg_mode, prompt.metric_agg_mode) == ("prompt_mean", "micro_batch_token_mean")
 
 
 def test_nemo_rl_grpo_math_defaults_and_tis():
@@ -474,9 +471,12 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
-                              "cispo and sapo are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "clip_cov"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='clip_cov': not mapped (regular, dual_clip, "
+                              "gspo, cispo, sapo and dppo are)")
+    dppo = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})  # config.py:778-784 defaults
+    assert (dppo.policy_loss, dppo.policy_loss_params, dppo.eps_clip, dppo.eps_clip_high) == (
+        "dppo_mu", {"divergence": "tv", "anchor": "rollout"}, 0.2, 0.2)
 
 
 def test_skyrl_kl_in_reward_fixed_and_adaptive_map():

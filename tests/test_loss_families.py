@@ -126,7 +126,7 @@ def test_dro_and_gpg_by_hand():
 
 @pytest.mark.parametrize("policy_loss, params, message", [
     ("luspo_typo", {}, "index.json: $.config.policy_loss='luspo_typo': not a known policy-loss family (known: ppo, cispo, dppo_kl, "
-                      "dppo_tv, dro, geo_mean, gpg, kl_cov, sapo)"),
+                      "dppo_mu, dppo_tv, dro, geo_mean, gpg, kl_cov, sapo)"),
     ("cispo", {"cap": "both"}, "$.config.policy_loss_params.cap='both': expected one of relative, absolute for "
                                "policy_loss 'cispo' (stage loss.policy)"),
     ("sapo", {"tau": 1.0}, "$.config.policy_loss_params.tau=1.0: not a parameter of policy_loss 'sapo' (its "
