@@ -106,3 +106,15 @@ def test_a_decision_at_its_edge_is_a_hazard():
     spec = parse_is_keep({"token": [0.5, math.exp(0.5)]})
     assert edge_samples(OLD, ROLL, MASK, LENGTHS, spec, 2.0 ** -24, seg) == [(0, "a token's token mask decision")]
     assert edge_samples(OLD, ROLL, MASK, LENGTHS, parse_is_keep({"token": [0.5, 1.5]}), 2.0 ** -24, seg) == []
+
+
+def test_validate_names_the_rollout_log_probs_is_keep_and_dppo_mu_need():
+    import msgspec
+
+    from replay_lib.bundle.schema import RecomputeConfig
+    from replay_lib.stages.loss import knob_payloads
+
+    keep = msgspec.json.decode(b'{"is_keep": {"geometric": [0.9, 1.1]}}', type=RecomputeConfig)
+    assert knob_payloads(keep) == [("is_keep", "rollout_log_probs")]
+    dppo = msgspec.json.decode(b'{"policy_loss": "dppo_mu"}', type=RecomputeConfig)
+    assert knob_payloads(dppo) == [("policy_loss_params.anchor", "rollout_log_probs")]

@@ -433,8 +433,12 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level" if cfg.is_level is not None else "use_tis", "rollout_log_probs"))
     if knobs.kl_loss:
         out.append(("use_kl_loss", "ref_log_probs"))
-    if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
+    if knobs.policy_loss in ("cispo", "dppo_mu") and \
+            dict(knobs.policy_loss_params).get("anchor", "rollout" if knobs.policy_loss == "dppo_mu" else "old") \
+            == "rollout":
         out.append(("policy_loss_params.anchor", "rollout_log_probs"))
+    if knobs.is_keep and knobs.is_level is None:
+        out.append(("is_keep", "rollout_log_probs"))
     return out
 
 
