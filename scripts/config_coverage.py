@@ -152,6 +152,9 @@ def verl_configs() -> list[Config]:
     yaml = Path(core.__file__).resolve().parents[1] / "config" / "_generated_ppo_trainer.yaml"
     base = OmegaConf.to_container(OmegaConf.load(yaml), resolve=True)
     A, ACT = "algorithm", "actor_rollout_ref.actor"
+    # verl asserts a micro-batch size unless use_dynamic_bsz (workers/config/actor.py:199-209: ActorConfig's
+    # __post_init__); the generated yaml leaves both null, so every run sets one: 8, as examples/grpo_trainer does
+    base["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 8
 
     def cfg(overrides: dict, family: bool = False, kind: str = "axis") -> Config:
         def build() -> dict:
@@ -204,6 +207,10 @@ def verl_configs() -> list[Config]:
         {f"{A}.adv_estimator": "rloo", f"{A}.use_kl_in_reward": True, f"{A}.kl_penalty": "kl"},
     ]
     out += [cfg(c, kind="combination") for c in combos]
+    for c in out:  # DRO without its beta: verl raises (core_algos.py:2028-2030, dro_beta null in actor.yaml:80)
+        if c.label == f"{ACT}.policy_loss.loss_mode=dro":
+            c.rejected = ("verl raises ValueError: policy_loss.dro_beta must be a positive value when using DRO "
+                          "(core_algos.py:2028-2030; dro_beta defaults to null, actor.yaml:80)")
     for c in out:  # a KL type verl's own code raises NotImplementedError for
         for key in (f"{ACT}.kl_loss_type", f"{A}.kl_penalty"):
             m = re.search(re.escape(key) + r"=([^,]+)", c.label)

@@ -268,12 +268,9 @@ def test_skyrl_default_maps_its_kl_term_and_maps_without_it():
     assert (dual.eps_clip_c, dual.n_samples_per_prompt) == (3.0, 8)
     assert (dual.is_level, dual.is_mode, dual.is_low, dual.is_high, dual.is_log_clamp) == ("token", "truncate", None,
                                                                                           2.0, 20.0)
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
-    assert str(err.value) == (
-        "skyrl config: trainer.algorithm.loss_reduction='prompt_mean': the mean over the mini-batch's prompts of each "
-        "prompt's token mean (ppo_utils.py:1209-1216) is not an aggregation the replay recomputes (the bundle's "
-        "group_index already records the prompts)")
+    # prompt_mean: each prompt's token mean over the samples' group_index (ppo_utils.py:1209-1218)
+    prompt = from_skyrl({"trainer": {"algorithm": {"use_kl_loss": False, "loss_reduction": "prompt_mean"}}})
+    assert (prompt.loss_agg_mode, prompt.metric_agg_mode) == ("prompt_mean", "micro_batch_token_mean")
 
 
 def test_nemo_rl_grpo_math_defaults_and_tis():
@@ -472,9 +469,12 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='dppo': not mapped (regular, dual_clip, gspo, "
-                              "cispo, sapo, cross_entropy, importance_sampling, rollout_is are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "clip_cov"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='clip_cov': not mapped (regular, dual_clip, "
+                              "gspo, cispo, sapo, dppo, cross_entropy, importance_sampling, rollout_is are)")
+    dppo = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})  # config.py:778-784 defaults
+    assert (dppo.policy_loss, dppo.policy_loss_params, dppo.eps_clip, dppo.eps_clip_high) == (
+        "dppo_mu", {"divergence": "tv", "anchor": "rollout"}, 0.2, 0.2)
 
 
 def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
@@ -510,19 +510,55 @@ def test_skyrl_kl_in_reward_fixed_and_adaptive_map():
         assert (str(err.value), err.value.exit_code) == ("skyrl config: " + want, 4), name
 
 
-@pytest.mark.parametrize("key, value", [("sequence_mask_metric", "geometric"), ("sequence_mask_metric", "product"),
-                                        ("token_mask_is_threshold_high", 5.0),
-                                        ("outlier_token_is_threshold_low", 1e-4)])
-def test_skyrl_is_masks_refusal_names_what_a_bundle_would_need(key, value):
-    """off_policy_correction masks multiply the loss mask itself (opc.py:319,327,345), not the IcePop weight."""
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {key: value}}}})
-    assert str(err.value) == (
-        f"skyrl config: trainer.algorithm.off_policy_correction.{key}={value!r}: SkyRL's IS masks multiply the loss "
-        "mask itself by 0/1 (opc.py:319,327,345: the masked tokens leave the reduction's count and keep no weight), "
-        "which is not the replay's is_mode=mask (the weight × 1[in bounds] on the recorded mask); a bundle would "
-        "need the loss mask the masks leave recorded as each sample's loss_mask")
-    assert err.value.exit_code == 4
+@pytest.mark.parametrize("section, keep", [
+    ({"sequence_mask_metric": "geometric"}, {"geometric": [0.99, 1.01]}),  # config.py:803-806 defaults
+    ({"sequence_mask_metric": "product", "product_mask_low": 0.25}, {"product": [0.25, 2.0]}),  # :807-810
+    ({"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}, {"token": [0.5, 2.0]}),
+    ({"outlier_token_is_threshold_low": 1e-4}, {"outlier": [1e-4, None]}),
+    ({"outlier_token_is_threshold_high": 100.0, "sequence_mask_metric": "geometric", "geo_mask_high": 1.05,
+      "tis_ratio_type": "token"}, {"outlier": [None, 100.0], "geometric": [0.99, 1.05]}),
+])
+def test_skyrl_is_masks_map_to_is_keep(section, keep):
+    """off_policy_correction's masks (opc.py:297-345 @ a9564572) map to is_keep, the TIS knobs beside them."""
+    cfg = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": section}}})
+    assert cfg.is_keep == keep
+    assert cfg.is_level == section.get("tis_ratio_type")
+
+
+@pytest.mark.parametrize("section, message, code", [
+    ({"sequence_mask_metric": "harmonic"}, "trainer.algorithm.off_policy_correction.sequence_mask_metric='harmonic': "
+     "not one of geometric, product (opc.py:220-253)", 4),
+    ({"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0, "tis_ratio_type": "sequence"},
+     "trainer.algorithm.off_policy_correction.tis_ratio_type='sequence': a sequence TIS ratio over the loss mask "
+     "SkyRL's token mask left (opc.py:327-338) is not recomputed (the replay sums it over the recorded mask); use "
+     "token TIS or no token mask", 4),
+    ({"sequence_mask_metric": "geometric", "geo_mask_low": 1.2}, "trainer.algorithm.off_policy_correction="
+     "{'geometric': [1.2, 1.01]}: expected mask bounds 0 < low <= high (low 1.2 is above high 1.01)", 3),
+])
+def test_skyrl_is_masks_refused_or_invalid_in_one_line(section, message, code):
+    with pytest.raises((UnsupportedFrameworkConfig, FrameworkConfigError)) as err:
+        from_skyrl({"trainer": {"algorithm": {"off_policy_correction": section}}})
+    assert (str(err.value), err.value.exit_code) == ("skyrl config: " + message, code)
+
+
+@pytest.mark.parametrize("bound, other", [("high", "low"), ("low", "high")])
+def test_skyrl_token_mask_with_one_bound_is_inert(bound, other):
+    """SkyRL applies the per-token mask only when both thresholds are set (opc.py:17-20, 297-301): one bound alone
+    maps to the config without it, with a note saying so."""
+    from replay_lib.frameworks._base import ConfigReader
+
+    notes: list = []
+    original = ConfigReader.note
+    ConfigReader.note = lambda self, text: (notes.append(text), original(self, text))[1]
+    try:
+        got = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {
+            f"token_mask_is_threshold_{bound}": 5.0}}}})
+    finally:
+        ConfigReader.note = original
+    assert got == from_skyrl({"trainer": {"algorithm": {}}})
+    assert notes == [f"trainer.algorithm.off_policy_correction.token_mask_is_threshold_{bound}=5.0: inert without "
+                     f"token_mask_is_threshold_{other} (SkyRL masks tokens only with both bounds, opc.py:17-20, "
+                     "297-301)"]
 
 
 def test_skyrl_estimators_reductions_metrics_and_masked_tokens():
@@ -639,3 +675,13 @@ def test_verl_rollout_rs_maps_and_a_bad_chain_is_one_line():
         assert str(err.value).startswith("verl config: algorithm.rollout_correction.rollout_rs") and \
             message in str(err.value), str(err.value)
         assert err.value.exit_code == 3
+
+
+def test_skyrl_kl_cov_refusal_says_why_it_is_not_verls():
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "kl_cov"}}})
+    assert (str(err.value), err.value.exit_code) == (
+        "skyrl config: trainer.algorithm.policy_loss_type='kl_cov': not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to "
+        "the surrogate of the advantages it pre-scaled by the loss reduction and sums (ppo_utils.py:1019-1050), so "
+        "the penalty skips the reduction's normalizer, and ranks the covariance on the pre-scaled advantages; a "
+        "family to add", 4)

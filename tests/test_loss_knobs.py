@@ -333,7 +333,7 @@ def test_kl_loss_with_a_zero_coefficient_needs_no_reference(tmp_path, cli):
 
 @pytest.mark.parametrize("key,value,message", [
     ("loss_agg_mode", "token-mean", "loss_agg_mode: expected one of sum_of_sample_means, seq_mean_token_mean, "
-                                    "token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_sum, micro_batch_token_mean, got 'token-mean'"),
+                                    "token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_sum, micro_batch_token_mean, prompt_mean, got 'token-mean'"),
     ("is_mode", "reject", "is_mode: expected one of truncate, mask, got 'reject'"),
     ("kl_loss_type", "k4", "kl_loss_type: expected one of k1, k2, k3, low_var_kl, abs, got 'k4'"),
     ("loss_token_count", -3, "$.config.loss_token_count: expected `int` >= 0"),

@@ -16,8 +16,11 @@ SUM_OF_SAMPLE_MEANS = "sum_of_sample_means"
 # pg_clipfrac_lower so: verl/workers/utils/losses.py:120 AggregationType.MEAN over its micro-batches): needs
 # each sample's ``micro_batch_id`` (index.json), not a count.
 MICRO_BATCH_TOKEN_MEAN = "micro_batch_token_mean"
+# The mean over the step's prompts of each prompt's masked token mean (SkyRL loss_reduction=prompt_mean,
+# ppo_utils.py:1209-1218 @ a9564572): each sample's prompt from its ``group_index`` (index.json).
+PROMPT_MEAN = "prompt_mean"
 AGG_MODES = (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
-             "token_sum", MICRO_BATCH_TOKEN_MEAN)
+             "token_sum", MICRO_BATCH_TOKEN_MEAN, PROMPT_MEAN)
 # The recorded counts each mode needs (RecomputeConfig field names).
 AGG_COUNTS = {
     SUM_OF_SAMPLE_MEANS: (),
@@ -27,6 +30,7 @@ AGG_COUNTS = {
     "seq_mean_token_sum_norm": ("loss_seq_count", "loss_horizon"),
     "token_sum": (),
     MICRO_BATCH_TOKEN_MEAN: (),
+    PROMPT_MEAN: (),
 }
 IMPORTANCE_LEVELS = ("token", "sequence")
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -83,6 +87,10 @@ class LossKnobs:
     opd_kl_type: str = "k1"
     opd_coef: float = 1.0
     opd_clamp: Optional[float] = None
+    # the 0/1 keep masks of an off-policy correction (bundle.is_keep.parse_is_keep), () for none
+    is_keep: tuple = ()
+    # each sample's prompt (an index, in order of first appearance) from the samples' group_index; None without
+    prompt: Optional[tuple[int, ...]] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -110,7 +118,8 @@ class LossKnobs:
                    opsm_delta=_set(cfg, "opsm_delta", None), opsm_anchor=_set(cfg, "opsm_anchor", "old"),
                    top_entropy_quantile=_set(cfg, "top_entropy_quantile", 1.0),
                    opd_placement=_set(cfg, "opd_placement", None), opd_kl_type=_set(cfg, "opd_kl_type", "k1"),
-                   opd_coef=_set(cfg, "opd_coef", 1.0), opd_clamp=_set(cfg, "opd_clamp", None))
+                   opd_coef=_set(cfg, "opd_coef", 1.0), opd_clamp=_set(cfg, "opd_clamp", None),
+                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples))
 
     def param(self, name: str):
         """The family's parameter ``name``: the recorded value, else the family's default
@@ -172,7 +181,12 @@ class LossKnobs:
     def needs_sample_pass(self) -> bool:
         """A per-sample quantity (GSPO's ratio, a sequence or geometric IS weight) is needed before the
         per-token terms: one more pass over the tokens."""
-        return self.sequence_ratio or self.is_level in ("sequence", "geometric")
+        return self.sequence_ratio or self.is_level in ("sequence", "geometric") or self.is_keep_sample
+
+    @property
+    def is_keep_sample(self) -> bool:
+        """A keep mask decided per sample (``outlier``, ``geometric``, ``product``)."""
+        return any(kind != "token" for kind, _, _ in self.is_keep)
 
     def with_clips(self, eps_clip: float, eps_clip_high: float) -> "LossKnobs":
         return replace(self, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
@@ -188,6 +202,15 @@ def _set(cfg, name: str, default):
     return default if type(value).__name__ == "UnsetType" else value
 
 
+def _is_keep(cfg) -> tuple:
+    value = getattr(cfg, "is_keep", None)
+    if not isinstance(value, dict):
+        return ()
+    from .is_keep import parse_is_keep
+
+    return parse_is_keep(value)
+
+
 def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:
     """Each sample's micro-batch as an index (in order of first appearance), ``None`` without samples or when
     one records no ``micro_batch_id``."""
@@ -198,6 +221,15 @@ def micro_batch_partition(samples) -> Optional[tuple[int, ...]]:
         return None
     first: dict = {}
     return tuple(first.setdefault(i, len(first)) for i in ids)
+
+
+def prompt_partition(samples) -> Optional[tuple[int, ...]]:
+    """Each sample's prompt as an index (in order of first appearance of its ``group_index``), ``None`` without
+    samples."""
+    if not samples:
+        return None
+    first: dict = {}
+    return tuple(first.setdefault(s.group_index, len(first)) for s in samples)
 
 
 def uses_micro_batches(cfg) -> Optional[str]:

@@ -350,6 +350,9 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     opd_kl_type: Union[str, msgspec.UnsetType] = msgspec.UNSET
     opd_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
     opd_clamp: Union[float, None, msgspec.UnsetType] = msgspec.UNSET
+    # The 0/1 keep masks of an off-policy correction (SkyRL off_policy_correction's outlier, token and sequence
+    # masks; bundle/is_keep.py, SPEC §4.4): each token's policy-loss term × 0/1, the normalizer and metrics kept.
+    is_keep: Union[dict[str, list[Optional[float]]], None, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
@@ -368,6 +371,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
 
             parse_rollout_rs(self.rollout_rs, None if self.rollout_rs_threshold is msgspec.UNSET
                              else self.rollout_rs_threshold)
+        if isinstance(self.is_keep, dict):
+            from .is_keep import parse_is_keep
+
+            parse_is_keep(self.is_keep)
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

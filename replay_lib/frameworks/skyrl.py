@@ -48,7 +48,8 @@ statistics (``advantage_whiten_stats``) and end each response on a loss token.
 Loss reductions (``ppo_utils.py:1176-1220``): ``token_mean``, ``sequence_mean``, ``seq_mean_token_sum_norm``, and
 ``token_mean_legacy`` (each micro-batch of ``micro_train_batch_size_per_gpu`` consecutive samples divided by its
 own token count, then by the micro-batch count: ``micro_batch_token_mean`` from the samples' ``micro_batch_id``;
-exact when the mini-batch is a multiple of the micro-batch size, ``ppo_utils.py:1187``). ``prompt_mean`` is refused.
+exact when the mini-batch is a multiple of the micro-batch size, ``ppo_utils.py:1187``) and ``prompt_mean``
+(each prompt's token mean, averaged over the prompts: ``prompt_mean`` over the samples' ``group_index``).
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ from ._base import ConfigReader, kl_clamps
 FRAMEWORK = "skyrl"
 LOSS_REDUCTION = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mean",
                   "seq_mean_token_sum_norm": "seq_mean_token_sum_norm",
-                  "token_mean_legacy": "micro_batch_token_mean"}  # ppo_utils.py:1176-1207
+                  "token_mean_legacy": "micro_batch_token_mean",  # ppo_utils.py:1176-1207
+                  # the mean over the mini-batch's prompts of each one's token mean (ppo_utils.py:1209-1218; the
+                  # prompts from the uids, trainer.py:954): prompt_mean over the samples' group_index
+                  "prompt_mean": "prompt_mean"}
 # Reductions refused, with what a replay would need.
-REFUSED_REDUCTIONS = {
-    "prompt_mean": "the mean over the mini-batch's prompts of each prompt's token mean (ppo_utils.py:1209-1216) is "
-                   "not an aggregation the replay recomputes (the bundle's group_index already records the prompts)",
-}
+REFUSED_REDUCTIONS: dict[str, str] = {}
 # SkyRL's estimators → ours (ppo_utils.py:405-441); each one's group-of-one rule.
 ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus", "gae": "gae",
               # (r − mean)/(mean + 1e-6), a group of one r itself (ppo_utils.py:1397-1428): its own rule
@@ -90,13 +91,12 @@ KL_IN_REWARD_TOKEN = (
 KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
 KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
                          "\"mutually exclusive\"); set use_kl_loss=false")
-# off_policy_correction masks (opc.py:75-255): 0/1 factors of the loss mask itself (opc.py:319,327,345), so the
-# reduction's token count shrinks and no weight is kept: not the IS knobs' is_mode="mask" (the weight × 1[in bounds]
-# on an unchanged mask).
-IS_MASK_REFUSAL = ("SkyRL's IS masks multiply the loss mask itself by 0/1 (opc.py:319,327,345: the masked tokens "
-                   "leave the reduction's count and keep no weight), which is not the replay's is_mode=mask (the "
-                   "weight × 1[in bounds] on the recorded mask); a bundle would need the loss mask the masks leave "
-                   "recorded as each sample's loss_mask")
+# SkyRL's KL-Cov is not verl's (kernels/families/kl_cov.py): why, for the refusal
+KL_COV_REFUSAL = ("not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to the surrogate of the advantages it pre-scaled "
+                  "by the loss reduction and sums (ppo_utils.py:1019-1050), so the penalty skips the reduction's "
+                  "normalizer, and ranks the covariance on the pre-scaled advantages; a family to add")
+# sequence_mask_metric → (its bounds' key prefix, the defaults of its low and high: config.py:803-810)
+SEQUENCE_MASKS = {"geometric": ("geo_mask", 0.99, 1.01), "product": ("product_mask", 0.5, 2.0)}
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
 NEUTRAL = ("sapo", "clip_cov", "kl_cov", "cispo", "dppo", "dynamic_sampling", "value_head_prefix", "temperature",
            "zero_variance_filter", "zero_variance_filter_tol", "kl_ctrl", "tis_imp_ratio_cap")
@@ -119,9 +119,11 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo") + tuple(FAMILY_LOSSES):
+    if loss_type == "kl_cov":
+        r.refuse(f"{p}policy_loss_type", loss_type, KL_COV_REFUSAL)
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo", "dppo") + tuple(FAMILY_LOSSES):
         r.refuse(f"{p}policy_loss_type", loss_type,
-                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, {', '.join(FAMILY_LOSSES)} are)")
+                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, dppo, {', '.join(FAMILY_LOSSES)} are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -213,6 +215,17 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     elif loss_type == "sapo":  # sapo_policy_loss: the gate by the sign of A, the configured loss_reduction
         fields.update(policy_loss="sapo", policy_loss_params={"tau_pos": r.number(f"{p}sapo.tau_pos", 1.0),
                                                               "tau_neg": r.number(f"{p}sapo.tau_neg", 1.05)})
+    elif loss_type == "dppo":
+        # dppo_policy_loss (ppo_utils.py:866-935): −A·r·keep, r against the rollout's log-probs (the old ones when
+        # the run has none, :889: record those as rollout_log_probs then), keep by the TV or binary-KL divergence
+        # (config.py:778-788: dppo_type binary_tv, delta_low = delta_high = 0.2)
+        dtype = r.text(f"{p}dppo.dppo_type", "binary_tv")
+        if dtype not in ("binary_tv", "binary_kl"):
+            r.bad(f"{p}dppo.dppo_type", dtype, "binary_tv or binary_kl (config.py:786-788)")
+        fields.update(policy_loss="dppo_mu", eps_clip=r.number(f"{p}dppo.delta_low", 0.2),
+                      eps_clip_high=r.number(f"{p}dppo.delta_high", 0.2),
+                      policy_loss_params={"divergence": dtype.removeprefix("binary_"), "anchor": "rollout"})
+        r.neutral(f"{p}eps_clip_low", f"{p}eps_clip_high")
     elif loss_type in FAMILY_LOSSES:
         fields["policy_loss"] = loss_type
         if loss_type == "cross_entropy":  # Σ −logp·m (reduce_loss, ppo_utils.py:1145-1149): no advantage to fold
@@ -233,16 +246,45 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
 
 def _off_policy(r: ConfigReader, opc: str, fields: dict[str, Any]) -> None:
     """``off_policy_correction`` (config.py:793-818; opc.py:24-70): ``exp(clamp(Δ, ±20))`` per token or summed per
-    sequence, capped above (no lower bound); every mask option refuses (``IS_MASK_REFUSAL``)."""
+    sequence, capped above (no lower bound); the outlier, token and sequence masks (opc.py:297-345) as
+    ``is_keep`` (bundle/is_keep.py): 0/1 weights of the policy-loss terms, SkyRL's normalizer kept."""
     kind = r.raw(f"{opc}.tis_ratio_type", None)  # config.py:794
     token_cap = r.number(f"{opc}.token_tis_ratio_clip_high", 2.0)  # config.py:797
     seq_cap = r.number(f"{opc}.sequence_tis_ratio_clip_high", 5.0)  # config.py:799
-    for key in ("sequence_mask_metric", "outlier_token_is_threshold_low", "outlier_token_is_threshold_high",
-                "token_mask_is_threshold_low", "token_mask_is_threshold_high"):  # config.py:801-818: None
-        value = r.raw(f"{opc}.{key}", None)
-        if value is not None:
-            r.refuse(f"{opc}.{key}", value, IS_MASK_REFUSAL)
+    keep: dict[str, list] = {}
+    outlier = [r.raw(f"{opc}.outlier_token_is_threshold_{k}", None) for k in ("low", "high")]  # config.py:811-814
+    if any(v is not None for v in outlier):  # either bound alone acts (opc.py:293-296)
+        keep["outlier"] = outlier
+    # the per-token mask acts only with both bounds set (opc.py:17-20, 297-301: "and"); one bound alone is inert
+    token_bounds = {k: r.raw(f"{opc}.token_mask_is_threshold_{k}", None) for k in ("low", "high")}  # config.py:815-818
+    if all(v is not None for v in token_bounds.values()):
+        keep["token"] = [token_bounds["low"], token_bounds["high"]]
+    else:
+        for k, v in token_bounds.items():
+            if v is not None:
+                r.note(f"{opc}.token_mask_is_threshold_{k}={v!r}: inert without token_mask_is_threshold_"
+                       f"{'high' if k == 'low' else 'low'} (SkyRL masks tokens only with both bounds, opc.py:17-20, "
+                       "297-301)")
+    metric = r.raw(f"{opc}.sequence_mask_metric", None)  # config.py:801
+    if metric is not None:
+        if metric not in SEQUENCE_MASKS:
+            r.refuse(f"{opc}.sequence_mask_metric", metric, "not one of geometric, product (opc.py:220-253)")
+        prefix, low, high = SEQUENCE_MASKS[metric]
+        keep[metric] = [r.number(f"{opc}.{prefix}_low", low), r.number(f"{opc}.{prefix}_high", high)]
     r.neutral(*(f"{opc}.{k}" for k in ("geo_mask_high", "geo_mask_low", "product_mask_high", "product_mask_low")))
+    if keep:
+        from ..bundle.is_keep import parse_is_keep
+
+        try:
+            parse_is_keep(keep)
+        except ValueError as exc:
+            r.bad(opc, keep, f"mask bounds 0 < low <= high ({str(exc).split(': ', 1)[-1]})")
+        if kind == "sequence" and "token" in keep:
+            # the sequence TIS ratio sums over the mask the token mask left (opc.py:327, 334-338)
+            r.refuse(f"{opc}.tis_ratio_type", kind, "a sequence TIS ratio over the loss mask SkyRL's token mask "
+                     "left (opc.py:327-338) is not recomputed (the replay sums it over the recorded mask); use "
+                     "token TIS or no token mask")
+        fields["is_keep"] = keep
     if kind is None:
         return
     if kind not in ("token", "sequence"):

@@ -241,11 +241,17 @@ def _loss(cfg: ConfigReader, *, batch: int, gas: int, spg: int, num_processes: i
         # coef_1 = clamp(coef_1, max=delta) before −min(coef_1·A, coef_2·A) (:3115-3120). With delta ≥ 1 + ε_high
         # this is dual-clip with c = delta: for A < 0, |A|·max(min(r, δ), clip(r)) = |A|·min(max(r, clip(r)), δ);
         # for A ≥ 0, min(r, δ, clip(r)) = min(r, clip(r)) since clip(r) ≤ 1 + ε_high ≤ δ.
+        if delta <= 1:
+            cfg.refuse("delta", delta, "at or below 1 the cap clips the ratio below the unclipped 1 on both sides "
+                                       "(TRL recommends delta > 1 + epsilon); not recomputed")
         if delta < 1 + out["eps_clip_high"]:
-            cfg.refuse("delta", delta, f"below 1 + epsilon_high = {1 + out['eps_clip_high']:g} the cap also clips "
-                                       "positive advantages, which the replay's dual-clip does not (TRL recommends "
-                                       "delta > 1 + epsilon)")
-        out["eps_clip_c"] = delta
+            # below 1 + ε_high the cap is the clip of A > 0 (−A·min(r, δ, clip(r)) = −A·min(r, δ) for δ > 1) and
+            # A < 0 keeps |A|·max(min(r, δ), clip(r)) = |A|·clip(r, 1 − ε_low, 1 + ε_high): the clipped surrogate
+            # with ε_high' = δ − 1 and dual-clip c = 1 + ε_high (max(r, clip(r, 1 − ε_low, δ)) capped at 1 + ε_high)
+            out["eps_clip_c"] = 1 + out["eps_clip_high"]
+            out["eps_clip_high"] = delta - 1
+        else:
+            out["eps_clip_c"] = delta
     level = cfg.text("importance_sampling_level", "token")
     if level not in ("token", "sequence"):
         cfg.refuse("importance_sampling_level", level, "expected token or sequence")

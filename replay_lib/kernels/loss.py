@@ -39,7 +39,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
-                          SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
+                          PROMPT_MEAN, SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
 from .families import family as policy_family
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
@@ -139,6 +139,12 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
         out.update(policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs,
                                                                  loss_mask, lengths, knobs, dtype,
                                                                  advantages=advantages))
+    if knobs.is_keep_sample:  # the off-policy correction's per-sample keep masks (kernels.is_keep)
+        if rollout_log_probs is None:
+            raise ValueError("rollout_log_probs is required for is_keep")
+        from .is_keep import sample_keep
+
+        out.update(sample_keep(old_log_probs, rollout_log_probs, loss_mask, lengths, knobs.is_keep, dtype))
     if knobs.opsm:
         out["opsm_kl"] = opsm_sequence_kl(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs,
                                           dtype)
@@ -146,7 +152,7 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
         if entropy is None:
             raise ValueError("entropy is required for top_entropy_quantile < 1")
         out["entropy_threshold"] = entropy_thresholds(entropy, loss_mask, lengths, knobs, dtype)
-    if not knobs.needs_sample_pass:
+    if not (knobs.sequence_ratio or knobs.is_level in ("sequence", "geometric")):
         return out
     mask = loss_mask.to(dtype)
     want_is = knobs.is_level in ("sequence", "geometric")
@@ -250,6 +256,11 @@ def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKn
         out["is_weight"] = importance_weight(log_w, knobs)
         out["pg_unweighted"] = pg
         pg = pg * out["is_weight"]
+    if knobs.is_keep:  # the off-policy correction's 0/1 keep masks (kernels.is_keep): the term only
+        from .is_keep import keep_weight
+
+        out["is_keep"] = keep_weight(old, rollout_log_probs, knobs.is_keep, seg, sample_terms, dtype)
+        pg = pg * out["is_keep"]
     out["pg"] = pg
     if knobs.kl_loss:
         if ref_log_probs is None:
@@ -366,6 +377,13 @@ def agg_divisors(mode: str, mask_counts: torch.Tensor, knobs: LossKnobs) -> tupl
         k = int(mb.max()) + 1 if mb.numel() else 1
         tokens = torch.zeros(k, dtype=mask_counts.dtype).index_add_(0, mb, mask_counts)
         return torch.clamp_min(tokens, 1.0)[mb], float(k)
+    if mode == PROMPT_MEAN:  # (1/P)·Σ_p Σ_{i∈p} S_i / max(T_p, 1), T_p the prompt's loss tokens
+        if knobs.prompt is None or len(knobs.prompt) != mask_counts.numel():
+            raise ValueError(f"loss aggregation {mode!r} needs each sample's group_index")
+        pr = torch.tensor(knobs.prompt, dtype=torch.int64)
+        k = int(pr.max()) + 1 if pr.numel() else 1
+        tokens = torch.zeros(k, dtype=mask_counts.dtype).index_add_(0, pr, mask_counts)
+        return torch.clamp_min(tokens, 1.0)[pr], float(k)
     per_sample = mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean")
     inner = torch.clamp_min(mask_counts, 1.0) if per_sample else torch.ones_like(mask_counts)
     if mode in (SUM_OF_SAMPLE_MEANS, "token_sum"):
@@ -391,7 +409,8 @@ def sample_term(mode: str, mask_count: float, knobs: LossKnobs) -> tuple[str, fl
     ``loss_token_count``, ``max(Σmask, 1)·loss_seq_count``, …"""
     inner, outer = agg_divisors(mode, torch.tensor([float(mask_count)], dtype=torch.float64), knobs)
     names = (["max(Σmask, 1)"] if mode in (SUM_OF_SAMPLE_MEANS, "seq_mean_token_mean") else []) + \
-        list(AGG_COUNTS[mode]) + (["micro-batch tokens·micro-batches"] if mode == MICRO_BATCH_TOKEN_MEAN else [])
+        list(AGG_COUNTS[mode]) + (["micro-batch tokens·micro-batches"] if mode == MICRO_BATCH_TOKEN_MEAN else []) + \
+        (["prompt tokens·prompts"] if mode == PROMPT_MEAN else [])
     return "·".join(names) or "1", float(inner[0]) * outer
 
 

@@ -54,6 +54,11 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
     """The float64 inputs of the analytic gradient: loss.policy's (``stages.loss_inputs``)."""
     li = loss_inputs(ctx)
+    if li.knobs.is_keep:  # the keep masks weigh loss.policy's terms; their gradient is not derived here
+        from .base import StageInputError
+
+        raise StageInputError("is_keep (an off-policy correction's keep masks) is not recomputed by loss.grad",
+                              field="is_keep")
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
                     mask=li.mask.to(torch.float64), lengths=ctx.lengths,

@@ -27,7 +27,7 @@ from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
-from .loss_inputs import LossInputs, family_payloads, loss_inputs
+from .loss_inputs import LossInputs, family_payloads, is_keep_hazards, loss_inputs
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -75,6 +75,7 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
     if "store_pg" in sums:
         _storage_hazard(ctx, li, bound, actual)
     _loss_hazards(ctx, sums)
+    is_keep_hazards(ctx, li, StageId.LOSS_POLICY.value)
     if li.rs_alternative is not None:
         actual = _rejection_boundary(ctx, li, expected, actual, bound)
     return expected, {f: actual[f] for f in expected}, bound
@@ -534,8 +535,12 @@ def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
     out += [("policy_loss", name) for name in family_payloads(knobs)
             if not (name == "rollout_log_probs" and (knobs.is_level is not None or knobs.opsm_anchor == "rollout"
                                                       and knobs.opsm))]
-    if knobs.policy_loss == "cispo" and dict(knobs.policy_loss_params).get("anchor") == "rollout":
+    if knobs.policy_loss in ("cispo", "dppo_mu") and \
+            dict(knobs.policy_loss_params).get("anchor", "rollout" if knobs.policy_loss == "dppo_mu" else "old") \
+            == "rollout":
         out.append(("policy_loss_params.anchor", "rollout_log_probs"))
+    if knobs.is_keep and knobs.is_level is None:
+        out.append(("is_keep", "rollout_log_probs"))
     return out
 
 

@@ -85,15 +85,15 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                                   field="teacher_log_probs")
         teacher = ctx.payload("teacher_log_probs")
     rollout = ref = None
-    if knobs.is_level is not None or (knobs.opsm and knobs.opsm_anchor == "rollout") or \
-            "rollout_log_probs" in family_payloads(knobs):
+    rollout_family = "rollout_log_probs" in family_payloads(knobs) or (
+        knobs.policy_loss == "dppo_mu" and knobs.param("anchor") == "rollout")
+    if knobs.is_level is not None or knobs.is_keep or (knobs.opsm and knobs.opsm_anchor == "rollout") or \
+            rollout_family:
         if not ctx.has("rollout_log_probs"):
-            raise StageInputError(f"payload 'rollout_log_probs' is required for is_level={knobs.is_level!r}"
-                                  if knobs.is_level is not None else
-                                  f"payload 'rollout_log_probs' is required for policy_loss={knobs.policy_loss!r}"
-                                  if knobs.family else "payload 'rollout_log_probs' is required for opsm_anchor="
-                                                       "'rollout'",
-                                  field="rollout_log_probs")
+            why = (f"is_level={knobs.is_level!r}" if knobs.is_level is not None else "is_keep" if knobs.is_keep else
+                   "policy_loss 'dppo_mu' anchored on the rollout" if knobs.policy_loss == "dppo_mu" else
+                   f"policy_loss={knobs.policy_loss!r}" if knobs.family else "opsm_anchor='rollout'")
+            raise StageInputError(f"payload 'rollout_log_probs' is required for {why}", field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:
         if not ctx.has("ref_log_probs"):
@@ -120,3 +120,17 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
                       rs_near=rs_near, rs_alternative=rs_alternative,
                       teacher_log_probs=teacher)
+
+
+def is_keep_hazards(ctx: StageContext, li: LossInputs, stage: str) -> None:
+    """One ``is_keep_boundary`` hazard per sample whose keep decision (``kernels.is_keep``) lies within the
+    producer's rounding of its edge: its whole policy-loss term may be kept or dropped by the producer."""
+    if not li.knobs.is_keep or li.rollout_log_probs is None:
+        return
+    from ..kernels.is_keep import edge_samples
+
+    for i, what in edge_samples(li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, li.knobs.is_keep,
+                                ctx.precision.token, ctx.seg):
+        ctx.hazard(stage, "is_keep_boundary", sample=i, message=(
+            f"{ctx.sample_ids[i]}: {what} lies within rounding of its edge: the producer may keep or drop the "
+            "sample's terms there"))

@@ -29,7 +29,9 @@ def _load():
 cov = _load()
 
 # framework → (configs enumerated, mapped, refused, loss families, rejected by the framework itself), measured
-REGISTERED = {"verl": (66, 52, 2, 9, 3), "openrlhf": (43, 39, 4, 0, 0), "trl": (38, 31, 3, 4, 0)}
+# (the policy-loss families are mapped or refused like any config: none is counted apart)
+REGISTERED = {"verl": (66, 59, 3, 0, 4), "openrlhf": (43, 39, 4, 0, 0), "trl": (38, 34, 4, 0, 0),
+              "skyrl": (42, 37, 5, 0, 0), "nemo-rl": (28, 21, 6, 0, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_every_refusal_is_one_line_naming_its_key(results, framework):
         if r.status == cov.REFUSED:
             label = {"trl": "TRL"}.get(framework, framework)
             assert r.message.startswith(f"{label} config: ") and "\n" not in r.message, r.message
-            key = r.path_value.split("=")[0]
+            key = r.path_value.split("=")[0].removeprefix("trainer.algorithm.")  # SkyRL's labels drop it
             assert key in r.label, (key, r.label)
 
 
@@ -80,9 +82,8 @@ def test_registries_read_from_the_frameworks_code(results):
     assert "actor_rollout_ref.actor.loss_agg_mode=token-sum" in verl
     orl = {r.label for r in results("openrlhf") if "," not in r.label}
     assert sum(label.startswith("algo.advantage.estimator=") for label in orl) == 7
-    trl = {r.label: r.status for r in results("trl")}
-    assert {k for k, v in trl.items() if k.startswith("loss_type=") and v == cov.FAMILY} == {
-        "loss_type=cispo", "loss_type=sapo", "loss_type=luspo", "loss_type=vespo"}
+    trl = {r.label for r in results("trl") if "," not in r.label}
+    assert sum(label.startswith("loss_type=") for label in trl) == 8
 
 
 def test_markdown_lists_every_refusal(results):

@@ -50,6 +50,26 @@ CONFIGS = {
                                "kl_loss_coef": 0.05}, 3),
     "rloo-kl-in-reward-k1": ({"advantage_estimator": "rloo", "use_kl_in_reward": True, "use_kl_loss": False,
                               "kl_estimator_type": "k1", "kl_loss_coef": 0.1}, 4),
+    # off_policy_correction's masks (opc.py @ a9564572): 0/1 factors of the loss terms, the normalizer kept
+    "grpo-geometric-mask": ({"off_policy_correction": {"sequence_mask_metric": "geometric", "geo_mask_low": 0.97,
+                                                       "geo_mask_high": 1.03}}, 3),
+    "grpo-product-and-token-masks": ({"off_policy_correction": {
+        "sequence_mask_metric": "product", "token_mask_is_threshold_low": 0.7, "token_mask_is_threshold_high": 1.4}},
+        3),
+    "grpo-outlier-mask-token-tis": ({"loss_reduction": "sequence_mean", "off_policy_correction": {
+        "outlier_token_is_threshold_low": 0.8, "tis_ratio_type": "token"}}, 3),
+    "gspo-geometric-mask": ({"policy_loss_type": "gspo", "loss_reduction": "sequence_mean", "eps_clip_low": 0.03,
+                             "eps_clip_high": 0.04, "off_policy_correction": {"sequence_mask_metric": "geometric",
+                                                                              "geo_mask_low": 0.97,
+                                                                              "geo_mask_high": 1.03}}, 3),
+    "grpo-prompt-mean": ({"loss_reduction": "prompt_mean"}, 3),
+    "rloo-prompt-mean-geometric-mask": ({"advantage_estimator": "rloo", "loss_reduction": "prompt_mean",
+                                         "off_policy_correction": {"sequence_mask_metric": "geometric",
+                                                                   "geo_mask_low": 0.97, "geo_mask_high": 1.03}}, 4),
+    # DPPO (ppo_utils.py:866-935): anchored on the rollout, the divergence mask by the sign of A
+    "grpo-dppo-tv": ({"policy_loss_type": "dppo", "dppo": {"delta_low": 0.05, "delta_high": 0.04}}, 3),
+    "grpo-dppo-kl-sequence-mean": ({"policy_loss_type": "dppo", "loss_reduction": "sequence_mean", "dppo": {
+        "dppo_type": "binary_kl", "delta_low": 0.01, "delta_high": 0.008}}, 3),
 }
 
 
@@ -162,10 +182,51 @@ def loss_reduction(adv, loss_mask, reduction, micro, max_seq_len):
         return adv / (b * loss_mask.sum(dim=-1, keepdim=True).clamp(min=1))
     if reduction == "seq_mean_token_sum_norm":
         return adv / (b * max_seq_len)
+    if reduction == "prompt_mean":  # :1209-1218, the prompts' boundaries from the uids (preprocess.py:286)
+        out = torch.zeros_like(adv)
+        bounds = [(g * N, (g + 1) * N) for g in range(GROUPS)]  # the N samples of each prompt, consecutive
+        for start, end in bounds:
+            out[start:end] = adv[start:end] / (len(bounds) * loss_mask[start:end].sum().clamp(min=1))
+        return out
     raise ValueError(reduction)
 
 
-def ppo_policy_loss(logp, old, adv, loss_mask, algo):
+def off_policy_correction(old, rollout, loss_mask, oc):
+    """opc.py:257-348 compute_off_policy_correction @ a9564572: the ratio exp(clamp(old − rollout, ±20)); the
+    outlier mask drops a sample with any loss token above its high / below its low bound (:75-134, applied when
+    either is set, :293-296, :315-320); the token mask keeps low ≤ ratio ≤ high (:137-188, only with both bounds,
+    :297-301, :322-328); the token TIS ratio min(ratio, cap) (:24-72, :333-338); the sequence mask over the mask
+    left so far: geometric exp(clamp(Σ Δ·m / max(Σ m, 1), ±20)), product exp(clamp(Σ Δ·m, ±20)), dropped when
+    > high or < low (:191-254, :340-346). ``(tis or None, the new loss mask)``."""
+    if rollout is None or not oc:
+        return None, loss_mask
+    delta = old - rollout
+    ratio = torch.exp(torch.clamp(delta, -20.0, 20.0))
+    lo, hi = oc.get("outlier_token_is_threshold_low"), oc.get("outlier_token_is_threshold_high")
+    if lo is not None or hi is not None:
+        over = (ratio > hi) & (loss_mask > 0) if hi is not None else torch.zeros_like(ratio, dtype=torch.bool)
+        under = (ratio < lo) & (loss_mask > 0) if lo is not None else torch.zeros_like(ratio, dtype=torch.bool)
+        loss_mask = loss_mask * ((~over & ~under) | (loss_mask == 0)).all(dim=-1, keepdim=True).to(F64)
+    lo, hi = oc.get("token_mask_is_threshold_low"), oc.get("token_mask_is_threshold_high")
+    if lo is not None and hi is not None:
+        loss_mask = loss_mask * (((ratio >= lo) & (ratio <= hi)) | (loss_mask == 0)).to(F64)
+    tis = None
+    if oc.get("tis_ratio_type") == "token":
+        tis = torch.clamp(ratio, max=oc.get("token_tis_ratio_clip_high", 2.0))
+    metric = oc.get("sequence_mask_metric")
+    if metric is not None:
+        total = (delta * loss_mask).sum(dim=-1, keepdim=True)
+        if metric == "geometric":
+            stat = torch.exp(torch.clamp(total / loss_mask.sum(dim=-1, keepdim=True).clamp(min=1.0), -20.0, 20.0))
+            lo, hi = oc.get("geo_mask_low", 0.99), oc.get("geo_mask_high", 1.01)
+        else:
+            stat = torch.exp(torch.clamp(total, -20.0, 20.0))
+            lo, hi = oc.get("product_mask_low", 0.5), oc.get("product_mask_high", 2.0)
+        loss_mask = loss_mask * (~(stat > hi) & ~(stat < lo)).to(F64)
+    return tis, loss_mask
+
+
+def ppo_policy_loss(logp, old, adv, loss_mask, algo, rollout=None):
     """ppo_utils.py:557-588: ratio exp(clamp(Δ, ±20)) (safe_exp_delta, torch_utils.py:187-192), the clipped
     surrogate, clip_ratio = masked_mean(−surr2 > −surr1) over the micro-batch, dual-clip where A < 0,
     reduce_loss Σ loss·mask (:1145-1149)."""
@@ -176,10 +237,13 @@ def ppo_policy_loss(logp, old, adv, loss_mask, algo):
     clip_ratio = masked_mean((-surr2 > -surr1).to(F64), loss_mask)
     if algo.get("policy_loss_type") == "dual_clip":
         loss = torch.where(adv < 0, torch.min(-adv * algo.get("clip_ratio_c", 3.0), loss), loss)
+    tis, loss_mask = off_policy_correction(old, rollout, loss_mask, algo.get("off_policy_correction"))  # :580-584
+    if tis is not None:
+        loss = loss * tis
     return (loss * loss_mask).sum(), float(clip_ratio)
 
 
-def gspo_policy_loss(logp, old, adv, loss_mask, algo):
+def gspo_policy_loss(logp, old, adv, loss_mask, algo, rollout=None):
     """ppo_utils.py:663-729: log s_i = masked_mean(Δ, loss_mask, dim=−1) (torch_utils.py:180-184), the token's
     log-weight sg[log s_i] + logp − sg[logp] (= log s_i forward) clamped at max 10, the clipped surrogate (no
     dual-clip), clip_ratio = masked_mean(−surr2 > −surr1) over the micro-batch, reduce_loss Σ loss·mask."""
@@ -188,10 +252,42 @@ def gspo_policy_loss(logp, old, adv, loss_mask, algo):
     surr1 = ratio * adv
     surr2 = ratio.clamp(1 - algo.get("eps_clip_low", 0.2), 1 + algo.get("eps_clip_high", 0.2)) * adv
     loss = -torch.min(surr1, surr2)
-    return (loss * loss_mask).sum(), float(masked_mean((-surr2 > -surr1).to(F64), loss_mask))
+    clip_ratio = float(masked_mean((-surr2 > -surr1).to(F64), loss_mask))
+    tis, loss_mask = off_policy_correction(old, rollout, loss_mask, algo.get("off_policy_correction"))  # :721-725
+    if tis is not None:
+        loss = loss * tis
+    return (loss * loss_mask).sum(), clip_ratio
 
 
-def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask):
+def dppo_policy_loss(logp, old, adv, loss_mask, algo, rollout=None):
+    """ppo_utils.py:866-935 @ a9564572: μ = the rollout's log-probs, else the old ones (:889); r = exp(clamp(logp −
+    μ, ±20)); the mask drops A > 0 with p − p_μ > δ_high and A < 0 with −(p − p_μ) > δ_low (binary_tv, :899-902),
+    or A > 0, p > p_μ, D > δ_high and A < 0, p < p_μ, D > δ_low with D = p_μ(μ − logp) + (1 − p_μ)·log((1 − p_μ +
+    1e-8)/(1 − p + 1e-8)) (binary_kl, :904-912); loss −r·A·mask; clip_ratio = masked_mean(mask == 0) (:918); the
+    off-policy correction (:921-925); reduce_loss Σ loss·mask."""
+    cfg = algo.get("dppo", {})
+    kind, lo, hi = cfg.get("dppo_type", "binary_tv"), cfg.get("delta_low", 0.2), cfg.get("delta_high", 0.2)
+    mu = rollout if rollout is not None else old
+    ratio = torch.exp(torch.clamp(logp - mu, -20.0, 20.0))
+    p, pm = torch.exp(logp), torch.exp(mu)
+    diff = p - pm
+    mask = torch.ones_like(adv)
+    if kind == "binary_tv":
+        mask[(adv > 0) & (diff > hi)] = 0.0
+        mask[(adv < 0) & (-diff > lo)] = 0.0
+    else:
+        kl = pm * (mu - logp) + (1 - pm) * torch.log((1 - pm + 1e-8) / (1 - p + 1e-8))
+        mask[(adv > 0) & (diff > 0) & (kl > hi)] = 0.0
+        mask[(adv < 0) & (diff < 0) & (kl > lo)] = 0.0
+    loss = -(ratio * adv * mask)
+    clip_ratio = float(masked_mean((mask == 0).to(F64), loss_mask))
+    tis, loss_mask = off_policy_correction(old, rollout, loss_mask, algo.get("off_policy_correction"))
+    if tis is not None:
+        loss = loss * tis
+    return (loss * loss_mask).sum(), clip_ratio
+
+
+def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask, rollout=None):
     """worker.py:876-898 forward_backward over micro-batches of ``micro`` samples (drop_last False), each
     worker.py:913-1110 _forward_backward_micro on one DP rank: loss = policy + kl_coef·kl·(len(mb)/len(batch))
     with kl = masked_mean(kl, mask, dim=-1).mean() (:1068-1089); reduce_metrics (worker_utils.py:61-90) sums the
@@ -203,8 +299,10 @@ def train_step(algo, micro, logp, old, ref, scaled_adv, loss_mask):
     for start in range(0, B, micro):
         sl = slice(start, min(start + micro, B))
         weight = (sl.stop - sl.start) / B
-        loss_fn = gspo_policy_loss if algo.get("policy_loss_type") == "gspo" else ppo_policy_loss
-        policy, clip = loss_fn(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo)
+        loss_fn = {"gspo": gspo_policy_loss, "dppo": dppo_policy_loss}.get(algo.get("policy_loss_type"),
+                                                                           ppo_policy_loss)
+        policy, clip = loss_fn(logp[sl], old[sl], scaled_adv[sl], loss_mask[sl], algo,
+                               rollout[sl] if rollout is not None else None)
         pg += float(policy)
         clips.append(clip)
         if use_kl:
@@ -271,12 +369,18 @@ def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str 
         adv = adv * loss_mask
     scaled = loss_reduction(-adv if bug == "loss-sign" else adv, loss_mask, algo.get("loss_reduction", "token_mean"),
                             micro, algo.get("max_seq_len"))
-    policy = train_step(algo, micro, logp, old, ref, scaled, loss_mask)
+    rollout = None
+    if "off_policy_correction" in algo or algo.get("policy_loss_type") == "dppo":  # the rollout's log-probs, near the old ones (a generator of its own)
+        g = torch.Generator().manual_seed(seed + 1000)
+        rollout = (old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.12).to(dtype).to(F64)
+    policy = train_step(algo, micro, logp, old, ref, scaled, loss_mask, rollout)
 
     cfg = from_skyrl(skyrl_config(name))
     counts = dict(loss_token_count=int(loss_mask.sum()), loss_seq_count=B)
     if stats is not None:  # SkyRL whitens over every response token: the bundle records its statistics
         counts["advantage_whiten_stats"] = AdvantageWhitenStats(mean=stats[0], std=stats[1])
+    if bug == "no-keep":  # the mapping without the off-policy correction's keep masks
+        counts["is_keep"] = msgspec.UNSET
     if bug == "one-rule":  # the mapping without the in-reward KL's own rule: masked_token_value for both
         counts["kl_masked_token_value"] = msgspec.UNSET
     cfg = msgspec.structs.replace(cfg, **counts)
@@ -298,6 +402,8 @@ def write_skyrl_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: str 
         payloads["ref_log_probs"] = ref
     if kl is not None:
         payloads["kl"] = kl
+    if rollout is not None:
+        payloads["rollout_log_probs"] = rollout
     for pname, values in payloads.items():
         writer.write_payload(pname, values[valid].to(dtype))
     return writer.finalize(ranks=[0])
@@ -350,3 +456,53 @@ def test_kl_in_reward_needs_its_own_masked_token_rule(tmp_path, cli):
     kl = next(s for s in report["stages"] if s["stage"] == "advantage.kl")
     assert kl["reason"] == (f"kl mismatch in {int(masked.sum())} token(s) of {int((masked > 0).sum())} sample(s)")
     assert int(masked.sum()) > 3
+
+
+OPC = [name for name, (algo, _) in CONFIGS.items() if "off_policy_correction" in algo]
+
+
+@pytest.mark.parametrize("name", OPC)
+def test_the_off_policy_masks_drop_tokens_and_the_replay_needs_them(tmp_path, cli, name):
+    """Not vacuous: each mask config drops loss tokens (and, but for the token mask alone, whole samples) in
+    SkyRL's reference, and the same bundle without ``is_keep`` diverges at loss.policy (exit 1)."""
+    algo, _ = CONFIGS[name]
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    g = torch.Generator().manual_seed(7 + 1000)
+    rollout = (old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.12).to(torch.float32).to(F64)
+    _, kept = off_policy_correction(old, rollout, loss_mask, algo["off_policy_correction"])
+    assert 0 < int(kept.sum()) < int(loss_mask.sum())
+    assert int(((loss_mask.sum(-1) > 0) & (kept.sum(-1) == 0)).sum()) >= 1
+    assert from_skyrl(skyrl_config(name)).is_keep
+    bundle = write_skyrl_bundle(tmp_path / "b", name, seed=7, dtype=torch.float32, bug="no-keep")
+    code, out, err = cli("replay", bundle, "--stage", "loss.policy", "--format", "json")
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), out
+
+
+@pytest.mark.parametrize("name", ["grpo-dppo-tv", "grpo-dppo-kl-sequence-mean"])
+def test_dppo_masks_some_tokens_of_each_sign(name):
+    """Not vacuous: SkyRL's DPPO mask drops tokens of both advantage signs and keeps most."""
+    algo, micro = CONFIGS[name]
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    g = torch.Generator().manual_seed(7 + 1000)
+    rollout = (old + torch.randn(B, WIDTH, generator=g, dtype=F64) * 0.12).to(torch.float32).to(F64)
+    index = [i // N for i in range(B)]
+    adv, _ = grpo(scores, response_mask, index)
+    cfg = algo["dppo"]
+    p, pm = torch.exp(logp), torch.exp(rollout)
+    if cfg.get("dppo_type", "binary_tv") == "binary_tv":
+        drop_pos, drop_neg = (adv > 0) & (p - pm > cfg["delta_high"]), (adv < 0) & (pm - p > cfg["delta_low"])
+    else:
+        kl = pm * (rollout - logp) + (1 - pm) * torch.log((1 - pm + 1e-8) / (1 - p + 1e-8))
+        drop_pos = (adv > 0) & (p > pm) & (kl > cfg["delta_high"])
+        drop_neg = (adv < 0) & (p < pm) & (kl > cfg["delta_low"])
+    on = loss_mask > 0
+    assert int((drop_pos & on).sum()) > 0 and int((drop_neg & on).sum()) > 0
+    assert int(((drop_pos | drop_neg) & on).sum()) < int(on.sum()) // 2
+
+
+def test_prompt_mean_differs_from_token_mean_here():
+    """Not vacuous: the prompts' loss-token counts differ, so prompt_mean is not token_mean on these steps."""
+    lengths, response_mask, loss_mask, old, logp, ref, scores = _step(7, torch.float32)
+    per_prompt = loss_mask.reshape(GROUPS, N, WIDTH).sum(dim=(1, 2))
+    assert float(per_prompt[0]) != float(per_prompt[1])

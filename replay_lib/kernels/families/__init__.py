@@ -137,3 +137,4 @@ from . import ipo  # noqa: E402,F401
 from . import rollout_is  # noqa: E402,F401
 from . import importance_sampling  # noqa: E402,F401
 from . import cross_entropy  # noqa: E402,F401
+from . import dppo_mu  # noqa: E402,F401
