@@ -20,7 +20,7 @@ from ..kernels.segments import ChunkSums
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation, has_clip_lower,
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms, wants_sample_pass)
-from ..judge.error_model import C_NEAR_CLIP, C_STORE
+from ..judge.error_model import C_STORE
 from ..kernels.families import family_refusals
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
