@@ -480,7 +480,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         def write(path: str, overwrite: bool) -> str:
             return export_field(self.model, request, path, overwrite=overwrite)
 
-        self.app.push_screen(ExportScreen(request, default_export_path(request), write),
+        self.app.push_screen(ExportScreen(request, default_export_path(request, self.bundle_name), write),
                              lambda message: self.say(message, timeout=4) if message else None)
 
     def on_diff_view_copy(self, event: DiffView.Copy) -> None:
