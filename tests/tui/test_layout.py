@@ -141,3 +141,19 @@ async def test_80x24_wraps_the_why_strip_s_second_line(make_app):
                          "  normalization off)",
                          "group g-0  raw [1.0, 3.0]  mean 2.0  std",
                          "  1.41421356  eps 1e-06  std-norm off"]
+
+
+async def test_m_on_identity_fills_the_screen(make_app):
+    """Zoomed, the identity pane takes every row, as the other panes do: no hatched screen around its rows."""
+    from replay_tui.widgets.identity_pane import IdentityPane
+
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("4", "m")
+        pane = app.debugger.query_one(IdentityPane)
+        assert app.debugger.maximized is pane
+        assert pane.region.height == 40
+        lines = screen_lines(app)
+        assert lines[0].startswith("╭─ Identity ") and lines[-1].startswith("╰")
+        assert not any("╱" in line for line in lines)
