@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .convert import add_convert_arguments
 
     add_convert_arguments(p)
+    p = sub.add_parser("reseal", help="recompute the checksums of a bundle edited by hand, marked resealed (SPEC §2)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .reseal import add_reseal_arguments
+
+    add_reseal_arguments(p)
     p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .config import add_config_arguments
@@ -338,6 +343,10 @@ def _dispatch(args) -> int:
         from .convert import run_convert_command
 
         return run_convert_command(args)
+    if args.command == "reseal":
+        from .reseal import run_reseal_command
+
+        return run_reseal_command(args)
     if args.command == "schema":
         from .schema import run_schema_command
 
