@@ -35,10 +35,10 @@ from ..keys import MAIN_BINDINGS
 PANES = ("stages", "samples", "diff", "identity")
 # The identity pane is shown by default only when the terminal is tall enough for it.
 IDENTITY_MIN_HEIGHT = 32
-# The diff gets the width first: its borders and scrollbar (3), the mark and a 6-cell key (2 + 6) and the three
-# numbers with 8 cells each, the width of the header "expected" (3 × (1 + 8)) — the recorded value beside the
-# recomputed one and its error. The left column takes what is left, up to its usual width (30 narrow, 40 wide)
-# and down to LEFT_MIN.
+# The diff gets the width first: its borders and scrollbar (3), the mark and the key (2 + the key's cells: 6 for a
+# sample id or an offset, up to 28 for a table of loss fields) and the three numbers with 8 cells each, the width
+# of the header "expected" (3 × (1 + 8)) — the recorded value beside the recomputed one and its error. The left
+# column takes what is left, up to its usual width (30 narrow, 40 wide) and down to LEFT_MIN.
 DIFF_MIN_WIDTH = 3 + 2 + 6 + 3 * 9
 LEFT_MIN = 20
 
@@ -224,6 +224,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         # a field's own order when the viewer changes field (pg_contribution: by |err|); the user's across samples
         changed = self.diff_view.diff is None or self.diff_view.diff.field != self.field
         self.diff_panel.show(diff, cursor=row or 0, sort=sort if changed else None)
+        self._fit_left(self.app.size.width)  # a table of long row names (loss fields) needs a wider key
 
     @property
     def diff_cursor(self) -> int:
@@ -520,7 +521,9 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         """The left column's width at a terminal ``width``: what the diff leaves (:data:`DIFF_MIN_WIDTH`), at most
         its usual width, at least :data:`LEFT_MIN`."""
         usual = 40 if width >= self.HORIZONTAL_BREAKPOINTS[-1][0] else 30
-        cells = max(LEFT_MIN, min(usual, width - DIFF_MIN_WIDTH))
+        view = self.query_one(DiffView)
+        key = view.key_width() if view.diff is not None else 6
+        cells = max(LEFT_MIN, min(usual, width - DIFF_MIN_WIDTH - (key - 6)))
         left = self.query_one("#left", Vertical)
         if left.styles.width is None or left.styles.width.cells != cells:  # a relayout only when it changes
             left.styles.width = cells

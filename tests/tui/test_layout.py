@@ -55,9 +55,10 @@ async def test_60x20_gives_the_diff_the_width_first(make_app):
         assert screen.query_one("#left").size.width == 30
 
 
-async def test_80x24_reaches_the_loss_table_s_recorded_value(tmp_path):
-    """verl-dapo's loss table at 80×24: its long row names (pg_clipfrac_from_terms) leave the numbers room for the
-    recomputed value and its error; the first → shows the recorded one."""
+async def test_80x24_shows_the_loss_table_s_recorded_value(tmp_path):
+    """verl-dapo's loss table at 80×24: its long row names (pg_clipfrac_from_terms, 22 cells) widen the key, so
+    the left column gives up 4 cells and the diff keeps the recorded value (expected) beside the recomputed one
+    and its error; on a table keyed by sample ids the left column has its 30 cells again."""
     from replay_lib.demo import write_demo
     from replay_tui.app import ReplayApp
 
@@ -65,11 +66,15 @@ async def test_80x24_reaches_the_loss_table_s_recorded_value(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
         await pilot.press("3")
-        assert header(app) == ["field", "actual", "abs", "err"]
-        await pilot.press("right")
-        assert header(app)[:3] == ["←", "field", "expected"]
+        await pilot.pause()
+        assert app.debugger.query_one("#left").size.width == 26
+        assert header(app) == ["field", "expected", "actual", "abs", "err"]
         row = app.debugger.diff_view.render_row(0, app.debugger.diff_view.row_width, Style()).text.split()
-        assert row[:3] == ["✗", "loss_from_terms", "1.644468"]  # 1.6444676 in fewer digits
+        assert row[:4] == ["✗", "loss_from_terms", "1.644468", "0.203022"]  # 1.6444676 in fewer digits
+        app.debugger.select(field="pg_contribution")
+        await pilot.pause()
+        assert app.debugger.query_one("#left").size.width == 30
+        assert header(app)[:3] == ["sample", "group", "expected"]
 
 
 async def test_60x20_zoom_shows_the_whole_row(make_app):
