@@ -43,6 +43,9 @@ def load_trainer():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--token-terms", action="store_true",
+                    help="the cost of RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1: 'off' is capture without the per-token "
+                         "loss terms, 'on' capture with them")
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--prompts-per-rollout", type=int, default=8)
     ap.add_argument("--n-samples", type=int, default=8)
@@ -61,14 +64,18 @@ def main(argv=None) -> int:
     rows = {"off": [], "on": []}
     try:
         # Warm-up, both modes: imports, allocator, first torch.save, the producer's one git lookup.
-        trainer.run(train_argv, env={})
-        trainer.run(train_argv, env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(root / "warm-up")})
+        base = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(root / "warm-base")} \
+            if args.token_terms else {}
+        terms = {"RELAX_REPLAY_CAPTURE_TOKEN_TERMS": "1"} if args.token_terms else {}
+        trainer.run(train_argv, env=dict(base))
+        trainer.run(train_argv, env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(root / "warm-up"),
+                                     **terms})
         for r in range(args.rounds):
             order = ("off", "on") if r % 2 == 0 else ("on", "off")
             for mode in order:
-                env = {}
+                env = dict(base, RELAX_REPLAY_CAPTURE_DIR=str(root / f"base-{r}")) if base else {}
                 if mode == "on":
-                    env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(root / f"round-{r}")}
+                    env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(root / f"round-{r}"), **terms}
                 t0 = time.perf_counter()
                 result = trainer.run(train_argv, env=env)
                 total = time.perf_counter() - t0

@@ -8,9 +8,10 @@
                                       keeps its directory: see ``capture.directory``);
 ``RELAX_REPLAY_CAPTURE_FORMAT=1|2``  the bundle format's major: 1 (default, ours, 1.x) or 2 (the original tool's 2.0.0:
                                       no reward stages, each sample's post-processed reward its ``reward``);
-``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1`` also write the per-token surrogate ``pg_losses`` into step bundles (off by
-                                      default: it is one more float per token; the per-sample loss terms are
-                                      always written when the trainer gives them).
+``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=0`` do not write the per-token surrogate ``pg_losses`` into step bundles (on
+                                      when unset or blank: one more float per token, measured within the noise of
+                                      the example trainer's step time (bench/bench_capture.py --token-terms); the
+                                      per-sample loss terms are always written when the trainer gives them).
 ``RELAX_REPLAY_CAPTURE_GRAD=1``       also write ``grad_log_probs`` (∂L/∂log_probs, from a tensor hook: stage
                                       ``loss.grad``) and, for PPO, ``grad_values`` into step bundles (off by
                                       default: one more float per token each).
@@ -185,7 +186,9 @@ def config_from_env(env: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     rollouts = parse_rollouts(rollouts_text) if rollouts_text and rollouts_text.strip() else None
     run_id_text = env.get(ENV_RUN_ID)
     run_id = parse_run_id(run_id_text) if run_id_text and run_id_text.strip() else None
-    token_terms = parse_enabled(env.get(ENV_TOKEN_TERMS), ENV_TOKEN_TERMS)
+    token_terms_text = env.get(ENV_TOKEN_TERMS)  # unset or blank: on (a loss bug is followed to its tokens)
+    token_terms = parse_enabled(token_terms_text, ENV_TOKEN_TERMS) if token_terms_text and token_terms_text.strip() \
+        else True
     grad = parse_enabled(env.get(ENV_GRAD), ENV_GRAD)
     format_major = parse_format(env.get(ENV_FORMAT))
     if not directory:

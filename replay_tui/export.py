@@ -46,9 +46,25 @@ class ExportRequest:
         return "stage" if self.whole_stage or self.sample_id is None else "sample"
 
 
-def default_export_path(request: ExportRequest) -> str:
-    """``kl-s-5.csv``, ``kl-stage.csv``, ``reward.csv``: a file name made of the field and the scope (a sample
-    id's characters outside ``[A-Za-z0-9._-]`` become ``_``)."""
+# Where the export dialog proposes to write (an absolute path, whatever the working directory): created on the
+# first export, the file readable by others like any file the user writes (0644 under the usual umask 022).
+EXPORT_DIR = Path("~/trajectory-replay/exports")
+
+
+def _name_part(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
+
+
+def default_export_path(request: ExportRequest, bundle: str = "") -> str:
+    """``~/trajectory-replay/exports/<bundle>-kl-s-5.csv`` (``…-kl-stage.csv``, ``…-reward.csv``): in
+    :data:`EXPORT_DIR`, a file name made of the bundle's name, the field and the scope (characters outside
+    ``[A-Za-z0-9._-]`` become ``_``), expanded to an absolute path."""
+    return str((EXPORT_DIR / ((f"{_name_part(bundle)}-" if bundle else "") + export_file_name(request))).expanduser())
+
+
+def export_file_name(request: ExportRequest) -> str:
+    """``kl-s-5.csv``, ``kl-stage.csv``, ``reward.csv``: the field and the scope (a sample id's characters outside
+    ``[A-Za-z0-9._-]`` become ``_``)."""
     if request.scope == "sample":
         stem = f"{request.field}-{re.sub(r'[^A-Za-z0-9._-]', '_', request.sample_id)}"
     elif request.scope == "stage" and FIELD_BY_NAME[request.field].kind == KIND_TOKEN:
@@ -134,6 +150,12 @@ def _cell(text: str) -> str:
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overwrite: bool = False) -> str:
     """Write the export to ``path``; returns the one-line result to show. Raises ``FileExistsError`` when
     ``path`` exists and ``overwrite`` is False (nothing is written), ``OSError`` when it cannot be written."""
@@ -144,8 +166,11 @@ def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overw
         raise FileExistsError(str(target))
     stage, rows = export_rows(model, request)
     text = render(str(target), request.field, stage, request.scope, rows)
+    if target.parent == EXPORT_DIR.expanduser():
+        target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=str(target.parent))
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 → the mode open() gives a new file
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.replace(tmp, target)

@@ -42,7 +42,8 @@ def payload_suffix(version) -> str:
     return ".safetensors" if is_packed(version) else ".pt"
 
 
-SUFFIXES = (".safetensors", ".pt")
+SAFETENSORS_SUFFIX = ".safetensors"
+SUFFIXES = (SAFETENSORS_SUFFIX, ".pt")
 
 
 def payload_file(payload_dir, name: str, version):

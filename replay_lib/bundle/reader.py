@@ -8,6 +8,7 @@ import math
 import os
 import re
 import stat
+import sys
 import threading
 import warnings
 import zipfile
@@ -15,10 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import msgspec
-import torch
 
 from ..errors import BundleError
-from .dtypes import upcast_stored
 from msgspec.structs import force_setattr
 
 from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, TOKENS
@@ -42,7 +41,7 @@ from .schema import (
     loss_terms_length_error,
     unknown_fields,
 )
-from . import packed, safetensors_io
+from . import packed
 from .files import (
     _decode,
     _read_bytes,
@@ -52,6 +51,25 @@ from .files import (
     parse_format_version,
     sha256_bytes,
 )
+
+
+class _Torch:
+    """torch, imported on first use: the checks that need no tensor (the layout, the JSON, every sha256) run
+    while another thread imports it, and a bundle they refuse is reported without it (``cli.entry``)."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+
+torch = _Torch()
+
+
+def _torch_ready() -> bool:
+    """torch imported whole (not absent, not half-way through its import on another thread)."""
+    module = sys.modules.get("torch")
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
 # For the unknown-field scan of a decoded (valid) index.json: the samples' field values are kept as
@@ -261,7 +279,9 @@ def _load_tensor(path: Path, spec: PayloadSpec) -> torch.Tensor:
     archive stores the records as they are; read through a descriptor :func:`open_payload` checked."""
     fd = open_payload(path)
     try:
-        if path.name.endswith(safetensors_io.SUFFIX):  # format 1.3: no unpickler
+        if path.name.endswith(packed.SAFETENSORS_SUFFIX):  # format 1.3: no unpickler
+            from . import safetensors_io  # (imports torch: after the checks that need none)
+
             return _checked_tensor(path, safetensors_io.load(path, fd))
         return _load_opened(path, _descriptor_path(fd, path), spec)
     finally:
@@ -415,7 +435,11 @@ def _preload(manifest_blob: bytes, sizes: dict[Path, int]) -> dict[Path, tuple]:
     :func:`_load_tensor`, judged in its place by :meth:`BundleReader._verify_payloads`, its checksum first): of the
     regular files the reader would hash ahead (:meth:`_Digests.payload_files`, with their ``sizes``), those whose
     key the manifest lists under that name with exactly their size — what a load may inflate is bounded by the
-    declared size. Nothing when the manifest does not decode (the reader reports it in its place)."""
+    declared size. Nothing when the manifest does not decode (the reader reports it in its place), nor while torch
+    is not imported yet (another thread may be importing it: the checks that need no tensor go first, each payload
+    is loaded in its place)."""
+    if not _torch_ready():
+        return {}
     try:
         manifest = MANIFEST_DECODER.decode(manifest_blob)
     except Exception:
@@ -716,6 +740,8 @@ class BundleReader:
                 )
             _check_form(file, key, tensor)
             # a float8 payload: its float32 copy (exact), which torch computes with and which keeps the stored dtype
+            from .dtypes import upcast_stored
+
             self._tensors[key] = upcast_stored(tensor)
         try:
             entries = sorted(payload_dir.iterdir()) if payload_dir.is_dir() else []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
@@ -29,10 +30,47 @@ from .options import (EXIT_CODES_HELP, REPLAY_DESCRIPTION, SCAN_EXIT_CODES_HELP,
 from .output import STYLES, emit, use_color
 
 
+def import_in_background(module: str) -> threading.Thread:
+    """Import ``module`` (torch and the engine: seconds) on a daemon thread while the caller opens the bundle:
+    the layout, the JSON and every sha256 need no torch (``bundle.reader`` imports it at its first tensor), so
+    they run during the import, and a bundle they refuse is reported without waiting for it. A failed import is
+    left to the caller's own import of ``module``, which raises it."""
+    def run() -> None:
+        try:
+            __import__(module)  # (the import statement's path: ``-X importtime`` logs it)
+        except BaseException:
+            pass
+
+    thread = threading.Thread(target=run, name="import-engine", daemon=True)
+    thread.start()
+    return thread
+
+
+def _check_replay_usage(args) -> None:
+    """The usage errors of replay flags that need no torch, ahead of the bundle (a usage error, exit 2, still comes
+    before a refused bundle, exit 3); :func:`replay_options` makes the rest of them and words each one."""
+    from ..bundle.schema import StageId
+
+    anchor_from_args(args)
+    if args.max_divergences < 1:
+        raise UsageError("--max-divergences must be at least 1")
+    for name in args.stage:
+        if name != "all" and name not in {s.value for s in StageId}:
+            replay_options(args)  # its message lists the stages
+
+
 def run_check(args, stream: Optional[TextIO] = None) -> int:
-    """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``."""
+    """The headless replay shared by ``trajectory-replay replay`` and ``replay-tui --check``. The bundle is opened
+    (verified) while the engine imports (:func:`import_in_background`)."""
+    import_in_background("replay_lib.run.runner")
+    _check_replay_usage(args)
+    apply_limits(args)
+    from ..bundle.resolution import open_bundle
+
+    step, rollout = anchor_from_args(args)
+    bundles = open_bundle(args.bundle, step=step, rollout=rollout)
     from ..judge.report import render_text, report_to_json
-    from ..run.runner import replay
+    from ..run.runner import run_replay
 
     stream = stream or sys.stdout
     shard_runner = None
@@ -40,7 +78,9 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
         from ..run.ray_replay import ray_shard_runner
 
         shard_runner = ray_shard_runner(getattr(args, "ray_address", None))
-    report = replay(args.bundle, **replay_options(args), shard_runner=shard_runner)
+    options = replay_options(args)
+    del options["step"], options["rollout"]
+    report = run_replay(bundles, **options, shard_runner=shard_runner)
     if args.format == "json":
         stream.write(report_to_json(report))  # terminal-safe: hidden characters as \u escapes
     else:
@@ -204,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .convert import add_convert_arguments
 
     add_convert_arguments(p)
+    p = sub.add_parser("reseal", help="recompute the checksums of a bundle edited by hand, marked resealed (SPEC §2)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .reseal import add_reseal_arguments
+
+    add_reseal_arguments(p)
     p = sub.add_parser("config", help="map a framework's config file to the RecomputeConfig JSON (SPEC §8)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .config import add_config_arguments
@@ -308,6 +353,10 @@ def _dispatch(args) -> int:
         from .convert import run_convert_command
 
         return run_convert_command(args)
+    if args.command == "reseal":
+        from .reseal import run_reseal_command
+
+        return run_reseal_command(args)
     if args.command == "schema":
         from .schema import run_schema_command
 
@@ -317,10 +366,14 @@ def _dispatch(args) -> int:
 
         return run_config_command(args)
     if args.command == "validate":
-        from ..run.validate import validate
+        import_in_background("replay_lib.run.validate")
+        from ..bundle.resolution import open_bundle
 
         step, rollout = anchor_from_args(args)
-        result = validate(args.bundle, step=step, rollout=rollout)
+        bundles = open_bundle(args.bundle, step=step, rollout=rollout)  # a refused bundle: exit 3 without torch
+        from ..run.validate import check_dependency_closure
+
+        result = check_dependency_closure(bundles)
         if args.format == "json":
             sys.stdout.write(json_document(result))
         else:

@@ -35,6 +35,12 @@ from ..keys import MAIN_BINDINGS
 PANES = ("stages", "samples", "diff", "identity")
 # The identity pane is shown by default only when the terminal is tall enough for it.
 IDENTITY_MIN_HEIGHT = 32
+# The diff gets the width first: its borders and scrollbar (3), the mark and the key (2 + the key's cells: 6 for a
+# sample id or an offset, up to 28 for a table of loss fields) and the three numbers with 8 cells each, the width
+# of the header "expected" (3 × (1 + 8)) — the recorded value beside the recomputed one and its error. The left
+# column takes what is left, up to its usual width (30 narrow, 40 wide) and down to LEFT_MIN.
+DIFF_MIN_WIDTH = 3 + 2 + 6 + 3 * 9
+LEFT_MIN = 20
 
 
 class DebuggerScreen(Screen, inherit_bindings=False):
@@ -50,7 +56,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
     DebuggerScreen.-short SamplesPanel, DebuggerScreen.-tiny SamplesPanel { min-height: 5; }
     DebuggerScreen.-short SupportStrip { height: 1; }
     DebuggerScreen.-short ErrorStrip { height: 1; }
-    DebuggerScreen.-short WhyStrip { height: 2; }
+    /* two rows each for the formula and its inputs: the second line wraps, not cut (80×24) */
+    DebuggerScreen.-short WhyStrip { height: 4; }
     DebuggerScreen.-short #stage-detail { display: none; }
     DebuggerScreen.-tiny SupportStrip { height: 1; }
     DebuggerScreen.-tiny ErrorStrip { height: 1; }
@@ -99,6 +106,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     def on_mount(self) -> None:
         self._fit_identity(self.app.size.height)  # before the first layout, not after it
+        self._fit_left(self.app.size.width)
         self.query_one(TitleBar).show(self.bundle_name)
         self.query_one(DiffPanel).show(None, message="replaying…")
         self.set_focus(self.query_one(DiffView))
@@ -216,6 +224,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         # a field's own order when the viewer changes field (pg_contribution: by |err|); the user's across samples
         changed = self.diff_view.diff is None or self.diff_view.diff.field != self.field
         self.diff_panel.show(diff, cursor=row or 0, sort=sort if changed else None)
+        self._fit_left(self.app.size.width)  # a table of long row names (loss fields) needs a wider key
 
     @property
     def diff_cursor(self) -> int:
@@ -472,7 +481,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         def write(path: str, overwrite: bool) -> str:
             return export_field(self.model, request, path, overwrite=overwrite)
 
-        self.app.push_screen(ExportScreen(request, default_export_path(request), write),
+        self.app.push_screen(ExportScreen(request, default_export_path(request, self.bundle_name), write),
                              lambda message: self.say(message, timeout=4) if message else None)
 
     def on_diff_view_copy(self, event: DiffView.Copy) -> None:
@@ -483,6 +492,7 @@ class DebuggerScreen(Screen, inherit_bindings=False):
 
     async def on_resize(self, event: events.Resize) -> None:
         self._fit_identity(event.size.height)
+        self._fit_left(event.size.width)
         await self._place_stages(event.size.height)
 
     async def _place_stages(self, height: int) -> None:
@@ -506,6 +516,17 @@ class DebuggerScreen(Screen, inherit_bindings=False):
             fresh.show_detail(self.stage_list.stage)
         if focused:
             self.set_focus(self.stage_list)
+
+    def _fit_left(self, width: int) -> None:
+        """The left column's width at a terminal ``width``: what the diff leaves (:data:`DIFF_MIN_WIDTH`), at most
+        its usual width, at least :data:`LEFT_MIN`."""
+        usual = 40 if width >= self.HORIZONTAL_BREAKPOINTS[-1][0] else 30
+        view = self.query_one(DiffView)
+        key = view.key_width() if view.diff is not None else 6
+        cells = max(LEFT_MIN, min(usual, width - DIFF_MIN_WIDTH - (key - 6)))
+        left = self.query_one("#left", Vertical)
+        if left.styles.width is None or left.styles.width.cells != cells:  # a relayout only when it changes
+            left.styles.width = cells
 
     def _fit_identity(self, height: int) -> None:
         pane = self.query_one(IdentityPane)

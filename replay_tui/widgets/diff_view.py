@@ -244,6 +244,10 @@ class DiffView(CursorLines):
             cached = self._columns_memo = (self.diff, key, self._layout(width))
         return cached[2]
 
+    def key_width(self) -> int:
+        """The cells of the row's key (offset, sample or field name), whatever the width."""
+        return self._columns(max(self.row_width, 1)).key
+
     def _layout(self, width: int) -> "Columns":
         """The row's columns at ``width``: the key (offset, sample, field) always, then by value
         (:data:`PRIORITY`) while they fit — the three numbers while each keeps :data:`NUM_MIN` cells, ×noise,

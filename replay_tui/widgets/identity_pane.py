@@ -67,6 +67,8 @@ class IdentityPane(ScrollView, can_focus=True):
         scrollbar-size-vertical: 1;
         &:focus { border: round $accent; }
         border-subtitle-color: $warning;
+        /* zoomed (m): the whole screen, as every other pane — not its rows centred on a hatched screen */
+        &.-maximized { height: 1fr; max-height: 100%; }
     }
     """
 

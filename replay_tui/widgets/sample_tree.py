@@ -118,7 +118,7 @@ class SampleTree(CursorLines):
         idw, show_mb, cb_w, show_reward = self._columns(width)
         parts = [("    " + fit("sample" if idw >= 6 else "id", idw), None)]
         if show_mb:
-            parts.append((" " + fit("batch", 8), None))
+            parts.append((" " + fit("mb", 8), None))  # the micro-batch; "cb" beside it, the consumer batch
         if cb_w:
             parts.append((" " + fit("cb", cb_w), None))
         if show_reward:

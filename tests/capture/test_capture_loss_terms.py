@@ -169,9 +169,16 @@ def test_micro_batches_must_give_the_same_terms_and_fields_one_way(tmp_path):
         cap.close(timeout=DEADLOCK_GUARD_S)
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False)])
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("off", False), ("", True), (" ", True)])
 def test_token_terms_variable(tmp_path, value, on):
     assert config_from_env(capture_env(tmp_path, RELAX_REPLAY_CAPTURE_TOKEN_TERMS=value)).token_terms is on
+
+
+def test_token_terms_are_captured_by_default(tmp_path):
+    # their cost on the example trainer's step is within its noise (bench/bench_capture.py --token-terms)
+    env = capture_env(tmp_path)
+    assert "RELAX_REPLAY_CAPTURE_TOKEN_TERMS" not in env
+    assert config_from_env(env).token_terms is True
 
 
 def test_malformed_token_terms_variable_is_refused_at_enable_time(tmp_path):

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
 
 from textual.widgets import Input
 
@@ -29,21 +34,54 @@ def error_text(app) -> str:
     return str(app.screen.query_one("#export-error").render())
 
 
-def test_default_paths_name_the_field_and_the_scope():
-    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=False)) == "kl-s-5.csv"
-    assert default_export_path(ExportRequest(field="kl", sample_id="s/../x", whole_stage=False)) == "kl-s_.._x.csv"
-    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=True)) == "kl-stage.csv"
-    assert default_export_path(ExportRequest(field="reward", sample_id=None, whole_stage=True)) == "reward.csv"
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A home of the test's own: the default export directory is under it."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
 
 
-async def test_x_writes_the_sample_s_rows_as_csv(make_app, tmp_path):
+def test_default_paths_name_the_bundle_the_field_and_the_scope(home):
+    out = f"{home}/trajectory-replay/exports"
+    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=False)) == f"{out}/kl-s-5.csv"
+    assert default_export_path(ExportRequest(field="kl", sample_id="s/../x", whole_stage=False)) == \
+        f"{out}/kl-s_.._x.csv"
+    assert default_export_path(ExportRequest(field="kl", sample_id="s-5", whole_stage=True), "kl-bug") == \
+        f"{out}/kl-bug-kl-stage.csv"
+    assert default_export_path(ExportRequest(field="reward", sample_id=None, whole_stage=True), "a b/../c") == \
+        f"{out}/a_b_.._c-reward.csv"
+
+
+async def test_the_default_path_is_absolute_and_the_file_0644(make_app, home, tmp_path, monkeypatch):
+    """Not relative to the working directory: the dialog proposes the export directory under the home, which the
+    first export creates; the file's mode is what a new file gets (0644 under umask 022), not mkstemp's 0600."""
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        app = make_app("kl-bug")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("x")
+            path = app.screen.query_one(Input).value
+            assert path == f"{home}/trajectory-replay/exports/kl-bug-kl-s-5.csv"
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.screen is app.debugger
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    assert len(list(csv.reader(open(path)))) == 1 + 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing written in the working directory
+
+
+async def test_x_writes_the_sample_s_rows_as_csv(make_app, tmp_path, home):
     app = make_app("kl-bug")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         diff = app.debugger.diff_view.diff
         await pilot.press("x")
         assert isinstance(app.screen, ExportScreen)
-        assert app.screen.query_one(Input).value == "kl-s-5.csv"
+        assert app.screen.query_one(Input).value == f"{home}/trajectory-replay/exports/kl-bug-kl-s-5.csv"
         out = tmp_path / "kl.csv"
         await submit(pilot, out)
         assert app.screen is app.debugger
@@ -59,12 +97,12 @@ async def test_x_writes_the_sample_s_rows_as_csv(make_app, tmp_path):
         assert any("wrote 16 row(s) of kl (sample)" in str(n.message) for n in app._notifications)
 
 
-async def test_X_writes_the_whole_stage_as_json(make_app, tmp_path):
+async def test_X_writes_the_whole_stage_as_json(make_app, tmp_path, home):
     app = make_app("kl-bug")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("X")
-        assert app.screen.query_one(Input).value == "kl-stage.csv"
+        assert app.screen.query_one(Input).value == f"{home}/trajectory-replay/exports/kl-bug-kl-stage.csv"
         out = tmp_path / "kl.json"
         await submit(pilot, out)
         doc = json.loads(out.read_text())
@@ -139,12 +177,12 @@ def test_csv_text_is_escaped_as_every_view_shows_it(tmp_path):
     assert parsed[2] == ["", "'=HYPERLINK(1)", "", "'@sum", "-1.0", "-1.0", "0.0", "", "False"]
 
 
-async def test_the_reward_table_exports_every_sample(make_app, tmp_path):
+async def test_the_reward_table_exports_every_sample(make_app, tmp_path, home):
     app = make_app("pr65-buggy")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("x")
-        assert app.screen.query_one(Input).value == "reward.csv"
+        assert app.screen.query_one(Input).value == f"{home}/trajectory-replay/exports/pr65-buggy-reward.csv"
         await submit(pilot, tmp_path / "reward.csv")
         rows = list(csv.reader((tmp_path / "reward.csv").open()))[1:]
         # PR #65: recorded −5.5, −3.5, 3.5, 5.5; recomputed −1, 1, −1, 1; every |err| 4.5
@@ -153,7 +191,7 @@ async def test_the_reward_table_exports_every_sample(make_app, tmp_path):
             ("s-2", "s-2", 3.5, -1.0, 4.5, "True"), ("s-3", "s-3", 5.5, 1.0, 4.5, "True")]
 
 
-async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path):
+async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path, home):
     app = make_app("kl-bug")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -164,7 +202,7 @@ async def test_the_palette_lists_and_runs_export_and_copy(make_app, tmp_path):
         assert shown[0] == "Diff: Export the viewed rows"
         await pilot.press("enter")
         await pilot.pause()
-        assert isinstance(app.screen, ExportScreen) and app.screen.query_one(Input).value == "kl-s-5.csv"
+        assert isinstance(app.screen, ExportScreen) and app.screen.query_one(Input).value == f"{home}/trajectory-replay/exports/kl-bug-kl-s-5.csv"
         await pilot.press("escape")
         await pilot.press("ctrl+p", *"Copy the cursor row's")
         await app.workers.wait_for_complete()

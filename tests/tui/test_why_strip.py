@@ -227,7 +227,8 @@ async def test_the_sample_tree_shows_the_consumer_batch_beside_the_micro_batch(t
         await ready(pilot)
         tree = app.debugger.tree
         width = tree.row_width
-        assert tree.render_header(width, Style()).text.split() == ["id", "batch", "cb", "reward", "✗"]
+        # each column named as its values are (mb-…, ~cb-…), not "batch" beside the consumer batches
+        assert tree.render_header(width, Style()).text.split() == ["id", "mb", "cb", "reward", "✗"]
         rows = [tree.render_row(r, width, Style()).text.split() for r in range(tree.row_count)]
         assert rows[1] == ["✗", "s-0", "mb-0000", "~cb-0", "-5.5", "1"]
         assert rows[5] == ["✗", "s-3", "mb-0001", "~cb-1", "5.5", "1"]
