@@ -165,4 +165,16 @@ def test_the_table_covers_every_bug_flag_the_trainer_ships(rows):
         sys.path.remove(str(TRAINER.parent))
     shipped = {a.option_strings[0] for a in grpo_trainer.build_parser()._actions if a.dest.endswith("_bug")}
     used = {flag for flags, _ in FLAGS.values() for flag in flags if flag.endswith("-bug")}
-    assert shipped == used
+    assert shipped == used | set(EXPLAINED_ELSEWHERE)
+
+
+# Bug flags whose explanation is asserted in another test file (not re-trained here): the gradient classes on the
+# trainer's own bundles, the policy-loss families' bugs on the independent producers' bundles (the trainer's flag
+# is checked there to fail first at loss.policy).
+EXPLAINED_ELSEWHERE = {
+    "--grad-bug": "tests/test_grad_trainer.py: each class's explanation at loss.grad",
+    "--family-bug": "tests/test_loss_families_producers.py: each family's explanation at loss.policy",
+    "--cispo-cap-bug": "tests/test_loss_families.py: loss.cispo_cap", "--sapo-tau-bug": "loss.sapo_tau",
+    "--geo-mean-bug": "loss.geo_mean", "--dppo-mask-bug": "loss.dppo_mask", "--dro-beta-bug": "loss.dro_beta",
+    "--gpg-old-logp-bug": "loss.gpg_old_logp",
+}

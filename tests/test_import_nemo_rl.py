@@ -123,7 +123,8 @@ def test_import_groups_by_prompt_tokens_and_replays_the_leave_one_out_step(tmp_p
     assert main(["replay", str(out), "--format", "json"]) == 0
     statuses = {s["stage"]: s["status"] for s in json.loads(capsys.readouterr().out)["stages"]}
     assert statuses == {"sample": "pass", "reward.raw": "pass", "reward.post_process": "pass",
-                        "advantage.kl": "skipped", "advantage.estimate": "pass", "loss.policy": "skipped",
+                        "advantage.kl": "skipped", "advantage.estimate": "pass", "logprob.mismatch": "pass",
+                        "loss.policy": "skipped",
                         "loss.value": "skipped"}
 
 

@@ -163,7 +163,7 @@ def test_full_batch_replays_clean_with_micro_batches_and_masks(tmp_path, capsys)
     report = json.loads(capsys.readouterr().out)
     assert {s["stage"]: s["status"] for s in report["stages"]} == {
         "sample": "pass", "reward.raw": "pass", "reward.post_process": "pass", "advantage.kl": "pass",
-        "advantage.estimate": "pass", "loss.policy": "skipped", "loss.value": "skipped"}
+        "advantage.estimate": "pass", "logprob.mismatch": "pass", "loss.policy": "skipped", "loss.value": "skipped"}
 
 
 def test_without_rollout_dump_groups_are_not_guessed(tmp_path, capsys):

@@ -114,7 +114,7 @@ def test_a_non_finite_loss_persists_exactly_the_ring(tmp_path):
     for name in ("rollout-1", "step-1-0", "step-1-1"):
         assert replay(tmp_path / name).exit_code == 0
     # JSON has no NaN: the non-finite reported loss is recorded as null
-    assert BundleReader(tmp_path / "step-1-2").expected["loss.policy"]["loss"] is None
+    assert math.isnan(BundleReader(tmp_path / "step-1-2").expected["loss.policy"]["loss"])  # written as NaN (SPEC §2.2)
 
 
 def test_max_dlogp_trigger(tmp_path):
