@@ -109,15 +109,27 @@ class _StubType(type):
         return cls
 
 
+class _StubCallable:
+    """A lower-case attribute of a stub: a pass-through decorator whose own attributes are stubs too
+    (``ray.remote``, ``ray.actor.ActorHandle`` in an annotation)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else (lambda fn: fn)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubType(name, (), {}) if name[:1].isupper() else _StubCallable(name)
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        if name[:1].isupper():
-            value = _StubType(name, (), {})
-        else:
-            def value(*args, **kwargs):
-                return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else (lambda fn: fn)
+        value = _StubType(name, (), {}) if name[:1].isupper() else _StubCallable(name)
         setattr(self, name, value)
         return value
 

@@ -117,6 +117,8 @@ def test_opening_a_bundle_with_a_large_index_takes_under_four_times_its_size(tmp
         from replay_lib.bundle.reader import BundleReader
         import replay_lib.bundle.locate, replay_lib.bundle.resolution
         size = compact_index(Path(sys.argv[2]))
+        import torch, replay_lib.bundle.safetensors_io, replay_lib.bundle.dtypes  # the reader imports them at its
+        # first tensor (torch-free start-up): their import is not the index's memory
         tracemalloc.start()
         reader = BundleReader(sys.argv[2])
         print(len(reader.index.samples), tracemalloc.get_traced_memory()[1] / size)

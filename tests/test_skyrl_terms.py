@@ -121,7 +121,7 @@ def test_an_unknown_term_mode_is_a_one_line_schema_error(tmp_path, cli, bundle_t
         assert (code, out) == (3, ""), err
         assert err.count("\n") == 1 and "Traceback" not in err and str(path / "index.json") in err
         assert (f"{key}: expected null or one of sum_of_sample_means, seq_mean_token_mean, token_mean, "
-                f"seq_mean_token_sum, seq_mean_token_sum_norm, token_sum, micro_batch_token_mean, got 'seq-mean'") in err, err
+                f"seq_mean_token_sum, seq_mean_token_sum_norm, token_sum, micro_batch_token_mean, prompt_mean, got 'seq-mean'") in err, err
 
 
 def test_the_term_modes_round_trip_and_default_to_the_loss_mode():

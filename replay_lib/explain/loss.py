@@ -539,7 +539,10 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
             + micro_batch_hypotheses(ctx, fields)
     from . import loss_knobs  # the knobs' bugs, under every configuration (first: the more specific wording)
 
-    knob_bugs = loss_knobs.hypotheses(ctx, fields)
+    kn = LossKnobs.of(ctx.config, ctx.samples)
+    # the knobs' bugs are modelled on the PPO terms alone: not under a mask or term of explain.families
+    masked = kn.opsm or kn.entropy_mask or kn.opd_loss or bool(kn.is_keep)
+    knob_bugs = [] if masked else loss_knobs.hypotheses(ctx, fields)
     if not modelled(ctx.config):
         return knob_bugs + mask_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) + \
             micro_batch_hypotheses(ctx, fields)

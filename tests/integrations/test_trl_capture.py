@@ -114,7 +114,7 @@ DRIVER = textwrap.dedent("""
     try:
         trl_grpo.ReplayGRPOTrainer(
             model=trl_grpo.make_model(tokenizer, 0), reward_funcs=[trl_grpo.odd_digits],
-            args=GRPOConfig(output_dir=sys.argv[4] + "-out", use_cpu=True, report_to=[], delta=1.1,
+            args=GRPOConfig(output_dir=sys.argv[4] + "-out", use_cpu=True, report_to=[], delta=1.0,
                             per_device_train_batch_size=4, num_generations=4),
             train_dataset=trl_grpo.make_dataset(8, 0), processing_class=tokenizer)
     except Exception as exc:
@@ -419,9 +419,9 @@ def test_only_a_grpo_trainer_is_instrumented(runs):
 
 def test_an_unrecomputable_config_is_refused_before_training(runs):
     root, _, _, checks = runs
-    assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: delta=1.1: below 1 + epsilon_high = 1.2 "
-                                 "the cap also clips positive advantages, which the replay's dual-clip does not (TRL "
-                                 "recommends delta > 1 + epsilon)"]
+    assert checks["refused"] == ["UnsupportedFrameworkConfig", "TRL config: delta=1.0: at or below 1 the cap clips "
+                                 "the ratio below the unclipped 1 on both sides (TRL recommends delta > 1 + epsilon); "
+                                 "not recomputed"]
     assert not (root / "refused").exists()
 
 

@@ -96,11 +96,12 @@ def test_delta_is_dual_clip_at_delta(delta, eps_high):
     assert cfg.eps_clip_c == delta
 
 
-def test_delta_below_one_plus_eps_high_is_refused():
+def test_delta_at_or_below_one_is_refused():
+    # below 1 + epsilon_high delta maps (tests/test_trl_delta.py); at or below 1 it clips on both sides
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_trl(_base(delta=1.25, epsilon_high=0.28))
-    assert str(err.value) == ("TRL config: delta=1.25: below 1 + epsilon_high = 1.28 the cap also clips positive "
-                              "advantages, which the replay's dual-clip does not (TRL recommends delta > 1 + epsilon)")
+        from_trl(_base(delta=1.0, epsilon_high=0.28))
+    assert str(err.value) == ("TRL config: delta=1.0: at or below 1 the cap clips the ratio below the unclipped 1 on "
+                              "both sides (TRL recommends delta > 1 + epsilon); not recomputed")
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
