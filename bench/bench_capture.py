@@ -40,26 +40,35 @@ def load_trainer():
     return module
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--token-terms", action="store_true",
-                    help="the cost of RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1: 'off' is capture without the per-token "
-                         "loss terms, 'on' capture with them")
+
+def add_trainer_arguments(ap: argparse.ArgumentParser) -> None:
+    """The example trainer's size, shared by the capture benches (bench_grad, bench_capture_ring)."""
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--prompts-per-rollout", type=int, default=8)
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--embed", type=int, default=128)
+
+
+def trainer_argv(args, *extra: str) -> list[str]:
+    """The example trainer's command line for :func:`add_trainer_arguments`' values, then ``extra``."""
+    return ["--rollouts", str(args.rollouts), "--prompts-per-rollout", str(args.prompts_per_rollout),
+            "--n-samples", str(args.n_samples), "--consumer-batch", str(args.n_samples * 3 // 2),
+            "--steps-per-rollout", "2", "--micro-batch", str(args.micro_batch), "--hidden", str(args.hidden),
+            "--embed", str(args.embed), *extra, "--quiet"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--token-terms", action="store_true",
+                    help="the cost of RELAX_REPLAY_CAPTURE_TOKEN_TERMS=1: 'off' is capture without the per-token "
+                         "loss terms, 'on' capture with them")
+    add_trainer_arguments(ap)
     args = ap.parse_args(argv)
     trainer = load_trainer()
-    train_argv = [
-        "--rollouts", str(args.rollouts), "--prompts-per-rollout", str(args.prompts_per_rollout),
-        "--n-samples", str(args.n_samples), "--consumer-batch", str(args.n_samples * 3 // 2),
-        "--steps-per-rollout", "2", "--micro-batch", str(args.micro_batch), "--hidden", str(args.hidden),
-        "--embed", str(args.embed), "--quiet",
-    ]
+    train_argv = trainer_argv(args)
     root = Path(tempfile.mkdtemp(prefix="bench-capture-"))
     rows = {"off": [], "on": []}
     try:

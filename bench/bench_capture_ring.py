@@ -20,27 +20,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_capture import LIMIT, load_trainer  # noqa: E402
+from bench_capture import LIMIT, add_trainer_arguments, load_trainer, trainer_argv  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--rollouts", type=int, default=2)
-    ap.add_argument("--prompts-per-rollout", type=int, default=8)
-    ap.add_argument("--n-samples", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--embed", type=int, default=128)
+    add_trainer_arguments(ap)
     ap.add_argument("--ring", type=int, default=8)
     args = ap.parse_args(argv)
     trainer = load_trainer()
-    train_argv = [
-        "--rollouts", str(args.rollouts), "--prompts-per-rollout", str(args.prompts_per_rollout),
-        "--n-samples", str(args.n_samples), "--consumer-batch", str(args.n_samples * 3 // 2),
-        "--steps-per-rollout", "2", "--micro-batch", str(args.micro_batch), "--hidden", str(args.hidden),
-        "--embed", str(args.embed), "--quiet",
-    ]
+    train_argv = trainer_argv(args)
     root = Path(tempfile.mkdtemp(prefix="bench-capture-ring-"))
 
     def ring_env(name: str) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_capture import load_trainer  # noqa: E402
+from bench_capture import add_trainer_arguments, load_trainer, trainer_argv  # noqa: E402
 
 LIMIT = 1.03
 
@@ -31,20 +31,10 @@ LIMIT = 1.03
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--rollouts", type=int, default=2)
-    ap.add_argument("--prompts-per-rollout", type=int, default=8)
-    ap.add_argument("--n-samples", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--embed", type=int, default=128)
+    add_trainer_arguments(ap)
     args = ap.parse_args(argv)
     trainer = load_trainer()
-    train_argv = [
-        "--rollouts", str(args.rollouts), "--prompts-per-rollout", str(args.prompts_per_rollout),
-        "--n-samples", str(args.n_samples), "--consumer-batch", str(args.n_samples * 3 // 2),
-        "--steps-per-rollout", "2", "--micro-batch", str(args.micro_batch), "--hidden", str(args.hidden),
-        "--embed", str(args.embed), "--kl-loss", "low_var_kl:0.01", "--quiet",
-    ]
+    train_argv = trainer_argv(args, "--kl-loss", "low_var_kl:0.01")
     root = Path(tempfile.mkdtemp(prefix="bench-grad-"))
     rows = {"off": [], "on": []}
 
