@@ -3,10 +3,11 @@ masks, ``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py`` @ a95
 0.11.2's divergence gates, ``openrlhf/models/loss.py:216-250``), read without torch. SPEC §4.4.
 
 Each mask tests the importance ratio ``exp(clamp(old − rollout, ±20))`` against ``[low, high]`` (``low ≤ x ≤ high``
-keeps; opc.py:108-121, 176, 222-229, 243-245) and multiplies the loss mask by 0/1 in this order (opc.py:319, 327, 345):
+keeps, a null bound none; opc.py:108-121, 176, 222-229, 243-245) and multiplies the loss mask by 0/1 in this order (opc.py:319, 327, 345):
 ``outlier`` drops a whole sample with any loss token out of bounds (either bound may be null), ``token`` drops a
 token (both bounds), then ``geometric`` (the exp of the mean log-ratio over the loss tokens the first two kept,
-the count floored at 1) or ``product`` (the exp of their sum) drops a whole sample. ``binary_kl`` and ``tv`` drop a
+the count floored at 1) or ``product`` (the exp of their sum) drops a whole sample (one of its bounds may be null:
+OpenRLHF's ``is_correction_level=seq`` with a single threshold, ``[0, delta]``). ``binary_kl`` and ``tv`` drop a
 token whose sampled-token divergence between the rollout and the old policy lies outside ``[low, high]``: with
 ``p = clamp(exp(rollout), 1e-6, 1 − 1e-6)`` and ``q`` the same of ``old``, ``p·log(p/q) + (1 − p)·log((1 − p)/(1 − q))``
 or ``|p − q|`` (OpenRLHF ``is_correction_gating`` at token level, loss.py:224-239; bounds ``≥ 0``, either may be null). The result weighs each token's
@@ -47,6 +48,8 @@ def parse_is_keep(value: Any) -> Spec:
         low, high = bounds
         for b in (low, high):
             if b is None and kind == "outlier":
+                continue
+            if b is None and kind in ("geometric", "product"):  # a one-sided sequence mask (OpenRLHF's [0, delta])
                 continue
             if kind in DIVERGENCES:
                 if b is None:

@@ -194,15 +194,29 @@ def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> N
                                                               "rollout log-probs instead (loss.py:191-192)")
     if gating not in ("ratio", "binary_kl", "tv"):
         r.refuse("algo.advantage.is_correction_gating", gating, "not one of ratio, binary_kl, tv")
-    if level != "token":
-        r.refuse("algo.advantage.is_correction_level", level, "the sequence mask keeps each surviving token's own "
-                                                              "weight (loss.py:237-239), which is not recomputed")
+    if level not in ("token", "seq"):
+        r.refuse("algo.advantage.is_correction_level", level, "not one of off, token, seq")
     if isinstance(bounds, (list, tuple)) and len(bounds) == 1:  # a single HIGH (cli.py:640-641)
         bounds = [0.0, bounds[0]]
     if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
         r.bad("algo.advantage.is_correction_threshold", bounds, "[high] or [low, high]")
     low = r.number("algo.advantage.is_correction_threshold.0", bounds[0])
     high = r.number("algo.advantage.is_correction_threshold.1", bounds[1])
+    if level == "seq":
+        # loss.py:219-239: the sample's statistic — the ratio's geometric mean exp(masked_mean(old − rollout)), or a
+        # divergence's plain mean — gates the whole sample (mask only: clip raises, loss.py:166-169); a kept
+        # sample's tokens keep their own untruncated weight exp(old − rollout)
+        if mode == "clip":
+            r.bad("algo.advantage.is_correction_mode", mode, "mask with is_correction_level=seq (OpenRLHF raises: clip "
+                  "requires is_correction_level=token, models/loss.py:166-169)")
+        if gating != "ratio":
+            r.refuse("algo.advantage.is_correction_gating", gating, "at is_correction_level=seq OpenRLHF gates the "
+                     "sample's mean divergence (loss.py:233-234), which is not recomputed (is_keep's sequence masks "
+                     "read the ratio); a bundle would need a per-sample divergence keep mask")
+        # the geometric sequence mask of is_keep: a bound of 0 (a single threshold) is no bound
+        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None,
+                      is_keep={"geometric": [low if low > 0 else None, high]})
+        return
     if gating != "ratio":
         # loss.py:224-239: the gate reads the sampled-token binary KL or TV between p = exp(rollout) and
         # q = exp(old), both clamped to [1e-6, 1 − 1e-6]; a token outside [low, high] is dropped, a kept one keeps

@@ -162,6 +162,8 @@ def edge_samples(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, l
             err = err / terms["is_keep_count"].clamp_min(1.0)
         stat = terms["is_keep_stat"]
         for b in (low, high):
+            if b is None:
+                continue
             near = (stat - math.log(b)).abs() <= err
             for i in torch.nonzero(near).flatten().tolist():
                 hits.setdefault(int(i), f"its {kind} sequence mask decision")

@@ -183,6 +183,11 @@ COMMANDS = {
     # a single upper bound (a delta; cli.py:639-642 makes it [0, delta]), kept tokens keep exp(old − rollout)
     "grpo-binary-kl": GRPO + " --algo.advantage.is_correction_level token --algo.advantage.is_correction_gating "
                              "binary_kl --algo.advantage.is_correction_threshold 0.02 --algo.kl.init_coef 0",
+    # the sequence mask (loss.py:219-239): the sample's geometric-mean ratio gates it, kept tokens keep their weight
+    "grpo-seq-mask": GRPO + " --algo.advantage.is_correction_level seq --algo.advantage.is_correction_threshold 0.8 "
+                            "1.25 --algo.kl.init_coef 0",
+    "rloo-seq-mask-delta": BASE + " --algo.advantage.estimator rloo --rollout.n_samples_per_prompt 4 "
+                                  "--algo.advantage.is_correction_level seq --algo.advantage.is_correction_threshold 1.2",
     "grpo-tv-kl-loss": GRPO + " --algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv "
                               "--algo.advantage.is_correction_threshold 0.1 --algo.kl.use_loss --algo.kl.estimator k3 "
                               "--algo.kl.init_coef 0.001",
@@ -326,14 +331,15 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
 
     gating = args.algo.advantage.is_correction_gating
     threshold = args.algo.advantage.is_correction_threshold
-    if bug == "gate_swapped":  # the other divergence gated (tv for binary_kl and back), the same delta
-        gating = {"binary_kl": "tv", "tv": "binary_kl"}[gating]
     if bug == "gate_off":  # the gate never applied: every token keeps its weight exp(old − rollout)
         gating, threshold = "ratio", [0.0, float("inf")]
+    level = args.algo.advantage.is_correction_level
+    if bug == "seq_as_token":  # each token gated by its own ratio instead of the sample's geometric mean
+        level = "token"
     loss_fn = fw.PolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                             dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
                             policy_loss_type=args.actor.policy_loss_type,
-                            is_correction_level=args.algo.advantage.is_correction_level,
+                            is_correction_level=level,
                             is_correction_mode=args.algo.advantage.is_correction_mode,
                             is_correction_gating=gating,
                             is_correction_threshold=threshold)
@@ -436,7 +442,8 @@ BUGS = [
     ("gae-gamma-lambd", "mask_shift", "advantage.estimate", "advantage mismatch"),
     ("reinforce_baseline-k2-clip", "reward_unclipped", "reward.post_process", "normalized reward mismatch"),
     ("grpo-binary-kl", "gate_off", "loss.policy", "loss field mismatch: pg_loss"),
-    ("grpo-tv-kl-loss", "gate_swapped", "loss.policy", "loss field mismatch: pg_loss"),
+    ("grpo-seq-mask", "seq_as_token", "loss.policy", "loss field mismatch: pg_loss"),
+    ("grpo-tv-kl-loss", "gate_off", "loss.policy", "loss field mismatch: pg_loss"),
 ]
 
 
@@ -621,3 +628,22 @@ def test_a_divergence_gate_is_decided_in_the_producers_format(openrlhf, tmp_path
     wrong = replay(f32)
     loss = next(st for st in wrong.stages if st.stage == "loss.policy")
     assert (wrong.exit_code, loss.status, loss.reason) == (1, "fail", "loss field mismatch: pg_loss")
+
+
+def test_the_sequence_mask_maps_to_the_geometric_keep_mask(openrlhf):
+    """``is_correction_level=seq`` (loss.py:219-239): the sample kept where exp(masked_mean(old − rollout)) is within
+    [low, high], its tokens keeping exp(old − rollout) → is_keep's geometric sequence mask over the untruncated
+    token weight; a single threshold is [0, delta], whose 0 is no bound."""
+    band = from_openrlhf(openrlhf.parse(COMMANDS["grpo-seq-mask"]), version=VERSION)
+    assert (band.is_level, band.is_mode, band.is_low, band.is_high, band.is_keep) == (
+        "token", "truncate", None, None, {"geometric": [0.8, 1.25]})
+    delta = from_openrlhf(openrlhf.parse(COMMANDS["rloo-seq-mask-delta"]), version=VERSION)
+    assert delta.is_keep == {"geometric": [None, 1.2]}
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf(openrlhf.parse(GRPO + " --algo.advantage.is_correction_level seq --algo.advantage."
+                                            "is_correction_gating tv --algo.advantage.is_correction_threshold 0.1"),
+                      version=VERSION)
+    assert str(err.value) == (
+        "openrlhf config: algo.advantage.is_correction_gating='tv': at is_correction_level=seq OpenRLHF gates the "
+        "sample's mean divergence (loss.py:233-234), which is not recomputed (is_keep's sequence masks read the "
+        "ratio); a bundle would need a per-sample divergence keep mask")
