@@ -137,10 +137,9 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
             r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL dual-clips −A·logp under "
                      "disable_ppo_ratio (loss.py:555-563), which the GPG surrogate does not: not recomputed; a "
                      "bundle would need a dual-clip parameter on the gpg family")
-        if sequence_ratio:
-            r.refuse(f"{L}.sequence_level_importance_ratios", True, "with disable_ppo_ratio NeMo-RL keeps −A·logp per "
-                     "token under sequence-level IS weights, which is not recomputed")
-        fields.update(policy_loss="gpg", policy_loss_params={})
+        # with sequence_level_importance_ratios the surrogate stays −A·logp per token (the ratio branch is skipped,
+        # loss.py:520-543); only the IS weight is the sample's (loss.py:568-576, _importance below)
+        fields.update(policy_loss="gpg", policy_loss_params={}, importance_level="token")
     if name == "reinforce_plus_plus":
         # adv.py:233-265: r − the prompt's mean (minus_baseline, no std, no leave-one-out; one sample: 0) or r,
         # broadcast (never × the mask), whitened over the mask's tokens: mean over Σmask, the biased variance,
@@ -204,10 +203,8 @@ def _importance(r: ConfigReader, fields: dict[str, Any], sequence_ratio: bool) -
         if sequence_ratio:
             r.bad(f"{L}.sequence_level_importance_ratios", True, "false with seq-mask-tis (NeMo-RL asserts it, "
                   "loss/loss_functions.py:320-324)")
-        if not low > 0:
-            r.refuse(f"{L}.truncated_importance_sampling_ratio_min", low, "a geometric-mean bound of 0 is not a "
-                     "keep-mask bound (is_keep takes positive bounds)")
+        # a geometric mean is > 0: a ratio_min ≤ 0 bounds nothing (is_keep's null side)
         fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None,
-                      is_keep={"geometric": [low, high]})
+                      is_keep={"geometric": [low if low > 0 else None, high]})
     else:
-        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis and icepop are)")
+        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis, icepop and seq-mask-tis are)")

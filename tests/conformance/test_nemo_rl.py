@@ -75,6 +75,9 @@ CONFIGS = {
                                          "truncated_importance_sampling_type": "icepop",
                                          "truncated_importance_sampling_ratio": 2.0,
                                          "truncated_importance_sampling_ratio_min": 0.5}},
+    # REINFORCE under sequence-level IS weights (loss.py:568-576): −A·logp per token, the sample's weight
+    "reinforce-seq-is": {"loss_fn": {"disable_ppo_ratio": True, "sequence_level_importance_ratios": True,
+                                     "token_level_loss": False, "use_importance_sampling_correction": True}},
     # seq-mask-tis (loss.py:637-665): untruncated token weights, a sample dropped by its geometric-mean weight
     "seq-mask-tis": {"loss_fn": {"use_importance_sampling_correction": True,
                                  "truncated_importance_sampling_type": "seq-mask-tis",
@@ -479,6 +482,7 @@ WRONG_KNOBS = [
     ("opd", {"opd_base": "returns"}, "advantage.estimate",
      "advantage mismatch in 48 token(s) of 8 sample(s) (GRPO returns − 1·k1(old − teacher))"),
     ("reinforce", {"policy_loss": "ppo"}, "loss.policy", "loss field mismatch: pg_loss"),
+    ("reinforce-seq-is", {"is_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
 ]
 
 
