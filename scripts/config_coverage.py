@@ -272,8 +272,13 @@ def openrlhf_configs() -> list[Config]:
         out += [cfg({dest: v}) for v in choices[dest]]
     out += [cfg({"algo.kl.use_loss": True, "algo.kl.estimator": v}) for v in choices["algo.kl.estimator"]]
     out += [cfg({"algo.advantage.is_correction_level": v}) for v in choices["algo.advantage.is_correction_level"]]
+    # a divergence gate takes a single upper bound (PolicyLoss raises on the default [0.5, 5], models/loss.py:171-172;
+    # the parser's help: "a single HIGH for an upper bound only (a trust-region delta)")
+    delta = {"binary_kl": [0.01], "tv": [0.1]}
     for dest in ("algo.advantage.is_correction_mode", "algo.advantage.is_correction_gating"):
-        out += [cfg({"algo.advantage.is_correction_level": "token", dest: v}) for v in choices[dest]]
+        out += [cfg({"algo.advantage.is_correction_level": "token", dest: v,
+                     **({"algo.advantage.is_correction_threshold": delta[v]} if v in delta else {})})
+                for v in choices[dest]]
     # store_true switches and the knobs that turn a term on (cli.py:414-416, 436-438, 458-473, 526-541)
     out += [cfg(o) for o in (
         {"algo.kl.use_loss": True}, {"algo.kl.init_coef": 0.0}, {"algo.kl.target": 0.1},
@@ -456,9 +461,15 @@ def nemo_rl_configs() -> list[Config]:
     out += [cfg({"grpo.adv_estimator.name": e}) for e in NEMO_ESTIMATORS]
     out += [cfg({"loss_fn.reference_policy_kl_type": t}) for t in NEMO_KL_TYPES]
     out += [cfg({"loss_fn.use_importance_sampling_correction": True})]
+    # icepop and seq-mask-tis need ratio_min (ClippedPGLossFn.__init__ asserts it, L:315-319): the reference
+    # bounds NeMo-RL's comment gives (L:585-590: icepop 0.5–5, seq-mask-tis 0.999–1.002)
+    tis_bounds = {"tis": {"loss_fn.truncated_importance_sampling_ratio": 2.0},
+                  "icepop": {"loss_fn.truncated_importance_sampling_ratio": 5.0,
+                             "loss_fn.truncated_importance_sampling_ratio_min": 0.5},
+                  "seq-mask-tis": {"loss_fn.truncated_importance_sampling_ratio": 1.002,
+                                   "loss_fn.truncated_importance_sampling_ratio_min": 0.999}}
     out += [cfg({"loss_fn.use_importance_sampling_correction": True,
-                 "loss_fn.truncated_importance_sampling_type": t, "loss_fn.truncated_importance_sampling_ratio": 2.0})
-            for t in NEMO_TIS_TYPES]
+                 "loss_fn.truncated_importance_sampling_type": t, **tis_bounds[t]}) for t in NEMO_TIS_TYPES]
     out += [cfg({f"loss_fn.{k}": k != "token_level_loss"}, family=fam) for k, fam in NEMO_SWITCHES.items()]
     out += [cfg(o) for o in (
         {"loss_fn.reference_policy_kl_penalty": 0.0}, {"loss_fn.ratio_clip_c": 3.0},

@@ -345,3 +345,16 @@ def test_the_diff_viewer_draws_a_loss_tokens_gradient_beside_it():
     assert view.render_row(0, 80, Style()).text.split() == ["0", "0.5", "0.5", "0.0", "1", "-0.0125"]
     assert view.render_row(0, 80, Style()).cell_length == 80
     assert "∂L/∂logp" not in view.render_header(50, Style()).text
+
+
+def test_the_rollout_weighted_kl_term_is_refused_by_loss_grad_by_name(tmp_path, cli, bundle_tools):
+    """kl_loss_rollout_weighted (NeMo-RL's on-policy KL approximation, × exp(logp − rollout) before the output clamp)
+    is recomputed by loss.policy, but its weight's gradient is not derived: loss.grad fails naming the knob (as it
+    does for is_keep, SPEC §4.4), comparing nothing."""
+    path = produce_grad_bundle(tmp_path / "b", 0, SIZE, GradConfig())
+    bundle_tools.edit_json(path, "index.json", lambda doc: doc["config"].update(kl_loss_rollout_weighted=True))
+    code, out, err = cli("replay", path, "--format", "json")
+    grad = _stages(json.loads(out))["loss.grad"]
+    message = "kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by loss.grad"
+    assert (code, grad["status"], grad["reason"], grad["compared"]) == (1, "fail", message, 0)
+    assert [(d["field"], d["message"]) for d in grad["divergences"]] == [("kl_loss_rollout_weighted", message)]

@@ -70,7 +70,7 @@ def test_the_loss_weighs_the_terms_but_keeps_the_normalizer_and_the_clip_metric(
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"harmonic": [0.5, 2.0]}, "is_keep: expected keys among outlier, token, geometric, product; unknown key "
+    ({"harmonic": [0.5, 2.0]}, "is_keep: expected keys among outlier, token, binary_kl, tv, geometric, product; unknown key "
                                "'harmonic'"),
     ({"token": [0.5, None]}, "is_keep.token: expected positive finite bounds, got [0.5, None]"),
     ({"outlier": [None, None]}, "is_keep.outlier: expected at least one bound, got [None, None]"),
@@ -78,6 +78,8 @@ def test_the_loss_weighs_the_terms_but_keeps_the_normalizer_and_the_clip_metric(
     ({"geometric": [0.9, 1.1], "product": [0.5, 2.0]}, "is_keep: expected one sequence mask (geometric or product), "
                                                        "got both"),
     ({"token": [0.5, math.inf]}, "is_keep.token: expected positive finite bounds, got [0.5, inf]"),
+    ({"tv": [-0.1, 0.2]}, "is_keep.tv: expected finite bounds >= 0 (null for none), got [-0.1, 0.2]"),
+    ({"binary_kl": [None, None]}, "is_keep.binary_kl: expected at least one bound, got [None, None]"),
 ])
 def test_invalid_is_keep_is_one_line(value, message):
     with pytest.raises(ValueError) as err:
@@ -118,3 +120,26 @@ def test_validate_names_the_rollout_log_probs_is_keep_and_dppo_mu_need():
     assert knob_payloads(keep) == [("is_keep", "rollout_log_probs")]
     dppo = msgspec.json.decode(b'{"policy_loss": "dppo_mu"}', type=RecomputeConfig)
     assert knob_payloads(dppo) == [("policy_loss_params.anchor", "rollout_log_probs")]
+
+
+def test_the_divergence_gates_keep_a_token_by_its_sampled_token_divergence():
+    """binary_kl / tv (OpenRLHF loss.py:224-239): p = exp(rollout), q = exp(old), each clamped to [1e-6, 1 − 1e-6];
+    a token is kept where low ≤ stat ≤ high. Two tokens by hand: p = 0.5, q = 0.25 (tv 0.25, binary KL
+    0.5·ln 2 + 0.5·ln(2/3)) and p = q = 0.5 (both 0)."""
+    import torch
+
+    from replay_lib.kernels.is_keep import divergence, token_keep
+
+    roll = torch.tensor([math.log(0.5), math.log(0.5)], dtype=F64)
+    old = torch.tensor([math.log(0.25), math.log(0.5)], dtype=F64)
+    assert divergence(old, roll, "tv", F64).tolist() == pytest.approx([0.25, 0.0], abs=1e-15)
+    bkl = 0.5 * math.log(2.0) + 0.5 * math.log(0.5 / 0.75)
+    assert divergence(old, roll, "binary_kl", F64).tolist() == pytest.approx([bkl, 0.0], abs=1e-15)
+    assert token_keep(old, roll, parse_is_keep({"tv": [0.0, 0.2]}), F64).tolist() == [0.0, 1.0]
+    assert token_keep(old, roll, parse_is_keep({"binary_kl": [0.0, 0.2]}), F64).tolist() == [1.0, 1.0]
+    assert token_keep(old, roll, parse_is_keep({"binary_kl": [0.0, 0.05]}), F64).tolist() == [0.0, 1.0]
+    # a probability rounded to 1 in bfloat16 (1 − 1e-6 is 1 there): the binary KL is NaN and the token dropped
+    near_one = torch.tensor([-1e-4], dtype=F64)
+    assert token_keep(near_one, near_one, parse_is_keep({"binary_kl": [0.0, 0.05]}), F64,
+                      stat_dtype=torch.bfloat16).tolist() == [0.0]
+    assert token_keep(near_one, near_one, parse_is_keep({"binary_kl": [0.0, 0.05]}), F64).tolist() == [1.0]

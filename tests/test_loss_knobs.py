@@ -339,6 +339,8 @@ def test_kl_loss_with_a_zero_coefficient_needs_no_reference(tmp_path, cli):
     ("loss_token_count", -3, "$.config.loss_token_count: expected `int` >= 0"),
     ("eps_clip_c", 1.0, "eps_clip_c: dual-clip needs c > 1, got 1.0"),
     ("is_level", "batch", "is_level: expected null or one of token, sequence, geometric, got 'batch'"),
+    ("opd_base", "mean", "opd_base: expected one of returns, zero, got 'mean'"),
+    ("is_keep", {"tv": [0.0, -1.0]}, "is_keep.tv: expected finite bounds >= 0 (null for none), got [0.0, -1.0]"),
 ])
 def test_a_bad_knob_value_is_a_one_line_schema_error(tmp_path, cli, bundle_tools, key, value, message):
     path = write_step(tmp_path / "b", config={}, policy=f32_fields(), payloads={})
@@ -453,3 +455,15 @@ def test_a_binding_kl_clamp_is_a_hazard_not_a_failure(tmp_path, cli):
     assert [(h["stage"], h["kind"], h["sample_id"]) for h in report["hazards"]] == [
         ("loss.policy", "clamp_hit", "s-1")]
     assert report["hazards"][0]["message"].startswith("s-1: 1 loss token(s) at a log-ratio or KL clamp")
+
+
+def test_one_kl_weight_at_most_is_a_schema_error(tmp_path, cli, bundle_tools):
+    """kl_loss_ratio_weighted (TRL: × the ratio) and kl_loss_rollout_weighted (NeMo-RL: × exp(logp − rollout)) are
+    two weights of the same term: both set is invalid input, one line (exit 3)."""
+    path = write_step(tmp_path / "b", config={}, policy=f32_fields(), payloads={})
+    bundle_tools.edit_json(path, "index.json", lambda doc: doc["config"].update(
+        {"kl_loss_ratio_weighted": True, "kl_loss_rollout_weighted": True}))
+    code, out, err = cli("validate", path)
+    assert (code, out) == (3, "")
+    assert err.count("\n") == 1 and ("kl_loss_rollout_weighted: expected kl_loss_ratio_weighted false with it (one "
+                                      "KL weight)") in err, err

@@ -91,6 +91,16 @@ class LossKnobs:
     is_keep: tuple = ()
     # each sample's prompt (an index, in order of first appearance) from the samples' group_index; None without
     prompt: Optional[tuple[int, ...]] = None
+    # the ratio 1: the loss's old log-probs are the current ones (NeMo-RL force_on_policy_ratio)
+    force_on_policy_ratio: bool = False
+    # the KL term × exp(logp − rollout) before its output clamp, a non-finite weight 0 (NeMo-RL
+    # use_on_policy_kl_approximation)
+    kl_loss_rollout_weighted: bool = False
+    # opd_placement="advantage": subtracted from the GRPO returns ("returns") or from 0 ("zero")
+    opd_base: str = "returns"
+    # the format is_keep's divergence gates are evaluated in (the producer's declared compute, set by the stage
+    # from the comparison policy: the gate is a decision the producer took in its own format); None: the replay's
+    is_keep_format: Optional[str] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -119,7 +129,10 @@ class LossKnobs:
                    top_entropy_quantile=_set(cfg, "top_entropy_quantile", 1.0),
                    opd_placement=_set(cfg, "opd_placement", None), opd_kl_type=_set(cfg, "opd_kl_type", "k1"),
                    opd_coef=_set(cfg, "opd_coef", 1.0), opd_clamp=_set(cfg, "opd_clamp", None),
-                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples))
+                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples),
+                   force_on_policy_ratio=bool(_set(cfg, "force_on_policy_ratio", False)),
+                   kl_loss_rollout_weighted=bool(_set(cfg, "kl_loss_rollout_weighted", False)),
+                   opd_base=_set(cfg, "opd_base", "returns"))
 
     def param(self, name: str):
         """The family's parameter ``name``: the recorded value, else the family's default
@@ -194,6 +207,7 @@ class LossKnobs:
 
 OPSM_ANCHORS = ("old", "rollout")
 OPD_PLACEMENTS = ("advantage", "loss")
+OPD_BASES = ("returns", "zero")
 
 
 def _set(cfg, name: str, default):
@@ -282,6 +296,10 @@ def check_knobs(knobs: LossKnobs) -> list[str]:
         errors.append(f"opd_coef: expected a finite coefficient, got {knobs.opd_coef!r}")
     if knobs.opd_clamp is not None and not (math.isfinite(knobs.opd_clamp) and knobs.opd_clamp > 0):
         errors.append(f"opd_clamp: expected null or a finite value > 0, got {knobs.opd_clamp!r}")
+    if knobs.opd_base not in OPD_BASES:
+        errors.append(f"opd_base: expected one of {', '.join(OPD_BASES)}, got {knobs.opd_base!r}")
+    if knobs.kl_loss_rollout_weighted and knobs.kl_loss_ratio_weighted:
+        errors.append("kl_loss_rollout_weighted: expected kl_loss_ratio_weighted false with it (one KL weight)")
     if not math.isfinite(knobs.loss_scale):
         errors.append(f"loss_scale: expected a finite multiplier, got {knobs.loss_scale!r}")
     return errors

@@ -353,6 +353,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # The 0/1 keep masks of an off-policy correction (SkyRL off_policy_correction's outlier, token and sequence
     # masks; bundle/is_keep.py, SPEC §4.4): each token's policy-loss term × 0/1, the normalizer and metrics kept.
     is_keep: Union[dict[str, list[Optional[float]]], None, msgspec.UnsetType] = msgspec.UNSET
+    # The loss's old log-probs taken as the current ones (the ratio 1, NeMo-RL force_on_policy_ratio): the
+    # old_log_probs payload is not read by loss.policy (NeMo-RL records zeros there). Unset: false, not written.
+    force_on_policy_ratio: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # The KL term of the loss × exp(log_probs − rollout_log_probs) before its output clamp, a non-finite weight 0
+    # (NeMo-RL use_on_policy_kl_approximation). Unset: false, not written.
+    kl_loss_rollout_weighted: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # opd_placement="advantage": what the distillation term is subtracted from: "returns" (the GRPO returns,
+    # slime) or "zero" (the advantage is −coef·estimate alone, NeMo-RL's opd estimator). Unset: "returns".
+    opd_base: Union[str, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema

@@ -25,12 +25,6 @@ G = "grpo"
 L = "loss_fn"
 # grpo.* keys outside the recomputed math: schedule, validation, rollout turns, dynamic sampling (chooses the
 # groups a step trains on), overlong filtering and the logprob-error mask (both change masks the bundle holds).
-# the estimators refused, with what a bundle would need
-ESTIMATOR_NEEDS = {
-    "opd": "NeMo-RL's on-policy distillation takes log π_teacher − log π_student per token as the advantage "
-           "(advantage_estimator.py:551-600); not recomputed: a bundle would need the teacher log-probs per token "
-           "and an OPD estimator",
-}
 GRPO_NEUTRAL = ("num_prompts_per_step", "max_rollout_turns", "max_num_epochs", "max_num_steps", "val_period",
                 "val_start_at", "val_at_start", "val_at_end", "max_val_samples", "val_num_generations_per_prompt",
                 "stop_at_validation_metric", "stop_at_validation_threshold", "val_batch_size", "seed",
@@ -46,10 +40,8 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     """The ``RecomputeConfig`` NeMo-RL's master config ``cfg`` (with ``grpo`` and ``loss_fn``) encodes."""
     r = ConfigReader(FRAMEWORK, cfg, where)
     name = r.text(f"{G}.adv_estimator.name", "grpo")  # yaml:40; adv.py:47
-    if name in ("opd",):
-        r.refuse(f"{G}.adv_estimator.name", name, ESTIMATOR_NEEDS[name])
-    elif name not in ("grpo", "reinforce_plus_plus", "gdpo"):
-        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo, reinforce_plus_plus and gdpo are)")
+    if name not in ("grpo", "reinforce_plus_plus", "gdpo", "opd"):
+        r.refuse(f"{G}.adv_estimator.name", name, "not mapped (grpo, reinforce_plus_plus, gdpo and opd are)")
     kl_in_reward = r.flag(f"{L}.use_kl_in_reward", False)  # loss.py:135
     normalize = r.flag(f"{G}.normalize_rewards", True)  # yaml:8
     loo = r.flag(f"{G}.use_leave_one_out_baseline", True)  # yaml:9
@@ -64,23 +56,29 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     for key in ("reward_shaping.enabled", "reward_scaling.enabled"):  # yaml:31,45: false
         if r.flag(f"{G}.{key}", False):
             r.refuse(f"{G}.{key}", True, "reward shaping and scaling are not recomputed")
-    if r.flag(f"{L}.disable_ppo_ratio", False):  # loss.py:113
-        r.refuse(f"{L}.disable_ppo_ratio", True, "the REINFORCE surrogate is not recomputed")
     # CISPO (loss_functions.py, ClippedPGLossFn ``if self.use_cispo``): −A·sg(clamp(r, 1 − ratio_clip_min,
     # 1 + ratio_clip_max))·logp on the unclamped token ratio; NeMo-RL asserts it without dual-clip and without
     # sequence-level ratios
     cispo = r.flag(f"{L}.use_cispo", False)  # loss.py:160
     if cispo and r.number(f"{L}.ratio_clip_c", None) is not None:
         r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL rejects dual-clip with use_cispo")
-    if r.flag(f"{L}.force_on_policy_ratio", False):  # loss.py:158
-        r.refuse(f"{L}.force_on_policy_ratio", True, "NeMo-RL takes the ratio as 1 (prev_logprobs := the current "
-                 "log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
-                 "(grpo.py:3238-3249); record the current log-probs as old_log_probs and map the config with "
-                 "force_on_policy_ratio false")
+    # force_on_policy_ratio (loss.py:158): prev_logprobs := the current log-probs, detached (loss.py:399-402), so
+    # the ratio is 1 and unclipped (520-525) and the IS weight exp(curr − gen); the step's prev_logprobs are a
+    # zero placeholder (grpo.py:2493-2510, 3238-3249), which the loss then never reads
+    force = r.flag(f"{L}.force_on_policy_ratio", False)
+    # disable_ppo_ratio (loss.py:113): ratios := curr_logprobs, unclamped (loss.py:540-543), so
+    # max(−A·logp, −A·logp) = −A·logp: the GPG surrogate (kernels.families.gpg), the IS weight still exp(prev − gen)
+    reinforce = r.flag(f"{L}.disable_ppo_ratio", False) and not force  # force's branch comes first (loss.py:520)
+    for flag, on in (("force_on_policy_ratio", force), ("disable_ppo_ratio", reinforce)):
+        if on and cispo:  # ClippedPGLossFn.__init__ asserts both (loss.py:271-279)
+            r.bad(f"{L}.{flag}", True, f"use_cispo false with it (NeMo-RL asserts use_cispo is incompatible with "
+                                       f"{flag}, loss/loss_functions.py:271-279)")
     nll = r.number(f"{L}.positive_example_nll_weight", 0.0)  # loss.py:164
     if nll != 0:
-        r.refuse(f"{L}.positive_example_nll_weight", nll, "the VAPO NLL term on positive-reward samples "
-                 "is not recomputed: a bundle would need an NLL loss knob and the term recorded in loss.policy")
+        r.refuse(f"{L}.positive_example_nll_weight", nll, "NeMo-RL adds μ × the mean of −log π over the loss "
+                 "tokens of the samples whose reward is > 0, each micro-batch divided by its own count of those "
+                 "tokens (loss_functions.py:720-735), to loss; not recomputed: a bundle would need each sample's "
+                 "raw reward and micro_batch_id with an NLL loss term, and the term recorded apart in loss.policy")
     kl_coef = r.number(f"{L}.reference_policy_kl_penalty", 0.01)  # loss.py:128; yaml:80
     if kl_in_reward:
         # the loss's KL coefficient is 0 (loss.py:240-242); the GRPO estimator never reads the KL (adv.py:69-98),
@@ -92,11 +90,9 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                      "would need a per-token in-reward KL mode (no returns), or the KL-shaped advantages recorded "
                      "with reference_policy_kl_penalty 0")
         kl_coef = 0.0
-    if r.flag(f"{L}.use_on_policy_kl_approximation", False) and kl_coef != 0:  # loss.py:153, 469
-        r.refuse(f"{L}.use_on_policy_kl_approximation", True, "NeMo-RL multiplies each token's KL by "
-                 "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed "
-                 "(kl_loss_ratio_weighted weighs by exp(curr − prev)): a bundle would need a KL weight against "
-                 "rollout_log_probs")
+    # use_on_policy_kl_approximation (loss.py:153): the KL × exp(curr − generation_logprobs), NaN/±inf → 0, inside
+    # calculate_kl: after the input clamp, before the output clamp (loss.py:469-491; utils.py:72-101)
+    kl_rollout = r.flag(f"{L}.use_on_policy_kl_approximation", False) and kl_coef != 0
     kl_type = r.text(f"{L}.reference_policy_kl_type", "k3")  # loss.py:131; yaml:83
     if kl_type not in ("k1", "k2", "k3") and kl_coef != 0:
         r.refuse(f"{L}.reference_policy_kl_type", kl_type, "not one of k1, k2, k3")
@@ -132,6 +128,18 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         masked_token_value="computed",
         entropy_coef=0.0,  # NeMo-RL's entropy is a metric only
     )
+    if force:
+        fields.update(force_on_policy_ratio=True)
+    if kl_rollout:
+        fields.update(kl_loss_rollout_weighted=True)
+    if reinforce:
+        if r.number(f"{L}.ratio_clip_c", None) is not None:
+            r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL dual-clips −A·logp under "
+                     "disable_ppo_ratio (loss.py:555-563), which the GPG surrogate does not: not recomputed; a "
+                     "bundle would need a dual-clip parameter on the gpg family")
+        # with sequence_level_importance_ratios the surrogate stays −A·logp per token (the ratio branch is skipped,
+        # loss.py:520-543); only the IS weight is the sample's (loss.py:568-576, _importance below)
+        fields.update(policy_loss="gpg", policy_loss_params={}, importance_level="token")
     if name == "reinforce_plus_plus":
         # adv.py:233-265: r − the prompt's mean (minus_baseline, no std, no leave-one-out; one sample: 0) or r,
         # broadcast (never × the mask), whitened over the mask's tokens: mean over Σmask, the biased variance,
@@ -139,6 +147,12 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         fields.update(advantage_estimator="reinforce_plus_plus_baseline", grpo_std_normalization=False,
                       group_baseline="mean", whiten_variance="biased", whiten_eps_mode="clamp",
                       rewards_normalization=r.flag(f"{G}.adv_estimator.minus_baseline", True))  # adv.py:54
+    if name == "opd":
+        # adv.py:551-600 OPDAdvantageEstimator: sg(teacher − prev)·mask — no reward, no baseline; the distillation
+        # estimate k1(prev − teacher) subtracted from 0 (kernels.loss.opd_advantages), 0 at mask-0 tokens; the
+        # step's teacher log-probs padded with 0 to the train width (grpo.py:2227-2246)
+        fields.update(opd_placement="advantage", opd_kl_type="k1", opd_coef=1.0, opd_clamp=None, opd_base="zero",
+                      masked_token_value="zero")
     if name == "gdpo":
         # adv.py:116-190: each reward/<name> component (sorted by name) by the GRPO rule above (its baseline and
         # std, divided only where std > 0), Σ w·A (reward_weights, all 1 when unset), then (A − mean)/std over the
@@ -179,9 +193,18 @@ def _importance(r: ConfigReader, fields: dict[str, Any], sequence_ratio: bool) -
     elif kind == "icepop":
         fields.update(is_level=level, is_mode="mask", is_low=low, is_high=high)
     elif kind == "seq-mask-tis":
-        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "NeMo-RL keeps each token's own untruncated "
-                 "weight exp(prev − gen) and zeroes the whole sample where the geometric mean of its weights is "
-                 "outside [ratio_min, ratio] (loss_functions.py:637-660); not recomputed: a bundle would need an "
-                 "IS mode that masks by the geometric-level weight and multiplies by the token-level one")
+        # loss.py:637-665: each token's own untruncated weight exp(prev − gen), × 0 for the whole sample where the
+        # geometric mean exp(mean_t(prev − gen)) over its token mask is outside [ratio_min, ratio] (both kept at
+        # the bound): the token weight with is_keep's geometric sequence mask (bundle/is_keep.py). NeMo-RL asserts
+        # ratio_min set and token-level ratios (loss.py:315-324)
+        if low is None:
+            r.bad(f"{L}.truncated_importance_sampling_ratio_min", None, "a value with seq-mask-tis (NeMo-RL asserts "
+                  "it, loss/loss_functions.py:315-319)")
+        if sequence_ratio:
+            r.bad(f"{L}.sequence_level_importance_ratios", True, "false with seq-mask-tis (NeMo-RL asserts it, "
+                  "loss/loss_functions.py:320-324)")
+        # a geometric mean is > 0: a ratio_min ≤ 0 bounds nothing (is_keep's null side)
+        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None,
+                      is_keep={"geometric": [low if low > 0 else None, high]})
     else:
-        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis and icepop are)")
+        r.refuse(f"{L}.truncated_importance_sampling_type", kind, "not mapped (tis, icepop and seq-mask-tis are)")

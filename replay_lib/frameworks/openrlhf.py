@@ -181,7 +181,8 @@ def _kl(r: ConfigReader, fields: dict[str, Any]) -> None:
 
 def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> None:
     """vLLM IS correction (loss.py:216-250): ``w = exp(old − rollout)``, no log clamp; at token level ``clip``
-    clamps ``w`` to [low, high] (TIS) and ``mask`` zeroes it outside (IcePop)."""
+    clamps ``w`` to [low, high] (TIS) and ``mask`` zeroes it outside (IcePop); with ``binary_kl`` / ``tv``
+    gating ``w`` untruncated, zeroed where the sampled-token divergence is outside [0, delta] (``is_keep``)."""
     level = r.text("algo.advantage.is_correction_level", "off")  # cli.py:260-267
     mode = r.text("algo.advantage.is_correction_mode", "mask")  # cli.py:268-275
     gating = r.text("algo.advantage.is_correction_gating", "ratio")  # cli.py:276-283
@@ -191,18 +192,49 @@ def _is_correction(r: ConfigReader, fields: dict[str, Any], loss_type: str) -> N
     if loss_type == "gspo":
         r.refuse("algo.advantage.is_correction_level", level, "under gspo OpenRLHF takes the ratio against the "
                                                               "rollout log-probs instead (loss.py:191-192)")
-    if gating != "ratio":
-        r.refuse("algo.advantage.is_correction_gating", gating, "a gate on the binary KL or TV between rollout "
-                                                                "and train policy is not recomputed")
-    if level != "token":
-        r.refuse("algo.advantage.is_correction_level", level, "the sequence mask keeps each surviving token's own "
-                                                              "weight (loss.py:237-239), which is not recomputed")
+    if gating not in ("ratio", "binary_kl", "tv"):
+        r.refuse("algo.advantage.is_correction_gating", gating, "not one of ratio, binary_kl, tv")
+    if level not in ("token", "seq"):
+        r.refuse("algo.advantage.is_correction_level", level, "not one of off, token, seq")
     if isinstance(bounds, (list, tuple)) and len(bounds) == 1:  # a single HIGH (cli.py:640-641)
         bounds = [0.0, bounds[0]]
     if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
         r.bad("algo.advantage.is_correction_threshold", bounds, "[high] or [low, high]")
     low = r.number("algo.advantage.is_correction_threshold.0", bounds[0])
     high = r.number("algo.advantage.is_correction_threshold.1", bounds[1])
+    if level == "seq":
+        # loss.py:219-239: the sample's statistic — the ratio's geometric mean exp(masked_mean(old − rollout)), or a
+        # divergence's plain mean — gates the whole sample (mask only: clip raises, loss.py:166-169); a kept
+        # sample's tokens keep their own untruncated weight exp(old − rollout)
+        if mode == "clip":
+            r.bad("algo.advantage.is_correction_mode", mode, "mask with is_correction_level=seq (OpenRLHF raises: clip "
+                  "requires is_correction_level=token, models/loss.py:166-169)")
+        if gating != "ratio":
+            r.refuse("algo.advantage.is_correction_gating", gating, "at is_correction_level=seq OpenRLHF gates the "
+                     "sample's mean divergence (loss.py:233-234), which is not recomputed (is_keep's sequence masks "
+                     "read the ratio); a bundle would need a per-sample divergence keep mask")
+        # the geometric sequence mask of is_keep: a bound of 0 (a single threshold) is no bound
+        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None,
+                      is_keep={"geometric": [low if low > 0 else None, high]})
+        return
+    if gating != "ratio":
+        # loss.py:224-239: the gate reads the sampled-token binary KL or TV between p = exp(rollout) and
+        # q = exp(old), both clamped to [1e-6, 1 − 1e-6]; a token outside [low, high] is dropped, a kept one keeps
+        # its own untruncated weight exp(old − rollout): the untruncated token weight × is_keep's divergence gate.
+        # PolicyLoss raises on clip with a divergence and on a lower bound > 0 (loss.py:166-172)
+        if mode == "clip":
+            r.bad("algo.advantage.is_correction_mode", mode, "mask with a divergence gate (OpenRLHF raises: clip "
+                  "requires is_correction_gating=ratio, models/loss.py:166-169)")
+        if low > 0:
+            r.bad("algo.advantage.is_correction_threshold", bounds, "a single upper bound (a trust-region delta) "
+                  f"with is_correction_gating={gating} (OpenRLHF raises otherwise, models/loss.py:171-172)")
+        if high < 0:
+            r.refuse("algo.advantage.is_correction_threshold", bounds, "a negative divergence bound drops every "
+                     "token but the ones rounding made negative, which is not recomputed")
+        # a negative low keeps a divergence rounded below 0 as well: no lower bound
+        fields.update(is_level="token", is_mode="truncate", is_low=None, is_high=None,
+                      is_keep={gating: [None if low < 0 else low, high]})
+        return
     if mode == "clip":
         fields.update(is_level="token", is_mode="truncate", is_low=low, is_high=high)
     elif mode == "mask":

@@ -685,6 +685,9 @@ class StorageUnits:
             out["weight"] = out["weight"] + storage_error(self.weight, old_log_probs, rollout_log_probs)
         if ref_log_probs is not None:
             out["kl"] = storage_error(self.kl, log_probs, ref_log_probs)
+        if getattr(knobs, "kl_loss_rollout_weighted", False) and rollout_log_probs is not None:
+            # the KL weight's exponent logp − rollout (kl_loss_rollout_weighted): the coarser of its two units
+            out["kl_weight"] = storage_error(max(self.ratio, self.weight), log_probs, rollout_log_probs)
         return out
 
 

@@ -16,7 +16,10 @@ One formula per token, in the dtype of its inputs (float32 for a producer, float
   (IcePop): ``w·1[is_low ≤ w ≤ is_high]`` (a missing bound is no bound); ``pg ← w·pg``;
 * the KL term of the loss on the current log-probs: ``r = logp − ref`` (clamped to ``±kl_loss_input_clamp``),
   the estimator ``kl_loss_type`` (``kl.compute_approx_kl``), clamped to ``±kl_loss_output_clamp``, and with
-  ``kl_loss_ratio_weighted`` multiplied by the unclipped ratio (the token's, or the sample's under GSPO).
+  ``kl_loss_ratio_weighted`` multiplied by the unclipped ratio (the token's, or the sample's under GSPO); with
+  ``kl_loss_rollout_weighted`` the estimate (input-clamped) × ``exp(logp − rollout)`` (a non-finite weight 0),
+  then clamped to ``±kl_loss_output_clamp`` (NeMo-RL ``calculate_kl`` with ``importance_sampling_weights``);
+* ``force_on_policy_ratio``: the old log-probs are the current ones (the stage passes ``log_probs`` as ``old``).
 
 Aggregation (:func:`aggregate`): a field is ``loss_scale · Σ_i w_i Σ_t x·mask`` with ``w_i`` from the mode,
 ``n_i = Σ_t mask``: ``1/max(n_i,1)`` (sum_of_sample_means) · ``1/(N·max(n_i,1))`` (seq_mean_token_mean) ·
@@ -144,7 +147,8 @@ def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollo
             raise ValueError("rollout_log_probs is required for is_keep")
         from .is_keep import sample_keep
 
-        out.update(sample_keep(old_log_probs, rollout_log_probs, loss_mask, lengths, knobs.is_keep, dtype))
+        out.update(sample_keep(old_log_probs, rollout_log_probs, loss_mask, lengths, knobs.is_keep, dtype,
+                               _stat_dtype(knobs)))
     if knobs.opsm:
         out["opsm_kl"] = opsm_sequence_kl(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs,
                                           dtype)
@@ -259,7 +263,8 @@ def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKn
     if knobs.is_keep:  # the off-policy correction's 0/1 keep masks (kernels.is_keep): the term only
         from .is_keep import keep_weight
 
-        out["is_keep"] = keep_weight(old, rollout_log_probs, knobs.is_keep, seg, sample_terms, dtype)
+        out["is_keep"] = keep_weight(old, rollout_log_probs, knobs.is_keep, seg, sample_terms, dtype,
+                                     _stat_dtype(knobs))
         pg = pg * out["is_keep"]
     out["pg"] = pg
     if knobs.kl_loss:
@@ -271,12 +276,26 @@ def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKn
         if knobs.kl_loss_ratio_weighted:  # × the unclipped ratio (TRL use_bias_correction_kl)
             out["kl_loss_unweighted"] = out["kl_loss"]
             out["kl_loss"] = out["kl_loss"] * ratio
+        if knobs.kl_loss_rollout_weighted:  # × exp(logp − rollout) before the output clamp (NeMo-RL)
+            if rollout_log_probs is None:
+                raise ValueError("rollout_log_probs is required for kl_loss_rollout_weighted")
+            out["kl_weight_log"] = logp - rollout_log_probs.to(dtype)
+            out["kl_weight"] = torch.nan_to_num(out["kl_weight_log"].exp(), nan=0.0, posinf=0.0, neginf=0.0)
+            inner = kl_loss_values(logp, ref_log_probs, replace(knobs, kl_loss_output_clamp=None), dtype=dtype)
+            out["kl_loss_unweighted"] = inner
+            out["kl_loss"] = _clamp(inner * out["kl_weight"], knobs.kl_loss_output_clamp)
     if knobs.opd_loss:
         if teacher_log_probs is None:
             raise ValueError("teacher_log_probs is required for opd_placement='loss'")
         out["opd_r"] = log_probs.to(dtype) - teacher_log_probs.to(dtype)
         out["opd_loss"] = opd_estimate(log_probs, teacher_log_probs, knobs, dtype)
     return out
+
+
+def _stat_dtype(knobs: LossKnobs) -> Optional[torch.dtype]:
+    """The format a divergence gate of ``is_keep`` is evaluated in (``LossKnobs.is_keep_format``: the producer's
+    declared compute), None: the replay's dtype."""
+    return getattr(torch, knobs.is_keep_format) if knobs.is_keep_format else None
 
 
 def opd_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, knobs: LossKnobs,
@@ -293,7 +312,8 @@ def opd_advantages(advantages: torch.Tensor, old_log_probs: torch.Tensor, teache
     """``A − opd_coef·estimate(old, teacher)``: the advantage placement of on-policy distillation (slime
     ``apply_opd_kl_to_advantages``, ``backends/megatron_utils/loss.py:663-701``, student = the trainer's old
     log-probs, k1; NeMo-RL's ``opd`` estimator is ``teacher − prev`` on a zero base, ``advantage_estimator.py:551-600``)."""
-    return advantages.to(dtype) - knobs.opd_coef * opd_estimate(old_log_probs, teacher_log_probs, knobs, dtype)
+    base = torch.zeros_like(old_log_probs, dtype=dtype) if knobs.opd_base == "zero" else advantages.to(dtype)
+    return base - knobs.opd_coef * opd_estimate(old_log_probs, teacher_log_probs, knobs, dtype)
 
 
 def opsm_sequence_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],

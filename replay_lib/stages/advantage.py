@@ -371,7 +371,8 @@ def _opd_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     ``:809-816``). Bound: the returns' and, per token, the estimate's rounding (its condition × ``|coef|``)
     and the stored log-probs' units."""
     knobs = LossKnobs.of(ctx.config)
-    rewards, inherited = grpo_rewards(ctx)
+    zero_base = knobs.opd_base == "zero"  # NeMo-RL's opd estimator: −coef·estimate alone, no rewards read
+    rewards, inherited = (torch.zeros(ctx.n, dtype=torch.float64), None) if zero_base else grpo_rewards(ctx)
     old, teacher = ctx.payload("old_log_probs"), ctx.payload("teacher_log_probs")
     if ctx.dtype != torch.float64:  # --exact: the producer's float32 arithmetic, compared bitwise
         base = get_grpo_returns(rewards, ctx.lengths, dtype=ctx.dtype)
@@ -380,7 +381,8 @@ def _opd_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     else:
         base = GrpoReturns(rewards, ctx.lengths, dtype=torch.float64).materialize()
         actual = opd_advantages(base, old, teacher, knobs, dtype=torch.float64)
-        per_sample = advantage_bound(rewards.to(torch.float64), unit_roundoff(expected))
+        per_sample = (torch.zeros(ctx.n, dtype=torch.float64) if zero_base
+                      else advantage_bound(rewards.to(torch.float64), unit_roundoff(expected)))
         if inherited is not None:
             per_sample = per_sample + inherited.to(torch.float64)
         r = old.to(torch.float64) - teacher.to(torch.float64)
@@ -394,7 +396,7 @@ def _opd_estimate(ctx: StageContext, expected: torch.Tensor) -> StageReport:
     ctx.outputs["advantages"] = actual
     field = ctx.field("advantage.estimate", "advantage", PER_TOKEN, expected, actual, bound=bound,
                       compared=_rule_nan(ctx, None, expected))
-    what = f"GRPO returns − {knobs.opd_coef:g}·{knobs.opd_kl_type}(old − teacher)"
+    what = ("" if zero_base else "GRPO returns ") + f"− {knobs.opd_coef:g}·{knobs.opd_kl_type}(old − teacher)"
     return ctx.report(
         StageId.ADVANTAGE_ESTIMATE, [field],
         fail_reason=lambda total, per: f"advantage mismatch in {total.mismatches} token(s) of {total.bad_samples} "
@@ -595,9 +597,9 @@ def _estimate_requirements(reader: BundleReader) -> list[str]:
     has_rewards = (post is not None and post.capability == StageCapability.RECOMPUTE) or isinstance(
         reader.expected.get("reward.post_process", {}).get("rewards"), list
     ) or all(s.reward is not None for s in reader.index.samples)
-    if not has_rewards:
-        missing.append("normalized rewards (reward.post_process, expected rewards or samples[].reward)")
     cfg = reader.index.config
+    if not has_rewards and not (opd_in_advantages(cfg) and LossKnobs.of(cfg).opd_base == "zero"):
+        missing.append("normalized rewards (reward.post_process, expected rewards or samples[].reward)")
     if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
         missing.append("payloads/kl.pt (kl_in_reward=token_returns)")
     if opd_in_advantages(cfg):

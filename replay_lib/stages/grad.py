@@ -59,6 +59,11 @@ def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
 
         raise StageInputError("is_keep (an off-policy correction's keep masks) is not recomputed by loss.grad",
                               field="is_keep")
+    if li.knobs.kl_loss and li.knobs.kl_loss_rollout_weighted:  # its weight's gradient is not derived here
+        from .base import StageInputError
+
+        raise StageInputError("kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by "
+                              "loss.grad", field="kl_loss_rollout_weighted")
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
                     mask=li.mask.to(torch.float64), lengths=ctx.lengths,

@@ -253,6 +253,9 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
             if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
                 buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
+            if knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): the same with w's exponent
+                buf[row["kl_loss_tok"]].mul_(t["kl_weight"]).add_(
+                    buf[row["abs_kl_loss"]] * (PG_KL_COND * t["kl_weight_log"].abs() + 2.0))
         if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
             w = t.get("is_weight")
             torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
@@ -272,6 +275,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
                 if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
                     buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
+                if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
+                    buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
         if masks:
             _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
         if opd:

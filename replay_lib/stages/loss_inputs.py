@@ -5,11 +5,12 @@ hazard are taken of."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from ..bundle.is_keep import DIVERGENCES
 from ..judge.error_model import StorageUnits
 from ..kernels import GrpoReturns
 from ..kernels.loss import LossKnobs
@@ -65,6 +66,8 @@ def family_payloads(knobs: LossKnobs) -> tuple[str, ...]:
 def loss_inputs(ctx: StageContext) -> LossInputs:
     cfg = ctx.config
     knobs = LossKnobs.of(cfg, ctx.samples)
+    if any(kind in DIVERGENCES for kind, _, _ in knobs.is_keep):  # a gate the producer decided in its format
+        knobs = replace(knobs, is_keep_format=ctx.precision.compute)
     recomputed = ctx.outputs.get("advantages") if ctx.chain or not ctx.has("advantages") else None
     bound = per_sample = None
     if recomputed is None:
@@ -88,11 +91,12 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     rollout_family = "rollout_log_probs" in family_payloads(knobs) or (
         knobs.policy_loss == "dppo_mu" and knobs.param("anchor") == "rollout")
     if knobs.is_level is not None or knobs.is_keep or (knobs.opsm and knobs.opsm_anchor == "rollout") or \
-            rollout_family:
+            rollout_family or (knobs.kl_loss and knobs.kl_loss_rollout_weighted):
         if not ctx.has("rollout_log_probs"):
             why = (f"is_level={knobs.is_level!r}" if knobs.is_level is not None else "is_keep" if knobs.is_keep else
                    "policy_loss 'dppo_mu' anchored on the rollout" if knobs.policy_loss == "dppo_mu" else
-                   f"policy_loss={knobs.policy_loss!r}" if knobs.family else "opsm_anchor='rollout'")
+                   f"policy_loss={knobs.policy_loss!r}" if knobs.family else
+                   "opsm_anchor='rollout'" if knobs.opsm else "kl_loss_rollout_weighted")
             raise StageInputError(f"payload 'rollout_log_probs' is required for {why}", field="rollout_log_probs")
         rollout = ctx.payload("rollout_log_probs")
     if knobs.kl_loss:
@@ -101,7 +105,8 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                                   field="ref_log_probs")
         ref = ctx.payload("ref_log_probs")
     mask = ctx.loss_mask
-    old = ctx.payload("old_log_probs")
+    # force_on_policy_ratio: the ratio 1 — the current log-probs stand for the old ones (NeMo-RL loss.py:399-402)
+    old = ctx.payload("log_probs") if knobs.force_on_policy_ratio else ctx.payload("old_log_probs")
     rs_near = rs_alternative = None
     if isinstance(cfg.rollout_rs, str):  # rejection sampling (SPEC §4.4): the rejected tokens leave the mask
         if not ctx.has("rollout_log_probs"):

@@ -239,6 +239,12 @@ class _Tokens:
                                                      * TOKEN_SLACK)
                 if store:
                     out["kl_loss_bound"] += out["kl_loss"].abs() * store["ratio"] * C_STORE
+            if self.knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): as the ratio's, w's exponent
+                w = t["kl_weight"].to(torch.float64)
+                e_w = t["kl_weight_log"].to(torch.float64).abs() * self.u_t
+                out["kl_loss_bound"].mul_(w).add_(out["kl_loss"].abs() * (e_w * 2.0 + 3.0 * self.u_t) * TOKEN_SLACK)
+                if store:
+                    out["kl_loss_bound"] += out["kl_loss"].abs() * store["kl_weight"] * C_STORE
         if self.entropy is not None:
             out["entropy"] = self.entropy[lo:hi].to(torch.float64)
             out["entropy_bound"] = out["entropy"].abs().mul_(C_STORE * self.store.entropy)

@@ -21,7 +21,7 @@ import torch
 from replay_lib.bundle import BundleWriter
 from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
                                       SampleRecord, StageId, stage_contracts)
-from replay_lib.errors import UnsupportedFrameworkConfig
+from replay_lib.errors import FrameworkConfigError, UnsupportedFrameworkConfig
 from replay_lib.frameworks import from_nemo_rl
 from replay_lib.run.runner import replay
 
@@ -66,6 +66,35 @@ CONFIGS = {
     "gspo-tis": {"loss_fn": {"sequence_level_importance_ratios": True, "token_level_loss": False,
                              "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
                              "truncated_importance_sampling_ratio": 2.0}},
+    # the ratio forced to 1 (loss.py:399-402, 520-525): prev_logprobs recorded as NeMo-RL leaves them (zeros)
+    "force-on-policy-is": {"loss_fn": {"force_on_policy_ratio": True, "use_importance_sampling_correction": True}},
+    # the REINFORCE surrogate −A·logp (loss.py:540-543), plain and with IcePop (the OPD recipe's loss)
+    "reinforce": {"loss_fn": {"disable_ppo_ratio": True}},
+    "reinforce-icepop-seq": {"loss_fn": {"disable_ppo_ratio": True, "token_level_loss": False,
+                                         "use_importance_sampling_correction": True,
+                                         "truncated_importance_sampling_type": "icepop",
+                                         "truncated_importance_sampling_ratio": 2.0,
+                                         "truncated_importance_sampling_ratio_min": 0.5}},
+    # REINFORCE under sequence-level IS weights (loss.py:568-576): −A·logp per token, the sample's weight
+    "reinforce-seq-is": {"loss_fn": {"disable_ppo_ratio": True, "sequence_level_importance_ratios": True,
+                                     "token_level_loss": False, "use_importance_sampling_correction": True}},
+    # seq-mask-tis (loss.py:637-665): untruncated token weights, a sample dropped by its geometric-mean weight
+    "seq-mask-tis": {"loss_fn": {"use_importance_sampling_correction": True,
+                                 "truncated_importance_sampling_type": "seq-mask-tis",
+                                 "truncated_importance_sampling_ratio": 1.1,
+                                 "truncated_importance_sampling_ratio_min": 0.9}},
+    # the on-policy KL approximation (loss.py:480-491): the KL × exp(curr − gen) before the output clamp
+    "kl-approx": {"loss_fn": {"use_on_policy_kl_approximation": True, "reference_policy_kl_penalty": 0.05}},
+    "kl-approx-k1-seq": {"loss_fn": {"use_on_policy_kl_approximation": True, "reference_policy_kl_type": "k1",
+                                     "token_level_loss": False}},
+    # on-policy distillation (adv.py:551-600): sg(teacher − prev)·mask, with the recipe's loss (the estimator's
+    # docstring: disable_ppo_ratio and IcePop)
+    "opd": {"grpo": {"adv_estimator": {"name": "opd"}}},
+    "opd-recipe": {"grpo": {"adv_estimator": {"name": "opd"}},
+                   "loss_fn": {"disable_ppo_ratio": True, "use_importance_sampling_correction": True,
+                               "truncated_importance_sampling_type": "icepop",
+                               "truncated_importance_sampling_ratio": 2.0,
+                               "truncated_importance_sampling_ratio_min": 0.5, "reference_policy_kl_penalty": 0.0}},
 }
 
 
@@ -96,7 +125,8 @@ def _knobs(cfg: dict) -> dict:
         tis_type=lf.get("truncated_importance_sampling_type"),
         tis_max=lf.get("truncated_importance_sampling_ratio"),
         tis_min=lf.get("truncated_importance_sampling_ratio_min"),
-        force=lf.get("force_on_policy_ratio", False))
+        force=lf.get("force_on_policy_ratio", False), disable=lf.get("disable_ppo_ratio", False),
+        kl_approx=lf.get("use_on_policy_kl_approximation", False))
 
 
 # ------------------------------------------------------------------------------------ NeMo-RL's formulas
@@ -177,11 +207,14 @@ def reinforce_pp_advantages(k: dict, prompts, rewards, mask, prev=None, ref=None
     return (adv - adv_mean) * adv_var.clamp(min=1e-8).rsqrt()
 
 
-def calculate_kl(logprobs, reference, kl_type, input_clamp=20.0, output_clamp=10.0):
+def calculate_kl(logprobs, reference, kl_type, input_clamp=20.0, output_clamp=10.0, weights=None):
     """utils.py:42-101: ``logr = ref − logp`` clamped to ±input_clamp (:74-82); k1 ``−logr``, k2 ``logr²/2``, k3
-    ``exp(logr) − 1 − logr`` (:84-94); the value clamped to ±output_clamp (:99-100)."""
+    ``exp(logr) − 1 − logr`` (:84-94); × ``importance_sampling_weights`` when given (:96-97), then the value
+    clamped to ±output_clamp (:99-100)."""
     logr = (reference - logprobs).clamp(-input_clamp, input_clamp)
     kl = {"k1": -logr, "k2": logr.square() / 2, "k3": logr.exp() - 1 - logr}[kl_type]
+    if weights is not None:
+        kl = weights * kl
     return kl.clamp(-output_clamp, output_clamp)
 
 
@@ -205,7 +238,11 @@ def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask,
     if k["force"]:
         prev = curr
     if k["beta"] != 0:
-        kl = calculate_kl(curr, ref, k["kl_type"])
+        # :480-491: exp(curr − gen) with the on-policy approximation, else exp(curr − curr.detach()) = 1; NaN/±inf → 0
+        on = k["kl_approx"] and k.get("bug") != "kl_weight_off"  # the bug: the approximation's weight left out
+        w = (curr - gen).exp() if on else (curr - curr).exp()
+        w = w.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        kl = calculate_kl(curr, ref, k["kl_type"], weights=w)
         kl = (masked_mean(kl, mask, global_normalization_factor=global_toks) if k["token_level"] else
               masked_mean(masked_mean(kl, token_mask, dim=-1), sample_mask, global_normalization_factor=global_seqs))
     else:
@@ -213,6 +250,9 @@ def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask,
     if k["force"]:
         ratios = (curr - curr).exp()
         clamped = ratios
+    elif k["disable"]:  # :540-543: the log-probs themselves, unclamped
+        ratios = curr
+        clamped = curr
     elif k["seq_ratio"]:  # :528-535: exp of the sample's masked mean log-ratio, repeated over its tokens
         ratios = masked_mean(curr - prev, token_mask, dim=-1).unsqueeze(-1).exp().repeat(1, adv.shape[1])
         clamped = ratios.clamp(1.0 - k["clip_min"], 1.0 + k["clip_max"])
@@ -232,6 +272,13 @@ def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask,
         elif k["tis_type"] == "icepop":
             keep = (weights >= k["tis_min"]) & (weights <= k["tis_max"])
             weights = torch.where(keep, weights, torch.zeros_like(weights))
+        elif k["tis_type"] == "seq-mask-tis":  # :637-665: the geometric mean over the token mask, both bounds kept
+            log_is = (prev - gen).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            geo = masked_mean(log_is, token_mask, dim=-1).exp()
+            kept = ((geo >= k["tis_min"]) & (geo <= k["tis_max"])).float()
+            if k.get("bug") == "seq_mask_off":
+                kept = torch.ones_like(kept)
+            weights = weights * kept.unsqueeze(-1)
     used = weights if k["is_on"] else torch.ones_like(prev)
     if k["token_level"]:
         actor = masked_mean(used * clip_loss, mask, global_normalization_factor=global_toks)
@@ -268,8 +315,10 @@ def _batch(seed: int, precision: str) -> dict:
     comps = torch.stack([torch.randint(0, 2, (B,), generator=g).float(),
                          torch.randint(0, 3, (B,), generator=g).float() * 0.1], dim=1)
     comps[0:4, 1] = 0.2
+    teacher = near(0.5)  # a teacher's log-probs (on-policy distillation), drawn last: the draws above unchanged
     return dict(comps=comps, lengths=lengths, valid=valid, mask=mask.float(), old=old, curr=curr, gen=gen, ref=ref, raw=raw,
-                prompts=torch.arange(B) // N, width=width)
+                prompts=torch.arange(B) // N, width=width, teacher=teacher,
+                zeros=torch.zeros_like(old))  # what NeMo-RL leaves in prev_logprobs under force_on_policy_ratio
 
 
 def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
@@ -287,6 +336,11 @@ def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
     else:
         adv = grpo_advantages(s["prompts"], s["raw"], mask, k["normalize"], k["loo"]).float()
         reward = grpo_advantages(s["prompts"], s["raw"], torch.ones(B, 1), k["normalize"], k["loo"])[:, 0]
+    if k["estimator"] == "opd":  # adv.py:590-597: sg(teacher − prev_logprobs) × mask; the rewards are not read
+        adv = (s["teacher"].float() - old).detach()
+        if bug != "opd_unmasked":
+            adv = adv * mask
+    k["bug"] = bug
     if bug == "advantage_masked":  # the verl convention: × the mask (0 at the tool spans)
         adv = adv * mask
     if bug == "advantage_sign":
@@ -332,6 +386,8 @@ def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
                       ("rollout_log_probs", "gen")):
         writer.write_payload(name, s[key][valid].contiguous())
     writer.write_payload("advantages", out["adv"][valid].contiguous())
+    if rc.opd_placement == "advantage":
+        writer.write_payload("teacher_log_probs", s["teacher"][valid].contiguous())
     return writer.finalize(ranks=[0])
 
 
@@ -339,7 +395,9 @@ def _run(tmp_path, name: str, precision: str, seed: int, bug: Optional[str] = No
     cfg = _config(name)
     rc = msgspec.structs.replace(from_nemo_rl(cfg), **knobs)
     s = _batch(seed, precision)
-    return replay(_write(tmp_path / f"{name}-{precision}-{seed}-{bug}", rc, s, _produce(cfg, s, bug), precision))
+    old_key = "zeros" if _knobs(cfg)["force"] else "old"  # NeMo-RL's prev_logprobs placeholder (grpo.py:3238-3249)
+    return replay(_write(tmp_path / f"{name}-{precision}-{seed}-{bug}", rc, s, _produce(cfg, s, bug), precision,
+                         old_key=old_key))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -357,6 +415,13 @@ BUGS = [
     ("tis", "advantage_masked", "advantage.estimate", "advantage mismatch in 3 token(s) of 2 sample(s)"),
     ("reinforce-pp", "advantage_sign", "advantage.estimate", "advantage mismatch in 69 token(s) of 11 sample(s)"),
     ("gspo", "advantage_sign", "advantage.estimate", "advantage mismatch in 51 token(s) of 8 sample(s)"),
+    # the mapped configs of issue 33: each bug named at the stage it changes
+    ("seq-mask-tis", "seq_mask_off", "loss.policy", "loss field mismatch: pg_loss"),
+    # (k1: with k3, one token's KL beyond the output clamp leaves the bfloat16 bound of kl_loss above the bug)
+    ("kl-approx-k1-seq", "kl_weight_off", "loss.policy", "loss field mismatch: kl_loss"),
+    # the mask-0 tokens of samples 1 (two), 5, 9 (one each) and 6 (fully masked)
+    ("opd", "opd_unmasked", "advantage.estimate", "advantage mismatch in 9 token(s) of 4 sample(s)"),
+    ("reinforce", "advantage_sign", "advantage.estimate", "advantage mismatch"),
 ]
 
 
@@ -383,29 +448,21 @@ def test_nemo_rl_broadcasts_without_masking(tmp_path):
     assert (zero.exit_code, stage.status, stage.reason) == (1, "fail", "advantage mismatch in 3 token(s) of 2 sample(s)")
 
 
-def test_force_on_policy_ratio_is_refused_naming_what_a_bundle_needs(tmp_path):
+def test_force_on_policy_ratio_reads_the_current_log_probs_as_old(tmp_path):
     """With ``force_on_policy_ratio`` NeMo-RL's ratio is 1 (prev := curr, loss.py:399-402, 520-525) and the
-    step's ``prev_logprobs`` are zeros (grpo.py:3238-3249): the mapping refuses, naming the record that makes it
-    the regular loss — the current log-probs as ``old_log_probs`` — and a bundle that records them replays clean
-    under the mapping without the flag (the IS weights are exp(curr − gen) on both sides)."""
-    forced = {"grpo": {"num_generations_per_prompt": N},
-              "loss_fn": {"force_on_policy_ratio": True, "use_importance_sampling_correction": True}}
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_nemo_rl(forced)
-    assert str(err.value) == (
-        "nemo-rl config: loss_fn.force_on_policy_ratio=True: NeMo-RL takes the ratio as 1 (prev_logprobs := the "
-        "current log-probs, loss_functions.py:399-402, 520-525) and records zeros as prev_logprobs "
-        "(grpo.py:3238-3249); record the current log-probs as old_log_probs and map the config with "
-        "force_on_policy_ratio false")
+    step's ``prev_logprobs`` are a zero placeholder (grpo.py:2493-2510, 3238-3249): the mapping sets
+    ``force_on_policy_ratio`` and loss.policy takes the current log-probs as old, so the bundle recording the zeros
+    replays clean; mapped as the regular loss (the former refusal's workaround), the same bundle diverges."""
+    cfg = _config("force-on-policy-is")
+    rc = from_nemo_rl(cfg)
+    assert rc.force_on_policy_ratio is True and rc.policy_loss == "ppo"
     s = _batch(4, "float32")
-    out = _produce(forced, s)
-    rc = from_nemo_rl({"grpo": {"num_generations_per_prompt": N}, "loss_fn": {"use_importance_sampling_correction": True}})
-    assert replay(_write(tmp_path / "curr", rc, s, out, "float32", old_key="curr")).exit_code == 0
-    # the zeros NeMo-RL leaves in prev_logprobs, recorded as old_log_probs: the loss diverges
-    s["zeros"] = torch.zeros_like(s["old"])
-    wrong = replay(_write(tmp_path / "zeros", rc, s, out, "float32", old_key="zeros"))
+    out = _produce(cfg, s)
+    assert replay(_write(tmp_path / "zeros", rc, s, out, "float32", old_key="zeros")).exit_code == 0
+    regular = msgspec.structs.replace(rc, force_on_policy_ratio=False)
+    wrong = replay(_write(tmp_path / "regular", regular, s, out, "float32", old_key="zeros"))
     loss = next(st for st in wrong.stages if st.stage == "loss.policy")
-    assert (wrong.exit_code, loss.status) == (1, "fail")
+    assert (wrong.exit_code, loss.status, loss.reason) == (1, "fail", "loss field mismatch: pg_loss")
 
 
 # a knob of the mapping replaced by the value it had before (or the other framework's): the clean bundle diverges
@@ -419,6 +476,13 @@ WRONG_KNOBS = [
      "normalized reward mismatch in 12 sample(s)"),
     ("gspo", {"importance_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
     ("gspo-tis", {"is_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
+    # without each new knob: seq-mask-tis's sample mask, the KL's rollout weight, OPD's zero base, REINFORCE's −A·logp
+    ("seq-mask-tis", {"is_keep": None}, "loss.policy", "loss field mismatch: pg_loss"),
+    ("kl-approx", {"kl_loss_rollout_weighted": False}, "loss.policy", "loss field mismatch: kl_loss"),
+    ("opd", {"opd_base": "returns"}, "advantage.estimate",
+     "advantage mismatch in 48 token(s) of 8 sample(s) (GRPO returns − 1·k1(old − teacher))"),
+    ("reinforce", {"policy_loss": "ppo"}, "loss.policy", "loss field mismatch: pg_loss"),
+    ("reinforce-seq-is", {"is_level": "token"}, "loss.policy", "loss field mismatch: pg_loss"),
 ]
 
 
@@ -435,20 +499,15 @@ REFUSED = [
      "calculate_kl(prev_logprobs, reference) at each token of the broadcast advantage, without a discounted sum, "
      "before whitening (advantage_estimator.py:248-265); not recomputed: a bundle would need a per-token in-reward "
      "KL mode (no returns), or the KL-shaped advantages recorded with reference_policy_kl_penalty 0"),
-    ({"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-                  "truncated_importance_sampling_ratio": 2.0}},
-     "nemo-rl config: loss_fn.truncated_importance_sampling_type='seq-mask-tis': NeMo-RL keeps each token's own "
-     "untruncated weight exp(prev − gen) and zeroes the whole sample where the geometric mean of its weights is "
-     "outside [ratio_min, ratio] (loss_functions.py:637-660); not recomputed: a bundle would need an IS mode that "
-     "masks by the geometric-level weight and multiplies by the token-level one"),
-    ({"loss_fn": {"use_on_policy_kl_approximation": True}},
-     "nemo-rl config: loss_fn.use_on_policy_kl_approximation=True: NeMo-RL multiplies each token's KL by "
-     "exp(curr − generation_logprobs) (loss_functions.py:482-491); not recomputed (kl_loss_ratio_weighted weighs "
-     "by exp(curr − prev)): a bundle would need a KL weight against rollout_log_probs"),
-    ({"grpo": {"adv_estimator": {"name": "opd"}}},
-     "nemo-rl config: grpo.adv_estimator.name='opd': NeMo-RL's on-policy distillation takes log π_teacher − "
-     "log π_student per token as the advantage (advantage_estimator.py:551-600); not recomputed: a bundle would "
-     "need the teacher log-probs per token and an OPD estimator"),
+    ({"loss_fn": {"positive_example_nll_weight": 0.1}},
+     "nemo-rl config: loss_fn.positive_example_nll_weight=0.1: NeMo-RL adds μ × the mean of −log π over the loss "
+     "tokens of the samples whose reward is > 0, each micro-batch divided by its own count of those tokens "
+     "(loss_functions.py:720-735), to loss; not recomputed: a bundle would need each sample's raw reward and "
+     "micro_batch_id with an NLL loss term, and the term recorded apart in loss.policy"),
+    ({"loss_fn": {"disable_ppo_ratio": True, "ratio_clip_c": 3.0}},
+     "nemo-rl config: loss_fn.ratio_clip_c=3.0: NeMo-RL dual-clips −A·logp under disable_ppo_ratio "
+     "(loss.py:555-563), which the GPG surrogate does not: not recomputed; a bundle would need a dual-clip parameter "
+     "on the gpg family"),
 ]
 
 
@@ -471,3 +530,38 @@ def test_sequence_ratios_with_the_token_level_loss_are_an_invalid_config():
         "(NeMo-RL asserts sequence-level ratios are exclusive with the token-level loss, "
         "loss/loss_functions.py:265-268)")
     assert err.value.exit_code == 3
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"loss_fn": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+                  "truncated_importance_sampling_ratio": 2.0}},
+     "nemo-rl config: loss_fn.truncated_importance_sampling_ratio_min=None: expected a value with seq-mask-tis "
+     "(NeMo-RL asserts it, loss/loss_functions.py:315-319)"),
+    ({"loss_fn": {"force_on_policy_ratio": True, "use_cispo": True}},
+     "nemo-rl config: loss_fn.force_on_policy_ratio=True: expected use_cispo false with it (NeMo-RL asserts use_cispo "
+     "is incompatible with force_on_policy_ratio, loss/loss_functions.py:271-279)"),
+    ({"loss_fn": {"disable_ppo_ratio": True, "use_cispo": True}},
+     "nemo-rl config: loss_fn.disable_ppo_ratio=True: expected use_cispo false with it (NeMo-RL asserts use_cispo "
+     "is incompatible with disable_ppo_ratio, loss/loss_functions.py:271-279)"),
+])
+def test_configs_nemo_rl_asserts_against_are_invalid(cfg, message):
+    """ClippedPGLossFn.__init__ asserts these (loss/loss_functions.py:271-324): invalid input, exit 3."""
+    with pytest.raises(FrameworkConfigError) as err:
+        from_nemo_rl(cfg)
+    assert (str(err.value), err.value.exit_code) == (message, 3)
+
+
+def test_the_new_mappings_set_their_knobs():
+    """What each mapped key becomes (docs/frameworks/nemo-rl.md)."""
+    tis = from_nemo_rl(_config("seq-mask-tis"))
+    assert (tis.is_level, tis.is_mode, tis.is_low, tis.is_high, tis.is_keep) == (
+        "token", "truncate", None, None, {"geometric": [0.9, 1.1]})
+    kl = from_nemo_rl(_config("kl-approx"))
+    assert (kl.kl_loss_rollout_weighted, kl.kl_loss_coef, kl.kl_loss_output_clamp) == (True, 0.05, 10.0)
+    opd = from_nemo_rl(_config("opd"))
+    assert (opd.opd_placement, opd.opd_kl_type, opd.opd_coef, opd.opd_clamp, opd.opd_base,
+            opd.masked_token_value) == ("advantage", "k1", 1.0, None, "zero", "zero")
+    assert from_nemo_rl(_config("reinforce")).policy_loss == "gpg"
+    # force_on_policy_ratio's branch comes first (loss.py:520): with both, the ratio is 1 and the surrogate PPO's
+    both = from_nemo_rl({"loss_fn": {"force_on_policy_ratio": True, "disable_ppo_ratio": True}})
+    assert (both.force_on_policy_ratio, both.policy_loss) == (True, "ppo")

@@ -179,6 +179,18 @@ COMMANDS = {
                         "--algo.advantage.is_correction_mode clip",
     "grpo-icepop": GRPO + " --algo.advantage.is_correction_level token --algo.kl.init_coef 0",
     "grpo-dual-clip-entropy": GRPO + " --actor.dual_clip 3 --actor.entropy_coef 0.01",
+    # the trust-region gates (loss.py:224-239): the sampled-token binary KL or TV between rollout and train policy,
+    # a single upper bound (a delta; cli.py:639-642 makes it [0, delta]), kept tokens keep exp(old − rollout)
+    "grpo-binary-kl": GRPO + " --algo.advantage.is_correction_level token --algo.advantage.is_correction_gating "
+                             "binary_kl --algo.advantage.is_correction_threshold 0.02 --algo.kl.init_coef 0",
+    # the sequence mask (loss.py:219-239): the sample's geometric-mean ratio gates it, kept tokens keep their weight
+    "grpo-seq-mask": GRPO + " --algo.advantage.is_correction_level seq --algo.advantage.is_correction_threshold 0.8 "
+                            "1.25 --algo.kl.init_coef 0",
+    "rloo-seq-mask-delta": BASE + " --algo.advantage.estimator rloo --rollout.n_samples_per_prompt 4 "
+                                  "--algo.advantage.is_correction_level seq --algo.advantage.is_correction_threshold 1.2",
+    "grpo-tv-kl-loss": GRPO + " --algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv "
+                              "--algo.advantage.is_correction_threshold 0.1 --algo.kl.use_loss --algo.kl.estimator k3 "
+                              "--algo.kl.init_coef 0.001",
     "dr_grpo": BASE + " --algo.advantage.estimator dr_grpo --rollout.n_samples_per_prompt 4",
     "dr_grpo-clip1": BASE + " --algo.advantage.estimator dr_grpo --rollout.n_samples_per_prompt 4 "
                             "--reward.clip_range -0.25 0.25",
@@ -317,13 +329,20 @@ def _produce(fw: OpenRLHF, args, s: dict, bug: Optional[str] = None) -> dict:
         shifted[:, 1:] = mask[:, :-1]
         adv = advantages(shifted * s["valid"], kl, raw)
 
+    gating = args.algo.advantage.is_correction_gating
+    threshold = args.algo.advantage.is_correction_threshold
+    if bug == "gate_off":  # the gate never applied: every token keeps its weight exp(old − rollout)
+        gating, threshold = "ratio", [0.0, float("inf")]
+    level = args.algo.advantage.is_correction_level
+    if bug == "seq_as_token":  # each token gated by its own ratio instead of the sample's geometric mean
+        level = "token"
     loss_fn = fw.PolicyLoss(clip_eps_low=args.actor.eps_clip_low_high[0], clip_eps_high=args.actor.eps_clip_low_high[1],
                             dual_clip=args.actor.dual_clip, token_level_loss=args.actor.loss_agg_mode == "token-mean",
                             policy_loss_type=args.actor.policy_loss_type,
-                            is_correction_level=args.algo.advantage.is_correction_level,
+                            is_correction_level=level,
                             is_correction_mode=args.algo.advantage.is_correction_mode,
-                            is_correction_gating=args.algo.advantage.is_correction_gating,
-                            is_correction_threshold=args.algo.advantage.is_correction_threshold)
+                            is_correction_gating=gating,
+                            is_correction_threshold=threshold)
     batches = [dict(ix=ix, action_mask=mask[ix]) for ix in micro]
     strategy = types.SimpleNamespace()
     totals = {k: torch.zeros(()) for k in ("pg_loss", "kl_loss", "entropy_loss")}
@@ -422,6 +441,9 @@ BUGS = [
     ("gae-default", "advantage_sign", "advantage.estimate", "advantage mismatch"),
     ("gae-gamma-lambd", "mask_shift", "advantage.estimate", "advantage mismatch"),
     ("reinforce_baseline-k2-clip", "reward_unclipped", "reward.post_process", "normalized reward mismatch"),
+    ("grpo-binary-kl", "gate_off", "loss.policy", "loss field mismatch: pg_loss"),
+    ("grpo-seq-mask", "seq_as_token", "loss.policy", "loss field mismatch: pg_loss"),
+    ("grpo-tv-kl-loss", "gate_off", "loss.policy", "loss field mismatch: pg_loss"),
 ]
 
 
@@ -553,3 +575,75 @@ def test_without_a_length_penalty_the_rewards_diverge(openrlhf, tmp_path, name, 
     wrong = replay(_write(tmp_path / "wrong", msgspec.structs.replace(cfg, **{knob: msgspec.UNSET}), s, out,
                           "float32"))
     assert (wrong.exit_code, wrong.first_divergent_stage) == (1, "reward.post_process")
+
+
+def test_divergence_gates_map_to_the_untruncated_weight_and_a_keep_gate(openrlhf, tmp_path):
+    """``is_correction_gating`` binary_kl / tv (loss.py:224-239): the token keeps exp(old − rollout) untruncated
+    where the sampled-token divergence is within [0, delta] (a single threshold is [0, delta], cli.py:639-642), else
+    0 → ``is_keep={gating: [0, delta]}`` over an untruncated token weight. Without the gate (the ratio-only
+    mapping) OpenRLHF's own loss on the same step diverges at loss.policy; a lower bound > 0 is a config OpenRLHF
+    raises for (loss.py:171-172), so it is invalid input (exit 3), not a refusal."""
+    import msgspec
+
+    from replay_lib.errors import FrameworkConfigError
+
+    args = openrlhf.parse(COMMANDS["grpo-binary-kl"])
+    cfg = from_openrlhf(args, version=VERSION)
+    assert (cfg.is_level, cfg.is_mode, cfg.is_low, cfg.is_high, cfg.is_keep) == (
+        "token", "truncate", None, None, {"binary_kl": [0.0, 0.02]})
+    s = _batch(3, "float32")
+    out = _produce(openrlhf, args, s)
+    assert replay(_write(tmp_path / "gate", cfg, s, out, "float32")).exit_code == 0
+    ungated = replay(_write(tmp_path / "ungated", msgspec.structs.replace(cfg, is_keep=None), s, out, "float32"))
+    loss = next(st for st in ungated.stages if st.stage == "loss.policy")
+    assert (ungated.exit_code, loss.status, loss.reason) == (1, "fail", "loss field mismatch: pg_loss")
+    band = GRPO + (" --algo.advantage.is_correction_level token --algo.advantage.is_correction_gating tv "
+                   "--algo.advantage.is_correction_threshold 0.5 5")
+    with pytest.raises(ValueError, match="takes an upper bound only"):
+        openrlhf.PolicyLoss(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=[0.5, 5])
+    with pytest.raises(FrameworkConfigError) as err:
+        from_openrlhf(openrlhf.parse(band), version=VERSION)
+    assert str(err.value) == (
+        "openrlhf config: algo.advantage.is_correction_threshold=[0.5, 5.0]: expected a single upper bound (a "
+        "trust-region delta) with is_correction_gating=tv (OpenRLHF raises otherwise, models/loss.py:171-172)")
+    assert err.value.exit_code == 3
+
+
+def test_a_divergence_gate_is_decided_in_the_producers_format(openrlhf, tmp_path):
+    """OpenRLHF evaluates the gate in the log-probs' dtype: in bfloat16 ``1 − 1e-6`` rounds to 1, a probability
+    clamped there makes the binary KL NaN and the token is dropped, and the statistic's rounding moves tokens across
+    the delta. The replay evaluates the gate in the declared compute format; evaluated in float64 instead, the
+    clean bfloat16 bundle diverges."""
+    import msgspec
+
+    name = "grpo-binary-kl"
+    args = openrlhf.parse(COMMANDS[name])
+    cfg = from_openrlhf(args, version=VERSION)
+    s = _batch(sorted(COMMANDS).index(name), "bfloat16")
+    out = _produce(openrlhf, args, s)
+    path = _write(tmp_path / "bf16", cfg, s, out, "bfloat16")
+    assert replay(path).exit_code == 0
+    # the same bundle declared float32: the gate in float32 keeps the tokens OpenRLHF's bfloat16 gate dropped
+    f32 = _write(tmp_path / "as-f32", cfg, s, out, "float32")
+    wrong = replay(f32)
+    loss = next(st for st in wrong.stages if st.stage == "loss.policy")
+    assert (wrong.exit_code, loss.status, loss.reason) == (1, "fail", "loss field mismatch: pg_loss")
+
+
+def test_the_sequence_mask_maps_to_the_geometric_keep_mask(openrlhf):
+    """``is_correction_level=seq`` (loss.py:219-239): the sample kept where exp(masked_mean(old − rollout)) is within
+    [low, high], its tokens keeping exp(old − rollout) → is_keep's geometric sequence mask over the untruncated
+    token weight; a single threshold is [0, delta], whose 0 is no bound."""
+    band = from_openrlhf(openrlhf.parse(COMMANDS["grpo-seq-mask"]), version=VERSION)
+    assert (band.is_level, band.is_mode, band.is_low, band.is_high, band.is_keep) == (
+        "token", "truncate", None, None, {"geometric": [0.8, 1.25]})
+    delta = from_openrlhf(openrlhf.parse(COMMANDS["rloo-seq-mask-delta"]), version=VERSION)
+    assert delta.is_keep == {"geometric": [None, 1.2]}
+    with pytest.raises(UnsupportedFrameworkConfig) as err:
+        from_openrlhf(openrlhf.parse(GRPO + " --algo.advantage.is_correction_level seq --algo.advantage."
+                                            "is_correction_gating tv --algo.advantage.is_correction_threshold 0.1"),
+                      version=VERSION)
+    assert str(err.value) == (
+        "openrlhf config: algo.advantage.is_correction_gating='tv': at is_correction_level=seq OpenRLHF gates the "
+        "sample's mean divergence (loss.py:233-234), which is not recomputed (is_keep's sequence masks read the "
+        "ratio); a bundle would need a per-sample divergence keep mask")
