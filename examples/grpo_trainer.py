@@ -431,8 +431,6 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
             rollout_log_probs = old_log_probs
         elif knobs.policy_loss == "importance_sampling":
             advantages = -advantages
-        elif knobs.policy_loss == "cross_entropy":
-            log_probs = -log_probs
     t = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(), used, seg=seg,
                            sample_terms=sample_terms, rollout_log_probs=None if rollout_log_probs is None else (
                                rollout_log_probs.float() if bug != "tis" else 2 * old_log_probs.float()
@@ -451,6 +449,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         t = dict(t, kl_loss=t["kl_loss"].detach())
     if bug == "dppo_mask":
         pg_losses, advantages = -pg_losses, -advantages
+    if bug == "family" and knobs.policy_loss == "cross_entropy":  # the term's sign flipped: +logp, nothing else
+        pg_losses = -pg_losses
     if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
         plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
                                    replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
