@@ -53,6 +53,10 @@ FLAGS = {
     "family-rollout-is": (["--loss", "rollout_is", "--family-bug"], 1),
     "family-importance-sampling": (["--loss", "importance_sampling", "--family-bug"], 1),
     "family-cross-entropy": (["--loss", "cross_entropy", "--family-bug"], 1),
+    # issue 34's masks and distillation term: slime's OPSM, TRL's entropy mask, verl's OPD loss term
+    "opsm-anchor": (["--opsm", "0.0001", "--opsm-anchor-bug"], 1),
+    "entropy-quantile": (["--top-entropy-quantile", "0.2", "--entropy-coef", "0", "--entropy-quantile-bug"], 1),
+    "opd-direction": (["--opd", "k3:0.1", "--opd-direction-bug"], 1),
 }
 
 # flag → (the first bad row's anchor, its first divergent stage, the best explanation of that stage, whether it
@@ -156,6 +160,16 @@ EXPECTED = {
     'family-cross-entropy': (
         '0:0', 'loss.policy', 'loss.cross_entropy_sign', True,
         "cross_entropy's sign flipped: pg = +logp, which lowers the likelihood of the samples it is meant to fit"),
+    'opsm-anchor': (
+        '0:0', 'loss.policy', 'loss.opsm_anchor_rollout', True,
+        "OPSM's sequence KL taken against the rollout log-probs (config: old; slime compares old vs current, TRL "
+        "sampling vs current)"),
+    'entropy-quantile': (
+        '0:0', 'loss.policy', 'loss.entropy_quantile_flipped', True,
+        "the entropy mask's threshold at the 0.2 quantile (the kept share) where TRL takes 1 − q = 0.8"),
+    'opd-direction': (
+        '0:0', 'loss.policy', 'loss.opd_direction_swapped', True,
+        "the distillation term's k3 estimate on teacher − student (the direction swapped)"),
     'value-loss': (
         '0:0', 'loss.value', 'value.no_half', True,
         "the recorded vf_loss is the value loss without its ½: (v − R)² (slime's convention) where the config"

@@ -172,6 +172,10 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         if overrides.get("rollout_log_probs") == "old" and li.rollout_log_probs is None:
             continue
         how = {"rollout": li.old_log_probs} if overrides.get("rollout_log_probs") == "old" else {}
+        if variant.opsm and variant.opsm_anchor == "rollout" and li.rollout_log_probs is None:
+            if not ctx.has("rollout_log_probs"):  # the sampler's log-probs the variant reads: not recorded
+                continue
+            how = {"rollout": ctx.payload("rollout_log_probs")}
         try:
             out.append(variant_hypothesis(ctx, li, fields, hid, detail, variant, **how))
         except (ValueError, KeyError):
