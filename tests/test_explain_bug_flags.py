@@ -140,10 +140,12 @@ EXPECTED = {
         "DPPO's trust-region test taken by the wrong sign of A (the upper bound where A ≤ 0, the lower where A > 0)"),
     'dro-beta': (
         '0:1', 'loss.policy', 'loss.dro_beta_sign', True,
-        "DRO's quadratic penalty ½·β·(log r)² added to the objective instead of subtracted"),
+        "DRO's quadratic penalty ½·β·(log r)² added to the objective instead of subtracted (it rewards moving "
+        "away from the old policy)"),
     'gpg-old-logp': (
         '0:1', 'loss.policy', 'loss.gpg_old_logp', True,
-        "GPG's −logp·A taken on the old log-probs instead of the current"),
+        "GPG's −logp·A taken on the old log-probs instead of the current (a constant: the loss gives the policy no "
+        "gradient)"),
     'family-vespo': (
         '0:1', 'loss.policy', 'loss.vespo_sign_swapped', True,
         "VESPO's (k, λ) taken by the wrong sign of the advantage ((k_neg, λ_neg) for A ≥ 0)"),

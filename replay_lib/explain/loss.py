@@ -418,7 +418,7 @@ FAMILY_BUGS = {
     "kl_cov": [("loss.kl_cov_global_topk", lambda k: "KL-Cov's top-k covariance tokens taken over the whole step "
                 "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ())))],
     "dro": [("loss.dro_beta_sign", lambda k: "DRO's quadratic penalty ½·β·(log r)² added to the objective instead "
-             "of subtracted", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
+             "of subtracted (it rewards moving away from the old policy)", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
 }
 
 
@@ -449,7 +449,8 @@ def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypo
         variants.insert(0, ("loss.gmpo_arith_mean", "GMPO's sequence ratio taken as the arithmetic mean of the "
                                                     "clipped token ratios instead of their geometric mean", knobs))
     if knobs.policy_loss == "gpg":
-        variants.insert(0, ("loss.gpg_old_logp", "GPG's −logp·A taken on the old log-probs instead of the current",
+        variants.insert(0, ("loss.gpg_old_logp", "GPG's −logp·A taken on the old log-probs instead of the current "
+                                                   "(a constant: the loss gives the policy no gradient)",
                             knobs))
     if knobs.policy_loss == "importance_sampling":
         variants.insert(0, ("loss.importance_sampling_advantages_negated", "importance_sampling's advantages "
