@@ -57,6 +57,11 @@ FLAGS = {
     "opsm-anchor": (["--opsm", "0.0001", "--opsm-anchor-bug"], 1),
     "entropy-quantile": (["--top-entropy-quantile", "0.2", "--entropy-coef", "0", "--entropy-quantile-bug"], 1),
     "opd-direction": (["--opd", "k3:0.1", "--opd-direction-bug"], 1),
+    # bf16 payloads: a hypothesis is judged with its own formula's rounding (a decision at the variant's own edge,
+    # the coarse payloads), not only the declared formula's
+    "entropy-quantile-bf16": (["--top-entropy-quantile", "0.2", "--entropy-coef", "0", "--entropy-quantile-bug",
+                               "--capture-dtype", "bfloat16"], 1),
+    "family-rollout-is-bf16": (["--loss", "rollout_is", "--family-bug", "--capture-dtype", "bfloat16"], 1),
 }
 
 # flag → (the first bad row's anchor, its first divergent stage, the best explanation of that stage, whether it
@@ -169,6 +174,12 @@ EXPECTED = {
     'entropy-quantile': (
         '0:0', 'loss.policy', 'loss.entropy_quantile_flipped', True,
         "the entropy mask's threshold at the 0.2 quantile (the kept share) where TRL takes 1 − q = 0.8"),
+    'entropy-quantile-bf16': (
+        '0:0', 'loss.policy', 'loss.entropy_quantile_flipped', True,
+        "the entropy mask's threshold at the 0.2 quantile (the kept share) where TRL takes 1 − q = 0.8"),
+    'family-rollout-is-bf16': (
+        '0:0', 'loss.policy', 'loss.rollout_is_old_anchor', True,
+        "rollout_is's ratio taken to the old log-probs where its anchor is the rollout (inference) log-probs"),
     'opd-direction': (
         '0:0', 'loss.policy', 'loss.opd_direction_swapped', True,
         "the distillation term's k3 estimate on teacher − student (the direction swapped)"),

@@ -140,7 +140,78 @@ def variant_values(ctx: StageContext, li: LossInputs, fields: list[FieldResult],
                 bounds[f.name] = (sums["clip"] - sums["clip_alt"]).abs() / 2
     if token_pg is not None:
         values["pg_losses"] = token_pg
+    own = _own_bounds(ctx, li, fields, used, logp, adv, rollout, sums)
+    for name, bound in own.items():
+        bounds[name] = bounds[name] + bound if name in bounds else bound
     return values, bounds
+
+
+# the knobs a family bug changes, by the config field that declares each (LossKnobs.of reads them by these names)
+_CONFIG_KNOBS = ("policy_loss", "policy_loss_params", "opsm_anchor", "top_entropy_quantile")
+
+
+def _own_bounds(ctx: StageContext, li: LossInputs, fields: list[FieldResult], used: LossKnobs,
+                logp: torch.Tensor, adv: torch.Tensor, rollout: Optional[torch.Tensor],
+                sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rounding bound of the buggy producer's own formula (``Hypothesis.bounds``): the stage's per-token bound
+    (``stages.loss_terms``: the formula's rounding, payloads stored coarser than the compute, a mask or clip
+    decision within rounding of the variant's own edge) evaluated on the variant's knobs and inputs, for
+    ``pg_losses`` (plus the payload's own storage rounding), its per-sample sum ``pg_sum`` (plus a sequential
+    sum's ``2·u_a·n_i·Σ|pg|``), ``clip_count`` (the tokens at an edge) and the policy term's scalars; ``{}`` when
+    the variant is no config of the stage's (KL-Cov's partition)."""
+    import msgspec
+
+    from ..judge.error_model import UNIT_ROUNDOFF, storage_unit
+    from ..kernels.loss import agg_weights
+    from ..stages.loss_terms import ACCUMULATE_SLACK, TOKEN_TERMS_PAYLOAD, _precision, _Tokens
+
+    declared = li.knobs
+    if used.micro_batch != declared.micro_batch:
+        return {}
+    changed = {k: (dict(getattr(used, k)) if k == "policy_loss_params" else getattr(used, k))
+               for k in _CONFIG_KNOBS if getattr(used, k) != getattr(declared, k)}
+    try:
+        config = msgspec.structs.replace(ctx.config, **changed) if changed else ctx.config
+    except (TypeError, ValueError, msgspec.ValidationError):
+        return {}
+    compute, accumulate = _precision(ctx)
+    names = {f.name: f for f in fields}
+    store = li.storage(compute)
+    if not store.any and not {"pg_losses", "pg_sum", "clip_count"} & set(names):
+        return {}  # the recorded scalars alone, from payloads as fine as the compute: the stage's bound is theirs
+    tokens = _Tokens(logp, li.old_log_probs, adv, li.entropy, li.mask, config, lengths=ctx.lengths,
+                     samples=ctx.samples, u_t=UNIT_ROUNDOFF[compute], store=store,
+                     advantage_bound=li.advantage_bound, rollout_log_probs=rollout, ref_log_probs=li.ref_log_probs,
+                     teacher_log_probs=li.teacher_log_probs)
+    n = ctx.n
+    pg_bound = torch.zeros(n, dtype=torch.float64)
+    pg_mag = torch.zeros(n, dtype=torch.float64)
+    near = torch.zeros(n, dtype=torch.float64)
+    token = torch.zeros(int(li.mask.numel()), dtype=torch.float64) if "pg_losses" in names else None
+    u_own = storage_unit(compute, ctx.payload(TOKEN_TERMS_PAYLOAD)) if token is not None else 0.0
+    for lo, hi, seg in ctx.token_chunks():
+        c = tokens.chunk(lo, hi)
+        m = c["mask"]
+        pg_bound.index_add_(0, seg, c["pg_bound"] * m.abs())
+        pg_mag.index_add_(0, seg, (c["pg"] * m).abs())
+        near.index_add_(0, seg, tokens.near_clip_bound(c).to(torch.float64) * (m != 0))
+        if token is not None:
+            token[lo:hi] = c["pg_bound"] + c["pg"].abs() * u_own
+    per_sample = pg_bound + pg_mag * ctx.lengths.to(torch.float64) * (ACCUMULATE_SLACK * UNIT_ROUNDOFF[accumulate])
+    out: dict[str, torch.Tensor] = {}
+    if token is not None:
+        out["pg_losses"] = token
+    if "pg_sum" in names:
+        out["pg_sum"] = per_sample
+    if "clip_count" in names:
+        out["clip_count"] = near
+    loss = names.get("loss")
+    if loss is not None and loss.per == PER_SCALAR and loss.labels:
+        weight = agg_weights(declared.loss_agg_mode, sums["mask"], declared) * abs(float(declared.loss_scale))
+        scalar = float((weight * per_sample).sum())
+        out["loss"] = torch.tensor([scalar if label.removesuffix(AGGREGATE_SUFFIX) in ("loss", "pg_loss") else 0.0
+                                    for label in loss.labels], dtype=torch.float64)
+    return out
 
 
 def _declared_rows(ctx: StageContext, li: LossInputs, rows: tuple[str, ...]) -> dict[str, torch.Tensor]:
