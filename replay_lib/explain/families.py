@@ -13,7 +13,9 @@ inputs (:func:`variant_values`), its fields judged as the stage judges them.
 Every hypothesis of a loss family (these and ``explain.loss.FAMILY_BUGS``) predicts each field the stage compares
 (:func:`variant_values`): the per-token surrogate ``pg_losses``, the per-sample terms (``pg_sum``, ``kl_sum``,
 ``clip_count``, …) and the reported scalars, from one float64 pass of the buggy producer's per-token terms over
-the stage's own inputs, aggregated as declared.
+the stage's own inputs, aggregated as declared; each element is judged within the larger of the stage's
+tolerance and the rounding of the buggy formula itself (:func:`_own_bounds`: its decisions at its own edges, the
+payloads stored coarser than the compute).
 """
 
 from __future__ import annotations
