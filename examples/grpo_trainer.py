@@ -42,6 +42,14 @@ micro-batch's log-probs (and values) records the gradient backward gives them; `
 ``--value-loss-bug``). ``--loss FAMILY`` (``--loss-param NAME=VALUE``) trains with a policy-loss family (cispo,
 sapo, geo_mean, dppo_tv, dppo_kl, dro, gpg; ppo by default), each with its bug flag (``--cispo-cap-bug``,
 ``--sapo-tau-bug``, ``--geo-mean-bug``, ``--dppo-mask-bug``, ``--dro-beta-bug``, ``--gpg-old-logp-bug``).
+Issue 34's masks and distillation term: ``--opsm DELTA`` (slime's off-policy sequence masking, anchored on the
+old log-probs: ``opsm_delta``, ``opsm_anchor="old"``), ``--top-entropy-quantile Q`` (TRL's entropy mask, the
+quantile taken over each micro-batch's loss tokens; with ``--entropy-coef 0``) and ``--opd TYPE:COEF`` (on-policy
+distillation from a frozen teacher TinyLM of another initialization, its log-probs of the sampled tokens recorded
+as ``teacher_log_probs``; placed as verl places it, a supervised loss term ``COEF·opd_loss`` on the current
+log-probs, ``opd_placement="loss"``; slime's advantage placement is not used), each with its bug flag
+(``--opsm-anchor-bug``: the sampler's log-probs as the anchor; ``--entropy-quantile-bug``: the threshold at ``Q``
+instead of ``1 − Q``; ``--opd-direction-bug``: the estimate on teacher − student).
 
 Every bundle records the sampler's own log-probs of the sampled tokens (``rollout_log_probs``: its tempered
 top-k distribution, computed apart from the trainer's full-vocabulary forward; an appended <eos> without support
@@ -94,7 +102,7 @@ from replay_lib.kernels import (
     segment_ids,
 )
 from replay_lib.kernels.families import FAMILIES
-from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, has_clip_lower,
+from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, has_clip_lower, opd_estimate,
                                      policy_fields_for, policy_fields_from_sums, policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.bundle.schema import RecomputeConfig
 
@@ -351,7 +359,8 @@ def drop_last_loss_token(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 # The loss-side bugs (one per knob family, SPEC §4.2): what the buggy code does instead.
 LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "value_loss", "cispo_cap", "sapo_tau",
-             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp", "family")
+             "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp", "family", "opsm_anchor", "entropy_quantile",
+             "opd_direction")
 # --loss FAMILY (RecomputeConfig.policy_loss): the policy-loss families, and each one's bug flag
 LOSS_FAMILIES = ("ppo", *sorted(FAMILIES))
 FAMILY_OF_BUG = {"cispo_cap": ("cispo",), "sapo_tau": ("sapo",), "geo_mean": ("geo_mean",),
@@ -369,6 +378,10 @@ def family_bug_knobs(knobs: LossKnobs, bug: Optional[str]) -> LossKnobs:
         params["beta"] = -float(knobs.param("beta"))
     elif bug == "geo_mean":  # the loss mode lost on the way: PPO's clipped surrogate runs instead
         return replace(knobs, policy_loss="ppo", policy_loss_params=())
+    elif bug == "opsm_anchor":  # OPSM's sequence KL against the other anchor (TRL's sampling log-probs for slime's old)
+        return replace(knobs, opsm_anchor="rollout" if knobs.opsm_anchor == "old" else "old")
+    elif bug == "entropy_quantile":  # the entropy mask's threshold at the q quantile where TRL takes 1 − q
+        return replace(knobs, top_entropy_quantile=1.0 - knobs.top_entropy_quantile)
     else:
         return knobs
     return replace(knobs, policy_loss_params=tuple(sorted(params.items())))
@@ -391,7 +404,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 knobs: Optional[LossKnobs] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                 ref_log_probs: Optional[torch.Tensor] = None, bug: Optional[str] = None,
                 value: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                grad_bug: Optional[str] = None) -> MicroBatchLoss:
+                grad_bug: Optional[str] = None, teacher_log_probs: Optional[torch.Tensor] = None) -> MicroBatchLoss:
     """One micro-batch's loss: the per-token terms in float32 (``policy_token_terms``, the replay's kernel, with
     the SPEC §4.2 knobs: dual-clip, GSPO's sequence ratio, the importance weight, the KL term), then every
     per-sample sum ``Σ_t x·mask`` in float64 and the fields aggregated from them in float64 (``aggregate``: the
@@ -399,7 +412,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     the step's) — float32 sums of long responses carry rounding (at ~u·n relative) that would blur a one-token
     difference. ``mask_bug``: the sums leave out each sample's last loss token (while the recorded mask keeps
     it); ``bug``: one of :data:`LOSS_BUGS`; ``value``: ``(values, old_values, returns)`` under ``--ppo``;
-    ``grad_bug``: one of :data:`GRAD_BUGS` (the loss value unchanged, its gradient not)."""
+    ``grad_bug``: one of :data:`GRAD_BUGS` (the loss value unchanged, its gradient not); ``teacher_log_probs``:
+    the frozen teacher's, for on-policy distillation's loss term (``--opd``). One call is one micro-batch: the
+    entropy mask's threshold (``--top-entropy-quantile``) is the quantile of its loss tokens' entropies."""
     knobs = knobs or LossKnobs(eps_clip=eps_clip, eps_clip_high=eps_clip_high, entropy_coef=entropy_coef)
     seg = segment_ids(lengths)
     m32 = mask.float()
@@ -417,7 +432,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         # bit, and the gradient of logp (verl#4105's class, on-policy)
         rollout_log_probs = rollout_log_probs.float() - (log_probs.float() - log_probs.float().detach())
     sample_terms = sample_log_terms(log_probs.float(), old_log_probs.float(), rollout_log_probs, m32, lengths, used,
-                                    advantages=advantages.float())
+                                    advantages=advantages.float(),
+                                    entropy=entropy.float().detach() if used.entropy_mask else None)
     if bug == "gspo":
         lr = torch.zeros(lengths.numel()).index_add(0, seg, (log_probs.float() - old_log_probs.float()) * m32)
         sample_terms = dict(sample_terms, seq_log_ratio=lr)
@@ -431,15 +447,17 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
             rollout_log_probs = old_log_probs
         elif knobs.policy_loss == "importance_sampling":
             advantages = -advantages
-        elif knobs.policy_loss == "cross_entropy":
-            log_probs = -log_probs
     t = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(), used, seg=seg,
                            sample_terms=sample_terms, rollout_log_probs=None if rollout_log_probs is None else (
                                rollout_log_probs.float() if bug != "tis" else 2 * old_log_probs.float()
                                - rollout_log_probs.float()),
                            ref_log_probs=None if ref_log_probs is None else (
                                ref_log_probs.float() if bug != "kl_loss" else 2 * log_probs.float()
-                               - ref_log_probs.float()))
+                               - ref_log_probs.float()),
+                           entropy=entropy.float().detach() if used.entropy_mask else None,
+                           teacher_log_probs=teacher_log_probs.float() if used.opd_loss else None)
+    if bug == "opd_direction":  # the distillation estimate on teacher − student: the forward direction
+        t = dict(t, opd_loss=opd_estimate(teacher_log_probs.float(), log_probs.float(), used))
     pg_losses = t["pg"]
     if grad_bug == "ratio_detached":  # the policy term of detached log-probs: the same value, no gradient
         pg_losses = policy_token_terms(log_probs.float().detach(), old_log_probs.float(), advantages.float(), used,
@@ -451,6 +469,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         t = dict(t, kl_loss=t["kl_loss"].detach())
     if bug == "dppo_mask":
         pg_losses, advantages = -pg_losses, -advantages
+    if bug == "family" and knobs.policy_loss == "cross_entropy":  # the term's sign flipped: +logp, nothing else
+        pg_losses = -pg_losses
     if bug == "dual_clip":  # the dual-clip bound applied to every advantage, not only negative ones
         plain = policy_token_terms(log_probs.float(), old_log_probs.float(), advantages.float(),
                                    replace(used, eps_clip_c=None, is_level=None, kl_loss_coef=0.0), seg=seg,
@@ -471,6 +491,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         sums["clip_lower"] = per_sample(t["clip_lower"]) if "clip_lower" in t else per_sample(t["clip"] * 0)
     if knobs.kl_loss:
         sums["kl_loss"] = terms["kl_loss_sum"] = per_sample(t["kl_loss"])
+    if knobs.opd_loss:  # the distillation term: a loss field of its own, not a per-sample term
+        sums["opd_loss"] = per_sample(t["opd_loss"])
     agg = knobs
     if bug == "token_mean_denominator":  # verl#7321's class: the micro-batch's own token count as T
         agg = replace(knobs, loss_token_count=int(m.sum()))
@@ -698,6 +720,13 @@ def loss_knobs(args) -> dict:
         out.update(use_kl_loss=True, kl_loss_coef=0.0)
     if args.loss != "ppo":
         out.update(policy_loss=args.loss, policy_loss_params=dict(args.loss_param))
+    if args.opsm is not None:  # slime's OPSM: the sequence KL of the old log-probs against the current
+        out.update(opsm_delta=args.opsm, opsm_anchor="old")
+    if args.top_entropy_quantile is not None:
+        out["top_entropy_quantile"] = args.top_entropy_quantile
+    if args.opd is not None:  # verl's placement: a supervised loss term on the student's current log-probs
+        kind, coef = args.opd
+        out.update(opd_placement="loss", opd_kl_type=kind, opd_coef=coef)
     return out
 
 
@@ -777,6 +806,12 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
     reference = TinyLM(args.hidden, args.embed, value_head=args.ppo)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
+    teacher = None
+    if args.opd is not None:  # on-policy distillation's frozen teacher: another initialization, the RNG untouched
+        with torch.random.fork_rng():
+            torch.manual_seed(args.seed + 1)
+            teacher = TinyLM(args.hidden, args.embed)
+        teacher.requires_grad_(False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     cfg = recompute_config(args)
     per_rollout = args.prompts_per_rollout * args.n_samples
@@ -911,6 +946,11 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         log_probs, entropy = support.log_probs, support.entropy
                     else:
                         log_probs, entropy = score(model, mb_samples)
+                    teacher_lp = None
+                    if teacher is not None:
+                        with torch.no_grad():
+                            teacher_lp = score_support(teacher, mb_samples).log_probs if args.sample_support \
+                                else score(teacher, mb_samples)[0]
                     value = None
                     if vf_returns is not None:
                         value = (score_values(model, mb_samples), old_values[tok], vf_returns[tok])
@@ -922,10 +962,10 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
                         rollout_log_probs=rollout_lp[tok] if args.tis is not None or args.loss in ROLLOUT_FAMILIES
-                        else None,
+                        or args.opsm is not None else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
-                        grad_bug=args.grad_bug,
+                        grad_bug=args.grad_bug, teacher_log_probs=teacher_lp,
                     )
                     objective = mb_loss.fields["loss"]
                     if value is not None:
@@ -954,6 +994,7 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                             knobs, tok, ref_log_probs, rollout_lp, value).items()},
                         grad_log_probs=tap.gradient() if tap is not None else None,
                         grad_values=value_tap.gradient() if value_tap is not None else None,
+                        teacher_log_probs=stored(args, teacher_lp),
                     )
                 if world > 1:
                     for p in model.parameters():
@@ -1085,6 +1126,16 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--loss-param", type=_loss_param, action="append", default=[], metavar="NAME=VALUE",
                       help="a parameter of --loss (sapo tau_pos/tau_neg, dppo_* trunc, dro beta (0.1 by default), "
                            "cispo cap=relative|absolute)")
+    loss.add_argument("--opsm", type=float, default=None, metavar="DELTA",
+                      help="slime's off-policy sequence masking: a token with A < 0 leaves the policy term when its "
+                           "sample's mean old − current log-prob exceeds DELTA")
+    loss.add_argument("--top-entropy-quantile", type=float, default=None, metavar="Q",
+                      help="TRL's entropy mask: the policy term kept on the tokens whose entropy is at least the "
+                           "1 − Q quantile of the micro-batch's loss tokens (0 < Q < 1; needs --entropy-coef 0)")
+    loss.add_argument("--opd", type=_kl_loss, default=None, metavar="TYPE:COEF",
+                      help="on-policy distillation from a frozen teacher TinyLM (another initialization; its log-probs "
+                           "recorded as teacher_log_probs) as verl places it: COEF × the TYPE estimate of student − "
+                           "teacher, a loss term (opd_loss), e.g. k3:0.1")
     loss.add_argument("--ppo", action="store_true",
                       help="PPO: a value head with the clipped value loss (returns = advantages + values)")
     loss.add_argument("--value-clip", type=float, default=0.2, help="with --ppo: the value clip range")
@@ -1130,6 +1181,11 @@ LOSS_BUG_FLAGS = (
     ("dppo_mask", "--loss dppo_tv or dppo_kl", "DPPO's trust-region test by the wrong sign of A"),
     ("dro_beta", "--loss dro", "DRO's quadratic penalty added instead of subtracted"),
     ("gpg_old_logp", "--loss gpg", "GPG's −logp·A on the old log-probs"),
+    ("opsm_anchor", "--opsm", "OPSM's sequence KL taken against the sampler's (rollout) log-probs instead of the old "
+                              "ones (TRL's anchor under slime's config)"),
+    ("entropy_quantile", "--top-entropy-quantile", "the entropy mask's threshold at the Q quantile instead of 1 − Q "
+                                                   "(keeps the low-entropy tokens' share)"),
+    ("opd_direction", "--opd", "the distillation estimate taken on teacher − student (the direction swapped)"),
     ("family", "--loss vespo, ipo, rollout_is, importance_sampling or cross_entropy",
      "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and rollout_is's ratio to the old "
      "log-probs instead of the rollout ones, importance_sampling's advantages negated, cross_entropy's sign flipped"),
@@ -1190,7 +1246,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     needs = {"token_mean_denominator": args.loss_agg == "token_mean", "dual_clip": args.dual_clip is not None,
              "kl_loss": args.kl_loss is not None, "tis": args.tis is not None, "gspo": args.gspo,
              "value_loss": args.ppo, **{bug: args.loss in fams for bug, fams in FAMILY_OF_BUG.items()},
-             "family": args.loss in FAMILY_LOSSES}
+             "family": args.loss in FAMILY_LOSSES, "opsm_anchor": args.opsm is not None,
+             "entropy_quantile": args.top_entropy_quantile is not None, "opd_direction": args.opd is not None}
     if args.loss_bug and not needs[args.loss_bug]:
         p.error(f"--{args.loss_bug.replace('_', '-')}-bug needs "
                 f"{next(n for b, n, _ in LOSS_BUG_FLAGS if b == args.loss_bug)}")
@@ -1207,6 +1264,14 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--dual-clip C needs C > 1")
     if args.icepop is not None and args.tis is None:
         p.error("--icepop needs --tis LEVEL:HIGH")
+    if args.top_entropy_quantile is not None:
+        if not 0.0 < args.top_entropy_quantile < 1.0:
+            p.error("--top-entropy-quantile Q needs 0 < Q < 1")
+        if args.entropy_coef != 0:
+            p.error("--top-entropy-quantile needs --entropy-coef 0 (TRL's entropy bonus then averages over the "
+                    "masked tokens only, which the replay refuses)")
+        if args.entropy_quantile_bug and args.top_entropy_quantile == 0.5:
+            p.error("--entropy-quantile-bug needs --top-entropy-quantile other than 0.5 (1 − 0.5 is 0.5)")
     try:
         args.prompt_template.format(digits="0")
     except (KeyError, IndexError, ValueError) as exc:

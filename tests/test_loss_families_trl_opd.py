@@ -645,3 +645,115 @@ def test_recorded_per_token_and_per_sample_terms_replay_clean(tmp_path, cli, cas
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert (code, err, loss["status"]) == (0, "", "pass"), loss
     assert "loss term" in loss["reason"] or "term" in loss["reason"], loss["reason"]
+
+
+# ------------------------------------------------------------------ the example trainer's OPSM, entropy mask, OPD
+
+TRAINER_KNOBS = {
+    "opsm": (["--opsm", "0.0001"], {"opsm_delta": 0.0001, "opsm_anchor": "old"}),
+    "entropy-mask": (["--top-entropy-quantile", "0.2", "--entropy-coef", "0"], {"top_entropy_quantile": 0.2}),
+    "opd": (["--opd", "k3:0.1"], {"opd_placement": "loss", "opd_kl_type": "k3", "opd_coef": 0.1}),
+    # bf16 copies of the log-probs and the teacher's: opd_loss admits their rounding (error_model.StorageUnits.teacher)
+    "opd-bf16": (["--opd", "k3:0.1", "--capture-dtype", "bfloat16"],
+                 {"opd_placement": "loss", "opd_kl_type": "k3", "opd_coef": 0.1}),
+}
+
+
+def test_the_example_trainers_opsm_entropy_mask_and_opd_replay_clean(tmp_path):
+    """``--opsm`` (slime's anchor), ``--top-entropy-quantile`` (TRL's mask) and ``--opd`` (verl's loss term, a
+    frozen teacher's log-probs recorded): each run's config carries the keys the replay reads, and every bundle of
+    two rollouts (an on-policy first step, then drifted ones) replays clean, per-token terms included."""
+    from pathlib import Path
+
+    from replay_lib.bundle import open_bundle
+    from replay_lib.run.scan import ScanOptions, check_target, discover, link_partners
+
+    trainer = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(trainer))
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(str(trainer))
+    small = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
+             "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet", "--rollouts", "2"]
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for name, (flags, keys) in TRAINER_KNOBS.items():
+            directory = tmp_path / name
+            env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(directory),
+                   "RELAX_REPLAY_CAPTURE_TOKEN_TERMS": "1"}
+            result = grpo_trainer.run([*small, *flags], env=env)
+            assert result.capture_stats.errors == 0 and result.capture_flushed, name
+            step = open_bundle(directory / "step-1-1").shards[0]
+            cfg = step.index.config
+            targets = discover(directory)
+            partners = link_partners(targets)
+            rows = [check_target(t, ScanOptions(), partners.get(t.path)) for t in targets]
+            got[name] = ({k: getattr(cfg, k) for k in keys}, step.has_payload("teacher_log_probs"),
+                         [(r.target.anchor, r.status) for r in rows if r.status != "pass"], len(rows))
+    finally:
+        torch.set_num_threads(threads)
+    assert got == {name: (keys, name.startswith("opd"), [], 6) for name, (_, keys) in TRAINER_KNOBS.items()}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-entropy-quantile", "0.2"], "--top-entropy-quantile needs --entropy-coef 0"),
+    (["--top-entropy-quantile", "1", "--entropy-coef", "0"], "--top-entropy-quantile Q needs 0 < Q < 1"),
+    (["--top-entropy-quantile", "0.5", "--entropy-coef", "0", "--entropy-quantile-bug"],
+     "--entropy-quantile-bug needs --top-entropy-quantile other than 0.5"),
+    (["--opsm-anchor-bug"], "--opsm-anchor-bug needs --opsm"),
+    (["--opd-direction-bug"], "--opd-direction-bug needs --opd"),
+    (["--opd", "k9:0.1"], "expected TYPE:COEF with TYPE one of k1, k2, k3, low_var_kl"),
+])
+def test_the_example_trainers_mask_and_distillation_flags_refuse_a_bad_combination_in_one_line(flags, message,
+                                                                                                capsys):
+    from pathlib import Path
+
+    trainer = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(trainer))
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(str(trainer))
+    parser = grpo_trainer.build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        grpo_trainer.check_args(parser, parser.parse_args(flags))
+    err = capsys.readouterr().err
+    assert (exit_.value.code, message in err, err.count("\n")) == (2, True, 1), err
+
+
+def test_loss_grad_refuses_the_masks_and_the_distillation_term_by_name(tmp_path, cli):
+    """A bundle that declares loss.grad under OPSM, the entropy mask or the distillation loss term: the analytic
+    gradient has neither the keep masks nor the term, so loss.grad is refused naming the knob (exit 4, one line)
+    rather than diverging on a correct gradient; ``--stage loss.policy`` replays the loss clean."""
+    from pathlib import Path
+
+    trainer = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(trainer))
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(str(trainer))
+    small = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
+             "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet", "--rollouts", "1"]
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for name in ("opsm", "entropy-mask", "opd"):
+            flags = TRAINER_KNOBS[name][0]
+            directory = tmp_path / name
+            grpo_trainer.run([*small, *flags], env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_GRAD": "1",
+                                                    "RELAX_REPLAY_CAPTURE_DIR": str(directory)})
+            step = directory / "step-0-1"
+            code, out, err = cli("replay", step)
+            got[name] = (code, err.removeprefix(f"trajectory-replay: error: {step / 'index.json'}: "),
+                         cli("replay", step, "--stage", "loss.policy")[0])
+    finally:
+        torch.set_num_threads(threads)
+    tail = "loss.grad's analytic gradient (replay the loss without it: --stage loss.policy) (stage loss.grad)\n"
+    assert got == {
+        "opsm": (4, "$.config.opsm_delta=0.0001: OPSM's keep mask is not in " + tail, 0),
+        "entropy-mask": (4, "$.config.top_entropy_quantile=0.2: the entropy mask is not in " + tail, 0),
+        "opd": (4, "$.config.opd_placement='loss': the distillation loss term is not in " + tail, 0),
+    }

@@ -418,33 +418,30 @@ FAMILY_BUGS = {
     "kl_cov": [("loss.kl_cov_global_topk", lambda k: "KL-Cov's top-k covariance tokens taken over the whole step "
                 "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ())))],
     "dro": [("loss.dro_beta_sign", lambda k: "DRO's quadratic penalty ½·β·(log r)² added to the objective instead "
-             "of subtracted", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
+             "of subtracted (it rewards moving away from the old policy)", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
 }
 
 
 def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
-    """A policy-loss family's typical bugs (:data:`FAMILY_BUGS`) and, for every family, PPO's clipped surrogate
-    run in its place (a mapping that lost ``policy_loss``): each recomputed in float64 with the buggy producer's
-    knobs, judged on the recorded scalars."""
-    from ..kernels.loss import policy_loss_fields
+    """A policy-loss family's typical bugs (:data:`FAMILY_BUGS`, and those of its inputs below) and, for every
+    family, PPO's clipped surrogate run in its place (a mapping that lost ``policy_loss``): each the buggy
+    producer's per-token terms recomputed in float64 (``explain.families.variant_values``), predicting every
+    field the stage compares — ``pg_losses``, the per-sample terms and the scalars."""
+    from .families import variant_hypothesis
 
     knobs = LossKnobs.of(ctx.config, ctx.samples)
     try:
         li = loss_inputs(ctx)
     except StageInputError:
         return []
-    scalars = [f for f in fields if f.per == PER_SCALAR and f.name == "loss" and f.labels]
-    if not scalars:
-        return []
     variants = [(id_, detail(knobs), make(knobs)) for id_, detail, make in FAMILY_BUGS.get(knobs.policy_loss, ())]
     variants.append(("loss.family_ignored", f"PPO's clipped surrogate where policy_loss {knobs.policy_loss!r} is "
                                             "declared (a mapping or trainer that ignored the loss mode)",
                      replace(knobs, policy_loss="ppo", policy_loss_params=())))
-    out = []
     from ..kernels import GrpoReturns
 
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
-    # bugs of a family's inputs rather than its knobs: (id, detail, log-probs, advantage sign)
+    # bugs of a family's inputs rather than its knobs: (id, detail, knobs) with the inputs changed below
     if knobs.policy_loss in ("dppo_tv", "dppo_kl"):  # the test of the other sign: −pg(−A), its mask and metrics
         variants.insert(0, ("loss.dppo_mask_sign", "DPPO's trust-region test taken by the wrong sign of A (the "
                                                    "upper bound where A ≤ 0, the lower where A > 0)", knobs))
@@ -452,49 +449,59 @@ def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypo
         variants.insert(0, ("loss.gmpo_arith_mean", "GMPO's sequence ratio taken as the arithmetic mean of the "
                                                     "clipped token ratios instead of their geometric mean", knobs))
     if knobs.policy_loss == "gpg":
-        variants.insert(0, ("loss.gpg_old_logp", "GPG's −logp·A taken on the old log-probs instead of the current",
+        variants.insert(0, ("loss.gpg_old_logp", "GPG's −logp·A taken on the old log-probs instead of the current "
+                                                   "(a constant: the loss gives the policy no gradient)",
                             knobs))
+    if knobs.policy_loss == "importance_sampling":
+        variants.insert(0, ("loss.importance_sampling_advantages_negated", "importance_sampling's advantages "
+                            "negated: pg = +exp(logp − old)·A, which lowers the likelihood of the better samples",
+                            knobs))
+    if knobs.policy_loss == "cross_entropy":
+        variants.insert(0, ("loss.cross_entropy_sign", "cross_entropy's sign flipped: pg = +logp, which lowers the "
+                            "likelihood of the samples it is meant to fit", knobs))
 
-    def fields_of(k: LossKnobs, logp: torch.Tensor, a: torch.Tensor) -> dict:
-        return policy_loss_fields(logp, li.old_log_probs, a, li.entropy, li.mask, ctx.lengths, eps_clip=k.eps_clip,
-                                  eps_clip_high=k.eps_clip_high, entropy_coef=k.entropy_coef, dtype=torch.float64,
-                                  knobs=k, rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
-
+    out = []
     for id_, detail, k in variants:
+        how: dict = {}
+        if id_ in ("loss.dppo_mask_sign", "loss.importance_sampling_advantages_negated"):
+            how = {"advantages": -adv, "pg_sign": -1.0 if id_ == "loss.dppo_mask_sign" else 1.0}
+        elif id_ == "loss.cross_entropy_sign":
+            how = {"pg_sign": -1.0}
+        elif id_ == "loss.gmpo_arith_mean":
+            how = {"pg_of": _gmpo_arith_token_pg(ctx, li, k, adv)}
+        elif id_ == "loss.gpg_old_logp":
+            how = {"log_probs": li.old_log_probs}
+        elif id_ == "loss.kl_cov_global_topk":  # the selection only: the metrics keep the recorded partition
+            how = {"keep_rows": ("clip", "kl", "clip_lower")}
+        elif id_ == "loss.cispo_cap_swapped":
+            how = {"clip_alternative": _cispo_clip_reading(knobs, adv)}
         try:
-            if id_ == "loss.dppo_mask_sign":
-                base, flipped = fields_of(k, li.log_probs, adv), fields_of(k, li.log_probs, -adv)
-                got = {**flipped, "pg_loss": -flipped["pg_loss"], "ppo_kl": base["ppo_kl"],
-                       "loss": base["loss"] - base["pg_loss"] - flipped["pg_loss"]}
-            elif id_ == "loss.gmpo_arith_mean":
-                base = fields_of(k, li.log_probs, adv)
-                pg = _gmpo_arith_pg_loss(ctx, li, k, adv)
-                got = {**base, "pg_loss": pg, "loss": base["loss"] - base["pg_loss"] + pg}
-            elif id_ == "loss.gpg_old_logp":
-                got = fields_of(k, li.old_log_probs, adv)
-            else:
-                got = fields_of(k, li.log_probs, adv)
+            out.append(variant_hypothesis(ctx, li, fields, id_, detail, k, **how))
         except (KeyError, ValueError):
             continue
-        if id_ == "loss.kl_cov_global_topk":  # the selection only: the metrics keep the recorded partition
-            got = {key: v for key, v in got.items() if key in ("loss", "pg_loss", "kl_loss", "entropy_loss")}
-        if id_ == "loss.cispo_cap_swapped":
-            got = dict(got)
-            if knobs.param("cap") == "relative":  # verl's metric 1[r ≠ clip(r)] of the absolute cap: 1[r > ε_high]
-                got["pg_clipfrac"] = _fraction_above(ctx, li, k, k.eps_clip_high)
-            else:  # TRL's metric 1[r > ε_high ∧ A > 0] does not read the cap the loss took
-                got.pop("pg_clipfrac", None)
-        values = {f.name: torch.tensor([float(got[label]) if label in got else float(f.actual[i])
-                                        for i, label in enumerate(f.labels)], dtype=torch.float64) for f in scalars}
-        out.append(Hypothesis(stage=STAGE, id=id_, detail=detail, values=values))
     return out
 
 
-def _gmpo_arith_pg_loss(ctx: StageContext, li: LossInputs, knobs: LossKnobs, adv: torch.Tensor) -> float:
-    """GMPO's pg_loss with each sample's ratio the arithmetic mean ``Σ exp(Δ')·m / (n + 1e-8)`` of its sign-clipped
-    token ratios (``kernels.families.geo_mean``), aggregated as declared."""
+def _cispo_clip_reading(declared: LossKnobs, adv: torch.Tensor):
+    """The clip indicator of a CISPO whose cap was swapped, as the declared framework's metric reads it: verl's
+    ``1[r ≠ clip(r)]`` of the absolute cap is ``1[r > ε_high]``; TRL's ``1[r > ε_high ∧ A > 0]`` does not read
+    the cap the loss took (the variant's own kernel gives the other framework's reading)."""
+    high = declared.eps_clip_high
+
+    def reading(t: dict, lo: int, hi: int, seg: torch.Tensor) -> torch.Tensor:
+        above = t["ratio"].to(torch.float64) > high
+        if declared.param("cap") == "absolute":
+            above &= adv[lo:hi] > 0
+        return above.to(torch.float64)
+
+    return reading
+
+
+def _gmpo_arith_token_pg(ctx: StageContext, li: LossInputs, knobs: LossKnobs, adv: torch.Tensor):
+    """GMPO's per-token surrogate with each sample's ratio the arithmetic mean of its sign-clipped token ratios:
+    each loss token carries ``−Ā·R/n`` (``kernels.families.geo_mean``'s convention), so its sample sums to
+    ``−Ā·R``."""
     from ..kernels.families.geo_mean import _clipped
-    from ..kernels.loss import aggregate
     from ..kernels.segments import masked_sample_sums
 
     mask = li.mask.to(torch.float64)
@@ -508,26 +515,12 @@ def _gmpo_arith_pg_loss(ctx: StageContext, li: LossInputs, knobs: LossKnobs, adv
 
     sums = masked_sample_sums(ctx.lengths, li.mask, columns, dict.fromkeys(("r", "a", "mask"), torch.float64))
     denom = sums["mask"] + 1e-8
-    per_sample = -(sums["a"] / denom) * (sums["r"] / denom)
-    return float(aggregate(per_sample, sums["mask"], knobs.loss_agg_mode, knobs, knobs.loss_scale))
+    per_token = -(sums["a"] / denom) * (sums["r"] / denom) / sums["mask"].clamp(min=1.0)
 
+    def pg_of(t: dict, lo: int, hi: int, seg: torch.Tensor) -> torch.Tensor:
+        return per_token[seg]
 
-def _fraction_above(ctx: StageContext, li: LossInputs, knobs: LossKnobs, cap: float) -> float:
-    """The metric-aggregated fraction of loss tokens whose ratio ``exp(clamp(logp − old))`` exceeds ``cap``."""
-    from ..kernels.loss import aggregate
-    from ..kernels.segments import masked_sample_sums
-
-    mask = li.mask.to(torch.float64)
-
-    def columns(lo: int, hi: int, seg: torch.Tensor) -> dict[str, torch.Tensor]:
-        lr = li.log_probs[lo:hi].to(torch.float64) - li.old_log_probs[lo:hi].to(torch.float64)
-        if knobs.log_ratio_clamp is not None:
-            lr = lr.clamp(-knobs.log_ratio_clamp, knobs.log_ratio_clamp)
-        m = mask[lo:hi]
-        return {"above": (lr.exp() > cap).to(torch.float64) * m, "mask": m}
-
-    sums = masked_sample_sums(ctx.lengths, li.mask, columns, {"above": torch.float64, "mask": torch.float64})
-    return float(aggregate(sums["above"], sums["mask"], knobs.metric_agg_mode, knobs))
+    return pg_of
 
 
 def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:
@@ -535,8 +528,14 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
 
     if getattr(ctx.config, "policy_loss", "ppo") != "ppo":
         # a family's own bugs (FAMILY_BUGS), and those of explain.families; PPO's knob bugs do not apply
-        return family_hypotheses(ctx, fields) + mask_hypotheses(ctx, fields) + aggregation_hypotheses(ctx, fields) \
-            + micro_batch_hypotheses(ctx, fields)
+        # the family's own bugs before PPO run in its place, which is named only where it explains more than the
+        # first of them: on an on-policy step (ratio ≡ 1) PPO's surrogate and a bug of a family's ratio coincide
+        own = family_hypotheses(ctx, fields)
+        ignored = [h for h in own if h.id == "loss.family_ignored"]
+        specific = [h for h in own if h.id != "loss.family_ignored"] + mask_hypotheses(ctx, fields)
+        for h in ignored:
+            h.extends = specific[0].id if specific else None
+        return specific + ignored + aggregation_hypotheses(ctx, fields) + micro_batch_hypotheses(ctx, fields)
     from . import loss_knobs  # the knobs' bugs, under every configuration (first: the more specific wording)
 
     kn = LossKnobs.of(ctx.config, ctx.samples)

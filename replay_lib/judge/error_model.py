@@ -635,18 +635,21 @@ class StorageUnits:
     kl: float = 0.0
     entropy: float = 0.0
     advantage: float = 0.0
+    teacher: float = 0.0  # on-policy distillation's loss term: (log-probs, teacher)
 
     @classmethod
     def of(cls, compute: str, *, log_probs, old_log_probs, rollout_log_probs=None, ref_log_probs=None, entropy=None,
-           advantages=None) -> "StorageUnits":
+           advantages=None, teacher_log_probs=None) -> "StorageUnits":
         return cls(ratio=storage_unit(compute, log_probs, old_log_probs),
                    weight=storage_unit(compute, old_log_probs, rollout_log_probs),
                    kl=storage_unit(compute, log_probs, ref_log_probs),
-                   entropy=storage_unit(compute, entropy), advantage=storage_unit(compute, advantages))
+                   entropy=storage_unit(compute, entropy), advantage=storage_unit(compute, advantages),
+                   teacher=storage_unit(compute, log_probs, teacher_log_probs) if teacher_log_probs is not None
+                   else 0.0)
 
     @property
     def any(self) -> bool:
-        return any((self.ratio, self.weight, self.kl, self.entropy, self.advantage))
+        return any((self.ratio, self.weight, self.kl, self.entropy, self.advantage, self.teacher))
 
     def sample_errors(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                       rollout_log_probs: Optional[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
@@ -673,7 +676,7 @@ class StorageUnits:
         return ratio, weight
 
     def token_errors(self, knobs, seg: torch.Tensor, sample: tuple[torch.Tensor, torch.Tensor], log_probs, old_log_probs,
-                     rollout_log_probs=None, ref_log_probs=None) -> dict[str, torch.Tensor]:
+                     rollout_log_probs=None, ref_log_probs=None, teacher_log_probs=None) -> dict[str, torch.Tensor]:
         """float64 per token of one run of tokens (``seg``: their samples; ``sample``: :meth:`sample_errors`):
         ``log_ratio`` (of ``old − logp``, ppo_kl's), ``ratio`` (of the exponent the ratio takes: the token's, or
         GSPO's sample one), ``weight`` (of the importance weight's log), and ``kl`` (of the KL term's
@@ -688,6 +691,9 @@ class StorageUnits:
         if getattr(knobs, "kl_loss_rollout_weighted", False) and rollout_log_probs is not None:
             # the KL weight's exponent logp − rollout (kl_loss_rollout_weighted): the coarser of its two units
             out["kl_weight"] = storage_error(max(self.ratio, self.weight), log_probs, rollout_log_probs)
+
+        if teacher_log_probs is not None:  # the distillation term's ``logp − teacher``
+            out["opd"] = storage_error(self.teacher, log_probs, teacher_log_probs)
         return out
 
 
@@ -710,6 +716,9 @@ def loss_storage_bounds(sums: Mapping[str, torch.Tensor], names, *, entropy_coef
     if "store_kl_loss" in sums:
         out["kl_loss"] = weighted("store_kl_loss", "kl_loss")
         out["loss"] += abs(float(knobs.kl_loss_coef)) * out["kl_loss"]
+    if "store_opd_loss" in sums:  # the distillation term: e_r·max|dk/dr| of r = logp − teacher
+        out["opd_loss"] = weighted("store_opd_loss", "opd_loss")
+        out["loss"] += abs(float(knobs.opd_coef)) * out["opd_loss"]
     return {name: out[name] for name in names if name in out}
 
 

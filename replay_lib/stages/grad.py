@@ -304,6 +304,14 @@ def _grad_refuse(cfg) -> list[tuple[str, str]]:
     family = grad_family(LossKnobs.of(cfg))
     if family not in GRAD_FAMILIES:
         out.append(("policy_loss", f"{family!r}: no analytic gradient is registered for this loss family"))
+    knobs = LossKnobs.of(cfg)  # the masks and the distillation term of loss.policy: not in the analytic gradient
+    for knob, value, what in (("opsm_delta", knobs.opsm_delta if knobs.opsm else None, "OPSM's keep mask"),
+                              ("top_entropy_quantile", knobs.top_entropy_quantile if knobs.entropy_mask else None,
+                               "the entropy mask"),
+                              ("opd_placement", "'loss'" if knobs.opd_loss else None, "the distillation loss term")):
+        if value is not None:
+            out.append((knob, f"{value}: {what} is not in loss.grad's analytic gradient (replay the loss without "
+                              "it: --stage loss.policy)"))
     return out
 
 

@@ -195,7 +195,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # payloads stored coarser than the declared compute (error_model.storage_unit): what their rounding moves
     store = li.storage(ctx.precision.compute)
     if store.any:
-        names += ["store_pg", "store_kl", "store_ent"] + (["store_kl_loss"] if kl_loss else [])
+        names += ["store_pg", "store_kl", "store_ent"] + (["store_kl_loss"] if kl_loss else []) + (
+            ["store_opd_loss"] if opd else [])
     # counted rows: whole numbers of masked tokens, rare (hazards), added by sample where a chunk has any
     counted = ["near_clip", "extreme"] + (["near_lower"] if knobs.dual_clip else []) + (["clamped"] if clamps else [])
     row = {name: k for k, name in enumerate(names)}
@@ -266,7 +267,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
             e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
                                    li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-                                   li.ref_log_probs[lo:hi] if kl_loss else None)
+                                   li.ref_log_probs[lo:hi] if kl_loss else None,
+                                   li.teacher_log_probs[lo:hi] if opd else None)
             e_ratio, e_weight = e["ratio"], e["weight"]
             torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
             torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
@@ -277,6 +279,10 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                     buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
                 if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
                     buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
+
+            if opd:  # the distillation term's r = logp − teacher, as the KL term's
+                torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
+                          out=buf[row["store_opd_loss"]])
         if masks:
             _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
         if opd:

@@ -46,7 +46,8 @@ class LossInputs:
         return {"log_probs": self.log_probs, "old_log_probs": self.old_log_probs,
                 "rollout_log_probs": self.rollout_log_probs, "ref_log_probs": self.ref_log_probs,
                 "entropy": self.entropy,
-                "advantages": self.advantages if isinstance(self.advantages, torch.Tensor) else None}
+                "advantages": self.advantages if isinstance(self.advantages, torch.Tensor) else None,
+                "teacher_log_probs": self.teacher_log_probs}
 
     def storage(self, compute: str) -> StorageUnits:
         """The storage units of the loss terms' inputs under the declared ``compute``."""
