@@ -691,7 +691,6 @@ class StorageUnits:
         if getattr(knobs, "kl_loss_rollout_weighted", False) and rollout_log_probs is not None:
             # the KL weight's exponent logp − rollout (kl_loss_rollout_weighted): the coarser of its two units
             out["kl_weight"] = storage_error(max(self.ratio, self.weight), log_probs, rollout_log_probs)
-
         if teacher_log_probs is not None:  # the distillation term's ``logp − teacher``
             out["opd"] = storage_error(self.teacher, log_probs, teacher_log_probs)
         return out

@@ -279,7 +279,6 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                     buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
                 if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
                     buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
-
             if opd:  # the distillation term's r = logp − teacher, as the KL term's
                 torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
                           out=buf[row["store_opd_loss"]])
