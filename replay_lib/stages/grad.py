@@ -54,17 +54,28 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
     """The float64 inputs of the analytic gradient: loss.policy's (``stages.loss_inputs``)."""
     li = loss_inputs(ctx)
-    if li.knobs.is_keep:  # the keep masks weigh loss.policy's terms; their gradient is not derived here
-        from .base import StageInputError
-
-        raise StageInputError("is_keep (an off-policy correction's keep masks) is not recomputed by loss.grad",
-                              field="is_keep")
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
+    opt = {name: _f64(value) if value is not None else None
+           for name, value in (("rollout_log_probs", li.rollout_log_probs), ("ref_log_probs", li.ref_log_probs),
+                               ("entropy", li.entropy if li.knobs.entropy_mask else None),
+                               ("teacher_log_probs", li.teacher_log_probs if li.knobs.opd_loss else None))}
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
-                    mask=li.mask.to(torch.float64), lengths=ctx.lengths,
-                    rollout_log_probs=_f64(li.rollout_log_probs) if li.rollout_log_probs is not None else None,
-                    ref_log_probs=_f64(li.ref_log_probs) if li.ref_log_probs is not None else None)
-    return gi, li.knobs
+                    mask=li.mask.to(torch.float64), lengths=ctx.lengths, **opt)
+    knobs = li.knobs
+    if knobs.family or knobs.opsm or knobs.entropy_mask or knobs.is_keep:
+        # the per-sample terms of the whole step once (a family's micro-batch statistics, the entropy mask's
+        # thresholds): each run of samples reads its rows
+        from dataclasses import replace
+
+        from ..kernels.grad import _sample_terms
+
+        terms = _sample_terms(gi, replace(knobs, kl_loss_coef=0.0, opd_placement=None))
+        if terms is not None and knobs.opsm:
+            from .loss import _opsm_reach
+
+            terms = {**terms, "opsm_reach": _opsm_reach(ctx, li)}
+        gi = replace(gi, sample_terms=terms)
+    return gi, knobs
 
 
 # Whole samples of about this many tokens at a time: a dozen float64 temporaries per token stay small.
@@ -85,6 +96,7 @@ def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradie
     total = gi.mask.numel()
     f64 = dict(dtype=torch.float64)
     grad, pg, kl, pg_w, kl_w, ratio, bound = (torch.zeros(total, **f64) for _ in range(7))
+    opd = torch.zeros(total, **f64) if knobs.opd_loss else None
     weight = torch.zeros(total, **f64) if knobs.is_level is not None else None
     seq = torch.zeros(total, **f64) if knobs.sequence_ratio else None
     branch = torch.zeros(total, dtype=torch.int8)
@@ -93,12 +105,11 @@ def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradie
     u_out = storage_unit(ctx.precision.compute, ctx.reader.payload(GRAD_PAYLOAD)) if ctx.has(GRAD_PAYLOAD) else 0.0
     hits: dict[str, torch.Tensor] = {}
     for s0, s1, t0, t1 in sample_chunks(gi.lengths, GRAD_CHUNK):
-        part = GradInputs(**{k: (v[t0:t1] if k != "lengths" else v[s0:s1]) if v is not None else None
-                             for k, v in vars(gi).items()})
+        part = GradInputs(**{k: _rows(k, v, s0, s1, t0, t1) for k, v in vars(gi).items()})
         g = grad_log_probs(part, knobs, scale, weights=(weights[0][s0:s1], weights[1][s0:s1]))
         for out, value in ((grad, g.grad), (pg, g.pg), (kl, g.kl), (pg_w, g.pg_weight), (kl_w, g.kl_weight),
                            (ratio, g.terms.ratio), (weight, g.terms.weight), (seq, g.terms.seq),
-                           (branch, g.terms.branch)):
+                           (branch, g.terms.branch), (opd, g.opd)):
             if out is not None and value is not None:
                 out[t0:t1] = value
         b, chunk_hits = gradient_bound(u, u_s, u_out, part, knobs, g)
@@ -111,11 +122,22 @@ def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradie
                 counts[s0:s1] += segment_sum(hit.to(torch.float64), part_seg, s1 - s0)
     terms = GradTerms(pg=pg / torch.where(pg_w != 0, pg_w, torch.ones_like(pg_w)), branch=branch, ratio=ratio,
                       seq=seq, weight=weight)
-    cached = (gi, knobs, Gradient(grad=grad, pg=pg, kl=kl, pg_weight=pg_w, kl_weight=kl_w, terms=terms))
+    cached = (gi, knobs, Gradient(grad=grad, pg=pg, kl=kl, pg_weight=pg_w, kl_weight=kl_w, terms=terms, opd=opd))
     ctx.records[GRADIENT_RECORD] = cached
     ctx.records[BOUND_RECORD] = bound
     ctx.records[HITS_RECORD] = hits
     return cached
+
+
+def _rows(name: str, value, s0: int, s1: int, t0: int, t1: int):
+    """``GradInputs`` field ``name`` of the run of samples ``s0:s1`` (tokens ``t0:t1``)."""
+    if value is None:
+        return None
+    if name == "lengths":
+        return value[s0:s1]
+    if name == "sample_terms":
+        return {k: v[s0:s1] for k, v in value.items()}
+    return value[t0:t1]
 
 
 def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: LossKnobs, g: Gradient
@@ -137,44 +159,48 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
                                                 gi.lengths, knobs)[gi.seg]
     if e_store is not None:
         cond = cond + C_STORE * e_store / u
-    bound = u * g.pg.abs() * cond
     seg = gi.seg
     n_samples = gi.lengths.numel()
     ratio = t.ratio
-    w = t.weight if t.weight is not None else torch.ones_like(m)
-    unclipped = (gi.advantages * w).abs() * m  # |∂pg/∂r| on the unclipped branch
     hits: dict[str, torch.Tensor] = {}
-    near = loss_clip_hits(ratio, gi.advantages, u, knobs.eps_clip, knobs.eps_clip_high, e_store)
-    hits["clip_boundary"] = near
-    if knobs.dual_clip:
-        chosen = torch.maximum(ratio, ratio.clamp(1 - knobs.eps_clip, 1 + knobs.eps_clip_high))
-        hits["dual_clip_boundary"] = near_value(chosen, float(knobs.eps_clip_c), u, lr_cond, e_store) & \
-            (gi.advantages < 0)
-    if knobs.log_ratio_clamp is not None:
-        x = segment_sum(d * m, seg, n_samples)[seg] / torch.clamp_min(segment_sum(m, seg, n_samples), 1.0)[seg] \
-            if knobs.sequence_ratio else d
-        hits["clamp_hit"] = (x.abs() - knobs.log_ratio_clamp).abs() <= C_NEAR_CLIP * u * (1 + x.abs() + lr_cond)
-    if t.weight is not None and knobs.is_mode == "mask":
-        raw = importance_weight_unmasked(gi, knobs)
-        flip = torch.zeros_like(m, dtype=torch.bool)
-        for edge in (knobs.is_low, knobs.is_high):
-            if edge is not None:
-                flip |= near_value(raw, float(edge), u, lr_cond + (log_w if log_w is not None else 0.0), e_store)
-        hits["is_mask_boundary"] = flip
-        unclipped = torch.maximum(unclipped, (gi.advantages * raw).abs() * m)
-    edge = torch.zeros_like(m, dtype=torch.bool)
-    for hit in hits.values():
-        edge |= hit
-    edge &= m > 0
-    if knobs.sequence_ratio:
-        # the sample's float32 sum of slopes (n_i·u of its magnitude), and an edge token's slope in every token's
-        n = segment_sum(m, seg, n_samples)
-        mag = segment_sum(unclipped, seg, n_samples)
-        at_edge = segment_sum(unclipped * edge, seg, n_samples)
-        spread = (ratio * t.seq * g.pg_weight).abs() if t.seq is not None else torch.zeros_like(m)
-        bound = bound + spread * (u * (n * mag)[seg] + at_edge[seg])
+    if t.err is not None:  # a policy-loss family: its own rounding scale and decision edges
+        bound = _family_bound(u, e_store, gi, t, g, hits)
     else:
-        bound = bound + torch.where(edge, (unclipped * ratio * g.pg_weight).abs(), torch.zeros_like(bound))
+        bound = u * g.pg.abs() * cond
+        w = t.weight if t.weight is not None else torch.ones_like(m)
+        unclipped = (gi.advantages * w).abs() * m  # |∂pg/∂r| on the unclipped branch
+        near = loss_clip_hits(ratio, gi.advantages, u, knobs.eps_clip, knobs.eps_clip_high, e_store)
+        hits["clip_boundary"] = near
+        if knobs.dual_clip:
+            chosen = torch.maximum(ratio, ratio.clamp(1 - knobs.eps_clip, 1 + knobs.eps_clip_high))
+            hits["dual_clip_boundary"] = near_value(chosen, float(knobs.eps_clip_c), u, lr_cond, e_store) & \
+                (gi.advantages < 0)
+        if knobs.log_ratio_clamp is not None:
+            x = segment_sum(d * m, seg, n_samples)[seg] / torch.clamp_min(segment_sum(m, seg, n_samples), 1.0)[seg] \
+                if knobs.sequence_ratio else d
+            hits["clamp_hit"] = (x.abs() - knobs.log_ratio_clamp).abs() <= C_NEAR_CLIP * u * (1 + x.abs() + lr_cond)
+        if t.weight is not None and knobs.is_mode == "mask":
+            raw = importance_weight_unmasked(gi, knobs)
+            flip = torch.zeros_like(m, dtype=torch.bool)
+            for edge in (knobs.is_low, knobs.is_high):
+                if edge is not None:
+                    flip |= near_value(raw, float(edge), u, lr_cond + (log_w if log_w is not None else 0.0), e_store)
+            hits["is_mask_boundary"] = flip
+            unclipped = torch.maximum(unclipped, (gi.advantages * raw).abs() * m)
+        edge = torch.zeros_like(m, dtype=torch.bool)
+        for hit in hits.values():
+            edge |= hit
+        edge &= m > 0
+        if knobs.sequence_ratio:
+            # the sample's float32 sum of slopes (n_i·u of its magnitude), and an edge token's slope in every token's
+            n = segment_sum(m, seg, n_samples)
+            mag = segment_sum(unclipped, seg, n_samples)
+            at_edge = segment_sum(unclipped * edge, seg, n_samples)
+            spread = (ratio * t.seq * g.pg_weight).abs() if t.seq is not None else torch.zeros_like(m)
+            bound = bound + spread * (u * (n * mag)[seg] + at_edge[seg])
+        else:
+            bound = bound + torch.where(edge, (unclipped * ratio * g.pg_weight).abs(), torch.zeros_like(bound))
+    bound = bound + _mask_bound(u, gi, knobs, t, g, hits)
     if knobs.kl_loss:
         x = gi.log_probs - gi.ref_log_probs
         k, dk = kl_value_and_slope(x, knobs)
@@ -186,7 +212,7 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
         if knobs.kl_loss_ratio_weighted:
             slope_err = slope_err * ratio + u * cond * (k.abs() + dk.abs()) * ratio
         bound = bound + slope_err * g.kl_weight.abs() * m + u * C_TOKEN * g.kl.abs()
-        kl_edge = torch.zeros_like(edge)
+        kl_edge = torch.zeros_like(m, dtype=torch.bool)
         for clamp, value in ((knobs.kl_loss_input_clamp, x), (knobs.kl_loss_output_clamp, k)):
             if clamp is not None:
                 kl_edge |= (value.abs() - clamp).abs() <= C_NEAR_CLIP * u * (1 + value.abs())
@@ -195,9 +221,100 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
             hits["kl_clamp_hit"] = kl_edge
             reach = dk.abs().clamp_min(1.0) * (ratio if knobs.kl_loss_ratio_weighted else 1.0)
             bound = bound + torch.where(kl_edge, reach * g.kl_weight.abs(), torch.zeros_like(bound))
+    if g.opd is not None:  # the distillation term: its estimate's slope rounding, a value clamp at its edge
+        bound = bound + _opd_bound(u, u_s, gi, knobs, g, hits)
     if u_out:
         bound = bound + u_out * g.grad.abs()
     return bound, hits
+
+
+def _family_bound(u: float, e_store, gi: GradInputs, t: GradTerms, g: Gradient, hits: dict) -> torch.Tensor:
+    """A policy-loss family's part: ``u·err·|W|`` (``err`` its slope's rounding scale, kernels.families.grad),
+    the log-probs' storage rounding through the slope's condition, and at a token whose 0/1 decision lies within
+    rounding of its edge (``edge_gap`` within ``8u·(1 + |Δ|)``, as loss.policy decides it) the slope the other
+    branch gives (``open``), named in a ``mask_boundary`` hazard."""
+    m = gi.mask
+    weight = g.pg_weight.abs()
+    lr = t.columns["log_ratio"].abs()
+    bound = u * t.err * weight
+    if e_store is not None:
+        bound = bound + C_STORE * e_store * (1.0 + lr) * g.pg.abs()
+    if t.edge_gap is not None and t.open is not None:
+        slack = C_NEAR_CLIP * u * (1.0 + lr)
+        if e_store is not None:
+            slack = slack + C_STORE * e_store
+        near = (t.edge_gap <= slack) & (m > 0)
+        if bool(near.any()):
+            hits["mask_boundary"] = near
+            bound = bound + torch.where(near, t.open * weight, torch.zeros_like(bound))
+    return bound
+
+
+def _mask_bound(u: float, gi: GradInputs, knobs: LossKnobs, t: GradTerms, g: Gradient, hits: dict) -> torch.Tensor:
+    """At a token whose OPSM or entropy-mask decision, or whose sample's is_keep decision, lies within rounding
+    of its edge (as loss.policy decides it), the policy term's slope before the masks (a ``mask_boundary`` /
+    ``is_keep_boundary`` hazard)."""
+    out = torch.zeros_like(gi.mask)
+    if t.keep is None or t.unmasked is None:
+        return out
+    c = t.columns
+    m = gi.mask
+    seg = gi.seg
+    flip = torch.zeros_like(m, dtype=torch.bool)
+    if knobs.opsm:
+        st = gi.sample_terms or {}
+        reach = st["opsm_reach"][seg] if "opsm_reach" in st else torch.zeros_like(m)
+        flip |= ((c["opsm_seq_kl"] - knobs.opsm_delta).abs() <= C_NEAR_CLIP * u * (1.0 + reach)) & \
+            c["opsm_negative"]
+    if knobs.entropy_mask:
+        flip |= near_value(c["entropy"], c["entropy_threshold"], u, 1.0)
+    flip &= m > 0
+    if knobs.is_keep and gi.rollout_log_probs is not None:
+        from ..kernels.is_keep import edge_samples
+
+        samples = [i for i, _ in edge_samples(gi.old_log_probs, gi.rollout_log_probs, m, gi.lengths, knobs.is_keep,
+                                              u, seg)]
+        if samples:
+            at = torch.zeros(gi.lengths.numel(), dtype=torch.bool)
+            at[samples] = True
+            hits["is_keep_boundary"] = at[seg] & (m > 0)
+            flip |= hits["is_keep_boundary"]
+    if bool(flip.any()):
+        hits["mask_boundary"] = hits.get("mask_boundary", torch.zeros_like(flip)) | flip
+        out = torch.where(flip, t.unmasked * g.pg_weight.abs(), out)
+    return out
+
+
+def _opd_bound(u: float, u_s: float, gi: GradInputs, knobs: LossKnobs, g: Gradient, hits: dict) -> torch.Tensor:
+    """The distillation term's rounding: ``|opd_coef·W|·C_TOKEN·u·(|k'| + |k''|·(1 + |x|))`` at ``x = logp −
+    teacher`` (``k''`` the estimator's curvature), and its slope at a value clamp within rounding of its edge."""
+    from ..kernels.grad import opd_knobs
+
+    m = gi.mask
+    x = gi.log_probs - gi.teacher_log_probs
+    okn = opd_knobs(knobs)
+    k, dk = kl_value_and_slope(x, okn)
+    curvature = {"k1": 0.0, "abs": 0.0, "k2": 1.0}.get(okn.kl_loss_type)
+    curv = torch.full_like(x, curvature) if curvature is not None else (-x).exp()
+    err = C_TOKEN * u * (dk.abs() + curv * (1 + x.abs()))
+    if u_s:
+        err = err + C_STORE * curv * u_s * (gi.log_probs.abs() + gi.teacher_log_probs.abs())
+    weight = (g.pg_weight * knobs.opd_coef).abs()
+    out = err * weight * m + u * C_TOKEN * g.opd.abs()
+    edge = torch.zeros_like(m, dtype=torch.bool)
+    if knobs.opd_clamp is not None:
+        raw, slope = kl_value_and_slope(x, replace_clamp(okn))
+        edge = ((raw.abs() - knobs.opd_clamp).abs() <= C_NEAR_CLIP * u * (1 + raw.abs())) & (m > 0)
+        if bool(edge.any()):
+            hits["kl_clamp_hit"] = hits.get("kl_clamp_hit", torch.zeros_like(edge)) | edge
+            out = out + torch.where(edge, slope.abs().clamp_min(1.0) * weight, torch.zeros_like(out))
+    return out
+
+
+def replace_clamp(knobs: LossKnobs) -> LossKnobs:
+    from dataclasses import replace
+
+    return replace(knobs, kl_loss_output_clamp=None)
 
 
 def importance_weight_unmasked(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor:
@@ -214,6 +331,9 @@ HAZARD_TEXT = {
     "clamp_hit": "a log-ratio at log_ratio_clamp",
     "is_mask_boundary": "an importance weight within rounding of an IcePop bound",
     "kl_clamp_hit": "a KL input or value at its clamp",
+    "mask_boundary": "a policy-loss mask decision (the family's, OPSM's, the entropy mask's) within rounding of its "
+                     "edge",
+    "is_keep_boundary": "an is_keep decision of its sample within rounding of its edge",
 }
 
 
@@ -299,6 +419,9 @@ def _grad_refuse(cfg) -> list[tuple[str, str]]:
     family = grad_family(LossKnobs.of(cfg))
     if family not in GRAD_FAMILIES:
         out.append(("policy_loss", f"{family!r}: no analytic gradient is registered for this loss family"))
+    elif family != "ppo_clip" and getattr(cfg, "kl_loss_ratio_weighted", False):
+        out.append(("kl_loss_ratio_weighted", f"True: the ratio-weighted KL term's gradient is derived for "
+                                              f"policy_loss 'ppo' only, not {family!r}"))
     return out
 
 
