@@ -70,6 +70,7 @@ class FamilyGradConfig:
     opd: Optional[str] = None  # the distillation term's estimator (k1, k2, k3, low_var_kl, abs)
     opd_coef: float = 0.5
     spread: float = 0.25
+    edge: bool = False  # the first loss token: its ratio to the rollout 1 + eps_clip_high in float32 (A > 0)
 
     def __str__(self) -> str:
         knobs = [k for k, on in (("opsm", self.opsm_delta is not None), ("ent", self.top_entropy_quantile < 1),
@@ -322,6 +323,10 @@ def produce_family_grad_bundle(path: str | Path, seed: int, size: Size, cfg: Fam
     teacher = (logp + rng.normal(0, 0.3, total)).astype(np.float32)
     ent = rng.uniform(0.1, 3.0, total).astype(np.float32)
     adv = np.repeat(rng.normal(0, 1, size.samples), inputs.lengths).astype(np.float32)
+    if cfg.edge:  # a decision at its edge: rollout_is's range, dppo_mu's and the IcePop-like tests
+        t = int(np.flatnonzero(inputs.mask)[0])
+        roll[t] = np.float32(logp[t] - np.float32(np.log1p(np.float32(cfg.eps_clip_high))))
+        adv[:int(inputs.lengths[0])] = abs(adv[0]) + 0.5
     lengths = torch.from_numpy(inputs.lengths.astype(np.int64))
     mask = torch.from_numpy(inputs.mask.astype(np.float32))
     fields, grad = family_grad_step(_f32(logp), _f32(old), _f32(adv), _f32(roll), _f32(ent), _f32(teacher), mask,
