@@ -21,12 +21,14 @@ the exponent's condition.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..bundle import BundleReader
 from ..bundle.schema import StageId
 from ..judge.error_model import (C_NEAR_CLIP, C_STORE, C_TOKEN, loss_clip_hits, near_value,
-                                 sample_exponent_condition, storage_unit)
+                                 sample_exponent_condition, storage_error, storage_unit)
 from ..judge.fields import PER_TOKEN
 from ..judge.report import StageReport
 from ..kernels import GrpoReturns
@@ -346,34 +348,78 @@ def _edge_hazards(ctx: StageContext, hits: dict[str, torch.Tensor]) -> None:
                 f"producer's gradient may take either branch there (grad_log_probs admits both)"))
 
 
-def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(∂L/∂values, bound)`` float64 per token: ``grad_scale·vf_coef·loss_scale·W_i·m·∂vf/∂v`` with
-    ``vf = ½·max(d1², d2²)``
-    (``∂vf/∂v = d1`` unclipped, ``d2·[v inside the clip range]`` clipped)."""
-    v, old, r = (_f64(ctx.payload(p)) for p in ("values", "old_values", "returns"))
-    m = ctx.loss_mask.to(torch.float64)
-    seg = ctx.seg
+def value_gradient(v: torch.Tensor, old: torch.Tensor, r: torch.Tensor, m: torch.Tensor, weight: torch.Tensor,
+                   value_clip: Optional[float], u: float, e_store: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(∂L/∂values, bound, edge)`` float64 per token of ``weight·½·max(d1², d2²)`` (``weight`` the token's
+    ``grad_scale·vf_coef·loss_scale·W_i``): ``d1 = v − R``, ``d2 = clamp(v, v_old ± ε) − R``; the slope is ``d1``
+    on the unclipped branch and ``d2·[v_old − ε ≤ v ≤ v_old + ε]`` on the clipped one (the clamp passes no
+    gradient outside its range; inside it d1 = d2).
+
+    Bound, derived like loss.value's: each difference rounds once relative to its operands, so the slope is
+    within ``C_TOKEN·u·(|v| + |R| + |v_old| + ε + |s|)`` of the exact one, × ``|weight|`` (``e_store``: a
+    payload stored coarser adds ``C_STORE·e``). ``edge`` marks the two decisions a legitimate producer's rounding
+    may take either way, whose tolerance admits the other branch's slope: the branch (the squares within
+    loss.value's ``8·u·c`` of each other, ``c = |d|·(|v| + |R| + |v_old| + ε) + vf``: ``|d1 − d2·inside|``) and
+    the clamp's edge (``v`` within ``8·u·(|v| + |v_old| + ε)`` of ``v_old ± ε`` on the clipped branch, where the
+    clamp's gradient is 1, 0 or torch's ½ at a tie: ``|d2|``)."""
     d1 = v - r
-    if knobs.value_clip is None:
+    if value_clip is None:
         slope = d1
-        near = torch.zeros_like(m, dtype=torch.bool)
+        eps = 0.0
+        edge = torch.zeros_like(m, dtype=torch.bool)
+        other = torch.zeros_like(d1)
+        d2 = d1
     else:
-        eps = float(knobs.value_clip)
+        eps = float(value_clip)
         vc = torch.minimum(torch.maximum(v, old - eps), old + eps)
         d2 = vc - r
         inside = ((v >= old - eps) & (v <= old + eps)).to(torch.float64)
         clip = d2 * d2 > d1 * d1
         slope = torch.where(clip, d2 * inside, d1)
-        near = ((d1 * d1 - d2 * d2).abs() <= C_NEAR_CLIP * ctx.precision.token * (d1 * d1 + d2 * d2)) & (d1 != d2)
+        mag = v.abs() + r.abs() + old.abs() + eps
+        d = torch.maximum(d1.abs(), d2.abs())
+        slack = C_NEAR_CLIP * u * (d * mag + 0.5 * torch.maximum(d1 * d1, d2 * d2))
+        if e_store is not None:
+            slack = slack + (2 * C_STORE) * d * e_store
+        branch = ((d1 * d1 - d2 * d2).abs() <= slack) & (d1 != d2)
+        reach = C_NEAR_CLIP * u * (v.abs() + old.abs() + eps) + (C_STORE * e_store if e_store is not None else 0.0)
+        at_clamp = (((v - (old + eps)).abs() <= reach) | ((v - (old - eps)).abs() <= reach)) & (d2 * d2 >= d1 * d1)
+        edge = (branch | at_clamp) & (m > 0)
+        other = torch.where(branch, (d1 - d2 * inside).abs(), torch.zeros_like(d1))
+        other = torch.maximum(other, torch.where(at_clamp, d2.abs(), torch.zeros_like(d2)))
+    grad = slope * m * weight
+    err = C_TOKEN * u * (v.abs() + r.abs() + (old.abs() + eps if value_clip is not None else 0.0) + slope.abs())
+    if e_store is not None:
+        err = err + C_STORE * e_store
+    bound = (err + torch.where(edge, other, torch.zeros_like(other))) * m * weight.abs()
+    return grad, bound, edge
+
+
+def _value_gradient(ctx: StageContext, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(∂L/∂values, bound)`` float64 per token (:func:`value_gradient`), a ``value_clip_boundary`` hazard per
+    sample with a token at one of the value clip's edges."""
+    payloads = [ctx.payload(p) for p in ("values", "old_values", "returns")]
+    v, old, r = (_f64(t) for t in payloads)
+    m = ctx.loss_mask.to(torch.float64)
+    seg = ctx.seg
     counts = segment_sum(m, seg, ctx.n)
     vf_coef = getattr(ctx.config, "vf_coef", 1.0)
     vf_coef = float(vf_coef) if isinstance(vf_coef, (int, float)) and not isinstance(vf_coef, bool) else 1.0
     weight = (agg_weights(knobs.loss_agg_mode, counts, knobs)
               * (knobs.loss_scale * grad_scale_of(ctx.config) * vf_coef))[seg]
-    grad = slope * m * weight
-    cond = C_TOKEN * (v.abs() + r.abs() + old.abs()) / torch.clamp_min(slope.abs(), 1e-300) + C_TOKEN
-    bound = ctx.precision.token * grad.abs() * cond.clamp(max=1e6) + \
-        torch.where(near, (d1.abs() + slope.abs()) * weight * m, torch.zeros_like(grad))
+    u_s = storage_unit(ctx.precision.compute, *payloads)
+    e_store = storage_error(u_s, v, old, r) if u_s else None
+    grad, bound, edge = value_gradient(v, old, r, m, weight, knobs.value_clip, ctx.precision.token, e_store)
+    u_out = storage_unit(ctx.precision.compute, ctx.reader.payload(GRAD_VALUES_PAYLOAD))
+    if u_out:
+        bound = bound + u_out * grad.abs()
+    hits = segment_sum(edge.to(torch.float64), seg, ctx.n)
+    for i in torch.nonzero(hits).reshape(-1).tolist():
+        ctx.hazard(STAGE, "value_clip_boundary", sample=i, message=(
+            f"{ctx.sample_ids[i]}: {int(hits[i])} loss token(s) with a value at an edge of the value clip (its "
+            f"branch or its range): a legitimate producer's gradient may take either there (grad_values admits "
+            f"both)"))
     return grad, bound
 
 
