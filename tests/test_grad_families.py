@@ -229,3 +229,14 @@ def test_a_ratio_weighted_kl_term_with_a_family_is_refused_by_name():
     assert LOSS_GRAD.refuse(cfg) == [("kl_loss_ratio_weighted", "True: the ratio-weighted KL term's gradient is "
                                                                 "derived for policy_loss 'ppo' only, not 'gpg'")]
     assert LOSS_GRAD.refuse(RecomputeConfig(policy_loss="gpg")) == []
+
+
+def test_a_sequence_keep_mask_zeroes_its_samples_gradient():
+    """is_keep's geometric mask [0.9, 1.1] over exp(mean(old − rollout)): sample 0's is e^{0.2} (dropped: every
+    token's gradient 0), sample 1's e^{0.05} (kept: −A·r); the outlier mask [0.5, 2] drops sample 2 whose one
+    token's ratio is e^{1}."""
+    knobs = LossKnobs(is_keep=(("outlier", 0.5, 2.0), ("geometric", 0.9, 1.1)), loss_agg_mode="token_sum")
+    old = -1.0
+    rollout = [old - 0.2, old - 0.2, old - 0.05, old - 1.0]
+    g = _grad(_gi([0.1, 0.1, 0.1, 0.1], [1.0] * 4, lengths=[2, 1, 1], rollout=rollout), knobs)
+    assert g == pytest.approx([0.0, 0.0, -math.exp(0.1), 0.0], rel=1e-12)
