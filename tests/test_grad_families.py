@@ -240,3 +240,17 @@ def test_a_sequence_keep_mask_zeroes_its_samples_gradient():
     rollout = [old - 0.2, old - 0.2, old - 0.05, old - 1.0]
     g = _grad(_gi([0.1, 0.1, 0.1, 0.1], [1.0] * 4, lengths=[2, 1, 1], rollout=rollout), knobs)
     assert g == pytest.approx([0.0, 0.0, -math.exp(0.1), 0.0], rel=1e-12)
+
+
+def test_the_branch_names_the_familys_slope_its_decision_and_a_dropped_token():
+    """The why strip's branch per token: the family's slope, its own decision taken (DPPO's trust region), a
+    token a keep mask dropped, a token outside the loss mask."""
+    from replay_lib.kernels.grad import BRANCHES, FAMILY_DECIDED, FAMILY_SLOPE, KEEP_DROPPED, MASKED
+
+    knobs = _knobs("dppo_tv", eps_clip=0.05, eps_clip_high=0.05, params={"trunc": 1.2}, opsm_delta=0.0)
+    gi = _gi([math.log(1.1), math.log(1.5), -0.1, 0.0], [1.0, 1.0, -1.0, 1.0], lengths=[1, 1, 1, 1],
+             mask=[1, 1, 1, 0])
+    g = grad_log_probs(gi, knobs)
+    assert g.terms.branch.tolist() == [FAMILY_SLOPE, FAMILY_DECIDED, KEEP_DROPPED, MASKED]
+    assert BRANCHES[KEEP_DROPPED] == "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"
+    assert g.grad.tolist() == pytest.approx([-1.1, 0.0, 0.0, 0.0], rel=1e-12)

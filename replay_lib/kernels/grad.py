@@ -50,9 +50,13 @@ from .segments import segment_ids, segment_sum
 
 # The branch each token's policy term took (GradTerms.branch): its coefficient in words (the why strip).
 UNCLIPPED, CLIPPED, DUAL_CLIPPED, RATIO_CLAMPED, MASKED = 0, 1, 2, 3, 4
+FAMILY_SLOPE, FAMILY_DECIDED, KEEP_DROPPED = 5, 6, 7
 BRANCHES = {UNCLIPPED: "unclipped (∂pg/∂r = −A)", CLIPPED: "clipped (∂pg/∂r = 0)",
             DUAL_CLIPPED: "dual-clip bound −c·A (∂pg/∂r = 0)", RATIO_CLAMPED: "log-ratio clamped (∂r/∂logp = 0)",
-            MASKED: "not a loss token"}
+            MASKED: "not a loss token",
+            FAMILY_SLOPE: "the family's slope (kernels/families/grad.py, its stop-gradients)",
+            FAMILY_DECIDED: "the family's clip or mask decision taken (its slope there)",
+            KEEP_DROPPED: "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"}
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,8 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
             slope = slope * w
         pg = slope * ratio * inside * m
         branch = torch.where((inside == 0) & (branch == UNCLIPPED), torch.full_like(branch, RATIO_CLAMPED), branch)
+    if keep is not None:
+        branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
     weight = importance_weights(gi, knobs) if keep is not None else w
     unmasked = None
@@ -266,11 +272,11 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
         err = err * keep
     if open_ is not None:
         open_ = open_ * factor.abs() * (keep if keep is not None else 1.0)
-    branch = torch.zeros_like(m, dtype=torch.int8)
+    branch = torch.full_like(m, FAMILY_SLOPE, dtype=torch.int8)
     if "clip" in t:
-        branch = torch.where(t["clip"] > 0, torch.full_like(branch, CLIPPED), branch)
+        branch = torch.where(t["clip"] > 0, torch.full_like(branch, FAMILY_DECIDED), branch)
     if keep is not None:
-        branch = torch.where(keep == 0, torch.full_like(branch, MASKED), branch)
+        branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
     ratio = t["ratio"]
     return GradTerms(pg=pg, branch=branch, ratio=ratio, weight=w, err=err, edge_gap=t.get("edge_gap"), open=open_,
