@@ -202,10 +202,15 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
     weight = importance_weights(gi, knobs) if keep is not None else w
     unmasked = None
-    if keep is not None:  # the term had no mask dropped it: |∂pg/∂logp| before the masks (token ratio only)
-        unmasked = pg.abs() if knobs.sequence_ratio else \
-            (_surrogate_slope(ratio, gi.advantages, knobs)[0] * ratio * inside * m
-             * (weight if weight is not None else 1.0)).abs()
+    if keep is not None:  # the term had no mask dropped it: |∂S/∂logp| before the masks
+        if knobs.sequence_ratio:  # the sample's slopes summed without the masks
+            from dataclasses import replace
+
+            plain = replace(knobs, opsm_delta=None, top_entropy_quantile=1.0, is_keep=())
+            unmasked = ppo_clip_grad(replace(gi, sample_terms=None), plain).pg.abs()
+        else:
+            unmasked = (_surrogate_slope(ratio, gi.advantages, knobs)[0] * ratio * inside * m
+                        * (weight if weight is not None else 1.0)).abs()
     return GradTerms(pg=pg, branch=branch, ratio=ratio, seq=seq, weight=weight, keep=keep, unmasked=unmasked,
                      columns=columns)
 
