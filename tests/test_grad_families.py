@@ -254,3 +254,16 @@ def test_the_branch_names_the_familys_slope_its_decision_and_a_dropped_token():
     assert g.terms.branch.tolist() == [FAMILY_SLOPE, FAMILY_DECIDED, KEEP_DROPPED, MASKED]
     assert BRANCHES[KEEP_DROPPED] == "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"
     assert g.grad.tolist() == pytest.approx([-1.1, 0.0, 0.0, 0.0], rel=1e-12)
+
+
+def test_an_is_keep_decision_at_its_edge_reaches_its_token_or_its_sample():
+    """keep_edges: the token mask's decision at its bound (old − rollout = ln 1.25) reaches that token only; the
+    outlier mask's (ln 2) every token of its sample; a token far from every bound none."""
+    from replay_lib.stages.grad import keep_edges
+
+    rollout = [-1.0 - math.log(1.25), -1.0 - 0.1, -1.0 - 0.1, -1.0 - math.log(2.0), -1.0]
+    gi = _gi([0.0] * 5, [1.0] * 5, lengths=[2, 3], rollout=rollout)
+    token = LossKnobs(is_keep=(("token", 0.8, 1.25),))
+    assert keep_edges(gi, token, 2.0 ** -24).tolist() == [True, False, False, False, False]
+    outlier = LossKnobs(is_keep=(("outlier", 0.5, 2.0),))
+    assert keep_edges(gi, outlier, 2.0 ** -24).tolist() == [False, False, True, True, True]

@@ -263,7 +263,7 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     st = _sample_terms(gi, plain)
     t = _token_terms(gi, plain, st)
     name = knobs.policy_loss
-    extra = dict(sample_terms=st, seg=gi.seg) if name in SAMPLE_SLOPES else {}
+    extra = dict(sample_terms=st, seg=gi.seg, mask=gi.mask) if name in SAMPLE_SLOPES else {}
     slope, err, open_ = SLOPES[name](t, gi.log_probs, gi.old_log_probs, gi.advantages, gi.rollout_log_probs,
                                      knobs, **extra)
     m = gi.mask

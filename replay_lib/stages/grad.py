@@ -248,7 +248,9 @@ def _family_bound(u: float, e_store, gi: GradInputs, t: GradTerms, g: Gradient, 
         near = (t.edge_gap <= slack) & (m > 0)
         if bool(near.any()):
             hits["mask_boundary"] = near
-            bound = bound + torch.where(near, t.open * weight, torch.zeros_like(bound))
+            # the other branch's slope with its own rounding (a product or two off an exponent)
+            bound = bound + torch.where(near, t.open * weight * (1.0 + C_TOKEN * u * (1.0 + lr)),
+                                        torch.zeros_like(bound))
     return bound
 
 
@@ -271,20 +273,57 @@ def _mask_bound(u: float, gi: GradInputs, knobs: LossKnobs, t: GradTerms, g: Gra
     if knobs.entropy_mask:
         flip |= near_value(c["entropy"], c["entropy_threshold"], u, 1.0)
     flip &= m > 0
-    if knobs.is_keep and gi.rollout_log_probs is not None:
-        from ..kernels.is_keep import edge_samples
-
-        samples = [i for i, _ in edge_samples(gi.old_log_probs, gi.rollout_log_probs, m, gi.lengths, knobs.is_keep,
-                                              u, seg)]
-        if samples:
-            at = torch.zeros(gi.lengths.numel(), dtype=torch.bool)
-            at[samples] = True
-            hits["is_keep_boundary"] = at[seg] & (m > 0)
-            flip |= hits["is_keep_boundary"]
     if bool(flip.any()):
         hits["mask_boundary"] = hits.get("mask_boundary", torch.zeros_like(flip)) | flip
-        out = torch.where(flip, t.unmasked * g.pg_weight.abs(), out)
+    if knobs.is_keep and gi.rollout_log_probs is not None:
+        near = keep_edges(gi, knobs, u)
+        if bool(near.any()):
+            hits["is_keep_boundary"] = near
+            flip = flip | near
+    if bool(flip.any()):
+        lr = (gi.log_probs - gi.old_log_probs).abs()  # the other branch's slope with its own rounding
+        out = torch.where(flip, t.unmasked * g.pg_weight.abs() * (1.0 + C_TOKEN * u * (1.0 + lr)), out)
     return out
+
+
+def keep_edges(gi: GradInputs, knobs: LossKnobs, u: float) -> torch.Tensor:
+    """bool per loss token: an is_keep decision that reaches it lies within rounding of its edge (the reach of
+    ``kernels.is_keep.edge_samples``): the token mask's at that token; the outlier mask's or the sequence mask's
+    at every token of the sample."""
+    import math
+
+    from ..kernels.is_keep import sample_keep
+
+    f64 = torch.float64
+    m = gi.mask
+    on = m > 0
+    seg = gi.seg
+    n = gi.lengths.numel()
+    old, roll = gi.old_log_probs, gi.rollout_log_probs
+    lr = old - roll
+    scale = C_NEAR_CLIP * u * (1.0 + old.abs() + roll.abs())
+    token = torch.zeros_like(on)
+    sample = torch.zeros(n, dtype=torch.bool)
+    for kind, low, high in knobs.is_keep:
+        if kind in ("outlier", "token"):
+            near = torch.zeros_like(on)
+            for b in (low, high):
+                if b is not None:
+                    near |= (lr - math.log(b)).abs() <= scale
+            near &= on
+            if kind == "token":
+                token |= near
+            elif bool(near.any()):
+                sample[seg[near]] = True
+        else:
+            terms = sample_keep(old, roll, m, gi.lengths, knobs.is_keep, f64)
+            per_token = torch.where(on, lr.abs() + 1.0 + old.abs() + roll.abs(), torch.zeros_like(lr))
+            err = C_NEAR_CLIP * u * segment_sum(per_token, seg, n)
+            if kind == "geometric":
+                err = err / terms["is_keep_count"].clamp_min(1.0)
+            for b in (low, high):
+                sample |= (terms["is_keep_stat"] - math.log(b)).abs() <= err
+    return (token | sample[seg]) & on
 
 
 def _opd_bound(u: float, u_s: float, gi: GradInputs, knobs: LossKnobs, g: Gradient, hits: dict) -> torch.Tensor:

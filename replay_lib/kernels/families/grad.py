@@ -62,15 +62,27 @@ def sapo(t, logp, old, adv, rollout, knobs):
 
 
 @_slope("geo_mean")
-def geo_mean(t, logp, old, adv, rollout, knobs, *, sample_terms, seg):
+def geo_mean(t, logp, old, adv, rollout, knobs, *, sample_terms, seg, mask):
     lr = logp - old
     free = torch.where(adv > 0, lr <= knobs.eps_clip_high, torch.where(adv < 0, lr >= -knobs.eps_clip,
                                                                        torch.zeros_like(lr, dtype=torch.bool)))
+    free = free.to(lr.dtype)
     n = sample_terms["gm_count"][seg]
-    share = -sample_terms["gm_advantage"][seg] * t["ratio"] / (n + 1e-8)
-    g = share * free.to(lr.dtype)
-    err = g.abs() * (_C + t["log_ratio"].abs() + sample_terms["gm_abs_log_ratio"][seg] * n.clamp_min(1.0).sqrt())
+    ratio = t["ratio"]
+    share = -sample_terms["gm_advantage"][seg] * ratio / (n + 1e-8)
+    g = share * free
+    # Ā and the exponent are the sample's float32 sums of n terms, each within n·u of its magnitude: Ā by
+    # n·Σ|A|·m/(n + 1e-8) (through R/(n + 1e-8)), the exponent by n·mean|Δ| (through |g|); the exponent's own
+    # rounding |g|·(8 + |log R|)
+    abs_adv = _sample_sum(adv.abs() * mask, seg)[seg] / (n + 1e-8)
+    err = (g.abs() * (_C + t["log_ratio"].abs() + n * sample_terms["gm_abs_log_ratio"][seg])
+           + n * abs_adv * ratio / (n + 1e-8)) * free
     return g, err, share.abs()
+
+
+def _sample_sum(x: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    size = int(seg.max()) + 1 if seg.numel() else 0
+    return torch.zeros(size, dtype=x.dtype).index_add_(0, seg, x)
 
 
 def _dppo(t, logp, old, adv, rollout, knobs):
@@ -118,12 +130,14 @@ def kl_cov(t, logp, old, adv, rollout, knobs):
 
 
 @_slope("vespo")
-def vespo(t, logp, old, adv, rollout, knobs, *, sample_terms, seg):
+def vespo(t, logp, old, adv, rollout, knobs, *, sample_terms, seg, mask):
     g = -t["phi"] * adv
     nonneg = adv >= 0
     k = torch.where(nonneg, float(knobs.param("k_pos")), float(knobs.param("k_neg"))).to(g.dtype)
     lam = torch.where(nonneg, float(knobs.param("lambda_pos")), float(knobs.param("lambda_neg"))).to(g.dtype)
-    cond = (k.abs() + lam.clamp(min=1e-4) * t["log_w"].exp()) * sample_terms["vespo_abs_lr"][seg]
+    # log w is a sample's float32 sum of its n clamped log-ratios (≤ n·u·Σ|lr|), through ∂log φ/∂log w = k − λ·w
+    n = _sample_sum(mask, seg)[seg]
+    cond = (k.abs() + lam.clamp(min=1e-4) * t["log_w"].exp()) * n * sample_terms["vespo_abs_lr"][seg]
     return g, g.abs() * (_C + cond), None
 
 
@@ -153,5 +167,5 @@ def dppo_mu(t, logp, old, adv, rollout, knobs):
     return full * keep * inside, (full * keep * inside).abs() * (_C + t["log_ratio"].abs()), (full * inside).abs()
 
 
-# the slopes that read the family's per-sample terms (keyword arguments sample_terms, seg)
+# the slopes that read the family's per-sample terms (keyword arguments sample_terms, seg, mask)
 SAMPLE_SLOPES = ("geo_mean", "vespo")
