@@ -267,3 +267,14 @@ def test_an_is_keep_decision_at_its_edge_reaches_its_token_or_its_sample():
     assert keep_edges(gi, token, 2.0 ** -24).tolist() == [True, False, False, False, False]
     outlier = LossKnobs(is_keep=(("outlier", 0.5, 2.0),))
     assert keep_edges(gi, outlier, 2.0 ** -24).tolist() == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("config", [FamilyGradConfig("geo_mean", eps_clip=0.1, eps_clip_high=0.1),
+                                    FamilyGradConfig("vespo", spread=0.02)], ids=str)
+def test_long_samples_sums_stay_within_the_bound(tmp_path, cli, config):
+    """Samples of up to 1024 tokens: GMPO's Ā and exponent and VESPO's log w are float32 sums over the sample
+    (n·u of their magnitudes), which the bound admits."""
+    path = produce_family_grad_bundle(tmp_path / "b", 0, Size(samples=8, tokens=1024, group_size=4), config)
+    code, out, err = cli("replay", path, "--format", "json")
+    stages = _stages(json.loads(out))
+    assert (code, err, stages["loss.grad"]["status"]) == (0, "", "pass"), stages["loss.grad"]
