@@ -364,6 +364,7 @@ CONFIGS = (
     FamilyGradConfig("cispo", log_ratio_clamp=20.0),
     FamilyGradConfig("cispo", params={"cap": "absolute"}, eps_clip_high=1.2),
     FamilyGradConfig("sapo", params={"tau_pos": 1.0, "tau_neg": 1.05}, log_ratio_clamp=20.0),
+    FamilyGradConfig("sapo", params={"tau_pos": 4.0, "tau_neg": 8.0}, log_ratio_clamp=20.0, spread=0.6),
     FamilyGradConfig("geo_mean", eps_clip=0.1, eps_clip_high=0.1),
     FamilyGradConfig("dppo_tv", eps_clip=0.05, eps_clip_high=0.05, params={"trunc": 1.2}, log_ratio_clamp=20.0),
     FamilyGradConfig("dppo_kl", eps_clip=0.01, eps_clip_high=0.01, params={"trunc": 1.2}, log_ratio_clamp=20.0),

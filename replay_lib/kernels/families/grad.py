@@ -56,9 +56,13 @@ def sapo(t, logp, old, adv, rollout, knobs):
     tau, ratio = t["sapo_tau"], t["ratio"]
     sig = t["sapo_gate"] * tau / 4.0
     raw = logp - old
-    g = -adv * 4.0 * sig * (1.0 - sig) * ratio * _inside(raw, knobs.log_ratio_clamp)
-    # d log(σ(1 − σ)·r)/d log r = 1 + τ·r·(1 − 2σ)
-    return g, g.abs() * (_C + (1.0 + tau * ratio) * (t["log_ratio"].abs() + 1.0)), None
+    inside = _inside(raw, knobs.log_ratio_clamp)
+    g = -adv * 4.0 * sig * (1.0 - sig) * ratio * inside
+    # d log(σ(1 − σ)·r)/d log r = 1 + τ·r·(1 − 2σ); and σ's backward σ·(1 − σ) takes 1 − σ of a rounded σ: a
+    # relative error u·σ/(1 − σ) = u·e^{τ(r−1)}, |g| times it is 4|A|·r·σ² (finite where 1 − σ underflows)
+    err = g.abs() * (_C + (1.0 + tau * ratio) * (t["log_ratio"].abs() + 1.0)) + \
+        _C * 4.0 * (adv * ratio).abs() * sig * sig * inside
+    return g, err, None
 
 
 @_slope("geo_mean")
