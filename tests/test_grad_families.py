@@ -278,3 +278,21 @@ def test_long_samples_sums_stay_within_the_bound(tmp_path, cli, config):
     code, out, err = cli("replay", path, "--format", "json")
     stages = _stages(json.loads(out))
     assert (code, err, stages["loss.grad"]["status"]) == (0, "", "pass"), stages["loss.grad"]
+
+
+def test_the_why_strip_adds_the_distillation_terms_share(tmp_path):
+    """A gradient token under opd_placement="loss": the why strip's formula adds the distillation term's part,
+    the parts summing to the analytic value."""
+    from replay_lib.bundle import BundleReader
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.stages import StageContext
+    from replay_lib.stages.grad import recompute_gradient
+
+    path = produce_family_grad_bundle(tmp_path / "b", 0, Size(4, 16, 2), FamilyGradConfig("gpg", opd="k3"))
+    ctx = StageContext(reader=BundleReader(path), indices=list(range(4)), partial=False)
+    _, _, g = recompute_gradient(ctx)
+    t = int(ctx.offsets[1]) + 2
+    formula = element_inputs(ctx, "grad_log_probs", 1, 2).formula
+    assert formula.startswith("∂L/∂logp = W_pg·∂pg/∂logp + W_kl·∂kl/∂logp + opd_coef·W_pg·∂opd/∂logp = "), formula
+    assert float(g.pg[t]) + float(g.kl[t]) + float(g.opd[t]) == pytest.approx(float(g.grad[t]), rel=1e-15)
+    assert float(g.opd[t]) != 0.0
