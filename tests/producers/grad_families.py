@@ -382,6 +382,8 @@ CONFIGS = (
     FamilyGradConfig("cispo", top_entropy_quantile=0.5, log_ratio_clamp=20.0),
     FamilyGradConfig("ppo", is_keep={"token": [0.8, 1.25]}, tis_high=2.0, log_ratio_clamp=20.0),
     FamilyGradConfig("gpg", opd="k3"),
+    FamilyGradConfig("dppo_tv", eps_clip=0.05, eps_clip_high=0.05, params={"trunc": 1.2}, log_ratio_clamp=20.0,
+                     tis_high=2.0, is_keep={"token": [0.8, 1.25]}),
     FamilyGradConfig("sapo", opsm_delta=0.0, opd="k1", log_ratio_clamp=20.0),
 )
 
