@@ -54,10 +54,14 @@ def cispo(t, logp, old, adv, rollout, knobs):
 @_slope("sapo")
 def sapo(t, logp, old, adv, rollout, knobs):
     tau, ratio = t["sapo_tau"], t["ratio"]
-    sig = t["sapo_gate"] * tau / 4.0
+    # σ and σ(1 − σ) = q/(1 + q)², q = e^{−|z|}: no cancellation at either tail (and one formula: the same bits
+    # at any run's length, which torch.sigmoid's vectorized tail does not promise)
+    z = tau * (ratio - 1.0)
+    q = torch.exp(-z.abs())
+    sig = torch.where(z >= 0, 1.0 / (1.0 + q), q / (1.0 + q))
     raw = logp - old
     inside = _inside(raw, knobs.log_ratio_clamp)
-    g = -adv * 4.0 * sig * (1.0 - sig) * ratio * inside
+    g = -adv * 4.0 * (q / ((1.0 + q) * (1.0 + q))) * ratio * inside
     # d log(σ(1 − σ)·r)/d log r = 1 + τ·r·(1 − 2σ); and σ's backward σ·(1 − σ) takes 1 − σ of a rounded σ: a
     # relative error u·σ/(1 − σ) = u·e^{τ(r−1)}, |g| times it is 4|A|·r·σ² (finite where 1 − σ underflows)
     err = g.abs() * (_C + (1.0 + tau * ratio) * (t["log_ratio"].abs() + 1.0)) + \
