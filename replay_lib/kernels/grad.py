@@ -32,7 +32,12 @@ spreads over the sample's tokens like the policy term's).
 ``GradTerms.branch`` (optional) a small int per token naming the branch it took (:data:`BRANCHES`) for the why
 strip. The KL term, the aggregation weights and the scales are the family-independent part
 (:func:`grad_log_probs`); :func:`grad_family` picks a family by the knobs' ``policy_loss`` (the clipped
-surrogate when there is none).
+surrogate when there is none). Every policy-loss family of ``kernels.families`` is registered to
+:func:`family_grad`: its slope (``kernels.families.grad.SLOPES``, the family's stop-gradients) on the decisions
+``kernels.loss.policy_token_terms`` takes, × the detached importance weight. OPSM, the entropy mask and is_keep
+multiply any family's term (the clipped surrogate's too) by their 0/1 (:func:`shared_keep`: no gradient of their
+own); on-policy distillation's loss term adds ``opd_coef·W^pg_i·∂k/∂x`` at ``x = logp − teacher``
+(:func:`opd_grad`).
 """
 
 from __future__ import annotations
