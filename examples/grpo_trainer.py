@@ -962,7 +962,9 @@ def train(args, capture, rank: int = 0, world: int = 1) -> TrainResult:
                         eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, entropy_coef=args.entropy_coef,
                         mask_bug=args.loss_mask_bug, knobs=knobs,
                         rollout_log_probs=rollout_lp[tok] if args.tis is not None or args.loss in ROLLOUT_FAMILIES
-                        or args.opsm is not None else None,
+                        or args.opsm is not None
+                        or (args.loss == "dppo_mu" and dict(args.loss_param).get("anchor", "rollout") == "rollout")
+                        else None,
                         ref_log_probs=ref_log_probs[tok] if knobs.kl_loss else None,
                         bug=getattr(args, "loss_bug", None), value=value,  # (set by check_args)
                         grad_bug=args.grad_bug, teacher_log_probs=teacher_lp,

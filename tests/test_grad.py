@@ -358,3 +358,60 @@ def test_the_rollout_weighted_kl_term_is_refused_by_loss_grad_by_name(tmp_path, 
     message = "kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by loss.grad"
     assert (code, grad["status"], grad["reason"], grad["compared"]) == (1, "fail", message, 0)
     assert [(d["field"], d["message"]) for d in grad["divergences"]] == [("kl_loss_rollout_weighted", message)]
+
+
+def test_grad_values_hand_derived_branches_bound_and_edges():
+    """∂(w·½·max(d1², d2²))/∂v with ε = 0.2, v_old = 1, w = ½: inside the clip range d1 (v = 0.95, R = 2: −1.05);
+    unclipped (v = 1.5, R = 0: d1² > d2²: 1.5); clipped outside the range (v = 1.5, R = 2 and v = 0.5, R = −1): 0.
+    The bound is C_TOKEN·u·(|v| + |R| + |v_old| + ε + |s|)·w off an edge; at the clamp's edge (v = v_old + ε, R = 2:
+    the slope −0.8, or 0 had v rounded above) and at the branch's tie (v = 1.5, R = 1.35: d1 = −d2 = 0.15, the
+    slopes 0.15 and 0) it admits the other branch's slope."""
+    from replay_lib.stages.grad import value_gradient
+
+    u = 2.0 ** -24
+    v = torch.tensor([0.95, 1.5, 1.5, 0.5, 1.2, 1.5], dtype=torch.float64)
+    r = torch.tensor([2.0, 0.0, 2.0, -1.0, 2.0, 1.35], dtype=torch.float64)
+    old = torch.ones_like(v)
+    m = torch.ones_like(v)
+    grad, bound, edge = value_gradient(v, old, r, m, torch.full_like(v, 0.5), 0.2, u)
+    assert grad.tolist()[:5] == pytest.approx([-0.525, 0.75, 0.0, 0.0, -0.4], rel=1e-12)
+    assert edge.tolist() == [False, False, False, False, True, True]
+    assert bound[0].item() == pytest.approx(8.0 * u * (0.95 + 2.0 + 1.0 + 0.2 + 1.05) * 0.5, rel=1e-12)
+    assert bound[2].item() == pytest.approx(8.0 * u * (1.5 + 2.0 + 1.2) * 0.5, rel=1e-12)
+    assert bound[4].item() >= 0.4 and bound[5].item() >= 0.075  # the other branch: 0.8·½, 0.15·½
+    assert abs(grad[5].item() - 0.0) <= bound[5].item() and abs(grad[5].item() - 0.075) <= bound[5].item()
+    unclipped = value_gradient(v, old, r, m, torch.full_like(v, 0.5), None, u)[0]
+    assert unclipped.tolist() == pytest.approx((0.5 * (v - r)).tolist(), rel=1e-12)
+
+
+@pytest.mark.parametrize("recorded", ["inside", "rounded_above"])
+def test_grad_values_at_the_value_clips_edge_admit_either_branch(tmp_path, cli, recorded):
+    """The first loss token's value is exactly v_old + ε (1.25 = 1 + 0.25) with R = 3 (the clipped branch ties the
+    unclipped one): its slope is d = −1.75 inside the range, 0 had the producer's v rounded above it: both pass,
+    and the sample is named in a value_clip_boundary hazard of loss.grad; the other tokens (v = v_old = 0: the
+    slope −R) are judged at their rounding."""
+    import numpy as np
+
+    from producers.inputs import make_inputs
+
+    size = Size(4, 16, 2)
+    inputs = make_inputs(0, size, "rm")
+    n = int(inputs.lengths.sum())
+    config = GradConfig()
+    w = config.dp / float(inputs.mask.sum())  # token_mean × loss_scale dp, vf_coef 1
+    t = int(np.flatnonzero(inputs.mask)[0])
+    values, old = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    returns = np.random.Generator(np.random.PCG64(5)).normal(0, 1, n).astype(np.float32)
+    values[t], old[t], returns[t] = 1.25, 1.0, 3.0
+    grad = ((values - returns) * inputs.mask * w).astype(np.float32)
+    if recorded == "rounded_above":
+        grad[t] = 0.0
+    path = produce_grad_bundle(tmp_path / "b", 0, size, config, value=dict(
+        values=values, old_values=old, returns=returns, grad_values=grad, value_clip=0.25))
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    grad_stage = _stages(report)["loss.grad"]
+    assert (code, err, grad_stage["status"]) == (0, "", "pass"), grad_stage
+    hazards = [h["sample_id"] for h in report["hazards"]
+               if h["stage"] == "loss.grad" and h["kind"] == "value_clip_boundary"]
+    assert hazards == ["s-0"], report["hazards"]

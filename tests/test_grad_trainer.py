@@ -89,3 +89,39 @@ def test_each_grad_bug_flag_is_named_at_loss_grad_with_the_loss_unchanged(tmp_pa
     status, explained = statuses(directory / step)
     assert (status["loss.policy"], status["loss.grad"]) == ("pass", "fail")
     assert explained == [hypothesis], explained
+
+
+# --loss FAMILY (its parameters as the trainer's tests give them): each family's gradient recorded by the hook
+FAMILY_FLAGS = {"dro": ("--loss-param", "beta=0.5"), "dppo_tv": ("--loss-param", "trunc=1.5"),
+                "dppo_kl": ("--loss-param", "trunc=1.5")}
+
+
+@pytest.mark.slow
+def test_every_loss_family_records_and_replays_its_gradient_clean(tmp_path):
+    """The example trainer with ``--loss FAMILY`` under RELAX_REPLAY_CAPTURE_GRAD=1: the hook's gradient of each
+    family's loss (the trainer backpropagates the float32 kernels, their stop-gradients included) replays clean at
+    loss.grad on the step after the first (off-policy), loss.policy passing too."""
+    from replay_lib.kernels.families import FAMILIES
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    short = [a if a != "3" or SMALL[i - 1] != "--steps-per-rollout" else "2" for i, a in enumerate(SMALL)]
+
+    def run(family: str) -> subprocess.CompletedProcess:
+        env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(tmp_path / family / "bundles"),
+               "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+               "RELAX_REPLAY_CAPTURE_GRAD": "1"}
+        (tmp_path / family).mkdir()
+        return subprocess.run([sys.executable, str(TRAINER), *short, "--loss", family, *FAMILY_FLAGS.get(family, ())],
+                              cwd=tmp_path / family, env=env, capture_output=True, text=True, timeout=300)
+
+    families = sorted(FAMILIES)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two trainers at a time: most of each is torch's import
+        procs = dict(zip(families, pool.map(run, families)))
+    failed = {}
+    for family, proc in procs.items():
+        assert proc.returncode == 0, (family, proc.stderr[-3000:])
+        status, _ = statuses(tmp_path / family / "bundles" / "step-0-1")
+        if (status["loss.policy"], status.get("loss.grad")) != ("pass", "pass"):
+            failed[family] = status
+    assert failed == {}

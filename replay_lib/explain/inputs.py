@@ -471,6 +471,10 @@ def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
     recorded = float(ctx.payload(field)[t])
     formula = (f"∂L/∂logp = W_pg·∂pg/∂logp + W_kl·∂kl/∂logp = {fmt(pg)} + {fmt(kl)} = {fmt(total)} "
                f"(recorded {fmt(recorded)})")
+    if g.opd is not None:  # on-policy distillation's loss term: its estimator's slope, × opd_coef × W_pg
+        opd = float(g.opd[t])
+        formula = (f"∂L/∂logp = W_pg·∂pg/∂logp + W_kl·∂kl/∂logp + opd_coef·W_pg·∂opd/∂logp = {fmt(pg)} + "
+                   f"{fmt(kl)} + {fmt(opd)} = {fmt(total)} (recorded {fmt(recorded)})")
     items = [("branch", branch), ("ratio r", fmt(float(terms.ratio[t]))), ("A", fmt(float(gi.advantages[t]))),
              ("mask", fmt_count(float(gi.mask[t])))]
     if terms.weight is not None:

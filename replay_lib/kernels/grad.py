@@ -32,7 +32,12 @@ spreads over the sample's tokens like the policy term's).
 ``GradTerms.branch`` (optional) a small int per token naming the branch it took (:data:`BRANCHES`) for the why
 strip. The KL term, the aggregation weights and the scales are the family-independent part
 (:func:`grad_log_probs`); :func:`grad_family` picks a family by the knobs' ``policy_loss`` (the clipped
-surrogate when there is none).
+surrogate when there is none). Every policy-loss family of ``kernels.families`` is registered to
+:func:`family_grad`: its slope (``kernels.families.grad.SLOPES``, the family's stop-gradients) on the decisions
+``kernels.loss.policy_token_terms`` takes, × the detached importance weight. OPSM, the entropy mask and is_keep
+multiply any family's term (the clipped surrogate's too) by their 0/1 (:func:`shared_keep`: no gradient of their
+own); on-policy distillation's loss term adds ``opd_coef·W^pg_i·∂k/∂x`` at ``x = logp − teacher``
+(:func:`opd_grad`).
 """
 
 from __future__ import annotations
@@ -44,14 +49,19 @@ import torch
 
 from ..bundle.loss_knobs import LossKnobs
 from .kl import KL_CLAMP
-from .loss import agg_weights, importance_weight, sample_log_terms
+from .families.grad import SAMPLE_SLOPES, SLOPES
+from .loss import agg_weights, importance_weight, policy_token_terms, sample_log_terms, wants_sample_pass
 from .segments import segment_ids, segment_sum
 
 # The branch each token's policy term took (GradTerms.branch): its coefficient in words (the why strip).
 UNCLIPPED, CLIPPED, DUAL_CLIPPED, RATIO_CLAMPED, MASKED = 0, 1, 2, 3, 4
+FAMILY_SLOPE, FAMILY_DECIDED, KEEP_DROPPED = 5, 6, 7
 BRANCHES = {UNCLIPPED: "unclipped (∂pg/∂r = −A)", CLIPPED: "clipped (∂pg/∂r = 0)",
             DUAL_CLIPPED: "dual-clip bound −c·A (∂pg/∂r = 0)", RATIO_CLAMPED: "log-ratio clamped (∂r/∂logp = 0)",
-            MASKED: "not a loss token"}
+            MASKED: "not a loss token",
+            FAMILY_SLOPE: "the family's slope (kernels/families/grad.py, its stop-gradients)",
+            FAMILY_DECIDED: "the family's clip or mask decision taken (its slope there)",
+            KEEP_DROPPED: "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,11 @@ class GradInputs:
     lengths: torch.Tensor
     rollout_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None  # the entropy mask's input (top_entropy_quantile < 1)
+    teacher_log_probs: Optional[torch.Tensor] = None  # on-policy distillation's loss term
+    # per-sample terms (``kernels.loss.sample_log_terms``) of these samples taken over the whole step (a family's
+    # micro-batch statistics, the entropy mask's thresholds); ``None``: taken of these tokens alone
+    sample_terms: Optional[dict] = None
 
     @property
     def seg(self) -> torch.Tensor:
@@ -82,6 +97,17 @@ class GradTerms:
     ratio: Optional[torch.Tensor] = None
     seq: Optional[torch.Tensor] = None
     weight: Optional[torch.Tensor] = None
+    # a family's own rounding scale of ``pg`` per token in units of the unit roundoff (``None``: the clipped
+    # surrogate's, derived in stages.grad), its decisions' ``edge_gap`` (kernels.families) and ``open`` (|∂S/∂logp|
+    # had that decision gone the other way)
+    err: Optional[torch.Tensor] = None
+    edge_gap: Optional[torch.Tensor] = None
+    open: Optional[torch.Tensor] = None
+    # the 0/1 masks the knobs multiply the policy term by (OPSM, the entropy mask, is_keep), their product, and
+    # ``pg`` before them (× the weight): what a mask decision at its edge leaves open
+    keep: Optional[torch.Tensor] = None
+    unmasked: Optional[torch.Tensor] = None
+    columns: Optional[dict] = None  # the float64 token terms the masks were taken of (opsm_seq_kl, entropy, …)
 
 
 GradFn = Callable[[GradInputs, LossKnobs], GradTerms]
@@ -148,6 +174,9 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     m = gi.mask
     d = gi.log_probs - gi.old_log_probs
     w = importance_weights(gi, knobs)
+    keep, columns = shared_keep(gi, knobs)
+    if keep is not None:  # OPSM, the entropy mask, is_keep: 0/1 constants on the (weighted) term
+        w = keep if w is None else w * keep
     if knobs.sequence_ratio:
         seg = gi.seg
         n = torch.clamp_min(segment_sum(m, seg, gi.lengths.numel()), 1.0)
@@ -173,8 +202,99 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
             slope = slope * w
         pg = slope * ratio * inside * m
         branch = torch.where((inside == 0) & (branch == UNCLIPPED), torch.full_like(branch, RATIO_CLAMPED), branch)
+    if keep is not None:
+        branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
-    return GradTerms(pg=pg, branch=branch, ratio=ratio, seq=seq, weight=w)
+    weight = importance_weights(gi, knobs) if keep is not None else w
+    unmasked = None
+    if keep is not None:  # the term had no mask dropped it: |∂S/∂logp| before the masks
+        if knobs.sequence_ratio:  # the sample's slopes summed without the masks
+            from dataclasses import replace
+
+            plain = replace(knobs, opsm_delta=None, top_entropy_quantile=1.0, is_keep=())
+            unmasked = ppo_clip_grad(replace(gi, sample_terms=None), plain).pg.abs()
+        else:
+            unmasked = (_surrogate_slope(ratio, gi.advantages, knobs)[0] * ratio * inside * m
+                        * (weight if weight is not None else 1.0)).abs()
+    return GradTerms(pg=pg, branch=branch, ratio=ratio, seq=seq, weight=weight, keep=keep, unmasked=unmasked,
+                     columns=columns)
+
+
+def _sample_terms(gi: GradInputs, knobs: LossKnobs) -> Optional[dict]:
+    """The per-sample terms the knobs need (``gi.sample_terms``, else of ``gi``'s own samples), ``None`` for none."""
+    if gi.sample_terms is not None:
+        return gi.sample_terms
+    if not wants_sample_pass(knobs):
+        return None
+    return sample_log_terms(gi.log_probs, gi.old_log_probs, gi.rollout_log_probs, gi.mask, gi.lengths, knobs,
+                            dtype=gi.log_probs.dtype, entropy=gi.entropy, advantages=gi.advantages)
+
+
+def _token_terms(gi: GradInputs, knobs: LossKnobs, sample_terms) -> dict:
+    """``kernels.loss.policy_token_terms`` of ``gi`` in its dtype: the decisions loss.policy takes."""
+    return policy_token_terms(gi.log_probs, gi.old_log_probs, gi.advantages, knobs, seg=gi.seg,
+                              sample_terms=sample_terms, rollout_log_probs=gi.rollout_log_probs,
+                              ref_log_probs=None, dtype=gi.log_probs.dtype, entropy=gi.entropy,
+                              teacher_log_probs=gi.teacher_log_probs)
+
+
+def _keep_of(t: dict) -> Optional[torch.Tensor]:
+    keep = None
+    for name in ("opsm_keep", "entropy_keep", "is_keep"):
+        if name in t:
+            keep = t[name] if keep is None else keep * t[name]
+    return keep
+
+
+def shared_keep(gi: GradInputs, knobs: LossKnobs) -> tuple[Optional[torch.Tensor], Optional[dict]]:
+    """``(keep, columns)``: the product of the 0/1 masks OPSM, the entropy mask and is_keep multiply the policy
+    term by (each a decision, never a gradient of its own), ``None`` without one; ``columns`` the token terms."""
+    if not (knobs.opsm or knobs.entropy_mask or knobs.is_keep):
+        return None, None
+    from dataclasses import replace
+
+    # the masks only: the clipped surrogate's own columns are not needed (no KL term, no distillation term)
+    plain = replace(knobs, kl_loss_coef=0.0, opd_placement=None)
+    t = _token_terms(gi, plain, _sample_terms(gi, plain))
+    return _keep_of(t), t
+
+
+def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
+    """A policy-loss family's ``∂S^pg_i/∂logp_u`` (``kernels.families.grad``: the family's slope with its
+    stop-gradients, × OPSM's, the entropy mask's and is_keep's 0/1 and the detached importance weight)."""
+    from dataclasses import replace
+
+    plain = replace(knobs, kl_loss_coef=0.0, opd_placement=None)
+    st = _sample_terms(gi, plain)
+    t = _token_terms(gi, plain, st)
+    name = knobs.policy_loss
+    extra = dict(sample_terms=st, seg=gi.seg, mask=gi.mask) if name in SAMPLE_SLOPES else {}
+    slope, err, open_ = SLOPES[name](t, gi.log_probs, gi.old_log_probs, gi.advantages, gi.rollout_log_probs,
+                                     knobs, **extra)
+    m = gi.mask
+    w = t.get("is_weight")
+    keep = _keep_of(t)
+    factor = m if w is None else m * w
+    unmasked = slope * factor
+    pg = unmasked if keep is None else unmasked * keep
+    err = err * factor.abs()
+    if keep is not None:
+        err = err * keep
+    if open_ is not None:
+        open_ = open_ * factor.abs() * (keep if keep is not None else 1.0)
+    branch = torch.full_like(m, FAMILY_SLOPE, dtype=torch.int8)
+    if "clip" in t:
+        branch = torch.where(t["clip"] > 0, torch.full_like(branch, FAMILY_DECIDED), branch)
+    if keep is not None:
+        branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
+    branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
+    ratio = t["ratio"]
+    return GradTerms(pg=pg, branch=branch, ratio=ratio, weight=w, err=err, edge_gap=t.get("edge_gap"), open=open_,
+                     keep=keep, unmasked=unmasked.abs() if keep is not None else None, columns=t)
+
+
+for _name in SLOPES:
+    register_grad(_name)(family_grad)
 
 
 def kl_value_and_slope(x: torch.Tensor, knobs: LossKnobs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +349,7 @@ class Gradient:
     pg_weight: torch.Tensor
     kl_weight: torch.Tensor
     terms: GradTerms
+    opd: Optional[torch.Tensor] = None  # on-policy distillation's loss term (opd_placement="loss"), weighted
 
 
 def grad_scale_of(cfg) -> float:
@@ -286,4 +407,25 @@ def grad_log_probs(gi: GradInputs, knobs: LossKnobs, grad_scale: float = 1.0,
     else:
         kl_weight = torch.zeros_like(pg)
         kl = torch.zeros_like(pg)
-    return Gradient(grad=pg + kl, pg=pg, kl=kl, pg_weight=pg_weight, kl_weight=kl_weight, terms=terms)
+    grad = pg + kl
+    opd = None
+    if knobs.opd_loss:
+        opd = opd_grad(gi, knobs) * pg_weight * knobs.opd_coef
+        grad = grad + opd
+    return Gradient(grad=grad, pg=pg, kl=kl, pg_weight=pg_weight, kl_weight=kl_weight, terms=terms, opd=opd)
+
+
+def opd_knobs(knobs: LossKnobs) -> LossKnobs:
+    """The distillation term as a KL term: ``opd_kl_type`` of ``logp − teacher``, its value clamped ±opd_clamp."""
+    from dataclasses import replace
+
+    return replace(knobs, kl_loss_type=knobs.opd_kl_type, kl_loss_input_clamp=None,
+                   kl_loss_output_clamp=knobs.opd_clamp)
+
+
+def opd_grad(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor:
+    """``∂S^opd_i/∂logp_u`` per token (masked): the estimate's slope at ``logp − teacher`` (aggregated as the
+    policy term, ``kernels.loss.field_aggregation``)."""
+    if gi.teacher_log_probs is None:
+        raise ValueError("teacher_log_probs is required for opd_placement='loss'")
+    return kl_value_and_slope(gi.log_probs - gi.teacher_log_probs, opd_knobs(knobs))[1] * gi.mask

@@ -45,3 +45,14 @@ def test_trl_gradients_replay_clean_and_the_kl_without_gradient_is_named(tmp_pat
         assert (status["loss.policy"], status["loss.grad"]) == ("pass", "fail"), name
         assert report.first_divergent_stage == "loss.grad"
         assert [e.hypothesis for e in report.explanations] == ["grad.kl_no_gradient"]
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_trl_family_gradients_replay_clean(tmp_path, loss_type):
+    """TRL's own CISPO (``clamp(r, max=ε_high).detach()``) and SAPO (the soft gate) losses and backward, with a KL
+    term: the hook's gradient replays clean at loss.grad (kernels/families/grad.py)."""
+    directory = run(tmp_path / loss_type, "--loss-type", loss_type)
+    for name in STEPS:
+        report = replay(directory / name)
+        status = {s.stage: s.status for s in report.stages}
+        assert (status["loss.policy"], status["loss.grad"]) == ("pass", "pass"), name

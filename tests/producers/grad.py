@@ -229,8 +229,10 @@ def grad_inputs(seed: int, size: Size, cfg: GradConfig, bug: Optional[str] = Non
 
 
 def produce_grad_bundle(path: str | Path, seed: int, size: Size, cfg: GradConfig = GradConfig(), *,
-                        bug: Optional[str] = None) -> Path:
-    """Write the step bundle (loss.policy and loss.grad) this producer records for ``seed``."""
+                        bug: Optional[str] = None, value: Optional[dict] = None) -> Path:
+    """Write the step bundle (loss.policy and loss.grad) this producer records for ``seed``; ``value``: the
+    value loss's payloads to record beside (``values``, ``old_values``, ``returns``, ``grad_values``, float32
+    arrays over the tokens) and its ``value_clip``."""
     if bug is not None and bug not in GRAD_BUGS:
         raise ValueError(f"unknown gradient bug {bug!r} (expected one of {', '.join(GRAD_BUGS)})")
     logp, old, adv, rollout, ref, inputs = grad_inputs(seed, size, cfg, bug)
@@ -246,6 +248,11 @@ def produce_grad_bundle(path: str | Path, seed: int, size: Size, cfg: GradConfig
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=3, step_id=0),
                                                                rank={"dp": cfg.dp}),
                         samples=samples, config=recompute_config(cfg, tokens, size.samples, bug))
+    if value is not None:
+        import msgspec
+
+        index = msgspec.structs.replace(index, config=msgspec.structs.replace(index.config,
+                                                                              value_clip=value["value_clip"]))
     policy = ComparisonPolicy(tolerances={"loss.grad": Tolerance(atol=0.0, rtol=1e-6)})
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.grad", torch_version=torch.__version__),
@@ -256,6 +263,8 @@ def produce_grad_bundle(path: str | Path, seed: int, size: Size, cfg: GradConfig
                          ("rollout_log_probs", rollout), ("advantages", adv)):
         writer.write_payload(name, _f32(values))
     writer.write_payload("grad_log_probs", grad)
+    for name in ("values", "old_values", "returns", "grad_values") if value is not None else ():
+        writer.write_payload(name, _f32(value[name]))
     return writer.finalize(ranks=[0])
 
 

@@ -15,7 +15,7 @@ def dppo_terms(log_probs, old_log_probs, advantages, knobs, dtype, valid_fn) -> 
     adv = advantages.to(dtype)
     ratio = lr.exp()
     c = float(knobs.param("trunc"))
-    truncated = ratio.clamp(max=c)
+    truncated = ratio.clamp(max=c).detach()  # sg(min(r, c)): a constant of the gradient
     valid, gap = valid_fn(logp, old, adv, knobs)
     full = -adv * truncated * logp
     pg = full * valid.to(dtype)

@@ -41,6 +41,7 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
         w = ratio.clamp(low, high)
         clip = ratio != w
         gap = relative_gap(ratio, low, high)
+    w = w.detach()  # sg(clip(r)): a constant weight of the gradient (verl core_algos.py:2095, TRL :3110)
     pg = -w * adv * logp
     return {"pg": pg, "clip": clip.to(dtype), "clip_lower": zeros(pg), "ppo_kl": -lr, "ratio": ratio,
             "log_ratio": lr, "cispo_weight": w, "edge_gap": gap}

@@ -23,7 +23,7 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     ratio = d.exp()
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     in_range = (ratio > low) & (ratio < high)
-    kept = torch.where(in_range, ratio, torch.zeros_like(ratio))
+    kept = torch.where(in_range, ratio, torch.zeros_like(ratio)).detach()  # sg(r·1[in range])
     adv = advantages.to(dtype)
     pg = -(kept * adv * logp)
     lr = logp - old_log_probs.to(dtype)

@@ -49,7 +49,8 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg, sample_term
     k = torch.where(nonneg, float(knobs.param("k_pos")), float(knobs.param("k_neg"))).to(dtype)
     lam = torch.where(nonneg, float(knobs.param("lambda_pos")), float(knobs.param("lambda_neg"))).to(dtype)
     lam = lam.clamp(min=1e-4)
-    phi = (lam + k * log_w - lam * w).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    # φ is computed under no_grad (get_gamma_weights, :2970): a constant of the gradient
+    phi = (lam + k * log_w - lam * w).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
     pg = -phi * adv * logp
     # ∂ log φ / ∂ log w = k − λ·w; log w sums the sample's log-ratios: its rounding scales with Σ|lr|, and pg's
     # rounding scale (pg_err, in units of the unit roundoff) is |pg| times that condition
