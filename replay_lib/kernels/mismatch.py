@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 # verl rollout_corr_helper.py SAFETY_BOUND (the clamp of a log-ratio before exp in its chi² metrics)
@@ -111,6 +112,83 @@ class DifferenceSummary:
             self.first = start + first
 
 
+    def add_masked(self, a, b, diff: torch.Tensor, m: torch.Tensor, cnt: float, start: int, big: float) -> None:
+        """:meth:`add` for a chunk whose float64 ``diff`` = ±(a − b)·m is finite everywhere (``m``: float64 1 on
+        the loss tokens, 0 elsewhere; ``cnt``: Σ m; ``big``: max |diff|), without a comparison array (on the
+        CPU a bool result costs several float passes). ``a`` and ``b`` are the chunk's values, or its
+        :class:`MaskedBits` when both are float32: then the count, the max ulp and the first differing token come
+        from the integer distance of their ordered keys (0 exactly when the floats are equal, ±0 included);
+        otherwise from ``diff`` (two floats differ exactly when their float64 difference is not 0: a difference
+        of two distinct floats never rounds to 0)."""
+        self.compared += int(cnt)
+        step = pair_step(a, b) if isinstance(a, MaskedBits) else diff
+        count = int(torch.count_nonzero(step))
+        if not count:
+            return
+        self.count += count
+        self.max_abs = big if math.isnan(self.max_abs) else max(self.max_abs, big)
+        if step is diff:  # bf16, fp16 or float64 payloads: the differing tokens' distances
+            idx = diff.nonzero().reshape(-1)
+            ulp = float(ulp_distance(a[idx], b[idx]).max())
+        else:
+            low, high = torch.aminmax(step)
+            ulp = float(max(int(high), -int(low)))
+        self.max_ulp = max(self.max_ulp, ulp)
+        if self.first is None:
+            self.first = start + _first_nonzero(step)
+
+
+def _first_nonzero(x: torch.Tensor) -> int:
+    """The index of ``x``'s first non-zero element (there is one): looked for in growing prefixes."""
+    width = 1024
+    while True:
+        idx = x[:width].nonzero()
+        if idx.numel():
+            return int(idx[0])
+        width *= 16
+
+
+def _keys32(bits: torch.Tensor) -> torch.Tensor:
+    """int32 keys in the order of the float32 values of ``bits`` (``+0`` and ``−0`` both 0): the magnitude's bits,
+    negated for a negative float (no overflow: magnitudes are below 2^31)."""
+    sign = bits >> 31  # 0 or −1
+    return (bits & 0x7FFFFFFF).bitwise_xor_(sign).sub_(sign)
+
+
+class MaskedBits:
+    """A finite float32 chunk's bit patterns on the loss tokens (× the int32 0/1 mask: 0 elsewhere), made once
+    for every pair it is compared in. ``kind``: ``"neg"`` when no value is above 0 (log-probs: ``raw`` is then
+    the magnitudes' bits, the keys negated), ``"pos"`` when none is below +0 (``raw``: the bits, the keys
+    themselves), else ``"mixed"`` (:meth:`keys`: the ordered keys, ±0 one key)."""
+
+    def __init__(self, x: torch.Tensor, mi: torch.Tensor) -> None:
+        self.bits = x.view(torch.int32) * mi
+        low, high = (int(v) for v in torch.aminmax(self.bits)) if self.bits.numel() else (0, 0)
+        self.kind = "neg" if high <= 0 else "pos" if low >= 0 else "mixed"
+        self.raw = self.bits & 0x7FFFFFFF if self.kind == "neg" else self.bits
+        self._keys: Optional[tuple[torch.Tensor, int, int]] = None
+
+    def keys(self) -> tuple[torch.Tensor, int, int]:
+        """The ordered keys and their range."""
+        if self._keys is None:
+            keys = self.raw if self.kind == "pos" else -self.raw if self.kind == "neg" else _keys32(self.bits)
+            low, high = (int(v) for v in torch.aminmax(keys)) if keys.numel() else (0, 0)
+            self._keys = (keys, low, high)
+        return self._keys
+
+
+def pair_step(a: MaskedBits, b: MaskedBits) -> torch.Tensor:
+    """± the ulp distance per token (the difference of the ordered keys; 0 off the loss tokens): of the raw
+    patterns when both chunks are of one sign (no overflow), else of the keys, in int64 when their ranges could
+    overflow int32."""
+    if a.kind == b.kind != "mixed":
+        return a.raw - b.raw
+    (ka, a_lo, a_hi), (kb, b_lo, b_hi) = a.keys(), b.keys()
+    if max(a_hi - b_lo, b_hi - a_lo) < 2 ** 31:
+        return ka - kb
+    return ka.to(torch.int64) - kb.to(torch.int64)
+
+
 def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
     """max :func:`ulp_distance` of finite float32 values: between two of one sign, the difference of their bit
     patterns as int32; between a positive and a negative one, the sum of their magnitudes' bit patterns (the steps
@@ -160,6 +238,34 @@ def _kl(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Ten
     return torch.expm1(log_ratio) - log_ratio
 
 
+@dataclass
+class Folded:
+    """What :meth:`MismatchScan.add` leaves of a chunk for the bitwise comparisons: ``m`` float64 1 on the loss
+    tokens and 0 elsewhere, ``old`` the float64 old log-probs there (0 elsewhere), ``diff`` = old − rollout on
+    them when every value is finite (``None`` otherwise: compare with :meth:`DifferenceSummary.add`), ``absd``
+    its magnitude, ``count`` Σ m and ``big`` max |diff| (NaN without ``diff``)."""
+
+    m: torch.Tensor
+    old: torch.Tensor
+    diff: Optional[torch.Tensor]
+    absd: torch.Tensor
+    count: float = 0.0
+    big: float = math.nan
+    _mi: Optional[torch.Tensor] = None
+
+    @property
+    def mi(self) -> torch.Tensor:
+        """``m`` as int32 (made once, for the bit patterns)."""
+        if self._mi is None:
+            self._mi = self.m.to(torch.int32)
+        return self._mi
+
+
+def _masked64(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float64 ``x·m`` (a new tensor: a payload is never written)."""
+    return x.to(torch.float64).mul_(m) if x.dtype != torch.float64 else x * m
+
+
 class MismatchScan:
     """The metrics of :data:`METRICS` in float64, folded a chunk of tokens at a time (:meth:`add`, the chunks in
     token order; every per-token quantity of a chunk stays in cache), then :meth:`metrics`. ``n``: samples;
@@ -188,25 +294,28 @@ class MismatchScan:
             return ratio.clamp(min=self.is_low, max=self.is_high)
         return ratio
 
-    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-        """Fold in one chunk; returns its float64 ``|old − rollout|`` on the loss tokens (0 elsewhere)."""
+    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> "Folded":
+        """Fold in one chunk; returns its :class:`Folded` (the float64 mask and old log-probs, and, when every
+        value is finite, ``old − rollout`` on the loss tokens)."""
         f64 = torch.float64
-        on = mask > 0
-        m = on.to(f64)
-        # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
-        if bool(on.all()):
-            lo, lr = old.to(f64), rollout.to(f64)  # never written in place
-        else:
-            lo = torch.where(on, old, 0.0).to(f64)
-            lr = torch.where(on, rollout, 0.0).to(f64)
+        # 1 on the loss tokens, 0 elsewhere, in float arithmetic (sign, clamp): a comparison's bool array costs
+        # several float passes on the CPU
+        m = torch.sign(mask.to(f64)).clamp_(min=0.0)
         cnt = float(m.sum())
-        fast = self._add_finite(lo, lr, m, on, cnt, seg)
+        # the values off the loss tokens never enter: × 0 (a non-finite one there makes the sums non-finite, and
+        # the general path replaces it by 0 as verl's masked_sum does)
+        lo, lr = _masked64(old, m), _masked64(rollout, m)
+        fast = self._add_finite(lo, lr, m, cnt, seg)
         if fast is not None:
             return fast
-        return self._add_general(lo, lr, m, on, cnt, seg)
+        on = mask > 0
+        lo = torch.where(on, old, 0.0).to(f64)
+        lr = torch.where(on, rollout, 0.0).to(f64)
+        absd = self._add_general(lo, lr, on.to(f64), on, float(on.sum()), seg)
+        return Folded(m, lo, None, absd, float(on.sum()))
 
-    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
-                    seg: torch.Tensor) -> Optional[torch.Tensor]:
+    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, cnt: float,
+                    seg: torch.Tensor) -> Optional["Folded"]:
         """:meth:`add` for a chunk whose ``d = old − rollout`` and ``exp(±d)`` are all finite (else ``None``, nothing
         folded in): every metric from a handful of float64 sums over the chunk (one exp, no per-metric temporary).
         Off the loss tokens d = 0 and exp(d) = 1 exactly, so a sum over the whole chunk less ``off`` (their count) is
@@ -216,7 +325,7 @@ class MismatchScan:
         d = lo - lr
         numel = d.numel()
         if not numel:
-            return d
+            return Folded(m, lo, d, d, cnt, 0.0)
         e = torch.exp(d)
         s_d, s_e = float(d.sum()), float(e.sum())
         if not (math.isfinite(s_d) and math.isfinite(s_e)):  # NaN, ±inf or an exp overflow
@@ -231,7 +340,8 @@ class MismatchScan:
         S = self.sums
         S["tokens"] += cnt
         # verl debug metrics: |exp(old) − exp(rollout)| = exp(rollout)·|exp(d) − 1| (0 off the loss tokens)
-        pd = torch.exp(lr).mul_((e - 1.0).abs_())
+        x = torch.exp(lr)
+        pd = torch.addcmul(x, x, e, value=-1.0).abs_()  # |x − x·e|
         psum = float(pd.sum())
         S["pd"] += psum
         if cnt:
@@ -264,6 +374,7 @@ class MismatchScan:
             self.max["absd"] = _max(self.max["absd"], big)
         if self.is_level != "sequence" and cnt:
             if self.is_mode == "mask":
+                on = m > 0
                 ratio = self._clip(e)
                 S["ratio"] += float(torch.dot(ratio, m))
                 self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
@@ -275,6 +386,7 @@ class MismatchScan:
                 S["ratio"] += float(clipped.sum()) - off * one
                 e_min, e_max = (float(v) for v in torch.aminmax(e))
                 if off and not (e_max > 1.0 and e_min < 1.0):  # a 1 of an off token may be an extreme: look closer
+                    on = m > 0
                     e_max = float(torch.where(on, e, -math.inf).max())
                     e_min = float(torch.where(on, e, math.inf).min())
                 clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
@@ -291,7 +403,7 @@ class MismatchScan:
             seq[1] += part[1]
             seq[2] += part[0] - part[1]
             seq[3] += part[2]
-        return absd
+        return Folded(m, lo, d, absd, cnt, big)
 
     def _fold_condition(self, lo, lr, absd, tm, m) -> None:
         size = torch.maximum(lo.abs(), lr.abs()).add_(1)
@@ -421,11 +533,20 @@ class MismatchScan:
 def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
     """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
     take one contiguous sum each, many short ones one ``index_add_`` per row."""
-    samples, counts = torch.unique_consecutive(seg, return_counts=True)
-    if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
-        sizes = counts.tolist()
-        for r, row in enumerate(rows):  # row by row: no stacked copy of the chunk
-            acc[r].index_add_(0, samples, torch.stack([part.sum() for part in row.split(sizes)]))
+    if not seg.numel():
+        return
+    first, last = int(seg[0]), int(seg[-1])
+    if (last - first + 1) * 256 <= seg.numel():  # samples of 256 tokens or more on average
+        # each sample's first token by binary search (seg is sorted); an empty sample (no token) is left out
+        samples = torch.arange(first, last + 1)
+        starts = torch.searchsorted(seg, samples)
+        ends = torch.cat([starts[1:], torch.tensor([seg.numel()])])
+        present = ends > starts
+        if not bool(present.all()):
+            samples, starts = samples[present], starts[present]
+        starts = starts.numpy()
+        for r, row in enumerate(rows):  # row by row (no stacked copy of the chunk), one reduceat each
+            acc[r].index_add_(0, samples, torch.from_numpy(np.add.reduceat(row.contiguous().numpy(), starts)))
     else:
         for r, row in enumerate(rows):
             acc[r].index_add_(0, seg, row)
@@ -515,5 +636,5 @@ def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.
     return keep | ~on, near & on & ~firm
 
 
-__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

@@ -36,7 +36,7 @@ from ..bundle.loss_knobs import LossKnobs
 from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels import token_chunks
-from ..kernels.mismatch import METRICS, MISMATCH_CHUNK, DifferenceSummary, MismatchScan, segment_add
+from ..kernels.mismatch import METRICS, MISMATCH_CHUNK, DifferenceSummary, MaskedBits, MismatchScan, segment_add
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -177,11 +177,23 @@ def _weight_fields(ctx: StageContext, knobs: LossKnobs) -> list:
     return weights.fields(ctx)
 
 
+def _compare(summary: DifferenceSummary, a: torch.Tensor, b: torch.Tensor, folded, diff: Optional[torch.Tensor],
+             on, lo: int, hi: int, big: float, bits=None) -> None:
+    """Fold one chunk's ``a`` vs ``b`` into ``summary``: from the finite float64 difference ``diff`` (max
+    magnitude ``big``) when there is one (:meth:`DifferenceSummary.add_masked`; ``bits``: the two chunks'
+    ``MaskedBits`` when both are float32), else bit for bit on the loss tokens (NaN, infinities)."""
+    if diff is not None:
+        x, y = bits if bits is not None else (a, b)
+        summary.add_masked(x, y, diff, folded.m, folded.count, lo, big)
+    else:
+        summary.add(a, b, on()[lo:hi], lo)
+
+
 def run_mismatch(ctx: StageContext) -> StageReport:
     rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
     current = ctx.payload("log_probs") if ctx.has("log_probs") else None
     mask = ctx.loss_mask
-    on = mask > 0
+    on = functools.lru_cache(maxsize=1)(lambda: mask > 0)  # the bool mask, made when a comparison needs it
     locate = _locate(ctx)
     cfg = ctx.config
     knobs = LossKnobs.of(cfg)  # the effective correction (slime's use_tis is token TIS)
@@ -196,11 +208,24 @@ def run_mismatch(ctx: StageContext) -> StageReport:
                         is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
+    f32 = rollout.dtype == old.dtype == torch.float32
     for lo, hi, seg in token_chunks(ctx.lengths, MISMATCH_CHUNK):
-        r, o, c_on = rollout[lo:hi], old[lo:hi], on[lo:hi]
-        ro.add(r, o, c_on, lo, absd=scan.add(r, o, mask[lo:hi], seg))
+        r, o = rollout[lo:hi], old[lo:hi]
+        folded = scan.add(r, o, mask[lo:hi], seg)
+        o_bits = MaskedBits(o, folded.mi) if f32 and folded.diff is not None else None
+        _compare(ro, r, o, folded, folded.diff, on, lo, hi, folded.big,
+                 (MaskedBits(r, folded.mi), o_bits) if o_bits is not None else None)
         if oc is not None:
-            oc.add(o, current[lo:hi], c_on, lo)
+            c = current[lo:hi]
+            diff, big = None, math.nan
+            if folded.diff is not None:  # the old log-probs' float64 copy of the scan, the current ones beside it
+                diff = folded.old - c.to(torch.float64).mul_(folded.m)
+                low, high = (float(v) for v in torch.aminmax(diff)) if diff.numel() else (0.0, 0.0)
+                big = max(high, -low)
+                if not (math.isfinite(low) and math.isfinite(high)):  # a NaN or an infinity: bit for bit
+                    diff = None
+            bits = (o_bits, MaskedBits(c, folded.mi)) if o_bits is not None and c.dtype == torch.float32 else None
+            _compare(oc, o, c, folded, diff, on, lo, hi, big, bits)
     if knobs.is_level is not None:  # the views' per-sample weights: computed when a view asks (VIEW_FIELDS)
         ctx.records[VIEW_FIELDS] = functools.partial(_weight_fields, knobs=knobs)  # of ctx: no reference cycle
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
@@ -214,7 +239,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
 
     fields = []
     if bitwise:
-        fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
+        fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on(), exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
     unknown = sorted(k for k in recorded if k not in METRICS)
     if unknown:
