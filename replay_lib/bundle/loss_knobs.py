@@ -91,6 +91,8 @@ class LossKnobs:
     is_keep: tuple = ()
     # each sample's prompt (an index, in order of first appearance) from the samples' group_index; None without
     prompt: Optional[tuple[int, ...]] = None
+    # the importance weights' divisor (RecomputeConfig.is_batch_norm_factor under is_batch_normalize), None: off
+    is_norm: Optional[float] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -119,7 +121,7 @@ class LossKnobs:
                    top_entropy_quantile=_set(cfg, "top_entropy_quantile", 1.0),
                    opd_placement=_set(cfg, "opd_placement", None), opd_kl_type=_set(cfg, "opd_kl_type", "k1"),
                    opd_coef=_set(cfg, "opd_coef", 1.0), opd_clamp=_set(cfg, "opd_clamp", None),
-                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples))
+                   is_keep=_is_keep(cfg), prompt=prompt_partition(samples), is_norm=_is_norm(cfg))
 
     def param(self, name: str):
         """The family's parameter ``name``: the recorded value, else the family's default
@@ -238,6 +240,15 @@ def uses_micro_batches(cfg) -> Optional[str]:
         if getattr(cfg, knob, None) == MICRO_BATCH_TOKEN_MEAN:
             return knob
     return None
+
+
+def _is_norm(cfg) -> Optional[float]:
+    """The importance weights' recorded divisor when the config normalizes them (None: off, or not recorded:
+    loss.policy then names it as missing)."""
+    if getattr(cfg, "is_batch_normalize", False) is not True:
+        return None
+    factor = getattr(cfg, "is_batch_norm_factor", None)
+    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else None
 
 
 def check_knobs(knobs: LossKnobs) -> list[str]:

@@ -353,6 +353,15 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # The 0/1 keep masks of an off-policy correction (SkyRL off_policy_correction's outlier, token and sequence
     # masks; bundle/is_keep.py, SPEC §4.4): each token's policy-loss term × 0/1, the normalizer and metrics kept.
     is_keep: Union[dict[str, list[Optional[float]]], None, msgspec.UnsetType] = msgspec.UNSET
+    # The importance weights divided by their batch mean (verl rollout_is_batch_normalize, slime
+    # tis_batch_normalize): the divisor is the step's recorded mean (verl rollout_corr/rollout_is_batch_norm_factor,
+    # global across DP), is_batch_norm_factor. Unset: off, and not written.
+    is_batch_normalize: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    is_batch_norm_factor: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # The log-probs the train/rollout correction (IS weights, rollout_rs) compares with rollout_log_probs: "old"
+    # (decoupled: the trainer's recompute) or "current" (verl bypass_mode: the first minibatch's log_probs,
+    # detached, computed inside the loss). Unset: old, and not written.
+    rollout_correction_anchor: Union[str, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
@@ -375,6 +384,12 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
             from .is_keep import parse_is_keep
 
             parse_is_keep(self.is_keep)
+        factor = self.is_batch_norm_factor
+        if factor is not msgspec.UNSET and not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"is_batch_norm_factor: expected a finite divisor > 0, got {factor!r}")
+        if self.rollout_correction_anchor not in (msgspec.UNSET, "old", "current"):
+            raise ValueError(f"rollout_correction_anchor: expected one of old, current, got "
+                             f"{self.rollout_correction_anchor!r}")
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

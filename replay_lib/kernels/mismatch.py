@@ -575,6 +575,38 @@ def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
     return scan.condition_value()
 
 
+# verl's factor of rollout_is_batch_normalize (rollout_corr_helper.py:627-655), logged as a metric
+IS_NORM_METRIC = "rollout_corr/rollout_is_batch_norm_factor"
+
+
+def is_batch_norm_factor(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                         knobs) -> float:
+    """verl's ``rollout_is_batch_normalize`` divisor over these tokens (``rollout_corr_helper.py:627-655``, one
+    process: ``masked_mean``), in float64: the mean of the corrected weights (truncated or masked, before the
+    division) over the loss tokens (token level), or over the samples with a loss token of each sample's weight
+    (sequence level); 1.0 when that mean is not above 1e-8 (verl then leaves the weights as they are). verl's
+    float32 ``Σ mask + 1e-8`` denominators round to ``Σ mask`` for any count ≥ 1."""
+    from dataclasses import replace
+
+    from .loss import importance_weight
+
+    raw = replace(knobs, is_norm=None)
+    on = mask > 0
+    m = on.to(torch.float64)
+    d = torch.where(on, old, 0.0).to(torch.float64) - torch.where(on, rollout, 0.0).to(torch.float64)
+    if knobs.is_level == "token":
+        total = float(torch.dot(importance_weight(d, raw), m))
+        count = float(m.sum())
+    else:  # sequence: one weight per sample, exp of its sum
+        count_i = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+        log_w = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, d)
+        present = (count_i > 0).to(torch.float64)
+        total = float(torch.dot(importance_weight(log_w, raw), present))
+        count = float(present.sum())
+    mean = total / (count if count >= 1 else VERL_MASKED_MEAN_EPS)
+    return mean if mean > 1e-8 else 1.0
+
+
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
                    chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
     """:func:`rejection_decisions`' keep mask alone."""
@@ -636,5 +668,5 @@ def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.
     return keep | ~on, near & on & ~firm
 
 
-__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["IS_NORM_METRIC", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

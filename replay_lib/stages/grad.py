@@ -205,7 +205,7 @@ def importance_weight_unmasked(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor
     from dataclasses import replace
 
     from ..kernels.grad import importance_weights
-    return importance_weights(gi, replace(knobs, is_mode="truncate", is_low=None, is_high=None))
+    return importance_weights(gi, replace(knobs, is_mode="truncate", is_low=None, is_high=None, is_norm=None))
 
 
 HAZARD_TEXT = {

@@ -585,6 +585,10 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
             missing.append(f"payloads/{payload}.pt (for {knob})")
     missing += count_requirements(cfg)
     missing += partition_requirements(reader)
+    if getattr(cfg, "is_batch_normalize", False) is True and cfg.is_level is not None and \
+            LossKnobs.of(cfg).is_norm is None:
+        missing.append("index.json $.config.is_batch_norm_factor (is_batch_normalize divides the importance weights "
+                       "by the step's recorded batch mean: verl's rollout_corr/rollout_is_batch_norm_factor)")
     if not any(f in reader.expected.get("loss.policy", {}) for f in POLICY_FIELDS):
         missing.append("expected.json $.loss.policy.loss")
     return missing
@@ -609,6 +613,11 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level", f"{knobs.is_level!r} with policy_loss='vespo': TRL folds the importance ratio into "
                                 "VESPO's sequence weight (grpo_trainer.py:2993-2997) instead of multiplying the loss; "
                                 "not recomputed"))
+    if getattr(cfg, "rollout_correction_anchor", None) == "current" and knobs.is_level is not None and \
+            knobs.policy_loss != "gpg":
+        out.append(("rollout_correction_anchor", f"'current' with is_level={knobs.is_level!r} and policy_loss="
+                                                 f"{knobs.policy_loss!r}: weights of the current log-probs are "
+                                                 "recomputed for verl's bypass REINFORCE (policy_loss 'gpg') only"))
     if knobs.entropy_mask and knobs.entropy_coef != 0:
         out.append(("top_entropy_quantile", f"{knobs.top_entropy_quantile!r} with entropy_coef != 0: TRL's entropy "
                                             "bonus then averages over the masked tokens only (grpo_trainer.py:3193), "

@@ -102,6 +102,10 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
         ref = ctx.payload("ref_log_probs")
     mask = ctx.loss_mask
     old = ctx.payload("old_log_probs")
+    # the log-probs the correction compares with the rollout ones: the trainer's old ones, or (verl bypass_mode)
+    # the current ones, which then stand for the old policy of the IS weight (GPG's term reads no other old)
+    current_anchor = cfg.rollout_correction_anchor == "current"
+    anchor = ctx.payload("log_probs") if current_anchor else old
     rs_near = rs_alternative = None
     if isinstance(cfg.rollout_rs, str):  # rejection sampling (SPEC §4.4): the rejected tokens leave the mask
         if not ctx.has("rollout_log_probs"):
@@ -110,11 +114,13 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
         from ..kernels.mismatch import rejection_decisions
 
         chain = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold)
-        keep, near = rejection_decisions(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
+        keep, near = rejection_decisions(anchor.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
                                          mask, ctx.seg, ctx.n, chain, unit=ctx.precision.token)
         if bool(near.any()):
             rs_near, rs_alternative = near, mask * (keep ^ near).to(mask.dtype)
         mask = mask * keep.to(mask.dtype)
+    if current_anchor and knobs.is_level is not None:
+        old = anchor
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,

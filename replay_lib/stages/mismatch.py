@@ -36,7 +36,8 @@ from ..bundle.loss_knobs import LossKnobs
 from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels import token_chunks
-from ..kernels.mismatch import METRICS, MISMATCH_CHUNK, DifferenceSummary, MaskedBits, MismatchScan, segment_add
+from ..kernels.mismatch import (IS_NORM_METRIC, METRICS, MISMATCH_CHUNK, VERL_ROLLOUT_CORR, DifferenceSummary, MaskedBits, MismatchScan,
+                               is_batch_norm_factor, segment_add)
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -129,8 +130,9 @@ class _Weights:
             clamped = e
             if k.is_log_clamp is not None and bool((d.abs() > k.is_log_clamp).any()):
                 clamped = torch.exp(d.clamp(-k.is_log_clamp, k.is_log_clamp))
-            applied = _corrected(clamped, k)
-            rows = (e * m, applied * m, (applied != clamped).to(torch.float64) * m, m)
+            corrected = _corrected(clamped, k)
+            applied = corrected if k.is_norm is None else corrected / k.is_norm  # the recorded batch mean
+            rows = (e * m, applied * m, (corrected != clamped).to(torch.float64) * m, m)
         else:
             rows = (d * m, m, m, m)
         segment_add(self.sums, rows, seg)
@@ -147,7 +149,7 @@ class _Weights:
             raw = torch.exp(log_w)
             clamped = torch.exp(log_w.clamp(-k.is_log_clamp, k.is_log_clamp)) if k.is_log_clamp is not None else raw
             applied = importance_weight(log_w, k)
-            changed = (applied != clamped).to(torch.float64)
+            changed = (_corrected(clamped, k) != clamped).to(torch.float64)
             what = f"the sample's {k.is_level} weight, raw (expected) and applied"
         bounds = f"[{k.is_low}, {k.is_high}]"
         none = torch.zeros(ctx.n, dtype=torch.bool)  # shown, never compared: the loss stage judges the correction
@@ -198,7 +200,14 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     cfg = ctx.config
     knobs = LossKnobs.of(cfg)  # the effective correction (slime's use_tis is token TIS)
     recorded = ctx.reader.expected.get(STAGE, {})
-    names = [k for k in METRICS if k in recorded]
+    # verl's batch-normalization factor, recomputed when the config normalizes token or sequence weights
+    norm = cfg.is_batch_normalize is True and knobs.is_level in ("token", "sequence")
+    known = METRICS + ((IS_NORM_METRIC,) if norm else ())
+    names = [k for k in known if k in recorded]
+    # verl bypass_mode logs its rollout_corr/* metrics from inside the loss: the current log-probs against the
+    # rollout ones, per micro-batch (core_algos.py:2489-2502): not this stage's old-vs-rollout batch formulas
+    bypass_metrics = [k for k in names if k in VERL_ROLLOUT_CORR] if cfg.rollout_correction_anchor == "current" else []
+    names = [k for k in names if k not in bypass_metrics]
     for k in names:  # a metric is one number (null: NaN, as msgspec writes it)
         if not (recorded[k] is None or isinstance(recorded[k], (int, float))) or isinstance(recorded[k], bool):
             raise StageInputError(f"expected.json $.{STAGE}.{k}: expected a number or null, got "
@@ -234,6 +243,8 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     bitwise = bitwise_requested(ctx)
     summary["bitwise"] = bitwise
     metrics = scan.metrics()
+    if norm:
+        metrics[IS_NORM_METRIC] = is_batch_norm_factor(rollout, old, mask, ctx.seg, ctx.n, knobs)
     summary["metrics"] = metrics
     _lints(ctx)
 
@@ -241,9 +252,11 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     if bitwise:
         fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on(), exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
-    unknown = sorted(k for k in recorded if k not in METRICS)
+    unknown = sorted(k for k in recorded if k not in known)
     if unknown:
         summary["unknown_metrics"] = unknown
+    if bypass_metrics:
+        summary["metrics_not_compared"] = bypass_metrics
     if names and ctx.partial:
         summary["metrics_compared"] = False
         names = []
