@@ -239,7 +239,7 @@ def test_slime_defaults_gspo_tis_icepop_per_token_and_disable_flags():
     ({"advantage_estimator": "cispo"}, "advantage_estimator", "not mapped"),
     ({"loss_type": "custom_loss"}, "loss_type", "only slime's policy_loss"),
     ({"custom_reward_post_process_path": "m.py:f"}, "custom_reward_post_process_path", "custom function"),
-    ({"use_tis": True, "custom_tis_function_path": "mis.py:compute_mis_weights_with_cp"},
+    ({"use_tis": True, "custom_tis_function_path": "my_tis.py:my_weights"},
      "custom_tis_function_path", "custom TIS"),
     ({"use_kl_loss": True, "kl_loss_coef": 0.01, "use_unbiased_kl": True}, "use_unbiased_kl", "importance"),
     ({"--grpo-reward-clip": 5.0}, "grpo_reward_clip", "a key the slime mapping does not know"),

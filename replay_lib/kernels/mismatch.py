@@ -607,6 +607,22 @@ def is_batch_norm_factor(rollout: torch.Tensor, old: torch.Tensor, mask: torch.T
     return mean if mean > 1e-8 else 1.0
 
 
+# slime's MIS levels as the rejection chain's k1 statistics (k1 = rollout − old = −Δ): the token's, the sample's
+# sum, the sample's mean over its loss tokens
+MIS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+def mis_chain(mis_rs, veto: Optional[float]) -> list[tuple[str, Optional[float], float]]:
+    """slime's MIS rejection (``examples/train_infer_mismatch_helper/mis.py:131-147, 243-263`` at 624b824a8) as
+    a :func:`rejection_decisions` chain: ``low ≤ exp(Δ) ≤ high`` at a level is ``log(1/high) ≤ k1 ≤ log(1/low)``
+    of that level's k1; the veto (a sample dropped when a loss token's ``Δ < log veto``) keeps a sample whose
+    largest token k1 is ``≤ log(1/veto)``."""
+    chain = [(MIS_LEVELS[level], math.log(1.0 / high), math.log(1.0 / low)) for level, low, high in mis_rs or ()]
+    if veto is not None:
+        chain.append(("seq_max_k1", None, math.log(1.0 / veto)))
+    return chain
+
+
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
                    chain: list[tuple[str, Optional[float], float]]) -> torch.Tensor:
     """:func:`rejection_decisions`' keep mask alone."""
@@ -668,5 +684,5 @@ def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.
     return keep | ~on, near & on & ~firm
 
 
-__all__ = ["IS_NORM_METRIC", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["IS_NORM_METRIC", "MIS_LEVELS", "mis_chain", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

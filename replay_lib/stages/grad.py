@@ -59,6 +59,11 @@ def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
 
         raise StageInputError("is_keep (an off-policy correction's keep masks) is not recomputed by loss.grad",
                               field="is_keep")
+    if li.keep is not None:  # slime's MIS rejection keeps the normalizers: not derived here
+        from .base import StageInputError
+
+        raise StageInputError("mis_rs / mis_veto (slime's MIS rejection) is not recomputed by loss.grad",
+                              field="mis_rs")
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
                     mask=li.mask.to(torch.float64), lengths=ctx.lengths,

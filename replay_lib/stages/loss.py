@@ -91,7 +91,8 @@ def _rejection_boundary(ctx: StageContext, li: LossInputs, expected: dict, actua
     import dataclasses
 
     knobs = li.knobs
-    alt_sums = _loss_sums(ctx, dataclasses.replace(li, mask=li.rs_alternative))
+    alt_sums = _loss_sums(ctx, dataclasses.replace(li, keep=li.rs_alternative) if li.keep is not None else
+                          dataclasses.replace(li, mask=li.rs_alternative))
     other = policy_fields_from_sums(alt_sums, li.entropy is not None, knobs.entropy_coef, knobs)
 
     def error(values: dict) -> float:
@@ -218,6 +219,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     for lo, hi, seg in ctx.token_chunks():
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
+        if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
+            m = m * li.keep[lo:hi]
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
             li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
