@@ -266,17 +266,23 @@ def _masked64(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64).mul_(m) if x.dtype != torch.float64 else x * m
 
 
+# the per-token rows of MismatchScan's one-pass path, in buffer order (summed together: clip last, when it is used)
+_ROWS = ("d", "e", "inv", "absd", "pd", "tm", "clip")
+
+
 class MismatchScan:
     """The metrics of :data:`METRICS` in float64, folded a chunk of tokens at a time (:meth:`add`, the chunks in
     token order; every per-token quantity of a chunk stays in cache), then :meth:`metrics`. ``n``: samples;
     ``kl_type``: NeMo-RL's ``reference_policy_kl_type``; ``is_*``: the bundle's importance-correction knobs (TRL's
     ratio statistics are those of its corrected weight). ``condition``: also accumulate
-    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics)."""
+    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics). ``binary``: every mask
+    value is 0 or 1 (then it is its own 0/1 loss-token mask)."""
 
     def __init__(self, n: int, *, kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
-                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False) -> None:
+                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False,
+                 binary: bool = False) -> None:
         f64 = torch.float64
-        self.n, self.kl_type, self.condition = n, kl_type, condition
+        self.n, self.kl_type, self.condition, self.binary = n, kl_type, condition, binary
         self.is_level, self.is_mode, self.is_low, self.is_high = is_level, is_mode, is_low, is_high
         self.seq = torch.zeros((4, n), dtype=f64)  # Σ_t m·old, Σ_t m·rollout, Σ_t m·(old − rollout), Σ_t m
         self.sums: dict[str, float] = dict(tokens=0.0, pd=0.0, d=0.0, k3=0.0, rho2=0.0, tm=0.0, gen=0.0, pol=0.0,
@@ -284,6 +290,7 @@ class MismatchScan:
         self.pd_parts: list[tuple[float, float, float]] = []  # (count, mean, M2) per chunk: Chan's combination
         self.max: dict[str, float] = dict(pd=-math.inf, absd=-math.inf, ratio=-math.inf)
         self.min: dict[str, float] = dict(ratio=math.inf)
+        self._buf: Optional[torch.Tensor] = None
 
     def _clip(self, ratio: torch.Tensor) -> torch.Tensor:
         if self.is_mode == "mask":
@@ -296,57 +303,72 @@ class MismatchScan:
 
     def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> "Folded":
         """Fold in one chunk; returns its :class:`Folded` (the float64 mask and old log-probs, and, when every
-        value is finite, ``old − rollout`` on the loss tokens)."""
+        value is finite, ``old − rollout`` on the loss tokens): views of this scan's buffers, valid until the next
+        :meth:`add`."""
         f64 = torch.float64
+        buf = self._buffer(mask.numel())
+        m, lo, lr = buf[len(_ROWS)], buf[len(_ROWS) + 1], buf[len(_ROWS) + 2]
         # 1 on the loss tokens, 0 elsewhere, in float arithmetic (sign, clamp): a comparison's bool array costs
         # several float passes on the CPU
-        m = torch.sign(mask.to(f64)).clamp_(min=0.0)
+        m.copy_(mask)
+        if not self.binary:
+            torch.sign(m, out=m).clamp_(min=0.0)
         cnt = float(m.sum())
-        # the values off the loss tokens never enter: × 0 (a non-finite one there makes the sums non-finite, and
-        # the general path replaces it by 0 as verl's masked_sum does)
-        lo, lr = _masked64(old, m), _masked64(rollout, m)
-        fast = self._add_finite(lo, lr, m, cnt, seg)
+        # the values off the loss tokens never enter: × 0 (a product promoted to float64, exact; a non-finite value
+        # there makes the sums non-finite, and the general path replaces it by 0 as verl's masked_sum does)
+        torch.mul(old, m, out=lo)
+        torch.mul(rollout, m, out=lr)
+        fast = self._add_finite(buf, lo, lr, m, cnt, seg)
         if fast is not None:
             return fast
         on = mask > 0
         lo = torch.where(on, old, 0.0).to(f64)
         lr = torch.where(on, rollout, 0.0).to(f64)
         absd = self._add_general(lo, lr, on.to(f64), on, float(on.sum()), seg)
-        return Folded(m, lo, None, absd, float(on.sum()))
+        return Folded(on.to(f64), lo, None, absd, float(on.sum()))
 
-    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, cnt: float,
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """The float64 rows of one chunk (:data:`_ROWS`, then the mask, old and rollout), allocated once: a
+        chunk's temporaries stay in cache and in place instead of fresh pages for every operation."""
+        if self._buf is None or self._buf.shape[1] < numel:
+            self._buf = torch.empty((len(_ROWS) + 3, numel), dtype=torch.float64)
+        return self._buf[:, :numel]
+
+    def _add_finite(self, buf: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, cnt: float,
                     seg: torch.Tensor) -> Optional["Folded"]:
         """:meth:`add` for a chunk whose ``d = old − rollout`` and ``exp(±d)`` are all finite (else ``None``, nothing
-        folded in): every metric from a handful of float64 sums over the chunk (one exp, no per-metric temporary).
-        Off the loss tokens d = 0 and exp(d) = 1 exactly, so a sum over the whole chunk less ``off`` (their count) is
-        the sum over the loss tokens: Σ k3 = Σ e − Σ d − numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The
-        cancellations lose at most a few float64 ulps of the chunk's size, far below the float32 rounding bound of
-        the metrics (:func:`metric_condition`)."""
-        d = lo - lr
-        numel = d.numel()
+        folded in): every metric from a handful of float64 sums over the chunk, its per-token terms written into
+        the rows of ``buf`` and summed in one reduction. Off the loss tokens d = 0 and exp(d) = 1 exactly, so a
+        sum over the whole chunk less ``off`` (their count) is the sum over the loss tokens: Σ k3 = Σ e − Σ d −
+        numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The cancellations lose at most a few float64 ulps of
+        the chunk's size, far below the float32 rounding bound of the metrics (:func:`metric_condition`)."""
+        numel = lo.numel()
+        d, e, inv, absd, pd, tm, clipped = (buf[k] for k in range(len(_ROWS)))
         if not numel:
             return Folded(m, lo, d, d, cnt, 0.0)
-        e = torch.exp(d)
-        s_d, s_e = float(d.sum()), float(e.sum())
-        if not (math.isfinite(s_d) and math.isfinite(s_e)):  # NaN, ±inf or an exp overflow
-            return None
-        inv = e.reciprocal()
-        s_inv = float(inv.sum())
-        if not math.isfinite(s_inv):
+        torch.sub(lo, lr, out=d)
+        torch.exp(d, out=e)
+        torch.reciprocal(e, out=inv)
+        torch.abs(d, out=absd)
+        # verl debug metrics: |exp(old) − exp(rollout)| = |x − x·e|, x = exp(rollout) (0 off the loss tokens)
+        torch.exp(lr, out=pd).addcmul_(pd, e, value=-1.0).abs_()
+        torch.maximum(e, inv, out=tm)  # exp(|Δ|)
+        token_ratio = self.is_level != "sequence" and cnt and self.is_mode != "mask"
+        low, high = self.is_low, self.is_high
+        clamps = token_ratio and (low is not None or high is not None)
+        if clamps:
+            torch.clamp(e, min=low, max=high, out=clipped)
+        s_d, s_e, s_inv, s_absd, s_pd, s_tm, *rest = buf[:len(_ROWS) if clamps else len(_ROWS) - 1].sum(dim=1).tolist()
+        if not all(math.isfinite(v) for v in (s_d, s_e, s_inv)):  # NaN, ±inf or an exp overflow
             return None
         off = numel - cnt
-        absd = d.abs()
-        big = float(absd.max())
+        big, pd_max = buf[3:5].amax(dim=1).tolist()  # max |d|, max pd
         S = self.sums
         S["tokens"] += cnt
-        # verl debug metrics: |exp(old) − exp(rollout)| = exp(rollout)·|exp(d) − 1| (0 off the loss tokens)
-        x = torch.exp(lr)
-        pd = torch.addcmul(x, x, e, value=-1.0).abs_()  # |x − x·e|
-        psum = float(pd.sum())
-        S["pd"] += psum
+        S["pd"] += s_pd
         if cnt:
-            self.max["pd"] = _max(self.max["pd"], float(pd.max()))
-            mean = psum / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
+            self.max["pd"] = _max(self.max["pd"], pd_max)
+            mean = s_pd / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
             self.pd_parts.append((cnt, mean, max(float(torch.dot(pd, pd)) - cnt * mean * mean, 0.0)))
         S["d"] += s_d
         k3 = s_e - s_d - numel
@@ -356,8 +378,7 @@ class MismatchScan:
         else:
             rho = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
             S["rho2"] += float(torch.dot(rho, rho)) - off
-        tm = torch.maximum(e, inv)  # exp(|Δ|)
-        S["tm"] += float(tm.sum()) - off
+        S["tm"] += s_tm - off
         if self.kl_type == "k1":
             S["gen"] -= s_d
             S["pol"] += s_d
@@ -368,7 +389,7 @@ class MismatchScan:
             S["gen"] += k3
             S["pol"] += s_inv + s_d - numel
         # TRL: |old − sampling| on the loss tokens
-        S["absd"] += float(absd.sum())
+        S["absd"] += s_absd
         S["absd_n"] += cnt
         if cnt:
             self.max["absd"] = _max(self.max["absd"], big)
@@ -380,29 +401,19 @@ class MismatchScan:
                 self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
                 self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
             else:  # the clamp is monotone: the extremes of the clamped ratio are the clamped extremes of e
-                low, high = self.is_low, self.is_high
-                clipped = self._clip(e)
-                one = float(self._clip(torch.ones(1, dtype=torch.float64)))
-                S["ratio"] += float(clipped.sum()) - off * one
+                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
+                S["ratio"] += (rest[0] if clamps else s_e) - off * clamp(1.0)
                 e_min, e_max = (float(v) for v in torch.aminmax(e))
                 if off and not (e_max > 1.0 and e_min < 1.0):  # a 1 of an off token may be an extreme: look closer
                     on = m > 0
                     e_max = float(torch.where(on, e, -math.inf).max())
                     e_min = float(torch.where(on, e, math.inf).min())
-                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
                 self.max["ratio"] = max(self.max["ratio"], clamp(e_max))
                 self.min["ratio"] = min(self.min["ratio"], clamp(e_min))
         if self.condition and cnt:
             self._fold_condition(lo, lr, absd, tm, m)
-        if numel:  # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
-            first, last = int(seg[0]), int(seg[-1])
-            part = torch.zeros((3, last - first + 1), dtype=torch.float64)
-            segment_add(part, (lo, lr, m), seg - first)
-            seq = self.seq[:, first:last + 1]
-            seq[0] += part[0]
-            seq[1] += part[1]
-            seq[2] += part[0] - part[1]
-            seq[3] += part[2]
+        # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
+        _sample_sums(self.seq, lo, lr, m, seg)
         return Folded(m, lo, d, absd, cnt, big)
 
     def _fold_condition(self, lo, lr, absd, tm, m) -> None:
@@ -530,9 +541,21 @@ class MismatchScan:
         return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
 
 
-def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
-    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
-    take one contiguous sum each, many short ones one ``index_add_`` per row."""
+def _sample_sums(seq: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, seg: torch.Tensor) -> None:
+    """``seq[0..3, s] +=`` Σ old, Σ rollout, Σ (old − rollout), Σ m over sample ``s``'s tokens of one chunk."""
+    first, last = int(seg[0]), int(seg[-1])
+    part = torch.zeros((3, last - first + 1), dtype=torch.float64)
+    segment_add(part, (lo, lr, m), seg, first)
+    window = seq[:, first:last + 1]
+    window[0] += part[0]
+    window[1] += part[1]
+    window[2] += part[0] - part[1]
+    window[3] += part[2]
+
+
+def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor, base: int = 0) -> None:
+    """``acc[r, s − base] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long
+    samples take one ``reduceat`` per row, many short ones one ``index_add_`` per row."""
     if not seg.numel():
         return
     first, last = int(seg[0]), int(seg[-1])
@@ -544,12 +567,13 @@ def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
         present = ends > starts
         if not bool(present.all()):
             samples, starts = samples[present], starts[present]
-        starts = starts.numpy()
+        starts, samples = starts.numpy(), samples - base
         for r, row in enumerate(rows):  # row by row (no stacked copy of the chunk), one reduceat each
             acc[r].index_add_(0, samples, torch.from_numpy(np.add.reduceat(row.contiguous().numpy(), starts)))
     else:
+        at = seg - base if base else seg
         for r, row in enumerate(rows):
-            acc[r].index_add_(0, seg, row)
+            acc[r].index_add_(0, at, row)
 
 
 def _max(a: float, b: float) -> float:

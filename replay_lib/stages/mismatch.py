@@ -213,8 +213,11 @@ def run_mismatch(ctx: StageContext) -> StageReport:
             raise StageInputError(f"expected.json $.{STAGE}.{k}: expected a number or null, got "
                                   f"{type(recorded[k]).__name__}", field="metrics")
     # one pass over the tokens, a cache-sized chunk at a time: the differences and every metric's sums
+    # the loss mask holds whole numbers (index.json's integers, or the uint8 payload): within [0, 1] it is 0/1
+    low, high = (float(v) for v in torch.aminmax(mask)) if mask.numel() else (0.0, 0.0)
     scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=knobs.is_level, is_mode=knobs.is_mode,
-                        is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)
+                        is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial,
+                        binary=low >= 0.0 and high <= 1.0)
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
     f32 = rollout.dtype == old.dtype == torch.float32
@@ -228,7 +231,8 @@ def run_mismatch(ctx: StageContext) -> StageReport:
             c = current[lo:hi]
             diff, big = None, math.nan
             if folded.diff is not None:  # the old log-probs' float64 copy of the scan, the current ones beside it
-                diff = folded.old - c.to(torch.float64).mul_(folded.m)
+                diff = torch.mul(c, folded.m)  # float64, 0 off the loss tokens
+                torch.sub(folded.old, diff, out=diff)
                 low, high = (float(v) for v in torch.aminmax(diff)) if diff.numel() else (0.0, 0.0)
                 big = max(high, -low)
                 if not (math.isfinite(low) and math.isfinite(high)):  # a NaN or an infinity: bit for bit
