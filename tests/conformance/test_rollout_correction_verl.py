@@ -205,6 +205,11 @@ def test_verl_injected_bug_is_named_at_its_stage(tmp_path, cli, name, bug, stage
     if reason is not None:
         got = next(s for s in report["stages"] if s["stage"] == stage)["reason"]
         assert got.startswith(reason), got
+    if bug == "norm-local":  # the explanation names the micro-batch whose mean was logged
+        why = [e for e in report["explanations"] if e["stage"] == stage]
+        assert [(e["hypothesis"], e["matched"], e["of"]) for e in why] == [("batch_norm_partial", 1, 3)], why
+        assert why[0]["detail"].startswith("the recorded rollout_corr/rollout_is_batch_norm_factor ")
+        assert " is the mean over micro-batch mb-0 alone (" in why[0]["detail"]
 
 
 def test_normalize_without_the_recorded_factor_names_it(tmp_path, cli):
