@@ -261,11 +261,6 @@ class Folded:
         return self._mi
 
 
-def _masked64(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """float64 ``x·m`` (a new tensor: a payload is never written)."""
-    return x.to(torch.float64).mul_(m) if x.dtype != torch.float64 else x * m
-
-
 # the per-token rows of MismatchScan's one-pass path, in buffer order (summed together: clip last, when it is used)
 _ROWS = ("d", "e", "inv", "absd", "pd", "tm", "clip")
 
@@ -314,10 +309,11 @@ class MismatchScan:
         if not self.binary:
             torch.sign(m, out=m).clamp_(min=0.0)
         cnt = float(m.sum())
-        # the values off the loss tokens never enter: × 0 (a product promoted to float64, exact; a non-finite value
-        # there makes the sums non-finite, and the general path replaces it by 0 as verl's masked_sum does)
-        torch.mul(old, m, out=lo)
-        torch.mul(rollout, m, out=lr)
+        # the values off the loss tokens never enter: × 0 (in float64, exact; a non-finite value there makes the
+        # sums non-finite, and the general path replaces it by 0 as verl's masked_sum does). A conversion then an
+        # in-place product: a mixed-dtype product takes torch's slower casting loop
+        lo.copy_(old).mul_(m)
+        lr.copy_(rollout).mul_(m)
         fast = self._add_finite(buf, lo, lr, m, cnt, seg)
         if fast is not None:
             return fast

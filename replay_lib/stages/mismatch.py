@@ -231,7 +231,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
             c = current[lo:hi]
             diff, big = None, math.nan
             if folded.diff is not None:  # the old log-probs' float64 copy of the scan, the current ones beside it
-                diff = torch.mul(c, folded.m)  # float64, 0 off the loss tokens
+                diff = c * folded.m if c.dtype == torch.float64 else c.to(torch.float64).mul_(folded.m)  # 0 off
                 torch.sub(folded.old, diff, out=diff)
                 low, high = (float(v) for v in torch.aminmax(diff)) if diff.numel() else (0.0, 0.0)
                 big = max(high, -low)
