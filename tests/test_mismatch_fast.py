@@ -187,3 +187,33 @@ def test_segment_add_long_samples_with_an_empty_one():
     acc = torch.zeros((1, 4), dtype=torch.float64)
     segment_add(acc, (x,), seg)
     assert acc[0].tolist() == [sum(range(600)), 0.0, sum(range(600, 1300)), sum(range(1300, 1800))]
+
+
+def test_chunk_samples_are_token_chunks_without_the_per_token_index():
+    """The stage's chunks (sample boundaries by binary search) are token_chunks' chunks: the same ranges, the same
+    per-token samples (empty samples in none), and every metric the same through either."""
+    from replay_lib.kernels.mismatch import chunk_samples
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 400, (30,), generator=g)
+    lengths[[0, 7, 8, 29]] = 0
+    total = int(lengths.sum())
+    for chunk in (64, 257, 1000, total + 5):
+        ours = list(chunk_samples(lengths, chunk))
+        theirs = list(token_chunks(lengths, chunk))
+        assert [(lo, hi) for lo, hi, _ in ours] == [(lo, hi) for lo, hi, _ in theirs]
+        for (_, _, a), (_, _, b) in zip(ours, theirs):
+            assert torch.equal(a.seg, b) and (a.first, a.last) == (int(b[0]), int(b[-1]))
+    old = -torch.rand(total, generator=g) * 6
+    rollout = old + torch.randn(total, generator=g) * 0.3
+    mask = (torch.rand(total, generator=g) > 0.25).to(torch.float32)
+    for chunk in (257, 4096):  # many short samples per chunk (index_add_), and long ones (reduceat)
+        via = []
+        for chunks in (chunk_samples(lengths, chunk), token_chunks(lengths, chunk)):
+            scan = MismatchScan(len(lengths), is_level="token", is_high=2.0)
+            for lo, hi, seg in chunks:
+                scan.add(rollout[lo:hi], old[lo:hi], mask[lo:hi], seg)
+            via.append(scan.metrics())
+        for k in METRICS:
+            a, b = via
+            assert (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k], k

@@ -537,9 +537,48 @@ class MismatchScan:
         return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
 
 
-def _sample_sums(seq: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, seg: torch.Tensor) -> None:
-    """``seq[0..3, s] +=`` Σ old, Σ rollout, Σ (old − rollout), Σ m over sample ``s``'s tokens of one chunk."""
-    first, last = int(seg[0]), int(seg[-1])
+class ChunkSamples:
+    """The samples of one chunk of the token axis, without a per-token array: ``samples`` those with a token in the
+    chunk (in order), ``starts`` each one's first token within the chunk; :attr:`seg` (each token's sample, what
+    :func:`kernels.segments.token_chunks` gives) made on first use."""
+
+    def __init__(self, samples: torch.Tensor, starts: torch.Tensor, size: int) -> None:
+        self.samples, self.starts, self.size = samples, starts, size
+        self.first, self.last = int(samples[0]), int(samples[-1])
+        self._seg: Optional[torch.Tensor] = None
+
+    def numel(self) -> int:
+        return self.size
+
+    @property
+    def seg(self) -> torch.Tensor:
+        if self._seg is None:
+            counts = torch.diff(self.starts, append=torch.tensor([self.size]))
+            self._seg = torch.repeat_interleave(self.samples, counts)
+        return self._seg
+
+
+def chunk_samples(lengths: torch.Tensor, chunk: int = MISMATCH_CHUNK):
+    """``(start, stop, ChunkSamples)`` for consecutive chunks of the token axis of samples of ``lengths`` (empty
+    samples are in no chunk): the chunks of ``token_chunks`` with each sample's boundaries by binary search instead
+    of a per-token sample index."""
+    lengths = lengths.to(torch.int64)
+    ends = torch.cumsum(lengths, 0)
+    present = (lengths > 0).nonzero().reshape(-1)
+    p_ends = ends[present]
+    p_starts = p_ends - lengths[present]
+    total = int(ends[-1]) if lengths.numel() else 0
+    for start in range(0, total, chunk):
+        stop = min(start + chunk, total)
+        a = int(torch.searchsorted(p_ends, start, right=True))  # the first sample ending after start
+        b = int(torch.searchsorted(p_starts, stop))  # the samples starting before stop
+        yield start, stop, ChunkSamples(present[a:b], (p_starts[a:b] - start).clamp_(min=0), stop - start)
+
+
+def _sample_sums(seq: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, seg) -> None:
+    """``seq[0..3, s] +=`` Σ old, Σ rollout, Σ (old − rollout), Σ m over sample ``s``'s tokens of one chunk
+    (``seg``: each token's sample, or the chunk's :class:`ChunkSamples`)."""
+    first, last = (seg.first, seg.last) if isinstance(seg, ChunkSamples) else (int(seg[0]), int(seg[-1]))
     part = torch.zeros((3, last - first + 1), dtype=torch.float64)
     segment_add(part, (lo, lr, m), seg, first)
     window = seq[:, first:last + 1]
@@ -549,11 +588,19 @@ def _sample_sums(seq: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch
     window[3] += part[2]
 
 
-def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor, base: int = 0) -> None:
-    """``acc[r, s − base] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long
-    samples take one ``reduceat`` per row, many short ones one ``index_add_`` per row."""
+def segment_add(acc: torch.Tensor, rows, seg, base: int = 0) -> None:
+    """``acc[r, s − base] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted, or the
+    chunk's :class:`ChunkSamples`): long samples take one ``reduceat`` per row, many short ones one ``index_add_``
+    per row."""
     if not seg.numel():
         return
+    if isinstance(seg, ChunkSamples):
+        if seg.samples.numel() * 256 <= seg.numel():
+            samples, starts = seg.samples - base, seg.starts.numpy()
+            for r, row in enumerate(rows):
+                acc[r].index_add_(0, samples, torch.from_numpy(np.add.reduceat(row.contiguous().numpy(), starts)))
+            return
+        seg = seg.seg
     first, last = int(seg[0]), int(seg[-1])
     if (last - first + 1) * 256 <= seg.numel():  # samples of 256 tokens or more on average
         # each sample's first token by binary search (seg is sorted); an empty sample (no token) is left out
@@ -704,5 +751,5 @@ def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.
     return keep | ~on, near & on & ~firm
 
 
-__all__ = ["IS_NORM_METRIC", "MIS_LEVELS", "mis_chain", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["IS_NORM_METRIC", "MIS_LEVELS", "mis_chain", "ChunkSamples", "chunk_samples", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

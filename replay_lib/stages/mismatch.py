@@ -37,7 +37,7 @@ from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels import token_chunks
 from ..kernels.mismatch import (IS_NORM_METRIC, METRICS, MISMATCH_CHUNK, VERL_ROLLOUT_CORR, DifferenceSummary, MaskedBits, MismatchScan,
-                               is_batch_norm_factor, segment_add)
+                               chunk_samples, is_batch_norm_factor, segment_add)
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -221,7 +221,7 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
     f32 = rollout.dtype == old.dtype == torch.float32
-    for lo, hi, seg in token_chunks(ctx.lengths, MISMATCH_CHUNK):
+    for lo, hi, seg in chunk_samples(ctx.lengths, MISMATCH_CHUNK):
         r, o = rollout[lo:hi], old[lo:hi]
         folded = scan.add(r, o, mask[lo:hi], seg)
         o_bits = MaskedBits(o, folded.mi) if f32 and folded.diff is not None else None
