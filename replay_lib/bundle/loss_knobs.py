@@ -101,6 +101,8 @@ class LossKnobs:
     # the format is_keep's divergence gates are evaluated in (the producer's declared compute, set by the stage
     # from the comparison policy: the gate is a decision the producer took in its own format); None: the replay's
     is_keep_format: Optional[str] = None
+    # the importance weights' divisor (RecomputeConfig.is_batch_norm_factor under is_batch_normalize), None: off
+    is_norm: Optional[float] = None
 
     @classmethod
     def of(cls, cfg, samples=None) -> "LossKnobs":
@@ -132,7 +134,7 @@ class LossKnobs:
                    is_keep=_is_keep(cfg), prompt=prompt_partition(samples),
                    force_on_policy_ratio=bool(_set(cfg, "force_on_policy_ratio", False)),
                    kl_loss_rollout_weighted=bool(_set(cfg, "kl_loss_rollout_weighted", False)),
-                   opd_base=_set(cfg, "opd_base", "returns"))
+                   opd_base=_set(cfg, "opd_base", "returns"), is_norm=_is_norm(cfg))
 
     def param(self, name: str):
         """The family's parameter ``name``: the recorded value, else the family's default
@@ -252,6 +254,15 @@ def uses_micro_batches(cfg) -> Optional[str]:
         if getattr(cfg, knob, None) == MICRO_BATCH_TOKEN_MEAN:
             return knob
     return None
+
+
+def _is_norm(cfg) -> Optional[float]:
+    """The importance weights' recorded divisor when the config normalizes them (None: off, or not recorded:
+    loss.policy then names it as missing)."""
+    if getattr(cfg, "is_batch_normalize", False) is not True:
+        return None
+    factor = getattr(cfg, "is_batch_norm_factor", None)
+    return float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else None
 
 
 def check_knobs(knobs: LossKnobs) -> list[str]:

@@ -362,6 +362,22 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # opd_placement="advantage": what the distillation term is subtracted from: "returns" (the GRPO returns,
     # slime) or "zero" (the advantage is −coef·estimate alone, NeMo-RL's opd estimator). Unset: "returns".
     opd_base: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    # The importance weights divided by their batch mean (verl rollout_is_batch_normalize, slime
+    # tis_batch_normalize): the divisor is the step's recorded mean (verl rollout_corr/rollout_is_batch_norm_factor,
+    # global across DP), is_batch_norm_factor. Unset: off, and not written.
+    is_batch_normalize: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    is_batch_norm_factor: Union[float, msgspec.UnsetType] = msgspec.UNSET
+    # The log-probs the train/rollout correction (IS weights, rollout_rs) compares with rollout_log_probs: "old"
+    # (decoupled: the trainer's recompute) or "current" (verl bypass_mode: the first minibatch's log_probs,
+    # detached, computed inside the loss). Unset: old, and not written.
+    rollout_correction_anchor: Union[str, msgspec.UnsetType] = msgspec.UNSET
+    # slime's MIS rejection (examples/train_infer_mismatch_helper/mis.py): each [level, low, high] drops the loss
+    # tokens whose weight exp(clamp(Δ at level, ±20)) (Δ = old − rollout; level token | sequence | geometric) lies
+    # outside [low, high]; mis_veto drops a sample with a loss token whose exp(Δ) is below it. Dropped tokens leave
+    # every loss term's numerator while the normalizers stay the unrejected mask's (slime loss.py:1080-1091).
+    # Unset: off, and not written.
+    mis_rs: Union[list[tuple[str, float, float]], msgspec.UnsetType] = msgspec.UNSET
+    mis_veto: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
     def __post_init__(self) -> None:
         # The loss-side values of SPEC §4.2 (an unknown mode or type, eps_clip_c <= 1 ...): a one-line schema
@@ -384,6 +400,19 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
             from .is_keep import parse_is_keep
 
             parse_is_keep(self.is_keep)
+        factor = self.is_batch_norm_factor
+        if factor is not msgspec.UNSET and not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"is_batch_norm_factor: expected a finite divisor > 0, got {factor!r}")
+        for k, (level, low, high) in enumerate(self.mis_rs or ()):
+            if level not in ("token", "sequence", "geometric") or not (
+                    math.isfinite(low) and math.isfinite(high) and 0 < low <= high):
+                raise ValueError(f"mis_rs[{k}]: expected [token|sequence|geometric, low, high] with finite "
+                                 f"0 < low <= high, got {[level, low, high]!r}")
+        if self.mis_veto is not msgspec.UNSET and not (math.isfinite(self.mis_veto) and self.mis_veto > 0):
+            raise ValueError(f"mis_veto: expected a finite threshold > 0, got {self.mis_veto!r}")
+        if self.rollout_correction_anchor not in (msgspec.UNSET, "old", "current"):
+            raise ValueError(f"rollout_correction_anchor: expected one of old, current, got "
+                             f"{self.rollout_correction_anchor!r}")
         clamp = self.kl_penalty_clamp
         if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
             raise ValueError(f"kl_penalty_clamp: expected null or a finite value > 0, got {clamp!r}")

@@ -10,6 +10,10 @@ rollout − old`` in float64 of the stored values, and reported when it holds on
   kernel difference, a stale KV cache or a chunked-prefill boundary);
 * ``bf16_rollout`` — the rollout is the trainer's value rounded to bfloat16 (round to nearest even): a dtype
   mismatch, the engine returning bf16 log-probs.
+
+And when the recorded ``rollout_corr/rollout_is_batch_norm_factor`` diverges: ``batch_norm_partial`` — it is the
+mean over one micro-batch alone (the samples' ``micro_batch_id``), where verl divides by the whole batch's mean,
+all-reduced across DP (``rollout_corr_helper.py:627-655``): a normalizer taken per micro-batch or per rank.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from ..judge.error_model import UNIT_ROUNDOFF
 from ..judge.report import Explanation
 from ..stages import StageContext
 from ..stages.mismatch import STAGE
-from ..kernels.mismatch import differing
+from ..bundle.loss_knobs import LossKnobs, micro_batch_partition
+from ..kernels.mismatch import IS_NORM_METRIC, differing, is_batch_norm_factor
+from ..safe_text import safe
 from .base import MOST
 
 U32 = UNIT_ROUNDOFF["float32"]
@@ -55,10 +61,36 @@ def _grid(d: torch.Tensor, tol: torch.Tensor) -> tuple[float, torch.Tensor]:
     return q, ((d - k * q).abs() <= tol + slack * k.abs()) & (k != 0)
 
 
+def _partial_norm_factor(ctx: StageContext) -> Optional[Explanation]:
+    """``batch_norm_partial`` (module doc): the recorded factor, when it diverges, against each micro-batch's own."""
+    f = next((f for f in ctx.fields.get(STAGE) or [] if f.name == "metrics"), None)
+    if f is None or not f.labels or IS_NORM_METRIC not in f.labels:
+        return None
+    k = f.labels.index(IS_NORM_METRIC)
+    partition = micro_batch_partition(ctx.samples)
+    if not bool(f.bad[k]) or partition is None:
+        return None
+    recorded, tol = float(f.expected[k]), float(f.tolerance[k])
+    knobs = LossKnobs.of(ctx.config)
+    rollout, old, mask = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs"), ctx.loss_mask
+    token_group = torch.tensor(partition, dtype=torch.int64)[ctx.seg]
+    groups = len(set(partition))
+    for g in range(groups):
+        own = is_batch_norm_factor(rollout, old, mask * (token_group == g).to(mask.dtype), ctx.seg, ctx.n, knobs)
+        if abs(own - recorded) <= tol:
+            name = ctx.samples[partition.index(g)].micro_batch_id
+            return Explanation(stage=STAGE, hypothesis="batch_norm_partial", matched=1, of=groups, unit="micro-batches",
+                               detail=(f"the recorded {IS_NORM_METRIC} {recorded:.6g} is the mean over micro-batch "
+                                       f"{safe(str(name))} alone ({own:.6g}): verl divides by the whole batch's mean, "
+                                       "all-reduced across DP (a normalizer taken per micro-batch or per rank)"))
+    return None
+
+
 def explain(contexts: Sequence[StageContext]) -> list[Explanation]:
+    norm = [e for e in (_partial_norm_factor(c) for c in contexts) if e is not None]
     parts = [p for p in (_differences(c) for c in contexts) if p is not None and p["idx"].numel()]
     if not parts:
-        return []
+        return norm[:1]
     d = torch.cat([p["d"] for p in parts])
     tol = torch.cat([p["tol"] for p in parts])
     total = int(d.numel())
@@ -94,7 +126,7 @@ def explain(contexts: Sequence[StageContext]) -> list[Explanation]:
     add("bf16_rollout", bf16, "the rollout log-probs are the trainer's rounded to bfloat16: a dtype mismatch (the "
         "engine returns bf16 log-probs)")
     out.sort(key=lambda e: -e.matched)
-    return out[:3]
+    return (norm[:1] + out)[:3]
 
 
 __all__ = ["explain"]

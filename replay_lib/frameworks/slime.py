@@ -93,6 +93,73 @@ def _normalize(args: Any) -> dict[str, Any]:
     return out
 
 
+# The MIS example's entry points (examples/train_infer_mismatch_helper/mis.py at 624b824a8, "mis.py" below; its
+# settings are mis.yaml's, loaded with --custom-config-path)
+MIS_FUNCTIONS = ("compute_mis_weights_with_cp", "compute_mis_weights")
+MIS_LEVELS = ("token", "sequence", "geometric")
+
+
+def _mis(r: ConfigReader, use_tis: bool) -> dict[str, Any]:
+    """slime's MIS (mis.py:150-307): without ``use_tis`` only metrics (mis.py:207-209: the weights None, the masks
+    unchanged, ``use_rs`` too). With it, the weight ``exp(clamp(Δ at tis_level, ±20))`` (Δ = the trainer's old
+    log-probs − the rollout ones: loss.py:987-989, 1067; sequence: the sum over the loss tokens, geometric: their
+    mean) is truncated (``clamp(0, upper)``), clipped (``clamp(lower, upper)``, ``lower`` 1/upper when unset:
+    mis.py:174) or kept as it is with the tokens outside ``[lower, upper]`` rejected (mode ``mask``); ``use_rs``
+    rejects at ``rs_level`` outside ``[rs_lower_bound, rs_upper_bound]`` (the TIS bounds when unset: mis.py:175-176)
+    and vetoes a sample with a token below ``rs_veto_threshold``. The rejected tokens leave every term's numerator
+    and the normalizers stay (loss.py:1080-1091): ``mis_rs``, ``mis_veto``."""
+    keys = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use_rs", "rs_level", "rs_lower_bound",
+            "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")
+    if not use_tis:
+        r.neutral(*keys)
+        return {}
+    level = r.text("tis_level", "token")  # mis.yaml:9
+    mode = r.text("tis_mode", "truncate")  # mis.yaml:16
+    upper = r.number("tis_upper_bound", 2.0)  # mis.yaml:26
+    lower = r.number("tis_lower_bound", None)  # mis.yaml:22; None → 1/upper (mis.py:174)
+    if level not in MIS_LEVELS:
+        r.refuse("tis_level", level, "not one of token, sequence, geometric")
+    if mode not in ("truncate", "clip", "mask"):
+        r.refuse("tis_mode", mode, "not one of truncate, clip, mask")
+    if upper is None or not upper > 0:
+        r.refuse("tis_upper_bound", upper, "a bound > 0")
+    lower = 1.0 / upper if lower is None else lower
+    if mode != "truncate" and not 0 < lower < upper:  # mis.py:125, 140 assert lower < upper
+        r.refuse("tis_lower_bound", lower, "0 < tis_lower_bound < tis_upper_bound")
+    if r.flag("tis_batch_normalize", False):  # mis.py:272-297
+        r.refuse("tis_batch_normalize", True, "slime divides each micro-batch's weights by their mean on the rank "
+                                              "(mis.py:272-297): one factor per micro-batch, not recomputed")
+    fields: dict[str, Any] = {"is_level": level, "is_mode": "truncate", "is_log_clamp": 20.0}  # mis.py:188, 222
+    rejects: list[list[Any]] = []
+    if mode == "truncate":  # mis.py:103-113
+        fields.update(is_low=None, is_high=upper)
+    elif mode == "clip":  # mis.py:116-128
+        fields.update(is_low=lower, is_high=upper)
+    else:  # mis.py:131-147: the weight kept, the tokens outside the bounds rejected
+        fields.update(is_low=None, is_high=None)
+        rejects.append([level, lower, upper])
+    if r.flag("use_rs", False):  # mis.py:243-263
+        rs_level = r.text("rs_level", level)
+        if rs_level not in MIS_LEVELS:
+            r.refuse("rs_level", rs_level, "not one of token, sequence, geometric")
+        rs_low = r.number("rs_lower_bound", None)
+        rs_high = r.number("rs_upper_bound", None)
+        rs_low, rs_high = lower if rs_low is None else rs_low, upper if rs_high is None else rs_high
+        if not 0 < rs_low < rs_high:
+            r.refuse("rs_lower_bound", rs_low, "0 < rs_lower_bound < rs_upper_bound")
+        rejects.append([rs_level, rs_low, rs_high])
+        veto = r.number("rs_veto_threshold", None)
+        if veto is not None:
+            if not veto > 0:
+                r.refuse("rs_veto_threshold", veto, "a threshold > 0")
+            fields["mis_veto"] = float(veto)
+    else:
+        r.neutral("rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+    if rejects:
+        fields["mis_rs"] = [(lv, float(lo), float(hi)) for lv, lo, hi in rejects]
+    return fields
+
+
 def from_slime(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     """The ``RecomputeConfig`` slime's settings ``args`` encode (see the module docstring)."""
     r = ConfigReader(FRAMEWORK, _normalize(args), where)
@@ -139,12 +206,16 @@ def from_slime(args: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     tis_clip_low = r.number("tis_clip_low", 0.0)  # args.py:1072-1077
     is_fields: dict[str, Any] = {}
     custom_tis = r.raw("custom_tis_function_path", None)  # args.py:1078-1082
-    if use_tis:
+    tis_name = str(custom_tis).rsplit(":", 1)[-1].rsplit(".", 1)[-1] if custom_tis else None
+    if tis_name in MIS_FUNCTIONS:
+        is_fields = _mis(r, use_tis)
+    elif use_tis:
         is_mode = "truncate"  # loss.py:884-905 vanilla_tis_function: clamp(w, tis_clip_low, tis_clip)
         if custom_tis:
-            if str(custom_tis).rsplit(":", 1)[-1].rsplit(".", 1)[-1] != "icepop_function":
+            if tis_name != "icepop_function":
                 r.refuse("custom_tis_function_path", custom_tis, "a custom TIS function is not recomputed "
-                                                                 "(slime's own icepop_function is)")
+                                                                 "(slime's own icepop_function and the MIS example's "
+                                                                 "compute_mis_weights_with_cp are)")
             is_mode = "mask"  # loss.py:908-931 icepop_function: w·1[tis_clip_low ≤ w ≤ tis_clip]
         is_fields = {"is_level": "token", "is_mode": is_mode, "is_low": tis_clip_low, "is_high": tis_clip}
     per_token = r.flag("calculate_per_token_loss", False)  # args.py:879; loss.py:1317,1353-1370

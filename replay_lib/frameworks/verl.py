@@ -29,6 +29,9 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
 * GSPO aggregates with the configured ``loss_agg_mode`` (core_algos.py:1601-1605);
 * ``bypass_mode`` (``loss_type=ppo_clip``) is the vanilla loss against the rollout log-probs, the bundle's
   ``old_log_probs`` (core_algos.py:2528-2538), with no importance weight;
+* ``bypass_mode`` with ``loss_type=reinforce`` is GPG's term ``−A·logp`` times the detached weight of the current
+  log-probs against the rollout ones (core_algos.py:2333-2410, 2518-2527): ``policy_loss="gpg"`` with
+  ``rollout_correction_anchor="current"``; in bypass mode ``rollout_rs`` also compares the current log-probs;
 * the policy-loss families (``policy_loss.loss_mode``, ``RecomputeConfig.policy_loss``): ``cispo`` (1 ± ε,
   core_algos.py:2047-2106), ``sapo`` (``tau_pos``/``tau_neg``, its pg term forced ``seq-mean-token-mean``:
   core_algos.py:1675-1678), ``geo_mean`` (GMPO, ``torch.mean`` over each micro-batch's sequences summed over the
@@ -190,7 +193,7 @@ def from_verl(cfg: Any, *, where: Optional[str] = None, version: Optional[str] =
         fields["loss_seq_count"] = mini * fields["n_samples_per_prompt"]
     _kl_in_reward(r, fields)
     _distillation(r, fields)
-    _rollout_correction(r, fields, bypass=mode == "bypass_mode")
+    _rollout_correction(r, fields, bypass=mode == "bypass_mode", clip_c=clip_c)
     if mode == "geo_mean" and fields.get("is_level"):
         r.refuse(f"{RC}.rollout_is", fields["is_level"], "GMPO weighs each sample by the geometric mean of its "
                  "rollout weights (core_algos.py:1989-1996): not recomputed")
@@ -351,11 +354,14 @@ def _kl_in_reward(r: ConfigReader, fields: dict[str, Any]) -> None:
     fields.update(kl_in_reward=form, kl_coef=coef, kl_penalty_type=kl_type)
 
 
-def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool = False) -> None:
+def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool = False,
+                        clip_c: Optional[float] = None) -> None:
     """``algorithm.rollout_correction`` (rollout_corr.py:522-657): token or sequence weights
     ``exp(clamp(Δ, ±20))`` (SAFETY_BOUND, rollout_corr.py:75), TIS ``min(w, C)`` for a number, IcePop
-    ``w·1[lo ≤ w ≤ hi]`` for a ``"lo_hi"`` string (rollout_corr.py:93-129). In bypass mode the PPO-clip loss
-    takes no weight (core_algos.py:2530-2538: ``rollout_is_weights=None``): ``rollout_is`` is read, not applied."""
+    ``w·1[lo ≤ w ≤ hi]`` for a ``"lo_hi"`` string (rollout_corr.py:93-129), divided by their batch mean under
+    ``rollout_is_batch_normalize`` (the step's recorded ``rollout_is_batch_norm_factor``: verl takes it over the
+    whole batch, across DP, rollout_corr.py:627-655). In bypass mode the PPO-clip loss takes no weight
+    (core_algos.py:2530-2538: ``rollout_is_weights=None``): ``rollout_is`` is read, not applied."""
     level = r.raw(f"{RC}.rollout_is", None)  # yaml:854
     threshold = r.raw(f"{RC}.rollout_is_threshold", 2.0)  # yaml:855
     rs = r.raw(f"{RC}.rollout_rs", None)  # yaml:856
@@ -373,15 +379,27 @@ def _rollout_correction(r: ConfigReader, fields: dict[str, Any], *, bypass: bool
         fields.update(rollout_rs=rs, rollout_rs_threshold=rs_threshold if isinstance(rs_threshold, str)
                       else float(rs_threshold))
     loss_type = r.text(f"{RC}.loss_type", "ppo_clip")  # yaml:859
-    if loss_type != "ppo_clip":
-        r.refuse(f"{RC}.loss_type", loss_type, "only ppo_clip is mapped")
+    if loss_type not in ("ppo_clip", "reinforce"):  # core_algos.py:2539-2540 raises
+        r.refuse(f"{RC}.loss_type", loss_type, "not one of ppo_clip, reinforce")
     batch_norm = r.flag(f"{RC}.rollout_is_batch_normalize", False)  # yaml:860
-    if level is None or bypass:
+    reinforce = bypass and loss_type == "reinforce"
+    if bypass and (rs or reinforce):
+        # bypass_mode computes the correction inside the loss (core_algos.py:2489-2502), from the current
+        # log-probs against the rollout ones: old_log_prob=log_prob, rollout_log_prob=old_log_prob (= rollout)
+        fields["rollout_correction_anchor"] = "current"
+    if reinforce:
+        # compute_policy_loss_reinforce (core_algos.py:2333-2410): pg = −A·logp·w, no ratio, no clip (GPG's
+        # term), w the detached weight of log_prob − rollout (None without rollout_is: pg = −A·logp)
+        fields.update(policy_loss="gpg", log_ratio_clamp=None, eps_clip_c=None)
+        if batch_norm and level is not None:
+            r.refuse(f"{RC}.rollout_is_batch_normalize", True, "in bypass mode verl normalizes each micro-batch "
+                     "inside the loss (one factor per micro-batch, all-reduced over DP): not recorded per micro-batch")
+    if level is None or (bypass and not reinforce):
         return
     if level not in ("token", "sequence"):
         r.refuse(f"{RC}.rollout_is", level, "not one of token, sequence")
-    if batch_norm:
-        r.refuse(f"{RC}.rollout_is_batch_normalize", True, "normalizing the weights to mean 1 is not recomputed")
+    if batch_norm:  # divided by the step's mean (rollout_corr.py:627-655): recorded per step as is_batch_norm_factor
+        fields["is_batch_normalize"] = True
     low: Optional[float] = None
     if isinstance(threshold, str) and "_" in threshold:
         lo, _, hi = threshold.partition("_")

@@ -91,18 +91,25 @@ def dual_clip(pg_losses: torch.Tensor, advantages: torch.Tensor, c: float) -> tu
 
 def importance_weight(log_weight: torch.Tensor, knobs: LossKnobs) -> torch.Tensor:
     """``w`` from its log (per token, already summed or averaged for a sequence or geometric level):
-    ``exp`` of the log clamped to ``±is_log_clamp``, then truncated or masked to ``[is_low, is_high]``."""
+    ``exp`` of the log clamped to ``±is_log_clamp``, then truncated or masked to ``[is_low, is_high]``, then
+    divided by the recorded batch mean when the knobs normalize (``is_norm``)."""
     w = _clamp(log_weight, knobs.is_log_clamp).exp()
     if knobs.is_mode == "truncate":
         if knobs.is_low is not None or knobs.is_high is not None:
             w = w.clamp(min=knobs.is_low, max=knobs.is_high)
-        return w
+        return _normalized(w, knobs)
     keep = torch.ones_like(w, dtype=torch.bool)
     if knobs.is_low is not None:
         keep &= w >= knobs.is_low
     if knobs.is_high is not None:
         keep &= w <= knobs.is_high
-    return w * keep.to(w.dtype)
+    return _normalized(w * keep.to(w.dtype), knobs)
+
+
+def _normalized(w: torch.Tensor, knobs: LossKnobs) -> torch.Tensor:
+    """``w`` divided by the recorded batch mean of the corrected weights (verl ``rollout_is_batch_normalize``,
+    ``rollout_corr_helper.py:627-655``, after the truncation or mask), when the knobs normalize."""
+    return w if knobs.is_norm is None else w / knobs.is_norm
 
 
 def kl_loss_values(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, knobs: LossKnobs,

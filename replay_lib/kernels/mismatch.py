@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 # verl rollout_corr_helper.py SAFETY_BOUND (the clamp of a log-ratio before exp in its chi² metrics)
@@ -111,6 +112,83 @@ class DifferenceSummary:
             self.first = start + first
 
 
+    def add_masked(self, a, b, diff: torch.Tensor, m: torch.Tensor, cnt: float, start: int, big: float) -> None:
+        """:meth:`add` for a chunk whose float64 ``diff`` = ±(a − b)·m is finite everywhere (``m``: float64 1 on
+        the loss tokens, 0 elsewhere; ``cnt``: Σ m; ``big``: max |diff|), without a comparison array (on the
+        CPU a bool result costs several float passes). ``a`` and ``b`` are the chunk's values, or its
+        :class:`MaskedBits` when both are float32: then the count, the max ulp and the first differing token come
+        from the integer distance of their ordered keys (0 exactly when the floats are equal, ±0 included);
+        otherwise from ``diff`` (two floats differ exactly when their float64 difference is not 0: a difference
+        of two distinct floats never rounds to 0)."""
+        self.compared += int(cnt)
+        step = pair_step(a, b) if isinstance(a, MaskedBits) else diff
+        count = int(torch.count_nonzero(step))
+        if not count:
+            return
+        self.count += count
+        self.max_abs = big if math.isnan(self.max_abs) else max(self.max_abs, big)
+        if step is diff:  # bf16, fp16 or float64 payloads: the differing tokens' distances
+            idx = diff.nonzero().reshape(-1)
+            ulp = float(ulp_distance(a[idx], b[idx]).max())
+        else:
+            low, high = torch.aminmax(step)
+            ulp = float(max(int(high), -int(low)))
+        self.max_ulp = max(self.max_ulp, ulp)
+        if self.first is None:
+            self.first = start + _first_nonzero(step)
+
+
+def _first_nonzero(x: torch.Tensor) -> int:
+    """The index of ``x``'s first non-zero element (there is one): looked for in growing prefixes."""
+    width = 1024
+    while True:
+        idx = x[:width].nonzero()
+        if idx.numel():
+            return int(idx[0])
+        width *= 16
+
+
+def _keys32(bits: torch.Tensor) -> torch.Tensor:
+    """int32 keys in the order of the float32 values of ``bits`` (``+0`` and ``−0`` both 0): the magnitude's bits,
+    negated for a negative float (no overflow: magnitudes are below 2^31)."""
+    sign = bits >> 31  # 0 or −1
+    return (bits & 0x7FFFFFFF).bitwise_xor_(sign).sub_(sign)
+
+
+class MaskedBits:
+    """A finite float32 chunk's bit patterns on the loss tokens (× the int32 0/1 mask: 0 elsewhere), made once
+    for every pair it is compared in. ``kind``: ``"neg"`` when no value is above 0 (log-probs: ``raw`` is then
+    the magnitudes' bits, the keys negated), ``"pos"`` when none is below +0 (``raw``: the bits, the keys
+    themselves), else ``"mixed"`` (:meth:`keys`: the ordered keys, ±0 one key)."""
+
+    def __init__(self, x: torch.Tensor, mi: torch.Tensor) -> None:
+        self.bits = x.view(torch.int32) * mi
+        low, high = (int(v) for v in torch.aminmax(self.bits)) if self.bits.numel() else (0, 0)
+        self.kind = "neg" if high <= 0 else "pos" if low >= 0 else "mixed"
+        self.raw = self.bits & 0x7FFFFFFF if self.kind == "neg" else self.bits
+        self._keys: Optional[tuple[torch.Tensor, int, int]] = None
+
+    def keys(self) -> tuple[torch.Tensor, int, int]:
+        """The ordered keys and their range."""
+        if self._keys is None:
+            keys = self.raw if self.kind == "pos" else -self.raw if self.kind == "neg" else _keys32(self.bits)
+            low, high = (int(v) for v in torch.aminmax(keys)) if keys.numel() else (0, 0)
+            self._keys = (keys, low, high)
+        return self._keys
+
+
+def pair_step(a: MaskedBits, b: MaskedBits) -> torch.Tensor:
+    """± the ulp distance per token (the difference of the ordered keys; 0 off the loss tokens): of the raw
+    patterns when both chunks are of one sign (no overflow), else of the keys, in int64 when their ranges could
+    overflow int32."""
+    if a.kind == b.kind != "mixed":
+        return a.raw - b.raw
+    (ka, a_lo, a_hi), (kb, b_lo, b_hi) = a.keys(), b.keys()
+    if max(a_hi - b_lo, b_hi - a_lo) < 2 ** 31:
+        return ka - kb
+    return ka.to(torch.int64) - kb.to(torch.int64)
+
+
 def _ulp32_max(a: torch.Tensor, b: torch.Tensor) -> float:
     """max :func:`ulp_distance` of finite float32 values: between two of one sign, the difference of their bit
     patterns as int32; between a positive and a negative one, the sum of their magnitudes' bit patterns (the steps
@@ -160,17 +238,46 @@ def _kl(logprobs: torch.Tensor, reference: torch.Tensor, kind: str) -> torch.Ten
     return torch.expm1(log_ratio) - log_ratio
 
 
+@dataclass
+class Folded:
+    """What :meth:`MismatchScan.add` leaves of a chunk for the bitwise comparisons: ``m`` float64 1 on the loss
+    tokens and 0 elsewhere, ``old`` the float64 old log-probs there (0 elsewhere), ``diff`` = old − rollout on
+    them when every value is finite (``None`` otherwise: compare with :meth:`DifferenceSummary.add`), ``absd``
+    its magnitude, ``count`` Σ m and ``big`` max |diff| (NaN without ``diff``)."""
+
+    m: torch.Tensor
+    old: torch.Tensor
+    diff: Optional[torch.Tensor]
+    absd: torch.Tensor
+    count: float = 0.0
+    big: float = math.nan
+    _mi: Optional[torch.Tensor] = None
+
+    @property
+    def mi(self) -> torch.Tensor:
+        """``m`` as int32 (made once, for the bit patterns)."""
+        if self._mi is None:
+            self._mi = self.m.to(torch.int32)
+        return self._mi
+
+
+# the per-token rows of MismatchScan's one-pass path, in buffer order (summed together: clip last, when it is used)
+_ROWS = ("d", "e", "inv", "absd", "pd", "tm", "clip")
+
+
 class MismatchScan:
     """The metrics of :data:`METRICS` in float64, folded a chunk of tokens at a time (:meth:`add`, the chunks in
     token order; every per-token quantity of a chunk stays in cache), then :meth:`metrics`. ``n``: samples;
     ``kl_type``: NeMo-RL's ``reference_policy_kl_type``; ``is_*``: the bundle's importance-correction knobs (TRL's
     ratio statistics are those of its corrected weight). ``condition``: also accumulate
-    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics)."""
+    :func:`metric_condition`'s magnitude (for the rounding bound of recorded metrics). ``binary``: every mask
+    value is 0 or 1 (then it is its own 0/1 loss-token mask)."""
 
     def __init__(self, n: int, *, kl_type: str = "k3", is_level: Optional[str] = None, is_mode: str = "truncate",
-                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False) -> None:
+                 is_low: Optional[float] = None, is_high: Optional[float] = None, condition: bool = False,
+                 binary: bool = False) -> None:
         f64 = torch.float64
-        self.n, self.kl_type, self.condition = n, kl_type, condition
+        self.n, self.kl_type, self.condition, self.binary = n, kl_type, condition, binary
         self.is_level, self.is_mode, self.is_low, self.is_high = is_level, is_mode, is_low, is_high
         self.seq = torch.zeros((4, n), dtype=f64)  # Σ_t m·old, Σ_t m·rollout, Σ_t m·(old − rollout), Σ_t m
         self.sums: dict[str, float] = dict(tokens=0.0, pd=0.0, d=0.0, k3=0.0, rho2=0.0, tm=0.0, gen=0.0, pol=0.0,
@@ -178,6 +285,7 @@ class MismatchScan:
         self.pd_parts: list[tuple[float, float, float]] = []  # (count, mean, M2) per chunk: Chan's combination
         self.max: dict[str, float] = dict(pd=-math.inf, absd=-math.inf, ratio=-math.inf)
         self.min: dict[str, float] = dict(ratio=math.inf)
+        self._buf: Optional[torch.Tensor] = None
 
     def _clip(self, ratio: torch.Tensor) -> torch.Tensor:
         if self.is_mode == "mask":
@@ -188,55 +296,75 @@ class MismatchScan:
             return ratio.clamp(min=self.is_low, max=self.is_high)
         return ratio
 
-    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-        """Fold in one chunk; returns its float64 ``|old − rollout|`` on the loss tokens (0 elsewhere)."""
+    def add(self, rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor) -> "Folded":
+        """Fold in one chunk; returns its :class:`Folded` (the float64 mask and old log-probs, and, when every
+        value is finite, ``old − rollout`` on the loss tokens): views of this scan's buffers, valid until the next
+        :meth:`add`."""
         f64 = torch.float64
-        on = mask > 0
-        m = on.to(f64)
-        # the values off the loss tokens never enter (verl masked_sum: NaN there replaced by 0)
-        if bool(on.all()):
-            lo, lr = old.to(f64), rollout.to(f64)  # never written in place
-        else:
-            lo = torch.where(on, old, 0.0).to(f64)
-            lr = torch.where(on, rollout, 0.0).to(f64)
+        buf = self._buffer(mask.numel())
+        m, lo, lr = buf[len(_ROWS)], buf[len(_ROWS) + 1], buf[len(_ROWS) + 2]
+        # 1 on the loss tokens, 0 elsewhere, in float arithmetic (sign, clamp): a comparison's bool array costs
+        # several float passes on the CPU
+        m.copy_(mask)
+        if not self.binary:
+            torch.sign(m, out=m).clamp_(min=0.0)
         cnt = float(m.sum())
-        fast = self._add_finite(lo, lr, m, on, cnt, seg)
+        # the values off the loss tokens never enter: × 0 (in float64, exact; a non-finite value there makes the
+        # sums non-finite, and the general path replaces it by 0 as verl's masked_sum does). A conversion then an
+        # in-place product: a mixed-dtype product takes torch's slower casting loop
+        lo.copy_(old).mul_(m)
+        lr.copy_(rollout).mul_(m)
+        fast = self._add_finite(buf, lo, lr, m, cnt, seg)
         if fast is not None:
             return fast
-        return self._add_general(lo, lr, m, on, cnt, seg)
+        on = mask > 0
+        lo = torch.where(on, old, 0.0).to(f64)
+        lr = torch.where(on, rollout, 0.0).to(f64)
+        absd = self._add_general(lo, lr, on.to(f64), on, float(on.sum()), seg)
+        return Folded(on.to(f64), lo, None, absd, float(on.sum()))
 
-    def _add_finite(self, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, on: torch.Tensor, cnt: float,
-                    seg: torch.Tensor) -> Optional[torch.Tensor]:
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """The float64 rows of one chunk (:data:`_ROWS`, then the mask, old and rollout), allocated once: a
+        chunk's temporaries stay in cache and in place instead of fresh pages for every operation."""
+        if self._buf is None or self._buf.shape[1] < numel:
+            self._buf = torch.empty((len(_ROWS) + 3, numel), dtype=torch.float64)
+        return self._buf[:, :numel]
+
+    def _add_finite(self, buf: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, cnt: float,
+                    seg: torch.Tensor) -> Optional["Folded"]:
         """:meth:`add` for a chunk whose ``d = old − rollout`` and ``exp(±d)`` are all finite (else ``None``, nothing
-        folded in): every metric from a handful of float64 sums over the chunk (one exp, no per-metric temporary).
-        Off the loss tokens d = 0 and exp(d) = 1 exactly, so a sum over the whole chunk less ``off`` (their count) is
-        the sum over the loss tokens: Σ k3 = Σ e − Σ d − numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The
-        cancellations lose at most a few float64 ulps of the chunk's size, far below the float32 rounding bound of
-        the metrics (:func:`metric_condition`)."""
-        d = lo - lr
-        numel = d.numel()
+        folded in): every metric from a handful of float64 sums over the chunk, its per-token terms written into
+        the rows of ``buf`` and summed in one reduction. Off the loss tokens d = 0 and exp(d) = 1 exactly, so a
+        sum over the whole chunk less ``off`` (their count) is the sum over the loss tokens: Σ k3 = Σ e − Σ d −
+        numel, Σ exp(|d|) = Σ max(e, 1/e) − off, and so on. The cancellations lose at most a few float64 ulps of
+        the chunk's size, far below the float32 rounding bound of the metrics (:func:`metric_condition`)."""
+        numel = lo.numel()
+        d, e, inv, absd, pd, tm, clipped = (buf[k] for k in range(len(_ROWS)))
         if not numel:
-            return d
-        e = torch.exp(d)
-        s_d, s_e = float(d.sum()), float(e.sum())
-        if not (math.isfinite(s_d) and math.isfinite(s_e)):  # NaN, ±inf or an exp overflow
-            return None
-        inv = e.reciprocal()
-        s_inv = float(inv.sum())
-        if not math.isfinite(s_inv):
+            return Folded(m, lo, d, d, cnt, 0.0)
+        torch.sub(lo, lr, out=d)
+        torch.exp(d, out=e)
+        torch.reciprocal(e, out=inv)
+        torch.abs(d, out=absd)
+        # verl debug metrics: |exp(old) − exp(rollout)| = |x − x·e|, x = exp(rollout) (0 off the loss tokens)
+        torch.exp(lr, out=pd).addcmul_(pd, e, value=-1.0).abs_()
+        torch.maximum(e, inv, out=tm)  # exp(|Δ|)
+        token_ratio = self.is_level != "sequence" and cnt and self.is_mode != "mask"
+        low, high = self.is_low, self.is_high
+        clamps = token_ratio and (low is not None or high is not None)
+        if clamps:
+            torch.clamp(e, min=low, max=high, out=clipped)
+        s_d, s_e, s_inv, s_absd, s_pd, s_tm, *rest = buf[:len(_ROWS) if clamps else len(_ROWS) - 1].sum(dim=1).tolist()
+        if not all(math.isfinite(v) for v in (s_d, s_e, s_inv)):  # NaN, ±inf or an exp overflow
             return None
         off = numel - cnt
-        absd = d.abs()
-        big = float(absd.max())
+        big, pd_max = buf[3:5].amax(dim=1).tolist()  # max |d|, max pd
         S = self.sums
         S["tokens"] += cnt
-        # verl debug metrics: |exp(old) − exp(rollout)| = exp(rollout)·|exp(d) − 1| (0 off the loss tokens)
-        pd = torch.exp(lr).mul_((e - 1.0).abs_())
-        psum = float(pd.sum())
-        S["pd"] += psum
+        S["pd"] += s_pd
         if cnt:
-            self.max["pd"] = _max(self.max["pd"], float(pd.max()))
-            mean = psum / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
+            self.max["pd"] = _max(self.max["pd"], pd_max)
+            mean = s_pd / cnt  # M2 = Σ pd² − cnt·mean² (pd is 0 off the loss tokens)
             self.pd_parts.append((cnt, mean, max(float(torch.dot(pd, pd)) - cnt * mean * mean, 0.0)))
         S["d"] += s_d
         k3 = s_e - s_d - numel
@@ -246,8 +374,7 @@ class MismatchScan:
         else:
             rho = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
             S["rho2"] += float(torch.dot(rho, rho)) - off
-        tm = torch.maximum(e, inv)  # exp(|Δ|)
-        S["tm"] += float(tm.sum()) - off
+        S["tm"] += s_tm - off
         if self.kl_type == "k1":
             S["gen"] -= s_d
             S["pol"] += s_d
@@ -258,40 +385,32 @@ class MismatchScan:
             S["gen"] += k3
             S["pol"] += s_inv + s_d - numel
         # TRL: |old − sampling| on the loss tokens
-        S["absd"] += float(absd.sum())
+        S["absd"] += s_absd
         S["absd_n"] += cnt
         if cnt:
             self.max["absd"] = _max(self.max["absd"], big)
         if self.is_level != "sequence" and cnt:
             if self.is_mode == "mask":
+                on = m > 0
                 ratio = self._clip(e)
                 S["ratio"] += float(torch.dot(ratio, m))
                 self.max["ratio"] = max(self.max["ratio"], float(torch.where(on, ratio, -math.inf).max()))
                 self.min["ratio"] = min(self.min["ratio"], float(torch.where(on, ratio, math.inf).min()))
             else:  # the clamp is monotone: the extremes of the clamped ratio are the clamped extremes of e
-                low, high = self.is_low, self.is_high
-                clipped = self._clip(e)
-                one = float(self._clip(torch.ones(1, dtype=torch.float64)))
-                S["ratio"] += float(clipped.sum()) - off * one
+                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
+                S["ratio"] += (rest[0] if clamps else s_e) - off * clamp(1.0)
                 e_min, e_max = (float(v) for v in torch.aminmax(e))
                 if off and not (e_max > 1.0 and e_min < 1.0):  # a 1 of an off token may be an extreme: look closer
+                    on = m > 0
                     e_max = float(torch.where(on, e, -math.inf).max())
                     e_min = float(torch.where(on, e, math.inf).min())
-                clamp = (lambda v: min(max(v, -math.inf if low is None else low), math.inf if high is None else high))
                 self.max["ratio"] = max(self.max["ratio"], clamp(e_max))
                 self.min["ratio"] = min(self.min["ratio"], clamp(e_min))
         if self.condition and cnt:
             self._fold_condition(lo, lr, absd, tm, m)
-        if numel:  # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
-            first, last = int(seg[0]), int(seg[-1])
-            part = torch.zeros((3, last - first + 1), dtype=torch.float64)
-            segment_add(part, (lo, lr, m), seg - first)
-            seq = self.seq[:, first:last + 1]
-            seq[0] += part[0]
-            seq[1] += part[1]
-            seq[2] += part[0] - part[1]
-            seq[3] += part[2]
-        return absd
+        # the chunk's samples (seg sorted); Σ d per sample is Σ old − Σ rollout (float64)
+        _sample_sums(self.seq, lo, lr, m, seg)
+        return Folded(m, lo, d, absd, cnt, big)
 
     def _fold_condition(self, lo, lr, absd, tm, m) -> None:
         size = torch.maximum(lo.abs(), lr.abs()).add_(1)
@@ -418,17 +537,86 @@ class MismatchScan:
         return max(self.sums["cond"] / self.sums["tokens"], 1.0) if self.sums["tokens"] else 1.0
 
 
-def segment_add(acc: torch.Tensor, rows, seg: torch.Tensor) -> None:
-    """``acc[r, s] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted): long samples
-    take one contiguous sum each, many short ones one ``index_add_`` per row."""
-    samples, counts = torch.unique_consecutive(seg, return_counts=True)
-    if samples.numel() * 256 <= seg.numel():  # samples of 256 tokens or more on average
-        sizes = counts.tolist()
-        for r, row in enumerate(rows):  # row by row: no stacked copy of the chunk
-            acc[r].index_add_(0, samples, torch.stack([part.sum() for part in row.split(sizes)]))
+class ChunkSamples:
+    """The samples of one chunk of the token axis, without a per-token array: ``samples`` those with a token in the
+    chunk (in order), ``starts`` each one's first token within the chunk; :attr:`seg` (each token's sample, what
+    :func:`kernels.segments.token_chunks` gives) made on first use."""
+
+    def __init__(self, samples: torch.Tensor, starts: torch.Tensor, size: int) -> None:
+        self.samples, self.starts, self.size = samples, starts, size
+        self.first, self.last = int(samples[0]), int(samples[-1])
+        self._seg: Optional[torch.Tensor] = None
+
+    def numel(self) -> int:
+        return self.size
+
+    @property
+    def seg(self) -> torch.Tensor:
+        if self._seg is None:
+            counts = torch.diff(self.starts, append=torch.tensor([self.size]))
+            self._seg = torch.repeat_interleave(self.samples, counts)
+        return self._seg
+
+
+def chunk_samples(lengths: torch.Tensor, chunk: int = MISMATCH_CHUNK):
+    """``(start, stop, ChunkSamples)`` for consecutive chunks of the token axis of samples of ``lengths`` (empty
+    samples are in no chunk): the chunks of ``token_chunks`` with each sample's boundaries by binary search instead
+    of a per-token sample index."""
+    lengths = lengths.to(torch.int64)
+    ends = torch.cumsum(lengths, 0)
+    present = (lengths > 0).nonzero().reshape(-1)
+    p_ends = ends[present]
+    p_starts = p_ends - lengths[present]
+    total = int(ends[-1]) if lengths.numel() else 0
+    for start in range(0, total, chunk):
+        stop = min(start + chunk, total)
+        a = int(torch.searchsorted(p_ends, start, right=True))  # the first sample ending after start
+        b = int(torch.searchsorted(p_starts, stop))  # the samples starting before stop
+        yield start, stop, ChunkSamples(present[a:b], (p_starts[a:b] - start).clamp_(min=0), stop - start)
+
+
+def _sample_sums(seq: torch.Tensor, lo: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, seg) -> None:
+    """``seq[0..3, s] +=`` Σ old, Σ rollout, Σ (old − rollout), Σ m over sample ``s``'s tokens of one chunk
+    (``seg``: each token's sample, or the chunk's :class:`ChunkSamples`)."""
+    first, last = (seg.first, seg.last) if isinstance(seg, ChunkSamples) else (int(seg[0]), int(seg[-1]))
+    part = torch.zeros((3, last - first + 1), dtype=torch.float64)
+    segment_add(part, (lo, lr, m), seg, first)
+    window = seq[:, first:last + 1]
+    window[0] += part[0]
+    window[1] += part[1]
+    window[2] += part[0] - part[1]
+    window[3] += part[2]
+
+
+def segment_add(acc: torch.Tensor, rows, seg, base: int = 0) -> None:
+    """``acc[r, s − base] += Σ rows[r][t]`` over each token ``t`` of sample ``s`` in one chunk (``seg`` sorted, or the
+    chunk's :class:`ChunkSamples`): long samples take one ``reduceat`` per row, many short ones one ``index_add_``
+    per row."""
+    if not seg.numel():
+        return
+    if isinstance(seg, ChunkSamples):
+        if seg.samples.numel() * 256 <= seg.numel():
+            samples, starts = seg.samples - base, seg.starts.numpy()
+            for r, row in enumerate(rows):
+                acc[r].index_add_(0, samples, torch.from_numpy(np.add.reduceat(row.contiguous().numpy(), starts)))
+            return
+        seg = seg.seg
+    first, last = int(seg[0]), int(seg[-1])
+    if (last - first + 1) * 256 <= seg.numel():  # samples of 256 tokens or more on average
+        # each sample's first token by binary search (seg is sorted); an empty sample (no token) is left out
+        samples = torch.arange(first, last + 1)
+        starts = torch.searchsorted(seg, samples)
+        ends = torch.cat([starts[1:], torch.tensor([seg.numel()])])
+        present = ends > starts
+        if not bool(present.all()):
+            samples, starts = samples[present], starts[present]
+        starts, samples = starts.numpy(), samples - base
+        for r, row in enumerate(rows):  # row by row (no stacked copy of the chunk), one reduceat each
+            acc[r].index_add_(0, samples, torch.from_numpy(np.add.reduceat(row.contiguous().numpy(), starts)))
     else:
+        at = seg - base if base else seg
         for r, row in enumerate(rows):
-            acc[r].index_add_(0, seg, row)
+            acc[r].index_add_(0, at, row)
 
 
 def _max(a: float, b: float) -> float:
@@ -452,6 +640,54 @@ def metric_condition(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tenso
     scan = MismatchScan(1, condition=True)
     scan.add(rollout, old, mask, torch.zeros(rollout.numel(), dtype=torch.int64))
     return scan.condition_value()
+
+
+# verl's factor of rollout_is_batch_normalize (rollout_corr_helper.py:627-655), logged as a metric
+IS_NORM_METRIC = "rollout_corr/rollout_is_batch_norm_factor"
+
+
+def is_batch_norm_factor(rollout: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                         knobs) -> float:
+    """verl's ``rollout_is_batch_normalize`` divisor over these tokens (``rollout_corr_helper.py:627-655``, one
+    process: ``masked_mean``), in float64: the mean of the corrected weights (truncated or masked, before the
+    division) over the loss tokens (token level), or over the samples with a loss token of each sample's weight
+    (sequence level); 1.0 when that mean is not above 1e-8 (verl then leaves the weights as they are). verl's
+    float32 ``Σ mask + 1e-8`` denominators round to ``Σ mask`` for any count ≥ 1."""
+    from dataclasses import replace
+
+    from .loss import importance_weight
+
+    raw = replace(knobs, is_norm=None)
+    on = mask > 0
+    m = on.to(torch.float64)
+    d = torch.where(on, old, 0.0).to(torch.float64) - torch.where(on, rollout, 0.0).to(torch.float64)
+    if knobs.is_level == "token":
+        total = float(torch.dot(importance_weight(d, raw), m))
+        count = float(m.sum())
+    else:  # sequence: one weight per sample, exp of its sum
+        count_i = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, m)
+        log_w = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, d)
+        present = (count_i > 0).to(torch.float64)
+        total = float(torch.dot(importance_weight(log_w, raw), present))
+        count = float(present.sum())
+    mean = total / (count if count >= 1 else VERL_MASKED_MEAN_EPS)
+    return mean if mean > 1e-8 else 1.0
+
+
+# slime's MIS levels as the rejection chain's k1 statistics (k1 = rollout − old = −Δ): the token's, the sample's
+# sum, the sample's mean over its loss tokens
+MIS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+def mis_chain(mis_rs, veto: Optional[float]) -> list[tuple[str, Optional[float], float]]:
+    """slime's MIS rejection (``examples/train_infer_mismatch_helper/mis.py:131-147, 243-263`` at 624b824a8) as
+    a :func:`rejection_decisions` chain: ``low ≤ exp(Δ) ≤ high`` at a level is ``log(1/high) ≤ k1 ≤ log(1/low)``
+    of that level's k1; the veto (a sample dropped when a loss token's ``Δ < log veto``) keeps a sample whose
+    largest token k1 is ``≤ log(1/veto)``."""
+    chain = [(MIS_LEVELS[level], math.log(1.0 / high), math.log(1.0 / low)) for level, low, high in mis_rs or ()]
+    if veto is not None:
+        chain.append(("seq_max_k1", None, math.log(1.0 / veto)))
+    return chain
 
 
 def rejection_keep(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
@@ -515,5 +751,5 @@ def rejection_decisions(log_ratio: torch.Tensor, mask: torch.Tensor, seg: torch.
     return keep | ~on, near & on & ~firm
 
 
-__all__ = ["METRICS", "MISMATCH_CHUNK", "DifferenceSummary", "MismatchScan", "difference_summary", "differing", "metric_condition",
+__all__ = ["IS_NORM_METRIC", "MIS_LEVELS", "mis_chain", "ChunkSamples", "chunk_samples", "METRICS", "MISMATCH_CHUNK", "is_batch_norm_factor", "DifferenceSummary", "Folded", "MaskedBits", "pair_step", "MismatchScan", "difference_summary", "differing", "metric_condition",
            "mismatch_metrics", "rejection_decisions", "rejection_keep", "segment_add", "ulp_distance"]

@@ -61,6 +61,11 @@ def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
 
         raise StageInputError("kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by "
                               "loss.grad", field="kl_loss_rollout_weighted")
+    if li.keep is not None:  # slime's MIS rejection keeps the normalizers: not derived here
+        from .base import StageInputError
+
+        raise StageInputError("mis_rs / mis_veto (slime's MIS rejection) is not recomputed by loss.grad",
+                              field="mis_rs")
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
     opt = {name: _f64(value) if value is not None else None
            for name, value in (("rollout_log_probs", li.rollout_log_probs), ("ref_log_probs", li.ref_log_probs),
@@ -368,7 +373,7 @@ def importance_weight_unmasked(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor
     from dataclasses import replace
 
     from ..kernels.grad import importance_weights
-    return importance_weights(gi, replace(knobs, is_mode="truncate", is_low=None, is_high=None))
+    return importance_weights(gi, replace(knobs, is_mode="truncate", is_low=None, is_high=None, is_norm=None))
 
 
 HAZARD_TEXT = {

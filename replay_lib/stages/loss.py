@@ -91,7 +91,8 @@ def _rejection_boundary(ctx: StageContext, li: LossInputs, expected: dict, actua
     import dataclasses
 
     knobs = li.knobs
-    alt_sums = _loss_sums(ctx, dataclasses.replace(li, mask=li.rs_alternative))
+    alt_sums = _loss_sums(ctx, dataclasses.replace(li, keep=li.rs_alternative) if li.keep is not None else
+                          dataclasses.replace(li, mask=li.rs_alternative))
     other = policy_fields_from_sums(alt_sums, li.entropy is not None, knobs.entropy_coef, knobs)
 
     def error(values: dict) -> float:
@@ -219,6 +220,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     for lo, hi, seg in ctx.token_chunks():
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
+        if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
+            m = m * li.keep[lo:hi]
         adv = li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
             li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
@@ -595,6 +598,10 @@ def _loss_requirements(reader: BundleReader) -> list[str]:
             missing.append(f"payloads/{payload}.pt (for {knob})")
     missing += count_requirements(cfg)
     missing += partition_requirements(reader)
+    if getattr(cfg, "is_batch_normalize", False) is True and cfg.is_level is not None and \
+            LossKnobs.of(cfg).is_norm is None:
+        missing.append("index.json $.config.is_batch_norm_factor (is_batch_normalize divides the importance weights "
+                       "by the step's recorded batch mean: verl's rollout_corr/rollout_is_batch_norm_factor)")
     if not any(f in reader.expected.get("loss.policy", {}) for f in POLICY_FIELDS):
         missing.append("expected.json $.loss.policy.loss")
     return missing
@@ -619,6 +626,11 @@ def _loss_refuse(cfg: RecomputeConfig) -> list[tuple[str, str]]:
         out.append(("is_level", f"{knobs.is_level!r} with policy_loss='vespo': TRL folds the importance ratio into "
                                 "VESPO's sequence weight (grpo_trainer.py:2993-2997) instead of multiplying the loss; "
                                 "not recomputed"))
+    if getattr(cfg, "rollout_correction_anchor", None) == "current" and knobs.is_level is not None and \
+            knobs.policy_loss != "gpg":
+        out.append(("rollout_correction_anchor", f"'current' with is_level={knobs.is_level!r} and policy_loss="
+                                                 f"{knobs.policy_loss!r}: weights of the current log-probs are "
+                                                 "recomputed for verl's bypass REINFORCE (policy_loss 'gpg') only"))
     if knobs.entropy_mask and knobs.entropy_coef != 0:
         out.append(("top_entropy_quantile", f"{knobs.top_entropy_quantile!r} with entropy_coef != 0: TRL's entropy "
                                             "bonus then averages over the masked tokens only (grpo_trainer.py:3193), "

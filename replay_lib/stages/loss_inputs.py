@@ -39,6 +39,9 @@ class LossInputs:
     rs_near: Optional[torch.Tensor] = None
     rs_alternative: Optional[torch.Tensor] = None
     teacher_log_probs: Optional[torch.Tensor] = None  # on-policy distillation as a loss term (opd_placement)
+    # slime's MIS rejection (mis_rs, mis_veto): 0/1 per token multiplying every term's numerator, the normalizers
+    # kept (rs_near / rs_alternative then describe this keep instead of the mask)
+    keep: Optional[torch.Tensor] = None
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -108,6 +111,10 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
     mask = ctx.loss_mask
     # force_on_policy_ratio: the ratio 1 — the current log-probs stand for the old ones (NeMo-RL loss.py:399-402)
     old = ctx.payload("log_probs") if knobs.force_on_policy_ratio else ctx.payload("old_log_probs")
+    # the log-probs the correction compares with the rollout ones: the trainer's old ones, or (verl bypass_mode)
+    # the current ones, which then stand for the old policy of the IS weight (GPG's term reads no other old)
+    current_anchor = cfg.rollout_correction_anchor == "current"
+    anchor = ctx.payload("log_probs") if current_anchor else old
     rs_near = rs_alternative = None
     if isinstance(cfg.rollout_rs, str):  # rejection sampling (SPEC §4.4): the rejected tokens leave the mask
         if not ctx.has("rollout_log_probs"):
@@ -116,16 +123,32 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
         from ..kernels.mismatch import rejection_decisions
 
         chain = parse_rollout_rs(cfg.rollout_rs, cfg.rollout_rs_threshold)
-        keep, near = rejection_decisions(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
+        keep, near = rejection_decisions(anchor.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
                                          mask, ctx.seg, ctx.n, chain, unit=ctx.precision.token)
         if bool(near.any()):
             rs_near, rs_alternative = near, mask * (keep ^ near).to(mask.dtype)
         mask = mask * keep.to(mask.dtype)
+    keep = None
+    mis_rs = cfg.mis_rs if isinstance(cfg.mis_rs, list) else None
+    veto = cfg.mis_veto if isinstance(cfg.mis_veto, float) else None
+    if mis_rs or veto is not None:  # slime's MIS rejection (SPEC §4.4): the numerators only
+        if not ctx.has("rollout_log_probs"):
+            raise StageInputError("payload 'rollout_log_probs' is required for mis_rs / mis_veto",
+                                  field="rollout_log_probs")
+        from ..kernels.mismatch import mis_chain, rejection_decisions
+
+        kept, near = rejection_decisions(old.to(torch.float64) - ctx.payload("rollout_log_probs").to(torch.float64),
+                                         mask, ctx.seg, ctx.n, mis_chain(mis_rs, veto), unit=ctx.precision.token)
+        keep = kept.to(mask.dtype)
+        if bool(near.any()):
+            rs_near, rs_alternative = near, (kept ^ near).to(mask.dtype)
+    if current_anchor and knobs.is_level is not None:
+        old = anchor
     return LossInputs(log_probs=ctx.payload("log_probs"), old_log_probs=old,
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
                       rs_near=rs_near, rs_alternative=rs_alternative,
-                      teacher_log_probs=teacher)
+                      teacher_log_probs=teacher, keep=keep)
 
 
 def is_keep_hazards(ctx: StageContext, li: LossInputs, stage: str) -> None:

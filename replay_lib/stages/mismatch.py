@@ -36,7 +36,8 @@ from ..bundle.loss_knobs import LossKnobs
 from ..kernels.loss import importance_weight
 from ..judge.report import StageReport
 from ..kernels import token_chunks
-from ..kernels.mismatch import METRICS, MISMATCH_CHUNK, DifferenceSummary, MismatchScan, segment_add
+from ..kernels.mismatch import (IS_NORM_METRIC, METRICS, MISMATCH_CHUNK, VERL_ROLLOUT_CORR, DifferenceSummary, MaskedBits, MismatchScan,
+                               chunk_samples, is_batch_norm_factor, segment_add)
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 
@@ -129,8 +130,9 @@ class _Weights:
             clamped = e
             if k.is_log_clamp is not None and bool((d.abs() > k.is_log_clamp).any()):
                 clamped = torch.exp(d.clamp(-k.is_log_clamp, k.is_log_clamp))
-            applied = _corrected(clamped, k)
-            rows = (e * m, applied * m, (applied != clamped).to(torch.float64) * m, m)
+            corrected = _corrected(clamped, k)
+            applied = corrected if k.is_norm is None else corrected / k.is_norm  # the recorded batch mean
+            rows = (e * m, applied * m, (corrected != clamped).to(torch.float64) * m, m)
         else:
             rows = (d * m, m, m, m)
         segment_add(self.sums, rows, seg)
@@ -147,7 +149,7 @@ class _Weights:
             raw = torch.exp(log_w)
             clamped = torch.exp(log_w.clamp(-k.is_log_clamp, k.is_log_clamp)) if k.is_log_clamp is not None else raw
             applied = importance_weight(log_w, k)
-            changed = (applied != clamped).to(torch.float64)
+            changed = (_corrected(clamped, k) != clamped).to(torch.float64)
             what = f"the sample's {k.is_level} weight, raw (expected) and applied"
         bounds = f"[{k.is_low}, {k.is_high}]"
         none = torch.zeros(ctx.n, dtype=torch.bool)  # shown, never compared: the loss stage judges the correction
@@ -177,30 +179,66 @@ def _weight_fields(ctx: StageContext, knobs: LossKnobs) -> list:
     return weights.fields(ctx)
 
 
+def _compare(summary: DifferenceSummary, a: torch.Tensor, b: torch.Tensor, folded, diff: Optional[torch.Tensor],
+             on, lo: int, hi: int, big: float, bits=None) -> None:
+    """Fold one chunk's ``a`` vs ``b`` into ``summary``: from the finite float64 difference ``diff`` (max
+    magnitude ``big``) when there is one (:meth:`DifferenceSummary.add_masked`; ``bits``: the two chunks'
+    ``MaskedBits`` when both are float32), else bit for bit on the loss tokens (NaN, infinities)."""
+    if diff is not None:
+        x, y = bits if bits is not None else (a, b)
+        summary.add_masked(x, y, diff, folded.m, folded.count, lo, big)
+    else:
+        summary.add(a, b, on()[lo:hi], lo)
+
+
 def run_mismatch(ctx: StageContext) -> StageReport:
     rollout, old = ctx.payload("rollout_log_probs"), ctx.payload("old_log_probs")
     current = ctx.payload("log_probs") if ctx.has("log_probs") else None
     mask = ctx.loss_mask
-    on = mask > 0
+    on = functools.lru_cache(maxsize=1)(lambda: mask > 0)  # the bool mask, made when a comparison needs it
     locate = _locate(ctx)
     cfg = ctx.config
     knobs = LossKnobs.of(cfg)  # the effective correction (slime's use_tis is token TIS)
     recorded = ctx.reader.expected.get(STAGE, {})
-    names = [k for k in METRICS if k in recorded]
+    # verl's batch-normalization factor, recomputed when the config normalizes token or sequence weights
+    norm = cfg.is_batch_normalize is True and knobs.is_level in ("token", "sequence")
+    known = METRICS + ((IS_NORM_METRIC,) if norm else ())
+    names = [k for k in known if k in recorded]
+    # verl bypass_mode logs its rollout_corr/* metrics from inside the loss: the current log-probs against the
+    # rollout ones, per micro-batch (core_algos.py:2489-2502): not this stage's old-vs-rollout batch formulas
+    bypass_metrics = [k for k in names if k in VERL_ROLLOUT_CORR] if cfg.rollout_correction_anchor == "current" else []
+    names = [k for k in names if k not in bypass_metrics]
     for k in names:  # a metric is one number (null: NaN, as msgspec writes it)
         if not (recorded[k] is None or isinstance(recorded[k], (int, float))) or isinstance(recorded[k], bool):
             raise StageInputError(f"expected.json $.{STAGE}.{k}: expected a number or null, got "
                                   f"{type(recorded[k]).__name__}", field="metrics")
     # one pass over the tokens, a cache-sized chunk at a time: the differences and every metric's sums
+    # the loss mask holds whole numbers (index.json's integers, or the uint8 payload): within [0, 1] it is 0/1
+    low, high = (float(v) for v in torch.aminmax(mask)) if mask.numel() else (0.0, 0.0)
     scan = MismatchScan(ctx.n, kl_type=cfg.kl_loss_type, is_level=knobs.is_level, is_mode=knobs.is_mode,
-                        is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial)
+                        is_low=knobs.is_low, is_high=knobs.is_high, condition=bool(names) and not ctx.partial,
+                        binary=low >= 0.0 and high <= 1.0)
     ro = DifferenceSummary()
     oc = DifferenceSummary() if current is not None else None
-    for lo, hi, seg in token_chunks(ctx.lengths, MISMATCH_CHUNK):
-        r, o, c_on = rollout[lo:hi], old[lo:hi], on[lo:hi]
-        ro.add(r, o, c_on, lo, absd=scan.add(r, o, mask[lo:hi], seg))
+    f32 = rollout.dtype == old.dtype == torch.float32
+    for lo, hi, seg in chunk_samples(ctx.lengths, MISMATCH_CHUNK):
+        r, o = rollout[lo:hi], old[lo:hi]
+        folded = scan.add(r, o, mask[lo:hi], seg)
+        o_bits = MaskedBits(o, folded.mi) if f32 and folded.diff is not None else None
+        _compare(ro, r, o, folded, folded.diff, on, lo, hi, folded.big,
+                 (MaskedBits(r, folded.mi), o_bits) if o_bits is not None else None)
         if oc is not None:
-            oc.add(o, current[lo:hi], c_on, lo)
+            c = current[lo:hi]
+            diff, big = None, math.nan
+            if folded.diff is not None:  # the old log-probs' float64 copy of the scan, the current ones beside it
+                diff = c * folded.m if c.dtype == torch.float64 else c.to(torch.float64).mul_(folded.m)  # 0 off
+                torch.sub(folded.old, diff, out=diff)
+                low, high = (float(v) for v in torch.aminmax(diff)) if diff.numel() else (0.0, 0.0)
+                big = max(high, -low)
+                if not (math.isfinite(low) and math.isfinite(high)):  # a NaN or an infinity: bit for bit
+                    diff = None
+            bits = (o_bits, MaskedBits(c, folded.mi)) if o_bits is not None and c.dtype == torch.float32 else None
+            _compare(oc, o, c, folded, diff, on, lo, hi, big, bits)
     if knobs.is_level is not None:  # the views' per-sample weights: computed when a view asks (VIEW_FIELDS)
         ctx.records[VIEW_FIELDS] = functools.partial(_weight_fields, knobs=knobs)  # of ctx: no reference cycle
     summary: dict = {"rollout_vs_old": ro.as_dict(locate)}
@@ -209,16 +247,20 @@ def run_mismatch(ctx: StageContext) -> StageReport:
     bitwise = bitwise_requested(ctx)
     summary["bitwise"] = bitwise
     metrics = scan.metrics()
+    if norm:
+        metrics[IS_NORM_METRIC] = is_batch_norm_factor(rollout, old, mask, ctx.seg, ctx.n, knobs)
     summary["metrics"] = metrics
     _lints(ctx)
 
     fields = []
     if bitwise:
-        fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on, exact=True,
+        fields.append(ctx.field(STAGE, "rollout_log_probs", PER_TOKEN, old, rollout, compared=on(), exact=True,
                                 note="rollout_log_probs (actual) against old_log_probs (expected), bit for bit"))
-    unknown = sorted(k for k in recorded if k not in METRICS)
+    unknown = sorted(k for k in recorded if k not in known)
     if unknown:
         summary["unknown_metrics"] = unknown
+    if bypass_metrics:
+        summary["metrics_not_compared"] = bypass_metrics
     if names and ctx.partial:
         summary["metrics_compared"] = False
         names = []
