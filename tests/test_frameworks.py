@@ -292,7 +292,9 @@ def test_nemo_rl_grpo_math_defaults_and_tis():
         "token", "truncate", 0.0, 2.0, 0.28, False)
     with pytest.raises(UnsupportedFrameworkConfig, match=r"grpo.advantage_clip_low=-5.0: NeMo-RL's advantage"):
         from_nemo_rl({"grpo": {"advantage_clip_low": -5.0}})
-    with pytest.raises(UnsupportedFrameworkConfig, match=r"loss_fn.truncated_importance_sampling_type='seq-mask-tis'"):
+    # seq-mask-tis is mapped (an untruncated weight and a geometric keep mask); without its lower bound NeMo-RL asserts
+    with pytest.raises(FrameworkConfigError, match=r"loss_fn.truncated_importance_sampling_ratio_min=None: expected a "
+                                                   r"value with seq-mask-tis"):
         from_nemo_rl({"loss_fn": {"use_importance_sampling_correction": True,
                                   "truncated_importance_sampling_type": "seq-mask-tis"}})
 
@@ -388,9 +390,11 @@ def test_openrlhf_adaptive_kl_maps_the_recorded_coefficient():
      "rollout batch (experience_maker.py:273-276), which a bundle of one optimizer step does not hold; record the "
      "centred reward as each sample's normalized reward, or every sample of the rollout batch in one bundle under "
      "one group_index, and map it as dr_grpo"),
-    ({"algo.advantage.estimator": "rloo", "algo.advantage.is_correction_level": "seq"},
-     "openrlhf config: algo.advantage.is_correction_level='seq': the sequence mask keeps each surviving token's "
-     "own weight (loss.py:237-239), which is not recomputed"),
+    ({"algo.advantage.estimator": "rloo", "algo.advantage.is_correction_level": "seq",
+      "algo.advantage.is_correction_gating": "binary_kl"},
+     "openrlhf config: algo.advantage.is_correction_gating='binary_kl': at is_correction_level=seq OpenRLHF gates the "
+     "sample's mean divergence (loss.py:233-234), which is not recomputed (is_keep's sequence masks read the ratio); "
+     "a bundle would need a per-sample divergence keep mask"),
     ({"algo.advantage.estimator": "rloo", "actor.loss_agg_mode": "seq-mean-token-sum"},
      "openrlhf config: actor.loss_agg_mode='seq-mean-token-sum': not one of token-mean, seq-mean-token-mean"),
 ])
