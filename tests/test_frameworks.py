@@ -135,11 +135,9 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
      "not one of fixed, adaptive"),
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce"}}},
      "algorithm.rollout_correction.loss_type", "only ppo_clip is mapped"),
-    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
-     "actor_rollout_ref.actor.policy_loss.loss_mode", "a bundle would need the selected-token mask"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "my_loss"}}}},
      "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped (vanilla, gspo, bypass_mode, cispo, sapo, geo_mean, "
-                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov are)"),
+                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov, clip_cov are)"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "dro"}}}},
      "actor_rollout_ref.actor.policy_loss.dro_beta", "DRO needs a positive beta"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}},

@@ -71,7 +71,7 @@ def _recompute(ctx: StageContext, li: LossInputs, knobs: LossKnobs, overrides: d
                              eps_clip=knobs.eps_clip, eps_clip_high=knobs.eps_clip_high,
                              entropy_coef=knobs.entropy_coef, dtype=torch.float64, knobs=knobs,
                              rollout_log_probs=rollout, ref_log_probs=li.ref_log_probs,
-                             teacher_log_probs=li.teacher_log_probs)
+                             teacher_log_probs=li.teacher_log_probs, family_tokens=li.family_tokens)
     return {k: float(v) for k, v in out.items()}
 
 

@@ -458,7 +458,8 @@ def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypo
     def fields_of(k: LossKnobs, logp: torch.Tensor, a: torch.Tensor) -> dict:
         return policy_loss_fields(logp, li.old_log_probs, a, li.entropy, li.mask, ctx.lengths, eps_clip=k.eps_clip,
                                   eps_clip_high=k.eps_clip_high, entropy_coef=k.entropy_coef, dtype=torch.float64,
-                                  knobs=k, rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs)
+                                  knobs=k, rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs,
+                                  family_tokens=li.family_tokens)
 
     for id_, detail, k in variants:
         try:

@@ -21,7 +21,7 @@ from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, f
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms, wants_sample_pass)
 from ..judge.error_model import C_STORE
-from ..kernels.families import family_refusals
+from ..kernels.families import family_refusals, slice_tokens
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
@@ -63,7 +63,7 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
                                     eps_clip=knobs.eps_clip, eps_clip_high=knobs.eps_clip_high,
                                     entropy_coef=knobs.entropy_coef, dtype=ctx.dtype, knobs=knobs,
                                     rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs,
-                                    teacher_log_probs=li.teacher_log_probs)
+                                    teacher_log_probs=li.teacher_log_probs, family_tokens=li.family_tokens)
         return expected, {f: actual[f] for f in expected}, None
     sums = _loss_sums(ctx, li)
     ctx.outputs[SUMS_OUTPUT] = sums  # the explanations re-aggregate them (explain.loss.micro_batch_hypotheses)
@@ -149,7 +149,8 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
     if not wants_sample_pass(knobs):
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
-                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages)
+                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages,
+                             family_tokens=li.family_tokens)
     if knobs.opsm:  # the edge test's reach: √n_i · the sample's mean |anchor| + |logp| (a mean's rounding)
         terms["opsm_reach"] = _opsm_reach(ctx, li)
     if not knobs.needs_sample_pass:  # the family's own terms carry their condition (pg_err)
@@ -224,7 +225,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
             ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
             entropy=entropy[lo:hi] if entropy is not None else None,
-            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None)
+            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
+            family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
         signed = buf[:n_signed]
         torch.mul(pg, m, out=buf[0])
@@ -566,6 +568,10 @@ def partition_requirements(reader: BundleReader) -> list[str]:
             micro_batch_partition(reader.index.samples) is None:
         return ["index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of "
                 "the producer's micro-batches)"]
+    if getattr(reader.index.config, "policy_loss", "ppo") == "clip_cov" and \
+            micro_batch_partition(reader.index.samples) is None:
+        return ["index.json $.samples[*].micro_batch_id (policy_loss='clip_cov' takes its covariance's means within "
+                "each of the producer's micro-batches)"]
     if knob is None or micro_batch_partition(reader.index.samples) is not None:
         return []
     return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "

@@ -13,6 +13,7 @@ import torch
 from ..judge.error_model import StorageUnits
 from ..kernels import GrpoReturns
 from ..kernels.loss import LossKnobs
+from ..kernels.families import token_payloads
 from .base import StageContext, StageInputError
 
 
@@ -38,6 +39,8 @@ class LossInputs:
     rs_near: Optional[torch.Tensor] = None
     rs_alternative: Optional[torch.Tensor] = None
     teacher_log_probs: Optional[torch.Tensor] = None  # on-policy distillation as a loss term (opd_placement)
+    # the policy-loss family's own per-token payloads by name (kernels.families.token_payloads: clip_cov_mask)
+    family_tokens: Optional[dict] = None
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -100,6 +103,13 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
             raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
                                   field="ref_log_probs")
         ref = ctx.payload("ref_log_probs")
+    family_tokens = None
+    own = token_payloads(knobs.policy_loss) if knobs.family else ()
+    for name in own:
+        if not ctx.has(name):
+            raise StageInputError(f"payload {name!r} is required for policy_loss={knobs.policy_loss!r} "
+                                  f"({FAMILY_PAYLOAD_WHY.get(name, 'the family reads it')})", field=name)
+        family_tokens = {**(family_tokens or {}), name: ctx.payload(name)}  # 0/1 (bundle.reader checks)
     mask = ctx.loss_mask
     old = ctx.payload("old_log_probs")
     rs_near = rs_alternative = None
@@ -119,7 +129,14 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
                       rs_near=rs_near, rs_alternative=rs_alternative,
-                      teacher_log_probs=teacher)
+                      teacher_log_probs=teacher, family_tokens=family_tokens)
+
+
+# Why a family's own payload is needed, for the refusal that names it
+FAMILY_PAYLOAD_WHY = {
+    "clip_cov_mask": "Clip-Cov zeroes a random sample (torch.randperm) of the tokens whose covariance lies in "
+                     "(clip_cov_lb, clip_cov_ub): record the selected tokens, 1 where the producer zeroed the term",
+}
 
 
 def is_keep_hazards(ctx: StageContext, li: LossInputs, stage: str) -> None:
