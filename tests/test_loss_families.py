@@ -126,7 +126,7 @@ def test_dro_and_gpg_by_hand():
 
 @pytest.mark.parametrize("policy_loss, params, message", [
     ("luspo_typo", {}, "index.json: $.config.policy_loss='luspo_typo': not a known policy-loss family (known: ppo, cispo, "
-                      "clip_cov, cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, importance_sampling, ipo, kl_cov, "
+                      "clip_cov, cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, icepop, importance_sampling, ipo, kl_cov, "
                       "rollout_is, sapo, vespo)"),
     ("cispo", {"cap": "both"}, "$.config.policy_loss_params.cap='both': expected one of relative, absolute for "
                                "policy_loss 'cispo' (stage loss.policy)"),

@@ -47,7 +47,7 @@ def _variants(knobs: LossKnobs) -> list[tuple[str, str, LossKnobs, dict]]:
         out.append(("loss.entropy_quantile_flipped", f"the entropy mask's threshold at the {q:g} quantile (the kept "
                     f"share) where TRL takes 1 − q = {1 - q:g}", dataclasses.replace(knobs, top_entropy_quantile=1 - q),
                     {}))
-    if knobs.policy_loss in ("rollout_is", "ipo"):
+    if knobs.policy_loss in ("rollout_is", "ipo", "icepop"):
         out.append((f"loss.{knobs.policy_loss}_old_anchor", f"{knobs.policy_loss}'s ratio taken to the old log-probs "
                     "where its anchor is the rollout (inference) log-probs", knobs, {"rollout_log_probs": "old"}))
     return out

@@ -161,3 +161,4 @@ from . import importance_sampling  # noqa: E402,F401
 from . import cross_entropy  # noqa: E402,F401
 from . import dppo_mu  # noqa: E402,F401
 from . import clip_cov  # noqa: E402,F401
+from . import icepop  # noqa: E402,F401

@@ -1,0 +1,76 @@
+"""prime-rl's IcePop loss (``policy_loss="icepop"``, prime-rl #3526): the kernel against values derived by hand
+(the inclusive band on r = exp(logp − rollout), tested in log space; a dropped extreme ratio an exact 0, never
+0·inf = NaN), a legitimate float32 / bf16 producer replaying clean with dropped tokens in the step
+(``producers.loss_families_b``), and its typical bug — the ratio taken to the old log-probs — named at
+loss.policy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from producers.inputs import Size
+from producers.loss_families_b import produce_family_bundle
+
+SIZE = Size(samples=16, tokens=256, group_size=4)
+
+
+def _terms(logp, rollout, adv, params=(), dtype=torch.float64):
+    from replay_lib.kernels.loss import LossKnobs, policy_token_terms
+
+    k = LossKnobs(policy_loss="icepop", policy_loss_params=tuple(sorted(params)))
+    t = lambda v: torch.tensor(v, dtype=dtype)  # noqa: E731
+    return policy_token_terms(t(logp), t(rollout), t(adv), k, seg=torch.zeros(len(logp), dtype=torch.long),
+                              sample_terms={}, rollout_log_probs=t(rollout), dtype=dtype)
+
+
+def test_icepop_by_hand_inclusive_band_in_log_space():
+    # log r = log 0.1, log 0.2 (the lower edge: kept), 0, log 5 (the upper edge: kept), log 6, 1000 (dropped)
+    lrs = [math.log(0.1), math.log(0.2), 0.0, math.log(5.0), math.log(6.0), 1000.0]
+    rollout = [0.0] * 6
+    adv = [1.0, -2.0, 0.5, 1.0, 1.0, 3.0]
+    t = _terms(lrs, rollout, adv, params=[("adv_tau", 2.0)])
+    # pg = −keep·adv_tau·A·r: 0, −2·(−2)·0.2, −2·0.5·1, −2·1·5, 0, 0
+    assert t["pg"].tolist() == pytest.approx([0.0, 0.8, -1.0, -10.0, 0.0, 0.0], rel=1e-12, abs=0)
+    assert t["clip"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert not bool(torch.isnan(t["pg"]).any())
+
+
+def test_a_dropped_overflowing_ratio_is_an_exact_zero_in_float32():
+    """exp(100) overflows float32: keep·exp(log r) would be 0·inf = NaN there; the guard gives 0."""
+    naive = torch.tensor(0.0) * torch.exp(torch.tensor(100.0, dtype=torch.float32))
+    assert math.isnan(float(naive))
+    t = _terms([100.0, 0.1], [0.0, 0.0], [1.0, 1.0], dtype=torch.float32)
+    assert t["pg"].tolist() == [0.0, pytest.approx(-math.exp(0.1), rel=1e-6)]
+
+
+def test_icepop_parameters_are_checked_by_name():
+    from replay_lib.kernels.families import check_params
+
+    assert check_params("icepop", {"ratio_low": 0.5}) is None
+    assert check_params("icepop", {"ratio_lo": 0.5}) == (
+        "policy_loss_params.ratio_lo", "0.5: not a parameter of policy_loss 'icepop' (its parameters: adv_tau, "
+                                       "ratio_high, ratio_low)")
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_producer_with_dropped_tokens_replays_clean(tmp_path, cli, precision):
+    path = produce_family_bundle(tmp_path / "b", "icepop", 3, SIZE, precision=precision)
+    expected = json.load(open(path / "expected.json"))["loss.policy"]
+    tokens = sum(sum(s["loss_mask"]) for s in json.load(open(path / "index.json"))["samples"])
+    assert expected["pg_clipfrac"] * tokens >= 3 - 1e-3  # the extreme and the two moderate tokens are dropped
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
+    assert (code, err, loss["status"], loss["compared"]) == (0, "", "pass", 4), loss
+
+
+def test_the_ratio_to_the_old_log_probs_is_named(tmp_path, cli):
+    path = produce_family_bundle(tmp_path / "b", "icepop", 5, SIZE, bug="icepop_old_anchor")
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), report["stages"]
+    assert report["explanations"][0]["hypothesis"] == "loss.icepop_old_anchor", report["explanations"]
