@@ -328,3 +328,29 @@ def test_kl_cov_without_the_micro_batch_partition_names_what_to_record(tmp_path,
     assert code == 3, out + err
     assert "index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of " \
            "the producer's micro-batches)" in out + err, out + err
+
+
+def test_clip_cov_by_hand_the_recorded_draw_within_verls_rule():
+    """Two samples in one micro-batch: Ā = 0, mean logp = ln(0.004)/4; cov = A·(logp − mean logp) = 0.687 (token
+    0), token 1 PPO-clipped (r = 2, A > 0), 0.922, −0.464. Bounds (0.5, 5): tokens 0 and 2 may be drawn. The
+    recorded draw [1, 1, 0, 1] zeroes token 0 only (token 1 is clipped, token 3 below the bound)."""
+    from replay_lib.kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
+
+    logp = torch.tensor([LN(0.5), LN(0.2), LN(0.1), LN(0.4)], dtype=torch.float64)
+    old = torch.tensor([LN(0.5), LN(0.1), LN(0.1), LN(0.4)], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(4, dtype=torch.float64)
+    lengths = torch.tensor([2, 2])
+    seg = torch.tensor([0, 0, 1, 1])
+    k = LossKnobs(policy_loss="clip_cov", micro_batch=(0, 0),
+                  policy_loss_params=(("clip_cov_lb", 0.5), ("clip_cov_ub", 5.0)))
+    tokens = {"clip_cov_mask": torch.tensor([1, 1, 0, 1], dtype=torch.int8)}
+    st = sample_log_terms(logp, old, None, mask, lengths, k, torch.float64, advantages=adv, family_tokens=tokens)
+    mean_l = (LN(0.5) + LN(0.2) + LN(0.1) + LN(0.4)) / 4
+    assert st["cov_mean_logp"].tolist() == pytest.approx([mean_l, mean_l], rel=1e-12)
+    t = policy_token_terms(logp, old, adv, k, seg=seg, sample_terms=st, dtype=torch.float64, family_tokens=tokens)
+    # pg = max(−A·r, −A·clamp(r, 0.8, 1.2))·(1 − selected): 0, −1.2, 1, 1
+    assert t["pg"].tolist() == pytest.approx([0.0, -1.2, 1.0, 1.0], rel=1e-12)
+    assert t["clip"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="payload 'clip_cov_mask' is required for policy_loss='clip_cov'"):
+        policy_token_terms(logp, old, adv, k, seg=seg, sample_terms=st, dtype=torch.float64)
