@@ -3,7 +3,9 @@ against the I/O floor of ``bench_replay.py``.
 
 Builds the 1× synthetic bundle of ``bench_replay.py`` and, from its payloads (same seed), one bundle per family
 (verl's token mean over a recorded count × dp 4, the family's parameters, its loss fields as the float64 kernel
-reports them: it replays clean), then measures each replay as a fresh process, interleaved with the floor (``import
+reports them: it replays clean; a family that reads the rollout's log-probs gets a ``rollout_log_probs`` payload,
+Clip-Cov a ``clip_cov_mask`` drawing 0.1 % of the loss tokens, KL-Cov and Clip-Cov the synthetic bundle's
+micro-batches of 8 samples), then measures each replay as a fresh process, interleaved with the floor (``import
 torch`` + read and sha256 every payload file) and the plain PPO replay. Prints the medians and PASS/FAIL for
 replay(family) / floor ≤ 1.5 (wall), the bound ``bench_replay.py`` holds the PPO replay to.
 
@@ -30,6 +32,15 @@ FAMILIES = {
     "dppo_kl": ({"trunc": 3.0}, {"log_ratio_clamp": 20.0}),
     "dro": ({"beta": 0.1}, {}),
     "gpg": ({}, {}),
+    "kl_cov": ({"ppo_kl_coef": 0.1}, {"log_ratio_clamp": None}),
+    "clip_cov": ({}, {"log_ratio_clamp": None}),
+    "vespo": ({}, {}),
+    "ipo": ({}, {}),
+    "icepop": ({}, {}),
+    "rollout_is": ({}, {}),
+    "importance_sampling": ({}, {}),
+    "cross_entropy": ({}, {}),
+    "dppo_mu": ({}, {}),
 }
 FAMILY_CODE = (
     "import json, sys\n"
@@ -43,11 +54,20 @@ FAMILY_CODE = (
     "lengths = torch.tensor([s.response_length for s in index.samples])\n"
     "cfg = msgspec.structs.replace(index.config, loss_agg_mode='token_mean', loss_token_count=4 * int(mask.sum()),\n"
     "                              loss_scale=4.0, policy_loss=name, policy_loss_params=params, **extra)\n"
-    "knobs = LossKnobs.of(cfg)\n"
+    "knobs = LossKnobs.of(cfg, index.samples)\n"
+    "from replay_lib.kernels.families import FAMILIES, token_payloads\n"
+    "g = torch.Generator().manual_seed(11)\n"
+    "if 'rollout_log_probs' in FAMILIES[name].payloads or name == 'dppo_mu':\n"
+    "    payloads['rollout_log_probs'] = payloads['old_log_probs'] + 0.02 * torch.randn(mask.numel(), generator=g)\n"
+    "tokens = None\n"
+    "if 'clip_cov_mask' in token_payloads(name):\n"
+    "    payloads['clip_cov_mask'] = ((torch.rand(mask.numel(), generator=g) < 1e-3) & (mask > 0)).to(torch.int8)\n"
+    "    tokens = {'clip_cov_mask': payloads['clip_cov_mask']}\n"
     "fields = policy_loss_fields(payloads['log_probs'], payloads['old_log_probs'], payloads['advantages'],\n"
     "                            payloads['entropy'], mask, lengths, eps_clip=cfg.eps_clip,\n"
     "                            eps_clip_high=cfg.eps_clip_high, entropy_coef=cfg.entropy_coef, knobs=knobs,\n"
-    "                            dtype=torch.float64)\n"
+    "                            dtype=torch.float64, rollout_log_probs=payloads.get('rollout_log_probs'),\n"
+    "                            family_tokens=tokens)\n"
     "expected['loss.policy'] = {k: float(v) for k, v in fields.items() if k in policy_fields_for(knobs)}\n"
     "write_bundle(sys.argv[1], m, msgspec.structs.replace(index, config=cfg), expected, payloads)\n"
 )
