@@ -517,7 +517,8 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
 
 
 # The per-token payloads of the loss-side knobs (SPEC §4.2): validate checks their rows like the V1 ones.
-KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns", "teacher_log_probs")
+KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns", "teacher_log_probs",
+                       "clip_cov_mask")
 
 
 def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:

@@ -83,7 +83,8 @@ def write_clip_cov_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: b
         selected = mask_edit(selected, mask)
     fam.CONFIGS[name] = (actor, micro)  # the shared writer reads the config by name
     try:
-        extra = {"clip_cov_mask": selected[valid].to(torch.int8)} if with_mask else {}
+        drawn = selected[valid] if selected.dim() == 2 else selected  # an edit may hand the token axis itself
+        extra = {"clip_cov_mask": drawn.to(torch.int8)} if with_mask else {}
         return fam.write_bundle_with(path, name, seed, dtype, policy, extra)
     finally:
         del fam.CONFIGS[name]
@@ -134,3 +135,12 @@ def test_a_mask_with_a_value_other_than_0_and_1_is_refused(tmp_path, cli):
     code, out, err = cli("replay", bundle)
     assert code == 3, out + err
     assert "$.payloads.clip_cov_mask: 4 value(s) other than 0 and 1, the first 2 at token" in out + err
+
+
+def test_a_mask_of_the_wrong_length_is_refused_by_validate(tmp_path, cli):
+    lengths, valid, *_ = _step(7, torch.float32)
+    bundle = write_clip_cov_bundle(tmp_path / "b", "clip-cov", seed=7, dtype=torch.float32,
+                                   mask_edit=lambda s, m: torch.zeros(int(valid.sum()) - 1, dtype=torch.int8))
+    code, out, err = cli("validate", bundle)
+    assert code == 3, out + err
+    assert "clip_cov_mask" in out + err and f"{int(valid.sum()) - 1}" in out + err
