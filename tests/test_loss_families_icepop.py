@@ -66,6 +66,8 @@ def test_a_producer_with_dropped_tokens_replays_clean(tmp_path, cli, precision):
     report = json.loads(out)
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert (code, err, loss["status"], loss["compared"]) == (0, "", "pass", 4), loss
+    grad = next(s for s in report["stages"] if s["stage"] == "loss.grad")  # the autograd gradient, recomputed
+    assert grad["status"] == "pass", grad
 
 
 def test_the_ratio_to_the_old_log_probs_is_named(tmp_path, cli):
@@ -74,3 +76,27 @@ def test_the_ratio_to_the_old_log_probs_is_named(tmp_path, cli):
     report = json.loads(out)
     assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), report["stages"]
     assert report["explanations"][0]["hypothesis"] == "loss.icepop_old_anchor", report["explanations"]
+
+
+def test_icepop_gradient_by_hand_and_against_autograd():
+    """∂pg/∂logp = −keep·adv_tau·A·r per token (kernels.grad_icepop): by hand, and against torch.autograd of the
+    loss written here (the band on log r, a dropped ratio replaced before exp)."""
+    from replay_lib.kernels.grad import GradInputs, grad_log_probs
+    from replay_lib.kernels.loss import LossKnobs
+
+    f64 = torch.float64
+    lr = torch.tensor([math.log(0.1), math.log(0.2), 0.3, math.log(5.0), 800.0], dtype=f64)
+    rollout = torch.tensor([-1.0, 0.0, -0.5, 0.0, -1.0], dtype=f64)  # the edges exact: logp − 0 = log 0.2, log 5
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.0, 3.0], dtype=f64)
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0], dtype=f64)
+    knobs = LossKnobs(policy_loss="icepop", policy_loss_params=(("adv_tau", 2.0),), loss_agg_mode="token_sum")
+    gi = GradInputs(log_probs=rollout + lr, old_log_probs=rollout, advantages=adv, mask=mask,
+                    lengths=torch.tensor([5]), rollout_log_probs=rollout)
+    g = grad_log_probs(gi, knobs)
+    assert g.grad.tolist() == pytest.approx([0.0, 2 * 2 * 0.2, -2 * 0.5 * math.exp(0.3), -2 * 5.0, 0.0], rel=1e-12)
+    x = (rollout + lr).clone().requires_grad_(True)
+    d = x - rollout
+    keep = (d.detach() >= math.log(0.2)) & (d.detach() <= math.log(5.0))
+    loss = (-(2.0 * adv) * torch.exp(torch.where(keep, d, torch.zeros_like(d))) * keep * mask).sum()
+    loss.backward()
+    assert g.grad.tolist() == pytest.approx(x.grad.tolist(), rel=1e-12)

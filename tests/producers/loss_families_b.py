@@ -41,6 +41,8 @@ REPORTED = {"vespo": ("ppo_kl",), "importance_sampling": ("ppo_kl",), "cross_ent
             # prime-rl's IcePop: is_masked (the dropped fraction), no old policy to report a KL against
             "icepop": ("pg_clipfrac",)}
 ICEPOP = (0.2, 5.0)  # prime-rl #3526: ratio_low, ratio_high (inclusive)
+# the families whose bundle also records grad_log_probs (loss.grad: a registered gradient)
+WITH_GRAD = ("icepop",)
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 VESPO = (2.0, 3.0, 3.0, 2.0)  # k_pos, λ_pos, k_neg, λ_neg (TRL's defaults)
 OPSM_DELTA = 0.02
@@ -189,9 +191,10 @@ def produce_family_bundle(path: str | Path, family: str, seed: int, size: Size, 
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=4, step_id=0)),
                         samples=samples, config=_config(family, tokens))
     declared = {"compute": precision, "accumulate": "float32"} if precision == "bfloat16" else None
+    stages = (StageId.SAMPLE, StageId.LOSS_POLICY) + ((StageId.LOSS_GRAD,) if family in WITH_GRAD else ())
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.loss_families_b", torch_version=torch.__version__),
-                        stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)), payloads={},
+                        stage_contracts=stage_contracts(stages), payloads={},
                         comparison_policy=comparison_policy(declared), redaction={})
     writer = BundleWriter(path, manifest, index, {"loss.policy": fields})
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
@@ -199,6 +202,13 @@ def produce_family_bundle(path: str | Path, family: str, seed: int, size: Size, 
                          ("teacher_log_probs", teacher), ("entropy", ent)):
         writer.write_payload(name, to(values).to(dtype))
     writer.write_payload("advantages", to(adv))
+    if family in WITH_GRAD:  # ∂pg_loss/∂log_probs by torch.autograd of the same per-token term, token mean
+        x = to(logp).requires_grad_(True)
+        seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pg, _ = _per_token(family, x, to(old), to(adv), to(rollout), to(teacher), to(ent), mask, seg,
+                           lengths.numel(), 0.0, bug)
+        (torch.sum(pg * mask) / float(mask.sum())).backward()
+        writer.write_payload("grad_log_probs", x.grad.detach())
     return writer.finalize(ranks=[0])
 
 
