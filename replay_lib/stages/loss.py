@@ -28,6 +28,7 @@ from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, family_payloads, is_keep_hazards, loss_inputs
+from .loss_clip_cov import clip_cov_draw_field
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -494,6 +495,9 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
                         bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
                         note=how.format(n=n, s="s" if n != 1 else ""))
     extra = [aggregate] if aggregate is not None else []
+    draw = clip_cov_draw_field(ctx, li)  # Clip-Cov: the recorded draw's size per micro-batch
+    if draw is not None:
+        extra.append(draw)
 
     def fail_reason(total, per) -> str:
         parts = []

@@ -99,7 +99,7 @@ def test_verl_clip_cov_step_replays_clean(tmp_path, cli, name, dtype, seed):
     report = json.loads(out)
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert (code, err, report["first_divergent_stage"]) == (0, "", None), loss
-    assert loss["compared"] == 4  # loss, pg_loss, pg_clipfrac, ppo_kl
+    assert loss["compared"] == 4 + 3  # loss, pg_loss, pg_clipfrac, ppo_kl; the draw's size in each micro-batch
 
 
 def test_verl_clip_cov_sign_bug_is_named_at_loss_policy(tmp_path, cli):
@@ -118,6 +118,19 @@ def test_a_producer_selecting_tokens_outside_the_bounds_diverges(tmp_path, cli):
     report = json.loads(out)
     assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), out + err
     assert report["first_divergence"]["field"] in {"loss", "pg_loss", "pg_clipfrac"}
+
+
+def test_a_draw_of_another_size_diverges_at_its_micro_batch(tmp_path, cli):
+    """verl's function run with clip_cov_ratio 0.3 where the bundle declares 0.1: every token it zeroes is a
+    candidate and the loss recomputed with the recorded mask agrees, but the draw is larger than verl's rule
+    allows at 0.1: clip_cov_draw diverges."""
+    bundle = write_clip_cov_bundle(tmp_path / "b", "clip-cov-wide", seed=7, dtype=torch.float32,
+                                   producer={"clip_cov_ratio": 0.3})
+    code, out, err = cli("replay", bundle, "--format", "json")
+    report = json.loads(out)
+    assert (code, report["first_divergent_stage"]) == (1, "loss.policy"), out + err
+    first = report["first_divergence"]
+    assert (first["field"], first["expected"], first["actual"]) == ("clip_cov_draw[mb-0]", 15.0, 5.0), first
 
 
 def test_without_the_mask_the_replay_refuses_naming_it(tmp_path, cli):

@@ -89,7 +89,10 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
     gap = torch.where(recorded, torch.minimum(cov_gap, relative_gap(ratio, low, high)), torch.full_like(ratio, INF))
     return {"pg": pg, "clip": selected.to(dtype), "ppo_kl": -lr, "ratio": ratio, "log_ratio": lr,
             "clipcov_selected": selected.to(dtype), "clipcov_recorded": recorded.to(dtype), "edge_gap": gap,
-            "edge_open": surrogate.abs()}
+            "edge_open": surrogate.abs(),
+            # the rule at every token (the draw's size check, stages/loss_clip_cov.py): allowed, and its edge gap
+            "clipcov_allowed": allowed.to(dtype), "clipcov_rule_gap": torch.minimum(cov_gap, relative_gap(ratio, low,
+                                                                                                      high))}
 
 
 CHOICES.update({("clip_cov", "advantages"): SCALINGS})
