@@ -354,3 +354,34 @@ def test_clip_cov_by_hand_the_recorded_draw_within_verls_rule():
     assert t["clip"].tolist() == [1.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="payload 'clip_cov_mask' is required for policy_loss='clip_cov'"):
         policy_token_terms(logp, old, adv, k, seg=seg, sample_terms=st, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("partition", [(0, 0, 1, 1, 2), (1, 0, 2, 0, 1)], ids=["in-order", "interleaved"])
+def test_cov_families_take_each_micro_batchs_own_tokens(partition):
+    """KL-Cov's and Clip-Cov's per-micro-batch means and KL-Cov's top-k threshold, against each micro-batch's
+    tokens picked by a boolean mask (micro-batches in sample order, or interleaved)."""
+    from replay_lib.kernels.loss import LossKnobs, sample_log_terms
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([3, 5, 2, 4, 6])
+    total = int(lengths.sum())
+    logp = -torch.rand(total, generator=g, dtype=torch.float64) * 2
+    adv = torch.randn(5, generator=g, dtype=torch.float64).repeat_interleave(lengths)
+    mask = (torch.rand(total, generator=g) > 0.2).to(torch.float64)
+    seg = torch.repeat_interleave(torch.arange(5), lengths)
+    mb = torch.tensor(partition)[seg]
+    k = LossKnobs(policy_loss="kl_cov", micro_batch=partition, policy_loss_params=(("kl_cov_ratio", 0.3),))
+    st = sample_log_terms(logp, logp, None, mask, lengths, k, torch.float64, advantages=adv)
+    for i, b in enumerate(partition):
+        at = (mb == b) & (mask > 0)
+        a, lp = adv[at], logp[at]
+        assert float(st["klcov_mean_adv"][i]) == pytest.approx(float(a.mean()), rel=1e-14)
+        cov = torch.sort((a - a.mean()) * (lp - lp.mean()), descending=True).values
+        top = max(1, int(len(cov) * 0.3))
+        assert float(st["klcov_threshold"][i]) == pytest.approx(float((cov[top - 1] + cov[top]) / 2), rel=1e-12)
+    k = LossKnobs(policy_loss="clip_cov", micro_batch=partition)
+    st = sample_log_terms(logp, logp, None, mask, lengths, k, torch.float64, advantages=adv,
+                          family_tokens={"clip_cov_mask": torch.zeros(total, dtype=torch.int8)})
+    for i, b in enumerate(partition):
+        at = (mb == b) & (mask > 0)
+        assert float(st["cov_mean_logp"][i]) == pytest.approx(float(logp[at].mean()), rel=1e-14)

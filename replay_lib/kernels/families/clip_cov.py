@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import CHOICES, PolicyFamily, register
-from ._common import INF, relative_gap
+from ._common import INF, micro_batch_tokens, relative_gap
 
 SCALINGS = ("raw", "prescaled")
 MASK = "clip_cov_mask"
@@ -34,22 +34,18 @@ def covariance_means(advantages, log_probs, loss_mask, lengths, knobs, dtype, we
     if knobs.micro_batch is None:
         raise ValueError(f"policy_loss {knobs.policy_loss!r} needs each sample's micro_batch_id")
     n = lengths.numel()
+    per_mb, mb_of_sample = micro_batch_tokens(lengths, loss_mask, knobs.micro_batch)
     seg = torch.repeat_interleave(torch.arange(n), lengths.to(torch.int64))
-    mb_of_sample = torch.tensor(knobs.micro_batch, dtype=torch.int64)
-    mb = mb_of_sample[seg]
-    valid = loss_mask > 0
+    adv_all = advantages[: seg.numel()]  # a tensor (the lazy GRPO returns of --chain materialized by the slice)
     w = torch.ones(n, dtype=dtype) if weights is None else weights.to(dtype)
-    adv = advantages[: seg.numel()].to(dtype) * w[seg]
-    logp = log_probs.to(dtype)
-    k_mb = int(mb_of_sample.max()) + 1 if n else 0
+    k_mb = len(per_mb)
     mean_a = torch.zeros(k_mb, dtype=dtype)
     mean_l = torch.zeros(k_mb, dtype=dtype)
     scale = torch.zeros(k_mb, dtype=dtype)
-    for b in range(k_mb):
-        at = valid & (mb == b)
-        if not bool(at.any()):
+    for b, at in enumerate(per_mb):
+        if at.numel() == 0:
             continue
-        a, l_ = adv[at], logp[at]
+        a, l_ = adv_all[at].to(dtype) * w[seg[at]], log_probs[at].to(dtype)
         mean_a[b], mean_l[b] = a.mean(), l_.mean()
         # a covariance's rounding scale: its two factors' magnitudes (each mean's rounding is of its terms' size)
         scale[b] = ((a.abs() + mean_a[b].abs()) * (l_.abs() + mean_l[b].abs())).max()

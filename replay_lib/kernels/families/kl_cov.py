@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import CHOICES, PolicyFamily, register
+from ._common import micro_batch_tokens
 
 SCALINGS = ("raw", "prescaled")
 
@@ -30,25 +31,21 @@ def sample_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths
     if knobs.micro_batch is None:
         raise ValueError("kl_cov needs each sample's micro_batch_id")
     n = lengths.numel()
+    per_mb, mb_of_sample = micro_batch_tokens(lengths, loss_mask, knobs.micro_batch)
     seg = torch.repeat_interleave(torch.arange(n), lengths.to(torch.int64))
-    mb_of_sample = torch.tensor(knobs.micro_batch, dtype=torch.int64)
-    mb = mb_of_sample[seg]
-    valid = loss_mask > 0
+    adv_all = advantages[: seg.numel()]  # a tensor (the lazy GRPO returns of --chain materialized by the slice)
     w = weights.to(dtype) if knobs.param("advantages") == "prescaled" else torch.ones(n, dtype=dtype)
-    adv = advantages[: seg.numel()].to(dtype) * w[seg]
-    logp = log_probs.to(dtype)
-    k_mb = int(mb_of_sample.max()) + 1 if n else 0
+    k_mb = len(per_mb)
     mean_a = torch.zeros(k_mb, dtype=dtype)
     mean_l = torch.zeros(k_mb, dtype=dtype)
     threshold = torch.full((k_mb,), float("inf"), dtype=dtype)
     scale = torch.zeros(k_mb, dtype=dtype)
     ratio = float(knobs.param("kl_cov_ratio"))
-    for b in range(k_mb):
-        at = valid & (mb == b)
-        count = int(at.sum())
+    for b, at in enumerate(per_mb):
+        count = int(at.numel())
         if count == 0:
             continue
-        a, l_ = adv[at], logp[at]
+        a, l_ = adv_all[at].to(dtype) * w[seg[at]], log_probs[at].to(dtype)
         mean_a[b], mean_l[b] = a.mean(), l_.mean()
         cov = (a - mean_a[b]) * (l_ - mean_l[b])
         top = max(1, int(count * ratio))
