@@ -28,7 +28,7 @@ from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, family_payloads, is_keep_hazards, loss_inputs
-from .loss_clip_cov import clip_cov_draw_field
+from .loss_clip_cov import DRAW_OUTPUT, DrawCounts, clip_cov_draw_field
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -217,6 +217,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
     chunk_rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
+    draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
     for lo, hi, seg in ctx.token_chunks():
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
@@ -229,6 +230,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
             family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
+        if draw is not None:
+            draw.add(t, seg, li.mask[lo:hi], u_token)
         signed = buf[:n_signed]
         torch.mul(pg, m, out=buf[0])
         torch.mul(t["ppo_kl"], m, out=buf[1])
@@ -327,6 +330,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         # every row at once: the float64 rows' per-sample sums, and seq32's in token order in float32
         sums.add(out, lo, hi, buf)
         seq32.index_add_(1, seg, signed.to(torch.float32))
+    if draw is not None:
+        ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
