@@ -100,3 +100,17 @@ def test_icepop_gradient_by_hand_and_against_autograd():
     loss = (-(2.0 * adv) * torch.exp(torch.where(keep, d, torch.zeros_like(d))) * keep * mask).sum()
     loss.backward()
     assert g.grad.tolist() == pytest.approx(x.grad.tolist(), rel=1e-12)
+
+
+def test_the_example_trainer_with_icepop_replays_clean_and_its_bug_fails_loss_policy(tmp_path):
+    """``examples/grpo_trainer.py --loss icepop``: clean over its steps; ``--family-bug`` (the ratio to the old
+    log-probs) diverges at loss.policy."""
+    from test_loss_trainer import STEPS, first_divergences, train
+
+    flags = ("--loss", "icepop", "--loss-agg", "token_mean")
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "bug").mkdir()
+    assert first_divergences(train(tmp_path / "clean", *flags)) == dict.fromkeys(STEPS)
+    found = first_divergences(train(tmp_path / "bug", *flags, "--family-bug"))
+    hits = [d for d in found.values() if d is not None]
+    assert hits and all(stage == "loss.policy" for stage, _, _ in hits), found
