@@ -101,7 +101,7 @@ from replay_lib.kernels import (
     rollout_kl,
     segment_ids,
 )
-from replay_lib.kernels.families import FAMILIES
+from replay_lib.kernels.families import FAMILIES, token_payloads
 from replay_lib.kernels.loss import (AGG_MODES, IS_LEVELS, LossKnobs, agg_divisors, has_clip_lower, opd_estimate,
                                      policy_fields_for, policy_fields_from_sums, policy_token_terms, sample_log_terms, value_fields_from_sums, value_token_terms)
 from replay_lib.bundle.schema import RecomputeConfig
@@ -362,7 +362,8 @@ LOSS_BUGS = ("token_mean_denominator", "dual_clip", "kl_loss", "tis", "gspo", "v
              "geo_mean", "dppo_mask", "dro_beta", "gpg_old_logp", "family", "opsm_anchor", "entropy_quantile",
              "opd_direction")
 # --loss FAMILY (RecomputeConfig.policy_loss): the policy-loss families, and each one's bug flag
-LOSS_FAMILIES = ("ppo", *sorted(FAMILIES))
+# (not Clip-Cov: its random draw is a payload, clip_cov_mask, this trainer does not record)
+LOSS_FAMILIES = ("ppo", *sorted(f for f in FAMILIES if not token_payloads(f)))
 FAMILY_OF_BUG = {"cispo_cap": ("cispo",), "sapo_tau": ("sapo",), "geo_mean": ("geo_mean",),
                  "dppo_mask": ("dppo_tv", "dppo_kl"), "dro_beta": ("dro",), "gpg_old_logp": ("gpg",)}
 
@@ -1188,14 +1189,15 @@ LOSS_BUG_FLAGS = (
     ("entropy_quantile", "--top-entropy-quantile", "the entropy mask's threshold at the Q quantile instead of 1 − Q "
                                                    "(keeps the low-entropy tokens' share)"),
     ("opd_direction", "--opd", "the distillation estimate taken on teacher − student (the direction swapped)"),
-    ("family", "--loss vespo, ipo, rollout_is, importance_sampling or cross_entropy",
-     "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's and rollout_is's ratio to the old "
-     "log-probs instead of the rollout ones, importance_sampling's advantages negated, cross_entropy's sign flipped"),
+    ("family", "--loss vespo, ipo, rollout_is, importance_sampling, cross_entropy or icepop",
+     "the loss family's typical bug: VESPO's (k, λ) by the wrong sign of A, IPO's, rollout_is's and IcePop's ratio to "
+     "the old log-probs instead of the rollout ones, importance_sampling's advantages negated, cross_entropy's sign "
+     "flipped"),
 )
 # --loss values beyond the clipped surrogate (issue 34; kernels/families): their policy term, the step's
 # aggregation as configured; ipo and rollout_is read the sampler's log-probs (recorded as rollout_log_probs)
-FAMILY_LOSSES = ("vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy")
-ROLLOUT_FAMILIES = ("ipo", "rollout_is")
+FAMILY_LOSSES = ("vespo", "ipo", "rollout_is", "importance_sampling", "cross_entropy", "icepop")
+ROLLOUT_FAMILIES = ("ipo", "rollout_is", "icepop")
 
 
 def _loss_param(text: str) -> tuple[str, object]:

@@ -135,11 +135,9 @@ def test_verl_kl_loss_kl_in_reward_rollout_is_and_gspo():
      "not one of fixed, adaptive"),
     ({"algorithm": {"rollout_correction": {"bypass_mode": True, "loss_type": "reinforce_plus"}}},
      "algorithm.rollout_correction.loss_type", "not one of ppo_clip, reinforce"),
-    ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "clip_cov"}}}},
-     "actor_rollout_ref.actor.policy_loss.loss_mode", "a bundle would need the selected-token mask"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "my_loss"}}}},
      "actor_rollout_ref.actor.policy_loss.loss_mode", "not mapped (vanilla, gspo, bypass_mode, cispo, sapo, geo_mean, "
-                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov are)"),
+                                                      "dppo_tv, dppo_kl, dro, gpg, kl_cov, clip_cov are)"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "dro"}}}},
      "actor_rollout_ref.actor.policy_loss.dro_beta", "DRO needs a positive beta"),
     ({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}},
@@ -473,9 +471,10 @@ def test_skyrl_gspo_maps_to_the_sequence_ratio_and_another_loss_type_refuses():
         "sequence", 10.0, None, "seq_mean_token_mean", "micro_batch_token_mean")
     assert from_skyrl({}).importance_level == "token"
     with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "clip_cov"}}})
-    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='clip_cov': not mapped (regular, dual_clip, "
-                              "gspo, cispo, sapo, dppo, cross_entropy, importance_sampling, rollout_is are)")
+        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "my_loss"}}})
+    assert str(err.value) == (f"skyrl config: {algo}.policy_loss_type='my_loss': not mapped (regular, dual_clip, "
+                              "gspo, cispo, sapo, dppo, cross_entropy, importance_sampling, rollout_is, clip_cov, "
+                              "kl_cov are)")
     dppo = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "dppo"}}})  # config.py:778-784 defaults
     assert (dppo.policy_loss, dppo.policy_loss_params, dppo.eps_clip, dppo.eps_clip_high) == (
         "dppo_mu", {"divergence": "tv", "anchor": "rollout"}, 0.2, 0.2)
@@ -681,11 +680,9 @@ def test_verl_rollout_rs_maps_and_a_bad_chain_is_one_line():
         assert err.value.exit_code == 3
 
 
-def test_skyrl_kl_cov_refusal_says_why_it_is_not_verls():
-    with pytest.raises(UnsupportedFrameworkConfig) as err:
-        from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "kl_cov"}}})
-    assert (str(err.value), err.value.exit_code) == (
-        "skyrl config: trainer.algorithm.policy_loss_type='kl_cov': not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to "
-        "the surrogate of the advantages it pre-scaled by the loss reduction and sums (ppo_utils.py:1019-1050), so "
-        "the penalty skips the reduction's normalizer, and ranks the covariance on the pre-scaled advantages; a "
-        "family to add", 4)
+def test_skyrl_kl_cov_maps_with_skyrls_prescaled_advantages():
+    """SkyRL's KL-Cov is verl's formula on the advantages pre-scaled by the loss reduction, summed
+    (tests/conformance/test_skyrl_cov.py replays it): the family's advantages="prescaled"."""
+    cfg = from_skyrl({"trainer": {"algorithm": {"policy_loss_type": "kl_cov", "kl_cov": {"kl_cov_frac": 0.1}}}})
+    assert (cfg.policy_loss, cfg.policy_loss_params) == (
+        "kl_cov", {"kl_cov_ratio": 0.1, "ppo_kl_coef": 1.0, "advantages": "prescaled"})

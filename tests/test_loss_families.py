@@ -126,7 +126,7 @@ def test_dro_and_gpg_by_hand():
 
 @pytest.mark.parametrize("policy_loss, params, message", [
     ("luspo_typo", {}, "index.json: $.config.policy_loss='luspo_typo': not a known policy-loss family (known: ppo, cispo, "
-                      "cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, importance_sampling, ipo, kl_cov, "
+                      "clip_cov, cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, icepop, importance_sampling, ipo, kl_cov, "
                       "rollout_is, sapo, vespo)"),
     ("cispo", {"cap": "both"}, "$.config.policy_loss_params.cap='both': expected one of relative, absolute for "
                                "policy_loss 'cispo' (stage loss.policy)"),
@@ -328,3 +328,60 @@ def test_kl_cov_without_the_micro_batch_partition_names_what_to_record(tmp_path,
     assert code == 3, out + err
     assert "index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of " \
            "the producer's micro-batches)" in out + err, out + err
+
+
+def test_clip_cov_by_hand_the_recorded_draw_within_verls_rule():
+    """Two samples in one micro-batch: Ā = 0, mean logp = ln(0.004)/4; cov = A·(logp − mean logp) = 0.687 (token
+    0), token 1 PPO-clipped (r = 2, A > 0), 0.922, −0.464. Bounds (0.5, 5): tokens 0 and 2 may be drawn. The
+    recorded draw [1, 1, 0, 1] zeroes token 0 only (token 1 is clipped, token 3 below the bound)."""
+    from replay_lib.kernels.loss import LossKnobs, policy_token_terms, sample_log_terms
+
+    logp = torch.tensor([LN(0.5), LN(0.2), LN(0.1), LN(0.4)], dtype=torch.float64)
+    old = torch.tensor([LN(0.5), LN(0.1), LN(0.1), LN(0.4)], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(4, dtype=torch.float64)
+    lengths = torch.tensor([2, 2])
+    seg = torch.tensor([0, 0, 1, 1])
+    k = LossKnobs(policy_loss="clip_cov", micro_batch=(0, 0),
+                  policy_loss_params=(("clip_cov_lb", 0.5), ("clip_cov_ub", 5.0)))
+    tokens = {"clip_cov_mask": torch.tensor([1, 1, 0, 1], dtype=torch.int8)}
+    st = sample_log_terms(logp, old, None, mask, lengths, k, torch.float64, advantages=adv, family_tokens=tokens)
+    mean_l = (LN(0.5) + LN(0.2) + LN(0.1) + LN(0.4)) / 4
+    assert st["cov_mean_logp"].tolist() == pytest.approx([mean_l, mean_l], rel=1e-12)
+    t = policy_token_terms(logp, old, adv, k, seg=seg, sample_terms=st, dtype=torch.float64, family_tokens=tokens)
+    # pg = max(−A·r, −A·clamp(r, 0.8, 1.2))·(1 − selected): 0, −1.2, 1, 1
+    assert t["pg"].tolist() == pytest.approx([0.0, -1.2, 1.0, 1.0], rel=1e-12)
+    assert t["clip"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="payload 'clip_cov_mask' is required for policy_loss='clip_cov'"):
+        policy_token_terms(logp, old, adv, k, seg=seg, sample_terms=st, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("partition", [(0, 0, 1, 1, 2), (1, 0, 2, 0, 1)], ids=["in-order", "interleaved"])
+def test_cov_families_take_each_micro_batchs_own_tokens(partition):
+    """KL-Cov's and Clip-Cov's per-micro-batch means and KL-Cov's top-k threshold, against each micro-batch's
+    tokens picked by a boolean mask (micro-batches in sample order, or interleaved)."""
+    from replay_lib.kernels.loss import LossKnobs, sample_log_terms
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([3, 5, 2, 4, 6])
+    total = int(lengths.sum())
+    logp = -torch.rand(total, generator=g, dtype=torch.float64) * 2
+    adv = torch.randn(5, generator=g, dtype=torch.float64).repeat_interleave(lengths)
+    mask = (torch.rand(total, generator=g) > 0.2).to(torch.float64)
+    seg = torch.repeat_interleave(torch.arange(5), lengths)
+    mb = torch.tensor(partition)[seg]
+    k = LossKnobs(policy_loss="kl_cov", micro_batch=partition, policy_loss_params=(("kl_cov_ratio", 0.3),))
+    st = sample_log_terms(logp, logp, None, mask, lengths, k, torch.float64, advantages=adv)
+    for i, b in enumerate(partition):
+        at = (mb == b) & (mask > 0)
+        a, lp = adv[at], logp[at]
+        assert float(st["klcov_mean_adv"][i]) == pytest.approx(float(a.mean()), rel=1e-14)
+        cov = torch.sort((a - a.mean()) * (lp - lp.mean()), descending=True).values
+        top = max(1, int(len(cov) * 0.3))
+        assert float(st["klcov_threshold"][i]) == pytest.approx(float((cov[top - 1] + cov[top]) / 2), rel=1e-12)
+    k = LossKnobs(policy_loss="clip_cov", micro_batch=partition)
+    st = sample_log_terms(logp, logp, None, mask, lengths, k, torch.float64, advantages=adv,
+                          family_tokens={"clip_cov_mask": torch.zeros(total, dtype=torch.int8)})
+    for i, b in enumerate(partition):
+        at = (mb == b) & (mask > 0)
+        assert float(st["cov_mean_logp"][i]) == pytest.approx(float(logp[at].mean()), rel=1e-14)

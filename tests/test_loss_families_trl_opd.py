@@ -338,7 +338,8 @@ def test_opd_direction_swapped_diverges(tmp_path, cli):
 
 @pytest.mark.parametrize("config, message", [
     (dict(policy_loss="nope"), "$.config.policy_loss='nope': not a known policy-loss family (known: ppo, cispo, "
-                               "cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, importance_sampling, ipo, kl_cov, "
+                               "clip_cov, cross_entropy, dppo_kl, dppo_mu, dppo_tv, dro, geo_mean, gpg, icepop, "
+                               "importance_sampling, ipo, kl_cov, "
                                "rollout_is, sapo, vespo) (stage loss.policy)"),
     (dict(policy_loss="vespo", policy_loss_params={"k": 1.0}),
      "$.config.policy_loss_params.k=1.0: not a parameter of policy_loss 'vespo' (its parameters: k_neg, k_pos, "

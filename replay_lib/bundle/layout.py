@@ -40,6 +40,10 @@ PAYLOAD_FORMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cp_shard": ("int", (TOKENS,)),
     # the policy version that sampled each token (partial / async rollouts mix versions): logprob.mismatch's lints
     "policy_versions": ("int", (TOKENS,)),
+    # Clip-Cov's random draw (policy_loss="clip_cov"): 1 where the producer zeroed the token's term (corr = 0)
+    "clip_cov_mask": ("int", (TOKENS,)),
 }
+# Payloads that are masks: 0 or 1 at every token (the reader refuses any other value, exit 3)
+MASK_PAYLOADS = ("clip_cov_mask",)
 # A cohort COMPLETE's shard key: a rank number as ``str(rank)`` writes it (no sign, space or leading zero).
 _RANK_KEY = re.compile(r"\A(?:0|[1-9][0-9]*)\Z")

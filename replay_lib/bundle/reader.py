@@ -20,7 +20,7 @@ import msgspec
 from ..errors import BundleError
 from msgspec.structs import force_setattr
 
-from .layout import _PAYLOAD_NAME, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, TOKENS
+from .layout import _PAYLOAD_NAME, MASK_PAYLOADS, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, TOKENS
 from .schema import (
     BUNDLE_COMPLETE_DECODER,
     EARLY_COMPLETE_WARNING,
@@ -415,6 +415,12 @@ def _check_form(path: Path, key: str, tensor: torch.Tensor) -> None:
         raise BundleError(f"{where}.dtype: {tensor.dtype}, expected a floating point dtype")
     if kind == "int" and not _is_integer(tensor.dtype):
         raise BundleError(f"{where}.dtype: {tensor.dtype}, expected an integer dtype")
+    if key in MASK_PAYLOADS:
+        bad = torch.nonzero((tensor != 0) & (tensor != 1)).reshape(-1)
+        if bad.numel():
+            raise BundleError(f"{where}: {int(bad.numel())} value(s) other than 0 and 1, the first "
+                              f"{int(tensor[int(bad[0])])} at token {int(bad[0])} (a mask: 1 where the producer "
+                              "selected the token)")
 
 
 # Payloads of up to this many bytes in all (≈ 50 ms of hashing) are hashed by the reader itself, ahead of the JSON

@@ -316,7 +316,8 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     vf_coef: Union[float, msgspec.UnsetType] = msgspec.UNSET
 
     # The policy-loss family (kernels/families: ppo, cispo, sapo, geo_mean, ...) and its parameters; an unknown
-    # family or parameter is refused by loss.policy naming the known ones (exit 4).
+    # family or parameter is refused by loss.policy naming the known ones (exit 4). A family may read a payload of
+    # its own: clip_cov the selected-token mask ``clip_cov_mask`` (int 0/1 per token, ``layout.PAYLOAD_FORMS``).
     policy_loss: str = "ppo"
     policy_loss_params: dict[str, Union[float, int, str, bool, None]] = {}
 

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from ..judge.fields import PER_SCALAR, FieldResult
+from ..kernels.families import slice_tokens
 from ..kernels.loss import (LossKnobs, opd_estimate, policy_fields_from_sums, policy_sums, policy_token_terms,
                             sample_log_terms)
 from ..stages import StageContext, StageInputError
@@ -54,7 +55,7 @@ def _variants(knobs: LossKnobs) -> list[tuple[str, str, LossKnobs, dict]]:
         out.append(("loss.entropy_quantile_flipped", f"the entropy mask's threshold at the {q:g} quantile (the kept "
                     f"share) where TRL takes 1 − q = {1 - q:g}", dataclasses.replace(knobs, top_entropy_quantile=1 - q),
                     {}))
-    if knobs.policy_loss in ("rollout_is", "ipo"):
+    if knobs.policy_loss in ("rollout_is", "ipo", "icepop"):
         out.append((f"loss.{knobs.policy_loss}_old_anchor", f"{knobs.policy_loss}'s ratio taken to the old log-probs "
                     "where its anchor is the rollout (inference) log-probs", knobs, {"rollout_log_probs": "old"}))
     return out
@@ -94,7 +95,7 @@ def variant_values(ctx: StageContext, li: LossInputs, fields: list[FieldResult],
     sums = {row: torch.zeros(ctx.n, dtype=torch.float64) for row in rows}
     token_pg = torch.zeros(int(mask.numel()), dtype=torch.float64) if "pg_losses" in names else None
     sample_terms = sample_log_terms(logp, li.old_log_probs, rollout, mask, ctx.lengths, used, dtype=torch.float64,
-                                    entropy=li.entropy, advantages=adv)
+                                    entropy=li.entropy, advantages=adv, family_tokens=li.family_tokens)
     kept = _declared_rows(ctx, li, keep_rows) if keep_rows else {}
     for lo, hi, seg in ctx.token_chunks():
         a = adv[lo:hi].to(torch.float64)
@@ -103,7 +104,8 @@ def variant_values(ctx: StageContext, li: LossInputs, fields: list[FieldResult],
             rollout_log_probs=rollout[lo:hi] if rollout is not None else None,
             ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None and used.kl_loss else None,
             dtype=torch.float64, entropy=li.entropy[lo:hi] if li.entropy is not None else None,
-            teacher_log_probs=li.teacher_log_probs[lo:hi] if used.opd_loss else None)
+            teacher_log_probs=li.teacher_log_probs[lo:hi] if used.opd_loss else None,
+            family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
         pg = pg_of(t, lo, hi, seg) if pg_of is not None else t["pg"] * pg_sign
         if token_pg is not None:
             token_pg[lo:hi] = pg

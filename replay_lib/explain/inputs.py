@@ -386,7 +386,7 @@ def family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, 
     """A loss token under a loss family or a mask (OPSM, the entropy mask, distillation): the family's formula
     with the token's value, and its own columns (``FAMILY_COLUMNS``), from ``kernels.loss.policy_token_terms`` in
     float64 (the per-sample quantities from the step's sample pass, as the stage takes them)."""
-    from ..kernels.families import FAMILIES
+    from ..kernels.families import FAMILIES, slice_tokens
     from ..kernels.loss import policy_token_terms, sample_log_terms
     from ..stages.loss import loss_inputs
 
@@ -394,7 +394,7 @@ def family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, 
     knobs = li.knobs
     f64 = torch.float64
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs, f64,
-                             entropy=li.entropy)
+                             entropy=li.entropy, advantages=li.advantages, family_tokens=li.family_tokens)
     sl = slice(t, t + 1)
 
     def at(x):
@@ -404,7 +404,8 @@ def family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, 
     tt = policy_token_terms(li.log_probs[sl], li.old_log_probs[sl], adv, knobs, seg=torch.tensor([index]),
                             sample_terms=terms, rollout_log_probs=at(li.rollout_log_probs),
                             ref_log_probs=at(li.ref_log_probs), dtype=f64, entropy=at(li.entropy),
-                            teacher_log_probs=at(li.teacher_log_probs))
+                            teacher_log_probs=at(li.teacher_log_probs),
+                            family_tokens=slice_tokens(li.family_tokens, sl))
     pg = float(tt["pg"][0])
     name = knobs.policy_loss
     rule = FAMILIES[name].formula if knobs.family else \
@@ -418,12 +419,18 @@ def family_token_inputs(ctx: StageContext, field: str, index: int, offset: int, 
                          items=tuple(items), note=f"adds pg·mask = {fmt(term)} to {ctx.sample_ids[index]}'s pg_sum")
 
 
+# families whose per-sample terms are taken over each micro-batch (a covariance's means, a top-k): the why strip
+# takes them from the step's sample pass, never from the token's sample alone
+STEP_WIDE_FAMILIES = ("kl_cov", "clip_cov")
+
+
 def loss_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t: int) -> ElementInputs:
     """A loss token: ratio ``exp(logp − old)``, its clip region and decision, mask, advantage, the surrogate
     ``max(−r·A, −clamp(r)·A)`` and its contribution ``pg·mask`` to the sample's ``pg_sum`` and
     ``loss_scale · w_i · pg·mask`` to its term of pg_loss (``w_i`` the loss mode's weight, :func:`pg_term`)."""
     knobs = LossKnobs.of(ctx.config)
-    if knobs.opsm or knobs.entropy_mask or knobs.opd_loss:  # a mask or the distillation term (any family)
+    if knobs.opsm or knobs.entropy_mask or knobs.opd_loss or knobs.policy_loss in STEP_WIDE_FAMILIES:
+        # a mask or the distillation term (any family), or a family whose per-sample terms span the micro-batch
         return family_token_inputs(ctx, field, index, offset, t)
     if knobs.family:
         return _family_token_inputs(ctx, field, index, offset, t)

@@ -416,10 +416,28 @@ FAMILY_BUGS = {
     "dppo_kl": [("loss.dppo_divergence_swapped", lambda k: "DPPO's trust region tested on the total variation "
                  "(dppo_tv) where the binary KL (dppo_kl) is declared", lambda k: replace(k, policy_loss="dppo_tv"))],
     "kl_cov": [("loss.kl_cov_global_topk", lambda k: "KL-Cov's top-k covariance tokens taken over the whole step "
-                "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ())))],
+                "instead of within each micro-batch", lambda k: replace(k, micro_batch=(0,) * len(k.micro_batch or ()))),
+               ("loss.cov_advantage_scaling", lambda k: _cov_scaling_detail("KL-Cov", k),
+                lambda k: _with_param(k, "advantages", _other_scaling(k)))],
+    "clip_cov": [("loss.cov_advantage_scaling", lambda k: _cov_scaling_detail("Clip-Cov", k),
+                  lambda k: _with_param(k, "advantages", _other_scaling(k)))],
     "dro": [("loss.dro_beta_sign", lambda k: "DRO's quadratic penalty ½·β·(log r)² added to the objective instead "
              "of subtracted (it rewards moving away from the old policy)", lambda k: _with_param(k, "beta", -float(k.param("beta"))))],
 }
+
+
+def _other_scaling(knobs: LossKnobs) -> str:
+    return "raw" if knobs.param("advantages") == "prescaled" else "prescaled"
+
+
+def _cov_scaling_detail(name: str, knobs: LossKnobs) -> str:
+    """The covariance families' advantage scaling swapped: verl's raw advantages (the penalty normalized with
+    the loss) against SkyRL's pre-scaled ones (the covariance on w_i·A, the penalty summed)."""
+    skyrl = ("the advantages pre-scaled by the loss reduction's normalizer (SkyRL's: the covariance on w_i·A"
+             + (", the penalty summed" if name == "KL-Cov" else "") + ")")
+    verl = "the raw advantages (verl's" + (": the penalty normalized with the loss" if name == "KL-Cov" else "") + ")"
+    got, declared = (skyrl, verl) if knobs.param("advantages") == "raw" else (verl, skyrl)
+    return f"{name} taken on {got} where {declared} are declared"
 
 
 def family_hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]:

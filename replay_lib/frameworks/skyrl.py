@@ -91,10 +91,11 @@ KL_IN_REWARD_TOKEN = (
 KL_IN_REWARD_TOKEN_LINES = {"reinforce++": "1225-1257", "gae": "1313-1341"}
 KL_IN_REWARD_AND_LOSS = ("SkyRL rejects use_kl_in_reward with use_kl_loss (skyrl/train/utils/utils.py:312-314: "
                          "\"mutually exclusive\"); set use_kl_loss=false")
-# SkyRL's KL-Cov is not verl's (kernels/families/kl_cov.py): why, for the refusal
-KL_COV_REFUSAL = ("not verl's KL-Cov: SkyRL adds ppo_kl_coef·|Δ| to the surrogate of the advantages it pre-scaled "
-                  "by the loss reduction and sums (ppo_utils.py:1019-1050), so the penalty skips the reduction's "
-                  "normalizer, and ranks the covariance on the pre-scaled advantages; a family to add")
+# SkyRL's Clip-Cov (ppo_utils.py:938-999) and KL-Cov (:1001-1053) are verl's formulas on the advantages SkyRL
+# pre-scaled by the loss reduction's normalizer, summed (reduce_loss, :1145-1149): the covariance ranks w_i·A and
+# KL-Cov's penalty skips the normalizer — the families' advantages="prescaled" (kernels/families/clip_cov.py,
+# kl_cov.py). Neither calls compute_off_policy_correction (verl's kl_cov/clip_cov take no rollout weights either).
+COV_LOSSES = ("clip_cov", "kl_cov")
 # sequence_mask_metric → (its bounds' key prefix, the defaults of its low and high: config.py:803-810)
 SEQUENCE_MASKS = {"geometric": ("geo_mask", 0.99, 1.01), "product": ("product_mask", 0.5, 2.0)}
 # Sections that act only under their own policy_loss_type / estimator, or outside the recomputed math.
@@ -119,11 +120,10 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
     if est not in ESTIMATORS:
         r.refuse(f"{p}advantage_estimator", est, f"not mapped ({', '.join(ESTIMATORS)} are)")
     loss_type = r.text(f"{p}policy_loss_type", "regular")  # config.py:853
-    if loss_type == "kl_cov":
-        r.refuse(f"{p}policy_loss_type", loss_type, KL_COV_REFUSAL)
-    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo", "dppo") + tuple(FAMILY_LOSSES):
+    if loss_type not in ("regular", "dual_clip", "gspo", "cispo", "sapo", "dppo") + tuple(FAMILY_LOSSES) + COV_LOSSES:
         r.refuse(f"{p}policy_loss_type", loss_type,
-                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, dppo, {', '.join(FAMILY_LOSSES)} are)")
+                 f"not mapped (regular, dual_clip, gspo, cispo, sapo, dppo, {', '.join(FAMILY_LOSSES)}, "
+                 f"{', '.join(COV_LOSSES)} are)")
     reduction = r.text(f"{p}loss_reduction", "token_mean")  # config.py:876
     if reduction in REFUSED_REDUCTIONS:
         r.refuse(f"{p}loss_reduction", reduction, REFUSED_REDUCTIONS[reduction])
@@ -226,6 +226,22 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
                       eps_clip_high=r.number(f"{p}dppo.delta_high", 0.2),
                       policy_loss_params={"divergence": dtype.removeprefix("binary_"), "anchor": "rollout"})
         r.neutral(f"{p}eps_clip_low", f"{p}eps_clip_high")
+    elif loss_type == "clip_cov":
+        # compute_policy_loss_clip_cov (ppo_utils.py:938-999): r = exp(logp − old) (no clamp), the clipped
+        # surrogate (eps_clip_low/high) × corr, corr 0 on a torch.randperm draw of max(1, int(clip_ratio·n)) of the
+        # micro-batch's unclipped loss tokens whose covariance lies in (clip_cov_lb, clip_cov_ub): the bundle's
+        # clip_cov_mask; clip_ratio = masked_mean(corr == 0) (config.py:727-735: 0.0002, 1.0, 5.0)
+        fields.update(policy_loss="clip_cov", log_ratio_clamp=None, policy_loss_params={
+            "clip_cov_ratio": r.number(f"{p}clip_cov.clip_ratio", 0.0002),
+            "clip_cov_lb": r.number(f"{p}clip_cov.clip_cov_lb", 1.0),
+            "clip_cov_ub": r.number(f"{p}clip_cov.clip_cov_ub", 5.0), "advantages": "prescaled"})
+    elif loss_type == "kl_cov":
+        # compute_policy_loss_kl_cov (ppo_utils.py:1001-1053): −A·r + ppo_kl_coef·|Δ| on the top
+        # max(1, int(n·kl_cov_frac)) of the micro-batch's loss tokens by cov(A, logp), r = exp(logp − old) (no
+        # clamp); clip_ratio reported as 0.0 (no metric: record none) (config.py:739-745: 0.2, 1.0)
+        fields.update(policy_loss="kl_cov", log_ratio_clamp=None, policy_loss_params={
+            "kl_cov_ratio": r.number(f"{p}kl_cov.kl_cov_frac", 0.2),
+            "ppo_kl_coef": r.number(f"{p}kl_cov.ppo_kl_coef", 1.0), "advantages": "prescaled"})
     elif loss_type in FAMILY_LOSSES:
         fields["policy_loss"] = loss_type
         if loss_type == "cross_entropy":  # Σ −logp·m (reduce_loss, ppo_utils.py:1145-1149): no advantage to fold
@@ -238,7 +254,14 @@ def from_skyrl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         fields["value_clip"] = r.number(f"{p}value_clip", 0.2)  # config.py:921
     else:
         r.neutral(f"{p}value_clip")
-    _off_policy(r, f"{p}off_policy_correction", fields)
+    if loss_type in COV_LOSSES:  # neither loss function applies the off-policy correction (ppo_utils.py:938-1053)
+        inert: dict[str, Any] = {}
+        _off_policy(r, f"{p}off_policy_correction", inert)
+        if inert:
+            r.note(f"{p}off_policy_correction: inert under policy_loss_type={loss_type} (its loss function applies "
+                   "no correction, ppo_utils.py:938-1053)")
+    else:
+        _off_policy(r, f"{p}off_policy_correction", fields)
     r.neutral(*(f"{p}{k}" for k in NEUTRAL))
     r.check_unknown([a] if a else None)
     return r.build(fields)

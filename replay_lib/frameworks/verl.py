@@ -39,8 +39,9 @@ in verl 0.9.1 as installed (``verl/trainer/ppo/core_algos.py``, ``verl/workers/u
   ``dppo_kl`` (``clip_ratio_low/high`` the divergence thresholds, ``clip_ratio_c`` the ratio's truncation),
   ``dro`` (``policy_loss.dro_beta``), ``gpg``. The entropy and KL terms keep ``loss_agg_mode``.
   ``kl_cov`` (the top-k covariance tokens of each micro-batch, core_algos.py:1893-1911: from the samples'
-  ``micro_batch_id``). ``clip_cov`` is refused: Clip-Cov zeroes a ``torch.randperm`` sample of tokens
-  (core_algos.py:1808-1816).
+  ``micro_batch_id``). ``clip_cov`` (core_algos.py:1744-1845): Clip-Cov zeroes a ``torch.randperm`` sample of
+  tokens (core_algos.py:1808-1828), which the bundle records as the payload ``clip_cov_mask``; the covariance's
+  means per micro-batch (``micro_batch_id``).
 """
 
 from __future__ import annotations
@@ -273,13 +274,9 @@ def _estimator_inputs(r: ConfigReader, est: str, fields: dict[str, Any]) -> None
 
 # verl's loss modes that are a policy-loss family of ours (kernels/families), mode → family
 FAMILY_LOSS_MODES = {"cispo": "cispo", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv",
-                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg", "kl_cov": "kl_cov"}
+                     "dppo_kl": "dppo_kl", "dro": "dro", "gpg": "gpg", "kl_cov": "kl_cov", "clip_cov": "clip_cov"}
 # loss modes refused, with what a bundle would need to record
-REFUSED_LOSS_MODES = {
-    "clip_cov": "Clip-Cov zeroes the gradient of a random sample (torch.randperm) of the tokens whose covariance "
-                "lies in (clip_cov_lb, clip_cov_ub) (core_algos.py:1808-1816): a bundle would need the selected-token "
-                "mask, which verl does not expose",
-}
+REFUSED_LOSS_MODES: dict[str, str] = {}
 
 
 def _family(r: ConfigReader, fields: dict[str, Any], mode: str, clip_c: Optional[float]) -> None:
@@ -300,7 +297,13 @@ def _family(r: ConfigReader, fields: dict[str, Any], mode: str, clip_c: Optional
     elif mode == "kl_cov":  # core_algos.py:1883-1884: the config's values, else 0.0002 and 1.0
         params = {"kl_cov_ratio": r.number(f"{ACTOR}.policy_loss.kl_cov_ratio", 0.0002),  # yaml:97
                   "ppo_kl_coef": r.number(f"{ACTOR}.policy_loss.ppo_kl_coef", 0.1)}  # yaml:98
-    if mode in ("geo_mean", "dro", "gpg", "kl_cov"):  # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731)
+    elif mode == "clip_cov":  # core_algos.py:1788-1793: the config's values, else 0.0002, 1.0 and 5.0 (yaml:94-96);
+        # the random draw is the bundle's clip_cov_mask payload (loss.policy refuses without it)
+        params = {"clip_cov_ratio": r.number(f"{ACTOR}.policy_loss.clip_cov_ratio", 0.0002),
+                  "clip_cov_lb": r.number(f"{ACTOR}.policy_loss.clip_cov_lb", 1.0),
+                  "clip_cov_ub": r.number(f"{ACTOR}.policy_loss.clip_cov_ub", 5.0)}
+    if mode in ("geo_mean", "dro", "gpg", "kl_cov", "clip_cov"):
+        # no clamp of the log-ratio (core_algos.py:1973, 2034, 1731, 1797)
         fields["log_ratio_clamp"] = None
     if mode == "geo_mean":
         if r.flag(f"{ACTOR}.use_dynamic_bsz", False):

@@ -79,3 +79,5 @@ __all__ = [
     "value_token_terms",
     "value_loss_fields",
 ]
+
+from . import grad_icepop  # noqa: E402,F401  (registers IcePop's loss.grad gradient)

@@ -43,7 +43,7 @@ import torch
 
 from ..bundle.loss_knobs import (AGG_COUNTS, AGG_MODES, IMPORTANCE_LEVELS, IS_LEVELS, IS_MODES, MICRO_BATCH_TOKEN_MEAN,
                           PROMPT_MEAN, SUM_OF_SAMPLE_MEANS, LossKnobs, check_knobs)  # noqa: F401  (re-exported)
-from .families import family as policy_family
+from .families import family as policy_family, slice_tokens, token_payloads
 from .kl import compute_approx_kl
 from .segments import masked_sample_sums, segment_sum
 # (the knobs and their allowed values live in replay_lib.bundle.loss_knobs, torch-free: the schema checks them)
@@ -137,18 +137,22 @@ def wants_sample_pass(knobs: LossKnobs) -> bool:
 def sample_log_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
                      loss_mask: torch.Tensor, lengths: torch.Tensor, knobs: LossKnobs,
                      dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None, *,
-                     advantages: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                     advantages: Optional[torch.Tensor] = None,
+                     family_tokens: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
     """The per-sample quantities the per-token terms need first (``[n]`` each, ``{}`` when none is):
     ``seq_log_ratio`` (GSPO, ``Σ_t (logp − old)·mask / max(n_i, 1)``, clamped) and ``is_log_weight``
     (``Σ_t (old − rollout)·mask``, divided by ``max(n_i, 1)`` for ``geometric``); the policy-loss family's own
     (``families.PolicyFamily.sample_terms``, given the ``advantages``); ``opsm_kl`` (OPSM: ``Σ_t (anchor −
     logp)·mask / max(n_i, 1)``); ``entropy_threshold`` (the entropy mask: the quantile of the sample's
-    micro-batch, ``entropy`` needed)."""
+    micro-batch, ``entropy`` needed). ``family_tokens``: the family's own per-token payloads by name
+    (``families.token_payloads``, e.g. ``clip_cov_mask``)."""
     out = {}
     if family_sample_pass(knobs):
         out.update(policy_family(knobs.policy_loss).sample_terms(log_probs, old_log_probs, rollout_log_probs,
                                                                  loss_mask, lengths, knobs, dtype,
-                                                                 advantages=advantages))
+                                                                 advantages=advantages,
+                                                                 **_family_extras(knobs, family_tokens, loss_mask,
+                                                                                  lengths)))
     if knobs.is_keep_sample:  # the off-policy correction's per-sample keep masks (kernels.is_keep)
         if rollout_log_probs is None:
             raise ValueError("rollout_log_probs is required for is_keep")
@@ -195,7 +199,8 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
                        rollout_log_probs: Optional[torch.Tensor] = None,
                        ref_log_probs: Optional[torch.Tensor] = None,
                        dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None,
-                       teacher_log_probs: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                       teacher_log_probs: Optional[torch.Tensor] = None,
+                       family_tokens: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
     """The per-token terms of one run of tokens, in ``dtype`` (module docstring): ``pg`` (after dual-clip and
     the importance weight), ``clip``, ``ppo_kl``, ``ratio`` (the one clipped), ``log_ratio`` (its log), and as
     the knobs ask ``clip_lower``, ``is_weight``, ``kl_loss``. ``seg``: the sample of each token (an index into
@@ -204,11 +209,13 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     Another family (``knobs.policy_loss``) computes ``pg`` and its columns (``kernels.families``); then OPSM
     (``opsm_keep``) and the entropy mask (``entropy_keep``, ``entropy`` needed) multiply ``pg``, before the
     importance weight and the KL term; ``opd_loss`` (``teacher_log_probs`` needed) is the supervised
-    distillation term when ``opd_placement="loss"``."""
+    distillation term when ``opd_placement="loss"``. ``family_tokens``: the run's values of the family's own
+    per-token payloads (``families.token_payloads``)."""
     if knobs.family:
+        own = {"tokens": _own_tokens(knobs, family_tokens)} if token_payloads(knobs.policy_loss) else {}
         out = policy_family(knobs.policy_loss).token_terms(
             log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
-            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype)
+            rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype, **own)
         return _shared_terms(out, log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
                              rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
                              entropy=entropy, teacher_log_probs=teacher_log_probs)
@@ -233,6 +240,29 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     return _shared_terms(out, log_probs, old_log_probs, advantages, knobs, seg=seg, sample_terms=sample_terms,
                          rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
                          entropy=entropy, teacher_log_probs=teacher_log_probs)
+
+
+def _own_tokens(knobs: LossKnobs, family_tokens) -> Mapping[str, torch.Tensor]:
+    """The family's own per-token payloads of ``family_tokens``; ``ValueError`` naming the one missing."""
+    tokens = dict(family_tokens or {})
+    for name in token_payloads(knobs.policy_loss):
+        if tokens.get(name) is None:
+            raise ValueError(f"payload {name!r} is required for policy_loss={knobs.policy_loss!r}")
+    return tokens
+
+
+def _family_extras(knobs: LossKnobs, family_tokens, loss_mask: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """The keywords a family's ``sample_terms`` asks for beyond the shared ones: its own per-token payloads
+    (``tokens``) and each sample's aggregation weight under ``loss_agg_mode`` (``weights``, float64)."""
+    f = policy_family(knobs.policy_loss)
+    out = {}
+    if token_payloads(knobs.policy_loss):
+        out["tokens"] = _own_tokens(knobs, family_tokens)
+    if f.weights is True or (callable(f.weights) and f.weights(knobs)):
+        seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
+        counts = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(0, seg, loss_mask.to(torch.float64))
+        out["weights"] = agg_weights(knobs.loss_agg_mode, counts, knobs)
+    return out
 
 
 def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKnobs, *, seg, sample_terms,
@@ -527,6 +557,7 @@ def policy_loss_fields(
     rollout_log_probs: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
     teacher_log_probs: Optional[torch.Tensor] = None,
+    family_tokens: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Mapping[str, torch.Tensor]:
     """The reported loss.policy fields (0-d ``dtype``): ``loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl``
     and, as ``knobs`` ask, ``pg_clipfrac_lower`` and ``kl_loss``.
@@ -537,11 +568,11 @@ def policy_loss_fields(
     knobs = (knobs or LossKnobs()).with_clips(eps_clip, eps_clip_high)
     knobs = replace(knobs, entropy_coef=entropy_coef)
     sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, loss_mask, lengths, knobs, dtype,
-                                    entropy=entropy, advantages=advantages)
+                                    entropy=entropy, advantages=advantages, family_tokens=family_tokens)
     columns = policy_loss_columns(log_probs, old_log_probs, advantages, entropy, loss_mask, eps_clip=eps_clip,
                                   eps_clip_high=eps_clip_high, dtype=dtype, knobs=knobs, sample_terms=sample_terms,
                                   rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs,
-                                  teacher_log_probs=teacher_log_probs)
+                                  teacher_log_probs=teacher_log_probs, family_tokens=family_tokens)
     sums = masked_sample_sums(lengths, loss_mask, columns, {name: dtype for name in policy_sums(knobs)})
     return policy_fields_from_sums(sums, entropy is not None, entropy_coef, knobs)
 
@@ -562,6 +593,7 @@ def policy_loss_columns(
     knobs: Optional[LossKnobs] = None, sample_terms: Optional[Mapping[str, torch.Tensor]] = None,
     rollout_log_probs: Optional[torch.Tensor] = None, ref_log_probs: Optional[torch.Tensor] = None,
     teacher_log_probs: Optional[torch.Tensor] = None,
+    family_tokens: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Callable[[int, int, torch.Tensor], dict[str, torch.Tensor]]:
     """The masked per-token terms of :func:`policy_sums` for one chunk, in ``dtype``."""
     mask = loss_mask.to(dtype)
@@ -575,7 +607,8 @@ def policy_loss_columns(
             rollout_log_probs=rollout_log_probs[start:stop] if rollout_log_probs is not None else None,
             ref_log_probs=ref_log_probs[start:stop] if ref_log_probs is not None else None,
             entropy=entropy[start:stop] if entropy is not None else None,
-            teacher_log_probs=teacher_log_probs[start:stop] if teacher_log_probs is not None else None)
+            teacher_log_probs=teacher_log_probs[start:stop] if teacher_log_probs is not None else None,
+            family_tokens=slice_tokens(family_tokens, slice(start, stop)))
         out = {"pg": t["pg"] * m, "clip": t["clip"] * m, "kl": t["ppo_kl"] * m}
         if entropy is not None:
             out["ent"] = entropy[start:stop].to(dtype) * m

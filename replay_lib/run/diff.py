@@ -42,7 +42,7 @@ PAYLOAD_STAGE = {"advantages": "advantage.estimate", "returns": "advantage.estim
                  "ref_log_probs": "advantage.kl", "entropy": "loss.policy", "pg_losses": "loss.policy",
                  "grad_log_probs": "loss.grad", "grad_values": "loss.grad",
                  "rollout_log_probs": "logprob.mismatch", "policy_versions": "logprob.mismatch",
-                 "teacher_log_probs": "loss.policy"}
+                 "teacher_log_probs": "loss.policy", "clip_cov_mask": "loss.policy"}
 INDEX_FIELDS = (("raw_reward", "reward.raw"), ("reward", "reward.post_process"))
 
 

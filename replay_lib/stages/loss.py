@@ -21,13 +21,14 @@ from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, f
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms, wants_sample_pass)
 from ..judge.error_model import C_STORE
-from ..kernels.families import family_refusals
+from ..kernels.families import family_refusals, slice_tokens
 from ..judge.report import StageReport
 from ..bundle.loss_knobs import micro_batch_partition, uses_micro_batches
 from ..bundle.schema import RecomputeConfig, StageCapability, StageId
 from ..safe_text import safe
 from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, family_payloads, is_keep_hazards, loss_inputs
+from .loss_clip_cov import DRAW_OUTPUT, DrawCounts, clip_cov_draw_field
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
 
 
@@ -63,7 +64,7 @@ def recompute_policy_loss(ctx: StageContext, li: Optional[LossInputs] = None) ->
                                     eps_clip=knobs.eps_clip, eps_clip_high=knobs.eps_clip_high,
                                     entropy_coef=knobs.entropy_coef, dtype=ctx.dtype, knobs=knobs,
                                     rollout_log_probs=li.rollout_log_probs, ref_log_probs=li.ref_log_probs,
-                                    teacher_log_probs=li.teacher_log_probs)
+                                    teacher_log_probs=li.teacher_log_probs, family_tokens=li.family_tokens)
         return expected, {f: actual[f] for f in expected}, None
     sums = _loss_sums(ctx, li)
     ctx.outputs[SUMS_OUTPUT] = sums  # the explanations re-aggregate them (explain.loss.micro_batch_hypotheses)
@@ -150,7 +151,8 @@ def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torc
     if not wants_sample_pass(knobs):
         return {}, None
     terms = sample_log_terms(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths, knobs,
-                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages)
+                             dtype=torch.float64, entropy=li.entropy, advantages=li.advantages,
+                             family_tokens=li.family_tokens)
     if knobs.opsm:  # the edge test's reach: √n_i · the sample's mean |anchor| + |logp| (a mean's rounding)
         terms["opsm_reach"] = _opsm_reach(ctx, li)
     if not knobs.needs_sample_pass:  # the family's own terms carry their condition (pg_err)
@@ -217,6 +219,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
     chunk_rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
+    draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
     for lo, hi, seg in ctx.token_chunks():
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
@@ -228,8 +231,11 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
             ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
             entropy=entropy[lo:hi] if entropy is not None else None,
-            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None)
+            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
+            family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
         pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
+        if draw is not None:
+            draw.add(t, seg, li.mask[lo:hi], u_token)
         signed = buf[:n_signed]
         torch.mul(pg, m, out=buf[0])
         torch.mul(t["ppo_kl"], m, out=buf[1])
@@ -337,6 +343,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         # every row at once: the float64 rows' per-sample sums, and seq32's in token order in float32
         sums.add(out, lo, hi, buf)
         seq32.index_add_(1, seg, signed.to(torch.float32))
+    if draw is not None:
+        ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
@@ -505,6 +513,9 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
                         bound=torch.tensor([bound[f] for f in names], dtype=torch.float64) if bound else None,
                         note=how.format(n=n, s="s" if n != 1 else ""))
     extra = [aggregate] if aggregate is not None else []
+    draw = clip_cov_draw_field(ctx, li)  # Clip-Cov: the recorded draw's size per micro-batch
+    if draw is not None:
+        extra.append(draw)
 
     def fail_reason(total, per) -> str:
         parts = []
@@ -528,7 +539,8 @@ def run_loss_policy(ctx: StageContext) -> StageReport:
 
 
 # The per-token payloads of the loss-side knobs (SPEC §4.2): validate checks their rows like the V1 ones.
-KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns", "teacher_log_probs")
+KNOB_TOKEN_PAYLOADS = ("rollout_log_probs", "pg_losses", "values", "old_values", "returns", "teacher_log_probs",
+                       "clip_cov_mask")
 
 
 def knob_payloads(cfg: RecomputeConfig) -> list[tuple[str, str]]:
@@ -579,6 +591,10 @@ def partition_requirements(reader: BundleReader) -> list[str]:
             micro_batch_partition(reader.index.samples) is None:
         return ["index.json $.samples[*].micro_batch_id (policy_loss='kl_cov' takes its top-k tokens within each of "
                 "the producer's micro-batches)"]
+    if getattr(reader.index.config, "policy_loss", "ppo") == "clip_cov" and \
+            micro_batch_partition(reader.index.samples) is None:
+        return ["index.json $.samples[*].micro_batch_id (policy_loss='clip_cov' takes its covariance's means within "
+                "each of the producer's micro-batches)"]
     if knob is None or micro_batch_partition(reader.index.samples) is not None:
         return []
     return [f"index.json $.samples[*].micro_batch_id ({knob}='micro_batch_token_mean' averages the token means of "

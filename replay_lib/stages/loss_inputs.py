@@ -14,6 +14,7 @@ from ..bundle.is_keep import DIVERGENCES
 from ..judge.error_model import StorageUnits
 from ..kernels import GrpoReturns
 from ..kernels.loss import LossKnobs
+from ..kernels.families import token_payloads
 from .base import StageContext, StageInputError
 
 
@@ -42,6 +43,8 @@ class LossInputs:
     # slime's MIS rejection (mis_rs, mis_veto): 0/1 per token multiplying every term's numerator, the normalizers
     # kept (rs_near / rs_alternative then describe this keep instead of the mask)
     keep: Optional[torch.Tensor] = None
+    # the policy-loss family's own per-token payloads by name (kernels.families.token_payloads: clip_cov_mask)
+    family_tokens: Optional[dict] = None
 
     def payloads(self) -> dict[str, Optional[torch.Tensor]]:
         """The recorded tensors by payload name; ``advantages`` only when recorded (a tensor), not the lazy
@@ -108,6 +111,13 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
             raise StageInputError("payload 'ref_log_probs' is required for use_kl_loss with kl_loss_coef != 0",
                                   field="ref_log_probs")
         ref = ctx.payload("ref_log_probs")
+    family_tokens = None
+    own = token_payloads(knobs.policy_loss) if knobs.family else ()
+    for name in own:
+        if not ctx.has(name):
+            raise StageInputError(f"payload {name!r} is required for policy_loss={knobs.policy_loss!r} "
+                                  f"({FAMILY_PAYLOAD_WHY.get(name, 'the family reads it')})", field=name)
+        family_tokens = {**(family_tokens or {}), name: ctx.payload(name)}  # 0/1 (bundle.reader checks)
     mask = ctx.loss_mask
     # force_on_policy_ratio: the ratio 1 — the current log-probs stand for the old ones (NeMo-RL loss.py:399-402)
     old = ctx.payload("log_probs") if knobs.force_on_policy_ratio else ctx.payload("old_log_probs")
@@ -148,7 +158,14 @@ def loss_inputs(ctx: StageContext) -> LossInputs:
                       advantages=advantages, entropy=entropy, mask=mask, advantage_bound=bound,
                       advantage_per_sample=per_sample, rollout_log_probs=rollout, ref_log_probs=ref, knobs=knobs,
                       rs_near=rs_near, rs_alternative=rs_alternative,
-                      teacher_log_probs=teacher, keep=keep)
+                      teacher_log_probs=teacher, keep=keep, family_tokens=family_tokens)
+
+
+# Why a family's own payload is needed, for the refusal that names it
+FAMILY_PAYLOAD_WHY = {
+    "clip_cov_mask": "Clip-Cov zeroes a random sample (torch.randperm) of the tokens whose covariance lies in "
+                     "(clip_cov_lb, clip_cov_ub): record the selected tokens, 1 where the producer zeroed the term",
+}
 
 
 def is_keep_hazards(ctx: StageContext, li: LossInputs, stage: str) -> None:

@@ -63,6 +63,7 @@ from ..judge.error_model import (C_STORE, UNIT_ROUNDOFF, StorageUnits, kl_condit
                            storage_unit)
 from ..judge.fields import PER_SAMPLE, PER_TOKEN, FieldResult
 from ..kernels import LOSS_CHUNK
+from ..kernels.families import slice_tokens
 from ..kernels.loss import LossKnobs, agg_weights, policy_token_terms, sample_log_terms
 from ..bundle.schema import PER_SAMPLE_KEY, PerSampleLossTerms, RecomputeConfig
 from .base import StageContext, StageInputError
@@ -110,11 +111,12 @@ class _Tokens:
                  lengths: torch.Tensor, u_t: float, store: StorageUnits, dtype: torch.dtype = torch.float64,
                  advantage_bound: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                  ref_log_probs: Optional[torch.Tensor] = None, teacher_log_probs: Optional[torch.Tensor] = None,
-                 samples=None):
+                 samples=None, family_tokens=None):
         self.log_probs, self.old, self.adv = log_probs, old_log_probs, advantages
         self.teacher = teacher_log_probs  # on-policy distillation's loss term (opd_placement="loss")
         self.entropy, self.mask = entropy, mask
         self.rollout, self.ref = rollout_log_probs, ref_log_probs
+        self.family_tokens = family_tokens  # the family's own per-token payloads (clip_cov_mask)
         knobs = LossKnobs.of(config, samples)  # the samples: the micro-batch partition (KL-Cov's top-k)
         # the KL term of the loss per token only where its term (kl_loss_sum) can be recomputed
         self.knobs = knobs if knobs.kl_loss and ref_log_probs is not None else replace(knobs, kl_loss_coef=0.0)
@@ -125,7 +127,8 @@ class _Tokens:
         self.u_t, self.store, self.dtype = u_t, store, dtype
         self.rho = advantage_bound.to(torch.float64) if advantage_bound is not None else None
         self.sample_terms = sample_log_terms(log_probs, old_log_probs, rollout_log_probs, mask, lengths, self.knobs,
-                                             dtype=dtype, entropy=entropy, advantages=advantages)
+                                             dtype=dtype, entropy=entropy, advantages=advantages,
+                                             family_tokens=family_tokens)
         if knobs.opsm:  # OPSM's sequence KL at its edge: its reach, as the stage's (stages.loss._opsm_reach)
             m = mask.to(torch.float64)
             anchor = rollout_log_probs if knobs.opsm_anchor == "rollout" else old_log_probs
@@ -168,7 +171,8 @@ class _Tokens:
                                rollout_log_probs=self.rollout[lo:hi] if self.rollout is not None else None,
                                ref_log_probs=self.ref[lo:hi] if self.knobs.kl_loss else None, dtype=self.dtype,
                                entropy=self.entropy[lo:hi] if self.entropy is not None else None,
-                               teacher_log_probs=self.teacher[lo:hi] if self.teacher is not None else None)
+                               teacher_log_probs=self.teacher[lo:hi] if self.teacher is not None else None,
+                               family_tokens=slice_tokens(self.family_tokens, slice(lo, hi)))
         pg, ppo_kl, ratio = (t[k].to(torch.float64) for k in ("pg", "ppo_kl", "ratio"))
         adv = self.adv[lo:hi].to(self.dtype).to(torch.float64)
         clipped = t["clip"].to(torch.float64)
@@ -330,7 +334,8 @@ def loss_term_fields(ctx: StageContext, li: "LossInputs") -> list[FieldResult]:
                      u_t=UNIT_ROUNDOFF[compute], store=li.storage(compute),
                      dtype=torch.float32 if exact else torch.float64,
                      advantage_bound=None if exact else li.advantage_bound, rollout_log_probs=li.rollout_log_probs,
-                     ref_log_probs=li.ref_log_probs, teacher_log_probs=li.teacher_log_probs)
+                     ref_log_probs=li.ref_log_probs, teacher_log_probs=li.teacher_log_probs,
+                     family_tokens=li.family_tokens)
     u_a = UNIT_ROUNDOFF[accumulate]
     summed_in = torch.float32 if exact and accumulate == "float32" else torch.float64
     fields: list[FieldResult] = []

@@ -88,7 +88,15 @@ def write_family_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: boo
     actor, micro = CONFIGS[name]
     lengths, valid, mask, old, logp, scores = _step(seed, dtype)
     adv, normalized = _advantages("grpo", {}, scores, lengths, mask, valid.shape[1])
-    policy = _loss(actor, micro, old, logp, adv, mask, bug)
+    return write_bundle_with(path, name, seed, dtype, _loss(actor, micro, old, logp, adv, mask, bug))
+
+
+def write_bundle_with(path, name: str, seed: int, dtype: torch.dtype, policy: dict, extra=None) -> str:
+    """The bundle of the step of ``seed`` under ``CONFIGS[name]`` mapped by ``from_verl``, its loss fields
+    ``policy`` as verl reported them, and ``extra`` payloads (name → tensor over the response tokens)."""
+    actor, micro = CONFIGS[name]
+    lengths, valid, mask, old, logp, scores = _step(seed, dtype)
+    adv, normalized = _advantages("grpo", {}, scores, lengths, mask, valid.shape[1])
     cfg = from_verl(verl_config(name), version="0.9.1")
     cfg = msgspec.structs.replace(cfg, loss_token_count=int(mask.sum()))
     mb_of = {i: f"mb-{k}" for k, rows in enumerate(micro) for i in rows}
@@ -105,6 +113,8 @@ def write_family_bundle(path, name: str, seed: int, dtype: torch.dtype, bug: boo
     writer = BundleWriter(path, manifest, index, expected)
     for pname, values in (("log_probs", logp), ("old_log_probs", old), ("advantages", adv)):
         writer.write_payload(pname, values[valid].to(dtype) if dtype != torch.float32 else values[valid])
+    for pname, values in (extra or {}).items():
+        writer.write_payload(pname, values)
     return writer.finalize(ranks=[0])
 
 

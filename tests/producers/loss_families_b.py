@@ -29,14 +29,20 @@ from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, 
 from . import comparison_policy
 from .inputs import Size, make_inputs
 
-FAMILIES = ("vespo", "opsm", "entropy_mask", "opd_loss", "ipo", "rollout_is", "importance_sampling", "cross_entropy")
+FAMILIES = ("vespo", "opsm", "entropy_mask", "opd_loss", "ipo", "rollout_is", "importance_sampling", "cross_entropy",
+            "icepop")
 FAMILY_BUGS = {"vespo": "vespo_sign", "opsm": "opsm_anchor", "entropy_mask": "quantile_flipped",
                "opd_loss": "opd_direction", "ipo": "ipo_old_anchor", "rollout_is": "rollout_is_clamp",
-               "importance_sampling": "adv_negated", "cross_entropy": "ce_sign"}
+               "importance_sampling": "adv_negated", "cross_entropy": "ce_sign", "icepop": "icepop_old_anchor"}
 MICRO_BATCHES = 4
 # the metrics each framework reports beside the loss (TRL's VESPO logs no clip ratio, grpo_trainer.py:3287-3288;
 # SkyRL's importance_sampling none, its cross_entropy neither that nor a KL): what the bundle records
-REPORTED = {"vespo": ("ppo_kl",), "importance_sampling": ("ppo_kl",), "cross_entropy": ()}
+REPORTED = {"vespo": ("ppo_kl",), "importance_sampling": ("ppo_kl",), "cross_entropy": (),
+            # prime-rl's IcePop: is_masked (the dropped fraction), no old policy to report a KL against
+            "icepop": ("pg_clipfrac",)}
+ICEPOP = (0.2, 5.0)  # prime-rl #3526: ratio_low, ratio_high (inclusive)
+# the families whose bundle also records grad_log_probs (loss.grad: a registered gradient)
+WITH_GRAD = ("icepop",)
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 VESPO = (2.0, 3.0, 3.0, 2.0)  # k_pos, λ_pos, k_neg, λ_neg (TRL's defaults)
 OPSM_DELTA = 0.02
@@ -50,7 +56,7 @@ def _config(family: str, tokens: int) -> RecomputeConfig:
              "entropy_mask": dict(top_entropy_quantile=QUANTILE), "opd_loss": OPD,
              "ipo": dict(policy_loss="ipo"), "rollout_is": dict(policy_loss="rollout_is"),
              "importance_sampling": dict(policy_loss="importance_sampling"),
-             "cross_entropy": dict(policy_loss="cross_entropy")}[family]
+             "cross_entropy": dict(policy_loss="cross_entropy"), "icepop": dict(policy_loss="icepop")}[family]
     return RecomputeConfig(**base, **extra)
 
 
@@ -77,6 +83,11 @@ def _per_token(family, logp, old, adv, rollout, teacher, ent, mask, seg, n_sampl
         lr = logp - anchor
         keep = (torch.abs(torch.exp(logp) - torch.exp(anchor)) <= 0.1).float()
         return -(keep * adv * torch.exp(lr)) + 1e-3 * lr * lr, 1 - keep
+    if family == "icepop":  # prime-rl #3526: the band tested on log r, a dropped log-ratio zeroed before exp
+        lr = logp - (old if bug else rollout)
+        keep = (lr >= math.log(ICEPOP[0])) & (lr <= math.log(ICEPOP[1]))
+        ratio = torch.exp(torch.where(keep, lr, zeros))
+        return -(adv * ratio) * keep.float(), (~keep).float()
     if family == "rollout_is":
         r = torch.exp(torch.clamp(logp - rollout, -20, 20))
         inside = (r > 1 - EPS_LOW) & (r < 1 + EPS_HIGH)
@@ -159,6 +170,10 @@ def produce_family_bundle(path: str | Path, family: str, seed: int, size: Size, 
     rollout = (old + rng.normal(0, 0.05, total) + np.repeat(rng.normal(0, 0.05, size.samples), inputs.lengths)
                ).astype(np.float32)
     teacher = np.minimum(logp + rng.normal(0, 0.5, total), 0).astype(np.float32)
+    if family == "icepop":  # tokens the band drops: an extreme ratio (exp overflows float32: the 0·inf guard) and
+        # moderate ones past either bound
+        at = np.nonzero(inputs.mask)[0][[1, 5, 9]]  # three loss tokens
+        rollout[at] = logp[at] + np.array([-100.0, -2.0, 2.0], dtype=np.float32)
     ent = inputs.entropy.astype(np.float32)
     adv = np.repeat(rng.normal(0, 1, size.samples), inputs.lengths).astype(np.float32)
     to = (lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
@@ -176,9 +191,10 @@ def produce_family_bundle(path: str | Path, family: str, seed: int, size: Size, 
     index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=4, step_id=0)),
                         samples=samples, config=_config(family, tokens))
     declared = {"compute": precision, "accumulate": "float32"} if precision == "bfloat16" else None
+    stages = (StageId.SAMPLE, StageId.LOSS_POLICY) + ((StageId.LOSS_GRAD,) if family in WITH_GRAD else ())
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.loss_families_b", torch_version=torch.__version__),
-                        stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)), payloads={},
+                        stage_contracts=stage_contracts(stages), payloads={},
                         comparison_policy=comparison_policy(declared), redaction={})
     writer = BundleWriter(path, manifest, index, {"loss.policy": fields})
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
@@ -186,6 +202,13 @@ def produce_family_bundle(path: str | Path, family: str, seed: int, size: Size, 
                          ("teacher_log_probs", teacher), ("entropy", ent)):
         writer.write_payload(name, to(values).to(dtype))
     writer.write_payload("advantages", to(adv))
+    if family in WITH_GRAD:  # ∂pg_loss/∂log_probs by torch.autograd of the same per-token term, token mean
+        x = to(logp).requires_grad_(True)
+        seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pg, _ = _per_token(family, x, to(old), to(adv), to(rollout), to(teacher), to(ent), mask, seg,
+                           lengths.numel(), 0.0, bug)
+        (torch.sum(pg * mask) / float(mask.sum())).backward()
+        writer.write_payload("grad_log_probs", x.grad.detach())
     return writer.finalize(ranks=[0])
 
 

@@ -43,6 +43,28 @@ class PolicyFamily:
     source: str = field(default="", compare=False)
     # the payloads its terms read beyond log_probs, old_log_probs and advantages (e.g. rollout_log_probs)
     payloads: tuple[str, ...] = ()
+    # its ``sample_terms`` takes ``weights=``: each sample's aggregation weight ``w_i`` under ``loss_agg_mode``
+    # (``kernels.loss.agg_weights``), for a framework that pre-scales its advantages by it (SkyRL); a callable
+    # ``(knobs) -> bool`` says for which parameters
+    weights: object = False
+
+
+# Payloads a family may read that every loss path already carries; any other name in ``PolicyFamily.payloads`` is
+# one of the family's own per-token payloads (e.g. ``clip_cov_mask``), handed to its ``sample_terms`` (whole) and
+# ``token_terms`` (the run of tokens) as ``tokens={name: tensor}`` (:func:`token_payloads`).
+SHARED_PAYLOADS = ("rollout_log_probs", "ref_log_probs")
+
+
+def token_payloads(name: str) -> tuple[str, ...]:
+    """The family ``name``'s own per-token payloads (``()`` for ``ppo`` or an unknown name)."""
+    f = FAMILIES.get(name)
+    return tuple(p for p in f.payloads if p not in SHARED_PAYLOADS) if f is not None else ()
+
+
+def slice_tokens(tokens, at):
+    """``tokens`` (a family's own per-token payloads by name, or None) at the token index ``at`` (a slice, an
+    index tensor)."""
+    return None if tokens is None else {k: v[at] for k, v in tokens.items()}
 
 
 FAMILIES: dict[str, PolicyFamily] = {}
@@ -138,3 +160,5 @@ from . import rollout_is  # noqa: E402,F401
 from . import importance_sampling  # noqa: E402,F401
 from . import cross_entropy  # noqa: E402,F401
 from . import dppo_mu  # noqa: E402,F401
+from . import clip_cov  # noqa: E402,F401
+from . import icepop  # noqa: E402,F401
