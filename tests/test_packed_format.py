@@ -57,9 +57,14 @@ def test_round_trip_both_forms(tmp_path):
 
     a, b = BundleReader(old), BundleReader(new)
     assert a.warnings == [] and b.warnings == []
-    assert [s.loss_mask for s in b.index.samples] == [s.loss_mask for s in a.index.samples]
-    assert sum(len(s.loss_mask) for s in b.index.samples) == total
-    # the mask payload becomes the records' masks: the payload list is the same in both forms
+    n = len(a.index.samples)
+    assert [b.sample_mask(i) for i in range(n)] == [s.loss_mask for s in a.index.samples]
+    assert sum(len(b.sample_mask(i)) for i in range(n)) == total
+    # kept packed: no record of the 1.3 bundle lists its mask, the old form's all do
+    assert all(s.loss_mask is msgspec.UNSET for s in b.index.samples) and b.packed_mask is not None
+    assert a.packed_mask is None and [a.sample_mask(i) for i in range(n)] == [s.loss_mask for s in a.index.samples]
+    assert [s.loss_mask for s in b.index_with_masks().samples] == [s.loss_mask for s in a.index.samples]
+    # the mask payload stays packed (read per sample): the payload list is the same in both forms
     assert b.payload_names == a.payload_names
     for name in a.payload_names:
         assert torch.equal(a.payload(name), b.payload(name)), name
@@ -76,7 +81,7 @@ def test_the_original_reader_of_safetensors_reads_our_payloads(tmp_path):
         assert list(stored) == ["data"]
         assert torch.equal(stored["data"], reader.payload(name))
     mask = load_file(str(new / "payloads" / "loss_mask.safetensors"))["data"]
-    assert mask.tolist() == [m for s in reader.index.samples for m in s.loss_mask]
+    assert mask.tolist() == [m for i in range(len(reader.index.samples)) for m in reader.sample_mask(i)]
 
 
 def _run(*args):
@@ -114,7 +119,7 @@ def test_masks_outside_a_byte_are_stored_as_int64(tmp_path):
         w.write_payload(name, t)
     w.finalize()
     assert json.loads((tmp_path / "b" / "manifest.json").read_bytes())["payloads"]["loss_mask"]["dtype"] == "torch.int64"
-    assert BundleReader(tmp_path / "b").index.samples[0].loss_mask == [300, 0, 1, 1]
+    assert BundleReader(tmp_path / "b").sample_mask(0) == [300, 0, 1, 1]
 
 
 def test_writer_refuses_a_mask_of_the_wrong_length_and_a_loss_mask_payload(tmp_path):
@@ -287,7 +292,8 @@ def test_masks_in_both_places_or_in_neither(tmp_path, bundle_tools):
 def test_a_12_bundle_with_inline_masks_reads(tmp_path, bundle_tools):
     """The reader reads both forms in 1.3: masks in index.json (every sample) and no mask payload."""
     bundle = _new(tmp_path)
-    masks = [s.loss_mask for s in BundleReader(bundle).index.samples]
+    reader = BundleReader(bundle)
+    masks = [reader.sample_mask(i) for i in range(len(reader.index.samples))]
 
     def drop(m):
         del m["payloads"]["loss_mask"]
@@ -413,3 +419,4 @@ def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
     doc["samples"][1]["loss_mask"] = "oops"  # no array at all: still worded (its items are not read)
     (old / "index.json").write_text(json.dumps(doc))
     assert inspect(old).bundles[0].problems == ["index.json: $.samples[1].loss_mask: expected `array`, got `str`"]
+

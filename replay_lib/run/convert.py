@@ -102,7 +102,7 @@ def _stored(shard: BundleReader, name: str) -> torch.Tensor:
 
 def _prepared(shard: BundleReader, major: int, notes: list[str]):
     """``(manifest, index, expected)`` of one shard for the target major, its losses appended to ``notes``."""
-    manifest, index = shard.manifest, shard.index
+    manifest, index = shard.manifest, shard.index_with_masks()  # every mask listed: the writer takes them
     expected: Expected = {stage: dict(values) for stage, values in shard.expected.items()}
     where = shard.path / "index.json"
     if major == 2:

@@ -170,7 +170,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     entropy = li.entropy
     # a non-negative entropy is its own magnitude; Σ ratio only matters for recomputed advantages (--chain)
     # (its min: one pass, and a NaN makes it signed as a comparison would)
-    signed_entropy = entropy is not None and entropy.numel() > 0 and not bool(entropy.min() >= 0)
+    signed_entropy = entropy is not None and _signed(ctx, entropy)
     with_ratio = li.advantage_bound is not None
     kl_loss = knobs.kl_loss
     opd = knobs.opd_loss
@@ -328,6 +328,18 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
     return {**totals, **dict(zip(SEQ32_SUMS, seq32))}
+
+
+def _signed(ctx: StageContext, values: torch.Tensor) -> bool:
+    """Whether ``values`` holds a negative number or a NaN (``not values.min() >= 0``), a chunk at a time: each
+    chunk's rows of the mapped payloads let go behind it (the loss pass reads them again a chunk at a time)."""
+    step = LOSS_CHUNK * 16
+    for lo in range(0, values.shape[0], step):
+        signed = not bool(values[lo:lo + step].min() >= 0)
+        ctx.release(lo, lo + step)
+        if signed:
+            return True
+    return False
 
 
 def _opsm_reach(ctx: StageContext, li: LossInputs) -> torch.Tensor:
