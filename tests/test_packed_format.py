@@ -420,3 +420,21 @@ def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
     (old / "index.json").write_text(json.dumps(doc))
     assert inspect(old).bundles[0].problems == ["index.json: $.samples[1].loss_mask: expected `array`, got `str`"]
 
+
+def test_a_13_bundle_converts_to_2_0_and_back(tmp_path):
+    """``convert --to 2.0.0`` of a 1.3 bundle: its safetensors payloads carried as ``.pt``, its packed masks written
+    into the 2.0 index (not as a payload); back to 1.0.0, every mask and payload is the source's."""
+    from replay_lib.run.convert import convert
+
+    src = write_synthetic(tmp_path / "src", samples=4, tokens=6, format_version="1.3.0")
+    result = convert(src, tmp_path / "two", "2.0.0")
+    assert result.format_version == "2.0.0"
+    assert sorted(p.name for p in (tmp_path / "two" / "payloads").iterdir()) == [
+        "advantages.pt", "entropy.pt", "kl.pt", "log_probs.pt", "old_log_probs.pt", "ref_log_probs.pt"]
+    back = convert(tmp_path / "two", tmp_path / "one", "1.0.0")
+    assert back.format_version == "1.0.0"
+    a, b = BundleReader(src), BundleReader(tmp_path / "one")
+    assert [s.loss_mask for s in b.index.samples] == [a.sample_mask(i) for i in range(4)]
+    assert b.payload_names == [n for n in a.payload_names]
+    for name in a.payload_names:
+        assert torch.equal(a.payload(name), b.payload(name)), name
