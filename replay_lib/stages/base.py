@@ -18,6 +18,11 @@ from ..judge.report import Hazard, StageReport
 from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
 
 
+# Token rows let go at a time behind a chunked pass (StageContext.token_chunks): a few MiB of each mapped payload,
+# one madvise call per payload for 64 chunks.
+RELEASE_ROWS = 1 << 20
+
+
 class StageInputError(Exception):
     """A stage's input is structurally unusable (e.g. a payload of the wrong length): the stage fails
     with this message as its reason instead of crashing the replay."""
@@ -86,9 +91,12 @@ class StageContext:
         tokens sliced from :attr:`seg` when the token axis is small enough to hold it (``fields.KEEP_COLUMNS``)."""
         total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
         if total > KEEP_COLUMNS:
+            done = 0  # the rows of the mapped payloads done with are let go behind the chunks, RELEASE_ROWS at a time
             for lo, hi, seg in token_chunks(self.lengths):
                 yield lo, hi, seg
-                self.release(lo, hi)  # the chunk's rows of the mapped payloads let go once it is done
+                if hi - done >= RELEASE_ROWS or hi == total:
+                    self.release(done, hi)
+                    done = hi
             return
         seg = self.seg
         for lo in range(0, total, LOSS_CHUNK):

@@ -207,7 +207,9 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                                            knobs)
     out = torch.zeros((len(names), n), dtype=torch.float64)
     counts = torch.zeros((len(counted), n), dtype=torch.float64)
-    seq32 = torch.zeros((n_signed, n), dtype=torch.float32)
+    # sample-major: each token adds its row of signed terms to its sample's at once (index_add_ along dim 0, twice
+    # as fast as along dim 1), every sum still taken in token order in float32
+    seq32 = torch.zeros((n, n_signed), dtype=torch.float32)
     zeros = torch.zeros(0, dtype=torch.float64)
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
@@ -323,11 +325,11 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 counts[k].index_add_(0, seg[at], m[at])
         # every row at once: the float64 rows' per-sample sums, and seq32's in token order in float32
         sums.add(out, lo, hi, buf)
-        seq32.index_add_(1, seg, signed.to(torch.float32))
+        seq32.index_add_(0, seg, signed.to(torch.float32).T)
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
-    return {**totals, **dict(zip(SEQ32_SUMS, seq32))}
+    return {**totals, **dict(zip(SEQ32_SUMS, seq32.T.contiguous()))}
 
 
 def _signed(ctx: StageContext, values: torch.Tensor) -> bool:
