@@ -41,14 +41,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="2,4", help="comma-separated OMP_NUM_THREADS values besides 1 and unset")
     ap.add_argument("--margin", type=float, default=1.15)
     ap.add_argument("--keep", type=Path, help="write the bundle here and keep it (default: a temp dir)")
+    ap.add_argument("--format", default=None, help="the bundle's format_version (default: write_synthetic's, 1.1.0; "
+                                                   "1.3.0: packed masks and safetensors payloads, what capture writes)")
     ap.add_argument("--compare-src", type=Path, metavar="DIR",
                     help="also replay with another source tree (PYTHONPATH=DIR, e.g. a `git archive` of an older "
                          "commit) at t=1 and t=default, interleaved in the same run (printed, not judged)")
     args = ap.parse_args(argv)
     with workdir(args.keep, "bench-threads-") as root:
-        bundle = root / f"b{args.samples}x{args.tokens}"
+        bundle = root / (f"b{args.samples}x{args.tokens}" + (f"-{args.format}" if args.format else ""))
         if not bundle.exists():
-            subprocess.run([sys.executable, "-c", BUILD_CODE, str(bundle), str(args.samples), str(args.tokens),
+            build = BUILD_CODE if args.format is None else BUILD_CODE.replace(
+                "bundle_id=sys.argv[4])", f"bundle_id=sys.argv[4], format_version={args.format!r})")
+            subprocess.run([sys.executable, "-c", build, str(bundle), str(args.samples), str(args.tokens),
                             bundle.name], check=True)
         payloads = sorted(str(p) for p in (bundle / "payloads").iterdir())
         payload_bytes = sum(Path(p).stat().st_size for p in payloads)

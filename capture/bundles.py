@@ -48,7 +48,7 @@ from replay_lib.kernels import LOSS_FIELDS, POLICY_FIELDS, VALUE_FIELDS
 from replay_lib.bundle.schema import (
     FORMAT_2_REMOVED_STAGES,
     FORMAT_2_VERSION,
-    FORMAT_VERSION,
+    WRITE_FORMAT_VERSION,
     PER_SAMPLE_KEY,
     PER_SAMPLE_SUMS,
     PER_SAMPLE_TERMS,
@@ -372,7 +372,7 @@ class BundleSink:
                         for stage in stages},
             precision={"compute": self.context.compute_precision, "accumulate": accumulate},
         )
-        return Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
+        return Manifest(format_version=WRITE_FORMAT_VERSION, bundle_id=bundle_id, producer=self.producer,
                         stage_contracts=contracts, payloads={}, comparison_policy=policy,
                         redaction=dict(self.context.redaction))
 

@@ -6,7 +6,7 @@
 ``RELAX_REPLAY_CAPTURE_ROLLOUTS=R,…`` rollout-level bundles to write (unset or blank = every rollout);
 ``RELAX_REPLAY_CAPTURE_RUN_ID=ID``    write under ``<DIR>/<ID>/`` instead of ``<DIR>/`` (a restarted job that
                                       keeps its directory: see ``capture.directory``);
-``RELAX_REPLAY_CAPTURE_FORMAT=1|2``  the bundle format's major: 1 (default, ours, 1.x) or 2 (the original tool's 2.0.0:
+``RELAX_REPLAY_CAPTURE_FORMAT=1|2``  the bundle format's major: 1 (default, ours: 1.3.0) or 2 (the original tool's 2.0.0:
                                       no reward stages, each sample's post-processed reward its ``reward``);
 ``RELAX_REPLAY_CAPTURE_TOKEN_TERMS=0`` do not write the per-token surrogate ``pg_losses`` into step bundles (on
                                       when unset or blank: one more float per token, measured within the noise of

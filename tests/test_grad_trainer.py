@@ -43,8 +43,8 @@ def test_every_knob_with_ppo_records_and_replays_its_gradients(tmp_path):
     directory = train(tmp_path, "--loss-agg", "token_mean", "--dual-clip", "3", "--eps-clip-high", "0.28",
                       "--kl-loss", "low_var_kl:0.1", "--tis", "token:2.0", "--ppo")
     for name in STEPS:
-        assert (directory / name / "payloads" / "grad_log_probs.pt").exists()
-        assert (directory / name / "payloads" / "grad_values.pt").exists()
+        assert (directory / name / "payloads" / "grad_log_probs.safetensors").exists()  # format 1.3.0
+        assert (directory / name / "payloads" / "grad_values.safetensors").exists()
         status, _ = statuses(directory / name)
         assert (status["loss.policy"], status["loss.value"], status["loss.grad"]) == ("pass", "pass", "pass"), name
     # the TUI's token diff of a loss term carries the token's recorded gradient (its ∂L/∂logp column)
@@ -66,7 +66,7 @@ def test_gspo_icepop_replays_clean_and_capture_off_writes_no_gradient(tmp_path):
     for name in STEPS:
         assert statuses(directory / name)[0]["loss.grad"] == "pass"
     off = train(tmp_path / "off", "--kl-loss", "k3:0.1", grad=False)
-    assert not (off / "step-0-0" / "payloads" / "grad_log_probs.pt").exists()
+    assert not list((off / "step-0-0" / "payloads").glob("grad_log_probs.*"))
     assert "loss.grad" not in statuses(off / "step-0-0")[0]
 
 

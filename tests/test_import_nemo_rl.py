@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replay_lib.bundle import BundleReader
 from replay_lib.cli import main
 
 PROMPTS = {0: [11, 12, 13], 1: [21, 22, 23, 24, 25], 2: [11, 12, 14]}  # g-0 and g-2 share a prefix, not a prompt
@@ -110,13 +111,13 @@ def test_import_groups_by_prompt_tokens_and_replays_the_leave_one_out_step(tmp_p
     index = json.loads((out / "index.json").read_text())
     assert [s["group_index"] for s in index["samples"]] == PROMPT_OF
     assert [s["response_length"] for s in index["samples"]] == RESPONSES
-    assert index["samples"][11]["loss_mask"] == [0]  # sample_loss_mask 0 masks its tokens
+    assert BundleReader(out).sample_mask(11) == [0]  # sample_loss_mask 0 masks its tokens (packed: format 1.3.0)
     assert index["samples"][0]["total_length"] == 3 + 3 and index["identity"]["rollout_id"] == 3
     assert [s["reward"] for s in index["samples"]] == pytest.approx(adv, abs=0)
     cfg = index["config"]
     assert (cfg["group_baseline"], cfg["std_zero"], cfg["singleton_group"], cfg["kl_loss_coef"]) == (
         "leave_one_out", "skip", "zero", 0.01)
-    advantages = torch.load(out / "payloads" / "advantages.pt", weights_only=True)
+    advantages = BundleReader(out).payload("advantages")  # format 1.3.0: a safetensors payload
     assert advantages.shape == (32,) and advantages[:3].tolist() == [pytest.approx(adv[0], abs=0)] * 3
     assert main(["validate", str(out)]) == 0
     capsys.readouterr()

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replay_lib.bundle import BundleReader
 from replay_lib.cli import main
 
 RESPONSE = [3, 2, 4, 1, 2, 3, 3, 2, 1, 4, 2, 3, 2, 2, 3, 1]  # response lengths by rollout position
@@ -157,7 +158,8 @@ def test_full_batch_replays_clean_with_micro_batches_and_masks(tmp_path, capsys)
     # rank 0 holds positions 0, 2, …, 14 (8 samples): micro-batch 0 = its first 4, micro-batch 1 the rest
     assert by_id["s-0"]["micro_batch_id"] == "dp0-mb-0000" and by_id["s-8"]["micro_batch_id"] == "dp0-mb-0001"
     assert by_id["s-1"]["micro_batch_id"] == "dp1-mb-0000" and by_id["s-15"]["micro_batch_id"] == "dp1-mb-0001"
-    assert by_id["s-5"]["loss_mask"] == [0, 1, 1]
+    reader = BundleReader(out)  # format 1.3.0: the masks are the packed payload loss_mask
+    assert reader.sample_mask(index["samples"].index(by_id["s-5"])) == [0, 1, 1]
     assert index["identity"]["rank"]["dp"] == 2 and index["config"]["n_samples_per_prompt"] == 4
     assert main(["replay", str(out), "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)

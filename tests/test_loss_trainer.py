@@ -60,10 +60,11 @@ def test_every_knob_at_once_replays_clean_and_records_what_the_loss_used(tmp_pat
         assert {"loss.policy", "loss.value"} <= compared, name
     reader = open_bundle(directory / "step-0-1").shards[0]
     cfg = reader.index.config
-    step_tokens = sum(sum(s.loss_mask) for s in reader.index.samples)
+    masks = [reader.sample_mask(i) for i in range(len(reader.index.samples))]  # packed (format 1.3.0)
+    step_tokens = sum(sum(m) for m in masks)
     # the step's own counts, recorded (one rank: the all-reduce is the identity), dp size 1
     assert (cfg.loss_agg_mode, cfg.loss_token_count, cfg.loss_seq_count, cfg.loss_scale) == (
-        "token_mean", step_tokens, sum(1 for s in reader.index.samples if any(s.loss_mask)), 1.0)
+        "token_mean", step_tokens, sum(1 for m in masks if any(m)), 1.0)
     assert (cfg.eps_clip_c, cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_input_clamp, cfg.is_level,
             cfg.is_high, cfg.value_clip) == (3.0, True, 0.001, 20.0, "token", 2.0, 0.2)
     for payload in ("rollout_log_probs", "ref_log_probs", "values", "old_values", "returns", "pg_losses"):
@@ -86,7 +87,7 @@ def test_other_combinations_replay_clean(tmp_path, flags):
 def test_two_ranks_record_the_all_reduced_token_count_and_replay_clean(tmp_path):
     directory = train(tmp_path, "--loss-agg", "token_mean", "--dual-clip", "3", world=2)
     bundles = open_bundle(directory / "step-0-0")
-    shard_tokens = [sum(sum(s.loss_mask) for s in shard.index.samples) for shard in bundles.shards]
+    shard_tokens = [int(shard.packed_mask.sum()) for shard in bundles.shards]  # packed (format 1.3.0)
     for shard in bundles.shards:  # each rank's shard records the count over both: T ≠ its own tokens
         assert shard.index.config.loss_token_count == sum(shard_tokens)
         assert shard.index.config.loss_scale == 2.0

@@ -57,9 +57,14 @@ def test_round_trip_both_forms(tmp_path):
 
     a, b = BundleReader(old), BundleReader(new)
     assert a.warnings == [] and b.warnings == []
-    assert [s.loss_mask for s in b.index.samples] == [s.loss_mask for s in a.index.samples]
-    assert sum(len(s.loss_mask) for s in b.index.samples) == total
-    # the mask payload becomes the records' masks: the payload list is the same in both forms
+    n = len(a.index.samples)
+    assert [b.sample_mask(i) for i in range(n)] == [s.loss_mask for s in a.index.samples]
+    assert sum(len(b.sample_mask(i)) for i in range(n)) == total
+    # kept packed: no record of the 1.3 bundle lists its mask, the old form's all do
+    assert all(s.loss_mask is msgspec.UNSET for s in b.index.samples) and b.packed_mask is not None
+    assert a.packed_mask is None and [a.sample_mask(i) for i in range(n)] == [s.loss_mask for s in a.index.samples]
+    assert [s.loss_mask for s in b.index_with_masks().samples] == [s.loss_mask for s in a.index.samples]
+    # the mask payload stays packed (read per sample): the payload list is the same in both forms
     assert b.payload_names == a.payload_names
     for name in a.payload_names:
         assert torch.equal(a.payload(name), b.payload(name)), name
@@ -76,7 +81,7 @@ def test_the_original_reader_of_safetensors_reads_our_payloads(tmp_path):
         assert list(stored) == ["data"]
         assert torch.equal(stored["data"], reader.payload(name))
     mask = load_file(str(new / "payloads" / "loss_mask.safetensors"))["data"]
-    assert mask.tolist() == [m for s in reader.index.samples for m in s.loss_mask]
+    assert mask.tolist() == [m for i in range(len(reader.index.samples)) for m in reader.sample_mask(i)]
 
 
 def _run(*args):
@@ -114,7 +119,7 @@ def test_masks_outside_a_byte_are_stored_as_int64(tmp_path):
         w.write_payload(name, t)
     w.finalize()
     assert json.loads((tmp_path / "b" / "manifest.json").read_bytes())["payloads"]["loss_mask"]["dtype"] == "torch.int64"
-    assert BundleReader(tmp_path / "b").index.samples[0].loss_mask == [300, 0, 1, 1]
+    assert BundleReader(tmp_path / "b").sample_mask(0) == [300, 0, 1, 1]
 
 
 def test_writer_refuses_a_mask_of_the_wrong_length_and_a_loss_mask_payload(tmp_path):
@@ -287,7 +292,8 @@ def test_masks_in_both_places_or_in_neither(tmp_path, bundle_tools):
 def test_a_12_bundle_with_inline_masks_reads(tmp_path, bundle_tools):
     """The reader reads both forms in 1.3: masks in index.json (every sample) and no mask payload."""
     bundle = _new(tmp_path)
-    masks = [s.loss_mask for s in BundleReader(bundle).index.samples]
+    reader = BundleReader(bundle)
+    masks = [reader.sample_mask(i) for i in range(len(reader.index.samples))]
 
     def drop(m):
         del m["payloads"]["loss_mask"]
@@ -413,3 +419,22 @@ def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
     doc["samples"][1]["loss_mask"] = "oops"  # no array at all: still worded (its items are not read)
     (old / "index.json").write_text(json.dumps(doc))
     assert inspect(old).bundles[0].problems == ["index.json: $.samples[1].loss_mask: expected `array`, got `str`"]
+
+
+def test_a_13_bundle_converts_to_2_0_and_back(tmp_path):
+    """``convert --to 2.0.0`` of a 1.3 bundle: its safetensors payloads carried as ``.pt``, its packed masks written
+    into the 2.0 index (not as a payload); back to 1.0.0, every mask and payload is the source's."""
+    from replay_lib.run.convert import convert
+
+    src = write_synthetic(tmp_path / "src", samples=4, tokens=6, format_version="1.3.0")
+    result = convert(src, tmp_path / "two", "2.0.0")
+    assert result.format_version == "2.0.0"
+    assert sorted(p.name for p in (tmp_path / "two" / "payloads").iterdir()) == [
+        "advantages.pt", "entropy.pt", "kl.pt", "log_probs.pt", "old_log_probs.pt", "ref_log_probs.pt"]
+    back = convert(tmp_path / "two", tmp_path / "one", "1.0.0")
+    assert back.format_version == "1.0.0"
+    a, b = BundleReader(src), BundleReader(tmp_path / "one")
+    assert [s.loss_mask for s in b.index.samples] == [a.sample_mask(i) for i in range(4)]
+    assert b.payload_names == [n for n in a.payload_names]
+    for name in a.payload_names:
+        assert torch.equal(a.payload(name), b.payload(name)), name

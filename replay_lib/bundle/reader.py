@@ -18,7 +18,6 @@ from typing import Optional
 import msgspec
 
 from ..errors import BundleError
-from msgspec.structs import force_setattr
 
 from .layout import _PAYLOAD_NAME, MASK_PAYLOADS, METADATA_FILES, PAYLOAD_DIR, PAYLOAD_FORMS, TOKENS
 from .schema import (
@@ -483,6 +482,7 @@ class BundleReader:
         self.rank = _rank
         self.warnings = []
         self._tensors = {}
+        self._mask = None  # format 1.3's packed masks (packed_mask)
         self._verify(_shard)
 
     # -- verification ------------------------------------------------------------------------------
@@ -785,13 +785,50 @@ class BundleReader:
         lengths = [s.response_length for s in samples]
         if any(n < 0 for n in lengths) or sum(lengths) != mask.shape[0]:
             raise BundleError(f"{file}: {mask.shape[0]} tokens, Σ response_length in index.json is {sum(lengths)}")
-        for sample, values in zip(samples, packed.unpack_masks(mask, lengths)):
-            force_setattr(sample, "loss_mask", values)
+        # kept packed: the records' loss_mask stays unset (a list of every token's int is 8 bytes a token, more
+        # than the float32 payloads' 4); sample_mask() lists one sample's, index_with_masks() every sample's
+        self._mask = mask
+        self._mask_starts = [0] * len(lengths)
+        start = 0
+        for i, n in enumerate(lengths):
+            self._mask_starts[i] = start
+            start += n
 
     # -- access ------------------------------------------------------------------------------------
     @property
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
+
+    @property
+    def packed_mask(self) -> Optional[torch.Tensor]:
+        """Every sample's loss mask on the flat token axis (1-D integer, index order: the verified payload
+        ``loss_mask`` of format 1.3), ``None`` when the masks are the records' lists in index.json. Where it is set,
+        each record's ``loss_mask`` is unset: :meth:`sample_mask` reads one sample's."""
+        return self._mask
+
+    def sample_mask(self, i: int) -> list[int]:
+        """Sample ``i``'s loss mask as a list (its record's, or its slice of :attr:`packed_mask`)."""
+        sample = self.index.samples[i]
+        if self._mask is None or sample.loss_mask is not msgspec.UNSET:
+            return sample.loss_mask
+        start = self._mask_starts[i]
+        return self._mask[start:start + sample.response_length].tolist()
+
+    def mask_length(self, i: int) -> int:
+        """How many values sample ``i``'s loss mask holds (a packed mask: its ``response_length``, checked)."""
+        sample = self.index.samples[i]
+        if self._mask is None or sample.loss_mask is not msgspec.UNSET:
+            return len(sample.loss_mask)
+        return sample.response_length
+
+    def index_with_masks(self) -> BundleIndex:
+        """:attr:`index` with every record's ``loss_mask`` listed (what a writer takes), a packed mask unpacked."""
+        if self._mask is None:
+            return self.index
+        lengths = [s.response_length for s in self.index.samples]
+        return msgspec.structs.replace(self.index, samples=[
+            msgspec.structs.replace(s, loss_mask=values)
+            for s, values in zip(self.index.samples, packed.unpack_masks(self._mask, lengths))])
 
     def has_payload(self, name: str) -> bool:
         return name in self._tensors
@@ -806,3 +843,12 @@ class BundleReader:
     @property
     def payload_names(self) -> list[str]:
         return sorted(self._tensors)
+
+    def release_pages(self, lo: int = 0, hi: Optional[int] = None) -> None:
+        """Drop the resident pages of token rows ``[lo, hi)`` (all by default) of every memory-mapped safetensors
+        payload (``safetensors_io.release``): they are read again from the page cache where touched. A replay streams
+        through the payloads a chunk at a time, so its peak memory holds what one chunk reads, not every payload."""
+        from . import safetensors_io
+
+        for tensor in (*self._tensors.values(), *([self._mask] if self._mask is not None else [])):
+            safetensors_io.release(tensor, lo, hi)

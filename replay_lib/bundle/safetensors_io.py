@@ -125,4 +125,30 @@ def load(path: Path, fd: int) -> torch.Tensor:
             fh.seek(start)
             return torch.frombuffer(bytearray(fh.read(end - start)), dtype=dtype).reshape(shape)
     mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    return torch.frombuffer(mapped, dtype=dtype, offset=start, count=(end - start) // dtype.itemsize).reshape(shape)
+    tensor = torch.frombuffer(mapped, dtype=dtype, offset=start, count=(end - start) // dtype.itemsize).reshape(shape)
+    rows = shape[0] if shape else 1
+    setattr(tensor, _MAPPING, (mapped, start, (end - start) // rows if rows else 0, rows))
+    return tensor
+
+
+# The mapping behind a tensor load() returned (an attribute of that tensor object: it goes with it).
+_MAPPING = "_replay_mapping"
+
+
+def release(tensor: torch.Tensor, lo: int = 0, hi: "int | None" = None) -> None:
+    """Let go of the resident pages of rows ``[lo, hi)`` (every row by default) of a tensor :func:`load` mapped: the
+    whole pages those rows cover leave this process's memory (``MADV_DONTNEED``) and are read again, unchanged, from
+    the file's page cache where a row is touched later. The mapping is only ever read (the stages never write a
+    payload in place), so nothing is lost. Any other tensor (a copy, a ``.pt`` payload): nothing happens."""
+    entry = getattr(tensor, _MAPPING, None)
+    if entry is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mapped, start, row_bytes, rows = entry
+    hi = rows if hi is None else min(hi, rows)
+    if hi <= lo:
+        return
+    page = mmap.PAGESIZE
+    first = 0 if lo <= 0 else -(-(start + lo * row_bytes) // page) * page  # whole pages of these rows only
+    stop = len(mapped) if hi >= rows else (start + hi * row_bytes) // page * page
+    if stop > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)

@@ -28,7 +28,7 @@ from ..bundle.writer import BundleWriter
 from ..errors import FrameworkConfigError
 from ..bundle.safe_open import read_regular
 from ..bundle.schema import (
-    FORMAT_VERSION,
+    WRITE_FORMAT_VERSION,
     BundleIndex,
     ComparisonPolicy,
     Identity,
@@ -351,7 +351,7 @@ def write_import(out: Path, *, source: str, identity: Identity, samples: list[Sa
     out = Path(out)
     bundle_id = out.name
     index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=samples, config=config)
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
+    manifest = Manifest(format_version=WRITE_FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit=f"import:{source}", torch_version=torch.__version__),
                         stage_contracts=contracts(reasons), payloads={}, comparison_policy=ComparisonPolicy(),
                         redaction={})

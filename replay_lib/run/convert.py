@@ -22,7 +22,8 @@ import torch
 
 from ..bundle import open_bundle
 from ..bundle.format2 import CONVERT_TARGETS, lost_in_2, missing_reward
-from ..bundle.layout import PAYLOAD_DIR, PAYLOAD_SUFFIX, staging_name
+from ..bundle.layout import PAYLOAD_DIR, staging_name
+from ..bundle.packed import MASK_PAYLOAD, SAFETENSORS_SUFFIX, payload_file
 from ..bundle.reader import BundleReader
 from ..bundle.schema import (FORMAT_2_REMOVED_CONFIG, FORMAT_2_REMOVED_STAGES, FORMAT_2_STAGE_IDS,
                              FORMAT_2_VERSION, Expected, StageCapability, StageContract, StageId, format_major)
@@ -70,6 +71,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> ConvertR
                                   format_version=FORMAT_2_VERSION if major == 2 else None)
             with writer:
                 for name in sorted(shard.manifest.payloads):
+                    if name == MASK_PAYLOAD and shard.packed_mask is not None:
+                        continue  # format 1.3's packed masks: in the index the writer takes (index_with_masks)
                     writer.write_payload(name, _stored(shard, name))
                 writer.finalize(ranks=ranks or [0])
         written = _verify(stage, bundles, notes)
@@ -96,13 +99,22 @@ def _note(notes: list[str], text: str) -> None:
 
 def _stored(shard: BundleReader, name: str) -> torch.Tensor:
     """The payload as stored (verified by the reader; a float8 one in its own dtype, not the float32 copy)."""
-    file = shard.path / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+    file = payload_file(shard.path / PAYLOAD_DIR, name, shard.manifest.format_version)
+    if file.name.endswith(SAFETENSORS_SUFFIX):  # format 1.3
+        from ..bundle import safetensors_io
+        from ..bundle.reader import open_payload
+
+        fd = open_payload(file)
+        try:
+            return safetensors_io.load(file, fd)
+        finally:
+            os.close(fd)
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _prepared(shard: BundleReader, major: int, notes: list[str]):
     """``(manifest, index, expected)`` of one shard for the target major, its losses appended to ``notes``."""
-    manifest, index = shard.manifest, shard.index
+    manifest, index = shard.manifest, shard.index_with_masks()  # every mask listed: the writer takes them
     expected: Expected = {stage: dict(values) for stage, values in shard.expected.items()}
     where = shard.path / "index.json"
     if major == 2:
@@ -161,8 +173,9 @@ def _verify(path: Path, source, notes: list[str]) -> str:
     except BundleError as exc:
         raise RuntimeError(f"the converted bundle does not validate, so it was not published: {exc}") from None
     for theirs, ours in zip(source.shards, back.shards):
+        carried = sorted(n for n in theirs.manifest.payloads if n != MASK_PAYLOAD or theirs.packed_mask is None)
         if ([s.sample_id for s in theirs.index.samples] != [s.sample_id for s in ours.index.samples]
-                or sorted(theirs.manifest.payloads) != sorted(ours.manifest.payloads)):
+                or carried != sorted(ours.manifest.payloads)):
             raise RuntimeError(f"{ours.path}: the converted bundle's samples or payloads differ from the source's")
     for w in result.warnings:
         _note(notes, f"validate: {w}")

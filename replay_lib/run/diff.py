@@ -63,6 +63,8 @@ class _Side:
     def __init__(self, bundles: BundleSet, name: str) -> None:
         self.bundles, self.name = bundles, name
         self.samples = [s for shard in bundles.shards for s in shard.index.samples]
+        # each sample's loss mask, read on demand (a format-1.3 bundle keeps them packed: BundleReader.sample_mask)
+        self.masks = [(shard, i) for shard in bundles.shards for i in range(len(shard.index.samples))]
         self.lengths = torch.tensor([max(int(s.response_length), 0) for s in self.samples], dtype=torch.int64)
         self.offsets = segment_offsets(self.lengths)
         self.total = int(self.lengths.sum())
@@ -166,10 +168,10 @@ class _Differ:
             if all(v is None for v in ea) and bool(torch.isnan(eb).all()):
                 continue
             out.append(self.field(name, stage, PER_SAMPLE, ea, self.aligned(eb, PER_SAMPLE)))
-        mask_a = torch.cat([torch.tensor(s.loss_mask[:n], dtype=torch.float64)
-                            for s, n in zip(a.samples, a.lengths.tolist())]) if a.samples else torch.empty(0)
-        mask_b = torch.cat([torch.tensor(s.loss_mask[:n], dtype=torch.float64)
-                            for s, n in zip(b.samples, b.lengths.tolist())]) if b.samples else torch.empty(0)
+        mask_a = torch.cat([torch.tensor(shard.sample_mask(i)[:n], dtype=torch.float64)
+                            for (shard, i), n in zip(a.masks, a.lengths.tolist())]) if a.samples else torch.empty(0)
+        mask_b = torch.cat([torch.tensor(shard.sample_mask(i)[:n], dtype=torch.float64)
+                            for (shard, i), n in zip(b.masks, b.lengths.tolist())]) if b.samples else torch.empty(0)
         if mask_a.numel() == a.total and mask_b.numel() == b.total:
             out.append(self.field("loss_mask", "", PER_TOKEN, mask_a, self.aligned(mask_b, PER_TOKEN)))
         for name in sorted(a.payload_names | b.payload_names):

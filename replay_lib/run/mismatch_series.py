@@ -92,13 +92,17 @@ def bundle_mismatch(bundles) -> Optional[StepMismatch]:
     for shard in shards:
         if not {"rollout_log_probs", "old_log_probs"} <= set(shard.payload_names):
             return None
-        try:
-            flat = bytearray().join(map(bytearray, (s.loss_mask for s in shard.index.samples)))
-        except (ValueError, TypeError):  # a mask value outside 0..255
-            flat = bytearray(1 if m else 0 for s in shard.index.samples for m in s.loss_mask)
         olds.append(shard.payload("old_log_probs").reshape(-1))
         rollouts.append(shard.payload("rollout_log_probs").reshape(-1))
-        masks.append(torch.frombuffer(flat, dtype=torch.uint8) if flat else torch.zeros(0, dtype=torch.uint8))
+        packed = shard.packed_mask
+        if packed is not None:  # format 1.3: the payload as it is (uint8), no lists; int64 values as 0/1, as below
+            masks.append(packed if packed.dtype == torch.uint8 else (packed != 0).to(torch.uint8))
+        else:
+            try:
+                flat = bytearray().join(map(bytearray, (s.loss_mask for s in shard.index.samples)))
+            except (ValueError, TypeError):  # a mask value outside 0..255
+                flat = bytearray(1 if m else 0 for s in shard.index.samples for m in s.loss_mask)
+            masks.append(torch.frombuffer(flat, dtype=torch.uint8) if flat else torch.zeros(0, dtype=torch.uint8))
         if not olds[-1].numel() == rollouts[-1].numel() == masks[-1].numel():
             return None  # the stages say what is wrong with such a bundle
     return mismatch_of(torch.cat(olds), torch.cat(rollouts), torch.cat(masks))

@@ -406,6 +406,7 @@ def _run_shard(ctx: StageContext, shard: BundleReader, plan: StagePlan, progress
             )
         out.append((stage, result))
         done += 1
+        shard.release_pages()  # what the stage read of the mapped payloads: read again where a later one needs it
     return out
 
 

@@ -97,10 +97,10 @@ def check_token_counts(shard) -> None:
     which reports the same facts as its divergences."""
     samples = shard.index.samples
     lengths = [s.response_length for s in samples]
-    if [len(s.loss_mask) for s in samples] != lengths:
-        i = next(i for i, s in enumerate(samples) if len(s.loss_mask) != s.response_length)
+    if [shard.mask_length(i) for i in range(len(samples))] != lengths:
+        i = next(i for i, s in enumerate(samples) if shard.mask_length(i) != s.response_length)
         raise BundleError(
-            f"{shard.path / 'index.json'}: $.samples[{i}].loss_mask: {len(samples[i].loss_mask)} value(s), "
+            f"{shard.path / 'index.json'}: $.samples[{i}].loss_mask: {shard.mask_length(i)} value(s), "
             f"$.samples[{i}].response_length is {lengths[i]} (sample {samples[i].sample_id!r})"
         )
     total = sum(lengths)  # each is a mask's length now: no sum of hostile numbers

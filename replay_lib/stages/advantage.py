@@ -34,7 +34,8 @@ def run_advantage_kl(ctx: StageContext) -> StageReport:
     expected = ctx.payload("kl")
     bound = None
     if cfg.kl_coef == 0:  # zeros in the payload's dtype: a bundle of zeros matches at once (compare_field)
-        kl = torch.zeros(int(ctx.lengths.sum()), dtype=expected.dtype)
+        # one zero seen on every token (read-only): no token-long buffer
+        kl = torch.zeros(1, dtype=expected.dtype).expand(int(ctx.lengths.sum()))
     else:
         if not ctx.has("ref_log_probs"):
             raise StageInputError("payload 'ref_log_probs' is required when kl_coef != 0", field="ref_log_probs")

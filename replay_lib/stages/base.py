@@ -18,6 +18,11 @@ from ..judge.report import Hazard, StageReport
 from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
 
 
+# Token rows let go at a time behind a chunked pass (StageContext.token_chunks): a few MiB of each mapped payload,
+# one madvise call per payload for 64 chunks.
+RELEASE_ROWS = 1 << 20
+
+
 class StageInputError(Exception):
     """A stage's input is structurally unusable (e.g. a payload of the wrong length): the stage fails
     with this message as its reason instead of crashing the replay."""
@@ -86,12 +91,24 @@ class StageContext:
         tokens sliced from :attr:`seg` when the token axis is small enough to hold it (``fields.KEEP_COLUMNS``)."""
         total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
         if total > KEEP_COLUMNS:
-            yield from token_chunks(self.lengths)
+            done = 0  # the rows of the mapped payloads done with are let go behind the chunks, RELEASE_ROWS at a time
+            for lo, hi, seg in token_chunks(self.lengths):
+                yield lo, hi, seg
+                if hi - done >= RELEASE_ROWS or hi == total:
+                    self.release(done, hi)
+                    done = hi
             return
         seg = self.seg
         for lo in range(0, total, LOSS_CHUNK):
             hi = min(lo + LOSS_CHUNK, total)
             yield lo, hi, seg[lo:hi]
+
+    def release(self, lo: int, hi: int) -> None:
+        """Rows ``[lo, hi)`` of the token axis are done with: their pages of the memory-mapped payloads leave the
+        process's memory (``BundleReader.release_pages``; read again where touched). A partial selection's payloads
+        are copies: nothing to let go."""
+        if self.token_index is None:
+            self.reader.release_pages(lo, hi)
 
     @property
     def config(self) -> RecomputeConfig:
@@ -130,6 +147,10 @@ class StageContext:
 
     @property
     def loss_mask(self) -> torch.Tensor:
+        if self._mask is None and self.reader.packed_mask is not None:  # format 1.3: the payload, never lists
+            flat = self.reader.packed_mask
+            self._mask = (flat.index_select(0, self.token_index) if self.token_index is not None else flat).to(
+                torch.float32)
         if self._mask is None:
             # each list's bytes joined + frombuffer: several times faster than torch.tensor() of one flat
             # Python list of millions of ints (a list converts at C speed, a chained iterator item by item)

@@ -24,7 +24,7 @@ def run_sample(ctx: StageContext) -> StageReport:
         if len(divs) < ctx.keep:
             divs.append(d)
 
-    for s in ctx.samples:
+    for k, s in enumerate(ctx.samples):
         if not (0 <= s.response_length <= s.total_length):
             add(Divergence(
                 stage="sample", rank=ctx.rank, sample_id=s.sample_id, group_index=s.group_index, field="length",
@@ -32,12 +32,13 @@ def run_sample(ctx: StageContext) -> StageReport:
                 abs_error=float(abs(s.total_length - s.response_length)),
                 message=f"response_length={s.response_length} outside [0, total_length={s.total_length}]",
             ))
-        if len(s.loss_mask) != s.response_length:
+        masked = ctx.reader.mask_length(ctx.indices[k])  # a packed mask's length is checked by the reader
+        if masked != s.response_length:
             add(Divergence(
                 stage="sample", rank=ctx.rank, sample_id=s.sample_id, group_index=s.group_index,
-                field="loss_mask_length", expected=float(s.response_length), actual=float(len(s.loss_mask)),
-                abs_error=float(abs(len(s.loss_mask) - s.response_length)),
-                message=f"len(loss_mask)={len(s.loss_mask)} != response_length={s.response_length}",
+                field="loss_mask_length", expected=float(s.response_length), actual=float(masked),
+                abs_error=float(abs(masked - s.response_length)),
+                message=f"len(loss_mask)={masked} != response_length={s.response_length}",
             ))
     for name in TOKEN_PAYLOADS:
         if not ctx.has(name):

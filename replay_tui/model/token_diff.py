@@ -187,7 +187,7 @@ def token_rows(shard: ShardRecompute, index: int, field_name: str) -> FieldDiff:
     bad = shard.bad[field_name][start:start + n]
     sample = shard.reader.index.samples[index]
     atol, rtol = shard.tolerances[field_name]
-    recorded = sample.loss_mask  # read, never written: a 32k-token sample's list is not copied
+    recorded = shard.reader.sample_mask(index)  # read, never written: a 32k-token sample's list is not copied
     mask = recorded if len(recorded) == n else recorded[:n] + [0] * max(0, n - len(recorded))
     grad = None
     if field_name == "pg_losses" and shard.reader.has_payload("grad_log_probs"):

@@ -55,13 +55,15 @@ def _step(tmp_path, grad: bool, grad_values=None, n: int = 3):
 def test_a_step_records_the_gradient_and_declares_loss_grad_only_when_on(tmp_path):
     bundle, tap = _step(tmp_path / "on", grad=True)
     assert tap is not None
-    assert torch.load(bundle / "payloads" / "grad_log_probs.pt", weights_only=True).tolist() == [1.0, 2.0, 3.0]
+    from safetensors.torch import load_file  # capture writes format 1.3.0: safetensors payloads
+
+    assert load_file(str(bundle / "payloads" / "grad_log_probs.safetensors"))["data"].tolist() == [1.0, 2.0, 3.0]
     manifest = json.loads((bundle / "manifest.json").read_text())
     contracts = {**manifest["stage_contracts"], **manifest.get("extension_stage_contracts", {})}
     assert contracts["loss.grad"]["capability"] == "recompute"
     assert manifest["comparison_policy"]["tolerances"]["loss.grad"] == {"atol": 0.0, "rtol": 1e-6}
     bundle, tap = _step(tmp_path / "off", grad=False)
-    assert tap is None and not (bundle / "payloads" / "grad_log_probs.pt").exists()
+    assert tap is None and not list((bundle / "payloads").glob("grad_log_probs.*"))
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert "loss.grad" not in {**manifest["stage_contracts"], **manifest.get("extension_stage_contracts", {})}
 

@@ -72,7 +72,7 @@ def test_rollout_bundle_round_trips_and_replays_clean(tmp_path):
     assert index.config == CFG
     assert [s.raw_reward for s in index.samples] == RAW
     assert [s.reward for s in index.samples] == GROUP_NORMALIZED
-    assert [s.loss_mask for s in index.samples] == MASKS
+    assert [reader.sample_mask(i) for i in range(len(index.samples))] == MASKS  # packed (format 1.3.0)
     assert [s.total_length for s in index.samples] == [8, 7, 9, 8]
     # redaction: prompts and responses as sha256, labels only as label_hash
     assert [s.prompt for s in index.samples] == [_sha(p) for p in PROMPTS]

@@ -237,7 +237,7 @@ def test_trainer_step_bundles_carry_per_sample_terms_and_validate(trainer, tmp_p
         loss = reader.expected["loss.policy"]
         terms = loss["per_sample"]
         assert sorted(terms.recorded()) == ["clip_count", "entropy_sum", "kl_sum", "mask_count", "pg_sum"]
-        masks = [s.loss_mask for s in reader.index.samples]
+        masks = [reader.sample_mask(i) for i in range(len(reader.index.samples))]
         assert terms.mask_count == [float(sum(m)) for m in masks]
         assert all(0 <= c <= n for c, n in zip(terms.clip_count, terms.mask_count))
         # the reported fields are the per-sample masked means of the recorded terms (float64 throughout)
@@ -281,8 +281,9 @@ def test_trainer_loss_mask_bug_is_located_to_a_sample_by_its_per_sample_terms(tr
     assert first["stage"] == "loss.policy" and first["field"] in PER_SAMPLE_TERMS and first["sample_id"] is not None
     reader = BundleReader(bundle)
     terms = reader.expected["loss.policy"]["per_sample"]
-    with_tokens = [s.sample_id for s in reader.index.samples if sum(s.loss_mask)]
-    assert terms.mask_count == [max(sum(s.loss_mask) - 1, 0) for s in reader.index.samples]
+    masks = [reader.sample_mask(i) for i in range(len(reader.index.samples))]
+    with_tokens = [s.sample_id for s, m in zip(reader.index.samples, masks) if sum(m)]
+    assert terms.mask_count == [max(sum(m) - 1, 0) for m in masks]
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert loss["status"] == "fail" and loss["mismatches"] >= len(with_tokens)
     # the per-token surrogate itself was right: no pg_losses divergence

@@ -156,7 +156,7 @@ def test_full_vocabulary_scoring_is_pinned_to_logprob_support_at_the_first_loss_
         scored = "old_log_probs" if name.startswith("rollout") else "log_probs"
         field = "support_old_logprob" if name.startswith("rollout") else "support_logprob"
         has = (reader.payload("support_ids") >= 0).any(1)
-        mask = torch.tensor([m for s in reader.index.samples for m in s.loss_mask], dtype=torch.bool)
+        mask = reader.packed_mask.to(torch.bool)  # format 1.3.0: every sample's mask, flat
         # what the bug recorded: the full-vocabulary log-probs, on every token
         assert torch.equal(reader.payload(scored), reader.payload("full_log_probs"))
         report = replay(directory / name, max_divergences=1000)

@@ -243,8 +243,8 @@ def _trl_loss(reader: BundleReader) -> float:
         per_token = per_token + cfg.kl_loss_coef * (torch.exp(d) - d - 1)
     total, means, tokens = 0.0, 0.0, 0
     start = 0
-    for s in reader.index.samples:
-        m = torch.tensor(s.loss_mask, dtype=torch.float64)
+    for i, s in enumerate(reader.index.samples):
+        m = torch.tensor(reader.sample_mask(i), dtype=torch.float64)
         x = float((per_token[start:start + s.response_length] * m).sum())
         total, means, tokens = total + x, means + x / max(float(m.sum()), 1.0), tokens + int(m.sum())
         start += s.response_length
@@ -272,11 +272,11 @@ def test_recorded_loss_is_trls_formula_on_the_recorded_inputs(runs, name, mode, 
         if name in ("clean", "beta", "cispo"):
             # dapo: T = num_items_in_batch = every loss-mask token of the generation batch (1 process), and
             # P·SPG/GAS = 1·2/2 = 1
-            assert cfg.loss_token_count == sum(sum(s.loss_mask) for s in rollout.index.samples)
+            assert cfg.loss_token_count == int(rollout.packed_mask.sum())  # format 1.3.0: the masks packed
             assert cfg.loss_scale == 1.0
         elif name == "bnpo":  # GAS 1: the step's one micro-batch of 4 samples is its own token count
             assert len(reader.index.samples) == 4
-            assert cfg.loss_token_count == sum(sum(s.loss_mask) for s in reader.index.samples)
+            assert cfg.loss_token_count == int(reader.packed_mask.sum())
         else:  # B·GAS = 4·2; dr_grpo's L = max_completion_length = 6
             assert cfg.loss_seq_count == count and len(reader.index.samples) == count
             assert cfg.loss_horizon == (6 if name == "dr_grpo" else None)
@@ -447,8 +447,8 @@ def _trl_bnpo_loss(reader: BundleReader, args: dict) -> float:
     per_token = -torch.minimum(capped * adv, coef_2 * adv) + args["beta"] * kl
     batches: dict = {}
     start = 0
-    for s in reader.index.samples:
-        m = torch.tensor(s.loss_mask, dtype=torch.float64)
+    for i, s in enumerate(reader.index.samples):
+        m = torch.tensor(reader.sample_mask(i), dtype=torch.float64)
         span = slice(start, start + s.response_length)
         acc = batches.setdefault(s.micro_batch_id, [0.0, 0.0, 0.0])
         acc[0] += float((per_token[span] * m).sum())
@@ -476,7 +476,7 @@ def test_knobs_run_records_trls_loss_and_reaches_every_knob(runs):
             (name, recorded)
     reader = BundleReader(root / "knobs" / "step-0-1")
     ratio = torch.exp(_tensor(reader, "log_probs") - _tensor(reader, "old_log_probs"))
-    mask = torch.tensor([m for s in reader.index.samples for m in s.loss_mask], dtype=torch.bool)
+    mask = reader.packed_mask.to(torch.bool)  # format 1.3.0: every sample's mask, flat
     capped = (ratio > KNOBS_RUN["delta"]) & (_tensor(reader, "advantages") < 0) & mask
     assert int(capped.sum()) > 0
 

@@ -34,7 +34,7 @@ def run(tmp_path: Path, *flags: str) -> Path:
 def test_trl_gradients_replay_clean_and_the_kl_without_gradient_is_named(tmp_path):
     clean = run(tmp_path / "clean")
     for name in STEPS:
-        assert (clean / name / "payloads" / "grad_log_probs.pt").exists()
+        assert (clean / name / "payloads" / "grad_log_probs.safetensors").exists()  # format 1.3.0
         report = replay(clean / name)
         status = {s.stage: s.status for s in report.stages}
         assert (status["loss.policy"], status["loss.grad"]) == ("pass", "pass"), name

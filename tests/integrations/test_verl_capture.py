@@ -235,7 +235,7 @@ def test_rollout_records_verls_scores_groups_and_normalization(runs, name, clean
     close = [math.isclose(s.reward, e, rel_tol=1e-5, abs_tol=1e-6) for s, e in zip(samples, expected)]
     assert all(close) if clean else not all(close)
     # multi-turn: the tool's tokens (the 2nd and 3rd of a response that goes on) are out of the loss
-    masks = [s.loss_mask for s in samples if s.response_length >= 4]
+    masks = [reader.sample_mask(i) for i, s in enumerate(samples) if s.response_length >= 4]
     assert masks and all(m[1] == 0 and m[2] == 0 and m[0] == 1 and m[3] == 1 for m in masks)
 
 
@@ -247,7 +247,7 @@ def test_step_records_verls_counts_and_token_mean_loss(runs):
         reader = BundleReader(root / "clean" / step)
         cfg = reader.index.config
         samples = reader.index.samples
-        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float64)
+        mask = reader.packed_mask.to(torch.float64)  # format 1.3.0: every sample's mask, flat
         assert cfg.loss_token_count == int(mask.sum())
         assert (cfg.loss_agg_mode, cfg.metric_agg_mode, cfg.loss_scale) == ("token_mean", "micro_batch_token_mean",
                                                                              1.0)
