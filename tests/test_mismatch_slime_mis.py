@@ -16,7 +16,7 @@ from replay_lib.errors import UnsupportedFrameworkConfig
 from replay_lib.frameworks import from_slime
 from replay_lib.kernels.mismatch import mis_chain, rejection_keep
 
-from producers.slime_mis import Mis, produce_slime_mis_bundle
+from producers.slime_mis import STEP_ARGS, Mis, produce_slime_mis_bundle
 
 MIS_PATH = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 
@@ -79,7 +79,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_slime_mis_step_replays_clean(tmp_path, cli, name):
-    path = produce_slime_mis_bundle(tmp_path / name, CASES[name])
+    path = produce_slime_mis_bundle(tmp_path / name, CASES[name], from_slime({**CASES[name].args(), **STEP_ARGS}))
     code, out, err = cli("replay", path, "--format", "json")
     report = json.loads(out)
     assert (code, err, report["first_divergent_stage"]) == (0, "", None), out
@@ -97,7 +97,8 @@ def test_the_rejections_are_not_vacuous():
 
 
 def test_rejected_tokens_leaving_the_denominators_is_named_at_loss_policy(tmp_path, cli):
-    path = produce_slime_mis_bundle(tmp_path / "b", CASES["token-mask-rs-veto"], bug="denominator")
+    path = produce_slime_mis_bundle(tmp_path / "b", CASES["token-mask-rs-veto"],
+                                    from_slime({**CASES["token-mask-rs-veto"].args(), **STEP_ARGS}), bug="denominator")
     code, out, err = cli("replay", path, "--format", "json")
     assert (code, json.loads(out)["first_divergent_stage"]) == (1, "loss.policy"), out + err
 

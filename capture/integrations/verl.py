@@ -448,6 +448,7 @@ def enable_replay_capture(trainer_config: Any, *, dp_rank: int = 0, dp_size: int
     from capture.config import config_from_env
     from replay_lib.errors import UnsupportedFrameworkConfig
     from replay_lib.frameworks.verl import from_verl
+    from replay_lib.kernels.families import token_payloads
 
     if not config_from_env(env).enabled:
         return None
@@ -457,6 +458,13 @@ def enable_replay_capture(trainer_config: Any, *, dp_rank: int = 0, dp_size: int
         raise UnsupportedFrameworkConfig(
             f"verl config: algorithm.adv_estimator={estimator}: capture.integrations.verl records estimators with "
             f"one advantage per sample ({', '.join(CAPTURED_ESTIMATORS)})")
+    # a loss family whose own per-token payload (Clip-Cov's random draw, clip_cov_mask) this capture does not record
+    own = token_payloads(config.policy_loss) if isinstance(config.policy_loss, str) else ()
+    if own:
+        mode = _get(trainer_config, "actor_rollout_ref.actor.policy_loss.loss_mode", config.policy_loss)
+        raise UnsupportedFrameworkConfig(
+            f"verl config: actor_rollout_ref.actor.policy_loss.loss_mode={mode}: capture.integrations.verl does not "
+            f"record the payload the replay needs for it ({', '.join(own)}: the loss's random token draw)")
     capture = maybe_enable_for_actor(config, dp_rank=dp_rank, dp_size=dp_size, env=env,
                                      compute_precision=compute_precision,
                                      framework=("verl", TESTED_VERSIONS["verl"]), **capture_kwargs)

@@ -316,5 +316,7 @@ def test_unrecomputable_configs_are_refused_before_training(runs):
                              "verl config: algorithm.adv_estimator=gae: capture.integrations.verl records estimators "
                              "with one advantage per sample (grpo, grpo_vectorized, rloo, rloo_vectorized)"]
     assert checks["clip_cov"][0] == "UnsupportedFrameworkConfig"
-    assert "actor_rollout_ref.actor.policy_loss.loss_mode" in checks["clip_cov"][1]
+    assert checks["clip_cov"][1] == (
+        "verl config: actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov: capture.integrations.verl does not "
+        "record the payload the replay needs for it (clip_cov_mask: the loss's random token draw)")
     assert checks["refused_left_nothing"] is True

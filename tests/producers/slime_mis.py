@@ -132,13 +132,15 @@ def make_step(seed: int, samples: int = 8, longest: int = 40):
     return lengths, masks, old, logp, rollout, ref, adv
 
 
-def produce_slime_mis_bundle(path: str | Path, cfg: Mis, seed: int = 3, bug: str = "") -> Path:
-    from replay_lib.frameworks import from_slime
+# slime's arguments of the step beyond the MIS ones (the test maps them with replay_lib.frameworks.from_slime)
+STEP_ARGS = {"eps_clip": 0.2, "use_kl_loss": True, "kl_loss_coef": 0.01, "kl_loss_type": "k1"}
 
+
+def produce_slime_mis_bundle(path: str | Path, cfg: Mis, config, seed: int = 3, bug: str = "") -> Path:
+    """``config``: the RecomputeConfig the test maps from slime's arguments (:meth:`Mis.args` plus
+    :data:`STEP_ARGS`), recorded as the bundle's; the step is this module's own."""
     lengths, masks, old, logp, rollout, ref, adv = make_step(seed)
     policy = slime_mis_step(cfg, logp, old, rollout, adv, ref, masks, bug=bug)
-    config = from_slime({**cfg.args(), "eps_clip": 0.2, "use_kl_loss": True, "kl_loss_coef": 0.01,
-                         "kl_loss_type": "k1"})
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // 4, response_length=int(n), total_length=int(n) + 5,
                             loss_mask=[int(v) for v in masks[i]], raw_reward=0.0, reward=0.0)
                for i, n in enumerate(lengths.tolist())]
