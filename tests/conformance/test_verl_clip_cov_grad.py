@@ -93,7 +93,9 @@ def verl_clip_cov_grad(actor: dict, micro, old, logp, adv, mask, seed: int, bug:
     return total, x.grad.detach().clone(), selected
 
 
-def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "") -> str:
+def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "", tis: bool = False) -> str:
+    """``tis``: the bundle declares a token-level truncated importance weight (``is_high`` 2) with rollout
+    log-probs equal to the old ones: every weight is exactly 1, verl's loss and gradient the same."""
     actor, micro = CONFIGS[name]
     lengths, valid, mask, old, logp, scores = _step(seed, torch.float32)
     adv, normalized = _advantages("grpo", {}, scores, lengths, mask, valid.shape[1])
@@ -102,6 +104,8 @@ def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "") -> str
     verl = {"algorithm": {"adv_estimator": "grpo"},
             "actor_rollout_ref": {"rollout": {"n": N}, "actor": {"ppo_mini_batch_size": GROUPS, **actor}}}
     cfg = msgspec.structs.replace(from_verl(verl, version="0.9.1"), loss_token_count=int(mask.sum()))
+    if tis:
+        cfg = msgspec.structs.replace(cfg, is_level="token", is_mode="truncate", is_high=2.0)
     mb_of = {i: f"mb-{k}" for k, rows in enumerate(micro) for i in rows}
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // N, response_length=int(lengths[i]),
                             total_length=int(lengths[i]) + 7, loss_mask=[int(v) for v in mask[i, :lengths[i]]],
@@ -120,6 +124,8 @@ def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "") -> str
     for pname, values in (("log_probs", logp), ("old_log_probs", old), ("advantages", adv),
                           ("grad_log_probs", grad), ("clip_cov_mask", selected.to(torch.int8))):
         writer.write_payload(pname, values[valid])
+    if tis:
+        writer.write_payload("rollout_log_probs", old[valid])
     return writer.finalize(ranks=[0])
 
 
@@ -149,3 +155,13 @@ def test_a_clip_cov_gradient_bug_is_named_at_loss_grad_with_the_loss_passing(tmp
     assert report["first_divergent_stage"] == "loss.grad"
     first = report["first_divergence"]
     assert first["field"] == "grad_log_probs" and first["sample_id"].startswith("s-")
+
+
+def test_a_clip_cov_gradient_bug_under_an_importance_weight_is_explained_without_a_crash(tmp_path, cli):
+    """The explanations of a failing loss.grad recompute the family's terms (the weight-not-detached hypothesis):
+    Clip-Cov's draw is handed to them too — one report, exit 1, nothing on stderr."""
+    bundle = write_clip_cov_grad_bundle(tmp_path / "b", "clip-cov-wide", 7, bug="corr", tis=True)
+    code, err, report, stages = _replay(cli, bundle)
+    assert (code, err) == (1, ""), err
+    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
+    assert report["first_divergent_stage"] == "loss.grad"
