@@ -339,13 +339,13 @@ def test_clip_cov_a_selected_token_and_the_clipped_branch_have_no_gradient():
     ln 1.5, 0.05, −0.1) (mean 0.1137): covariances (−0.027, 0.29, 0.064, 0.43). Token 0 unclipped: −A·r = −2e^{0.1};
     token 1 clipped by PPO (r = 1.5 > 1.2, A > 0): 0; token 2 unclipped: e^{0.05}; token 3 recorded in the mask and
     allowed (cov in (0.01, 5), not clipped): its term is 0, no gradient. The why strip names token 3 the family's
-    decision."""
-    from replay_lib.kernels.grad import FAMILY_DECIDED, FAMILY_SLOPE
+    decision, token 1 PPO's clipped branch."""
+    from replay_lib.kernels.grad import CLIPPED, FAMILY_DECIDED, FAMILY_SLOPE
 
     gi = _clip_cov_gi([0.1, math.log(1.5), 0.05, -0.1], [2.0, 1.0, -1.0, -2.0], [0, 0, 0, 1], [4])
     g = grad_log_probs(gi, _clip_cov_knobs(0.01, lengths=[4]))
     assert g.grad.tolist() == pytest.approx([-2 * math.exp(0.1), 0.0, math.exp(0.05), 0.0], rel=1e-12)
-    assert g.terms.branch.tolist() == [FAMILY_SLOPE, FAMILY_SLOPE, FAMILY_SLOPE, FAMILY_DECIDED]
+    assert g.terms.branch.tolist() == [FAMILY_SLOPE, CLIPPED, FAMILY_SLOPE, FAMILY_DECIDED]
     # a recorded token the rule does not allow (token 0: its covariance −0.027 is below the bound) keeps its slope
     gi = _clip_cov_gi([0.1, math.log(1.5), 0.05, -0.1], [2.0, 1.0, -1.0, -2.0], [1, 0, 0, 0], [4])
     assert _grad(gi, _clip_cov_knobs(0.01, lengths=[4])) == \

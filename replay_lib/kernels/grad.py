@@ -286,6 +286,8 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     if open_ is not None:
         open_ = open_ * factor.abs() * (keep if keep is not None else 1.0)
     branch = torch.full_like(m, FAMILY_SLOPE, dtype=torch.int8)
+    if "clipcov_ppo_clip" in t:  # Clip-Cov: PPO's clipped branch (∂pg/∂r = 0)
+        branch = torch.where(t["clipcov_ppo_clip"] > 0, torch.full_like(branch, CLIPPED), branch)
     if "clip" in t:
         branch = torch.where(t["clip"] > 0, torch.full_like(branch, FAMILY_DECIDED), branch)
     if keep is not None:
