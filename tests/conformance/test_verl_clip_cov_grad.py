@@ -13,6 +13,7 @@ gradient is wrong while its loss value is right is named at loss.grad with loss.
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 import pytest
@@ -93,13 +94,23 @@ def verl_clip_cov_grad(actor: dict, micro, old, logp, adv, mask, seed: int, bug:
     return total, x.grad.detach().clone(), selected
 
 
-def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "", tis: bool = False) -> str:
+def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "", tis: bool = False,
+                               edge: str = "") -> str:
     """``tis``: the bundle declares a token-level truncated importance weight (``is_high`` 2) with rollout
-    log-probs equal to the old ones: every weight is exactly 1, verl's loss and gradient the same."""
+    log-probs equal to the old ones: every weight is exactly 1, verl's loss and gradient the same. ``edge``
+    (token-mean configs): the first loss token with A > 0 of sample 1 gets the ratio 1 + ε_high to float32 rounding
+    (``"verl"``: verl's gradient there as it is; ``"flip"``: the other branch's, 0 ↔ −A·r/Σmask)."""
     actor, micro = CONFIGS[name]
     lengths, valid, mask, old, logp, scores = _step(seed, torch.float32)
     adv, normalized = _advantages("grpo", {}, scores, lengths, mask, valid.shape[1])
+    if edge:
+        j = int(torch.nonzero(mask[1] * (adv[1] > 0))[0])
+        logp = logp.clone()
+        logp[1, j] = old[1, j] + math.log1p(actor.get("clip_ratio_high", 0.2))
     pg_loss, grad, selected = verl_clip_cov_grad(actor, micro, old, logp, adv, mask, seed, bug)
+    if edge == "flip":
+        r = math.exp(float(logp[1, j]) - float(old[1, j]))
+        grad[1, j] = 0.0 if float(grad[1, j]) != 0.0 else -float(adv[1, j]) * r / float(mask.sum())
     assert int(selected.sum()) >= 1
     verl = {"algorithm": {"adv_estimator": "grpo"},
             "actor_rollout_ref": {"rollout": {"n": N}, "actor": {"ppo_mini_batch_size": GROUPS, **actor}}}
@@ -165,3 +176,15 @@ def test_a_clip_cov_gradient_bug_under_an_importance_weight_is_explained_without
     assert (code, err) == (1, ""), err
     assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
     assert report["first_divergent_stage"] == "loss.grad"
+
+
+@pytest.mark.parametrize("edge", ["verl", "flip"])
+def test_a_ratio_at_the_clip_edge_admits_either_gradient(tmp_path, cli, edge):
+    """Sample 1's first loss token with A > 0 at r = 1.2 to float32 rounding: PPO's clip there may go either way in
+    a legitimate producer (the loss value is continuous, its gradient −A·r or 0 is not): verl's gradient and the
+    other branch's both pass, the sample named in loss.grad's mask_boundary hazard."""
+    bundle = write_clip_cov_grad_bundle(tmp_path / "b", "clip-cov", 7, edge=edge)
+    code, err, report, stages = _replay(cli, bundle)
+    assert (code, err) == (0, ""), stages["loss.grad"]
+    hazards = [h["sample_id"] for h in report["hazards"] if h["stage"] == "loss.grad" and h["kind"] == "mask_boundary"]
+    assert hazards == ["s-1"], report["hazards"]
