@@ -319,3 +319,68 @@ def test_runs_of_whole_samples_give_the_one_pass_family_gradient(tmp_path, monke
     monkeypatch.setattr(stage, "GRAD_CHUNK", 40)
     runs = run()
     assert torch.equal(whole[0], runs[0]) and torch.equal(whole[1], runs[1])
+
+
+def _clip_cov_gi(d, adv, selected, lengths) -> GradInputs:
+    gi = _gi(d, adv, lengths=lengths)
+    from dataclasses import replace
+
+    return replace(gi, family_tokens={"clip_cov_mask": torch.tensor(selected, dtype=torch.int8)})
+
+
+def _clip_cov_knobs(lb: float, **kw) -> LossKnobs:
+    params = {"clip_cov_ratio": 0.25, "clip_cov_lb": lb, "clip_cov_ub": 5.0, **kw.pop("params", {})}
+    return LossKnobs(policy_loss="clip_cov", policy_loss_params=tuple(sorted(params.items())),
+                     micro_batch=(0,) * len(kw.pop("lengths")), **{"loss_agg_mode": "token_sum", **kw})
+
+
+def test_clip_cov_a_selected_token_and_the_clipped_branch_have_no_gradient():
+    """verl's ``max(pg1, pg2)·corr``, ``corr`` a constant: one micro-batch, A = (2, 1, −1, −2) (mean 0), Δ = (0.1,
+    ln 1.5, 0.05, −0.1) (mean 0.1137): covariances (−0.027, 0.29, 0.064, 0.43). Token 0 unclipped: −A·r = −2e^{0.1};
+    token 1 clipped by PPO (r = 1.5 > 1.2, A > 0): 0; token 2 unclipped: e^{0.05}; token 3 recorded in the mask and
+    allowed (cov in (0.01, 5), not clipped): its term is 0, no gradient. The why strip names token 3 the family's
+    decision, token 1 PPO's clipped branch."""
+    from replay_lib.kernels.grad import CLIPPED, FAMILY_DECIDED, FAMILY_SLOPE
+
+    gi = _clip_cov_gi([0.1, math.log(1.5), 0.05, -0.1], [2.0, 1.0, -1.0, -2.0], [0, 0, 0, 1], [4])
+    g = grad_log_probs(gi, _clip_cov_knobs(0.01, lengths=[4]))
+    assert g.grad.tolist() == pytest.approx([-2 * math.exp(0.1), 0.0, math.exp(0.05), 0.0], rel=1e-12)
+    assert g.terms.branch.tolist() == [FAMILY_SLOPE, CLIPPED, FAMILY_SLOPE, FAMILY_DECIDED]
+    # a recorded token the rule does not allow (token 0: its covariance −0.027 is below the bound) keeps its slope
+    gi = _clip_cov_gi([0.1, math.log(1.5), 0.05, -0.1], [2.0, 1.0, -1.0, -2.0], [1, 0, 0, 0], [4])
+    assert _grad(gi, _clip_cov_knobs(0.01, lengths=[4])) == \
+        pytest.approx([-2 * math.exp(0.1), 0.0, math.exp(0.05), 2 * math.exp(-0.1)], rel=1e-12)
+
+
+def test_clip_cov_prescaled_advantages_take_the_covariance_of_the_weighted_advantages():
+    """SkyRL's ``advantages="prescaled"`` under sum_of_sample_means (w = 1, ½ for samples of 1 and 2 tokens),
+    A = (2, 2, −1), Δ = (0.1, 0.1, −0.1), token 1 recorded, clip_cov_lb 0.05: raw covariance of token 1
+    (2 − 1)·(0.1 − 0.0333) = 0.067 is inside the bounds (selected: 0); the prescaled one (1 − 0.833)·0.0667 = 0.011
+    is not (kept: −A·r·w = −2e^{0.1}·½). The other tokens −A·r·w either way."""
+    gi = _clip_cov_gi([0.1, 0.1, -0.1], [2.0, 2.0, -1.0], [0, 1, 0], [1, 2])
+    raw = _clip_cov_knobs(0.05, lengths=[1, 2], loss_agg_mode="sum_of_sample_means")
+    pre = _clip_cov_knobs(0.05, lengths=[1, 2], loss_agg_mode="sum_of_sample_means",
+                          params={"advantages": "prescaled"})
+    r, q = math.exp(0.1), math.exp(-0.1)
+    assert _grad(gi, raw) == pytest.approx([-2 * r, 0.0, 0.5 * q], rel=1e-12)
+    assert _grad(gi, pre) == pytest.approx([-2 * r, -r, 0.5 * q], rel=1e-12)
+
+
+def test_clip_cov_decisions_at_their_edge_are_hazards_of_loss_grad():
+    """The gradient has an edge the loss value does not: PPO's clip at an unrecorded token (r = 1 + ε_high to
+    rounding, A = 1: slope −A·r or 0), and the rule's at a recorded token (its covariance at clip_cov_lb): both
+    named in loss.grad's mask_boundary, their tolerance admitting |A·r|; a token far from every edge neither."""
+    from replay_lib.stages.grad import gradient_bound
+
+    u = 2.0 ** -24
+    d = [math.log(1.2), 0.0, 0.3, -0.3]
+    adv = [1.0, 0.0, 1.0, -1.0]
+    # the covariance of token 2: (1 − 0.25)·(0.3 − mean Δ) with mean Δ = log(1.2)/4; the bound put on it
+    lb = 0.75 * (0.3 - math.log(1.2) / 4)
+    gi = _clip_cov_gi(d, adv, [0, 0, 1, 0], [4])
+    knobs = _clip_cov_knobs(lb, lengths=[4], eps_clip=0.2, eps_clip_high=0.2)
+    g = grad_log_probs(gi, knobs)
+    bound, hits = gradient_bound(u, 0.0, 0.0, gi, knobs, g)
+    assert hits["mask_boundary"].tolist() == [True, False, True, False]
+    assert float(bound[0]) >= 1.2 and float(bound[2]) >= math.exp(0.3)
+    assert float(bound[3]) < 1e-5

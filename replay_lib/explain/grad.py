@@ -42,11 +42,12 @@ def _weight_gradient(ctx: StageContext) -> torch.Tensor:
     seg = gi.seg
     n_samples = gi.lengths.numel()
     st = sample_log_terms(gi.log_probs, gi.old_log_probs, gi.rollout_log_probs, gi.mask, gi.lengths, knobs,
-                          dtype=torch.float64)
+                          dtype=torch.float64, advantages=gi.advantages, family_tokens=gi.family_tokens)
     # the policy term alone (its KL term is not weighted)
     t = policy_token_terms(gi.log_probs, gi.old_log_probs, gi.advantages, replace(knobs, kl_loss_coef=0.0), seg=seg,
                            sample_terms=st,
-                           rollout_log_probs=gi.rollout_log_probs, dtype=torch.float64)
+                           rollout_log_probs=gi.rollout_log_probs, dtype=torch.float64,
+                           family_tokens=gi.family_tokens)
     log_w = t["is_log_weight"]
     w = t["is_weight"]
     live = torch.ones_like(w)

@@ -80,6 +80,8 @@ class GradInputs:
     # per-sample terms (``kernels.loss.sample_log_terms``) of these samples taken over the whole step (a family's
     # micro-batch statistics, the entropy mask's thresholds); ``None``: taken of these tokens alone
     sample_terms: Optional[dict] = None
+    # the policy-loss family's own per-token payloads by name (``kernels.families.token_payloads``: clip_cov_mask)
+    family_tokens: Optional[dict] = None
 
     @property
     def seg(self) -> torch.Tensor:
@@ -227,7 +229,8 @@ def _sample_terms(gi: GradInputs, knobs: LossKnobs) -> Optional[dict]:
     if not wants_sample_pass(knobs):
         return None
     return sample_log_terms(gi.log_probs, gi.old_log_probs, gi.rollout_log_probs, gi.mask, gi.lengths, knobs,
-                            dtype=gi.log_probs.dtype, entropy=gi.entropy, advantages=gi.advantages)
+                            dtype=gi.log_probs.dtype, entropy=gi.entropy, advantages=gi.advantages,
+                            family_tokens=gi.family_tokens)
 
 
 def _token_terms(gi: GradInputs, knobs: LossKnobs, sample_terms) -> dict:
@@ -235,7 +238,7 @@ def _token_terms(gi: GradInputs, knobs: LossKnobs, sample_terms) -> dict:
     return policy_token_terms(gi.log_probs, gi.old_log_probs, gi.advantages, knobs, seg=gi.seg,
                               sample_terms=sample_terms, rollout_log_probs=gi.rollout_log_probs,
                               ref_log_probs=None, dtype=gi.log_probs.dtype, entropy=gi.entropy,
-                              teacher_log_probs=gi.teacher_log_probs)
+                              teacher_log_probs=gi.teacher_log_probs, family_tokens=gi.family_tokens)
 
 
 def _keep_of(t: dict) -> Optional[torch.Tensor]:
@@ -283,13 +286,17 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     if open_ is not None:
         open_ = open_ * factor.abs() * (keep if keep is not None else 1.0)
     branch = torch.full_like(m, FAMILY_SLOPE, dtype=torch.int8)
+    if "clipcov_ppo_clip" in t:  # Clip-Cov: PPO's clipped branch (∂pg/∂r = 0)
+        branch = torch.where(t["clipcov_ppo_clip"] > 0, torch.full_like(branch, CLIPPED), branch)
     if "clip" in t:
         branch = torch.where(t["clip"] > 0, torch.full_like(branch, FAMILY_DECIDED), branch)
     if keep is not None:
         branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
     ratio = t["ratio"]
-    return GradTerms(pg=pg, branch=branch, ratio=ratio, weight=w, err=err, edge_gap=t.get("edge_gap"), open=open_,
+    # a family whose gradient has decisions its loss value does not (Clip-Cov: PPO's clip) names their edges apart
+    gap = t.get("grad_edge_gap", t.get("edge_gap"))
+    return GradTerms(pg=pg, branch=branch, ratio=ratio, weight=w, err=err, edge_gap=gap, open=open_,
                      keep=keep, unmasked=unmasked.abs() if keep is not None else None, columns=t)
 
 

@@ -72,7 +72,7 @@ def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
                                ("entropy", li.entropy if li.knobs.entropy_mask else None),
                                ("teacher_log_probs", li.teacher_log_probs if li.knobs.opd_loss else None))}
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
-                    mask=li.mask.to(torch.float64), lengths=ctx.lengths, **opt)
+                    mask=li.mask.to(torch.float64), lengths=ctx.lengths, family_tokens=li.family_tokens, **opt)
     knobs = li.knobs
     if knobs.family or knobs.opsm or knobs.entropy_mask or knobs.is_keep:
         # the per-sample terms of the whole step once (a family's micro-batch statistics, the entropy mask's
@@ -149,6 +149,8 @@ def _rows(name: str, value, s0: int, s1: int, t0: int, t1: int):
         return value[s0:s1]
     if name == "sample_terms":
         return {k: v[s0:s1] for k, v in value.items()}
+    if name == "family_tokens":
+        return {k: v[t0:t1] for k, v in value.items()}
     return value[t0:t1]
 
 

@@ -82,13 +82,19 @@ def token_terms(log_probs, old_log_probs, advantages, knobs, *, seg=None, sample
     pg = surrogate * (~selected).to(dtype)
     # the edges of the rule at a recorded token: the covariance against its bounds, the ratio against PPO's clip
     cov_gap = torch.minimum((cov - lb).abs(), (cov - ub).abs()) / sample_terms["cov_scale"][seg].clamp_min(1e-30)
-    gap = torch.where(recorded, torch.minimum(cov_gap, relative_gap(ratio, low, high)), torch.full_like(ratio, INF))
+    ratio_gap = relative_gap(ratio, low, high)
+    rule_gap = torch.minimum(cov_gap, ratio_gap)
+    gap = torch.where(recorded, rule_gap, torch.full_like(ratio, INF))
+    # loss.grad's edges: PPO's clip at every token with A ≠ 0 (its slope −A·r or 0 either side), the rule's at a
+    # recorded one (its term dropped or kept)
+    grad_gap = torch.where(recorded, rule_gap, torch.where(adv != 0, ratio_gap, torch.full_like(ratio, INF)))
     return {"pg": pg, "clip": selected.to(dtype), "ppo_kl": -lr, "ratio": ratio, "log_ratio": lr,
             "clipcov_selected": selected.to(dtype), "clipcov_recorded": recorded.to(dtype), "edge_gap": gap,
             "edge_open": surrogate.abs(),
             # the rule at every token (the draw's size check, stages/loss_clip_cov.py): allowed, and its edge gap
-            "clipcov_allowed": allowed.to(dtype), "clipcov_rule_gap": torch.minimum(cov_gap, relative_gap(ratio, low,
-                                                                                                      high))}
+            "clipcov_allowed": allowed.to(dtype), "clipcov_rule_gap": rule_gap,
+            # loss.grad (kernels.families.grad): PPO's clip decision, and the edges of every decision of the slope
+            "clipcov_ppo_clip": clipped.to(dtype), "grad_edge_gap": grad_gap}
 
 
 CHOICES.update({("clip_cov", "advantages"): SCALINGS})

@@ -13,7 +13,11 @@
 * ``vespo``: ``−sg(φ(w))·A`` (``get_gamma_weights`` runs under ``no_grad``, TRL grpo_trainer.py:2970);
 * ``ipo``: ``−keep·adv_tau·A·r + 2·kl_tau·log r`` (``r = exp(logp − rollout)``);
 * ``rollout_is``: ``−sg(r·1[in range])·A``;
-* ``dppo_mu``: ``−A·r·keep·[|logp − μ| ≤ 20]``.
+* ``dppo_mu``: ``−A·r·keep·[|logp − μ| ≤ 20]``;
+* ``clip_cov``: ``−A·r·(1 − clip)·(1 − selected)`` — ``max(pg1, pg2)·corr`` with ``corr`` a constant (verl
+  core_algos.py:1808-1829, SkyRL ppo_utils.py:938-999): a selected token's term is 0 (no gradient), PPO's clipped
+  branch 0, the unclipped −A·r; the covariance only decides (no gradient of its own). SkyRL's ``prescaled``
+  advantages ``w_i·A`` differ by the aggregation weight alone (the clip's side is that of ``A``'s sign).
 
 Each function returns ``(slope, err, open)``: ``err`` the slope's rounding scale per token in units of the
 producer's unit roundoff (its condition: the exponent's ``|Δ|``, the sample's exponent for a per-sample ratio,
@@ -173,6 +177,14 @@ def dppo_mu(t, logp, old, adv, rollout, knobs):
     keep = 1.0 - t["clip"]
     inside = _inside(raw, 20.0)
     return full * keep * inside, (full * keep * inside).abs() * (_C + t["log_ratio"].abs()), (full * inside).abs()
+
+
+@_slope("clip_cov")
+def clip_cov(t, logp, old, adv, rollout, knobs):
+    full = -adv * t["ratio"]
+    g = full * (1.0 - t["clipcov_ppo_clip"]) * (1.0 - t["clipcov_selected"])
+    # the other side of a decision at its edge (PPO's clip, the rule at a recorded token): 0 or the unclipped slope
+    return g, g.abs() * (_C + t["log_ratio"].abs()), full.abs()
 
 
 # the slopes that read the family's per-sample terms (keyword arguments sample_terms, seg, mask)
