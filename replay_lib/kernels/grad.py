@@ -61,7 +61,7 @@ BRANCHES = {UNCLIPPED: "unclipped (∂pg/∂r = −A)", CLIPPED: "clipped (∂pg
             MASKED: "not a loss token",
             FAMILY_SLOPE: "the family's slope (kernels/families/grad.py, its stop-gradients)",
             FAMILY_DECIDED: "the family's clip or mask decision taken (its slope there)",
-            KEEP_DROPPED: "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"}
+            KEEP_DROPPED: "dropped by OPSM, the entropy mask, is_keep or a MIS rejection (∂ = 0)"}
 
 
 @dataclass(frozen=True)
