@@ -377,6 +377,23 @@ def test_hand_derived_rollout_weighted_kl_term():
     assert g.grad.tolist() == pytest.approx([0.1 * 1.5 / math.e], rel=1e-12)
 
 
+def test_hand_derived_score_function_kl_term():
+    """kl_loss_score_function (NeMo-RL's KL term × exp(logp − sg(logp)), value 1): ∂ = ∂k/∂x + k. k1 at x = ½:
+    1.5; beyond the input clamp 20: 0; k3 at x = ln 2: ½ + (ln 2 − ½) = ln 2; k3 at x = −3 (k = e³ − 4 ≈ 16.1)
+    beyond the output clamp 10: 0. × coef 0.1. With a weighting of the KL term it is a schema error."""
+    from replay_lib.bundle.loss_knobs import check_knobs
+
+    k1 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k1", kl_loss_input_clamp=20.0, kl_loss_score_function=True)
+    g = grad_log_probs(_rollout_kl_inputs([0.5, 25.0], [5.0, 5.0]), k1)  # the rollout is not read
+    assert g.grad.tolist() == pytest.approx([0.15, 0.0], rel=1e-12, abs=1e-15)
+    k3 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_output_clamp=10.0, kl_loss_score_function=True)
+    g = grad_log_probs(_rollout_kl_inputs([math.log(2.0), -3.0], [0.0, 0.0]), k3)
+    assert g.grad.tolist() == pytest.approx([0.1 * math.log(2.0), 0.0], rel=1e-12, abs=1e-15)
+    both = LossKnobs(kl_loss_coef=0.1, kl_loss_score_function=True, kl_loss_rollout_weighted=True)
+    assert check_knobs(both) == ["kl_loss_score_function: expected kl_loss_ratio_weighted and "
+                                 "kl_loss_rollout_weighted false with it (one KL weight)"]
+
+
 def test_hand_derived_mis_rejection_keeps_the_normalizers():
     """slime's MIS rejection (``keep``, 0 at a rejected token) multiplies every term's numerator, the
     normalizers kept: d = 0, A = 1, one sample of three tokens (sum_of_sample_means: W = ⅓), the KL k1 at coef 0.1:

@@ -351,14 +351,20 @@ def rollout_weighted_kl(gi: GradInputs, knobs: LossKnobs) -> dict[str, torch.Ten
     gradient at a non-finite weight. So ``∂/∂logp = [|w·k| ≤ out]·w·(∂k/∂x + k·[|x| ≤ in])``.
 
     Returns ``k`` (input-clamped, before the weight), ``dk`` (its slope, 0 where the input clamp holds), ``w``,
-    ``log_w`` (``logp − rollout``), ``value`` (``w·k`` before the output clamp) and ``slope`` (the term's)."""
-    if gi.rollout_log_probs is None:
-        raise ValueError("rollout_log_probs is required for kl_loss_rollout_weighted")
+    ``log_w`` (``logp − rollout``), ``value`` (``w·k`` before the output clamp) and ``slope`` (the term's).
+
+    ``kl_loss_score_function`` (NeMo-RL's KL term without the approximation, ``loss_functions.py:487-490``:
+    ``exp(curr − curr.detach())``) is the same with ``w = 1``: ``∂/∂logp = [|k| ≤ out]·(∂k/∂x + k·[|x| ≤ in])``."""
     from dataclasses import replace
 
     x = gi.log_probs - gi.ref_log_probs
     k, dk = kl_value_and_slope(x, replace(knobs, kl_loss_output_clamp=None))
-    log_w = gi.log_probs - gi.rollout_log_probs
+    if not knobs.kl_loss_rollout_weighted:  # kl_loss_score_function: exp(logp − sg(logp)), 1 with gradient 1
+        log_w = torch.zeros_like(x)
+    elif gi.rollout_log_probs is None:
+        raise ValueError("rollout_log_probs is required for kl_loss_rollout_weighted")
+    else:
+        log_w = gi.log_probs - gi.rollout_log_probs
     raw = log_w.exp()
     w = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))
     value = w * k
@@ -371,7 +377,7 @@ def kl_grad(gi: GradInputs, knobs: LossKnobs, terms: GradTerms) -> torch.Tensor:
     rule over the ratio (the sample's under GSPO), with ``kl_loss_rollout_weighted`` over its weight
     (:func:`rollout_weighted_kl`)."""
     m = gi.numerator
-    if knobs.kl_loss_rollout_weighted:
+    if knobs.kl_loss_rollout_weighted or knobs.kl_loss_score_function:
         return rollout_weighted_kl(gi, knobs)["slope"] * m
     k, dk = kl_value_and_slope(gi.log_probs - gi.ref_log_probs, knobs)
     if not knobs.kl_loss_ratio_weighted:

@@ -228,7 +228,7 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
         else:
             bound = bound + torch.where(edge, (unclipped * ratio * g.pg_weight).abs(), torch.zeros_like(bound))
     bound = bound + _mask_bound(u, gi, knobs, t, g, hits)
-    if knobs.kl_loss and knobs.kl_loss_rollout_weighted:
+    if knobs.kl_loss and (knobs.kl_loss_rollout_weighted or knobs.kl_loss_score_function):
         bound = bound + _rollout_kl_bound(u, u_s, gi, knobs, g, hits)
     elif knobs.kl_loss:
         x = gi.log_probs - gi.ref_log_probs

@@ -583,10 +583,11 @@ def test_the_new_mappings_set_their_knobs():
     assert (both.force_on_policy_ratio, both.policy_loss) == (True, "ppo")
 
 
-# The on-policy KL approximation's gradient (loss.grad): NeMo-RL's weight exp(curr − generation) is not detached
-# (loss/loss_functions.py:477-493: the score-function gradient of the sampling probability), detached only where
-# the input clamp holds (utils.py:72-81); sample 3's token 1 lies beyond the ±10 output clamp (k3).
-GRAD_CONFIGS = ("kl-approx", "kl-approx-k1-seq")
+# The KL term's gradient (loss.grad): NeMo-RL's weight exp(curr − generation) under the on-policy approximation, else
+# exp(curr − curr.detach()) (value 1), is not detached (loss/loss_functions.py:477-493: the score-function gradient
+# of the sampling probability), detached only where the input clamp holds (utils.py:72-81); sample 3's token 1 lies
+# beyond the ±10 output clamp (k3). The KL types k3 (token level), k2 with dual-clip, k1 (sequence level).
+GRAD_CONFIGS = ("kl-approx", "kl-approx-k1-seq", "default", "dual-clip-k2", "seq-level-k1")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -600,7 +601,8 @@ def test_the_on_policy_kl_approximations_gradient_replays_clean(tmp_path, name, 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("name", GRAD_CONFIGS)
 def test_the_kl_weight_detached_is_named_at_loss_grad_with_the_loss_passing(tmp_path, name, precision):
-    """The weight detached (its value unchanged, the gradient's w·k part lost: NeMo-RL before #2506)."""
+    """The weight detached (its value unchanged, the gradient's w·k part lost: NeMo-RL before #2506, the KL
+    term's plain weight exp(curr − curr.detach()) then absent)."""
     report = _run(tmp_path, name, precision, seed=2, bug="kl_weight_detached", grad=True)
     status = {st.stage: st.status for st in report.stages}
     assert (status["loss.policy"], status["loss.grad"], report.exit_code) == ("pass", "fail", 1)
