@@ -325,6 +325,26 @@ def test_a_clip_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli, monke
     assert [h["sample_id"] for h in hazards][:1] == ["s-0"], report["hazards"]
 
 
+def test_why_strip_names_a_mis_rejection_and_the_kl_weight(tmp_path):
+    """Under slime's MIS rejection the strip gives the token's keep (0 at a rejected token, whose branch is the
+    dropped one and whose gradient is 0) and, with the rollout-weighted KL term, its weight exp(logp − rollout)."""
+    from replay_lib.bundle import BundleReader
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.kernels.grad import BRANCHES, KEEP_DROPPED
+    from replay_lib.stages import StageContext
+    from replay_lib.stages.grad import recompute_gradient
+
+    path = produce_grad_bundle(tmp_path / "b", 0, Size(4, 16, 2), KNOB_CONFIGS["mis-kl-rollout"])
+    ctx = StageContext(reader=BundleReader(path), indices=list(range(4)), partial=False)
+    gi, _, g = recompute_gradient(ctx)
+    t = int(torch.nonzero((gi.keep == 0) & (gi.mask > 0))[0])
+    i = int(torch.searchsorted(ctx.offsets, t, right=True)) - 1
+    items = dict(element_inputs(ctx, "grad_log_probs", i, t - int(ctx.offsets[i])).items)
+    assert (items["MIS kept"], items["branch"], float(g.grad[t])) == ("0", BRANCHES[KEEP_DROPPED], 0.0)
+    w = math.exp(float(gi.log_probs[t]) - float(gi.rollout_log_probs[t]))
+    assert float(items["KL weight w (not detached)"]) == pytest.approx(w, rel=1e-3)
+
+
 def test_the_diff_viewer_draws_a_loss_tokens_gradient_beside_it():
     """A ``pg_losses`` token diff that carries the tokens' recorded ∂L/∂logp draws it as the last column (the
     first one a narrow pane drops)."""
