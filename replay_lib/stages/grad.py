@@ -16,7 +16,10 @@ rounding of a clip bound (``error_model.loss_clip_hits``), of dual-clip's ``c`` 
 (``near_value``), or whose log-ratio or KL input lies at its clamp, may take either branch in a legitimate
 producer: its tolerance admits the unclipped gradient's magnitude (under GSPO the sample's), and each such sample
 is named in a hazard. Payloads stored coarser than the declared compute add their rounding (``storage_unit``) to
-the exponent's condition.
+the exponent's condition. The rollout-weighted KL term (and ``kl_loss_score_function``, its weight 1) adds its
+weight exponent's condition ``|logp − rollout|`` to the estimator's (``_rollout_kl_bound``); a MIS rejection
+(slime's ``mis_rs`` / ``mis_veto``) decided within rounding of its bound admits the gradient with that decision
+taken the other way (``rs_boundary``).
 """
 
 from __future__ import annotations
