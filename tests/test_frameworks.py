@@ -25,7 +25,7 @@ BASE = msgspec.to_builtins(RecomputeConfig())
 
 
 def changed(cfg: RecomputeConfig) -> dict:
-    return {k: v for k, v in msgspec.to_builtins(cfg).items() if BASE[k] != v}
+    return {k: v for k, v in msgspec.to_builtins(cfg).items() if BASE.get(k, msgspec.UNSET) != v}  # UNSET: absent
 
 
 def test_verl_grpo_defaults():
@@ -282,7 +282,7 @@ def test_nemo_rl_grpo_math_defaults_and_tis():
         "n_samples_per_prompt": 16, "grpo_std_normalization": True, "kl_loss_type": "k3", "use_kl_loss": True,
         "kl_loss_coef": 0.01, "loss_agg_mode": "token_mean", "kl_loss_input_clamp": 20.0,
         "kl_loss_output_clamp": 10.0, "group_baseline": "leave_one_out", "std_zero": "skip",
-        "singleton_group": "zero"}
+        "singleton_group": "zero", "kl_loss_score_function": True}  # loss_functions.py:487-490 (loss.grad)
     tis = from_nemo_rl({"loss_fn": {"use_importance_sampling_correction": True, "ratio_clip_max": 0.28,
                                     "truncated_importance_sampling_type": "tis",
                                     "truncated_importance_sampling_ratio": 2.0, "reference_policy_kl_penalty": 0}})

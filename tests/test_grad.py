@@ -325,6 +325,26 @@ def test_a_clip_decision_at_its_edge_is_a_hazard_either_way(tmp_path, cli, monke
     assert [h["sample_id"] for h in hazards][:1] == ["s-0"], report["hazards"]
 
 
+def test_why_strip_names_a_mis_rejection_and_the_kl_weight(tmp_path):
+    """Under slime's MIS rejection the strip gives the token's keep (0 at a rejected token, whose branch is the
+    dropped one and whose gradient is 0) and, with the rollout-weighted KL term, its weight exp(logp − rollout)."""
+    from replay_lib.bundle import BundleReader
+    from replay_lib.explain.inputs import element_inputs
+    from replay_lib.kernels.grad import BRANCHES, KEEP_DROPPED
+    from replay_lib.stages import StageContext
+    from replay_lib.stages.grad import recompute_gradient
+
+    path = produce_grad_bundle(tmp_path / "b", 0, Size(4, 16, 2), KNOB_CONFIGS["mis-kl-rollout"])
+    ctx = StageContext(reader=BundleReader(path), indices=list(range(4)), partial=False)
+    gi, _, g = recompute_gradient(ctx)
+    t = int(torch.nonzero((gi.keep == 0) & (gi.mask > 0))[0])
+    i = int(torch.searchsorted(ctx.offsets, t, right=True)) - 1
+    items = dict(element_inputs(ctx, "grad_log_probs", i, t - int(ctx.offsets[i])).items)
+    assert (items["MIS kept"], items["branch"], float(g.grad[t])) == ("0", BRANCHES[KEEP_DROPPED], 0.0)
+    w = math.exp(float(gi.log_probs[t]) - float(gi.rollout_log_probs[t]))
+    assert float(items["KL weight w (not detached)"]) == pytest.approx(w, rel=1e-3)
+
+
 def test_the_diff_viewer_draws_a_loss_tokens_gradient_beside_it():
     """A ``pg_losses`` token diff that carries the tokens' recorded ∂L/∂logp draws it as the last column (the
     first one a narrow pane drops)."""
@@ -347,17 +367,150 @@ def test_the_diff_viewer_draws_a_loss_tokens_gradient_beside_it():
     assert "∂L/∂logp" not in view.render_header(50, Style()).text
 
 
-def test_the_rollout_weighted_kl_term_is_refused_by_loss_grad_by_name(tmp_path, cli, bundle_tools):
-    """kl_loss_rollout_weighted (NeMo-RL's on-policy KL approximation, × exp(logp − rollout) before the output clamp)
-    is recomputed by loss.policy, but its weight's gradient is not derived: loss.grad fails naming the knob (as it
-    does for is_keep, SPEC §4.4), comparing nothing."""
-    path = produce_grad_bundle(tmp_path / "b", 0, SIZE, GradConfig())
-    bundle_tools.edit_json(path, "index.json", lambda doc: doc["config"].update(kl_loss_rollout_weighted=True))
+def _rollout_kl_inputs(x, log_w, **kw) -> GradInputs:
+    """One token per sample (sum_of_sample_means: W = 1), A = 0: ``logp − ref = x``, ``logp − rollout = log_w``."""
+    n = len(x)
+    logp = torch.full((n,), -1.0, dtype=torch.float64)
+    return GradInputs(log_probs=logp, old_log_probs=logp.clone(), advantages=torch.zeros(n, dtype=torch.float64),
+                      mask=torch.ones(n, dtype=torch.float64), lengths=torch.ones(n, dtype=torch.int64),
+                      ref_log_probs=logp - torch.tensor(x, dtype=torch.float64),
+                      rollout_log_probs=logp - torch.tensor(log_w, dtype=torch.float64), **kw)
+
+
+def test_hand_derived_rollout_weighted_kl_term():
+    """kl_loss_rollout_weighted (NeMo-RL's on-policy approximation, its weight w = exp(logp − rollout) not
+    detached): ∂(w·k)/∂logp = w·(k' + k). k1 at x = ½, w = 2: 2·(1 + ½) = 3; x = 25 beyond the input clamp 20 (k
+    clamped, w detached there): 0; x = 6, w = 2: w·k = 12 beyond the output clamp 10: 0; log w = +inf (a
+    non-finite weight, 0): 0; w = ½ at x = −1: ½·(1 − 1) = 0. k3 at x = ln 2, w = 1: k' = 1 − ½, k = ln 2 − ½:
+    ln 2; k2 at x = −3, w = e^{−1}: e^{−1}·(−3 + 4.5) = 1.5/e. × coef 0.1."""
+    k1 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k1", kl_loss_input_clamp=20.0, kl_loss_output_clamp=10.0,
+                   kl_loss_rollout_weighted=True)
+    g = grad_log_probs(_rollout_kl_inputs([0.5, 25.0, 6.0, 0.5, -1.0], [math.log(2.0), 0.0, math.log(2.0),
+                                                                       math.inf, -math.log(2.0)]), k1)
+    assert g.grad.tolist() == pytest.approx([0.3, 0.0, 0.0, 0.0, 0.0], rel=1e-12, abs=1e-15)
+    assert g.pg.tolist() == [0.0] * 5
+    k3 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_rollout_weighted=True)
+    g = grad_log_probs(_rollout_kl_inputs([math.log(2.0)], [0.0]), k3)
+    assert g.grad.tolist() == pytest.approx([0.1 * math.log(2.0)], rel=1e-12)
+    k2 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k2", kl_loss_rollout_weighted=True)
+    g = grad_log_probs(_rollout_kl_inputs([-3.0], [-1.0]), k2)
+    assert g.grad.tolist() == pytest.approx([0.1 * 1.5 / math.e], rel=1e-12)
+
+
+def test_hand_derived_score_function_kl_term():
+    """kl_loss_score_function (NeMo-RL's KL term × exp(logp − sg(logp)), value 1): ∂ = ∂k/∂x + k. k1 at x = ½:
+    1.5; beyond the input clamp 20: 0; k3 at x = ln 2: ½ + (ln 2 − ½) = ln 2; k3 at x = −3 (k = e³ − 4 ≈ 16.1)
+    beyond the output clamp 10: 0. × coef 0.1. With a weighting of the KL term it is a schema error."""
+    from replay_lib.bundle.loss_knobs import check_knobs
+
+    k1 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k1", kl_loss_input_clamp=20.0, kl_loss_score_function=True)
+    g = grad_log_probs(_rollout_kl_inputs([0.5, 25.0], [5.0, 5.0]), k1)  # the rollout is not read
+    assert g.grad.tolist() == pytest.approx([0.15, 0.0], rel=1e-12, abs=1e-15)
+    k3 = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k3", kl_loss_output_clamp=10.0, kl_loss_score_function=True)
+    g = grad_log_probs(_rollout_kl_inputs([math.log(2.0), -3.0], [0.0, 0.0]), k3)
+    assert g.grad.tolist() == pytest.approx([0.1 * math.log(2.0), 0.0], rel=1e-12, abs=1e-15)
+    both = LossKnobs(kl_loss_coef=0.1, kl_loss_score_function=True, kl_loss_rollout_weighted=True)
+    assert check_knobs(both) == ["kl_loss_score_function: expected kl_loss_ratio_weighted and "
+                                 "kl_loss_rollout_weighted false with it (one KL weight)"]
+
+
+def test_hand_derived_mis_rejection_keeps_the_normalizers():
+    """slime's MIS rejection (``keep``, 0 at a rejected token) multiplies every term's numerator, the
+    normalizers kept: d = 0, A = 1, one sample of three tokens (sum_of_sample_means: W = ⅓), the KL k1 at coef 0.1:
+    kept tokens −⅓ + 0.1/3 = −0.3, the rejected one 0. Under GSPO (d = 0.1, 0.3, A = 1, the second rejected) the
+    sample ratio s = e^{0.2} still takes the rejected token's log-ratio: both tokens get W·(s/n)·Σ_t keep_t·(−A_t)
+    = ½·(s/2)·(−1) = −s/4."""
+    knobs = LossKnobs(kl_loss_coef=0.1, kl_loss_type="k1")
+    keep = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    gi = _inputs([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], ref=[-1.5] * 3)
+    from dataclasses import replace
+
+    g = grad_log_probs(replace(gi, keep=keep), knobs)
+    assert g.grad.tolist() == pytest.approx([-0.3, 0.0, -0.3], rel=1e-12)
+    assert g.terms.branch.tolist()[1] == 7  # KEEP_DROPPED: the why strip names it
+    gspo = LossKnobs(importance_level="sequence", eps_clip_high=0.28)
+    g = grad_log_probs(replace(_inputs([0.1, 0.3], [1.0, 1.0]), keep=torch.tensor([1.0, 0.0], dtype=torch.float64)),
+                       gspo)
+    s = math.exp(0.2)
+    assert g.grad.tolist() == pytest.approx([-s / 4, -s / 4], rel=1e-12)
+
+
+# NeMo-RL's on-policy KL approximation (k1, k2, k3 over a token mean, per-sequence means, GSPO under accumulation)
+# and slime's MIS rejection (token bounds; the veto with GSPO and a ratio-weighted KL; with the rollout-weighted KL)
+KNOB_CONFIGS = {
+    "kl-rollout-k3": GradConfig(kl_loss_type="k3", kl_rollout_weighted=True),
+    "kl-rollout-k1-seq": GradConfig(kl_loss_type="k1", kl_rollout_weighted=True, agg="seq_mean_token_mean",
+                                    is_level=None),
+    "kl-rollout-k2-gspo": GradConfig(kl_loss_type="k2", kl_rollout_weighted=True, importance_level="sequence",
+                                     eps_clip_c=None, is_level="sequence", is_high=4.0,
+                                     agg="micro_batch_token_mean", micro_batches=3, accumulate=True),
+    "mis-token": GradConfig(mis_rs=(("token", 0.7, 1.4),)),
+    "mis-veto-gspo": GradConfig(mis_rs=(("token", 0.7, 1.4),), mis_veto=0.5, importance_level="sequence",
+                                eps_clip_c=None, is_level=None, kl_ratio_weighted=True, agg="seq_mean_token_mean"),
+    "mis-kl-rollout": GradConfig(kl_loss_type="k3", kl_rollout_weighted=True, mis_rs=(("token", 0.7, 1.4),)),
+}
+
+
+@pytest.mark.parametrize("name", list(KNOB_CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_rollout_weighted_kl_term_and_mis_rejection_replay_clean(tmp_path, cli, name, seed):
+    """The autograd producer under kl_loss_rollout_weighted and mis_rs / mis_veto: loss.grad compares every
+    token and passes (these knobs were refused before)."""
+    path = produce_grad_bundle(tmp_path / "b", seed, SIZE, KNOB_CONFIGS[name])
     code, out, err = cli("replay", path, "--format", "json")
+    stages = _stages(json.loads(out))
+    assert (code, err) == (0, ""), stages["loss.grad"]
+    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "pass")
+    tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
+    assert stages["loss.grad"]["compared"] == tokens
+    assert stages["loss.grad"]["max_noise_ratio"] < 1.0
+
+
+@pytest.mark.parametrize("name, bug, hypotheses", [
+    ("kl-rollout-k3", "kl_weight_detached", ["grad.kl_weight_detached"]),
+    ("kl-rollout-k1-seq", "kl_weight_detached", ["grad.kl_weight_detached"]),
+    ("mis-token", "mis_not_in_backward", []),
+    ("mis-veto-gspo", "mis_not_in_backward", []),
+])
+def test_the_knobs_gradient_bugs_are_named_at_loss_grad_with_the_loss_passing(tmp_path, cli, name, bug, hypotheses):
+    """The KL term's weight detached (its value unchanged: NeMo-RL before #2506) and the MIS rejection left out
+    of the backward pass (the reported loss rejecting) fail loss.grad alone."""
+    path = produce_grad_bundle(tmp_path / "b", 3, SIZE, KNOB_CONFIGS[name], bug=bug)
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    stages = _stages(report)
+    assert (code, err) == (1, "")
+    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
+    assert report["first_divergent_stage"] == "loss.grad"
+    assert stages["loss.grad"]["reason"].startswith("gradient mismatch: grad_log_probs in ")
+    assert [e["hypothesis"] for e in report["explanations"]] == hypotheses
+
+
+def test_a_mis_decision_at_its_bound_is_a_hazard_either_way(tmp_path, cli):
+    """The first loss token's exp(old − rollout) is mis_rs's high bound 1.4 in float32: its keep decision lies
+    within rounding of the bound; the producer's (kept or rejected) passes, its sample named in an rs_boundary
+    hazard of loss.grad."""
+    config = GradConfig(mis_rs=(("token", 0.7, 1.4),), mis_edge=True)
+    path = produce_grad_bundle(tmp_path / "b", 0, SIZE, config)
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    assert (code, err, _stages(report)["loss.grad"]["status"]) == (0, "", "pass"), _stages(report)["loss.grad"]
+    hazards = [h["sample_id"] for h in report["hazards"] if h["stage"] == "loss.grad" and h["kind"] == "rs_boundary"]
+    assert hazards == ["s-0"], report["hazards"]
+
+
+def test_mis_rejection_with_a_sample_level_family_slope_is_refused_by_name(tmp_path, cli, bundle_tools):
+    """geo_mean's slope is the sample's own sums: under slime's MIS rejection (a per-token numerator mask) it is not
+    derived, and loss.grad fails naming the knob and the family, comparing nothing."""
+    path = produce_grad_bundle(tmp_path / "b", 0, SIZE, GradConfig(mis_rs=(("token", 0.7, 1.4),), is_level=None))
+    bundle_tools.edit_json(path, "index.json", lambda doc: doc["config"].update(
+        policy_loss="geo_mean", policy_loss_params={}, eps_clip_c=None, log_ratio_clamp=None))
+    code, out, err = cli("replay", path, "--format", "json")
+    assert err == "", err
     grad = _stages(json.loads(out))["loss.grad"]
-    message = "kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by loss.grad"
-    assert (code, grad["status"], grad["reason"], grad["compared"]) == (1, "fail", message, 0)
-    assert [(d["field"], d["message"]) for d in grad["divergences"]] == [("kl_loss_rollout_weighted", message)]
+    message = "mis_rs / mis_veto (slime's MIS rejection) with policy_loss 'geo_mean' is not recomputed by loss.grad"
+    assert (grad["status"], grad["reason"], grad["compared"]) == ("fail", message, 0), grad
+    assert [(d["field"], d["message"]) for d in grad["divergences"]] == [("mis_rs", message)]
 
 
 def test_grad_values_hand_derived_branches_bound_and_edges():

@@ -252,7 +252,7 @@ def test_the_branch_names_the_familys_slope_its_decision_and_a_dropped_token():
              mask=[1, 1, 1, 0])
     g = grad_log_probs(gi, knobs)
     assert g.terms.branch.tolist() == [FAMILY_SLOPE, FAMILY_DECIDED, KEEP_DROPPED, MASKED]
-    assert BRANCHES[KEEP_DROPPED] == "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"
+    assert BRANCHES[KEEP_DROPPED] == "dropped by OPSM, the entropy mask, is_keep or a MIS rejection (∂ = 0)"
     assert g.grad.tolist() == pytest.approx([-1.1, 0.0, 0.0, 0.0], rel=1e-12)
 
 

@@ -1,6 +1,7 @@
 """slime's MIS (``examples/train_infer_mismatch_helper/mis.py`` at 624b824a8) recomputed: the mapping of its
 settings (``frameworks.slime``), the rejection chain by hand, and whole steps of the independent reference
-``tests/producers/slime_mis.py`` replayed clean, with one injected bug named at ``loss.policy``."""
+``tests/producers/slime_mis.py`` replayed clean (their autograd gradient at ``loss.grad`` too), with one injected bug
+named at ``loss.policy``."""
 
 from __future__ import annotations
 
@@ -84,6 +85,21 @@ def test_slime_mis_step_replays_clean(tmp_path, cli, name):
     report = json.loads(out)
     assert (code, err, report["first_divergent_stage"]) == (0, "", None), out
     assert next(s for s in report["stages"] if s["stage"] == "loss.policy")["status"] == "pass"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_slime_mis_steps_gradient_replays_clean_at_loss_grad(tmp_path, cli, name):
+    """The step's gradient from torch.autograd on the reference's loss (the rejected tokens out of the numerators,
+    the denominators kept): loss.grad derives the rejections (a rejected token's gradient 0) and passes."""
+    path = produce_slime_mis_bundle(tmp_path / name, CASES[name], from_slime({**CASES[name].args(), **STEP_ARGS}),
+                                    grad=True)
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    stages = {s["stage"]: s for s in report["stages"]}
+    assert (code, err, report["first_divergent_stage"]) == (0, "", None), stages.get("loss.grad")
+    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "pass")
+    assert stages["loss.grad"]["compared"] == sum(s["response_length"] for s in json.loads(
+        (path / "index.json").read_text())["samples"])
 
 
 def test_the_rejections_are_not_vacuous():

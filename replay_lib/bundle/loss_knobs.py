@@ -96,6 +96,8 @@ class LossKnobs:
     # the KL term × exp(logp − rollout) before its output clamp, a non-finite weight 0 (NeMo-RL
     # use_on_policy_kl_approximation)
     kl_loss_rollout_weighted: bool = False
+    # the KL term × exp(logp − sg(logp)) (value 1): its gradient adds the score function's (NeMo-RL), loss.grad only
+    kl_loss_score_function: bool = False
     # opd_placement="advantage": subtracted from the GRPO returns ("returns") or from 0 ("zero")
     opd_base: str = "returns"
     # the format is_keep's divergence gates are evaluated in (the producer's declared compute, set by the stage
@@ -134,6 +136,7 @@ class LossKnobs:
                    is_keep=_is_keep(cfg), prompt=prompt_partition(samples),
                    force_on_policy_ratio=bool(_set(cfg, "force_on_policy_ratio", False)),
                    kl_loss_rollout_weighted=bool(_set(cfg, "kl_loss_rollout_weighted", False)),
+                   kl_loss_score_function=bool(_set(cfg, "kl_loss_score_function", False)),
                    opd_base=_set(cfg, "opd_base", "returns"), is_norm=_is_norm(cfg))
 
     def param(self, name: str):
@@ -311,6 +314,9 @@ def check_knobs(knobs: LossKnobs) -> list[str]:
         errors.append(f"opd_base: expected one of {', '.join(OPD_BASES)}, got {knobs.opd_base!r}")
     if knobs.kl_loss_rollout_weighted and knobs.kl_loss_ratio_weighted:
         errors.append("kl_loss_rollout_weighted: expected kl_loss_ratio_weighted false with it (one KL weight)")
+    if knobs.kl_loss_score_function and (knobs.kl_loss_ratio_weighted or knobs.kl_loss_rollout_weighted):
+        errors.append("kl_loss_score_function: expected kl_loss_ratio_weighted and kl_loss_rollout_weighted false "
+                      "with it (one KL weight)")
     if not math.isfinite(knobs.loss_scale):
         errors.append(f"loss_scale: expected a finite multiplier, got {knobs.loss_scale!r}")
     return errors

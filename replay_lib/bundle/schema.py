@@ -364,6 +364,10 @@ class RecomputeConfig(_Struct, kw_only=True, forbid_unknown_fields=True):
     # The KL term of the loss × exp(log_probs − rollout_log_probs) before its output clamp, a non-finite weight 0
     # (NeMo-RL use_on_policy_kl_approximation). Unset: false, not written.
     kl_loss_rollout_weighted: Union[bool, msgspec.UnsetType] = msgspec.UNSET
+    # The KL term's gradient adds the score function's: the estimate × exp(log_probs − sg(log_probs)), value 1
+    # (NeMo-RL's KL term without the on-policy approximation, loss_functions.py:487-490); loss.grad only, the loss's
+    # value unchanged. Unset: false, not written.
+    kl_loss_score_function: Union[bool, msgspec.UnsetType] = msgspec.UNSET
     # opd_placement="advantage": what the distillation term is subtracted from: "returns" (the GRPO returns,
     # slime) or "zero" (the advantage is −coef·estimate alone, NeMo-RL's opd estimator). Unset: "returns".
     opd_base: Union[str, msgspec.UnsetType] = msgspec.UNSET

@@ -13,6 +13,9 @@ recorded ``grad_log_probs`` against what it would have produced from the stage's
 * ``grad.nonfinite_zero_coefficient`` — a non-finite gradient from a term whose coefficient is 0 (a KL term of
   ``kl_loss_coef = 0`` still in the graph, slime#2258; an IcePop-masked token, prime-rl#3526; a loss-mask-0
   token): the recorded NaN/Inf exactly where such a term is, ``g`` elsewhere;
+* ``grad.kl_weight_detached`` — the KL term's weight ``exp(logp − rollout)`` (``kl_loss_rollout_weighted``) or
+  ``exp(logp − sg(logp))`` (``kl_loss_score_function``) detached: the score-function part of NeMo-RL's KL
+  gradient lost, the term's value unchanged: ``g − W^kl·m·w·k·[inside the clamps]``;
 * ``grad.scaled`` — the gradient is scaled by ``k`` relative to the loss (a loss scale or accumulation divisor
   applied twice, or not at all): ``k·g`` with ``k`` the median recorded/expected ratio.
 """
@@ -107,12 +110,27 @@ def hypotheses(ctx: StageContext, fields: list[FieldResult]) -> list[Hypothesis]
         # the KL estimator's own slope (W_kl·m·∂k/∂x, × the ratio when ratio-weighted): what a KL term computed under
         # no_grad loses; a detached ratio leaves it alone (the ratio-weighted term's k·∂r goes with the ratio)
         _, dk = kl_value_and_slope(gi.log_probs - gi.ref_log_probs, knobs)
-        own = g.kl_weight * gi.mask * dk * (g.terms.ratio if knobs.kl_loss_ratio_weighted else 1.0)
+        own = g.kl_weight * gi.numerator * dk * (g.terms.ratio if knobs.kl_loss_ratio_weighted else 1.0)
+        weighted = knobs.kl_loss_rollout_weighted or knobs.kl_loss_score_function
+        if weighted:  # w·k under no_grad: the whole term (the weight's part too)
+            own = g.kl
         add("grad.kl_no_gradient", "the KL term contributes no gradient (computed under no_grad or detached): the "
             "recorded gradient is " + ("the policy term's and the ratio's in k·r" if knobs.kl_loss_ratio_weighted
                                        else "the policy term's alone"), g.grad - own)
         add("grad.ratio_detached", "the ratio is detached (policy term has no gradient): the recorded gradient is "
             "the KL estimator's alone", own)
+        if weighted:
+            from ..kernels.grad import rollout_weighted_kl
+
+            r = rollout_weighted_kl(gi, knobs)
+            x = gi.log_probs - gi.ref_log_probs
+            inside = (x.abs() <= knobs.kl_loss_input_clamp) if knobs.kl_loss_input_clamp is not None else True
+            if knobs.kl_loss_output_clamp is not None:
+                inside = inside & (r["value"].abs() <= knobs.kl_loss_output_clamp)
+            score = g.kl_weight * gi.numerator * r["w"] * r["k"] * inside
+            what = "exp(logp − rollout)" if knobs.kl_loss_rollout_weighted else "exp(logp − sg(logp))"
+            add("grad.kl_weight_detached", f"the KL term's weight {what} is detached (the score-function part "
+                "w·k of its gradient is lost)", g.grad - score)
     else:
         add("grad.ratio_detached", "the ratio is detached (policy term has no gradient): the recorded gradient is "
             "0", torch.zeros_like(g.grad))

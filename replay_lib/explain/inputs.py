@@ -484,9 +484,14 @@ def grad_token_inputs(ctx: StageContext, field: str, index: int, offset: int, t:
                    f"{fmt(kl)} + {fmt(opd)} = {fmt(total)} (recorded {fmt(recorded)})")
     items = [("branch", branch), ("ratio r", fmt(float(terms.ratio[t]))), ("A", fmt(float(gi.advantages[t]))),
              ("mask", fmt_count(float(gi.mask[t])))]
+    if gi.keep is not None:  # slime's MIS rejection: 0 where the token's terms left the numerators
+        items.append(("MIS kept", fmt_count(float(gi.keep[t]))))
     if terms.weight is not None:
         items.append(("IS weight (detached)", fmt(float(terms.weight[t]))))
     items.append(("W_pg", fmt(float(g.pg_weight[t]))))
+    if knobs.kl_loss and knobs.kl_loss_rollout_weighted:  # its weight keeps a gradient: w·(∂k + k)
+        w = torch.nan_to_num((gi.log_probs[t] - gi.rollout_log_probs[t]).exp(), nan=0.0, posinf=0.0, neginf=0.0)
+        items.append(("KL weight w (not detached)", fmt(float(w))))
     if knobs.kl_loss:
         share = abs(kl) / (abs(pg) + abs(kl)) if (pg or kl) else 0.0
         items += [("W_kl", fmt(float(g.kl_weight[t]))), ("KL share", f"{100 * share:.1f}%")]

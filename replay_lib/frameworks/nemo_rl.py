@@ -132,6 +132,8 @@ def from_nemo_rl(cfg: Any, *, where: Optional[str] = None) -> RecomputeConfig:
         fields.update(force_on_policy_ratio=True)
     if kl_rollout:
         fields.update(kl_loss_rollout_weighted=True)
+    elif kl_coef != 0:  # loss.py:487-490: exp(curr − curr.detach()): value 1, the score function's gradient (#2506)
+        fields.update(kl_loss_score_function=True)
     if reinforce:
         if r.number(f"{L}.ratio_clip_c", None) is not None:
             r.refuse(f"{L}.ratio_clip_c", r.number(f"{L}.ratio_clip_c", None), "NeMo-RL dual-clips −A·logp under "

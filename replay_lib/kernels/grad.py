@@ -61,7 +61,7 @@ BRANCHES = {UNCLIPPED: "unclipped (∂pg/∂r = −A)", CLIPPED: "clipped (∂pg
             MASKED: "not a loss token",
             FAMILY_SLOPE: "the family's slope (kernels/families/grad.py, its stop-gradients)",
             FAMILY_DECIDED: "the family's clip or mask decision taken (its slope there)",
-            KEEP_DROPPED: "dropped by OPSM, the entropy mask or is_keep (∂ = 0)"}
+            KEEP_DROPPED: "dropped by OPSM, the entropy mask, is_keep or a MIS rejection (∂ = 0)"}
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,20 @@ class GradInputs:
     sample_terms: Optional[dict] = None
     # the policy-loss family's own per-token payloads by name (``kernels.families.token_payloads``: clip_cov_mask)
     family_tokens: Optional[dict] = None
+    # slime's MIS rejection (mis_rs, mis_veto): 0/1 per token multiplying every term's numerator, while the
+    # aggregation weights and a sample's own statistics (GSPO's mean log-ratio) keep ``mask``; ``None``: all kept
+    keep: Optional[torch.Tensor] = None
+    # ``keep`` with its decisions within rounding of a bound taken the other way (stages.grad's bound reads it)
+    keep_alternative: Optional[torch.Tensor] = None
 
     @property
     def seg(self) -> torch.Tensor:
         return segment_ids(self.lengths)
+
+    @property
+    def numerator(self) -> torch.Tensor:
+        """The mask of every term's numerator: ``mask × keep`` (slime's MIS rejection), else ``mask``."""
+        return self.mask if self.keep is None else self.mask * self.keep
 
 
 @dataclass
@@ -190,7 +200,7 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
         slope, branch = _surrogate_slope(ratio, gi.advantages, knobs)
         if w is not None:
             slope = slope * w
-        total = segment_sum(slope * m, seg, gi.lengths.numel())  # Σ_t m_t·∂pg_t/∂s
+        total = segment_sum(slope * gi.numerator, seg, gi.lengths.numel())  # Σ_t m_t·∂pg_t/∂s
         seq = (inside / n)[seg] * m  # ∂s_i/∂logp_u / s_i
         pg = total[seg] * ratio * seq
         branch = torch.where(inside[seg] == 0, torch.full_like(branch, RATIO_CLAMPED), branch)
@@ -202,8 +212,10 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
         slope, branch = _surrogate_slope(ratio, gi.advantages, knobs)
         if w is not None:
             slope = slope * w
-        pg = slope * ratio * inside * m
+        pg = slope * ratio * inside * gi.numerator
         branch = torch.where((inside == 0) & (branch == UNCLIPPED), torch.full_like(branch, RATIO_CLAMPED), branch)
+        if gi.keep is not None:  # a token slime's MIS rejection dropped: no term of its own
+            branch = torch.where(gi.keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     if keep is not None:
         branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
@@ -216,7 +228,7 @@ def ppo_clip_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
             plain = replace(knobs, opsm_delta=None, top_entropy_quantile=1.0, is_keep=())
             unmasked = ppo_clip_grad(replace(gi, sample_terms=None), plain).pg.abs()
         else:
-            unmasked = (_surrogate_slope(ratio, gi.advantages, knobs)[0] * ratio * inside * m
+            unmasked = (_surrogate_slope(ratio, gi.advantages, knobs)[0] * ratio * inside * gi.numerator
                         * (weight if weight is not None else 1.0)).abs()
     return GradTerms(pg=pg, branch=branch, ratio=ratio, seq=seq, weight=weight, keep=keep, unmasked=unmasked,
                      columns=columns)
@@ -277,7 +289,8 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
     m = gi.mask
     w = t.get("is_weight")
     keep = _keep_of(t)
-    factor = m if w is None else m * w
+    num = gi.numerator
+    factor = num if w is None else num * w
     unmasked = slope * factor
     pg = unmasked if keep is None else unmasked * keep
     err = err * factor.abs()
@@ -292,6 +305,8 @@ def family_grad(gi: GradInputs, knobs: LossKnobs) -> GradTerms:
         branch = torch.where(t["clip"] > 0, torch.full_like(branch, FAMILY_DECIDED), branch)
     if keep is not None:
         branch = torch.where(keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
+    if gi.keep is not None:
+        branch = torch.where(gi.keep == 0, torch.full_like(branch, KEEP_DROPPED), branch)
     branch = torch.where(m == 0, torch.full_like(branch, MASKED), branch)
     ratio = t["ratio"]
     # a family whose gradient has decisions its loss value does not (Clip-Cov: PPO's clip) names their edges apart
@@ -327,10 +342,43 @@ def kl_value_and_slope(x: torch.Tensor, knobs: LossKnobs) -> tuple[torch.Tensor,
     return k, dk
 
 
+def rollout_weighted_kl(gi: GradInputs, knobs: LossKnobs) -> dict[str, torch.Tensor]:
+    """``kl_loss_rollout_weighted`` (NeMo-RL's ``use_on_policy_kl_approximation``): ``clamp(w·k(x), ±out)`` with
+    ``x = logp − ref`` input-clamped, ``w = exp(logp − rollout)`` (a non-finite weight 0). The weight is not
+    detached: NVIDIA-NeMo/RL @ 7ea279ab ``nemo_rl/algorithms/loss/loss_functions.py:477-493`` takes it from
+    ``curr_logprobs_unfiltered`` without a detach (the score-function gradient of the sampling probability), and
+    ``nemo_rl/algorithms/utils.py:72-81`` detaches it only where the input clamp holds (× then clamp, :95-99); ``nan_to_num`` passes no
+    gradient at a non-finite weight. So ``∂/∂logp = [|w·k| ≤ out]·w·(∂k/∂x + k·[|x| ≤ in])``.
+
+    Returns ``k`` (input-clamped, before the weight), ``dk`` (its slope, 0 where the input clamp holds), ``w``,
+    ``log_w`` (``logp − rollout``), ``value`` (``w·k`` before the output clamp) and ``slope`` (the term's).
+
+    ``kl_loss_score_function`` (NeMo-RL's KL term without the approximation, ``loss_functions.py:487-490``:
+    ``exp(curr − curr.detach())``) is the same with ``w = 1``: ``∂/∂logp = [|k| ≤ out]·(∂k/∂x + k·[|x| ≤ in])``."""
+    from dataclasses import replace
+
+    x = gi.log_probs - gi.ref_log_probs
+    k, dk = kl_value_and_slope(x, replace(knobs, kl_loss_output_clamp=None))
+    if not knobs.kl_loss_rollout_weighted:  # kl_loss_score_function: exp(logp − sg(logp)), 1 with gradient 1
+        log_w = torch.zeros_like(x)
+    elif gi.rollout_log_probs is None:
+        raise ValueError("rollout_log_probs is required for kl_loss_rollout_weighted")
+    else:
+        log_w = gi.log_probs - gi.rollout_log_probs
+    raw = log_w.exp()
+    w = torch.where(torch.isfinite(raw), raw, torch.zeros_like(raw))
+    value = w * k
+    slope = w * (dk + k * _inside(x, knobs.kl_loss_input_clamp)) * _inside(value, knobs.kl_loss_output_clamp)
+    return dict(k=k, dk=dk, w=w, log_w=log_w, value=value, slope=slope)
+
+
 def kl_grad(gi: GradInputs, knobs: LossKnobs, terms: GradTerms) -> torch.Tensor:
-    """``∂S^kl_i/∂logp_u`` per token (masked): the KL term's slope, and with ``kl_loss_ratio_weighted`` the
-    product rule over the ratio (the sample's under GSPO)."""
-    m = gi.mask
+    """``∂S^kl_i/∂logp_u`` per token (masked): the KL term's slope, with ``kl_loss_ratio_weighted`` the product
+    rule over the ratio (the sample's under GSPO), with ``kl_loss_rollout_weighted`` over its weight
+    (:func:`rollout_weighted_kl`)."""
+    m = gi.numerator
+    if knobs.kl_loss_rollout_weighted or knobs.kl_loss_score_function:
+        return rollout_weighted_kl(gi, knobs)["slope"] * m
     k, dk = kl_value_and_slope(gi.log_probs - gi.ref_log_probs, knobs)
     if not knobs.kl_loss_ratio_weighted:
         return dk * m
@@ -435,4 +483,4 @@ def opd_grad(gi: GradInputs, knobs: LossKnobs) -> torch.Tensor:
     policy term, ``kernels.loss.field_aggregation``)."""
     if gi.teacher_log_probs is None:
         raise ValueError("teacher_log_probs is required for opd_placement='loss'")
-    return kl_value_and_slope(gi.log_probs - gi.teacher_log_probs, opd_knobs(knobs))[1] * gi.mask
+    return kl_value_and_slope(gi.log_probs - gi.teacher_log_probs, opd_knobs(knobs))[1] * gi.numerator

@@ -16,7 +16,10 @@ rounding of a clip bound (``error_model.loss_clip_hits``), of dual-clip's ``c`` 
 (``near_value``), or whose log-ratio or KL input lies at its clamp, may take either branch in a legitimate
 producer: its tolerance admits the unclipped gradient's magnitude (under GSPO the sample's), and each such sample
 is named in a hazard. Payloads stored coarser than the declared compute add their rounding (``storage_unit``) to
-the exponent's condition.
+the exponent's condition. The rollout-weighted KL term (and ``kl_loss_score_function``, its weight 1) adds its
+weight exponent's condition ``|logp − rollout|`` to the estimator's (``_rollout_kl_bound``); a MIS rejection
+(slime's ``mis_rs`` / ``mis_veto``) decided within rounding of its bound admits the gradient with that decision
+taken the other way (``rs_boundary``).
 """
 
 from __future__ import annotations
@@ -56,23 +59,27 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def gradient_inputs(ctx: StageContext) -> tuple[GradInputs, LossKnobs]:
     """The float64 inputs of the analytic gradient: loss.policy's (``stages.loss_inputs``)."""
     li = loss_inputs(ctx)
-    if li.knobs.kl_loss and li.knobs.kl_loss_rollout_weighted:  # its weight's gradient is not derived here
+    from ..kernels.families.grad import SAMPLE_SLOPES
+
+    if li.keep is not None and li.knobs.family and li.knobs.policy_loss in SAMPLE_SLOPES:
+        # a sample-level slope (the sample's own sums) under a per-token numerator mask: not derived here
         from .base import StageInputError
 
-        raise StageInputError("kl_loss_rollout_weighted (the KL term × exp(logp − rollout)) is not recomputed by "
-                              "loss.grad", field="kl_loss_rollout_weighted")
-    if li.keep is not None:  # slime's MIS rejection keeps the normalizers: not derived here
-        from .base import StageInputError
-
-        raise StageInputError("mis_rs / mis_veto (slime's MIS rejection) is not recomputed by loss.grad",
-                              field="mis_rs")
+        raise StageInputError(f"mis_rs / mis_veto (slime's MIS rejection) with policy_loss "
+                              f"{li.knobs.policy_loss!r} is not recomputed by loss.grad", field="mis_rs")
+    keep = alternative = None
+    if li.keep is not None:  # slime's MIS rejection: every term's numerator, the normalizers kept
+        keep = li.keep.to(torch.float64)
+        if li.rs_alternative is not None:
+            alternative = li.rs_alternative.to(torch.float64)
     adv = li.advantages.materialize() if isinstance(li.advantages, GrpoReturns) else li.advantages
     opt = {name: _f64(value) if value is not None else None
            for name, value in (("rollout_log_probs", li.rollout_log_probs), ("ref_log_probs", li.ref_log_probs),
                                ("entropy", li.entropy if li.knobs.entropy_mask else None),
                                ("teacher_log_probs", li.teacher_log_probs if li.knobs.opd_loss else None))}
     gi = GradInputs(log_probs=_f64(li.log_probs), old_log_probs=_f64(li.old_log_probs), advantages=_f64(adv),
-                    mask=li.mask.to(torch.float64), lengths=ctx.lengths, family_tokens=li.family_tokens, **opt)
+                    mask=li.mask.to(torch.float64), lengths=ctx.lengths, family_tokens=li.family_tokens,
+                    keep=keep, keep_alternative=alternative, **opt)
     knobs = li.knobs
     if knobs.family or knobs.opsm or knobs.entropy_mask or knobs.is_keep:
         # the per-sample terms of the whole step once (a family's micro-batch statistics, the entropy mask's
@@ -125,6 +132,15 @@ def recompute_gradient(ctx: StageContext) -> tuple[GradInputs, LossKnobs, Gradie
             if out is not None and value is not None:
                 out[t0:t1] = value
         b, chunk_hits = gradient_bound(u, u_s, u_out, part, knobs, g)
+        if part.keep_alternative is not None:
+            # a MIS decision within rounding of its bound: the gradient had it gone the other way (the flipped
+            # token's term, under GSPO its share in the sample's other tokens too)
+            from dataclasses import replace
+
+            alt = grad_log_probs(replace(part, keep=part.keep_alternative), knobs, scale,
+                                 weights=(weights[0][s0:s1], weights[1][s0:s1]))
+            b = b + (alt.grad - g.grad).abs()
+            chunk_hits["rs_boundary"] = part.keep_alternative != part.keep
         bound[t0:t1] = b
         part_seg = part.seg
         for kind, hit in chunk_hits.items():
@@ -182,7 +198,7 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
     else:
         bound = u * g.pg.abs() * cond
         w = t.weight if t.weight is not None else torch.ones_like(m)
-        unclipped = (gi.advantages * w).abs() * m  # |∂pg/∂r| on the unclipped branch
+        unclipped = (gi.advantages * w).abs() * gi.numerator  # |∂pg/∂r| on the unclipped branch
         near = loss_clip_hits(ratio, gi.advantages, u, knobs.eps_clip, knobs.eps_clip_high, e_store)
         hits["clip_boundary"] = near
         if knobs.dual_clip:
@@ -200,7 +216,7 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
                 if edge is not None:
                     flip |= near_value(raw, float(edge), u, lr_cond + (log_w if log_w is not None else 0.0), e_store)
             hits["is_mask_boundary"] = flip
-            unclipped = torch.maximum(unclipped, (gi.advantages * raw).abs() * m)
+            unclipped = torch.maximum(unclipped, (gi.advantages * raw).abs() * gi.numerator)
         edge = torch.zeros_like(m, dtype=torch.bool)
         for hit in hits.values():
             edge |= hit
@@ -215,7 +231,9 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
         else:
             bound = bound + torch.where(edge, (unclipped * ratio * g.pg_weight).abs(), torch.zeros_like(bound))
     bound = bound + _mask_bound(u, gi, knobs, t, g, hits)
-    if knobs.kl_loss:
+    if knobs.kl_loss and (knobs.kl_loss_rollout_weighted or knobs.kl_loss_score_function):
+        bound = bound + _rollout_kl_bound(u, u_s, gi, knobs, g, hits)
+    elif knobs.kl_loss:
         x = gi.log_probs - gi.ref_log_probs
         k, dk = kl_value_and_slope(x, knobs)
         curvature = {"k1": 0.0, "abs": 0.0, "k2": 1.0}.get(knobs.kl_loss_type)
@@ -225,7 +243,7 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
             slope_err = slope_err + C_STORE * curv * u_s * (gi.log_probs.abs() + gi.ref_log_probs.abs())
         if knobs.kl_loss_ratio_weighted:
             slope_err = slope_err * ratio + u * cond * (k.abs() + dk.abs()) * ratio
-        bound = bound + slope_err * g.kl_weight.abs() * m + u * C_TOKEN * g.kl.abs()
+        bound = bound + slope_err * g.kl_weight.abs() * gi.numerator + u * C_TOKEN * g.kl.abs()
         kl_edge = torch.zeros_like(m, dtype=torch.bool)
         for clamp, value in ((knobs.kl_loss_input_clamp, x), (knobs.kl_loss_output_clamp, k)):
             if clamp is not None:
@@ -240,6 +258,40 @@ def gradient_bound(u: float, u_s: float, u_out: float, gi: GradInputs, knobs: Lo
     if u_out:
         bound = bound + u_out * g.grad.abs()
     return bound, hits
+
+
+def _rollout_kl_bound(u: float, u_s: float, gi: GradInputs, knobs: LossKnobs, g: Gradient, hits: dict
+                      ) -> torch.Tensor:
+    """The rollout-weighted KL term's rounding (``kernels.grad.rollout_weighted_kl``: ``w·(k' + k)``): the
+    estimator's slope and value (``C_TOKEN·u·(|k'| + |k| + k''·(1 + |x|))``, ``k''`` its curvature) and the
+    weight's exponent (``u·(C_TOKEN + |logp − rollout|)·(|k'| + |k|)``), × ``w·|W^kl|``; payloads stored coarser
+    add their rounding through both exponents; a token whose input or value (``w·k``) lies within rounding of
+    its clamp admits the unclamped slope (a ``kl_clamp_hit`` hazard)."""
+    from ..kernels.grad import rollout_weighted_kl
+
+    m = gi.numerator
+    x = gi.log_probs - gi.ref_log_probs
+    r = rollout_weighted_kl(gi, knobs)
+    k, dk, w = r["k"], r["dk"], r["w"]
+    curvature = {"k1": 0.0, "abs": 0.0, "k2": 1.0}.get(knobs.kl_loss_type)
+    curv = torch.full_like(x, curvature) if curvature is not None else (-x).exp()
+    mag = dk.abs() + k.abs()
+    err = C_TOKEN * u * (mag + curv * (1 + x.abs())) + u * (C_TOKEN + r["log_w"].abs()) * mag
+    if u_s:
+        err = err + C_STORE * u_s * ((curv + mag) * (gi.log_probs.abs() + gi.ref_log_probs.abs())
+                                     + mag * (gi.log_probs.abs() + gi.rollout_log_probs.abs()))
+    weight = g.kl_weight.abs()
+    out = err * w * weight * m + u * C_TOKEN * g.kl.abs()
+    edge = torch.zeros_like(m, dtype=torch.bool)
+    for clamp, value in ((knobs.kl_loss_input_clamp, x), (knobs.kl_loss_output_clamp, r["value"])):
+        if clamp is not None:
+            edge |= (value.abs() - clamp).abs() <= C_NEAR_CLIP * u * (1 + value.abs() + r["log_w"].abs())
+    edge &= m > 0
+    if bool(edge.any()):
+        hits["kl_clamp_hit"] = edge
+        reach = (dk.abs().clamp_min(1.0) + k.abs()) * w
+        out = out + torch.where(edge, reach * weight, torch.zeros_like(out))
+    return out
 
 
 def _family_bound(u: float, e_store, gi: GradInputs, t: GradTerms, g: Gradient, hits: dict) -> torch.Tensor:
@@ -387,6 +439,7 @@ HAZARD_TEXT = {
     "mask_boundary": "a policy-loss mask decision (the family's, OPSM's, the entropy mask's) within rounding of its "
                      "edge",
     "is_keep_boundary": "an is_keep decision of its sample within rounding of its edge",
+    "rs_boundary": "a MIS rejection decision (mis_rs, mis_veto) within rounding of its bound",
 }
 
 

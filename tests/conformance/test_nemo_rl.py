@@ -208,10 +208,13 @@ def reinforce_pp_advantages(k: dict, prompts, rewards, mask, prev=None, ref=None
 
 
 def calculate_kl(logprobs, reference, kl_type, input_clamp=20.0, output_clamp=10.0, weights=None):
-    """utils.py:42-101: ``logr = ref − logp`` clamped to ±input_clamp (:74-82); k1 ``−logr``, k2 ``logr²/2``, k3
-    ``exp(logr) − 1 − logr`` (:84-94); × ``importance_sampling_weights`` when given (:96-97), then the value
-    clamped to ±output_clamp (:99-100)."""
-    logr = (reference - logprobs).clamp(-input_clamp, input_clamp)
+    """utils.py:42-101: ``logr = ref − logp`` clamped to ±input_clamp, the weights detached where the clamp holds
+    (:72-81); k1 ``−logr``, k2 ``logr²/2``, k3 ``exp(logr) − 1 − logr`` (:83-93); × ``importance_sampling_weights``
+    when given (:95-96), then the value clamped to ±output_clamp (:98-99)."""
+    raw = reference - logprobs
+    logr = raw.clamp(-input_clamp, input_clamp)
+    if weights is not None:
+        weights = torch.where(raw == logr, weights, weights.detach())
     kl = {"k1": -logr, "k2": logr.square() / 2, "k3": logr.exp() - 1 - logr}[kl_type]
     if weights is not None:
         kl = weights * kl
@@ -240,7 +243,9 @@ def clipped_pg_loss(k: dict, curr, prev, gen, ref, adv, token_mask, sample_mask,
     if k["beta"] != 0:
         # :480-491: exp(curr − gen) with the on-policy approximation, else exp(curr − curr.detach()) = 1; NaN/±inf → 0
         on = k["kl_approx"] and k.get("bug") != "kl_weight_off"  # the bug: the approximation's weight left out
-        w = (curr - gen).exp() if on else (curr - curr).exp()
+        w = (curr - gen).exp() if on else (curr - curr.detach()).exp()
+        if k.get("bug") == "kl_weight_detached":  # its value unchanged, its gradient (the score function's) lost
+            w = w.detach()
         w = w.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         kl = calculate_kl(curr, ref, k["kl_type"], weights=w)
         kl = (masked_mean(kl, mask, global_normalization_factor=global_toks) if k["token_level"] else
@@ -321,10 +326,15 @@ def _batch(seed: int, precision: str) -> dict:
                 zeros=torch.zeros_like(old))  # what NeMo-RL leaves in prev_logprobs under force_on_policy_ratio
 
 
-def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
+def _produce(cfg: dict, s: dict, bug: Optional[str] = None, grad: bool = False) -> dict:
+    """The step's recorded values; ``grad``: each micro-batch's ``actor + β·kl`` backpropagated into a float32
+    leaf of the current log-probs too (``out["grad"]``, ∂L/∂logp of the step)."""
     k = _knobs(cfg)
     mask = s["mask"]
     curr, old, gen, ref = (s[n].float() for n in ("curr", "old", "gen", "ref"))
+    leaf = curr.clone().requires_grad_(True) if grad else None
+    if grad:
+        curr = leaf
     if k["estimator"] == "reinforce_plus_plus":  # grpo.py:3290: the prev log-probs as logprobs_policy
         adv = reinforce_pp_advantages(k, s["prompts"], s["raw"], mask, old, ref).float()
         base = baseline_and_std(s["prompts"], s["raw"], loo=False)[0] if k["minus_baseline"] else 0.0
@@ -353,11 +363,14 @@ def _produce(cfg: dict, s: dict, bug: Optional[str] = None) -> dict:
         ix = list(range(m, B, MICRO))
         a, k_ = clipped_pg_loss(k, curr[ix], old[ix], gen[ix], ref[ix], adv[ix], mask[ix], sample_mask[ix],
                                 global_toks, global_seqs)
+        if grad:
+            (a + k["beta"] * k_).backward()
+            a, k_ = a.detach(), k_.detach()
         actor, kl = actor + a, kl + k_
     loss = {"pg_loss": float(actor)}
     if k["beta"] != 0:
         loss["kl_loss"] = float(kl)
-    return dict(adv=adv, reward=reward, loss=loss)
+    return dict(adv=adv, reward=reward, loss=loss, **({"grad": leaf.grad.detach()} if grad else {}))
 
 
 def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
@@ -377,7 +390,8 @@ def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
                         samples=samples, config=config)
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=path.name,
                         producer=ProducerInfo(commit="nemo-rl@7ea279abfbeb", torch_version=torch.__version__),
-                        stage_contracts=stage_contracts(STAGES), payloads={},
+                        stage_contracts=stage_contracts(STAGES + ((StageId.LOSS_GRAD,) if "grad" in out else ())),
+                        payloads={},
                         comparison_policy=comparison_policy({"compute": precision, "accumulate": "float32"}),
                         redaction={})
     expected = {"reward.post_process": {"rewards": out["reward"].tolist()}, "loss.policy": out["loss"]}
@@ -386,18 +400,20 @@ def _write(path, rc, s: dict, out: dict, precision: str, old_key: str = "old"):
                       ("rollout_log_probs", "gen")):
         writer.write_payload(name, s[key][valid].contiguous())
     writer.write_payload("advantages", out["adv"][valid].contiguous())
+    if "grad" in out:
+        writer.write_payload("grad_log_probs", out["grad"][valid].contiguous())
     if rc.opd_placement == "advantage":
         writer.write_payload("teacher_log_probs", s["teacher"][valid].contiguous())
     return writer.finalize(ranks=[0])
 
 
-def _run(tmp_path, name: str, precision: str, seed: int, bug: Optional[str] = None, **knobs):
+def _run(tmp_path, name: str, precision: str, seed: int, bug: Optional[str] = None, grad: bool = False, **knobs):
     cfg = _config(name)
     rc = msgspec.structs.replace(from_nemo_rl(cfg), **knobs)
     s = _batch(seed, precision)
     old_key = "zeros" if _knobs(cfg)["force"] else "old"  # NeMo-RL's prev_logprobs placeholder (grpo.py:3238-3249)
-    return replay(_write(tmp_path / f"{name}-{precision}-{seed}-{bug}", rc, s, _produce(cfg, s, bug), precision,
-                         old_key=old_key))
+    return replay(_write(tmp_path / f"{name}-{precision}-{seed}-{bug}", rc, s, _produce(cfg, s, bug, grad=grad),
+                         precision, old_key=old_key))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -565,3 +581,29 @@ def test_the_new_mappings_set_their_knobs():
     # force_on_policy_ratio's branch comes first (loss.py:520): with both, the ratio is 1 and the surrogate PPO's
     both = from_nemo_rl({"loss_fn": {"force_on_policy_ratio": True, "disable_ppo_ratio": True}})
     assert (both.force_on_policy_ratio, both.policy_loss) == (True, "ppo")
+
+
+# The KL term's gradient (loss.grad): NeMo-RL's weight exp(curr − generation) under the on-policy approximation, else
+# exp(curr − curr.detach()) (value 1), is not detached (loss/loss_functions.py:477-493: the score-function gradient
+# of the sampling probability), detached only where the input clamp holds (utils.py:72-81); sample 3's token 1 lies
+# beyond the ±10 output clamp (k3). The KL types k3 (token level), k2 with dual-clip, k1 (sequence level).
+GRAD_CONFIGS = ("kl-approx", "kl-approx-k1-seq", "default", "dual-clip-k2", "seq-level-k1")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", GRAD_CONFIGS)
+def test_the_on_policy_kl_approximations_gradient_replays_clean(tmp_path, name, precision):
+    report = _run(tmp_path, name, precision, seed=2, grad=True)
+    status = {st.stage: st.status for st in report.stages}
+    assert (status["loss.policy"], status["loss.grad"], report.exit_code) == ("pass", "pass", 0), report.stages
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", GRAD_CONFIGS)
+def test_the_kl_weight_detached_is_named_at_loss_grad_with_the_loss_passing(tmp_path, name, precision):
+    """The weight detached (its value unchanged, the gradient's w·k part lost: NeMo-RL before #2506, the KL
+    term's plain weight exp(curr − curr.detach()) then absent)."""
+    report = _run(tmp_path, name, precision, seed=2, bug="kl_weight_detached", grad=True)
+    status = {st.stage: st.status for st in report.stages}
+    assert (status["loss.policy"], status["loss.grad"], report.exit_code) == ("pass", "fail", 1)
+    assert [e.hypothesis for e in report.explanations] == ["grad.kl_weight_detached"]

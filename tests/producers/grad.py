@@ -16,7 +16,18 @@ term computed under ``no_grad``, SkyRL#1353), ``is_not_detached`` (the importanc
 from the current log-probs, not detached: the same value on-policy, verl#4105), ``ratio_detached`` (the ratio
 frozen by a detach: the policy term has no gradient, torchforge#571), ``zero_coef_nan`` (a KL term of coefficient
 0 whose clamped ``exp`` overflows: 0·NaN in backward, slime#2258), ``scale_twice`` (the accumulation divisor
-applied twice before backward).
+applied twice before backward), ``kl_weight_detached`` (``kl_rollout_weighted``: the KL term's weight
+``exp(logp − rollout)`` detached, the score-function part of its gradient lost — NeMo-RL before #2506),
+``mis_not_in_backward`` (``mis_rs``: the rejected tokens left out of the reported loss only, the backward pass
+taking every loss token's term).
+
+``kl_rollout_weighted`` writes NeMo-RL's on-policy KL approximation as NVIDIA-NeMo/RL @ 7ea279ab does
+(``nemo_rl/algorithms/loss/loss_functions.py:482-493``: ``w = exp(curr − generation)`` not detached, NaN/±inf → 0;
+``nemo_rl/algorithms/utils.py:72-99``: ``logr = ref − logp`` clamped to ±20 with ``w`` detached where the clamp
+holds, ``w·k3`` clamped to ±10). ``mis_rs`` / ``mis_veto`` write slime's MIS rejection as
+``examples/train_infer_mismatch_helper/mis.py`` (THUDM/slime@624b824a8, :131-147, 243-263) decides it and
+``slime/backends/megatron_utils/loss.py:1080-1091`` applies it: the modified mask in every term's numerator, the
+original mask's counts as the denominators.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, 
 from .inputs import Size, make_inputs
 
 GRAD_BUGS = ("kl_no_grad", "is_not_detached", "ratio_detached", "zero_coef_nan", "scale_twice")
+# the bugs of one knob each (kl_rollout_weighted, mis_rs / mis_veto)
+KNOB_BUGS = ("kl_weight_detached", "mis_not_in_backward")
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,16 @@ class GradConfig:
     on_policy: bool = False  # old_log_probs == log_probs (a first mini-batch)
     spread: float = 0.25  # the std of logp − old off-policy
     edge: bool = False  # the first loss token: ratio 1 + eps_clip_high in float32 (a clip decision at its edge)
+    kl_rollout_weighted: bool = False  # NeMo-RL's on-policy KL approximation (kl_loss_type "k1"/"k2"/"k3")
+    mis_rs: tuple = ()  # slime's MIS rejection: ((level "token", low, high), ...)
+    mis_veto: Optional[float] = None
+    mis_edge: bool = False  # the first loss token: exp(old − rollout) at mis_rs[0]'s high bound in float32
 
     def __str__(self) -> str:
-        return (f"{self.agg}-c{self.eps_clip_c}-kl{self.kl_loss_type}{'w' if self.kl_ratio_weighted else ''}-"
-                f"is{self.is_level}:{self.is_mode}-{self.importance_level}{'-acc' if self.accumulate else ''}")
+        return (f"{self.agg}-c{self.eps_clip_c}-kl{self.kl_loss_type}{'w' if self.kl_ratio_weighted else ''}"
+                f"{'r' if self.kl_rollout_weighted else ''}-"
+                f"is{self.is_level}:{self.is_mode}-{self.importance_level}{'-acc' if self.accumulate else ''}"
+                f"{'-mis' if self.mis_rs or self.mis_veto else ''}")
 
 
 def _kl(logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp_input: bool) -> torch.Tensor:
@@ -77,6 +96,40 @@ def _kl(logp: torch.Tensor, ref: torch.Tensor, kind: str, clamp_input: bool) -> 
         return r.abs()
     k3 = torch.exp(r) - r - 1
     return torch.clamp(k3, min=-10.0, max=10.0)
+
+
+def _nemo_rl_kl(x: torch.Tensor, ref: torch.Tensor, rollout: torch.Tensor, kind: str, bug: Optional[str]
+                ) -> torch.Tensor:
+    """NeMo-RL's ``calculate_kl`` with the on-policy approximation's weight (module doc): ``logr = ref − logp``
+    clamped to ±20, the weight detached where the clamp holds, ``w·k`` clamped to ±10."""
+    w = torch.nan_to_num(torch.exp(x - rollout), nan=0.0, posinf=0.0, neginf=0.0)
+    if bug == "kl_weight_detached":
+        w = w.detach()
+    logr = ref - x
+    clamped = torch.clamp(logr, min=-20.0, max=20.0)
+    w = torch.where(logr == clamped, w, w.detach())
+    kl = {"k1": lambda r: -r, "k2": lambda r: torch.square(r) / 2, "k3": lambda r: torch.exp(r) - 1 - r}[kind](clamped)
+    return torch.clamp(w * kl, min=-10.0, max=10.0)
+
+
+def mis_keep(old: torch.Tensor, rollout: torch.Tensor, m: torch.Tensor, seg: torch.Tensor, n: int,
+             cfg: "GradConfig") -> torch.Tensor:
+    """slime's modified mask (module doc), token-level rejection and the veto: ``m·[low ≤ exp(clamp(old −
+    rollout, ±20)) ≤ high]``, a sample with a loss token ``old − rollout < log(veto)`` dropped whole."""
+    keep = m.clone()
+    diff = old - rollout
+    for level, low, high in cfg.mis_rs:
+        if level != "token":
+            raise ValueError(level)
+        w = torch.exp(torch.clamp(diff, -20.0, 20.0))
+        keep = keep * ((w >= low) & (w <= high)).float()
+    if cfg.mis_veto is not None:
+        import math
+
+        bad = ((diff < math.log(cfg.mis_veto)) & (m > 0)).float()
+        vetoed = torch.zeros(n).index_add_(0, seg, bad) > 0
+        keep = keep * (~vetoed).float()[seg]
+    return keep
 
 
 def _weights(mode: str, m: torch.Tensor, seg: torch.Tensor, n: int, tokens: float, seqs: int, k: int,
@@ -95,10 +148,12 @@ def _weights(mode: str, m: torch.Tensor, seg: torch.Tensor, n: int, tokens: floa
 
 
 def _micro_loss(x, logp_v, old, adv, rollout, ref, m, lengths, cfg: GradConfig, bug: Optional[str], tokens: float,
-                seqs: int, k: int):
-    """One micro-batch's loss (pg part, kl part) as float32 0-d tensors of the leaf slice ``x``."""
+                seqs: int, k: int, rejection: bool = True):
+    """One micro-batch's loss (pg part, kl part) as float32 0-d tensors of the leaf slice ``x`` (``rejection``:
+    slime's MIS rejection applied to the numerators, when the config has one)."""
     n = lengths.numel()
     seg = torch.repeat_interleave(torch.arange(n), lengths)
+    numer = mis_keep(old, rollout, m, seg, n, cfg) if rejection and (cfg.mis_rs or cfg.mis_veto) else m
     log_ratio = x - old
     if cfg.importance_level == "sequence":
         cnt = torch.zeros(n).index_add_(0, seg, m).clamp(min=1)
@@ -132,18 +187,20 @@ def _micro_loss(x, logp_v, old, adv, rollout, ref, m, lengths, cfg: GradConfig, 
                 keep &= w <= cfg.is_high
             pg = torch.where(keep, pg * w, torch.zeros_like(pg))
     div, mult = _weights(cfg.agg, m, seg, n, tokens, seqs, k, cfg.dp)
-    pg_part = torch.sum(pg * m / div) * mult
+    pg_part = torch.sum(pg * numer / div) * mult
     kl_part = None
     if cfg.kl_loss_type is not None:
         clamp_input = bug != "zero_coef_nan"
-        if bug == "kl_no_grad":
+        if cfg.kl_rollout_weighted:
+            kl = _nemo_rl_kl(x, ref, rollout, cfg.kl_loss_type, bug)
+        elif bug == "kl_no_grad":
             with torch.no_grad():
                 kl = _kl(x, ref, cfg.kl_loss_type, clamp_input)
         else:
             kl = _kl(x, ref, cfg.kl_loss_type, clamp_input)
         if cfg.kl_ratio_weighted:
             kl = kl * ratio
-        kl_part = torch.sum(kl * m / div) * mult
+        kl_part = torch.sum(kl * numer / div) * mult
     return pg_part, kl_part
 
 
@@ -165,9 +222,14 @@ def grad_step(logp, old, adv, rollout, ref, mask, lengths, cfg: GradConfig, bug:
             continue
         lo, hi = int(starts[a]), int(ends[b - 1])
         sl = slice(lo, hi)
-        pg, kl = _micro_loss(x[sl], logp[sl], old[sl], adv[sl], rollout[sl], ref[sl], mask[sl], lengths[a:b], cfg,
-                             bug, tokens, n, k)
-        loss = pg if kl is None else pg + coef * kl
+        args = (x[sl], logp[sl], old[sl], adv[sl], rollout[sl], ref[sl], mask[sl], lengths[a:b], cfg, bug, tokens,
+                n, k)
+        pg, kl = _micro_loss(*args)
+        if bug == "mis_not_in_backward":  # the reported loss rejects, the backward pass does not
+            pg_b, kl_b = _micro_loss(*args, rejection=False)
+            loss = pg_b if kl_b is None else pg_b + coef * kl_b
+        else:
+            loss = pg if kl is None else pg + coef * kl
         if cfg.accumulate:
             loss = loss / k
             if bug == "scale_twice":
@@ -189,10 +251,16 @@ def recompute_config(cfg: GradConfig, tokens: int, samples: int, bug: Optional[s
     coef = 0.0 if bug == "zero_coef_nan" else cfg.kl_loss_coef
     kl = {} if cfg.kl_loss_type is None else dict(
         use_kl_loss=True, kl_loss_coef=coef, kl_loss_type=cfg.kl_loss_type,
-        kl_loss_input_clamp=20.0 if cfg.kl_loss_type == "low_var_kl" else None,
-        kl_loss_output_clamp=10.0 if cfg.kl_loss_type == "low_var_kl" else None)
+        kl_loss_input_clamp=20.0 if cfg.kl_loss_type == "low_var_kl" or cfg.kl_rollout_weighted else None,
+        kl_loss_output_clamp=10.0 if cfg.kl_loss_type == "low_var_kl" or cfg.kl_rollout_weighted else None)
     if cfg.kl_ratio_weighted:
         kl["kl_loss_ratio_weighted"] = True
+    if cfg.kl_rollout_weighted:
+        kl["kl_loss_rollout_weighted"] = True
+    if cfg.mis_rs:
+        kl["mis_rs"] = [tuple(option) for option in cfg.mis_rs]
+    if cfg.mis_veto is not None:
+        kl["mis_veto"] = cfg.mis_veto
     counts = {"token_mean": dict(loss_token_count=tokens), "seq_mean_token_mean": dict(loss_seq_count=samples)}
     scale = float(cfg.dp) if cfg.agg in ("token_mean", "seq_mean_token_mean") else 1.0
     extra = dict(grad_scale=1.0 / cfg.micro_batches) if cfg.accumulate else {}
@@ -221,6 +289,9 @@ def grad_inputs(seed: int, size: Size, cfg: GradConfig, bug: Optional[str] = Non
         old[t] = np.float32(logp[t] - np.float32(np.log1p(np.float32(cfg.eps_clip_high))))
         rollout[t], ref[t] = old[t], logp[t]
         adv[:int(inputs.lengths[0])] = abs(adv[0]) + 0.5
+    if cfg.mis_edge:  # exp(old − rollout) = high in float32 at the first loss token: the decision at its edge
+        t = int(np.flatnonzero(inputs.mask)[0])
+        rollout[t] = np.float32(old[t] - np.float32(np.log(np.float32(cfg.mis_rs[0][2]))))
     if bug == "zero_coef_nan":  # one loss token whose reference is e^100 times likelier: exp(ref − logp) overflows
         t = int(np.flatnonzero(inputs.mask)[0])
         logp[t] = old[t] = rollout[t] = -110.0
@@ -233,8 +304,8 @@ def produce_grad_bundle(path: str | Path, seed: int, size: Size, cfg: GradConfig
     """Write the step bundle (loss.policy and loss.grad) this producer records for ``seed``; ``value``: the
     value loss's payloads to record beside (``values``, ``old_values``, ``returns``, ``grad_values``, float32
     arrays over the tokens) and its ``value_clip``."""
-    if bug is not None and bug not in GRAD_BUGS:
-        raise ValueError(f"unknown gradient bug {bug!r} (expected one of {', '.join(GRAD_BUGS)})")
+    if bug is not None and bug not in GRAD_BUGS + KNOB_BUGS:
+        raise ValueError(f"unknown gradient bug {bug!r} (expected one of {', '.join(GRAD_BUGS + KNOB_BUGS)})")
     logp, old, adv, rollout, ref, inputs = grad_inputs(seed, size, cfg, bug)
     lengths = torch.from_numpy(inputs.lengths.astype(np.int64))
     mask = torch.from_numpy(inputs.mask.astype(np.float32))
@@ -285,4 +356,4 @@ CONFIGS = (
                agg="token_mean", accumulate=True, micro_batches=4),
 )
 
-__all__ = ["CONFIGS", "GRAD_BUGS", "GradConfig", "grad_step", "produce_grad_bundle"]
+__all__ = ["CONFIGS", "GRAD_BUGS", "KNOB_BUGS", "GradConfig", "grad_step", "produce_grad_bundle"]

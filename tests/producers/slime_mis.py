@@ -15,6 +15,9 @@
   ``rollout_mask_sums`` as denominators (loss.py:1080-1091) for pg_loss, pg_clipfrac, ppo_kl, entropy and the KL
   loss (:1100-1130); ``get_sum_of_sample_mean`` (CP 1): ``Σ_i Σ_t x·m' / clamp(Σ_t m, 1)``.
 
+``grad``: the step's ``pg_loss + kl_coef·kl_loss`` backpropagated into float32 leaves of the log-probs
+(``torch.autograd``), recorded as ``grad_log_probs`` for ``loss.grad``.
+
 ``bug``: ``"denominator"`` — the rejected tokens also leave the denominators (the reducer rebuilt from the
 modified masks alone, the bug loss.py:1080-1085's comment warns of)."""
 
@@ -90,9 +93,13 @@ def mis_weights(cfg: Mis, train: list, rollout: list, masks: list) -> tuple[list
     return weights, modified
 
 
-def slime_mis_step(cfg: Mis, logp, old, rollout, adv, ref, masks, *, eps=0.2, kl_coef=0.01, bug: str = ""):
-    """The recorded loss fields of one slime step (lists of per-sample float32 tensors)."""
+def slime_mis_step(cfg: Mis, logp, old, rollout, adv, ref, masks, *, eps=0.2, kl_coef=0.01, bug: str = "",
+                   grad: bool = False):
+    """The recorded loss fields of one slime step (lists of per-sample float32 tensors); ``grad``: and
+    ``"grad_log_probs"``, ∂(pg_loss + kl_coef·kl_loss)/∂logp concatenated over the samples."""
     weights, modified = mis_weights(cfg, old, rollout, masks)
+    if grad:
+        logp = [lp.clone().requires_grad_(True) for lp in logp]
     numer, denom = modified, modified if bug == "denominator" else masks
 
     def reduce(values):
@@ -108,6 +115,13 @@ def slime_mis_step(cfg: Mis, logp, old, rollout, adv, ref, masks, *, eps=0.2, kl
         ppo_kl.append(k)
         kl.append(lp - rf)  # k1
     pg_loss, kl_loss = reduce(pg), reduce(kl)
+    if grad:
+        (pg_loss + kl_coef * kl_loss).backward()
+        grads = torch.cat([lp.grad for lp in logp]).detach()
+        pg_loss, kl_loss = pg_loss.detach(), kl_loss.detach()
+        return {"loss": float(pg_loss + kl_coef * kl_loss), "pg_loss": float(pg_loss), "pg_clipfrac":
+                float(reduce(clip)), "ppo_kl": float(reduce([k.detach() for k in ppo_kl])),
+                "kl_loss": float(kl_loss), "grad_log_probs": grads}
     return {"loss": float(pg_loss + kl_coef * kl_loss), "pg_loss": float(pg_loss), "pg_clipfrac": float(reduce(clip)),
             "ppo_kl": float(reduce(ppo_kl)), "kl_loss": float(kl_loss)}
 
@@ -136,11 +150,13 @@ def make_step(seed: int, samples: int = 8, longest: int = 40):
 STEP_ARGS = {"eps_clip": 0.2, "use_kl_loss": True, "kl_loss_coef": 0.01, "kl_loss_type": "k1"}
 
 
-def produce_slime_mis_bundle(path: str | Path, cfg: Mis, config, seed: int = 3, bug: str = "") -> Path:
+def produce_slime_mis_bundle(path: str | Path, cfg: Mis, config, seed: int = 3, bug: str = "",
+                             grad: bool = False) -> Path:
     """``config``: the RecomputeConfig the test maps from slime's arguments (:meth:`Mis.args` plus
     :data:`STEP_ARGS`), recorded as the bundle's; the step is this module's own."""
     lengths, masks, old, logp, rollout, ref, adv = make_step(seed)
-    policy = slime_mis_step(cfg, logp, old, rollout, adv, ref, masks, bug=bug)
+    policy = slime_mis_step(cfg, logp, old, rollout, adv, ref, masks, bug=bug, grad=grad)
+    grads = policy.pop("grad_log_probs", None)
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // 4, response_length=int(n), total_length=int(n) + 5,
                             loss_mask=[int(v) for v in masks[i]], raw_reward=0.0, reward=0.0)
                for i, n in enumerate(lengths.tolist())]
@@ -149,10 +165,13 @@ def produce_slime_mis_bundle(path: str | Path, cfg: Mis, config, seed: int = 3, 
                         samples=samples, config=config)
     manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id,
                         producer=ProducerInfo(commit="tests.producers.slime_mis", torch_version=torch.__version__),
-                        stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)), payloads={},
+                        stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)
+                                                        + ((StageId.LOSS_GRAD,) if grad else ())), payloads={},
                         redaction={})
     writer = BundleWriter(path, manifest, index, {"loss.policy": policy})
     for name, values in (("log_probs", logp), ("old_log_probs", old), ("rollout_log_probs", rollout),
                          ("ref_log_probs", ref), ("advantages", adv)):
         writer.write_payload(name, torch.cat(values).float())
+    if grads is not None:
+        writer.write_payload("grad_log_probs", grads)
     return writer.finalize(ranks=[0])
