@@ -142,12 +142,16 @@ def _storage_hazard(ctx: StageContext, li: LossInputs, bound: dict[str, float], 
 # ctx.outputs key of the float64 per-sample sums of the recompute (:func:`_loss_sums`), every loss knob included.
 SUMS_OUTPUT = "loss_sums"
 
-# Tokens per step of :func:`_loss_sums`' pass: twice ``LOSS_CHUNK`` (the replay runs on one intra-op thread,
-# ``run.threads``), half the steps' fixed costs (per-op dispatch, the chunk's sample ids, the hit tests) at two
-# dozen float64 rows of 256 KiB each, which still stay in cache; measured at 1,024 × 16,384 on one thread:
-# 0.55 → 0.45 s for the pass (4 × LOSS_CHUNK: 0.48 s). Every per-token term is elementwise and every sum is
-# taken over the same runs in the same order as at LOSS_CHUNK, so the sums are the same bits.
+# Tokens per step of :func:`_loss_sums`' pass on a step of LARGE_PASS tokens or more: twice ``LOSS_CHUNK`` (the
+# replay runs on one intra-op thread, ``run.threads``), half the steps' fixed costs (per-op dispatch, the chunk's
+# sample ids, the hit tests) at two dozen float64 rows of 256 KiB each, which still stay in cache; measured at
+# 1,024 × 16,384 on one thread: 0.55 → 0.45 s for the pass (4 × LOSS_CHUNK: 0.48 s). Those rows hold ≈ 6 MiB more
+# of the allocator's memory: below LARGE_PASS tokens (≈ 80 MiB of payloads) that is more than 5% of the payloads,
+# so a smaller step keeps LOSS_CHUNK (at 256 × 8,192 the peak above torch stays 1.4× the 42 MiB of payloads). Every
+# per-token term is elementwise and every sum is taken over the same runs in the same order at either step, so
+# the sums are the same bits.
 PASS_CHUNK = 2 * LOSS_CHUNK
+LARGE_PASS = 1 << 22
 
 
 def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torch.Tensor]]:
@@ -226,10 +230,11 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
-    chunk_rows = torch.empty((len(names), min(PASS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
+    step = PASS_CHUNK if int(li.mask.numel()) >= LARGE_PASS else LOSS_CHUNK
+    chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
     draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
-    for lo, hi, seg in ctx.token_chunks(PASS_CHUNK):
+    for lo, hi, seg in ctx.token_chunks(step):
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
         if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
