@@ -119,3 +119,28 @@ def test_the_finite_test_is_torchs(dtype):
             b = a.clone()
             b[at] = bad
             assert fields_mod._all_finite(b) is False == bool(torch.isfinite(b).all())
+
+
+def test_the_sequential_float32_sums_are_a_token_order_loop():
+    # against error_model.sequential_sum32 (numpy's add.accumulate in float32, from 0) per sample and row, fed at
+    # chunk edges that cut samples anywhere; empty samples keep 0, a sample's sum carries across chunks
+    from replay_lib.judge.error_model import sequential_sum32
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.tensor([0, 5, 1, 37, 0, 0, 64, 3, 100, 1, 0, 29], dtype=torch.int64)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    # float64 terms spread over twelve decades (their float32 rounding and the sums' differ from float64's), signed
+    # zeros among them as masked products give
+    rows = torch.randn((3, total), generator=gen, dtype=torch.float64) * torch.logspace(-6, 6, total, dtype=torch.float64)
+    rows[1, ::7] = -0.0
+    rows[:, :5] = -0.0  # a sample of −0.0 only: its sequential sum from 0 is +0.0
+    for step in (1, 7, 16, 64, total):
+        sums = loss_mod.SequentialSums32(lengths, offsets, 3, step)
+        for lo in range(0, total, step):
+            hi = min(lo + step, total)
+            sums.add(lo, hi, rows[:, lo:hi])
+        want = torch.tensor([[sequential_sum32(rows[k, o:o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())]
+                             for k in range(3)], dtype=torch.float32)
+        assert torch.equal(_bits(sums.totals), _bits(want)), step
+        assert _bits(sums.totals[:, 1]).tolist() == [0, 0, 0]  # +0.0, not −0.0
