@@ -570,7 +570,8 @@ def loss_clip_hits(ratio: torch.Tensor, advantages: torch.Tensor, u_token: float
     nearer = torch.minimum(to_low, (ratio - (1 + eps_clip_high)).abs_(), out=to_low)
     close = nearer <= near
     # rare: a chunk with no ratio near a bound has nothing to restrict to A ≠ 0
-    return close.logical_and_(advantages != 0) if bool(close.any()) else close
+    # (numpy's any: torch's costs a reduction's fixed cost per chunk, ≈ 30× numpy's on 32K booleans)
+    return close.logical_and_(advantages != 0) if close.numpy().any() else close
 
 
 def sequential_sum32(values: torch.Tensor) -> float:

@@ -270,7 +270,8 @@ def _shared_terms(out: dict, log_probs, old_log_probs, advantages, knobs: LossKn
     """What follows any family's ``pg``: OPSM and the entropy mask, the importance weight, the KL term, the
     supervised distillation term."""
     pg, ratio = out["pg"], out["ratio"]
-    old = old_log_probs.to(dtype)
+    # converted only where a term below reads it (a token-long conversion per chunk otherwise)
+    old = old_log_probs.to(dtype) if knobs.is_level == "token" or knobs.is_keep else None
     if knobs.opsm or knobs.entropy_mask:
         out["pg_unmasked"] = pg
     if knobs.opsm:

@@ -86,21 +86,21 @@ class StageContext:
             self._seg = segment_ids(self.lengths)
         return self._seg
 
-    def token_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def token_chunks(self, chunk: int = LOSS_CHUNK) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``kernels.token_chunks`` of the selected samples' tokens: the same chunks, each sample of the chunk's
         tokens sliced from :attr:`seg` when the token axis is small enough to hold it (``fields.KEEP_COLUMNS``)."""
         total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
         if total > KEEP_COLUMNS:
             done = 0  # the rows of the mapped payloads done with are let go behind the chunks, RELEASE_ROWS at a time
-            for lo, hi, seg in token_chunks(self.lengths):
+            for lo, hi, seg in token_chunks(self.lengths, chunk):
                 yield lo, hi, seg
                 if hi - done >= RELEASE_ROWS or hi == total:
                     self.release(done, hi)
                     done = hi
             return
         seg = self.seg
-        for lo in range(0, total, LOSS_CHUNK):
-            hi = min(lo + LOSS_CHUNK, total)
+        for lo in range(0, total, chunk):
+            hi = min(lo + chunk, total)
             yield lo, hi, seg[lo:hi]
 
     def release(self, lo: int, hi: int) -> None:
@@ -252,16 +252,36 @@ class StageContext:
             return None
         present = self.lengths > 0
         first = torch.zeros(self.n, dtype=e.dtype)
-        first[present] = e[self.offsets[present]]
-        for lo, hi, seg in self.token_chunks():  # a chunk at a time: no full-length copy of a million tokens
-            if not torch.equal(first[seg], e[lo:hi]):
-                return None
+        starts = self.offsets[present]
+        first[present] = e[starts]
+        if bool(torch.isnan(first).any()) or not self._repeats(e, starts):
+            return None
         e_s = first.to(torch.float64)
         actual, bound = per_sample
         tol = e_s.abs().mul_(rtol).add_(atol)  # the token tolerance's arithmetic, on the sample's values
         if bounded:
             tol += bound.to(torch.float64)
         return SampleRuns(expected=e_s, actual=actual.to(torch.float64), tolerance=tol)
+
+    def _repeats(self, e: torch.Tensor, starts: torch.Tensor) -> bool:
+        """Whether every token of ``e`` but a sample's first equals the token before it (``==``: a NaN never
+        repeats; ``starts``, ascending: where each non-empty sample starts) — each sample's tokens all equal to its
+        first, the test of one comparison over RELEASE_ROWS tokens at a time, a sample's first token exempt: no
+        per-sample or per-chunk Python. The mapped rows are let go behind each block as the chunked passes do."""
+        total = e.numel()
+        release = total > KEEP_COLUMNS
+        for lo in range(0, total, RELEASE_ROWS):
+            hi = min(lo + RELEASE_ROWS, total)
+            a = max(lo, 1)  # token t against t − 1, t in [a, hi)
+            step = torch.ne(e[a:hi], e[a - 1:hi - 1])
+            first = int(torch.searchsorted(starts, a))
+            step[starts[first:int(torch.searchsorted(starts, hi))] - a] = False
+            same = not bool(step.any())
+            if release:
+                self.release(lo, hi)
+            if not same:
+                return False
+        return True
 
     def hazard(self, stage: str, kind: str, *, message: str, sample: Optional[int] = None,
                group_index: Optional[int] = None) -> None:

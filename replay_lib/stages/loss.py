@@ -5,6 +5,7 @@ recomputed in float64 (``kernels.loss``) and judged with the error model (``erro
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Optional
 
@@ -142,6 +143,17 @@ def _storage_hazard(ctx: StageContext, li: LossInputs, bound: dict[str, float], 
 # ctx.outputs key of the float64 per-sample sums of the recompute (:func:`_loss_sums`), every loss knob included.
 SUMS_OUTPUT = "loss_sums"
 
+# Tokens per step of :func:`_loss_sums`' pass on a step of LARGE_PASS tokens or more: twice ``LOSS_CHUNK`` (the
+# replay runs on one intra-op thread, ``run.threads``), half the steps' fixed costs (per-op dispatch, the chunk's
+# sample ids, the hit tests) at two dozen float64 rows of 256 KiB each, which still stay in cache; measured at
+# 1,024 × 16,384 on one thread: 0.55 → 0.45 s for the pass (4 × LOSS_CHUNK: 0.48 s). Those rows hold ≈ 6 MiB more
+# of the allocator's memory: below LARGE_PASS tokens (≈ 80 MiB of payloads) that is more than 5% of the payloads,
+# so a smaller step keeps LOSS_CHUNK (at 256 × 8,192 the peak above torch stays 1.4× the 42 MiB of payloads). Every
+# per-token term is elementwise and every sum is taken over the same runs in the same order at either step, so
+# the sums are the same bits.
+PASS_CHUNK = 2 * LOSS_CHUNK
+LARGE_PASS = 1 << 22
+
 
 def _sample_pass(ctx: StageContext, li: LossInputs) -> tuple[dict, Optional[torch.Tensor]]:
     """The per-sample quantities a per-sample knob needs before the token pass (GSPO's ratio, a sequence or
@@ -211,18 +223,18 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                                            knobs)
     out = torch.zeros((len(names), n), dtype=torch.float64)
     counts = torch.zeros((len(counted), n), dtype=torch.float64)
-    # sample-major: each token adds its row of signed terms to its sample's at once (index_add_ along dim 0, twice
-    # as fast as along dim 1), every sum still taken in token order in float32
-    seq32 = torch.zeros((n, n_signed), dtype=torch.float32)
+    step = PASS_CHUNK if int(li.mask.numel()) >= LARGE_PASS else LOSS_CHUNK
+    # every sum of the signed rows taken in token order in float32, a chunk's runs at a time (SequentialSums32)
+    seq32 = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
     zeros = torch.zeros(0, dtype=torch.float64)
     low, high = 1.0 - knobs.eps_clip, 1.0 + knobs.eps_clip_high
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
-    chunk_rows = torch.empty((len(names), min(LOSS_CHUNK, max(int(li.mask.numel()), 1))), dtype=torch.float64)
+    chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
     draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
-    for lo, hi, seg in ctx.token_chunks():
+    for lo, hi, seg in ctx.token_chunks(step):
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
         if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
@@ -339,18 +351,49 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
             hits.append(hit)
         for k, hit in enumerate(hits):
-            if bool(hit.any()):  # Σ hit·m of each sample
+            if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
                 at = torch.nonzero(hit).reshape(-1)
                 counts[k].index_add_(0, seg[at], m[at])
-        # every row at once: the float64 rows' per-sample sums, and seq32's in token order in float32
-        sums.add(out, lo, hi, buf)
-        seq32.index_add_(0, seg, signed.to(torch.float32).T)
+        # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
+        # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
+        for a in range(lo, hi, LOSS_CHUNK):
+            sums.add(out, a, min(a + LOSS_CHUNK, hi), buf[:, a - lo:a - lo + LOSS_CHUNK])
+        seq32.add(lo, hi, signed)
     if draw is not None:
         ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
-    return {**totals, **dict(zip(SEQ32_SUMS, seq32.T.contiguous()))}
+    return {**totals, **dict(zip(SEQ32_SUMS, seq32.totals))}
+
+
+class SequentialSums32:
+    """Per-sample sums of float32 rows in token order — ``((0 + v0) + v1) + …`` rounded to float32 at every step,
+    the producer's sequential sums (``error_model.SEQ32_SUMS``) — fed the token axis a chunk at a time. Each chunk's
+    runs of tokens are summed by ``torch.segment_reduce`` (a float32 loop per segment, in order, from 0: the bits
+    of ``index_add_`` in token order, at twice its speed), the sum so far of the sample a chunk continues written
+    ahead of that sample's run. ``totals``: ``[rows, samples]``; an empty sample's stay 0."""
+
+    def __init__(self, lengths: torch.Tensor, offsets: torch.Tensor, rows: int, step: int) -> None:
+        present = lengths > 0
+        self._starts = offsets[present].tolist()  # where each non-empty sample starts, ascending
+        self._samples = torch.nonzero(present).reshape(-1)
+        self.totals = torch.zeros((rows, int(lengths.numel())), dtype=torch.float32)
+        self._buf = torch.empty((rows, step + 1), dtype=torch.float32)
+
+    def add(self, lo: int, hi: int, rows: torch.Tensor) -> None:
+        """Tokens ``[lo, hi)`` of every row (``rows``: ``[rows, hi − lo]``, rounded to float32 here)."""
+        first = bisect.bisect_right(self._starts, lo) - 1
+        stop = bisect.bisect_left(self._starts, hi)
+        bounds = [lo, *self._starts[first + 1:stop], hi]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        lengths[0] += 1  # the first run starts with its sample's sum so far (0 for a sample starting here)
+        samples = self._samples[first:stop]
+        buf = self._buf[:, :hi - lo + 1]
+        buf[:, 0] = self.totals[:, samples[0]]
+        buf[:, 1:].copy_(rows)
+        runs = torch.tensor(lengths, dtype=torch.int64).expand(buf.shape[0], -1).contiguous()
+        self.totals[:, samples] = torch.segment_reduce(buf, "sum", lengths=runs, axis=1)
 
 
 def _signed(ctx: StageContext, values: torch.Tensor) -> bool:
