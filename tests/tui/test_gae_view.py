@@ -3,7 +3,6 @@ as a field of their own (f cycles to it), with the mismatch located to the token
 
 from __future__ import annotations
 
-import torch
 from safetensors.torch import save_file
 
 from replay_lib.bundle import BundleReader, open_bundle
