@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay_lib.bundle.schema import UNPACKED_FORMAT_VERSION
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
+from safetensors.torch import load_file, save_file
 from replay_lib.demo import support_parts, write_bundle, write_cohort, write_pr65, write_step_loss
 from replay_lib.bundle.json_limits import MAX_JSON_DEPTH
 
@@ -32,15 +33,18 @@ INT64_MAX = (1 << 63) - 1
 TOO_BIG = f"expected `int` <= {INT64_MAX}"
 
 
-def _pr65(tmp: Path, buggy: bool = True) -> Path:
-    return write_pr65(tmp / "bundle", buggy=buggy, format_version=OLD)
+def _pr65(tmp: Path, buggy: bool = True, version: str = OLD) -> Path:
+    return write_pr65(tmp / "bundle", buggy=buggy, format_version=version)
 
 
 def _payload(bundle: Path, name: str) -> Path:
-    return bundle / "payloads" / f"{name}.pt"
+    safetensors = bundle / "payloads" / f"{name}.safetensors"  # the default form's (format 1.3.0)
+    return safetensors if safetensors.exists() else bundle / "payloads" / f"{name}.pt"
 
 
 def _load(bundle: Path, name: str) -> torch.Tensor:
+    if _payload(bundle, name).suffix == ".safetensors":
+        return load_file(str(_payload(bundle, name)))["data"]
     return torch.load(_payload(bundle, name), weights_only=True)
 
 
@@ -69,7 +73,10 @@ def _set(doc, path: str, value) -> None:
 
 def _replace_payload(bundle: Path, name: str, tensor, tools, **spec) -> None:
     """Save ``tensor`` as payload ``name``; ``spec`` (dtype, shape) goes into the manifest; re-seal."""
-    torch.save(tensor, _payload(bundle, name))
+    if _payload(bundle, name).suffix == ".safetensors":
+        save_file({"data": tensor}, str(_payload(bundle, name)))
+    else:
+        torch.save(tensor, _payload(bundle, name))
     if spec:
         tools.edit_json(bundle, "manifest.json", lambda doc: doc["payloads"][name].update(spec))
     else:
@@ -526,8 +533,10 @@ def test_response_length_beyond_the_payload_rows(tmp_path, cli, bundle_tools):
     assert report["first_divergence"]["sample_id"] == "s-0"
 
 
-def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools):
-    b = _pr65(tmp_path)
+@pytest.mark.parametrize("version", [OLD, FORMAT_VERSION])
+def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools, version):
+    b = _pr65(tmp_path, version=version)
+    assert _payload(b, "kl").suffix == (".pt" if version == OLD else ".safetensors")
     short = _load(b, "kl")[:11].clone()
     _replace_payload(b, "kl", short, bundle_tools, shape=[11])
     _check_refusal(*cli("validate", b), [
@@ -540,8 +549,10 @@ def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools):
     assert report["first_divergence"]["message"] == "payload 'kl' has 11 row(s), Σ response_length is 12"
 
 
-def test_payload_with_more_rows_than_tokens(tmp_path, cli, bundle_tools):
-    b = _pr65(tmp_path)
+@pytest.mark.parametrize("version", [OLD, FORMAT_VERSION])
+def test_payload_with_more_rows_than_tokens(tmp_path, cli, bundle_tools, version):
+    b = _pr65(tmp_path, version=version)
+    assert _payload(b, "advantages").suffix == (".pt" if version == OLD else ".safetensors")
     long = torch.cat([_load(b, "advantages"), torch.zeros(2)])
     _replace_payload(b, "advantages", long, bundle_tools, shape=[14])
     _check_refusal(*cli("validate", b), [
