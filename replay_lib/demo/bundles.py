@@ -426,10 +426,10 @@ def write_bundle(path: str | Path, manifest, index, expected, payloads, *, rank=
     return writer.finalize(ranks=list(ranks))
 
 
-def write_synthetic(path: str | Path, **kwargs) -> Path:
-    """:func:`synthetic_parts` published at ``path`` (its ``format_version``, e.g. ``"1.1.0"``, picks the layout
-    the writer uses)."""
-    return write_bundle(path, *synthetic_parts(**kwargs))
+def write_synthetic(path: str | Path, *, format_version: Optional[str] = None, **kwargs) -> Path:
+    """:func:`synthetic_parts` published at ``path``; ``format_version`` (``None``: the default, 1.3.0; e.g.
+    ``"1.1.0"``) is the manifest's, which picks the layout the writer uses."""
+    return write_bundle(path, *synthetic_parts(format_version=format_version or FORMAT_VERSION, **kwargs))
 
 
 def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7-0", **kwargs) -> Path:
