@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         full_path = write_bundle(root / "with", *parts)
         base_path = write_bundle(root / "without", *without_support(*parts))
         del parts
-        extra = sum((full_path / "payloads" / f"{n}.pt").stat().st_size for n in SUPPORT_PAYLOADS)
+        extra = sum(next((full_path / "payloads").glob(f"{n}.*")).stat().st_size for n in SUPPORT_PAYLOADS)
         print(f"bundle: {args.samples} samples x {args.tokens} tokens = {args.samples * args.tokens} tokens, "
               f"K = {args.k}, support payloads {extra / 2**20:.1f} MiB (written in {time.perf_counter() - t0:.1f} s); "
               f"torch threads {torch.get_num_threads()}")

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="2,4", help="comma-separated OMP_NUM_THREADS values besides 1 and unset")
     ap.add_argument("--margin", type=float, default=1.15)
     ap.add_argument("--keep", type=Path, help="write the bundle here and keep it (default: a temp dir)")
-    ap.add_argument("--format", default=None, help="the bundle's format_version (default: write_synthetic's, 1.1.0; "
-                                                   "1.3.0: packed masks and safetensors payloads, what capture writes)")
+    ap.add_argument("--format", default=None, help="the bundle's format_version (default: write_synthetic's, 1.3.0: "
+                                                   "packed masks and safetensors payloads; 1.1.0: the older form)")
     ap.add_argument("--compare-src", type=Path, metavar="DIR",
                     help="also replay with another source tree (PYTHONPATH=DIR, e.g. a `git archive` of an older "
                          "commit) at t=1 and t=default, interleaved in the same run (printed, not judged)")

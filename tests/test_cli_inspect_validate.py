@@ -19,13 +19,13 @@ from replay_lib.demo import synthetic_parts, write_bundle, write_cohort, write_p
 
 def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, cli, bundle_tools):
     (pr65_bundle / "COMPLETE").unlink()
-    (pr65_bundle / "payloads" / "kl.pt").unlink()
+    (pr65_bundle / "payloads" / "kl.safetensors").unlink()  # the default form: format 1.3.0
     before = bundle_tools.snapshot(pr65_bundle)
     rc, out, err = cli("inspect", pr65_bundle)
     assert (rc, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == f"{pr65_bundle} — bundle, INCOMPLETE · 2 problems"
-    assert "problem: missing payloads/kl.pt" in lines
+    assert "problem: missing payloads/kl.safetensors" in lines
     assert lines[-1] == ("inspect reads what is there without verifying it (payloads: sizes only); "
                          "validate checks checksums, schema and tensors")
     assert next(line for line in lines if line.split()[:1] == ["advantages"]).endswith("  size ok")
@@ -39,10 +39,11 @@ def test_inspect_lists_what_an_incomplete_bundle_is_missing(pr65_bundle, cli, bu
     assert (rc, err) == (0, "")
     doc = json.loads(out)
     assert (doc["layout"], doc["complete"]) == ("bundle", False)
-    assert doc["problems"] == ["missing payloads/kl.pt", "missing COMPLETE (incomplete or still being written)"]
+    assert doc["problems"] == ["missing payloads/kl.safetensors",
+                               "missing COMPLETE (incomplete or still being written)"]
     rows = {p["name"]: (p["present"], p["size_ok"]) for p in doc["bundles"][0]["payloads"]}
     assert rows == {"advantages": (True, True), "kl": (False, False), "old_log_probs": (True, True),
-                    "ref_log_probs": (True, True)}
+                    "ref_log_probs": (True, True), "loss_mask": (True, True)}
     assert (doc["bundles"][0]["samples"], doc["bundles"][0]["tokens"], doc["bundles"][0]["groups"]) == (4, 12, 2)
 
 
@@ -74,7 +75,7 @@ def test_inspect_a_complete_cohort_missing_a_rank_says_so_in_its_header(tmp_path
 
 def test_inspect_names_a_broken_expected_json_but_does_not_hash(pr65_bundle, cli):
     (pr65_bundle / "expected.json").write_bytes(b"{not json")
-    kl = pr65_bundle / "payloads" / "kl.pt"
+    kl = pr65_bundle / "payloads" / "kl.safetensors"
     data = bytearray(kl.read_bytes())
     data[len(data) // 2] ^= 0x01
     kl.write_bytes(bytes(data))
@@ -295,7 +296,7 @@ def test_inspect_never_reads_a_fifo_or_a_link_out_of_the_bundle(pr65_bundle, cli
     assert (rc, err) == (0, "")
     assert "problem: index.json: not a regular file inside the bundle (not read)" in out.splitlines()
     assert "problem: expected.json: not a regular file inside the bundle (not read)" in out.splitlines()
-    assert "  format    1.1.0" in out.splitlines()  # the readable manifest is still shown
+    assert "  format    1.3.0" in out.splitlines()  # the readable manifest is still shown
 
 
 def test_version_is_the_package_s(capsys):

@@ -202,7 +202,7 @@ def test_writer_killed_mid_write_publishes_nothing(where, tmp_path, capsys):
     leftovers = os.listdir(capture)
     assert len(leftovers) == 1 and leftovers[0].startswith(".victim.tmp-")  # only the hidden staging dir
     staging = capture / leftovers[0]
-    assert (staging / "payloads" / "log_probs.pt").stat().st_size > 16_000_000
+    assert (staging / "payloads" / "log_probs.safetensors").stat().st_size > 16_000_000  # the default form (1.3.0)
     assert (staging / "COMPLETE").exists() == (where == "publish")
 
     with pytest.raises(BundleError, match="empty directory"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from replay_lib.demo import synthetic_parts, write_bundle
 from replay_lib.judge.error_model import Rules
 from replay_lib.judge.report import report_to_text
@@ -19,8 +20,8 @@ LENGTHS = [4, 3, 0, 2, 1, 2, 6, 3]
 OFFSETS = [0, 4, 7, 7, 9, 10, 12, 18]
 
 
-def clean_parts():
-    manifest, index, expected, payloads = synthetic_parts(**PARTS)
+def clean_parts(format_version=FORMAT_VERSION):
+    manifest, index, expected, payloads = synthetic_parts(**PARTS, format_version=format_version)
     assert [s.response_length for s in index.samples] == LENGTHS
     return manifest, index, {k: dict(v) for k, v in expected.items()}, {k: v.clone() for k, v in payloads.items()}
 
@@ -48,9 +49,15 @@ def test_clean_bundle_passes_every_stage(tmp_path):
 
 
 def test_fault_in_sample_loss_mask_length(tmp_path):
-    manifest, index, expected, payloads = clean_parts()
+    # a mask of the wrong length is the older form's fault (the masks in index.json): the default form packs the
+    # masks on the token axis and its writer refuses one that does not fit
+    manifest, index, expected, payloads = clean_parts(UNPACKED_FORMAT_VERSION)
     samples = list(index.samples)
     samples[3] = msgspec.structs.replace(samples[3], loss_mask=samples[3].loss_mask + [1])
+    with pytest.raises(ValueError, match=r"^\$\.samples\[3\]\.loss_mask: 3 values, response_length is 2$"):
+        write_bundle(tmp_path / "packed", msgspec.structs.replace(manifest, format_version=FORMAT_VERSION),
+                     msgspec.structs.replace(index, samples=samples), expected, payloads)
+    assert not (tmp_path / "packed").exists()
     report = replay_written(tmp_path, manifest, msgspec.structs.replace(index, samples=samples), expected, payloads)
     assert where(report) == ("sample", "sample", None, "s-3", 0, "loss_mask_length", None)
     d = report.first_divergence
@@ -160,11 +167,11 @@ def test_tampered_payload_bytes_are_refused_before_any_stage(tmp_path):
     from replay_lib.errors import BundleError
 
     path = write_bundle(tmp_path / "bundle", *clean_parts())
-    target = path / "payloads" / "kl.pt"
+    target = path / "payloads" / "kl.safetensors"
     data = bytearray(target.read_bytes())
     data[-30] ^= 0xFF
     target.write_bytes(bytes(data))
-    with pytest.raises(BundleError, match=r"kl\.pt: sha256 mismatch"):
+    with pytest.raises(BundleError, match=r"kl\.safetensors: sha256 mismatch"):
         replay(path)
 
 

@@ -18,6 +18,7 @@ from producers.stored_bf16 import StoredBF16
 
 from replay_lib.bundle import BundleReader, BundleWriter
 from replay_lib.bundle.dtypes import FLOAT8_DTYPES, stored_dtype, upcast_stored
+from replay_lib.bundle.schema import UNPACKED_FORMAT_VERSION
 from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, Identity, Manifest, ProducerInfo,
                                       RecomputeConfig, SampleRecord, StageId, stage_contracts)
 from replay_lib.judge.error_model import coarse_payloads, storage_error, storage_unit, unit_roundoff
@@ -54,14 +55,14 @@ def test_a_subnormal_float8_value_rounds_by_half_its_spacing():
     assert storage_error(2.0 ** -8, torch.tensor([0.0, -2.0], dtype=torch.bfloat16)).tolist() == [0.0, 2.0 ** -7]
 
 
-def _bundle(path, *, dtype: torch.dtype, logp: list[float], ppo_kl: float):
+def _bundle(path, *, dtype: torch.dtype, logp: list[float], ppo_kl: float, format_version: str = FORMAT_VERSION):
     """One sample of two loss tokens, logp = old (exact in ``dtype``), A = 0.5: the float64 truth is ratio 1,
     ppo_kl 0, pg_loss = loss = −0.5, pg_clipfrac 0 (sum of per-sample means)."""
     samples = [SampleRecord(sample_id="s-0", group_index=0, response_length=2, total_length=10, loss_mask=[1, 1],
                             raw_reward=1.0, reward=0.5, micro_batch_id="mb-0")]
     index = BundleIndex(bundle_id="fp8", identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0)),
                         samples=samples, config=RecomputeConfig(eps_clip=0.2, eps_clip_high=0.2))
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="fp8",
+    manifest = Manifest(format_version=format_version, bundle_id="fp8",
                         producer=ProducerInfo(commit="tests.test_float8_payloads", torch_version=torch.__version__),
                         stage_contracts=stage_contracts((StageId.SAMPLE, StageId.LOSS_POLICY)), payloads={},
                         comparison_policy=comparison_policy({"compute": "float32", "accumulate": "float32"}),
@@ -74,9 +75,16 @@ def _bundle(path, *, dtype: torch.dtype, logp: list[float], ppo_kl: float):
     return writer.finalize(ranks=[0])
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz], ids=str)
-def test_the_writer_and_the_reader_round_trip_a_float8_payload(tmp_path, cli, dtype):
-    path = _bundle(tmp_path / "b", dtype=dtype, logp=[-1.0, -2.0], ppo_kl=0.0)
+# safetensors has no fnuz float8 types: those payloads are stored in the older form's .pt files (format 1.1.0).
+@pytest.mark.parametrize("dtype,version", [(E4M3, FORMAT_VERSION), (E5M2, FORMAT_VERSION),
+                                           (E4M3, UNPACKED_FORMAT_VERSION), (E5M2, UNPACKED_FORMAT_VERSION),
+                                           (torch.float8_e4m3fnuz, UNPACKED_FORMAT_VERSION),
+                                           (torch.float8_e5m2fnuz, UNPACKED_FORMAT_VERSION)], ids=str)
+def test_the_writer_and_the_reader_round_trip_a_float8_payload(tmp_path, cli, dtype, version):
+    path = _bundle(tmp_path / "b", dtype=dtype, logp=[-1.0, -2.0], ppo_kl=0.0, format_version=version)
+    suffix = ".safetensors" if version == FORMAT_VERSION else ".pt"
+    stored = ["advantages", "log_probs", "old_log_probs"] + (["loss_mask"] if version == FORMAT_VERSION else [])
+    assert sorted(p.name for p in (path / "payloads").iterdir()) == sorted(f"{n}{suffix}" for n in stored)
     reader = BundleReader(path)
     assert reader.manifest.payloads["log_probs"].dtype == str(dtype)
     t = reader.payload("log_probs")
@@ -86,6 +94,17 @@ def test_the_writer_and_the_reader_round_trip_a_float8_payload(tmp_path, cli, dt
     assert (code, err) == (0, ""), out
     code, out, err = cli("replay", path, "--format", "json")
     assert (code, err) == (0, ""), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz], ids=str)
+def test_a_fnuz_float8_payload_in_the_default_form_is_refused_by_the_writer(tmp_path, dtype):
+    with pytest.raises(ValueError) as info:
+        _bundle(tmp_path / "b", dtype=dtype, logp=[-1.0, -2.0], ppo_kl=0.0)
+    assert str(info.value) == (
+        f"log_probs.safetensors: dtype {dtype} cannot be stored as safetensors (expected one of torch.float64, "
+        "torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, "
+        "torch.int32, torch.int16, torch.int8, torch.uint8)")
+    assert not (tmp_path / "b").exists()
 
 
 # The storage rounding of float8 copies of float32 log-probs: e_t = u·(|logp| + |old|) per token, weighted by 1/n =

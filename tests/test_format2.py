@@ -307,7 +307,7 @@ def test_convert_pr65_to_2_0_names_what_is_dropped_and_verifies(tmp_path, cli):
     rc, out, err = cli("convert", src, tmp_path / "v2", "--to", "2.0.0")
     assert (rc, err) == (0, "")
     assert out.splitlines() == [
-        f"converted {src} (format 1.1.0) → {tmp_path / 'v2'} (format 2.0.0): bundle b-00001, 4 sample(s); verified",
+        f"converted {src} (format 1.3.0) → {tmp_path / 'v2'} (format 2.0.0): bundle b-00001, 4 sample(s); verified",
         "note: index.json $.samples[].reward: expected.json $.reward.post_process.rewards (the normalized rewards "
         "advantage.estimate consumes)",
         "note: stage reward.raw (recompute): not in format 2.0, dropped",

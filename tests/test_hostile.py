@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from replay_lib.cli import main
+from replay_lib.bundle.packed import payload_suffix
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from replay_lib.demo import synthetic_parts, write_bundle, write_cohort, write_pr65
+from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,20 +37,31 @@ class _MkdirOnLoad:
         return (os.mkdir, (self.marker,))
 
 
+# The cases tamper with the older form's files (torch.save payloads, masks in index.json): their bundle is written
+# as format 1.1.0 explicitly. The cases about a payload file as a file also run on the default form (1.3.0, a
+# safetensors payload): SAFETENSORS_CASES below.
+VERSION = {"format": UNPACKED_FORMAT_VERSION}
+
+
 def _pr65(tmp: Path) -> Path:
-    return write_pr65(tmp / "bundle", buggy=True)
+    return write_pr65(tmp / "bundle", buggy=True, format_version=VERSION["format"])
 
 
 def _kl(bundle: Path) -> Path:
-    return bundle / "payloads" / "kl.pt"
+    return bundle / "payloads" / f"kl{payload_suffix(VERSION['format'])}"
 
 
 def _replace_payload(bundle: Path, obj, tools) -> None:
-    torch.save(obj, _kl(bundle))
+    if _kl(bundle).suffix == ".safetensors":
+        save_file({"data": obj}, str(_kl(bundle)))
+    else:
+        torch.save(obj, _kl(bundle))
     tools.reseal(bundle)
 
 
 def _kl_tensor(bundle: Path) -> torch.Tensor:
+    if _kl(bundle).suffix == ".safetensors":
+        return load_file(str(_kl(bundle)))["data"]
     return torch.load(_kl(bundle), weights_only=True)
 
 
@@ -383,6 +397,38 @@ def test_validate_refuses_in_subprocess(kind, tmp_path, bundle_tools):
     assert bundle_tools.snapshot(root) == before
     if kind in ("pickled_object", "raw_pickle_payload"):
         assert not (tmp_path / "code-ran").exists()
+
+
+# The cases about a payload file as a file, on the default form's safetensors payload (kl.safetensors).
+SAFETENSORS_CASES = ["truncated_payload", "flipped_byte", "missing_payload", "symlink_out_of_bundle", "payload_fifo",
+                     "payload_link_loop", "wrong_dtype", "wrong_shape"]
+
+
+@pytest.mark.parametrize("kind", SAFETENSORS_CASES)
+def test_validate_refuses_a_tampered_safetensors_payload(kind, tmp_path, capsys, bundle_tools, monkeypatch):
+    monkeypatch.setitem(VERSION, "format", FORMAT_VERSION)
+    target, root, keywords = CASES[kind](tmp_path, bundle_tools)
+    assert _kl(target).name == "kl.safetensors" and keywords[0] == f"{_kl(target)}:"
+    capsys.readouterr()
+    before = bundle_tools.snapshot(root)
+    rc = main(["validate", str(target)])
+    out, err = capsys.readouterr()
+    _check_refusal(rc, out, err, keywords)
+    assert bundle_tools.snapshot(root) == before
+
+
+def test_a_truncated_safetensors_payload_resealed_is_refused_by_its_header(tmp_path, capsys, bundle_tools):
+    """The safetensors twin of ``truncated_payload_resealed``: sizes and checksums re-sealed, the header's data
+    offsets run past the file's end."""
+    b = write_pr65(tmp_path / "bundle", buggy=True)
+    kl = b / "payloads" / "kl.safetensors"
+    data = kl.read_bytes()
+    kl.write_bytes(data[:-4])  # the last of the 12 float32 values cut
+    bundle_tools.reseal(b)
+    capsys.readouterr()
+    rc = main(["validate", str(b)])
+    out, err = capsys.readouterr()
+    _check_refusal(rc, out, err, [f"{kl}: safetensors header: $.data.data_offsets: [0, 48], expected [0, 44] "])
 
 
 def test_every_case_starts_from_a_valid_bundle(tmp_path, capsys, bundle_tools):

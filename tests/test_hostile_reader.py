@@ -21,23 +21,30 @@ from pathlib import Path
 import pytest
 import torch
 
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
+from safetensors.torch import load_file, save_file
 from replay_lib.demo import support_parts, write_bundle, write_cohort, write_pr65, write_step_loss
 from replay_lib.bundle.json_limits import MAX_JSON_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
+# The cases tamper with the older form's files (torch.save payloads, masks in index.json): written as 1.1.0.
+OLD = UNPACKED_FORMAT_VERSION
 INT64_MAX = (1 << 63) - 1
 TOO_BIG = f"expected `int` <= {INT64_MAX}"
 
 
-def _pr65(tmp: Path, buggy: bool = True) -> Path:
-    return write_pr65(tmp / "bundle", buggy=buggy)
+def _pr65(tmp: Path, buggy: bool = True, version: str = OLD) -> Path:
+    return write_pr65(tmp / "bundle", buggy=buggy, format_version=version)
 
 
 def _payload(bundle: Path, name: str) -> Path:
-    return bundle / "payloads" / f"{name}.pt"
+    safetensors = bundle / "payloads" / f"{name}.safetensors"  # the default form's (format 1.3.0)
+    return safetensors if safetensors.exists() else bundle / "payloads" / f"{name}.pt"
 
 
 def _load(bundle: Path, name: str) -> torch.Tensor:
+    if _payload(bundle, name).suffix == ".safetensors":
+        return load_file(str(_payload(bundle, name)))["data"]
     return torch.load(_payload(bundle, name), weights_only=True)
 
 
@@ -66,7 +73,10 @@ def _set(doc, path: str, value) -> None:
 
 def _replace_payload(bundle: Path, name: str, tensor, tools, **spec) -> None:
     """Save ``tensor`` as payload ``name``; ``spec`` (dtype, shape) goes into the manifest; re-seal."""
-    torch.save(tensor, _payload(bundle, name))
+    if _payload(bundle, name).suffix == ".safetensors":
+        save_file({"data": tensor}, str(_payload(bundle, name)))
+    else:
+        torch.save(tensor, _payload(bundle, name))
     if spec:
         tools.edit_json(bundle, "manifest.json", lambda doc: doc["payloads"][name].update(spec))
     else:
@@ -216,7 +226,7 @@ def case_int_with_5000_digits(tmp, tools):
 
 
 def case_step_id(tmp, tools):
-    b = write_step_loss(tmp / "step")
+    b = write_step_loss(tmp / "step", format_version=OLD)
     tools.edit_json(b, "index.json", lambda doc: _set(doc, "identity.actor_step_id.step_id", 1 << 63))
     return b, [f"{b / 'index.json'}: $.identity.actor_step_id.step_id: {TOO_BIG}"]
 
@@ -289,7 +299,7 @@ def case_integer_log_probs(tmp, tools):
 
 def case_column_log_probs(tmp, tools):
     # [Σ, 1] would broadcast against the [Σ] old log-probs into a [Σ, Σ] product in the loss
-    b = write_step_loss(tmp / "step")
+    b = write_step_loss(tmp / "step", format_version=OLD)
     column = _load(b, "log_probs").reshape(-1, 1).clone()
     _replace_payload(b, "log_probs", column, tools, shape=list(column.shape))
     return b, [f"{_payload(b, 'log_probs')}: manifest $.payloads.log_probs.shape: [12, 1], "
@@ -297,7 +307,7 @@ def case_column_log_probs(tmp, tools):
 
 
 def case_flat_support_ids(tmp, tools):
-    b = write_bundle(tmp / "support", *support_parts(samples=4, tokens=6, k=4, vocab_size=64, seed=3))
+    b = write_bundle(tmp / "support", *support_parts(samples=4, tokens=6, k=4, vocab_size=64, seed=3, format_version=OLD))
     flat = _load(b, "support_ids").reshape(-1).clone()
     _replace_payload(b, "support_ids", flat, tools, shape=list(flat.shape))
     return b, [f"{_payload(b, 'support_ids')}: manifest $.payloads.support_ids.shape: [{flat.numel()}], "
@@ -305,7 +315,7 @@ def case_flat_support_ids(tmp, tools):
 
 
 def case_float_support_ids(tmp, tools):
-    b = write_bundle(tmp / "support", *support_parts(samples=4, tokens=6, k=4, vocab_size=64, seed=3))
+    b = write_bundle(tmp / "support", *support_parts(samples=4, tokens=6, k=4, vocab_size=64, seed=3, format_version=OLD))
     ids = _load(b, "support_ids").to(torch.float32)
     _replace_payload(b, "support_ids", ids, tools, dtype="torch.float32")
     return b, [f"{_payload(b, 'support_ids')}: manifest $.payloads.support_ids.dtype: torch.float32, "
@@ -448,8 +458,8 @@ def test_ranks_within_the_world_are_read(tmp_path, cli):
 def test_compressed_payload_is_read_as_torch_load_reads_it(tmp_path, cli, bundle_tools):
     """A DEFLATE-compressed .pt is a valid archive: its values are what ``torch.load`` returns (a memory map
     would take the compressed bytes for floats and report a false divergence in advantage.kl)."""
-    plain = write_pr65(tmp_path / "plain", buggy=True)
-    packed = write_pr65(tmp_path / "packed", buggy=True)
+    plain = write_pr65(tmp_path / "plain", buggy=True, format_version=OLD)
+    packed = write_pr65(tmp_path / "packed", buggy=True, format_version=OLD)
     for name in ("kl", "old_log_probs", "ref_log_probs", "advantages"):
         _deflate(_payload(packed, name))
         with zipfile.ZipFile(_payload(packed, name)) as archive:
@@ -523,8 +533,10 @@ def test_response_length_beyond_the_payload_rows(tmp_path, cli, bundle_tools):
     assert report["first_divergence"]["sample_id"] == "s-0"
 
 
-def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools):
-    b = _pr65(tmp_path)
+@pytest.mark.parametrize("version", [OLD, FORMAT_VERSION])
+def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools, version):
+    b = _pr65(tmp_path, version=version)
+    assert _payload(b, "kl").suffix == (".pt" if version == OLD else ".safetensors")
     short = _load(b, "kl")[:11].clone()
     _replace_payload(b, "kl", short, bundle_tools, shape=[11])
     _check_refusal(*cli("validate", b), [
@@ -537,8 +549,10 @@ def test_payload_with_fewer_rows_than_tokens(tmp_path, cli, bundle_tools):
     assert report["first_divergence"]["message"] == "payload 'kl' has 11 row(s), Σ response_length is 12"
 
 
-def test_payload_with_more_rows_than_tokens(tmp_path, cli, bundle_tools):
-    b = _pr65(tmp_path)
+@pytest.mark.parametrize("version", [OLD, FORMAT_VERSION])
+def test_payload_with_more_rows_than_tokens(tmp_path, cli, bundle_tools, version):
+    b = _pr65(tmp_path, version=version)
+    assert _payload(b, "advantages").suffix == (".pt" if version == OLD else ".safetensors")
     long = torch.cat([_load(b, "advantages"), torch.zeros(2)])
     _replace_payload(b, "advantages", long, bundle_tools, shape=[14])
     _check_refusal(*cli("validate", b), [

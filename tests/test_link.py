@@ -42,7 +42,9 @@ def _pair(root: Path, *, rollout_edit=None, step_edit=None, step_prefix="s-", st
 
 
 def _payload(bundle: Path, name: str) -> torch.Tensor:
-    return torch.load(bundle / "payloads" / f"{name}.pt", weights_only=True)
+    from replay_lib.bundle import BundleReader
+
+    return BundleReader(bundle).payload(name)  # as stored, whichever form the writer took
 
 
 def _rows(root: Path):

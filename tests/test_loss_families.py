@@ -256,7 +256,7 @@ def test_the_why_strip_shows_the_family_formula_and_its_token_value(tmp_path, lo
     logp, old = shard.payload("log_probs")[lo:lo + n], shard.payload("old_log_probs")[lo:lo + n]
     adv = shard.payload("advantages")[lo:lo + n].double()
     knobs = LossKnobs.of(ctx.config, ctx.samples)
-    mask = torch.tensor(ctx.samples[1].loss_mask)
+    mask = torch.tensor(shard.sample_mask(1))
     st = sample_log_terms(logp, old, None, mask, torch.tensor([n]), knobs, torch.float64, advantages=adv)
     pg = policy_token_terms(logp, old, adv, knobs, seg=torch.zeros(n, dtype=torch.long), sample_terms=st,
                             dtype=torch.float64)["pg"][2]

@@ -358,7 +358,7 @@ def test_an_unknown_family_or_parameter_is_refused_in_one_line(tmp_path, cli, co
 
 def test_opd_loss_without_the_teacher_payload_names_it(tmp_path, cli):
     path = write_step(tmp_path / "b", config=CASES["opd_loss"], policy=_produced(CASES["opd_loss"]))
-    (path / "payloads" / "teacher_log_probs.pt").unlink()
+    (path / "payloads" / "teacher_log_probs.safetensors").unlink()
     code, out, err = cli("validate", path)
     assert code == 3 and "teacher_log_probs" in out + err, (out, err)
 

@@ -412,7 +412,7 @@ def test_validate_counts_the_rows_of_the_knobs_per_token_payloads(tmp_path, cli)
                       payloads={"rollout_log_probs": [0.0] * 4})
     code, out, err = cli("validate", path)
     assert (code, out) == (3, "") and err.count("\n") == 1, err
-    assert "payloads/rollout_log_probs.pt: 4 row(s), index.json Σ $.samples[*].response_length is 5" in err
+    assert "payloads/rollout_log_probs.safetensors: 4 row(s), index.json Σ $.samples[*].response_length is 5" in err
     assert "sample 's-1' ($.samples[1]) has none from its token 2 on" in err
 
 

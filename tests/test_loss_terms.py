@@ -27,6 +27,7 @@ import torch
 
 import replay_lib.stages.loss
 from replay_lib.bundle import BundleReader
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from replay_lib.demo import write_bundle, write_step_loss
 from replay_lib.judge.fields import compare_field, stage_report
 from replay_lib.bundle.schema import PerSampleLossTerms
@@ -186,7 +187,7 @@ def _rewrite(bundle, out, *, per_sample=None, payloads=None):
         expected["loss.policy"]["per_sample"] = per_sample
     tensors = {name: reader.payload(name).clone() for name in reader.payload_names}
     tensors.update(payloads or {})
-    return write_bundle(out, reader.manifest, reader.index, expected, tensors)
+    return write_bundle(out, reader.manifest, reader.index_with_masks(), expected, tensors)
 
 
 def test_clean_terms_recompute_to_the_hand_table_and_pass(step_bundle):
@@ -251,11 +252,11 @@ def test_one_token_mask_bug_is_named_at_its_sample(tmp_path, step_bundle):
     assert (mask.sample_id, mask.expected, mask.actual, mask.tolerance) == ("s-2", 3.0, 4.0, 0.0)
 
 
-def _clip_bug_bundle(tmp_path):
+def _clip_bug_bundle(tmp_path, format_version=FORMAT_VERSION):
     """logp = 0.2, old = 0: ratio e^0.2 = 1.2214 lies between 1.2 and 1.28. A producer that clipped at
     1 + 0.28 (eps_clip_high for both bounds' high side) leaves the A = +1 tokens unclipped: pg = −1.2214 instead
     of −1.2 at every token of s-1 (offsets 0, 1) and s-3 (0, 1, 2), and clip_count 0 instead of 2 and 3."""
-    base = write_step_loss(tmp_path / "base", log_prob=0.2)
+    base = write_step_loss(tmp_path / "base", log_prob=0.2, format_version=format_version)
     logp = torch.full((12,), 0.2)
     adv = torch.tensor([-1.0] * 3 + [1.0] * 2 + [-1.0] * 4 + [1.0] * 3)
     ratio = (-(torch.zeros(12) - logp)).exp()
@@ -281,7 +282,7 @@ def test_a_clip_bound_bug_is_named_at_its_token_by_pg_losses(tmp_path):
 
 
 def test_masked_out_tokens_of_pg_losses_are_not_judged(tmp_path, bundle_tools):
-    bundle, buggy = _clip_bug_bundle(tmp_path)
+    bundle, buggy = _clip_bug_bundle(tmp_path, UNPACKED_FORMAT_VERSION)  # the masks in index.json, edited below
     # mask out the tokens the bug changed: nothing left to disagree about
     bundle_tools.edit_json(bundle, "index.json", lambda doc: [
         s.update(loss_mask=[0] * s["response_length"]) for s in doc["samples"] if s["sample_id"] in ("s-1", "s-3")])

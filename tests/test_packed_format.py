@@ -19,15 +19,17 @@ import torch
 
 from replay_lib.bundle import BundleReader, BundleWriter
 from replay_lib.bundle.packed import PACKED_FORMAT_VERSION, is_packed, payload_suffix
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from replay_lib.demo.bundles import synthetic_parts, write_synthetic
 from replay_lib.errors import BundleError
 
 KW = dict(samples=8, tokens=24, seed=3, vary_lengths=True)
+OLD = UNPACKED_FORMAT_VERSION  # the older form (masks in index.json, .pt payloads), written explicitly
 
 
 def _both(tmp_path: Path) -> tuple[Path, Path]:
-    old = write_synthetic(tmp_path / "old", **KW)
-    new = write_synthetic(tmp_path / "new", format_version=PACKED_FORMAT_VERSION, **KW)
+    old = write_synthetic(tmp_path / "old", format_version=OLD, **KW)
+    new = write_synthetic(tmp_path / "new", **KW)  # the default: format 1.3.0
     return old, new
 
 
@@ -100,6 +102,34 @@ def test_replay_reports_match_between_forms(tmp_path):
     assert reports[0] == reports[1]
 
 
+def test_every_writer_of_a_new_bundle_writes_the_new_minor_by_default(tmp_path):
+    """The default everywhere is 1.3.0: the format constant, the demo and synthetic builders, ``demo write-all``
+    (every shipped demo), a cohort; 1.1.0 (the masks in index.json, ``.pt`` payloads) only when asked for."""
+    from replay_lib.bundle.schema import WRITE_FORMAT_VERSION
+    from replay_lib.demo import DEMO_NAMES
+    from replay_lib.demo.bundles import write_cohort, write_pr65
+
+    assert FORMAT_VERSION == WRITE_FORMAT_VERSION == PACKED_FORMAT_VERSION == "1.3.0"
+    done = _run("demo", "write-all", tmp_path / "all")
+    assert done.returncode == 0, done.stderr
+    bundles = [tmp_path / "all" / name for name in DEMO_NAMES]
+    bundles += [write_synthetic(tmp_path / "synthetic", samples=4, tokens=4), write_pr65(tmp_path / "pr65")]
+    cohort = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    bundles += [cohort / "rank-0", cohort / "rank-1"]
+    shards = [b for b in bundles if (b / "manifest.json").is_file()] + [
+        shard for b in bundles if not (b / "manifest.json").is_file() for shard in sorted(b.glob("rank-*"))]
+    assert len(shards) == len(DEMO_NAMES) + 5  # cohort-2rank's two shards, synthetic, pr65, the cohort's two
+    for shard in shards:
+        assert json.loads((shard / "manifest.json").read_bytes())["format_version"] == "1.3.0", shard
+        assert (shard / "payloads" / "loss_mask.safetensors").is_file(), shard
+        assert not list((shard / "payloads").glob("*.pt")), shard
+        assert all("loss_mask" not in s for s in json.loads((shard / "index.json").read_bytes())["samples"]), shard
+    assert _run("validate", tmp_path / "all" / "cohort-2rank").returncode == 0
+    old = write_pr65(tmp_path / "old", format_version=OLD)
+    assert json.loads((old / "manifest.json").read_bytes())["format_version"] == "1.1.0"
+    assert sorted(p.suffix for p in (old / "payloads").iterdir()) == [".pt"] * 4
+
+
 def test_demo_write_writes_the_new_minor(tmp_path):
     done = _run("demo", "write", "--samples", "4", "--tokens", "8", tmp_path / "d")
     assert done.returncode == 0, done.stderr
@@ -153,7 +183,7 @@ def test_original_bundles_still_read(tmp_path):
 # -- hostile input ---------------------------------------------------------------------------------------------
 
 def _new(tmp_path) -> Path:
-    return write_synthetic(tmp_path / "h", format_version=PACKED_FORMAT_VERSION, samples=4, tokens=4)
+    return write_synthetic(tmp_path / "h", samples=4, tokens=4)
 
 
 def _header(entry: dict, data: bytes, *, pad: bool = True, length=None) -> bytes:
@@ -268,7 +298,7 @@ def test_masks_in_both_places_or_in_neither(tmp_path, bundle_tools):
     assert str(info.value) == (f"{bundle / 'index.json'}: $.samples[2].loss_mask: the masks are in the payload "
                                f"loss_mask.safetensors; index.json must not hold them too")
 
-    old = write_synthetic(tmp_path / "old", samples=4, tokens=4)
+    old = write_synthetic(tmp_path / "old", samples=4, tokens=4, format_version=OLD)
     bundle_tools.edit_json(old, "index.json", lambda d: d["samples"][1].pop("loss_mask"))
     with pytest.raises(BundleError) as info:
         BundleReader(old)
@@ -308,7 +338,7 @@ def test_a_12_bundle_with_inline_masks_reads(tmp_path, bundle_tools):
 def test_each_payload_is_read_by_what_its_file_is(tmp_path, bundle_tools):
     """A newer minor's bundle relabelled (or a 1.1.0 one with a safetensors file): each payload is found under
     either suffix, the version's first, and read by its own kind; masks in index.json read under any minor."""
-    old = write_synthetic(tmp_path / "old", samples=4, tokens=4)
+    old = write_synthetic(tmp_path / "old", samples=4, tokens=4, format_version=OLD)
     reference = BundleReader(old)
     bundle_tools.edit_json(old, "manifest.json", lambda m: m.update(format_version="1.7.2"))
     relabelled = BundleReader(old)
@@ -398,7 +428,7 @@ def test_inspect_skips_the_masks_of_an_old_index(tmp_path):
     from replay_lib.bundle.packed import decode_index_lean
     from replay_lib.bundle.schema import decode_index
 
-    old = write_synthetic(tmp_path / "old", **KW)
+    old = write_synthetic(tmp_path / "old", format_version=OLD, **KW)
     blob = (old / "index.json").read_bytes()
     lean, (full, _) = decode_index_lean(blob), decode_index(blob)
     assert all(type(s.loss_mask) is msgspec.Raw for s in lean.samples)

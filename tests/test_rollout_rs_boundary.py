@@ -48,7 +48,7 @@ def _near_token(tmp_path):
     probe = produce_loss_bundle(tmp_path / "probe", 5, SIZE, CFG)
     r = BundleReader(probe)
     old, rollout = r.payload("old_log_probs"), r.payload("rollout_log_probs")
-    mask = torch.tensor([m for s in r.index.samples for m in s.loss_mask], dtype=torch.float32)
+    mask = torch.tensor([m for i in range(len(r.index.samples)) for m in r.sample_mask(i)], dtype=torch.float32)
     k1 = (rollout.double() - old.double())
     i = int(torch.nonzero((mask > 0) & (k1 > 0.2) & (k1 < 0.4))[0])
     far = int(torch.nonzero((mask > 0) & (k1 > -0.3) & (k1 < 0.0))[0])  # kept, far from both bounds

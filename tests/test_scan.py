@@ -76,12 +76,12 @@ def _slow(path: Path, rollout: int, size: int = SLOW_BYTES) -> Path:
     size: its replay spends seconds hashing it (then fails its checksum) — long enough to be killed or
     interrupted in the middle, and the test sees when a worker has the file open."""
     _step(path, rollout, 0)
-    os.truncate(path / "payloads" / "advantages.pt", size)
+    os.truncate(path / "payloads" / "advantages.safetensors", size)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["payloads"]["advantages"]["bytes"] = size
     (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _seal_metadata(path)
-    return path / "payloads" / "advantages.pt"
+    return path / "payloads" / "advantages.safetensors"
 
 
 def _holders(file: Path) -> list[int]:
@@ -213,11 +213,11 @@ def test_an_empty_directory_is_one_line_exit_3(tmp_path):
 def test_only_invalid_bundles_give_a_row_each_and_exit_3(tmp_path):
     _broken(tmp_path / "one")
     _step(tmp_path / "two", 3, 0)
-    (tmp_path / "two" / "payloads" / "advantages.pt").unlink()
+    (tmp_path / "two" / "payloads" / "advantages.safetensors").unlink()
     proc = _run(tmp_path, "--jobs", "1")
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
-    missing = tmp_path / "two" / "payloads" / "advantages.pt"
+    missing = tmp_path / "two" / "payloads" / "advantages.safetensors"
     assert lines[0] == (f"[    invalid] step 3:0       two — {missing}: missing "
                         f"payload listed in manifest.json $.payloads.advantages")
     assert lines[1] == f"[    invalid] ?              one — {tmp_path / 'one' / 'index.json'}: missing index.json"
@@ -346,14 +346,14 @@ def test_bundle_text_never_reaches_the_terminal_unescaped(tmp_path, capsys):
     evil = tmp_path / "step\x1b[2J"
     write_synthetic(evil, samples=4, tokens=4, kl_coef=0.0, bundle_id="b\x1b]52;c;QUJD\x07",
                     anchor=ActorStepId(rollout_id=1, step_id=0))
-    (evil / "payloads" / "advantages.pt").unlink()  # invalid: the reader's message names the path too
+    (evil / "payloads" / "advantages.safetensors").unlink()  # invalid: the reader's message names the path too
     write_synthetic(tmp_path / "ok", samples=4, tokens=4, kl_coef=0.0, bundle_id="b\x1b]52;c;QUJD\x07",
                     anchor=ActorStepId(rollout_id=2, step_id=0))
     assert main(["scan", str(tmp_path), "--jobs", "1"]) == 3
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert out.splitlines()[:2] == [
-        f"[    invalid] step 1:0       step\\x1b[2J — {tmp_path}/step\\x1b[2J/payloads/advantages.pt: missing payload "
+        f"[    invalid] step 1:0       step\\x1b[2J — {tmp_path}/step\\x1b[2J/payloads/advantages.safetensors: missing payload "
         f"listed in manifest.json $.payloads.advantages",
         "[       pass] step 2:0       b\\x1b]52;c;QUJD\\x07 (ok)"]
     assert main(["scan", str(tmp_path), "--jobs", "1", "--format", "json"]) == 3

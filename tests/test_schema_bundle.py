@@ -17,6 +17,7 @@ from replay_lib.bundle import BundleReader, BundleWriter, open_bundle
 from replay_lib.demo import synthetic_parts, write_bundle
 from replay_lib.errors import BundleError
 from replay_lib.run.runner import replay
+from replay_lib.bundle.schema import FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from replay_lib.bundle.schema import (
     BUNDLE_COMPLETE_DECODER,
     INDEX_DECODER,
@@ -235,22 +236,30 @@ def test_decode_index_proves_no_unknown_field_in_one_pass_and_drops_them_otherwi
 # --------------------------------------------------------------------------- writer / reader, disk
 
 
-def test_write_read_round_trip_is_exact(tmp_path):
-    manifest, index, expected, payloads = synthetic_parts(samples=8, tokens=6, vary_lengths=True, seed=3)
+@pytest.mark.parametrize("version", [FORMAT_VERSION, UNPACKED_FORMAT_VERSION])
+def test_write_read_round_trip_is_exact(tmp_path, version):
+    manifest, index, expected, payloads = synthetic_parts(samples=8, tokens=6, vary_lengths=True, seed=3,
+                                                          format_version=version)
+    packed = version == FORMAT_VERSION  # the masks a payload of their own, every payload a safetensors file
+    suffix = ".safetensors" if packed else ".pt"
     total = sum(s.response_length for s in index.samples)
     payloads["support_ids"] = torch.arange(total * 3, dtype=torch.int32).reshape(total, 3)
     path = write_bundle(tmp_path / "b", manifest, index, expected, payloads)
 
     reader = BundleReader(path)
     assert reader.warnings == []
-    assert reader.index == index
+    assert reader.manifest.format_version == version
+    assert (reader.index_with_masks() if packed else reader.index) == index
+    if packed:
+        assert [s.loss_mask for s in reader.index.samples] == [msgspec.UNSET] * len(index.samples)
     assert reader.expected == expected
     assert reader.payload_names == sorted(payloads)
+    assert sorted(reader.manifest.payloads) == sorted([*payloads, "loss_mask"] if packed else payloads)
     for name, tensor in payloads.items():
         got = reader.payload(name)
         assert type(got) is torch.Tensor and got.dtype == tensor.dtype and torch.equal(got, tensor)
         spec = reader.manifest.payloads[name]
-        data = (path / "payloads" / f"{name}.pt").read_bytes()
+        data = (path / "payloads" / f"{name}{suffix}").read_bytes()
         assert (spec.name, spec.dtype, spec.shape) == (name, str(tensor.dtype), list(tensor.shape))
         assert (spec.bytes, spec.sha256) == (len(data), sha256(data))
     assert reader.manifest.payloads["support_ids"].shape == [total, 3]
@@ -260,7 +269,7 @@ def test_write_read_round_trip_is_exact(tmp_path):
     assert complete["ranks"] == [0] and complete["metadata"] == meta
     rank0 = json.loads((path / "COMPLETE.0").read_bytes())
     assert rank0["metadata"] == meta
-    assert rank0["payloads"] == {n: reader.manifest.payloads[n].sha256 for n in payloads}
+    assert rank0["payloads"] == {n: spec.sha256 for n, spec in reader.manifest.payloads.items()}
     assert rank0["actor_step_id"] == {"rollout_id": 7, "step_id": 0} and rank0["rollout_id"] is None
 
     bundles = open_bundle(path, step=ActorStepId(rollout_id=7, step_id=0))
@@ -343,7 +352,8 @@ def test_secret_in_environment_and_prompt_never_reaches_disk(rule, tmp_path, mon
     path = write_bundle(tmp_path / "b", manifest, index, expected, payloads)
 
     files = [p for p in path.rglob("*") if p.is_file()]
-    assert len(files) == 5 + len(payloads)
+    assert len(files) == 5 + len(payloads) + 1  # the JSON and sentinels, the payloads and the packed masks
+    assert (path / "payloads" / "loss_mask.safetensors").is_file()
     for file in files:
         data = file.read_bytes()
         assert SECRET.encode() not in data, file
@@ -375,8 +385,9 @@ def test_sha256_file_equals_hashlib_for_empty_small_and_multi_chunk_files(tmp_pa
         assert sha256_file(f) == hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.parametrize("version", [FORMAT_VERSION, UNPACKED_FORMAT_VERSION])
 @pytest.mark.parametrize("limit", [None, 0], ids=["reader-hashes-ahead", "thread-hashes"])
-def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch, limit):
+def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_path, monkeypatch, limit, version):
     # Usual payloads are loaded and hashed by the reader before the JSON decodes, larger ones (above
     # HASH_AHEAD_BYTES; 0 here) by the background thread; the reader compares each digest where it always did.
     # A payload whose bytes differ from its checksum is refused whichever thread hashed it.
@@ -385,8 +396,8 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
     if limit is not None:
         monkeypatch.setattr(bundle_mod, "HASH_AHEAD_BYTES", limit)
 
-    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="ahead"))
-    kl = b / "payloads" / "kl.pt"
+    b = write_bundle(tmp_path / "b", *synthetic_parts(samples=4, tokens=3, bundle_id="ahead", format_version=version))
+    kl = b / "payloads" / ("kl.safetensors" if version == FORMAT_VERSION else "kl.pt")
     data = bytearray(kl.read_bytes())
     data[len(data) // 2] ^= 0x01
     kl.write_bytes(bytes(data))
@@ -394,9 +405,9 @@ def test_a_payload_altered_after_the_reader_hashed_it_ahead_is_still_caught(tmp_
     real_ahead, real_inline = bundle_mod._sha256_regular, bundle_mod._sha256_payload
     monkeypatch.setattr(bundle_mod, "_sha256_regular", lambda p, stop: ahead.append(p.name) or real_ahead(p, stop))
     monkeypatch.setattr(bundle_mod, "_sha256_payload", lambda p: inline.append(p.name) or real_inline(p))
-    with pytest.raises(BundleError, match=r"kl\.pt: sha256 mismatch .* file " + hashlib.sha256(bytes(data)).hexdigest()[:12]):
+    with pytest.raises(BundleError, match=re.escape(kl.name) + r": sha256 mismatch .* file " + hashlib.sha256(bytes(data)).hexdigest()[:12]):
         BundleReader(b)
-    assert ahead.count("kl.pt") == 1 and "kl.pt" not in inline  # hashed once, ahead of the check
+    assert ahead.count(kl.name) == 1 and kl.name not in inline  # hashed once, ahead of the check
     assert not [t for t in threading.enumerate() if t.name == "bundle-sha256"]  # and nothing left running
     kl.write_bytes(bytes(data[: len(data) // 2]) + bytes([data[len(data) // 2] ^ 0x01]) + bytes(data[len(data) // 2 + 1:]))
     assert BundleReader(b).has_payload("kl")  # restored: the same path opens it

@@ -370,7 +370,7 @@ def test_a_per_token_payload_with_an_extra_dimension_is_refused_before_any_stage
     b = kl_bundle(tmp_path / "b", kl=torch.full((6, 2), 0.5))
     with pytest.raises(BundleError) as err:
         replay(b)
-    assert str(err.value) == (f"{b / 'payloads' / 'kl.pt'}: manifest $.payloads.kl.shape: [6, 2], "
+    assert str(err.value) == (f"{b / 'payloads' / 'kl.safetensors'}: manifest $.payloads.kl.shape: [6, 2], "
                               f"expected 1-D [Σ response_length]")
 
 

@@ -236,7 +236,8 @@ def _score_bundle(path, *, reward: float, dtype: torch.dtype = torch.bfloat16):
     writer.write_payload("old_log_probs", torch.tensor([-1.0, -2.0], dtype=dtype))
     writer.write_payload("ref_log_probs", torch.tensor([-1.5, -2.5], dtype=dtype))
     writer.write_payload("kl", torch.tensor([0.5, 0.5]))  # float32: the producer's own, exact
-    writer.write_payload("loss_mask", torch.tensor([1, 1]))
+    if not writer.packed:  # format 1.3's writer stores the samples' masks as the payload loss_mask itself
+        writer.write_payload("loss_mask", torch.tensor([1, 1]))
     return writer.finalize(ranks=[0])
 
 

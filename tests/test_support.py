@@ -441,7 +441,7 @@ def test_routed_experts_with_the_wrong_shape(tmp_path):
     b = write_hand(tmp_path / "b", payloads, num_experts=4)
     with pytest.raises(BundleError) as err:
         replay(b)
-    assert str(err.value) == (f"{b / 'payloads' / 'routed_experts.pt'}: manifest $.payloads.routed_experts.shape: "
+    assert str(err.value) == (f"{b / 'payloads' / 'routed_experts.safetensors'}: manifest $.payloads.routed_experts.shape: "
                               f"[5, 4], expected 3-D [Σ response_length, layers, topk]")
 
 

@@ -13,6 +13,8 @@ import torch
 
 from replay_lib.bundle import BundleReader
 from replay_lib.bundle.reader import require_safe_unpickler, torch_version
+from replay_lib.bundle.schema import UNPACKED_FORMAT_VERSION
+from replay_lib.demo import write_pr65
 from replay_lib.errors import BundleError
 from replay_lib.importers._common import load_pt
 
@@ -38,16 +40,20 @@ def test_the_installed_torch_is_at_the_floor_pyproject_requires():
     ("2.5.1", "CVE-2025-32434, code execution; CVE-2026-24747, memory corruption"),
     ("unknown", "CVE-2025-32434, code execution; CVE-2026-24747, memory corruption"),
 ])
-def test_replay_and_validate_refuse_pt_payloads_on_an_older_torch(pr65_bundle, cli, monkeypatch, version, advisories):
+def test_replay_and_validate_refuse_pt_payloads_on_an_older_torch(tmp_path, cli, monkeypatch, version, advisories):
+    old = write_pr65(tmp_path / "old", format_version=UNPACKED_FORMAT_VERSION)  # the older form: .pt payloads
+    new = write_pr65(tmp_path / "new")  # the default form: safetensors payloads, no unpickler involved
     monkeypatch.setattr(torch, "__version__", version)
     for command in ("validate", "replay"):
-        code, out, err = cli(command, pr65_bundle)
+        code, out, err = cli(command, old)
         assert (code, out) == (3, "")
-        assert err == (f"trajectory-replay: error: {pr65_bundle / 'payloads' / 'advantages.pt'}: not loaded: torch "
+        assert err == (f"trajectory-replay: error: {old / 'payloads' / 'advantages.pt'}: not loaded: torch "
                        f"{version}'s weights_only unpickler has known escapes ({advisories}); install torch>=2.10 "
                        "to read .pt payloads\n")
+        code, out, err = cli(command, new)
+        assert (code, err) == (0 if command == "validate" else 1, ""), out  # the pr65 demo diverges: exit 1
     # inspect unpickles nothing: it still reads the bundle
-    code, _, err = cli("inspect", pr65_bundle)
+    code, _, err = cli("inspect", old)
     assert (code, err) == (0, "")
 
 

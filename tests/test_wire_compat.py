@@ -25,12 +25,16 @@ from replay_lib.bundle.writer import wire_manifest
 from replay_lib.cli import main
 from replay_lib.demo import (synthetic_parts, write_bundle, write_cohort, write_pr65, write_step_loss,
                              write_support_bundle)
+from replay_lib.bundle.schema import UNPACKED_FORMAT_VERSION
 from replay_lib.bundle.schema import (INDEX_DECODER, MANIFEST_DECODER, RecomputeConfig, StageCapability, StageContract,
                                StageId)
 
 GROUPS = [0, 0, 1, 1]
 RAW = [1.0, 3.0, 10.0, 12.0]
 LENGTHS = [3, 2, 4, 3]
+# The original's reader reads the older form (the masks in index.json, .pt payloads): the bundles of ours it is
+# given here are written as 1.1.0 explicitly (a 1.3.0 bundle reaches it through ``convert --to 1.0.0``).
+OLD = UNPACKED_FORMAT_VERSION
 FIXED_REWARDS = [-1.0, 1.0, -1.0, 1.0]  # r − mean(semantic group), n=2, std off
 BUGGY_REWARDS = [-5.5, -3.5, 3.5, 5.5]  # r − mean(physical batch of 4)
 K3_AT_QUARTER = math.exp(-0.25) - 1 + 0.25  # old − ref = 0.25 for every token
@@ -393,8 +397,8 @@ def _check_ours(b: Path, rank: int = 0) -> None:
 
 
 def test_our_bundles_carry_every_field_of_format_1_0_0(tmp_path):
-    _check_ours(write_pr65(tmp_path / "rollout"))
-    _check_ours(write_step_loss(tmp_path / "step"))
+    _check_ours(write_pr65(tmp_path / "rollout", format_version=OLD))
+    _check_ours(write_step_loss(tmp_path / "step", format_version=OLD))
     rollout = json.loads((tmp_path / "rollout" / "index.json").read_bytes())
     assert set(rollout["samples"][0]) >= {"sample_id", "group_index", "response_length", "total_length",
                                           "loss_mask", "raw_reward", "reward", "label_hash", "micro_batch_id"}
@@ -403,7 +407,7 @@ def test_our_bundles_carry_every_field_of_format_1_0_0(tmp_path):
 
 
 def test_our_cohort_carries_the_shard_sentinels(tmp_path):
-    c = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    c = write_cohort(tmp_path / "cohort", samples=4, tokens=3, format_version=OLD)
     cohort = msgspec.json.decode((c / "COMPLETE").read_bytes(), type=OCohortComplete)
     assert cohort.ranks == [0, 1] and sorted(cohort.shards) == ["0", "1"]
     for r in (0, 1):
@@ -495,7 +499,7 @@ def test_the_early_writer_s_bundle_is_verified_everywhere_else(tmp_path, cli):
 
 
 def test_a_bundle_of_ours_cannot_shed_its_checksums(tmp_path, cli, bundle_tools):
-    """Deleting $.metadata from a bundle we wrote (format 1.1.0) does not skip the check: refused."""
+    """Deleting $.metadata from a bundle we wrote (format 1.3.0, the default) does not skip the check: refused."""
     b = write_pr65(tmp_path / "ours")
     for name in ("COMPLETE", "COMPLETE.0"):
         doc = json.loads((b / name).read_bytes())
@@ -503,10 +507,10 @@ def test_a_bundle_of_ours_cannot_shed_its_checksums(tmp_path, cli, bundle_tools)
         (b / name).write_bytes(bundle_tools.dump_json(doc))
     rc, out, err = cli("validate", b)
     assert (rc, out) == (3, "") and "Traceback" not in err
-    assert err == (f"trajectory-replay: error: {b / 'COMPLETE'}: $.metadata: missing (a bundle of format '1.1.0' "
+    assert err == (f"trajectory-replay: error: {b / 'COMPLETE'}: $.metadata: missing (a bundle of format '1.3.0' "
                    f"records the JSON files' checksums there; only an early 1.0.0 writer omitted them)\n")
     rc, out, err = cli("inspect", b)
-    assert rc == 0 and "problem: COMPLETE: $.metadata: missing (format '1.1.0' records the checksums)" in out
+    assert rc == 0 and "problem: COMPLETE: $.metadata: missing (format '1.3.0' records the checksums)" in out
 
 
 def test_a_cohort_complete_in_a_bundle_directory_is_named_as_such(tmp_path, cli):
@@ -523,7 +527,7 @@ def test_a_cohort_complete_in_a_bundle_directory_is_named_as_such(tmp_path, cli)
 
 
 def test_each_rank_shard_we_write_is_a_bundle_directory_the_original_reads(tmp_path):
-    c = write_cohort(tmp_path / "cohort", samples=4, tokens=3)
+    c = write_cohort(tmp_path / "cohort", samples=4, tokens=3, format_version=OLD)
     manifests = original_reads_cohort(c)
     assert [m.bundle_id for m in manifests] == ["cohort-7-0", "cohort-7-0"]
     for r in (0, 1):
@@ -533,7 +537,7 @@ def test_each_rank_shard_we_write_is_a_bundle_directory_the_original_reads(tmp_p
 
 def test_a_rank_shard_with_its_own_complete_is_still_refused_until_the_cohort_is_final(tmp_path, cli):
     c = tmp_path / "cohort"
-    write_bundle(c, *synthetic_parts(samples=4, tokens=3, bundle_id="c"), rank=0, ranks=[0, 1])
+    write_bundle(c, *synthetic_parts(samples=4, tokens=3, bundle_id="c", format_version=OLD), rank=0, ranks=[0, 1])
     shard = c / "rank-0"
     assert (shard / "COMPLETE").is_file() and not (c / "COMPLETE").exists()
     original_reads(shard)  # the original opens a rank shard directly; ours waits for the cohort
@@ -595,7 +599,7 @@ def test_a_cohort_whose_shards_disagree_is_not_finalized(tmp_path):
 
 
 def test_our_extension_stages_are_declared_where_the_original_ignores_them(tmp_path, cli):
-    b = write_support_bundle(tmp_path / "support", samples=4, tokens=3, k=4, vocab_size=64)
+    b = write_support_bundle(tmp_path / "support", samples=4, tokens=3, k=4, vocab_size=64, format_version=OLD)
     doc = json.loads((b / "manifest.json").read_bytes())
     assert "logprob.support" not in doc["stage_contracts"]
     assert list(doc["extension_stage_contracts"]) == ["logprob.support"]
@@ -641,7 +645,7 @@ def test_the_placement_our_earlier_versions_wrote_reads_the_same(tmp_path, cli, 
 def test_a_stage_the_original_declares_unsupported_keeps_that_in_its_view(tmp_path):
     """loss.value declared recompute (an extension of ours): the original's view says unsupported, as it
     writes itself; ours reads the real contract from the extension field."""
-    manifest, index, expected, payloads = synthetic_parts(samples=4, tokens=3, bundle_id="v")
+    manifest, index, expected, payloads = synthetic_parts(samples=4, tokens=3, bundle_id="v", format_version=OLD)
     contracts = dict(manifest.stage_contracts)
     contracts[StageId.LOSS_VALUE] = StageContract(stage=StageId.LOSS_VALUE, capability=StageCapability.RECOMPUTE)
     manifest = msgspec.structs.replace(manifest, stage_contracts=contracts)

@@ -17,11 +17,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec.structs import force_setattr
 
-FORMAT_VERSION = "1.1.0"
-# What capture and the importers write a new bundle as: format 1.3.0, the samples' masks packed into a payload and
-# every payload a safetensors file (bundle.packed). FORMAT_VERSION is the minor the demo and test bundles are built
-# at (their tests tamper with .pt payloads and JSON masks); a producer's manifest picks either, 1.0.0 stays writable.
-WRITE_FORMAT_VERSION = "1.3.0"
+# What every writer of a new bundle writes (capture, the importers, the demo and synthetic bundles): format 1.3.0, the
+# samples' masks packed into a payload and every payload a safetensors file (bundle.packed). A manifest may name an
+# older minor and the writer writes that one's form: UNPACKED_FORMAT_VERSION (the masks in index.json, .pt payloads)
+# for a bundle of the older form; ``convert`` writes the original's 2.0.0 and 1.0.0.
+FORMAT_VERSION = "1.3.0"
+WRITE_FORMAT_VERSION = FORMAT_VERSION
+UNPACKED_FORMAT_VERSION = "1.1.0"  # the last minor with per-token JSON masks and torch.save (.pt) payloads
 SUPPORTED_MAJOR = 1
 # Format 1.2.0 (a backward-compatible minor): a sample's ``reward`` may be a per-token list. The writer declares it
 # only for a bundle that holds one, so every other bundle is written byte for byte as before.

@@ -52,7 +52,8 @@ def _json(path: Path, root: Path) -> dict:
 def reseal(path: Path) -> dict:
     """Reseal the bundle at ``path``; ``{"path", "bundle_id", "payloads", "commit"}`` of what was written."""
     from ..bundle.files import _atomic_write, sha256_bytes, sha256_file
-    from ..bundle.layout import METADATA_FILES, PAYLOAD_DIR, PAYLOAD_SUFFIX, _RANK_DIR, _RANK_SENTINEL
+    from ..bundle.layout import METADATA_FILES, PAYLOAD_DIR, _RANK_DIR, _RANK_SENTINEL
+    from ..bundle.packed import payload_file
     from ..bundle.schema import encode_json
 
     root = Path(path)
@@ -75,7 +76,7 @@ def reseal(path: Path) -> dict:
         raise BundleError(f"{root / 'manifest.json'}: $.producer: expected an object")
     digests: dict[str, str] = {}
     for name, spec in payloads.items():
-        file = root / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
+        file = payload_file(root / PAYLOAD_DIR, name, version)  # .safetensors from format 1.3, .pt before
         try:
             mode = os.lstat(file).st_mode
         except OSError:

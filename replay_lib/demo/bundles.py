@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-import msgspec
 import torch
 
 from ..bundle import BundleWriter
@@ -239,9 +238,11 @@ def _pr65_samples(rewards: list[float]) -> list[SampleRecord]:
     ]
 
 
-def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-00001") -> Path:
+def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-00001",
+               format_version: str = FORMAT_VERSION) -> Path:
     """The PR #65 rollout-level bundle. ``buggy``: expected rewards are the batch-normalized ones
-    ([−5.5, −3.5, 3.5, 5.5]) that the streamed trainer produced; fixed: [−1, 1, −1, 1]."""
+    ([−5.5, −3.5, 3.5, 5.5]) that the streamed trainer produced; fixed: [−1, 1, −1, 1]. ``format_version``: the
+    manifest's, which picks the layout the writer uses (every builder here takes it)."""
     raw = torch.tensor(PR65_RAW)
     lengths = torch.tensor(PR65_LENGTHS)
     cfg = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, grpo_std_normalization=False,
@@ -267,7 +268,7 @@ def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-0000
         samples=_pr65_samples(rewards.tolist()),
         config=cfg,
     )
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+    manifest = Manifest(format_version=format_version, bundle_id=bundle_id, producer=producer(),
                         stage_contracts=contracts(ROLLOUT_STAGES), payloads={},
                         comparison_policy=ComparisonPolicy(), redaction={"prompt": "hash", "response": "truncate:8"})
     expected = {"reward.raw": {"raw_rewards": PR65_RAW}, "reward.post_process": {"rewards": rewards.tolist()}}
@@ -279,7 +280,8 @@ def write_pr65(path: str | Path, *, buggy: bool = True, bundle_id: str = "b-0000
     return writer.finalize(ranks=[0])
 
 
-def write_step_loss(path: str | Path, *, log_prob: float = 0.5, bundle_id: str = "b-00001-step") -> Path:
+def write_step_loss(path: str | Path, *, log_prob: float = 0.5, bundle_id: str = "b-00001-step",
+                    format_version: str = FORMAT_VERSION) -> Path:
     """Step-level PR #65 loss bundle: advantages [−1, 1, −1, 1] broadcast, old = 0, logp = ``log_prob``."""
     lengths = torch.tensor(PR65_LENGTHS)
     total = int(lengths.sum())
@@ -305,7 +307,7 @@ def write_step_loss(path: str | Path, *, log_prob: float = 0.5, bundle_id: str =
                           rank={"dp": 1, "tp": 1, "pp": 1, "cp": 1}),
         samples=samples, config=cfg,
     )
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+    manifest = Manifest(format_version=format_version, bundle_id=bundle_id, producer=producer(),
                         stage_contracts=contracts(STEP_STAGES), payloads={}, comparison_policy=ComparisonPolicy(),
                         redaction={})
     expected = {"loss.policy": {k: float(v) for k, v in fields.items()}}
@@ -338,6 +340,7 @@ def synthetic_parts(
     sample_prefix: str = "s-",
     settle: bool = False,
     batch_offset: int = 0,
+    format_version: str = FORMAT_VERSION,
 ):
     """(manifest, index, expected, payloads) of a clean synthetic bundle: N samples × ~L tokens.
 
@@ -403,7 +406,7 @@ def synthetic_parts(
         rank=rank_sizes or {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
     )
     index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=cfg)
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
+    manifest = Manifest(format_version=format_version, bundle_id=bundle_id, producer=producer(),
                         stage_contracts=contracts(stages), payloads={}, comparison_policy=ComparisonPolicy(),
                         redaction={})
     expected: dict = {}
@@ -424,12 +427,9 @@ def write_bundle(path: str | Path, manifest, index, expected, payloads, *, rank=
 
 
 def write_synthetic(path: str | Path, *, format_version: Optional[str] = None, **kwargs) -> Path:
-    """:func:`synthetic_parts` published at ``path``; ``format_version`` (e.g. ``"1.3.0"``) overrides the
-    manifest's, which picks the layout the writer uses."""
-    manifest, *rest = synthetic_parts(**kwargs)
-    if format_version is not None:
-        manifest = msgspec.structs.replace(manifest, format_version=format_version)
-    return write_bundle(path, manifest, *rest)
+    """:func:`synthetic_parts` published at ``path``; ``format_version`` (``None``: the default, 1.3.0; e.g.
+    ``"1.1.0"``) is the manifest's, which picks the layout the writer uses."""
+    return write_bundle(path, *synthetic_parts(format_version=format_version or FORMAT_VERSION, **kwargs))
 
 
 def write_cohort(path: str | Path, *, ranks: int = 2, bundle_id: str = "cohort-7-0", **kwargs) -> Path:
@@ -734,6 +734,7 @@ def support_parts(
     bundle_id: str = "support",
     stages=ALL_STAGES + (StageId.LOGPROB_SUPPORT,),
     settle: bool = False,
+    format_version: str = FORMAT_VERSION,
 ):
     """(manifest, index, expected, payloads) of a clean synthetic bundle with sample-support payloads.
 
@@ -756,6 +757,7 @@ def support_parts(
     manifest, index, expected, payloads = synthetic_parts(
         samples=samples, tokens=tokens, seed=seed, group_size=group_size, vary_lengths=vary_lengths, kl_coef=0.0,
         bundle_id=bundle_id, stages=stages, rank_sizes={"dp": 1, "tp": 1, "pp": 1, "cp": cp_size},
+        format_version=format_version,
     )
     lengths = torch.tensor([s.response_length for s in index.samples], dtype=torch.int64)
     total = int(lengths.sum())

@@ -130,7 +130,7 @@ def test_loss_with_verls_rejection_replays_clean_and_without_it_diverges(cli, tm
     path = produce_loss_bundle(tmp_path / "rs", 5, Size(16, 64, 4), cfg, reject=reject, config_extra=extra)
     reader = BundleReader(path)
     kept = int(reader.index.config.loss_token_count)
-    assert 0 < kept < sum(sum(s.loss_mask) for s in reader.index.samples)  # some tokens rejected, some kept
+    assert 0 < kept < sum(sum(reader.sample_mask(i)) for i in range(len(reader.index.samples)))  # some tokens rejected, some kept
     code, out, err = cli("replay", path, "--stage", "loss.policy")
     assert (code, err) == (0, ""), out
     # the same recorded loss read without the rejection: the mask differs, so does the loss

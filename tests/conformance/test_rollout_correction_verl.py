@@ -231,7 +231,7 @@ def test_normalize_without_the_recorded_factor_names_it(tmp_path, cli):
 
 def _rewritten(path, reader, cfg) -> str:
     """``reader``'s bundle written again with ``cfg`` (a new bundle: the writer never overwrites)."""
-    index = msgspec.structs.replace(reader.index, config=cfg)
+    index = msgspec.structs.replace(reader.index_with_masks(), config=cfg)
     writer = BundleWriter(path, reader.manifest, index, reader.expected)
     for name in ("log_probs", "old_log_probs", "advantages", "rollout_log_probs"):
         writer.write_payload(name, reader.payload(name))

@@ -12,6 +12,7 @@ import pytest
 import torch
 from rich.style import Style
 
+from replay_lib.bundle import BundleReader
 from replay_lib.judge.error_model import Rules
 from replay_lib.judge.report import hazard_line
 from replay_lib.run.runner import replay
@@ -70,9 +71,8 @@ async def test_tol_and_noise_columns_are_the_error_model_of_each_row(make_app, b
         header, rows = diff_cells(app)
         assert header == ["offset", "expected", "actual", "abs", "err", "×noise", "tol", "mask"]
         # hand-check of s-1@2 from the bundle's own payloads: recorded kl vs low_var_kl of (old − ref)
-        payloads = bundles / "loose-kl" / "payloads"
-        old, ref, kl = (torch.load(payloads / f"{n}.pt", weights_only=True).to(torch.float64)
-                        for n in ("old_log_probs", "ref_log_probs", "kl"))
+        reader = BundleReader(bundles / "loose-kl")
+        old, ref, kl = (reader.payload(n).to(torch.float64) for n in ("old_log_probs", "ref_log_probs", "kl"))
         t = 1 * LOOSE_KL_TOKENS + 2
         r = float(old[t] - ref[t])
         actual = math.exp(-r) - 1 + r

@@ -67,11 +67,11 @@ def test_forensic_on_a_complete_cohort_is_the_strict_open(tmp_path):
 
 
 def test_forensic_still_verifies_each_published_shard(incomplete):
-    kl = incomplete / "rank-0" / "payloads" / "kl.pt"
+    kl = incomplete / "rank-0" / "payloads" / "kl.safetensors"
     data = bytearray(kl.read_bytes())
     data[-30] ^= 0xFF  # one byte of the archive flipped: its size is right, its sha256 is not
     kl.write_bytes(bytes(data))
-    with pytest.raises(BundleError, match=r"rank-0/payloads/kl.pt: sha256 mismatch"):
+    with pytest.raises(BundleError, match=r"rank-0/payloads/kl\.safetensors: sha256 mismatch"):
         open_bundle(incomplete, forensic=True)
 
 

@@ -3,7 +3,7 @@ as a field of their own (f cycles to it), with the mismatch located to the token
 
 from __future__ import annotations
 
-import torch
+from safetensors.torch import save_file
 
 from replay_lib.bundle import BundleReader, open_bundle
 from replay_lib.run.runner import replay_run
@@ -22,7 +22,7 @@ def test_the_returns_of_a_gae_bundle_are_a_field_of_the_debugger(tmp_path, bundl
     reader = BundleReader(path)
     returns = reader.payload("returns").clone()
     returns[3] += 0.5
-    torch.save(returns, path / "payloads" / "returns.pt")
+    save_file({"data": returns}, str(path / "payloads" / "returns.safetensors"))  # the default form's file
     bundle_tools.reseal(path)
     bundles = open_bundle(path)
     report, contexts = replay_run(bundles)

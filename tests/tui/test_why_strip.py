@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from replay_lib.bundle import open_bundle
+from replay_lib.bundle import BundleReader, open_bundle
 from replay_lib.demo import PR65_RAW, write_pr65, write_step_loss
 from replay_lib.explain.inputs import consumer_batch_labels, element_inputs
 from replay_lib.judge.report import fmt_value
@@ -58,7 +58,7 @@ def write_loss_terms_bug(path, *, per_token: bool = True):
     if per_token:
         tensors["pg_losses"] = torch.tensor(surrogate, dtype=torch.float32)
     manifest = msgspec.structs.replace(base.manifest, producer=fixed_producer())  # no torch version on screen
-    return write_bundle(path, manifest, base.index, expected, tensors)
+    return write_bundle(path, manifest, base.index_with_masks(), expected, tensors)
 
 
 @pytest.fixture
@@ -134,8 +134,8 @@ async def test_a_kl_token_shows_r_and_the_formula(make_app, bundles):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert (app.debugger.sample_id, app.debugger.diff_view.data_row) == ("s-5", 3)
-        old, ref = (torch.load(bundles / "kl-bug" / "payloads" / f"{n}.pt", weights_only=True).to(torch.float64)
-                    for n in ("old_log_probs", "ref_log_probs"))
+        reader = BundleReader(bundles / "kl-bug")
+        old, ref = (reader.payload(n).to(torch.float64) for n in ("old_log_probs", "ref_log_probs"))
         t = 5 * 16 + 3
         r = float(old[t] - ref[t])
         k3 = math.exp(-r) - 1 + r  # inside the ±10 clamp
