@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                 rows[mode].append({"step": statistics.median(result.step_times),
                                    "cpu": statistics.median(result.step_cpu_times),
                                    "bytes": stats.bytes_written, "steps": result.steps})
-        if not any((root / "round-0-on").rglob("grad_log_probs.pt")):
+        if not any((root / "round-0-on").rglob("grad_log_probs.*")):
             raise SystemExit("no grad_log_probs payload was written with RELAX_REPLAY_CAPTURE_GRAD=1")
     finally:
         shutil.rmtree(root, ignore_errors=True)
