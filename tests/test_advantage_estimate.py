@@ -247,7 +247,7 @@ def bad_bundle(tmp_path, name="b", **config):
     (dict(gamma=1.5), "$.config.gamma=1.5: expected a number in [0, 1]"),
     (dict(lam=-0.1), "$.config.lam=-0.1: expected a number in [0, 1]"),
     (dict(advantage_estimator="gae"),
-     "$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is missing"),
+     "$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.safetensors is missing"),
 ])
 def test_bad_advantage_knobs_are_invalid_bundles(tmp_path, config, message):
     path = bad_bundle(tmp_path, **config)

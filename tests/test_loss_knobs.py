@@ -192,7 +192,8 @@ def test_kl_types_of_the_schema_are_the_kernels():
 # ---------------------------------------------------------------------------------- real bundles
 
 
-def write_step(path, *, config: dict, policy: dict, payloads: dict, value: dict | None = None):
+def write_step(path, *, config: dict, policy: dict, payloads: dict, value: dict | None = None,
+               format_version: str = FORMAT_VERSION):
     """A step bundle of the table's step, with ``policy`` (and ``value``) as its expected fields."""
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i, response_length=n, total_length=n + 4,
                             loss_mask=MASK[i], raw_reward=float(i), reward=float(i), micro_batch_id="mb-0")
@@ -201,7 +202,7 @@ def write_step(path, *, config: dict, policy: dict, payloads: dict, value: dict 
     stages = [StageId.SAMPLE, StageId.LOSS_POLICY] + ([StageId.LOSS_VALUE] if value is not None else [])
     index = BundleIndex(bundle_id="knobs", identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0)),
                         samples=samples, config=cfg)
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id="knobs", producer=producer(),
+    manifest = Manifest(format_version=format_version, bundle_id="knobs", producer=producer(),
                         stage_contracts=stage_contracts(stages, declare_value=value is None), payloads={},
                         comparison_policy=ComparisonPolicy(), redaction={})
     expected = {"loss.policy": policy} | ({"loss.value": value} if value is not None else {})
@@ -293,12 +294,12 @@ def test_loss_value_replays_clean_and_a_wrong_value_loss_diverges(tmp_path, cli)
      "producer's recorded loss_token_count)"),
     (dict(loss_agg_mode="seq_mean_token_sum_norm", loss_seq_count=4), {}, None,
      "loss.policy needs index.json $.config.loss_horizon"),
-    (dict(is_level="token", is_high=2.0), {}, None, "loss.policy needs payloads/rollout_log_probs.pt (for is_level)"),
-    (dict(use_tis=True), {}, None, "loss.policy needs payloads/rollout_log_probs.pt (for use_tis)"),
+    (dict(is_level="token", is_high=2.0), {}, None, "loss.policy needs payloads/rollout_log_probs.safetensors (for is_level)"),
+    (dict(use_tis=True), {}, None, "loss.policy needs payloads/rollout_log_probs.safetensors (for use_tis)"),
     (dict(use_kl_loss=True, kl_loss_coef=0.01), {}, None,
-     "loss.policy needs payloads/ref_log_probs.pt (for use_kl_loss)"),
+     "loss.policy needs payloads/ref_log_probs.safetensors (for use_kl_loss)"),
     (dict(value_clip=0.2), {"values": [0.0] * 5, "old_values": [0.0] * 5}, {"vf_loss": 0.0},
-     "loss.value needs payloads/returns.pt"),
+     "loss.value needs payloads/returns.safetensors"),
 ])
 def test_validate_and_replay_name_the_knob_and_the_missing_input(tmp_path, cli, config, payloads, value, message):
     """validate refuses the bundle, and so do replay and replay-tui --check, with the same line and exit 3, before
@@ -313,6 +314,18 @@ def test_validate_and_replay_name_the_knob_and_the_missing_input(tmp_path, cli, 
     from replay_tui.__main__ import main as tui_main
 
     assert tui_main([str(path), "--check"]) == 3
+
+
+def test_a_missing_payload_is_named_by_its_file_in_the_bundles_form(tmp_path, cli):
+    """A requirement names the file the bundle's format would hold: ``.safetensors`` in format 1.3 (above), the
+    weights-only ``.pt`` in the older form."""
+    from replay_lib.bundle.schema import UNPACKED_FORMAT_VERSION
+
+    path = write_step(tmp_path / "b", config=dict(use_tis=True), policy={"loss": 0.0}, payloads={},
+                      format_version=UNPACKED_FORMAT_VERSION)
+    code, out, err = cli("validate", path)
+    assert (code, out) == (3, "") and err.endswith(
+        "dependency closure incomplete: loss.policy needs payloads/rollout_log_probs.pt (for use_tis)\n"), err
 
 
 def test_a_missing_count_shared_by_two_modes_is_named_once(tmp_path, cli):

@@ -220,7 +220,7 @@ def test_missing_entropy_with_entropy_coef_is_refused_before_any_stage_runs(tmp_
     expected = {"loss": pg, "pg_loss": pg, "entropy_loss": 0.0, "pg_clipfrac": 2.0, "ppo_kl": -2.0}
     path = loss_bundle(tmp_path / "b", log_prob=0.5, expected=expected, entropy_coef=0.01)
     with pytest.raises(BundleError, match=r"/b/manifest\.json: dependency closure incomplete: loss\.policy needs "
-                                          r"payloads/entropy\.pt$") as refused:
+                                          r"payloads/entropy\.safetensors$") as refused:
         replay(path)
     assert refused.value.exit_code == 3
 

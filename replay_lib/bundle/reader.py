@@ -833,6 +833,11 @@ class BundleReader:
     def has_payload(self, name: str) -> bool:
         return name in self._tensors
 
+    def payload_label(self, name: str) -> str:
+        """``payloads/<name>`` with the file suffix of this bundle's format (``.safetensors`` in format 1.3, ``.pt``
+        before): how a requirement names a payload the bundle lacks."""
+        return f"{PAYLOAD_DIR}/{name}{packed.payload_suffix(self.manifest.format_version)}"
+
     def payload(self, name: str) -> torch.Tensor:
         """The verified, memory-mapped tensor (pages are read only when a stage touches them)."""
         try:

@@ -115,9 +115,9 @@ def _kl_clamp_hazards(ctx: StageContext, old: torch.Tensor, ref: torch.Tensor) -
 
 
 def _kl_requirements(reader: BundleReader) -> list[str]:
-    missing = [f"payloads/{n}.pt" for n in ("kl",) if not reader.has_payload(n)]
+    missing = [reader.payload_label(n) for n in ("kl",) if not reader.has_payload(n)]
     if reader.index.config.kl_coef != 0:
-        missing += [f"payloads/{n}.pt" for n in ("old_log_probs", "ref_log_probs") if not reader.has_payload(n)]
+        missing += [reader.payload_label(n) for n in ("old_log_probs", "ref_log_probs") if not reader.has_payload(n)]
     return missing
 
 
@@ -593,7 +593,7 @@ def _token_estimate(ctx: StageContext) -> _TokenEstimate:
 
 
 def _estimate_requirements(reader: BundleReader) -> list[str]:
-    missing = [] if reader.has_payload("advantages") else ["payloads/advantages.pt"]
+    missing = [] if reader.has_payload("advantages") else [reader.payload_label('advantages')]
     post = reader.manifest.stage_contracts.get(StageId.REWARD_POST_PROCESS)
     has_rewards = (post is not None and post.capability == StageCapability.RECOMPUTE) or isinstance(
         reader.expected.get("reward.post_process", {}).get("rewards"), list
@@ -602,9 +602,9 @@ def _estimate_requirements(reader: BundleReader) -> list[str]:
     if not has_rewards and not (opd_in_advantages(cfg) and LossKnobs.of(cfg).opd_base == "zero"):
         missing.append("normalized rewards (reward.post_process, expected rewards or samples[].reward)")
     if cfg.kl_in_reward == "token_returns" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
-        missing.append("payloads/kl.pt (kl_in_reward=token_returns)")
+        missing.append(f"{reader.payload_label('kl')} (kl_in_reward=token_returns)")
     if opd_in_advantages(cfg):
-        missing += [f"payloads/{n}.pt (opd_placement='advantage')" for n in ("old_log_probs", "teacher_log_probs")
+        missing += [f"{reader.payload_label(n)} (opd_placement='advantage')" for n in ("old_log_probs", "teacher_log_probs")
                     if not reader.has_payload(n)]
     return missing
 
@@ -665,8 +665,8 @@ def advantage_config_error(reader: BundleReader, stages) -> Optional[str]:
     if est_inputs is not None:
         return est_inputs
     if cfg.advantage_estimator == "gae" and StageId.ADVANTAGE_ESTIMATE in stages and not reader.has_payload("values"):
-        return ("$.config.advantage_estimator='gae' needs the per-token critic values: payloads/values.pt is "
-                "missing")
+        return ("$.config.advantage_estimator='gae' needs the per-token critic values: "
+                f"{reader.payload_label('values')} is missing")
     return None
 
 

@@ -557,9 +557,9 @@ def run_loss_grad(ctx: StageContext) -> StageReport:
 def _grad_requirements(reader: BundleReader) -> list[str]:
     missing = [m for m in _loss_requirements(reader) if not m.startswith("expected.json")]
     if not reader.has_payload(GRAD_PAYLOAD):
-        missing.append(f"payloads/{GRAD_PAYLOAD}.pt")
+        missing.append(reader.payload_label(GRAD_PAYLOAD))
     if reader.has_payload(GRAD_VALUES_PAYLOAD):
-        missing += [f"payloads/{p}.pt (for {GRAD_VALUES_PAYLOAD})" for p in ("values", "old_values", "returns")
+        missing += [f"{reader.payload_label(p)} (for {GRAD_VALUES_PAYLOAD})" for p in ("values", "old_values", "returns")
                     if not reader.has_payload(p)]
     return missing
 

@@ -660,15 +660,15 @@ def partition_requirements(reader: BundleReader) -> list[str]:
 
 def _loss_requirements(reader: BundleReader) -> list[str]:
     cfg = reader.index.config
-    missing = [f"payloads/{n}.pt" for n in ("log_probs", "old_log_probs") if not reader.has_payload(n)]
+    missing = [reader.payload_label(n) for n in ("log_probs", "old_log_probs") if not reader.has_payload(n)]
     if cfg.entropy_coef != 0 and not reader.has_payload("entropy"):
-        missing.append("payloads/entropy.pt")
+        missing.append(reader.payload_label('entropy'))
     est = reader.manifest.stage_contracts.get(StageId.ADVANTAGE_ESTIMATE)
     if not reader.has_payload("advantages") and not (est is not None and est.capability == StageCapability.RECOMPUTE):
-        missing.append("payloads/advantages.pt")
+        missing.append(reader.payload_label('advantages'))
     for knob, payload in knob_payloads(cfg):
         if not reader.has_payload(payload):
-            missing.append(f"payloads/{payload}.pt (for {knob})")
+            missing.append(f"{reader.payload_label(payload)} (for {knob})")
     missing += count_requirements(cfg)
     missing += partition_requirements(reader)
     if getattr(cfg, "is_batch_normalize", False) is True and cfg.is_level is not None and \

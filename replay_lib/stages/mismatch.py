@@ -334,7 +334,7 @@ def merge_summaries(per_rank: list[StageReport]) -> Optional[dict]:
 
 
 def _requirements(reader: BundleReader) -> list[str]:
-    return [f"payloads/{p}.pt" for p in INPUTS if not reader.has_payload(p)]
+    return [reader.payload_label(p) for p in INPUTS if not reader.has_payload(p)]
 
 
 LOGPROB_MISMATCH = StageDef(

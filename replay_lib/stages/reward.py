@@ -540,7 +540,7 @@ def _post_process_requirements(reader: BundleReader) -> list[str]:
     missing = _expected_list_present(reader, "reward.post_process", "rewards")
     cfg = reader.index.config
     if cfg.kl_in_reward == "sequence" and cfg.kl_coef != 0 and not reader.has_payload("kl"):
-        missing.append("payloads/kl.pt (kl_in_reward=sequence)")
+        missing.append(f"{reader.payload_label('kl')} (kl_in_reward=sequence)")
     return missing
 
 

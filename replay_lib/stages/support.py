@@ -367,7 +367,7 @@ def _check_experts(ctx: StageContext, v: _Violations) -> None:
 
 def _support_requirements(reader: BundleReader) -> list[str]:
     cfg = reader.index.config
-    missing = [f"payloads/{n}.pt" for n in ("support_ids", "support_logits", "sampled_token_ids")
+    missing = [reader.payload_label(n) for n in ("support_ids", "support_logits", "sampled_token_ids")
                if not reader.has_payload(n)]
     if cfg.vocab_size is None:
         missing.append("index.json $.config.vocab_size")
@@ -375,9 +375,10 @@ def _support_requirements(reader: BundleReader) -> list[str]:
         missing.append("index.json $.config.num_experts")
     if cfg.support_scored is None:
         if not scored_sources(reader):
-            missing.append("recorded log-probs (payloads/log_probs.pt, old_log_probs.pt or ref_log_probs.pt)")
+            missing.append("recorded log-probs ({}, {} or {})".format(
+                *(reader.payload_label(n) for n in ("log_probs", "old_log_probs", "ref_log_probs"))))
     else:
-        missing += [f"payloads/{n}.pt" for n in cfg.support_scored if n in SCORED_FIELDS and not reader.has_payload(n)]
+        missing += [reader.payload_label(n) for n in cfg.support_scored if n in SCORED_FIELDS and not reader.has_payload(n)]
     return missing
 
 

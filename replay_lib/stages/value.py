@@ -127,7 +127,7 @@ def run_loss_value(ctx: StageContext) -> StageReport:
 
 
 def _value_requirements(reader: BundleReader) -> list[str]:
-    missing = [f"payloads/{p}.pt" for p in VALUE_PAYLOADS if not reader.has_payload(p)]
+    missing = [reader.payload_label(p) for p in VALUE_PAYLOADS if not reader.has_payload(p)]
     missing += count_requirements(reader.index.config) + partition_requirements(reader)
     if not any(f in reader.expected.get(STAGE, {}) for f in VALUE_FIELDS):
         missing.append(f"expected.json $.{STAGE}.vf_loss")

@@ -137,7 +137,7 @@ def test_without_the_mask_the_replay_refuses_naming_it(tmp_path, cli):
     bundle = write_clip_cov_bundle(tmp_path / "b", "clip-cov", seed=7, dtype=torch.float32, with_mask=False)
     code, out, err = cli("replay", bundle)
     assert code == 3, out + err
-    assert "payloads/clip_cov_mask.pt (for policy_loss)" in out + err
+    assert "payloads/clip_cov_mask.safetensors (for policy_loss)" in out + err
 
 
 def test_a_mask_with_a_value_other_than_0_and_1_is_refused(tmp_path, cli):
