@@ -318,8 +318,13 @@ class FieldResult:
 
     @functools.cached_property
     def bad(self) -> torch.Tensor:
-        """bool ``[size]``: the compared elements that diverge."""
-        return self._materialize().bad
+        """bool ``[size]``: the compared elements that diverge. A field longer than a chunk keeps only this
+        column (1 byte an element), not every float64 column of :meth:`_materialize` (≈ 34 bytes an element):
+        a view counts divergences per sample over a whole step and reads the values of one sample's window."""
+        full = self._full
+        if full is not None or self.size <= CHUNK:
+            return self._materialize().bad
+        return torch.cat([w.bad for w in self.chunks()])
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:
