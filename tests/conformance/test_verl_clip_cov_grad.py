@@ -19,15 +19,12 @@ import msgspec
 import pytest
 import torch
 
-from replay_lib.bundle import BundleWriter
-from replay_lib.bundle.schema import (FORMAT_VERSION, ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest,
-                                      SampleRecord, StageId, Tolerance, stage_contracts)
-from replay_lib.demo import producer
 from replay_lib.frameworks import from_verl
 
 from .conftest import import_verl
-from .test_verl import B, GROUPS, N, STAGES, _ActorConfig, _advantages, _step
+from .test_verl import B, GROUPS, N, _ActorConfig, _advantages, _step
 from .test_verl_clip_cov import CONFIGS
+from .test_verl_family_grads import write_step_bundle
 
 core_algos, _ = import_verl()
 
@@ -117,27 +114,11 @@ def write_clip_cov_grad_bundle(path, name: str, seed: int, bug: str = "", tis: b
     cfg = msgspec.structs.replace(from_verl(verl, version="0.9.1"), loss_token_count=int(mask.sum()))
     if tis:
         cfg = msgspec.structs.replace(cfg, is_level="token", is_mode="truncate", is_high=2.0)
-    mb_of = {i: f"mb-{k}" for k, rows in enumerate(micro) for i in rows}
-    samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // N, response_length=int(lengths[i]),
-                            total_length=int(lengths[i]) + 7, loss_mask=[int(v) for v in mask[i, :lengths[i]]],
-                            raw_reward=float(scores[i]), micro_batch_id=mb_of[i]) for i in range(B)]
-    bundle_id = f"verl-grad-{name}"
-    index = BundleIndex(bundle_id=bundle_id, identity=Identity(actor_step_id=ActorStepId(rollout_id=1, step_id=0),
-                                                               micro_batch_ids=sorted(set(mb_of.values()))),
-                        samples=samples, config=cfg)
-    manifest = Manifest(format_version=FORMAT_VERSION, bundle_id=bundle_id, producer=producer(),
-                        stage_contracts=stage_contracts((*STAGES, StageId.LOSS_GRAD)), payloads={},
-                        comparison_policy=ComparisonPolicy(tolerances={"loss.grad": Tolerance(atol=0.0, rtol=1e-6)}),
-                        redaction={})
-    expected = {"reward.post_process": {"rewards": [float(v) for v in normalized]},
-                "loss.policy": {"pg_loss": pg_loss, "loss": pg_loss}}
-    writer = BundleWriter(path, manifest, index, expected)
-    for pname, values in (("log_probs", logp), ("old_log_probs", old), ("advantages", adv),
-                          ("grad_log_probs", grad), ("clip_cov_mask", selected.to(torch.int8))):
-        writer.write_payload(pname, values[valid])
+    payloads = {"log_probs": logp, "old_log_probs": old, "advantages": adv, "grad_log_probs": grad,
+                "clip_cov_mask": selected.to(torch.int8)}
     if tis:
-        writer.write_payload("rollout_log_probs", old[valid])
-    return writer.finalize(ranks=[0])
+        payloads["rollout_log_probs"] = old
+    return write_step_bundle(path, name, cfg, micro, lengths, valid, mask, scores, normalized, pg_loss, payloads)
 
 
 def _replay(cli, bundle) -> tuple[int, str, dict, dict]:

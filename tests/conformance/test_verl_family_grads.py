@@ -66,6 +66,15 @@ def write_grad_bundle(path, name: str, seed: int, undetach: bool = False) -> str
     adv, normalized = _advantages("grpo", {}, scores, lengths, mask, valid.shape[1])
     pg_loss, grad = verl_step_grad(actor, micro, old, logp, adv, mask, undetach)
     cfg = msgspec.structs.replace(from_verl(verl_config(name), version="0.9.1"), loss_token_count=int(mask.sum()))
+    return write_step_bundle(path, name, cfg, micro, lengths, valid, mask, scores, normalized, pg_loss,
+                             {"log_probs": logp, "old_log_probs": old, "advantages": adv, "grad_log_probs": grad})
+
+
+def write_step_bundle(path, name: str, cfg, micro, lengths, valid, mask, scores, normalized, pg_loss,
+                      payloads: dict) -> str:
+    """The step bundle of verl's loss and its gradient: the samples in their micro-batches, the normalized
+    rewards and loss as expected fields, ``loss.grad`` declared, ``payloads`` (name → padded ``[B, T]``) at the
+    valid tokens."""
     mb_of = {i: f"mb-{k}" for k, rows in enumerate(micro) for i in rows}
     samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // N, response_length=int(lengths[i]),
                             total_length=int(lengths[i]) + 7, loss_mask=[int(v) for v in mask[i, :lengths[i]]],
@@ -81,8 +90,7 @@ def write_grad_bundle(path, name: str, seed: int, undetach: bool = False) -> str
     expected = {"reward.post_process": {"rewards": [float(v) for v in normalized]},
                 "loss.policy": {"pg_loss": pg_loss, "loss": pg_loss}}
     writer = BundleWriter(path, manifest, index, expected)
-    for pname, values in (("log_probs", logp), ("old_log_probs", old), ("advantages", adv),
-                          ("grad_log_probs", grad)):
+    for pname, values in payloads.items():
         writer.write_payload(pname, values[valid])
     return writer.finalize(ranks=[0])
 
