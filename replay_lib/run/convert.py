@@ -85,7 +85,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> ConvertR
                         continue  # format 1.3's packed masks: in the index the writer takes (index_with_masks)
                     writer.write_payload(name, _stored(shard, name))
                 writer.finalize(ranks=ranks or [0])
-        written = _verify(stage, bundles, notes)
+        written = _verify(stage, bundles, notes, dst)
         if os.path.lexists(dst):
             raise UsageError(f"{dst}: already exists; refusing to overwrite")
         os.rename(stage, dst)
@@ -203,10 +203,11 @@ def _check_storable(shard: BundleReader, to: str) -> None:
                                    f"(its payloads are safetensors, which has no such dtype)")
 
 
-def _verify(path: Path, source, notes: list[str]) -> str:
+def _verify(path: Path, source, notes: list[str], dst: Path) -> str:
     """Read the written bundle back as ``validate`` does and check it holds what the source held (the samples, every
     payload's dtype and shape, every mask); returns its format version. A failure is this tool's bug: the staging is
-    removed and the error raised as internal."""
+    removed and the error raised as internal. A warning of ``validate`` is noted naming ``dst``, where the bundle is
+    published, not its staging ``path``."""
     from .validate import validate
 
     try:
@@ -220,7 +221,7 @@ def _verify(path: Path, source, notes: list[str]) -> str:
             raise RuntimeError(f"{ours.path}: the converted bundle's samples, payloads or masks differ from the "
                                f"source's")
     for w in result.warnings:
-        _note(notes, f"validate: {w}")
+        _note(notes, f"validate: {w.replace(str(path), str(dst))}")
     return result.format_version
 
 
