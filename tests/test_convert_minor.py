@@ -138,6 +138,17 @@ def test_the_original_s_1_0_0_bundle_converts_to_1_3_0_and_back(tmp_path, cli):
     original_reads(tmp_path / "back")
 
 
+def test_the_early_writer_s_bundle_converts_to_1_3_0_with_its_checksums_recorded(tmp_path, cli):
+    src = write_original_bundle(tmp_path / "early", early=True)
+    assert "COMPLETE: $.metadata: absent" in cli("validate", src)[1]
+    rc, out, err = cli("convert", src, tmp_path / "v13", "--to", "1.3.0")
+    assert (rc, out.splitlines()[1:], err) == (0, [], "")
+    rc, out, err = cli("validate", tmp_path / "v13")
+    assert (rc, err) == (0, "") and "warning" not in out
+    assert json.loads((tmp_path / "v13" / "COMPLETE").read_bytes())["metadata"].keys() == {
+        "manifest.json", "index.json", "expected.json"}
+
+
 def test_per_token_rewards_go_to_1_3_0_and_stay_1_2_0_on_the_way_to_1_0_0(tmp_path, cli, bundle_tools):
     src = write_original_bundle(tmp_path / "pt")
     bundle_tools.edit_json(src, "index.json", lambda d: [s.__setitem__("reward", [r] * s["response_length"])
@@ -201,6 +212,13 @@ def test_a_payload_safetensors_cannot_store_is_refused_before_anything_is_writte
     # the original's form stores it (a .pt), in its own dtype
     assert cli("convert", src, tmp_path / "v1", "--to", "1.0.0")[0] == 0
     assert BundleReader(tmp_path / "v1").manifest.payloads["log_probs"].dtype == "torch.float8_e4m3fnuz"
+    # a float8 dtype safetensors has goes to 1.3.0 as stored
+    fn = write_float8_bundle(tmp_path / "fn", dtype=torch.float8_e4m3fn, logp=[-1.0, -2.0], ppo_kl=0.0,
+                             format_version="1.1.0")
+    assert cli("convert", fn, tmp_path / "fn13", "--to", "1.3.0")[0] == 0
+    assert (tmp_path / "fn13" / "payloads" / "log_probs.safetensors").is_file()
+    assert BundleReader(tmp_path / "fn13").manifest.payloads["log_probs"].dtype == "torch.float8_e4m3fn"
+    assert _verdict(cli, tmp_path / "fn13") == _verdict(cli, fn)
 
 
 def test_a_payload_of_its_own_named_loss_mask_cannot_go_to_1_3_0(tmp_path, cli, bundle_tools):
