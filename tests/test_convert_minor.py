@@ -251,3 +251,14 @@ def test_help_names_every_target(capsys):
     assert ("--to VERSION the format to write: 2.0.0 or 1.0.0 (the original's: .pt payloads, masks in index.json) or "
             "1.3.0 (ours: packed masks, safetensors payloads); what the target cannot hold is named in a note: line, "
             "or refused (exit 4)") in out
+
+
+def test_a_source_validate_refuses_is_refused_with_its_line_not_as_an_internal_error(tmp_path, cli, bundle_tools):
+    src = write_original_bundle(tmp_path / "v1")  # replay runs it (sample diverges); validate refuses it
+    bundle_tools.edit_json(src, "index.json", lambda d: d["samples"][1]["loss_mask"].append(1))
+    line = (f"trajectory-replay: error: {src / 'index.json'}: $.samples[1].loss_mask: 3 value(s), "
+            f"$.samples[1].response_length is 2 (sample 's-1')\n")
+    assert cli("validate", src) == (3, "", line)
+    for to in ("2.0.0", "1.3.0"):
+        assert cli("convert", src, tmp_path / to, "--to", to) == (3, "", line), to
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]

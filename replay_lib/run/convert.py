@@ -2,9 +2,9 @@
 format, in one step from any of the others (SPEC §2.2, §2.3): the original tool's 2.0.0 and 1.0.0 (``.pt`` payloads,
 masks in index.json) and our current 1.3.0 (packed masks, safetensors payloads).
 
-SRC is opened and verified as ``validate`` opens it (exit 3 on any problem); DST is written into a hidden staging
-directory beside it, read back and validated there, and published with one rename — never half-written, never
-over an existing path. Payloads are carried as stored (a float8 payload stays float8). What the target format
+SRC is opened and checked as ``validate`` checks it (exit 3 on any problem, with ``validate``'s line); DST is written
+into a hidden staging directory beside it, read back and validated there, and published with one rename — never
+half-written, never over an existing path. Payloads are carried as stored (a float8 payload stays float8). What the target format
 cannot hold is named in the result's notes, never dropped silently: to 2.0 the reward stages (and their
 recompute), raw rewards, expected reward values, ``n_samples_per_prompt`` / ``grpo_std_normalization`` and the
 normalization cohort ids; from 2.0 to 1.x the reward stages come back declared ``recorded-only`` (2.0 records no
@@ -68,6 +68,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str) -> ConvertR
         raise UsageError(f"{src}: already format {versions[0]} (major {major}); nothing to convert")
     if versions == [to]:
         raise UsageError(f"{src}: already format {to}; nothing to convert")
+    from .validate import check_dependency_closure
+
+    check_dependency_closure(bundles)  # what validate refuses (exit 3, its line): a copy of it would not validate
     notes: list[str] = []
     prepared = [(shard, *_prepared(shard, to, notes)) for shard in bundles.shards]
     if not dst.parent.is_dir():
