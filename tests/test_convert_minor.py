@@ -206,8 +206,9 @@ def test_a_payload_safetensors_cannot_store_is_refused_before_anything_is_writte
     rc, out, err = cli("convert", src, tmp_path / "v13", "--to", "1.3.0")
     assert (rc, out) == (4, "")
     assert err == (f"trajectory-replay: error: {src / 'manifest.json'}: $.payloads.log_probs.dtype: "
-                   f"torch.float8_e4m3fnuz, which format 1.3.0 cannot hold (its payloads are safetensors, which has "
-                   f"no such dtype)\n")
+                   f"torch.float8_e4m3fnuz, which format 1.3.0 cannot hold (a payload there is a safetensors file of "
+                   f"torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, "
+                   f"torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fnuz"]
     # the original's form stores it (a .pt), in its own dtype
     assert cli("convert", src, tmp_path / "v1", "--to", "1.0.0")[0] == 0

@@ -193,7 +193,7 @@ def _check_storable(shard: BundleReader, to: str) -> None:
     the name ``loss_mask``) cannot hold."""
     from ..bundle import safetensors_io
 
-    storable = {str(dtype) for dtype in safetensors_io.DTYPES.values()}
+    storable = [str(dtype) for dtype in safetensors_io.DTYPES.values()]
     where = shard.path / "manifest.json"
     for name, spec in sorted(shard.manifest.payloads.items()):
         if name == MASK_PAYLOAD and shard.packed_mask is not None:
@@ -203,7 +203,7 @@ def _check_storable(shard: BundleReader, to: str) -> None:
                                    f"this name, so a payload of its own cannot be carried")
         if spec.dtype not in storable:
             raise UnsupportedError(f"{where}: $.payloads.{name}.dtype: {spec.dtype}, which format {to} cannot hold "
-                                   f"(its payloads are safetensors, which has no such dtype)")
+                                   f"(a payload there is a safetensors file of {', '.join(storable)})")
 
 
 def _verify(path: Path, source, notes: list[str], dst: Path) -> str:
