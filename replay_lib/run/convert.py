@@ -211,11 +211,11 @@ def _verify(path: Path, source, notes: list[str], dst: Path) -> str:
     payload's dtype and shape, every mask); returns its format version. A failure is this tool's bug: the staging is
     removed and the error raised as internal. A warning of ``validate`` is noted naming ``dst``, where the bundle is
     published, not its staging ``path``."""
-    from .validate import validate
+    from .validate import check_dependency_closure
 
     try:
-        result = validate(path)
-        back = open_bundle(path)
+        back = open_bundle(path)  # validate's two steps, the bundle opened once
+        result = check_dependency_closure(back)
     except BundleError as exc:
         raise RuntimeError(f"the converted bundle does not validate, so it was not published: {exc}") from None
     for theirs, ours in zip(source.shards, back.shards):
