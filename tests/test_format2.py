@@ -357,9 +357,10 @@ def test_convert_a_cohort_and_the_refusals(tmp_path, cli):
 
 
 def test_convert_to_2_0_without_a_post_processed_reward_is_refused_and_leaves_nothing(tmp_path, cli, bundle_tools):
-    src = write_pr65(tmp_path / "pr65")
-    bundle_tools.edit_json(src, "expected.json", lambda d: d.pop("reward.post_process"))
+    src = write_pr65(tmp_path / "pr65")  # valid (a null expected value is), but sample 2 has no reward 2.0 can hold
+    bundle_tools.edit_json(src, "expected.json", lambda d: d["reward.post_process"]["rewards"].__setitem__(2, None))
     bundle_tools.edit_json(src, "index.json", lambda d: d["samples"][2].__setitem__("reward", None))
+    assert cli("validate", src)[0] == 0
     rc, out, err = cli("convert", src, tmp_path / "v2", "--to", "2.0.0")
     assert (rc, out) == (4, "")
     assert err == (f"trajectory-replay: error: {src / 'index.json'}: $.samples[2].reward: null, and format 2.0 "

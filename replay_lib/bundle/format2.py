@@ -24,8 +24,9 @@ from .schema import (FORMAT_2_REMOVED_CONFIG, FORMAT_2_REMOVED_IDENTITY, FORMAT_
                      FORMAT_2_REMOVED_STAGES, FORMAT_2_STAGE_IDS, BundleIndex, Expected, Manifest,
                      StageCapability, StageId)
 
-# What ``trajectory-replay convert --to`` writes.
-CONVERT_TARGETS = ("2.0.0", "1.0.0")
+# What ``trajectory-replay convert --to`` writes: the original's two majors and our current form (format 1.3.0,
+# ``packed.PACKED_FORMAT_VERSION``), each from any of the others.
+CONVERT_TARGETS = ("2.0.0", "1.0.0", "1.3.0")
 
 
 def per_token_reward_error(index: BundleIndex) -> Optional[str]:

@@ -64,11 +64,14 @@ class BundleWriter:
         *,
         rank: Optional[int] = None,
         format_version: Optional[str] = None,
+        redacted: bool = False,
     ):
         """``format_version``: ``"2.0.0"`` writes the original's format 2.0 (the manifest's version otherwise; a
         1.x bundle that holds a per-token reward is written as 1.2.0, the minor that added it). A 2.0 bundle
         cannot hold the reward stages, raw rewards or normalization cohort ids: asked to, it raises
-        ``ValueError`` naming them (``replay_lib.bundle.convert`` drops them and says so)."""
+        ``ValueError`` naming them (``replay_lib.bundle.convert`` drops them and says so). ``redacted``: the
+        index's text fields already went through ``manifest.redaction`` (a published bundle rewritten: ``convert``)
+        and are written as they are, not redacted again (a ``hash`` rule would hash the hash)."""
         from . import format2
 
         version = format_version or manifest.format_version
@@ -101,7 +104,7 @@ class BundleWriter:
             seen[sample.sample_id] = i
         self.policy = RedactionPolicy(manifest.redaction)
         self.manifest = manifest
-        self.index = self._redact(index)
+        self.index = index if redacted else self._redact(index)
         self.expected = expected
         self.payloads: dict[str, PayloadSpec] = {}
         # format 1.3 (packed.py): the masks go to the payload ``loss_mask``, every payload to a safetensors file

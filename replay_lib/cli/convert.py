@@ -1,9 +1,11 @@
-"""``trajectory-replay convert SRC DST --to 2.0.0|1.0.0``: a bundle or cohort rewritten in the other major of the
-original tool's format, verified before it is published (``replay_lib.run.convert``).
+"""``trajectory-replay convert SRC DST --to 2.0.0|1.0.0|1.3.0``: a bundle or cohort rewritten in another form of the
+format in one step — the original tool's 2.0.0 or 1.0.0, or our current 1.3.0 — verified before it is published
+(``replay_lib.run.convert``).
 
 Text output: ``converted SRC (format A) → DST (format B): bundle ID, N sample(s)[, ranks …]; verified``, then one
 ``note:`` line for each thing the target format cannot hold. ``--format json``: the same as one document. Exit 0
-when written; 2 for a bad target or an existing DST; 3 for an invalid SRC; 4 when the target cannot hold SRC.
+when written; 2 for a bad target, an existing DST or a SRC already of the target's version; 3 for an invalid SRC; 4
+when the target cannot hold SRC.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", type=Path, metavar="SRC", help="a bundle or a cohort")
     p.add_argument("target", type=Path, metavar="DST", help="where to publish the converted copy (must not exist)")
     p.add_argument("--to", required=True, choices=TARGETS, metavar="VERSION",
-                   help="the format to write: " + " or ".join(TARGETS))
+                   help="the format to write: 2.0.0 or 1.0.0 (the original's: .pt payloads, masks in index.json) or "
+                        "1.3.0 (ours: packed masks, safetensors payloads); what the target cannot hold is named in a "
+                        "note: line, or refused (exit 4)")
     p.add_argument("--format", choices=("text", "json"), default="text")
 
 

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .importing import add_import_arguments
 
     add_import_arguments(p, _Parser)
-    p = sub.add_parser("convert", help="rewrite a bundle or cohort in format 2.0.0 or 1.0.0, verified (SPEC §2.2)",
+    p = sub.add_parser("convert", help="rewrite a bundle or cohort in format 2.0.0, 1.0.0 or 1.3.0, verified (SPEC §2.2, §2.3)",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     from .convert import add_convert_arguments
 
