@@ -282,8 +282,12 @@ async def test_a_closed_bundle_is_freed_and_opening_bundles_one_after_another_do
         alive = [i for i, (model, screen) in enumerate(opened) if model() is not None or screen() is not None]
         # at most the bundle closed last is still held (the run view's last frame may still reference its screen)
         assert alive in ([], [5]), alive
-        # the heap stays the same size from one open and close to the next (a leak was ≈ 20,000 objects each)
-        assert max(frozen[2:]) - min(frozen[2:]) < 1_000, frozen
+        # the heap stays the same size from one open and close to the next (a leak was ≈ 20,000 objects each, so
+        # 60,000 more after three more opens). On a loaded host one freeze may still find the screen closed before
+        # it alive (≈ 23,000 objects, measured alternating 737k/760k): the later opens' extremes are compared with
+        # the earlier ones', which a leak raises and an alternation does not
+        early, late = frozen[1:4], frozen[4:]
+        assert max(late) - max(early) < 1_000 and min(late) - min(early) < 1_000, frozen
         await pilot.press("q")
 
 
