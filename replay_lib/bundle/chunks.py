@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..errors import BundleError
+from .files import _sha256_stream
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,24 @@ def hash_file(path: Path, chunk: int = CHUNK_BYTES) -> tuple[str, list[str]]:
     if filled:
         digests.append(current.hexdigest())
     return whole.hexdigest(), digests
+
+
+def _open_regular(path: Path) -> int:
+    """A descriptor of the payload file, opened without blocking and checked to be a regular file (as the reader
+    opens payloads: a FIFO swapped in is refused, never waited on)."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"{path}: payload is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def chunk_count(nbytes: int, chunk: int) -> int:
@@ -157,9 +176,12 @@ class ChunkGuard:
         """Verify the whole file (its sha256 against the manifest and the rank sentinel, as a full open does)."""
         if self.complete:
             return
-        from .reader import _sha256_payload
-
-        digest = _sha256_payload(self.path)
+        fd = _open_regular(self.path)
+        try:
+            with open(fd, "rb", buffering=0, closefd=False) as fh:
+                digest = _sha256_stream(fh, None)
+        finally:
+            os.close(fd)
         if digest != self.spec.sha256 or digest != self.sentinel_sha256:
             raise BundleError(
                 f"{self.path}: sha256 mismatch (manifest {self.spec.sha256[:12]}…, {self.sentinel_name} "
@@ -171,9 +193,7 @@ class ChunkGuard:
         todo = sorted(wanted - self.verified)
         if not todo:
             return
-        from .reader import open_payload
-
-        fd = open_payload(self.path)
+        fd = _open_regular(self.path)
         try:
             size = os.fstat(fd).st_size
             if size != self.spec.bytes:
@@ -246,3 +266,43 @@ def deferrable_raw(raw_manifest, file: Path) -> bool:
     return (isinstance(spec, dict) and isinstance(spec.get("chunks"), dict)
             and file.name.endswith(SAFETENSORS_SUFFIX) and name not in MASK_PAYLOADS
             and not _float8(spec.get("dtype")))
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def raw_error(raw_manifest) -> Optional[str]:
+    """The first malformed chunk list of the manifest as decoded JSON, as ``<field path>: <what is wrong>`` (the
+    payload named: the schema's own message says ``$.payloads[...]``), else ``None``. Its count is checked against
+    the file's bytes by :func:`structure_error` once the manifest is decoded."""
+    payloads = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
+    for name, spec in payloads.items() if isinstance(payloads, dict) else ():
+        if not isinstance(spec, dict) or "chunks" not in spec:
+            continue
+        where = f"$.payloads.{name}.chunks"
+        value = spec["chunks"]
+        if not isinstance(value, dict):
+            return f"{where}: expected an object, got {_kind(value)}"
+        size = value.get("bytes")
+        if "bytes" not in value:
+            return f"{where}.bytes: missing (the size of each chunk)"
+        if type(size) is not int or not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:
+            got = size if type(size) is int else _kind(size)
+            return f"{where}.bytes: expected an integer from {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}, got {got}"
+        sums = value.get("sha256")
+        if "sha256" not in value:
+            return f"{where}.sha256: missing (one checksum per chunk)"
+        if not isinstance(sums, list):
+            return f"{where}.sha256: expected an array of sha256 digests, got {_kind(sums)}"
+        for i, digest in enumerate(sums):
+            if not isinstance(digest, str):
+                return f"{where}.sha256[{i}]: expected a sha256 digest (64 lowercase hex digits), got {_kind(digest)}"
+            if len(digest) != 64 or not _HEX.issuperset(digest):
+                return (f"{where}.sha256[{i}]: expected a sha256 digest (64 lowercase hex digits), got a string of "
+                        f"{len(digest)} character(s) that is not one")
+    return None

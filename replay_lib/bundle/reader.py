@@ -578,6 +578,9 @@ class BundleReader:
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
         self.format_major = parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))[0]
         self.packed = packed.is_packed(raw_manifest.get("format_version"))
+        chunk_error = chunks.raw_error(raw_manifest)  # named by payload (the schema's message says $.payloads[...])
+        if chunk_error is not None:
+            raise BundleError(f"{root / 'manifest.json'}: {chunk_error}")
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index, has_unknown = _settle(index_attempt)
         self.expected = _settle(expected_attempt)
@@ -908,6 +911,10 @@ class BundleReader:
     def deferred(self) -> list[str]:
         """The payloads not verified whole yet (a deferred open): each chunk is verified when it is read."""
         return sorted(self._guards)
+
+    def verified_chunks(self) -> dict[str, list[int]]:
+        """Of each payload still deferred, the chunks verified so far (what a selected replay has read)."""
+        return {name: sorted(guard.verified) for name, guard in sorted(self._guards.items())}
 
     def _verified_whole(self, name: str) -> None:
         guard = self._guards.get(name)
