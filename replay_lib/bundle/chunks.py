@@ -151,8 +151,11 @@ class ChunkGuard:
         """Verify the chunk(s) holding the safetensors header: the 8-byte length and the JSON it counts (the
         header itself is validated afterwards by ``safetensors_io.parse_header``, from these very bytes)."""
         self._verify({0})
-        with open(self.path, "rb", buffering=0) as fh:
-            head = fh.read(8)
+        fd = _open_regular(self.path)
+        try:
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
         if len(head) == 8:
             from .safetensors_io import HEADER_MAX
 
@@ -190,7 +193,7 @@ class ChunkGuard:
         self.complete = True
 
     def _verify(self, wanted: set[int]) -> None:
-        todo = sorted(wanted - self.verified)
+        todo = sorted(i for i in wanted - self.verified if i < len(self.expected))  # none past the file's end
         if not todo:
             return
         fd = _open_regular(self.path)
