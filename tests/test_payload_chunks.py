@@ -92,9 +92,9 @@ def test_writer_records_each_chunk(bundle, tmp_path):
 
 
 def test_default_chunk_size_and_pt_payloads(tmp_path):
-    """16 MiB chunks by default; none for .pt payloads (format 1.1.0 is written as before)."""
+    """4 MiB chunks by default; none for .pt payloads (format 1.1.0 is written as before)."""
     default = write_synthetic(tmp_path / "default", samples=4, tokens=8)
-    assert {spec["chunks"]["bytes"] for spec in _manifest(default)["payloads"].values()} == {16 << 20}
+    assert {spec["chunks"]["bytes"] for spec in _manifest(default)["payloads"].values()} == {4 << 20}
     old = write_synthetic(tmp_path / "old", samples=4, tokens=8, format_version="1.1.0")
     assert all("chunks" not in spec for spec in _manifest(old)["payloads"].values())
 
@@ -254,8 +254,8 @@ def test_reseal_recomputes_the_chunk_lists(bundle):
     done = _run("reseal", bundle, "--i-edited-it")
     assert done.returncode == 0, done.stderr
     data = file.read_bytes()
-    # recomputed at the writer's size (16 MiB: one chunk here), in the same read as the whole file's sha256
-    assert _manifest(bundle)["payloads"]["log_probs"]["chunks"] == {"bytes": 16 << 20, "sha256": [_sha(data)]}
+    # recomputed at the writer's size (4 MiB: one chunk here), in the same read as the whole file's sha256
+    assert _manifest(bundle)["payloads"]["log_probs"]["chunks"] == {"bytes": 4 << 20, "sha256": [_sha(data)]}
     assert _run("replay", bundle, "--sample", "s-63").returncode == 0
 
 
