@@ -16,7 +16,7 @@ them, a ``.pt`` file) is verified whole when the bundle is opened, as always.
 Chunk size: 4 MiB. A selected replay hashes, per payload, the chunk of its header and the chunk(s) of its rows: a
 semantic group of a large step (16 samples × 16k tokens of float32) is 1 MiB a payload, so it costs 8–12 MiB a
 payload at 4 MiB chunks against 32–48 MiB at 16 MiB (≈ 0.1 s less over the six payloads of a 134M-token step, out of
-≈ 1.5 s), while the list stays small: ≈ 650 checksums (≈ 44 KB of manifest) for a 2.7 GB step, and the manifest's
+≈ 1.5 s), while the list stays small: ≈ 650 checksums for a 2.7 GB step (its manifest.json ≈ 56 KB), and the manifest's
 64 MiB cap holds the list of ≈ 4 TB of payloads. The writer reads the file in 4 MiB buffers, one a chunk, so each
 chunk's digest comes from the bytes already read for the whole file's.
 """
