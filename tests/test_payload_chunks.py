@@ -265,3 +265,24 @@ def test_chunks_not_an_object(bundle):
     done = _run("replay", bundle, "--sample", "s-40")
     assert (done.returncode, done.stdout, done.stderr) == (
         3, "", f"{PREFIX}{bundle / 'manifest.json'}: $.payloads.kl.chunks: expected an object, got an array\n")
+
+
+def test_cohort_verifies_each_shard_as_far_as_its_selection_reads(tmp_path, monkeypatch):
+    """A cohort: a shard verifies the chunks of its own selected samples; a shard that selects none is not read."""
+    from replay_lib.demo.bundles import write_cohort
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", CHUNK)
+    cohort = write_cohort(tmp_path / "c", ranks=2, **KW)
+    file = cohort / "rank-1" / "payloads" / "kl.safetensors"
+    lo, _ = _sample_bytes(cohort / "rank-1", "kl", 40)
+    _flip(file, lo + 4)  # rank 1's r1-s-40, in its chunk 2
+    assert _run("replay", cohort, "--sample", "r0-s-40").returncode == 0  # rank 1 selects nothing: not read
+    assert _run("replay", cohort, "--sample", "r1-s-3").returncode == 0  # rank 1's chunk 0 only
+    done = _run("replay", cohort, "--sample", "r1-s-40")
+    expected = _manifest(cohort / "rank-1")["payloads"]["kl"]["chunks"]["sha256"][2]
+    assert (done.returncode, done.stdout) == (3, "")
+    assert done.stderr == (f"{PREFIX}{file}: chunk 2 (bytes 131072–196608): sha256 mismatch (manifest "
+                           f"$.payloads.kl.chunks.sha256[2] {expected[:12]}…, file "
+                           f"{_sha(file.read_bytes()[2 * CHUNK:3 * CHUNK])[:12]}…)\n")
+    full = _run("replay", cohort)
+    assert full.returncode == 3 and full.stderr.startswith(f"{PREFIX}{file}: sha256 mismatch (manifest ")
