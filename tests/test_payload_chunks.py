@@ -1,5 +1,5 @@
-"""Per-chunk payload checksums (SPEC §2.3, §11): ``replay --sample/--group/--batch`` verifies only the chunks that hold
-the selected samples' bytes, a full replay and ``validate`` verify every byte as before.
+"""Per-chunk payload checksums (SPEC §2.3, §11): ``replay --sample/--group/--batch`` verifies only the chunks that
+hold the selected samples' bytes, a full replay and ``validate`` verify every byte as before.
 
 The bundles are written with 64 KiB chunks (the smallest a reader takes) so that a 64-sample bundle has several
 chunks per payload; the commands run in real processes on real files. Expected checksums come from ``hashlib`` over
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

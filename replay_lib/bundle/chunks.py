@@ -1,24 +1,24 @@
 """Per-chunk payload checksums (format 1.3, SPEC §2.3): a selected replay verifies only what it reads.
 
 The writer records, beside each safetensors payload's whole-file sha256, the sha256 of every fixed-size chunk of
-the file (``manifest.payloads[name].chunks``: ``{"bytes": 16777216, "sha256": [...]}``), computed in the same read
+the file (``manifest.payloads[name].chunks``: ``{"bytes": 4194304, "sha256": [...]}``), computed in the same read
 as the whole-file hash. ``manifest.json`` is itself checksummed in ``COMPLETE``, so a chunk list is as trustworthy
 as the whole-file sha256 beside it.
 
 A reader opened with ``defer_payloads`` (``replay --sample/--group/--batch``) verifies such a payload's header
-chunk(s) when it opens the bundle and every other chunk only when a byte of it is asked for: a
-:class:`ChunkGuard` sits between the memory-mapped tensor and whoever reads it. ``rows(index)`` hashes the chunks
-that hold the requested token rows (each chunk at most once) and hands out a compact copy of those rows;
-``whole()`` verifies the file's whole sha256 (the message of a full verification) before the full tensor is
-handed out. Nothing unverified leaves the reader. A payload without a chunk list (every bundle written before
-them, a ``.pt`` file) is verified whole when the bundle is opened, as always.
+chunk(s) when it opens the bundle and every other chunk only when a byte of it is asked for: a :class:`ChunkGuard`
+sits between the memory-mapped tensor and whoever reads it. ``BundleReader.payload_rows`` has the guard verify the
+chunks that hold the requested token rows (each chunk hashed at most once) before it copies those rows out;
+``BundleReader.payload`` has it verify the file's whole sha256 (the message of a full verification) before the
+full tensor is handed out. Nothing unverified leaves the reader. A payload without a chunk list (every bundle
+written before them, a ``.pt`` file) is verified whole when the bundle is opened, as always.
 
 Chunk size: 4 MiB. A selected replay hashes, per payload, the chunk of its header and the chunk(s) of its rows: a
 semantic group of a large step (16 samples × 16k tokens of float32) is 1 MiB a payload, so it costs 8–12 MiB a
-payload at 4 MiB chunks against 32–48 MiB at 16 MiB (≈ 0.1 s less over the six payloads of a 134M-token step, out of
-≈ 1.5 s), while the list stays small: ≈ 650 checksums for a 2.7 GB step (its manifest.json ≈ 56 KB), and the manifest's
-64 MiB cap holds the list of ≈ 4 TB of payloads. The writer reads the file in 4 MiB buffers, one a chunk, so each
-chunk's digest comes from the bytes already read for the whole file's.
+payload at 4 MiB chunks against 32–48 MiB at 16 MiB (≈ 0.1 s less over the six payloads of a 134M-token step,
+out of ≈ 1.5 s), while the list stays small: ≈ 650 checksums for a 2.7 GB step (its manifest.json ≈ 56 KB), and
+the manifest's 64 MiB cap holds the list of ≈ 4 TB of payloads. The writer reads the file in 4 MiB buffers, one a
+chunk, so each chunk's digest comes from the bytes already read for the whole file's.
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ class ChunkGuard:
                 got = digest.hexdigest()
                 if got != self.expected[i]:
                     raise BundleError(
-                        f"{self.path}: chunk {i} (bytes {lo}–{hi}): sha256 mismatch (manifest "
-                        f"$.payloads.{self.spec.name}.chunks.sha256[{i}] {self.expected[i][:12]}…, file {got[:12]}…)"
+                        f"{self.path}: chunk {i} (bytes {lo}–{hi}): sha256 mismatch (manifest $.payloads."
+                        f"{self.spec.name}.chunks.sha256[{i}] {self.expected[i][:12]}…, file {got[:12]}…)"
                     )
                 self.verified.add(i)
         finally:
