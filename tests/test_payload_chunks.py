@@ -285,3 +285,15 @@ def test_cohort_verifies_each_shard_as_far_as_its_selection_reads(tmp_path, monk
                            f"{_sha(file.read_bytes()[2 * CHUNK:3 * CHUNK])[:12]}…)\n")
     full = _run("replay", cohort)
     assert full.returncode == 3 and full.stderr.startswith(f"{PREFIX}{file}: sha256 mismatch (manifest ")
+
+
+def test_deferred_open_of_a_full_replay_verifies_every_payload_first(bundle):
+    """``runner.replay`` defers only for a selection; a deferred open given a whole replay (an empty selection) still
+    verifies every payload whole before any stage runs."""
+    file = bundle / "payloads" / "old_log_probs.safetensors"
+    _flip(file, file.stat().st_size - 100)
+    bundles = open_bundle(bundle, defer_payloads=True)  # header chunks only: opens
+    progress = []
+    with pytest.raises(BundleError, match=r"old_log_probs\.safetensors: sha256 mismatch \(manifest "):
+        run_replay(bundles, progress=lambda *args: progress.append(args))
+    assert progress == []  # no stage started

@@ -922,7 +922,7 @@ class BundleReader:
             guard.whole()
             del self._guards[name]
 
-    def verify_payloads(self) -> None:
+    def verify_deferred(self) -> None:
         """Verify every payload a deferred open left (its whole sha256, as a full open does): a full replay."""
         for name in sorted(self._guards):
             self._verified_whole(name)

@@ -42,7 +42,7 @@ class BundleSet:
         payload whole otherwise; a shard that selects nothing is not read."""
         for shard, res in zip(self.shards, resolutions):
             if not res.partial:
-                shard.verify_payloads()
+                shard.verify_deferred()
             elif res.indices:
                 shard.verify_samples(res.indices)
 
