@@ -57,6 +57,10 @@ def reseal_bundle(bundle: Path) -> None:
             if isinstance(spec, dict) and file.is_file():
                 data = file.read_bytes()
                 spec["bytes"], spec["sha256"] = len(data), _sha256(data)
+                chunks = spec.get("chunks")
+                if isinstance(chunks, dict) and isinstance(chunks.get("bytes"), int) and chunks["bytes"] > 0:
+                    step = chunks["bytes"]  # format 1.3's per-chunk checksums (SPEC §2.3), recomputed alike
+                    chunks["sha256"] = [_sha256(data[i:i + step]) for i in range(0, len(data), step)]
         (bundle / "manifest.json").write_bytes(dump_json(manifest))
     payload_hashes = (
         {name: spec["sha256"] for name, spec in manifest["payloads"].items() if isinstance(spec, dict)}

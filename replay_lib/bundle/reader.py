@@ -40,7 +40,7 @@ from .schema import (
     loss_terms_length_error,
     unknown_fields,
 )
-from . import packed
+from . import chunks, packed
 from .files import (
     _decode,
     _read_bytes,
@@ -467,8 +467,14 @@ class BundleReader:
     expected: Expected
     format_major: int = 1  # of manifest.json $.format_version (1 or 2)
 
-    def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None):
-        """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE."""
+    def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None,
+                 defer_payloads: bool = False):
+        """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE.
+
+        ``defer_payloads`` (a selected replay): a payload with per-chunk checksums (``bundle.chunks``) has its
+        header chunk verified here and every other chunk only when a byte of it is read (:meth:`payload_rows`,
+        :meth:`verify_samples`; :meth:`payload` and :attr:`packed_mask` verify the whole file first). Every other
+        check is made here as without it."""
         path = Path(path)
         if _shard is None:
             from .locate import resolve_bundle
@@ -483,6 +489,8 @@ class BundleReader:
         self.warnings = []
         self._tensors = {}
         self._mask = None  # format 1.3's packed masks (packed_mask)
+        self._defer = defer_payloads
+        self._guards: dict[str, chunks.ChunkGuard] = {}  # payloads whose chunks are verified when read
         self._verify(_shard)
 
     # -- verification ------------------------------------------------------------------------------
@@ -492,6 +500,8 @@ class BundleReader:
         # decoded once: its payload names start the hashing; its error, if any, is raised in its place
         manifest_attempt = _attempt(lambda: self._raw(root / "manifest.json", blobs["manifest.json"]))
         files = _Digests.payload_files(root, manifest_attempt[0])
+        if self._defer:  # the payloads verified chunk by chunk when read are neither hashed nor loaded ahead
+            files = [f for f in files if not chunks.deferrable_raw(manifest_attempt[0], f)]
         # Payloads of a usual size are loaded and hashed by the reader while the thread hashes the JSON blobs (one
         # call each, the GIL released; loads, reads and hash calls release it often, so the thread's return finds
         # it soon), before the JSON decodes, which hold the GIL from start to end: a thread hashing files beside a
@@ -568,6 +578,9 @@ class BundleReader:
             raise BundleError(f"{root / 'manifest.json'}: $: expected an object")
         self.format_major = parse_format_version(raw_manifest.get("format_version"), str(root / "manifest.json"))[0]
         self.packed = packed.is_packed(raw_manifest.get("format_version"))
+        chunk_error = chunks.raw_error(raw_manifest)  # named by payload (the schema's message says $.payloads[...])
+        if chunk_error is not None:
+            raise BundleError(f"{root / 'manifest.json'}: {chunk_error}")
         self.manifest = _decode(root / "manifest.json", blobs["manifest.json"], MANIFEST_DECODER)
         self.index, has_unknown = _settle(index_attempt)
         self.expected = _settle(expected_attempt)
@@ -721,6 +734,11 @@ class BundleReader:
                 raise BundleError(f"{file}: size {size} bytes, manifest says {spec.bytes} (truncated or altered)")
             if key not in shard.payloads:
                 raise BundleError(f"{root / sentinel_name}: $.payloads: no checksum for payload {key!r}")
+            chunk_error = chunks.structure_error(spec)
+            if chunk_error is not None:
+                raise BundleError(f"{root / 'manifest.json'}: {chunk_error}")
+            if self._defer and self._defer_payload(file, key, spec, shard.payloads[key], sentinel_name):
+                continue  # its header chunk verified and the tensor mapped: its other chunks are verified when read
             # Loaded while the thread still hashes it (weights_only, within the declared size: no less safe
             # before the checksum than after, a checksum is no signature); the checksum is judged first all
             # the same, so an altered file reports its sha256 mismatch whatever its content does to the load.
@@ -804,6 +822,7 @@ class BundleReader:
         """Every sample's loss mask on the flat token axis (1-D integer, index order: the verified payload
         ``loss_mask`` of format 1.3), ``None`` when the masks are the records' lists in index.json. Where it is set,
         each record's ``loss_mask`` is unset: :meth:`sample_mask` reads one sample's."""
+        self._verified_whole(packed.MASK_PAYLOAD)  # a deferred open: the whole file verified first
         return self._mask
 
     def sample_mask(self, i: int) -> list[int]:
@@ -812,6 +831,9 @@ class BundleReader:
         if self._mask is None or sample.loss_mask is not msgspec.UNSET:
             return sample.loss_mask
         start = self._mask_starts[i]
+        guard = self._guards.get(packed.MASK_PAYLOAD)
+        if guard is not None:  # a deferred open: the chunks of this sample's rows verified first
+            guard.rows([start], [start + sample.response_length])
         return self._mask[start:start + sample.response_length].tolist()
 
     def mask_length(self, i: int) -> int:
@@ -828,7 +850,7 @@ class BundleReader:
         lengths = [s.response_length for s in self.index.samples]
         return msgspec.structs.replace(self.index, samples=[
             msgspec.structs.replace(s, loss_mask=values)
-            for s, values in zip(self.index.samples, packed.unpack_masks(self._mask, lengths))])
+            for s, values in zip(self.index.samples, packed.unpack_masks(self.packed_mask, lengths))])
 
     def has_payload(self, name: str) -> bool:
         return name in self._tensors
@@ -840,6 +862,7 @@ class BundleReader:
 
     def payload(self, name: str) -> torch.Tensor:
         """The verified, memory-mapped tensor (pages are read only when a stage touches them)."""
+        self._verified_whole(name)  # a deferred open: the whole file verified first
         try:
             return self._tensors[name]
         except KeyError:
@@ -857,3 +880,117 @@ class BundleReader:
 
         for tensor in (*self._tensors.values(), *([self._mask] if self._mask is not None else [])):
             safetensors_io.release(tensor, lo, hi)
+
+    # -- deferred payloads (a selected replay: bundle.chunks) -------------------------------------------
+    def _defer_payload(self, file: Path, key: str, spec: PayloadSpec, sentinel_sha256: str,
+                       sentinel_name: str) -> bool:
+        """Open payload ``key`` of a deferred open without hashing it whole, where it has a chunk list
+        (:func:`chunks.deferrable`): its whole-file checksums agree, its header chunk(s) verified, then mapped and
+        checked as any payload. ``False``: verified whole by the caller, as without ``defer_payloads``."""
+        if not chunks.deferrable(key, spec, file):
+            return False
+        sentinel = Path(sentinel_name).name
+        if spec.sha256 != sentinel_sha256:
+            raise BundleError(f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, {sentinel} "
+                              f"{sentinel_sha256[:12]}…)")
+        guard = chunks.ChunkGuard(file, spec, sentinel_sha256, sentinel)
+        guard.check_header()
+        tensor = _load_tensor(file, spec)
+        if str(tensor.dtype) != spec.dtype:
+            raise BundleError(f"{file}: dtype {tensor.dtype}, manifest $.payloads.{key}.dtype says {spec.dtype}")
+        if list(tensor.shape) != list(spec.shape):
+            raise BundleError(
+                f"{file}: shape {list(tensor.shape)}, manifest $.payloads.{key}.shape says {list(spec.shape)}")
+        _check_form(file, key, tensor)
+        guard.layout(tensor)
+        self._tensors[key] = tensor
+        self._guards[key] = guard
+        return True
+
+    @property
+    def deferred(self) -> list[str]:
+        """The payloads not verified whole yet (a deferred open): each chunk is verified when it is read."""
+        return sorted(self._guards)
+
+    def verified_chunks(self) -> dict[str, list[int]]:
+        """Of each payload still deferred, the chunks verified so far (what a selected replay has read)."""
+        return {name: sorted(guard.verified) for name, guard in sorted(self._guards.items())}
+
+    def _verified_whole(self, name: str) -> None:
+        guard = self._guards.get(name)
+        if guard is not None:
+            guard.whole()
+            del self._guards[name]
+
+    def verify_deferred(self) -> None:
+        """Verify every payload a deferred open left (its whole sha256, as a full open does): a full replay."""
+        for name in sorted(self._guards):
+            self._verified_whole(name)
+
+    def _sample_rows(self, indices) -> tuple[list[int], list[int]]:
+        """The token rows of samples ``indices`` as ``([starts], [stops])``, adjacent samples merged."""
+        lengths = [max(s.response_length, 0) for s in self.index.samples]
+        begin = [0] * len(lengths)
+        at = 0
+        for i, n in enumerate(lengths):
+            begin[i] = at
+            at += n
+        starts: list[int] = []
+        stops: list[int] = []
+        for i in sorted(set(indices)):
+            lo, hi = begin[i], begin[i] + lengths[i]
+            if starts and stops[-1] == lo:
+                stops[-1] = hi
+            else:
+                starts.append(lo)
+                stops.append(hi)
+        return starts, stops
+
+    def verify_samples(self, indices) -> None:
+        """Verify, in every deferred payload, the chunks that hold the tokens of samples ``indices`` (a selection,
+        before its stages run: an altered chunk is refused before any stage reads it)."""
+        if not self._guards:
+            return
+        starts, stops = self._sample_rows(indices)
+        for guard in self._guards.values():
+            guard.rows(starts, stops)
+
+    def payload_rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """A copy of the token rows ``index`` (1-D int64) of payload ``name``: of a deferred payload, only once the
+        chunks holding them are verified. What a selection's stages read (``StageContext.payload``)."""
+        from .dtypes import keep_stored
+
+        try:
+            tensor = self._tensors[name]
+        except KeyError:
+            raise KeyError(f"payload {name!r} not in bundle {self.bundle_id}") from None
+        guard = self._guards.get(name)
+        if guard is not None:
+            guard.rows(*chunks.runs(index))
+        return keep_stored(tensor.index_select(0, index), tensor)
+
+    @property
+    def has_packed_mask(self) -> bool:
+        """Whether the masks are the payload ``loss_mask`` (:attr:`packed_mask`), without reading it."""
+        return self._mask is not None
+
+    def mask_rows(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of the packed mask's token rows ``index`` (verified chunk by chunk when deferred), ``None`` when
+        the masks are the records' lists."""
+        if self._mask is None:
+            return None
+        guard = self._guards.get(packed.MASK_PAYLOAD)
+        if guard is not None:
+            guard.rows(*chunks.runs(index))
+        return self._mask.index_select(0, index)
+
+    def payload_meta(self, name: str) -> torch.Tensor:
+        """Payload ``name``'s shape and dtype (and stored dtype) as a tensor without data (device ``meta``): what a
+        check of its form needs, with no byte of the file read."""
+        from .dtypes import keep_stored
+
+        try:
+            tensor = self._tensors[name]
+        except KeyError:
+            raise KeyError(f"payload {name!r} not in bundle {self.bundle_id}") from None
+        return keep_stored(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), tensor)

@@ -36,17 +36,29 @@ class BundleSet:
     def warnings(self) -> list[str]:
         return ([self.forensic] if self.forensic else []) + [w for s in self.shards for w in s.warnings]
 
+    def verify_selected(self, resolutions) -> None:
+        """Before a replay's stages run (``defer_payloads``): each shard's payloads verified as far as its selection
+        (``selection.Resolution``) reads them — the chunks of the selected samples' tokens for a partial one, every
+        payload whole otherwise; a shard that selects nothing is not read."""
+        for shard, res in zip(self.shards, resolutions):
+            if not res.partial:
+                shard.verify_deferred()
+            elif res.indices:
+                shard.verify_samples(res.indices)
+
 
 def open_bundle(
     path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None,
-    *, forensic: bool = False,
+    *, forensic: bool = False, defer_payloads: bool = False,
 ) -> BundleSet:
     """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly.
 
     ``forensic=True`` (the debugger's ``--forensic``, never a default) also opens a cohort whose final
-    COMPLETE is missing: see :func:`_published_shards`. Everything else stays as strict as without it."""
+    COMPLETE is missing: see :func:`_published_shards`. Everything else stays as strict as without it.
+    ``defer_payloads=True`` (a selected replay): payloads with per-chunk checksums are verified chunk by chunk as
+    they are read (``BundleReader``); :meth:`BundleSet.verify_selected` verifies what a selection reads."""
     with gc_paused():
-        return _open_bundle(Path(path), step, rollout, forensic)
+        return _open_bundle(Path(path), step, rollout, forensic, defer_payloads)
 
 
 def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
@@ -81,12 +93,13 @@ def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
     return BundleComplete(ranks=ranks, shards=shards), note
 
 
-def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool = False
-                 ) -> BundleSet:
+def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool = False,
+                 defer_payloads: bool = False) -> BundleSet:
     resolved = resolve_capture(path, step, rollout)
     note = None
     if resolved.kind == "bundle":
-        shards = [BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank)]
+        shards = [BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank,
+                               defer_payloads=defer_payloads)]
         cohort = False
     else:
         if forensic and not os.path.lexists(resolved.path / "COMPLETE"):
@@ -98,7 +111,8 @@ def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]
             shard_dir = resolved.path / f"rank-{r}"
             if not (shard_dir / "manifest.json").exists():
                 raise BundleError(f"{shard_dir}: missing rank shard listed in cohort COMPLETE $.ranks")
-            shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r))
+            shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r,
+                                       defer_payloads=defer_payloads))
         ids = {s.bundle_id for s in shards}
         if len(ids) != 1:
             raise BundleError(f"{resolved.path}: rank shards disagree on bundle_id: {sorted(ids)}")

@@ -503,12 +503,29 @@ def stage_contracts(
     return out
 
 
+# A chunk checksum: 64 lowercase hex digits (SPEC §2.3); a chunk between 64 KiB and 1 GiB (bundle.chunks).
+Sha256Hex = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+ChunkBytes = Annotated[int, msgspec.Meta(ge=1 << 16, le=1 << 30)]
+
+
+class PayloadChunks(_Struct, kw_only=True):
+    """``manifest.payloads[name].chunks`` (format 1.3, optional): the sha256 of each ``bytes``-long chunk of the
+    payload file, in file order (the last chunk shorter), so that a selected replay verifies only the chunks it
+    reads (``bundle.chunks``)."""
+
+    bytes: ChunkBytes
+    sha256: list[Sha256Hex]
+
+
 class PayloadSpec(_Struct, kw_only=True):
     name: str
     dtype: str
     shape: list[Count]
     bytes: Count
     sha256: str
+    # Written for safetensors payloads (SPEC §2.3); absent (never null) in every bundle written before, and in .pt
+    # payloads: those are verified whole.
+    chunks: Union[PayloadChunks, msgspec.UnsetType] = msgspec.UNSET
 
 
 # A tolerance is a finite, non-negative number: a negative, NaN or infinite one is a schema error (exit 3).

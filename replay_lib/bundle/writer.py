@@ -26,6 +26,7 @@ from .schema import (
     BundleIndex,
     Expected,
     Manifest,
+    PayloadChunks,
     PayloadSpec,
     RankComplete,
     RedactionPolicy,
@@ -40,7 +41,7 @@ from .schema import (
     FORMAT_2_VERSION,
     PER_TOKEN_REWARD_VERSION,
 )
-from . import packed, safetensors_io
+from . import chunks, packed, safetensors_io
 from .files import _atomic_write, _fsync_dir, check_payload_name, sha256_bytes, sha256_file
 
 
@@ -146,18 +147,24 @@ class BundleWriter:
         # torch.save stores the whole storage: a view of a bigger tensor must not leak the rest of it.
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
             t = t.clone()
+        extra = {}
         if self.packed:
             target = self.staging / PAYLOAD_DIR / f"{name}{safetensors_io.SUFFIX}"
             safetensors_io.write(target, t)
+            # the whole file's sha256 and each chunk's, in one read (a selected replay verifies what it reads)
+            digest, sums = chunks.hash_file(target, chunks.CHUNK_BYTES)
+            extra["chunks"] = PayloadChunks(bytes=chunks.CHUNK_BYTES, sha256=sums)
         else:
             target = self.staging / PAYLOAD_DIR / f"{name}{PAYLOAD_SUFFIX}"
             torch.save(t, target)
+            digest = sha256_file(target)
         spec = PayloadSpec(
             name=name,
             dtype=str(t.dtype),
             shape=list(t.shape),
             bytes=target.stat().st_size,
-            sha256=sha256_file(target),
+            sha256=digest,
+            **extra,
         )
         self.payloads[name] = spec
         return spec

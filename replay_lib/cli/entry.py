@@ -68,7 +68,9 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
     from ..bundle.resolution import open_bundle
 
     step, rollout = anchor_from_args(args)
-    bundles = open_bundle(args.bundle, step=step, rollout=rollout)
+    # a selection reads only its samples' rows: their chunks are verified when read (bundle.chunks)
+    selected = bool(getattr(args, "sample", None) or getattr(args, "group", None) or getattr(args, "batch", None))
+    bundles = open_bundle(args.bundle, step=step, rollout=rollout, defer_payloads=selected)
     from ..judge.report import render_text, report_to_json
     from ..run.runner import run_replay
 

@@ -2,7 +2,7 @@
 experiment: a value changed in expected.json, a payload rewritten), so that it verifies again.
 
 What it rewrites, in place, each file replaced atomically: in ``manifest.json`` each payload's ``bytes`` and
-``sha256`` (from the file on disk) and the producer's ``commit``, marked ``+resealed`` (a resealed bundle never
+``sha256`` (from the file on disk; a safetensors payload's ``chunks`` checksums too, where it lists them) and the producer's ``commit``, marked ``+resealed`` (a resealed bundle never
 passes for what a training job wrote); then the sha256 of the three JSON files in ``COMPLETE`` and in every
 ``COMPLETE.<rank>``, and the payload checksums there. Every other byte of the JSON documents is kept as edited. Then
 the bundle is verified as ``validate`` does, and the verdict printed.
@@ -83,7 +83,15 @@ def reseal(path: Path) -> dict:
             raise BundleError(f"{file}: $.payloads.{name}: the payload file is missing") from None
         if not stat.S_ISREG(mode) or ".." in name or "/" in name:
             raise BundleError(f"{file}: $.payloads.{name}: not a regular file inside the bundle")
-        digests[name] = spec["sha256"] = sha256_file(file)
+        if isinstance(spec.get("chunks"), dict) and file.name.endswith(".safetensors"):
+            # its chunk checksums too (bundle.chunks: a selected replay verifies those), in the same read
+            from ..bundle.chunks import CHUNK_BYTES, hash_file
+
+            digests[name], sums = hash_file(file, CHUNK_BYTES)
+            spec["sha256"] = digests[name]
+            spec["chunks"] = {"bytes": CHUNK_BYTES, "sha256": sums}
+        else:
+            digests[name] = spec["sha256"] = sha256_file(file)
         spec["bytes"] = os.lstat(file).st_size
     commit = producer.get("commit") if isinstance(producer.get("commit"), str) else ""
     if not commit.endswith(RESEALED):

@@ -27,9 +27,11 @@ def _replay_shard(path: str, rank: Optional[int], indices, partial: bool, keep: 
     from .threads import replay_threads
 
     with gc_paused(), replay_threads(), torch.inference_mode():
-        reader = BundleReader(path)
+        reader = BundleReader(path, defer_payloads=partial)  # a selection: only its rows' chunks verified
         if reader.rank != rank:
             raise BundleError(f"{path}: opened as rank {reader.rank}, expected the cohort's rank {rank}")
+        if partial:
+            reader.verify_samples(indices)
         ctx = StageContext(reader=reader, indices=indices, partial=partial, keep=keep, rules=rules)
         reports = _run_shard(ctx, reader, plan)
         return [(s.value, r) for s, r in reports], list(ctx.hazards), list(ctx.sample_ids) if partial else []

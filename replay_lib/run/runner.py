@@ -294,6 +294,7 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
                                  + _did_you_mean(bundles, kind, value))
     partial = any(r.partial for r in resolutions)
     plans = [plan_stages(shard, stages, partial) for shard in bundles.shards]
+    bundles.verify_selected(resolutions)  # a deferred open (--sample/--group/--batch): what the stages will read
 
     per_stage: dict[StageId, list[StageReport]] = {s: [] for s in STAGE_ORDER}
     total = sum(len(p.run) for p in plans)
@@ -444,6 +445,6 @@ def replay(
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory."""
     with replay_threads():  # the payloads' loads and upcasts too (run.threads)
-        bundles = open_bundle(path, step=step, rollout=rollout)
+        bundles = open_bundle(path, step=step, rollout=rollout, defer_payloads=not selection.empty)
         return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
                           progress=progress, rules=rules, explain=explain, shard_runner=shard_runner)

@@ -9,7 +9,6 @@ import msgspec
 import torch
 
 from ..bundle import BundleReader
-from ..bundle.dtypes import keep_stored
 from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
 from ..judge.fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
@@ -147,10 +146,10 @@ class StageContext:
 
     @property
     def loss_mask(self) -> torch.Tensor:
-        if self._mask is None and self.reader.packed_mask is not None:  # format 1.3: the payload, never lists
-            flat = self.reader.packed_mask
-            self._mask = (flat.index_select(0, self.token_index) if self.token_index is not None else flat).to(
-                torch.float32)
+        if self._mask is None and self.reader.has_packed_mask:  # format 1.3: the payload, never lists
+            # a selection's rows copied out by the reader (of verified chunks only), else the whole mask
+            flat = self.reader.packed_mask if self.token_index is None else self.reader.mask_rows(self.token_index)
+            self._mask = flat.to(torch.float32)
         if self._mask is None:
             # each list's bytes joined + frombuffer: several times faster than torch.tensor() of one flat
             # Python list of millions of ints (a list converts at C speed, a chained iterator item by item)
@@ -177,7 +176,8 @@ class StageContext:
         """The payload restricted to the selected samples' tokens (first dimension = tokens)."""
         if not self.reader.has_payload(name):
             raise StageInputError(f"payload {name!r} is missing", field=name)
-        t = self.reader.payload(name)
+        # a selection's rows are copied out by the reader, which verifies what they are read from: the form first
+        t = self.reader.payload(name) if self.token_index is None else self.reader.payload_meta(name)
         if t.dim() == 0 or t.shape[0] != self.full_total:
             rows = t.shape[0] if t.dim() else 0
             raise StageInputError(
@@ -185,7 +185,7 @@ class StageContext:
                 field="length", expected=float(self.full_total), actual=float(rows),
             )
         if self.token_index is not None:
-            return keep_stored(t.index_select(0, self.token_index), t)
+            return self.reader.payload_rows(name, self.token_index)
         return t
 
     def expected_list(self, stage: str, key: str) -> list:
