@@ -234,12 +234,23 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
     draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
-    for lo, hi, seg in ctx.token_chunks(step):
+    # the sample of each token: for a plain PPO surrogate only where a chunk has a hit to count (ctx.token_spans),
+    # for every chunk where a knob reads per-sample values
+    by_sample = (families or knobs.sequence_ratio or knobs.is_level is not None or bool(knobs.is_keep) or knobs.opsm
+                 or knobs.entropy_mask or draw is not None or sample_cond is not None or store.any or masks
+                 or masked_is)
+    # the advantages as stored where every product promotes them to float64 in the kernel (exact, as converting
+    # them first: one token-long conversion fewer per chunk); a family's kernel or the dual clip's scalar product
+    # takes them converted
+    promote = not (families or knobs.dual_clip) and torch.promote_types(li.advantages.dtype, torch.float64) == \
+        torch.float64
+    for lo, hi, chunk_seg in ctx.token_spans(step):
+        seg = chunk_seg() if by_sample else None
         buf = chunk_rows[:, :hi - lo]
         m = buf[row["mask"]].copy_(li.mask[lo:hi])
         if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
             m = m * li.keep[lo:hi]
-        adv = li.advantages[lo:hi].to(torch.float64)
+        adv = li.advantages[lo:hi] if promote else li.advantages[lo:hi].to(torch.float64)
         t = policy_token_terms(
             li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
             rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
@@ -353,7 +364,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
         for k, hit in enumerate(hits):
             if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
                 at = torch.nonzero(hit).reshape(-1)
-                counts[k].index_add_(0, seg[at], m[at])
+                counts[k].index_add_(0, chunk_seg()[at], m[at])
         # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
         # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
         for a in range(lo, hi, LOSS_CHUNK):
@@ -378,6 +389,7 @@ class SequentialSums32:
         present = lengths > 0
         self._starts = offsets[present].tolist()  # where each non-empty sample starts, ascending
         self._samples = torch.nonzero(present).reshape(-1)
+        self._all = bool(present.all())  # no empty sample: a chunk's samples are a slice of the totals' columns
         self.totals = torch.zeros((rows, int(lengths.numel())), dtype=torch.float32)
         self._buf = torch.empty((rows, step + 1), dtype=torch.float32)
 
@@ -388,9 +400,9 @@ class SequentialSums32:
         bounds = [lo, *self._starts[first + 1:stop], hi]
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         lengths[0] += 1  # the first run starts with its sample's sum so far (0 for a sample starting here)
-        samples = self._samples[first:stop]
+        samples = slice(first, stop) if self._all else self._samples[first:stop]
         buf = self._buf[:, :hi - lo + 1]
-        buf[:, 0] = self.totals[:, samples[0]]
+        buf[:, 0] = self.totals[:, first if self._all else int(samples[0])]
         buf[:, 1:].copy_(rows)
         runs = torch.tensor(lengths, dtype=torch.int64).expand(buf.shape[0], -1).contiguous()
         self.totals[:, samples] = torch.segment_reduce(buf, "sum", lengths=runs, axis=1)

@@ -1,0 +1,128 @@
+"""The loss pass's cheaper steps (issue 40, point 6) give the bits of the steps they replaced: the advantages
+promoted to float64 inside the surrogate's products instead of converted first, and the chunks' sample ids made
+only where a plain PPO pass counts a hit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from replay_lib.bundle import open_bundle
+from replay_lib.bundle.loss_knobs import LossKnobs
+from replay_lib.bundle.schema import StageId
+from replay_lib.demo import write_synthetic
+from replay_lib.judge import fields as fields_mod
+from replay_lib.judge.report import report_to_json
+from replay_lib.kernels import segments as segments_mod
+from replay_lib.kernels.loss import policy_token_terms
+from replay_lib.run.runner import replay_run
+from replay_lib.stages import REGISTRY
+from replay_lib.stages import loss as loss_mod
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        return t
+    return t.contiguous().view({torch.float64: torch.int64, torch.float32: torch.int32}[t.dtype])
+
+
+def _edge_values(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, generator=g, dtype=torch.float32) * 3
+    old = logp + torch.randn(n, generator=g, dtype=torch.float32) * 0.3
+    # ratios on the clip bounds (1 ± 0.2, 1.28) to the last bit, and odd advantages: ±0, NaN, ±inf, subnormals
+    old[:6] = logp[:6] - torch.tensor([0.2, -0.2, 0.28, 0.0, 1e-8, -1e-8]).log1p()
+    adv = torch.randn(n, generator=g, dtype=torch.float32)
+    adv[:12] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 3.4e38, -3.4e38,
+                             1.0, -1.0, 0.5])
+    return logp, old, adv
+
+
+@pytest.mark.parametrize("knobs", [LossKnobs(), LossKnobs(eps_clip=0.2, eps_clip_high=0.28),
+                                   LossKnobs(eps_clip_c=3.0), LossKnobs(log_ratio_clamp=0.1)],
+                         ids=["symmetric", "asymmetric", "dual-clip", "clamped"])
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_advantages_promoted_in_the_kernel_give_the_bits_of_converted_ones(knobs, stored):
+    logp, old, adv = _edge_values(4096, seed=11)
+    adv = adv.to(stored)
+    converted = policy_token_terms(logp, old, adv.to(torch.float64), knobs, dtype=torch.float64)
+    promoted = policy_token_terms(logp, old, adv, knobs, dtype=torch.float64)
+    assert converted.keys() == promoted.keys()
+    for name in converted:
+        assert promoted[name].dtype == converted[name].dtype, name
+        assert torch.equal(_bits(promoted[name]), _bits(converted[name])), name
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    # 288,948 ragged tokens: beyond KEEP_COLUMNS, so each chunk's sample ids come from kernels.token_chunk_spans
+    path = write_synthetic(tmp_path_factory.mktemp("pass") / "b", samples=64, tokens=9000, seed=5,
+                           vary_lengths=True)
+    total = sum(s.response_length for s in open_bundle(path).shards[0].index.samples)
+    assert total > fields_mod.KEEP_COLUMNS
+    return path, total
+
+
+def _loss_calls(monkeypatch) -> list:
+    """The calls of the chunks' lazy sample ids made while loss.policy runs."""
+    calls, inside = [], []
+    made = segments_mod._Once.__call__
+
+    def counted(self):
+        if inside and self._value is None:
+            calls.append(self._args)
+        return made(self)
+
+    monkeypatch.setattr(segments_mod._Once, "__call__", counted)
+    stage = REGISTRY[StageId.LOSS_POLICY]
+
+    def run(ctx):
+        inside.append(1)
+        try:
+            return stage.run(ctx)
+        finally:
+            inside.clear()
+
+    monkeypatch.setitem(REGISTRY, StageId.LOSS_POLICY, dataclasses.replace(stage, run=run))
+    return calls
+
+
+def test_a_plain_ppo_pass_makes_sample_ids_only_for_the_chunks_where_it_counts_a_hit(large, monkeypatch):
+    path, total = large
+    calls = _loss_calls(monkeypatch)
+    report, contexts = replay_run(open_bundle(path))
+    assert report.passed
+    sums = contexts[0].outputs[loss_mod.SUMS_OUTPUT]
+    hits = int(sums["near_clip"].sum() + sums["extreme"].sum())
+    # a clean synthetic step: one token near a clip bound in 17 chunks of LOSS_CHUNK tokens; only its chunk made its
+    # sample ids (before: every chunk made them)
+    assert (hits, -(-total // loss_mod.LOSS_CHUNK)) == (1, 17)
+    assert calls == [(98304, 114688)]
+
+
+def test_a_hit_still_counts_on_its_sample(large, monkeypatch):
+    """Tokens moved onto a clip bound: the near-clip count lands on their samples, with the sample ids made for
+    their chunks only — the same counts as a pass that makes every chunk's."""
+    path, total = large
+    monkeypatch.setattr(loss_mod, "EXTREME_LOG_RATIO", 0.05)  # many tokens "extreme": hits in most chunks
+    calls = _loss_calls(monkeypatch)
+    report, contexts = replay_run(open_bundle(path))
+    lazy = contexts[0].outputs[loss_mod.SUMS_OUTPUT]
+    assert len(calls) == 17  # each chunk's once, whatever number of hits it counts
+    # the same pass with every chunk's sample ids made up front (a knob that reads per-sample values would)
+    spans = segments_mod.token_chunk_spans
+
+    def eager(lengths, chunk=segments_mod.LOSS_CHUNK):
+        for lo, hi, seg in spans(lengths, chunk):
+            seg()
+            yield lo, hi, seg
+
+    monkeypatch.setattr("replay_lib.stages.base.token_chunk_spans", eager)
+    report2, contexts2 = replay_run(open_bundle(path))
+    eager_sums = contexts2[0].outputs[loss_mod.SUMS_OUTPUT]
+    assert int(lazy["extreme"].sum()) > 0
+    for name in lazy:
+        assert torch.equal(_bits(lazy[name]), _bits(eager_sums[name])), name
+    assert report_to_json(report) == report_to_json(report2)
