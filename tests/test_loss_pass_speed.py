@@ -114,8 +114,8 @@ def test_a_hit_still_counts_on_its_sample(large, monkeypatch):
     # the same pass with every chunk's sample ids made up front (a knob that reads per-sample values would)
     spans = segments_mod.token_chunk_spans
 
-    def eager(lengths, chunk=segments_mod.LOSS_CHUNK):
-        for lo, hi, seg in spans(lengths, chunk):
+    def eager(lengths, *args):
+        for lo, hi, seg in spans(lengths, *args):
             seg()
             yield lo, hi, seg
 
@@ -126,3 +126,55 @@ def test_a_hit_still_counts_on_its_sample(large, monkeypatch):
     for name in lazy:
         assert torch.equal(_bits(lazy[name]), _bits(eager_sums[name])), name
     assert report_to_json(report) == report_to_json(report2)
+
+
+@pytest.mark.parametrize("pass_chunk", [loss_mod.PASS_CHUNK, 3 * segments_mod.LOSS_CHUNK])
+def test_the_pass_split_over_two_threads_gives_the_same_bits(large, monkeypatch, pass_chunk):
+    """loss.policy's token pass split at a sample boundary (run.threads.pass_threads) sums every sample's tokens
+    in the same runs and order as one pass: the same bits, the same report."""
+    import replay_lib.run.runner as runner_mod
+
+    path, total = large
+    monkeypatch.setattr(loss_mod, "LARGE_PASS", 0)  # the split (and the larger step) on this small step too
+    monkeypatch.setattr(loss_mod, "PASS_CHUNK", pass_chunk)
+    splits = []
+    two = loss_mod._two_threads
+
+    def counted(lower, upper):
+        splits.append(1)
+        return two(lower, upper)
+
+    monkeypatch.setattr(loss_mod, "_two_threads", counted)
+    runs = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(runner_mod, "pass_threads", lambda threads=threads: threads)
+        report, contexts = replay_run(open_bundle(path))
+        runs[threads] = (report_to_json(report), contexts[0].outputs[loss_mod.SUMS_OUTPUT])
+    assert splits == [1]
+    assert runs[1][0] == runs[2][0]
+    for name, value in runs[1][1].items():
+        assert torch.equal(_bits(value), _bits(runs[2][1][name])), name
+
+
+def test_the_split_point_is_a_sample_start_nearest_the_middle(large):
+    path, total = large
+    from replay_lib.stages import StageContext
+
+    bundles = open_bundle(path)
+    ctx = StageContext(reader=bundles.shards[0], indices=[], partial=False)
+    split = loss_mod._split_point(ctx, total)
+    starts = [int(o) for o, n in zip(ctx.offsets, ctx.lengths) if n > 0]
+    assert split in starts and 0 < split < total
+    assert abs(split - total // 2) == min(abs(s - total // 2) for s in starts)
+
+
+def test_pass_threads_follow_the_affinity_and_a_scan_worker_takes_one(monkeypatch):
+    from replay_lib.run import threads
+
+    monkeypatch.setattr(threads, "_single_pass", False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0})
+    assert threads.pass_threads() == 1
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert threads.pass_threads() == 2
+    threads.single_pass_thread()
+    assert threads.pass_threads() == 1

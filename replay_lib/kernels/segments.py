@@ -68,13 +68,17 @@ def token_chunks(lengths: torch.Tensor, chunk: int = LOSS_CHUNK) -> Iterator[tup
         yield start, stop, seg()
 
 
-def token_chunk_spans(lengths: torch.Tensor, chunk: int = LOSS_CHUNK) -> Iterator[tuple[int, int, Callable]]:
+def token_chunk_spans(lengths: torch.Tensor, chunk: int = LOSS_CHUNK, start: int = 0,
+                      stop: "int | None" = None) -> Iterator[tuple[int, int, Callable]]:
     """:func:`token_chunks` with each chunk's ``seg`` made only when called (``seg()``: the same tensor): a pass
-    that needs the sample of a token only where it finds something (a hit to count) skips the scan elsewhere."""
+    that needs the sample of a token only where it finds something (a hit to count) skips the scan elsewhere.
+    ``start``/``stop``: tokens ``[start, stop)`` only, cut on the same grid (each chunk ends at a multiple of
+    ``chunk`` or at ``stop``)."""
     lengths = lengths.to(torch.int64)
     ends = torch.cumsum(lengths, 0)
     starts = ends - lengths
     total = int(ends[-1]) if lengths.numel() else 0
+    stop = total if stop is None else min(stop, total)
 
     def segments(start: int, stop: int) -> torch.Tensor:
         first = int(torch.searchsorted(ends, start, right=True))
@@ -83,9 +87,11 @@ def token_chunk_spans(lengths: torch.Tensor, chunk: int = LOSS_CHUNK) -> Iterato
         marks.index_add_(0, starts[first + 1:last + 1] - start, torch.ones(last - first, dtype=torch.int64))
         return marks.cumsum_(0).add_(first)
 
-    for start in range(0, total, chunk):
-        stop = min(start + chunk, total)
-        yield start, stop, _Once(segments, start, stop)
+    lo = start
+    while lo < stop:
+        hi = min((lo // chunk + 1) * chunk, stop)
+        yield lo, hi, _Once(segments, lo, hi)
+        lo = hi
 
 
 class _Once:

@@ -19,7 +19,7 @@ from ..judge.error_model import Rules, coarse_payloads, tolerance_warnings
 from ..errors import BundleError, SelectionError, UnsupportedError
 from ..explain import annotate
 from ..bundle.gcpause import gc_paused
-from .threads import replay_threads
+from .threads import pass_threads, replay_threads
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
 from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageContract, StageId
@@ -314,7 +314,8 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
             contexts.append(None)
             done += len(plan.run)
         else:
-            ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules)
+            ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules,
+                               threads=pass_threads())
             contexts.append(ctx)
             stage_reports = _run_shard(ctx, shard, plan, progress, done, total)
             shard_hazards, sample_ids = ctx.hazards, ctx.sample_ids

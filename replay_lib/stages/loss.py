@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -244,138 +245,188 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # takes them converted
     promote = not (families or knobs.dual_clip) and torch.promote_types(li.advantages.dtype, torch.float64) == \
         torch.float64
-    for lo, hi, chunk_seg in ctx.token_spans(step):
-        seg = chunk_seg() if by_sample else None
-        buf = chunk_rows[:, :hi - lo]
-        m = buf[row["mask"]].copy_(li.mask[lo:hi])
-        if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
-            m = m * li.keep[lo:hi]
-        adv = li.advantages[lo:hi] if promote else li.advantages[lo:hi].to(torch.float64)
-        t = policy_token_terms(
-            li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
-            rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-            ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
-            entropy=entropy[lo:hi] if entropy is not None else None,
-            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
-            family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
-        pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
-        if draw is not None:
-            draw.add(t, seg, li.mask[lo:hi], u_token)
-        signed = buf[:n_signed]
-        torch.mul(pg, m, out=buf[0])
-        torch.mul(t["ppo_kl"], m, out=buf[1])
-        if entropy is not None:
-            torch.mul(entropy[lo:hi], m, out=buf[2])  # promoted to float64 in the product: the same bits
-        else:
-            buf[2].zero_()
-        if kl_loss:
-            torch.mul(t["kl_loss"], m, out=buf[3])
-        magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
-        # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
-        abs_lr = lr.abs()
-        cond = abs_lr
-        if sample_cond is not None:
-            cond = cond + sample_cond[seg]
-        if "is_log_weight" in t:
-            cond = cond + t["is_log_weight"].abs()
-        torch.mul(t["clip"], m, out=buf[row["clip"]])
-        if clip_lower:
-            torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
-        if kl_loss:
-            torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
-            kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
-                t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
-            torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
-            if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
-                buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
-            if knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): the same with w's exponent
-                buf[row["kl_loss_tok"]].mul_(t["kl_weight"]).add_(
-                    buf[row["abs_kl_loss"]] * (PG_KL_COND * t["kl_weight_log"].abs() + 2.0))
-        if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
-            w = t.get("is_weight")
-            torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
-                      out=buf[row["kl_pg"]])
-        else:
-            torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
-        e_ratio = e_weight = None
-        if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
-            e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
-                                   li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-                                   li.ref_log_probs[lo:hi] if kl_loss else None,
-                                   li.teacher_log_probs[lo:hi] if opd else None)
-            e_ratio, e_weight = e["ratio"], e["weight"]
-            torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
-            torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
-            torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
-            if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
-                torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
-                if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
-                    buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
-                if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
-                    buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
-            if opd:  # the distillation term's r = logp − teacher, as the KL term's
-                torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
-                          out=buf[row["store_opd_loss"]])
-        if masks:
-            _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
-        if opd:
-            torch.mul(t["opd_loss"], m, out=buf[row["opd_loss"]])
-            torch.abs(buf[row["opd_loss"]], out=buf[row["abs_opd_loss"]])
-            opd_r = t["opd_r"]
-            torch.mul(kl_condition(opd_r, knobs.opd_kl_type), m, out=buf[row["opd_loss_tok"]])
-        if signed_entropy:
-            torch.abs(buf[2], out=buf[row["abs_ent"]])
-        if with_ratio:
-            w = t.get("is_weight")
-            torch.mul(ratio if w is None else ratio * w, m, out=buf[row["ratio"]])
-        if masked_is:
-            log_w = t["is_log_weight"]
-            w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
-            w_cond = log_w.abs() + (sample_cond[seg] if sample_cond is not None else 0.0)
-            flip = torch.zeros_like(w, dtype=torch.bool)
-            for edge in (knobs.is_low, knobs.is_high):
-                if edge is not None:
-                    flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
-            # a token the mask may keep or drop: its whole weighted term w·|pg| is open
-            torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
-        if families:
-            near = _family_edge_hits(t, u_token, cond, e_ratio)
-            open_ = t.get("edge_open")
-            if open_ is None or not bool(near.any()):
-                buf[row["edge_flip"]].zero_()
-            else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+
+    def token_pass(start: int, stop: int, chunk_rows: torch.Tensor, seq32: SequentialSums32) -> None:
+        """Tokens ``[start, stop)`` (whole samples), into ``out``, ``counts`` and ``seq32``."""
+        for lo, hi, chunk_seg in ctx.token_spans(step, start, stop):
+            seg = chunk_seg() if by_sample else None
+            buf = chunk_rows[:, :hi - lo]
+            m = buf[row["mask"]].copy_(li.mask[lo:hi])
+            if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
+                m = m * li.keep[lo:hi]
+            adv = li.advantages[lo:hi] if promote else li.advantages[lo:hi].to(torch.float64)
+            t = policy_token_terms(
+                li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
+                rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+                ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
+                entropy=entropy[lo:hi] if entropy is not None else None,
+                teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
+                family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
+            pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
+            if draw is not None:
+                draw.add(t, seg, li.mask[lo:hi], u_token)
+            signed = buf[:n_signed]
+            torch.mul(pg, m, out=buf[0])
+            torch.mul(t["ppo_kl"], m, out=buf[1])
+            if entropy is not None:
+                torch.mul(entropy[lo:hi], m, out=buf[2])  # promoted to float64 in the product: the same bits
+            else:
+                buf[2].zero_()
+            if kl_loss:
+                torch.mul(t["kl_loss"], m, out=buf[3])
+            magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
+            # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
+            abs_lr = lr.abs()
+            cond = abs_lr
+            if sample_cond is not None:
+                cond = cond + sample_cond[seg]
+            if "is_log_weight" in t:
+                cond = cond + t["is_log_weight"].abs()
+            torch.mul(t["clip"], m, out=buf[row["clip"]])
+            if clip_lower:
+                torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
+            if kl_loss:
+                torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
+                kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
+                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
+                torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
+                if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
+                    buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
+                if knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): the same with w's exponent
+                    buf[row["kl_loss_tok"]].mul_(t["kl_weight"]).add_(
+                        buf[row["abs_kl_loss"]] * (PG_KL_COND * t["kl_weight_log"].abs() + 2.0))
+            if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
                 w = t.get("is_weight")
-                torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
-        else:
-            near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
-        hits = [near, abs_lr > EXTREME_LOG_RATIO]
-        if knobs.dual_clip:
-            chosen = torch.maximum(ratio, ratio.clamp(low, high))
-            hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
-        if clamps:
-            hit = torch.zeros_like(m, dtype=torch.bool)
-            if knobs.log_ratio_clamp is not None:
-                hit |= (t["log_ratio"].abs() >= knobs.log_ratio_clamp)
-            if kl_loss and knobs.kl_loss_input_clamp is not None:
-                hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
-            if kl_loss and knobs.kl_loss_output_clamp is not None:
-                hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
-            hits.append(hit)
-        for k, hit in enumerate(hits):
-            if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
-                at = torch.nonzero(hit).reshape(-1)
-                counts[k].index_add_(0, chunk_seg()[at], m[at])
-        # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
-        # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
-        for a in range(lo, hi, LOSS_CHUNK):
-            sums.add(out, a, min(a + LOSS_CHUNK, hi), buf[:, a - lo:a - lo + LOSS_CHUNK])
-        seq32.add(lo, hi, signed)
+                torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
+                          out=buf[row["kl_pg"]])
+            else:
+                torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
+            e_ratio = e_weight = None
+            if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
+                e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
+                                       li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+                                       li.ref_log_probs[lo:hi] if kl_loss else None,
+                                       li.teacher_log_probs[lo:hi] if opd else None)
+                e_ratio, e_weight = e["ratio"], e["weight"]
+                torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
+                torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
+                torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
+                if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
+                    torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
+                    if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
+                        buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
+                    if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
+                        buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
+                if opd:  # the distillation term's r = logp − teacher, as the KL term's
+                    torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
+                              out=buf[row["store_opd_loss"]])
+            if masks:
+                _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
+            if opd:
+                torch.mul(t["opd_loss"], m, out=buf[row["opd_loss"]])
+                torch.abs(buf[row["opd_loss"]], out=buf[row["abs_opd_loss"]])
+                opd_r = t["opd_r"]
+                torch.mul(kl_condition(opd_r, knobs.opd_kl_type), m, out=buf[row["opd_loss_tok"]])
+            if signed_entropy:
+                torch.abs(buf[2], out=buf[row["abs_ent"]])
+            if with_ratio:
+                w = t.get("is_weight")
+                torch.mul(ratio if w is None else ratio * w, m, out=buf[row["ratio"]])
+            if masked_is:
+                log_w = t["is_log_weight"]
+                w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
+                w_cond = log_w.abs() + (sample_cond[seg] if sample_cond is not None else 0.0)
+                flip = torch.zeros_like(w, dtype=torch.bool)
+                for edge in (knobs.is_low, knobs.is_high):
+                    if edge is not None:
+                        flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
+                # a token the mask may keep or drop: its whole weighted term w·|pg| is open
+                torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
+            if families:
+                near = _family_edge_hits(t, u_token, cond, e_ratio)
+                open_ = t.get("edge_open")
+                if open_ is None or not bool(near.any()):
+                    buf[row["edge_flip"]].zero_()
+                else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+                    w = t.get("is_weight")
+                    torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
+            else:
+                near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
+            hits = [near, abs_lr > EXTREME_LOG_RATIO]
+            if knobs.dual_clip:
+                chosen = torch.maximum(ratio, ratio.clamp(low, high))
+                hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
+            if clamps:
+                hit = torch.zeros_like(m, dtype=torch.bool)
+                if knobs.log_ratio_clamp is not None:
+                    hit |= (t["log_ratio"].abs() >= knobs.log_ratio_clamp)
+                if kl_loss and knobs.kl_loss_input_clamp is not None:
+                    hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
+                if kl_loss and knobs.kl_loss_output_clamp is not None:
+                    hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
+                hits.append(hit)
+            for k, hit in enumerate(hits):
+                if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
+                    at = torch.nonzero(hit).reshape(-1)
+                    counts[k].index_add_(0, chunk_seg()[at], m[at])
+            # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
+            # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
+            # (on the LOSS_CHUNK grid of the token axis, wherever the chunk starts: the same runs in any split)
+            a = lo
+            while a < hi:
+                b = min((a // LOSS_CHUNK + 1) * LOSS_CHUNK, hi)
+                sums.add(out, a, b, buf[:, a - lo:b - lo])
+                a = b
+            seq32.add(lo, hi, signed)
+
+    total = int(li.mask.numel())
+    split = _split_point(ctx, total) if draw is None and total >= LARGE_PASS and ctx.threads > 1 else None
+    if split is None:
+        token_pass(0, total, chunk_rows, seq32)
+    else:  # two threads, each over its own samples (run.threads): their columns of the sums are disjoint
+        upper = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
+        _two_threads(lambda: token_pass(0, split, chunk_rows, seq32),
+                     lambda: token_pass(split, total, torch.empty_like(chunk_rows), upper))
+        first = int(torch.searchsorted(ctx.offsets, split))  # the first sample of the upper part (an empty one too)
+        seq32.totals[:, first:] = upper.totals[:, first:]
     if draw is not None:
         ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
     return {**totals, **dict(zip(SEQ32_SUMS, seq32.totals))}
+
+
+def _split_point(ctx: StageContext, total: int) -> Optional[int]:
+    """Where a non-empty sample starts nearest the middle of the token axis, strictly inside it; ``None`` when no
+    sample starts there (a single sample)."""
+    starts = ctx.offsets[ctx.lengths > 0]
+    inside = starts[(starts > 0) & (starts < total)]
+    if not inside.numel():
+        return None
+    return int(inside[int((inside - total // 2).abs().argmin())])
+
+
+def _two_threads(lower, upper) -> None:
+    """``lower()`` on this thread and ``upper()`` on another, at the same time, each under ``torch.inference_mode``
+    (the stages' tensors are inference tensors); the first error (this thread's first) raised once both ended."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                upper()
+        except BaseException as exc:  # raised on the caller's thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="loss-pass", daemon=True)
+    thread.start()
+    try:
+        lower()
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 class SequentialSums32:
