@@ -166,18 +166,30 @@ def test_an_exception_a_stage_raises_gives_way_to_the_checksum(clean, tmp_path, 
 
 
 def test_a_reader_check_failing_on_altered_bytes_gives_way_to_the_checksum(clean, tmp_path, gate, monkeypatch):
-    """A mask value of 2 is refused by the reader's own form check; with the checksum deferred it still reports
-    the sha256 mismatch, as the eager order does."""
+    """A payload whose header now says I32 (a valid header, the size unchanged) is refused by the reader's dtype
+    check once loaded; with its checksum deferred (the thread held until the reader judges the pending ones) it
+    still reports the sha256 mismatch, as the eager order does."""
     bundle = _copy(clean, tmp_path / "b")
-    file = bundle / "payloads" / "loss_mask.safetensors"
-    with open(file, "r+b") as fh:
-        fh.seek(_data_start(file) + 3)
-        fh.write(b"\x02")
+    file = bundle / "payloads" / "log_probs.safetensors"
+    blob = file.read_bytes()
+    assert blob.count(b'"dtype":"F32"') == 1
+    file.write_bytes(blob.replace(b'"dtype":"F32"', b'"dtype":"I32"'))
     gate.set()
     expected = _mismatch_line(bundle, file)
+    gate.clear()
+    judged = []
+    judge = BundleReader._judge_pending
+
+    def opening(self):
+        judged.append(len(self._pending))
+        gate.set()
+        return judge(self)
+
+    monkeypatch.setattr(BundleReader, "_judge_pending", opening)
     with pytest.raises(BundleError) as refused:
         open_bundle(bundle, defer_checksums=True)
     assert str(refused.value) == expected
+    assert judged[-1] >= 1  # judged from the pending list, after the dtype check failed
 
 
 def test_a_clean_bundles_report_is_the_same_deferred_or_not(clean, gate):
