@@ -5,6 +5,8 @@ only where a plain PPO pass counts a hit."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -130,42 +132,79 @@ def test_a_hit_still_counts_on_its_sample(large, monkeypatch):
 
 @pytest.mark.parametrize("pass_chunk", [loss_mod.PASS_CHUNK, 3 * segments_mod.LOSS_CHUNK])
 def test_the_pass_split_over_two_threads_gives_the_same_bits(large, monkeypatch, pass_chunk):
-    """loss.policy's token pass split at a sample boundary (run.threads.pass_threads) sums every sample's tokens
-    in the same runs and order as one pass: the same bits, the same report."""
+    """loss.policy's token pass cut into blocks of whole samples taken by two threads (run.threads.pass_threads)
+    sums every sample's tokens in the same runs and order as one pass: the same bits, the same report."""
     import replay_lib.run.runner as runner_mod
 
     path, total = large
     monkeypatch.setattr(loss_mod, "LARGE_PASS", 0)  # the split (and the larger step) on this small step too
     monkeypatch.setattr(loss_mod, "PASS_CHUNK", pass_chunk)
-    splits = []
+    taken = []
     two = loss_mod._two_threads
 
-    def counted(lower, upper):
-        splits.append(1)
-        return two(lower, upper)
+    def slower(blocks, mine, others, wait_hashed):  # this thread slowed: the other one surely takes blocks
+        def slow(lo, hi):
+            time.sleep(0.02)
+            return mine(lo, hi)
 
-    monkeypatch.setattr(loss_mod, "_two_threads", counted)
+        taken.append(two(blocks, slow, others, wait_hashed))
+        return taken[-1]
+
+    monkeypatch.setattr(loss_mod, "_two_threads", slower)
     runs = {}
     for threads in (1, 2):
         monkeypatch.setattr(runner_mod, "pass_threads", lambda threads=threads: threads)
         report, contexts = replay_run(open_bundle(path))
         runs[threads] = (report_to_json(report), contexts[0].outputs[loss_mod.SUMS_OUTPUT])
-    assert splits == [1]
+    assert len(taken) == 1 and 0 < len(taken[0]) < loss_mod.PASS_BLOCKS
     assert runs[1][0] == runs[2][0]
     for name, value in runs[1][1].items():
         assert torch.equal(_bits(value), _bits(runs[2][1][name])), name
 
 
-def test_the_split_point_is_a_sample_start_nearest_the_middle(large):
+def test_the_blocks_are_whole_samples_covering_the_token_axis(large):
     path, total = large
     from replay_lib.stages import StageContext
 
-    bundles = open_bundle(path)
-    ctx = StageContext(reader=bundles.shards[0], indices=[], partial=False)
-    split = loss_mod._split_point(ctx, total)
-    starts = [int(o) for o, n in zip(ctx.offsets, ctx.lengths) if n > 0]
-    assert split in starts and 0 < split < total
-    assert abs(split - total // 2) == min(abs(s - total // 2) for s in starts)
+    ctx = StageContext(reader=open_bundle(path).shards[0], indices=[], partial=False)
+    blocks = loss_mod._blocks(ctx, total, loss_mod.PASS_BLOCKS)
+    starts = {int(o) for o, n in zip(ctx.offsets, ctx.lengths) if n > 0}
+    assert len(blocks) == loss_mod.PASS_BLOCKS
+    assert blocks[0][0] == 0 and blocks[-1][1] == total
+    assert all(a < b and b == c for (a, b), (c, _) in zip(blocks, blocks[1:]))
+    assert all(lo in starts for lo, _ in blocks)
+
+
+def test_the_second_thread_joins_only_once_the_payloads_are_hashed():
+    blocks = [(k, k + 1) for k in range(8)]
+    mine, others = [], []
+    # never hashed (a huge payload): this thread sums every block, in order; the other one takes none
+    assert loss_mod._two_threads(blocks, lambda lo, hi: mine.append(lo), lambda lo, hi: others.append(lo),
+                                 lambda timeout: False) == []
+    assert (mine, others) == (list(range(8)), [])
+    # hashed: the other thread takes blocks while this one is slow; every block is summed once
+    mine.clear()
+    hashed = threading.Event()
+
+    def slow(lo, hi):
+        hashed.set()
+        time.sleep(0.05)
+        mine.append(lo)
+
+    taken = loss_mod._two_threads(blocks, slow, lambda lo, hi: others.append(lo), lambda timeout: hashed.wait(timeout))
+    assert sorted(mine + others) == list(range(8)) and others and [lo for lo, _ in taken] == others
+
+
+def test_an_error_on_either_thread_is_raised_after_both_ended():
+    blocks = [(k, k + 1) for k in range(4)]
+
+    def fail(lo, hi):
+        raise ValueError(f"block {lo}")
+
+    with pytest.raises(ValueError, match=r"\Ablock [01]\Z"):  # the other thread may take block 0 first
+        loss_mod._two_threads(blocks, fail, lambda lo, hi: time.sleep(0.01), lambda timeout: True)
+    with pytest.raises(ValueError, match="block"):
+        loss_mod._two_threads(blocks, lambda lo, hi: time.sleep(0.05), fail, lambda timeout: True)
 
 
 def test_pass_threads_follow_the_affinity_and_a_scan_worker_takes_one(monkeypatch):

@@ -106,6 +106,7 @@ class _Digests:
         self._files: dict[Path, str] = {}
         self._file_done = {file: threading.Event() for file in files}
         self._stop = threading.Event()
+        self.idle = threading.Event()  # set when the thread has ended (every file hashed or given up)
         # The largest blob first: the thread is inside the hash (GIL released) before the reader
         # starts a decode, which holds the GIL from start to end.
         # The thread lets go of each blob once hashed: the reader drops a blob once decoded (its memory, not
@@ -138,6 +139,7 @@ class _Digests:
         finally:
             for done in self._file_done.values():  # whatever happened, no reader waits forever
                 done.set()
+            self.idle.set()
 
     @property
     def stop(self) -> threading.Event:
@@ -580,6 +582,12 @@ class BundleReader:
                 self._digests = None
 
     wait_verified = confirm
+
+    def wait_hashed(self, timeout: Optional[float] = None) -> bool:
+        """Whether the reader's thread is done hashing the payloads (waiting up to ``timeout`` seconds for it): a
+        pass that could use a second core knows when the hashing no longer takes it. True for an eager open."""
+        digests = self._digests
+        return digests is None or digests.idle.wait(timeout)
 
     def _judge_pending(self) -> None:
         """The pending checksums judged in order (each waits for its digest); the first mismatch raised. Those

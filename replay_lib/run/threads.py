@@ -14,10 +14,12 @@ defer_checksums=True)``), ``scan`` runs a bundle per worker, and ``replay --exec
 one op split over threads that other work is already using.
 
 One pass is split: ``loss.policy``'s token pass (most of a replay's CPU) over a step of ``LARGE_PASS`` tokens or
-more runs as :func:`pass_threads` Python threads, each over its own samples' tokens (split at a sample boundary:
-every per-sample sum is the same sequence of operations, so the same bits), each running its ops on the one
+more is cut into ``PASS_BLOCKS`` blocks of whole samples, taken in turn by :func:`pass_threads` Python threads
+(every per-sample sum is the same sequence of operations, so the same bits), each running its ops on the one
 intra-op thread — large independent passes, where a thread's fixed cost is nothing beside its work, instead of
-small parallel regions. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more than the CPUs
+small parallel regions. The second thread joins only once the reader's thread has hashed every payload
+(``BundleReader.wait_hashed``): until then the two cores are the stages' and the hashing's, and a third thread
+would only make the three take turns. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more than the CPUs
 this process may run on (``os.sched_getaffinity``); 1 inside a scan worker when several run
 (:func:`single_pass_thread`: the workers already use the cores) and inside a Ray task (one CPU asked each).
 ``OMP_NUM_THREADS`` does not change it: that is torch's intra-op setting, which the replay overrides (above).

@@ -380,15 +380,17 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             seq32.add(lo, hi, signed)
 
     total = int(li.mask.numel())
-    split = _split_point(ctx, total) if draw is None and total >= LARGE_PASS and ctx.threads > 1 else None
-    if split is None:
+    blocks = _blocks(ctx, total, PASS_BLOCKS) if draw is None and total >= LARGE_PASS and ctx.threads > 1 else []
+    if len(blocks) < 2:
         token_pass(0, total, chunk_rows, seq32)
-    else:  # two threads, each over its own samples (run.threads): their columns of the sums are disjoint
-        upper = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
-        _two_threads(lambda: token_pass(0, split, chunk_rows, seq32),
-                     lambda: token_pass(split, total, torch.empty_like(chunk_rows), upper))
-        first = int(torch.searchsorted(ctx.offsets, split))  # the first sample of the upper part (an empty one too)
-        seq32.totals[:, first:] = upper.totals[:, first:]
+    else:  # blocks of whole samples taken by two threads (run.threads): their columns of the sums are disjoint
+        other = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
+        taken = _two_threads(blocks, lambda lo, hi: token_pass(lo, hi, chunk_rows, seq32),
+                             lambda lo, hi: token_pass(lo, hi, torch.empty_like(chunk_rows), other),
+                             ctx.reader.wait_hashed)
+        for lo, hi in taken:  # the float32 sums of the samples the other thread summed
+            a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
+            seq32.totals[:, a:b] = other.totals[:, a:b]
     if draw is not None:
         ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
@@ -397,36 +399,66 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     return {**totals, **dict(zip(SEQ32_SUMS, seq32.totals))}
 
 
-def _split_point(ctx: StageContext, total: int) -> Optional[int]:
-    """Where a non-empty sample starts nearest the middle of the token axis, strictly inside it; ``None`` when no
-    sample starts there (a single sample)."""
+# Blocks of whole samples the token pass of a large step is cut into, for two threads to take in turn.
+PASS_BLOCKS = 16
+
+
+def _blocks(ctx: StageContext, total: int, count: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: the token axis cut into about ``count`` blocks, each cut where a sample starts (a sample
+    is in one block); fewer where the samples are fewer."""
     starts = ctx.offsets[ctx.lengths > 0]
-    inside = starts[(starts > 0) & (starts < total)]
-    if not inside.numel():
-        return None
-    return int(inside[int((inside - total // 2).abs().argmin())])
+    cuts = [0]
+    for k in range(1, count):
+        at = int(torch.searchsorted(starts, total * k // count))  # the first sample starting at or after the mark
+        if at < starts.numel() and cuts[-1] < int(starts[at]) < total:
+            cuts.append(int(starts[at]))
+    cuts.append(total)
+    return list(zip(cuts, cuts[1:]))
 
 
-def _two_threads(lower, upper) -> None:
-    """``lower()`` on this thread and ``upper()`` on another, at the same time, each under ``torch.inference_mode``
-    (the stages' tensors are inference tensors); the first error (this thread's first) raised once both ended."""
+def _two_threads(blocks: list[tuple[int, int]], mine, others, wait_hashed) -> list[tuple[int, int]]:
+    """``blocks`` taken in order by this thread (``mine(lo, hi)``) and by a second one (``others(lo, hi)``), the
+    second joining once the reader's thread has hashed every payload (``wait_hashed(timeout) -> bool``: until then
+    the two cores are this thread's and the hashing's) — it takes none when this thread is done first. Each thread
+    runs under ``torch.inference_mode`` (the stages' tensors are inference tensors). Returns the blocks the second
+    thread summed; the first error (this thread's first) is raised once both ended."""
+    lock = threading.Lock()
+    queue = list(reversed(blocks))
+    taken: list[tuple[int, int]] = []
     errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def take():
+        with lock:
+            return queue.pop() if queue and not stop.is_set() else None
 
     def run() -> None:
         try:
+            while not wait_hashed(0.05):
+                if stop.is_set():
+                    return
             with torch.inference_mode():
-                upper()
+                while (block := take()) is not None:
+                    others(*block)
+                    taken.append(block)
         except BaseException as exc:  # raised on the caller's thread below
             errors.append(exc)
+            stop.set()
 
     thread = threading.Thread(target=run, name="loss-pass", daemon=True)
     thread.start()
     try:
-        lower()
+        while (block := take()) is not None:
+            mine(*block)
+    except BaseException:
+        stop.set()
+        raise
     finally:
+        stop.set()
         thread.join()
     if errors:
         raise errors[0]
+    return taken
 
 
 class SequentialSums32:
