@@ -211,9 +211,15 @@ def test_pass_threads_follow_the_affinity_and_a_scan_worker_takes_one(monkeypatc
     from replay_lib.run import threads
 
     monkeypatch.setattr(threads, "_single_pass", False)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.3, 0.3, 0.3))
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0})
     assert threads.pass_threads() == 1
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert threads.pass_threads() == 2
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.6, 0.3, 0.3))  # both cores busy: no second thread
+    assert threads.pass_threads() == 1
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (63.0, 0.3, 0.3))  # one core of 64 free
     assert threads.pass_threads() == 2
     threads.single_pass_thread()
     assert threads.pass_threads() == 1

@@ -19,8 +19,11 @@ more is cut into ``PASS_BLOCKS`` blocks of whole samples, taken in turn by :func
 intra-op thread — large independent passes, where a thread's fixed cost is nothing beside its work, instead of
 small parallel regions. The second thread joins only once the reader's thread has hashed every payload
 (``BundleReader.wait_hashed``): until then the two cores are the stages' and the hashing's, and a third thread
-would only make the three take turns. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more than the CPUs
-this process may run on (``os.sched_getaffinity``); 1 inside a scan worker when several run
+would only make the three take turns. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more
+than the CPUs this process may run on (``os.sched_getaffinity``); 1 where those CPUs are not free (the 1-minute
+load average leaves less than :data:`FREE_CORE` of a core: measured on this 2-core host at a load of 2.7, two
+threads took 10–20% more CPU and more wall than one — they only take turns with the others); 1 inside a scan
+worker when several run
 (:func:`single_pass_thread`: the workers already use the cores) and inside a Ray task (one CPU asked each).
 ``OMP_NUM_THREADS`` does not change it: that is torch's intra-op setting, which the replay overrides (above).
 """
@@ -36,6 +39,7 @@ import torch
 
 REPLAY_THREADS = 1  # intra-op threads of the replay's passes (module doc)
 PASS_THREADS = 2  # at most: the threads loss.policy's token pass is split over (module doc)
+FREE_CORE = 0.5  # the part of a core the load average must leave free for a second thread (module doc)
 _single_pass = False
 
 _lock = threading.Lock()
@@ -73,6 +77,12 @@ def pass_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this platform
         cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: the CPUs taken as free
+        load = 0.0
+    if cpus - load < FREE_CORE:
+        return 1
     return max(1, min(PASS_THREADS, cpus))
 
 
