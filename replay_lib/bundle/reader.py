@@ -1,6 +1,15 @@
 """The verifying reader (SPEC §2, §11): verify *everything* — sentinels, checksums, sizes, ids, version,
 safety, tensor types — before returning, so no stage ever runs on a bundle that is not exactly what the
-producer published."""
+producer published.
+
+One opt-in exception (``BundleReader(..., defer_checksums=True)``, ``open_bundle(..., defer_checksums=True)``;
+the replay's runner alone asks for it): the sha256 of a format-1.3 safetensors payload (read without any
+unpickler, its header validated, its size, dtype, shape and form checked) that the hashing thread has not finished
+yet is judged later, by :meth:`BundleReader.confirm`, so the stages can run while the thread hashes. The rule
+(SPEC §11): every checksum is judged before anything derived from a payload is reported, printed, drawn or written,
+and whatever fails meanwhile — a later check of the reader, a stage's exception — gives way to a checksum
+mismatch, reported with the message and exit code of the eager reader. ``.pt`` payloads (which go through an
+unpickler) and every other caller keep the eager order: a checksum judged before the payload's checks."""
 
 from __future__ import annotations
 
@@ -97,6 +106,7 @@ class _Digests:
         self._files: dict[Path, str] = {}
         self._file_done = {file: threading.Event() for file in files}
         self._stop = threading.Event()
+        self.idle = threading.Event()  # set when the thread has ended (every file hashed or given up)
         # The largest blob first: the thread is inside the hash (GIL released) before the reader
         # starts a decode, which holds the GIL from start to end.
         # The thread lets go of each blob once hashed: the reader drops a blob once decoded (its memory, not
@@ -129,6 +139,7 @@ class _Digests:
         finally:
             for done in self._file_done.values():  # whatever happened, no reader waits forever
                 done.set()
+            self.idle.set()
 
     @property
     def stop(self) -> threading.Event:
@@ -142,6 +153,11 @@ class _Digests:
     def metadata(self, blobs: dict[str, bytes]) -> dict[str, str]:
         self._meta_done.wait()
         return {name: self._meta.get(name) or sha256_bytes(blob) for name, blob in blobs.items()}
+
+    def hashed(self, path: Path) -> bool:
+        """Whether the thread is done with ``path`` (:meth:`file` then returns at once)."""
+        done = self._file_done.get(path)
+        return done is None or done.is_set()
 
     def file(self, path: Path) -> str:
         done = self._file_done.get(path)
@@ -203,6 +219,12 @@ def _sha256_descriptor(fd: int, stop: Optional[threading.Event]) -> Optional[str
             return _sha256_stream(fh, stop)
     finally:
         os.close(fd)
+
+
+def _checksum_mismatch(file: Path, manifest_sha: str, recorded: str, sentinel_name: str, digest: str) -> BundleError:
+    """The one refusal of a payload whose sha256 is not what the manifest and its sentinel record."""
+    return BundleError(f"{file}: sha256 mismatch (manifest {manifest_sha[:12]}…, {Path(sentinel_name).name} "
+                       f"{recorded[:12]}…, file {digest[:12]}…)")
 
 
 def config_knob_active(value) -> bool:
@@ -468,13 +490,18 @@ class BundleReader:
     format_major: int = 1  # of manifest.json $.format_version (1 or 2)
 
     def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None,
-                 defer_payloads: bool = False):
+                 defer_payloads: bool = False, defer_checksums: bool = False):
         """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE.
 
         ``defer_payloads`` (a selected replay): a payload with per-chunk checksums (``bundle.chunks``) has its
         header chunk verified here and every other chunk only when a byte of it is read (:meth:`payload_rows`,
         :meth:`verify_samples`; :meth:`payload` and :attr:`packed_mask` verify the whole file first). Every other
-        check is made here as without it."""
+        check is made here as without it.
+
+        ``defer_checksums``: the sha256 of a safetensors payload (format 1.3) still being hashed is judged by
+        :meth:`confirm`, which the caller must call before it reports anything derived from a payload, and on any
+        error it meets before that (module doc). With both, a payload verified chunk by chunk is never hashed
+        whole; the others are confirmed as without ``defer_payloads``."""
         path = Path(path)
         if _shard is None:
             from .locate import resolve_bundle
@@ -491,6 +518,11 @@ class BundleReader:
         self._mask = None  # format 1.3's packed masks (packed_mask)
         self._defer = defer_payloads
         self._guards: dict[str, chunks.ChunkGuard] = {}  # payloads whose chunks are verified when read
+        self._defer_checksums = defer_checksums
+        # the payload checksums left to confirm(): (file, manifest sha256, sentinel sha256, sentinel name)
+        self._pending: list[tuple[Path, str, str, str]] = []
+        self._digests: Optional[_Digests] = None
+        self._refusal: Optional[BundleError] = None  # what confirm() raised, raised again on every later call
         self._verify(_shard)
 
     # -- verification ------------------------------------------------------------------------------
@@ -510,6 +542,7 @@ class BundleReader:
         sizes = _sizes(files)
         ahead = sizes is not None and sum(sizes.values()) <= HASH_AHEAD_BYTES
         digests = _Digests(blobs, [] if ahead else files)
+        self._digests = digests
         try:
             self._loaded = _preload(blobs["manifest.json"], sizes or {})
             if ahead:
@@ -519,10 +552,62 @@ class BundleReader:
                     except Exception:
                         digest = None  # hashed again in its place, where its checks name what is wrong
                     self._loaded[file] = (spec, attempt, digest)
-            self._check(shard, blobs, digests, manifest_attempt)
+            try:
+                self._check(shard, blobs, digests, manifest_attempt)
+            except Exception:
+                try:
+                    self._judge_pending()  # a deferred checksum's mismatch comes first, as in the eager order
+                finally:
+                    self._pending = []
+                raise
         finally:
-            digests.close()  # a bundle refused early leaves no hashing behind
+            if not self._pending:
+                digests.close()  # a bundle refused early leaves no hashing behind
+                self._digests = None
             self._loaded = {}  # what was loaded ahead and not taken (a refused bundle's) is let go
+
+    # -- deferred checksums (defer_checksums=True) ---------------------------------------------------
+    @property
+    def verified(self) -> bool:
+        """Every payload checksum judged (always, unless opened with ``defer_checksums`` and not yet confirmed)."""
+        return not self._pending and self._refusal is None
+
+    def confirm(self) -> None:
+        """Judge every checksum left to judge (waiting for the hashing thread, bounded by the payloads' sizes) and
+        raise the eager reader's :class:`BundleError` on the first mismatch, in manifest order; a no-op when there
+        is none left. Idempotent: a refusal is raised again on every later call."""
+        if self._refusal is not None:
+            raise self._refusal
+        if not self._pending:
+            return
+        try:
+            self._judge_pending()
+        except BundleError as exc:
+            self._refusal = exc
+            raise
+        finally:
+            self._pending = []
+            if self._digests is not None:
+                self._digests.close()
+                self._digests = None
+
+    wait_verified = confirm
+
+    def wait_hashed(self, timeout: Optional[float] = None) -> bool:
+        """Whether the reader's thread is done hashing the payloads (waiting up to ``timeout`` seconds for it): a
+        pass that could use a second core knows when the hashing no longer takes it. True for an eager open."""
+        digests = self._digests
+        return digests is None or digests.idle.wait(timeout)
+
+    def _judge_pending(self) -> None:
+        """The pending checksums judged in order (each waits for its digest); the first mismatch raised. Those
+        judged equal are dropped from the list."""
+        while self._pending:
+            file, manifest_sha, recorded, sentinel_name = self._pending[0]
+            digest = self._digests.file(file)
+            if digest != manifest_sha or digest != recorded:
+                raise _checksum_mismatch(file, manifest_sha, recorded, sentinel_name, digest)
+            self._pending.pop(0)
 
     def _check(self, shard: Optional[RankComplete], blobs: dict[str, bytes], digests: _Digests,
                manifest_attempt) -> None:
@@ -745,15 +830,20 @@ class BundleReader:
             early = self._loaded.pop(file, None)
             if early is not None and early[0] == spec:
                 tensor, unloadable = early[1]
-                digest = early[2] if early[2] is not None else digests.file(file)
+                digest = early[2]
             else:
                 tensor, unloadable = _attempt(lambda: _load_tensor(file, spec))
-                digest = digests.file(file)
-            if digest != spec.sha256 or digest != shard.payloads[key]:
-                raise BundleError(
-                    f"{file}: sha256 mismatch (manifest {spec.sha256[:12]}…, {Path(sentinel_name).name} "
-                    f"{shard.payloads[key][:12]}…, file {digest[:12]}…)"
-                )
+                digest = None
+            # defer_checksums: a safetensors payload still being hashed is checked now, its checksum judged by
+            # confirm() (or, when a check below or later fails, by _verify ahead of that failure)
+            if (digest is None and self._defer_checksums and file.name.endswith(packed.SAFETENSORS_SUFFIX)
+                    and not digests.hashed(file)):
+                self._pending.append((file, spec.sha256, shard.payloads[key], sentinel_name))
+            else:
+                self._judge_pending()  # the eager order: every checksum before this one's
+                digest = digest if digest is not None else digests.file(file)
+                if digest != spec.sha256 or digest != shard.payloads[key]:
+                    raise _checksum_mismatch(file, spec.sha256, shard.payloads[key], sentinel_name, digest)
             if unloadable is not None:
                 raise unloadable
             if str(tensor.dtype) != spec.dtype:

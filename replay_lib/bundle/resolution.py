@@ -4,9 +4,10 @@ rank shards as a :class:`BundleSet`."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..errors import BundleError, SelectionError
 from .files import _decode, _read_bytes
@@ -46,19 +47,39 @@ class BundleSet:
             elif res.indices:
                 shard.verify_samples(res.indices)
 
+    def confirm(self) -> None:
+        """Every shard's deferred payload checksums judged (``open_bundle(..., defer_checksums=True)``;
+        :meth:`BundleReader.confirm`): the first mismatch raised, shard by shard; a no-op for an eager open."""
+        for shard in self.shards:
+            shard.confirm()
+
+    @contextmanager
+    def checksums_first(self) -> Iterator[None]:
+        """Whatever the block raises gives way to a deferred checksum's mismatch (SPEC §11): on an exception the
+        checksums are judged first, and a mismatch is raised in its place."""
+        try:
+            yield
+        except Exception:
+            self.confirm()
+            raise
+
 
 def open_bundle(
     path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None,
-    *, forensic: bool = False, defer_payloads: bool = False,
+    *, forensic: bool = False, defer_payloads: bool = False, defer_checksums: bool = False,
 ) -> BundleSet:
     """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly.
+
+    ``defer_checksums=True`` (the replay's runner): the sha256 of safetensors payloads still being hashed are
+    judged by :meth:`BundleSet.confirm`, which the caller calls before it reports anything derived from a payload
+    and on any error before that (``reader`` module doc); every check of the open itself still gives way to them.
 
     ``forensic=True`` (the debugger's ``--forensic``, never a default) also opens a cohort whose final
     COMPLETE is missing: see :func:`_published_shards`. Everything else stays as strict as without it.
     ``defer_payloads=True`` (a selected replay): payloads with per-chunk checksums are verified chunk by chunk as
     they are read (``BundleReader``); :meth:`BundleSet.verify_selected` verifies what a selection reads."""
     with gc_paused():
-        return _open_bundle(Path(path), step, rollout, forensic, defer_payloads)
+        return _open_bundle(Path(path), step, rollout, forensic, defer_payloads, defer_checksums)
 
 
 def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
@@ -94,25 +115,35 @@ def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
 
 
 def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool = False,
-                 defer_payloads: bool = False) -> BundleSet:
+                 defer_payloads: bool = False, defer_checksums: bool = False) -> BundleSet:
     resolved = resolve_capture(path, step, rollout)
+    shards: list[BundleReader] = []
+    try:
+        return _open_resolved(resolved, step, rollout, forensic, defer_checksums, shards, defer_payloads)
+    except Exception:
+        for shard in shards:  # the shards opened so far: a deferred checksum's mismatch comes first
+            shard.confirm()
+        raise
+
+
+def _open_resolved(resolved: Resolved, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool,
+                   defer: bool, shards: list[BundleReader], defer_payloads: bool = False) -> BundleSet:
     note = None
     if resolved.kind == "bundle":
-        shards = [BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank,
-                               defer_payloads=defer_payloads)]
+        shards.append(BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank,
+                                   defer_payloads=defer_payloads, defer_checksums=defer))
         cohort = False
     else:
         if forensic and not os.path.lexists(resolved.path / "COMPLETE"):
             complete, note = _published_shards(resolved.path)
         else:
             complete = _cohort_complete(resolved.path)
-        shards = []
         for r in sorted(complete.ranks):
             shard_dir = resolved.path / f"rank-{r}"
             if not (shard_dir / "manifest.json").exists():
                 raise BundleError(f"{shard_dir}: missing rank shard listed in cohort COMPLETE $.ranks")
             shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r,
-                                       defer_payloads=defer_payloads))
+                                       defer_payloads=defer_payloads, defer_checksums=defer))
         ids = {s.bundle_id for s in shards}
         if len(ids) != 1:
             raise BundleError(f"{resolved.path}: rank shards disagree on bundle_id: {sorted(ids)}")

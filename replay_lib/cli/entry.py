@@ -68,21 +68,24 @@ def run_check(args, stream: Optional[TextIO] = None) -> int:
     from ..bundle.resolution import open_bundle
 
     step, rollout = anchor_from_args(args)
-    # a selection reads only its samples' rows: their chunks are verified when read (bundle.chunks)
+    # a selection reads only its samples' rows: their chunks are verified when read (bundle.chunks); the stages
+    # run while the other payloads' sha256 are still being computed; run_replay judges them all before it makes
+    # the report, and a mismatch comes ahead of any error met meanwhile (SPEC §11)
     selected = bool(getattr(args, "sample", None) or getattr(args, "group", None) or getattr(args, "batch", None))
-    bundles = open_bundle(args.bundle, step=step, rollout=rollout, defer_payloads=selected)
-    from ..judge.report import render_text, report_to_json
-    from ..run.runner import run_replay
+    bundles = open_bundle(args.bundle, step=step, rollout=rollout, defer_payloads=selected, defer_checksums=True)
+    with bundles.checksums_first():
+        from ..judge.report import render_text, report_to_json
+        from ..run.runner import run_replay
 
-    stream = stream or sys.stdout
-    shard_runner = None
-    if getattr(args, "executor", "local") == "ray":  # replay --executor ray: a task per rank shard
-        from ..run.ray_replay import ray_shard_runner
+        stream = stream or sys.stdout
+        shard_runner = None
+        if getattr(args, "executor", "local") == "ray":  # replay --executor ray: a task per rank shard
+            from ..run.ray_replay import ray_shard_runner
 
-        shard_runner = ray_shard_runner(getattr(args, "ray_address", None))
-    options = replay_options(args)
-    del options["step"], options["rollout"]
-    report = run_replay(bundles, **options, shard_runner=shard_runner)
+            shard_runner = ray_shard_runner(getattr(args, "ray_address", None))
+        options = replay_options(args)
+        del options["step"], options["rollout"]
+        report = run_replay(bundles, **options, shard_runner=shard_runner)
     if args.format == "json":
         stream.write(report_to_json(report))  # terminal-safe: hidden characters as \u escapes
     else:

@@ -220,7 +220,10 @@ def policy_token_terms(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
                              rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, dtype=dtype,
                              entropy=entropy, teacher_log_probs=teacher_log_probs)
     old = old_log_probs.to(dtype)
-    adv = advantages.to(dtype)
+    # the advantages promoted to ``dtype`` inside the surrogate's products (its negation is exact in any dtype), not
+    # converted first: the same bits; the dual clip's scalar product −c·A takes them converted
+    adv = advantages if not knobs.dual_clip and torch.promote_types(advantages.dtype, dtype) == dtype else \
+        advantages.to(dtype)
     # the log-probs promoted to ``dtype`` inside the difference when that is where it lands (the same bits as
     # converting them first, one conversion fewer)
     promoted = torch.promote_types(log_probs.dtype, dtype) == dtype

@@ -64,17 +64,48 @@ def token_chunks(lengths: torch.Tensor, chunk: int = LOSS_CHUNK) -> Iterator[tup
     the chunk: the chunk's first sample plus the number of later samples starting at or before the token (an
     empty sample starts where the next one does, so it is skipped). A serial scan, where repeat_interleave
     would fan out to every thread for each chunk."""
+    for start, stop, seg in token_chunk_spans(lengths, chunk):
+        yield start, stop, seg()
+
+
+def token_chunk_spans(lengths: torch.Tensor, chunk: int = LOSS_CHUNK, start: int = 0,
+                      stop: "int | None" = None) -> Iterator[tuple[int, int, Callable]]:
+    """:func:`token_chunks` with each chunk's ``seg`` made only when called (``seg()``: the same tensor): a pass
+    that needs the sample of a token only where it finds something (a hit to count) skips the scan elsewhere.
+    ``start``/``stop``: tokens ``[start, stop)`` only, cut on the same grid (each chunk ends at a multiple of
+    ``chunk`` or at ``stop``)."""
     lengths = lengths.to(torch.int64)
     ends = torch.cumsum(lengths, 0)
     starts = ends - lengths
     total = int(ends[-1]) if lengths.numel() else 0
-    for start in range(0, total, chunk):
-        stop = min(start + chunk, total)
+    stop = total if stop is None else min(stop, total)
+
+    def segments(start: int, stop: int) -> torch.Tensor:
         first = int(torch.searchsorted(ends, start, right=True))
         last = int(torch.searchsorted(ends, stop - 1, right=True))
         marks = torch.zeros(stop - start, dtype=torch.int64)
         marks.index_add_(0, starts[first + 1:last + 1] - start, torch.ones(last - first, dtype=torch.int64))
-        yield start, stop, marks.cumsum_(0).add_(first)
+        return marks.cumsum_(0).add_(first)
+
+    lo = start
+    while lo < stop:
+        hi = min((lo // chunk + 1) * chunk, stop)
+        yield lo, hi, _Once(segments, lo, hi)
+        lo = hi
+
+
+class _Once:
+    """``fn(*args)``, computed on the first call and kept for the next ones."""
+
+    __slots__ = ("_fn", "_args", "_value")
+
+    def __init__(self, fn: Callable, *args) -> None:
+        self._fn, self._args, self._value = fn, args, None
+
+    def __call__(self):
+        if self._value is None:
+            self._value = self._fn(*self._args)
+        return self._value
 
 
 def masked_sample_sums(

@@ -50,15 +50,18 @@ def check_target(target: ScanTarget, options: ScanOptions = ScanOptions(),
         rules = Rules(chain=options.chain, exact=options.exact, tolerance_policy=options.tolerance_policy,
                       bitwise=options.bitwise)
         stages, run_link = split_stages(options.stages)
-        bundles = open_bundle(target.path)
-        if stages is not None:  # --stage in a scan: the requested stages each bundle declares recompute
-            from ..bundle.schema import StageCapability
+        # the stages run while the payloads' sha256 are still being computed: run_replay judges them before it
+        # makes the report, and a mismatch comes ahead of any error met meanwhile (SPEC §11)
+        bundles = open_bundle(target.path, defer_checksums=True)
+        with bundles.checksums_first():
+            if stages is not None:  # --stage in a scan: the requested stages each bundle declares recompute
+                from ..bundle.schema import StageCapability
 
-            from .runner import stage_contracts
+                from .runner import stage_contracts
 
-            contracts = stage_contracts(bundles.shards[0])
-            stages = [s for s in stages if s in contracts and contracts[s].capability == StageCapability.RECOMPUTE]
-        report = run_replay(bundles, stages=stages, max_divergences=options.max_divergences, rules=rules)
+                contracts = stage_contracts(bundles.shards[0])
+                stages = [s for s in stages if s in contracts and contracts[s].capability == StageCapability.RECOMPUTE]
+            report = run_replay(bundles, stages=stages, max_divergences=options.max_divergences, rules=rules)
         link = None
         if options.link and run_link and partner is not None:
             from .link import check_link

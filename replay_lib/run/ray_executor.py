@@ -32,7 +32,10 @@ def _ray_check(target, partner, options):
     if not _single_thread:
         import torch
 
+        from .threads import single_pass_thread
+
         torch.set_num_threads(1)
+        single_pass_thread()
         _single_thread = True
     from .check import check_target
 

@@ -24,8 +24,9 @@ def _replay_shard(path: str, rank: Optional[int], indices, partial: bool, keep: 
     from ..bundle.reader import BundleReader
     from ..stages import StageContext
     from .runner import _run_shard
-    from .threads import replay_threads
+    from .threads import replay_threads, single_pass_thread
 
+    single_pass_thread()  # one CPU asked per task (run.threads)
     with gc_paused(), replay_threads(), torch.inference_mode():
         reader = BundleReader(path, defer_payloads=partial)  # a selection: only its rows' chunks verified
         if reader.rank != rank:

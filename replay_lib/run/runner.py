@@ -19,7 +19,7 @@ from ..judge.error_model import Rules, coarse_payloads, tolerance_warnings
 from ..errors import BundleError, SelectionError, UnsupportedError
 from ..explain import annotate
 from ..bundle.gcpause import gc_paused
-from .threads import replay_threads
+from .threads import pass_threads, replay_threads
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
 from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageContract, StageId
@@ -241,7 +241,8 @@ def replay_run(
 ) -> tuple[ReplayReport, list[Optional[StageContext]]]:
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
     left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
-    that shows them. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
+    that shows them. A bundle opened with deferred checksums is confirmed (:meth:`BundleSet.confirm`) once the
+stages ran, before the report is made, and ahead of any error raised meanwhile. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
     evaluate the known-bug hypotheses of each failing stage (``replay_lib.explain``; under ``--chain`` the
     downstream stages are marked either way).
 
@@ -254,7 +255,7 @@ def replay_run(
     the report the local loop makes; no context is kept (each is ``None``). A failing report is made again by the
     local loop when its stages are to be explained or marked (``explain``, ``--chain``): the hypotheses read
     every shard's recomputed values, which stay where they were computed."""
-    with gc_paused(), replay_threads(), torch.inference_mode():
+    with gc_paused(), replay_threads(), torch.inference_mode(), bundles.checksums_first():
         if shard_runner is not None:
             report, contexts = _replay_run(bundles, stages, selection, max_divergences, progress, rules, explain,
                                            shard_runner)
@@ -314,7 +315,8 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
             contexts.append(None)
             done += len(plan.run)
         else:
-            ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules)
+            ctx = StageContext(reader=shard, indices=res.indices, partial=res.partial, keep=keep, rules=rules,
+                               threads=pass_threads())
             contexts.append(ctx)
             stage_reports = _run_shard(ctx, shard, plan, progress, done, total)
             shard_hazards, sample_ids = ctx.hazards, ctx.sample_ids
@@ -324,6 +326,9 @@ def _replay_run(bundles: BundleSet, stages: Optional[Sequence[StageId]], selecti
             selected += sample_ids
         for stage, result in stage_reports:
             per_stage[stage].append(result)
+    # a bundle opened with deferred checksums (open_bundle(..., defer_checksums=True)): every payload's sha256
+    # judged before anything the stages derived from the payloads makes a report (SPEC §11)
+    bundles.confirm()
     if progress is not None:
         progress("done", None, total, total)
 
@@ -443,8 +448,10 @@ def replay(
     explain: bool = True,
     shard_runner: Optional[ShardRunner] = None,
 ) -> ReplayReport:
-    """Open (verify) and replay a bundle, cohort or capture directory."""
+    """Open (verify) and replay a bundle, cohort or capture directory. The stages start while the reader still
+    hashes the safetensors payloads; every checksum is judged before the report is made (SPEC §11)."""
     with replay_threads():  # the payloads' loads and upcasts too (run.threads)
-        bundles = open_bundle(path, step=step, rollout=rollout, defer_payloads=not selection.empty)
+        bundles = open_bundle(path, step=step, rollout=rollout, defer_payloads=not selection.empty,
+                              defer_checksums=True)
         return run_replay(bundles, stages=stages, selection=selection, max_divergences=max_divergences,
                           progress=progress, rules=rules, explain=explain, shard_runner=shard_runner)

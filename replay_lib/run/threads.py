@@ -9,12 +9,28 @@ time slice per op. Measured on a 256 × 8,192 step on this 2-core host under loa
 on one thread, 1.3–1.8 s of CPU and 4.6–6.5 s of wall with two (128 chunks × three parallel ops of ≈ 15 ms).
 
 So the stages run on one intra-op thread; the parallelism the tool uses is elsewhere — the reader hashes the
-payloads on its own thread (hashlib releases the GIL), ``scan`` runs a bundle per worker, and ``replay
---executor ray`` a shard per task — never one op split over threads that other work is already using.
+payloads on its own thread (hashlib releases the GIL) while the stages run (``open_bundle(...,
+defer_checksums=True)``), ``scan`` runs a bundle per worker, and ``replay --executor ray`` a shard per task — never
+one op split over threads that other work is already using.
+
+One pass is split: ``loss.policy``'s token pass (most of a replay's CPU) over a step of ``LARGE_PASS`` tokens or
+more is cut into ``PASS_BLOCKS`` blocks of whole samples, taken in turn by :func:`pass_threads` Python threads
+(every per-sample sum is the same sequence of operations, so the same bits), each running its ops on the one
+intra-op thread — large independent passes, where a thread's fixed cost is nothing beside its work, instead of
+small parallel regions. The second thread joins only once the reader's thread has hashed every payload
+(``BundleReader.wait_hashed``): until then the two cores are the stages' and the hashing's, and a third thread
+would only make the three take turns. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more
+than the CPUs this process may run on (``os.sched_getaffinity``); 1 where those CPUs are not free (the 1-minute
+load average leaves less than :data:`FREE_CORE` of a core: measured on this 2-core host at a load of 2.7, two
+threads took 10–20% more CPU and more wall than one — they only take turns with the others); 1 inside a scan
+worker when several run
+(:func:`single_pass_thread`: the workers already use the cores) and inside a Ray task (one CPU asked each).
+``OMP_NUM_THREADS`` does not change it: that is torch's intra-op setting, which the replay overrides (above).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -22,6 +38,9 @@ from typing import Iterator
 import torch
 
 REPLAY_THREADS = 1  # intra-op threads of the replay's passes (module doc)
+PASS_THREADS = 2  # at most: the threads loss.policy's token pass is split over (module doc)
+FREE_CORE = 0.5  # the part of a core the load average must leave free for a second thread (module doc)
+_single_pass = False
 
 _lock = threading.Lock()
 _depth = 0
@@ -47,3 +66,27 @@ def replay_threads() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and torch.get_num_threads() != _saved:
                 torch.set_num_threads(_saved)
+
+
+def pass_threads() -> int:
+    """How many threads loss.policy's token pass may be split over (module doc): :data:`PASS_THREADS`, at most the
+    CPUs this process may run on, 1 after :func:`single_pass_thread`."""
+    if _single_pass:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: the CPUs taken as free
+        load = 0.0
+    if cpus - load < FREE_CORE:
+        return 1
+    return max(1, min(PASS_THREADS, cpus))
+
+
+def single_pass_thread() -> None:
+    """Every later pass of this process on one thread (a scan worker beside others, a Ray task)."""
+    global _single_pass
+    _single_pass = True

@@ -26,7 +26,10 @@ def main(argv) -> int:
     from .check import check_target
 
     if argv[3] == "1":
+        from .threads import single_pass_thread
+
         torch.set_num_threads(1)
+        single_pass_thread()  # the workers already use the cores (run.threads)
     rows.send(("ready", os.getpid()))
     while True:
         try:

@@ -12,7 +12,8 @@ from ..bundle import BundleReader
 from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
 from ..judge.fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
-from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets, token_chunks
+from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets
+from ..kernels.segments import token_chunk_spans
 from ..judge.report import Hazard, StageReport
 from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
 
@@ -55,6 +56,8 @@ class StageContext:
     # before they were added to it (None: the hazard is theirs alone) — :meth:`_coarse_output`.
     _coarse_outputs: dict[str, dict] = field(default_factory=dict)
     _coarse_inputs: dict[str, Optional[str]] = field(default_factory=dict)
+    # How many Python threads a large pass may be split over (``run.threads.pass_threads``, set by the runner).
+    threads: int = 1
 
     def __post_init__(self) -> None:
         all_samples = self.reader.index.samples
@@ -88,19 +91,29 @@ class StageContext:
     def token_chunks(self, chunk: int = LOSS_CHUNK) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``kernels.token_chunks`` of the selected samples' tokens: the same chunks, each sample of the chunk's
         tokens sliced from :attr:`seg` when the token axis is small enough to hold it (``fields.KEEP_COLUMNS``)."""
+        for lo, hi, seg in self.token_spans(chunk):
+            yield lo, hi, seg()
+
+    def token_spans(self, chunk: int = LOSS_CHUNK, start: int = 0, stop: Optional[int] = None
+                    ) -> Iterator[tuple[int, int, Callable[[], torch.Tensor]]]:
+        """:meth:`token_chunks` with each chunk's ``seg`` made on its first call (``kernels.token_chunk_spans``);
+        ``start``/``stop``: tokens ``[start, stop)`` only, the chunks cut on the same grid (multiples of ``chunk``)."""
         total = int(self.offsets[-1] + self.lengths[-1]) if self.n else 0
+        stop = total if stop is None else stop
         if total > KEEP_COLUMNS:
-            done = 0  # the rows of the mapped payloads done with are let go behind the chunks, RELEASE_ROWS at a time
-            for lo, hi, seg in token_chunks(self.lengths, chunk):
+            done = start  # the rows of the mapped payloads done with are let go behind the chunks, RELEASE_ROWS at a time
+            for lo, hi, seg in token_chunk_spans(self.lengths, chunk, start, stop):
                 yield lo, hi, seg
-                if hi - done >= RELEASE_ROWS or hi == total:
+                if hi - done >= RELEASE_ROWS or hi == stop:
                     self.release(done, hi)
                     done = hi
             return
         seg = self.seg
-        for lo in range(0, total, chunk):
-            hi = min(lo + chunk, total)
-            yield lo, hi, seg[lo:hi]
+        lo = start
+        while lo < stop:
+            hi = min((lo // chunk + 1) * chunk, stop)
+            yield lo, hi, (lambda lo=lo, hi=hi: seg[lo:hi])
+            lo = hi
 
     def release(self, lo: int, hi: int) -> None:
         """Rows ``[lo, hi)`` of the token axis are done with: their pages of the memory-mapped payloads leave the

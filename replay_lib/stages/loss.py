@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -234,137 +235,230 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
     draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
-    for lo, hi, seg in ctx.token_chunks(step):
-        buf = chunk_rows[:, :hi - lo]
-        m = buf[row["mask"]].copy_(li.mask[lo:hi])
-        if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
-            m = m * li.keep[lo:hi]
-        adv = li.advantages[lo:hi].to(torch.float64)
-        t = policy_token_terms(
-            li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
-            rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-            ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
-            entropy=entropy[lo:hi] if entropy is not None else None,
-            teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
-            family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
-        pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
-        if draw is not None:
-            draw.add(t, seg, li.mask[lo:hi], u_token)
-        signed = buf[:n_signed]
-        torch.mul(pg, m, out=buf[0])
-        torch.mul(t["ppo_kl"], m, out=buf[1])
-        if entropy is not None:
-            torch.mul(entropy[lo:hi], m, out=buf[2])  # promoted to float64 in the product: the same bits
-        else:
-            buf[2].zero_()
-        if kl_loss:
-            torch.mul(t["kl_loss"], m, out=buf[3])
-        magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
-        # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
-        abs_lr = lr.abs()
-        cond = abs_lr
-        if sample_cond is not None:
-            cond = cond + sample_cond[seg]
-        if "is_log_weight" in t:
-            cond = cond + t["is_log_weight"].abs()
-        torch.mul(t["clip"], m, out=buf[row["clip"]])
-        if clip_lower:
-            torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
-        if kl_loss:
-            torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
-            kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
-                t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
-            torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
-            if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
-                buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
-            if knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): the same with w's exponent
-                buf[row["kl_loss_tok"]].mul_(t["kl_weight"]).add_(
-                    buf[row["abs_kl_loss"]] * (PG_KL_COND * t["kl_weight_log"].abs() + 2.0))
-        if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
-            w = t.get("is_weight")
-            torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
-                      out=buf[row["kl_pg"]])
-        else:
-            torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
-        e_ratio = e_weight = None
-        if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
-            e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
-                                   li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
-                                   li.ref_log_probs[lo:hi] if kl_loss else None,
-                                   li.teacher_log_probs[lo:hi] if opd else None)
-            e_ratio, e_weight = e["ratio"], e["weight"]
-            torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
-            torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
-            torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
-            if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
-                torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
-                if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
-                    buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
-                if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
-                    buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
-            if opd:  # the distillation term's r = logp − teacher, as the KL term's
-                torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
-                          out=buf[row["store_opd_loss"]])
-        if masks:
-            _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
-        if opd:
-            torch.mul(t["opd_loss"], m, out=buf[row["opd_loss"]])
-            torch.abs(buf[row["opd_loss"]], out=buf[row["abs_opd_loss"]])
-            opd_r = t["opd_r"]
-            torch.mul(kl_condition(opd_r, knobs.opd_kl_type), m, out=buf[row["opd_loss_tok"]])
-        if signed_entropy:
-            torch.abs(buf[2], out=buf[row["abs_ent"]])
-        if with_ratio:
-            w = t.get("is_weight")
-            torch.mul(ratio if w is None else ratio * w, m, out=buf[row["ratio"]])
-        if masked_is:
-            log_w = t["is_log_weight"]
-            w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
-            w_cond = log_w.abs() + (sample_cond[seg] if sample_cond is not None else 0.0)
-            flip = torch.zeros_like(w, dtype=torch.bool)
-            for edge in (knobs.is_low, knobs.is_high):
-                if edge is not None:
-                    flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
-            # a token the mask may keep or drop: its whole weighted term w·|pg| is open
-            torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
-        if families:
-            near = _family_edge_hits(t, u_token, cond, e_ratio)
-            open_ = t.get("edge_open")
-            if open_ is None or not bool(near.any()):
-                buf[row["edge_flip"]].zero_()
-            else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+    # the sample of each token: for a plain PPO surrogate only where a chunk has a hit to count (ctx.token_spans),
+    # for every chunk where a knob reads per-sample values
+    by_sample = (families or knobs.sequence_ratio or knobs.is_level is not None or bool(knobs.is_keep) or knobs.opsm
+                 or knobs.entropy_mask or draw is not None or sample_cond is not None or store.any or masks
+                 or masked_is)
+    # the advantages as stored where every product promotes them to float64 in the kernel (exact, as converting
+    # them first: one token-long conversion fewer per chunk); a family's kernel or the dual clip's scalar product
+    # takes them converted
+    promote = not (families or knobs.dual_clip) and torch.promote_types(li.advantages.dtype, torch.float64) == \
+        torch.float64
+
+    def token_pass(start: int, stop: int, chunk_rows: torch.Tensor, seq32: SequentialSums32) -> None:
+        """Tokens ``[start, stop)`` (whole samples), into ``out``, ``counts`` and ``seq32``."""
+        for lo, hi, chunk_seg in ctx.token_spans(step, start, stop):
+            seg = chunk_seg() if by_sample else None
+            buf = chunk_rows[:, :hi - lo]
+            m = buf[row["mask"]].copy_(li.mask[lo:hi])
+            if li.keep is not None:  # slime's MIS rejection: the terms' numerators only (the mask row counts)
+                m = m * li.keep[lo:hi]
+            adv = li.advantages[lo:hi] if promote else li.advantages[lo:hi].to(torch.float64)
+            t = policy_token_terms(
+                li.log_probs[lo:hi], li.old_log_probs[lo:hi], adv, knobs, seg=seg, sample_terms=sample_terms,
+                rollout_log_probs=li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+                ref_log_probs=li.ref_log_probs[lo:hi] if li.ref_log_probs is not None else None, dtype=torch.float64,
+                entropy=entropy[lo:hi] if entropy is not None else None,
+                teacher_log_probs=li.teacher_log_probs[lo:hi] if opd else None,
+                family_tokens=slice_tokens(li.family_tokens, slice(lo, hi)))
+            pg, ratio, lr = t["pg"], t["ratio"], t["log_ratio"]
+            if draw is not None:
+                draw.add(t, seg, li.mask[lo:hi], u_token)
+            signed = buf[:n_signed]
+            torch.mul(pg, m, out=buf[0])
+            torch.mul(t["ppo_kl"], m, out=buf[1])
+            if entropy is not None:
+                torch.mul(entropy[lo:hi], m, out=buf[2])  # promoted to float64 in the product: the same bits
+            else:
+                buf[2].zero_()
+            if kl_loss:
+                torch.mul(t["kl_loss"], m, out=buf[3])
+            magnitude = torch.abs(buf[:2], out=buf[row["abs_pg"]:row["abs_kl"] + 1])
+            # the exponent's condition: the log-ratio (and the sample's, for GSPO), the importance weight's log
+            abs_lr = lr.abs()
+            cond = abs_lr
+            if sample_cond is not None:
+                cond = cond + sample_cond[seg]
+            if "is_log_weight" in t:
+                cond = cond + t["is_log_weight"].abs()
+            torch.mul(t["clip"], m, out=buf[row["clip"]])
+            if clip_lower:
+                torch.mul(t["clip_lower"], m, out=buf[row["clip_lower"]])
+            if kl_loss:
+                torch.abs(buf[3], out=buf[row["abs_kl_loss"]])
+                kl_r = t["kl_r"] if knobs.kl_loss_input_clamp is None else \
+                    t["kl_r"].clamp(-knobs.kl_loss_input_clamp, knobs.kl_loss_input_clamp)
+                torch.mul(kl_condition(kl_r, knobs.kl_loss_type), m, out=buf[row["kl_loss_tok"]])
+                if knobs.kl_loss_ratio_weighted:  # kl·w: w·cond_kl + |kl·w|·(the ratio's exponent condition + 2)
+                    buf[row["kl_loss_tok"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * (PG_KL_COND * cond + 2.0))
+                if knobs.kl_loss_rollout_weighted:  # kl·w, w = exp(logp − rollout): the same with w's exponent
+                    buf[row["kl_loss_tok"]].mul_(t["kl_weight"]).add_(
+                        buf[row["abs_kl_loss"]] * (PG_KL_COND * t["kl_weight_log"].abs() + 2.0))
+            if "pg_err" in t:  # the family's own rounding scale of its surrogate (× the importance weight)
                 w = t.get("is_weight")
-                torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
-        else:
-            near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
-        hits = [near, abs_lr > EXTREME_LOG_RATIO]
-        if knobs.dual_clip:
-            chosen = torch.maximum(ratio, ratio.clamp(low, high))
-            hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
-        if clamps:
-            hit = torch.zeros_like(m, dtype=torch.bool)
-            if knobs.log_ratio_clamp is not None:
-                hit |= (t["log_ratio"].abs() >= knobs.log_ratio_clamp)
-            if kl_loss and knobs.kl_loss_input_clamp is not None:
-                hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
-            if kl_loss and knobs.kl_loss_output_clamp is not None:
-                hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
-            hits.append(hit)
-        for k, hit in enumerate(hits):
-            if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
-                at = torch.nonzero(hit).reshape(-1)
-                counts[k].index_add_(0, seg[at], m[at])
-        # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
-        # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
-        for a in range(lo, hi, LOSS_CHUNK):
-            sums.add(out, a, min(a + LOSS_CHUNK, hi), buf[:, a - lo:a - lo + LOSS_CHUNK])
-        seq32.add(lo, hi, signed)
+                torch.mul(t["pg_err"] if w is None else t["pg_err"] * w + magnitude[0] * t["is_log_weight"].abs(), m,
+                          out=buf[row["kl_pg"]])
+            else:
+                torch.mul(magnitude[0], cond, out=buf[row["kl_pg"]])
+            e_ratio = e_weight = None
+            if store.any:  # each term's storage error: |∂x|·e per token (error_model.loss_storage_bounds)
+                e = store.token_errors(knobs, seg, store_sample, li.log_probs[lo:hi], li.old_log_probs[lo:hi],
+                                       li.rollout_log_probs[lo:hi] if li.rollout_log_probs is not None else None,
+                                       li.ref_log_probs[lo:hi] if kl_loss else None,
+                                       li.teacher_log_probs[lo:hi] if opd else None)
+                e_ratio, e_weight = e["ratio"], e["weight"]
+                torch.mul(e["log_ratio"], m, out=buf[row["store_kl"]])
+                torch.mul(magnitude[0], e_ratio + e_weight + store.advantage, out=buf[row["store_pg"]])
+                torch.abs(buf[2], out=buf[row["store_ent"]]).mul_(store.entropy)
+                if kl_loss:  # kl_r: the KL term's (clamped) log-ratio, above
+                    torch.mul(kl_slope(kl_r, knobs.kl_loss_type, e["kl"]).mul_(e["kl"]), m, out=buf[row["store_kl_loss"]])
+                    if knobs.kl_loss_ratio_weighted:  # w·e_kl + |kl·w|·e_ratio/w
+                        buf[row["store_kl_loss"]].mul_(ratio).add_(buf[row["abs_kl_loss"]] * e_ratio)
+                    if knobs.kl_loss_rollout_weighted:  # w·e_kl + |kl·w|·(the storage error of logp − rollout)
+                        buf[row["store_kl_loss"]].mul_(t["kl_weight"]).add_(buf[row["abs_kl_loss"]] * e["kl_weight"])
+                if opd:  # the distillation term's r = logp − teacher, as the KL term's
+                    torch.mul(kl_slope(t["opd_r"], knobs.opd_kl_type, e["opd"]).mul_(e["opd"]), m,
+                              out=buf[row["store_opd_loss"]])
+            if masks:
+                _mask_flips(knobs, t, seg, sample_terms, u_token, m, buf[row["mask_flip"]])
+            if opd:
+                torch.mul(t["opd_loss"], m, out=buf[row["opd_loss"]])
+                torch.abs(buf[row["opd_loss"]], out=buf[row["abs_opd_loss"]])
+                opd_r = t["opd_r"]
+                torch.mul(kl_condition(opd_r, knobs.opd_kl_type), m, out=buf[row["opd_loss_tok"]])
+            if signed_entropy:
+                torch.abs(buf[2], out=buf[row["abs_ent"]])
+            if with_ratio:
+                w = t.get("is_weight")
+                torch.mul(ratio if w is None else ratio * w, m, out=buf[row["ratio"]])
+            if masked_is:
+                log_w = t["is_log_weight"]
+                w = (log_w if knobs.is_log_clamp is None else log_w.clamp(-knobs.is_log_clamp, knobs.is_log_clamp)).exp()
+                w_cond = log_w.abs() + (sample_cond[seg] if sample_cond is not None else 0.0)
+                flip = torch.zeros_like(w, dtype=torch.bool)
+                for edge in (knobs.is_low, knobs.is_high):
+                    if edge is not None:
+                        flip |= near_value(w, float(edge), u_token, w_cond, e_weight)
+                # a token the mask may keep or drop: its whole weighted term w·|pg| is open
+                torch.mul(flip.to(torch.float64) * m * t["pg_unweighted"].abs(), w, out=buf[row["is_flip"]])
+            if families:
+                near = _family_edge_hits(t, u_token, cond, e_ratio)
+                open_ = t.get("edge_open")
+                if open_ is None or not bool(near.any()):
+                    buf[row["edge_flip"]].zero_()
+                else:  # a decision that drops the term: the whole (weighted) term is open at its edge
+                    w = t.get("is_weight")
+                    torch.mul(near.to(torch.float64) * m * open_, 1.0 if w is None else w, out=buf[row["edge_flip"]])
+            else:
+                near = loss_clip_hits(ratio, adv, u_token, knobs.eps_clip, knobs.eps_clip_high, e_ratio)
+            hits = [near, abs_lr > EXTREME_LOG_RATIO]
+            if knobs.dual_clip:
+                chosen = torch.maximum(ratio, ratio.clamp(low, high))
+                hits.append(near_value(chosen, float(knobs.eps_clip_c), u_token, cond, e_ratio) & (adv < 0))
+            if clamps:
+                hit = torch.zeros_like(m, dtype=torch.bool)
+                if knobs.log_ratio_clamp is not None:
+                    hit |= (t["log_ratio"].abs() >= knobs.log_ratio_clamp)
+                if kl_loss and knobs.kl_loss_input_clamp is not None:
+                    hit |= t["kl_r"].abs() >= knobs.kl_loss_input_clamp
+                if kl_loss and knobs.kl_loss_output_clamp is not None:
+                    hit |= t.get("kl_loss_unweighted", t["kl_loss"]).abs() >= knobs.kl_loss_output_clamp
+                hits.append(hit)
+            for k, hit in enumerate(hits):
+                if hit.numpy().any():  # Σ hit·m of each sample (numpy's any: a tenth of torch's fixed cost)
+                    at = torch.nonzero(hit).reshape(-1)
+                    counts[k].index_add_(0, chunk_seg()[at], m[at])
+            # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
+            # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
+            # (on the LOSS_CHUNK grid of the token axis, wherever the chunk starts: the same runs in any split)
+            a = lo
+            while a < hi:
+                b = min((a // LOSS_CHUNK + 1) * LOSS_CHUNK, hi)
+                sums.add(out, a, b, buf[:, a - lo:b - lo])
+                a = b
+            seq32.add(lo, hi, signed)
+
+    total = int(li.mask.numel())
+    blocks = _blocks(ctx, total, PASS_BLOCKS) if draw is None and total >= LARGE_PASS and ctx.threads > 1 else []
+    if len(blocks) < 2:
+        token_pass(0, total, chunk_rows, seq32)
+    else:  # blocks of whole samples taken by two threads (run.threads): their columns of the sums are disjoint
+        other = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
+        taken = _two_threads(blocks, lambda lo, hi: token_pass(lo, hi, chunk_rows, seq32),
+                             lambda lo, hi: token_pass(lo, hi, torch.empty_like(chunk_rows), other),
+                             ctx.reader.wait_hashed)
+        for lo, hi in taken:  # the float32 sums of the samples the other thread summed
+            a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
+            seq32.totals[:, a:b] = other.totals[:, a:b]
     if draw is not None:
         ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
     totals["abs_ent"] = totals.get("abs_ent", totals["ent"])
     totals["ratio"] = totals.get("ratio", zeros)
     return {**totals, **dict(zip(SEQ32_SUMS, seq32.totals))}
+
+
+# Blocks of whole samples the token pass of a large step is cut into, for two threads to take in turn.
+PASS_BLOCKS = 16
+
+
+def _blocks(ctx: StageContext, total: int, count: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: the token axis cut into about ``count`` blocks, each cut where a sample starts (a sample
+    is in one block); fewer where the samples are fewer."""
+    starts = ctx.offsets[ctx.lengths > 0]
+    cuts = [0]
+    for k in range(1, count):
+        at = int(torch.searchsorted(starts, total * k // count))  # the first sample starting at or after the mark
+        if at < starts.numel() and cuts[-1] < int(starts[at]) < total:
+            cuts.append(int(starts[at]))
+    cuts.append(total)
+    return list(zip(cuts, cuts[1:]))
+
+
+def _two_threads(blocks: list[tuple[int, int]], mine, others, wait_hashed) -> list[tuple[int, int]]:
+    """``blocks`` taken in order by this thread (``mine(lo, hi)``) and by a second one (``others(lo, hi)``), the
+    second joining once the reader's thread has hashed every payload (``wait_hashed(timeout) -> bool``: until then
+    the two cores are this thread's and the hashing's) — it takes none when this thread is done first. Each thread
+    runs under ``torch.inference_mode`` (the stages' tensors are inference tensors). Returns the blocks the second
+    thread summed; the first error (this thread's first) is raised once both ended."""
+    lock = threading.Lock()
+    queue = list(reversed(blocks))
+    taken: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def take():
+        with lock:
+            return queue.pop() if queue and not stop.is_set() else None
+
+    def run() -> None:
+        try:
+            while not wait_hashed(0.05):
+                if stop.is_set():
+                    return
+            with torch.inference_mode():
+                while (block := take()) is not None:
+                    others(*block)
+                    taken.append(block)
+        except BaseException as exc:  # raised on the caller's thread below
+            errors.append(exc)
+            stop.set()
+
+    thread = threading.Thread(target=run, name="loss-pass", daemon=True)
+    thread.start()
+    try:
+        while (block := take()) is not None:
+            mine(*block)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        stop.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+    return taken
 
 
 class SequentialSums32:
@@ -378,6 +472,7 @@ class SequentialSums32:
         present = lengths > 0
         self._starts = offsets[present].tolist()  # where each non-empty sample starts, ascending
         self._samples = torch.nonzero(present).reshape(-1)
+        self._all = bool(present.all())  # no empty sample: a chunk's samples are a slice of the totals' columns
         self.totals = torch.zeros((rows, int(lengths.numel())), dtype=torch.float32)
         self._buf = torch.empty((rows, step + 1), dtype=torch.float32)
 
@@ -388,9 +483,9 @@ class SequentialSums32:
         bounds = [lo, *self._starts[first + 1:stop], hi]
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         lengths[0] += 1  # the first run starts with its sample's sum so far (0 for a sample starting here)
-        samples = self._samples[first:stop]
+        samples = slice(first, stop) if self._all else self._samples[first:stop]
         buf = self._buf[:, :hi - lo + 1]
-        buf[:, 0] = self.totals[:, samples[0]]
+        buf[:, 0] = self.totals[:, first if self._all else int(samples[0])]
         buf[:, 1:].copy_(rows)
         runs = torch.tensor(lengths, dtype=torch.int64).expand(buf.shape[0], -1).contiguous()
         self.totals[:, samples] = torch.segment_reduce(buf, "sum", lengths=runs, axis=1)
