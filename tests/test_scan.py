@@ -79,6 +79,7 @@ def _slow(path: Path, rollout: int, size: int = SLOW_BYTES) -> Path:
     os.truncate(path / "payloads" / "advantages.safetensors", size)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["payloads"]["advantages"]["bytes"] = size
+    manifest["payloads"]["advantages"].pop("chunks", None)  # no chunk list: hashed whole, as the test needs
     (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _seal_metadata(path)
     return path / "payloads" / "advantages.safetensors"
