@@ -244,6 +244,10 @@ class FieldResult:
         self.compared = compared
         self.flagged = flagged
         self.runs = runs if per == PER_TOKEN and compared is None and not exact else None
+        # ``(lo, hi) → None``: rows [lo, hi) of the memory-mapped payloads behind a per-token field are done with
+        # (``StageContext.release``), called behind a pass over a whole step (:attr:`bad`) — set by a holder that
+        # keeps the field past its stage (the debugger's model), whose pages would stay resident otherwise.
+        self.release: Optional[Callable[[int, int], None]] = None
 
     def __len__(self) -> int:
         return self.size
@@ -324,7 +328,14 @@ class FieldResult:
         full = self._full
         if full is not None or self.size <= CHUNK:
             return self._materialize().bad
-        return torch.cat([w.bad for w in self.chunks()])
+        parts, done = [], 0
+        for w in self.chunks():
+            parts.append(w.bad)
+            hi = w.lo + w.bad.numel()
+            if self.release is not None and (hi - done >= RELEASE_ROWS or hi == self.size):
+                self.release(done, hi)  # this pass read these rows of the payloads: let their pages go
+                done = hi
+        return torch.cat(parts)
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:
@@ -394,6 +405,9 @@ def _all_finite(a: torch.Tensor, chunk: int = 1 << 16) -> bool:
 # debugger's model reads a failing field's columns, and a function column (a stage kernel) is not run twice.
 # Larger fields are judged a chunk at a time and keep nothing.
 KEEP_COLUMNS = 1 << 18
+# Rows a pass over a whole field reads before it lets their payload pages go (FieldResult.release): a few MiB of
+# each mapped payload, one madvise call per payload for 64 chunks.
+RELEASE_ROWS = 1 << 20
 
 
 def compare_field(f: FieldResult, keep: int) -> Comparison:

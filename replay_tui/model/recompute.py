@@ -79,6 +79,7 @@ class ShardRecompute:
                 self._run(need)
             self._done.add(stage.value)
             REGISTRY[stage].run(self.ctx)
+            self.reader.release_pages()  # as the runner does after each stage: read again where a view needs it
 
     def _compute(self, name: str) -> None:
         if name == "pg_contribution":
@@ -153,6 +154,9 @@ class ShardRecompute:
         # materialized here, in the replay worker, not on the UI thread's first draw; a per-token field keeps its
         # judged chunks (a sample's rows are a window of them, token_rows) and only its divergent marks whole
         if result.per == PER_TOKEN:
+            # the pass over the step lets each block of payload rows go behind it (the runner's stages do the
+            # same), or the model would keep every page of the field's payloads resident for as long as it lives
+            result.release = self.ctx.release
             result.divergent  # noqa: B018
         else:
             result.expected, result.actual, result.abs_error, result.divergent  # noqa: B018
