@@ -328,14 +328,16 @@ class FieldResult:
         full = self._full
         if full is not None or self.size <= CHUNK:
             return self._materialize().bad
-        parts, done = [], 0
+        # written in place: a list of per-chunk masks then their concatenation held the column twice at its peak,
+        # and thousands of chunk-sized blocks freed on a worker thread stay in its malloc arena
+        out, done = torch.empty(self.size, dtype=torch.bool), 0
         for w in self.chunks():
-            parts.append(w.bad)
             hi = w.lo + w.bad.numel()
+            out[w.lo:hi] = w.bad
             if self.release is not None and (hi - done >= RELEASE_ROWS or hi == self.size):
                 self.release(done, hi)  # this pass read these rows of the payloads: let their pages go
                 done = hi
-        return torch.cat(parts)
+        return out
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:

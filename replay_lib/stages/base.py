@@ -170,6 +170,20 @@ class StageContext:
                 self._mask = torch.frombuffer(flat, dtype=torch.uint8).to(torch.float32)
         return self._mask
 
+    def mask_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """float32 rows ``[lo, hi)`` of :attr:`loss_mask`: read from format 1.3's packed payload while the whole-step
+        tensor is not built (a view reads one token's or one sample's mask), else sliced from it."""
+        if self._mask is None and self.reader.packed_mask is not None and self.token_index is None:
+            return self.reader.packed_mask[lo:hi].to(torch.float32)
+        return self.loss_mask[lo:hi]
+
+    def drop_mask(self) -> None:
+        """Let go of :attr:`loss_mask`'s whole-step float32 tensor (4 bytes a token) where format 1.3's packed payload
+        builds it again (every sample selected): for a holder that keeps the context past its replay (the
+        debugger's model), whose views read a window at a time (:meth:`mask_rows`)."""
+        if self.reader.packed_mask is not None and self.token_index is None:
+            self._mask = None
+
     def has(self, name: str) -> bool:
         return self.reader.has_payload(name)
 

@@ -69,6 +69,8 @@ class ShardRecompute:
             self._compute(name)
         except StageInputError as exc:
             self.unavailable[name] = str(exc)
+        finally:
+            self.ctx.drop_mask()  # a stage run for this view built the whole-step mask: the views read windows of it
         return name in self.results
 
     def _run(self, stage: StageId) -> None:
@@ -112,8 +114,9 @@ class ShardRecompute:
             return
         pg = self.results["pg_sum"]
         knobs = LossKnobs.of(self.ctx.config)
-        mask = self.ctx.loss_mask.to(torch.float64)
-        actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64).index_add_(0, self.ctx.seg, mask)
+        actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64)
+        for lo, hi, seg in self.ctx.token_chunks():  # a chunk of the mask at a time: no whole-step mask or sample map
+            actual_mask.index_add_(0, seg, self.ctx.mask_rows(lo, hi).to(torch.float64))
         expected_mask = self.results["mask_count"].expected if self.ensure("mask_count") else actual_mask
         mode = knobs.loss_agg_mode
         w_actual = agg_weights(mode, actual_mask, knobs) * knobs.loss_scale
@@ -214,4 +217,5 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
         out.unavailable["returns"] = "the bundle records no returns (GAE's)"  # known without computing
     for name in fields:
         out.ensure(name)
+    ctx.drop_mask()  # the replay's whole-step float32 mask (4 bytes a token): the views read the packed one
     return out
