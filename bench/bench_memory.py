@@ -13,7 +13,7 @@ as a fresh process, ``--reps`` times, interleaved:
 * tui     — the debugger itself: ``ReplayApp(BUNDLE)`` under ``run_test`` at 120 × 40, up to its first complete
   frame (the event ``bench_tui.py`` waits for: the result on screen, then 0.3 s without a frame written); its
   ``VmHWM`` then (the whole process since exec: interpreter, torch, Textual, replay, model and screen), and
-  the time to that frame.
+  the time to that frame (wall, and the process's CPU time: comparable on a busy host).
 
 Peak RSS is the child's ``ru_maxrss`` (``os.wait4``; the bench process stays small, so a child does not start with
 its RSS), the tui's its ``VmHWM`` at the first frame. Targets (issue 40, point 4): the replay's and the worker's peak
@@ -58,7 +58,8 @@ WORKER = (
     "build_model(bundles, report, contexts=contexts)\n"
 )
 # The debugger up to its first complete frame; prints {"base": VmHWM after the imports (KiB), "peak": VmHWM at the
-# first frame (KiB), "first_frame": seconds from ReplayApp(...) to the last frame before the screen stayed quiet}.
+# first frame (KiB), "first_frame": seconds from ReplayApp(...) to the last frame before the screen stayed quiet,
+# "cpu": the process's CPU seconds (every thread) by then}.
 TUI = (
     "import asyncio, json, sys, time\n"
     "def hwm():\n"
@@ -66,12 +67,12 @@ TUI = (
     "from replay_tui.app import ReplayApp\n"
     "base = hwm()\n"
     "class App(ReplayApp):\n"
-    "    last = 0.0\n"
+    "    last = cpu = 0.0\n"
     "    def _display(self, screen, renderable):\n"
     "        super()._display(screen, renderable)\n"
-    "        App.last = time.perf_counter()\n"
+    "        App.last, App.cpu = time.perf_counter(), time.process_time()\n"
     "async def main():\n"
-    "    t0 = time.perf_counter()\n"
+    "    t0, c0 = time.perf_counter(), time.process_time()\n"
     "    app = App(sys.argv[1])\n"
     "    async with app.run_test(size=(120, 40)) as pilot:\n"
     "        await app.wait_settled(pilot)\n"
@@ -82,7 +83,7 @@ TUI = (
     "            await pilot.pause()\n"
     "            if App.last == seen:\n"
     "                break\n"
-    "        print(json.dumps({'base': base, 'peak': hwm(), 'first_frame': App.last - t0}))\n"
+    "        print(json.dumps({'base': base, 'peak': hwm(), 'first_frame': App.last - t0, 'cpu': App.cpu - c0}))\n"
     "asyncio.run(main())\n"
 )
 
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         frames = ", ".join(f"{t['first_frame']:.2f}" for t in tui)
         print(f"  tui    VmHWM at the first frame {tui_peak / 2**20:7.1f} MiB (after its imports "
               f"{tui_base / 2**20:.0f} MiB); first frame after {statistics.median(t['first_frame'] for t in tui):.2f} s "
-              f"(runs: {frames})")
+              f"(runs: {frames}), {statistics.median(t['cpu'] for t in tui):.2f} s of CPU")
         print(f"host: {os.cpu_count()} CPUs, 1-minute load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
         checks = []
         for name in ("replay", "worker"):

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,22 @@ def test_a_view_s_recompute_lets_the_whole_mask_go_and_counts_each_sample_s_mask
     weights = agg_weights(knobs.loss_agg_mode, counts, knobs) * knobs.loss_scale
     assert torch.equal(shard.results["pg_contribution"].actual, shard.results["pg_sum"].actual * weights)
     assert abs(terms.row(terms.labels.index("s-0"))[0] - float(shard.results["pg_sum"].expected[0]) * 4 / 824) < 1e-15
+
+
+
+async def test_a_replay_run_again_holds_one_model(make_app):
+    """The first replay's model reaches the screen once; the app keeps no second reference to it (its start-up
+    hand-off held it for the app's life), so a replay run again (the rerun key, the error screen's retry) leaves
+    the old model to the collector: two models of a large step never live side by side."""
+    from replay_tui.app import release_frozen
+
+    app = make_app("pr65-buggy")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.wait_settled(pilot)
+        first = weakref.ref(app.model)
+        assert app._first_result is None
+        app.start_replay()
+        await app.wait_settled(pilot)
+        assert app.model is not None and app.model is not first()
+        release_frozen()
+        assert first() is None
