@@ -5,7 +5,7 @@ divergent marks, the kl the app opens on) lets its payload pages go behind the p
 (``FieldResult.release``), and the model's context keeps format 1.3's packed mask instead of the replay's float32
 one (``StageContext.drop_mask``; the views read a window, ``mask_rows``). Measured in fresh processes at the first
 frame of ``ReplayApp.run_test`` (120 × 40), as the growth between two bundle sizes per added payload byte
-(``VmHWM``; the interpreter, torch and Textual cancel out): ≈ 1.30 before, ≈ 0.58 now; and the payload pages left
+(``VmHWM``; the interpreter, torch and Textual cancel out): 1.30–1.36 before, ≈ 0.58 now; and the payload pages left
 resident then (``RssFile``): 37 MiB of the 75 MiB added before (the kl and both log-prob payloads), none now.
 """
 
@@ -44,7 +44,7 @@ CHILD = (
     "asyncio.run(main())\n"
 )
 
-# First-frame peak growth per added payload byte: ≈ 0.58 measured, ≈ 1.30 before (module docstring).
+# First-frame peak growth per added payload byte: ≈ 0.58 measured, 1.30–1.36 before (module docstring).
 GROWTH_LIMIT = 1.0
 # Payload pages still resident at the first frame, per added payload byte: ≈ 0 now, 0.47 before.
 RESIDENT_LIMIT = 0.1
