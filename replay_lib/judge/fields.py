@@ -332,12 +332,17 @@ class FieldResult:
         # and thousands of chunk-sized blocks freed on a worker thread stay in its malloc arena
         out, done = torch.empty(self.size, dtype=torch.bool), 0
         for w in self.chunks():
-            hi = w.lo + w.bad.numel()
-            out[w.lo:hi] = w.bad
-            if self.release is not None and (hi - done >= RELEASE_ROWS or hi == self.size):
-                self.release(done, hi)  # this pass read these rows of the payloads: let their pages go
-                done = hi
+            out[w.lo:w.lo + w.bad.numel()] = w.bad
+            done = self._let_go(done, w.lo + w.bad.numel())
         return out
+
+    def _let_go(self, done: int, hi: int) -> int:
+        """A pass over the rows has read up to ``hi``: rows ``[done, hi)`` let go (:attr:`release`) once they are
+        RELEASE_ROWS or the pass is at its end; returns the rows let go so far."""
+        if self.release is not None and hi > done and (hi - done >= RELEASE_ROWS or hi >= self.size):
+            self.release(done, hi)  # this pass read these rows of the payloads: let their pages go
+            return hi
+        return done
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:
@@ -439,7 +444,9 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     seen: list[FieldValues] = []
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
+    done = 0
     for w in (f.chunks() if f._full is None else [f.window()]):
+        done = f._let_go(done, w.lo + w.bad.numel())
         if small:
             seen.append(w)
         known = w.compared is None and w.max_error is not None  # every row compared, all finite, its max known

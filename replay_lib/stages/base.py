@@ -253,9 +253,12 @@ class StageContext:
             where = dict(sample_ids=self.sample_ids, group_indices=self.group_indices)
         else:
             where = {}
-        return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
-                           labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
-                           exact=self.rules.exact if exact is None else exact, runs=runs, **where)
+        result = FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
+                             labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
+                             exact=self.rules.exact if exact is None else exact, runs=runs, **where)
+        if per == PER_TOKEN and self.full_total > KEEP_COLUMNS:
+            result.release = self.release  # judging it lets the payload rows go behind its pass, as token_chunks does
+        return result
 
     def _runs(self, e: torch.Tensor, per_sample: tuple[torch.Tensor, torch.Tensor], atol: float, rtol: float,
               bounded: bool) -> Optional[SampleRuns]:
