@@ -4,8 +4,9 @@ Part of :mod:`replay_tui.model` (pure data, no Textual)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -20,6 +21,25 @@ from replay_lib.stages import REGISTRY, StageContext, StageInputError
 from replay_lib.stages.support import SupportTokens, scored_sources
 
 from .fields import FIELD_BY_NAME, KIND_COHORT, LOSS_TERM_FIELDS, SUPPORT_SOURCE, SUPPORT_STAGE, cohort_result
+
+
+class _PerField(Mapping):
+    """``{field name: get(its FieldResult)}`` over ``results``, each value read only when looked up."""
+
+    def __init__(self, results: dict[str, FieldResult], get: Callable[[FieldResult], object]) -> None:
+        self._results, self._get = results, get
+
+    def __getitem__(self, name: str):
+        return self._get(self._results[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._results
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results)
+
+    def __len__(self) -> int:
+        return len(self._results)
 
 
 @dataclass
@@ -42,18 +62,20 @@ class ShardRecompute:
     def rank(self) -> Optional[int]:
         return self.reader.rank
 
-    # The columns of each computed field, read from its FieldResult (the one copy of them).
+    # The columns of each computed field, read from its FieldResult (the one copy of them) when that field is asked
+    # for: a view of one field never materializes another's (a per-token field's float64 columns are ≈ 34 bytes a
+    # token, 4.4 GiB at 134M tokens, where the view keeps one byte a token and reads a sample's window).
     @property
-    def values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {name: (r.expected, r.actual) for name, r in self.results.items()}
+    def values(self) -> Mapping[str, tuple[torch.Tensor, torch.Tensor]]:
+        return _PerField(self.results, lambda r: (r.expected, r.actual))
 
     @property
-    def errors(self) -> dict[str, torch.Tensor]:
-        return {name: r.abs_error for name, r in self.results.items()}
+    def errors(self) -> Mapping[str, torch.Tensor]:
+        return _PerField(self.results, lambda r: r.abs_error)
 
     @property
-    def bad(self) -> dict[str, torch.Tensor]:
-        return {name: r.divergent for name, r in self.results.items()}
+    def bad(self) -> Mapping[str, torch.Tensor]:
+        return _PerField(self.results, lambda r: r.divergent)
 
     def ensure(self, name: str) -> bool:
         """Compute field ``name`` (and the stages it depends on) unless done; False if unavailable."""
