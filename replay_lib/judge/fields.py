@@ -245,8 +245,9 @@ class FieldResult:
         self.flagged = flagged
         self.runs = runs if per == PER_TOKEN and compared is None and not exact else None
         # ``(lo, hi) → None``: rows [lo, hi) of the memory-mapped payloads behind a per-token field are done with
-        # (``StageContext.release``), called behind a pass over a whole step (:attr:`bad`) — set by a holder that
-        # keeps the field past its stage (the debugger's model), whose pages would stay resident otherwise.
+        # (``StageContext.release``), called behind a pass over a whole step (compare_field, :attr:`bad`) — set by
+        # the stage's context (``StageContext.field``) and by the debugger's model, which keeps the field past its
+        # stage; otherwise the pages a pass read stay resident until the runner lets them go after the stage.
         self.release: Optional[Callable[[int, int], None]] = None
 
     def __len__(self) -> int:

@@ -164,6 +164,8 @@ class ShardRecompute:
             except StageInputError as exc:
                 self._support_error = exc
                 raise
+            finally:
+                self.ctx.drop_mask()
             record = self.ctx.records.get("support")
         if record is None:
             unusable = self.ctx.records.get("support_unusable", "the stage did not check the support rows")
