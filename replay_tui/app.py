@@ -120,6 +120,8 @@ class ReplayApp(App[int]):
         self._run = 0
         self._first_result: Optional[ReplayModel] = None
         self._first_done = threading.Event()
+        self._first_lock = threading.Lock()
+        self._first_waiting = True
 
     def get_default_screen(self) -> DebuggerScreen:
         screen = DebuggerScreen(self.display_name)
@@ -140,8 +142,12 @@ class ReplayApp(App[int]):
         # before it was mounted (see DebuggerScreen.on_mount); later results come as messages.
         self.start_replay()
         await asyncio.sleep(0)  # lets the worker's task hand the replay to its thread
-        if self._first_done.wait(STARTUP_GRACE_S) and self._first_result is not None:
-            self.model = self._first_result
+        done = self._first_done.wait(STARTUP_GRACE_S)
+        with self._first_lock:  # from here the first model comes as a message only: no second reference to it
+            self._first_waiting = False
+            first, self._first_result = self._first_result, None
+        if done and first is not None:
+            self.model = first
 
     def start_replay(self) -> None:
         self._run += 1
@@ -200,8 +206,9 @@ class ReplayApp(App[int]):
         ran = sum(1 for s in report.stages if s.status != STATUS_SKIPPED)
         progress("model", None, ran, ran)
         model = build_model(bundles, report, name=self.display_name, contexts=contexts)
-        if run == 1:
-            self._first_result = model
+        with self._first_lock:
+            if run == 1 and self._first_waiting:  # on_load still waits for it
+                self._first_result = model
         return model
 
     def on_replay_progress(self, message: ReplayProgress) -> None:

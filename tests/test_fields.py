@@ -111,6 +111,46 @@ def test_reading_every_column_evaluates_a_function_column_once_per_chunk():
     assert torch.equal(w.actual, actual(33_000, 34_000))
 
 
+def test_a_pass_over_a_whole_field_lets_the_rows_it_read_go_behind_it(monkeypatch):
+    """A holder that keeps a field past its stage (the debugger's model) sets ``release``: the bad mask's pass
+    over the step calls it behind the chunks it judged, in blocks of RELEASE_ROWS rows, every row once and never
+    one it has not read yet — the payload pages of a 16M-token field stayed resident for the model's lifetime
+    before (+193 MiB at 1,024 × 16,384)."""
+    import replay_lib.judge.fields as fields
+
+    monkeypatch.setattr(fields, "RELEASE_ROWS", 20_000)
+    f, e, actual, calls = _counted_field()
+    released = []
+    f.release = lambda lo, hi: released.append((lo, hi, len(calls)))
+    assert f.bad.nonzero().reshape(-1).tolist() == [33_333]
+    # (rows let go, chunks judged by then): 2 chunks = 32,768 rows ≥ 20,000, then the rest at the end
+    assert released == [(0, 32_768, 2), (32_768, 40_000, 3)]
+    g, *_ = _counted_field()
+    assert g.bad.nonzero().reshape(-1).tolist() == [33_333]  # no hook: nothing to call, the same mask
+
+
+def test_the_stage_s_judging_pass_lets_the_rows_it_read_go_behind_it(monkeypatch, tmp_path):
+    """compare_field (the report's pass over a field) lets the payload rows go behind it too: a per-token field of
+    a step longer than KEEP_COLUMNS gets its context's ``release``, so a stage whose fields read three payloads
+    (advantage.kl: kl, old and reference log-probs) no longer holds all their pages until the stage ends (the
+    replay's peak at 1,024 × 16,384 with kl on: 452 → 349 MiB)."""
+    import replay_lib.judge.fields as fields
+
+    monkeypatch.setattr(fields, "RELEASE_ROWS", 20_000)
+    f, e, actual, calls = _counted_field()
+    released = []
+    f.release = lambda lo, hi: released.append((lo, hi, len(calls)))
+    assert compare_field(f, keep=3).mismatches == 1
+    assert released == [(0, 32_768, 2), (32_768, 40_000, 3)]
+    bundles = open_bundle(write_synthetic(tmp_path / "b", samples=40, tokens=8192, format_version="1.3.0"))
+    _, contexts = replay_run(bundles)
+    ctx = contexts[0]
+    assert ctx.full_total == 40 * 8192 > fields.KEEP_COLUMNS
+    token_fields = [r for rs in ctx.fields.values() for r in rs if r.per == PER_TOKEN]
+    assert token_fields and all(r.release == ctx.release for r in token_fields)
+    assert all(r.release is None for rs in ctx.fields.values() for r in rs if r.per != PER_TOKEN)
+
+
 def test_a_judged_field_keeps_its_columns_for_the_debugger():
     """compare_field (the stage's report) evaluates a function column once per chunk, and what the debugger
     reads afterwards — every column, any window — comes from what it kept, not from the kernel again."""

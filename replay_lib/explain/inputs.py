@@ -280,7 +280,7 @@ def kl_inputs(ctx: StageContext, index: int, offset: int, t: int) -> ElementInpu
     """``r = old − ref`` and the estimator (``compute_approx_kl``, float64) of one token."""
     cfg = ctx.config
     sid = ctx.sample_ids[index]
-    mask = int(ctx.loss_mask[t])
+    mask = int(ctx.mask_rows(t, t + 1)[0])
     if cfg.kl_coef == 0:
         return ElementInputs(field="kl", sample_id=sid, offset=offset, formula="kl_coef = 0: kl is 0 at every token",
                              items=(("mask", str(mask)),))
@@ -311,13 +311,13 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
     if tokens is not None:  # per-token rewards (format 1.2 / 2.0): the token's own, recorded
         reward = float(tokens[t])
         items = (("reward", fmt(reward)), ("group", group_label(record.group_index)),
-                 ("mask", str(int(ctx.loss_mask[t]))))
+                 ("mask", str(int(ctx.mask_rows(t, t + 1)[0]))))
         return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset,
                              formula=f"A = the token's recorded reward = {fmt(reward)} (per-token rewards)",
                              items=items)
     rewards, _ = grpo_rewards(ctx)
     reward = float(rewards[index])
-    items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.loss_mask[t])))]
+    items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.mask_rows(t, t + 1)[0])))]
     how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
     kind = estimate_kind(cfg)
     if kind == "broadcast":
@@ -370,7 +370,7 @@ def clip_region(ratio: float, low: float, high: float) -> str:
 
 def _sample_mask_count(ctx: StageContext, index: int) -> float:
     lo = int(ctx.offsets[index])
-    return float(ctx.loss_mask[lo:lo + int(ctx.lengths[index])].sum())
+    return float(ctx.mask_rows(lo, lo + int(ctx.lengths[index])).sum())
 
 
 # A loss family's (and the masks') own per-token columns, as the why strip names them (kernels.families).

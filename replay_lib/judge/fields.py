@@ -244,6 +244,11 @@ class FieldResult:
         self.compared = compared
         self.flagged = flagged
         self.runs = runs if per == PER_TOKEN and compared is None and not exact else None
+        # ``(lo, hi) → None``: rows [lo, hi) of the memory-mapped payloads behind a per-token field are done with
+        # (``StageContext.release``), called behind a pass over a whole step (compare_field, :attr:`bad`) — set by
+        # the stage's context (``StageContext.field``) and by the debugger's model, which keeps the field past its
+        # stage; otherwise the pages a pass read stay resident until the runner lets them go after the stage.
+        self.release: Optional[Callable[[int, int], None]] = None
 
     def __len__(self) -> int:
         return self.size
@@ -324,7 +329,21 @@ class FieldResult:
         full = self._full
         if full is not None or self.size <= CHUNK:
             return self._materialize().bad
-        return torch.cat([w.bad for w in self.chunks()])
+        # written in place: a list of per-chunk masks then their concatenation held the column twice at its peak,
+        # and thousands of chunk-sized blocks freed on a worker thread stay in its malloc arena
+        out, done = torch.empty(self.size, dtype=torch.bool), 0
+        for w in self.chunks():
+            out[w.lo:w.lo + w.bad.numel()] = w.bad
+            done = self._let_go(done, w.lo + w.bad.numel())
+        return out
+
+    def _let_go(self, done: int, hi: int) -> int:
+        """A pass over the rows has read up to ``hi``: rows ``[done, hi)`` let go (:attr:`release`) once they are
+        RELEASE_ROWS or the pass is at its end; returns the rows let go so far."""
+        if self.release is not None and hi > done and (hi - done >= RELEASE_ROWS or hi >= self.size):
+            self.release(done, hi)  # this pass read these rows of the payloads: let their pages go
+            return hi
+        return done
 
     @functools.cached_property
     def noise_ratio(self) -> torch.Tensor:
@@ -394,6 +413,9 @@ def _all_finite(a: torch.Tensor, chunk: int = 1 << 16) -> bool:
 # debugger's model reads a failing field's columns, and a function column (a stage kernel) is not run twice.
 # Larger fields are judged a chunk at a time and keep nothing.
 KEEP_COLUMNS = 1 << 18
+# Rows a pass over a whole field reads before it lets their payload pages go (FieldResult.release): a few MiB of
+# each mapped payload, one madvise call per payload for 64 chunks.
+RELEASE_ROWS = 1 << 20
 
 
 def compare_field(f: FieldResult, keep: int) -> Comparison:
@@ -423,7 +445,9 @@ def compare_field(f: FieldResult, keep: int) -> Comparison:
     seen: list[FieldValues] = []
     bad_parts: list[torch.Tensor] = []
     any_nonfinite = False
+    done = 0
     for w in (f.chunks() if f._full is None else [f.window()]):
+        done = f._let_go(done, w.lo + w.bad.numel())
         if small:
             seen.append(w)
         known = w.compared is None and w.max_error is not None  # every row compared, all finite, its max known

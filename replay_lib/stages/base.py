@@ -182,6 +182,20 @@ class StageContext:
                 self._mask = torch.frombuffer(flat, dtype=torch.uint8).to(torch.float32)
         return self._mask
 
+    def mask_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """float32 rows ``[lo, hi)`` of :attr:`loss_mask`: read from format 1.3's packed payload while the whole-step
+        tensor is not built (a view reads one token's or one sample's mask), else sliced from it."""
+        if self._mask is None and self.reader.packed_mask is not None and self.token_index is None:
+            return self.reader.packed_mask[lo:hi].to(torch.float32)
+        return self.loss_mask[lo:hi]
+
+    def drop_mask(self) -> None:
+        """Let go of :attr:`loss_mask`'s whole-step float32 tensor (4 bytes a token) where format 1.3's packed payload
+        builds it again (every sample selected): for a holder that keeps the context past its replay (the
+        debugger's model), whose views read a window at a time (:meth:`mask_rows`)."""
+        if self.reader.packed_mask is not None and self.token_index is None:
+            self._mask = None
+
     def has(self, name: str) -> bool:
         return self.reader.has_payload(name)
 
@@ -252,9 +266,12 @@ class StageContext:
             where = dict(sample_ids=self.sample_ids, group_indices=self.group_indices)
         else:
             where = {}
-        return FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
-                           labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
-                           exact=self.rules.exact if exact is None else exact, runs=runs, **where)
+        result = FieldResult(stage=stage, name=name, per=per, expected=e, actual=actual, tolerance=tolerance,
+                             labels=labels, note=note, rank=self.rank, compared=compared, flagged=flagged,
+                             exact=self.rules.exact if exact is None else exact, runs=runs, **where)
+        if per == PER_TOKEN and self.full_total > KEEP_COLUMNS:
+            result.release = self.release  # judging it lets the payload rows go behind its pass, as token_chunks does
+        return result
 
     def _runs(self, e: torch.Tensor, per_sample: tuple[torch.Tensor, torch.Tensor], atol: float, rtol: float,
               bounded: bool) -> Optional[SampleRuns]:

@@ -4,8 +4,9 @@ Part of :mod:`replay_tui.model` (pure data, no Textual)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -20,6 +21,25 @@ from replay_lib.stages import REGISTRY, StageContext, StageInputError
 from replay_lib.stages.support import SupportTokens, scored_sources
 
 from .fields import FIELD_BY_NAME, KIND_COHORT, LOSS_TERM_FIELDS, SUPPORT_SOURCE, SUPPORT_STAGE, cohort_result
+
+
+class _PerField(Mapping):
+    """``{field name: get(its FieldResult)}`` over ``results``, each value read only when looked up."""
+
+    def __init__(self, results: dict[str, FieldResult], get: Callable[[FieldResult], object]) -> None:
+        self._results, self._get = results, get
+
+    def __getitem__(self, name: str):
+        return self._get(self._results[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._results
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results)
+
+    def __len__(self) -> int:
+        return len(self._results)
 
 
 @dataclass
@@ -42,18 +62,20 @@ class ShardRecompute:
     def rank(self) -> Optional[int]:
         return self.reader.rank
 
-    # The columns of each computed field, read from its FieldResult (the one copy of them).
+    # The columns of each computed field, read from its FieldResult (the one copy of them) when that field is asked
+    # for: a view of one field never materializes another's (a per-token field's float64 columns are ≈ 34 bytes a
+    # token, 4.4 GiB at 134M tokens, where the view keeps one byte a token and reads a sample's window).
     @property
-    def values(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {name: (r.expected, r.actual) for name, r in self.results.items()}
+    def values(self) -> Mapping[str, tuple[torch.Tensor, torch.Tensor]]:
+        return _PerField(self.results, lambda r: (r.expected, r.actual))
 
     @property
-    def errors(self) -> dict[str, torch.Tensor]:
-        return {name: r.abs_error for name, r in self.results.items()}
+    def errors(self) -> Mapping[str, torch.Tensor]:
+        return _PerField(self.results, lambda r: r.abs_error)
 
     @property
-    def bad(self) -> dict[str, torch.Tensor]:
-        return {name: r.divergent for name, r in self.results.items()}
+    def bad(self) -> Mapping[str, torch.Tensor]:
+        return _PerField(self.results, lambda r: r.divergent)
 
     def ensure(self, name: str) -> bool:
         """Compute field ``name`` (and the stages it depends on) unless done; False if unavailable."""
@@ -69,6 +91,8 @@ class ShardRecompute:
             self._compute(name)
         except StageInputError as exc:
             self.unavailable[name] = str(exc)
+        finally:
+            self.ctx.drop_mask()  # a stage run for this view built the whole-step mask: the views read windows of it
         return name in self.results
 
     def _run(self, stage: StageId) -> None:
@@ -79,6 +103,7 @@ class ShardRecompute:
                 self._run(need)
             self._done.add(stage.value)
             REGISTRY[stage].run(self.ctx)
+            self.reader.release_pages()  # as the runner does after each stage: read again where a view needs it
 
     def _compute(self, name: str) -> None:
         if name == "pg_contribution":
@@ -111,8 +136,9 @@ class ShardRecompute:
             return
         pg = self.results["pg_sum"]
         knobs = LossKnobs.of(self.ctx.config)
-        mask = self.ctx.loss_mask.to(torch.float64)
-        actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64).index_add_(0, self.ctx.seg, mask)
+        actual_mask = torch.zeros(len(self.ctx.samples), dtype=torch.float64)
+        for lo, hi, seg in self.ctx.token_chunks():  # a chunk of the mask at a time: no whole-step mask or sample map
+            actual_mask.index_add_(0, seg, self.ctx.mask_rows(lo, hi).to(torch.float64))
         expected_mask = self.results["mask_count"].expected if self.ensure("mask_count") else actual_mask
         mode = knobs.loss_agg_mode
         w_actual = agg_weights(mode, actual_mask, knobs) * knobs.loss_scale
@@ -138,6 +164,8 @@ class ShardRecompute:
             except StageInputError as exc:
                 self._support_error = exc
                 raise
+            finally:
+                self.ctx.drop_mask()
             record = self.ctx.records.get("support")
         if record is None:
             unusable = self.ctx.records.get("support_unusable", "the stage did not check the support rows")
@@ -153,6 +181,9 @@ class ShardRecompute:
         # materialized here, in the replay worker, not on the UI thread's first draw; a per-token field keeps its
         # judged chunks (a sample's rows are a window of them, token_rows) and only its divergent marks whole
         if result.per == PER_TOKEN:
+            # the pass over the step lets each block of payload rows go behind it (the runner's stages do the
+            # same), or the model would keep every page of the field's payloads resident for as long as it lives
+            result.release = self.ctx.release
             result.divergent  # noqa: B018
         else:
             result.expected, result.actual, result.abs_error, result.divergent  # noqa: B018
@@ -210,4 +241,5 @@ def recompute_shard(shard: BundleReader, ran: Iterable[str], fields: Iterable[st
         out.unavailable["returns"] = "the bundle records no returns (GAE's)"  # known without computing
     for name in fields:
         out.ensure(name)
+    ctx.drop_mask()  # the replay's whole-step float32 mask (4 bytes a token): the views read the packed one
     return out

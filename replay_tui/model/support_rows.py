@@ -119,7 +119,7 @@ def support_row(shard: ShardRecompute, index: int, offset: int,
     return SupportRow(
         sample_id=sample_id, token_offset=offset, k=int(row_ids.numel()), ids=tuple(id_list),
         logits=tuple(logits.tolist()), probs=probs, sampled_id=y, sampled_member=sampled_member,
-        padding=int((~member).sum()), loss_mask=int(ctx.loss_mask[t]), logp_s=float(sup.actual[t])
+        padding=int((~member).sum()), loss_mask=int(ctx.mask_rows(t, t + 1)[0]), logp_s=float(sup.actual[t])
         if bool(sup.rows.has_support[t]) else float("nan"),
         full_log_prob=float(sup.full[t]) if sup.full is not None else None, eos=bool(sup.allowed_eos[t]),
         issues=issues,

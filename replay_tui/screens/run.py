@@ -369,6 +369,7 @@ class RunApp(ReplayApp):
 
     async def on_load(self, event) -> None:
         event.prevent_default()  # no replay at start: the run view starts its scan when it mounts
+        self._first_waiting = False  # nothing waits for a first model: each comes as a message
 
     # -- the debugger on top of the run view ----------------------------------------------------------
     @property
