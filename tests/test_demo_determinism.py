@@ -53,7 +53,7 @@ OTHER_KERNELS = {
 
 PINNED_TORCH = "2.13.0"
 # sha256 over each bundle's files: a payload by its dtype, shape and tensor bytes, manifest.json without the
-# payloads' container size and checksum, index.json and expected.json as written (COMPLETE* holds checksums).
+# payloads' container size and checksums (whole and per chunk), index.json and expected.json as written (COMPLETE* holds checksums).
 CONTENT_DIGESTS = {
     "demo/cohort-2rank": "19d84d490a9fbe3c21b47303dd44a9bcdec03159ed025578c8fde588c4e251e4",
     "demo/hazard-clean": "3c2c44a5a2aae6a5fb7d26b04a47ca707a81afdb8f5d0af2ba3ce2e8b2cb0c5c",
@@ -84,32 +84,32 @@ CONTENT_DIGESTS = {
 }
 # sha256 over the raw bytes of every file (payload containers, COMPLETE sentinels included), under PINNED_TORCH.
 FILE_DIGESTS = {
-    "demo/cohort-2rank": "52b00e28b2439920fb0dfe0bd2e9afa9c9d8e58c1755f956261cbbb3161902b5",
-    "demo/hazard-clean": "1a22b9b490e5f83d007df08f9207a6b3a8cab6b4f72f877206a6df9e878f3ecf",
-    "demo/kl-bug": "a0ae26dbcc3b38015eae5e86adab3e26807c2468096ed990e838d3ce046f746f",
-    "demo/loose-kl": "305c78a3cab8246697213dfb50b24ac4241d9fa7c357493bb4279d45616972a6",
-    "demo/loss-bug": "f6e078ec08b0e0cebc80c5b87ec40dff66b558d6f95b17bd435e6e10c1bdbcc9",
-    "demo/nemo-loo": "955adfd98c5554a147d314b19f0a814f2945501ba46f5b58da071d52710fa0f8",
-    "demo/pr65-buggy": "29f8972aafd7417aab35f53226384079f1b624b88e79a5ac89773ac52e91a7b2",
-    "demo/pr65-fixed": "d986c9cd231edabee04ee292b884cba4d2334c4ec90929cf61ed4de55052eb13",
-    "demo/step-loss": "81f3abf953296e1b0c57196b710a505d3803193bbc065979c9cd067459ce3b2e",
-    "demo/support-fullvocab": "090f022262ff3d31f80b1b30e06851eb0dea6e1d0caa70fbd3f317d32d370c07",
-    "demo/verl-dapo": "22f0fe2ce0bd988c82eeaa6843d2580bd70a3de789bd7a54706be7fed370396c",
-    "tui/brackets": "a2b3ddde24309c363b027d130a4e2d48310c214166dd62ef024c4ebcd078e7f0",
-    "tui/broken": "139f2762b5861490724d9078b9dec8fa31092007f95720fa809078be1acfb4cd",
-    "tui/cohort-2rank": "52b00e28b2439920fb0dfe0bd2e9afa9c9d8e58c1755f956261cbbb3161902b5",
-    "tui/hazard-clean": "1a22b9b490e5f83d007df08f9207a6b3a8cab6b4f72f877206a6df9e878f3ecf",
-    "tui/kl-bug": "a0ae26dbcc3b38015eae5e86adab3e26807c2468096ed990e838d3ce046f746f",
-    "tui/loose-kl": "305c78a3cab8246697213dfb50b24ac4241d9fa7c357493bb4279d45616972a6",
-    "tui/loss-bug": "f6e078ec08b0e0cebc80c5b87ec40dff66b558d6f95b17bd435e6e10c1bdbcc9",
-    "tui/pr65-buggy": "29f8972aafd7417aab35f53226384079f1b624b88e79a5ac89773ac52e91a7b2",
-    "tui/pr65-fixed": "d986c9cd231edabee04ee292b884cba4d2334c4ec90929cf61ed4de55052eb13",
-    "tui/refused": "b4ddca69bec344c7c03fde7613ff62d77fe5000fb7dff08e92cd6cfce95da1b1",
-    "tui/step-loss": "81f3abf953296e1b0c57196b710a505d3803193bbc065979c9cd067459ce3b2e",
-    "tui/support-fullvocab": "090f022262ff3d31f80b1b30e06851eb0dea6e1d0caa70fbd3f317d32d370c07",
-    "tui/support-hand": "50834a88d9f521640afb1e50d705667e88c9063bb29a781c1724d9a95bb115b9",
-    "tui/support-invariants": "33b9a853325d15e9332eeea43ac325119f3bc723b2ab6095062501eda2310cdc",
-    "write/synthetic": "5f24bae30ba6531aa816755fdad99ca51af810d6890e2fc8f21364bd4cd263c2",
+    "demo/cohort-2rank": "3bee4d2fe8fc8d1da40b236ca54ba1702ff7937e59adac81b813daa1b08d6544",
+    "demo/hazard-clean": "5e19b06bb582210aace114dcceb862dca14cf9304ada38e5ecab1a2a37b0924a",
+    "demo/kl-bug": "79280d5c735c6443734ef06552e8748ab71ad6eac3995638981c06e4d469d068",
+    "demo/loose-kl": "0fc8aeb7359f90bde3a38bc485f8e55282f670c76234d59ba18b47d1f2067418",
+    "demo/loss-bug": "72ab72d38e03fd2f77f6ab2da5f4e57e40a9a183d4fdf3f378123d0955b4e39d",
+    "demo/nemo-loo": "93a9c233fac1561035ab1f4e69dd56431fd505df222ba3cd9d3c3d682a884c80",
+    "demo/pr65-buggy": "81ed2e148d70effa3f63e46fc0d68bc079820a89f78285099315c7075ec97669",
+    "demo/pr65-fixed": "4614908321e820f4d89f56c48cdd140e630001343196cdb1ab17d67420e04b04",
+    "demo/step-loss": "19bccd423dd74399c611c45008ddcc4d959417694dd15dd9715e1ff40cb00621",
+    "demo/support-fullvocab": "2a72cfa7e6a13658dbf08e62e0dd280d28a558f1524101628f6dde8fe554e477",
+    "demo/verl-dapo": "647da56737cee23dc3fe2e9d95884cb9d6256bf7e413cafa99f8fa013a5fdf3f",
+    "tui/brackets": "59ec337037737b6956e081b20adfd6ea04fd17e96d2cbb24290811f3bf1d87a6",
+    "tui/broken": "9269dd8ae305a8ec536c90dc5f6ef5bbb712497776058a0b8927ac0e01364b91",
+    "tui/cohort-2rank": "3bee4d2fe8fc8d1da40b236ca54ba1702ff7937e59adac81b813daa1b08d6544",
+    "tui/hazard-clean": "5e19b06bb582210aace114dcceb862dca14cf9304ada38e5ecab1a2a37b0924a",
+    "tui/kl-bug": "79280d5c735c6443734ef06552e8748ab71ad6eac3995638981c06e4d469d068",
+    "tui/loose-kl": "0fc8aeb7359f90bde3a38bc485f8e55282f670c76234d59ba18b47d1f2067418",
+    "tui/loss-bug": "72ab72d38e03fd2f77f6ab2da5f4e57e40a9a183d4fdf3f378123d0955b4e39d",
+    "tui/pr65-buggy": "81ed2e148d70effa3f63e46fc0d68bc079820a89f78285099315c7075ec97669",
+    "tui/pr65-fixed": "4614908321e820f4d89f56c48cdd140e630001343196cdb1ab17d67420e04b04",
+    "tui/refused": "d22a9c485ab099e3105c81bb1e16cfb058d3a09766e13cbe4268a4c0457ae336",
+    "tui/step-loss": "19bccd423dd74399c611c45008ddcc4d959417694dd15dd9715e1ff40cb00621",
+    "tui/support-fullvocab": "2a72cfa7e6a13658dbf08e62e0dd280d28a558f1524101628f6dde8fe554e477",
+    "tui/support-hand": "7a24343d53fa997edd74fb153308f8156d82059836cc8d08bdebf6d42611bb6d",
+    "tui/support-invariants": "8e25878cad9c5ad1d197f724354a30485e528e450e177d923ee710bbfd6aedaf",
+    "write/synthetic": "b5c5822d5e3b5df46adbe2abbd75e06d325cf210cc9f136199201011d9acc02f",
 }
 
 
@@ -162,6 +162,7 @@ def content_digest(bundle: Path) -> str:
             doc = json.loads(path.read_bytes())
             for spec in doc["payloads"].values():
                 del spec["bytes"], spec["sha256"]
+                spec.pop("chunks", None)  # the container's chunk checksums, as its sha256
             digest = _sha256(json.dumps(doc, sort_keys=True).encode())
         else:
             digest = _sha256(path.read_bytes())
