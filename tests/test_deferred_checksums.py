@@ -18,7 +18,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 import replay_lib.bundle.reader as reader_module
 from replay_lib.bundle import BundleReader, open_bundle
@@ -204,9 +203,15 @@ def _run(*args) -> subprocess.CompletedProcess:
                           timeout=180)
 
 
-@pytest.mark.parametrize("argv", [("trajectory-replay", "replay"), ("trajectory-replay", "replay", "--format", "json"),
-                                  ("trajectory-replay", "validate"), ("replay-tui", "--check")])
-@pytest.mark.parametrize("values", [[0.25, -3.5], [float("nan")] * 64], ids=["bytes", "nan"])
+BYTES, NANS = [0.25, -3.5], [float("nan")] * 64
+
+
+# every command with altered bytes; NaNs (values a stage computes with and may raise on) where stages run deferred
+@pytest.mark.parametrize("argv, values", [
+    (("trajectory-replay", "replay"), BYTES), (("trajectory-replay", "replay", "--format", "json"), BYTES),
+    (("trajectory-replay", "validate"), BYTES), (("replay-tui", "--check"), BYTES),
+    (("trajectory-replay", "replay", "--format", "json"), NANS), (("replay-tui", "--check"), NANS)],
+    ids=["replay-bytes", "json-bytes", "validate-bytes", "check-bytes", "json-nan", "check-nan"])
 def test_an_altered_payload_exits_3_with_the_sha256_line_and_no_report(clean, tmp_path, argv, values):
     bundle = _copy(clean, tmp_path / "b")
     file = _alter(bundle, "log_probs", values)
@@ -226,15 +231,6 @@ def test_scan_rows_an_altered_payload_invalid_with_the_sha256_line(clean, tmp_pa
     rows = json.loads(done.stdout)["bundles"]
     assert [(row["status"], row["exit_code"], row["message"], row["report"]) for row in rows] == [
         ("invalid", 3, expected, None)]
-
-
-def test_a_clean_bundles_cli_reports_are_byte_identical(clean):
-    for args in (("replay",), ("replay", "--format", "json"), ("replay", "--verbose")):
-        deferred = _run("trajectory-replay", args[0], clean, *args[1:])
-        eager = subprocess.run([sys.executable, "-m", "replay_lib", args[0], str(clean), *args[1:]],
-                               capture_output=True, text=True, timeout=180)
-        assert (deferred.returncode, deferred.stdout, deferred.stderr) == (0, eager.stdout, eager.stderr)
-        assert eager.returncode == 0 and eager.stdout
 
 
 def test_pt_payloads_keep_the_eager_order(tmp_path, gate):
