@@ -20,7 +20,8 @@ from msgspec.structs import force_setattr
 # What every writer of a new bundle writes (capture, the importers, the demo and synthetic bundles): format 1.3.0, the
 # samples' masks packed into a payload and every payload a safetensors file (bundle.packed). A manifest may name an
 # older minor and the writer writes that one's form: UNPACKED_FORMAT_VERSION (the masks in index.json, .pt payloads)
-# for a bundle of the older form; ``convert`` writes the original's 2.0.0 and 1.0.0.
+# for a bundle of the older form; ``convert`` goes between any two of 1.0.0, 1.1.0, 1.2.0, 1.3.0 and the original's
+# 2.0.0 in one step.
 FORMAT_VERSION = "1.3.0"
 WRITE_FORMAT_VERSION = FORMAT_VERSION
 UNPACKED_FORMAT_VERSION = "1.1.0"  # the last minor with per-token JSON masks and torch.save (.pt) payloads
