@@ -103,6 +103,23 @@ def test_the_reader_defers_only_when_asked(clean, gate):
     assert eager.verified
 
 
+def _replay_refused(bundle, expected: str, gate, monkeypatch):
+    """The bundle replayed deferred, its hashing thread held until ``confirm`` is called: the replay raises the
+    checksum's line. The opened set, for more checks."""
+    confirm = BundleReader.confirm
+
+    def opening(self):
+        gate.set()
+        return confirm(self)
+
+    monkeypatch.setattr(BundleReader, "confirm", opening)
+    bundles = open_bundle(bundle, defer_checksums=True)
+    with pytest.raises(BundleError) as refused:
+        run_replay(bundles)
+    assert str(refused.value) == expected
+    return bundles
+
+
 def test_stages_run_before_the_checksum_and_a_mismatch_wins_over_their_report(clean, tmp_path, gate, monkeypatch):
     bundle = _copy(clean, tmp_path / "b")
     file = _alter(bundle, "log_probs", [float("nan")] * 4)
@@ -118,17 +135,7 @@ def test_stages_run_before_the_checksum_and_a_mismatch_wins_over_their_report(cl
         return loss.run(ctx)
 
     monkeypatch.setitem(REGISTRY, StageId.LOSS_POLICY, dataclasses.replace(loss, run=recorded))
-    confirm = BundleReader.confirm
-
-    def opening(self):
-        gate.set()
-        return confirm(self)
-
-    monkeypatch.setattr(BundleReader, "confirm", opening)
-    bundles = open_bundle(bundle, defer_checksums=True)
-    with pytest.raises(BundleError) as refused:
-        run_replay(bundles)
-    assert str(refused.value) == expected
+    bundles = _replay_refused(bundle, expected, gate, monkeypatch)
     assert ran == [[]]  # loss.policy ran on the altered payload before any payload was hashed
     with pytest.raises(BundleError) as again:
         bundles.confirm()
@@ -146,17 +153,7 @@ def test_an_exception_a_stage_raises_gives_way_to_the_checksum(clean, tmp_path, 
         raise RuntimeError("a stage meeting the altered values")
 
     monkeypatch.setitem(REGISTRY, StageId.LOSS_POLICY, dataclasses.replace(REGISTRY[StageId.LOSS_POLICY], run=broken))
-    confirm = BundleReader.confirm
-
-    def opening(self):
-        gate.set()
-        return confirm(self)
-
-    monkeypatch.setattr(BundleReader, "confirm", opening)
-    bundles = open_bundle(bundle, defer_checksums=True)
-    with pytest.raises(BundleError) as refused:
-        run_replay(bundles)
-    assert str(refused.value) == expected
+    _replay_refused(bundle, expected, gate, monkeypatch)
     # the same stage on a clean bundle: its own error (a bug of the tool) is what comes out
     gate.clear()
     bundles = open_bundle(clean, defer_checksums=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..errors import BundleError
-from .files import _sha256_stream
+from .files import _sha256_stream, open_payload
 
 if TYPE_CHECKING:
     import torch
@@ -84,24 +84,6 @@ def hash_file(path: Path, chunk: int = CHUNK_BYTES) -> tuple[str, list[str]]:
     return whole.hexdigest(), digests
 
 
-def _open_regular(path: Path) -> int:
-    """A descriptor of the payload file, opened without blocking and checked to be a regular file (as the reader
-    opens payloads: a FIFO swapped in is refused, never waited on)."""
-    import stat
-
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BundleError(f"{path}: payload is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def chunk_count(nbytes: int, chunk: int) -> int:
     return -(-nbytes // chunk)
 
@@ -153,7 +135,7 @@ class ChunkGuard:
         """Verify the chunk(s) holding the safetensors header: the 8-byte length and the JSON it counts (the
         header itself is validated afterwards by ``safetensors_io.parse_header``, from these very bytes)."""
         self._verify({0})
-        fd = _open_regular(self.path)
+        fd = open_payload(self.path)
         try:
             head = os.pread(fd, 8, 0)
         finally:
@@ -181,7 +163,7 @@ class ChunkGuard:
         """Verify the whole file (its sha256 against the manifest and the rank sentinel, as a full open does)."""
         if self.complete:
             return
-        fd = _open_regular(self.path)
+        fd = open_payload(self.path)
         try:
             with open(fd, "rb", buffering=0, closefd=False) as fh:
                 digest = _sha256_stream(fh, None)
@@ -198,7 +180,7 @@ class ChunkGuard:
         todo = sorted(i for i in wanted - self.verified if i < len(self.expected))  # none past the file's end
         if not todo:
             return
-        fd = _open_regular(self.path)
+        fd = open_payload(self.path)
         try:
             size = os.fstat(fd).st_size
             if size != self.spec.bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -168,3 +169,20 @@ def parse_format_version(version, where: str) -> tuple[int, int, int]:
             f"(this reader reads {' and '.join(f'{m}.x' for m in SUPPORTED_MAJORS)})"
         )
     return major, minor, patch
+
+
+def open_payload(path: Path) -> int:
+    """A descriptor of the payload file, opened without blocking (``O_NONBLOCK``: a FIFO swapped in after the
+    reader's checks is opened at once, then refused) and checked on the descriptor: a regular file. An unreadable
+    file is a one-line bundle error (exit 3), never an internal one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BundleError(f"{path}: payload is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

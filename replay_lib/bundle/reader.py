@@ -56,6 +56,7 @@ from .files import (
     _sha256_stream,
     check_json_depth,
     check_payload_name,
+    open_payload,
     parse_format_version,
     sha256_bytes,
 )
@@ -269,23 +270,6 @@ def _payload_size(file: Path, key: str, real_root: str) -> int:
         return file.stat().st_size
     except OSError as exc:
         raise BundleError(f"{exc.filename or file}: cannot read: {exc.strerror or exc}") from None
-
-
-def open_payload(path: Path) -> int:
-    """A descriptor of the payload file, opened without blocking (``O_NONBLOCK``: a FIFO swapped in after the
-    reader's checks is opened at once, then refused) and checked on the descriptor: a regular file. An unreadable
-    file is a one-line bundle error (exit 3), never an internal one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BundleError(f"{path}: payload is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _descriptor_path(fd: int, path: Path) -> str:
