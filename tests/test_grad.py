@@ -131,10 +131,9 @@ def _stages(report) -> dict:
     return {s["stage"]: s for s in report["stages"]}
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=str)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_an_autograd_producer_replays_clean(tmp_path, cli, config, seed):
-    path = produce_grad_bundle(tmp_path / "b", seed, SIZE, config)
+def replays_clean_at_every_token(cli, path) -> None:
+    """``replay --format json`` of a gradient bundle: exit 0, loss.policy and loss.grad pass, loss.grad compared
+    every response token within its bound (tests/test_grad_families.py too)."""
     code, out, err = cli("replay", path, "--format", "json")
     stages = _stages(json.loads(out))
     assert (code, err) == (0, ""), stages["loss.grad"]
@@ -142,6 +141,25 @@ def test_an_autograd_producer_replays_clean(tmp_path, cli, config, seed):
     tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
     assert stages["loss.grad"]["compared"] == tokens
     assert stages["loss.grad"]["max_noise_ratio"] < 1.0
+
+
+def fails_at_loss_grad_alone(cli, path) -> dict:
+    """``replay --format json`` of a gradient bundle with a bug: exit 1, loss.policy passing, loss.grad failing and
+    the first divergent stage; the report, for the bug's own checks."""
+    code, out, err = cli("replay", path, "--format", "json")
+    report = json.loads(out)
+    stages = _stages(report)
+    assert (code, err) == (1, "")
+    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
+    assert report["first_divergent_stage"] == "loss.grad"
+    return report
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_autograd_producer_replays_clean(tmp_path, cli, config, seed):
+    path = produce_grad_bundle(tmp_path / "b", seed, SIZE, config)
+    replays_clean_at_every_token(cli, path)
 
 
 EXPLAINED = {"kl_no_grad": "grad.kl_no_gradient", "is_not_detached": "grad.is_weight_not_detached",
@@ -153,12 +171,7 @@ EXPLAINED = {"kl_no_grad": "grad.kl_no_gradient", "is_not_detached": "grad.is_we
 def test_each_gradient_bug_is_named_at_loss_grad_with_the_loss_passing(tmp_path, cli, bug):
     config = GradConfig(on_policy=bug == "is_not_detached", accumulate=bug == "scale_twice")
     path = produce_grad_bundle(tmp_path / "b", 3, SIZE, config, bug=bug)
-    code, out, err = cli("replay", path, "--format", "json")
-    report = json.loads(out)
-    stages = _stages(report)
-    assert code == 1 and err == ""
-    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
-    assert report["first_divergent_stage"] == "loss.grad"
+    report = fails_at_loss_grad_alone(cli, path)
     first = report["first_divergence"]
     assert first["field"] == "grad_log_probs" and first["sample_id"].startswith("s-")
     assert first["token_offset"] is not None
@@ -457,13 +470,7 @@ def test_the_rollout_weighted_kl_term_and_mis_rejection_replay_clean(tmp_path, c
     """The autograd producer under kl_loss_rollout_weighted and mis_rs / mis_veto: loss.grad compares every
     token and passes (these knobs were refused before)."""
     path = produce_grad_bundle(tmp_path / "b", seed, SIZE, KNOB_CONFIGS[name])
-    code, out, err = cli("replay", path, "--format", "json")
-    stages = _stages(json.loads(out))
-    assert (code, err) == (0, ""), stages["loss.grad"]
-    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "pass")
-    tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
-    assert stages["loss.grad"]["compared"] == tokens
-    assert stages["loss.grad"]["max_noise_ratio"] < 1.0
+    replays_clean_at_every_token(cli, path)
 
 
 @pytest.mark.parametrize("name, bug, hypotheses", [
@@ -476,13 +483,8 @@ def test_the_knobs_gradient_bugs_are_named_at_loss_grad_with_the_loss_passing(tm
     """The KL term's weight detached (its value unchanged: NeMo-RL before #2506) and the MIS rejection left out
     of the backward pass (the reported loss rejecting) fail loss.grad alone."""
     path = produce_grad_bundle(tmp_path / "b", 3, SIZE, KNOB_CONFIGS[name], bug=bug)
-    code, out, err = cli("replay", path, "--format", "json")
-    report = json.loads(out)
-    stages = _stages(report)
-    assert (code, err) == (1, "")
-    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
-    assert report["first_divergent_stage"] == "loss.grad"
-    assert stages["loss.grad"]["reason"].startswith("gradient mismatch: grad_log_probs in ")
+    report = fails_at_loss_grad_alone(cli, path)
+    assert _stages(report)["loss.grad"]["reason"].startswith("gradient mismatch: grad_log_probs in ")
     assert [e["hypothesis"] for e in report["explanations"]] == hypotheses
 
 

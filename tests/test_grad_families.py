@@ -15,6 +15,7 @@ from producers import Size
 from producers.grad_families import CONFIGS, FAMILY_GRAD_BUGS, FamilyGradConfig, produce_family_grad_bundle
 from replay_lib.bundle.loss_knobs import LossKnobs
 from replay_lib.kernels.grad import GradInputs, grad_log_probs
+from test_grad import _stages, fails_at_loss_grad_alone, replays_clean_at_every_token
 
 SIZE = Size(samples=16, tokens=96, group_size=4)
 F64 = torch.float64
@@ -155,21 +156,11 @@ def test_the_distillation_term_adds_its_estimates_slope():
     assert _grad(gi, _knobs("gpg", opd_placement="loss", opd_kl_type="k3", opd_coef=0.5, opd_clamp=0.1)) == [0.0]
 
 
-def _stages(report) -> dict:
-    return {s["stage"]: s for s in report["stages"]}
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_an_autograd_family_producer_replays_clean(tmp_path, cli, config, seed):
     path = produce_family_grad_bundle(tmp_path / "b", seed, SIZE, config)
-    code, out, err = cli("replay", path, "--format", "json")
-    stages = _stages(json.loads(out))
-    assert (code, err) == (0, ""), stages["loss.grad"]
-    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "pass")
-    tokens = sum(s["response_length"] for s in json.loads((path / "index.json").read_text())["samples"])
-    assert stages["loss.grad"]["compared"] == tokens
-    assert stages["loss.grad"]["max_noise_ratio"] < 1.0
+    replays_clean_at_every_token(cli, path)
 
 
 BUGGED = [c for c in CONFIGS if str(c) != "cispo-ent"]
@@ -179,12 +170,7 @@ BUGGED = [c for c in CONFIGS if str(c) != "cispo-ent"]
 def test_each_family_gradient_bug_is_named_at_loss_grad_with_the_loss_passing(tmp_path, cli, config):
     bug = FAMILY_GRAD_BUGS["opd" if config.opd else config.family]
     path = produce_family_grad_bundle(tmp_path / "b", 3, SIZE, config, bug=bug)
-    code, out, err = cli("replay", path, "--format", "json")
-    report = json.loads(out)
-    stages = _stages(report)
-    assert (code, err) == (1, "")
-    assert (stages["loss.policy"]["status"], stages["loss.grad"]["status"]) == ("pass", "fail")
-    assert report["first_divergent_stage"] == "loss.grad"
+    report = fails_at_loss_grad_alone(cli, path)
     first = report["first_divergence"]
     assert first["field"] == "grad_log_probs" and first["sample_id"].startswith("s-")
 
