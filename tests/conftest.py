@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,6 +102,18 @@ def tree_snapshot(root: Path) -> dict[str, tuple]:
             else:
                 out[str(path.relative_to(root))] = ("file", st.st_size, st.st_mtime_ns, _sha256(path.read_bytes()))
     return out
+
+
+@pytest.fixture(scope="session")
+def example_trainer():
+    """``examples/grpo_trainer.py``, the example trainer the end-to-end tests train with, imported as a module."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import grpo_trainer
+    finally:
+        sys.path.remove(examples)
+    return grpo_trainer
 
 
 @pytest.fixture

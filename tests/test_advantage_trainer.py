@@ -27,12 +27,8 @@ SMALL = ["--prompts-per-rollout", "2", "--n-samples", "4", "--consumer-batch", "
 
 
 @pytest.fixture(scope="module")
-def trainer():
-    sys.path.insert(0, str(TRAINER.parent))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(TRAINER.parent))
+def trainer(example_trainer):
+    grpo_trainer = example_trainer
     threads = torch.get_num_threads()
     yield grpo_trainer
     torch.set_num_threads(threads)

@@ -6,16 +6,11 @@ what the flag does, matching every compared value. One expensive fixture, many a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from replay_lib.run.scan import ScanOptions, check_target, discover, link_partners
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAINER = ROOT / "examples" / "grpo_trainer.py"
 SMALL = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
          "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet"]
 
@@ -195,13 +190,9 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def rows(tmp_path_factory, example_trainer):
     """flag → the scan rows of its capture directory (``check_target`` of every target, linked)."""
-    sys.path.insert(0, str(TRAINER.parent))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(TRAINER.parent))
+    grpo_trainer = example_trainer
     threads = torch.get_num_threads()
     root = tmp_path_factory.mktemp("bug-flags")
     out = {}
@@ -236,14 +227,9 @@ def test_every_bug_flag_gets_the_cause_that_says_what_it_does(rows):
     assert got == EXPECTED
 
 
-def test_the_table_covers_every_bug_flag_the_trainer_ships(rows):
+def test_the_table_covers_every_bug_flag_the_trainer_ships(rows, example_trainer):
     """A bug flag added to the trainer without a row here (and so without a checked explanation) fails."""
-    sys.path.insert(0, str(TRAINER.parent))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(TRAINER.parent))
-    shipped = {a.option_strings[0] for a in grpo_trainer.build_parser()._actions if a.dest.endswith("_bug")}
+    shipped = {a.option_strings[0] for a in example_trainer.build_parser()._actions if a.dest.endswith("_bug")}
     used = {flag for flags, _ in FLAGS.values() for flag in flags if flag.endswith("-bug")}
     assert shipped == used | set(EXPLAINED_ELSEWHERE)
 

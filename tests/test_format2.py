@@ -418,18 +418,10 @@ def test_capture_format_variable():
     assert str(exc.value) == "RELAX_REPLAY_CAPTURE_FORMAT='3': expected 1 (format 1.x) or 2 (format 2.0.0)"
 
 
-def test_capture_writes_2_0_bundles_that_replay_clean(tmp_path, cli):
-    import sys
-
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    sys.path.insert(0, str(examples))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(examples))
+def test_capture_writes_2_0_bundles_that_replay_clean(tmp_path, cli, example_trainer):
     threads = torch.get_num_threads()
     try:
-        result = grpo_trainer.run(
+        result = example_trainer.run(
             ["--prompts-per-rollout", "2", "--n-samples", "4", "--consumer-batch", "3", "--steps-per-rollout", "1",
              "--micro-batch", "4", "--hidden", "16", "--embed", "8", "--quiet", "--rollouts", "1"],
             env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(tmp_path / "cap"),

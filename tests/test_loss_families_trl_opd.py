@@ -660,21 +660,14 @@ TRAINER_KNOBS = {
 }
 
 
-def test_the_example_trainers_opsm_entropy_mask_and_opd_replay_clean(tmp_path):
+def test_the_example_trainers_opsm_entropy_mask_and_opd_replay_clean(tmp_path, example_trainer):
     """``--opsm`` (slime's anchor), ``--top-entropy-quantile`` (TRL's mask) and ``--opd`` (verl's loss term, a
     frozen teacher's log-probs recorded): each run's config carries the keys the replay reads, and every bundle of
     two rollouts (an on-policy first step, then drifted ones) replays clean, per-token terms included."""
-    from pathlib import Path
-
     from replay_lib.bundle import open_bundle
     from replay_lib.run.scan import ScanOptions, check_target, discover, link_partners
 
-    trainer = Path(__file__).resolve().parents[1] / "examples"
-    sys.path.insert(0, str(trainer))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(trainer))
+    grpo_trainer = example_trainer
     small = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
              "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet", "--rollouts", "2"]
     threads = torch.get_num_threads()
@@ -708,34 +701,19 @@ def test_the_example_trainers_opsm_entropy_mask_and_opd_replay_clean(tmp_path):
     (["--opd", "k9:0.1"], "expected TYPE:COEF with TYPE one of k1, k2, k3, low_var_kl"),
 ])
 def test_the_example_trainers_mask_and_distillation_flags_refuse_a_bad_combination_in_one_line(flags, message,
-                                                                                                capsys):
-    from pathlib import Path
-
-    trainer = Path(__file__).resolve().parents[1] / "examples"
-    sys.path.insert(0, str(trainer))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(trainer))
-    parser = grpo_trainer.build_parser()
+                                                                                                capsys, example_trainer):
+    parser = example_trainer.build_parser()
     with pytest.raises(SystemExit) as exit_:
-        grpo_trainer.check_args(parser, parser.parse_args(flags))
+        example_trainer.check_args(parser, parser.parse_args(flags))
     err = capsys.readouterr().err
     assert (exit_.value.code, message in err, err.count("\n")) == (2, True, 1), err
 
 
-def test_loss_grad_replays_the_masks_and_the_distillation_term_clean(tmp_path, cli):
+def test_loss_grad_replays_the_masks_and_the_distillation_term_clean(tmp_path, cli, example_trainer):
     """The trainer's recorded gradient under OPSM, the entropy mask and the distillation loss term replays clean at
     loss.grad (its analytic gradient zeroes a dropped token and adds the term's own slope, SPEC §4.3), with loss.policy
     and loss.grad both compared."""
-    from pathlib import Path
-
-    trainer = Path(__file__).resolve().parents[1] / "examples"
-    sys.path.insert(0, str(trainer))
-    try:
-        import grpo_trainer
-    finally:
-        sys.path.remove(str(trainer))
+    grpo_trainer = example_trainer
     small = ["--prompts-per-rollout", "3", "--n-samples", "4", "--consumer-batch", "5", "--steps-per-rollout", "2",
              "--micro-batch", "3", "--hidden", "16", "--embed", "8", "--quiet", "--rollouts", "1"]
     threads = torch.get_num_threads()
