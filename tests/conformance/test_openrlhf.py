@@ -22,7 +22,6 @@ engines); the stubs are removed from ``sys.modules`` once the functions are load
 
 from __future__ import annotations
 
-import math
 import runpy
 import shlex
 import sys
@@ -616,8 +615,6 @@ def test_a_divergence_gate_is_decided_in_the_producers_format(openrlhf, tmp_path
     clamped there makes the binary KL NaN and the token is dropped, and the statistic's rounding moves tokens across
     the delta. The replay evaluates the gate in the declared compute format; evaluated in float64 instead, the
     clean bfloat16 bundle diverges."""
-    import msgspec
-
     name = "grpo-binary-kl"
     args = openrlhf.parse(COMMANDS[name])
     cfg = from_openrlhf(args, version=VERSION)

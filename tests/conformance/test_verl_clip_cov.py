@@ -8,7 +8,6 @@ naming it; a mask selecting a token verl's rule cannot select, or a sign bug, di
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,15 +29,22 @@ CONFIGS = {
 }
 
 
-def _verl_clip_cov(actor: dict, micro, old, logp, adv, mask, bug: bool, seed: int, producer=None):
-    """verl's loss and metrics per micro-batch, and the ``corr == 0`` tokens of each call ([B, width] bool);
-    ``producer``: policy_loss values the producer ran with instead of the declared ones (a bug)."""
-    pl = {**actor["policy_loss"], **(producer or {})}
+def clip_cov_actor_config(actor: dict, pl: dict, mask) -> _ActorConfig:
+    """The actor config verl's ``compute_policy_loss_clip_cov`` reads: ``actor``'s clip range, ``pl``'s Clip-Cov
+    ratio and bounds, the global batch info of one rank whose step holds ``mask``'s loss tokens."""
     cfg = _ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=actor.get("clip_ratio_high", 0.2),
                        policy_loss=_ActorConfig(clip_cov_ratio=pl.get("clip_cov_ratio"),
                                                 clip_cov_lb=pl.get("clip_cov_lb"), clip_cov_ub=pl.get("clip_cov_ub")))
     cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
                                     loss_scale_factor=None)
+    return cfg
+
+
+def _verl_clip_cov(actor: dict, micro, old, logp, adv, mask, bug: bool, seed: int, producer=None):
+    """verl's loss and metrics per micro-batch, and the ``corr == 0`` tokens of each call ([B, width] bool);
+    ``producer``: policy_loss values the producer ran with instead of the declared ones (a bug)."""
+    pl = {**actor["policy_loss"], **(producer or {})}
+    cfg = clip_cov_actor_config(actor, pl, mask)
     fn = core_algos.get_policy_loss_fn("clip_cov")
     selected = torch.zeros_like(mask, dtype=torch.bool)
     metrics: dict[str, metric.Metric] = {}

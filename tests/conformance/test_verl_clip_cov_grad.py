@@ -22,8 +22,8 @@ import torch
 from replay_lib.frameworks import from_verl
 
 from .conftest import import_verl
-from .test_verl import B, GROUPS, N, _ActorConfig, _advantages, _step
-from .test_verl_clip_cov import CONFIGS
+from .test_verl import GROUPS, N, _advantages, _step
+from .test_verl_clip_cov import CONFIGS, clip_cov_actor_config
 from .test_verl_family_grads import write_step_bundle
 
 core_algos, _ = import_verl()
@@ -50,12 +50,7 @@ def verl_clip_cov_grad(actor: dict, micro, old, logp, adv, mask, seed: int, bug:
     """``(pg_loss, ∂pg_loss/∂log_prob [B, L], selected [B, L] bool)``: verl's Clip-Cov per micro-batch, each
     micro-batch's loss backpropagated; ``selected`` its ``corr == 0``. ``bug``: ``"clamp"`` or ``"corr"`` (module
     doc), the loss value unchanged."""
-    pl = actor["policy_loss"]
-    cfg = _ActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=actor.get("clip_ratio_high", 0.2),
-                       policy_loss=_ActorConfig(clip_cov_ratio=pl.get("clip_cov_ratio"),
-                                                clip_cov_lb=pl.get("clip_cov_lb"), clip_cov_ub=pl.get("clip_cov_ub")))
-    cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
-                                    loss_scale_factor=None)
+    cfg = clip_cov_actor_config(actor, actor["policy_loss"], mask)
     fn = core_algos.get_policy_loss_fn("clip_cov")
     x = logp.clone().requires_grad_(True)
     selected = torch.zeros_like(mask, dtype=torch.bool)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pytest
 import torch
 

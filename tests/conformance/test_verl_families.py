@@ -56,8 +56,9 @@ def verl_config(name: str) -> dict:
             "actor_rollout_ref": {"rollout": {"n": N}, "actor": {"ppo_mini_batch_size": GROUPS, **actor}}}
 
 
-def _loss(actor: dict, micro, old, logp, adv, mask, bug: bool) -> dict[str, float]:
-    mode = actor["policy_loss"]["loss_mode"]
+def verl_actor_config(actor: dict, mask) -> _ActorConfig:
+    """The actor config verl's policy-loss functions read, from ``actor`` (the recipe's actor keys), with the global
+    batch info of one data-parallel rank whose step holds ``mask``'s loss tokens."""
     cfg = _ActorConfig(clip_ratio=0.2, clip_ratio_low=actor.get("clip_ratio_low", 0.2),
                        clip_ratio_high=actor.get("clip_ratio_high", 0.2), clip_ratio_c=actor.get("clip_ratio_c", 3.0),
                        tau_pos=actor.get("tau_pos", 1.0), tau_neg=actor.get("tau_neg", 1.05),
@@ -66,6 +67,12 @@ def _loss(actor: dict, micro, old, logp, adv, mask, bug: bool) -> dict[str, floa
                                                 ppo_kl_coef=actor["policy_loss"].get("ppo_kl_coef")))
     cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
                                     loss_scale_factor=None)
+    return cfg
+
+
+def _loss(actor: dict, micro, old, logp, adv, mask, bug: bool) -> dict[str, float]:
+    mode = actor["policy_loss"]["loss_mode"]
+    cfg = verl_actor_config(actor, mask)
     core_algos.ActorConfig = _ActorConfig  # noqa: cispo's and sapo's isinstance checks read the same attributes
     fn = core_algos.get_policy_loss_fn(mode)
     metrics: dict[str, metric.Metric] = {}

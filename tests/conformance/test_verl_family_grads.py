@@ -20,17 +20,7 @@ from replay_lib.demo import producer
 from replay_lib.frameworks import from_verl
 
 from .test_verl import B, N, STAGES, _ActorConfig, _advantages, _step
-from .test_verl_families import CONFIGS, core_algos, verl_config
-
-
-def _config(actor: dict) -> _ActorConfig:
-    cfg = _ActorConfig(clip_ratio=0.2, clip_ratio_low=actor.get("clip_ratio_low", 0.2),
-                       clip_ratio_high=actor.get("clip_ratio_high", 0.2), clip_ratio_c=actor.get("clip_ratio_c", 3.0),
-                       tau_pos=actor.get("tau_pos", 1.0), tau_neg=actor.get("tau_neg", 1.05),
-                       policy_loss=_ActorConfig(dro_beta=actor["policy_loss"].get("dro_beta"),
-                                                kl_cov_ratio=actor["policy_loss"].get("kl_cov_ratio"),
-                                                ppo_kl_coef=actor["policy_loss"].get("ppo_kl_coef")))
-    return cfg
+from .test_verl_families import CONFIGS, core_algos, verl_actor_config, verl_config
 
 
 def verl_step_grad(actor: dict, micro, old, logp, adv, mask, undetach: bool = False
@@ -38,10 +28,8 @@ def verl_step_grad(actor: dict, micro, old, logp, adv, mask, undetach: bool = Fa
     """``(pg_loss, ∂pg_loss/∂log_prob [B, L])``: verl's loss function per micro-batch, each backpropagated.
     ``undetach``: ``Tensor.detach`` made the identity while verl runs (a loss whose stop-gradients are missing:
     the same value, another gradient)."""
-    cfg = _config(actor)
+    cfg = verl_actor_config(actor, mask)
     mask_b = mask.bool()
-    cfg["global_batch_info"] = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B,
-                                    loss_scale_factor=None)
     core_algos.ActorConfig = _ActorConfig  # noqa: cispo's and sapo's isinstance checks read the same attributes
     fn = core_algos.get_policy_loss_fn(actor["policy_loss"]["loss_mode"])
     x = logp.clone().requires_grad_(True)
