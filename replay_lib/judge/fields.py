@@ -413,8 +413,9 @@ def _all_finite(a: torch.Tensor, chunk: int = 1 << 16) -> bool:
 # debugger's model reads a failing field's columns, and a function column (a stage kernel) is not run twice.
 # Larger fields are judged a chunk at a time and keep nothing.
 KEEP_COLUMNS = 1 << 18
-# Rows a pass over a whole field reads before it lets their payload pages go (FieldResult.release): a few MiB of
-# each mapped payload, one madvise call per payload for 64 chunks.
+# Rows a pass over a whole field or a step's token axis reads before it lets their payload pages go
+# (FieldResult.release, StageContext.token_chunks): a few MiB of each mapped payload, one madvise call per payload
+# for 64 chunks.
 RELEASE_ROWS = 1 << 20
 
 

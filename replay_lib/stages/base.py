@@ -11,16 +11,12 @@ import torch
 from ..bundle import BundleReader
 from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
-from ..judge.fields import KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, Column, FieldResult, ReasonFn, SampleRuns, stage_report
+from ..judge.fields import (KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, RELEASE_ROWS, Column, FieldResult, ReasonFn, SampleRuns,
+                            stage_report)
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets
 from ..kernels.segments import token_chunk_spans
 from ..judge.report import Hazard, StageReport
 from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
-
-
-# Token rows let go at a time behind a chunked pass (StageContext.token_chunks): a few MiB of each mapped payload,
-# one madvise call per payload for 64 chunks.
-RELEASE_ROWS = 1 << 20
 
 
 class StageInputError(Exception):
@@ -185,7 +181,7 @@ class StageContext:
     def mask_rows(self, lo: int, hi: int) -> torch.Tensor:
         """float32 rows ``[lo, hi)`` of :attr:`loss_mask`: read from format 1.3's packed payload while the whole-step
         tensor is not built (a view reads one token's or one sample's mask), else sliced from it."""
-        if self._mask is None and self.reader.packed_mask is not None and self.token_index is None:
+        if self._mask is None and self.reader.has_packed_mask and self.token_index is None:
             return self.reader.packed_mask[lo:hi].to(torch.float32)
         return self.loss_mask[lo:hi]
 
@@ -193,7 +189,7 @@ class StageContext:
         """Let go of :attr:`loss_mask`'s whole-step float32 tensor (4 bytes a token) where format 1.3's packed payload
         builds it again (every sample selected): for a holder that keeps the context past its replay (the
         debugger's model), whose views read a window at a time (:meth:`mask_rows`)."""
-        if self.reader.packed_mask is not None and self.token_index is None:
+        if self.reader.has_packed_mask and self.token_index is None:
             self._mask = None
 
     def has(self, name: str) -> bool:
