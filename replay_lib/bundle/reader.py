@@ -500,7 +500,7 @@ class BundleReader:
         self.warnings = []
         self._tensors = {}
         self._mask = None  # format 1.3's packed masks (packed_mask)
-        self._defer = defer_payloads
+        self._defer_payloads = defer_payloads
         self._guards: dict[str, chunks.ChunkGuard] = {}  # payloads whose chunks are verified when read
         self._defer_checksums = defer_checksums
         # the payload checksums left to confirm(): (file, manifest sha256, sentinel sha256, sentinel name)
@@ -516,7 +516,7 @@ class BundleReader:
         # decoded once: its payload names start the hashing; its error, if any, is raised in its place
         manifest_attempt = _attempt(lambda: self._raw(root / "manifest.json", blobs["manifest.json"]))
         files = _Digests.payload_files(root, manifest_attempt[0])
-        if self._defer:  # the payloads verified chunk by chunk when read are neither hashed nor loaded ahead
+        if self._defer_payloads:  # the payloads verified chunk by chunk when read are neither hashed nor loaded ahead
             files = [f for f in files if not chunks.deferrable_raw(manifest_attempt[0], f)]
         # Payloads of a usual size are loaded and hashed by the reader while the thread hashes the JSON blobs (one
         # call each, the GIL released; loads, reads and hash calls release it often, so the thread's return finds
@@ -806,7 +806,7 @@ class BundleReader:
             chunk_error = chunks.structure_error(spec)
             if chunk_error is not None:
                 raise BundleError(f"{root / 'manifest.json'}: {chunk_error}")
-            if self._defer and self._defer_payload(file, key, spec, shard.payloads[key], sentinel_name):
+            if self._defer_payloads and self._defer_payload(file, key, spec, shard.payloads[key], sentinel_name):
                 continue  # its header chunk verified and the tensor mapped: its other chunks are verified when read
             # Loaded while the thread still hashes it (weights_only, within the declared size: no less safe
             # before the checksum than after, a checksum is no signature); the checksum is judged first all

@@ -119,7 +119,7 @@ def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]
     resolved = resolve_capture(path, step, rollout)
     shards: list[BundleReader] = []
     try:
-        return _open_resolved(resolved, step, rollout, forensic, defer_checksums, shards, defer_payloads)
+        return _open_resolved(resolved, step, rollout, forensic, shards, defer_payloads, defer_checksums)
     except Exception:
         for shard in shards:  # the shards opened so far: a deferred checksum's mismatch comes first
             shard.confirm()
@@ -127,11 +127,11 @@ def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]
 
 
 def _open_resolved(resolved: Resolved, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool,
-                   defer: bool, shards: list[BundleReader], defer_payloads: bool = False) -> BundleSet:
+                   shards: list[BundleReader], defer_payloads: bool, defer_checksums: bool) -> BundleSet:
     note = None
     if resolved.kind == "bundle":
         shards.append(BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank,
-                                   defer_payloads=defer_payloads, defer_checksums=defer))
+                                   defer_payloads=defer_payloads, defer_checksums=defer_checksums))
         cohort = False
     else:
         if forensic and not os.path.lexists(resolved.path / "COMPLETE"):
@@ -143,7 +143,7 @@ def _open_resolved(resolved: Resolved, step: Optional[ActorStepId], rollout: Opt
             if not (shard_dir / "manifest.json").exists():
                 raise BundleError(f"{shard_dir}: missing rank shard listed in cohort COMPLETE $.ranks")
             shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r,
-                                       defer_payloads=defer_payloads, defer_checksums=defer))
+                                       defer_payloads=defer_payloads, defer_checksums=defer_checksums))
         ids = {s.bundle_id for s in shards}
         if len(ids) != 1:
             raise BundleError(f"{resolved.path}: rank shards disagree on bundle_id: {sorted(ids)}")

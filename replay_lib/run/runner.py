@@ -242,7 +242,8 @@ def replay_run(
     """:func:`run_replay`, plus each shard's :class:`StageContext` (``None`` for a shard the selection
     left out): its ``fields`` hold what each stage compared, its ``outputs`` what it recomputed, for a view
     that shows them. A bundle opened with deferred checksums is confirmed (:meth:`BundleSet.confirm`) once the
-stages ran, before the report is made, and ahead of any error raised meanwhile. ``rules``: teacher forcing or ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
+    stages ran, before the report is made, and ahead of any error raised meanwhile. ``rules``: teacher forcing or
+    ``--chain``, ``--exact``, ``--tolerance-policy``. ``explain``:
     evaluate the known-bug hypotheses of each failing stage (``replay_lib.explain``; under ``--chain`` the
     downstream stages are marked either way).
 

@@ -11,8 +11,8 @@ import torch
 from ..bundle import BundleReader
 from ..judge.compare import Comparison, as_float64, list_tensor
 from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_payloads, is_exact_field, storage_unit
-from ..judge.fields import (KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, RELEASE_ROWS, Column, FieldResult, ReasonFn, SampleRuns,
-                            stage_report)
+from ..judge.fields import (KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, RELEASE_ROWS, Column, FieldResult, ReasonFn,
+                            SampleRuns, stage_report)
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets
 from ..kernels.segments import token_chunk_spans
 from ..judge.report import Hazard, StageReport
