@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..errors import BundleError
-from .files import _sha256_stream, open_payload
+from .files import _checksum_mismatch, _sha256_stream, open_payload
 
 if TYPE_CHECKING:
     import torch
@@ -170,10 +170,7 @@ class ChunkGuard:
         finally:
             os.close(fd)
         if digest != self.spec.sha256 or digest != self.sentinel_sha256:
-            raise BundleError(
-                f"{self.path}: sha256 mismatch (manifest {self.spec.sha256[:12]}…, {self.sentinel_name} "
-                f"{self.sentinel_sha256[:12]}…, file {digest[:12]}…)"
-            )
+            raise _checksum_mismatch(self.path, self.spec.sha256, self.sentinel_sha256, self.sentinel_name, digest)
         self.complete = True
 
     def _verify(self, wanted: set[int]) -> None:

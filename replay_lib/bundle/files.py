@@ -186,3 +186,9 @@ def open_payload(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _checksum_mismatch(file: Path, manifest_sha: str, recorded: str, sentinel_name: str, digest: str) -> BundleError:
+    """The one refusal of a payload whose sha256 is not what the manifest and its sentinel record."""
+    return BundleError(f"{file}: sha256 mismatch (manifest {manifest_sha[:12]}…, {Path(sentinel_name).name} "
+                       f"{recorded[:12]}…, file {digest[:12]}…)")

@@ -53,6 +53,7 @@ from . import chunks, packed
 from .files import (
     _decode,
     _read_bytes,
+    _checksum_mismatch,
     _sha256_stream,
     check_json_depth,
     check_payload_name,
@@ -220,12 +221,6 @@ def _sha256_descriptor(fd: int, stop: Optional[threading.Event]) -> Optional[str
             return _sha256_stream(fh, stop)
     finally:
         os.close(fd)
-
-
-def _checksum_mismatch(file: Path, manifest_sha: str, recorded: str, sentinel_name: str, digest: str) -> BundleError:
-    """The one refusal of a payload whose sha256 is not what the manifest and its sentinel record."""
-    return BundleError(f"{file}: sha256 mismatch (manifest {manifest_sha[:12]}…, {Path(sentinel_name).name} "
-                       f"{recorded[:12]}…, file {digest[:12]}…)")
 
 
 def config_knob_active(value) -> bool:
