@@ -24,11 +24,10 @@ EXIT_INTERRUPTED = 130
 
 
 def default_jobs() -> int:
-    """The CPUs this process may run on (its affinity), else the CPU count."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):
-        return max(os.cpu_count() or 1, 1)
+    """The CPUs this process may run on (its affinity), else the CPU count (``run.threads.usable_cpus``)."""
+    from ..run.threads import usable_cpus
+
+    return usable_cpus()
 
 
 def add_scan_arguments(p: argparse.ArgumentParser) -> None:

@@ -35,8 +35,6 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-import torch
-
 REPLAY_THREADS = 1  # intra-op threads of the replay's passes (module doc)
 PASS_THREADS = 2  # at most: the threads loss.policy's token pass is split over (module doc)
 FREE_CORE = 0.5  # the part of a core the load average must leave free for a second thread (module doc)
@@ -52,6 +50,8 @@ def replay_threads() -> Iterator[None]:
     """Torch's intra-op threads set to :data:`REPLAY_THREADS` over a replay, the caller's count restored when
     the last (outermost) replay ends. Nestable and thread-safe; torch's setting is process-wide, so a replay in
     one thread also holds another thread's torch work of the same process to that count meanwhile."""
+    import torch  # (here: usable_cpus serves the scan command's parser without it)
+
     global _depth, _saved
     with _lock:
         if _depth == 0:
@@ -73,10 +73,7 @@ def pass_threads() -> int:
     CPUs this process may run on, 1 after :func:`single_pass_thread`."""
     if _single_pass:
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity on this platform
-        cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this platform: the CPUs taken as free
@@ -84,6 +81,15 @@ def pass_threads() -> int:
     if cpus - load < FREE_CORE:
         return 1
     return max(1, min(PASS_THREADS, cpus))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), else the CPU count; at least 1 (also ``scan``'s default
+    ``--jobs``)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(os.cpu_count() or 1, 1)
 
 
 def single_pass_thread() -> None:
