@@ -307,17 +307,17 @@ def advantage_inputs(ctx: StageContext, index: int, offset: int, t: int) -> Elem
 
     cfg = ctx.config
     record = ctx.samples[index]
+    mask = str(int(ctx.mask_rows(t, t + 1)[0]))
     tokens = recorded_token_rewards(ctx)
     if tokens is not None:  # per-token rewards (format 1.2 / 2.0): the token's own, recorded
         reward = float(tokens[t])
-        items = (("reward", fmt(reward)), ("group", group_label(record.group_index)),
-                 ("mask", str(int(ctx.mask_rows(t, t + 1)[0]))))
+        items = (("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", mask))
         return ElementInputs(field="advantage", sample_id=record.sample_id, offset=offset,
                              formula=f"A = the token's recorded reward = {fmt(reward)} (per-token rewards)",
                              items=items)
     rewards, _ = grpo_rewards(ctx)
     reward = float(rewards[index])
-    items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", str(int(ctx.mask_rows(t, t + 1)[0])))]
+    items = [("reward", fmt(reward)), ("group", group_label(record.group_index)), ("mask", mask)]
     how = "recomputed by reward.post_process (--chain)" if ctx.chain and "rewards" in ctx.outputs else "recorded"
     kind = estimate_kind(cfg)
     if kind == "broadcast":
