@@ -290,14 +290,18 @@ def test_a_grad_payload_of_the_wrong_length_is_named_by_validate_and_replay(tmp_
 def test_runs_of_whole_samples_give_the_one_pass_gradient(tmp_path, monkeypatch, config):
     """``stages.grad`` computes a run of whole samples at a time (GRAD_CHUNK tokens): with runs of ~40 tokens the
     gradient and its bound are the one-run values bit for bit (the aggregation weights are the whole step's)."""
+    runs_give_the_one_pass_gradient(produce_grad_bundle(tmp_path / "b", 2, SIZE, config), SIZE.samples, monkeypatch)
+
+
+def runs_give_the_one_pass_gradient(path, samples: int, monkeypatch) -> None:
+    """``stages.grad`` over ``path`` in one run and in runs of ~40 tokens (GRAD_CHUNK): the same gradient and bound,
+    bit for bit (tests/test_grad_families.py too)."""
     import replay_lib.stages.grad as stage
     from replay_lib.bundle import BundleReader
     from replay_lib.stages import StageContext
 
-    path = produce_grad_bundle(tmp_path / "b", 2, SIZE, config)
-
     def run():
-        ctx = StageContext(reader=BundleReader(path), indices=list(range(SIZE.samples)), partial=False)
+        ctx = StageContext(reader=BundleReader(path), indices=list(range(samples)), partial=False)
         _, _, g = stage.recompute_gradient(ctx)
         return g.grad, ctx.records[stage.BOUND_RECORD]
 

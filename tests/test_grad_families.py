@@ -15,7 +15,7 @@ from producers import Size
 from producers.grad_families import CONFIGS, FAMILY_GRAD_BUGS, FamilyGradConfig, produce_family_grad_bundle
 from replay_lib.bundle.loss_knobs import LossKnobs
 from replay_lib.kernels.grad import GradInputs, grad_log_probs
-from test_grad import _stages, fails_at_loss_grad_alone, replays_clean_at_every_token
+from test_grad import _stages, fails_at_loss_grad_alone, replays_clean_at_every_token, runs_give_the_one_pass_gradient
 
 SIZE = Size(samples=16, tokens=96, group_size=4)
 F64 = torch.float64
@@ -290,21 +290,8 @@ def test_runs_of_whole_samples_give_the_one_pass_family_gradient(tmp_path, monke
     """``stages.grad`` computes a run of whole samples at a time, the per-sample terms taken over the whole step
     once (KL-Cov's micro-batch statistics, the entropy mask's thresholds, OPSM's and GMPO's sample sums): with runs
     of ~40 tokens the gradient and its bound are the one-run values bit for bit."""
-    import replay_lib.stages.grad as stage
-    from replay_lib.bundle import BundleReader
-    from replay_lib.stages import StageContext
-
-    path = produce_family_grad_bundle(tmp_path / "b", 2, SIZE, config)
-
-    def run():
-        ctx = StageContext(reader=BundleReader(path), indices=list(range(SIZE.samples)), partial=False)
-        _, _, g = stage.recompute_gradient(ctx)
-        return g.grad, ctx.records[stage.BOUND_RECORD]
-
-    whole = run()
-    monkeypatch.setattr(stage, "GRAD_CHUNK", 40)
-    runs = run()
-    assert torch.equal(whole[0], runs[0]) and torch.equal(whole[1], runs[1])
+    runs_give_the_one_pass_gradient(produce_family_grad_bundle(tmp_path / "b", 2, SIZE, config), SIZE.samples,
+                                    monkeypatch)
 
 
 def _clip_cov_gi(d, adv, selected, lengths) -> GradInputs:
