@@ -22,6 +22,7 @@ from replay_lib.kernels.loss import policy_token_terms
 from replay_lib.run.runner import replay_run
 from replay_lib.stages import REGISTRY
 from replay_lib.stages import loss as loss_mod
+from replay_lib.stages import split as split_mod
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -140,23 +141,22 @@ def test_the_pass_split_over_two_threads_gives_the_same_bits(large, monkeypatch,
     monkeypatch.setattr(loss_mod, "LARGE_PASS", 0)  # the split (and the larger step) on this small step too
     monkeypatch.setattr(loss_mod, "PASS_CHUNK", pass_chunk)
     taken = []
-    two = loss_mod._two_threads
 
-    def slower(blocks, mine, others, wait_hashed):  # this thread slowed: the other one surely takes blocks
+    def slower(blocks, mine, others, wait_hashed, redo):  # this thread slowed: the other one surely takes blocks
         def slow(lo, hi):
             time.sleep(0.02)
             return mine(lo, hi)
 
-        taken.append(two(blocks, slow, others, wait_hashed))
+        taken.append(split_mod.split_pass(blocks, slow, others, wait_hashed, redo, fork=False))
         return taken[-1]
 
-    monkeypatch.setattr(loss_mod, "_two_threads", slower)
+    monkeypatch.setattr(loss_mod, "split_pass", slower)
     runs = {}
     for threads in (1, 2):
         monkeypatch.setattr(runner_mod, "pass_threads", lambda threads=threads: threads)
         report, contexts = replay_run(open_bundle(path))
         runs[threads] = (report_to_json(report), contexts[0].outputs[loss_mod.SUMS_OUTPUT])
-    assert len(taken) == 1 and 0 < len(taken[0]) < loss_mod.PASS_BLOCKS
+    assert len(taken) == 1 and 0 < len(taken[0]) < split_mod.PASS_BLOCKS
     assert runs[1][0] == runs[2][0]
     for name, value in runs[1][1].items():
         assert torch.equal(_bits(value), _bits(runs[2][1][name])), name
@@ -167,9 +167,9 @@ def test_the_blocks_are_whole_samples_covering_the_token_axis(large):
     from replay_lib.stages import StageContext
 
     ctx = StageContext(reader=open_bundle(path).shards[0], indices=[], partial=False)
-    blocks = loss_mod._blocks(ctx, total, loss_mod.PASS_BLOCKS)
+    blocks = split_mod.sample_blocks(ctx.offsets, ctx.lengths, total, split_mod.PASS_BLOCKS)
     starts = {int(o) for o, n in zip(ctx.offsets, ctx.lengths) if n > 0}
-    assert len(blocks) == loss_mod.PASS_BLOCKS
+    assert len(blocks) == split_mod.PASS_BLOCKS
     assert blocks[0][0] == 0 and blocks[-1][1] == total
     assert all(a < b and b == c for (a, b), (c, _) in zip(blocks, blocks[1:]))
     assert all(lo in starts for lo, _ in blocks)
@@ -179,7 +179,7 @@ def test_the_second_thread_joins_only_once_the_payloads_are_hashed():
     blocks = [(k, k + 1) for k in range(8)]
     mine, others = [], []
     # never hashed (a huge payload): this thread sums every block, in order; the other one takes none
-    assert loss_mod._two_threads(blocks, lambda lo, hi: mine.append(lo), lambda lo, hi: others.append(lo),
+    assert split_mod.two_threads(blocks, lambda lo, hi: mine.append(lo), lambda lo, hi: others.append(lo),
                                  lambda timeout: False) == []
     assert (mine, others) == (list(range(8)), [])
     # hashed: the other thread takes blocks while this one is slow; every block is summed once
@@ -191,7 +191,7 @@ def test_the_second_thread_joins_only_once_the_payloads_are_hashed():
         time.sleep(0.05)
         mine.append(lo)
 
-    taken = loss_mod._two_threads(blocks, slow, lambda lo, hi: others.append(lo), lambda timeout: hashed.wait(timeout))
+    taken = split_mod.two_threads(blocks, slow, lambda lo, hi: others.append(lo), lambda timeout: hashed.wait(timeout))
     assert sorted(mine + others) == list(range(8)) and others and [lo for lo, _ in taken] == others
 
 
@@ -202,9 +202,9 @@ def test_an_error_on_either_thread_is_raised_after_both_ended():
         raise ValueError(f"block {lo}")
 
     with pytest.raises(ValueError, match=r"\Ablock [01]\Z"):  # the other thread may take block 0 first
-        loss_mod._two_threads(blocks, fail, lambda lo, hi: time.sleep(0.01), lambda timeout: True)
+        split_mod.two_threads(blocks, fail, lambda lo, hi: time.sleep(0.01), lambda timeout: True)
     with pytest.raises(ValueError, match="block"):
-        loss_mod._two_threads(blocks, lambda lo, hi: time.sleep(0.05), fail, lambda timeout: True)
+        split_mod.two_threads(blocks, lambda lo, hi: time.sleep(0.05), fail, lambda timeout: True)
 
 
 def test_pass_threads_follow_the_affinity_and_a_scan_worker_takes_one(monkeypatch):

@@ -152,6 +152,10 @@ class _Digests:
         self._stop.set()
         self._thread.join()
 
+    def join(self) -> None:
+        """Wait for the thread to end (after :attr:`idle`: at once)."""
+        self._thread.join()
+
     def metadata(self, blobs: dict[str, bytes]) -> dict[str, str]:
         self._meta_done.wait()
         return {name: self._meta.get(name) or sha256_bytes(blob) for name, blob in blobs.items()}
@@ -576,7 +580,12 @@ class BundleReader:
         """Whether the reader's thread is done hashing the payloads (waiting up to ``timeout`` seconds for it): a
         pass that could use a second core knows when the hashing no longer takes it. True for an eager open."""
         digests = self._digests
-        return digests is None or digests.idle.wait(timeout)
+        if digests is None:
+            return True
+        if not digests.idle.wait(timeout):
+            return False
+        digests.join()  # ended, not only done: the process may fork (stages/split.py)
+        return True
 
     def _judge_pending(self) -> None:
         """The pending checksums judged in order (each waits for its digest); the first mismatch raised. Those

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import threading
 from typing import Optional
 
 import torch
@@ -32,6 +31,7 @@ from .base import StageContext, StageDef, StageInputError
 from .loss_inputs import LossInputs, family_payloads, is_keep_hazards, loss_inputs
 from .loss_clip_cov import DRAW_OUTPUT, DrawCounts, clip_cov_draw_field
 from .loss_terms import TOKEN_TERMS_PAYLOAD, loss_term_fields, recorded_terms
+from .split import PASS_BLOCKS, sample_blocks, shared_zeros, split_pass
 
 
 def recorded_loss(ctx: StageContext) -> dict[str, float]:
@@ -222,8 +222,15 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     if store.any:
         store_sample = store.sample_errors(li.log_probs, li.old_log_probs, li.rollout_log_probs, li.mask, ctx.lengths,
                                            knobs)
-    out = torch.zeros((len(names), n), dtype=torch.float64)
-    counts = torch.zeros((len(counted), n), dtype=torch.float64)
+    draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
+    total = int(li.mask.numel())
+    # a large step's pass split between this thread and a second worker (split.py), a forked one writing its
+    # samples' columns of these totals into memory shared with this process
+    blocks = sample_blocks(ctx.offsets, ctx.lengths, total, PASS_BLOCKS) \
+        if draw is None and total >= LARGE_PASS and ctx.threads > 1 else []
+    zeros_of = shared_zeros if len(blocks) > 1 else torch.zeros
+    out = zeros_of((len(names), n), dtype=torch.float64)
+    counts = zeros_of((len(counted), n), dtype=torch.float64)
     step = PASS_CHUNK if int(li.mask.numel()) >= LARGE_PASS else LOSS_CHUNK
     # every sum of the signed rows taken in token order in float32, a chunk's runs at a time (SequentialSums32)
     seq32 = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
@@ -234,7 +241,6 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
     chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
-    draw = DrawCounts.of(knobs)  # Clip-Cov: its draw's size per micro-batch, from this pass (loss_clip_cov.py)
     # the sample of each token: for a plain PPO surrogate only where a chunk has a hit to count (ctx.token_spans),
     # for every chunk where a knob reads per-sample values
     by_sample = (families or knobs.sequence_ratio or knobs.is_level is not None or bool(knobs.is_keep) or knobs.opsm
@@ -379,15 +385,20 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
                 a = b
             seq32.add(lo, hi, signed)
 
-    total = int(li.mask.numel())
-    blocks = _blocks(ctx, total, PASS_BLOCKS) if draw is None and total >= LARGE_PASS and ctx.threads > 1 else []
     if len(blocks) < 2:
         token_pass(0, total, chunk_rows, seq32)
-    else:  # blocks of whole samples taken by two threads (run.threads): their columns of the sums are disjoint
-        other = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
-        taken = _two_threads(blocks, lambda lo, hi: token_pass(lo, hi, chunk_rows, seq32),
-                             lambda lo, hi: token_pass(lo, hi, torch.empty_like(chunk_rows), other),
-                             ctx.reader.wait_hashed)
+    else:  # blocks of whole samples taken by two workers (split.py): their columns of the sums are disjoint
+        other = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step, shared=True)
+
+        def redo(lo: int, hi: int) -> None:  # a block a forked worker left unfinished: its columns cleared first
+            a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
+            out[:, a:b] = 0.0
+            counts[:, a:b] = 0.0
+            token_pass(lo, hi, chunk_rows, seq32)
+
+        taken = split_pass(blocks, lambda lo, hi: token_pass(lo, hi, chunk_rows, seq32),
+                           lambda lo, hi: token_pass(lo, hi, torch.empty_like(chunk_rows), other),
+                           ctx.reader.wait_hashed, redo)
         for lo, hi in taken:  # the float32 sums of the samples the other thread summed
             a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
             seq32.totals[:, a:b] = other.totals[:, a:b]
@@ -399,68 +410,6 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     return {**totals, **dict(zip(SEQ32_SUMS, seq32.totals))}
 
 
-# Blocks of whole samples the token pass of a large step is cut into, for two threads to take in turn.
-PASS_BLOCKS = 16
-
-
-def _blocks(ctx: StageContext, total: int, count: int) -> list[tuple[int, int]]:
-    """``[(start, stop)]``: the token axis cut into about ``count`` blocks, each cut where a sample starts (a sample
-    is in one block); fewer where the samples are fewer."""
-    starts = ctx.offsets[ctx.lengths > 0]
-    cuts = [0]
-    for k in range(1, count):
-        at = int(torch.searchsorted(starts, total * k // count))  # the first sample starting at or after the mark
-        if at < starts.numel() and cuts[-1] < int(starts[at]) < total:
-            cuts.append(int(starts[at]))
-    cuts.append(total)
-    return list(zip(cuts, cuts[1:]))
-
-
-def _two_threads(blocks: list[tuple[int, int]], mine, others, wait_hashed) -> list[tuple[int, int]]:
-    """``blocks`` taken in order by this thread (``mine(lo, hi)``) and by a second one (``others(lo, hi)``), the
-    second joining once the reader's thread has hashed every payload (``wait_hashed(timeout) -> bool``: until then
-    the two cores are this thread's and the hashing's) — it takes none when this thread is done first. Each thread
-    runs under ``torch.inference_mode`` (the stages' tensors are inference tensors). Returns the blocks the second
-    thread summed; the first error (this thread's first) is raised once both ended."""
-    lock = threading.Lock()
-    queue = list(reversed(blocks))
-    taken: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def take():
-        with lock:
-            return queue.pop() if queue and not stop.is_set() else None
-
-    def run() -> None:
-        try:
-            while not wait_hashed(0.05):
-                if stop.is_set():
-                    return
-            with torch.inference_mode():
-                while (block := take()) is not None:
-                    others(*block)
-                    taken.append(block)
-        except BaseException as exc:  # raised on the caller's thread below
-            errors.append(exc)
-            stop.set()
-
-    thread = threading.Thread(target=run, name="loss-pass", daemon=True)
-    thread.start()
-    try:
-        while (block := take()) is not None:
-            mine(*block)
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        stop.set()
-        thread.join()
-    if errors:
-        raise errors[0]
-    return taken
-
-
 class SequentialSums32:
     """Per-sample sums of float32 rows in token order — ``((0 + v0) + v1) + …`` rounded to float32 at every step,
     the producer's sequential sums (``error_model.SEQ32_SUMS``) — fed the token axis a chunk at a time. Each chunk's
@@ -468,12 +417,13 @@ class SequentialSums32:
     of ``index_add_`` in token order, at twice its speed), the sum so far of the sample a chunk continues written
     ahead of that sample's run. ``totals``: ``[rows, samples]``; an empty sample's stay 0."""
 
-    def __init__(self, lengths: torch.Tensor, offsets: torch.Tensor, rows: int, step: int) -> None:
+    def __init__(self, lengths: torch.Tensor, offsets: torch.Tensor, rows: int, step: int,
+                 shared: bool = False) -> None:
         present = lengths > 0
         self._starts = offsets[present].tolist()  # where each non-empty sample starts, ascending
         self._samples = torch.nonzero(present).reshape(-1)
         self._all = bool(present.all())  # no empty sample: a chunk's samples are a slice of the totals' columns
-        self.totals = torch.zeros((rows, int(lengths.numel())), dtype=torch.float32)
+        self.totals = (shared_zeros if shared else torch.zeros)((rows, int(lengths.numel())), dtype=torch.float32)
         self._buf = torch.empty((rows, step + 1), dtype=torch.float32)
 
     def add(self, lo: int, hi: int, rows: torch.Tensor) -> None:
