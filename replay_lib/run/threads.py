@@ -14,17 +14,19 @@ defer_checksums=True)``), ``scan`` runs a bundle per worker, and ``replay --exec
 one op split over threads that other work is already using.
 
 One pass is split: ``loss.policy``'s token pass (most of a replay's CPU) over a step of ``LARGE_PASS`` tokens or
-more is cut into ``PASS_BLOCKS`` blocks of whole samples, taken in turn by :func:`pass_threads` Python threads
-(every per-sample sum is the same sequence of operations, so the same bits), each running its ops on the one
-intra-op thread — large independent passes, where a thread's fixed cost is nothing beside its work, instead of
-small parallel regions. The second thread joins only once the reader's thread has hashed every payload
-(``BundleReader.wait_hashed``): until then the two cores are the stages' and the hashing's, and a third thread
+more is cut into blocks of whole samples taken in turn by the stage's thread and, where :func:`pass_threads` allows
+two, a second worker (``stages/split.py``: a forked process with its own GIL where that is safe, else a thread).
+Every per-sample sum is the same sequence of operations, so the same bits; each worker runs its ops on the one
+intra-op thread — large independent passes, where a worker's fixed cost is nothing beside its work, instead of
+small parallel regions. The second worker joins only once the reader's thread has hashed every payload
+(``BundleReader.wait_hashed``): until then the two cores are the stages' and the hashing's, and a third worker
 would only make the three take turns. :func:`pass_threads` is at most :data:`PASS_THREADS` (2) and never more
 than the CPUs this process may run on (``os.sched_getaffinity``); 1 where those CPUs are not free (the 1-minute
 load average leaves less than :data:`FREE_CORE` of a core: measured on this 2-core host at a load of 2.7, two
 threads took 10–20% more CPU and more wall than one — they only take turns with the others); 1 inside a scan
-worker when several run
-(:func:`single_pass_thread`: the workers already use the cores) and inside a Ray task (one CPU asked each).
+worker when several run (:func:`single_pass_thread`: the workers already use the cores) and inside a Ray task
+(one CPU asked each). On a host of many cores a replay thus uses what it uses on two: one shard's pass has no
+more than two workers, and the cores beyond are for other shards and bundles (``scan``, ``--executor ray``).
 ``OMP_NUM_THREADS`` does not change it: that is torch's intra-op setting, which the replay overrides (above).
 """
 
