@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from replay_lib.cli.entry import (_Parser, _print_error, add_replay_arguments, add_version_argument,
+from replay_lib.cli.entry import (_Parser, _print_error, add_replay_arguments, add_version_argument, end_process,
                                   print_internal_error, run_check)
 from replay_lib.demo.catalog import demo_list
 from replay_lib.errors import ReplayError
@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_check = False  # set by _main: a headless check (--check), whose process may end quickly
+
+
+def console_main() -> None:
+    """The ``replay-tui`` console script: :func:`main`, then the process ends — quickly after ``--check``, as the
+    read-only commands of ``trajectory-replay`` do (``replay_lib.cli.end_process``)."""
+    end_process(main(), _check)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _main(argv)
@@ -66,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    global _check
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.bundle is None and args.demo is None:
@@ -88,6 +98,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                 loading.clear()
                 parser.error(str(exc))
         run_view = run_view_wanted(args, parser)
+        _check = bool(args.check) and not run_view  # one bundle's replay (a scan's workers end as they always did)
         if args.check:
             return main_check(args) if run_view else run_check(args)
         from .app import run_app
@@ -153,4 +164,4 @@ class LoadingLine:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console_main()

@@ -69,3 +69,33 @@ def test_nested_and_raising_replays_restore_the_count_once(caller_threads):
         with replay_threads():
             raise RuntimeError("boom")
     assert torch.get_num_threads() == caller_threads
+
+
+def test_the_second_worker_follows_what_the_others_used_of_the_cpus_over_the_replay(monkeypatch, tmp_path):
+    """run.threads.pass_threads: over a replay's window (CpuWindow, opened by replay_threads) the busy time of this
+    process's CPUs less its own decides; the load average only before the window is MIN_WINDOW long."""
+    from replay_lib.run import threads
+
+    monkeypatch.setattr(threads, "_single_pass", False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.9, 1.9, 1.9))  # the idle virtual host's reading
+    times = iter([(100.0, 500.0, 7.0),  # opened: (monotonic s, busy s of CPUs 0–1, this process's CPU s)
+                  (100.1, 500.2, 7.1),  # 0.1 s later: too short a window, the load average decides: 1
+                  (101.0, 501.3, 8.0),  # 1 s: 1.3 s busy, 1.0 s ours → the others 0.3 of a core: 2
+                  (102.0, 503.8, 9.0)])  # 2 s: 3.8 s busy, 2.0 s ours → the others 0.9: 2 − 1 − 0.9 < 0.5: 1
+    read = threads._cpu_times
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(times))
+    with threads.replay_threads():
+        assert [threads.pass_threads() for _ in range(3)] == [1, 2, 1]
+    assert threads._window is None  # closed with the outermost replay
+    # /proc/stat parsed for this process's CPUs only: user nice system irq softirq steal (not idle, not iowait)
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  9 9 9 9 9 9 9 9 0 0\n"
+                    "cpu0 100 1 20 5000 7 3 2 4 0 0\n"
+                    "cpu1 200 0 30 4000 9 1 1 0 0 0\n"
+                    "cpu2 999 999 999 0 0 0 0 0 0 0\n")
+    monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
+    _, busy, _ = read(str(stat))
+    assert busy == pytest.approx((100 + 1 + 20 + 3 + 2 + 4 + 200 + 30 + 1 + 1) / 100)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 5})  # a CPU without a line: no window
+    assert read(str(stat)) is None

@@ -19,7 +19,7 @@ from ..judge.error_model import Rules, coarse_payloads, tolerance_warnings
 from ..errors import BundleError, SelectionError, UnsupportedError
 from ..explain import annotate
 from ..bundle.gcpause import gc_paused
-from .threads import pass_threads, replay_threads
+from .threads import cpu_window, pass_threads, replay_threads
 from ..judge.report import STATUS_FAIL, STATUS_PASS, STATUS_SKIPPED, Divergence, Hazard, ReplayReport, StageReport
 from ..safe_text import elided_listing, safe
 from ..bundle.schema import FORMAT_2_REMOVED_STAGES, NOT_IN_FORMAT_2, ActorStepId, StageCapability, StageContract, StageId
@@ -451,6 +451,7 @@ def replay(
 ) -> ReplayReport:
     """Open (verify) and replay a bundle, cohort or capture directory. The stages start while the reader still
     hashes the safetensors payloads; every checksum is judged before the report is made (SPEC §11)."""
+    cpu_window()  # (run.threads.pass_threads) the window opened before the bundle's hashing
     with replay_threads():  # the payloads' loads and upcasts too (run.threads)
         bundles = open_bundle(path, step=step, rollout=rollout, defer_payloads=not selection.empty,
                               defer_checksums=True)
