@@ -29,6 +29,8 @@ FLOOR_CODE = (
     "    with open(p, 'rb') as fh:\n"
     "        hashlib.file_digest(fh, 'sha256')\n"
 )
+# The floor ending as the read-only commands end (replay_lib.cli.end_process: os._exit, no interpreter teardown).
+QUICK_FLOOR_CODE = FLOOR_CODE + "import os\nos._exit(0)\n"
 
 
 def bundle_args(description: str, argv=None) -> argparse.Namespace:
