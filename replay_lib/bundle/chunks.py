@@ -47,41 +47,79 @@ _PARALLEL = 1 << 20  # a read at least this large has its two digests computed o
 
 
 def hash_file(path: Path, chunk: int = CHUNK_BYTES) -> tuple[str, list[str]]:
-    """``(sha256 of the file, [sha256 of each chunk of chunk bytes])`` in one read of the file: each buffer read
-    feeds the whole-file hash and its chunk's. A large buffer's chunk digest is computed on a second thread while
-    the whole digest takes the same bytes (hashlib releases the GIL), so the wall time stays about one hash of the
-    file where a second core is free."""
+    """``(sha256 of the file, [sha256 of each chunk of chunk bytes])`` in one read of the file (:func:`hash_stream`)."""
+    with open(path, "rb", buffering=0) as fh:
+        return hash_stream(fh, chunk)
+
+
+def hash_stream(fh, chunk: int, stop: Optional[threading.Event] = None) -> Optional[tuple[str, list[str]]]:
+    """:func:`hash_file` of an open binary file: each buffer read feeds the whole-file hash and its chunk's. A large
+    buffer's chunk digest is computed on a second thread while the whole digest takes the same bytes (hashlib
+    releases the GIL), so the wall time stays about one hash of the file where a second core is free. ``stop`` set
+    between two reads → ``None`` (a background hash given up)."""
     if chunk > _READ and chunk % _READ:
         raise ValueError(f"chunk size {chunk}: expected at most {_READ} bytes or a multiple of it")
     whole = hashlib.sha256()
     digests: list[str] = []
-    size = os.path.getsize(path)
+    size = os.fstat(fh.fileno()).st_size
     buf = bytearray(min(chunk, _READ, size + 1))
     current = hashlib.sha256()
     filled = 0  # bytes of the current chunk fed to ``current``
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            view = memoryview(buf)[:n]
-            if n >= _PARALLEL:
-                worker = threading.Thread(target=current.update, args=(view,), name="chunk-sha256")
-                worker.start()
-                try:
-                    whole.update(view)
-                finally:
-                    worker.join()
-            else:
+    while True:
+        if stop is not None and stop.is_set():
+            return None
+        n = fh.readinto(buf)
+        if not n:
+            break
+        view = memoryview(buf)[:n]
+        if n >= _PARALLEL:
+            worker = threading.Thread(target=current.update, args=(view,), name="chunk-sha256")
+            worker.start()
+            try:
                 whole.update(view)
-                current.update(view)
-            filled += n
-            if filled >= chunk:
-                digests.append(current.hexdigest())
-                current, filled = hashlib.sha256(), 0
+            finally:
+                worker.join()
+        else:
+            whole.update(view)
+            current.update(view)
+        filled += n
+        if filled >= chunk:
+            digests.append(current.hexdigest())
+            current, filled = hashlib.sha256(), 0
     if filled:
         digests.append(current.hexdigest())
     return whole.hexdigest(), digests
+
+
+def raw_chunk_bytes(raw_manifest, file: Path) -> Optional[int]:
+    """The chunk size the manifest (as decoded JSON, unchecked) lists for ``file``'s payload, when it is one a reader
+    takes (:data:`MIN_CHUNK_BYTES`–:data:`MAX_CHUNK_BYTES`, a multiple of a read when larger than one); else
+    ``None`` — the reader's checks name what is wrong with it."""
+    from .packed import SAFETENSORS_SUFFIX, payload_stem
+
+    payloads = raw_manifest.get("payloads") if isinstance(raw_manifest, dict) else None
+    spec = payloads.get(payload_stem(file.name)) if isinstance(payloads, dict) else None
+    listed = spec.get("chunks") if isinstance(spec, dict) else None
+    size = listed.get("bytes") if isinstance(listed, dict) else None
+    if (not file.name.endswith(SAFETENSORS_SUFFIX) or type(size) is not int
+            or not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES or (size > _READ and size % _READ)):
+        return None
+    return size
+
+
+def check_listed(path: Path, spec: "PayloadSpec", digests: list[str]) -> None:
+    """``digests`` (each chunk's sha256, of the file whose whole sha256 was verified) against the manifest's chunk
+    list of ``spec``; the first that differs raised as a :class:`BundleError` naming the chunk, as a selected
+    replay names it."""
+    for i, (listed, got) in enumerate(zip(spec.chunks.sha256, digests)):
+        if listed != got:
+            lo = i * spec.chunks.bytes
+            hi = min(lo + spec.chunks.bytes, spec.bytes)
+            raise BundleError(f"{path}: chunk {i} (bytes {lo}–{hi}): sha256 mismatch (manifest $.payloads."
+                              f"{spec.name}.chunks.sha256[{i}] {listed[:12]}…, file {got[:12]}…)")
+    if len(digests) != len(spec.chunks.sha256):  # (structure_error checked the count against the size first)
+        raise BundleError(f"{path}: {len(digests)} chunk(s) of {spec.chunks.bytes} bytes, the manifest lists "
+                          f"{len(spec.chunks.sha256)}")
 
 
 def chunk_count(nbytes: int, chunk: int) -> int:
@@ -172,6 +210,10 @@ class ChunkGuard:
         if digest != self.spec.sha256 or digest != self.sentinel_sha256:
             raise _checksum_mismatch(self.path, self.spec.sha256, self.sentinel_sha256, self.sentinel_name, digest)
         self.complete = True
+
+    def verify_all(self) -> None:
+        """Verify every chunk against its listed sha256."""
+        self._verify(set(range(len(self.expected))))
 
     def _verify(self, wanted: set[int]) -> None:
         todo = sorted(i for i in wanted - self.verified if i < len(self.expected))  # none past the file's end

@@ -102,7 +102,9 @@ class _Digests:
     :meth:`close` stops the thread within one chunk and waits for it: a refused bundle leaves nothing
     running."""
 
-    def __init__(self, blobs: dict[str, bytes], files: list[Path]) -> None:
+    def __init__(self, blobs: dict[str, bytes], files: list[Path], chunk_sizes: Optional[dict[Path, int]] = None) -> None:
+        self._chunk_sizes = chunk_sizes or {}  # files whose chunks are hashed in the same read (verify_chunks)
+        self._parts: dict[Path, list[str]] = {}
         self._meta: dict[str, str] = {}
         self._meta_done = threading.Event()
         self._files: dict[Path, str] = {}
@@ -131,7 +133,10 @@ class _Digests:
         try:
             for file in files:
                 try:
-                    digest = None if self._stop.is_set() else _sha256_regular(file, self._stop)
+                    digest = None if self._stop.is_set() else _hash_regular(file, self._stop,
+                                                                            self._chunk_sizes.get(file))
+                    if isinstance(digest, tuple):
+                        digest, self._parts[file] = digest
                     if digest is not None:
                         self._files[file] = digest
                 except Exception:
@@ -165,6 +170,10 @@ class _Digests:
         done = self._file_done.get(path)
         return done is None or done.is_set()
 
+    def parts(self, path: Path) -> Optional[list[str]]:
+        """The chunks' sha256 of ``path`` hashed with its chunk size (after :meth:`file`), else ``None``."""
+        return self._parts.get(path)
+
     def file(self, path: Path) -> str:
         done = self._file_done.get(path)
         if done is not None:
@@ -196,6 +205,21 @@ class _Digests:
             except OSError:
                 pass
         return files
+
+
+def _hash_regular(path: Path, stop: threading.Event, chunk: Optional[int]):
+    """:func:`_sha256_regular`, or with ``chunk`` ``(sha256, [each chunk's sha256])`` in the same read
+    (``chunks.hash_stream``); ``None`` as it returns it."""
+    if chunk is None:
+        return _sha256_regular(path, stop)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with open(fd, "rb", buffering=0, closefd=False) as fh:
+            return chunks.hash_stream(fh, chunk, stop)
+    finally:
+        os.close(fd)
 
 
 def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
@@ -473,7 +497,7 @@ class BundleReader:
     format_major: int = 1  # of manifest.json $.format_version (1 or 2)
 
     def __init__(self, path: str | os.PathLike, *, _shard: Optional[RankComplete] = None, _rank: Optional[int] = None,
-                 defer_payloads: bool = False, defer_checksums: bool = False):
+                 defer_payloads: bool = False, defer_checksums: bool = False, verify_chunks: bool = False):
         """Open and verify a single bundle directory. A rank-local path requires its cohort's COMPLETE.
 
         ``defer_payloads`` (a selected replay): a payload with per-chunk checksums (``bundle.chunks``) has its
@@ -484,7 +508,11 @@ class BundleReader:
         ``defer_checksums``: the sha256 of a safetensors payload (format 1.3) still being hashed is judged by
         :meth:`confirm`, which the caller must call before it reports anything derived from a payload, and on any
         error it meets before that (module doc). With both, a payload verified chunk by chunk is never hashed
-        whole; the others are confirmed as without ``defer_payloads``."""
+        whole; the others are confirmed as without ``defer_payloads``.
+
+        ``verify_chunks`` (``validate``): each safetensors payload's chunk list (``bundle.chunks``) is checked too,
+        its chunks hashed in the same read as the whole file (on a second thread where a core is free); a chunk
+        whose sha256 differs from its listed one is refused as a selected replay would refuse it."""
         path = Path(path)
         if _shard is None:
             from .locate import resolve_bundle
@@ -502,6 +530,8 @@ class BundleReader:
         self._defer_payloads = defer_payloads
         self._guards: dict[str, chunks.ChunkGuard] = {}  # payloads whose chunks are verified when read
         self._defer_checksums = defer_checksums
+        self._verify_chunks = verify_chunks
+        self._parts_ahead: dict[Path, list[str]] = {}  # the chunk digests of payloads hashed ahead (verify_chunks)
         # the payload checksums left to confirm(): (file, manifest sha256, sentinel sha256, sentinel name)
         self._pending: list[tuple[Path, str, str, str]] = []
         self._digests: Optional[_Digests] = None
@@ -524,14 +554,19 @@ class BundleReader:
         # blobs, so altered JSON files are refused without waiting for them) while the reader decodes and checks.
         sizes = _sizes(files)
         ahead = sizes is not None and sum(sizes.values()) <= HASH_AHEAD_BYTES
-        digests = _Digests(blobs, [] if ahead else files)
+        chunk_sizes = {}
+        if self._verify_chunks:
+            chunk_sizes = {f: n for f in files if (n := chunks.raw_chunk_bytes(manifest_attempt[0], f)) is not None}
+        digests = _Digests(blobs, [] if ahead else files, chunk_sizes)
         self._digests = digests
         try:
             self._loaded = _preload(blobs["manifest.json"], sizes or {})
             if ahead:
                 for file, (spec, attempt, _) in self._loaded.items():
                     try:
-                        digest = _sha256_regular(file, digests.stop)
+                        digest = _hash_regular(file, digests.stop, chunk_sizes.get(file))
+                        if isinstance(digest, tuple):
+                            digest, self._parts_ahead[file] = digest
                     except Exception:
                         digest = None  # hashed again in its place, where its checks name what is wrong
                     self._loaded[file] = (spec, attempt, digest)
@@ -824,7 +859,8 @@ class BundleReader:
                 digest = None
             # defer_checksums: a safetensors payload still being hashed is checked now, its checksum judged by
             # confirm() (or, when a check below or later fails, by _verify ahead of that failure)
-            if (digest is None and self._defer_checksums and file.name.endswith(packed.SAFETENSORS_SUFFIX)
+            if (digest is None and self._defer_checksums and not self._verify_chunks
+                    and file.name.endswith(packed.SAFETENSORS_SUFFIX)
                     and not digests.hashed(file)):
                 self._pending.append((file, spec.sha256, shard.payloads[key], sentinel_name))
             else:
@@ -832,6 +868,9 @@ class BundleReader:
                 digest = digest if digest is not None else digests.file(file)
                 if digest != spec.sha256 or digest != shard.payloads[key]:
                     raise _checksum_mismatch(file, spec.sha256, shard.payloads[key], sentinel_name, digest)
+                if self._verify_chunks and spec.chunks is not msgspec.UNSET:
+                    self._check_chunk_list(file, spec, shard.payloads[key], sentinel_name,
+                                           self._parts_ahead.pop(file, None) or digests.parts(file))
             if unloadable is not None:
                 raise unloadable
             if str(tensor.dtype) != spec.dtype:
@@ -856,6 +895,16 @@ class BundleReader:
             if stem not in self.manifest.payloads or entry != packed.payload_file(
                     payload_dir, stem, self.manifest.format_version):
                 self.warnings.append(f"{entry}: file not listed in manifest.json (ignored)")
+
+    @staticmethod
+    def _check_chunk_list(file: Path, spec, sentinel_sha256: str, sentinel_name: str,
+                          parts: Optional[list[str]]) -> None:
+        """``verify_chunks``: the payload's chunk list against its chunks' digests (hashed with the whole file, or
+        here when they were not: a file the thread did not hash)."""
+        if parts is None or len(parts) != len(spec.chunks.sha256):
+            chunks.ChunkGuard(file, spec, sentinel_sha256, sentinel_name).verify_all()
+        else:
+            chunks.check_listed(file, spec, parts)
 
     def _read_masks(self) -> None:
         """The samples' masks (packed.py): from the verified payload ``loss_mask`` of a 1.3 bundle that has one,

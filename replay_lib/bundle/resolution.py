@@ -67,6 +67,7 @@ class BundleSet:
 def open_bundle(
     path: str | os.PathLike, step: Optional[ActorStepId] = None, rollout: Optional[int] = None,
     *, forensic: bool = False, defer_payloads: bool = False, defer_checksums: bool = False,
+    verify_chunks: bool = False,
 ) -> BundleSet:
     """Resolve and verify a bundle, a cohort or a capture directory; anchors are checked exactly.
 
@@ -77,9 +78,10 @@ def open_bundle(
     ``forensic=True`` (the debugger's ``--forensic``, never a default) also opens a cohort whose final
     COMPLETE is missing: see :func:`_published_shards`. Everything else stays as strict as without it.
     ``defer_payloads=True`` (a selected replay): payloads with per-chunk checksums are verified chunk by chunk as
-    they are read (``BundleReader``); :meth:`BundleSet.verify_selected` verifies what a selection reads."""
+    they are read (``BundleReader``); :meth:`BundleSet.verify_selected` verifies what a selection reads.
+    ``verify_chunks=True`` (``validate``): every payload's chunk list is checked against its chunks too."""
     with gc_paused():
-        return _open_bundle(Path(path), step, rollout, forensic, defer_payloads, defer_checksums)
+        return _open_bundle(Path(path), step, rollout, forensic, defer_payloads, defer_checksums, verify_chunks)
 
 
 def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
@@ -115,11 +117,13 @@ def _published_shards(cohort: Path) -> tuple[BundleComplete, str]:
 
 
 def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool = False,
-                 defer_payloads: bool = False, defer_checksums: bool = False) -> BundleSet:
+                 defer_payloads: bool = False, defer_checksums: bool = False,
+                 verify_chunks: bool = False) -> BundleSet:
     resolved = resolve_capture(path, step, rollout)
     shards: list[BundleReader] = []
     try:
-        return _open_resolved(resolved, step, rollout, forensic, shards, defer_payloads, defer_checksums)
+        return _open_resolved(resolved, step, rollout, forensic, shards, defer_payloads, defer_checksums,
+                              verify_chunks)
     except Exception:
         for shard in shards:  # the shards opened so far: a deferred checksum's mismatch comes first
             shard.confirm()
@@ -127,11 +131,13 @@ def _open_bundle(path: Path, step: Optional[ActorStepId], rollout: Optional[int]
 
 
 def _open_resolved(resolved: Resolved, step: Optional[ActorStepId], rollout: Optional[int], forensic: bool,
-                   shards: list[BundleReader], defer_payloads: bool, defer_checksums: bool) -> BundleSet:
+                   shards: list[BundleReader], defer_payloads: bool, defer_checksums: bool,
+                   verify_chunks: bool = False) -> BundleSet:
     note = None
     if resolved.kind == "bundle":
         shards.append(BundleReader(resolved.path, _shard=resolved.shard, _rank=resolved.rank,
-                                   defer_payloads=defer_payloads, defer_checksums=defer_checksums))
+                                   defer_payloads=defer_payloads, defer_checksums=defer_checksums,
+                                   verify_chunks=verify_chunks))
         cohort = False
     else:
         if forensic and not os.path.lexists(resolved.path / "COMPLETE"):
@@ -143,7 +149,8 @@ def _open_resolved(resolved: Resolved, step: Optional[ActorStepId], rollout: Opt
             if not (shard_dir / "manifest.json").exists():
                 raise BundleError(f"{shard_dir}: missing rank shard listed in cohort COMPLETE $.ranks")
             shards.append(BundleReader(shard_dir, _shard=complete.shards[str(r)], _rank=r,
-                                       defer_payloads=defer_payloads, defer_checksums=defer_checksums))
+                                       defer_payloads=defer_payloads, defer_checksums=defer_checksums,
+                                       verify_chunks=verify_chunks))
         ids = {s.bundle_id for s in shards}
         if len(ids) != 1:
             raise BundleError(f"{resolved.path}: rank shards disagree on bundle_id: {sorted(ids)}")

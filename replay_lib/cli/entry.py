@@ -410,7 +410,8 @@ def _dispatch(args) -> int:
         from ..bundle.resolution import open_bundle
 
         step, rollout = anchor_from_args(args)
-        bundles = open_bundle(args.bundle, step=step, rollout=rollout)  # a refused bundle: exit 3 without torch
+        # a refused bundle: exit 3 without torch; the chunk lists checked beside the whole files (bundle.chunks)
+        bundles = open_bundle(args.bundle, step=step, rollout=rollout, verify_chunks=True)
         from ..run.validate import check_dependency_closure
 
         result = check_dependency_closure(bundles)

@@ -125,7 +125,7 @@ def run_reseal_command(args) -> int:
     from ..bundle.resolution import open_bundle
 
     try:
-        open_bundle(args.bundle)
+        open_bundle(args.bundle, verify_chunks=True)  # as validate verifies it
         verified, reason = True, ""
     except BundleError as exc:
         verified, reason = False, str(exc)

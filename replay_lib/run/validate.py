@@ -41,7 +41,7 @@ class ValidationResult(msgspec.Struct, kw_only=True):
 
 def validate(path: str | Path, step: Optional[ActorStepId] = None, rollout: Optional[int] = None) -> ValidationResult:
     """Raise :class:`BundleError` (exit 3) on the first problem; return what was checked otherwise."""
-    bundles = open_bundle(path, step=step, rollout=rollout)
+    bundles = open_bundle(path, step=step, rollout=rollout, verify_chunks=True)
     return check_dependency_closure(bundles)
 
 
