@@ -6,8 +6,9 @@ CSV: a header line, then one line per element: ``rank, sample_id, offset, label,
 tolerance, divergent`` (``rank`` for a cohort's shard, ``offset`` for a per-token field, ``label`` for a table
 row — a sample id or a loss field —, each empty where it does not apply; numbers as Python's shortest float repr, ``nan``/``inf`` as such;
 text escaped as the views show it, with a leading ``'`` where a spreadsheet would read a formula).
-JSON: ``{"field", "stage", "scope", "columns", "rows": [[…], …]}`` with the same columns, a non-finite number
-as ``null``. A file that exists is never replaced unless the caller says so (the dialog asks first); the
+JSON: ``{"field", "stage", "scope", "columns", "rows": [[…], …]}`` with the same columns (a row a line), a
+non-finite number as ``null``. Written as it is made, a block of samples at a time (:data:`EXPORT_BLOCK`): a whole
+stage's export holds one block's rows, never the file's text. A file that exists is never replaced unless the caller says so (the dialog asks first); the
 file is written beside its final name and renamed into place, so a failed write leaves no half file."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Iterator, Optional, TextIO
 
 import torch
 
@@ -78,38 +79,58 @@ def _number(x: float):
     return x if math.isfinite(x) else None
 
 
+# Elements per block of a whole stage's export: the rows of one block are Python lists for a moment, written, then
+# dropped — the export of a 134M-token stage never holds more than a block's rows (nor the file's text).
+EXPORT_BLOCK = 1 << 16
+
+
 def export_rows(model: ReplayModel, request: ExportRequest) -> tuple[str, list[list]]:
-    """``(stage, rows)``: one row per element in :data:`COLUMNS` order."""
+    """``(stage, rows)``: one row per element in :data:`COLUMNS` order (every block of :func:`export_blocks`)."""
+    stage, blocks = export_blocks(model, request)
+    return stage, [row for block in blocks for row in block]
+
+
+def export_blocks(model: ReplayModel, request: ExportRequest) -> tuple[str, Iterator[list[list]]]:
+    """``(stage, blocks)``: the rows in :data:`COLUMNS` order, a block of at most about :data:`EXPORT_BLOCK`
+    elements at a time (whole samples; a sample longer than a block is one block), made as they are taken."""
     spec = FIELD_BY_NAME[request.field]
     if spec.kind == KIND_TOKEN and request.scope == "sample":
         diff = model.field_diff(request.field, request.sample_id)
         row = model.sample(request.sample_id)
         rank = model.shards[row.shard].rank if row is not None else None
-        return spec.stage, _rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor, diff.tolerance_tensor,
-                                 diff.bad_tensor, rank=rank, sample_ids=[diff.sample_id] * len(diff),
-                                 offsets=range(len(diff)))
+        return spec.stage, iter([_rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor,
+                                       diff.tolerance_tensor, diff.bad_tensor, rank=rank,
+                                       sample_ids=[diff.sample_id] * len(diff), offsets=range(len(diff)))])
     if spec.kind == KIND_TOKEN:
-        rows: list[list] = []
-        shown = set(model.samples.ids)
-        for shard in model.shards:
-            if not shard.ensure(request.field):
-                continue
-            result = shard.results[request.field]
-            ctx = shard.ctx
-            starts, lengths = ctx.offsets.tolist(), ctx.lengths.tolist()
-            keep = [i for i, sid in enumerate(ctx.sample_ids) if sid in shown]
-            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in keep]) if keep else \
-                torch.zeros(0, dtype=torch.int64)
-            sample_ids = [ctx.sample_ids[i] for i in keep for _ in range(lengths[i])]
-            offsets = [t for i in keep for t in range(lengths[i])]
-            rows += _rows(result.expected[index], result.actual[index], result.abs_error[index],
-                          result.tolerance[index], result.divergent[index], rank=shard.rank, sample_ids=sample_ids,
-                          offsets=offsets)
-        return spec.stage, rows
+        return spec.stage, _stage_blocks(model, request.field)
     diff = model.field_diff(request.field)
-    return spec.stage, _rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor, diff.tolerance_tensor,
-                             diff.bad_tensor, labels=diff.labels,
-                             sample_ids=diff.labels if spec.kind != KIND_COHORT else None)
+    return spec.stage, iter([_rows(diff.expected_tensor, diff.actual_tensor, diff.error_tensor, diff.tolerance_tensor,
+                                   diff.bad_tensor, labels=diff.labels,
+                                   sample_ids=diff.labels if spec.kind != KIND_COHORT else None)])
+
+
+def _stage_blocks(model: ReplayModel, field: str) -> Iterator[list[list]]:
+    """Every shown sample's tokens of a per-token field, shard by shard, in blocks of whole samples."""
+    shown = set(model.samples.ids)
+    for shard in model.shards:
+        if not shard.ensure(field):
+            continue
+        result = shard.results[field]
+        ctx = shard.ctx
+        starts, lengths = ctx.offsets.tolist(), ctx.lengths.tolist()
+        keep = [i for i, sid in enumerate(ctx.sample_ids) if sid in shown]
+        at = 0
+        while at < len(keep):
+            block, size = [], 0
+            while at < len(keep) and (not block or size + lengths[keep[at]] <= EXPORT_BLOCK):
+                block.append(keep[at])
+                size += lengths[keep[at]]
+                at += 1
+            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in block])
+            yield _rows(result.expected[index], result.actual[index], result.abs_error[index],
+                        result.tolerance[index], result.divergent[index], rank=shard.rank,
+                        sample_ids=[ctx.sample_ids[i] for i in block for _ in range(lengths[i])],
+                        offsets=[t for i in block for t in range(lengths[i])])
 
 
 def _rows(expected, actual, err, tol, bad, *, rank=None, sample_ids=None, offsets=None, labels=None) -> list[list]:
@@ -124,18 +145,33 @@ def _rows(expected, actual, err, tol, bad, *, rank=None, sample_ids=None, offset
 
 
 def render(path: str, field: str, stage: str, scope: str, rows: list[list]) -> str:
-    """The file's text: JSON for a ``.json`` path, else CSV."""
-    if path.lower().endswith(".json"):
-        doc = {"field": field, "stage": stage, "scope": scope, "columns": list(COLUMNS),
-               "rows": [[_number(v) if isinstance(v, float) else v for v in row] for row in rows]}
-        return json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    """The file's text: JSON for a ``.json`` path, else CSV (:func:`write_rows` into a string)."""
     out = io.StringIO()
+    write_rows(out, path, field, stage, scope, iter([rows]))
+    return out.getvalue()
+
+
+def write_rows(out: TextIO, path: str, field: str, stage: str, scope: str, blocks: Iterable[list[list]]) -> int:
+    """Write the rows of ``blocks`` to ``out`` as they come, JSON for a ``.json`` path (one row a line), else CSV;
+    returns the number of rows."""
+    count = 0
+    if path.lower().endswith(".json"):
+        head = json.dumps({"field": field, "stage": stage, "scope": scope, "columns": list(COLUMNS)})
+        out.write(head[:-1] + ', "rows": [')
+        for block in blocks:
+            for row in block:
+                out.write(("\n" if count == 0 else ",\n")
+                          + json.dumps([_number(v) if isinstance(v, float) else v for v in row], allow_nan=False))
+                count += 1
+        out.write("\n]}\n")
+        return count
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
-    for row in rows:
-        writer.writerow(["" if v is None else repr(v) if isinstance(v, float) else _cell(v) if isinstance(v, str)
-                         else v for v in row])
-    return out.getvalue()
+    for block in blocks:
+        writer.writerows(["" if v is None else repr(v) if isinstance(v, float) else _cell(v) if isinstance(v, str)
+                          else v for v in row] for row in block)
+        count += len(block)
+    return count
 
 
 # A cell a spreadsheet would evaluate as a formula (OWASP's list of first characters).
@@ -164,18 +200,17 @@ def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overw
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
     if target.exists() and not overwrite:
         raise FileExistsError(str(target))
-    stage, rows = export_rows(model, request)
-    text = render(str(target), request.field, stage, request.scope, rows)
+    stage, blocks = export_blocks(model, request)
     if target.parent == EXPORT_DIR.expanduser():
         target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=str(target.parent))
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 → the mode open() gives a new file
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+            count = write_rows(f, str(target), request.field, stage, request.scope, blocks)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     what = "JSON" if str(target).lower().endswith(".json") else "CSV"
-    return f"wrote {len(rows)} row(s) of {request.field} ({request.scope}) to {target} as {what}"
+    return f"wrote {count} row(s) of {request.field} ({request.scope}) to {target} as {what}"

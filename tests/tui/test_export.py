@@ -225,3 +225,46 @@ async def test_a_cohort_s_stage_export_names_each_row_s_rank(make_app, tmp_path)
         assert len(rows) == 2 * 8 * 16
         assert {(r[0], r[1][:3]) for r in rows} == {(0, "r0-"), (1, "r1-")}
         assert [r[2] for r in rows[:17]] == list(range(16)) + [0]  # offsets restart with each sample
+
+
+def test_a_whole_stage_is_written_a_block_of_samples_at_a_time(tmp_path, monkeypatch):
+    """X on a large step: the rows are made and written a block of whole samples at a time (never the whole
+    stage's rows, nor the file's text, at once) and the file is the one a single block gives, in CSV and in JSON."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.demo import write_synthetic
+    from replay_lib.run.runner import replay_run
+    from replay_tui import export as export_mod
+    from replay_tui.model import build_model
+
+    path = write_synthetic(tmp_path / "b", samples=24, tokens=40, seed=3, vary_lengths=True)
+    bundles = open_bundle(path)
+    report, contexts = replay_run(bundles)
+    model = build_model(bundles, report, contexts=contexts)
+    request = ExportRequest(field="kl", sample_id=None, whole_stage=True)
+    lengths = contexts[0].lengths.tolist()
+    made = []
+    rows_of = export_mod._rows
+
+    def recorded(*args, **kw):
+        made.append(rows_of(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(export_mod, "_rows", recorded)
+    texts = {}
+    for block in (1 << 16, 100):
+        monkeypatch.setattr(export_mod, "EXPORT_BLOCK", block)
+        made.clear()
+        for suffix in ("csv", "json"):
+            out = tmp_path / f"kl-{block}.{suffix}"
+            line = export_mod.export_field(model, request, str(out))
+            assert line.startswith(f"wrote {sum(lengths)} row(s) of kl (stage)"), line
+            texts[block, suffix] = out.read_text()
+        sizes = [len(rows) for rows in made[:len(made) // 2]]
+        if block == 100:  # whole samples up to 100 tokens a block: more than one block, none beyond the bound
+            assert len(sizes) > 1 and max(sizes) <= 100 and sum(sizes) == sum(lengths)
+        else:
+            assert sizes == [sum(lengths)]
+    assert texts[100, "csv"] == texts[1 << 16, "csv"] and texts[100, "json"] == texts[1 << 16, "json"]
+    doc = json.loads(texts[100, "json"])
+    assert doc["columns"] == list(COLUMNS) and len(doc["rows"]) == sum(lengths)
+    assert [row[2] for row in doc["rows"][:lengths[0] + 1]] == [*range(lengths[0]), 0]  # offsets restart per sample
