@@ -50,22 +50,29 @@ def _import_ray():
     return ray
 
 
+def connect(ray, address: Optional[str]) -> bool:
+    """Ray initialized for ``--executor ray`` (the cluster at ``address``, else ``RAY_ADDRESS``, else a local one)
+    unless it already is; whether this call started it (its caller then shuts it down). A cluster that cannot be
+    started or reached is a usage error naming where it was looked for."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR", configure_logging=True)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        where = f"at {address}" if address else "(RAY_ADDRESS or a local one)"
+        raise UsageError(f"--executor ray: cannot start or reach the Ray cluster {where}: "
+                         f"{' '.join(str(exc).split())}") from None
+    return True
+
+
 def make_ray_executor(*, jobs: int, address: Optional[str] = None):
     ray = _import_ray()
 
     def run(work, options, take, stop: threading.Event) -> None:
         from .rows import STATUS_ERROR, error_row, timeout_row
 
-        started = False
-        if not ray.is_initialized():
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         logging_level="ERROR", configure_logging=True)
-            except (ConnectionError, ValueError, RuntimeError) as exc:
-                where = f"at {address}" if address else "(RAY_ADDRESS or a local one)"
-                raise UsageError(f"--executor ray: cannot start or reach the Ray cluster {where}: "
-                                 f"{' '.join(str(exc).split())}") from None
-            started = True
+        started = connect(ray, address)
         check = ray.remote(num_cpus=1, max_retries=0)(_ray_check)
         pending = list(reversed(work))
         flight: dict = {}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from ..errors import BundleError, ReplayError, UsageError
-from .ray_executor import _import_ray
+from ..errors import BundleError, ReplayError
+from .ray_executor import _import_ray, connect
 
 
 def _replay_shard(path: str, rank: Optional[int], indices, partial: bool, keep: int, rules, plan):
@@ -48,16 +48,7 @@ def ray_shard_runner(address: Optional[str] = None):
     def run(jobs, keep, rules) -> Iterator[tuple[list, list, list]]:
         from ..bundle.schema import StageId
 
-        started = False
-        if not ray.is_initialized():
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         logging_level="ERROR", configure_logging=True)
-            except (ConnectionError, ValueError, RuntimeError) as exc:
-                where = f"at {address}" if address else "(RAY_ADDRESS or a local one)"
-                raise UsageError(f"--executor ray: cannot start or reach the Ray cluster {where}: "
-                                 f"{' '.join(str(exc).split())}") from None
-            started = True
+        started = connect(ray, address)
         try:
             task = ray.remote(num_cpus=1, max_retries=0)(_replay_shard)
             refs = [task.remote(str(shard.path), shard.rank, res.indices, res.partial, keep, rules, plan)
