@@ -3,7 +3,7 @@
 Builds ``write_synthetic(samples=256, tokens=8192, kl_coef=0.0)`` (``--samples``/``--tokens``), then measures in
 one run, interleaved, each as a fresh process, ``--reps`` times (median):
 
-* floor        — ``import torch`` + read and sha256 every payload file (bench/harness.py);
+* floor        — ``import torch`` + read and sha256 every payload file and index.json (bench/harness.py);
 * floor, quick exit — the same ending with ``os._exit`` as ``replay`` ends (``cli.end_process``: no interpreter
   teardown, ≈ 0.3 s of a process that imported torch); printed as a stricter floor, not judged;
 * replay t=1   — ``OMP_NUM_THREADS=1 trajectory-replay replay BUNDLE``;
@@ -58,13 +58,14 @@ def main(argv=None) -> int:
                             bundle.name], check=True)
         payloads = sorted(str(p) for p in (bundle / "payloads").iterdir())
         payload_bytes = sum(Path(p).stat().st_size for p in payloads)
+        read = [*payloads, str(bundle / "index.json")]  # the floor reads the index too (issue 40)
         print(f"bundle: {args.samples} samples × {args.tokens} tokens = {args.samples * args.tokens:,} tokens, "
               f"{payload_bytes / 2**20:.1f} MiB of payloads")
         replay = cli_cmd("replay") + [str(bundle)]
-        cmds = {"floor": ["env", "-u", "OMP_NUM_THREADS", sys.executable, "-c", FLOOR_CODE, *payloads],
+        cmds = {"floor": ["env", "-u", "OMP_NUM_THREADS", sys.executable, "-c", FLOOR_CODE, *read],
                 # the same work ending as the read-only commands end (os._exit: no interpreter teardown)
                 "floor, quick exit": ["env", "-u", "OMP_NUM_THREADS", sys.executable, "-c", QUICK_FLOOR_CODE,
-                                      *payloads],
+                                      *read],
                 "replay t=1": ["env", "OMP_NUM_THREADS=1", *replay]}
         for n in (int(x) for x in args.threads.split(",") if x.strip()):
             cmds[f"replay t={n}"] = ["env", f"OMP_NUM_THREADS={n}", *replay]
