@@ -126,9 +126,14 @@ def _stage_blocks(model: ReplayModel, field: str) -> Iterator[list[list]]:
                 block.append(keep[at])
                 size += lengths[keep[at]]
                 at += 1
-            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in block])
-            yield _rows(result.expected[index], result.actual[index], result.abs_error[index],
-                        result.tolerance[index], result.divergent[index], rank=shard.rank,
+            # the block's rows judged as a window (FieldResult.window): the field's float64 columns are never
+            # built for the whole step (≈ 34 bytes a token) by an export
+            lo, hi = starts[block[0]], starts[block[-1]] + lengths[block[-1]]
+            w = result.window(lo, hi)
+            index = torch.cat([torch.arange(starts[i] - lo, starts[i] - lo + lengths[i]) for i in block])
+            marked = w.bad if result.flagged is None else w.bad | result.flagged[lo:hi]
+            yield _rows(w.expected[index], w.actual[index], w.shown_error[index], w.tolerance[index],
+                        marked[index], rank=shard.rank,
                         sample_ids=[ctx.sample_ids[i] for i in block for _ in range(lengths[i])],
                         offsets=[t for i in block for t in range(lengths[i])])
 

@@ -265,6 +265,39 @@ def test_a_whole_stage_is_written_a_block_of_samples_at_a_time(tmp_path, monkeyp
         else:
             assert sizes == [sum(lengths)]
     assert texts[100, "csv"] == texts[1 << 16, "csv"] and texts[100, "json"] == texts[1 << 16, "json"]
+    # each block judged as a window of the field (FieldResult.window): the rows its whole-step columns give
+    shard = model.shards[0]
+    result = shard.results["kl"]
+    whole = rows_of(result.expected, result.actual, result.abs_error, result.tolerance, result.divergent,
+                    rank=shard.rank, sample_ids=[sid for sid, n in zip(contexts[0].sample_ids, lengths)
+                                                 for _ in range(n)],
+                    offsets=[t for n in lengths for t in range(n)])
+    assert export_mod.export_rows(model, request)[1] == whole
     doc = json.loads(texts[100, "json"])
     assert doc["columns"] == list(COLUMNS) and len(doc["rows"]) == sum(lengths)
     assert [row[2] for row in doc["rows"][:lengths[0] + 1]] == [*range(lengths[0]), 0]  # offsets restart per sample
+
+
+def test_a_large_field_s_export_never_builds_its_whole_step_columns(tmp_path):
+    """A field beyond KEEP_COLUMNS keeps no float64 columns once judged; X writes it a window at a time and leaves
+    it so (building every row first took ≈ 500 bytes a token: 1,009 MiB for a 2M-token step)."""
+    from replay_lib.bundle import open_bundle
+    from replay_lib.demo import write_synthetic
+    from replay_lib.judge.fields import KEEP_COLUMNS
+    from replay_lib.run.runner import replay_run
+    from replay_tui.export import export_field
+    from replay_tui.model import build_model
+
+    path = write_synthetic(tmp_path / "b", samples=64, tokens=9000, seed=5, vary_lengths=True)
+    bundles = open_bundle(path)
+    report, contexts = replay_run(bundles)
+    model = build_model(bundles, report, contexts=contexts)
+    total = int(contexts[0].lengths.sum())
+    assert total > KEEP_COLUMNS
+    out = tmp_path / "kl.csv"
+    line = export_field(model, ExportRequest(field="kl", sample_id=None, whole_stage=True), str(out))
+    assert line.startswith(f"wrote {total} row(s) of kl (stage)")
+    result = model.shards[0].results["kl"]
+    assert "_columns" not in result.__dict__ and "expected" not in result.__dict__
+    rows = list(csv.reader(out.read_text().splitlines()))
+    assert len(rows) == total + 1 and rows[1][1:3] == ["s-0", "0"] and rows[-1][2] == str(int(contexts[0].lengths[-1]) - 1)
