@@ -23,7 +23,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, TextIO
+from typing import Callable, Iterable, Iterator, Optional, TextIO
 
 import torch
 
@@ -197,9 +197,31 @@ def _umask() -> int:
     return mask
 
 
-def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overwrite: bool = False) -> str:
+class ExportCancelled(Exception):
+    """The export was cancelled between two blocks: the partial file was removed, nothing else written."""
+
+
+def _watched(blocks: Iterable[list[list]], progress: Optional[Callable[[int], None]],
+             cancelled: Optional[Callable[[], bool]]) -> Iterator[list[list]]:
+    """``blocks``, with ``cancelled()`` asked before each (:class:`ExportCancelled` when true) and ``progress(rows)``
+    told the rows written once each has been taken."""
+    done = 0
+    for block in blocks:
+        if cancelled is not None and cancelled():
+            raise ExportCancelled()
+        yield block
+        done += len(block)
+        if progress is not None:
+            progress(done)
+
+
+def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overwrite: bool = False,
+                 progress: Optional[Callable[[int], None]] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> str:
     """Write the export to ``path``; returns the one-line result to show. Raises ``FileExistsError`` when
-    ``path`` exists and ``overwrite`` is False (nothing is written), ``OSError`` when it cannot be written."""
+    ``path`` exists and ``overwrite`` is False (nothing is written), ``OSError`` when it cannot be written,
+    :class:`ExportCancelled` when ``cancelled()`` turned true between two blocks (the partial file removed).
+    ``progress(rows)``: the rows written so far, after each block (the dialog runs this on a worker thread)."""
     target = Path(path).expanduser()
     if target.is_dir():  # never offered for overwriting: no file can replace it
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
@@ -212,7 +234,8 @@ def export_field(model: ReplayModel, request: ExportRequest, path: str, *, overw
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 → the mode open() gives a new file
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            count = write_rows(f, str(target), request.field, stage, request.scope, blocks)
+            count = write_rows(f, str(target), request.field, stage, request.scope,
+                               _watched(blocks, progress, cancelled))
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

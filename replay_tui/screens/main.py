@@ -478,8 +478,8 @@ class DebuggerScreen(Screen, inherit_bindings=False):
         request = ExportRequest(field=view.diff.field, sample_id=view.diff.sample_id,
                                 whole_stage=event.whole_stage or view.diff.kind != KIND_TOKEN)
 
-        def write(path: str, overwrite: bool) -> str:
-            return export_field(self.model, request, path, overwrite=overwrite)
+        def write(path: str, overwrite: bool, **watch) -> str:  # (on the dialog's worker thread)
+            return export_field(self.model, request, path, overwrite=overwrite, **watch)
 
         self.app.push_screen(ExportScreen(request, default_export_path(request, self.bundle_name), write),
                              lambda message: self.say(message, timeout=4) if message else None)

@@ -27,6 +27,13 @@ async def ready(pilot) -> None:
 async def submit(pilot, path) -> None:
     pilot.app.screen.query_one(Input).value = str(path)
     await pilot.press("enter")
+    await written(pilot)
+
+
+async def written(pilot) -> None:
+    """The dialog's write (a worker thread) done and its outcome shown."""
+    await pilot.pause()
+    await pilot.app.workers.wait_for_complete()
     await pilot.pause()
 
 
@@ -65,7 +72,7 @@ async def test_the_default_path_is_absolute_and_the_file_0644(make_app, home, tm
             path = app.screen.query_one(Input).value
             assert path == f"{home}/trajectory-replay/exports/kl-bug-kl-s-5.csv"
             await pilot.press("enter")
-            await pilot.pause()
+            await written(pilot)
             assert app.screen is app.debugger
     finally:
         os.umask(old)
@@ -132,7 +139,7 @@ async def test_an_existing_file_is_kept_until_enter_is_pressed_again(make_app, t
         await submit(pilot, out)
         assert out.read_text() == "mine\n" and isinstance(app.screen, ExportScreen)
         await pilot.press("enter")  # the same path again: confirmed
-        await pilot.pause()
+        await written(pilot)
         assert app.screen is app.debugger and out.read_text().startswith(",".join(COLUMNS))
 
 
@@ -301,3 +308,52 @@ def test_a_large_field_s_export_never_builds_its_whole_step_columns(tmp_path):
     assert "_columns" not in result.__dict__ and "expected" not in result.__dict__
     rows = list(csv.reader(out.read_text().splitlines()))
     assert len(rows) == total + 1 and rows[1][1:3] == ["s-0", "0"] and rows[-1][2] == str(int(contexts[0].lengths[-1]) - 1)
+
+
+async def test_a_long_export_runs_beside_the_dialog_and_escape_cancels_it(make_app, tmp_path, monkeypatch):
+    """The write runs on a worker thread: the dialog stays responsive, says how many rows are written, and escape
+    stops the write before its next block — the partial file removed, the cancellation said. The same path then
+    writes in full."""
+    import threading
+    import time
+
+    from replay_tui import export as export_mod
+
+    monkeypatch.setattr(export_mod, "EXPORT_BLOCK", 16)  # one sample a block: 8 blocks
+    permits = threading.Semaphore(0)  # each block waits for one
+    rows_of = export_mod._rows
+
+    def slow(*args, **kw):
+        assert permits.acquire(timeout=10)
+        return rows_of(*args, **kw)
+
+    monkeypatch.setattr(export_mod, "_rows", slow)
+    out = tmp_path / "kl.csv"
+    app = make_app("kl-bug")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("X")
+        app.screen.query_one(Input).value = str(out)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ExportScreen) and app.screen.writing == str(out)
+        permits.release()  # one block written; the worker then waits inside the next one
+        for _ in range(500):
+            if app.screen._rows:
+                break
+            time.sleep(0.01)
+        app.screen._show_rows()
+        assert error_text(app) == f"writing {out}… 16 row(s) — escape cancels"
+        await pilot.press("escape")
+        assert error_text(app) == "cancelling…"
+        for _ in range(8):
+            permits.release()
+        await written(pilot)
+        assert app.screen is app.debugger and not out.exists()
+        assert list(tmp_path.glob(".kl.csv.*")) == []  # no partial file left beside it
+        assert any(f"export cancelled: {out} not written" in str(n.message) for n in app._notifications)
+        for _ in range(8):
+            permits.release()
+        await pilot.press("X")
+        await submit(pilot, out)
+        assert app.screen is app.debugger and len(out.read_text().splitlines()) == 1 + 8 * 16
