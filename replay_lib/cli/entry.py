@@ -334,8 +334,9 @@ def end_process(code: int, quick: bool) -> None:
     ≈ 0.35 s of every process that imported torch on the 2-core bench host (`python -c "import torch"`: 1.3 s
     ending normally, 0.95 s with ``os._exit``) and nothing a read-only command needs: it wrote nothing but its
     streams, and its forked workers are reaped before it returns (``stages/split.py``). Not when Ray was imported
-    (``--executor ray``: its exit handler stops the local Ray it started) nor while a non-daemon thread lives."""
-    if quick and "ray" not in sys.modules and not any(
+    (``--executor ray``: its exit handler stops the local Ray it started), nor under coverage (it writes its data at
+    exit), nor while a non-daemon thread lives."""
+    if quick and "ray" not in sys.modules and "coverage" not in sys.modules and not any(
             t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
         for stream in (sys.stdout, sys.stderr):
             try:
