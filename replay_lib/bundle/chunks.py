@@ -107,19 +107,6 @@ def raw_chunk_bytes(raw_manifest, file: Path) -> Optional[int]:
     return size
 
 
-def check_listed(path: Path, spec: "PayloadSpec", digests: list[str]) -> None:
-    """``digests`` (each chunk's sha256, of the file whose whole sha256 was verified) against the manifest's chunk
-    list of ``spec``; the first that differs raised as a :class:`BundleError` naming the chunk, as a selected
-    replay names it."""
-    for i, (listed, got) in enumerate(zip(spec.chunks.sha256, digests)):
-        if listed != got:
-            lo = i * spec.chunks.bytes
-            hi = min(lo + spec.chunks.bytes, spec.bytes)
-            raise BundleError(f"{path}: chunk {i} (bytes {lo}–{hi}): sha256 mismatch (manifest $.payloads."
-                              f"{spec.name}.chunks.sha256[{i}] {listed[:12]}…, file {got[:12]}…)")
-    if len(digests) != len(spec.chunks.sha256):  # (structure_error checked the count against the size first)
-        raise BundleError(f"{path}: {len(digests)} chunk(s) of {spec.chunks.bytes} bytes, the manifest lists "
-                          f"{len(spec.chunks.sha256)}")
 
 
 def chunk_count(nbytes: int, chunk: int) -> int:
@@ -236,15 +223,25 @@ class ChunkGuard:
                         break
                     digest.update(block)
                     at += len(block)
-                got = digest.hexdigest()
-                if got != self.expected[i]:
-                    raise BundleError(
-                        f"{self.path}: chunk {i} (bytes {lo}–{hi}): sha256 mismatch (manifest $.payloads."
-                        f"{self.spec.name}.chunks.sha256[{i}] {self.expected[i][:12]}…, file {got[:12]}…)"
-                    )
-                self.verified.add(i)
+                self._judge(i, digest.hexdigest())
         finally:
             os.close(fd)
+
+    def check_digests(self, digests: list[str]) -> None:
+        """Every chunk's sha256 computed elsewhere (in the read that hashed the whole file, ``verify_chunks``; as
+        many as the list holds) against the list."""
+        for i, got in enumerate(digests):
+            self._judge(i, got)
+
+    def _judge(self, i: int, got: str) -> None:
+        """Chunk ``i``'s sha256 against its listed one: verified, or the one-line refusal naming it."""
+        if got != self.expected[i]:
+            lo = i * self.chunk
+            raise BundleError(
+                f"{self.path}: chunk {i} (bytes {lo}–{min(lo + self.chunk, self.spec.bytes)}): sha256 mismatch "
+                f"(manifest $.payloads.{self.spec.name}.chunks.sha256[{i}] {self.expected[i][:12]}…, file {got[:12]}…)"
+            )
+        self.verified.add(i)
         if len(self.verified) == len(self.expected):
             self.complete = True  # every chunk: the file is as the manifest lists it
 

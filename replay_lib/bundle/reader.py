@@ -133,12 +133,12 @@ class _Digests:
         try:
             for file in files:
                 try:
-                    digest = None if self._stop.is_set() else _hash_regular(file, self._stop,
-                                                                            self._chunk_sizes.get(file))
-                    if isinstance(digest, tuple):
-                        digest, self._parts[file] = digest
+                    digest, parts = (None, None) if self._stop.is_set() else \
+                        _hash_payload(file, self._stop, self._chunk_sizes.get(file))
                     if digest is not None:
                         self._files[file] = digest
+                        if parts is not None:
+                            self._parts[file] = parts
                 except Exception:
                     pass  # the reader's own checks name the problem
                 finally:
@@ -207,17 +207,19 @@ class _Digests:
         return files
 
 
-def _hash_regular(path: Path, stop: threading.Event, chunk: Optional[int]):
-    """:func:`_sha256_regular`, or with ``chunk`` ``(sha256, [each chunk's sha256])`` in the same read
-    (``chunks.hash_stream``); ``None`` as it returns it."""
+def _hash_payload(path: Path, stop: threading.Event,
+                  chunk: Optional[int] = None) -> tuple[Optional[str], Optional[list[str]]]:
+    """``(sha256, None)`` of the payload file (:func:`_sha256_regular`); with ``chunk`` (``verify_chunks``),
+    ``(sha256, [each chunk's sha256])`` from the same read (``chunks.hash_stream``). ``(None, None)`` where
+    :func:`_sha256_regular` gives ``None``."""
     if chunk is None:
-        return _sha256_regular(path, stop)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        return _sha256_regular(path, stop), None
+    fd = _regular_descriptor(path)
+    if fd is None:
+        return None, None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         with open(fd, "rb", buffering=0, closefd=False) as fh:
-            return chunks.hash_stream(fh, chunk, stop)
+            return chunks.hash_stream(fh, chunk, stop) or (None, None)
     finally:
         os.close(fd)
 
@@ -225,6 +227,13 @@ def _hash_regular(path: Path, stop: threading.Event, chunk: Optional[int]):
 def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
     """:func:`sha256_file` of a regular file that is not a link, checked on the open descriptor (a file
     swapped for a FIFO or a link after the directory scan is not read: ``None``)."""
+    fd = _regular_descriptor(path)
+    return None if fd is None else _sha256_descriptor(fd, stop)
+
+
+def _regular_descriptor(path: Path) -> Optional[int]:
+    """A descriptor of ``path`` opened without following a link or blocking, ``None`` (closed) unless it is a
+    regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         regular = stat.S_ISREG(os.fstat(fd).st_mode)
@@ -234,7 +243,7 @@ def _sha256_regular(path: Path, stop: threading.Event) -> Optional[str]:
     if not regular:
         os.close(fd)
         return None
-    return _sha256_descriptor(fd, stop)
+    return fd
 
 
 def _sha256_payload(path: Path) -> str:
@@ -564,9 +573,9 @@ class BundleReader:
             if ahead:
                 for file, (spec, attempt, _) in self._loaded.items():
                     try:
-                        digest = _hash_regular(file, digests.stop, chunk_sizes.get(file))
-                        if isinstance(digest, tuple):
-                            digest, self._parts_ahead[file] = digest
+                        digest, parts = _hash_payload(file, digests.stop, chunk_sizes.get(file))
+                        if parts is not None:
+                            self._parts_ahead[file] = parts
                     except Exception:
                         digest = None  # hashed again in its place, where its checks name what is wrong
                     self._loaded[file] = (spec, attempt, digest)
@@ -901,10 +910,11 @@ class BundleReader:
                           parts: Optional[list[str]]) -> None:
         """``verify_chunks``: the payload's chunk list against its chunks' digests (hashed with the whole file, or
         here when they were not: a file the thread did not hash)."""
+        guard = chunks.ChunkGuard(file, spec, sentinel_sha256, sentinel_name)
         if parts is None or len(parts) != len(spec.chunks.sha256):
-            chunks.ChunkGuard(file, spec, sentinel_sha256, sentinel_name).verify_all()
+            guard.verify_all()
         else:
-            chunks.check_listed(file, spec, parts)
+            guard.check_digests(parts)
 
     def _read_masks(self) -> None:
         """The samples' masks (packed.py): from the verified payload ``loss_mask`` of a 1.3 bundle that has one,
