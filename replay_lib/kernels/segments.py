@@ -87,10 +87,17 @@ def token_chunk_spans(lengths: torch.Tensor, chunk: int = LOSS_CHUNK, start: int
         marks.index_add_(0, starts[first + 1:last + 1] - start, torch.ones(last - first, dtype=torch.int64))
         return marks.cumsum_(0).add_(first)
 
+    for lo, hi in grid(start, stop, chunk):
+        yield lo, hi, _Once(segments, lo, hi)
+
+
+def grid(start: int, stop: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` cut on the token axis's grid of ``chunk``: each piece ends at a multiple of ``chunk`` or at
+    ``stop``, so a range cut anywhere on the grid gives the pieces the whole axis gives there."""
     lo = start
     while lo < stop:
         hi = min((lo // chunk + 1) * chunk, stop)
-        yield lo, hi, _Once(segments, lo, hi)
+        yield lo, hi
         lo = hi
 
 

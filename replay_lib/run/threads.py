@@ -54,7 +54,7 @@ _single_pass = False
 _lock = threading.Lock()
 _depth = 0
 _saved = 0
-_window: "Optional[CpuWindow]" = None  # opened by the outermost replay_threads()
+_window: "Optional[CpuWindow]" = None  # opened by cpu_window() or the outermost replay_threads(); closed by the latter
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from ..judge.error_model import Precision, Rules, bundle_tolerance, coarse_paylo
 from ..judge.fields import (KEEP_COLUMNS, PER_SAMPLE, PER_TOKEN, RELEASE_ROWS, Column, FieldResult, ReasonFn,
                             SampleRuns, stage_report)
 from ..kernels import LOSS_CHUNK, segment_ids, segment_offsets
-from ..kernels.segments import token_chunk_spans
+from ..kernels.segments import grid, token_chunk_spans
 from ..judge.report import Hazard, StageReport
 from ..bundle.schema import RecomputeConfig, SampleRecord, StageId
 
@@ -52,7 +52,7 @@ class StageContext:
     # before they were added to it (None: the hazard is theirs alone) — :meth:`_coarse_output`.
     _coarse_outputs: dict[str, dict] = field(default_factory=dict)
     _coarse_inputs: dict[str, Optional[str]] = field(default_factory=dict)
-    # How many Python threads a large pass may be split over (``run.threads.pass_threads``, set by the runner).
+    # How many workers a large pass may be split over (``run.threads.pass_threads``, set by the runner; stages/split.py).
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -105,11 +105,8 @@ class StageContext:
                     done = hi
             return
         seg = self.seg
-        lo = start
-        while lo < stop:
-            hi = min((lo // chunk + 1) * chunk, stop)
+        for lo, hi in grid(start, stop, chunk):
             yield lo, hi, (lambda lo=lo, hi=hi: seg[lo:hi])
-            lo = hi
 
     def release(self, lo: int, hi: int) -> None:
         """Rows ``[lo, hi)`` of the token axis are done with: their pages of the memory-mapped payloads leave the

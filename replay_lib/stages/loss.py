@@ -17,7 +17,7 @@ from ..judge.error_model import (C_NEAR_CLIP, PG_KL_COND, SEQ32_SUMS, STORAGE_HA
                            sample_exponent_condition)
 from ..judge.fields import PER_SCALAR, PER_TOKEN
 from ..kernels import LOSS_CHUNK, GrpoReturns
-from ..kernels.segments import ChunkSums
+from ..kernels.segments import ChunkSums, grid
 from ..kernels.loss import (AGG_COUNTS, POLICY_FIELDS, LossKnobs, agg_weights, field_aggregation, has_clip_lower,
                             policy_fields_for, policy_fields_from_sums, policy_loss_fields, policy_token_terms,
                             sample_log_terms, wants_sample_pass)
@@ -231,7 +231,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     zeros_of = shared_zeros if len(blocks) > 1 else torch.zeros
     out = zeros_of((len(names), n), dtype=torch.float64)
     counts = zeros_of((len(counted), n), dtype=torch.float64)
-    step = PASS_CHUNK if int(li.mask.numel()) >= LARGE_PASS else LOSS_CHUNK
+    step = PASS_CHUNK if total >= LARGE_PASS else LOSS_CHUNK
     # every sum of the signed rows taken in token order in float32, a chunk's runs at a time (SequentialSums32)
     seq32 = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step)
     zeros = torch.zeros(0, dtype=torch.float64)
@@ -239,7 +239,7 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     # a chunk at a time even on a short token axis: two dozen chunk-long float64 temporaries stay in cache and
     # in the allocator's free lists, where full-length ones would be fresh pages on every replay; the summed rows
     # of every chunk are a view of one buffer (the mask's row is the float64 mask the chunk's terms take)
-    chunk_rows = torch.empty((len(names), min(step, max(int(li.mask.numel()), 1))), dtype=torch.float64)
+    chunk_rows = torch.empty((len(names), min(step, max(total, 1))), dtype=torch.float64)
     sums = ChunkSums(ctx.lengths, ctx.offsets)
     # the sample of each token: for a plain PPO surrogate only where a chunk has a hit to count (ctx.token_spans),
     # for every chunk where a knob reads per-sample values
@@ -378,11 +378,8 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
             # every row at once: the float64 rows' per-sample sums, a LOSS_CHUNK of tokens at a time (the same runs, so
             # the same pairwise sums, at any PASS_CHUNK), and seq32's in token order in float32
             # (on the LOSS_CHUNK grid of the token axis, wherever the chunk starts: the same runs in any split)
-            a = lo
-            while a < hi:
-                b = min((a // LOSS_CHUNK + 1) * LOSS_CHUNK, hi)
+            for a, b in grid(lo, hi, LOSS_CHUNK):
                 sums.add(out, a, b, buf[:, a - lo:b - lo])
-                a = b
             seq32.add(lo, hi, signed)
 
     if len(blocks) < 2:
@@ -390,18 +387,20 @@ def _loss_sums(ctx: StageContext, li: LossInputs) -> dict[str, torch.Tensor]:
     else:  # blocks of whole samples taken by two workers (split.py): their columns of the sums are disjoint
         other = SequentialSums32(ctx.lengths, ctx.offsets, n_signed, step, shared=True)
 
-        def redo(lo: int, hi: int) -> None:  # a block a forked worker left unfinished: its columns cleared first
+        def columns(lo: int, hi: int) -> slice:  # the samples of the block of tokens [lo, hi)
             a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
-            out[:, a:b] = 0.0
-            counts[:, a:b] = 0.0
+            return slice(a, b)
+
+        def redo(lo: int, hi: int) -> None:  # a block a forked worker left unfinished: its columns cleared first
+            out[:, columns(lo, hi)] = 0.0
+            counts[:, columns(lo, hi)] = 0.0
             token_pass(lo, hi, chunk_rows, seq32)
 
         taken = split_pass(blocks, lambda lo, hi: token_pass(lo, hi, chunk_rows, seq32),
                            lambda lo, hi: token_pass(lo, hi, torch.empty_like(chunk_rows), other),
                            ctx.reader.wait_hashed, redo)
-        for lo, hi in taken:  # the float32 sums of the samples the other thread summed
-            a, b = (int(i) for i in torch.searchsorted(ctx.offsets, torch.tensor([lo, hi])))
-            seq32.totals[:, a:b] = other.totals[:, a:b]
+        for lo, hi in taken:  # the float32 sums of the samples the other worker summed
+            seq32.totals[:, columns(lo, hi)] = other.totals[:, columns(lo, hi)]
     if draw is not None:
         ctx.outputs[DRAW_OUTPUT] = draw
     totals = {**dict(zip(names, out)), **dict(zip(counted, counts))}
