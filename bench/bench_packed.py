@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import FLOOR_CODE, cli_cmd, measure, report, workdir  # noqa: E402
+from harness import FLOOR_CODE, QUICK_TORCH_CODE, cli_cmd, measure, report, workdir  # noqa: E402
 
 BUILD = (
     "import sys\n"
@@ -65,7 +65,7 @@ def without_chunk_lists(src: Path, dst: Path) -> Path:
 
 
 # A process that imports torch and ends as the read-only commands end (os._exit): the least any replay costs.
-TORCH_IMPORT = [sys.executable, "-c", "import os, torch\nos._exit(0)"]
+TORCH_IMPORT = [sys.executable, "-c", QUICK_TORCH_CODE]
 
 
 def commands(path: Path, sample: str) -> dict[str, list[str]]:

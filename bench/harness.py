@@ -31,6 +31,8 @@ FLOOR_CODE = (
 )
 # The floor ending as the read-only commands end (replay_lib.cli.end_process: os._exit, no interpreter teardown).
 QUICK_FLOOR_CODE = FLOOR_CODE + "import os\nos._exit(0)\n"
+# A process that imports torch and ends so: the least any replay process costs.
+QUICK_TORCH_CODE = TORCH_CODE + "import os\nos._exit(0)\n"
 
 
 def bundle_args(description: str, argv=None) -> argparse.Namespace:

@@ -22,6 +22,7 @@ from replay_lib.judge.report import report_to_json
 from replay_lib.run.runner import replay_run
 from replay_lib.stages import loss as loss_mod
 from replay_lib.stages import split as split_mod
+from test_loss_pass_speed import _bits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked worker is Linux-only")
 
@@ -75,10 +76,6 @@ except ChildProcessError:
 print(json.dumps({"report": report_to_json(report), "forks": len(forks), "taken": len(taken),
                   "children_left": children}))
 """
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({torch.float64: torch.int64, torch.float32: torch.int32}[t.dtype])
 
 
 def test_a_forked_worker_gives_the_bits_and_the_report_of_one_pass(tmp_path, monkeypatch):

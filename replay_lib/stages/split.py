@@ -152,7 +152,14 @@ def _forked(blocks: list[Block], mine: PassFn, others: PassFn, wait_hashed: Call
         raise ValueError(f"{len(blocks)} blocks: at most 255 can be handed to a forked worker")
     k = 0
     worker: Optional[_Worker] = None
-    slowest = 0.0
+    slowest = 0.0  # seconds: this process's slowest block, which bounds the wait for the child's last
+
+    def sum_here(i: int) -> None:
+        nonlocal slowest
+        started = time.perf_counter()
+        mine(*blocks[i])
+        slowest = max(slowest, time.perf_counter() - started)
+
     try:
         while k < len(blocks):
             if len(blocks) - k >= 2 and wait_hashed(0):
@@ -161,16 +168,12 @@ def _forked(blocks: list[Block], mine: PassFn, others: PassFn, wait_hashed: Call
                 worker = _Worker.start(blocks, k, others)
                 if worker is not None:
                     break
-            started = time.perf_counter()
-            mine(*blocks[k])
-            slowest = max(slowest, time.perf_counter() - started)
+            sum_here(k)
             k += 1
         if worker is None:
             return []
         while (i := worker.take()) is not None:
-            started = time.perf_counter()
-            mine(*blocks[i])
-            slowest = max(slowest, time.perf_counter() - started)
+            sum_here(i)
         done = worker.finish(WORKER_GRACE + 10 * slowest)
         for i in sorted(worker.given - worker.mine - done):  # the child's blocks it did not finish: redone here
             redo(*blocks[i])
